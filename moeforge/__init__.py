@@ -1,0 +1,90 @@
+"""moeforge: Mixture-of-Experts forward passes assembled from typed, build-time-checked stages."""
+
+from moeforge.backend import Backend
+from moeforge.dispatch_dtype import (
+    ENV_VAR,
+    DeviceDispatchSupport,
+    DispatchDecision,
+    DispatchDtype,
+    DispatchRule,
+    resolve_dispatch_dtype,
+)
+from moeforge.errors import (
+    BackendUnavailableError,
+    ContractError,
+    DispatchDtypeError,
+    InputError,
+    MoEForgeError,
+    PayloadError,
+)
+from moeforge.layer import MoELayer
+from moeforge.payloads import (
+    Activations,
+    ExpertRows,
+    MoEInput,
+    MoEOutput,
+    PaddedPlan,
+    PaddedRows,
+    RoutedTokens,
+    SortedPlan,
+    SortedRows,
+    TopKOutput,
+)
+from moeforge.pipeline import Chain, Pipeline, chain
+from moeforge.quant import QuantMethod, UnquantizedMethod
+from moeforge.shared_experts import SharedExperts, SharedExpertsConfig, SharedGate
+from moeforge.spec import (
+    Accepts,
+    DType,
+    ExpertIds,
+    GroupListType,
+    Layout,
+    PayloadKind,
+    RoutingWeights,
+    ScaleLayout,
+    ScalingFactor,
+    Spec,
+    input_spec,
+)
+from moeforge.stage import Mismatch, Stage, StageKind
+from moeforge.stages import (
+    Activate,
+    ActivationConfig,
+    ActivationKind,
+    Cast,
+    Combine,
+    CustomTopK,
+    GateUpLayout,
+    GemmRole,
+    GroupedGemm,
+    GroupScore,
+    Overflow,
+    PaddedDispatch,
+    PerGroupQuantizer,
+    PerTokenQuantizer,
+    QuantizeRows,
+    QuantizeTokens,
+    RoutingConfig,
+    ScoreOrder,
+    Scoring,
+    SortedDispatch,
+    TopK,
+)
+from moeforge.tensor_ref import ParamRef
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accepts", "Activate", "ActivationConfig", "ActivationKind", "Activations", "Backend",
+    "BackendUnavailableError", "Cast", "Chain", "Combine", "ContractError", "CustomTopK",
+    "DType", "DeviceDispatchSupport", "DispatchDecision", "DispatchDtype", "DispatchDtypeError",
+    "DispatchRule", "ENV_VAR", "ExpertIds", "ExpertRows", "GateUpLayout", "GemmRole", "GroupListType",
+    "GroupScore", "GroupedGemm", "InputError", "Layout", "Mismatch", "MoEForgeError", "MoEInput",
+    "MoELayer", "MoEOutput", "Overflow", "PaddedDispatch", "PaddedPlan", "PaddedRows", "ParamRef",
+    "PayloadError", "PayloadKind", "PerGroupQuantizer", "PerTokenQuantizer", "Pipeline",
+    "QuantMethod", "QuantizeRows", "QuantizeTokens", "RoutedTokens", "RoutingConfig",
+    "RoutingWeights", "ScaleLayout", "ScalingFactor", "ScoreOrder", "Scoring", "SharedExperts",
+    "SharedExpertsConfig", "SharedGate", "SortedDispatch", "SortedPlan", "SortedRows", "Spec",
+    "Stage", "StageKind", "TopK", "TopKOutput", "UnquantizedMethod", "chain", "input_spec",
+    "resolve_dispatch_dtype",
+]

@@ -1,0 +1,68 @@
+"""The library's exceptions. Each one says what was wrong and what to do about it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MoEForgeError(Exception):
+    """Base class of every error moeforge raises on purpose."""
+
+
+class ContractError(MoEForgeError):
+    """Two neighbouring stages disagree about the format that crosses their boundary.
+
+    Raised when a pipeline is *built*, before any tensor exists. The attributes let tests and tools
+    inspect the mismatch without parsing the message.
+    """
+
+    def __init__(
+        self,
+        *,
+        producer: str,
+        consumer: str,
+        field: str,
+        have: Any,
+        want: Any,
+        hint: str,
+    ) -> None:
+        self.producer = producer
+        self.consumer = consumer
+        self.field = field
+        self.have = have
+        self.want = want
+        self.hint = hint
+        super().__init__(
+            f"{producer} -> {consumer}: field '{field}' does not match.\n"
+            f"  {producer} produces: {_show(have)}\n"
+            f"  {consumer} accepts:  {_show(want)}\n"
+            f"  hint: {hint}"
+        )
+
+
+class PayloadError(MoEForgeError):
+    """A payload does not match the spec its stage declared (raised in debug mode)."""
+
+
+class InputError(MoEForgeError, ValueError):
+    """A user-supplied argument has the wrong shape, dtype, device or value.
+
+    Subclasses ``ValueError`` so that callers who catch the generic error keep working.
+    """
+
+
+class DispatchDtypeError(MoEForgeError, ValueError):
+    """A dispatch dtype was asked for that this device or these experts cannot carry."""
+
+
+class BackendUnavailableError(MoEForgeError, RuntimeError):
+    """The requested backend cannot run here (missing package, wrong device, not built)."""
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_show(v) for v in value)) + "}"
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and hasattr(value, "value"):
+        return name.lower()
+    return str(value)

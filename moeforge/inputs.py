@@ -1,0 +1,62 @@
+"""Checks of user-supplied forward arguments: clear errors instead of silent wrong answers.
+
+Shape, dtype and device checks read only tensor metadata (no host sync) and always run; the
+non-finite check reads values and runs only in debug mode.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moeforge.errors import InputError
+
+FLOAT_TYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_hidden_states(x: object, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in (2, 3) or x.shape[-1] != hidden_size:
+        raise InputError(
+            f"hidden_states must be [tokens, {hidden_size}] or [batch, seq, {hidden_size}], "
+            f"got shape {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise InputError(f"hidden_states must have the layer's dtype {dtype}, got {x.dtype}")
+    if x.device != device:
+        raise InputError(f"hidden_states must be on the layer's device {device}, got {x.device}")
+    return x
+
+
+def check_router_logits(
+    logits: object, tokens: int, num_experts: int, device: torch.device, debug: bool
+) -> torch.Tensor:
+    if not isinstance(logits, torch.Tensor):
+        raise InputError(f"router_logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.shape[-1] != num_experts or logits.numel() != tokens * num_experts:
+        raise InputError(
+            f"router_logits must be [{tokens}, {num_experts}] (tokens x experts), got shape "
+            f"{tuple(logits.shape)}")
+    if logits.dtype not in FLOAT_TYPES:
+        raise InputError(f"router_logits must be bf16, fp16 or fp32, got {logits.dtype}")
+    if logits.device != device:
+        raise InputError(f"router_logits must be on the layer's device {device}, got {logits.device}")
+    if debug and not bool(torch.isfinite(logits).all()):
+        bad = int((~torch.isfinite(logits)).sum())
+        raise InputError(f"router_logits contain {bad} non-finite values (NaN or inf)")
+    return logits.reshape(tokens, num_experts)
+
+
+def check_topk_ids(ids: torch.Tensor, num_experts: int) -> None:
+    """For user-supplied routing: every expert id must lie in ``[0, num_experts)`` (reads values)."""
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= num_experts:
+            raise InputError(f"expert ids must be in [0, {num_experts}), got values in [{low}, {high}]")
+
+
+def first_device(module: torch.nn.Module) -> Optional[torch.device]:
+    for param in module.parameters():
+        return param.device
+    return None

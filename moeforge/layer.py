@@ -1,0 +1,206 @@
+"""``MoELayer``: a ``torch.nn.Module`` that owns the weights and runs a validated pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from moeforge.backend import Backend, resolve_backend
+from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
+from moeforge.errors import InputError
+from moeforge.inputs import check_hidden_states, check_router_logits
+from moeforge.payloads import ExpertRows, MoEInput, MoEOutput, RoutedTokens
+from moeforge.pipeline import Pipeline
+from moeforge.quant.base import QuantMethod
+from moeforge.quant.unquantized import UnquantizedMethod
+from moeforge.shared_experts import SharedExperts, SharedExpertsConfig
+from moeforge.spec import DType, RoutingWeights, input_spec
+from moeforge.stage import Stage
+from moeforge.stages.activation import ActivationConfig
+from moeforge.stages.combine import Combine
+from moeforge.stages.dispatch import PaddedDispatch, SortedDispatch
+from moeforge.stages.topk import RoutingConfig, TopK
+from moeforge.tensor_ref import ParamRef
+
+DispatcherChoice = Union[str, Stage[RoutedTokens, ExpertRows]]
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts layer whose forward is a validated :class:`~moeforge.Pipeline`.
+
+    Args:
+        num_experts, top_k, hidden_size, intermediate_size: the layer's sizes (``intermediate_size``
+            is one expert's width I; gated activations use ``2 * I`` gate/up rows).
+        routing: the routing math (:class:`~moeforge.RoutingConfig`), including where the routing
+            weights are applied and the routed scaling factor.
+        activation: the expert activation (:class:`~moeforge.ActivationConfig`).
+        quant: the quant method that owns the expert weights (default: unquantized).
+        dispatcher: ``"sorted"`` (expert-sorted rows), ``"padded"`` (``[E, capacity, H]``) or a
+            dispatch stage instance.
+        dispatch_dtype: ``"auto"`` or a :class:`~moeforge.DispatchDtype` / name; resolved once by
+            :func:`~moeforge.resolve_dispatch_dtype` (see ``describe()`` for the deciding rule).
+        shared_experts: a :class:`~moeforge.SharedExpertsConfig`, or ``None``.
+        expert_bias: whether the experts' two GEMMs have biases (GPT-OSS).
+        router: whether the layer owns the router linear; without it, ``forward`` needs
+            ``router_logits``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        dtype, device: of the parameters and of the activations the layer takes.
+        debug: check every payload against its spec and reject non-finite router logits.
+        environ: where the process default ``MOEFORGE_DISPATCH_DTYPE`` is read (default
+            ``os.environ``; only read, never written).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        routing: RoutingConfig = RoutingConfig(),
+        activation: ActivationConfig = ActivationConfig(),
+        quant: Optional[QuantMethod] = None,
+        dispatcher: DispatcherChoice = "sorted",
+        dispatch_dtype: Union[DispatchDtype, str] = "auto",
+        shared_experts: Optional[SharedExpertsConfig] = None,
+        expert_bias: bool = False,
+        router: bool = True,
+        backend: Union[Backend, str] = "auto",
+        dtype: torch.dtype = torch.bfloat16,
+        device: Union[torch.device, str, None] = None,
+        debug: bool = False,
+        environ: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("num_experts", num_experts), ("top_k", top_k),
+                            ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be a positive int, got {value!r}")
+        if top_k > num_experts:
+            raise InputError(f"top_k={top_k} exceeds num_experts={num_experts}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InputError(f"dtype must be bf16, fp16 or fp32, got {dtype}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.routing = routing
+        self.activation = activation
+        self.quant = quant if quant is not None else UnquantizedMethod()
+        self.dispatcher = dispatcher
+        self.dispatch_dtype_setting = dispatch_dtype
+        self.dtype = dtype
+        self.debug = debug
+        self._environ = environ
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.backend = resolve_backend(backend, device)
+
+        self.router: Optional[nn.Linear] = None
+        if router:
+            self.router = nn.Linear(hidden_size, num_experts, bias=routing.router_bias, dtype=dtype,
+                                    device=device)
+        if routing.selection_bias:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(num_experts, dtype=torch.float32, device=device))
+        self.quant.create_weights(self, num_experts=num_experts, hidden_size=hidden_size,
+                                  intermediate_size=intermediate_size, gated=activation.gated,
+                                  bias=expert_bias, dtype=dtype, device=device)
+        self.shared_experts: Optional[SharedExperts] = None
+        if shared_experts is not None:
+            self.shared_experts = SharedExperts(hidden_size, shared_experts, dtype=dtype, device=device)
+        self.dispatch_decision: DispatchDecision
+        self.pipeline: Pipeline[MoEInput, MoEOutput]
+        self.rebuild_pipeline()
+
+    # -- building ---------------------------------------------------------------------------------
+
+    def rebuild_pipeline(self) -> None:
+        """Resolve the dispatch dtype and build + validate the pipeline from the current settings."""
+        compute = DType.from_torch(self.dtype)
+        self.dispatch_decision = resolve_dispatch_dtype(
+            self.dispatch_dtype_setting,
+            experts_accept=self.quant.accepts,
+            activation_dtype=self.dtype,
+            quant_requires=self.quant.required_dispatch_dtype(),
+            device=self._device(),
+            environ=self._environ,
+            experts_name=f"experts ({self.quant.name})",
+        )
+        routing = self.routing
+        selection_bias = ParamRef(self, "e_score_correction_bias") if routing.selection_bias else None
+        stages: list[Stage[Any, Any]] = [TopK(self.num_experts, self.top_k, routing, selection_bias)]
+        quantize = self.quant.quantize_stage(self.dispatch_decision.dtype, compute)
+        if quantize is not None:
+            stages.append(quantize)
+        stages.append(self._dispatch_stage())
+        stages += self.quant.expert_stages(
+            self, activation=self.activation,
+            routing_weights_in_epilogue=routing.apply_weights is RoutingWeights.IN_GEMM_EPILOGUE)
+        folded = routing.scaling_in_weights or routing.routed_scaling_factor == 1.0
+        stages.append(Combine(
+            apply_routing_weights=routing.apply_weights is RoutingWeights.IN_COMBINE,
+            routed_scaling_factor=None if folded else routing.routed_scaling_factor,
+            out_dtype=compute,
+        ))
+        spec = input_spec(self.hidden_size, self.dtype, self.num_experts)
+        notes = [self.dispatch_decision.explain(), f"backend {self.backend.value}"]
+        self.pipeline = Pipeline(stages, spec, debug=self.debug, notes=notes)
+
+    def _dispatch_stage(self) -> Stage[RoutedTokens, ExpertRows]:
+        on_input = self.routing.apply_weights is RoutingWeights.ON_INPUT
+        if isinstance(self.dispatcher, Stage):
+            return self.dispatcher
+        if self.dispatcher == "sorted":
+            return SortedDispatch(self.num_experts, apply_routing_weights=on_input)
+        if self.dispatcher == "padded":
+            return PaddedDispatch(self.num_experts, apply_routing_weights=on_input)
+        raise InputError(f"dispatcher must be 'sorted', 'padded' or a dispatch Stage, got {self.dispatcher!r}")
+
+    def replace_stage(self, which: Union[int, str], stage: Stage[Any, Any]) -> None:
+        """Swap one stage of this layer's pipeline (validated again) — e.g. a custom activation."""
+        self.pipeline = self.pipeline.replace(which, stage)
+
+    def process_weights_after_loading(self) -> None:
+        """Let the quant method repack loaded weights, then rebuild the pipeline."""
+        self.quant.process_weights_after_loading(self)
+        self.rebuild_pipeline()
+
+    def describe(self) -> str:
+        return self.pipeline.describe()
+
+    def _device(self) -> torch.device:
+        for tensor in self.parameters():
+            return tensor.device
+        return torch.device("cpu")
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``hidden_states [T, H]`` or ``[B, S, H]`` -> same shape. ``router_logits`` (``[T, E]`` or
+        ``[B, S, E]``) are computed by the layer's router when not given."""
+        device = self._device()
+        check_hidden_states(hidden_states, self.hidden_size, self.dtype, device)
+        x = hidden_states.reshape(-1, self.hidden_size)
+        if router_logits is None:
+            router_logits = self.router_logits(x)
+        logits = check_router_logits(router_logits, x.shape[0], self.num_experts, device, self.debug)
+        out = self.pipeline(MoEInput(x, logits)).hidden_states
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(hidden_states.shape)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.router is None:
+            raise InputError("this layer has no router (router=False): pass router_logits to forward()")
+        if self.routing.router_in_fp32:
+            bias = self.router.bias.float() if self.router.bias is not None else None
+            return nn.functional.linear(x.float(), self.router.weight.float(), bias)
+        return self.router(x)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, quant={self.quant.name}, "
+                f"{self.dispatch_decision.explain()}")

@@ -1,0 +1,105 @@
+"""The unquantized method: bf16 / fp16 / fp32 expert weights and activations."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional, Union
+
+import torch
+
+from moeforge.errors import InputError
+from moeforge.payloads import Activations, ExpertRows
+from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
+from moeforge.stage import Stage
+from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
+from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.quant.base import QuantMethod
+from moeforge.tensor_ref import ParamRef
+
+W13, W2, B13, B2 = "w13_weight", "w2_weight", "w13_bias", "w2_bias"
+
+
+class UnquantizedMethod(QuantMethod):
+    """Expert weights ``w13_weight [E, 2I, H]`` (gate rows then up rows, or ``[E, I, H]`` when the
+    activation is not gated) and ``w2_weight [E, H, I]``; optional ``w13_bias [E, 2I]`` and
+    ``w2_bias [E, H]``. Consumes float activations only: FP8/INT8 dispatch into it is a
+    ``ContractError`` at build time."""
+
+    accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
+    accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        *,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        gated: bool,
+        bias: bool,
+        dtype: torch.dtype,
+        device: Union[torch.device, str, None],
+    ) -> None:
+        gate_up = 2 * intermediate_size if gated else intermediate_size
+        shapes = {W13: (num_experts, gate_up, hidden_size), W2: (num_experts, hidden_size, intermediate_size)}
+        for name, shape in shapes.items():
+            weight = torch.empty(shape, dtype=torch.float32, device=device).normal_(std=shape[-1] ** -0.5)
+            layer.register_parameter(name, torch.nn.Parameter(weight.to(dtype)))
+        for name, shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
+            value = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) if bias else None
+            layer.register_parameter(name, value)
+
+    def expert_stages(
+        self,
+        layer: torch.nn.Module,
+        *,
+        activation: ActivationConfig,
+        routing_weights_in_epilogue: bool,
+    ) -> list[Stage[ExpertRows, ExpertRows]]:
+        def bias(name: str) -> Optional[ParamRef]:
+            return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
+
+        common = dict(accepts_dtypes=self.accepts, accepts_scales=self.accepts_scales)
+        return [
+            GroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), bias(B13), **common),  # type: ignore[arg-type]
+            Activate(activation),
+            GroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), bias(B2),  # type: ignore[arg-type]
+                        apply_routing_weights=routing_weights_in_epilogue, **common),
+        ]
+
+    def apply_without_routing_weights(
+        self,
+        layer: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        hidden_states_scale: Optional[torch.Tensor],
+        group_list_type: Union[GroupListType, int],
+        group_list: torch.Tensor,
+        output_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        if hidden_states_scale is not None:
+            raise InputError("hidden_states_scale must be None: UnquantizedMethod takes float activations")
+        if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
+        kind = GroupListType(int(group_list_type))
+        w13, w2 = getattr(layer, W13), getattr(layer, W2)
+        b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
+        num_experts = w13.shape[0]
+        if group_list.dim() != 1 or group_list.shape[0] != num_experts:
+            raise InputError(f"group_list must be [num_experts={num_experts}], got {tuple(group_list.shape)}")
+        config: ActivationConfig = getattr(layer, "activation")
+        if hidden_states.dim() == 3:
+            if kind is not GroupListType.COUNT:
+                raise InputError("padded hidden_states [E, C, H] need group_list_type=1 (counts)")
+            hidden = grouped_gemm_padded(Activations(hidden_states), w13, b13, None, torch.float32)
+            return grouped_gemm_padded(Activations(apply_activation(hidden, config)), w2, b2, None,
+                                       output_dtype)
+        if hidden_states.dim() != 2:
+            raise InputError(f"hidden_states must be [R, H] or [E, C, H], got {tuple(hidden_states.shape)}")
+        counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
+            group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
+        if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
+            raise InputError(
+                f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "
+                f"{counts.tolist()}; hidden_states has {hidden_states.shape[0]} rows")
+        hidden = grouped_gemm_sorted(Activations(hidden_states), counts, w13, b13, None, torch.float32)
+        return grouped_gemm_sorted(Activations(apply_activation(hidden, config)), counts, w2, b2, None,
+                                   output_dtype)

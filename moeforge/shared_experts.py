@@ -1,0 +1,68 @@
+"""Shared experts: a dense MLP every token passes through, added to the routed output.
+
+Ungated (DeepSeek-V3, Llama-4) or scaled by ``sigmoid(gate(x))`` per token (Qwen2-MoE).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Union
+
+import attrs
+import torch
+from torch import nn
+
+from moeforge.stages.activation import ActivationConfig, apply_activation
+
+
+class SharedGate(enum.Enum):
+    NONE = "none"
+    SIGMOID = "sigmoid"  # output * sigmoid(x @ gate_weight.T), one scalar per token
+
+
+@attrs.frozen
+class SharedExpertsConfig:
+    """``intermediate_size`` is the shared MLP's total width (all shared experts fused into one)."""
+
+    intermediate_size: int
+    gate: SharedGate = SharedGate.NONE
+    activation: ActivationConfig = ActivationConfig()
+    bias: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.intermediate_size < 1:
+            raise ValueError(f"shared intermediate_size must be >= 1, got {self.intermediate_size}")
+
+
+class SharedExperts(nn.Module):
+    """``down_proj(act(gate_up_proj(x)))``, optionally times ``sigmoid(gate(x))``.
+
+    ``gate_up_proj.weight`` is ``[2I, H]`` (gate rows then up rows, or interleaved, as the activation
+    config says) or ``[I, H]`` for a plain activation.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        config: SharedExpertsConfig,
+        *,
+        dtype: torch.dtype,
+        device: Union[torch.device, str, None] = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        width = config.intermediate_size * (2 if config.activation.gated else 1)
+        kwargs = dict(dtype=dtype, device=device)
+        self.gate_up_proj = nn.Linear(hidden_size, width, bias=config.bias, **kwargs)  # type: ignore[arg-type]
+        self.down_proj = nn.Linear(config.intermediate_size, hidden_size, bias=config.bias,
+                                   **kwargs)  # type: ignore[arg-type]
+        self.gate: Optional[nn.Linear] = None
+        if config.gate is SharedGate.SIGMOID:
+            self.gate = nn.Linear(hidden_size, 1, bias=False, **kwargs)  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = apply_activation(self.gate_up_proj(x), self.config.activation).to(x.dtype)
+        out = self.down_proj(hidden)
+        if self.gate is not None:
+            out = out * torch.sigmoid(self.gate(x))
+        return out

@@ -1,0 +1,200 @@
+"""Specs: the build-time description of what crosses a stage boundary.
+
+A :class:`Spec` is what the contract checker compares. It describes a payload without holding a
+tensor, so a whole pipeline can be checked before the first forward call. A stage declares what it
+:class:`Accepts` (a set of allowed values per field) and how it transforms the spec it receives.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional
+
+import attrs
+import torch
+
+
+class PayloadKind(enum.Enum):
+    """What a payload is, in the order the forward produces them."""
+
+    TOKENS = "tokens"  # hidden states + router logits, token-major, nothing routed yet
+    ROUTED = "routed"  # tokens with their top-k expert ids and weights
+    DISPATCHED = "dispatched"  # rows grouped by expert, width = hidden
+    EXPERT_HIDDEN = "expert_hidden"  # after the first GEMM (2*I) or the activation (I)
+    EXPERT_OUTPUT = "expert_output"  # after the second GEMM, width = hidden
+    OUTPUT = "output"  # combined back to tokens
+
+
+class Layout(enum.Enum):
+    TOKEN_MAJOR = "token_major"  # [T, W], one row per token
+    EXPERT_SORTED = "expert_sorted"  # [R, W], rows grouped by expert + group_list
+    EXPERT_PADDED = "expert_padded"  # [E, capacity, W] + masked_m
+    BLOCK_ALIGNED = "block_aligned"  # sorted ids padded per block (Triton fused-MoE style)
+
+
+class DType(enum.Enum):
+    """Element format of an activation tensor (the scale layout is a separate field)."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+    FP8_E4M3 = "fp8_e4m3"
+    INT8 = "int8"
+    NVFP4 = "nvfp4"  # two e2m1 values per uint8, 16-element blocks with fp8 scales
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TORCH_DTYPES[self]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self in (DType.FP8_E4M3, DType.INT8, DType.NVFP4)
+
+    @classmethod
+    def from_torch(cls, dtype: torch.dtype) -> DType:
+        for member, torch_dtype in _TORCH_DTYPES.items():
+            if torch_dtype == dtype and member is not DType.NVFP4:
+                return member
+        raise ValueError(f"no moeforge DType for torch dtype {dtype}")
+
+
+_TORCH_DTYPES: dict[DType, torch.dtype] = {
+    DType.BF16: torch.bfloat16,
+    DType.FP16: torch.float16,
+    DType.FP32: torch.float32,
+    DType.FP8_E4M3: torch.float8_e4m3fn,
+    DType.INT8: torch.int8,
+    DType.NVFP4: torch.uint8,
+}
+
+FLOAT_DTYPES = frozenset({DType.BF16, DType.FP16, DType.FP32})
+
+
+class ScaleLayout(enum.Enum):
+    NONE = "none"
+    PER_TOKEN = "per_token"  # one fp32 scale per row: [R, 1]
+    PER_GROUP_128 = "per_group_128"  # one fp32 scale per 128 elements of a row: [R, W // 128]
+    PER_TENSOR = "per_tensor"  # one fp32 scale: [1]
+    NVFP4_BLOCK16 = "nvfp4_block16"  # fp8 scale per 16 elements + fp32 global scale
+
+
+class GroupListType(enum.IntEnum):
+    """How expert-sorted rows say where each expert's rows end (the grouped-matmul convention)."""
+
+    CUMSUM = 0  # group_list[e] = rows of experts 0..e
+    COUNT = 1  # group_list[e] = rows of expert e
+
+
+class RoutingWeights(enum.Enum):
+    """Where the routing weights are applied. They must be applied exactly once."""
+
+    PENDING = "pending"
+    ON_INPUT = "on_input"  # dispatched rows were scaled before the experts (Llama-4)
+    IN_GEMM_EPILOGUE = "in_gemm_epilogue"  # the second GEMM scaled its output rows
+    IN_COMBINE = "in_combine"  # the weighted sum of the combine
+
+
+class ScalingFactor(enum.Enum):
+    """Whether the routed scaling factor (DeepSeek's ``routed_scaling_factor``) is applied."""
+
+    NONE = "none"  # there is no factor (or it is 1)
+    PENDING = "pending"  # a factor exists and a later stage must apply it
+    IN_WEIGHTS = "in_weights"  # folded into the routing weights; applied with them
+    APPLIED = "applied"  # multiplied onto the output
+
+
+class ExpertIds(enum.Enum):
+    GLOBAL = "global"
+    LOCAL = "local"  # this expert-parallel rank's numbering (equal to global on one rank)
+
+
+@attrs.frozen
+class Spec:
+    """What crosses one stage boundary. Compared field by field by the contract checker."""
+
+    kind: PayloadKind
+    layout: Layout
+    dtype: DType
+    width: int
+    scale_layout: ScaleLayout = ScaleLayout.NONE
+    group_list_type: Optional[GroupListType] = None
+    routing_weights: RoutingWeights = RoutingWeights.PENDING
+    scaling_factor: ScalingFactor = ScalingFactor.NONE
+    expert_ids: ExpertIds = ExpertIds.GLOBAL
+    num_experts: Optional[int] = None  # experts in this view: global before dispatch, local after
+    top_k: Optional[int] = None
+
+    def evolve(self, **changes: Any) -> Spec:
+        return attrs.evolve(self, **changes)
+
+    def short(self) -> str:
+        """One compact line, used by ``Pipeline.describe()``."""
+        parts = [self.kind.value, self.layout.value, self.dtype.value]
+        if self.scale_layout is not ScaleLayout.NONE:
+            parts.append(f"scale={self.scale_layout.value}")
+        parts.append(f"w={self.width}")
+        if self.num_experts is not None:
+            parts.append(f"E={self.num_experts}")
+        if self.top_k is not None:
+            parts.append(f"k={self.top_k}")
+        if self.group_list_type is not None:
+            parts.append(f"group_list={self.group_list_type.name.lower()}")
+        if self.kind is not PayloadKind.TOKENS:
+            parts.append(f"rw={self.routing_weights.value}")
+        if self.scaling_factor is not ScalingFactor.NONE:
+            parts.append(f"rsf={self.scaling_factor.value}")
+        if self.kind in (PayloadKind.DISPATCHED, PayloadKind.EXPERT_HIDDEN, PayloadKind.EXPERT_OUTPUT):
+            parts.append(f"ids={self.expert_ids.value}")
+        return " ".join(parts)
+
+
+def _opt_set(value: Any) -> Optional[frozenset[Any]]:
+    if value is None:
+        return None
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return frozenset(value)
+    return frozenset({value})
+
+
+@attrs.frozen
+class Accepts:
+    """What a stage accepts: for each field, the allowed values (``None`` = anything).
+
+    Single values are wrapped into one-element sets, so ``Accepts(kind=PayloadKind.ROUTED)`` works.
+    """
+
+    kind: Optional[frozenset[PayloadKind]] = attrs.field(default=None, converter=_opt_set)
+    layout: Optional[frozenset[Layout]] = attrs.field(default=None, converter=_opt_set)
+    dtype: Optional[frozenset[DType]] = attrs.field(default=None, converter=_opt_set)
+    width: Optional[frozenset[int]] = attrs.field(default=None, converter=_opt_set)
+    scale_layout: Optional[frozenset[ScaleLayout]] = attrs.field(default=None, converter=_opt_set)
+    group_list_type: Optional[frozenset[Optional[GroupListType]]] = attrs.field(
+        default=None, converter=_opt_set
+    )
+    routing_weights: Optional[frozenset[RoutingWeights]] = attrs.field(default=None, converter=_opt_set)
+    scaling_factor: Optional[frozenset[ScalingFactor]] = attrs.field(default=None, converter=_opt_set)
+    expert_ids: Optional[frozenset[ExpertIds]] = attrs.field(default=None, converter=_opt_set)
+    num_experts: Optional[frozenset[Optional[int]]] = attrs.field(default=None, converter=_opt_set)
+    top_k: Optional[frozenset[Optional[int]]] = attrs.field(default=None, converter=_opt_set)
+
+    def mismatches(self, spec: Spec) -> list[tuple[str, Any, frozenset[Any]]]:
+        """Every field whose value in ``spec`` is not allowed: ``(field, have, allowed)``."""
+        found = []
+        for field in attrs.fields(Accepts):
+            allowed = getattr(self, field.name)
+            if allowed is not None:
+                have = getattr(spec, field.name)
+                if have not in allowed:
+                    found.append((field.name, have, allowed))
+        return found
+
+
+def input_spec(hidden_size: int, dtype: torch.dtype, num_experts: int) -> Spec:
+    """The spec of a pipeline's input: token-major hidden states plus router logits."""
+    return Spec(
+        kind=PayloadKind.TOKENS,
+        layout=Layout.TOKEN_MAJOR,
+        dtype=DType.from_torch(dtype),
+        width=hidden_size,
+        num_experts=num_experts,
+    )

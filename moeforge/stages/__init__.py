@@ -1,0 +1,41 @@
+"""Built-in stages (torch reference backend), one module per stage kind."""
+
+from moeforge.stages.activation import (
+    Activate,
+    ActivationConfig,
+    ActivationKind,
+    GateUpLayout,
+    apply_activation,
+)
+from moeforge.stages.combine import Combine, combine_rows
+from moeforge.stages.dispatch import Overflow, PaddedDispatch, SortedDispatch
+from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.quantize import (
+    Cast,
+    PerGroupQuantizer,
+    PerTokenQuantizer,
+    Quantizer,
+    QuantizeRows,
+    QuantizeTokens,
+    dequantize,
+    quantizer_for,
+)
+from moeforge.stages.topk import (
+    CustomTopK,
+    GroupScore,
+    RoutingConfig,
+    Scoring,
+    ScoreOrder,
+    TopK,
+    select_experts,
+)
+
+__all__ = [
+    "Activate", "ActivationConfig", "ActivationKind", "GateUpLayout", "apply_activation",
+    "Combine", "combine_rows",
+    "Overflow", "PaddedDispatch", "SortedDispatch",
+    "GemmRole", "GroupedGemm", "grouped_gemm_padded", "grouped_gemm_sorted",
+    "Cast", "PerGroupQuantizer", "PerTokenQuantizer", "Quantizer", "QuantizeRows", "QuantizeTokens",
+    "dequantize", "quantizer_for",
+    "CustomTopK", "GroupScore", "RoutingConfig", "Scoring", "ScoreOrder", "TopK", "select_experts",
+]

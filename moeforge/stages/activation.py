@@ -1,0 +1,125 @@
+"""Expert activations: gated (SwiGLU, GeGLU, GPT-OSS SwiGLU) and plain (SiLU, GELU, ReLU²).
+
+A gated activation reads a ``2 * I`` wide row holding gate and up — either as two halves
+(``CONCATENATED``: ``[gate | up]``, Mixtral/Qwen/DeepSeek) or alternating (``INTERLEAVED``:
+``g0 u0 g1 u1 ...``, GPT-OSS) — and produces ``I`` values. The reference computes in fp32.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar, Optional
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from moeforge.payloads import Activations, ExpertRows
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, PayloadKind, ScaleLayout, Spec
+from moeforge.stage import Mismatch, Stage, StageKind
+
+
+class ActivationKind(enum.Enum):
+    SWIGLU = "swiglu"  # silu(gate) * up
+    GEGLU = "geglu"  # gelu(gate) * up
+    GPT_OSS_SWIGLU = "gpt_oss_swiglu"  # (clamp(up) + 1) * g * sigmoid(alpha * g), g = gate clamped above
+    SILU = "silu"
+    GELU = "gelu"
+    RELU2 = "relu2"  # relu(x) ** 2
+
+    @property
+    def gated(self) -> bool:
+        return self in (ActivationKind.SWIGLU, ActivationKind.GEGLU, ActivationKind.GPT_OSS_SWIGLU)
+
+
+class GateUpLayout(enum.Enum):
+    CONCATENATED = "concatenated"  # [gate | up]
+    INTERLEAVED = "interleaved"  # gate at even columns, up at odd columns
+
+
+@attrs.frozen
+class ActivationConfig:
+    """Which activation the experts use. ``alpha`` and ``limit`` are GPT-OSS's (1.702 and 7.0);
+    ``gelu_approximate`` is passed to ``torch.nn.functional.gelu`` ("none" or "tanh")."""
+
+    kind: ActivationKind = ActivationKind.SWIGLU
+    gate_up: GateUpLayout = GateUpLayout.CONCATENATED
+    alpha: float = 1.702
+    limit: float = 7.0
+    gelu_approximate: str = attrs.field(default="none")
+
+    @gelu_approximate.validator
+    def _check_approximate(self, _: object, value: str) -> None:
+        if value not in ("none", "tanh"):
+            raise ValueError(f"gelu_approximate must be 'none' or 'tanh', got {value!r}")
+
+    @property
+    def gated(self) -> bool:
+        return self.kind.gated
+
+    def summary(self) -> str:
+        text = self.kind.value
+        if self.gated:
+            text += f", {self.gate_up.value}"
+        if self.kind is ActivationKind.GPT_OSS_SWIGLU:
+            text += f", alpha={self.alpha:g}, limit={self.limit:g}"
+        if self.kind in (ActivationKind.GEGLU, ActivationKind.GELU) and self.gelu_approximate != "none":
+            text += f", gelu {self.gelu_approximate}"
+        return text
+
+
+def split_gate_up(x: torch.Tensor, layout: GateUpLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    if layout is GateUpLayout.INTERLEAVED:
+        return x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+def apply_activation(x: torch.Tensor, config: ActivationConfig) -> torch.Tensor:
+    """The activation of ``x [..., W]`` in fp32, or fp64 for fp64 input (``W`` halves when gated)."""
+    x = x if x.dtype == torch.float64 else x.float()
+    kind = config.kind
+    if kind is ActivationKind.SILU:
+        return F.silu(x)
+    if kind is ActivationKind.GELU:
+        return F.gelu(x, approximate=config.gelu_approximate)
+    if kind is ActivationKind.RELU2:
+        return torch.relu(x).square()
+    gate, up = split_gate_up(x, config.gate_up)
+    if kind is ActivationKind.SWIGLU:
+        return F.silu(gate) * up
+    if kind is ActivationKind.GEGLU:
+        return F.gelu(gate, approximate=config.gelu_approximate) * up
+    gate = gate.clamp(max=config.limit)
+    up = up.clamp(min=-config.limit, max=config.limit)
+    return (up + 1) * gate * torch.sigmoid(config.alpha * gate)
+
+
+@attrs.frozen(eq=False)
+class Activate(Stage[ExpertRows, ExpertRows]):
+    """The expert activation between the two GEMMs, on either expert-grouped layout."""
+
+    kinds: ClassVar = (StageKind.ACTIVATION,)
+    config: ActivationConfig = ActivationConfig()
+    out_dtype: Optional[DType] = None  # None: the input's dtype
+
+    def summary(self) -> str:
+        return f"Activate({self.config.summary()})"
+
+    def accepts(self) -> Accepts:
+        return Accepts(kind=PayloadKind.EXPERT_HIDDEN, dtype=FLOAT_DTYPES, scale_layout=ScaleLayout.NONE)
+
+    def check(self, spec: Spec) -> list[Mismatch]:
+        found = super().check(spec)
+        if self.config.gated and spec.width % 2:
+            found.append(Mismatch("width", spec.width, "an even width (gate and up)",
+                                  "a gated activation needs the first GEMM to produce 2 * intermediate"))
+        return found
+
+    def output_spec(self, spec: Spec) -> Spec:
+        width = spec.width // 2 if self.config.gated else spec.width
+        return spec.evolve(width=width, dtype=self.out_dtype or spec.dtype)
+
+    def __call__(self, x: ExpertRows) -> ExpertRows:
+        dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else x.x.data.dtype
+        return x.with_x(Activations(apply_activation(x.x.data, self.config).to(dtype)))

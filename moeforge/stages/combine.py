@@ -1,0 +1,122 @@
+"""Combine: return expert outputs to their tokens and sum the top-k copies.
+
+The sum runs in fp32 over ``k = 0 .. top_k - 1`` in that fixed order, by gathering (no atomics), so
+the result is bit-for-bit deterministic. Copies that are not on this rank or were dropped by a
+capacity limit contribute nothing.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+import attrs
+import torch
+
+from moeforge.payloads import ExpertRows, MoEOutput, PaddedRows, SortedRows
+from moeforge.spec import (
+    FLOAT_DTYPES,
+    Accepts,
+    DType,
+    Layout,
+    PayloadKind,
+    RoutingWeights,
+    ScaleLayout,
+    ScalingFactor,
+    Spec,
+)
+from moeforge.stage import Stage, StageKind
+
+
+def combine_rows(
+    rows: torch.Tensor,
+    token_rows: torch.Tensor,
+    row_weight: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    scaling_factor: Optional[float] = None,
+) -> torch.Tensor:
+    """``out[t] = sum_k rows[token_rows[t, k]] * row_weight[token_rows[t, k]]`` in fp32, k in order.
+
+    ``rows`` is ``[R, H]``; ``token_rows [T, K]`` holds -1 for copies that contribute nothing;
+    ``row_weight=None`` sums unweighted.
+    """
+    tokens, top_k = token_rows.shape
+    present = token_rows >= 0
+    index = token_rows.clamp(min=0)
+    gathered = rows.float()[index.reshape(-1)].view(tokens, top_k, rows.shape[-1])
+    factor = present.float()
+    if row_weight is not None:
+        factor = factor * row_weight.float()[index]
+    out = torch.zeros(tokens, rows.shape[-1], dtype=torch.float32, device=rows.device)
+    for k in range(top_k):
+        out += gathered[:, k] * factor[:, k, None]
+    if scaling_factor is not None:
+        out *= scaling_factor
+    return out.to(out_dtype)
+
+
+@attrs.frozen(eq=False)
+class Combine(Stage[ExpertRows, MoEOutput]):
+    """Weighted (or plain) sum of each token's expert outputs, back in token order.
+
+    ``apply_routing_weights=False`` when an earlier stage already applied them (input scaling or the
+    GEMM epilogue). ``routed_scaling_factor`` multiplies the output when the top-k left the factor
+    pending. ``out_dtype=None`` keeps the expert outputs' dtype.
+    """
+
+    kinds: ClassVar = (StageKind.COMBINE,)
+    apply_routing_weights: bool = True
+    routed_scaling_factor: Optional[float] = None
+    out_dtype: Optional[DType] = None
+
+    def summary(self) -> str:
+        parts = ["weighted" if self.apply_routing_weights else "unweighted", "fp32 fixed order"]
+        if self.routed_scaling_factor is not None:
+            parts.append(f"x{self.routed_scaling_factor:g}")
+        return f"Combine({', '.join(parts)})"
+
+    def accepts(self) -> Accepts:
+        applied = {RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE}
+        return Accepts(
+            kind=PayloadKind.EXPERT_OUTPUT,
+            layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
+            dtype=FLOAT_DTYPES,
+            scale_layout=ScaleLayout.NONE,
+            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else applied,
+            scaling_factor=ScalingFactor.PENDING if self.routed_scaling_factor is not None else None,
+        )
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if field == "routing_weights" and have is RoutingWeights.PENDING:
+            return ("this combine does not apply the routing weights and no earlier stage did: use "
+                    "Combine(apply_routing_weights=True)")
+        if field == "routing_weights":
+            return (f"the routing weights were already applied ({getattr(have, 'value', have)}): use "
+                    "Combine(apply_routing_weights=False)")
+        if field == "scaling_factor":
+            return (f"the routed scaling factor is {getattr(have, 'value', have)}, not pending: drop "
+                    "routed_scaling_factor from the combine")
+        return None
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(
+            kind=PayloadKind.OUTPUT,
+            layout=Layout.TOKEN_MAJOR,
+            dtype=self.out_dtype or spec.dtype,
+            group_list_type=None,
+            routing_weights=RoutingWeights.IN_COMBINE if self.apply_routing_weights else spec.routing_weights,
+            scaling_factor=ScalingFactor.APPLIED if self.routed_scaling_factor is not None
+            else spec.scaling_factor,
+        )
+
+    def __call__(self, x: ExpertRows) -> MoEOutput:
+        out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else x.x.data.dtype
+        if isinstance(x, SortedRows):
+            rows, index, weight = x.x.data, x.plan.token_rows, x.plan.row_weight
+        elif isinstance(x, PaddedRows):
+            rows = x.x.data.reshape(-1, x.x.data.shape[-1])
+            index, weight = x.plan.token_slots, x.plan.slot_weight.reshape(-1)
+        else:
+            raise TypeError(f"Combine cannot consume {type(x).__name__}")
+        out = combine_rows(rows, index, weight if self.apply_routing_weights else None, out_dtype,
+                           self.routed_scaling_factor)
+        return MoEOutput(out)

@@ -1,0 +1,211 @@
+"""Local dispatch: group the top-k copies of every token by expert.
+
+Two layouts: :class:`SortedDispatch` (``EXPERT_SORTED``: rows sorted by expert plus a group list)
+and :class:`PaddedDispatch` (``EXPERT_PADDED``: a fixed ``[E, capacity, W]`` buffer plus
+``masked_m``). Within an expert, rows keep the order of ``(token, k)``, so the result is
+deterministic. Either can scale the rows by their routing weights (Llama-4 applies the weight to
+the expert *input*).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar, Optional
+
+import attrs
+import torch
+
+from moeforge.errors import InputError
+from moeforge.payloads import (
+    Activations,
+    PaddedPlan,
+    PaddedRows,
+    RoutedTokens,
+    SortedPlan,
+    SortedRows,
+)
+from moeforge.spec import (
+    FLOAT_DTYPES,
+    Accepts,
+    ExpertIds,
+    GroupListType,
+    Layout,
+    PayloadKind,
+    RoutingWeights,
+    Spec,
+)
+from moeforge.stage import Stage, StageKind
+
+
+class Overflow(enum.Enum):
+    """What a fixed-capacity dispatch does when an expert receives more rows than fit."""
+
+    ERROR = "error"  # raise, naming the expert and its row count
+    DROP = "drop"  # keep the first `capacity` rows (in token order); the plan counts the dropped copies
+
+
+def _sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order that groups the flattened ``(token, k)`` copies by expert (stable), and counts."""
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
+
+
+def _rows_of(x: Activations, rows: torch.Tensor) -> Activations:
+    """Select rows of token-major activations (scales follow their rows; a per-tensor scale stays)."""
+    scale = x.scale
+    if scale is not None and scale.dim() == x.data.dim():
+        scale = scale[rows]
+    return Activations(x.data[rows], scale)
+
+
+def _scale_rows(data: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (data.float() * weights.unsqueeze(-1)).to(data.dtype)
+
+
+class _Dispatch:
+    num_experts: int
+    apply_routing_weights: bool
+
+    def _check_experts(self) -> None:
+        if self.num_experts < 1:
+            raise InputError(f"num_experts must be >= 1, got {self.num_experts}")
+
+    def accepts(self) -> Accepts:
+        if self.apply_routing_weights:
+            # Scaling quantized values would need a re-quantization: scale first, then quantize.
+            return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=FLOAT_DTYPES,
+                           routing_weights=RoutingWeights.PENDING)
+        return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts)
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if field == "dtype" and self.apply_routing_weights:
+            return ("routing weights applied on the input need float activations: quantize after the "
+                    "dispatch (QuantizeRows) instead of before it")
+        return None
+
+    def _dispatched(self, spec: Spec, layout: Layout, group_list_type: Optional[GroupListType]) -> Spec:
+        return spec.evolve(
+            kind=PayloadKind.DISPATCHED,
+            layout=layout,
+            group_list_type=group_list_type,
+            expert_ids=ExpertIds.LOCAL,
+            routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights,
+        )
+
+
+@attrs.frozen(eq=False)
+class SortedDispatch(_Dispatch, Stage[RoutedTokens, SortedRows]):
+    """Rows sorted by expert, ``group_list`` as counts (``COUNT``) or cumulative sums (``CUMSUM``)."""
+
+    kinds: ClassVar = (StageKind.DISPATCH,)
+    num_experts: int
+    group_list_type: GroupListType = GroupListType.COUNT
+    apply_routing_weights: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self._check_experts()
+
+    def summary(self) -> str:
+        extra = ", weights on input" if self.apply_routing_weights else ""
+        return f"SortedDispatch({self.group_list_type.name.lower()}{extra})"
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return self._dispatched(spec, Layout.EXPERT_SORTED, self.group_list_type)
+
+    def __call__(self, x: RoutedTokens) -> SortedRows:
+        topk = x.topk
+        tokens, k = topk.ids.shape
+        order, counts = _sort_by_expert(topk.ids, self.num_experts)
+        row_token = torch.div(order, k, rounding_mode="floor")
+        row_weight = topk.weights.reshape(-1)[order]
+        token_rows = torch.empty_like(order)
+        token_rows[order] = torch.arange(order.numel(), device=order.device)
+        rows = _rows_of(x.x, row_token)
+        if self.apply_routing_weights:
+            rows = Activations(_scale_rows(rows.data, row_weight))
+        group_list = counts if self.group_list_type is GroupListType.COUNT else counts.cumsum(0)
+        plan = SortedPlan(row_token=row_token, row_weight=row_weight,
+                          token_rows=token_rows.view(tokens, k), num_tokens=tokens)
+        return SortedRows(x=rows, group_list=group_list, group_list_type=self.group_list_type, plan=plan)
+
+
+@attrs.frozen(eq=False)
+class PaddedDispatch(_Dispatch, Stage[RoutedTokens, PaddedRows]):
+    """A ``[E, capacity, W]`` buffer per expert plus ``masked_m`` (valid rows per expert).
+
+    ``capacity=None`` sizes the buffer to the token count, which never overflows on one rank (a token
+    picks an expert at most once). A smaller capacity bounds memory; ``overflow`` says what happens
+    when an expert gets more rows than that.
+    """
+
+    kinds: ClassVar = (StageKind.DISPATCH,)
+    num_experts: int
+    capacity: Optional[int] = None
+    overflow: Overflow = Overflow.ERROR
+    apply_routing_weights: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self._check_experts()
+        if self.capacity is not None and self.capacity < 1:
+            raise InputError(f"capacity must be >= 1 (or None), got {self.capacity}")
+
+    def summary(self) -> str:
+        cap = "tokens" if self.capacity is None else str(self.capacity)
+        extra = ", weights on input" if self.apply_routing_weights else ""
+        return f"PaddedDispatch(capacity={cap}, overflow={self.overflow.value}{extra})"
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return self._dispatched(spec, Layout.EXPERT_PADDED, None)
+
+    def __call__(self, x: RoutedTokens) -> PaddedRows:
+        topk = x.topk
+        tokens, k = topk.ids.shape
+        num_experts = self.num_experts
+        capacity = self.capacity if self.capacity is not None else max(tokens, 1)
+        order, counts = _sort_by_expert(topk.ids, num_experts)
+        device = order.device
+        sorted_expert = topk.ids.reshape(-1).long()[order]
+        starts = counts.cumsum(0) - counts
+        position = torch.arange(order.numel(), device=device) - starts[sorted_expert]
+        kept = position < capacity
+        if self.overflow is Overflow.ERROR and not bool(kept.all()):
+            worst = int(counts.argmax())
+            raise InputError(
+                f"PaddedDispatch capacity overflow: expert {worst} received {int(counts[worst])} rows, "
+                f"capacity is {capacity}; raise capacity or use overflow=Overflow.DROP"
+            )
+        slot = sorted_expert * capacity + position
+        kept_slots, kept_copies = slot[kept], order[kept]
+        row_weight = topk.weights.reshape(-1)[kept_copies]
+
+        source = _rows_of(x.x, torch.div(kept_copies, k, rounding_mode="floor"))
+        data = source.data
+        if self.apply_routing_weights:
+            data = _scale_rows(data, row_weight)
+        width = data.shape[-1]
+        buffer = torch.zeros(num_experts * capacity, width, dtype=data.dtype, device=device)
+        buffer[kept_slots] = data
+        scale = source.scale
+        if scale is not None and scale.dim() == 2:
+            scale_buffer = torch.ones(num_experts * capacity, scale.shape[-1], dtype=scale.dtype,
+                                      device=device)
+            scale_buffer[kept_slots] = scale
+            scale = scale_buffer.view(num_experts, capacity, -1)
+        slot_weight = torch.zeros(num_experts * capacity, dtype=torch.float32, device=device)
+        slot_weight[kept_slots] = row_weight
+        token_slots = torch.full((tokens * k,), -1, dtype=torch.int64, device=device)
+        token_slots[kept_copies] = kept_slots
+        plan = PaddedPlan(
+            slot_weight=slot_weight.view(num_experts, capacity),
+            token_slots=token_slots.view(tokens, k),
+            num_tokens=tokens,
+            dropped=(~kept).sum(),
+        )
+        return PaddedRows(
+            x=Activations(buffer.view(num_experts, capacity, width), scale),
+            masked_m=counts.clamp(max=capacity).to(torch.int32),
+            plan=plan,
+        )
+

@@ -1,0 +1,175 @@
+"""Grouped GEMM over expert-grouped rows (torch reference).
+
+Weights are ``[E, N, K]`` (one ``N x K`` matrix per local expert, like ``nn.Linear``), optional biases
+``[E, N]``. The reference dequantizes FP8/INT8 inputs, computes in fp32 and casts the result, and can
+multiply each output row by its routing weight in the epilogue (after the bias, as GPT-OSS does).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar, Optional
+
+import attrs
+import torch
+
+from moeforge.payloads import Activations, ExpertRows, PaddedRows, SortedRows
+from moeforge.spec import (
+    FLOAT_DTYPES,
+    Accepts,
+    DType,
+    ExpertIds,
+    Layout,
+    PayloadKind,
+    RoutingWeights,
+    ScaleLayout,
+    Spec,
+)
+from moeforge.stage import Mismatch, Stage, StageKind
+from moeforge.stages.quantize import dequantize
+from moeforge.tensor_ref import TensorSource, resolve
+
+REFERENCE_DTYPES = FLOAT_DTYPES | {DType.FP8_E4M3, DType.INT8}
+REFERENCE_SCALES = frozenset(
+    {ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR}
+)
+
+
+class GemmRole(enum.Enum):
+    GATE_UP = "gate_up"  # dispatched rows (width H) -> expert hidden (width 2I, or I if not gated)
+    DOWN = "down"  # expert hidden (width I) -> expert output (width H)
+
+
+def grouped_gemm_sorted(
+    x: Activations,
+    counts: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    row_scale: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``y[r] = x[r] @ weight[e(r)].T (+ bias[e(r)]) (* row_scale[r])`` with rows grouped by expert
+    ``e`` according to ``counts`` (int64 ``[E]``)."""
+    values = dequantize(x)
+    out = torch.empty(values.shape[0], weight.shape[1], dtype=torch.float32, device=values.device)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            rows = slice(start, start + count)
+            out[rows] = values[rows] @ weight[expert].float().t()
+            if bias is not None:
+                out[rows] += bias[expert].float()
+            start += count
+    if row_scale is not None:
+        out *= row_scale.unsqueeze(-1)
+    return out.to(out_dtype)
+
+
+def grouped_gemm_padded(
+    x: Activations,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    slot_scale: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``y[e, c] = x[e, c] @ weight[e].T (+ bias[e]) (* slot_scale[e, c])`` for ``x [E, C, K]``."""
+    out = torch.bmm(dequantize(x), weight.float().transpose(1, 2))
+    if bias is not None:
+        out += bias.float().unsqueeze(1)
+    if slot_scale is not None:
+        out *= slot_scale.unsqueeze(-1)
+    return out.to(out_dtype)
+
+
+@attrs.frozen(eq=False)
+class GroupedGemm(Stage[ExpertRows, ExpertRows]):
+    """One grouped GEMM of the experts (``role`` says which), on either expert-grouped layout.
+
+    ``accepts_dtypes`` / ``accepts_scales`` narrow what the stage consumes: a quant method builds its
+    GEMMs with its own capabilities, so e.g. the unquantized method's GEMM rejects FP8 rows at build
+    time. ``out_dtype=None`` keeps the input's float dtype (required for quantized inputs).
+    """
+
+    kinds: ClassVar = (StageKind.GEMM,)
+    role: GemmRole
+    weight: TensorSource
+    bias: Optional[TensorSource] = None
+    accepts_dtypes: frozenset[DType] = REFERENCE_DTYPES
+    accepts_scales: frozenset[ScaleLayout] = REFERENCE_SCALES
+    apply_routing_weights: bool = False
+    out_dtype: Optional[DType] = None
+
+    def __attrs_post_init__(self) -> None:
+        shape = tuple(resolve(self.weight).shape)
+        if len(shape) != 3:
+            raise ValueError(f"GroupedGemm weight must be [E, N, K], got shape {shape}")
+        if self.bias is not None:
+            bias_shape = tuple(resolve(self.bias).shape)
+            if bias_shape != shape[:2]:
+                raise ValueError(f"GroupedGemm bias must be [E, N] = {shape[:2]}, got {bias_shape}")
+
+    @property
+    def num_experts(self) -> int:
+        return int(resolve(self.weight).shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(resolve(self.weight).shape[2])
+
+    @property
+    def out_features(self) -> int:
+        return int(resolve(self.weight).shape[1])
+
+    def summary(self) -> str:
+        extra = ", bias" if self.bias is not None else ""
+        if self.apply_routing_weights:
+            extra += ", weights in epilogue"
+        return f"GroupedGemm({self.role.value}, {self.in_features}->{self.out_features}{extra})"
+
+    def accepts(self) -> Accepts:
+        return Accepts(
+            kind=PayloadKind.DISPATCHED if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
+            layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
+            dtype=self.accepts_dtypes,
+            scale_layout=self.accepts_scales,
+            width=self.in_features,
+            expert_ids=ExpertIds.LOCAL,
+            num_experts=self.num_experts,
+            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
+        )
+
+    def check(self, spec: Spec) -> list[Mismatch]:
+        found = super().check(spec)
+        if self.out_dtype is None and spec.dtype not in FLOAT_DTYPES:
+            found.append(Mismatch("dtype", spec.dtype, FLOAT_DTYPES,
+                                  "a GEMM consuming quantized rows needs an explicit out_dtype"))
+        return found
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(
+            kind=PayloadKind.EXPERT_HIDDEN if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
+            dtype=self.out_dtype or spec.dtype,
+            scale_layout=ScaleLayout.NONE,
+            width=self.out_features,
+            routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if self.apply_routing_weights
+            else spec.routing_weights,
+        )
+
+    def _out_dtype(self, x: Activations) -> torch.dtype:
+        return self.out_dtype.torch_dtype if self.out_dtype is not None else x.data.dtype
+
+    def __call__(self, x: ExpertRows) -> ExpertRows:
+        weight = resolve(self.weight)
+        bias = resolve(self.bias) if self.bias is not None else None
+        out_dtype = self._out_dtype(x.x)
+        if isinstance(x, SortedRows):
+            counts = x.counts()
+            scale = x.plan.row_weight if self.apply_routing_weights else None
+            y = grouped_gemm_sorted(x.x, counts, weight, bias, scale, out_dtype)
+        elif isinstance(x, PaddedRows):
+            scale = x.plan.slot_weight if self.apply_routing_weights else None
+            y = grouped_gemm_padded(x.x, weight, bias, scale, out_dtype)
+        else:
+            raise TypeError(f"GroupedGemm cannot consume {type(x).__name__}")
+        return x.with_x(Activations(y))
+

@@ -1,0 +1,199 @@
+"""Activation quantization: quantizers, and the stages that apply them before or after dispatch.
+
+A :class:`Quantizer` turns a float tensor into :class:`~moeforge.payloads.Activations` (data +
+scales). :class:`QuantizeTokens` applies one to token-major activations before the dispatch (the
+wire carries the quantized format); :class:`QuantizeRows` applies one to expert-grouped rows after
+the dispatch or between the activation and the second GEMM.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar, Optional
+
+import attrs
+import torch
+
+from moeforge.dispatch_dtype import DispatchDtype
+from moeforge.payloads import GROUP_SIZE, Activations, ExpertRows, RoutedTokens
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, PayloadKind, ScaleLayout, Spec
+from moeforge.stage import Mismatch, Stage, StageKind
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+INT8_MAX = 127.0
+_TINY = 1e-12  # keeps the scale of an all-zero row finite
+
+
+class Quantizer(abc.ABC):
+    """Turns float activations ``[..., W]`` into a quantized (or cast) :class:`Activations`."""
+
+    dtype: DType
+    scale_layout: ScaleLayout
+
+    @abc.abstractmethod
+    def __call__(self, x: torch.Tensor) -> Activations:
+        """Quantize ``x`` (any float dtype)."""
+
+    def check_width(self, width: int) -> Optional[str]:
+        """Why this quantizer cannot take rows of ``width`` elements, or ``None``."""
+        return None
+
+    def summary(self) -> str:
+        if self.scale_layout is ScaleLayout.NONE:
+            return self.dtype.value
+        return f"{self.dtype.value}/{self.scale_layout.value}"
+
+
+@attrs.frozen
+class Cast(Quantizer):
+    """No quantization: a cast to another float dtype (e.g. fp32 activations dispatched as bf16)."""
+
+    dtype: DType
+    scale_layout: ScaleLayout = attrs.field(default=ScaleLayout.NONE, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"Cast needs a float dtype, got {self.dtype.value}")
+
+    def __call__(self, x: torch.Tensor) -> Activations:
+        return Activations(x.to(self.dtype.torch_dtype))
+
+
+def _symmetric(x: torch.Tensor, qmax: float, dtype: DType) -> Activations:
+    """Quantize the last dimension of ``x`` with one scale per row (per ``x``'s last axis)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / qmax
+    scaled = (x / scale).clamp(-qmax, qmax)
+    if dtype is DType.INT8:
+        data = scaled.round().to(torch.int8)
+    else:
+        data = scaled.to(torch.float8_e4m3fn)
+    return Activations(data, scale)
+
+
+@attrs.frozen
+class PerTokenQuantizer(Quantizer):
+    """Symmetric dynamic quantization, one fp32 scale per row: FP8-e4m3 or INT8."""
+
+    dtype: DType = DType.FP8_E4M3
+    scale_layout: ScaleLayout = attrs.field(default=ScaleLayout.PER_TOKEN, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.dtype not in (DType.FP8_E4M3, DType.INT8):
+            raise ValueError(f"per-token quantization supports fp8_e4m3 and int8, got {self.dtype.value}")
+
+    def __call__(self, x: torch.Tensor) -> Activations:
+        return _symmetric(x, FP8_MAX if self.dtype is DType.FP8_E4M3 else INT8_MAX, self.dtype)
+
+
+@attrs.frozen
+class PerGroupQuantizer(Quantizer):
+    """FP8-e4m3 with one fp32 scale per 128 consecutive elements of a row (DeepSeek-V3 style)."""
+
+    dtype: DType = attrs.field(default=DType.FP8_E4M3, init=False)
+    scale_layout: ScaleLayout = attrs.field(default=ScaleLayout.PER_GROUP_128, init=False)
+
+    def check_width(self, width: int) -> Optional[str]:
+        if width % GROUP_SIZE:
+            return f"per-128-group quantization needs a width divisible by {GROUP_SIZE}, got {width}"
+        return None
+
+    def __call__(self, x: torch.Tensor) -> Activations:
+        lead, width = x.shape[:-1], x.shape[-1]
+        grouped = _symmetric(x.reshape(*lead, width // GROUP_SIZE, GROUP_SIZE), FP8_MAX, self.dtype)
+        assert grouped.scale is not None
+        return Activations(grouped.data.reshape(*lead, width), grouped.scale.reshape(*lead, -1))
+
+
+def dequantize(x: Activations, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float value of quantized activations (any scale layout but NVFP4)."""
+    data = x.data
+    if x.scale is None:
+        return data.to(dtype)
+    values = data.float()
+    scale = x.scale.float()
+    if scale.shape[-1] not in (1, values.shape[-1]) and scale.dim() == values.dim():
+        groups = scale.shape[-1]
+        values = values.reshape(*values.shape[:-1], groups, -1) * scale.unsqueeze(-1)
+        return values.reshape(data.shape).to(dtype)
+    return (values * scale).to(dtype)
+
+
+def quantizer_for(dispatch: DispatchDtype, compute: DType, *, per_group: bool = False) -> Optional[Quantizer]:
+    """The quantizer that produces ``dispatch`` from activations in ``compute``; ``None`` if no-op."""
+    target = dispatch.activation_dtype
+    if target is compute:
+        return None
+    if target in FLOAT_DTYPES:
+        return Cast(target)
+    if target is DType.FP8_E4M3:
+        return PerGroupQuantizer() if per_group else PerTokenQuantizer(DType.FP8_E4M3)
+    if target is DType.INT8:
+        return PerTokenQuantizer(DType.INT8)
+    raise NotImplementedError(f"no {target.value} activation quantizer yet")
+
+
+class _QuantizeStage:
+    quantizer: Quantizer
+
+    def _width_mismatches(self, spec: Spec) -> list[Mismatch]:
+        problem = self.quantizer.check_width(spec.width)
+        return [Mismatch("width", spec.width, "a multiple of 128", problem)] if problem else []
+
+    def _quantized(self, spec: Spec) -> Spec:
+        return spec.evolve(dtype=self.quantizer.dtype, scale_layout=self.quantizer.scale_layout)
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if field in ("dtype", "scale_layout"):
+            return "these activations are already quantized: quantize once, from float activations"
+        return None
+
+
+@attrs.frozen(eq=False)
+class QuantizeTokens(_QuantizeStage, Stage[RoutedTokens, RoutedTokens]):
+    """Quantize token-major activations before the dispatch."""
+
+    kinds: ClassVar = (StageKind.QUANTIZE,)
+    quantizer: Quantizer
+
+    def summary(self) -> str:
+        return f"QuantizeTokens({self.quantizer.summary()})"
+
+    def accepts(self) -> Accepts:
+        return Accepts(kind=PayloadKind.ROUTED, dtype=FLOAT_DTYPES, scale_layout=ScaleLayout.NONE)
+
+    def check(self, spec: Spec) -> list[Mismatch]:
+        return Stage.check(self, spec) + self._width_mismatches(spec)
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return self._quantized(spec)
+
+    def __call__(self, x: RoutedTokens) -> RoutedTokens:
+        return x.with_x(self.quantizer(x.x.data))
+
+
+@attrs.frozen(eq=False)
+class QuantizeRows(_QuantizeStage, Stage[ExpertRows, ExpertRows]):
+    """Quantize expert-grouped rows: after the dispatch, or before the second GEMM."""
+
+    kinds: ClassVar = (StageKind.QUANTIZE,)
+    quantizer: Quantizer
+
+    def summary(self) -> str:
+        return f"QuantizeRows({self.quantizer.summary()})"
+
+    def accepts(self) -> Accepts:
+        return Accepts(
+            kind={PayloadKind.DISPATCHED, PayloadKind.EXPERT_HIDDEN},
+            dtype=FLOAT_DTYPES,
+            scale_layout=ScaleLayout.NONE,
+        )
+
+    def check(self, spec: Spec) -> list[Mismatch]:
+        return Stage.check(self, spec) + self._width_mismatches(spec)
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return self._quantized(spec)
+
+    def __call__(self, x: ExpertRows) -> ExpertRows:
+        return x.with_x(self.quantizer(x.x.data))

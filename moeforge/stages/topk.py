@@ -1,0 +1,241 @@
+"""Top-k routing: from router logits to expert ids and weights.
+
+One configurable stage covers the routing math of the common families: softmax or sigmoid scoring,
+scoring before or after the selection, renormalisation, a per-expert bias used for selection only,
+grouped top-k, and the routed scaling factor. Routing always runs in fp32, and ties go to the lower
+expert index (so results do not depend on the sort algorithm of the device).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, ClassVar, Optional, Union
+
+import attrs
+import torch
+
+from moeforge.errors import InputError
+from moeforge.payloads import Activations, MoEInput, RoutedTokens, TopKOutput
+from moeforge.spec import Accepts, PayloadKind, RoutingWeights, ScalingFactor, Spec
+from moeforge.stage import Stage, StageKind
+from moeforge.tensor_ref import TensorSource, resolve
+
+
+class Scoring(enum.Enum):
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+class ScoreOrder(enum.Enum):
+    SCORE_THEN_SELECT = "score_then_select"  # Mixtral, Qwen, DeepSeek: score all experts, keep top-k
+    SELECT_THEN_SCORE = "select_then_score"  # GPT-OSS, Llama-4, Granite: top-k logits, score those k
+
+
+class GroupScore(enum.Enum):
+    SUM_TOP2 = "sum_top2"  # DeepSeek-V3: a group's score is the sum of its two best experts
+    MAX = "max"  # DeepSeek-V2: a group's score is its best expert
+
+
+def _positive(_: object, attribute: attrs.Attribute[object], value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise InputError(f"{attribute.name} must be >= 1, got {value}")
+
+
+@attrs.frozen
+class RoutingConfig:
+    """How router logits become routing weights.
+
+    ``apply_weights`` says where the weights are applied (the combine by default; ``ON_INPUT`` scales
+    the dispatched rows as Llama-4 does; ``IN_GEMM_EPILOGUE`` scales the second GEMM's output).
+    ``routed_scaling_factor`` is folded into the weights by the top-k when ``scaling_in_weights``,
+    else the combine applies it. ``selection_bias`` means the layer owns a per-expert bias
+    (DeepSeek's ``e_score_correction_bias``) added to the scores for selection only.
+    """
+
+    scoring: Scoring = Scoring.SOFTMAX
+    order: ScoreOrder = ScoreOrder.SCORE_THEN_SELECT
+    renormalize: bool = True
+    selection_bias: bool = False
+    n_group: Optional[int] = attrs.field(default=None, validator=_positive)
+    topk_group: Optional[int] = attrs.field(default=None, validator=_positive)
+    group_score: GroupScore = GroupScore.SUM_TOP2
+    routed_scaling_factor: float = 1.0
+    scaling_in_weights: bool = True
+    apply_weights: RoutingWeights = RoutingWeights.IN_COMBINE
+    router_bias: bool = False
+    router_in_fp32: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if (self.n_group is None) != (self.topk_group is None):
+            raise InputError("n_group and topk_group must be given together")
+        if self.n_group is not None and self.order is ScoreOrder.SELECT_THEN_SCORE:
+            raise InputError("grouped top-k needs order=SCORE_THEN_SELECT")
+        if self.apply_weights is RoutingWeights.PENDING:
+            raise InputError("apply_weights must say where the weights are applied, not PENDING")
+
+    @property
+    def scaling_spec(self) -> ScalingFactor:
+        if self.routed_scaling_factor == 1.0:
+            return ScalingFactor.NONE
+        return ScalingFactor.IN_WEIGHTS if self.scaling_in_weights else ScalingFactor.PENDING
+
+
+def topk_lowest_index(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest values per row; among equal values the lower index wins."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    config: RoutingConfig,
+    selection_bias: Optional[torch.Tensor] = None,
+) -> TopKOutput:
+    """The routing math, in fp32: returns weights ``[T, k]`` (fp32) and ids ``[T, k]`` (int32)."""
+    logits = router_logits.float()
+    if config.order is ScoreOrder.SELECT_THEN_SCORE:
+        choice = logits if selection_bias is None else logits + selection_bias.float()
+        ids = topk_lowest_index(choice, top_k)
+        chosen = logits.gather(-1, ids)
+        weights = chosen.softmax(-1) if config.scoring is Scoring.SOFTMAX else chosen.sigmoid()
+        if config.renormalize and config.scoring is Scoring.SIGMOID:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    else:
+        scores = logits.softmax(-1) if config.scoring is Scoring.SOFTMAX else logits.sigmoid()
+        choice = scores if selection_bias is None else scores + selection_bias.float()
+        if config.n_group is not None and config.topk_group is not None:
+            choice = _mask_unselected_groups(choice, config.n_group, config.topk_group, config.group_score)
+        ids = topk_lowest_index(choice, top_k)
+        weights = scores.gather(-1, ids)
+        if config.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    if config.routed_scaling_factor != 1.0 and config.scaling_in_weights:
+        weights = weights * config.routed_scaling_factor
+    return TopKOutput(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
+
+
+def _mask_unselected_groups(
+    choice: torch.Tensor, n_group: int, topk_group: int, group_score: GroupScore
+) -> torch.Tensor:
+    tokens, num_experts = choice.shape
+    grouped = choice.view(tokens, n_group, num_experts // n_group)
+    if group_score is GroupScore.SUM_TOP2:
+        scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    else:
+        scores = grouped.max(-1).values
+    keep_groups = topk_lowest_index(scores, topk_group)
+    keep = torch.zeros(tokens, n_group, dtype=torch.bool, device=choice.device)
+    keep.scatter_(1, keep_groups, True)
+    keep = keep.unsqueeze(-1).expand_as(grouped).reshape(tokens, num_experts)
+    return choice.masked_fill(~keep, float("-inf"))
+
+
+def _check_sizes(num_experts: int, top_k: int, config: RoutingConfig) -> None:
+    if num_experts < 1:
+        raise InputError(f"num_experts must be >= 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise InputError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if config.n_group is not None and config.topk_group is not None:
+        if num_experts % config.n_group:
+            raise InputError(f"num_experts={num_experts} is not divisible by n_group={config.n_group}")
+        if config.topk_group > config.n_group:
+            raise InputError(f"topk_group={config.topk_group} exceeds n_group={config.n_group}")
+        if top_k > config.topk_group * (num_experts // config.n_group):
+            raise InputError(
+                f"top_k={top_k} exceeds the experts in topk_group={config.topk_group} groups of "
+                f"{num_experts // config.n_group}"
+            )
+
+
+class _RoutingStage(Stage[MoEInput, RoutedTokens]):
+    """Shared contract of the routing stages: tokens in, routed tokens out."""
+
+    kinds: ClassVar = (StageKind.TOPK,)
+    num_experts: int
+    top_k: int
+
+    def accepts(self) -> Accepts:
+        return Accepts(kind=PayloadKind.TOKENS, num_experts=self.num_experts)
+
+    def _scaling(self) -> ScalingFactor:
+        return ScalingFactor.NONE
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(
+            kind=PayloadKind.ROUTED,
+            top_k=self.top_k,
+            routing_weights=RoutingWeights.PENDING,
+            scaling_factor=self._scaling(),
+        )
+
+
+@attrs.frozen(eq=False)
+class TopK(_RoutingStage):
+    """The built-in routing stage (see :class:`RoutingConfig`)."""
+
+    num_experts: int
+    top_k: int
+    config: RoutingConfig = RoutingConfig()
+    selection_bias: Optional[TensorSource] = None
+
+    def __attrs_post_init__(self) -> None:
+        _check_sizes(self.num_experts, self.top_k, self.config)
+        if self.config.selection_bias and self.selection_bias is None:
+            raise InputError("RoutingConfig.selection_bias is set but no selection_bias tensor was given")
+
+    def summary(self) -> str:
+        c = self.config
+        parts = [f"TopK(k={self.top_k}", c.scoring.value, c.order.value]
+        if c.renormalize:
+            parts.append("renormalize")
+        if self.selection_bias is not None:
+            parts.append("selection bias")
+        if c.n_group is not None:
+            parts.append(f"groups {c.topk_group}/{c.n_group} by {c.group_score.value}")
+        if c.routed_scaling_factor != 1.0:
+            parts.append(f"x{c.routed_scaling_factor:g}")
+        return ", ".join(parts) + ")"
+
+    def _scaling(self) -> ScalingFactor:
+        return self.config.scaling_spec
+
+    def __call__(self, x: MoEInput) -> RoutedTokens:
+        bias = resolve(self.selection_bias) if self.selection_bias is not None else None
+        topk = select_experts(x.router_logits, self.top_k, self.config, bias)
+        return RoutedTokens(x=Activations(x.hidden_states), topk=topk)
+
+
+RoutingFunction = Callable[[torch.Tensor, torch.Tensor, int], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+@attrs.frozen(eq=False)
+class CustomTopK(_RoutingStage):
+    """Routing by a user function ``fn(hidden_states, router_logits, top_k) -> (weights, ids)``.
+
+    The function returns float weights and integer ids of shape ``[T, top_k]``; they are converted to
+    fp32 / int32. ``scaling_factor`` declares whether the function already folded a routed scaling
+    factor into its weights.
+    """
+
+    num_experts: int
+    top_k: int
+    fn: RoutingFunction
+    label: str = "custom"
+    scaling_factor: ScalingFactor = ScalingFactor.NONE
+
+    def __attrs_post_init__(self) -> None:
+        _check_sizes(self.num_experts, self.top_k, RoutingConfig())
+
+    def summary(self) -> str:
+        return f"CustomTopK({self.label}, k={self.top_k})"
+
+    def _scaling(self) -> ScalingFactor:
+        return self.scaling_factor
+
+    def __call__(self, x: MoEInput) -> RoutedTokens:
+        weights, ids = self.fn(x.hidden_states, x.router_logits, self.top_k)
+        topk = TopKOutput(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
+        return RoutedTokens(x=Activations(x.hidden_states), topk=topk)
+
+
+RoutingStage = Union[TopK, CustomTopK]
