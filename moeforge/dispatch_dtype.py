@@ -189,7 +189,7 @@ def resolve_dispatch_dtype(
     decision = _validate_on_device(decision, support)
     if decision.dtype.activation_dtype not in accept:
         raise ContractError(
-            producer=f"dispatch ({decision.explain()})",
+            producer=decision.explain(),
             consumer=experts_name,
             field="dtype",
             have=decision.dtype.activation_dtype,

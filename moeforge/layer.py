@@ -198,7 +198,8 @@ class MoELayer(nn.Module):
         if self.routing.router_in_fp32:
             bias = self.router.bias.float() if self.router.bias is not None else None
             return nn.functional.linear(x.float(), self.router.weight.float(), bias)
-        return self.router(x)
+        logits: torch.Tensor = self.router(x)
+        return logits
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "

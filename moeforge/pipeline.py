@@ -162,13 +162,12 @@ class Pipeline(Generic[InT, OutT]):
         return names.index(which)
 
     def describe(self) -> str:
-        """A table: each stage, its kinds, the spec it consumes and the spec it produces."""
-        rows = [("#", "stage", "kinds", "consumes", "produces")]
-        previous = self.input_spec
+        """A table: the input spec, then each stage with its kinds and the spec it produces (which
+        the next stage consumes), then the notes (e.g. which rule chose the dispatch dtype)."""
+        rows = [("#", "stage", "kinds", "produces"), ("in", "(pipeline input)", "", self.input_spec.short())]
         for index, (stage, spec) in enumerate(zip(self.stages, self.specs)):
             kinds = "+".join(kind.value for kind in stage.kinds)
-            rows.append((str(index), stage.summary(), kinds, previous.short(), spec.short()))
-            previous = spec
+            rows.append((str(index), stage.summary(), kinds, spec.short()))
         widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
                  for row in rows]

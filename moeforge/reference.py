@@ -71,10 +71,10 @@ def layer_reference(
         x,
         router_logits.reshape(x.shape[0], layer.num_experts),
         top_k=layer.top_k,
-        w13=layer.w13_weight,
-        w2=layer.w2_weight,
-        w13_bias=layer.w13_bias,
-        w2_bias=layer.w2_bias,
+        w13=_tensor(layer, "w13_weight"),
+        w2=_tensor(layer, "w2_weight"),
+        w13_bias=_optional_tensor(layer, "w13_bias"),
+        w2_bias=_optional_tensor(layer, "w2_bias"),
         routing=layer.routing,
         activation=layer.activation,
         selection_bias=getattr(layer, "e_score_correction_bias", None),
@@ -92,3 +92,15 @@ def layer_reference(
             y = y * torch.sigmoid(xd @ shared.gate.weight.double().t())
         routed = routed + y
     return routed.reshape(*hidden_states.shape[:-1], layer.hidden_size)
+
+
+def _optional_tensor(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    value = getattr(module, name, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    value = _optional_tensor(module, name)
+    if value is None:
+        raise TypeError(f"{type(module).__name__} has no tensor {name!r}")
+    return value

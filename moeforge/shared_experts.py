@@ -62,7 +62,7 @@ class SharedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = apply_activation(self.gate_up_proj(x), self.config.activation).to(x.dtype)
-        out = self.down_proj(hidden)
+        out: torch.Tensor = self.down_proj(hidden)
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(x))
         return out

@@ -41,11 +41,11 @@ class UnquantizedMethod(QuantMethod):
     ) -> None:
         gate_up = 2 * intermediate_size if gated else intermediate_size
         shapes = {W13: (num_experts, gate_up, hidden_size), W2: (num_experts, hidden_size, intermediate_size)}
-        for name, shape in shapes.items():
+        for name, shape in shapes.items():  # weights ~ N(0, 1/fan_in): a usable layer before loading
             weight = torch.empty(shape, dtype=torch.float32, device=device).normal_(std=shape[-1] ** -0.5)
             layer.register_parameter(name, torch.nn.Parameter(weight.to(dtype)))
-        for name, shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
-            value = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) if bias else None
+        for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
+            value = torch.nn.Parameter(torch.zeros(bias_shape, dtype=dtype, device=device)) if bias else None
             layer.register_parameter(name, value)
 
     def expert_stages(
@@ -58,12 +58,13 @@ class UnquantizedMethod(QuantMethod):
         def bias(name: str) -> Optional[ParamRef]:
             return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
 
-        common = dict(accepts_dtypes=self.accepts, accepts_scales=self.accepts_scales)
         return [
-            GroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), bias(B13), **common),  # type: ignore[arg-type]
+            GroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), bias(B13),
+                        accepts_dtypes=self.accepts, accepts_scales=self.accepts_scales),
             Activate(activation),
-            GroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), bias(B2),  # type: ignore[arg-type]
-                        apply_routing_weights=routing_weights_in_epilogue, **common),
+            GroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), bias(B2),
+                        accepts_dtypes=self.accepts, accepts_scales=self.accepts_scales,
+                        apply_routing_weights=routing_weights_in_epilogue),
         ]
 
     def apply_without_routing_weights(

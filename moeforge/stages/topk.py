@@ -36,7 +36,7 @@ class GroupScore(enum.Enum):
     MAX = "max"  # DeepSeek-V2: a group's score is its best expert
 
 
-def _positive(_: object, attribute: attrs.Attribute[object], value: Optional[int]) -> None:
+def _positive(_: object, attribute: "attrs.Attribute[Optional[int]]", value: Optional[int]) -> None:
     if value is not None and value < 1:
         raise InputError(f"{attribute.name} must be >= 1, got {value}")
 
@@ -56,8 +56,8 @@ class RoutingConfig:
     order: ScoreOrder = ScoreOrder.SCORE_THEN_SELECT
     renormalize: bool = True
     selection_bias: bool = False
-    n_group: Optional[int] = attrs.field(default=None, validator=_positive)
-    topk_group: Optional[int] = attrs.field(default=None, validator=_positive)
+    n_group: Optional[int] = attrs.field(default=None, validator=_positive)  # type: ignore[misc]
+    topk_group: Optional[int] = attrs.field(default=None, validator=_positive)  # type: ignore[misc]
     group_score: GroupScore = GroupScore.SUM_TOP2
     routed_scaling_factor: float = 1.0
     scaling_in_weights: bool = True
