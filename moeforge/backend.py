@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import importlib.util
 from typing import Union
 
 import torch
@@ -15,16 +16,20 @@ class Backend(enum.Enum):
     TRITON = "triton"  # Triton kernels; CUDA devices
 
 
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def resolve_backend(requested: Union[Backend, str], device: torch.device) -> Backend:
-    """``"auto"`` picks the fastest backend available for ``device``; an explicit backend that cannot
-    run there raises :class:`BackendUnavailableError` naming the reason."""
+    """``"auto"`` picks triton on a CUDA device when Triton is installed, else torch. An explicit
+    backend that cannot run on ``device`` raises :class:`BackendUnavailableError` saying why."""
     if isinstance(requested, Backend):
         choice = requested
-    elif requested == "auto":
-        return Backend.TORCH
+    elif requested.lower() == "auto":
+        return Backend.TRITON if device.type == "cuda" and triton_installed() else Backend.TORCH
     else:
         try:
-            choice = Backend(requested)
+            choice = Backend(requested.lower())
         except ValueError:
             raise BackendUnavailableError(
                 f"unknown backend {requested!r}; expected 'auto', 'torch' or 'triton'") from None
@@ -33,6 +38,6 @@ def resolve_backend(requested: Union[Backend, str], device: torch.device) -> Bac
             raise BackendUnavailableError(
                 f"backend='triton' needs a CUDA device, but the layer is on {device}; use "
                 "backend='torch' or 'auto'")
-        raise BackendUnavailableError("the triton backend is not part of this moeforge version yet; "
-                                      "use backend='torch' or 'auto'")
+        if not triton_installed():
+            raise BackendUnavailableError("backend='triton' needs the 'triton' package (pip install triton)")
     return choice

@@ -10,7 +10,8 @@ that gives an answer wins):
 3. what the quant method requires;
 4. what the expert backend requires (e.g. a kernel that quantizes internally wants unquantized input);
 5. the device's default;
-6. the library default: FP8 when the experts accept FP8, else the layer's own activation dtype.
+6. the library default: FP8 when the experts accept FP8, else the layer's own activation dtype,
+   else BF16.
 
 The answer is then validated against the device: FP8 where the device has no FP8 becomes INT8 (with a
 warning), INT8 where INT8 dispatch is unsupported becomes FP8, NVFP4 where unsupported is rejected.
@@ -61,6 +62,10 @@ class DispatchDtype(enum.Enum):
     def parse(cls, value: Union[DispatchDtype, str]) -> DispatchDtype:
         if isinstance(value, DispatchDtype):
             return value
+        if not isinstance(value, str):  # e.g. a torch.dtype: say so instead of an AttributeError
+            raise DispatchDtypeError(
+                f"a dispatch dtype must be a DispatchDtype or its name (e.g. 'bf16'), got "
+                f"{type(value).__name__} {value!r}")
         key = value.strip().lower().replace("-", "_")
         key = _ALIASES.get(key, key)
         for member in cls:
@@ -237,6 +242,8 @@ def _by_priority(
     own = DType.from_torch(activation_dtype)
     if own in accept:
         return DispatchDecision(DispatchDtype.from_dtype(own), DispatchRule.LIBRARY_DEFAULT)
+    if DType.BF16 in accept:
+        return DispatchDecision(DispatchDtype.BF16, DispatchRule.LIBRARY_DEFAULT)
     raise DispatchDtypeError(
         f"no default dispatch dtype fits: {experts_name} accept {_names(accept)} and the layer computes "
         f"in {own.value}; set dispatch_dtype explicitly"

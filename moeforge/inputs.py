@@ -13,6 +13,7 @@ import torch
 from moeforge.errors import InputError
 
 FLOAT_TYPES = (torch.bfloat16, torch.float16, torch.float32)
+LOGIT_TYPES = FLOAT_TYPES + (torch.float64,)  # routing runs in fp32 whatever the logits' dtype
 
 
 def check_hidden_states(x: object, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -38,8 +39,8 @@ def check_router_logits(
         raise InputError(
             f"router_logits must be [{tokens}, {num_experts}] (tokens x experts), got shape "
             f"{tuple(logits.shape)}")
-    if logits.dtype not in FLOAT_TYPES:
-        raise InputError(f"router_logits must be bf16, fp16 or fp32, got {logits.dtype}")
+    if logits.dtype not in LOGIT_TYPES:
+        raise InputError(f"router_logits must be a float tensor (bf16, fp16, fp32, fp64), got {logits.dtype}")
     if logits.device != device:
         raise InputError(f"router_logits must be on the layer's device {device}, got {logits.device}")
     if debug and not bool(torch.isfinite(logits).all()):

@@ -12,6 +12,7 @@ from moeforge.backend import Backend, resolve_backend
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
 from moeforge.errors import InputError
 from moeforge.inputs import check_hidden_states, check_router_logits
+from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import ExpertRows, MoEInput, MoEOutput, RoutedTokens
 from moeforge.pipeline import Pipeline
 from moeforge.quant.base import QuantMethod
@@ -20,6 +21,7 @@ from moeforge.shared_experts import SharedExperts, SharedExpertsConfig
 from moeforge.spec import DType, RoutingWeights, input_spec
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
+from moeforge.stages.aligned import AlignDispatch, AlignedCombine, TritonTopK
 from moeforge.stages.combine import Combine
 from moeforge.stages.dispatch import PaddedDispatch, SortedDispatch
 from moeforge.stages.topk import RoutingConfig, TopK
@@ -38,15 +40,17 @@ class MoELayer(nn.Module):
             weights are applied and the routed scaling factor.
         activation: the expert activation (:class:`~moeforge.ActivationConfig`).
         quant: the quant method that owns the expert weights (default: unquantized).
-        dispatcher: ``"sorted"`` (expert-sorted rows), ``"padded"`` (``[E, capacity, H]``) or a
-            dispatch stage instance.
+        dispatcher: ``"auto"`` (block-aligned on the triton backend, expert-sorted on torch),
+            ``"sorted"`` (expert-sorted rows), ``"padded"`` (``[E, capacity, H]``), ``"aligned"``
+            (triton only) or a dispatch stage instance.
         dispatch_dtype: ``"auto"`` or a :class:`~moeforge.DispatchDtype` / name; resolved once by
             :func:`~moeforge.resolve_dispatch_dtype` (see ``describe()`` for the deciding rule).
         shared_experts: a :class:`~moeforge.SharedExpertsConfig`, or ``None``.
         expert_bias: whether the experts' two GEMMs have biases (GPT-OSS).
         router: whether the layer owns the router linear; without it, ``forward`` needs
             ``router_logits``.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` (triton on CUDA when Triton is installed, else torch), ``"torch"`` or
+            ``"triton"``.
         dtype, device: of the parameters and of the activations the layer takes.
         debug: check every payload against its spec and reject non-finite router logits.
         environ: where the process default ``MOEFORGE_DISPATCH_DTYPE`` is read (default
@@ -63,7 +67,7 @@ class MoELayer(nn.Module):
         routing: RoutingConfig = RoutingConfig(),
         activation: ActivationConfig = ActivationConfig(),
         quant: Optional[QuantMethod] = None,
-        dispatcher: DispatcherChoice = "sorted",
+        dispatcher: DispatcherChoice = "auto",
         dispatch_dtype: Union[DispatchDtype, str] = "auto",
         shared_experts: Optional[SharedExpertsConfig] = None,
         expert_bias: bool = False,
@@ -111,6 +115,7 @@ class MoELayer(nn.Module):
         self.shared_experts: Optional[SharedExperts] = None
         if shared_experts is not None:
             self.shared_experts = SharedExperts(hidden_size, shared_experts, dtype=dtype, device=device)
+        self.replaced_stages: list[tuple[Union[int, str], Stage[Any, Any]]] = []
         self.dispatch_decision: DispatchDecision
         self.pipeline: Pipeline[MoEInput, MoEOutput]
         self.rebuild_pipeline()
@@ -118,7 +123,10 @@ class MoELayer(nn.Module):
     # -- building ---------------------------------------------------------------------------------
 
     def rebuild_pipeline(self) -> None:
-        """Resolve the dispatch dtype and build + validate the pipeline from the current settings."""
+        """Resolve the dispatch dtype and build + validate the pipeline from the current settings.
+
+        Stages swapped in with :meth:`replace_stage` are applied again, in order, to the rebuilt
+        pipeline (and validated again)."""
         compute = DType.from_torch(self.dtype)
         self.dispatch_decision = resolve_dispatch_dtype(
             self.dispatch_dtype_setting,
@@ -130,38 +138,70 @@ class MoELayer(nn.Module):
             experts_name=f"experts ({self.quant.name})",
         )
         routing = self.routing
+        triton = self.backend is Backend.TRITON
+        configs = self._kernel_configs() if triton else None
         selection_bias = ParamRef(self, "e_score_correction_bias") if routing.selection_bias else None
-        stages: list[Stage[Any, Any]] = [TopK(self.num_experts, self.top_k, routing, selection_bias)]
+        topk_class = TritonTopK if triton else TopK
+        stages: list[Stage[Any, Any]] = [topk_class(self.num_experts, self.top_k, routing, selection_bias)]
         quantize = self.quant.quantize_stage(self.dispatch_decision.dtype, compute)
         if quantize is not None:
             stages.append(quantize)
-        stages.append(self._dispatch_stage())
+        stages.append(self._dispatch_stage(configs))
         stages += self.quant.expert_stages(
             self, activation=self.activation,
-            routing_weights_in_epilogue=routing.apply_weights is RoutingWeights.IN_GEMM_EPILOGUE)
+            routing_weights_in_epilogue=routing.apply_weights is RoutingWeights.IN_GEMM_EPILOGUE,
+            backend=self.backend, configs=configs)
         folded = routing.scaling_in_weights or routing.routed_scaling_factor == 1.0
-        stages.append(Combine(
+        combine_class = AlignedCombine if triton and self._aligned() else Combine
+        stages.append(combine_class(
             apply_routing_weights=routing.apply_weights is RoutingWeights.IN_COMBINE,
             routed_scaling_factor=None if folded else routing.routed_scaling_factor,
             out_dtype=compute,
         ))
         spec = input_spec(self.hidden_size, self.dtype, self.num_experts)
         notes = [self.dispatch_decision.explain(), f"backend {self.backend.value}"]
-        self.pipeline = Pipeline(stages, spec, debug=self.debug, notes=notes)
+        pipeline: Pipeline[MoEInput, MoEOutput] = Pipeline(stages, spec, debug=self.debug, notes=notes)
+        for which, stage in self.replaced_stages:
+            pipeline = pipeline.replace(which, stage)
+        self.pipeline = pipeline
 
-    def _dispatch_stage(self) -> Stage[RoutedTokens, ExpertRows]:
+    def _kernel_configs(self) -> ConfigTable:
+        device = self._device()
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        return ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
+                                DType.from_torch(self.dtype).value)
+
+    def _aligned(self) -> bool:
+        return self.dispatcher in ("auto", "aligned")
+
+    def _dispatch_stage(self, configs: Optional[ConfigTable]) -> Stage[RoutedTokens, Any]:
         on_input = self.routing.apply_weights is RoutingWeights.ON_INPUT
         if isinstance(self.dispatcher, Stage):
             return self.dispatcher
-        if self.dispatcher == "sorted":
+        choice = self.dispatcher
+        if choice == "auto":
+            choice = "aligned" if self.backend is Backend.TRITON else "sorted"
+        if choice == "sorted":
             return SortedDispatch(self.num_experts, apply_routing_weights=on_input)
-        if self.dispatcher == "padded":
+        if choice == "padded":
             return PaddedDispatch(self.num_experts, apply_routing_weights=on_input)
-        raise InputError(f"dispatcher must be 'sorted', 'padded' or a dispatch Stage, got {self.dispatcher!r}")
+        if choice == "aligned":
+            if configs is None:
+                raise InputError("dispatcher='aligned' needs backend='triton'")
+            if on_input:
+                raise InputError("the triton backend does not apply routing weights on the input yet "
+                                 "(RoutingWeights.ON_INPUT): use backend='torch'")
+            return AlignDispatch(self.num_experts, configs)
+        raise InputError("dispatcher must be 'auto', 'sorted', 'padded', 'aligned' or a dispatch Stage, "
+                         f"got {self.dispatcher!r}")
 
     def replace_stage(self, which: Union[int, str], stage: Stage[Any, Any]) -> None:
-        """Swap one stage of this layer's pipeline (validated again) — e.g. a custom activation."""
+        """Swap one stage of this layer's pipeline (validated again) — e.g. a custom activation.
+
+        The replacement is remembered: :meth:`rebuild_pipeline` (and so
+        :meth:`process_weights_after_loading`) applies it again."""
         self.pipeline = self.pipeline.replace(which, stage)
+        self.replaced_stages.append((which, stage))
 
     def process_weights_after_loading(self) -> None:
         """Let the quant method repack loaded weights, then rebuild the pipeline."""

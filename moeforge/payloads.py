@@ -63,6 +63,8 @@ class Activations:
         else:
             expected = lead + (spec.width // 16,)
         _expect(tuple(scale.shape) == expected, f"{where}.scale shape", tuple(scale.shape), expected)
+        if layout is not ScaleLayout.NVFP4_BLOCK16:
+            _expect(scale.dtype == torch.float32, f"{where}.scale dtype", scale.dtype, "float32")
 
 
 @attrs.frozen
@@ -98,6 +100,9 @@ class TopKOutput:
             low, high = int(self.ids.min()), int(self.ids.max())
             _expect(low >= 0 and high < spec.num_experts, "topk.ids range", (low, high),
                     f"[0, {spec.num_experts})")
+            ordered = torch.sort(self.ids, dim=-1).values
+            repeated = bool((ordered[:, 1:] == ordered[:, :-1]).any())
+            _expect(not repeated, "topk.ids", "a token routed to the same expert twice", "distinct experts")
 
 
 @attrs.frozen
@@ -154,10 +159,6 @@ class ExpertRows:
 
     def with_x(self, x: Activations) -> Self:
         return attrs.evolve(self, x=x)
-
-    @property
-    def num_experts(self) -> int:
-        raise NotImplementedError
 
 
 @attrs.frozen
@@ -232,6 +233,57 @@ class PaddedRows(ExpertRows):
 
 
 @attrs.frozen
+class AlignedPlan:
+    """The ``BLOCK_ALIGNED`` routing plan (Triton fused-MoE style), all on the device.
+
+    ``sorted_ids`` lists copy indices ``t * top_k + k`` grouped by expert, each expert's run padded
+    with the sentinel ``num_tokens * top_k`` to a multiple of ``block_m``; ``block_expert[b]`` is the
+    local expert of block ``b``; ``num_padded`` (1 element, int32) is the used length of
+    ``sorted_ids``; ``weights [T * top_k]`` are the routing weights in copy order (fp32).
+    """
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    weights: torch.Tensor
+    block_m: int
+    top_k: int
+    num_tokens: int
+
+    @property
+    def num_copies(self) -> int:
+        return self.num_tokens * self.top_k
+
+
+@attrs.frozen
+class AlignedRows(ExpertRows):
+    """Expert-grouped rows described by an :class:`AlignedPlan`, never physically sorted.
+
+    When ``copy_major`` is false, ``x.data`` is still token-major ``[T, W]`` and copy ``c`` reads row
+    ``c // top_k`` (the first GEMM gathers by index); when true, ``x.data`` is ``[T * top_k, W]`` with
+    one row per copy, in copy order (what the GEMMs write).
+    """
+
+    plan: AlignedPlan
+    copy_major: bool
+
+    def check(self, spec: Spec) -> None:
+        _expect(spec.layout is Layout.BLOCK_ALIGNED, "layout", "AlignedRows", spec.layout.value)
+        _expect(self.x.data.dim() == 2, "x.data rank", self.x.data.dim(), 2)
+        self.x.check(spec, "x")
+        rows = self.plan.num_copies if self.copy_major else self.plan.num_tokens
+        _expect(self.x.data.shape[0] == rows, "x.data rows", self.x.data.shape[0], rows)
+        _expect(self.plan.top_k == spec.top_k, "plan.top_k", self.plan.top_k, spec.top_k)
+        used = int(self.plan.num_padded.item())
+        _expect(used % self.plan.block_m == 0 and used <= self.plan.sorted_ids.numel(), "plan.num_padded",
+                used, f"a multiple of block_m={self.plan.block_m} <= {self.plan.sorted_ids.numel()}")
+        if used and spec.num_experts is not None:
+            experts = self.plan.block_expert[: used // self.plan.block_m]
+            _expect(bool(((experts >= 0) & (experts < spec.num_experts)).all()), "plan.block_expert",
+                    "out of range", f"[0, {spec.num_experts})")
+
+
+@attrs.frozen
 class MoEOutput:
     """The combined output, token-major ``[T, H]``."""
 
@@ -243,11 +295,11 @@ class MoEOutput:
         Activations(self.hidden_states).check(spec, "hidden_states")
 
 
-Payload = Union[MoEInput, RoutedTokens, SortedRows, PaddedRows, MoEOutput]
+Payload = Union[MoEInput, RoutedTokens, SortedRows, PaddedRows, AlignedRows, MoEOutput]
 
 
 def check_payload(payload: object, spec: Spec) -> None:
     """Raise :class:`PayloadError` unless ``payload`` matches ``spec``."""
-    if not isinstance(payload, (MoEInput, RoutedTokens, SortedRows, PaddedRows, MoEOutput)):
+    if not isinstance(payload, (MoEInput, RoutedTokens, SortedRows, PaddedRows, AlignedRows, MoEOutput)):
         raise PayloadError(f"{type(payload).__name__} is not a pipeline payload")
     payload.check(spec)

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from moeforge.spec import RoutingWeights
+from moeforge.stage import StageKind
 from moeforge.stages.activation import ActivationConfig, apply_activation
 from moeforge.stages.topk import RoutingConfig, select_experts
 
@@ -64,6 +65,12 @@ def layer_reference(
 
     if not isinstance(layer, MoELayer) or not isinstance(layer.quant, UnquantizedMethod):
         raise TypeError("layer_reference needs an MoELayer with the unquantized method")
+    # A replaced dispatch or quantize stage moves or rounds rows without changing the math; any other
+    # replacement (routing, GEMM, activation, combine) would make this reference wrong.
+    neutral = {StageKind.DISPATCH, StageKind.QUANTIZE}
+    if any(set(stage.kinds) - neutral for _, stage in layer.replaced_stages):
+        raise TypeError("layer_reference computes the built-in stages' math; this layer has custom stages "
+                        "(replace_stage), so it would give a wrong reference")
     x = hidden_states.reshape(-1, layer.hidden_size)
     if router_logits is None:
         router_logits = layer.router_logits(x)

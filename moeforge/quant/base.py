@@ -12,12 +12,14 @@ and the contract checker.
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 
+from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.payloads import ExpertRows, RoutedTokens
+from moeforge.kernels.config import ConfigTable
+from moeforge.payloads import RoutedTokens
 from moeforge.spec import DType, GroupListType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
@@ -75,8 +77,12 @@ class QuantMethod(abc.ABC):
         *,
         activation: ActivationConfig,
         routing_weights_in_epilogue: bool,
-    ) -> list[Stage[ExpertRows, ExpertRows]]:
-        """The stages from dispatched rows to expert outputs (typically GEMM, activation, GEMM)."""
+        backend: Backend = Backend.TORCH,
+        configs: Optional[ConfigTable] = None,
+    ) -> list[Stage[Any, Any]]:
+        """The stages from dispatched rows to expert outputs (typically GEMM, activation, GEMM) for
+        ``backend``; ``configs`` are the triton launch configurations shared with the dispatch.
+        A method without stages for ``backend`` raises :class:`BackendUnavailableError`."""
 
     @abc.abstractmethod
     def apply_without_routing_weights(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 
+from moeforge.backend import Backend
 from moeforge.errors import InputError
-from moeforge.payloads import Activations, ExpertRows
+from moeforge.kernels.config import ConfigTable
+from moeforge.payloads import Activations
 from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
@@ -54,10 +56,22 @@ class UnquantizedMethod(QuantMethod):
         *,
         activation: ActivationConfig,
         routing_weights_in_epilogue: bool,
-    ) -> list[Stage[ExpertRows, ExpertRows]]:
+        backend: Backend = Backend.TORCH,
+        configs: Optional[ConfigTable] = None,
+    ) -> list[Stage[Any, Any]]:
         def bias(name: str) -> Optional[ParamRef]:
             return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
 
+        if backend is Backend.TRITON:
+            from moeforge.stages.aligned import FusedGroupedGemm
+
+            if configs is None:
+                raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
+            return [
+                FusedGroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), configs, bias(B13), activation),
+                FusedGroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), configs, bias(B2),
+                                 apply_routing_weights=routing_weights_in_epilogue),
+            ]
         return [
             GroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), bias(B13),
                         accepts_dtypes=self.accepts, accepts_scales=self.accepts_scales),
@@ -80,27 +94,42 @@ class UnquantizedMethod(QuantMethod):
             raise InputError("hidden_states_scale must be None: UnquantizedMethod takes float activations")
         if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
-        kind = GroupListType(int(group_list_type))
+        kind = _group_list_type(group_list_type)
         w13, w2 = getattr(layer, W13), getattr(layer, W2)
         b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
-        num_experts = w13.shape[0]
+        num_experts, hidden_size = w13.shape[0], w13.shape[2]
         if group_list.dim() != 1 or group_list.shape[0] != num_experts:
             raise InputError(f"group_list must be [num_experts={num_experts}], got {tuple(group_list.shape)}")
+        if hidden_states.dim() not in (2, 3):
+            raise InputError(f"hidden_states must be [R, H] or [E, C, H], got {tuple(hidden_states.shape)}")
+        # Check against the weights here: a mismatch would otherwise surface as a matmul shape error.
+        if hidden_states.shape[-1] != hidden_size or (
+                hidden_states.dim() == 3 and hidden_states.shape[0] != num_experts):
+            want = f"[R, {hidden_size}] or [{num_experts}, C, {hidden_size}]"
+            raise InputError(f"hidden_states must be {want} to match the expert weights, got "
+                             f"{tuple(hidden_states.shape)}")
         config: ActivationConfig = getattr(layer, "activation")
         if hidden_states.dim() == 3:
             if kind is not GroupListType.COUNT:
                 raise InputError("padded hidden_states [E, C, H] need group_list_type=1 (counts)")
-            hidden = grouped_gemm_padded(Activations(hidden_states), w13, b13, None, torch.float32)
-            return grouped_gemm_padded(Activations(apply_activation(hidden, config)), w2, b2, None,
-                                       output_dtype)
-        if hidden_states.dim() != 2:
-            raise InputError(f"hidden_states must be [R, H] or [E, C, H], got {tuple(hidden_states.shape)}")
+            # Intermediates are rounded to the activations' dtype, as the pipeline's stages do.
+            hidden = grouped_gemm_padded(Activations(hidden_states), w13, b13, None, hidden_states.dtype)
+            activated = apply_activation(hidden, config).to(hidden_states.dtype)
+            return grouped_gemm_padded(Activations(activated), w2, b2, None, output_dtype)
         counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
             group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
         if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
             raise InputError(
                 f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "
                 f"{counts.tolist()}; hidden_states has {hidden_states.shape[0]} rows")
-        hidden = grouped_gemm_sorted(Activations(hidden_states), counts, w13, b13, None, torch.float32)
-        return grouped_gemm_sorted(Activations(apply_activation(hidden, config)), counts, w2, b2, None,
-                                   output_dtype)
+        hidden = grouped_gemm_sorted(Activations(hidden_states), counts, w13, b13, None, hidden_states.dtype)
+        activated = apply_activation(hidden, config).to(hidden_states.dtype)
+        return grouped_gemm_sorted(Activations(activated), counts, w2, b2, None, output_dtype)
+
+
+def _group_list_type(value: object) -> GroupListType:
+    if isinstance(value, GroupListType):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+        return GroupListType(value)
+    raise InputError(f"group_list_type must be 0 (cumsum) or 1 (counts), got {value!r}")

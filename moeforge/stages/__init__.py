@@ -13,6 +13,7 @@ from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, gro
 from moeforge.stages.quantize import (
     Cast,
     PerGroupQuantizer,
+    PerTensorQuantizer,
     PerTokenQuantizer,
     Quantizer,
     QuantizeRows,
@@ -35,7 +36,7 @@ __all__ = [
     "Combine", "combine_rows",
     "Overflow", "PaddedDispatch", "SortedDispatch",
     "GemmRole", "GroupedGemm", "grouped_gemm_padded", "grouped_gemm_sorted",
-    "Cast", "PerGroupQuantizer", "PerTokenQuantizer", "Quantizer", "QuantizeRows", "QuantizeTokens",
+    "Cast", "PerGroupQuantizer", "PerTensorQuantizer", "PerTokenQuantizer", "Quantizer", "QuantizeRows", "QuantizeTokens",
     "dequantize", "quantizer_for",
     "CustomTopK", "GroupScore", "RoutingConfig", "Scoring", "ScoreOrder", "TopK", "select_experts",
 ]

@@ -40,15 +40,18 @@ def combine_rows(
     ``row_weight=None`` sums unweighted.
     """
     tokens, top_k = token_rows.shape
+    out = torch.zeros(tokens, rows.shape[-1], dtype=torch.float32, device=rows.device)
+    if rows.shape[0] == 0:  # no rows here (every copy is on another rank): nothing to gather
+        return out.to(out_dtype)
     present = token_rows >= 0
     index = token_rows.clamp(min=0)
     gathered = rows.float()[index.reshape(-1)].view(tokens, top_k, rows.shape[-1])
-    factor = present.float()
-    if row_weight is not None:
-        factor = factor * row_weight.float()[index]
-    out = torch.zeros(tokens, rows.shape[-1], dtype=torch.float32, device=rows.device)
+    # An absent copy gathered row 0 as a placeholder: zero it rather than multiply it by 0, so an
+    # inf or NaN in that unrelated row cannot leak into this token as NaN.
+    gathered.masked_fill_(~present.unsqueeze(-1), 0.0)
+    weight = row_weight.float()[index] if row_weight is not None else None
     for k in range(top_k):
-        out += gathered[:, k] * factor[:, k, None]
+        out += gathered[:, k] if weight is None else gathered[:, k] * weight[:, k, None]
     if scaling_factor is not None:
         out *= scaling_factor
     return out.to(out_dtype)

@@ -87,6 +87,27 @@ class PerTokenQuantizer(Quantizer):
 
 
 @attrs.frozen
+class PerTensorQuantizer(Quantizer):
+    """Symmetric dynamic quantization with one fp32 scale for the whole tensor: FP8-e4m3 or INT8."""
+
+    dtype: DType = DType.FP8_E4M3
+    scale_layout: ScaleLayout = attrs.field(default=ScaleLayout.PER_TENSOR, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.dtype not in (DType.FP8_E4M3, DType.INT8):
+            raise ValueError(f"per-tensor quantization supports fp8_e4m3 and int8, got {self.dtype.value}")
+
+    def __call__(self, x: torch.Tensor) -> Activations:
+        qmax = FP8_MAX if self.dtype is DType.FP8_E4M3 else INT8_MAX
+        x = x.float()
+        amax = x.abs().amax() if x.numel() else x.new_zeros(())  # an empty batch still gets a scale
+        scale = (amax.clamp(min=_TINY) / qmax).reshape(1)
+        scaled = (x / scale).clamp(-qmax, qmax)
+        data = scaled.round().to(torch.int8) if self.dtype is DType.INT8 else scaled.to(torch.float8_e4m3fn)
+        return Activations(data, scale)
+
+
+@attrs.frozen
 class PerGroupQuantizer(Quantizer):
     """FP8-e4m3 with one fp32 scale per 128 consecutive elements of a row (DeepSeek-V3 style)."""
 
@@ -102,7 +123,9 @@ class PerGroupQuantizer(Quantizer):
         lead, width = x.shape[:-1], x.shape[-1]
         grouped = _symmetric(x.reshape(*lead, width // GROUP_SIZE, GROUP_SIZE), FP8_MAX, self.dtype)
         assert grouped.scale is not None
-        return Activations(grouped.data.reshape(*lead, width), grouped.scale.reshape(*lead, -1))
+        # An explicit group count (not -1): an empty batch has nothing to infer -1 from.
+        scale = grouped.scale.reshape(*lead, width // GROUP_SIZE)
+        return Activations(grouped.data.reshape(*lead, width), scale)
 
 
 def dequantize(x: Activations, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -114,7 +137,9 @@ def dequantize(x: Activations, dtype: torch.dtype = torch.float32) -> torch.Tens
     scale = x.scale.float()
     if scale.shape[-1] not in (1, values.shape[-1]) and scale.dim() == values.dim():
         groups = scale.shape[-1]
-        values = values.reshape(*values.shape[:-1], groups, -1) * scale.unsqueeze(-1)
+        # An explicit group size (not -1): an empty batch has nothing to infer -1 from.
+        values = values.reshape(*values.shape[:-1], groups, values.shape[-1] // groups)
+        values = values * scale.unsqueeze(-1)
         return values.reshape(data.shape).to(dtype)
     return (values * scale).to(dtype)
 

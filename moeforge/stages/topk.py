@@ -91,7 +91,23 @@ def select_experts(
     config: RoutingConfig,
     selection_bias: Optional[torch.Tensor] = None,
 ) -> TopKOutput:
-    """The routing math, in fp32: returns weights ``[T, k]`` (fp32) and ids ``[T, k]`` (int32)."""
+    """The routing math, in fp32: returns weights ``[T, k]`` (fp32) and ids ``[T, k]`` (int32).
+
+    Raises :class:`~moeforge.InputError` when ``top_k`` or the grouping does not fit the number of
+    experts (``router_logits.shape[-1]``): without the check, a too-large ``top_k`` would silently
+    return fewer columns, or pick experts from groups that were masked out.
+    """
+    _check_sizes(int(router_logits.shape[-1]), top_k, config)
+    return _route(router_logits, top_k, config, selection_bias)
+
+
+def _route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    config: RoutingConfig,
+    selection_bias: Optional[torch.Tensor],
+) -> TopKOutput:
+    """:func:`select_experts` without the size checks (the stages check once, when built)."""
     logits = router_logits.float()
     if config.order is ScoreOrder.SELECT_THEN_SCORE:
         choice = logits if selection_bias is None else logits + selection_bias.float()
@@ -201,7 +217,7 @@ class TopK(_RoutingStage):
 
     def __call__(self, x: MoEInput) -> RoutedTokens:
         bias = resolve(self.selection_bias) if self.selection_bias is not None else None
-        topk = select_experts(x.router_logits, self.top_k, self.config, bias)
+        topk = _route(x.router_logits, self.top_k, self.config, bias)
         return RoutedTokens(x=Activations(x.hidden_states), topk=topk)
 
 
@@ -215,6 +231,10 @@ class CustomTopK(_RoutingStage):
     The function returns float weights and integer ids of shape ``[T, top_k]``; they are converted to
     fp32 / int32. ``scaling_factor`` declares whether the function already folded a routed scaling
     factor into its weights.
+
+    The function's output is user code, so every call checks it (shapes, dtypes, device, and the id
+    range, which reads the ids: one host sync) and raises :class:`~moeforge.InputError`: an id out of
+    ``[0, num_experts)`` would otherwise index the expert weights out of bounds, or crash the dispatch.
     """
 
     num_experts: int
@@ -234,8 +254,31 @@ class CustomTopK(_RoutingStage):
 
     def __call__(self, x: MoEInput) -> RoutedTokens:
         weights, ids = self.fn(x.hidden_states, x.router_logits, self.top_k)
+        self._check_output(weights, ids, x.router_logits)
         topk = TopKOutput(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
         return RoutedTokens(x=Activations(x.hidden_states), topk=topk)
+
+    def _check_output(self, weights: object, ids: object, logits: torch.Tensor) -> None:
+        where = f"{self.summary()}: the routing function returned"
+        if not isinstance(weights, torch.Tensor) or not isinstance(ids, torch.Tensor):
+            raise InputError(f"{where} {type(weights).__name__} weights and {type(ids).__name__} ids; "
+                             "it must return (weights, ids) tensors")
+        want = (int(logits.shape[0]), self.top_k)
+        for name, tensor in (("weights", weights), ("ids", ids)):
+            if tuple(tensor.shape) != want:
+                raise InputError(f"{where} {name} of shape {tuple(tensor.shape)}; expected {want} "
+                                 "(tokens x top_k)")
+            if tensor.device != logits.device:
+                raise InputError(f"{where} {name} on {tensor.device}; expected {logits.device}")
+        if not weights.is_floating_point():
+            raise InputError(f"{where} weights of dtype {weights.dtype}; expected a float dtype")
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise InputError(f"{where} ids of dtype {ids.dtype}; expected an integer dtype")
+        if ids.numel():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.num_experts:
+                raise InputError(f"{where} expert ids in [{low}, {high}]; ids must be in "
+                                 f"[0, num_experts={self.num_experts})")
 
 
 RoutingStage = Union[TopK, CustomTopK]

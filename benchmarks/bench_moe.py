@@ -1,0 +1,162 @@
+"""Benchmark the triton backend's MoE forward against the hardware roofline (CUDA only).
+
+    python benchmarks/bench_moe.py [--shapes mixtral,qwen3 ...] [--tokens 1,8,...] [--out FILE]
+
+For each shape (experts E, top-k k, hidden H, intermediate I) and token count M it times, as CUDA
+graph replays with the L2 flushed before every replay, on random (never zero) bf16 data:
+
+* ``experts``: from top-k ids/weights to the combined output (alignment, both GEMMs, activation,
+  combine) -- the pipeline without its top-k stage;
+* ``layer``: the whole layer forward from router logits.
+
+The roofline is measured in the same run: the bf16 matmul peak (8192^3) and the device-to-device copy
+bandwidth. roofline time = max(flops / peak, bytes / bandwidth) with flops = 2 M k (H 2I + I H) and
+bytes = the weights of the experts actually used + input + output. It prints a table and writes JSON
+(device, commit, date, peak_tflops, bandwidth_tbps, records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moeforge as mf  # noqa: E402
+from moeforge.kernels.config import device_key  # noqa: E402
+from moeforge.payloads import Activations, MoEInput, RoutedTokens, TopKOutput  # noqa: E402
+
+SHAPES = {
+    "mixtral": (8, 2, 4096, 14336),
+    "qwen3": (128, 8, 2048, 768),
+    "deepseek": (256, 8, 7168, 2048),
+    "gptoss": (128, 4, 2880, 2880),
+}
+TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
+FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def _graph(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_graph(fn: Callable[[], Any], reps: int, flush: torch.Tensor) -> float:
+    """Median microseconds of one replay, L2 flushed before each."""
+    graph = _graph(fn)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def measure_peak(flush: torch.Tensor) -> tuple[float, float]:
+    """(bf16 matmul TFLOP/s on 8192^3 random data, device copy TB/s counting read + write)."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    us = time_graph(lambda: torch.mm(a, b, out=out), 20, flush)
+    tflops = 2 * n**3 / (us * 1e-6) / 1e12
+    src = torch.randn(512 * 1024 * 1024 // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    us = time_graph(lambda: dst.copy_(src), 20, flush)
+    tbps = 2 * src.numel() * 2 / (us * 1e-6) / 1e12
+    return tflops, tbps
+
+
+def roofline_us(shape: tuple[int, int, int, int], tokens: int, ids: torch.Tensor, peak: float, bw: float) -> tuple[float, float]:
+    experts, top_k, hidden, inter = shape
+    flops = 2 * tokens * top_k * (hidden * 2 * inter + inter * hidden)
+    used = int(torch.unique(ids).numel())
+    weight_bytes = used * (2 * inter * hidden + hidden * inter) * 2
+    io_bytes = 2 * tokens * hidden * 2
+    seconds = max(flops / (peak * 1e12), (weight_bytes + io_bytes) / (bw * 1e12))
+    return seconds * 1e6, flops
+
+
+def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float, flush: torch.Tensor,
+                reps: int) -> list[dict[str, Any]]:
+    experts, top_k, hidden, inter = SHAPES[name]
+    layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda",
+                        backend="triton")
+    experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
+    records = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(tokens, experts, device="cuda", dtype=torch.float32)
+        topk = mf.stages.select_experts(logits, top_k, layer.routing)
+        routed = RoutedTokens(Activations(x), TopKOutput(topk.weights, topk.ids))
+        roof, flops = roofline_us(SHAPES[name], tokens, topk.ids, peak, bw)
+        with torch.no_grad():
+            for what, fn in (("experts", lambda: experts_only(routed)),
+                             ("layer", lambda: layer.pipeline(MoEInput(x, logits)))):
+                us = time_graph(fn, reps, flush)
+                records.append(dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=what,
+                                    median_us=round(us, 2), roofline_us=round(roof, 2),
+                                    tflops=round(flops / (us * 1e-6) / 1e12, 1),
+                                    pct_roofline=round(100 * roof / us, 1)))
+                print(f"{name:9s} M={tokens:6d} {what:8s} {us:10.1f} us  roofline {roof:9.1f} us  "
+                      f"{100 * roof / us:5.1f}%  {flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s", flush=True)
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<date>.json)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_moe.py needs a CUDA device")
+    torch.manual_seed(0)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    peak, bw = measure_peak(flush)
+    device = torch.cuda.get_device_name()
+    print(f"{device}: bf16 matmul {peak:.0f} TFLOP/s, copy {bw:.2f} TB/s")
+    records = []
+    for name in args.shapes.split(","):
+        records += bench_shape(name, tuple(int(t) for t in args.tokens.split(",")), peak, bw, flush, args.reps)
+        torch.cuda.empty_cache()  # the layer of this shape is gone: free its weights for the next
+    experts_pct = [r["pct_roofline"] for r in records if r["what"] == "experts"]
+    geomean = math.exp(sum(math.log(p) for p in experts_pct) / len(experts_pct))
+    print(f"\ngeometric mean of % roofline (experts): {geomean:.1f}%  (min {min(experts_pct):.1f}%)")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = dict(device=device, commit=commit or "unknown", date=datetime.date.today().isoformat(),
+                  torch=torch.__version__, peak_tflops=round(peak, 1), bandwidth_tbps=round(bw, 3),
+                  geomean_pct_roofline_experts=round(geomean, 1), records=records)
+    out = Path(args.out) if args.out else (
+        Path(__file__).parent / "results" / f"bench_moe-{device_key(device)}-{result['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""A custom activation stage: SwiGLU with a learned per-expert scale, swapped into a layer.
+
+``y = scale[e] * silu(gate) * up`` for rows of expert ``e``. The scale is a parameter the layer
+owns; the stage refers to it by name (``mf.ParamRef``), so ``layer.to(...)`` or
+``load_state_dict`` are seen by the next call. The stage works on both expert-grouped layouts.
+
+Run it: ``python examples/custom_activation.py``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+import moeforge as mf
+from moeforge.spec import FLOAT_DTYPES
+from moeforge.stages import select_experts
+from moeforge.testing import assert_stage_honours_contract
+
+
+class ScaledSwiGLU(mf.Stage[mf.ExpertRows, mf.ExpertRows]):
+    """``[R, 2I]`` gate|up rows -> ``[R, I]``, each row scaled by its expert's learned scale."""
+
+    kinds: ClassVar = (mf.StageKind.ACTIVATION,)
+
+    def __init__(self, scale: mf.ParamRef) -> None:
+        self.scale = scale
+
+    def accepts(self) -> mf.Accepts:
+        # After the first GEMM, unquantized, for exactly as many experts as we have scales.
+        return mf.Accepts(kind=mf.PayloadKind.EXPERT_HIDDEN, dtype=FLOAT_DTYPES,
+                          scale_layout=mf.ScaleLayout.NONE, num_experts=self.scale.get().shape[0])
+
+    def check(self, spec: mf.Spec) -> list[mf.Mismatch]:
+        # A constraint that a set of allowed values cannot say: the width must split into gate | up.
+        found = super().check(spec)
+        if spec.width % 2:
+            found.append(mf.Mismatch("width", spec.width, "an even width",
+                                     "the first GEMM must produce 2 * intermediate (gate and up)"))
+        return found
+
+    def output_spec(self, spec: mf.Spec) -> mf.Spec:
+        return spec.evolve(width=spec.width // 2)  # same kind, layout and dtype, half the width
+
+    def __call__(self, x: mf.ExpertRows) -> mf.ExpertRows:
+        data = x.x.data.float()
+        gate, up = data.chunk(2, dim=-1)
+        scale = self.scale.get().float()
+        if isinstance(x, mf.SortedRows):  # rows grouped by expert: repeat each scale per row
+            row_scale = scale.repeat_interleave(x.counts(), output_size=data.shape[0])[:, None]
+        else:  # padded [E, C, W]: one scale per expert buffer
+            row_scale = scale[:, None, None]
+        y = F.silu(gate) * up * row_scale
+        return x.with_x(mf.Activations(y.to(x.x.data.dtype)))
+
+
+def reference(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The same layer written by hand, densely, in float64."""
+    topk = select_experts(logits, layer.top_k, layer.routing)
+    w13 = layer.get_parameter("w13_weight").double()  # [E, 2I, H]: gate rows, then up rows
+    w2 = layer.get_parameter("w2_weight").double()  # [E, H, I]
+    scale = layer.get_parameter("act_scale").double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for weight, e in zip(topk.weights[t].tolist(), topk.ids[t].tolist()):
+            gate, up = (x[t].double() @ w13[e].t()).chunk(2)
+            hidden = scale[e] * F.silu(gate) * up
+            out[t] += weight * (hidden @ w2[e].t())
+    return out
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    num_experts, top_k, hidden, intermediate = 4, 2, 16, 32
+    for dispatcher in ("sorted", "padded"):
+        layer = mf.MoELayer(num_experts, top_k, hidden, intermediate, dispatcher=dispatcher,
+                            dtype=torch.float32, environ={})
+        # The learned scale: one per expert, owned (and saved, and moved) by the layer.
+        layer.register_parameter("act_scale", torch.nn.Parameter(torch.rand(num_experts) + 0.5))
+        activation = ScaledSwiGLU(mf.ParamRef(layer, "act_scale"))
+
+        # Replace the built-in activation by name; the pipeline is validated again.
+        layer.replace_stage("Activate", activation)
+        print(next(line for line in layer.describe().splitlines() if "ScaledSwiGLU" in line))
+
+        # Property-test the stage on the spec it sees in this pipeline (the GEMM's output spec).
+        index = layer.pipeline.index("ScaledSwiGLU")
+        assert_stage_honours_contract(activation, layer.pipeline.specs[index - 1], max_examples=20)
+
+        x = torch.randn(7, hidden)
+        logits = layer.router_logits(x)
+        with torch.no_grad():
+            out = layer(x, logits)
+            expected = reference(layer, x, logits)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+        print(f"{dispatcher}: matches the hand-written reference "
+              f"(max error {(out.double() - expected).abs().max():.1e})")
+
+    # A mismatch is caught when the stage is plugged in, not at the first forward call: a plain
+    # (ungated) layer's first GEMM produces I values, not 2 * I, and I is odd here.
+    plain = mf.MoELayer(num_experts, top_k, hidden, 5, dtype=torch.float32, environ={},
+                        activation=mf.ActivationConfig(mf.ActivationKind.RELU2))
+    plain.register_parameter("act_scale", torch.nn.Parameter(torch.ones(num_experts)))
+    try:
+        plain.replace_stage("Activate", ScaledSwiGLU(mf.ParamRef(plain, "act_scale")))
+    except mf.ContractError as error:
+        print(f"\nrejected at build time:\n{error}")
+    else:
+        raise AssertionError("an odd width should not have been accepted")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Token alignment on the device: group the top-k copies by expert, padded to the GEMM's block size.
+
+Produces the ``BLOCK_ALIGNED`` layout the fused grouped GEMM reads: ``sorted_ids`` lists copy
+indices ``t * top_k + k`` grouped by expert, each expert's run padded with the sentinel
+``T * top_k`` to a multiple of ``block_m``; ``block_expert[b]`` is the expert of block ``b``;
+``num_padded`` (on the device) is the used length. Two launches, no host synchronisation, fixed
+output sizes: CUDA-graph capturable.
+
+Within an expert the order of copies is not fixed (the scatter uses atomics). That does not make
+results vary: every row of a grouped GEMM is computed independently of its neighbours, and the
+combine reads rows by copy index, not by position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _count_and_plan_kernel(
+    ids_ptr,
+    cursor_ptr,
+    block_expert_ptr,
+    sorted_ids_ptr,
+    num_padded_ptr,
+    num_copies,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # One program: histogram of expert ids, padded offsets, block -> expert table, sentinel fill.
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for start in range(0, num_copies, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_copies, other=BLOCK_E - 1)
+        hist = tl.histogram(ids, BLOCK_E)
+        # Masked lanes were counted in the last bin; remove them.
+        masked = tl.sum((offs >= num_copies).to(tl.int32), axis=0)
+        last = tl.arange(0, BLOCK_E) == BLOCK_E - 1
+        counts += hist - tl.where(last, masked, 0)
+    experts = tl.arange(0, BLOCK_E)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(cursor_ptr + experts, starts, mask=experts < num_experts)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    sentinel = num_copies
+    for expert in range(num_experts):
+        e_start = tl.sum(tl.where(experts == expert, starts, 0), axis=0)
+        e_count = tl.sum(tl.where(experts == expert, counts, 0), axis=0)
+        e_padded = tl.sum(tl.where(experts == expert, padded, 0), axis=0)
+        first_block = e_start // BLOCK_M
+        for block in range(first_block, first_block + e_padded // BLOCK_M):
+            tl.store(block_expert_ptr + block, expert)
+        pad = tl.arange(0, BLOCK_M)
+        tl.store(sorted_ids_ptr + e_start + e_count + pad, sentinel, mask=e_count + pad < e_padded)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_copies, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_copies
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    position = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+    tl.store(sorted_ids_ptr + position, offs, mask=mask)
+
+
+def max_padded_rows(num_copies: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of ``num_padded``: every expert that has a copy wastes at most ``block_m - 1``."""
+    return num_copies + min(num_experts, num_copies) * (block_m - 1)
+
+
+def align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sorted_ids, block_expert, num_padded)`` for ``topk_ids [T, K]`` (int32, on the device)."""
+    ids = topk_ids.reshape(-1)
+    num_copies = ids.numel()
+    size = max(max_padded_rows(num_copies, num_experts, block_m), block_m)
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(triton.cdiv(size, block_m), dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    block_e = max(triton.next_power_of_2(num_experts), 2)
+    _count_and_plan_kernel[(1,)](
+        ids, cursor, block_expert, sorted_ids, num_padded, num_copies, num_experts,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024,
+    )
+    if num_copies:
+        grid = (triton.cdiv(num_copies, 1024),)
+        _scatter_kernel[grid](ids, cursor, sorted_ids, num_copies, BLOCK=1024)
+    return sorted_ids, block_expert, num_padded

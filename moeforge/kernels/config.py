@@ -1,0 +1,115 @@
+"""Launch configurations of the grouped GEMMs: records, tuned tables per device, a fallback.
+
+A :class:`ConfigTable` maps a token count to the configurations of both GEMMs of one layer shape
+(they must share ``block_m``: the alignment is computed once for both). Tables tuned on a device
+live in ``moeforge/kernels/configs/<device>.json`` (written by ``benchmarks/tune_moe.py``); shapes
+or devices without a table use :func:`default_config`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+from importlib import resources
+from typing import Any, Optional
+
+import attrs
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@attrs.frozen
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def as_list(self) -> list[int]:
+        return [self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps, self.num_stages]
+
+
+@attrs.frozen
+class MoEConfig:
+    """Both GEMMs' configurations for one token count; they share ``block_m``."""
+
+    gate_up: GemmConfig
+    down: GemmConfig
+
+    def __attrs_post_init__(self) -> None:
+        if self.gate_up.block_m != self.down.block_m:
+            raise ValueError(f"both GEMMs must share block_m, got {self.gate_up.block_m} and {self.down.block_m}")
+
+    @property
+    def block_m(self) -> int:
+        return self.gate_up.block_m
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
+    """A reasonable configuration when no tuned table covers the shape.
+
+    Few rows per expert: the GEMMs are bound by reading the weights, so a small ``block_m`` wastes
+    no work on padding rows. Many rows: bound by arithmetic, so larger tiles reuse each loaded byte.
+    """
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        config = GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 64:
+        config = GemmConfig(32, 64, 128, group_m=8, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 256:
+        config = GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
+    else:
+        config = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
+    return MoEConfig(config, config)
+
+
+def device_key(name: str) -> str:
+    """A file-name-safe key for a device name, e.g. 'NVIDIA H100 80GB HBM3' -> 'nvidia_h100_80gb_hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def shape_key(num_experts: int, top_k: int, hidden: int, intermediate: int, dtype: str) -> str:
+    return f"E={num_experts},k={top_k},H={hidden},I={intermediate},{dtype}"
+
+
+@attrs.frozen
+class ConfigTable:
+    """Configurations by token count for one layer shape; ``lookup`` picks the nearest bucket."""
+
+    num_experts: int
+    top_k: int
+    tokens: tuple[int, ...] = ()
+    configs: tuple[MoEConfig, ...] = ()
+
+    def lookup(self, num_tokens: int) -> MoEConfig:
+        if not self.tokens:
+            return default_config(num_tokens, self.num_experts, self.top_k)
+        index = bisect.bisect_left(self.tokens, num_tokens)
+        if index == len(self.tokens):
+            index -= 1
+        elif index > 0 and num_tokens - self.tokens[index - 1] < self.tokens[index] - num_tokens:
+            index -= 1
+        return self.configs[index]
+
+    @classmethod
+    def from_json(cls, num_experts: int, top_k: int, entries: dict[str, Any]) -> ConfigTable:
+        items = sorted((int(m), MoEConfig(GemmConfig(**c["gate_up"]), GemmConfig(**c["down"])))
+                       for m, c in entries.items())
+        return cls(num_experts, top_k, tuple(m for m, _ in items), tuple(c for _, c in items))
+
+    @classmethod
+    def load(cls, device_name: Optional[str], num_experts: int, top_k: int, hidden: int,
+             intermediate: int, dtype: str) -> ConfigTable:
+        """The tuned table for this device and shape, or an empty table (heuristic fallback)."""
+        if device_name is None:
+            return cls(num_experts, top_k)
+        try:
+            text = resources.files("moeforge.kernels").joinpath(
+                f"configs/{device_key(device_name)}.json").read_text()
+        except (FileNotFoundError, OSError):
+            return cls(num_experts, top_k)
+        entries = json.loads(text).get(shape_key(num_experts, top_k, hidden, intermediate, dtype))
+        return cls.from_json(num_experts, top_k, entries) if entries else cls(num_experts, top_k)

@@ -1,0 +1,273 @@
+"""The Triton path: routing, block alignment, fused grouped GEMMs and combine on the device.
+
+These stages speak the same specs as the torch reference stages, so the contract checker treats them
+alike. The dispatch does not move rows: it computes a ``BLOCK_ALIGNED`` plan and the first GEMM gathers
+its input rows by index. The first GEMM can fuse the activation (then it covers the ``gemm`` and
+``activation`` kinds). Kernels run through the ``moeforge::`` custom ops (``torch.compile`` and CUDA
+graphs work); the ops module is imported when a stage is built, so ``import moeforge`` needs no Triton.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, ClassVar, Optional
+
+import attrs
+import torch
+
+from moeforge.errors import BackendUnavailableError, InputError
+from moeforge.kernels.config import ConfigTable, MoEConfig
+from moeforge.payloads import Activations, AlignedPlan, AlignedRows, MoEInput, MoEOutput, RoutedTokens, TopKOutput
+from moeforge.spec import (
+    Accepts,
+    DType,
+    ExpertIds,
+    Layout,
+    PayloadKind,
+    RoutingWeights,
+    ScaleLayout,
+    ScalingFactor,
+    Spec,
+)
+from moeforge.stage import Mismatch, Stage, StageKind
+from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout
+from moeforge.stages.gemm import GemmRole
+from moeforge.stages.topk import TopK
+from moeforge.tensor_ref import TensorSource, resolve
+
+KERNEL_DTYPES = frozenset({DType.BF16, DType.FP16, DType.FP32})
+
+
+def kernel_ops() -> ModuleType:
+    """The module registering the ``moeforge::`` custom ops (imports Triton)."""
+    try:
+        from moeforge.kernels import ops
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise BackendUnavailableError(f"the triton backend needs the 'triton' package: {error}") from error
+    return ops
+
+
+def act_code(config: ActivationConfig) -> int:
+    from moeforge.kernels import grouped_gemm as g
+
+    if config.kind is ActivationKind.GPT_OSS_SWIGLU:
+        return g.ACT_GPT_OSS
+    if config.kind in (ActivationKind.SWIGLU, ActivationKind.SILU):
+        return g.ACT_SILU
+    if config.kind is ActivationKind.RELU2:
+        return g.ACT_RELU2
+    return g.ACT_GELU_TANH if config.gelu_approximate == "tanh" else g.ACT_GELU
+
+
+@attrs.frozen(eq=False)
+class TritonTopK(TopK):
+    """:class:`~moeforge.stages.topk.TopK` computed by one Triton kernel (same semantics)."""
+
+    _flags: dict[str, Any] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        from moeforge.kernels.topk import routing_flags
+
+        kernel_ops()
+        self._flags.update(routing_flags(self.config))
+
+    def summary(self) -> str:
+        return "Triton" + super().summary()
+
+    def __call__(self, x: MoEInput) -> RoutedTokens:
+        bias = resolve(self.selection_bias).float() if self.selection_bias is not None else None
+        weights, ids = torch.ops.moeforge.route(x.router_logits, bias, self.top_k, **self._flags)
+        return RoutedTokens(x=Activations(x.hidden_states), topk=TopKOutput(weights=weights, ids=ids))
+
+
+@attrs.frozen(eq=False)
+class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
+    """Block-aligned dispatch on the device: no rows move, no host synchronisation.
+
+    ``configs`` is the launch-configuration table shared with the GEMMs that follow (they must use the
+    ``block_m`` the alignment used).
+    """
+
+    kinds: ClassVar = (StageKind.DISPATCH,)
+    num_experts: int
+    configs: ConfigTable
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise InputError(f"num_experts must be >= 1, got {self.num_experts}")
+        kernel_ops()
+
+    def summary(self) -> str:
+        return "AlignDispatch(triton, block-aligned)"
+
+    def accepts(self) -> Accepts:
+        return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=KERNEL_DTYPES,
+                       scale_layout=ScaleLayout.NONE)
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if field in ("dtype", "scale_layout"):
+            return "the triton backend's bf16/fp16/fp32 path takes unquantized activations"
+        return None
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(kind=PayloadKind.DISPATCHED, layout=Layout.BLOCK_ALIGNED, group_list_type=None,
+                           expert_ids=ExpertIds.LOCAL)
+
+    def __call__(self, x: RoutedTokens) -> AlignedRows:
+        tokens, top_k = x.topk.ids.shape
+        block_m = self.configs.lookup(tokens).block_m
+        sorted_ids, block_expert, num_padded = torch.ops.moeforge.align_block_size(
+            x.topk.ids, self.num_experts, block_m)
+        plan = AlignedPlan(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
+                           weights=x.topk.weights.reshape(-1), block_m=block_m, top_k=top_k,
+                           num_tokens=tokens)
+        return AlignedRows(x=x.x, plan=plan, copy_major=False)
+
+
+@attrs.frozen(eq=False)
+class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
+    """A grouped GEMM on block-aligned rows, optionally with the activation fused in its epilogue.
+
+    ``role=GATE_UP`` with ``activation`` set covers the ``gemm`` and ``activation`` kinds and writes
+    the ``I``-wide activated rows; ``role=DOWN`` may multiply by the routing weights in the epilogue.
+    """
+
+    role: GemmRole
+    weight: TensorSource
+    configs: ConfigTable
+    bias: Optional[TensorSource] = None
+    activation: Optional[ActivationConfig] = None
+    apply_routing_weights: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        shape = tuple(resolve(self.weight).shape)
+        if len(shape) != 3:
+            raise ValueError(f"FusedGroupedGemm weight must be [E, N, K], got shape {shape}")
+        if self.activation is not None and self.role is not GemmRole.GATE_UP:
+            raise ValueError("only the gate/up GEMM can fuse the activation")
+        if self.activation is not None and self.activation.gated and shape[1] % 2:
+            raise ValueError(f"a gated activation needs an even gate/up width, got {shape[1]}")
+        kernel_ops()
+
+    @property
+    def kinds(self) -> tuple[StageKind, ...]:  # type: ignore[override]
+        return (StageKind.GEMM, StageKind.ACTIVATION) if self.activation is not None else (StageKind.GEMM,)
+
+    def summary(self) -> str:
+        weight = resolve(self.weight)
+        text = f"FusedGroupedGemm(triton, {self.role.value}, {weight.shape[2]}->{weight.shape[1]}"
+        if self.activation is not None:
+            text += f" + {self.activation.summary()}"
+        if self.bias is not None:
+            text += ", bias"
+        if self.apply_routing_weights:
+            text += ", weights in epilogue"
+        return text + ")"
+
+    def accepts(self) -> Accepts:
+        weight = resolve(self.weight)
+        return Accepts(
+            kind=PayloadKind.DISPATCHED if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
+            layout=Layout.BLOCK_ALIGNED,
+            dtype=KERNEL_DTYPES,
+            scale_layout=ScaleLayout.NONE,
+            width=int(weight.shape[2]),
+            expert_ids=ExpertIds.LOCAL,
+            num_experts=int(weight.shape[0]),
+            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
+        )
+
+    def check(self, spec: Spec) -> list[Mismatch]:
+        found = super().check(spec)
+        if spec.dtype is not DType.from_torch(resolve(self.weight).dtype) and spec.dtype in KERNEL_DTYPES:
+            found.append(Mismatch("dtype", spec.dtype, resolve(self.weight).dtype,
+                                  "the triton GEMM needs activations in the weights' dtype"))
+        return found
+
+    def output_spec(self, spec: Spec) -> Spec:
+        out_width = int(resolve(self.weight).shape[1])
+        if self.activation is not None and self.activation.gated:
+            out_width //= 2
+        return spec.evolve(
+            kind=PayloadKind.EXPERT_HIDDEN if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
+            width=out_width,
+            routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if self.apply_routing_weights
+            else spec.routing_weights,
+        )
+
+    def _config(self, plan: AlignedPlan) -> MoEConfig:
+        config = self.configs.lookup(plan.num_tokens)
+        if config.block_m != plan.block_m:
+            raise InputError(f"{self.name}: the dispatch aligned to block_m={plan.block_m} but this GEMM's "
+                             f"table says {config.block_m}; build both stages from the same ConfigTable")
+        return config
+
+    def __call__(self, x: AlignedRows) -> AlignedRows:
+        plan = x.plan
+        config = self._config(plan)
+        gemm = config.gate_up if self.role is GemmRole.GATE_UP else config.down
+        act = self.activation
+        out = torch.ops.moeforge.fused_moe_gemm(
+            x.x.data,
+            resolve(self.weight),
+            resolve(self.bias) if self.bias is not None else None,
+            plan.weights if self.apply_routing_weights else None,
+            plan.sorted_ids, plan.block_expert, plan.num_padded,
+            plan.num_copies,
+            1 if x.copy_major else plan.top_k,
+            act_code(act) if act is not None else 0,
+            act is not None and act.gated,
+            act is not None and act.gate_up is GateUpLayout.INTERLEAVED,
+            act.alpha if act is not None else 1.0,
+            act.limit if act is not None else 0.0,
+            gemm.as_list(),
+            x.x.data.dtype,
+        )
+        return AlignedRows(x=Activations(out), plan=plan, copy_major=True)
+
+
+@attrs.frozen(eq=False)
+class AlignedCombine(Stage[AlignedRows, MoEOutput]):
+    """Sum each token's ``top_k`` copies in fixed order (fp32, no atomics) on the device."""
+
+    kinds: ClassVar = (StageKind.COMBINE,)
+    apply_routing_weights: bool = True
+    routed_scaling_factor: Optional[float] = None
+    out_dtype: Optional[DType] = None
+
+    def __attrs_post_init__(self) -> None:
+        kernel_ops()
+
+    def summary(self) -> str:
+        text = "weighted" if self.apply_routing_weights else "unweighted"
+        if self.routed_scaling_factor is not None:
+            text += f", x{self.routed_scaling_factor:g}"
+        return f"AlignedCombine(triton, {text}, fp32 fixed order)"
+
+    def accepts(self) -> Accepts:
+        applied = {RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE}
+        return Accepts(
+            kind=PayloadKind.EXPERT_OUTPUT,
+            layout=Layout.BLOCK_ALIGNED,
+            dtype=KERNEL_DTYPES,
+            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else applied,
+            scaling_factor=ScalingFactor.PENDING if self.routed_scaling_factor is not None else None,
+        )
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(
+            kind=PayloadKind.OUTPUT,
+            layout=Layout.TOKEN_MAJOR,
+            dtype=self.out_dtype or spec.dtype,
+            routing_weights=RoutingWeights.IN_COMBINE if self.apply_routing_weights else spec.routing_weights,
+            scaling_factor=ScalingFactor.APPLIED if self.routed_scaling_factor is not None
+            else spec.scaling_factor,
+        )
+
+    def __call__(self, x: AlignedRows) -> MoEOutput:
+        dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else x.x.data.dtype
+        weights = x.plan.weights.view(-1, x.plan.top_k) if self.apply_routing_weights else None
+        out = torch.ops.moeforge.combine(x.x.data, weights, x.plan.top_k,
+                                         self.routed_scaling_factor or 1.0, dtype)
+        return MoEOutput(out)

@@ -1,0 +1,64 @@
+"""Property-based testing of stages, pipelines and layers (needs ``hypothesis``).
+
+``import moeforge`` does not import this package; import it from your tests. The same checks the
+library runs on its built-in stages work on yours::
+
+    import moeforge as mf
+    from moeforge.testing import assert_stage_honours_contract
+
+    class MyRouting(mf.Stage[mf.MoEInput, mf.RoutedTokens]):
+        ...
+
+    spec = mf.input_spec(hidden_size=16, dtype=torch.float32, num_experts=4)
+    # Draws MoEInput payloads matching `spec` (0 and 1 tokens included, tied and skewed logits),
+    # runs the stage and checks each output against MyRouting().output_spec(spec).
+    assert_stage_honours_contract(MyRouting(), spec)
+
+Compose the strategies in your own hypothesis tests::
+
+    from hypothesis import given, settings
+    from moeforge.testing import check_matches_dense_reference, layer_configs
+
+    @settings(max_examples=20, deadline=None)
+    @given(layer_configs())
+    def test_layer(config):
+        layer = config.build()
+        x, logits = config.inputs(num_tokens=3, seed=0)
+        check_matches_dense_reference(layer, x, rtol=1e-4, logits=logits)
+"""
+
+from moeforge.testing.contracts import (
+    accepted_output_spec,
+    assert_stage_honours_contract,
+    check_stage,
+    default_settings,
+)
+from moeforge.testing.properties import (
+    check_dispatch_combine_identity,
+    check_matches_dense_reference,
+    check_token_permutation_equivariance,
+)
+from moeforge.testing.strategies import (
+    LayerConfig,
+    activation_configs,
+    activations_like,
+    dispatch_outputs,
+    layer_configs,
+    moe_inputs,
+    moe_outputs,
+    payload_for,
+    quantizer_for_spec,
+    routed_tokens,
+    router_logits,
+    routing_configs,
+    token_counts,
+    topk_outputs,
+)
+
+__all__ = [
+    "LayerConfig", "accepted_output_spec", "activation_configs", "activations_like",
+    "assert_stage_honours_contract", "check_dispatch_combine_identity", "check_matches_dense_reference",
+    "check_stage", "check_token_permutation_equivariance", "default_settings", "dispatch_outputs",
+    "layer_configs", "moe_inputs", "moe_outputs", "payload_for", "quantizer_for_spec", "routed_tokens",
+    "router_logits", "routing_configs", "token_counts", "topk_outputs",
+]
