@@ -48,6 +48,24 @@ class MoEConfig:
         return self.gate_up.block_m
 
 
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; the H100/H200 limit is 227 KiB per block
+
+
+def fit_shared_memory(config: GemmConfig, element_bytes: int, b_tiles: int) -> GemmConfig:
+    """``config`` with fewer pipeline stages (then a smaller ``block_k``) until its operand tiles fit
+    in shared memory: fp32 operands and the fused gate+up GEMM (``b_tiles=2``) need more."""
+    while True:
+        tile = (config.block_m + b_tiles * config.block_n) * config.block_k * element_bytes
+        if tile * config.num_stages <= SHARED_MEMORY_BUDGET:
+            return config
+        if config.num_stages > 2:
+            config = attrs.evolve(config, num_stages=config.num_stages - 1)
+        elif config.block_k > 16:
+            config = attrs.evolve(config, block_k=config.block_k // 2)
+        else:
+            return config
+
+
 def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
     """A reasonable configuration when no tuned table covers the shape.
 

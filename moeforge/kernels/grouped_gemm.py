@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeforge.kernels.config import GemmConfig
+from moeforge.kernels.config import GemmConfig, fit_shared_memory
 
 # Activation codes shared with the launcher (tl.constexpr ints).
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_GPT_OSS = 0, 1, 2, 3, 4, 5
@@ -155,6 +155,7 @@ def fused_moe_gemm(
     """Launch the kernel. ``a [rows, K]``, ``weight [E, N_w, K]``, ``out [num_copies, N]`` where
     ``N = N_w // 2`` for a gated activation (``glu``) else ``N_w``. ``block_m`` of ``config`` must
     be the one ``sorted_ids`` was aligned with."""
+    config = fit_shared_memory(config, a.element_size(), 2 if glu else 1)
     num_copies, n_out = out.shape
     k_dim = a.shape[1]
     if num_copies == 0 or n_out == 0:
