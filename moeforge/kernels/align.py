@@ -30,6 +30,7 @@ def _count_and_plan_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
+    CHUNK_B: tl.constexpr,
 ):
     # One program: histogram of expert ids, padded offsets, block -> expert table, sentinel fill.
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -45,18 +46,20 @@ def _count_and_plan_kernel(
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
+    total = tl.sum(padded, axis=0)
     tl.store(cursor_ptr + experts, starts, mask=experts < num_experts)
-    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    sentinel = num_copies
-    for expert in range(num_experts):
-        e_start = tl.sum(tl.where(experts == expert, starts, 0), axis=0)
-        e_count = tl.sum(tl.where(experts == expert, counts, 0), axis=0)
-        e_padded = tl.sum(tl.where(experts == expert, padded, 0), axis=0)
-        first_block = e_start // BLOCK_M
-        for block in range(first_block, first_block + e_padded // BLOCK_M):
-            tl.store(block_expert_ptr + block, expert)
-        pad = tl.arange(0, BLOCK_M)
-        tl.store(sorted_ids_ptr + e_start + e_count + pad, sentinel, mask=e_count + pad < e_padded)
+    tl.store(num_padded_ptr, total)
+    # Block b belongs to the expert whose padded run contains it: the number of runs ending at or
+    # before b. Vectorised over CHUNK_B blocks x all experts.
+    end_blocks = tl.where(experts < num_experts, ends // BLOCK_M, 2147483647)
+    for first in range(0, total // BLOCK_M, CHUNK_B):
+        blocks = first + tl.arange(0, CHUNK_B)
+        owner = tl.sum((end_blocks[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, owner, mask=blocks < total // BLOCK_M)
+    # Every used slot starts as padding; the scatter kernel then overwrites the real copies.
+    for first in range(0, total, CHUNK):
+        slots = first + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + slots, num_copies, mask=slots < total)
 
 
 @triton.jit
@@ -87,7 +90,7 @@ def align_block_size(
     block_e = max(triton.next_power_of_2(num_experts), 2)
     _count_and_plan_kernel[(1,)](
         ids, cursor, block_expert, sorted_ids, num_padded, num_copies, num_experts,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=max(16, 4096 // block_e),
     )
     if num_copies:
         grid = (triton.cdiv(num_copies, 1024),)
