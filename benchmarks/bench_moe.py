@@ -156,6 +156,7 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<date>.json)")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA device")
@@ -176,7 +177,8 @@ def main() -> None:
     (gm, low), (gm_read, low_read) = geomean("pct_roofline"), geomean("pct_roofline_read")
     print(f"\ngeometric mean of % roofline (experts): {gm:.1f}% (min {low:.1f}%); "
           f"against the read bandwidth: {gm_read:.1f}% (min {low_read:.1f}%)")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
     result = dict(device=device, commit=commit or "unknown", date=datetime.date.today().isoformat(),
                   torch=torch.__version__, triton=_triton_version(), peak_tflops=round(peak, 1),
                   bandwidth_tbps=round(bw, 3), read_bandwidth_tbps=round(read_bw, 3),
