@@ -99,7 +99,7 @@ def measure_peak() -> tuple[float, float, float]:
     us = time_graph(lambda: dst.copy_(src), 20, None)
     tbps = 2 * src.numel() * 2 / (us * 1e-6) / 1e12
     total = torch.empty((), device="cuda", dtype=torch.float32)
-    us = time_graph(lambda: torch.sum(src, dtype=torch.float32, out=total), 20, None)
+    us = time_graph(lambda: torch.sum(src, dim=0, dtype=torch.float32, out=total), 20, None)
     read_tbps = src.numel() * 2 / (us * 1e-6) / 1e12
     return tflops, tbps, read_tbps
 
