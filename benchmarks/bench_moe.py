@@ -7,7 +7,9 @@ graph replays with the L2 flushed before every replay, on random (never zero) bf
 
 * ``experts``: from top-k ids/weights to the combined output (alignment, both GEMMs, activation,
   combine) -- the pipeline without its top-k stage;
-* ``layer``: the whole layer forward from router logits.
+* ``layer``: the whole layer forward from router logits;
+* ``by_hand``: the same kernels as ``layer`` called directly -- the pipeline's overhead is
+  ``layer / by_hand - 1``.
 
 The roofline is measured in the same run: the bf16 matmul peak (8192^3) and the device-to-device copy
 bandwidth. roofline time = max(flops / peak, bytes / bandwidth) with flops = 2 M k (H 2I + I H) and
@@ -33,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import device_key  # noqa: E402
-from moeforge.payloads import Activations, MoEInput, RoutedTokens, TopKOutput  # noqa: E402
+from moeforge.kernels.grouped_gemm import ACT_SILU  # noqa: E402
+from moeforge.kernels.topk import routing_flags  # noqa: E402
+from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
 
 SHAPES = {
     "mixtral": (8, 2, 4096, 14336),
@@ -115,6 +119,27 @@ def roofline_us(shape: tuple[int, int, int, int], tokens: int, ids: torch.Tensor
     return seconds * 1e6, flops
 
 
+def kernels_by_hand(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The same kernels as ``layer(x, logits)``, called directly (no stages, no payloads): the
+    baseline for the pipeline's overhead."""
+    ops = torch.ops.moeforge
+    tokens, (experts, top_k) = x.shape[0], (layer.num_experts, layer.top_k)
+    config = layer.pipeline.stages[1].configs.lookup(tokens)
+    flags = routing_flags(layer.routing)
+    w13, w2 = layer.w13_weight, layer.w2_weight
+
+    def run() -> torch.Tensor:
+        weights, ids = ops.route(logits, None, top_k, **flags)
+        sorted_ids, block_expert, num_padded = ops.align_block_size(ids, experts, config.block_m)
+        hidden = ops.fused_moe_gemm(x, w13, None, None, sorted_ids, block_expert, num_padded, tokens * top_k,
+                                    top_k, ACT_SILU, True, False, 1.0, 0.0, config.gate_up.as_list(), x.dtype)
+        out = ops.fused_moe_gemm(hidden, w2, None, None, sorted_ids, block_expert, num_padded, tokens * top_k,
+                                 1, 0, False, False, 1.0, 0.0, config.down.as_list(), x.dtype)
+        return ops.combine(out, weights, top_k, 1.0, x.dtype)
+
+    return run
+
+
 def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float, read_bw: float,
                 flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
     experts, top_k, hidden, inter = SHAPES[name]
@@ -130,9 +155,10 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float,
         roof, flops = roofline_us(SHAPES[name], tokens, topk.ids, peak, bw)
         strict, _ = roofline_us(SHAPES[name], tokens, topk.ids, peak, read_bw)
         with torch.no_grad():
-            for what, fn in (("experts", lambda: experts_only(routed)),
-                             ("layer", lambda: layer.pipeline(MoEInput(x, logits)))):
-                us = time_graph(fn, reps, flush)
+            timed = {}
+            for what, fn in (("experts", lambda: experts_only(routed)), ("layer", lambda: layer(x, logits)),
+                             ("by_hand", kernels_by_hand(layer, x, logits))):
+                us = timed[what] = time_graph(fn, reps, flush)
                 records.append(dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=what,
                                     median_us=round(us, 2), roofline_us=round(roof, 2),
                                     tflops=round(flops / (us * 1e-6) / 1e12, 1),
@@ -141,6 +167,9 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float,
                 print(f"{name:9s} M={tokens:6d} {what:8s} {us:10.1f} us  roofline {roof:9.1f} us "
                       f"{100 * roof / us:6.1f}%  (read bw: {100 * strict / us:5.1f}%)  "
                       f"{flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s", flush=True)
+            overhead = 100 * (timed["layer"] / timed["by_hand"] - 1)
+            records[-1]["layer_overhead_pct"] = round(overhead, 2)
+            print(f"{'':9s} pipeline overhead (layer vs the same kernels by hand): {overhead:+.2f}%", flush=True)
     return records
 
 
