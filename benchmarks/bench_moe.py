@@ -9,7 +9,9 @@ graph replays with the L2 flushed before every replay, on random (never zero) bf
   combine) -- the pipeline without its top-k stage;
 * ``layer``: the whole layer forward from router logits;
 * ``by_hand``: the same kernels as ``layer`` called directly -- the pipeline's overhead is
-  ``layer / by_hand - 1``.
+  ``layer / by_hand - 1``;
+* ``baseline_torch_grouped_mm``: the ``experts`` computation written with PyTorch's
+  ``torch._grouped_mm`` (an open baseline; other open kernels are not installed on our GPU machines).
 
 The roofline is measured in the same run: the bf16 matmul peak (8192^3) and the device-to-device copy
 bandwidth. roofline time = max(flops / peak, bytes / bandwidth) with flops = 2 M k (H 2I + I H) and
@@ -140,6 +142,28 @@ def kernels_by_hand(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -
     return run
 
 
+def grouped_mm_baseline(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput) -> Callable[[], torch.Tensor]:
+    """The expert computation written with PyTorch's ``torch._grouped_mm`` (an open baseline):
+    sort copies by expert, gather, grouped GEMM, SwiGLU, grouped GEMM, weighted scatter-add."""
+    tokens, top_k = topk.ids.shape
+    w13t, w2t = layer.w13_weight.transpose(1, 2), layer.w2_weight.transpose(1, 2)
+    ones = torch.ones(tokens * top_k, dtype=torch.int32, device=x.device)
+
+    def run() -> torch.Tensor:
+        flat = topk.ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(layer.num_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, ones)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        source = order // top_k
+        hidden = torch._grouped_mm(x[source], w13t, offs=offs)
+        gate, up = hidden.chunk(2, dim=-1)
+        rows = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2t, offs=offs)
+        rows = rows * topk.weights.reshape(-1)[order, None].to(rows.dtype)
+        return torch.zeros_like(x).index_add_(0, source, rows)
+
+    return run
+
+
 def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float, read_bw: float,
                 flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
     experts, top_k, hidden, inter = SHAPES[name]
@@ -167,6 +191,17 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float,
                 print(f"{name:9s} M={tokens:6d} {what:8s} {us:10.1f} us  roofline {roof:9.1f} us "
                       f"{100 * roof / us:6.1f}%  (read bw: {100 * strict / us:5.1f}%)  "
                       f"{flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s", flush=True)
+            try:
+                base = time_graph(grouped_mm_baseline(layer, x, topk), reps, flush)
+            except Exception as error:  # not every PyTorch build has _grouped_mm for this device
+                print(f"{'':9s} torch._grouped_mm baseline unavailable: {type(error).__name__}: {error}")
+            else:
+                records.append(dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens,
+                                    what="baseline_torch_grouped_mm", median_us=round(base, 2),
+                                    roofline_us=round(roof, 2), tflops=round(flops / (base * 1e-6) / 1e12, 1),
+                                    pct_roofline=round(100 * roof / base, 1)))
+                print(f"{'':9s} torch._grouped_mm baseline {base:10.1f} us ({100 * roof / base:5.1f}%): "
+                      f"moeforge is {base / timed['experts']:.2f}x faster", flush=True)
             overhead = 100 * (timed["layer"] / timed["by_hand"] - 1)
             records[-1]["layer_overhead_pct"] = round(overhead, 2)
             print(f"{'':9s} pipeline overhead (layer vs the same kernels by hand): {overhead:+.2f}%", flush=True)
