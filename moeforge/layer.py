@@ -181,6 +181,9 @@ class MoELayer(nn.Module):
         choice = self.dispatcher
         if choice == "auto":
             choice = "aligned" if self.backend is Backend.TRITON else "sorted"
+        if choice in ("sorted", "padded") and self.backend is Backend.TRITON:
+            raise InputError(f"dispatcher={choice!r} feeds the torch backend's GEMMs; the triton backend's "
+                             "GEMMs read block-aligned rows: use dispatcher='auto' (or backend='torch')")
         if choice == "sorted":
             return SortedDispatch(self.num_experts, apply_routing_weights=on_input)
         if choice == "padded":
