@@ -116,3 +116,9 @@ def test_deterministic_across_calls() -> None:
         first = layer(x)
         for _ in range(3):
             assert torch.equal(layer(x), first)
+
+
+@pytest.mark.parametrize("dispatcher", ["sorted", "padded"])
+def test_a_torch_layout_dispatcher_on_the_triton_backend_is_a_clear_error(dispatcher: str) -> None:
+    with pytest.raises(mf.InputError, match="dispatcher='auto'"):
+        _layer(dispatcher=dispatcher)
