@@ -198,6 +198,16 @@ class MoELayer(nn.Module):
         raise InputError("dispatcher must be 'auto', 'sorted', 'padded', 'aligned' or a dispatch Stage, "
                          f"got {self.dispatcher!r}")
 
+    @classmethod
+    def from_preset(cls, family: str, **kwargs: Any) -> MoELayer:
+        """A layer with a model family's exact semantics: ``MoELayer.from_preset("deepseek_v3",
+        num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, n_group=8,
+        topk_group=4, ...)``. Family options and any ``MoELayer`` argument go in ``kwargs``; see
+        :mod:`moeforge.families`."""
+        from moeforge.families import preset
+
+        return cls(**preset(family, **kwargs))
+
     def replace_stage(self, which: Union[int, str], stage: Stage[Any, Any]) -> None:
         """Swap one stage of this layer's pipeline (validated again) — e.g. a custom activation.
 
