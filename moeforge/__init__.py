@@ -20,6 +20,8 @@ from moeforge.errors import (
 from moeforge.layer import MoELayer
 from moeforge.payloads import (
     Activations,
+    AlignedPlan,
+    AlignedRows,
     ExpertRows,
     MoEInput,
     MoEOutput,
@@ -49,6 +51,10 @@ from moeforge.spec import (
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages import (
     Activate,
+    AlignDispatch,
+    AlignedCombine,
+    FusedGroupedGemm,
+    TritonTopK,
     ActivationConfig,
     ActivationKind,
     Cast,
@@ -76,6 +82,7 @@ from moeforge.tensor_ref import ParamRef
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlignDispatch", "AlignedCombine", "AlignedPlan", "AlignedRows", "FusedGroupedGemm", "TritonTopK",
     "Accepts", "Activate", "ActivationConfig", "ActivationKind", "Activations", "Backend",
     "BackendUnavailableError", "Cast", "Chain", "Combine", "ContractError", "CustomTopK",
     "DType", "DeviceDispatchSupport", "DispatchDecision", "DispatchDtype", "DispatchDtypeError",

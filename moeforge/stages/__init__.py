@@ -7,6 +7,7 @@ from moeforge.stages.activation import (
     GateUpLayout,
     apply_activation,
 )
+from moeforge.stages.aligned import AlignDispatch, AlignedCombine, FusedGroupedGemm, TritonTopK
 from moeforge.stages.combine import Combine, combine_rows
 from moeforge.stages.dispatch import Overflow, PaddedDispatch, SortedDispatch
 from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
@@ -33,6 +34,7 @@ from moeforge.stages.topk import (
 
 __all__ = [
     "Activate", "ActivationConfig", "ActivationKind", "GateUpLayout", "apply_activation",
+    "AlignDispatch", "AlignedCombine", "FusedGroupedGemm", "TritonTopK",
     "Combine", "combine_rows",
     "Overflow", "PaddedDispatch", "SortedDispatch",
     "GemmRole", "GroupedGemm", "grouped_gemm_padded", "grouped_gemm_sorted",
