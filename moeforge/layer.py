@@ -101,6 +101,13 @@ class MoELayer(nn.Module):
         self._environ = environ
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.backend = resolve_backend(backend, device)
+        self._backend_note = ""
+        if (self.backend is Backend.TRITON and not isinstance(backend, Backend) and backend.lower() == "auto"
+                and routing.apply_weights is RoutingWeights.ON_INPUT):
+            # "auto" means the fastest path that can run this layer; the triton path cannot scale the
+            # expert inputs yet, so such a layer (Llama-4) runs on torch. backend="triton" still errors.
+            self.backend = Backend.TORCH
+            self._backend_note = " (auto: the triton path cannot apply routing weights on the input yet)"
 
         self.router: Optional[nn.Linear] = None
         if router:
@@ -141,7 +148,9 @@ class MoELayer(nn.Module):
         triton = self.backend is Backend.TRITON
         configs = self._kernel_configs() if triton else None
         selection_bias = ParamRef(self, "e_score_correction_bias") if routing.selection_bias else None
-        topk_class = TritonTopK if triton else TopK
+        # The routing kernel does not cover every routing (e.g. PhiMoE's sparsemixer): those route
+        # with the torch stage, whose output feeds the triton dispatch all the same.
+        topk_class = TritonTopK if triton and TritonTopK.supports(routing) else TopK
         stages: list[Stage[Any, Any]] = [topk_class(self.num_experts, self.top_k, routing, selection_bias)]
         quantize = self.quant.quantize_stage(self.dispatch_decision.dtype, compute)
         if quantize is not None:
@@ -159,7 +168,7 @@ class MoELayer(nn.Module):
             out_dtype=compute,
         ))
         spec = input_spec(self.hidden_size, self.dtype, self.num_experts)
-        notes = [self.dispatch_decision.explain(), f"backend {self.backend.value}"]
+        notes = [self.dispatch_decision.explain(), f"backend {self.backend.value}{self._backend_note}"]
         pipeline: Pipeline[MoEInput, MoEOutput] = Pipeline(stages, spec, debug=self.debug, notes=notes)
         for which, stage in self.replaced_stages:
             pipeline = pipeline.replace(which, stage)

@@ -122,3 +122,15 @@ def test_deterministic_across_calls() -> None:
 def test_a_torch_layout_dispatcher_on_the_triton_backend_is_a_clear_error(dispatcher: str) -> None:
     with pytest.raises(mf.InputError, match="dispatcher='auto'"):
         _layer(dispatcher=dispatcher)
+
+
+def test_auto_backend_runs_weights_on_input_on_torch() -> None:
+    routing = mf.RoutingConfig(order=mf.ScoreOrder.SELECT_THEN_SCORE, scoring=mf.Scoring.SIGMOID,
+                               renormalize=False, apply_weights=mf.RoutingWeights.ON_INPUT)
+    layer = _layer(top_k=1, routing=routing)
+    assert layer.backend is mf.Backend.TORCH and "cannot apply routing weights on the input" in layer.describe()
+    with pytest.raises(mf.InputError, match="ON_INPUT"):
+        _layer(top_k=1, routing=routing, backend="triton")
+    x = torch.randn(9, 200, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert _rel(layer(x), layer_reference(layer, x)) < TOL[torch.bfloat16]

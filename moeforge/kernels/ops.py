@@ -92,16 +92,17 @@ def route(
     topk_group: int,
     group_max: bool,
     scaling: float,
+    group_mask_value: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return topk.route(router_logits, selection_bias, top_k, sigmoid=sigmoid, select_first=select_first,
                       renormalize=renormalize, n_group=n_group, topk_group=topk_group,
-                      group_max=group_max, scaling=scaling)
+                      group_max=group_max, scaling=scaling, group_mask_value=group_mask_value)
 
 
 @route.register_fake
 def _(router_logits: torch.Tensor, selection_bias: Optional[torch.Tensor], top_k: int, sigmoid: bool,
       select_first: bool, renormalize: bool, n_group: int, topk_group: int, group_max: bool,
-      scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+      scaling: float, group_mask_value: float) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = router_logits.shape[0]
     return (router_logits.new_empty(tokens, top_k, dtype=torch.float32),
             router_logits.new_empty(tokens, top_k, dtype=torch.int32))

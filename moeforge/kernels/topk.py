@@ -13,13 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from moeforge.errors import InputError
 from moeforge.stages.topk import GroupScore, RoutingConfig, Scoring, ScoreOrder
 
 
 @triton.jit
 def _topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    T, E, stride_t, scaling,
+    T, E, stride_t, scaling, group_fill,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
     SIGMOID: tl.constexpr, SELECT_FIRST: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_MAX: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -65,7 +66,9 @@ def _topk_kernel(
             pick = tl.argmax(gscores, axis=1, tie_break_left=True)
             keep = keep | (group_of[None, :] == pick[:, None])
             gscores = tl.where(gcols[None, :] == pick[:, None], NEG, gscores)
-        choice = tl.where(keep, choice, NEG)
+        # Dropped groups get group_fill (-inf, or the 0.0 of older transformers' DeepSeek-V3); the padding
+        # columns past E stay -inf so that they can never be picked.
+        choice = tl.where(keep, choice, tl.where(col_ok[None, :], group_fill, NEG))
 
     kcols = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
@@ -107,6 +110,7 @@ def route(
     topk_group: int,
     group_max: bool,
     scaling: float,
+    group_mask_value: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, k] fp32, ids [T, k] int32)``; the flags mirror
     :class:`~moeforge.stages.topk.RoutingConfig` (see :func:`routing_flags`)."""
@@ -121,7 +125,7 @@ def route(
     bias = selection_bias if selection_bias is not None else weights
     _topk_kernel[grid](
         router_logits, bias, weights, ids,
-        tokens, num_experts, router_logits.stride(0), scaling,
+        tokens, num_experts, router_logits.stride(0), scaling, group_mask_value,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_T=block_t,
         SIGMOID=sigmoid, SELECT_FIRST=select_first, RENORM=renormalize,
         HAS_BIAS=selection_bias is not None,
@@ -133,7 +137,13 @@ def route(
 
 
 def routing_flags(config: RoutingConfig) -> dict[str, Union[bool, int, float]]:
-    """The kernel's keyword flags for a routing config (computed once, when a stage is built)."""
+    """The kernel's keyword flags for a routing config (computed once, when a stage is built).
+
+    Raises :class:`~moeforge.InputError` for a config the kernel cannot compute (see
+    ``TritonTopK.supports``)."""
+    if config.sparsemixer_eps is not None:
+        raise InputError("the Triton routing kernel does not implement the sparsemixer routing; "
+                         "use the torch TopK stage")
     select_first = config.order is ScoreOrder.SELECT_THEN_SCORE
     sigmoid = config.scoring is Scoring.SIGMOID
     return dict(
@@ -145,4 +155,5 @@ def routing_flags(config: RoutingConfig) -> dict[str, Union[bool, int, float]]:
         topk_group=config.topk_group or 1,
         group_max=config.group_score is GroupScore.MAX,
         scaling=config.routed_scaling_factor if config.scaling_in_weights else 1.0,
+        group_mask_value=config.group_mask_value,
     )

@@ -32,7 +32,7 @@ from moeforge.spec import (
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout
 from moeforge.stages.gemm import GemmRole
-from moeforge.stages.topk import TopK
+from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import TensorSource, resolve
 
 KERNEL_DTYPES = frozenset({DType.BF16, DType.FP16, DType.FP32})
@@ -61,12 +61,23 @@ def act_code(config: ActivationConfig) -> int:
 
 @attrs.frozen(eq=False)
 class TritonTopK(TopK):
-    """:class:`~moeforge.stages.topk.TopK` computed by one Triton kernel (same semantics)."""
+    """:class:`~moeforge.stages.topk.TopK` computed by one Triton kernel (same semantics).
+
+    The kernel covers every :class:`~moeforge.RoutingConfig` except the sparsemixer routing; see
+    :meth:`supports` (building one for an unsupported config is an :class:`~moeforge.InputError`)."""
 
     _flags: dict[str, Any] = attrs.field(init=False, factory=dict)
 
+    @classmethod
+    def supports(cls, config: RoutingConfig) -> bool:
+        """Whether the kernel computes ``config`` (else use the torch :class:`TopK`)."""
+        return config.sparsemixer_eps is None
+
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        if not self.supports(self.config):
+            raise InputError(f"{self.summary()}: the Triton routing kernel cannot compute this routing; "
+                             "use the torch TopK stage")
         from moeforge.kernels.topk import routing_flags
 
         kernel_ops()

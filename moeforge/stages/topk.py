@@ -2,8 +2,8 @@
 
 One configurable stage covers the routing math of the common families: softmax or sigmoid scoring,
 scoring before or after the selection, renormalisation, a per-expert bias used for selection only,
-grouped top-k, and the routed scaling factor. Routing always runs in fp32, and ties go to the lower
-expert index (so results do not depend on the sort algorithm of the device).
+grouped top-k, PhiMoE's sparsemixer, and the routed scaling factor. Routing always runs in fp32, and
+ties go to the lower expert index (so results do not depend on the sort algorithm of the device).
 """
 
 from __future__ import annotations
@@ -50,6 +50,17 @@ class RoutingConfig:
     ``routed_scaling_factor`` is folded into the weights by the top-k when ``scaling_in_weights``,
     else the combine applies it. ``selection_bias`` means the layer owns a per-expert bias
     (DeepSeek's ``e_score_correction_bias``) added to the scores for selection only.
+
+    ``group_mask_value`` is what grouped top-k writes over the experts of the groups it drops before
+    picking the top-k: ``-inf`` (DeepSeek's reference code, recent ``transformers``) never picks them;
+    ``0.0`` (``transformers`` 4.x and 5.0) lets a dropped expert win over kept experts whose biased
+    score is negative.
+
+    ``sparsemixer_eps`` selects PhiMoE's sparsemixer routing (eval mode) instead of scoring + top-k:
+    ``top_k`` rounds, each picking the best remaining logit ``m`` and weighting it by the softmax over
+    the remaining experts whose logit ``s`` has ``(m - s) / max(|s|, m) <= 2 * eps`` (``eps`` is the
+    model's ``router_jitter_noise``, used as a threshold, not as noise). ``scoring`` must be softmax;
+    ``renormalize`` and the scaling factor apply to its weights as usual.
     """
 
     scoring: Scoring = Scoring.SOFTMAX
@@ -64,6 +75,8 @@ class RoutingConfig:
     apply_weights: RoutingWeights = RoutingWeights.IN_COMBINE
     router_bias: bool = False
     router_in_fp32: bool = False
+    group_mask_value: float = float("-inf")
+    sparsemixer_eps: Optional[float] = None
 
     def __attrs_post_init__(self) -> None:
         if (self.n_group is None) != (self.topk_group is None):
@@ -72,6 +85,15 @@ class RoutingConfig:
             raise InputError("grouped top-k needs order=SCORE_THEN_SELECT")
         if self.apply_weights is RoutingWeights.PENDING:
             raise InputError("apply_weights must say where the weights are applied, not PENDING")
+        if self.group_mask_value != self.group_mask_value or self.group_mask_value == float("inf"):
+            raise InputError(f"group_mask_value must be -inf or finite, got {self.group_mask_value}")
+        if self.sparsemixer_eps is not None:
+            if not 0.0 <= self.sparsemixer_eps < float("inf"):
+                raise InputError(f"sparsemixer_eps must be finite and >= 0, got {self.sparsemixer_eps}")
+            if (self.scoring is not Scoring.SOFTMAX or self.order is not ScoreOrder.SCORE_THEN_SELECT
+                    or self.n_group is not None or self.selection_bias):
+                raise InputError("sparsemixer routing replaces scoring and selection: it takes "
+                                 "scoring=SOFTMAX, the default order, no groups and no selection bias")
 
     @property
     def scaling_spec(self) -> ScalingFactor:
@@ -109,7 +131,11 @@ def _route(
 ) -> TopKOutput:
     """:func:`select_experts` without the size checks (the stages check once, when built)."""
     logits = router_logits.float()
-    if config.order is ScoreOrder.SELECT_THEN_SCORE:
+    if config.sparsemixer_eps is not None:
+        weights, ids = _sparsemixer(logits, top_k, config.sparsemixer_eps)
+        if config.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    elif config.order is ScoreOrder.SELECT_THEN_SCORE:
         choice = logits if selection_bias is None else logits + selection_bias.float()
         ids = topk_lowest_index(choice, top_k)
         chosen = logits.gather(-1, ids)
@@ -120,7 +146,8 @@ def _route(
         scores = logits.softmax(-1) if config.scoring is Scoring.SOFTMAX else logits.sigmoid()
         choice = scores if selection_bias is None else scores + selection_bias.float()
         if config.n_group is not None and config.topk_group is not None:
-            choice = _mask_unselected_groups(choice, config.n_group, config.topk_group, config.group_score)
+            choice = _mask_unselected_groups(choice, config.n_group, config.topk_group, config.group_score,
+                                             config.group_mask_value)
         ids = topk_lowest_index(choice, top_k)
         weights = scores.gather(-1, ids)
         if config.renormalize:
@@ -131,7 +158,7 @@ def _route(
 
 
 def _mask_unselected_groups(
-    choice: torch.Tensor, n_group: int, topk_group: int, group_score: GroupScore
+    choice: torch.Tensor, n_group: int, topk_group: int, group_score: GroupScore, fill: float
 ) -> torch.Tensor:
     tokens, num_experts = choice.shape
     grouped = choice.view(tokens, n_group, num_experts // n_group)
@@ -143,7 +170,23 @@ def _mask_unselected_groups(
     keep = torch.zeros(tokens, n_group, dtype=torch.bool, device=choice.device)
     keep.scatter_(1, keep_groups, True)
     keep = keep.unsqueeze(-1).expand_as(grouped).reshape(tokens, num_experts)
-    return choice.masked_fill(~keep, float("-inf"))
+    return choice.masked_fill(~keep, fill)
+
+
+def _sparsemixer(logits: torch.Tensor, top_k: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's sparsemixer in eval mode, generalised from its two rounds to ``top_k``: returns fp32
+    weights and int64 ids ``[T, k]``. ``max`` returns the first (lowest) index among equal values."""
+    remaining = logits
+    weights, ids = [], []
+    for _ in range(top_k):
+        best, pick = remaining.max(-1, keepdim=True)
+        # The threshold compares every expert's *original* logit with the current best, as in HF.
+        factor = logits.abs().clamp(min=best)
+        too_far = (best - logits) / factor > 2 * eps
+        weights.append(remaining.masked_fill(too_far, float("-inf")).softmax(-1).gather(-1, pick))
+        ids.append(pick)
+        remaining = remaining.scatter(-1, pick, float("-inf"))
+    return torch.cat(weights, -1), torch.cat(ids, -1)
 
 
 def _check_sizes(num_experts: int, top_k: int, config: RoutingConfig) -> None:
@@ -201,13 +244,18 @@ class TopK(_RoutingStage):
 
     def summary(self) -> str:
         c = self.config
-        parts = [f"TopK(k={self.top_k}", c.scoring.value, c.order.value]
+        if c.sparsemixer_eps is not None:
+            parts = [f"TopK(k={self.top_k}", f"sparsemixer eps={c.sparsemixer_eps:g}"]
+        else:
+            parts = [f"TopK(k={self.top_k}", c.scoring.value, c.order.value]
         if c.renormalize:
             parts.append("renormalize")
         if self.selection_bias is not None:
             parts.append("selection bias")
         if c.n_group is not None:
             parts.append(f"groups {c.topk_group}/{c.n_group} by {c.group_score.value}")
+            if c.group_mask_value != float("-inf"):
+                parts.append(f"dropped groups -> {c.group_mask_value:g}")
         if c.routed_scaling_factor != 1.0:
             parts.append(f"x{c.routed_scaling_factor:g}")
         return ", ".join(parts) + ")"

@@ -1,0 +1,46 @@
+"""Qwen3-MoE: softmax (fp32) over all experts -> top-k -> renormalise iff ``norm_topk_prob``; SwiGLU
+with gate/up concatenated; no shared expert, no biases.
+
+``transformers``' ``Qwen3MoeSparseMoeBlock`` stores the experts as ``gate_up_proj [E, 2I, H]`` and
+``down_proj [E, H, I]`` and the router as ``gate.weight [E, H]``: moeforge's own layout, so the
+converted layer shares their storage. ``norm_topk_prob`` is read from the block's router. The block
+returns one tensor ``[B, S, H]`` (its router logits reach ``transformers`` through an output hook on
+the router, not through the return value).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moeforge.families._softmax_topk import routed_layer, routing
+from moeforge.layer import MoELayer
+from moeforge.stages.activation import ActivationConfig
+
+NAME = "qwen3_moe"
+HF_BLOCK_CLASSES = ("Qwen3MoeSparseMoeBlock",)
+
+
+def preset(*, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+           norm_topk_prob: bool = False, **layer_kwargs: Any) -> dict[str, Any]:
+    """``norm_topk_prob`` as in the model's config (``transformers``' default is ``False``; the released
+    Qwen3-MoE checkpoints set ``True``)."""
+    return dict(
+        num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        routing=routing(norm_topk_prob),
+        activation=ActivationConfig(),
+        **layer_kwargs,
+    )
+
+
+def from_hf(block: nn.Module, **layer_kwargs: Any) -> MoELayer:
+    layer = routed_layer(block, preset, layer_kwargs)
+    layer.rebuild_pipeline()
+    return layer
+
+
+def hf_output(block: nn.Module, output: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    """``Qwen3MoeSparseMoeBlock`` returns the hidden states ``[B, S, H]`` only."""
+    return output
