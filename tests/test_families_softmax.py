@@ -30,6 +30,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
 
 import moeforge as mf  # noqa: E402
+from hf_helpers import converted_call, rel_err, tokens_of  # noqa: E402
 from moeforge.families import family, family_of_block  # noqa: E402
 from moeforge.families.granite_moe import returns_router_logits  # noqa: E402
 from moeforge.hf import HFMoEBlock, from_hf, patch_model  # noqa: E402
@@ -122,25 +123,13 @@ def make(case: str, hidden: int = 32, inter: int = 16, experts: int = 6, top_k: 
     return randomize(CASES[case][1](hidden, inter, experts, top_k, norm), seed)
 
 
-def tokens_of(hidden: int, batch: int, seq: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, seq, hidden, generator=gen).to(dtype)
 
 
 # -- comparison --------------------------------------------------------------------------------------
 
 
-def converted_call(block: nn.Module, x: torch.Tensor) -> tuple[mf.MoELayer, Any]:
-    """``moeforge.hf.from_hf(block)`` run as the drop-in replacement runs it (full return value)."""
-    layer = from_hf(block)
-    module = family_of_block(block)
-    assert module is not None
-    return layer, HFMoEBlock(layer, module, block)(x)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
 def router_weight(block: nn.Module) -> torch.Tensor:

@@ -30,7 +30,8 @@ from transformers.models.llama4.modeling_llama4 import Llama4TextMoe  # noqa: E4
 from transformers.models.phimoe.modeling_phimoe import PhimoeSparseMoeBlock  # noqa: E402
 
 import moeforge as mf  # noqa: E402
-from moeforge.families import family, family_of_block, preset  # noqa: E402
+from hf_helpers import converted_call, rel_err, tokens_of  # noqa: E402
+from moeforge.families import family, preset  # noqa: E402
 from moeforge.families.deepseek_v3 import hf_group_mask_value  # noqa: E402
 from moeforge.hf import HFMoEBlock, from_hf  # noqa: E402
 from moeforge.stages import select_experts  # noqa: E402
@@ -98,25 +99,13 @@ def phimoe_block(hidden: int = 32, inter: int = 16, experts: int = 8, *, jitter:
     return randomize(PhimoeSparseMoeBlock(config), hidden, seed)
 
 
-def tokens_of(hidden: int, batch: int, seq: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, seq, hidden, generator=gen).to(dtype)
 
 
 # -- comparison --------------------------------------------------------------------------------------
 
 
-def converted_call(block: nn.Module, x: torch.Tensor) -> tuple[mf.MoELayer, Any]:
-    """``moeforge.hf.from_hf(block)`` run as the drop-in replacement would run it."""
-    layer = from_hf(block)
-    module = family_of_block(block)
-    assert module is not None
-    return layer, HFMoEBlock(layer, module, block)(x)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
 def topk_ties(logits: torch.Tensor, top_k: int) -> torch.Tensor:
