@@ -30,6 +30,8 @@ version that defined the block's class.
 from __future__ import annotations
 
 import functools
+import re
+import inspect
 import sys
 from typing import Any, Optional, Union
 
@@ -111,13 +113,25 @@ def hf_output(block: nn.Module, output: torch.Tensor,
 
 
 def returns_router_logits(block_class: type) -> bool:
-    """Whether ``block_class`` returns ``(hidden_states, router_logits)``: the 4.x Granite blocks did;
-    since ``transformers`` collects router logits with output hooks (a model class of the module that
-    defines the block declares ``router_logits`` in ``_can_record_outputs``), the blocks return the
-    hidden states only. The module read is that of the first ``transformers`` class in the MRO (a
-    subclass defined elsewhere returns what its parent does), else the class's own."""
+    """Whether ``block_class`` returns ``(hidden_states, router_logits)`` (the 4.x Granite blocks did)
+    or the hidden states only (later versions, which collect router logits with output hooks).
+
+    Read from the ``return`` statements of the forward of the first ``transformers`` class in the MRO
+    (a subclass defined elsewhere returns what its parent does); when no source is available, from
+    whether that class's module records router logits with output hooks."""
     owner = next((cls for cls in block_class.__mro__ if cls.__module__.startswith("transformers.")), block_class)
-    return not _records_router_logits(owner.__module__)
+    verdict = _returns_tuple(owner)
+    return verdict if verdict is not None else not _records_router_logits(owner.__module__)
+
+
+@functools.lru_cache(maxsize=None)
+def _returns_tuple(owner: type) -> Optional[bool]:
+    try:
+        source = inspect.getsource(owner.forward)  # type: ignore[attr-defined]
+    except (OSError, TypeError, AttributeError):
+        return None
+    returns = re.findall(r"^\s*return\s+(.+)$", source, flags=re.MULTILINE)
+    return any("," in value and "router_logits" in value for value in returns)
 
 
 @functools.lru_cache(maxsize=None)
