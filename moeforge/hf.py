@@ -49,40 +49,12 @@ import torch
 from torch import nn
 
 from moeforge.errors import MoEForgeError
-from moeforge.families import FAMILIES
+from moeforge.families import block_classes
 from moeforge.layer import MoELayer
 
 # Converters take the dtype and device from the block's own tensors: a patched block must take and
 # return the activations of the model around it.
 _FORBIDDEN_PATCH_KWARGS = ("dtype", "device")
-
-
-def available_families() -> dict[str, ModuleType]:
-    """The family modules that import here, by name. A family listed in
-    :data:`moeforge.families.FAMILIES` whose module does not exist (yet) is left out; one that
-    exists but fails to import raises."""
-    found: dict[str, ModuleType] = {}
-    for name, module_path in FAMILIES.items():
-        try:
-            found[name] = importlib.import_module(module_path)
-        except ModuleNotFoundError as error:
-            if error.name != module_path:
-                raise
-    return found
-
-
-def _block_classes() -> dict[str, ModuleType]:
-    """``transformers`` block class name -> the family module that converts it."""
-    classes: dict[str, ModuleType] = {}
-    for module in available_families().values():
-        for class_name in module.HF_BLOCK_CLASSES:
-            classes[class_name] = module
-    return classes
-
-
-def family_for(block: nn.Module) -> Optional[ModuleType]:
-    """The family module that converts ``block`` (matched by class name), or ``None``."""
-    return _block_classes().get(type(block).__name__)
 
 
 def from_hf(block: nn.Module, **layer_kwargs: Any) -> MoELayer:
@@ -93,7 +65,7 @@ def from_hf(block: nn.Module, **layer_kwargs: Any) -> MoELayer:
     back the layer it runs. Raises ``TypeError`` for a block of an unsupported class."""
     if isinstance(block, HFMoEBlock):
         return block.layer
-    classes = _block_classes()
+    classes = block_classes()
     module = classes.get(type(block).__name__)
     if module is None:
         raise TypeError(f"no moeforge converter for {type(block).__name__}; supported blocks: "
@@ -251,7 +223,7 @@ def patch_model(model: nn.Module, *, strict: bool = False, **layer_kwargs: Any) 
         if name in layer_kwargs:
             raise TypeError(f"patch_model takes no {name!r}: each layer keeps its block's {name}; "
                             f"use model.to(...) before or after patching")
-    classes = _block_classes()
+    classes = block_classes()
     if type(model).__name__ in classes:
         raise TypeError(f"the model itself is a {type(model).__name__}: it cannot be replaced in place; "
                         "use moeforge.hf.from_hf(block)")

@@ -17,11 +17,11 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from moeforge import MoELayer  # noqa: E402
+from moeforge.families import FAMILIES, family  # noqa: E402
 from moeforge.hf import (  # noqa: E402
     HFMoEBlock,
     PatchError,
     PatchReport,
-    available_families,
     from_hf,
     patch_model,
 )
@@ -100,10 +100,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[str, ...]]] = {
 
 
 def _require_family(name: str) -> None:
-    """Mixtral and Qwen3-MoE must be there; a family module that does not exist (yet) skips its model
-    (one that exists but is broken fails)."""
-    if name not in ("mixtral", "qwen3_moe") and name not in available_families():
-        pytest.skip(f"moeforge.families.{name} is not there (yet)")
+    """Every family named in a test must exist and import."""
+    family(name)  # every listed family exists: importing it must work
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
@@ -431,7 +429,8 @@ def test_report_is_plain_data() -> None:
 
 def test_no_family_module_is_broken() -> None:
     """Every family module that exists imports and declares what ``moeforge.hf`` reads."""
-    for name, module in available_families().items():
+    for name in FAMILIES:
+        module = family(name)
         assert module.NAME == name
         assert module.HF_BLOCK_CLASSES and callable(module.from_hf) and callable(module.hf_output)
     importlib.import_module("moeforge.families.mixtral")

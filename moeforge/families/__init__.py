@@ -49,11 +49,11 @@ def preset(name: str, **kwargs: Any) -> dict[str, Any]:
     return settings
 
 
+def block_classes() -> dict[str, ModuleType]:
+    """``transformers`` block class name -> the family module that converts it."""
+    return {class_name: module for module in map(family, FAMILIES) for class_name in module.HF_BLOCK_CLASSES}
+
+
 def family_of_block(block: torch.nn.Module) -> Optional[ModuleType]:
     """The family module that converts ``block`` (matched by class name), or ``None``."""
-    class_name = type(block).__name__
-    for name in FAMILIES:
-        module = family(name)
-        if class_name in module.HF_BLOCK_CLASSES:
-            return module
-    return None
+    return block_classes().get(type(block).__name__)
