@@ -10,35 +10,10 @@ returns one tensor ``[B, S, H]``.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch import nn
-
-from moeforge.families._softmax_topk import routed_layer, routing
-from moeforge.layer import MoELayer
-from moeforge.stages.activation import ActivationConfig
+# The same block semantics and layout as Qwen3-MoE: reuse its preset and converter.
+from moeforge.families.qwen3_moe import from_hf, hf_output, preset
 
 NAME = "olmoe"
 HF_BLOCK_CLASSES = ("OlmoeSparseMoeBlock",)
 
-
-def preset(*, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-           norm_topk_prob: bool = False, **layer_kwargs: Any) -> dict[str, Any]:
-    return dict(
-        num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        routing=routing(norm_topk_prob),
-        activation=ActivationConfig(),
-        **layer_kwargs,
-    )
-
-
-def from_hf(block: nn.Module, **layer_kwargs: Any) -> MoELayer:
-    layer = routed_layer(block, preset, layer_kwargs)
-    layer.rebuild_pipeline()
-    return layer
-
-
-def hf_output(block: nn.Module, output: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-    """``OlmoeSparseMoeBlock`` returns the hidden states ``[B, S, H]`` only."""
-    return output
+__all__ = ["HF_BLOCK_CLASSES", "NAME", "from_hf", "hf_output", "preset"]
