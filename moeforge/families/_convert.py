@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+
+from moeforge.layer import MoELayer
 
 
 def find(block: nn.Module, path: str) -> Optional[torch.Tensor]:
@@ -37,3 +39,21 @@ def adopt(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
                          f"got {tuple(tensor.shape)}")
     param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=tensor.requires_grad)
     setattr(module, name, param)
+
+
+def fused_expert_layer(preset: Callable[..., dict[str, Any]], gate_up: torch.Tensor, down: torch.Tensor,
+                       router: torch.Tensor, **preset_kwargs: Any) -> MoELayer:
+    """A layer built by a family's ``preset`` — sizes read from ``gate_up [E, 2I, H]``, dtype and device
+    from it unless given — whose routed experts and router share the storage of ``gate_up``,
+    ``down [E, H, I]`` and ``router [E, H]`` (the transformers 5 layout, which is moeforge's).
+    The caller loads anything else (biases, shared experts) and calls ``rebuild_pipeline()``."""
+    num_experts, double_inter, hidden = gate_up.shape
+    preset_kwargs.setdefault("dtype", gate_up.dtype)
+    preset_kwargs.setdefault("device", gate_up.device)
+    layer = MoELayer(**preset(num_experts=num_experts, hidden_size=hidden, intermediate_size=double_inter // 2,
+                              **preset_kwargs))
+    adopt(layer, "w13_weight", gate_up)
+    adopt(layer, "w2_weight", down)
+    assert layer.router is not None
+    adopt(layer.router, "weight", router)
+    return layer

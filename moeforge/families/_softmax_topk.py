@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from moeforge.families._convert import adopt, require
+from moeforge.families._convert import fused_expert_layer, require
 from moeforge.families._shared import require_silu, setting
 from moeforge.layer import MoELayer
 from moeforge.stages.topk import RoutingConfig, Scoring, ScoreOrder
@@ -35,15 +35,5 @@ def routed_layer(block: nn.Module, preset: Callable[..., dict[str, Any]], layer_
     router = require(block, "gate.weight", 2)
     require_silu(block, "experts.act_fn")
     owners = (getattr(block, "gate"), block)
-    num_experts, double_inter, hidden = gate_up.shape
-    layer_kwargs.setdefault("dtype", gate_up.dtype)
-    layer_kwargs.setdefault("device", gate_up.device)
-    layer = MoELayer(**preset(
-        num_experts=num_experts, top_k=int(setting(owners, "top_k")), hidden_size=hidden,
-        intermediate_size=double_inter // 2, norm_topk_prob=bool(setting(owners, "norm_topk_prob")),
-        **options, **layer_kwargs))
-    adopt(layer, "w13_weight", gate_up)
-    adopt(layer, "w2_weight", down)
-    assert layer.router is not None
-    adopt(layer.router, "weight", router)
-    return layer
+    return fused_expert_layer(preset, gate_up, down, router, top_k=int(setting(owners, "top_k")),
+                              norm_topk_prob=bool(setting(owners, "norm_topk_prob")), **options, **layer_kwargs)

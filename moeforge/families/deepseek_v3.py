@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from moeforge.families._shared import load_shared_mlp, require_silu, setting
-from moeforge.families._convert import adopt, require
+from moeforge.families._convert import fused_expert_layer, require
 from moeforge.layer import MoELayer
 from moeforge.shared_experts import SharedExpertsConfig
 from moeforge.stages.activation import ActivationConfig
@@ -84,21 +84,15 @@ def from_hf(block: nn.Module, *, group_mask_value: Optional[float] = None, **lay
     require_silu(block, "shared_experts.act_fn")
     # Recent transformers keep these settings on the router, the 5.0 releases on the block.
     owners = (getattr(block, "gate"), block)
-    num_experts, double_inter, hidden = gate_up.shape
-    layer_kwargs.setdefault("dtype", gate_up.dtype)
-    layer_kwargs.setdefault("device", gate_up.device)
-    layer = MoELayer(**preset(
-        num_experts=num_experts, top_k=int(setting(owners, "top_k")), hidden_size=hidden,
-        intermediate_size=double_inter // 2, n_group=int(setting(owners, "num_group", "n_group")),
+    layer = fused_expert_layer(
+        preset, gate_up, down, router, top_k=int(setting(owners, "top_k")), n_group=int(setting(owners, "num_group", "n_group")),
         topk_group=int(setting(owners, "topk_group")), norm_topk_prob=bool(setting(owners, "norm_topk_prob")),
         routed_scaling_factor=float(setting(owners, "routed_scaling_factor")),
         shared_intermediate_size=int(shared_gate.shape[0]),
         group_mask_value=hf_group_mask_value(block) if group_mask_value is None else group_mask_value,
-        **layer_kwargs))
-    adopt(layer, "w13_weight", gate_up)
-    adopt(layer, "w2_weight", down)
-    assert layer.router is not None and layer.shared_experts is not None
-    adopt(layer.router, "weight", router)  # any dtype: the layer's router computes in fp32, as HF's does
+        **layer_kwargs)
+    # The router weight keeps its dtype: the layer's router computes in fp32, as HF's does.
+    assert layer.shared_experts is not None
     # A buffer, read by the top-k at call time: shared when fp32, else widened exactly (HF adds it to
     # fp32 scores, so a bf16 buffer acts with its bf16 values there too).
     layer.e_score_correction_bias = bias.detach().to(torch.float32)

@@ -38,7 +38,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from moeforge.families._convert import adopt, find, require
+from moeforge.families._convert import adopt, find, fused_expert_layer, require
 from moeforge.families._shared import require_silu, setting
 from moeforge.layer import MoELayer
 from moeforge.shared_experts import SharedExpertsConfig
@@ -83,18 +83,10 @@ def from_hf(block: nn.Module, *, shared_mlp: Optional[nn.Module] = None, **layer
         for name in ("input_linear", "output_linear"):
             if getattr(getattr(shared_mlp, name), "bias", None) is not None:
                 raise ValueError(f"{type(shared_mlp).__name__}.{name} has a bias; Granite's shared MLP has none")
-    num_experts, double_inter, hidden = gate_up.shape
-    layer_kwargs.setdefault("dtype", gate_up.dtype)
-    layer_kwargs.setdefault("device", gate_up.device)
-    layer = MoELayer(**preset(
-        num_experts=num_experts, top_k=int(setting((getattr(block, "router"), block), "top_k")),
-        hidden_size=hidden, intermediate_size=double_inter // 2,
+    layer = fused_expert_layer(
+        preset, gate_up, down, router, top_k=int(setting((getattr(block, "router"), block), "top_k")),
         shared_intermediate_size=0 if shared_weights is None else int(shared_weights[1].shape[1]),
-        **layer_kwargs))
-    adopt(layer, "w13_weight", gate_up)
-    adopt(layer, "w2_weight", down)
-    assert layer.router is not None
-    adopt(layer.router, "weight", router)
+        **layer_kwargs)
     if shared_weights is not None:
         assert layer.shared_experts is not None
         adopt(layer.shared_experts.gate_up_proj, "weight", shared_weights[0])

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeforge.families._convert import adopt, require
+from moeforge.families._convert import fused_expert_layer, require
 from moeforge.layer import MoELayer
 from moeforge.stages.activation import ActivationConfig
 from moeforge.stages.topk import RoutingConfig, Scoring, ScoreOrder
@@ -33,15 +33,7 @@ def from_hf(block: nn.Module, **layer_kwargs: Any) -> MoELayer:
     gate_up = require(block, "experts.gate_up_proj", 3)
     down = require(block, "experts.down_proj", 3)
     router = require(block, "gate.weight", 2)
-    num_experts, double_inter, hidden = gate_up.shape
-    layer_kwargs.setdefault("dtype", gate_up.dtype)
-    layer_kwargs.setdefault("device", gate_up.device)
-    layer = MoELayer(**preset(num_experts=num_experts, top_k=int(getattr(block, "top_k")), hidden_size=hidden,
-                              intermediate_size=double_inter // 2, **layer_kwargs))
-    adopt(layer, "w13_weight", gate_up)
-    adopt(layer, "w2_weight", down)
-    assert layer.router is not None
-    adopt(layer.router, "weight", router)
+    layer = fused_expert_layer(preset, gate_up, down, router, top_k=int(getattr(block, "top_k")), **layer_kwargs)
     layer.rebuild_pipeline()
     return layer
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeforge.families._convert import adopt, require
+from moeforge.families._convert import fused_expert_layer, require
 from moeforge.families._shared import require_silu, setting
 from moeforge.layer import MoELayer
 from moeforge.stages.activation import ActivationConfig
@@ -51,16 +51,9 @@ def from_hf(block: nn.Module, **layer_kwargs: Any) -> MoELayer:
     down = require(block, "experts.down_proj", 3)
     router = require(block, "router.weight", 2)
     require_silu(block, "experts.act_fn")
-    num_experts, double_inter, hidden = gate_up.shape
-    layer_kwargs.setdefault("dtype", gate_up.dtype)
-    layer_kwargs.setdefault("device", gate_up.device)
-    layer = MoELayer(**preset(
-        num_experts=num_experts, top_k=HF_TOP_K, hidden_size=hidden, intermediate_size=double_inter // 2,
-        router_jitter_noise=float(setting((getattr(block, "router"),), "router_jitter_noise")), **layer_kwargs))
-    adopt(layer, "w13_weight", gate_up)
-    adopt(layer, "w2_weight", down)
-    assert layer.router is not None
-    adopt(layer.router, "weight", router)
+    layer = fused_expert_layer(
+        preset, gate_up, down, router, top_k=HF_TOP_K,
+        router_jitter_noise=float(setting((getattr(block, "router"),), "router_jitter_noise")), **layer_kwargs)
     layer.rebuild_pipeline()
     return layer
 
