@@ -57,7 +57,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import attrs
 import torch
 
-from moeforge.errors import MoEForgeError
+from moeforge.errors import CheckpointError
 from moeforge.layer import MoELayer
 from moeforge.quant.unquantized import UnquantizedMethod
 from moeforge.stages.activation import GateUpLayout
@@ -68,10 +68,6 @@ OnUnused = Literal["warn", "raise", "ignore"]
 
 _FLOAT_DTYPES = {torch.bfloat16, torch.float16, torch.float32, torch.float64}
 _SAFETENSORS_FLOAT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-
-
-class CheckpointError(MoEForgeError, ValueError):
-    """The checkpoint cannot fill this layer."""
 
 
 class MissingWeightError(CheckpointError):

@@ -10,8 +10,9 @@ that gives an answer wins):
 3. what the quant method requires;
 4. what the expert backend requires (e.g. a kernel that quantizes internally wants unquantized input);
 5. the device's default;
-6. the library default: FP8 when the experts accept FP8, else the layer's own activation dtype,
-   else BF16.
+6. the library default: the quant method's preference (``QuantMethod.prefers``) when the experts
+   accept it and the device carries it, else FP8 when the experts accept FP8, else the layer's own
+   activation dtype, else BF16.
 
 The answer is then validated against the device: FP8 where the device has no FP8 becomes INT8 (with a
 warning), INT8 where INT8 dispatch is unsupported becomes FP8, NVFP4 where unsupported is rejected.
@@ -161,9 +162,11 @@ class DispatchDecision:
     dtype: DispatchDtype
     rule: DispatchRule
     converted_from: Optional[DispatchDtype] = None
+    preferred: bool = False  # rule 6 took the quant method's preference
 
     def explain(self) -> str:
-        text = f"dispatch {self.dtype.value} (rule {int(self.rule)}: {self.rule.label})"
+        label = self.rule.label + (", the quant method's preference" if self.preferred else "")
+        text = f"dispatch {self.dtype.value} (rule {int(self.rule)}: {label})"
         if self.converted_from is not None:
             text += f", converted from {self.converted_from.value}: the device cannot carry it"
         return text
@@ -179,6 +182,7 @@ def resolve_dispatch_dtype(
     device: Union[DeviceDispatchSupport, torch.device, str, None] = None,
     environ: Optional[Mapping[str, str]] = None,
     experts_name: str = "experts",
+    quant_prefers: Optional[DispatchDtype] = None,
 ) -> DispatchDecision:
     """Decide the dispatch dtype of one layer (see the module docstring for the priority).
 
@@ -190,7 +194,7 @@ def resolve_dispatch_dtype(
     accept = frozenset(experts_accept)
     environ = os.environ if environ is None else environ
     decision = _by_priority(setting, accept, activation_dtype, quant_requires, backend_requires,
-                            support, environ, experts_name)
+                            support, environ, experts_name, quant_prefers)
     decision = _validate_on_device(decision, support)
     if decision.dtype.activation_dtype not in accept:
         raise ContractError(
@@ -214,6 +218,7 @@ def _by_priority(
     support: DeviceDispatchSupport,
     environ: Mapping[str, str],
     experts_name: str,
+    quant_prefers: Optional[DispatchDtype] = None,
 ) -> DispatchDecision:
     if setting is not None and not (isinstance(setting, str) and setting.strip().lower() == "auto"):
         return DispatchDecision(DispatchDtype.parse(setting), DispatchRule.EXPLICIT)
@@ -237,6 +242,8 @@ def _by_priority(
         return DispatchDecision(backend_requires, DispatchRule.EXPERT_BACKEND)
     if support.default is not None:
         return DispatchDecision(support.default, DispatchRule.DEVICE_DEFAULT)
+    if quant_prefers is not None and quant_prefers.activation_dtype in accept and support.carries(quant_prefers):
+        return DispatchDecision(quant_prefers, DispatchRule.LIBRARY_DEFAULT, preferred=True)
     if DType.FP8_E4M3 in accept and support.fp8:
         return DispatchDecision(DispatchDtype.FP8, DispatchRule.LIBRARY_DEFAULT)
     own = DType.from_torch(activation_dtype)

@@ -59,6 +59,10 @@ class BackendUnavailableError(MoEForgeError, RuntimeError):
     """The requested backend cannot run here (missing package, wrong device, not built)."""
 
 
+class CheckpointError(MoEForgeError, ValueError):
+    """A checkpoint cannot fill this layer (missing or misshapen tensor, unsupported format)."""
+
+
 def _show(value: Any) -> str:
     if isinstance(value, (set, frozenset)):
         return "{" + ", ".join(sorted(_show(v) for v in value)) + "}"

@@ -42,7 +42,8 @@ class MoELayer(nn.Module):
         quant: the quant method that owns the expert weights (default: unquantized).
         dispatcher: ``"auto"`` (block-aligned on the triton backend, expert-sorted on torch),
             ``"sorted"`` (expert-sorted rows), ``"padded"`` (``[E, capacity, H]``), ``"aligned"``
-            (triton only) or a dispatch stage instance.
+            (triton only), ``"fused_ep"`` (the quant method's fused dispatch -> combine stage; a
+            ``ContractError`` for a method that offers none) or a dispatch stage instance.
         dispatch_dtype: ``"auto"`` or a :class:`~moeforge.DispatchDtype` / name; resolved once by
             :func:`~moeforge.resolve_dispatch_dtype` (see ``describe()`` for the deciding rule).
         shared_experts: a :class:`~moeforge.SharedExpertsConfig`, or ``None``.
@@ -140,6 +141,7 @@ class MoELayer(nn.Module):
             experts_accept=self.quant.accepts,
             activation_dtype=self.dtype,
             quant_requires=self.quant.required_dispatch_dtype(),
+            quant_prefers=self.quant.prefers,
             device=self._device(),
             environ=self._environ,
             experts_name=f"experts ({self.quant.name})",
@@ -155,18 +157,29 @@ class MoELayer(nn.Module):
         quantize = self.quant.quantize_stage(self.dispatch_decision.dtype, compute)
         if quantize is not None:
             stages.append(quantize)
-        stages.append(self._dispatch_stage(configs))
-        stages += self.quant.expert_stages(
-            self, activation=self.activation,
-            routing_weights_in_epilogue=routing.apply_weights is RoutingWeights.IN_GEMM_EPILOGUE,
-            backend=self.backend, configs=configs)
         folded = routing.scaling_in_weights or routing.routed_scaling_factor == 1.0
-        combine_class = AlignedCombine if triton and self._aligned() else Combine
-        stages.append(combine_class(
-            apply_routing_weights=routing.apply_weights is RoutingWeights.IN_COMBINE,
-            routed_scaling_factor=None if folded else routing.routed_scaling_factor,
-            out_dtype=compute,
-        ))
+        if self.dispatcher == "fused_ep":
+            # The method's own stage spans dispatch -> combine; a method without one raises
+            # ContractError here, at build time (no silent fallback to the unfused stages).
+            stage = self.quant.fused_ep_stage(
+                self, activation=self.activation,
+                apply_routing_weights=routing.apply_weights is RoutingWeights.IN_COMBINE,
+                routed_scaling_factor=None if folded else routing.routed_scaling_factor,
+                out_dtype=compute, dispatch=self.dispatch_decision.dtype)
+            self.quant.prepare_fused_ep_weights(self)
+            stages.append(stage)
+        else:
+            stages.append(self._dispatch_stage(configs))
+            stages += self.quant.expert_stages(
+                self, activation=self.activation,
+                routing_weights_in_epilogue=routing.apply_weights is RoutingWeights.IN_GEMM_EPILOGUE,
+                backend=self.backend, configs=configs, dispatch=self.dispatch_decision.dtype)
+            combine_class = AlignedCombine if triton and self._aligned() else Combine
+            stages.append(combine_class(
+                apply_routing_weights=routing.apply_weights is RoutingWeights.IN_COMBINE,
+                routed_scaling_factor=None if folded else routing.routed_scaling_factor,
+                out_dtype=compute,
+            ))
         spec = input_spec(self.hidden_size, self.dtype, self.num_experts)
         notes = [self.dispatch_decision.explain(), f"backend {self.backend.value}{self._backend_note}"]
         pipeline: Pipeline[MoEInput, MoEOutput] = Pipeline(stages, spec, debug=self.debug, notes=notes)

@@ -5,21 +5,29 @@ weights (:meth:`QuantMethod.create_weights`, :meth:`QuantMethod.process_weights_
 activation quantizer that runs before the dispatch, the expert stages (GEMM, activation, GEMM), and
 :meth:`QuantMethod.apply_without_routing_weights`, the expert computation on already-dispatched,
 expert-grouped rows that NPU-style and fused-EP backends call directly. What it accepts after
-dispatch is data on the class (``accepts``, ``accepts_scales``), read by the dispatch-dtype resolver
-and the contract checker.
+dispatch is data on the class (``accepts``, ``accepts_scales``, ``prefers``), read by the
+dispatch-dtype resolver and the contract checker.
+
+Two optional hooks: :meth:`QuantMethod.load_checkpoint_experts` reads the method's own checkpoint
+format (e.g. FP8 weights with ``weight_scale_inv``, GPTQ ``qweight``/``qzeros``/``scales``), and a
+method may offer a fused stage spanning dispatch -> combine (``offers_fused_ep``,
+:meth:`QuantMethod.fused_ep_stage`); asking a method without one for it is a ``ContractError`` at
+build time.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from typing import Any, ClassVar, Optional, Union
 
 import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
+from moeforge.errors import CheckpointError, ContractError
 from moeforge.kernels.config import ConfigTable
-from moeforge.payloads import RoutedTokens
+from moeforge.payloads import MoEOutput, RoutedTokens
 from moeforge.spec import DType, GroupListType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
@@ -29,12 +37,23 @@ from moeforge.stages.quantize import QuantizeTokens, quantizer_for
 class QuantMethod(abc.ABC):
     """Base class of the quant methods.
 
-    Class attributes: ``accepts`` — activation dtypes the expert stages consume after dispatch;
-    ``accepts_scales`` — their scale layouts.
+    Class attributes (capabilities, read by the resolver and the contract checker):
+
+    * ``accepts`` — activation dtypes the expert stages consume after dispatch;
+    * ``accepts_scales`` — their scale layouts;
+    * ``prefers`` — the dispatch dtype the method prefers when nothing stronger decides (it refines
+      rule 6, the library default, of :func:`~moeforge.resolve_dispatch_dtype`); ``None``: no
+      preference;
+    * ``expert_parameters`` — names of the per-expert tensors ``create_weights`` registers (leading
+      dimension = experts): what expert parallelism slices per rank;
+    * ``offers_fused_ep`` — whether :meth:`fused_ep_stage` builds a fused dispatch -> combine stage.
     """
 
     accepts: ClassVar[frozenset[DType]]
     accepts_scales: ClassVar[frozenset[ScaleLayout]]
+    prefers: ClassVar[Optional[DispatchDtype]] = None
+    expert_parameters: ClassVar[tuple[str, ...]] = ()
+    offers_fused_ep: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -62,6 +81,53 @@ class QuantMethod(abc.ABC):
         """The dispatch dtype this method's configuration requires (rule 3), if any."""
         return None
 
+    def expert_parameter_names(self, layer: torch.nn.Module) -> tuple[str, ...]:
+        """The per-expert tensors of ``layer`` (those of ``expert_parameters`` it has, not ``None``)."""
+        return tuple(name for name in self.expert_parameters if getattr(layer, name, None) is not None)
+
+    def load_checkpoint_experts(
+        self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The method's expert tensors built from a checkpoint in its own format.
+
+        ``tensors`` maps names relative to the block prefix (``"experts.3.gate_proj.weight"``,
+        ``"experts.3.gate_proj.weight_scale_inv"``, ...) to tensors, read lazily. Returns, for each
+        of ``layer``'s expert tensors it fills, the new value (same shape and dtype as the layer's;
+        :func:`moeforge.checkpoint.load_weights` copies them only after every check passed). Raise
+        :class:`~moeforge.errors.CheckpointError` naming the key for a missing or misshapen tensor.
+        Default: this method reads no checkpoint format.
+        """
+        raise CheckpointError(f"{self.name} does not read checkpoints: fill its tensors yourself, then call "
+                              "layer.process_weights_after_loading()")
+
+    def fused_ep_stage(
+        self,
+        layer: torch.nn.Module,
+        *,
+        activation: ActivationConfig,
+        apply_routing_weights: bool,
+        routed_scaling_factor: Optional[float],
+        out_dtype: DType,
+        dispatch: DispatchDtype,
+    ) -> Stage[RoutedTokens, MoEOutput]:
+        """A fused stage spanning dispatch -> combine (kinds DISPATCH, GEMM, ACTIVATION, GEMM,
+        COMBINE) for methods whose ``offers_fused_ep`` is true; :class:`~moeforge.MoELayer` calls
+        :meth:`prepare_fused_ep_weights` first. It consumes routed tokens in the ``dispatch`` format
+        and returns the combined output in ``out_dtype``, applying the routing weights (when
+        ``apply_routing_weights``) and ``routed_scaling_factor`` (when not ``None``) itself.
+        Default: a :class:`~moeforge.errors.ContractError` (this method offers none)."""
+        raise ContractError(
+            producer="quantize/top-k",
+            consumer=f"fused dispatch->combine stage of {self.name}",
+            field="fused_ep",
+            have="requested (dispatcher='fused_ep')",
+            want=f"a quant method that offers one ({self.name} does not)",
+            hint="use dispatcher='auto', 'sorted' or 'padded', or a quant method whose offers_fused_ep is true",
+        )
+
+    def prepare_fused_ep_weights(self, layer: torch.nn.Module) -> None:
+        """Re-lay out the expert weights for :meth:`fused_ep_stage` (default: nothing)."""
+
     def quantize_stage(
         self, dispatch: DispatchDtype, compute: DType
     ) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
@@ -79,10 +145,14 @@ class QuantMethod(abc.ABC):
         routing_weights_in_epilogue: bool,
         backend: Backend = Backend.TORCH,
         configs: Optional[ConfigTable] = None,
+        dispatch: Optional[DispatchDtype] = None,
     ) -> list[Stage[Any, Any]]:
         """The stages from dispatched rows to expert outputs (typically GEMM, activation, GEMM) for
         ``backend``; ``configs`` are the triton launch configurations shared with the dispatch.
-        A method without stages for ``backend`` raises :class:`BackendUnavailableError`."""
+        ``dispatch`` is the resolved dispatch dtype (``None``: the layer's float dtype): a method
+        that computes in a quantized format but receives float rows starts with its own
+        ``QuantizeRows`` (quantize after dispatch). A method without stages for ``backend`` raises
+        :class:`BackendUnavailableError`."""
 
     @abc.abstractmethod
     def apply_without_routing_weights(

@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 
 from moeforge.backend import Backend
+from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations
@@ -28,6 +29,7 @@ class UnquantizedMethod(QuantMethod):
 
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
+    expert_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)
 
     def create_weights(
         self,
@@ -58,6 +60,7 @@ class UnquantizedMethod(QuantMethod):
         routing_weights_in_epilogue: bool,
         backend: Backend = Backend.TORCH,
         configs: Optional[ConfigTable] = None,
+        dispatch: Optional[DispatchDtype] = None,
     ) -> list[Stage[Any, Any]]:
         def bias(name: str) -> Optional[ParamRef]:
             return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
