@@ -295,6 +295,9 @@ def _plan_experts(planner: _Planner, layer: MoELayer, naming: ExpertNaming) -> N
     gated = layer.activation.gated
     layout = layer.activation.gate_up
     num_experts, hidden, inter = layer.num_experts, layer.hidden_size, layer.intermediate_size
+    # An expert-parallel layer holds experts[first : first + len(experts)] only; the others stay unread
+    # (reported as unused: another rank loads them).
+    experts = layer.expert_range
 
     def w13() -> torch.Tensor:
         weight: torch.Tensor = getattr(layer, "w13_weight")
@@ -309,12 +312,20 @@ def _plan_experts(planner: _Planner, layer: MoELayer, naming: ExpertNaming) -> N
             raise CheckpointError(f"'{planner.prefix}experts.gate_up_proj_bias': this is GPT-OSS's layout "
                                   "(transposed [E, H, 2I] experts with biases); convert the transformers block "
                                   "with moeforge.hf.from_hf")
+
+        def mine(relayout: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+            def select(tensor: torch.Tensor) -> torch.Tensor:
+                tensor = tensor[experts.start:experts.stop]
+                return relayout(tensor) if relayout is not None else tensor
+            return select
+
         if gated:
             relayout = _interleave if layout is GateUpLayout.INTERLEAVED else None
-            planner.take("experts.gate_up_proj", (num_experts, 2 * inter, hidden), w13, relayout=relayout)
+            planner.take("experts.gate_up_proj", (num_experts, 2 * inter, hidden), w13, relayout=mine(relayout))
         else:
-            planner.take("experts.up_proj", (num_experts, inter, hidden), w13)
-        planner.take("experts.down_proj", (num_experts, hidden, inter), w2)
+            planner.take("experts.up_proj", (num_experts, inter, hidden), w13, relayout=mine())
+        planner.take("experts.down_proj", (num_experts, hidden, inter), w2, relayout=mine())
         return
     if naming is ExpertNaming.W1_W3_W2:
         if not gated:
@@ -323,12 +334,12 @@ def _plan_experts(planner: _Planner, layer: MoELayer, naming: ExpertNaming) -> N
         gate, up, down = "w1", "w3", "w2"
     else:
         gate, up, down = "gate_proj", "up_proj", "down_proj"
-    for i in range(num_experts):
-        def expert13(i: int = i) -> torch.Tensor:
-            return w13()[i]
+    for local, i in enumerate(experts):
+        def expert13(local: int = local) -> torch.Tensor:
+            return w13()[local]
 
-        def expert2(i: int = i) -> torch.Tensor:
-            return w2()[i]
+        def expert2(local: int = local) -> torch.Tensor:
+            return w2()[local]
 
         planner.gate_up(f"experts.{i}.{gate}.weight" if gated else None, f"experts.{i}.{up}.weight",
                         (inter, hidden), layout, expert13)

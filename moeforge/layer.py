@@ -10,6 +10,9 @@ from torch import nn
 
 from moeforge.backend import Backend, resolve_backend
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
+from moeforge.distributed.all_to_all import AllToAllDispatch
+from moeforge.distributed.exchange import ExchangeDispatch
+from moeforge.distributed.group import ExpertParallel
 from moeforge.errors import InputError
 from moeforge.inputs import check_hidden_states, check_router_logits
 from moeforge.kernels.config import ConfigTable
@@ -53,6 +56,11 @@ class MoELayer(nn.Module):
         backend: ``"auto"`` (triton on CUDA when Triton is installed, else torch), ``"torch"`` or
             ``"triton"``.
         dtype, device: of the parameters and of the activations the layer takes.
+        expert_parallel: an :class:`~moeforge.distributed.ExpertParallel`: this rank holds only its
+            experts' weights and the dispatcher exchanges rows with the other ranks (``dispatcher``
+            ``"auto"`` / ``"all_to_all"``: :class:`~moeforge.distributed.AllToAllDispatch`; or a
+            :class:`~moeforge.distributed.LowLatencyDispatch` instance). The experts run on the torch
+            backend's stages.
         debug: check every payload against its spec and reject non-finite router logits.
         environ: where the process default ``MOEFORGE_DISPATCH_DTYPE`` is read (default
             ``os.environ``; only read, never written).
@@ -78,6 +86,7 @@ class MoELayer(nn.Module):
         device: Union[torch.device, str, None] = None,
         debug: bool = False,
         environ: Optional[Mapping[str, str]] = None,
+        expert_parallel: Optional[ExpertParallel] = None,
     ) -> None:
         super().__init__()
         for name, value in (("num_experts", num_experts), ("top_k", top_k),
@@ -101,8 +110,21 @@ class MoELayer(nn.Module):
         self.debug = debug
         self._environ = environ
         device = torch.device(device) if device is not None else torch.device("cpu")
+        self.expert_parallel = expert_parallel
+        if expert_parallel is not None and expert_parallel.num_experts != num_experts:
+            raise InputError(f"expert_parallel.num_experts={expert_parallel.num_experts} differs from "
+                             f"num_experts={num_experts}")
         self.backend = resolve_backend(backend, device)
         self._backend_note = ""
+        if expert_parallel is not None and self.backend is Backend.TRITON:
+            # The triton GEMMs read block-aligned rows of local tokens; exchanged rows arrive
+            # expert-sorted or expert-padded, which the torch stages take.
+            if not isinstance(backend, Backend) and backend.lower() == "auto":
+                self.backend = Backend.TORCH
+                self._backend_note = " (auto: expert-parallel rows run on the torch expert stages)"
+            else:
+                raise InputError("backend='triton' does not take expert-parallel rows yet: use backend='auto' or "
+                                 "'torch' with expert_parallel")
         if (self.backend is Backend.TRITON and not isinstance(backend, Backend) and backend.lower() == "auto"
                 and routing.apply_weights is RoutingWeights.ON_INPUT):
             # "auto" means the fastest path that can run this layer; the triton path cannot scale the
@@ -117,7 +139,7 @@ class MoELayer(nn.Module):
         if routing.selection_bias:
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(num_experts, dtype=torch.float32, device=device))
-        self.quant.create_weights(self, num_experts=num_experts, hidden_size=hidden_size,
+        self.quant.create_weights(self, num_experts=self.local_experts, hidden_size=hidden_size,
                                   intermediate_size=intermediate_size, gated=activation.gated,
                                   bias=expert_bias, dtype=dtype, device=device)
         self.shared_experts: Optional[SharedExperts] = None
@@ -169,23 +191,41 @@ class MoELayer(nn.Module):
             self.quant.prepare_fused_ep_weights(self)
             stages.append(stage)
         else:
-            stages.append(self._dispatch_stage(configs))
+            dispatch_stage = self._dispatch_stage(configs)
+            stages.append(dispatch_stage)
             stages += self.quant.expert_stages(
                 self, activation=self.activation,
                 routing_weights_in_epilogue=routing.apply_weights is RoutingWeights.IN_GEMM_EPILOGUE,
                 backend=self.backend, configs=configs, dispatch=self.dispatch_decision.dtype)
-            combine_class = AlignedCombine if triton and self._aligned() else Combine
-            stages.append(combine_class(
+            combine_options: dict[str, Any] = dict(
                 apply_routing_weights=routing.apply_weights is RoutingWeights.IN_COMBINE,
                 routed_scaling_factor=None if folded else routing.routed_scaling_factor,
-                out_dtype=compute,
-            ))
+                out_dtype=compute)
+            if isinstance(dispatch_stage, ExchangeDispatch):  # exchanged rows go home with its own combine
+                stages.append(dispatch_stage.combine_stage(**combine_options))
+            else:
+                combine_class = AlignedCombine if triton and self._aligned() else Combine
+                stages.append(combine_class(**combine_options))
         spec = input_spec(self.hidden_size, self.dtype, self.num_experts)
         notes = [self.dispatch_decision.explain(), f"backend {self.backend.value}{self._backend_note}"]
+        if self.expert_parallel is not None:
+            notes.append(self.expert_parallel.summary())
         pipeline: Pipeline[MoEInput, MoEOutput] = Pipeline(stages, spec, debug=self.debug, notes=notes)
         for which, stage in self.replaced_stages:
             pipeline = pipeline.replace(which, stage)
         self.pipeline = pipeline
+
+    @property
+    def local_experts(self) -> int:
+        """Experts whose weights this layer holds: all of them, or this rank's under expert parallelism."""
+        return self.expert_parallel.local_experts if self.expert_parallel is not None else self.num_experts
+
+    @property
+    def expert_range(self) -> range:
+        """The global ids of the experts this layer holds."""
+        if self.expert_parallel is not None:
+            return self.expert_parallel.expert_range
+        return range(self.num_experts)
 
     def _kernel_configs(self) -> ConfigTable:
         device = self._device()
@@ -198,9 +238,23 @@ class MoELayer(nn.Module):
 
     def _dispatch_stage(self, configs: Optional[ConfigTable]) -> Stage[RoutedTokens, Any]:
         on_input = self.routing.apply_weights is RoutingWeights.ON_INPUT
+        ep = self.expert_parallel
         if isinstance(self.dispatcher, Stage):
+            if ep is not None and not isinstance(self.dispatcher, ExchangeDispatch):
+                raise InputError(f"an expert-parallel layer needs an expert-parallel dispatcher (AllToAllDispatch or "
+                                 f"LowLatencyDispatch), got {self.dispatcher.name}")
+            if ep is None and isinstance(self.dispatcher, ExchangeDispatch):
+                raise InputError(f"{self.dispatcher.name} exchanges rows between ranks: build the layer with "
+                                 "expert_parallel=ExpertParallel(num_experts, group)")
+            if isinstance(self.dispatcher, ExchangeDispatch) and self.dispatcher.ep is not ep:
+                raise InputError("the dispatcher's ExpertParallel differs from the layer's expert_parallel: pass the same one")
             return self.dispatcher
         choice = self.dispatcher
+        if ep is not None:
+            if choice in ("auto", "all_to_all"):
+                return AllToAllDispatch(ep, apply_routing_weights=on_input)
+            raise InputError(f"dispatcher={choice!r} does not exchange rows between ranks: an expert-parallel layer "
+                             "takes dispatcher='auto' / 'all_to_all', or a LowLatencyDispatch(ep, max_tokens=...) instance")
         if choice == "auto":
             choice = "aligned" if self.backend is Backend.TRITON else "sorted"
         if choice in ("sorted", "padded") and self.backend is Backend.TRITON:

@@ -108,6 +108,14 @@ class ExpertIds(enum.Enum):
     LOCAL = "local"  # this expert-parallel rank's numbering (equal to global on one rank)
 
 
+class Exchange(enum.Enum):
+    """Where expert-grouped rows came from, so that only the matching combine can take them back."""
+
+    NONE = "none"  # this process's own tokens (single process, or every expert local)
+    ALL_TO_ALL = "all_to_all"  # exchanged with the other expert-parallel ranks, variable-length
+    LOW_LATENCY = "low_latency"  # exchanged in fixed-capacity per-(rank, expert) buffers
+
+
 @attrs.frozen
 class Spec:
     """What crosses one stage boundary. Compared field by field by the contract checker."""
@@ -123,6 +131,7 @@ class Spec:
     expert_ids: ExpertIds = ExpertIds.GLOBAL
     num_experts: Optional[int] = None  # experts in this view: global before dispatch, local after
     top_k: Optional[int] = None
+    exchange: Exchange = Exchange.NONE
 
     def evolve(self, **changes: Any) -> Spec:
         return attrs.evolve(self, **changes)
@@ -145,6 +154,8 @@ class Spec:
             parts.append(f"rsf={self.scaling_factor.value}")
         if self.kind in (PayloadKind.DISPATCHED, PayloadKind.EXPERT_HIDDEN, PayloadKind.EXPERT_OUTPUT):
             parts.append(f"ids={self.expert_ids.value}")
+        if self.exchange is not Exchange.NONE:
+            parts.append(f"via={self.exchange.value}")
         return " ".join(parts)
 
 
@@ -176,6 +187,7 @@ class Accepts:
     expert_ids: Optional[frozenset[ExpertIds]] = attrs.field(default=None, converter=_opt_set)
     num_experts: Optional[frozenset[Optional[int]]] = attrs.field(default=None, converter=_opt_set)
     top_k: Optional[frozenset[Optional[int]]] = attrs.field(default=None, converter=_opt_set)
+    exchange: Optional[frozenset[Exchange]] = attrs.field(default=None, converter=_opt_set)
 
     def mismatches(self, spec: Spec) -> list[tuple[str, Any, frozenset[Any]]]:
         """Every field whose value in ``spec`` is not allowed: ``(field, have, allowed)``."""

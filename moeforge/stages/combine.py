@@ -17,6 +17,7 @@ from moeforge.spec import (
     FLOAT_DTYPES,
     Accepts,
     DType,
+    Exchange,
     Layout,
     PayloadKind,
     RoutingWeights,
@@ -86,6 +87,7 @@ class Combine(Stage[ExpertRows, MoEOutput]):
             scale_layout=ScaleLayout.NONE,
             routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else applied,
             scaling_factor=ScalingFactor.PENDING if self.routed_scaling_factor is not None else None,
+            exchange=Exchange.NONE,
         )
 
     def hint(self, field: str, have: object) -> Optional[str]:
@@ -95,6 +97,9 @@ class Combine(Stage[ExpertRows, MoEOutput]):
         if field == "routing_weights":
             return (f"the routing weights were already applied ({getattr(have, 'value', have)}): use "
                     "Combine(apply_routing_weights=False)")
+        if field == "exchange":
+            return ("these rows came from other expert-parallel ranks: combine them with the combine stage "
+                    "of their dispatcher (e.g. AllToAllDispatch.combine_stage(...))")
         if field == "scaling_factor":
             return (f"the routed scaling factor is {getattr(have, 'value', have)}, not pending: drop "
                     "routed_scaling_factor from the combine")

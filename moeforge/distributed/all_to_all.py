@@ -1,0 +1,187 @@
+"""The normal expert-parallel dispatcher: a variable-length all-to-all of expert-grouped rows.
+
+Dispatch, on every rank:
+
+1. sort this rank's token copies by global expert (stable: ties keep token order), which groups them
+   by destination rank and, within a rank, by local expert;
+2. exchange the per-expert counts (a small all-to-all), then read the split sizes on the host — the
+   one synchronisation of this dispatcher (the low-latency one has none);
+3. pack each copy's row, scales and routing weight into one byte row (:mod:`~moeforge.distributed.wire`)
+   and ``all_to_all_single`` them with those splits;
+4. regroup the received rows by local expert (stable: source rank, then the source's order), so that
+   the experts get ``EXPERT_SORTED`` rows with a ``group_list``.
+
+The paired :class:`AllToAllCombine` sends the expert outputs back with the reversed splits and sums each
+token's copies on its own rank in fp32, ``k = 0 .. top_k - 1`` in order, by gathering: deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+import attrs
+import torch
+
+from moeforge.distributed.exchange import (
+    ExchangeDispatch,
+    combine_accepts,
+    combined_spec,
+    count_per_expert,
+    exchange_bytes,
+    scaled_rows,
+)
+from moeforge.distributed.group import ExpertParallel
+from moeforge.distributed.wire import RowFormat, Traffic
+from moeforge.payloads import Activations, MoEOutput, RoutedTokens, SortedPlan, SortedRows
+from moeforge.spec import (
+    Accepts,
+    DType,
+    Exchange,
+    ExpertIds,
+    GroupListType,
+    Layout,
+    PayloadKind,
+    RoutingWeights,
+    Spec,
+)
+from moeforge.stage import Stage, StageKind
+from moeforge.stages.combine import combine_rows
+
+_COUNT_BYTES = 8  # int64 per expert in the count exchange
+
+
+@attrs.frozen
+class AllToAllPlan:
+    """What :class:`AllToAllCombine` needs to send rows home and sum them.
+
+    ``send_splits[r]`` / ``recv_splits[r]``: rows this rank sent to / received from rank ``r``;
+    ``token_rows [T, K]``: the send-buffer row of copy ``k`` of token ``t`` (every copy is sent);
+    ``copy_weight [S]``: routing weight of each send-buffer row (fp32); ``traffic``: the dispatch's
+    bytes.
+    """
+
+    ep: ExpertParallel
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    token_rows: torch.Tensor
+    copy_weight: torch.Tensor
+    num_tokens: int
+    traffic: Traffic
+
+    def combine_traffic(self, row_bytes: int) -> Traffic:
+        """The combine's bytes for expert outputs of ``row_bytes`` bytes per row: the dispatch's rows,
+        reversed."""
+        return Traffic(sent=sum(self.recv_splits) * row_bytes, received=sum(self.send_splits) * row_bytes)
+
+
+@attrs.frozen
+class ExchangedRows(SortedRows):
+    """Expert-sorted rows received from the expert-parallel ranks.
+
+    The inherited ``plan`` is the local view: ``row_weight`` holds each row's routing weight (for a
+    GEMM epilogue) and ``row_token`` each row's position in the receive buffer, where the combine
+    sends it back from; no token of this rank is named there (``token_rows`` is empty,
+    ``num_tokens`` 0). ``exchange`` is the plan of the way home.
+    """
+
+    exchange: AllToAllPlan
+
+
+@attrs.frozen(eq=False)
+class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedRows]):
+    """Send every token copy to the rank that owns its expert (see the module docstring).
+
+    ``apply_routing_weights`` scales the rows by their routing weights before sending (Llama-4).
+    """
+
+    kinds: ClassVar = (StageKind.DISPATCH,)
+    ep: ExpertParallel
+    group_list_type: GroupListType = GroupListType.COUNT
+    apply_routing_weights: bool = False
+
+    def summary(self) -> str:
+        extra = ", weights on input" if self.apply_routing_weights else ""
+        return (f"AllToAllDispatch({self.group_list_type.name.lower()}, rank {self.ep.rank}/{self.ep.world_size}, "
+                f"{self.ep.local_experts} local experts{extra})")
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(
+            kind=PayloadKind.DISPATCHED, layout=Layout.EXPERT_SORTED, group_list_type=self.group_list_type,
+            expert_ids=ExpertIds.LOCAL, num_experts=self.ep.local_experts, exchange=Exchange.ALL_TO_ALL,
+            routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
+
+    def combine_stage(self, *, apply_routing_weights: bool = True, routed_scaling_factor: Optional[float] = None,
+                      out_dtype: Optional[DType] = None) -> AllToAllCombine:
+        return AllToAllCombine(apply_routing_weights, routed_scaling_factor, out_dtype)
+
+    def __call__(self, x: RoutedTokens) -> ExchangedRows:
+        ep, group = self.ep, self.ep.group
+        world, local = ep.world_size, ep.local_experts
+        tokens, top_k = x.topk.ids.shape
+        flat = x.topk.ids.reshape(-1).long()
+        order = torch.sort(flat, stable=True).indices
+        counts = count_per_expert(flat, ep.num_experts)
+        recv_counts = torch.empty_like(counts)
+        exchange_bytes(counts, recv_counts, group)  # recv_counts[r * L + l]: rows rank r sends my expert l
+        splits = torch.stack([counts.view(world, local).sum(1), recv_counts.view(world, local).sum(1)]).tolist()
+        send_splits, recv_splits = splits  # the host sync: split sizes must be known to the collective
+
+        weight = x.topk.weights.reshape(-1)[order]
+        rows = scaled_rows(x.x, torch.div(order, top_k, rounding_mode="floor"), weight, self.apply_routing_weights)
+        wire = RowFormat.of(rows)
+        packet = wire.pack(rows.data, rows.scale, weight)
+        received = packet.new_empty(sum(recv_splits), wire.row_bytes)
+        exchange_bytes(packet, received, group, recv_splits, send_splits)
+
+        # Received rows come per source rank, each grouped by my local experts; group them by expert.
+        row_expert = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(world), recv_counts,
+                                             output_size=received.shape[0])
+        regroup = torch.sort(row_expert, stable=True).indices
+        data, scale, row_weight = wire.unpack(received[regroup])
+        expert_counts = recv_counts.view(world, local).sum(0)
+        token_rows = torch.empty_like(order)
+        token_rows[order] = torch.arange(order.numel(), device=order.device)
+        traffic = Traffic(sent=packet.numel() + counts.numel() * _COUNT_BYTES,
+                          received=received.numel() + recv_counts.numel() * _COUNT_BYTES)
+        exchange = AllToAllPlan(ep, tuple(send_splits), tuple(recv_splits), token_rows.view(tokens, top_k), weight,
+                                tokens, traffic)
+        plan = SortedPlan(row_token=regroup, row_weight=row_weight,
+                          token_rows=order.new_empty(0, top_k), num_tokens=0)
+        group_list = expert_counts if self.group_list_type is GroupListType.COUNT else expert_counts.cumsum(0)
+        return ExchangedRows(Activations(data, scale), group_list, self.group_list_type, plan, exchange)
+
+
+@attrs.frozen(eq=False)
+class AllToAllCombine(Stage[ExchangedRows, MoEOutput]):
+    """Send expert outputs back to their source ranks and sum each token's copies there (fp32, fixed
+    order). ``apply_routing_weights=False`` when an earlier stage applied them; ``routed_scaling_factor``
+    multiplies the output when the top-k left it pending; ``out_dtype=None`` keeps the rows' dtype."""
+
+    kinds: ClassVar = (StageKind.COMBINE,)
+    apply_routing_weights: bool = True
+    routed_scaling_factor: Optional[float] = None
+    out_dtype: Optional[DType] = None
+
+    def summary(self) -> str:
+        parts = ["weighted" if self.apply_routing_weights else "unweighted", "fp32 fixed order"]
+        if self.routed_scaling_factor is not None:
+            parts.append(f"x{self.routed_scaling_factor:g}")
+        return f"AllToAllCombine({', '.join(parts)})"
+
+    def accepts(self) -> Accepts:
+        return combine_accepts(self.apply_routing_weights, self.routed_scaling_factor, Layout.EXPERT_SORTED,
+                                Exchange.ALL_TO_ALL)
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return combined_spec(spec, self.apply_routing_weights, self.routed_scaling_factor, self.out_dtype)
+
+    def __call__(self, x: ExchangedRows) -> MoEOutput:
+        plan = x.exchange
+        rows = x.x.data
+        back = torch.empty_like(rows)
+        back[x.plan.row_token] = rows  # receive-buffer order: the reverse of the dispatch's regrouping
+        returned = rows.new_empty(sum(plan.send_splits), rows.shape[-1])
+        exchange_bytes(back, returned, plan.ep.group, list(plan.send_splits), list(plan.recv_splits))
+        out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else rows.dtype
+        weight = plan.copy_weight if self.apply_routing_weights else None
+        return MoEOutput(combine_rows(returned, plan.token_rows, weight, out_dtype, self.routed_scaling_factor))

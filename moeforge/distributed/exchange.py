@@ -1,0 +1,108 @@
+"""What the expert-parallel dispatchers share: the paired-combine interface and small helpers."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from moeforge.distributed.group import ExpertParallel
+from moeforge.payloads import Activations, MoEOutput
+from moeforge.spec import (
+    FLOAT_DTYPES,
+    Accepts,
+    DType,
+    Exchange,
+    ExpertIds,
+    Layout,
+    PayloadKind,
+    RoutingWeights,
+    ScaleLayout,
+    ScalingFactor,
+    Spec,
+)
+from moeforge.stage import Stage
+
+# Scales that travel with their rows. A per-tensor scale belongs to one rank's whole batch: after
+# the exchange, rows of several ranks would share one expert GEMM with different scales.
+WIRE_SCALES = frozenset({ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128,
+                         ScaleLayout.NVFP4_BLOCK16})
+
+
+class ExchangeDispatch(abc.ABC):
+    """Base of the dispatchers that send rows to the ranks owning their experts.
+
+    Their rows can only go home through the paired combine, :meth:`combine_stage` (the contract
+    checker enforces it through the spec's ``exchange`` field)."""
+
+    ep: ExpertParallel
+    apply_routing_weights: bool
+
+    @abc.abstractmethod
+    def combine_stage(self, *, apply_routing_weights: bool = True, routed_scaling_factor: Optional[float] = None,
+                      out_dtype: Optional[DType] = None) -> Stage[Any, MoEOutput]:
+        """The combine that returns this dispatcher's rows to their source tokens."""
+
+    def accepts(self) -> Accepts:
+        common: dict[str, Any] = dict(kind=PayloadKind.ROUTED, num_experts=self.ep.num_experts,
+                                      scale_layout=WIRE_SCALES)
+        if self.apply_routing_weights:
+            return Accepts(dtype=FLOAT_DTYPES, routing_weights=RoutingWeights.PENDING, **common)
+        return Accepts(**common)
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if field == "scale_layout":
+            return ("a per-tensor scale cannot travel with its rows to other ranks: quantize per token or per "
+                    "128-group before an expert-parallel dispatch")
+        if field == "dtype" and self.apply_routing_weights:
+            return ("routing weights applied on the input need float activations: quantize after the "
+                    "dispatch (QuantizeRows) instead of before it")
+        return None
+
+
+def scaled_rows(x: Activations, tokens: torch.Tensor, weights: torch.Tensor, on_input: bool) -> Activations:
+    """The rows of token-major ``x`` at ``tokens`` (scales follow), times ``weights`` if ``on_input``."""
+    data = x.data[tokens]
+    scale = x.scale[tokens] if x.scale is not None else None
+    if on_input:
+        data = (data.float() * weights.unsqueeze(-1)).to(data.dtype)
+    return Activations(data, scale)
+
+
+def count_per_expert(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Copies per expert (int64). ``index_add_`` rather than ``bincount``: bincount reads the max id on
+    the host (a sync) on CUDA, which would break CUDA-graph capture."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    return counts.index_add_(0, flat_ids, torch.ones_like(flat_ids))
+
+
+def exchange_bytes(send: torch.Tensor, recv: torch.Tensor, group: Optional[dist.ProcessGroup],
+                   recv_splits: Optional[list[int]] = None, send_splits: Optional[list[int]] = None) -> None:
+    """``all_to_all_single`` of any dtype, sent as bytes (gloo has no fp8 or bf16 all-to-all)."""
+    dist.all_to_all_single(_bytes(recv), _bytes(send), recv_splits, send_splits, group=group)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    # A dtype view keeps dim 0 of a 2-D tensor (rows), so row split sizes stay valid; a 1-D tensor is
+    # only ever exchanged in equal splits.
+    return tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+
+
+def combine_accepts(weighted: bool, scaling: Optional[float], layout: Layout, exchange: Exchange) -> Accepts:
+    """What an expert-parallel combine accepts: expert outputs of its own exchange, float, and the
+    routing weights / scaling factor pending exactly when it applies them."""
+    applied = {RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE}
+    return Accepts(kind=PayloadKind.EXPERT_OUTPUT, layout=layout, dtype=FLOAT_DTYPES, scale_layout=ScaleLayout.NONE,
+                   routing_weights=RoutingWeights.PENDING if weighted else applied,
+                   scaling_factor=ScalingFactor.PENDING if scaling is not None else None, exchange=exchange)
+
+
+def combined_spec(spec: Spec, weighted: bool, scaling: Optional[float], out_dtype: Optional[DType]) -> Spec:
+    """The spec of an expert-parallel combine's output: token-major, back on the source rank."""
+    return spec.evolve(
+        kind=PayloadKind.OUTPUT, layout=Layout.TOKEN_MAJOR, dtype=out_dtype or spec.dtype, group_list_type=None,
+        expert_ids=ExpertIds.GLOBAL, exchange=Exchange.NONE,
+        routing_weights=RoutingWeights.IN_COMBINE if weighted else spec.routing_weights,
+        scaling_factor=ScalingFactor.APPLIED if scaling is not None else spec.scaling_factor)

@@ -1,0 +1,237 @@
+"""The low-latency expert-parallel dispatcher: fixed-capacity buffers, no host synchronisation.
+
+Every rank sends every other rank a buffer of the same, build-time size: ``capacity`` rows for each
+of the receiver's local experts. Shapes never depend on the routing, so the dispatch and combine are
+two equal-split ``all_to_all_single`` calls (plus one for the counts) with no host sync, and can be
+captured in a CUDA graph. The price is bytes: the full buffers travel however few tokens there are —
+the right trade for decoding, where latency, not bandwidth, is the limit.
+
+``capacity`` is per (source rank, expert): how many copies one rank may send one expert. Its default,
+``max_tokens``, can never overflow (a token picks an expert at most once). A smaller capacity saves
+bytes; copies beyond it are handled by ``overflow``: ``Overflow.DROP`` leaves them out and counts them
+in ``dropped`` (a device tensor: reading it is the caller's choice of sync), ``Overflow.ERROR`` agrees
+on the overflow across ranks (one small all-reduce and a host sync, so every rank raises together
+instead of leaving the others waiting in the next collective) and raises ``InputError``.
+
+On the receiving rank, rows are compacted per expert — source rank 0's rows first, then rank 1's —
+into ``[L, world * capacity, H]`` with ``masked_m[l]`` valid rows (``EXPERT_PADDED``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from moeforge.dispatch_dtype import DispatchDtype
+from moeforge.distributed.exchange import (
+    ExchangeDispatch,
+    combine_accepts,
+    combined_spec,
+    count_per_expert,
+    exchange_bytes,
+    scaled_rows,
+)
+from moeforge.distributed.group import ExpertParallel
+from moeforge.distributed.wire import RowFormat, Traffic
+from moeforge.errors import InputError
+from moeforge.payloads import Activations, MoEOutput, PaddedPlan, PaddedRows, RoutedTokens
+from moeforge.spec import (
+    Accepts,
+    DType,
+    Exchange,
+    ExpertIds,
+    Layout,
+    PayloadKind,
+    RoutingWeights,
+    ScaleLayout,
+    Spec,
+)
+from moeforge.stage import Stage, StageKind
+from moeforge.stages.combine import combine_rows
+from moeforge.stages.dispatch import Overflow
+
+
+@attrs.frozen
+class LowLatencyPlan:
+    """What :class:`LowLatencyCombine` needs: ``token_slots [T, K]`` is the send-buffer slot
+    (``global expert * capacity + position``) of each copy, -1 if dropped; ``slot_weight [E * C]``
+    the routing weight per send slot; ``compact_index [L, W, C]`` where each received slot went in
+    the compacted expert buffer (-1 for an empty slot)."""
+
+    ep: ExpertParallel
+    capacity: int
+    token_slots: torch.Tensor
+    slot_weight: torch.Tensor
+    compact_index: torch.Tensor
+    num_tokens: int
+    dropped: torch.Tensor
+    traffic: Traffic
+
+
+@attrs.frozen
+class ExchangedPaddedRows(PaddedRows):
+    """Expert-padded rows ``[L, W * C, H]`` received from the expert-parallel ranks. The inherited
+    ``plan`` is the local view: ``slot_weight`` holds each row's routing weight (0 for empty rows) and
+    ``dropped`` the copies this rank could not send; it names no token of this rank (``token_slots``
+    is empty). ``exchange`` is the plan of the way home."""
+
+    exchange: LowLatencyPlan
+
+
+@attrs.frozen(eq=False)
+class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedPaddedRows]):
+    """Fixed-capacity exchange (see the module docstring). ``max_tokens``: the most tokens a rank
+    passes per call (a larger batch is an ``InputError``); ``capacity``: rows per (source rank,
+    expert), default ``max_tokens``."""
+
+    kinds: ClassVar = (StageKind.DISPATCH,)
+    ep: ExpertParallel
+    max_tokens: int
+    capacity: Optional[int] = None
+    overflow: Overflow = Overflow.ERROR
+    apply_routing_weights: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InputError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 1):
+            raise InputError(f"capacity must be a positive int (or None), got {self.capacity!r}")
+
+    @property
+    def slots(self) -> int:
+        """Rows per (source rank, expert)."""
+        return self.capacity if self.capacity is not None else self.max_tokens
+
+    def buffer_bytes(self, dispatch: DispatchDtype, hidden: int, scale_layout: ScaleLayout) -> int:
+        """Bytes of the send (= receive) buffer of one dispatch: ``num_experts * capacity`` rows of
+        the wire format of ``dispatch`` (sized from :attr:`DispatchDtype.params_bytes`)."""
+        return self.ep.num_experts * self.slots * RowFormat.for_dispatch(dispatch, hidden, scale_layout).row_bytes
+
+    def summary(self) -> str:
+        extra = ", weights on input" if self.apply_routing_weights else ""
+        return (f"LowLatencyDispatch(rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
+                f"capacity={self.slots}, overflow={self.overflow.value}{extra})")
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(
+            kind=PayloadKind.DISPATCHED, layout=Layout.EXPERT_PADDED, group_list_type=None,
+            expert_ids=ExpertIds.LOCAL, num_experts=self.ep.local_experts, exchange=Exchange.LOW_LATENCY,
+            routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
+
+    def combine_stage(self, *, apply_routing_weights: bool = True, routed_scaling_factor: Optional[float] = None,
+                      out_dtype: Optional[DType] = None) -> LowLatencyCombine:
+        return LowLatencyCombine(apply_routing_weights, routed_scaling_factor, out_dtype)
+
+    def __call__(self, x: RoutedTokens) -> ExchangedPaddedRows:
+        ep, group, cap = self.ep, self.ep.group, self.slots
+        world, local, experts = ep.world_size, ep.local_experts, ep.num_experts
+        tokens, top_k = x.topk.ids.shape
+        if tokens > self.max_tokens:
+            raise InputError(f"LowLatencyDispatch got {tokens} tokens; its buffers hold max_tokens={self.max_tokens} "
+                             "per rank: split the batch or build the dispatcher with a larger max_tokens")
+        device = x.topk.ids.device
+        flat = x.topk.ids.reshape(-1).long()
+        order = torch.sort(flat, stable=True).indices
+        counts = count_per_expert(flat, experts)
+        sorted_expert = flat[order]
+        position = torch.arange(order.numel(), device=device) - (counts.cumsum(0) - counts)[sorted_expert]
+        kept = position < cap
+        dropped = (~kept).sum()
+        if self.overflow is Overflow.ERROR:
+            self._raise_on_overflow(dropped, counts)
+
+        weight = x.topk.weights.reshape(-1)[order]
+        rows = scaled_rows(x.x, torch.div(order, top_k, rounding_mode="floor"), weight, self.apply_routing_weights)
+        wire = RowFormat.of(rows)
+        trash = experts * cap  # one extra row takes every dropped copy: no boolean indexing, no sync
+        slot = torch.where(kept, sorted_expert * cap + position, trash)
+        send = torch.zeros(trash + 1, wire.row_bytes, dtype=torch.uint8, device=device)
+        send.index_copy_(0, slot, wire.pack(rows.data, rows.scale, weight))
+        received = torch.empty(trash, wire.row_bytes, dtype=torch.uint8, device=device)
+        sent_counts = counts.clamp(max=cap)
+        recv_counts = torch.empty_like(sent_counts)
+        exchange_bytes(sent_counts, recv_counts, group)
+        exchange_bytes(send[:trash], received, group)
+
+        # Compact each expert's rows: [W, L, C] slots -> [L, W * C] rows, valid ones first in
+        # (source rank, position) order.
+        valid = (torch.arange(cap, device=device) < recv_counts.view(world, local, 1)).permute(1, 0, 2)
+        flat_valid = valid.reshape(local, world * cap)
+        dest = flat_valid.long().cumsum(1) - 1
+        width = world * cap
+        base = torch.arange(local, device=device).unsqueeze(1) * (width + 1)
+        target = torch.where(flat_valid, base + dest, base + width)
+        compact = torch.zeros(local * (width + 1), wire.row_bytes, dtype=torch.uint8, device=device)
+        by_expert = received.view(world, local, cap, wire.row_bytes).permute(1, 0, 2, 3).reshape(-1, wire.row_bytes)
+        compact.index_copy_(0, target.reshape(-1), by_expert)
+        data, scale, row_weight = wire.unpack(compact.view(local, width + 1, wire.row_bytes)[:, :width])
+
+        token_slots = torch.full((tokens * top_k,), -1, dtype=torch.int64, device=device)
+        token_slots[order] = torch.where(kept, sorted_expert * cap + position, -1)
+        slot_weight = torch.zeros(trash + 1, dtype=torch.float32, device=device)
+        slot_weight.index_copy_(0, slot, weight)
+        compact_index = torch.where(flat_valid, torch.arange(local, device=device).unsqueeze(1) * width + dest, -1)
+        count_bytes = counts.numel() * counts.element_size()
+        traffic = Traffic(sent=trash * wire.row_bytes + count_bytes, received=trash * wire.row_bytes + count_bytes)
+        exchange = LowLatencyPlan(ep, cap, token_slots.view(tokens, top_k), slot_weight[:trash],
+                                  compact_index.view(local, world, cap), tokens, dropped, traffic)
+        plan = PaddedPlan(slot_weight=row_weight, token_slots=token_slots.new_empty(0, top_k), num_tokens=0,
+                          dropped=dropped)
+        masked_m = recv_counts.view(world, local).sum(0).to(torch.int32)
+        return ExchangedPaddedRows(Activations(data, scale), masked_m, plan, exchange)
+
+    def _raise_on_overflow(self, dropped: torch.Tensor, counts: torch.Tensor) -> None:
+        # Every rank must raise together: a rank that raised alone would leave the others waiting in
+        # the exchange below. One tiny all-reduce settles it (and syncs: use DROP in CUDA graphs).
+        worst = torch.stack([dropped, counts.max() if counts.numel() else dropped]).to(torch.int64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.ep.group)
+        total, most = worst.tolist()
+        if total:
+            raise InputError(
+                f"LowLatencyDispatch capacity overflow: a rank sends up to {most} copies to one expert, capacity is "
+                f"{self.slots} per (rank, expert); raise capacity or use overflow=Overflow.DROP (dropped copies "
+                "are then counted in the plan's 'dropped')")
+
+
+@attrs.frozen(eq=False)
+class LowLatencyCombine(Stage[ExchangedPaddedRows, MoEOutput]):
+    """Send the expert outputs back in the fixed-capacity buffers and sum each token's copies on its
+    own rank (fp32, fixed order); dropped copies contribute nothing."""
+
+    kinds: ClassVar = (StageKind.COMBINE,)
+    apply_routing_weights: bool = True
+    routed_scaling_factor: Optional[float] = None
+    out_dtype: Optional[DType] = None
+
+    def summary(self) -> str:
+        parts = ["weighted" if self.apply_routing_weights else "unweighted", "fp32 fixed order"]
+        if self.routed_scaling_factor is not None:
+            parts.append(f"x{self.routed_scaling_factor:g}")
+        return f"LowLatencyCombine({', '.join(parts)})"
+
+    def accepts(self) -> Accepts:
+        return combine_accepts(self.apply_routing_weights, self.routed_scaling_factor, Layout.EXPERT_PADDED,
+                               Exchange.LOW_LATENCY)
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return combined_spec(spec, self.apply_routing_weights, self.routed_scaling_factor, self.out_dtype)
+
+    def __call__(self, x: ExchangedPaddedRows) -> MoEOutput:
+        plan = x.exchange
+        rows = x.x.data  # [L, W * C, H]
+        local, world, cap = plan.compact_index.shape
+        hidden = rows.shape[-1]
+        index = plan.compact_index
+        gathered = rows.reshape(-1, hidden)[index.clamp(min=0).reshape(-1)].view(local, world, cap, hidden)
+        # Empty slots gathered row 0 as a placeholder: zero them (a select, so no NaN can leak).
+        gathered = torch.where((index >= 0).unsqueeze(-1), gathered, torch.zeros((), dtype=rows.dtype,
+                                                                                  device=rows.device))
+        back = gathered.permute(1, 0, 2, 3).contiguous().view(world * local * cap, hidden)
+        returned = torch.empty_like(back)
+        exchange_bytes(back, returned, plan.ep.group)
+        out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else rows.dtype
+        weight = plan.slot_weight if self.apply_routing_weights else None
+        return MoEOutput(combine_rows(returned, plan.token_slots, weight, out_dtype, self.routed_scaling_factor))

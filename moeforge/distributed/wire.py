@@ -1,0 +1,118 @@
+"""The wire format of dispatched rows: each row's data, scales and routing weight packed into bytes.
+
+One ``uint8`` row per token copy, so that one ``all_to_all_single`` carries everything a rank needs
+(one collective instead of three, and the same call for every dtype and process-group backend: gloo
+has no fp8). The layout of a row of ``row_bytes`` bytes::
+
+    [ data (width * element bytes) | scales (scale_width * scale bytes) | weight (fp32) | padding ]
+
+Offsets are aligned to the next field's element size and the row to 16 bytes, so that unpacking is
+a view plus one copy per field.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+
+from moeforge.dispatch_dtype import DispatchDtype
+from moeforge.payloads import GROUP_SIZE, Activations
+from moeforge.spec import ScaleLayout
+
+_ROW_ALIGN = 16
+
+
+def _align(offset: int, to: int) -> int:
+    return -(-offset // to) * to
+
+
+@attrs.frozen
+class Traffic:
+    """Bytes one rank sent and received in one exchange (rows, scales, weights and counts), including
+    the rows a rank exchanges with itself."""
+
+    sent: int
+    received: int
+
+
+@attrs.frozen
+class RowFormat:
+    """How one dispatched row is laid out on the wire (see the module docstring)."""
+
+    width: int  # data elements per row (H, or H / 2 packed bytes for NVFP4)
+    dtype: torch.dtype  # of the data
+    scale_width: int = 0  # scale elements per row (0: no per-row scale)
+    scale_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, x: Activations) -> RowFormat:
+        """The format of token-major activations ``x`` (``data [T, W]``, scale ``[T, S]`` or none)."""
+        scale = x.scale
+        if scale is None:
+            return cls(x.data.shape[-1], x.data.dtype)
+        return cls(x.data.shape[-1], x.data.dtype, scale.shape[-1], scale.dtype)
+
+    @classmethod
+    def for_dispatch(cls, dispatch: DispatchDtype, hidden: int, scale_layout: ScaleLayout) -> RowFormat:
+        """The format of ``hidden``-wide rows dispatched as ``dispatch`` (sizes buffers per layer from
+        :attr:`DispatchDtype.params_bytes`)."""
+        dtype = dispatch.activation_dtype.torch_dtype
+        width = int(hidden * dispatch.params_bytes / dtype.itemsize)
+        if scale_layout is ScaleLayout.NONE:
+            return cls(width, dtype)
+        if scale_layout is ScaleLayout.PER_TOKEN:
+            return cls(width, dtype, 1)
+        if scale_layout is ScaleLayout.PER_GROUP_128:
+            return cls(width, dtype, hidden // GROUP_SIZE)
+        if scale_layout is ScaleLayout.NVFP4_BLOCK16:
+            return cls(width, dtype, hidden // 16, torch.float8_e4m3fn)
+        raise ValueError(f"{scale_layout.value} scales cannot travel per row (one scale per rank's tensor)")
+
+    @property
+    def data_bytes(self) -> int:
+        return self.width * self.dtype.itemsize
+
+    @property
+    def scale_offset(self) -> int:
+        return _align(self.data_bytes, self.scale_dtype.itemsize)
+
+    @property
+    def weight_offset(self) -> int:
+        return _align(self.scale_offset + self.scale_width * self.scale_dtype.itemsize, 4)
+
+    @property
+    def row_bytes(self) -> int:
+        return _align(self.weight_offset + 4, _ROW_ALIGN)
+
+    def pack(self, data: torch.Tensor, scale: Optional[torch.Tensor], weight: torch.Tensor,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``data [N, width]``, ``scale [N, scale_width]`` (or None), fp32 ``weight [N]`` -> ``uint8
+        [N, row_bytes]`` (written into ``out`` when given). Padding bytes are left as they are."""
+        rows = data.shape[0]
+        packet = out if out is not None else torch.empty(rows, self.row_bytes, dtype=torch.uint8,
+                                                         device=data.device)
+        packet[:, :self.data_bytes] = data.contiguous().view(torch.uint8).view(rows, self.data_bytes)
+        if self.scale_width:
+            assert scale is not None
+            scale_bytes = self.scale_width * self.scale_dtype.itemsize
+            packet[:, self.scale_offset:self.scale_offset + scale_bytes] = (
+                scale.contiguous().view(torch.uint8).view(rows, scale_bytes))
+        packet[:, self.weight_offset:self.weight_offset + 4] = (
+            weight.float().contiguous().view(rows, 1).view(torch.uint8))
+        return packet
+
+    def unpack(self, packet: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """The inverse of :meth:`pack` for ``packet [..., row_bytes]``: contiguous ``data``, ``scale``
+        (None without scales) and fp32 ``weight [...]``."""
+        lead = packet.shape[:-1]
+        flat = packet.reshape(-1, self.row_bytes)
+        data = flat[:, :self.data_bytes].contiguous().view(self.dtype).view(*lead, self.width)
+        scale = None
+        if self.scale_width:
+            scale_bytes = self.scale_width * self.scale_dtype.itemsize
+            scale = flat[:, self.scale_offset:self.scale_offset + scale_bytes].contiguous().view(
+                self.scale_dtype).view(*lead, self.scale_width)
+        weight = flat[:, self.weight_offset:self.weight_offset + 4].contiguous().view(torch.float32).view(lead)
+        return data, scale, weight

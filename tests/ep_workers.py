@@ -1,0 +1,263 @@
+"""Functions the expert-parallel tests run on every rank (module level, so spawned ranks import them).
+
+Each builds the same whole layer on every rank (same seed), an expert-parallel layer holding this
+rank's experts, feeds both this rank's own tokens, and asserts they agree; the returned values let
+the parent test check cross-rank facts (bytes conservation, dropped counts).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+import moeforge as mf
+from moeforge.distributed import (
+    AllToAllDispatch,
+    ExpertParallel,
+    LowLatencyDispatch,
+    RowFormat,
+    shard_state_dict,
+)
+from moeforge.errors import InputError
+
+E, H, I = 8, 32, 16
+TOKENS = (5, 0, 3, 1)  # per rank (mod 4): rank 1 sends nothing
+
+
+def _randomised(layer: mf.MoELayer, seed: int) -> mf.MoELayer:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in list(layer.parameters()) + list(layer.buffers()):
+            values = torch.randn(tensor.shape, generator=generator) * 0.5
+            tensor.copy_(values.to(tensor.dtype))
+    return layer
+
+
+def _pair(kwargs: dict[str, Any], family: Optional[str] = None, seed: int = 0,
+          **ep_kwargs: Any) -> tuple[mf.MoELayer, mf.MoELayer]:
+    """(whole layer, expert-parallel layer with this rank's slice of the same weights)."""
+    def build(**extra: Any) -> mf.MoELayer:
+        if family is not None:
+            return mf.MoELayer.from_preset(family, **kwargs, **extra)
+        return mf.MoELayer(**kwargs, **extra)
+
+    torch.manual_seed(seed)
+    whole = _randomised(build(backend="torch"), seed)
+    ep = ExpertParallel(kwargs["num_experts"])
+    dispatcher = ep_kwargs.pop("dispatcher", None)
+    parallel = build(backend="torch", expert_parallel=ep,
+                     dispatcher=dispatcher(ep) if dispatcher is not None else "auto", **ep_kwargs)
+    parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
+    return whole, parallel
+
+
+def _tokens(rank: int, dtype: torch.dtype = torch.float32, hidden: int = H, count: Optional[int] = None) -> torch.Tensor:
+    count = TOKENS[rank % len(TOKENS)] if count is None else count
+    return torch.randn(count, hidden, generator=torch.Generator().manual_seed(100 + rank)).to(dtype)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float = 1e-5) -> float:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    got, want = got.detach(), want.detach()
+    err = float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)) if want.numel() else 0.0
+    assert err <= tol, f"{what}: rel L2 error {err:.3g} > {tol:g}"
+    return err
+
+
+BASE = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=torch.float32)
+
+
+def layers_match(rank: int, world: int) -> dict[str, float]:
+    """The expert-parallel layer equals the whole layer: plain, top_k = E, bf16, families, skewed
+    routing, low-latency dispatch."""
+    errors: dict[str, float] = {}
+    x = _tokens(rank)
+    whole, parallel = _pair(BASE)
+    errors["basic"] = _close(parallel(x), whole(x), "basic")
+    assert "AllToAllDispatch" in parallel.describe() and "expert parallel: rank" in parallel.describe()
+
+    # Every token to expert 0 (rank 0 owns it): the other ranks receive nothing.
+    logits = torch.full((x.shape[0], E), -10.0)
+    logits[:, 0], logits[:, 1] = 5.0, 4.0
+    errors["skewed"] = _close(parallel(x, logits), whole(x, logits), "skewed")
+    # Every token to the last rank's experts.
+    logits = torch.full((x.shape[0], E), -10.0)
+    logits[:, -1], logits[:, -2] = 5.0, 4.0
+    errors["skewed_last"] = _close(parallel(x, logits), whole(x, logits), "skewed to the last rank")
+
+    whole, parallel = _pair({**BASE, "top_k": E})
+    errors["top_k=E"] = _close(parallel(x), whole(x), "top_k = num_experts")
+
+    whole, parallel = _pair({**BASE, "dtype": torch.bfloat16})
+    xb = x.to(torch.bfloat16)
+    errors["bf16"] = _close(parallel(xb), whole(xb), "bf16", tol=1e-2)
+
+    families: dict[str, dict[str, Any]] = {
+        "deepseek_v3": dict(n_group=4, topk_group=2, routed_scaling_factor=2.5),
+        "gpt_oss": {},  # routing weights in the GEMM epilogue, expert biases
+        "llama4": {},  # routing weights on the expert input
+        "mixtral": {},
+    }
+    for family, options in families.items():
+        kwargs = {**BASE, **options}
+        whole, parallel = _pair(kwargs, family=family)
+        errors[family] = _close(parallel(x), whole(x), family)
+        low_latency = _pair(kwargs, family=family, dispatcher=lambda ep: LowLatencyDispatch(
+            ep, max_tokens=8, apply_routing_weights=family == "llama4"))[1]
+        errors[family + "/low_latency"] = _close(low_latency(x), whole(x), family + " low-latency")
+
+    whole, parallel = _pair(BASE, dispatcher=lambda ep: LowLatencyDispatch(ep, max_tokens=8))
+    errors["low_latency"] = _close(parallel(x), whole(x), "low-latency")
+    assert "LowLatencyDispatch" in parallel.describe()
+    return errors
+
+
+def _stages(ep_dispatch: Any, combine: Any, quantize: Optional[mf.Stage[Any, Any]], layer: mf.MoELayer) -> mf.Pipeline:
+    stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, 2, mf.RoutingConfig())]
+    if quantize is not None:
+        stages.append(quantize)
+    stages += [
+        ep_dispatch,
+        mf.GroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(layer, "w13_weight"), out_dtype=mf.DType.FP32),
+        mf.Activate(mf.ActivationConfig()),
+        mf.GroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(layer, "w2_weight")),
+        combine,
+    ]
+    return mf.Pipeline(stages, mf.input_spec(layer.hidden_size, torch.float32, E))
+
+
+def fp8_on_the_wire(rank: int, world: int) -> dict[str, Any]:
+    """FP8 (per-token and per-128-group) and INT8 dispatch through both dispatchers: the same result as
+    the same quantized pipeline on one process, and about half the bytes of 16-bit dispatch."""
+    hidden = 128
+    kwargs = {**BASE, "hidden_size": hidden}
+    whole, parallel = _pair(kwargs)
+    ep = parallel.expert_parallel
+    assert ep is not None
+    x = _tokens(rank, hidden=hidden, count=6)
+    logits = whole.router_logits(x)
+    payload = mf.MoEInput(x, logits)
+    quantizers: dict[str, Optional[mf.Stage[Any, Any]]] = {
+        "fp32": None,
+        "bf16": mf.QuantizeTokens(mf.Cast(mf.DType.BF16)),
+        "fp8": mf.QuantizeTokens(mf.PerTokenQuantizer(mf.DType.FP8_E4M3)),
+        "fp8/group": mf.QuantizeTokens(mf.PerGroupQuantizer()),
+        "int8": mf.QuantizeTokens(mf.PerTokenQuantizer(mf.DType.INT8)),
+    }
+    traffic: dict[str, Any] = {}
+    for name, quantize in quantizers.items():
+        reference = _stages(mf.SortedDispatch(E), mf.Combine(out_dtype=mf.DType.FP32), quantize, whole)(payload)
+        for kind, dispatch in (("all_to_all", AllToAllDispatch(ep)),
+                               ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
+            pipeline = _stages(dispatch, dispatch.combine_stage(out_dtype=mf.DType.FP32), quantize, parallel)
+            out = pipeline(payload)
+            _close(out.hidden_states, reference.hidden_states, f"{name} {kind}")
+            # The dispatch's own record of its bytes.
+            routed = payload
+            for stage in pipeline.stages[: pipeline.stages.index(dispatch) + 1]:
+                routed = stage(routed)
+            traffic[f"{name}/{kind}"] = (routed.exchange.traffic.sent, routed.exchange.traffic.received)
+    formats = {name: RowFormat.for_dispatch(mf.DispatchDtype.parse(name.split("/")[0]), hidden,
+                                            mf.ScaleLayout.PER_GROUP_128 if "group" in name else
+                                            mf.ScaleLayout.PER_TOKEN if name in ("fp8", "int8") else
+                                            mf.ScaleLayout.NONE).row_bytes
+               for name in quantizers}
+    return {"traffic": traffic, "row_bytes": formats}
+
+
+def overflow(rank: int, world: int) -> dict[str, Any]:
+    """Capacity overflow: DROP leaves out the copies beyond capacity (counted), ERROR raises on every
+    rank (not only the one that overflowed)."""
+    whole, _ = _pair(BASE)
+    ep = ExpertParallel(E)
+    x = _tokens(rank, count=6)
+    logits = torch.full((6, E), -10.0)
+    logits[:, rank % E] = 5.0  # every token of this rank to one expert: 6 copies for capacity 2
+    logits[:, (rank + 3) % E] = 4.0
+    dropping = _pair(BASE, dispatcher=lambda ep: LowLatencyDispatch(ep, max_tokens=8, capacity=2,
+                                                                   overflow=mf.Overflow.DROP))[1]
+    out = dropping(x, logits)
+    # The reference: the same layer with each expert's copies beyond the first two (in token order) removed.
+    routed = mf.TopK(E, 2, mf.RoutingConfig())(mf.MoEInput(x, logits))
+    keep = torch.zeros_like(routed.topk.weights, dtype=torch.bool)
+    seen: dict[int, int] = {}
+    for t in range(6):
+        for k in range(2):
+            expert = int(routed.topk.ids[t, k])
+            keep[t, k] = seen.get(expert, 0) < 2
+            seen[expert] = seen.get(expert, 0) + 1
+    reference = torch.zeros_like(x)
+    for t in range(6):
+        for k in range(2):
+            if keep[t, k]:
+                e = int(routed.topk.ids[t, k])
+                hidden = x[t] @ whole.w13_weight[e].t()
+                act = torch.nn.functional.silu(hidden[:I]) * hidden[I:]
+                reference[t] += routed.topk.weights[t, k] * (act @ whole.w2_weight[e].t())
+    _close(out, reference, "dropped copies left out")
+    dispatch = dropping.pipeline.stages[1]
+    dropped = int(dispatch(routed).exchange.dropped)
+    assert dropped == int((~keep).sum()), (dropped, int((~keep).sum()))
+
+    erroring = _pair(BASE, dispatcher=lambda ep: LowLatencyDispatch(ep, max_tokens=8, capacity=2))[1]
+    # Only rank 0 overflows; the other ranks spread 6 tokens x 2 copies over 8 experts (<= 2 each).
+    spread = torch.full((6, E), -10.0)
+    for t in range(6):
+        spread[t, (2 * t) % E], spread[t, (2 * t + 1) % E] = 5.0, 4.0
+    try:
+        erroring(x, logits if rank == 0 else spread)
+    except InputError as error:
+        assert "capacity overflow" in str(error)
+    else:
+        raise AssertionError("Overflow.ERROR did not raise on this rank")
+    too_many = _tokens(rank, count=9)
+    try:
+        erroring(too_many)
+    except InputError as error:
+        assert "max_tokens=8" in str(error)
+    else:
+        raise AssertionError("a batch above max_tokens did not raise")
+    return {"dropped": dropped}
+
+
+def contracts(rank: int, world: int) -> None:
+    """Exchanged rows cannot reach a local combine, and a per-tensor scale cannot travel."""
+    _, parallel = _pair(BASE)
+    ep = parallel.expert_parallel
+    assert ep is not None
+    try:
+        _stages(AllToAllDispatch(ep), mf.Combine(), None, parallel)
+    except mf.ContractError as error:
+        assert error.field == "exchange" and "combine stage of their dispatcher" in error.hint
+    else:
+        raise AssertionError("a local Combine accepted exchanged rows")
+    try:
+        _stages(AllToAllDispatch(ep), AllToAllDispatch(ep).combine_stage(),
+                mf.QuantizeTokens(mf.PerTensorQuantizer()), parallel)
+    except mf.ContractError as error:
+        assert error.field == "scale_layout" and "per-tensor" in error.hint
+    else:
+        raise AssertionError("a per-tensor scale was dispatched")
+    try:
+        _stages(LowLatencyDispatch(ep, max_tokens=4), AllToAllDispatch(ep).combine_stage(), None, parallel)
+    except mf.ContractError as error:
+        assert error.field in ("layout", "exchange")
+    else:
+        raise AssertionError("a low-latency dispatch was combined by the all-to-all combine")
+
+
+def fail_on_rank_one(rank: int, world: int) -> None:
+    """Rank 1 fails before the exchange; the others are left waiting in it."""
+    _, parallel = _pair(BASE)
+    if rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    parallel(_tokens(rank))
+
+
+def hang_on_rank_one(rank: int, world: int) -> None:
+    """Rank 1 never returns (a stuck kernel, a deadlock); run_ranks' deadline must end the run."""
+    if rank == 1:
+        import time
+
+        time.sleep(3600)

@@ -1,0 +1,68 @@
+"""Expert parallelism on CPU: gloo process groups of 2 and 4 local processes (see tests/ep_workers.py).
+
+Each test spawns its ranks once and runs many cases there (a spawn costs ~1.5 s); every rank
+asserts against the whole layer computed on one process, and ranks that hang are terminated by
+run_ranks' deadline instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ep_workers
+from moeforge.testing.distributed import RankFailed, RanksTimedOut, run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_layer_equals_the_whole_layer(world: int) -> None:
+    errors = run_ranks(ep_workers.layers_match, world, timeout=300)
+    for rank_errors in errors:
+        assert max(rank_errors.values()) < 1e-2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_quantized_dispatch_on_the_wire(world: int) -> None:
+    results = run_ranks(ep_workers.fp8_on_the_wire, world, timeout=300)
+    rows = results[0]["row_bytes"]
+    # Bytes on the wire per row: FP8/INT8 carry half of BF16's data plus their scales and the weight.
+    assert rows["bf16"] == 272 and rows["fp8"] == 144 and rows["int8"] == 144 and rows["fp8/group"] == 144
+    assert rows["fp32"] == 528
+    for name in ("fp8", "int8", "fp8/group", "bf16"):
+        for kind in ("all_to_all", "low_latency"):
+            sent = sum(r["traffic"][f"{name}/{kind}"][0] for r in results)
+            received = sum(r["traffic"][f"{name}/{kind}"][1] for r in results)
+            assert sent == received  # nothing lost, nothing invented
+    fp8 = sum(r["traffic"]["fp8/all_to_all"][0] for r in results)
+    bf16 = sum(r["traffic"]["bf16/all_to_all"][0] for r in results)
+    assert 0.5 <= fp8 / bf16 <= 0.56
+
+
+def test_capacity_overflow_drops_or_raises_on_every_rank() -> None:
+    results = run_ranks(ep_workers.overflow, 2, timeout=300)
+    assert results[0]["dropped"] == 8  # 6 copies to each of two experts, capacity 2
+    assert results[1]["dropped"] == 8
+
+
+def test_exchanged_rows_need_their_own_combine() -> None:
+    run_ranks(ep_workers.contracts, 2, timeout=120)
+
+
+def test_a_failing_rank_does_not_hang_the_others() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(ep_workers.fail_on_rank_one, 2, timeout=120)
+    assert "rank 1 gives up" in failure.value.failures[1]
+    assert time.monotonic() - start < 60
+
+
+def test_a_hanging_rank_is_terminated_at_the_deadline() -> None:
+    start = time.monotonic()
+    with pytest.raises(RanksTimedOut) as timed_out:
+        run_ranks(ep_workers.hang_on_rank_one, 2, timeout=8)
+    assert timed_out.value.ranks == [1]
+    assert time.monotonic() - start < 30
