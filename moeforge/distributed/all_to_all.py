@@ -137,7 +137,7 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedRows]):
         row_expert = torch.repeat_interleave(torch.arange(local, device=flat.device).repeat(world), recv_counts,
                                              output_size=received.shape[0])
         regroup = torch.sort(row_expert, stable=True).indices
-        data, scale, row_weight = wire.unpack(received[regroup])
+        data, scale, row_weight = wire.unpack(received, regroup)
         expert_counts = recv_counts.view(world, local).sum(0)
         token_rows = torch.empty_like(order)
         token_rows[order] = torch.arange(order.numel(), device=order.device)

@@ -103,16 +103,22 @@ class RowFormat:
             weight.float().contiguous().view(rows, 1).view(torch.uint8))
         return packet
 
-    def unpack(self, packet: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-        """The inverse of :meth:`pack` for ``packet [..., row_bytes]``: contiguous ``data``, ``scale``
-        (None without scales) and fp32 ``weight [...]``."""
-        lead = packet.shape[:-1]
+    def unpack(self, packet: torch.Tensor, rows: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """The inverse of :meth:`pack` for ``packet [..., row_bytes]``, taking only ``rows`` (of the
+        flattened rows) when given: contiguous ``data``, ``scale`` (None without scales) and fp32
+        ``weight``. Each field is gathered straight from the packet (one pass)."""
         flat = packet.reshape(-1, self.row_bytes)
-        data = flat[:, :self.data_bytes].contiguous().view(self.dtype).view(*lead, self.width)
+        lead = packet.shape[:-1] if rows is None else rows.shape
+
+        def field(start: int, size: int) -> torch.Tensor:
+            view = flat[:, start:start + size]
+            return view[rows] if rows is not None else view.contiguous()
+
+        data = field(0, self.data_bytes).view(self.dtype).view(*lead, self.width)
         scale = None
         if self.scale_width:
             scale_bytes = self.scale_width * self.scale_dtype.itemsize
-            scale = flat[:, self.scale_offset:self.scale_offset + scale_bytes].contiguous().view(
-                self.scale_dtype).view(*lead, self.scale_width)
-        weight = flat[:, self.weight_offset:self.weight_offset + 4].contiguous().view(torch.float32).view(lead)
+            scale = field(self.scale_offset, scale_bytes).view(self.scale_dtype).view(*lead, self.scale_width)
+        weight = field(self.weight_offset, 4).view(torch.float32).view(lead)
         return data, scale, weight

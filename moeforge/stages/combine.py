@@ -46,13 +46,16 @@ def combine_rows(
         return out.to(out_dtype)
     present = token_rows >= 0
     index = token_rows.clamp(min=0)
-    gathered = rows.float()[index.reshape(-1)].view(tokens, top_k, rows.shape[-1])
+    # Gather in the rows' own dtype (one pass over the copies, not a float copy of every row); each
+    # copy is widened to fp32 as it is added.
+    gathered = rows[index.reshape(-1)].view(tokens, top_k, rows.shape[-1])
     # An absent copy gathered row 0 as a placeholder: zero it rather than multiply it by 0, so an
     # inf or NaN in that unrelated row cannot leak into this token as NaN.
     gathered.masked_fill_(~present.unsqueeze(-1), 0.0)
     weight = row_weight.float()[index] if row_weight is not None else None
     for k in range(top_k):
-        out += gathered[:, k] if weight is None else gathered[:, k] * weight[:, k, None]
+        copy = gathered[:, k].float()
+        out += copy if weight is None else copy * weight[:, k, None]
     if scaling_factor is not None:
         out *= scaling_factor
     return out.to(out_dtype)

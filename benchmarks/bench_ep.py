@@ -1,0 +1,221 @@
+"""Benchmark expert-parallel dispatch + combine against a raw NCCL all-to-all of the same bytes.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_ep.py [--tokens 1,16,...] [--out FILE] [--commit SHA]
+
+Per token count T (tokens per rank), DeepSeek-V3 shapes (E=256 experts, top-8, H=7168), uniform random
+routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group scales) dispatch:
+
+* ``normal``: :class:`AllToAllDispatch` then :class:`AllToAllCombine` (bf16 expert outputs back),
+  against ``raw`` = the two ``all_to_all_single`` calls with the same split sizes and the same bytes
+  (packed dispatch rows, then the outputs) on preallocated buffers;
+* ``low_latency``: :class:`LowLatencyDispatch` (capacity = T, which never drops) + combine, eager
+  and replayed as a CUDA graph, against the raw equal-split all-to-alls of its fixed buffers.
+
+Times are medians of CUDA-event-timed runs after warm-up, each run started after a barrier; the
+slowest rank's median is reported (a step waits for it). Bandwidth = bytes this rank sent (dispatch
++ combine) / time. Before timing, a correctness check compares the expert-parallel layer with the
+whole layer on each GPU. Prints a table, writes JSON (device, world size, commit, date, records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import moeforge as mf  # noqa: E402
+from moeforge.distributed import (  # noqa: E402
+    AllToAllDispatch,
+    ExpertParallel,
+    LowLatencyDispatch,
+    RowFormat,
+    shard_state_dict,
+)
+from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
+
+E, K, H = 256, 8, 7168
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+LOW_LATENCY_MAX = 512  # fixed buffers of E * T rows: beyond this they are gigabytes
+
+
+def _timed(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    slowest = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
+def _routed(tokens: int, fp8: bool, seed: int) -> RoutedTokens:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, H, device="cuda", generator=generator).to(torch.bfloat16)
+    ids = torch.rand(tokens, E, device="cuda", generator=generator).topk(K, dim=-1).indices.to(torch.int32)
+    weights = torch.rand(tokens, K, device="cuda", generator=generator) + 0.1
+    acts = mf.PerGroupQuantizer()(x) if fp8 else Activations(x)
+    return RoutedTokens(acts, TopKOutput(weights, ids))
+
+
+def _check_correctness(rank: int, ep_small: ExpertParallel) -> dict[str, float]:
+    """The expert-parallel layer against the whole layer on this GPU (NCCL exchange)."""
+    errors = {}
+    sizes = dict(num_experts=ep_small.num_experts, top_k=4, hidden_size=256, intermediate_size=128, n_group=4,
+                 topk_group=2, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        whole = mf.MoELayer.from_preset("deepseek_v3", **sizes, dtype=dtype, backend="torch")
+        with torch.no_grad():
+            whole.e_score_correction_bias.normal_()
+        x = torch.randn(5 + 7 * rank, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).to(dtype)
+        want = whole(x).float()
+        for name, dispatcher in (("normal", "auto"), ("low_latency", LowLatencyDispatch(ep_small, max_tokens=64))):
+            layer = mf.MoELayer.from_preset("deepseek_v3", **sizes, dtype=dtype, expert_parallel=ep_small,
+                                            dispatcher=dispatcher)
+            layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+            got = layer(x).float()
+            errors[f"{name}/{str(dtype)[6:]}"] = float((got - want).norm() / want.norm())
+            if name == "low_latency":  # the same under CUDA-graph replay
+                static = x.clone()
+                layer(static)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = layer(static)
+                graph.replay()
+                errors[f"low_latency_graph/{str(dtype)[6:]}"] = float((captured.float() - want).norm() / want.norm())
+    worst = {key: torch.tensor([value], device="cuda") for key, value in errors.items()}
+    for value in worst.values():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return {key: float(value.item()) for key, value in worst.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    ep = ExpertParallel(E)
+    with torch.inference_mode():
+        errors = _check_correctness(rank, ExpertParallel(8 * world))
+    if rank == 0:
+        print("correctness (max over ranks, rel L2 vs the whole layer):", errors, flush=True)
+
+    records = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        for dtype in ("bf16", "fp8"):
+            with torch.inference_mode():
+                records += _bench(ep, tokens, dtype, args.iters)
+            if rank == 0:
+                for rec in records[-2:] if tokens <= LOW_LATENCY_MAX else records[-1:]:
+                    print(f"T={tokens:6d} {dtype:4s} {rec['dispatcher']:11s} ours {rec['us']:9.1f} us  "
+                          f"raw {rec['raw_us']:9.1f} us  ratio {rec['ratio']:5.2f}  "
+                          f"{rec['gbps']:7.1f} GB/s  graph {rec.get('graph_us') or float('nan'):9.1f} us", flush=True)
+            torch.cuda.empty_cache()
+    if rank == 0:
+        by = {(r["tokens"], r["dispatcher"], r["dtype"]): r["us"] for r in records}
+        for r in records:
+            if r["dtype"] == "fp8":
+                r["fp8_speedup_vs_bf16"] = by[(r["tokens"], r["dispatcher"], "bf16")] / r["us"]
+        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                               text=True).stdout.strip()
+        result = dict(device=torch.cuda.get_device_name(), world_size=world, commit=commit or "unknown",
+                      date=datetime.date.today().isoformat(), shape=dict(experts=E, top_k=K, hidden=H),
+                      correctness=errors, records=records)
+        out = Path(args.out or f"benchmarks/results/bench_ep-x{world}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+    dist.destroy_process_group()
+
+
+def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict[str, Any]]:
+    routed = _routed(tokens, dtype == "fp8", seed=1000 + ep.rank)
+    records = []
+    dispatch = AllToAllDispatch(ep)
+    combine = dispatch.combine_stage(out_dtype=mf.DType.BF16)
+    rows = dispatch(routed)
+    outputs = torch.randn(rows.x.data.shape[0], H, device="cuda").to(torch.bfloat16)
+
+    def ours() -> None:
+        combine(dispatch(routed).with_x(Activations(outputs)))
+
+    plan = rows.exchange
+    wire = RowFormat.of(routed.x)
+    send, recv = (torch.empty(sum(s), wire.row_bytes, dtype=torch.uint8, device="cuda")
+                  for s in (plan.send_splits, plan.recv_splits))
+    back_send, back_recv = (torch.empty(sum(s), 2 * H, dtype=torch.uint8, device="cuda")
+                            for s in (plan.recv_splits, plan.send_splits))
+    send_splits, recv_splits = list(plan.send_splits), list(plan.recv_splits)
+
+    def raw() -> None:
+        dist.all_to_all_single(recv, send, recv_splits, send_splits)
+        dist.all_to_all_single(back_recv, back_send, send_splits, recv_splits)
+
+    sent = send.numel() + back_send.numel()
+    records.append(_record(tokens, "normal", dtype, _timed(ours, iters), _timed(raw, iters), sent, None))
+
+    if tokens <= LOW_LATENCY_MAX:
+        low = LowLatencyDispatch(ep, max_tokens=tokens)
+        low_combine = low.combine_stage(out_dtype=mf.DType.BF16)
+        padded = low(routed)
+        padded_out = torch.randn(padded.x.data.shape[:-1] + (H,), device="cuda").to(torch.bfloat16)
+
+        def ours_low() -> None:
+            low_combine(low(routed).with_x(Activations(padded_out)))
+
+        slots = E * low.slots
+        lsend, lrecv = (torch.empty(slots, wire.row_bytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+        lback_send, lback_recv = (torch.empty(slots, 2 * H, dtype=torch.uint8, device="cuda") for _ in range(2))
+
+        def raw_low() -> None:
+            dist.all_to_all_single(lrecv, lsend)
+            dist.all_to_all_single(lback_recv, lback_send)
+
+        graph_us = None
+        try:
+            ours_low()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ours_low()
+            graph_us = _timed(graph.replay, iters)
+        except Exception as error:  # report, do not hide: the JSON says why
+            if ep.rank == 0:
+                print(f"CUDA graph capture failed: {type(error).__name__}: {error}", flush=True)
+        records.append(_record(tokens, "low_latency", dtype, _timed(ours_low, iters), _timed(raw_low, iters),
+                               lsend.numel() + lback_send.numel(), graph_us))
+    return records
+
+
+def _record(tokens: int, dispatcher: str, dtype: str, us: float, raw_us: float, sent: int,
+            graph_us: float | None) -> dict[str, Any]:
+    return dict(tokens=tokens, dispatcher=dispatcher, dtype=dtype, us=us, raw_us=raw_us, ratio=us / raw_us,
+                bytes_sent=sent, gbps=sent / us / 1e3, graph_us=graph_us,
+                graph_ratio=graph_us / raw_us if graph_us else None)
+
+
+if __name__ == "__main__":
+    main()
