@@ -11,7 +11,8 @@ the right trade for decoding, where latency, not bandwidth, is the limit.
 bytes; copies beyond it are handled by ``overflow``: ``Overflow.DROP`` leaves them out and counts them
 in ``dropped`` (a device tensor: reading it is the caller's choice of sync), ``Overflow.ERROR`` agrees
 on the overflow across ranks (one small all-reduce and a host sync, so every rank raises together
-instead of leaving the others waiting in the next collective) and raises ``InputError``.
+instead of leaving the others waiting in the next collective) and raises ``InputError``. With the
+default capacity no overflow is possible, so no check runs and nothing syncs whatever the policy.
 
 On the receiving rank, rows are compacted per expert — source rank 0's rows first, then rank 1's —
 into ``[L, world * capacity, H]`` with ``masked_m[l]`` valid rows (``EXPERT_PADDED``).
@@ -140,7 +141,7 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedPaddedRo
         position = torch.arange(order.numel(), device=device) - (counts.cumsum(0) - counts)[sorted_expert]
         kept = position < cap
         dropped = (~kept).sum()
-        if self.overflow is Overflow.ERROR:
+        if self.overflow is Overflow.ERROR and self.slots < self.max_tokens:  # else no overflow is possible
             self._raise_on_overflow(dropped, counts)
 
         weight = x.topk.weights.reshape(-1)[order]
