@@ -47,8 +47,8 @@ def test_rows_survive_the_wire_format_bit_for_bit(rows: int, groups: int, kind: 
 ])
 def test_buffers_are_sized_from_params_bytes(dispatch: str, layout: mf.ScaleLayout, data_bytes: int) -> None:
     wire = RowFormat.for_dispatch(mf.DispatchDtype.parse(dispatch), 7168, layout)
-    # data (+ scales) + the fp32 routing weight, rounded up to 16 bytes
-    assert wire.row_bytes == -(-(data_bytes + 4) // 16) * 16
+    # data (+ scales) + the fp32 routing weight + the flag byte, rounded up to 16 bytes
+    assert wire.row_bytes == -(-(data_bytes + 5) // 16) * 16
 
 
 def test_per_tensor_scales_have_no_row_format() -> None:

@@ -25,6 +25,7 @@ import torch
 from moeforge.distributed.exchange import (
     ExchangeDispatch,
     combine_accepts,
+    combine_on_source,
     combined_spec,
     count_per_expert,
     exchange_bytes,
@@ -45,7 +46,6 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage, StageKind
-from moeforge.stages.combine import combine_rows
 
 _COUNT_BYTES = 8  # int64 per expert in the count exchange
 
@@ -56,8 +56,8 @@ class AllToAllPlan:
 
     ``send_splits[r]`` / ``recv_splits[r]``: rows this rank sent to / received from rank ``r``;
     ``token_rows [T, K]``: the send-buffer row of copy ``k`` of token ``t`` (every copy is sent);
-    ``copy_weight [S]``: routing weight of each send-buffer row (fp32); ``traffic``: the dispatch's
-    bytes.
+    ``copy_weight [T, K]``: the routing weights (fp32); ``return_order [R]``: for each receive-buffer
+    row, its expert-sorted row (the inverse of the regrouping); ``traffic``: the dispatch's bytes.
     """
 
     ep: ExpertParallel
@@ -65,6 +65,7 @@ class AllToAllPlan:
     recv_splits: tuple[int, ...]
     token_rows: torch.Tensor
     copy_weight: torch.Tensor
+    return_order: torch.Tensor
     num_tokens: int
     traffic: Traffic
 
@@ -139,12 +140,10 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedRows]):
         regroup = torch.sort(row_expert, stable=True).indices
         data, scale, row_weight = wire.unpack(received, regroup)
         expert_counts = recv_counts.view(world, local).sum(0)
-        token_rows = torch.empty_like(order)
-        token_rows[order] = torch.arange(order.numel(), device=order.device)
         traffic = Traffic(sent=packet.numel() + counts.numel() * _COUNT_BYTES,
                           received=received.numel() + recv_counts.numel() * _COUNT_BYTES)
-        exchange = AllToAllPlan(ep, tuple(send_splits), tuple(recv_splits), token_rows.view(tokens, top_k), weight,
-                                tokens, traffic)
+        exchange = AllToAllPlan(ep, tuple(send_splits), tuple(recv_splits), _inverse(order).view(tokens, top_k),
+                                x.topk.weights, _inverse(regroup), tokens, traffic)
         plan = SortedPlan(row_token=regroup, row_weight=row_weight,
                           token_rows=order.new_empty(0, top_k), num_tokens=0)
         group_list = expert_counts if self.group_list_type is GroupListType.COUNT else expert_counts.cumsum(0)
@@ -178,10 +177,15 @@ class AllToAllCombine(Stage[ExchangedRows, MoEOutput]):
     def __call__(self, x: ExchangedRows) -> MoEOutput:
         plan = x.exchange
         rows = x.x.data
-        back = torch.empty_like(rows)
-        back[x.plan.row_token] = rows  # receive-buffer order: the reverse of the dispatch's regrouping
+        back = rows.index_select(0, plan.return_order)  # receive-buffer order (a gather, not a scatter)
         returned = rows.new_empty(sum(plan.send_splits), rows.shape[-1])
         exchange_bytes(back, returned, plan.ep.group, list(plan.send_splits), list(plan.recv_splits))
         out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else rows.dtype
         weight = plan.copy_weight if self.apply_routing_weights else None
-        return MoEOutput(combine_rows(returned, plan.token_rows, weight, out_dtype, self.routed_scaling_factor))
+        return MoEOutput(combine_on_source(returned, plan.token_rows, weight, out_dtype, self.routed_scaling_factor))
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+    return inverse

@@ -24,6 +24,7 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage
+from moeforge.stages.combine import combine_rows
 
 # Scales that travel with their rows. A per-tensor scale belongs to one rank's whole batch: after
 # the exchange, rows of several ranks would share one expert GEMM with different scales.
@@ -88,6 +89,24 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     # A dtype view keeps dim 0 of a 2-D tensor (rows), so row split sizes stay valid; a 1-D tensor is
     # only ever exchanged in equal splits.
     return tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+
+
+def combine_on_source(rows: torch.Tensor, index: torch.Tensor, copy_weight: Optional[torch.Tensor],
+                      out_dtype: torch.dtype, scaling_factor: Optional[float]) -> torch.Tensor:
+    """``out[t] = scaling_factor * sum_k copy_weight[t, k] * rows[index[t, k]]`` in fp32, ``k`` in
+    order (``index`` -1: the copy adds nothing). On CUDA one Triton pass over the copies; elsewhere
+    the torch reference (:func:`~moeforge.stages.combine.combine_rows`)."""
+    if rows.is_cuda and rows.shape[0] and index.shape[1]:
+        try:
+            from moeforge.kernels.combine import combine_copies
+        except ImportError:  # no triton: the torch reference below
+            pass
+        else:
+            out = torch.empty(index.shape[0], rows.shape[-1], dtype=out_dtype, device=rows.device)
+            weights = copy_weight.float().contiguous() if copy_weight is not None else None
+            return combine_copies(rows.contiguous(), index.shape[1], out, weights,
+                                  1.0 if scaling_factor is None else scaling_factor, index.contiguous())
+    return combine_rows(rows, index, None, out_dtype, scaling_factor, copy_weight=copy_weight)
 
 
 def combine_accepts(weighted: bool, scaling: Optional[float], layout: Layout, exchange: Exchange) -> Accepts:

@@ -2,8 +2,8 @@
 
 Every rank sends every other rank a buffer of the same, build-time size: ``capacity`` rows for each
 of the receiver's local experts. Shapes never depend on the routing, so the dispatch and combine are
-two equal-split ``all_to_all_single`` calls (plus one for the counts) with no host sync, and can be
-captured in a CUDA graph. The price is bytes: the full buffers travel however few tokens there are —
+two equal-split ``all_to_all_single`` calls with no host sync (a flag byte in each row marks the used
+slots: no counts are exchanged), and can be captured in a CUDA graph. The price is bytes: the full buffers travel however few tokens there are —
 the right trade for decoding, where latency, not bandwidth, is the limit.
 
 ``capacity`` is per (source rank, expert): how many copies one rank may send one expert. Its default,
@@ -30,6 +30,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.distributed.exchange import (
     ExchangeDispatch,
     combine_accepts,
+    combine_on_source,
     combined_spec,
     count_per_expert,
     exchange_bytes,
@@ -51,22 +52,22 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage, StageKind
-from moeforge.stages.combine import combine_rows
 from moeforge.stages.dispatch import Overflow
 
 
 @attrs.frozen
 class LowLatencyPlan:
     """What :class:`LowLatencyCombine` needs: ``token_slots [T, K]`` is the send-buffer slot
-    (``global expert * capacity + position``) of each copy, -1 if dropped; ``slot_weight [E * C]``
-    the routing weight per send slot; ``compact_index [L, W, C]`` where each received slot went in
-    the compacted expert buffer (-1 for an empty slot)."""
+    (``global expert * capacity + position``) of each copy, -1 if dropped; ``copy_weight [T, K]``
+    the routing weights; ``home [W * L * C]``, in the order of the send buffer the combine returns
+    (rank, local expert, slot), the row of the expert buffer ``[L * W * C]`` that each received slot
+    went to (any row for an empty slot: nobody reads it back)."""
 
     ep: ExpertParallel
     capacity: int
     token_slots: torch.Tensor
-    slot_weight: torch.Tensor
-    compact_index: torch.Tensor
+    copy_weight: torch.Tensor
+    home: torch.Tensor
     num_tokens: int
     dropped: torch.Tensor
     traffic: Traffic
@@ -149,39 +150,33 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedPaddedRo
         wire = RowFormat.of(rows)
         trash = experts * cap  # one extra row takes every dropped copy: no boolean indexing, no sync
         slot = torch.where(kept, sorted_expert * cap + position, trash)
-        send = torch.zeros(trash + 1, wire.row_bytes, dtype=torch.uint8, device=device)
+        send = torch.empty(trash + 1, wire.row_bytes, dtype=torch.uint8, device=device)
+        send[:, wire.flag_offset] = 0  # unused slots are told apart by their flag; their bytes need no clearing
         send.index_copy_(0, slot, wire.pack(rows.data, rows.scale, weight))
         received = torch.empty(trash, wire.row_bytes, dtype=torch.uint8, device=device)
-        sent_counts = counts.clamp(max=cap)
-        recv_counts = torch.empty_like(sent_counts)
-        exchange_bytes(sent_counts, recv_counts, group)
         exchange_bytes(send[:trash], received, group)
 
-        # Compact each expert's rows: [W, L, C] slots -> [L, W * C] rows, valid ones first in
-        # (source rank, position) order.
-        valid = (torch.arange(cap, device=device) < recv_counts.view(world, local, 1)).permute(1, 0, 2)
-        flat_valid = valid.reshape(local, world * cap)
-        dest = flat_valid.long().cumsum(1) - 1
-        width = world * cap
-        base = torch.arange(local, device=device).unsqueeze(1) * (width + 1)
-        target = torch.where(flat_valid, base + dest, base + width)
-        compact = torch.zeros(local * (width + 1), wire.row_bytes, dtype=torch.uint8, device=device)
-        by_expert = received.view(world, local, cap, wire.row_bytes).permute(1, 0, 2, 3).reshape(-1, wire.row_bytes)
-        compact.index_copy_(0, target.reshape(-1), by_expert)
-        data, scale, row_weight = wire.unpack(compact.view(local, width + 1, wire.row_bytes)[:, :width])
+        # Each (source rank, expert) block holds its rows first: gather every expert's rows into
+        # [L, W * C], valid ones first in (source rank, position) order, straight from the receive
+        # buffer ([W, L, C] rows); a stable sort of "invalid" finds them without a host sync.
+        valid = wire.flags(received).view(world, local, cap).permute(1, 0, 2).reshape(local, world * cap)
+        order_in_expert = torch.sort((~valid).to(torch.uint8), dim=1, stable=True).indices
+        source_rank = torch.div(order_in_expert, cap, rounding_mode="floor")
+        expert = torch.arange(local, device=device).unsqueeze(1)
+        gather = (source_rank * local + expert) * cap + order_in_expert % cap
+        data, scale, row_weight = wire.unpack(received, gather)
+        masked_m = valid.sum(1).to(torch.int32)
+        # Where each received slot went (for the way home): its rank among its expert's valid rows.
+        position_in_expert = valid.long().cumsum(1) - 1
+        home = (expert * (world * cap) + position_in_expert).clamp(min=0)
 
         token_slots = torch.full((tokens * top_k,), -1, dtype=torch.int64, device=device)
         token_slots[order] = torch.where(kept, sorted_expert * cap + position, -1)
-        slot_weight = torch.zeros(trash + 1, dtype=torch.float32, device=device)
-        slot_weight.index_copy_(0, slot, weight)
-        compact_index = torch.where(flat_valid, torch.arange(local, device=device).unsqueeze(1) * width + dest, -1)
-        count_bytes = counts.numel() * counts.element_size()
-        traffic = Traffic(sent=trash * wire.row_bytes + count_bytes, received=trash * wire.row_bytes + count_bytes)
-        exchange = LowLatencyPlan(ep, cap, token_slots.view(tokens, top_k), slot_weight[:trash],
-                                  compact_index.view(local, world, cap), tokens, dropped, traffic)
+        traffic = Traffic(sent=trash * wire.row_bytes, received=trash * wire.row_bytes)
+        exchange = LowLatencyPlan(ep, cap, token_slots.view(tokens, top_k), x.topk.weights,
+                                  home.view(local, world, cap).permute(1, 0, 2).reshape(-1), tokens, dropped, traffic)
         plan = PaddedPlan(slot_weight=row_weight, token_slots=token_slots.new_empty(0, top_k), num_tokens=0,
                           dropped=dropped)
-        masked_m = recv_counts.view(world, local).sum(0).to(torch.int32)
         return ExchangedPaddedRows(Activations(data, scale), masked_m, plan, exchange)
 
     def _raise_on_overflow(self, dropped: torch.Tensor, counts: torch.Tensor) -> None:
@@ -223,16 +218,11 @@ class LowLatencyCombine(Stage[ExchangedPaddedRows, MoEOutput]):
     def __call__(self, x: ExchangedPaddedRows) -> MoEOutput:
         plan = x.exchange
         rows = x.x.data  # [L, W * C, H]
-        local, world, cap = plan.compact_index.shape
-        hidden = rows.shape[-1]
-        index = plan.compact_index
-        gathered = rows.reshape(-1, hidden)[index.clamp(min=0).reshape(-1)].view(local, world, cap, hidden)
-        # Empty slots gathered row 0 as a placeholder: zero them (a select, so no NaN can leak).
-        gathered = torch.where((index >= 0).unsqueeze(-1), gathered, torch.zeros((), dtype=rows.dtype,
-                                                                                  device=rows.device))
-        back = gathered.permute(1, 0, 2, 3).contiguous().view(world * local * cap, hidden)
+        # One gather puts every slot back where its source rank sent it from; the rows of empty
+        # slots are placeholders that the source never reads (its dropped copies index -1).
+        back = rows.reshape(-1, rows.shape[-1]).index_select(0, plan.home)
         returned = torch.empty_like(back)
         exchange_bytes(back, returned, plan.ep.group)
         out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else rows.dtype
-        weight = plan.slot_weight if self.apply_routing_weights else None
-        return MoEOutput(combine_rows(returned, plan.token_slots, weight, out_dtype, self.routed_scaling_factor))
+        weight = plan.copy_weight if self.apply_routing_weights else None
+        return MoEOutput(combine_on_source(returned, plan.token_slots, weight, out_dtype, self.routed_scaling_factor))

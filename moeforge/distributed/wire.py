@@ -4,10 +4,12 @@ One ``uint8`` row per token copy, so that one ``all_to_all_single`` carries ever
 (one collective instead of three, and the same call for every dtype and process-group backend: gloo
 has no fp8). The layout of a row of ``row_bytes`` bytes::
 
-    [ data (width * element bytes) | scales (scale_width * scale bytes) | weight (fp32) | padding ]
+    [ data (width * element bytes) | scales (scale_width * scale bytes) | weight (fp32) | flag | padding ]
 
-Offsets are aligned to the next field's element size and the row to 16 bytes, so that unpacking is
-a view plus one copy per field.
+Offsets are aligned to the next field's element size and the row to 16 bytes. The flag byte is 1 in
+every packed row, so a zero-filled fixed-capacity buffer tells its used rows apart by itself (the
+low-latency dispatcher sends no counts). Fields are copied as 32-bit words where their offsets allow
+(4x fewer elements than bytes).
 """
 
 from __future__ import annotations
@@ -83,24 +85,34 @@ class RowFormat:
         return _align(self.scale_offset + self.scale_width * self.scale_dtype.itemsize, 4)
 
     @property
+    def flag_offset(self) -> int:
+        return self.weight_offset + 4
+
+    @property
     def row_bytes(self) -> int:
-        return _align(self.weight_offset + 4, _ROW_ALIGN)
+        return _align(self.flag_offset + 1, _ROW_ALIGN)
+
+    def _fields(self) -> list[tuple[int, int]]:
+        """(offset, bytes) of data, scales (if any) and weight."""
+        fields = [(0, self.data_bytes)]
+        if self.scale_width:
+            fields.append((self.scale_offset, self.scale_width * self.scale_dtype.itemsize))
+        return fields + [(self.weight_offset, 4)]
 
     def pack(self, data: torch.Tensor, scale: Optional[torch.Tensor], weight: torch.Tensor,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``data [N, width]``, ``scale [N, scale_width]`` (or None), fp32 ``weight [N]`` -> ``uint8
-        [N, row_bytes]`` (written into ``out`` when given). Padding bytes are left as they are."""
+        [N, row_bytes]`` with the flag set (written into ``out`` when given). Padding bytes are left
+        as they are."""
         rows = data.shape[0]
         packet = out if out is not None else torch.empty(rows, self.row_bytes, dtype=torch.uint8,
                                                          device=data.device)
-        packet[:, :self.data_bytes] = data.contiguous().view(torch.uint8).view(rows, self.data_bytes)
-        if self.scale_width:
-            assert scale is not None
-            scale_bytes = self.scale_width * self.scale_dtype.itemsize
-            packet[:, self.scale_offset:self.scale_offset + scale_bytes] = (
-                scale.contiguous().view(torch.uint8).view(rows, scale_bytes))
-        packet[:, self.weight_offset:self.weight_offset + 4] = (
-            weight.float().contiguous().view(rows, 1).view(torch.uint8))
+        values = [data, scale, weight.float()] if self.scale_width else [data, weight.float()]
+        for (offset, size), value in zip(self._fields(), values):
+            assert value is not None
+            source = value.contiguous().reshape(-1).view(torch.uint8).reshape(rows, size)
+            _words(packet[:, offset:offset + size]).copy_(_words(source))
+        packet[:, self.flag_offset] = 1
         return packet
 
     def unpack(self, packet: torch.Tensor, rows: Optional[torch.Tensor] = None
@@ -112,13 +124,23 @@ class RowFormat:
         lead = packet.shape[:-1] if rows is None else rows.shape
 
         def field(start: int, size: int) -> torch.Tensor:
-            view = flat[:, start:start + size]
-            return view[rows] if rows is not None else view.contiguous()
+            view = _words(flat[:, start:start + size])
+            picked = view[rows] if rows is not None else view.contiguous()
+            return picked.view(torch.uint8)
 
-        data = field(0, self.data_bytes).view(self.dtype).view(*lead, self.width)
-        scale = None
-        if self.scale_width:
-            scale_bytes = self.scale_width * self.scale_dtype.itemsize
-            scale = field(self.scale_offset, scale_bytes).view(self.scale_dtype).view(*lead, self.scale_width)
-        weight = field(self.weight_offset, 4).view(torch.float32).view(lead)
+        fields = [field(offset, size) for offset, size in self._fields()]
+        data = fields[0].view(self.dtype).view(*lead, self.width)
+        scale = fields[1].view(self.scale_dtype).view(*lead, self.scale_width) if self.scale_width else None
+        weight = fields[-1].view(torch.float32).view(lead)
         return data, scale, weight
+
+    def flags(self, packet: torch.Tensor) -> torch.Tensor:
+        """Which rows of ``packet [..., row_bytes]`` were packed (bool ``[...]``)."""
+        return packet[..., self.flag_offset] == 1
+
+
+def _words(columns: torch.Tensor) -> torch.Tensor:
+    """A byte-column slice ``[N, size]`` seen as 32-bit words when offset and size allow it."""
+    if columns.shape[-1] % 4 == 0 and columns.storage_offset() % 4 == 0 and columns.stride(0) % 4 == 0:
+        return columns.view(torch.int32)
+    return columns

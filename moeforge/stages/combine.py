@@ -34,11 +34,14 @@ def combine_rows(
     row_weight: Optional[torch.Tensor],
     out_dtype: torch.dtype,
     scaling_factor: Optional[float] = None,
+    *,
+    copy_weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``out[t] = sum_k rows[token_rows[t, k]] * row_weight[token_rows[t, k]]`` in fp32, k in order.
 
     ``rows`` is ``[R, H]``; ``token_rows [T, K]`` holds -1 for copies that contribute nothing;
-    ``row_weight=None`` sums unweighted.
+    ``row_weight=None`` sums unweighted; ``copy_weight [T, K]``, when given, is each copy's weight
+    directly (instead of ``row_weight`` looked up by row).
     """
     tokens, top_k = token_rows.shape
     out = torch.zeros(tokens, rows.shape[-1], dtype=torch.float32, device=rows.device)
@@ -52,7 +55,8 @@ def combine_rows(
     # An absent copy gathered row 0 as a placeholder: zero it rather than multiply it by 0, so an
     # inf or NaN in that unrelated row cannot leak into this token as NaN.
     gathered.masked_fill_(~present.unsqueeze(-1), 0.0)
-    weight = row_weight.float()[index] if row_weight is not None else None
+    weight = copy_weight.float() if copy_weight is not None else (
+        row_weight.float()[index] if row_weight is not None else None)
     for k in range(top_k):
         copy = gathered[:, k].float()
         out += copy if weight is None else copy * weight[:, k, None]
