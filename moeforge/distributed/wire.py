@@ -125,7 +125,9 @@ class RowFormat:
 
         def field(start: int, size: int) -> torch.Tensor:
             view = _words(flat[:, start:start + size])
-            picked = view[rows] if rows is not None else view.contiguous()
+            # index_select always returns a contiguous result (advanced indexing with a 2-D index
+            # may not, on CUDA), which the dtype views below need.
+            picked = view.index_select(0, rows.reshape(-1)) if rows is not None else view.contiguous()
             return picked.view(torch.uint8)
 
         fields = [field(offset, size) for offset, size in self._fields()]
