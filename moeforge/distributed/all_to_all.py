@@ -128,9 +128,16 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedRows]):
         send_splits, recv_splits = splits  # the host sync: split sizes must be known to the collective
 
         weight = x.topk.weights.reshape(-1)[order]
-        rows = scaled_rows(x.x, torch.div(order, top_k, rounding_mode="floor"), weight, self.apply_routing_weights)
-        wire = RowFormat.of(rows)
-        packet = wire.pack(rows.data, rows.scale, weight)
+        token_of_copy = torch.div(order, top_k, rounding_mode="floor")
+        wire = RowFormat.of(x.x)
+        if self.apply_routing_weights:  # every copy has its own data
+            rows = scaled_rows(x.x, token_of_copy, weight, True)
+            packet = wire.pack(rows.data, rows.scale, weight)
+        else:
+            # Pack each token once, then gather the copies' rows in one pass and write their weights
+            # (top_k times fewer bytes packed than packing every copy).
+            packet = wire.pack(x.x.data, x.x.scale, x.topk.weights.new_zeros(tokens)).index_select(0, token_of_copy)
+            wire.set_weights(packet, weight)
         received = packet.new_empty(sum(recv_splits), wire.row_bytes)
         exchange_bytes(packet, received, group, recv_splits, send_splits)
 

@@ -115,6 +115,12 @@ class RowFormat:
         packet[:, self.flag_offset] = 1
         return packet
 
+    def set_weights(self, packet: torch.Tensor, weight: torch.Tensor) -> None:
+        """Overwrite the fp32 weight field of every row of ``packet [N, row_bytes]``."""
+        rows = packet.shape[0]
+        source = weight.float().contiguous().reshape(-1).view(torch.uint8).reshape(rows, 4)
+        _words(packet[:, self.weight_offset:self.weight_offset + 4]).copy_(_words(source))
+
     def unpack(self, packet: torch.Tensor, rows: Optional[torch.Tensor] = None
                ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """The inverse of :meth:`pack` for ``packet [..., row_bytes]``, taking only ``rows`` (of the
