@@ -78,10 +78,13 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     if values.dim() == 0 or values.shape[-1] % 2:
         raise InputError(f"pack_int4 needs an even last dimension (two values per byte), got shape "
                          f"{tuple(values.shape)}")
-    wide = values.to(torch.int16)
-    if wide.numel() and (int(wide.min()) < 0 or int(wide.max()) > 15):
-        raise InputError(f"pack_int4 needs values in 0..15, got {int(wide.min())}..{int(wide.max())}")
-    return (wide[..., 0::2] | (wide[..., 1::2] << 4)).to(torch.uint8)
+    if values.dtype != torch.uint8:
+        if values.numel() and (int(values.min()) < 0 or int(values.max()) > 15):
+            raise InputError(f"pack_int4 needs values in 0..15, got {int(values.min())}..{int(values.max())}")
+        values = values.to(torch.uint8)
+    elif values.numel() and int(values.max()) > 15:
+        raise InputError(f"pack_int4 needs values in 0..15, got up to {int(values.max())}")
+    return values[..., 0::2] | (values[..., 1::2] << 4)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

@@ -296,11 +296,12 @@ class W4A16Method(QuantMethod):
             q_name, s_name, z_name = _PARAMS[prefix]
             groups = (num_experts, n, k // self.group_size)
             # Random valid weights with the unquantized method's spread: a usable layer before loading.
-            q = torch.randint(0, 16, (num_experts, n, k), dtype=torch.uint8, device=device)
+            # Any byte is two valid int4 values: random bytes are random packed weights.
+            packed = torch.randint(0, 256, (num_experts, n, k // 2), dtype=torch.uint8, device=device)
             spread = torch.empty(groups, dtype=torch.float32, device=device).uniform_(0.5, 1.5)
             scales = spread * (k**-0.5 / _RANDOM_INT4_STD)
             zeros = torch.randint(6, 11, groups, dtype=torch.uint8, device=device) if self.zero_points else None
-            _register(layer, q_name, pack_int4(q))
+            _register(layer, q_name, packed)
             _register(layer, s_name, scales.to(dtype))
             _register(layer, z_name, zeros)
         for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
