@@ -238,7 +238,8 @@ def test_load_checkpoint_experts_reads_gpt_oss_names() -> None:
     source = _layer(expert_bias=True)
     _fill(source, seed=10)
     tensors = _checkpoint(source)
-    assert set(tensors) == {"experts.gate_up_proj_blocks", "experts.gate_up_proj_scales", "experts.gate_up_proj_bias",
+    assert set(tensors) == {"experts.gate_up_proj_blocks", "experts.gate_up_proj_scales",
+                            "experts.gate_up_proj_bias",
                             "experts.down_proj_blocks", "experts.down_proj_scales", "experts.down_proj_bias"}
     target = _layer(expert_bias=True)
     assert source.router is not None and target.router is not None

@@ -223,7 +223,8 @@ def test_bf16_layer_and_routing_weights_in_the_epilogue() -> None:
 
 def test_the_resolver_picks_nvfp4_by_rule_3() -> None:
     method = Nvfp4Method(G)
-    decision = mf.resolve_dispatch_dtype(experts_accept=method.accepts, quant_requires=method.required_dispatch_dtype(),
+    decision = mf.resolve_dispatch_dtype(experts_accept=method.accepts,
+                                         quant_requires=method.required_dispatch_dtype(),
                                          device=DeviceDispatchSupport(nvfp4=True), environ={})
     assert decision == mf.DispatchDecision(mf.DispatchDtype.NVFP4, mf.DispatchRule.QUANT_METHOD)
     assert decision.explain() == "dispatch nvfp4 (rule 3: quant method)"
@@ -246,7 +247,8 @@ def test_nvfp4_dispatch_matches_the_fake_quantized_reference(dispatcher: str, bi
     _fill(layer, seed=8)
     assert layer.dispatch_decision == mf.DispatchDecision(mf.DispatchDtype.NVFP4, mf.DispatchRule.QUANT_METHOD)
     text = layer.describe()
-    assert "dispatch nvfp4 (rule 3: quant method)" in text and "QuantizeTokens(nvfp4/nvfp4_block16, global 0.004)" in text
+    assert "dispatch nvfp4 (rule 3: quant method)" in text
+    assert "QuantizeTokens(nvfp4/nvfp4_block16, global 0.004)" in text
     quantize = layer.pipeline.stages[1]
     assert isinstance(quantize, mf.QuantizeTokens) and quantize.quantizer == Nvfp4Quantizer(G)
     dispatched = layer.pipeline.specs[2]
@@ -294,7 +296,8 @@ def test_the_quantizer() -> None:
     x = _x(3, 12)
     out = q(x)
     expected = quantize_nvfp4(x, G)
-    assert torch.equal(out.data, expected.data) and torch.equal(out.scale.float(), expected.scale.float())  # type: ignore[union-attr]
+    assert out.scale is not None
+    assert torch.equal(out.data, expected.data) and torch.equal(out.scale.float(), expected.scale.float())
     with pytest.raises(mf.InputError, match="global_scale"):
         Nvfp4Quantizer(0.0)
 
@@ -376,7 +379,8 @@ def _combine(layer: mf.MoELayer, rows: ExpertRows, out: torch.Tensor) -> torch.T
     (mf.SortedDispatch(E), 1), (mf.SortedDispatch(E), mf.GroupListType.COUNT),
     (mf.SortedDispatch(E, group_list_type=mf.GroupListType.CUMSUM), 0), ("padded", 1)])
 @torch.no_grad()
-def test_apply_without_routing_weights_equals_the_forward(nvfp4: bool, dispatcher: Any, group_list_type: Any) -> None:
+def test_apply_without_routing_weights_equals_the_forward(nvfp4: bool, dispatcher: Any,
+                                                          group_list_type: Any) -> None:
     layer = _layer(Nvfp4Method(G) if nvfp4 else Nvfp4Method(), dispatcher=dispatcher, expert_bias=True)
     _fill(layer, seed=15)
     x = _x(11, 16)

@@ -185,7 +185,8 @@ def test_capabilities_are_class_data() -> None:
 @pytest.mark.parametrize("bias", [False, True])
 def test_create_and_quantize_weights(bias: bool) -> None:
     layer = _layer(expert_bias=bias)
-    shapes = {name: (tuple(p.shape), p.dtype) for name, p in layer.named_parameters() if not name.startswith("router")}
+    shapes = {name: (tuple(p.shape), p.dtype) for name, p in layer.named_parameters()
+              if not name.startswith("router")}
     expected = {"w13_weight": ((E, 2 * I, H // 2), torch.uint8), "w13_weight_scale": ((E, 2 * I), torch.float32),
                 "w2_weight": ((E, H, I // 2), torch.uint8), "w2_weight_scale": ((E, H), torch.float32)}
     if bias:
@@ -313,7 +314,8 @@ def test_apply_on_padded_rows_equals_sorted_rows() -> None:
     out = quant.apply_without_routing_weights(sorted_layer, rows.x.data, None, 1, rows.group_list, torch.float32)
     padded = quant.apply_without_routing_weights(padded_layer, slots.x.data, None, 1, slots.masked_m, torch.float32)
     a = combine_rows(out, rows.plan.token_rows, rows.plan.row_weight, torch.float32)
-    b = combine_rows(padded.reshape(-1, H), slots.plan.token_slots, slots.plan.slot_weight.reshape(-1), torch.float32)
+    b = combine_rows(padded.reshape(-1, H), slots.plan.token_slots, slots.plan.slot_weight.reshape(-1),
+                     torch.float32)
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
