@@ -1,0 +1,231 @@
+"""MXFP4 experts in GPT-OSS's checkpoint format: e2m1 weights in 32-element blocks with E8M0
+power-of-two scales (OCP MX, see :mod:`moeforge.quant.fp4`), float activations (W4A16-style).
+
+**Emulated where the GPU has no FP4 math**: the torch reference dequantizes the weights to fp32 at
+call time and multiplies in fp32 (the result cast to the activations' dtype), on any device. It is the
+oracle for a fast path, not one.
+
+Weights (``E`` experts, ``H`` hidden, ``I`` intermediate, ``N13 = 2I`` gated or ``I``; ``H % 32 == 0``
+and ``I % 32 == 0``), exactly as GPT-OSS stores them, so checkpoint tensors copy in unchanged:
+
+* ``w13_blocks`` uint8 ``[E, N13, H // 32, 16]`` (two e2m1 codes per byte, element ``2j`` of a block in
+  the low nibble) and ``w13_scales`` uint8 ``[E, N13, H // 32]`` (E8M0: ``2**(s - 127)``); ``w2_blocks``
+  ``[E, H, I // 32, 16]``, ``w2_scales`` ``[E, H, I // 32]``. Rows are GEMM outputs (``[out, in]``, the
+  orientation moeforge's ``[E, N, K]`` weights use); GPT-OSS interleaves gate and up rows
+  (``ActivationConfig(gate_up=GateUpLayout.INTERLEAVED)``, as the ``gpt_oss`` preset sets).
+* optional float biases ``w13_bias [E, N13]``, ``w2_bias [E, H]`` (GPT-OSS has both).
+
+:meth:`Mxfp4Method.load_checkpoint_experts` reads GPT-OSS's ``experts.gate_up_proj_blocks`` /
+``_scales`` / ``_bias`` and ``experts.down_proj_blocks`` / ``_scales`` / ``_bias``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Optional, Union
+
+import attrs
+import torch
+
+from moeforge.backend import Backend
+from moeforge.dispatch_dtype import DispatchDtype
+from moeforge.errors import BackendUnavailableError, CheckpointError, InputError
+from moeforge.kernels.config import ConfigTable
+from moeforge.quant.base import QuantMethod
+from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
+from moeforge.quant.nvfp4 import (
+    EmulatedGroupedGemm,
+    bias_ref,
+    optional_tensor,
+    check_expert_groups,
+    emulated_expert_mlp,
+)
+from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
+from moeforge.stage import Stage
+from moeforge.stages.activation import Activate, ActivationConfig
+from moeforge.stages.gemm import GemmRole
+from moeforge.tensor_ref import ParamRef
+
+W13_BLOCKS, W13_SCALES, W2_BLOCKS, W2_SCALES = "w13_blocks", "w13_scales", "w2_blocks", "w2_scales"
+B13, B2 = "w13_bias", "w2_bias"
+BYTES_PER_BLOCK = MXFP4_BLOCK // 2  # 16
+
+# GPT-OSS checkpoint names (relative to the MoE block) -> the layer's tensors.
+CHECKPOINT_KEYS: dict[str, str] = {
+    "experts.gate_up_proj_blocks": W13_BLOCKS,
+    "experts.gate_up_proj_scales": W13_SCALES,
+    "experts.gate_up_proj_bias": B13,
+    "experts.down_proj_blocks": W2_BLOCKS,
+    "experts.down_proj_scales": W2_SCALES,
+    "experts.down_proj_bias": B2,
+}
+
+
+@attrs.frozen(eq=False)
+class Mxfp4WeightRef:
+    """The MXFP4 weight ``{prefix}_blocks`` / ``{prefix}_scales`` of a module, read at call time."""
+
+    owner: torch.nn.Module
+    prefix: str
+    format: str = attrs.field(default="mxfp4", init=False)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (ParamRef(self.owner, f"{self.prefix}_blocks").get(),
+                ParamRef(self.owner, f"{self.prefix}_scales").get())
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        blocks = self.tensors()[0]
+        return int(blocks.shape[0]), int(blocks.shape[1]), int(blocks.shape[2]) * MXFP4_BLOCK
+
+    def dequantize(self) -> torch.Tensor:
+        blocks, scales = self.tensors()
+        experts, rows, groups, width = blocks.shape
+        return dequantize_mxfp4(blocks.reshape(experts, rows, groups * width), scales)
+
+
+class Mxfp4Method(QuantMethod):
+    """MXFP4 expert weights (GPT-OSS's format, see the module docstring), float activations only.
+    Torch backend only (emulated GEMMs)."""
+
+    accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
+    accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
+    expert_parameters: ClassVar[tuple[str, ...]] = (W13_BLOCKS, W13_SCALES, W2_BLOCKS, W2_SCALES, B13, B2)
+
+    def __repr__(self) -> str:
+        return "Mxfp4Method()"
+
+    # -- weights ------------------------------------------------------------------------------------------
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        *,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        gated: bool,
+        bias: bool,
+        dtype: torch.dtype,
+        device: Union[torch.device, str, None],
+    ) -> None:
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if size % MXFP4_BLOCK:
+                raise InputError(f"Mxfp4Method needs {name} divisible by {MXFP4_BLOCK} (its block size), "
+                                 f"got {size}")
+        gate_up = 2 * intermediate_size if gated else intermediate_size
+        shapes = {"w13": (num_experts, gate_up, hidden_size), "w2": (num_experts, hidden_size, intermediate_size)}
+        for prefix, (experts, rows, width) in shapes.items():
+            groups = width // MXFP4_BLOCK
+            for name, shape in ((f"{prefix}_blocks", (experts, rows, groups, BYTES_PER_BLOCK)),
+                                (f"{prefix}_scales", (experts, rows, groups))):
+                tensor = torch.zeros(shape, dtype=torch.uint8, device=device)
+                layer.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+        for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
+            value = torch.nn.Parameter(torch.zeros(bias_shape, dtype=dtype, device=device)) if bias else None
+            layer.register_parameter(name, value)
+        # Usable before loading: random N(0, 1/fan_in) weights, quantized.
+        w13 = torch.empty(shapes["w13"], device=device).normal_(std=hidden_size ** -0.5)
+        w2 = torch.empty(shapes["w2"], device=device).normal_(std=intermediate_size ** -0.5)
+        self.quantize_weights(layer, w13, w2)
+
+    def quantize_weights(self, layer: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, *,
+                         rounding: MxScaleRounding = MxScaleRounding.FLOOR) -> None:
+        """Fill ``layer``'s MXFP4 weights from float ``w13 [E, N13, H]`` and ``w2 [E, H, I]``
+        (``rounding``: the shared-exponent rule, OCP's ``FLOOR`` by default)."""
+        for prefix, weight in (("w13", w13), ("w2", w2)):
+            target = getattr(layer, f"{prefix}_blocks", None)
+            if not isinstance(target, torch.Tensor):
+                raise InputError(f"the layer has no {prefix}_blocks: call create_weights first")
+            experts, rows, groups, _ = target.shape
+            want = (experts, rows, groups * MXFP4_BLOCK)
+            if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != want:
+                have = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+                raise InputError(f"{prefix} must be a float tensor of shape {list(want)}, got {have}")
+            q = quantize_mxfp4(weight, rounding)
+            with torch.no_grad():
+                target.copy_(q.data.reshape(target.shape))
+                getattr(layer, f"{prefix}_scales").copy_(q.scale)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Check the loaded tensors (the stored layout is the one the emulated GEMMs read)."""
+        for blocks_name, scales_name in ((W13_BLOCKS, W13_SCALES), (W2_BLOCKS, W2_SCALES)):
+            blocks, scales = getattr(layer, blocks_name, None), getattr(layer, scales_name, None)
+            if (not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8 or blocks.dim() != 4
+                    or blocks.shape[-1] != BYTES_PER_BLOCK):
+                have = (tuple(blocks.shape), blocks.dtype) if isinstance(blocks, torch.Tensor) else blocks
+                raise CheckpointError(f"{blocks_name} must be uint8 [E, N, K // 32, 16], got {have}")
+            want = tuple(blocks.shape[:3])
+            if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or tuple(scales.shape) != want:
+                have = (tuple(scales.shape), scales.dtype) if isinstance(scales, torch.Tensor) else scales
+                raise CheckpointError(f"{scales_name} must be uint8 {list(want)}, got {have}")
+
+    def load_checkpoint_experts(
+        self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """GPT-OSS's MXFP4 expert tensors (``experts.gate_up_proj_blocks`` ...; biases are cast to
+        the layer's dtype). Raises :class:`CheckpointError` naming the key of a missing, misshapen or
+        mistyped tensor."""
+        found: dict[str, torch.Tensor] = {}
+        for key, name in CHECKPOINT_KEYS.items():
+            target = getattr(layer, name, None)
+            if not isinstance(target, torch.Tensor):  # e.g. the layer has no expert biases
+                continue
+            if key not in tensors:
+                raise CheckpointError(f"checkpoint tensor '{key}' is missing (it fills {name})")
+            value = tensors[key]
+            if tuple(value.shape) != tuple(target.shape):
+                raise CheckpointError(f"checkpoint tensor '{key}' has shape {list(value.shape)}; {name} needs "
+                                      f"{list(target.shape)}")
+            if target.dtype == torch.uint8:
+                if value.dtype != torch.uint8:
+                    raise CheckpointError(f"checkpoint tensor '{key}' is {value.dtype}; MXFP4 blocks and scales "
+                                          "are uint8")
+            elif not value.dtype.is_floating_point:
+                raise CheckpointError(f"checkpoint tensor '{key}' is {value.dtype}; a bias must be float")
+            found[name] = value.to(device=target.device, dtype=target.dtype)
+        return found
+
+    # -- stages ---------------------------------------------------------------------------------------------
+
+    def expert_stages(
+        self,
+        layer: torch.nn.Module,
+        *,
+        activation: ActivationConfig,
+        routing_weights_in_epilogue: bool,
+        backend: Backend = Backend.TORCH,
+        configs: Optional[ConfigTable] = None,
+        dispatch: Optional[DispatchDtype] = None,
+    ) -> list[Stage[Any, Any]]:
+        if backend is not Backend.TORCH:
+            raise BackendUnavailableError(
+                f"{self.name} has no {backend.value} stages yet (its GEMMs are a torch emulation): use "
+                "backend='torch'")
+        return [
+            EmulatedGroupedGemm(GemmRole.GATE_UP, Mxfp4WeightRef(layer, "w13"), bias_ref(layer, B13)),
+            Activate(activation),
+            EmulatedGroupedGemm(GemmRole.DOWN, Mxfp4WeightRef(layer, "w2"), bias_ref(layer, B2),
+                                apply_routing_weights=routing_weights_in_epilogue),
+        ]
+
+    def apply_without_routing_weights(
+        self,
+        layer: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        hidden_states_scale: Optional[torch.Tensor],
+        group_list_type: Union[GroupListType, int],
+        group_list: torch.Tensor,
+        output_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        if hidden_states_scale is not None:
+            raise InputError("hidden_states_scale must be None: Mxfp4Method takes float activations")
+        if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
+        w13, w2 = Mxfp4WeightRef(layer, "w13"), Mxfp4WeightRef(layer, "w2")
+        num_experts, _, hidden_size = w13.shape
+        counts = check_expert_groups(hidden_states, group_list_type, group_list, num_experts, hidden_size)
+        config: ActivationConfig = getattr(layer, "activation")
+        return emulated_expert_mlp(hidden_states, counts, w13.dequantize(), optional_tensor(layer, B13),
+                                   w2.dequantize(), optional_tensor(layer, B2), config, hidden_states.dtype,
+                                   output_dtype)

@@ -1,0 +1,530 @@
+"""NVFP4 experts: e2m1 weights in 16-element blocks with e4m3 block scales and a per-expert fp32
+global scale (see :mod:`moeforge.quant.fp4`), and optionally NVFP4 activations on the wire.
+
+**Emulated where the GPU has no FP4 math**: this torch reference dequantizes the weights (and NVFP4
+activations) to fp32 and multiplies in fp32 (accumulation in fp32, the result cast to the layer's
+dtype). It gives the numbers an FP4 tensor-core kernel computes up to fp32 summation order, on any
+device, at the cost of materialising fp32 weights on every call: it is an oracle, not a fast path.
+
+Weights (``E`` experts, ``H`` hidden, ``I`` intermediate, ``N13 = 2I`` gated or ``I``; ``H % 16 == 0``
+and ``I % 16 == 0``):
+
+* ``w13_weight`` uint8 ``[E, N13, H // 2]``, ``w13_weight_scale`` float8_e4m3fn ``[E, N13, H // 16]``,
+  ``w13_weight_global_scale`` fp32 ``[E]``; the same for ``w2`` (``[E, H, I // 2]``, ``[E, H, I // 16]``,
+  ``[E]``). ``w[e, n, k] = e2m1 * scale[e, n, k // 16] * global_scale[e]`` (ModelOpt's ``weight``,
+  ``weight_scale`` and ``weight_scale_2`` in the decode convention, one global scale per expert and
+  GEMM). Optional float biases ``w13_bias [E, N13]``, ``w2_bias [E, H]``.
+
+Activations after dispatch: float (bf16/fp16/fp32), or NVFP4 (``DType.NVFP4``,
+``ScaleLayout.NVFP4_BLOCK16``) when the method is built with ``input_global_scale``:
+
+* ``Nvfp4Method(input_global_scale=g)`` is a quant config carrying a static input global scale, so it
+  *requires* NVFP4 dispatch (rule 3 of :func:`~moeforge.resolve_dispatch_dtype`); its
+  :meth:`~Nvfp4Method.quantize_stage` quantizes the tokens to NVFP4 with ``g`` before the dispatch
+  (:class:`Nvfp4Quantizer`). ``g`` is in the decode convention (``value = e2m1 * block_scale * g``,
+  typically calibrated ``amax / (6 * 448)``, ModelOpt's ``input_scale``; vLLM/FlashInfer pass its
+  reciprocal to their kernels).
+* **Where the global scale travels**: not in the payload. ``Activations`` carries ``data`` (uint8
+  ``[..., H // 2]``) and ``scale`` (e4m3 ``[..., H // 16]``) like every other format; ``g`` is a static
+  per-tensor constant of the method, handed to both the quantizer before the dispatch and the GEMM
+  after it when the pipeline is built, so the two cannot disagree and the wire carries no extra tensor
+  (an all-to-all sends data and block scales only). :meth:`~Nvfp4Method.apply_without_routing_weights`
+  reads it from the method too.
+* Without ``input_global_scale`` the method takes float activations as they are (W4A16-style
+  emulation: only the weights are FP4); an explicit ``dispatch_dtype="nvfp4"`` is then a
+  ``ContractError`` (no scale to quantize with) — a dynamic global scale would have to travel with the
+  payload, which it cannot.
+* The second GEMM's input (the activation output) stays in the layer's dtype: there is no static
+  scale for it in this config.
+
+The GEMM stage (:class:`EmulatedGroupedGemm`) and the expert-grouped helpers
+(:func:`check_expert_groups`, :func:`emulated_expert_mlp`) are shared with
+:mod:`moeforge.quant.mxfp4`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Optional, Union
+
+import attrs
+import torch
+from typing_extensions import Protocol
+
+from moeforge.backend import Backend
+from moeforge.dispatch_dtype import DispatchDtype
+from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
+from moeforge.kernels.config import ConfigTable
+from moeforge.payloads import Activations, ExpertRows, PaddedRows, RoutedTokens, SortedRows
+from moeforge.quant.base import QuantMethod
+from moeforge.quant.fp4 import (
+    NVFP4_BLOCK,
+    dequantize_nvfp4,
+    fp4_storage,
+    nvfp4_global_scale,
+    quantize_nvfp4,
+)
+from moeforge.quant.unquantized import _group_list_type
+from moeforge.spec import (
+    FLOAT_DTYPES,
+    Accepts,
+    DType,
+    ExpertIds,
+    GroupListType,
+    Layout,
+    PayloadKind,
+    RoutingWeights,
+    ScaleLayout,
+    Spec,
+)
+from moeforge.stage import Mismatch, Stage, StageKind
+from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
+from moeforge.stages.gemm import GemmRole, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.quantize import QuantizeTokens, Quantizer
+from moeforge.tensor_ref import ParamRef, TensorSource, resolve
+
+W13, W13_SCALE, W13_GLOBAL = "w13_weight", "w13_weight_scale", "w13_weight_global_scale"
+W2, W2_SCALE, W2_GLOBAL = "w2_weight", "w2_weight_scale", "w2_weight_global_scale"
+B13, B2 = "w13_bias", "w2_bias"
+
+
+# -- shared by the emulated FP4 methods -------------------------------------------------------------------
+
+
+class DequantizableWeight(Protocol):
+    """A quantized ``[E, N, K]`` expert weight, read at call time, that dequantizes to fp32."""
+
+    @property
+    def format(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, int, int]: ...
+
+    def dequantize(self) -> torch.Tensor: ...
+
+
+def check_expert_groups(
+    hidden_states: torch.Tensor,
+    group_list_type: Union[GroupListType, int],
+    group_list: torch.Tensor,
+    num_experts: int,
+    width: int,
+) -> Optional[torch.Tensor]:
+    """Check the expert-grouped arguments of ``apply_without_routing_weights`` (``width``: the last
+    dimension ``hidden_states`` must have); return the per-expert row counts (int64) of sorted rows
+    ``[R, width]``, or ``None`` for padded rows ``[E, C, width]``. Raises :class:`InputError`."""
+    kind = _group_list_type(group_list_type)
+    if not isinstance(group_list, torch.Tensor) or group_list.dim() != 1 or group_list.shape[0] != num_experts:
+        shape = tuple(group_list.shape) if isinstance(group_list, torch.Tensor) else type(group_list).__name__
+        raise InputError(f"group_list must be [num_experts={num_experts}], got {shape}")
+    if hidden_states.dim() not in (2, 3):
+        raise InputError(f"hidden_states must be [R, W] or [E, C, W], got {tuple(hidden_states.shape)}")
+    # Check against the weights here: a mismatch would otherwise surface as a matmul shape error.
+    if hidden_states.shape[-1] != width or (hidden_states.dim() == 3 and hidden_states.shape[0] != num_experts):
+        want = f"[R, {width}] or [{num_experts}, C, {width}]"
+        raise InputError(f"hidden_states must be {want} to match the expert weights, got "
+                         f"{tuple(hidden_states.shape)}")
+    if hidden_states.dim() == 3:
+        if kind is not GroupListType.COUNT:
+            raise InputError("padded hidden_states [E, C, W] need group_list_type=1 (counts)")
+        return None
+    counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
+        group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
+    if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
+        raise InputError(
+            f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "
+            f"{counts.tolist()}; hidden_states has {hidden_states.shape[0]} rows")
+    return counts
+
+
+def emulated_expert_mlp(
+    values: torch.Tensor,
+    counts: Optional[torch.Tensor],
+    w13: torch.Tensor,
+    b13: Optional[torch.Tensor],
+    w2: torch.Tensor,
+    b2: Optional[torch.Tensor],
+    activation: ActivationConfig,
+    mid_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """GEMM -> activation -> GEMM on float expert-grouped rows with dequantized (fp32) weights; the
+    intermediates are rounded to ``mid_dtype`` as the pipeline's stages round them."""
+    if counts is None:
+        hidden = grouped_gemm_padded(Activations(values), w13, b13, None, mid_dtype)
+        activated = apply_activation(hidden, activation).to(mid_dtype)
+        return grouped_gemm_padded(Activations(activated), w2, b2, None, out_dtype)
+    hidden = grouped_gemm_sorted(Activations(values), counts, w13, b13, None, mid_dtype)
+    activated = apply_activation(hidden, activation).to(mid_dtype)
+    return grouped_gemm_sorted(Activations(activated), counts, w2, b2, None, out_dtype)
+
+
+def compute_dtype(layer: torch.nn.Module) -> DType:
+    """The layer's float dtype (``MoELayer.dtype``)."""
+    dtype = getattr(layer, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise InputError(f"{type(layer).__name__} has no 'dtype' attribute: the quantized GEMM needs the "
+                         "float dtype to produce")
+    return DType.from_torch(dtype)
+
+
+@attrs.frozen(eq=False)
+class EmulatedGroupedGemm(Stage[ExpertRows, ExpertRows]):
+    """A grouped GEMM with quantized weights, emulated: the weights (and NVFP4 rows) are dequantized to
+    fp32 at call time and multiplied in fp32 (the math an FP4 kernel does, without FP4 hardware).
+
+    Consumes float rows; NVFP4 rows too when ``input_global_scale`` (their static global scale) is
+    set, which then needs an explicit ``out_dtype``. ``out_dtype=None`` keeps the input's float dtype.
+    """
+
+    kinds: ClassVar = (StageKind.GEMM,)
+    role: GemmRole
+    weight: DequantizableWeight
+    bias: Optional[TensorSource] = None
+    input_global_scale: Optional[float] = None
+    apply_routing_weights: bool = False
+    out_dtype: Optional[DType] = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[2]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[1]
+
+    def summary(self) -> str:
+        extra = ", nvfp4 rows" if self.input_global_scale is not None else ""
+        extra += ", bias" if self.bias is not None else ""
+        extra += ", weights in epilogue" if self.apply_routing_weights else ""
+        return (f"EmulatedGroupedGemm({self.role.value}, {self.in_features}->{self.out_features}, "
+                f"{self.weight.format} weights -> fp32{extra})")
+
+    def _dtypes(self) -> tuple[frozenset[DType], frozenset[ScaleLayout]]:
+        if self.input_global_scale is None:
+            return FLOAT_DTYPES, frozenset({ScaleLayout.NONE})
+        return FLOAT_DTYPES | {DType.NVFP4}, frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
+
+    def accepts(self) -> Accepts:
+        dtypes, scales = self._dtypes()
+        return Accepts(
+            kind=PayloadKind.DISPATCHED if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
+            layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
+            dtype=dtypes,
+            scale_layout=scales,
+            width=self.in_features,
+            expert_ids=ExpertIds.LOCAL,
+            num_experts=self.num_experts,
+            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
+        )
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if field in ("dtype", "scale_layout") and self.input_global_scale is None:
+            return "these GEMMs take float rows: dispatch a float dtype (NVFP4 rows need input_global_scale)"
+        return None
+
+    def check(self, spec: Spec) -> list[Mismatch]:
+        found = super().check(spec)
+        if (spec.dtype is DType.NVFP4) != (spec.scale_layout is ScaleLayout.NVFP4_BLOCK16) and not found:
+            found.append(Mismatch("scale_layout", spec.scale_layout, "nvfp4_block16 with nvfp4 rows, none with "
+                                  "float rows", "NVFP4 rows carry 16-element e4m3 block scales"))
+        if self.out_dtype is None and spec.dtype not in FLOAT_DTYPES and not found:
+            found.append(Mismatch("dtype", spec.dtype, FLOAT_DTYPES,
+                                  "a GEMM consuming quantized rows needs an explicit out_dtype"))
+        return found
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(
+            kind=PayloadKind.EXPERT_HIDDEN if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
+            dtype=self.out_dtype or spec.dtype,
+            scale_layout=ScaleLayout.NONE,
+            width=self.out_features,
+            routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if self.apply_routing_weights
+            else spec.routing_weights,
+        )
+
+    def _values(self, x: Activations) -> torch.Tensor:
+        if x.data.dtype == torch.uint8:  # NVFP4 rows (accepted only with a global scale)
+            assert x.scale is not None and self.input_global_scale is not None
+            return dequantize_nvfp4(x.data, x.scale, self.input_global_scale)
+        return x.data
+
+    def __call__(self, x: ExpertRows) -> ExpertRows:
+        values = Activations(self._values(x.x))
+        out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else x.x.data.dtype
+        weight = self.weight.dequantize()
+        bias = resolve(self.bias) if self.bias is not None else None
+        if isinstance(x, SortedRows):
+            scale = x.plan.row_weight if self.apply_routing_weights else None
+            y = grouped_gemm_sorted(values, x.counts(), weight, bias, scale, out_dtype)
+        elif isinstance(x, PaddedRows):
+            scale = x.plan.slot_weight if self.apply_routing_weights else None
+            y = grouped_gemm_padded(values, weight, bias, scale, out_dtype)
+        else:
+            raise TypeError(f"EmulatedGroupedGemm cannot consume {type(x).__name__}")
+        return x.with_x(Activations(y))
+
+
+# -- NVFP4 --------------------------------------------------------------------------------------------------
+
+
+def _positive_scale(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"{name} must be a positive finite float, got {value!r}")
+    scale = float(value)
+    if not (scale > 0 and math.isfinite(scale)):
+        raise InputError(f"{name} must be a positive finite float, got {value!r}")
+    return scale
+
+
+@attrs.frozen
+class Nvfp4Quantizer(Quantizer):
+    """NVFP4 activations with a static global scale: ``data`` uint8 ``[..., W // 2]``, ``scale``
+    e4m3 ``[..., W // 16]``; the global scale stays with the quantizer (and the GEMM that reads the
+    rows), not in the payload."""
+
+    global_scale: float
+    dtype: DType = attrs.field(default=DType.NVFP4, init=False)
+    scale_layout: ScaleLayout = attrs.field(default=ScaleLayout.NVFP4_BLOCK16, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "global_scale", _positive_scale(self.global_scale, "global_scale"))
+
+    def check_width(self, width: int) -> Optional[str]:
+        if width % NVFP4_BLOCK:
+            return f"NVFP4 quantization needs a width divisible by {NVFP4_BLOCK}, got {width}"
+        return None
+
+    def summary(self) -> str:
+        return f"nvfp4/{self.scale_layout.value}, global {self.global_scale:g}"
+
+    def __call__(self, x: torch.Tensor) -> Activations:
+        q = quantize_nvfp4(x, self.global_scale)
+        return Activations(q.data, q.scale)
+
+
+@attrs.frozen(eq=False)
+class Nvfp4WeightRef:
+    """The NVFP4 weight ``{prefix}_weight`` / ``_weight_scale`` / ``_weight_global_scale`` of a module,
+    read at call time (so loading or ``layer.to`` is seen without rebuilding)."""
+
+    owner: torch.nn.Module
+    prefix: str
+    format: str = attrs.field(default="nvfp4", init=False)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (ParamRef(self.owner, f"{self.prefix}_weight").get(),
+                ParamRef(self.owner, f"{self.prefix}_weight_scale").get(),
+                ParamRef(self.owner, f"{self.prefix}_weight_global_scale").get())
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        data = self.tensors()[0]
+        return int(data.shape[0]), int(data.shape[1]), 2 * int(data.shape[2])
+
+    def dequantize(self) -> torch.Tensor:
+        data, scale, global_scale = self.tensors()
+        return dequantize_nvfp4(data, scale, global_scale)
+
+
+class Nvfp4Method(QuantMethod):
+    """NVFP4 expert weights (see the module docstring for the layout); float activations, or NVFP4
+    activations quantized before the dispatch with the static ``input_global_scale``. Torch backend
+    only (emulated GEMMs)."""
+
+    accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES | {DType.NVFP4}
+    accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
+    expert_parameters: ClassVar[tuple[str, ...]] = (W13, W13_SCALE, W13_GLOBAL, W2, W2_SCALE, W2_GLOBAL, B13, B2)
+
+    def __init__(self, input_global_scale: Optional[float] = None) -> None:
+        self.input_global_scale = (None if input_global_scale is None
+                                   else _positive_scale(input_global_scale, "input_global_scale"))
+
+    def __repr__(self) -> str:
+        return f"Nvfp4Method(input_global_scale={self.input_global_scale!r})"
+
+    def required_dispatch_dtype(self) -> Optional[DispatchDtype]:
+        # A quant config carrying a static input global scale means NVFP4 on the wire (rule 3).
+        return DispatchDtype.NVFP4 if self.input_global_scale is not None else None
+
+    # -- weights ------------------------------------------------------------------------------------------
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        *,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        gated: bool,
+        bias: bool,
+        dtype: torch.dtype,
+        device: Union[torch.device, str, None],
+    ) -> None:
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if size % NVFP4_BLOCK:
+                raise InputError(f"Nvfp4Method needs {name} divisible by {NVFP4_BLOCK} (its block size), "
+                                 f"got {size}")
+        gate_up = 2 * intermediate_size if gated else intermediate_size
+        shapes = {"w13": (num_experts, gate_up, hidden_size), "w2": (num_experts, hidden_size, intermediate_size)}
+        for prefix, shape in shapes.items():
+            data_shape, scale_shape = fp4_storage(shape, NVFP4_BLOCK)
+            for suffix, tensor in (
+                ("weight", torch.zeros(data_shape, dtype=torch.uint8, device=device)),
+                ("weight_scale", torch.zeros(scale_shape, dtype=torch.float8_e4m3fn, device=device)),
+                ("weight_global_scale", torch.ones(num_experts, dtype=torch.float32, device=device)),
+            ):
+                layer.register_parameter(f"{prefix}_{suffix}", torch.nn.Parameter(tensor, requires_grad=False))
+        for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
+            value = torch.nn.Parameter(torch.zeros(bias_shape, dtype=dtype, device=device)) if bias else None
+            layer.register_parameter(name, value)
+        # Usable before loading: random N(0, 1/fan_in) weights, quantized.
+        w13 = torch.empty(shapes["w13"], device=device).normal_(std=hidden_size ** -0.5)
+        w2 = torch.empty(shapes["w2"], device=device).normal_(std=intermediate_size ** -0.5)
+        self.quantize_weights(layer, w13, w2)
+
+    def quantize_weights(self, layer: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Fill ``layer``'s NVFP4 weights from float ``w13 [E, N13, H]`` and ``w2 [E, H, I]`` (one
+        global scale per expert and GEMM: its ``amax / (6 * 448)``)."""
+        for prefix, weight in (("w13", w13), ("w2", w2)):
+            target = getattr(layer, f"{prefix}_weight", None)
+            if not isinstance(target, torch.Tensor):
+                raise InputError(f"the layer has no {prefix}_weight: call create_weights first")
+            want = tuple(target.shape[:2]) + (2 * target.shape[2],)
+            if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != want:
+                have = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+                raise InputError(f"{prefix} must be a float tensor of shape {list(want)}, got {have}")
+            q = quantize_nvfp4(weight, nvfp4_global_scale(weight, leading_dims=1))
+            with torch.no_grad():
+                for suffix, value in (("weight", q.data), ("weight_scale", q.scale),
+                                      ("weight_global_scale", q.global_scale)):
+                    getattr(layer, f"{prefix}_{suffix}").copy_(value)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Check the loaded tensors (the stored layout is the one the emulated GEMMs read)."""
+        w13, w2 = getattr(layer, W13, None), getattr(layer, W2, None)
+        if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dim() != 3:
+            raise CheckpointError(f"{W13} and {W2} must be uint8 [E, N, K // 2] tensors")
+        experts, gate_up, hidden = int(w13.shape[0]), int(w13.shape[1]), 2 * int(w13.shape[2])
+        inter = 2 * int(w2.shape[-1]) if w2.dim() == 3 else -1
+        expected = {
+            W13: ((experts, gate_up, hidden // 2), torch.uint8),
+            W13_SCALE: ((experts, gate_up, hidden // NVFP4_BLOCK), torch.float8_e4m3fn),
+            W13_GLOBAL: ((experts,), torch.float32),
+            W2: ((experts, hidden, inter // 2), torch.uint8),
+            W2_SCALE: ((experts, hidden, inter // NVFP4_BLOCK), torch.float8_e4m3fn),
+            W2_GLOBAL: ((experts,), torch.float32),
+        }
+        for name, (shape, dtype) in expected.items():
+            tensor = getattr(layer, name, None)
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                have = (tuple(tensor.shape), tensor.dtype) if isinstance(tensor, torch.Tensor) else tensor
+                raise CheckpointError(f"{name} must be {dtype} of shape {list(shape)}, got {have}")
+        for name in (W13_GLOBAL, W2_GLOBAL):
+            scale = getattr(layer, name)
+            if not bool(((scale > 0) & torch.isfinite(scale)).all()):
+                raise CheckpointError(f"{name} must be positive and finite, got {scale.tolist()}")
+
+    # -- stages ---------------------------------------------------------------------------------------------
+
+    def _require_scale(self) -> float:
+        if self.input_global_scale is None:
+            raise ContractError(
+                producer="dispatch nvfp4",
+                consumer=f"experts ({self.name})",
+                field="input_global_scale",
+                have=None,
+                want="a static NVFP4 activation global scale",
+                hint="build Nvfp4Method(input_global_scale=...) (the calibrated amax / (6 * 448), "
+                "ModelOpt's input_scale), or dispatch a float dtype",
+            )
+        return self.input_global_scale
+
+    def quantize_stage(
+        self, dispatch: DispatchDtype, compute: DType
+    ) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
+        if dispatch is DispatchDtype.NVFP4:
+            return QuantizeTokens(Nvfp4Quantizer(self._require_scale()))
+        return super().quantize_stage(dispatch, compute)
+
+    def expert_stages(
+        self,
+        layer: torch.nn.Module,
+        *,
+        activation: ActivationConfig,
+        routing_weights_in_epilogue: bool,
+        backend: Backend = Backend.TORCH,
+        configs: Optional[ConfigTable] = None,
+        dispatch: Optional[DispatchDtype] = None,
+    ) -> list[Stage[Any, Any]]:
+        if backend is not Backend.TORCH:
+            raise BackendUnavailableError(
+                f"{self.name} has no {backend.value} stages yet (its GEMMs are a torch emulation): use "
+                "backend='torch'")
+        nvfp4_rows = dispatch is DispatchDtype.NVFP4
+        if nvfp4_rows:
+            self._require_scale()
+        return [
+            EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"), bias_ref(layer, B13),
+                                input_global_scale=self.input_global_scale,
+                                out_dtype=compute_dtype(layer) if nvfp4_rows else None),
+            Activate(activation),
+            EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(layer, "w2"), bias_ref(layer, B2),
+                                apply_routing_weights=routing_weights_in_epilogue),
+        ]
+
+    def apply_without_routing_weights(
+        self,
+        layer: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        hidden_states_scale: Optional[torch.Tensor],
+        group_list_type: Union[GroupListType, int],
+        group_list: torch.Tensor,
+        output_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Float rows ``[R, H]`` / ``[E, C, H]`` (``hidden_states_scale=None``), or NVFP4 rows: uint8
+        ``[R, H // 2]`` / ``[E, C, H // 2]`` with e4m3 ``hidden_states_scale [..., H // 16]`` and the
+        method's ``input_global_scale``."""
+        w13, w2 = Nvfp4WeightRef(layer, "w13"), Nvfp4WeightRef(layer, "w2")
+        num_experts, _, hidden_size = w13.shape
+        nvfp4 = hidden_states.dtype == torch.uint8
+        if nvfp4:
+            if self.input_global_scale is None:
+                raise InputError("NVFP4 hidden_states need the method's input_global_scale: build "
+                                 "Nvfp4Method(input_global_scale=...)")
+        elif hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InputError(f"hidden_states must be bf16/fp16/fp32, or uint8 (packed NVFP4), got "
+                             f"{hidden_states.dtype}")
+        elif hidden_states_scale is not None:
+            raise InputError("hidden_states_scale must be None for float hidden_states")
+        counts = check_expert_groups(hidden_states, group_list_type, group_list, num_experts,
+                                     hidden_size // 2 if nvfp4 else hidden_size)
+        if nvfp4:
+            assert self.input_global_scale is not None
+            want = tuple(hidden_states.shape[:-1]) + (hidden_size // NVFP4_BLOCK,)
+            if (hidden_states_scale is None or hidden_states_scale.dtype != torch.float8_e4m3fn
+                    or tuple(hidden_states_scale.shape) != want):
+                have = None if hidden_states_scale is None else (
+                    tuple(hidden_states_scale.shape), hidden_states_scale.dtype)
+                raise InputError(f"hidden_states_scale must be float8_e4m3fn of shape {list(want)} for NVFP4 "
+                                 f"hidden_states, got {have}")
+            values = dequantize_nvfp4(hidden_states, hidden_states_scale, self.input_global_scale)
+            mid_dtype = output_dtype
+        else:
+            values, mid_dtype = hidden_states, hidden_states.dtype
+        config: ActivationConfig = getattr(layer, "activation")
+        return emulated_expert_mlp(values, counts, w13.dequantize(), optional_tensor(layer, B13),
+                                   w2.dequantize(), optional_tensor(layer, B2), config, mid_dtype, output_dtype)
+
+
+def bias_ref(layer: torch.nn.Module, name: str) -> Optional[ParamRef]:
+    return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
+
+
+def optional_tensor(layer: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    value = getattr(layer, name, None)
+    return value if isinstance(value, torch.Tensor) else None
