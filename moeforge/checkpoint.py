@@ -102,6 +102,7 @@ class ExpertNaming(enum.Enum):
     W1_W3_W2 = "experts.{i}.w1/w3/w2.weight"
     PROJ = "experts.{i}.gate_proj/up_proj/down_proj.weight"
     FUSED = "experts.gate_up_proj / experts.down_proj"
+    QUANT_METHOD = "the quant method's own format (QuantMethod.load_checkpoint_experts)"
 
 
 @attrs.frozen
@@ -264,6 +265,47 @@ class _Planner:
             self.take(up, shape, lambda: weight()[rows:], note)
 
 
+class _ExpertView(Mapping[str, torch.Tensor]):
+    """The tensors under the prefix, by relative name, for a quant method's checkpoint hook: lazy
+    (membership reads nothing) and recording which names were read."""
+
+    def __init__(self, tensors: _Tensors, prefix: str, names: set[str]) -> None:
+        self._tensors, self.prefix, self._names = tensors, prefix, names
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        self.read.add(name)
+        return self._tensors.get(self.prefix + name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _quantized_experts(layer: MoELayer, view: _ExpertView) -> dict[str, torch.Tensor]:
+    try:
+        experts = layer.quant.load_checkpoint_experts(layer, view)
+    except CheckpointError as error:
+        raise CheckpointError(f"under prefix '{view.prefix}': {error}") from error
+    allowed = set(layer.quant.expert_parameter_names(layer))
+    for name, value in experts.items():
+        if name not in allowed:
+            raise CheckpointError(f"{layer.quant.name}.load_checkpoint_experts returned '{name}', which is not one of "
+                                  f"the layer's expert tensors {sorted(allowed)}")
+        target = getattr(layer, name)
+        if tuple(value.shape) != tuple(target.shape) or value.dtype != target.dtype:
+            raise CheckpointError(f"{layer.quant.name} built '{name}' as {tuple(value.shape)} {value.dtype}; the layer "
+                                  f"holds {tuple(target.shape)} {target.dtype}")
+    return experts
+
+
 _PER_EXPERT = re.compile(r"experts\.(\d+)\.([A-Za-z0-9_]+)\.")
 
 
@@ -403,7 +445,10 @@ def load_weights(layer: MoELayer, source: Source, prefix: str = "", *, on_unused
     call ``layer.process_weights_after_loading()``.
 
     Args:
-        layer: an unquantized :class:`~moeforge.MoELayer` (its sizes must match the checkpoint's).
+        layer: a :class:`~moeforge.MoELayer` (its sizes must match the checkpoint's). A quantized
+            layer's experts are read by its quant method's
+            :meth:`~moeforge.QuantMethod.load_checkpoint_experts` (e.g. FP8 ``weight_scale_inv``,
+            GPTQ/AWQ ``qweight``/``qzeros``/``scales``); the router and shared experts as usual.
         source: a state dict, a ``.safetensors`` file or a directory of them, or a list of files (the
             shards of one checkpoint).
         prefix: the block's key prefix, e.g. ``"model.layers.3.mlp."`` (with its trailing dot).
@@ -413,18 +458,23 @@ def load_weights(layer: MoELayer, source: Source, prefix: str = "", *, on_unused
     """
     if on_unused not in ("warn", "raise", "ignore"):
         raise ValueError(f"on_unused must be 'warn', 'raise' or 'ignore', got {on_unused!r}")
-    if not isinstance(layer.quant, UnquantizedMethod):
-        raise CheckpointError(f"load_weights fills unquantized layers; this layer's experts use {layer.quant.name}")
-    if getattr(layer, "w13_bias", None) is not None or getattr(layer, "w2_bias", None) is not None:
+    quantized = not isinstance(layer.quant, UnquantizedMethod)
+    if not quantized and (getattr(layer, "w13_bias", None) is not None or getattr(layer, "w2_bias", None) is not None):
         raise CheckpointError("the layer's experts have biases (GPT-OSS): no supported naming carries them; "
                               "convert the transformers block with moeforge.hf.from_hf")
+    experts: dict[str, torch.Tensor] = {}
     with _open(source) as tensors:
         planner = _Planner(tensors, prefix)
-        naming = _naming(planner)
-        _plan_experts(planner, layer, naming)
+        view = _ExpertView(tensors, prefix, planner.names)
+        if quantized:  # the method reads its own format; checked here before anything is copied
+            naming = ExpertNaming.QUANT_METHOD
+            experts = _quantized_experts(layer, view)
+        else:
+            naming = _naming(planner)
+            _plan_experts(planner, layer, naming)
         _plan_router(planner, layer)
         _plan_shared(planner, layer)
-        loaded = tuple(copy.key for copy in planner.copies)
+        loaded = tuple(copy.key for copy in planner.copies) + tuple(prefix + name for name in sorted(view.read))
         read = {key[len(prefix):] for key in loaded}
         unused = tuple(sorted(prefix + name for name in planner.names - read))
         if unused and on_unused == "raise":
@@ -433,6 +483,8 @@ def load_weights(layer: MoELayer, source: Source, prefix: str = "", *, on_unused
             for copy in planner.copies:
                 value = tensors.get(copy.key)
                 copy.target().copy_(value if copy.relayout is None else copy.relayout(value))
+            for name, value in experts.items():
+                getattr(layer, name).copy_(value)
     if unused and on_unused == "warn":
         warnings.warn(_unused_message(unused), UnusedWeightsWarning, stacklevel=2)
     layer.process_weights_after_loading()

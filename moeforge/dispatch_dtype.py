@@ -141,9 +141,9 @@ class DeviceDispatchSupport:
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
             return cls(fp8=(major, minor) >= (8, 9), int8=True, nvfp4=major >= 10)
-        # The torch reference carries FP8 and INT8 as plain tensors on any device; NVFP4 has no
-        # quantizer on this device yet.
-        return cls(fp8=True, int8=True, nvfp4=False)
+        # The torch reference carries FP8, INT8 and NVFP4 (moeforge.quant.nvfp4.Nvfp4Quantizer) as
+        # plain tensors on any device.
+        return cls(fp8=True, int8=True, nvfp4=True)
 
     def carries(self, dtype: DispatchDtype) -> bool:
         if dtype is DispatchDtype.FP8:

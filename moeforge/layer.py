@@ -125,12 +125,21 @@ class MoELayer(nn.Module):
             else:
                 raise InputError("backend='triton' does not take expert-parallel rows yet: use backend='auto' or "
                                  "'torch' with expert_parallel")
-        if (self.backend is Backend.TRITON and not isinstance(backend, Backend) and backend.lower() == "auto"
+        auto = not isinstance(backend, Backend) and backend.lower() == "auto"
+        if self.backend is Backend.TRITON and auto and Backend.TRITON not in self.quant.backends:
+            # "auto" means the fastest path that can run this layer: this quant method has torch stages only.
+            self.backend = Backend.TORCH
+            self._backend_note = f" (auto: {self.quant.name} has no triton stages)"
+        if (self.backend is Backend.TRITON and auto
                 and routing.apply_weights is RoutingWeights.ON_INPUT):
             # "auto" means the fastest path that can run this layer; the triton path cannot scale the
             # expert inputs yet, so such a layer (Llama-4) runs on torch. backend="triton" still errors.
             self.backend = Backend.TORCH
             self._backend_note = " (auto: the triton path cannot apply routing weights on the input yet)"
+
+        if self.backend is Backend.TRITON and Backend.TRITON not in self.quant.backends:
+            raise InputError(f"backend='triton': {self.quant.name} has no triton stages (it runs on "
+                             f"{sorted(b.value for b in self.quant.backends)}); use backend='auto' or 'torch'")
 
         self.router: Optional[nn.Linear] = None
         if router:

@@ -84,6 +84,15 @@ class GroupListType(enum.IntEnum):
     CUMSUM = 0  # group_list[e] = rows of experts 0..e
     COUNT = 1  # group_list[e] = rows of expert e
 
+    @classmethod
+    def parse(cls, value: object) -> GroupListType:
+        """A ``GroupListType`` or its int convention (0 = cumsum, 1 = counts); ``ValueError`` else."""
+        if isinstance(value, GroupListType):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+            return cls(value)
+        raise ValueError(f"group_list_type must be 0 (cumsum) or 1 (counts), got {value!r}")
+
 
 class RoutingWeights(enum.Enum):
     """Where the routing weights are applied. They must be applied exactly once."""

@@ -253,7 +253,7 @@ def test_float_dtypes_are_carried_by_any_device(dtype: DispatchDtype) -> None:
 def test_cpu_device_support() -> None:
     support = DeviceDispatchSupport.for_device("cpu")
     assert support.carries(DispatchDtype.FP8) and support.carries(DispatchDtype.INT8)
-    assert not support.carries(DispatchDtype.NVFP4)
+    assert support.carries(DispatchDtype.NVFP4)  # the torch reference quantizer (Nvfp4Quantizer)
     assert DeviceDispatchSupport.for_device(None) == support
     assert DeviceDispatchSupport.for_device(torch.device("cpu")) == support
 

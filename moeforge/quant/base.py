@@ -46,7 +46,9 @@ class QuantMethod(abc.ABC):
       preference;
     * ``expert_parameters`` — names of the per-expert tensors ``create_weights`` registers (leading
       dimension = experts): what expert parallelism slices per rank;
-    * ``offers_fused_ep`` — whether :meth:`fused_ep_stage` builds a fused dispatch -> combine stage.
+    * ``offers_fused_ep`` — whether :meth:`fused_ep_stage` builds a fused dispatch -> combine stage;
+    * ``backends`` — the backends :meth:`expert_stages` builds stages for (``backend="auto"`` picks
+      triton only when it is among them).
     """
 
     accepts: ClassVar[frozenset[DType]]
@@ -54,6 +56,7 @@ class QuantMethod(abc.ABC):
     prefers: ClassVar[Optional[DispatchDtype]] = None
     expert_parameters: ClassVar[tuple[str, ...]] = ()
     offers_fused_ep: ClassVar[bool] = False
+    backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH})
 
     @property
     def name(self) -> str:

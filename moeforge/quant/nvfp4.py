@@ -64,7 +64,7 @@ from moeforge.quant.fp4 import (
     nvfp4_global_scale,
     quantize_nvfp4,
 )
-from moeforge.quant.unquantized import _group_list_type
+from moeforge.quant.unquantized import group_list_type_arg
 from moeforge.spec import (
     FLOAT_DTYPES,
     Accepts,
@@ -113,7 +113,7 @@ def check_expert_groups(
     """Check the expert-grouped arguments of ``apply_without_routing_weights`` (``width``: the last
     dimension ``hidden_states`` must have); return the per-expert row counts (int64) of sorted rows
     ``[R, width]``, or ``None`` for padded rows ``[E, C, width]``. Raises :class:`InputError`."""
-    kind = _group_list_type(group_list_type)
+    kind = group_list_type_arg(group_list_type)
     if not isinstance(group_list, torch.Tensor) or group_list.dim() != 1 or group_list.shape[0] != num_experts:
         shape = tuple(group_list.shape) if isinstance(group_list, torch.Tensor) else type(group_list).__name__
         raise InputError(f"group_list must be [num_experts={num_experts}], got {shape}")

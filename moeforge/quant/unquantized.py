@@ -30,6 +30,7 @@ class UnquantizedMethod(QuantMethod):
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)
+    backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH, Backend.TRITON})
 
     def create_weights(
         self,
@@ -97,7 +98,7 @@ class UnquantizedMethod(QuantMethod):
             raise InputError("hidden_states_scale must be None: UnquantizedMethod takes float activations")
         if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
-        kind = _group_list_type(group_list_type)
+        kind = group_list_type_arg(group_list_type)
         w13, w2 = getattr(layer, W13), getattr(layer, W2)
         b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
         num_experts, hidden_size = w13.shape[0], w13.shape[2]
@@ -130,9 +131,9 @@ class UnquantizedMethod(QuantMethod):
         return grouped_gemm_sorted(Activations(activated), counts, w2, b2, None, output_dtype)
 
 
-def _group_list_type(value: object) -> GroupListType:
-    if isinstance(value, GroupListType):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
-        return GroupListType(value)
-    raise InputError(f"group_list_type must be 0 (cumsum) or 1 (counts), got {value!r}")
+def group_list_type_arg(value: object) -> GroupListType:
+    """:meth:`GroupListType.parse`, raising :class:`InputError` (the argument error of the apply paths)."""
+    try:
+        return GroupListType.parse(value)
+    except ValueError as error:
+        raise InputError(str(error)) from None

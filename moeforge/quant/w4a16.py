@@ -41,7 +41,7 @@ from moeforge.quant.int4_packing import (
     gptq_to_int4,
     pack_int4,
 )
-from moeforge.quant.unquantized import _group_list_type
+from moeforge.quant.unquantized import group_list_type_arg
 from moeforge.spec import (
     FLOAT_DTYPES,
     Accepts,
@@ -374,7 +374,9 @@ class W4A16Method(QuantMethod):
         dtype = getattr(layer, W13_S).dtype
         biased = getattr(layer, B13, None) is not None
         parts: dict[str, list[torch.Tensor]] = {}
-        for i in range(dims.experts):
+        # An expert-parallel layer holds (and reads) its rank's experts only.
+        experts = getattr(layer, "expert_range", range(dims.experts))
+        for i in experts:
             w13 = self._read(tensors, f"experts.{i}.{up}.", dims.inter, dims.hidden, dtype, biased)
             if gated:
                 gate_part = self._read(tensors, f"experts.{i}.{gate}.", dims.inter, dims.hidden, dtype, biased)
@@ -467,7 +469,7 @@ class W4A16Method(QuantMethod):
             raise InputError(f"hidden_states_scale must be None: {self.name} takes float activations")
         if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
-        kind = _group_list_type(group_list_type)
+        kind = group_list_type_arg(group_list_type)
         w13, w2 = _weight(layer, "w13"), _weight(layer, "w2")
         b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
         num_experts, hidden_size = int(w13.qweight.shape[0]), w13.in_features
