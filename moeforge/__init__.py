@@ -11,6 +11,7 @@ from moeforge.dispatch_dtype import (
 )
 from moeforge.errors import (
     BackendUnavailableError,
+    CheckpointError,
     ContractError,
     DispatchDtypeError,
     InputError,
@@ -33,7 +34,16 @@ from moeforge.payloads import (
     TopKOutput,
 )
 from moeforge.pipeline import Chain, Pipeline, chain
-from moeforge.quant import QuantMethod, UnquantizedMethod
+from moeforge.quant import (
+    CheckpointFormat,
+    Mxfp4Method,
+    Nvfp4Method,
+    Nvfp4Quantizer,
+    QuantMethod,
+    UnquantizedMethod,
+    W4A4NpuMethod,
+    W4A16Method,
+)
 from moeforge.shared_experts import SharedExperts, SharedExpertsConfig, SharedGate
 from moeforge.spec import (
     Accepts,
@@ -84,7 +94,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AlignDispatch", "AlignedCombine", "AlignedPlan", "AlignedRows", "FusedGroupedGemm", "TritonTopK",
     "Accepts", "Activate", "ActivationConfig", "ActivationKind", "Activations", "Backend",
-    "BackendUnavailableError", "Cast", "Chain", "Combine", "ContractError", "CustomTopK",
+    "BackendUnavailableError", "Cast", "CheckpointError", "CheckpointFormat", "Mxfp4Method", "Nvfp4Method",
+    "Nvfp4Quantizer", "W4A16Method", "W4A4NpuMethod", "Chain", "Combine", "ContractError", "CustomTopK",
     "DType", "DeviceDispatchSupport", "DispatchDecision", "DispatchDtype", "DispatchDtypeError",
     "DispatchRule", "ENV_VAR", "ExpertIds", "ExpertRows", "GateUpLayout", "GemmRole", "GroupListType",
     "GroupScore", "GroupedGemm", "InputError", "Layout", "Mismatch", "MoEForgeError", "MoEInput",

@@ -1,7 +1,7 @@
 """W4A16Method.load_checkpoint_experts: per-expert GPTQ (v1, v2) and AWQ checkpoints, packed here by
 independent bit loops, into a layer whose forward is then checked against the float64 MoE over the
-integers the checkpoint was made from. ``moeforge.checkpoint.load_weights`` does not call the hook for
-quantized layers yet, so the tests call it directly (and copy its result the way the loader would)."""
+integers the checkpoint was made from; most tests call the hook directly, the last ones go through
+``moeforge.checkpoint.load_weights``, which calls it for quantized layers."""
 
 from __future__ import annotations
 
@@ -288,3 +288,44 @@ def test_bias_problems() -> None:
             tensors[f"experts.{i}.{name}.bias"] = torch.zeros(size + (name == "down_proj"))
     with pytest.raises(CheckpointError, match=r"'experts\.0\.down_proj\.bias'"):
         layer.quant.load_checkpoint_experts(layer, tensors)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_load_weights_reads_a_quantized_block_through_the_hook(fmt: str) -> None:
+    """moeforge.checkpoint.load_weights: the experts by the quant method's hook, the router as usual,
+    under a prefix, all in one atomic load; unknown keys reported."""
+    from moeforge.checkpoint import ExpertNaming, load_weights
+
+    ints = expert_ints(seed=3)
+    prefix = "model.layers.0.mlp."
+    tensors = {prefix + key: value for key, value in checkpoint(ints, fmt).items()}
+    router = torch.randn(E, H)
+    tensors[prefix + "gate.weight"] = router
+    tensors[prefix + "experts.9.gate_proj.qweight"] = torch.zeros(1, dtype=torch.int32)  # not this layer's
+    layer = make_layer(W4A16Method(group_size=G, checkpoint_format=fmt))
+    report = load_weights(layer, tensors, prefix, on_unused="ignore")
+    assert report.naming is ExpertNaming.QUANT_METHOD
+    assert report.unused == (prefix + "experts.9.gate_proj.qweight",)
+    assert prefix + "experts.0.gate_proj.qweight" in report.loaded and prefix + "gate.weight" in report.loaded
+    assert layer.router is not None and torch.equal(layer.router.weight, router)
+    w13, w2 = dense(ints)
+    x = torch.randn(5, H, dtype=torch.float64)
+    logits = x @ router.double().t()
+    want = dense_moe(x, logits, top_k=K, w13=w13, w2=w2)
+    got = layer(x.float(), logits.float()).double()
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_load_weights_is_atomic_for_a_quantized_block() -> None:
+    from moeforge.checkpoint import load_weights
+
+    ints = expert_ints(seed=4)
+    tensors = checkpoint(ints, "gptq")
+    del tensors["experts.2.down_proj.scales"]
+    tensors["gate.weight"] = torch.randn(E, H)
+    layer = make_layer(W4A16Method(group_size=G))
+    before = {name: tensor.clone() for name, tensor in layer.state_dict().items()}
+    with pytest.raises(CheckpointError, match="experts.2.down_proj.scales"):
+        load_weights(layer, tensors)
+    for name, tensor in layer.state_dict().items():
+        assert torch.equal(tensor, before[name]), name

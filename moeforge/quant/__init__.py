@@ -1,6 +1,24 @@
-"""Quant methods: each owns the expert weights' format and contributes its stages."""
+"""Quant methods: each owns the expert weights' format and contributes its stages.
+
+==================  ====================================================  =========================
+method              weights                                               activations after dispatch
+==================  ====================================================  =========================
+UnquantizedMethod   bf16 / fp16 / fp32                                    float
+W4A16Method         int4, group 32/64/128, symmetric or zero points       float
+                    (GPTQ / AWQ checkpoints)
+Nvfp4Method         NVFP4 (e2m1, 16-element blocks, e4m3 scales, global)  NVFP4 or float (emulated)
+Mxfp4Method         MXFP4 (e2m1, 32-element blocks, E8M0 scales; GPT-OSS) float (emulated)
+W4A4NpuMethod       int4 per channel; quantizes activations itself         bf16 only (NPU pattern)
+==================  ====================================================  =========================
+"""
 
 from moeforge.quant.base import QuantMethod
+from moeforge.quant.int4_packing import CheckpointFormat
+from moeforge.quant.mxfp4 import Mxfp4Method
+from moeforge.quant.nvfp4 import Nvfp4Method, Nvfp4Quantizer
 from moeforge.quant.unquantized import UnquantizedMethod
+from moeforge.quant.w4a4_npu import W4A4NpuMethod
+from moeforge.quant.w4a16 import W4A16Method
 
-__all__ = ["QuantMethod", "UnquantizedMethod"]
+__all__ = ["CheckpointFormat", "Mxfp4Method", "Nvfp4Method", "Nvfp4Quantizer", "QuantMethod", "UnquantizedMethod",
+           "W4A16Method", "W4A4NpuMethod"]
