@@ -7,7 +7,13 @@ Two oracles:
   dense float64 math over every expert (masked by the routing). It rounds where the pipeline rounds
   (the first GEMM's output and the second GEMM's output to the layer dtype), so the comparison is
   tight: measured rel L2 <= 5.5e-7 for fp32 layers, and <= 1.7e-3 for bf16 layers, which is the bf16
-  rounding of the output itself (the reference returns the unrounded float64 sum).
+  rounding of the output itself (the reference returns the unrounded float64 sum). Now and then
+  (about once per 1000 token-expert pairs) the first GEMM's fp32 (pipeline) and float64 (reference)
+  sums round an intermediate value to neighbouring fp8 values; such a flip moved the output by up to
+  1.1e-3 in 1,800 random layers. So the layer-level bound is 5e-3 for fp32 layers (still 12x below
+  the quantization error) and 1e-2 for bf16 layers, while each piece is pinned down tightly on its
+  own: the GEMM stage (no quantization after it) to 1e-6, ActivateQuantize bit for bit
+  (``tests/test_activate_quantize.py``).
 * the unquantized float layer with the same float weights — quantization error: measured rel L2
   0.059-0.068 for every FP8 configuration (e4m3 keeps 3 mantissa bits; weights, activations and the
   intermediate are each quantized), checked against 0.09.
@@ -156,7 +162,7 @@ def assert_matches_reference(layer: mf.MoELayer, x: torch.Tensor, logits: torch.
     if ref.numel() == 0:
         return 0.0
     error = rel(out, ref)
-    limit = tol if tol is not None else (5e-6 if layer.dtype == torch.float32 else 4e-3)
+    limit = tol if tol is not None else (5e-3 if layer.dtype == torch.float32 else 1e-2)
     assert error < limit, error
     return error
 
@@ -389,7 +395,7 @@ def test_deepseek_v3_preset() -> None:
     with torch.no_grad():
         out = layer(x, logits)
         shared = layer.shared_experts(x).double()
-    assert rel(out.double() - shared, w8a8_reference(layer, x, logits)) < 2e-2  # measured ~5e-3 (bf16 sum)
+    assert rel(out.double() - shared, w8a8_reference(layer, x, logits)) < 1e-2  # measured 2.4e-3 (bf16 sums)
     assert isinstance(stage(layer, mf.StageKind.QUANTIZE), mf.QuantizeTokens)
     assert "dispatch fp8 (rule 6" in layer.describe()
 
@@ -518,6 +524,48 @@ def test_gemm_stage_rejects_bad_weights() -> None:
     with pytest.raises(ValueError, match="bias"):
         W8A8GroupedGemm(mf.GemmRole.GATE_UP, holder.w13_weight, holder.w13_weight_scale, *args,
                         bias=torch.zeros(4, 128))
+
+
+@pytest.mark.parametrize("weights, acts", FP8_CONFIGS, ids=FP8_IDS)
+@pytest.mark.parametrize("dispatcher", ["sorted", "padded"])
+@pytest.mark.parametrize("epilogue", [False, True])
+@torch.no_grad()
+def test_gemm_stage_matches_dense_math(weights: str, acts: str, dispatcher: str, epilogue: bool) -> None:
+    """``W8A8GroupedGemm`` alone against dequantize-then-matmul in float64 (measured rel L2 ~1e-7)."""
+    method = Fp8W8A8Method(weights, acts)
+    holder = _holder(method)
+    holder.w13_bias = torch.nn.Parameter(torch.randn(4, 256), requires_grad=False)
+    x, logits = inputs(13, 128, 4, seed=5)
+    logits[:, 3] -= 50.0  # expert 3 gets no rows
+    routed = mf.TopK(4, 2)(mf.MoEInput(x, logits))
+    routed = routed.with_x(method.activation_quantizer(routed.x.data))
+    rows: ExpertRows = mf.SortedDispatch(4)(routed) if dispatcher == "sorted" else mf.PaddedDispatch(4)(routed)
+    gemm = W8A8GroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(holder, "w13_weight"),
+                           mf.ParamRef(holder, "w13_weight_scale"), *act_format_dtypes(method), mf.DType.FP32,
+                           mf.ParamRef(holder, "w13_bias"), epilogue)
+    out = gemm(rows).x.data
+    qdtype, group = act_format(method)
+    values = ref_quantize(x, qdtype, group)
+    w13 = ref_weight(holder.w13_weight, holder.w13_weight_scale)
+    if isinstance(rows, SortedRows):
+        experts = torch.repeat_interleave(torch.arange(4), rows.group_list)
+        inputs_, weight = values[rows.plan.row_token], rows.plan.row_weight
+    else:
+        assert isinstance(rows, PaddedRows)
+        experts = torch.arange(4).repeat_interleave(rows.capacity)
+        slots = rows.plan.token_slots.reshape(-1)
+        inputs_ = torch.zeros(4 * rows.capacity, 128, dtype=torch.float64)
+        inputs_[slots] = values.repeat_interleave(2, dim=0)
+        weight = rows.plan.slot_weight.reshape(-1)
+        out = out.reshape(-1, 256)
+    ref = torch.einsum("rk,rnk->rn", inputs_, w13[experts]) + holder.w13_bias.double()[experts]
+    if epilogue:
+        ref = ref * weight.double().unsqueeze(-1)
+    assert rel(out, ref) < 1e-6
+
+
+def act_format_dtypes(method: W8A8Method) -> tuple[mf.DType, mf.ScaleLayout]:
+    return method.activation_quantizer.dtype, method.activation_quantizer.scale_layout
 
 
 def test_layers_with_different_methods_keep_their_own_decisions() -> None:

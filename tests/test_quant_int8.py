@@ -2,7 +2,8 @@
 
 Oracles as in ``tests/test_quant_fp8.py`` (whose helpers this module imports): the independent
 float64 reference (measured rel L2 <= 5.5e-7 for fp32 layers, <= 1.7e-3 for bf16 layers — the
-output's own bf16 rounding), and the unquantized float layer (quantization error: measured rel L2
+output's own bf16 rounding — plus rare rounding flips of the quantized intermediate, hence the
+bounds 5e-3 / 1e-2), and the unquantized float layer (quantization error: measured rel L2
 0.020-0.021, checked against 0.03).
 """
 

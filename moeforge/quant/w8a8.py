@@ -27,7 +27,7 @@ from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.payloads import Activations, ExpertRows, PaddedRows, SortedRows
+from moeforge.payloads import Activations, ExpertRows, PaddedRows, RoutedTokens, SortedRows
 from moeforge.quant.base import QuantMethod
 from moeforge.quant.unquantized import _group_list_type
 from moeforge.spec import (
@@ -334,8 +334,12 @@ class W8A8Method(QuantMethod):
         shapes = {W13: (num_experts, gate_up, hidden_size), W2: (num_experts, hidden_size, intermediate_size)}
         for (name, shape), scale_name in zip(shapes.items(), (S13, S2)):
             # Quantized N(0, 1/fan_in) weights: a usable layer before loading, like the unquantized one.
-            weight = torch.empty(shape, dtype=torch.float32, device=device).normal_(std=shape[-1] ** -0.5)
-            data, scale = self.quantize(weight)
+            # One expert at a time, so the float copies stay one expert's size.
+            data = torch.empty(shape, dtype=self.weight_dtype.torch_dtype, device=device)
+            scale = torch.empty(num_experts, *scale_shape(shape[1], shape[2], self.block_weights), device=device)
+            for expert in range(num_experts):
+                weight = torch.empty(shape[1:], dtype=torch.float32, device=device).normal_(std=shape[-1] ** -0.5)
+                data[expert], scale[expert] = self.quantize(weight)
             layer.register_parameter(name, torch.nn.Parameter(data, requires_grad=False))
             layer.register_parameter(scale_name, torch.nn.Parameter(scale, requires_grad=False))
         for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
@@ -346,17 +350,18 @@ class W8A8Method(QuantMethod):
         """Fill ``layer``'s quantized weights and scales from float weights ``w13 [E, 2I, H]`` (the
         layer's gate/up layout) and ``w2 [E, H, I]`` — e.g. those of an unquantized layer. Biases are
         float parameters: copy them yourself."""
-        values = {}
-        for name, scale_name, weight in ((W13, S13, w13), (W2, S2, w2)):
+        for name, weight in ((W13, w13), (W2, w2)):
             target = getattr(layer, name)
             if tuple(weight.shape) != tuple(target.shape):
                 raise InputError(f"{name} must be {tuple(target.shape)} to fit the layer, got {tuple(weight.shape)}")
-            if not weight.is_floating_point() or weight.dtype == self.weight_dtype.torch_dtype:
+            if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
                 raise InputError(f"{name} must be a float (unquantized) tensor, got {weight.dtype}")
-            values[name], values[scale_name] = self.quantize(weight.detach())
         with torch.no_grad():
-            for name, value in values.items():
-                getattr(layer, name).copy_(value)
+            for name, scale_name, weight in ((W13, S13, w13), (W2, S2, w2)):
+                for expert in range(weight.shape[0]):  # one expert's float copies at a time
+                    data, scale = self.quantize(weight[expert].detach())
+                    getattr(layer, name)[expert].copy_(data)
+                    getattr(layer, scale_name)[expert].copy_(scale)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Check the loaded tensors' shapes and dtypes (nothing to repack: the torch reference and the
@@ -386,7 +391,7 @@ class W8A8Method(QuantMethod):
 
     def quantize_stage(
         self, dispatch: DispatchDtype, compute: DType
-    ) -> Optional[Stage[Any, Any]]:
+    ) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
         """The method's own activation quantizer when the dispatch is quantized; for a float dispatch
         only a cast where the dtypes differ (the experts quantize after the dispatch)."""
         if not dispatch.is_quantized:
@@ -514,8 +519,8 @@ def quantize_layer(layer: MoELayer, method: W8A8Method) -> MoELayer:
     quantized = copy.deepcopy(layer)
     biases = {name: getattr(layer, name, None) for name in (B13, B2)}
     for name in (W13, W2, B13, B2):
-        if name in quantized._parameters:
-            del quantized._parameters[name]
+        if hasattr(quantized, name):
+            delattr(quantized, name)
     quantized.quant = method
     gated = layer.activation.gated
     method.create_weights(quantized, num_experts=layer.num_experts, hidden_size=layer.hidden_size,
