@@ -35,7 +35,11 @@ from moeforge.payloads import (
 )
 from moeforge.pipeline import Chain, Pipeline, chain
 from moeforge.quant import (
+    ActivationScales,
     CheckpointFormat,
+    Fp8W8A8Method,
+    Int8W8A8Method,
+    WeightScales,
     Mxfp4Method,
     Nvfp4Method,
     Nvfp4Quantizer,
@@ -95,7 +99,8 @@ __all__ = [
     "AlignDispatch", "AlignedCombine", "AlignedPlan", "AlignedRows", "FusedGroupedGemm", "TritonTopK",
     "Accepts", "Activate", "ActivationConfig", "ActivationKind", "Activations", "Backend",
     "BackendUnavailableError", "Cast", "CheckpointError", "CheckpointFormat", "Mxfp4Method", "Nvfp4Method",
-    "Nvfp4Quantizer", "W4A16Method", "W4A4NpuMethod", "Chain", "Combine", "ContractError", "CustomTopK",
+    "Nvfp4Quantizer", "W4A16Method", "W4A4NpuMethod", "ActivationScales", "Fp8W8A8Method", "Int8W8A8Method",
+    "WeightScales", "Chain", "Combine", "ContractError", "CustomTopK",
     "DType", "DeviceDispatchSupport", "DispatchDecision", "DispatchDtype", "DispatchDtypeError",
     "DispatchRule", "ENV_VAR", "ExpertIds", "ExpertRows", "GateUpLayout", "GemmRole", "GroupListType",
     "GroupScore", "GroupedGemm", "InputError", "Layout", "Mismatch", "MoEForgeError", "MoEInput",

@@ -307,9 +307,4 @@ def test_load_weights_delegates_the_experts() -> None:
 
 
 def _delegates_prefixed(layer: mf.MoELayer, tensors: dict[str, torch.Tensor]) -> Any:
-    try:
-        return load_weights(layer, tensors, prefix="model.layers.3.mlp.", on_unused="ignore")
-    except CheckpointError as error:
-        if "fills unquantized layers" in str(error):
-            pytest.skip("moeforge.checkpoint.load_weights does not delegate quantized experts yet")
-        raise
+    return load_weights(layer, tensors, prefix="model.layers.3.mlp.", on_unused="ignore")

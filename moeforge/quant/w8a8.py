@@ -29,7 +29,7 @@ from moeforge.errors import BackendUnavailableError, CheckpointError, ContractEr
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, PaddedRows, RoutedTokens, SortedRows
 from moeforge.quant.base import QuantMethod
-from moeforge.quant.unquantized import _group_list_type
+from moeforge.quant.unquantized import group_list_type_arg
 from moeforge.spec import (
     Accepts,
     DType,
@@ -467,7 +467,7 @@ class W8A8Method(QuantMethod):
         """GEMM -> activation + quantization -> GEMM on expert-grouped rows, as the pipeline's stages
         compute it (the first GEMM's output rounded to the layer's dtype). ``hidden_states`` are float
         (quantized here) or in the method's activation format with ``hidden_states_scale``."""
-        kind = _group_list_type(group_list_type)
+        kind = group_list_type_arg(group_list_type)
         w13, w2 = getattr(layer, W13), getattr(layer, W2)
         s13, s2 = getattr(layer, S13), getattr(layer, S2)
         b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
