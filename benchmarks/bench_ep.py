@@ -7,7 +7,8 @@ routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group s
 
 * ``normal``: :class:`AllToAllDispatch` then :class:`AllToAllCombine` (bf16 expert outputs back),
   against ``raw`` = the two ``all_to_all_single`` calls with the same split sizes and the same bytes
-  (packed dispatch rows, then the outputs) on preallocated buffers;
+  (packed dispatch rows, then the outputs) on preallocated buffers; and the dispatch alone against
+  its raw all-to-all (FP8 halves the dispatch's bytes, not the combine's);
 * ``low_latency``: :class:`LowLatencyDispatch` (capacity = T, which never drops) + combine, eager
   and replayed as a CUDA graph, against the raw equal-split all-to-alls of its fixed buffers.
 
@@ -133,13 +134,18 @@ def main() -> None:
                 for rec in records[-2:] if tokens <= LOW_LATENCY_MAX else records[-1:]:
                     print(f"T={tokens:6d} {dtype:4s} {rec['dispatcher']:11s} ours {rec['us']:9.1f} us  "
                           f"raw {rec['raw_us']:9.1f} us  ratio {rec['ratio']:5.2f}  "
-                          f"{rec['gbps']:7.1f} GB/s  graph {rec.get('graph_us') or float('nan'):9.1f} us", flush=True)
+                          f"{rec['gbps']:7.1f} GB/s  graph {rec.get('graph_us') or float('nan'):9.1f} us  "
+                          f"dispatch {rec.get('dispatch_us', float('nan')):9.1f} us "
+                          f"(raw {rec.get('raw_dispatch_us', float('nan')):9.1f})", flush=True)
             torch.cuda.empty_cache()
     if rank == 0:
         by = {(r["tokens"], r["dispatcher"], r["dtype"]): r["us"] for r in records}
+        dispatch_only = {(r["tokens"], r["dtype"]): r["dispatch_us"] for r in records if "dispatch_us" in r}
         for r in records:
             if r["dtype"] == "fp8":
                 r["fp8_speedup_vs_bf16"] = by[(r["tokens"], r["dispatcher"], "bf16")] / r["us"]
+                if "dispatch_us" in r:
+                    r["fp8_dispatch_speedup_vs_bf16"] = dispatch_only[(r["tokens"], "bf16")] / r["dispatch_us"]
         commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                text=True).stdout.strip()
         result = dict(device=torch.cuda.get_device_name(), world_size=world, commit=commit or "unknown",
@@ -175,8 +181,14 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
         dist.all_to_all_single(recv, send, recv_splits, send_splits)
         dist.all_to_all_single(back_recv, back_send, send_splits, recv_splits)
 
+    def raw_dispatch() -> None:
+        dist.all_to_all_single(recv, send, recv_splits, send_splits)
+
     sent = send.numel() + back_send.numel()
-    records.append(_record(tokens, "normal", dtype, _timed(ours, iters), _timed(raw, iters), sent, None))
+    record = _record(tokens, "normal", dtype, _timed(ours, iters), _timed(raw, iters), sent, None)
+    # The dispatch alone (what FP8 shrinks; the combine returns bf16 outputs either way).
+    record.update(dispatch_us=_timed(lambda: dispatch(routed), iters), raw_dispatch_us=_timed(raw_dispatch, iters))
+    records.append(record)
 
     if tokens <= LOW_LATENCY_MAX:
         low = LowLatencyDispatch(ep, max_tokens=tokens)
