@@ -311,8 +311,8 @@ def test_w8a8_epilogue_quantizes_its_output_like_the_group_quantizer(act_name: s
 
 # -- W4A16 grouped GEMM --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("group,block_k", [(32, 128), (64, 32), (128, 128), (32, 64)])
-@pytest.mark.parametrize("zero_points", [True, False])
+@pytest.mark.parametrize("group,block_k,zero_points", [
+    (32, 128, True), (32, 64, False), (64, 32, True), (128, 128, False), (128, 64, True)])
 def test_w4a16_first_gemm(group: int, block_k: int, zero_points: bool) -> None:
     act = ACTIVATIONS["swiglu-interleaved"] if zero_points else ACTIVATIONS["swiglu"]
     tokens, k, experts, inter = 6, 2, 4, 40
@@ -432,8 +432,8 @@ PIPELINES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(PIPELINES))
-@pytest.mark.parametrize("tokens", [0, 1, 9])
+@pytest.mark.parametrize("name,tokens", [(name, 9) for name in sorted(PIPELINES)] + [
+    ("fp8 group/block", 0), ("fp8 group/block", 1), ("int8 token/channel", 0), ("w4a16", 1)])
 def test_quantized_triton_pipeline_matches_the_dequantized_reference(name: str, tokens: int) -> None:
     """Tolerance 1e-2 (measured up to 3e-3): besides the float rounding, an fp8 / int8 value of the intermediate rows that
     lies on a rounding boundary may round the other way in the kernel (its activation arithmetic
@@ -559,6 +559,9 @@ def test_stage_kinds_and_description() -> None:
     assert "block scales" in gemm.summary() and "fp8_e4m3/per_group_128" in gemm.summary()
     with pytest.raises(mf.InputError, match="PerTokenQuantizer"):
         QuantizeAligned(PerTensorQuantizer())
+    assert TritonQuantizeTokens.supports(PerGroupQuantizer()) and TritonQuantizeTokens.supports(PerTokenQuantizer())
+    assert not TritonQuantizeTokens.supports(PerTensorQuantizer())
+    assert not TritonQuantizeTokens.supports(mf.stages.Cast(DType.BF16))
 
 
 def test_custom_ops_have_fake_implementations() -> None:

@@ -82,6 +82,12 @@ def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = Fa
     return GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=8, num_stages=3)
 
 
+def kernel_supports(quantizer: Quantizer) -> bool:
+    """Whether the quantization kernels compute ``quantizer`` (else use the torch stage)."""
+    return isinstance(quantizer, PerGroupQuantizer) or (
+        isinstance(quantizer, PerTokenQuantizer) and quantizer.dtype in (DType.FP8_E4M3, DType.INT8))
+
+
 def kernel_format(quantizer: Quantizer) -> tuple[torch.dtype, bool]:
     """``(dtype, per_group)`` of the quantization kernel computing ``quantizer``."""
     if isinstance(quantizer, PerGroupQuantizer):
@@ -422,6 +428,11 @@ class TritonQuantizeTokens(QuantizeTokens):
     def __attrs_post_init__(self) -> None:
         kernel_format(self.quantizer)
         kernel_ops()
+
+    @classmethod
+    def supports(cls, quantizer: Quantizer) -> bool:
+        """Whether the kernel computes ``quantizer`` (else keep the torch ``QuantizeTokens``)."""
+        return kernel_supports(quantizer)
 
     def summary(self) -> str:
         return f"TritonQuantizeTokens({self.quantizer.summary()})"
