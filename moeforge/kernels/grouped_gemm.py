@@ -49,6 +49,19 @@ def _activate(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _gated(gate, up, ACT: tl.constexpr, alpha, limit):
+    """A gated activation of fp32 ``gate`` and ``up``: ``act(gate) * up``, or GPT-OSS's clamped
+    SwiGLU (``ACT_GPT_OSS``). The same arithmetic as the epilogue of :func:`fused_moe_gemm_kernel`,
+    for the quantized kernels (:mod:`moeforge.kernels.quant_gemm`, :mod:`moeforge.kernels.quantize`)."""
+    if ACT == 5:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    else:
+        return _activate(gate, ACT) * up
+
+
+@triton.jit
 def fused_moe_gemm_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, weights_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import triton
 
-from moeforge.kernels import align, combine, grouped_gemm, topk
+from moeforge.kernels import align, combine, grouped_gemm, quant_gemm, quantize, topk
 from moeforge.kernels.config import GemmConfig
 
 
@@ -64,6 +64,158 @@ def _(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], topk_
       config: list[int], out_dtype: torch.dtype) -> torch.Tensor:
     n_out = weight.shape[1] // 2 if glu else weight.shape[1]
     return a.new_empty(num_copies, n_out, dtype=out_dtype)
+
+
+def _gemm_out_width(weight: torch.Tensor, glu: bool) -> int:
+    return weight.shape[1] // 2 if glu else weight.shape[1]
+
+
+@torch.library.custom_op("moeforge::w8a8_moe_gemm", mutates_args=())
+def w8a8_moe_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    topk_weights: Optional[torch.Tensor],
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    num_copies: int,
+    rows_per_a: int,
+    act: int,
+    glu: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    config: list[int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    out = torch.empty(num_copies, _gemm_out_width(weight, glu), dtype=out_dtype, device=a.device)
+    return quant_gemm.w8a8_moe_gemm(
+        a, a_scale, weight, weight_scale, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
+        config=GemmConfig(*config), bias=bias, topk_weights=topk_weights, act=act, glu=glu,
+        interleaved=interleaved, alpha=alpha, limit=limit)
+
+
+@w8a8_moe_gemm.register_fake
+def _(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+      bias: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,
+      block_expert: torch.Tensor, num_padded: torch.Tensor, num_copies: int, rows_per_a: int, act: int,
+      glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int],
+      out_dtype: torch.dtype) -> torch.Tensor:
+    return a.new_empty(num_copies, _gemm_out_width(weight, glu), dtype=out_dtype)
+
+
+@torch.library.custom_op("moeforge::w8a8_moe_gemm_fp8_out", mutates_args=())
+def w8a8_moe_gemm_fp8_out(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    topk_weights: Optional[torch.Tensor],
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    num_copies: int,
+    rows_per_a: int,
+    act: int,
+    glu: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    config: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W8A8 GEMM whose epilogue quantizes its (activated) output to FP8 per 128-group."""
+    n_out = _gemm_out_width(weight, glu)
+    out = torch.empty(num_copies, n_out, dtype=torch.float8_e4m3fn, device=a.device)
+    out_scale = torch.empty(num_copies, n_out // quant_gemm.GROUP, dtype=torch.float32, device=a.device)
+    quant_gemm.w8a8_moe_gemm(
+        a, a_scale, weight, weight_scale, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
+        config=GemmConfig(*config), bias=bias, topk_weights=topk_weights, act=act, glu=glu,
+        interleaved=interleaved, alpha=alpha, limit=limit, out_scale=out_scale)
+    return out, out_scale
+
+
+@w8a8_moe_gemm_fp8_out.register_fake
+def _(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+      bias: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,
+      block_expert: torch.Tensor, num_padded: torch.Tensor, num_copies: int, rows_per_a: int, act: int,
+      glu: bool, interleaved: bool, alpha: float, limit: float,
+      config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    n_out = _gemm_out_width(weight, glu)
+    return (a.new_empty(num_copies, n_out, dtype=torch.float8_e4m3fn),
+            a.new_empty(num_copies, n_out // quant_gemm.GROUP, dtype=torch.float32))
+
+
+@torch.library.custom_op("moeforge::w4a16_moe_gemm", mutates_args=())
+def w4a16_moe_gemm(
+    a: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    topk_weights: Optional[torch.Tensor],
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    num_copies: int,
+    rows_per_a: int,
+    act: int,
+    glu: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    config: list[int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    out = torch.empty(num_copies, _gemm_out_width(qweight, glu), dtype=out_dtype, device=a.device)
+    return quant_gemm.w4a16_moe_gemm(
+        a, qweight, scales, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
+        config=GemmConfig(*config), zeros=zeros, bias=bias, topk_weights=topk_weights, act=act, glu=glu,
+        interleaved=interleaved, alpha=alpha, limit=limit)
+
+
+@w4a16_moe_gemm.register_fake
+def _(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+      bias: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,
+      block_expert: torch.Tensor, num_padded: torch.Tensor, num_copies: int, rows_per_a: int, act: int,
+      glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int],
+      out_dtype: torch.dtype) -> torch.Tensor:
+    return a.new_empty(num_copies, _gemm_out_width(qweight, glu), dtype=out_dtype)
+
+
+def _quantized_shapes(x: torch.Tensor, per_group: bool, glu: bool) -> tuple[int, int, int]:
+    width = x.shape[1] // 2 if glu else x.shape[1]
+    return x.shape[0], width, width // quantize.GROUP if per_group else 1
+
+
+@torch.library.custom_op("moeforge::quantize_rows", mutates_args=())
+def quantize_rows(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    per_group: bool,
+    act: int,
+    glu: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of the rows of ``x`` (after the activation ``act``, when not 0)."""
+    rows, width, groups = _quantized_shapes(x, per_group, glu)
+    q = torch.empty(rows, width, dtype=dtype, device=x.device)
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    quantize.quantize_rows(x, q, scale, per_group=per_group, act=act, glu=glu, interleaved=interleaved,
+                           alpha=alpha, limit=limit)
+    return q, scale
+
+
+@quantize_rows.register_fake
+def _(x: torch.Tensor, dtype: torch.dtype, per_group: bool, act: int, glu: bool, interleaved: bool,
+      alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, width, groups = _quantized_shapes(x, per_group, glu)
+    return x.new_empty(rows, width, dtype=dtype), x.new_empty(rows, groups, dtype=torch.float32)
 
 
 @torch.library.custom_op("moeforge::combine", mutates_args=())

@@ -1,0 +1,464 @@
+"""The Triton path for quantized experts: quantization and quantized grouped GEMMs on block-aligned rows.
+
+These stages extend :mod:`moeforge.stages.aligned` (read it first) to the quantized formats of
+``/docs/kernels.md``; the quant methods build them in ``expert_stages(backend=TRITON)``:
+
+* :class:`FusedQuantGroupedGemm` — FP8 / INT8 W8A8 or W4A16 grouped GEMM with the bias, activation
+  and routing-weight epilogue; the gate/up GEMM can also quantize its activated output for the
+  down GEMM (``output_quantizer``), in its epilogue when it can (FP8 per 128-group).
+* :class:`QuantizeAligned` — quantize block-aligned rows (after the dispatch: the ``T`` token rows,
+  not the ``T * top_k`` copies; or between the GEMMs).
+* :class:`ActivateQuantizeAligned` — the activation fused with the quantization of its output.
+* :class:`TritonQuantizeTokens` — :class:`~moeforge.stages.quantize.QuantizeTokens` by the kernel
+  (before the dispatch), and :class:`QuantAlignDispatch`, the block-aligned dispatch of quantized
+  tokens.
+
+The kernels produce what the torch quantizers produce (bit-identical for the same float input).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar, Optional
+
+import attrs
+import torch
+
+from moeforge.errors import InputError
+from moeforge.kernels.config import ConfigTable, GemmConfig
+from moeforge.payloads import GROUP_SIZE, Activations, AlignedPlan, AlignedRows, RoutedTokens
+from moeforge.spec import (
+    FLOAT_DTYPES,
+    Accepts,
+    DType,
+    ExpertIds,
+    Layout,
+    PayloadKind,
+    RoutingWeights,
+    ScaleLayout,
+    Spec,
+)
+from moeforge.stage import Mismatch, Stage, StageKind
+from moeforge.stages.activation import ActivationConfig, GateUpLayout
+from moeforge.stages.aligned import KERNEL_DTYPES, AlignDispatch, act_code, kernel_ops
+from moeforge.stages.gemm import GemmRole
+from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, QuantizeTokens, Quantizer
+from moeforge.tensor_ref import TensorSource, resolve
+
+
+class QuantScheme(enum.Enum):
+    """The operand formats of a quantized grouped GEMM."""
+
+    FP8_W8A8 = "fp8_w8a8"  # fp8 e4m3 activations and weights
+    INT8_W8A8 = "int8_w8a8"  # int8 activations and weights
+    W4A16 = "w4a16"  # float activations, 4-bit weights with group scales (and zero points)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return {QuantScheme.FP8_W8A8: torch.float8_e4m3fn, QuantScheme.INT8_W8A8: torch.int8,
+                QuantScheme.W4A16: torch.uint8}[self]
+
+    @property
+    def input_scales(self) -> frozenset[ScaleLayout]:
+        """The activation scale layouts the kernel reads."""
+        if self is QuantScheme.FP8_W8A8:
+            return frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR})
+        if self is QuantScheme.INT8_W8A8:
+            return frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_TENSOR})
+        return frozenset({ScaleLayout.NONE})
+
+
+def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = False) -> GemmConfig:
+    """A launch configuration for ``scheme`` keeping the dispatch's ``block_m`` (H100 guesses, not
+    tuned: few rows per block are bound by reading the weights, so the tiles stay narrow and the
+    pipeline deep; many rows use wider tiles and 8 warps). ``wide_n`` asks for a ``block_n`` that is
+    a multiple of 128 (FP8 per-group quantization in the epilogue)."""
+    block_n = 128 if wide_n or block_m > 32 else 64
+    block_k = 128  # one 128-group per K-step for FP8 group/block scales; 64 bytes of packed int4
+    if block_m <= 16:
+        return GemmConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=4)
+    if block_m <= 64:
+        return GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=4, num_stages=4)
+    return GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=8, num_stages=3)
+
+
+def kernel_supports(quantizer: Quantizer) -> bool:
+    """Whether the quantization kernels compute ``quantizer`` (else use the torch stage)."""
+    return isinstance(quantizer, PerGroupQuantizer) or (
+        isinstance(quantizer, PerTokenQuantizer) and quantizer.dtype in (DType.FP8_E4M3, DType.INT8))
+
+
+def kernel_format(quantizer: Quantizer) -> tuple[torch.dtype, bool]:
+    """``(dtype, per_group)`` of the quantization kernel computing ``quantizer``."""
+    if isinstance(quantizer, PerGroupQuantizer):
+        return torch.float8_e4m3fn, True
+    if isinstance(quantizer, PerTokenQuantizer):
+        return quantizer.dtype.torch_dtype, False
+    raise InputError(f"the triton quantization kernels compute PerTokenQuantizer (fp8/int8) and "
+                     f"PerGroupQuantizer; got {quantizer!r} (use the torch stage for it)")
+
+
+def _act_args(config: Optional[ActivationConfig]) -> tuple[int, bool, bool, float, float]:
+    """The kernels' activation arguments ``(code, glu, interleaved, alpha, limit)``."""
+    if config is None:
+        return 0, False, False, 1.0, 0.0
+    return (act_code(config), config.gated, config.gate_up is GateUpLayout.INTERLEAVED, config.alpha,
+            config.limit)
+
+
+def _plan_config(configs: ConfigTable, plan: AlignedPlan, name: str) -> tuple[GemmConfig, GemmConfig]:
+    config = configs.lookup(plan.num_tokens)
+    if config.block_m != plan.block_m:
+        raise InputError(f"{name}: the dispatch aligned to block_m={plan.block_m} but this GEMM's table says "
+                         f"{config.block_m}; build both stages from the same ConfigTable")
+    return config.gate_up, config.down
+
+
+@attrs.frozen(eq=False)
+class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
+    """A quantized grouped GEMM on block-aligned rows, with the epilogue of
+    :class:`~moeforge.stages.aligned.FusedGroupedGemm` (bias, fused activation, routing weights).
+
+    ``weight`` is ``[E, N, K]`` fp8 / int8 (W8A8) or ``[E, N, K / 2]`` uint8 packed int4 (W4A16);
+    ``weight_scale`` is fp32 ``[E, N]`` (per channel) or ``[E, ceil(N / 128), ceil(K / 128)]``
+    (128x128 blocks) for W8A8, ``[E, N, K / G]`` in the activation dtype for W4A16, with optional
+    ``weight_zero`` uint8 ``[E, N, K / G]`` (W4A16 only; else the zero point is 8). ``out_dtype`` is
+    the layer's float dtype. With ``output_quantizer`` (gate/up GEMM with a fused ``activation``) the
+    activated rows come out quantized for the down GEMM: FP8 per 128-group in the epilogue when the
+    tile is a multiple of 128 wide, else by the quantization kernel after the GEMM (from rows
+    rounded to ``out_dtype``). ``configs`` is the table shared with the dispatch (for ``block_m``);
+    the tiles are :func:`default_quant_config`'s unless ``use_table_tiles``.
+    """
+
+    role: GemmRole
+    scheme: QuantScheme
+    weight: TensorSource
+    weight_scale: TensorSource
+    configs: ConfigTable
+    weight_zero: Optional[TensorSource] = None
+    bias: Optional[TensorSource] = None
+    activation: Optional[ActivationConfig] = None
+    apply_routing_weights: bool = False
+    out_dtype: DType = DType.BF16
+    output_quantizer: Optional[Quantizer] = None
+    use_table_tiles: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self._validate()
+        kernel_ops()
+
+    # -- build-time checks ------------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        weight = resolve(self.weight)
+        where = f"FusedQuantGroupedGemm({self.scheme.value}, {self.role.value})"
+        if weight.dim() != 3:
+            raise InputError(f"{where}: weight must be [E, N, K], got shape {tuple(weight.shape)}")
+        if weight.dtype != self.scheme.weight_dtype:
+            raise InputError(f"{where}: weight must be {self.scheme.weight_dtype}, got {weight.dtype}")
+        if self.out_dtype not in FLOAT_DTYPES:
+            raise InputError(f"{where}: out_dtype must be bf16/fp16/fp32, got {self.out_dtype.value}")
+        experts, n_w = int(weight.shape[0]), int(weight.shape[1])
+        if self.scheme is QuantScheme.W4A16:
+            self._validate_w4a16(where)
+        else:
+            if self.weight_zero is not None:
+                raise InputError(f"{where}: weight_zero is for W4A16 only")
+            scale = resolve(self.weight_scale)
+            k = self.in_features
+            block = (experts, -(-n_w // 128), -(-k // 128))
+            if scale.dtype != torch.float32 or tuple(scale.shape) not in ((experts, n_w), block):
+                raise InputError(f"{where}: weight_scale must be fp32 [{experts}, {n_w}] (per channel) or "
+                                 f"{list(block)} (128x128 blocks), got {scale.dtype} {tuple(scale.shape)}")
+        if self.bias is not None and tuple(resolve(self.bias).shape) != (experts, n_w):
+            raise InputError(f"{where}: bias must be [{experts}, {n_w}], got {tuple(resolve(self.bias).shape)}")
+        if self.activation is not None and self.role is not GemmRole.GATE_UP:
+            raise InputError(f"{where}: only the gate/up GEMM can fuse the activation")
+        if self.activation is not None and self.activation.gated and n_w % 2:
+            raise InputError(f"{where}: a gated activation needs an even gate/up width, got {n_w}")
+        if self.output_quantizer is not None:
+            if self.activation is None:
+                raise InputError(f"{where}: output_quantizer quantizes the activated rows: it needs the "
+                                 "fused activation")
+            kernel_format(self.output_quantizer)
+            problem = self.output_quantizer.check_width(self.out_features)
+            if problem is not None:
+                raise InputError(f"{where}: output_quantizer: {problem}")
+
+    def _validate_w4a16(self, where: str) -> None:
+        weight, scales = resolve(self.weight), resolve(self.weight_scale)
+        experts, n_w, k = int(weight.shape[0]), int(weight.shape[1]), self.in_features
+        if scales.dim() != 3 or tuple(scales.shape[:2]) != (experts, n_w) or scales.dtype not in (
+                torch.bfloat16, torch.float16, torch.float32):
+            raise InputError(f"{where}: weight_scale must be [{experts}, {n_w}, K / G] in the activation "
+                             f"dtype, got {scales.dtype} {tuple(scales.shape)}")
+        groups = int(scales.shape[2])
+        group = k // groups if groups else 0
+        if not groups or k % groups or group < 16 or group & (group - 1):
+            raise InputError(f"{where}: weight_scale has {groups} groups for K={k}: the group size must be a "
+                             "power of two >= 16 (32, 64, 128)")
+        if self.weight_zero is not None:
+            zeros = resolve(self.weight_zero)
+            if zeros.dtype != torch.uint8 or zeros.shape != scales.shape:
+                raise InputError(f"{where}: weight_zero must be uint8 {tuple(scales.shape)}, got {zeros.dtype} "
+                                 f"{tuple(zeros.shape)}")
+
+    # -- contract -----------------------------------------------------------------------------------
+
+    @property
+    def in_features(self) -> int:
+        k = int(resolve(self.weight).shape[2])
+        return 2 * k if self.scheme is QuantScheme.W4A16 else k
+
+    @property
+    def out_features(self) -> int:
+        n_w = int(resolve(self.weight).shape[1])
+        return n_w // 2 if self.activation is not None and self.activation.gated else n_w
+
+    @property
+    def kinds(self) -> tuple[StageKind, ...]:  # type: ignore[override]
+        kinds = [StageKind.GEMM]
+        if self.activation is not None:
+            kinds.append(StageKind.ACTIVATION)
+        if self.output_quantizer is not None:
+            kinds.append(StageKind.QUANTIZE)
+        return tuple(kinds)
+
+    def _activation_dtype(self) -> DType:
+        if self.scheme is QuantScheme.FP8_W8A8:
+            return DType.FP8_E4M3
+        if self.scheme is QuantScheme.INT8_W8A8:
+            return DType.INT8
+        return DType.from_torch(resolve(self.weight_scale).dtype)
+
+    def summary(self) -> str:
+        text = (f"FusedQuantGroupedGemm(triton, {self.scheme.value}, {self.role.value}, "
+                f"{self.in_features}->{int(resolve(self.weight).shape[1])}")
+        if self.scheme is not QuantScheme.W4A16:
+            text += ", block scales" if resolve(self.weight_scale).dim() == 3 else ", channel scales"
+        else:
+            text += f", g{self.in_features // int(resolve(self.weight_scale).shape[2])}"
+            text += ", zero points" if self.weight_zero is not None else ""
+        if self.activation is not None:
+            text += f" + {self.activation.summary()}"
+        if self.output_quantizer is not None:
+            text += f" -> {self.output_quantizer.summary()}"
+        if self.bias is not None:
+            text += ", bias"
+        if self.apply_routing_weights:
+            text += ", weights in epilogue"
+        return text + ")"
+
+    def accepts(self) -> Accepts:
+        weight = resolve(self.weight)
+        return Accepts(
+            kind=PayloadKind.DISPATCHED if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
+            layout=Layout.BLOCK_ALIGNED,
+            dtype=self._activation_dtype(),
+            scale_layout=self.scheme.input_scales,
+            width=self.in_features,
+            expert_ids=ExpertIds.LOCAL,
+            num_experts=int(weight.shape[0]),
+            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
+        )
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if field in ("dtype", "scale_layout"):
+            want = self._activation_dtype().value
+            if self.scheme is QuantScheme.W4A16:
+                return f"the W4A16 GEMM takes unquantized {want} rows (the dtype of its scales)"
+            return (f"the {self.scheme.value} GEMM takes {want} rows with "
+                    f"{'/'.join(sorted(s.value for s in self.scheme.input_scales))} scales: quantize them "
+                    "before it (QuantizeAligned after the dispatch, or the gate/up GEMM's output_quantizer)")
+        return None
+
+    def output_spec(self, spec: Spec) -> Spec:
+        quantizer = self.output_quantizer
+        return spec.evolve(
+            kind=PayloadKind.EXPERT_HIDDEN if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
+            dtype=quantizer.dtype if quantizer is not None else self.out_dtype,
+            scale_layout=quantizer.scale_layout if quantizer is not None else ScaleLayout.NONE,
+            width=self.out_features,
+            routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if self.apply_routing_weights
+            else spec.routing_weights,
+        )
+
+    # -- run ----------------------------------------------------------------------------------------
+
+    def _fp8_group_epilogue(self) -> bool:
+        """Whether the epilogue itself quantizes to FP8 per 128-group (else a kernel runs after)."""
+        return (self.scheme is not QuantScheme.W4A16 and isinstance(self.output_quantizer, PerGroupQuantizer)
+                and self.out_features % GROUP_SIZE == 0)
+
+    def gemm_config(self, plan: AlignedPlan) -> GemmConfig:
+        """The launch configuration for ``plan`` (before the kernel's own fitting)."""
+        gate_up, down = _plan_config(self.configs, plan, self.name)
+        if self.use_table_tiles:
+            return gate_up if self.role is GemmRole.GATE_UP else down
+        return default_quant_config(self.scheme, plan.block_m, wide_n=self._fp8_group_epilogue())
+
+    def __call__(self, x: AlignedRows) -> AlignedRows:
+        plan = x.plan
+        config = self.gemm_config(plan)
+        act, glu, interleaved, alpha, limit = _act_args(self.activation)
+        bias = resolve(self.bias) if self.bias is not None else None
+        weights = plan.weights if self.apply_routing_weights else None
+        rows_per_a = 1 if x.copy_major else plan.top_k
+        route = (plan.sorted_ids, plan.block_expert, plan.num_padded, plan.num_copies, rows_per_a,
+                 act, glu, interleaved, alpha, limit, config.as_list())
+        ops = torch.ops.moeforge
+        if self.scheme is QuantScheme.W4A16:
+            zeros = resolve(self.weight_zero) if self.weight_zero is not None else None
+            out = ops.w4a16_moe_gemm(x.x.data, resolve(self.weight), resolve(self.weight_scale), zeros, bias,
+                                     weights, *route, self.out_dtype.torch_dtype)
+        else:
+            assert x.x.scale is not None, "quantized rows carry their scales"
+            operands = (x.x.data, x.x.scale, resolve(self.weight), resolve(self.weight_scale), bias, weights)
+            if self._fp8_group_epilogue() and config.block_n % GROUP_SIZE == 0:
+                q, scale = ops.w8a8_moe_gemm_fp8_out(*operands, *route)
+                return AlignedRows(x=Activations(q, scale), plan=plan, copy_major=True)
+            out = ops.w8a8_moe_gemm(*operands, *route, self.out_dtype.torch_dtype)
+        if self.output_quantizer is not None:
+            dtype, per_group = kernel_format(self.output_quantizer)
+            q, scale = ops.quantize_rows(out, dtype, per_group, 0, False, False, 1.0, 0.0)
+            return AlignedRows(x=Activations(q, scale), plan=plan, copy_major=True)
+        return AlignedRows(x=Activations(out), plan=plan, copy_major=True)
+
+
+class _QuantizeAlignedBase:
+    quantizer: Quantizer
+
+    def _format(self) -> tuple[torch.dtype, bool]:
+        return kernel_format(self.quantizer)
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if field in ("dtype", "scale_layout"):
+            return "these rows are already quantized: quantize once, from float rows"
+        return None
+
+
+@attrs.frozen(eq=False)
+class QuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRows]):
+    """Quantize block-aligned float rows by the kernel (``PerTokenQuantizer`` FP8/INT8 or
+    ``PerGroupQuantizer``): after the dispatch it quantizes the ``T`` token rows the first GEMM
+    gathers from (once per token, not once per copy)."""
+
+    kinds: ClassVar = (StageKind.QUANTIZE,)
+    quantizer: Quantizer
+
+    def __attrs_post_init__(self) -> None:
+        self._format()
+        kernel_ops()
+
+    def summary(self) -> str:
+        return f"QuantizeAligned(triton, {self.quantizer.summary()})"
+
+    def accepts(self) -> Accepts:
+        return Accepts(kind={PayloadKind.DISPATCHED, PayloadKind.EXPERT_HIDDEN}, layout=Layout.BLOCK_ALIGNED,
+                       dtype=FLOAT_DTYPES, scale_layout=ScaleLayout.NONE)
+
+    def check(self, spec: Spec) -> list[Mismatch]:
+        found = super().check(spec)
+        problem = self.quantizer.check_width(spec.width)
+        if problem is not None:
+            found.append(Mismatch("width", spec.width, "a multiple of 128", problem))
+        return found
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(dtype=self.quantizer.dtype, scale_layout=self.quantizer.scale_layout)
+
+    def __call__(self, x: AlignedRows) -> AlignedRows:
+        dtype, per_group = self._format()
+        q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, 0, False, False, 1.0, 0.0)
+        return AlignedRows(x=Activations(q, scale), plan=x.plan, copy_major=x.copy_major)
+
+
+@attrs.frozen(eq=False)
+class ActivateQuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRows]):
+    """The activation fused with the quantization of its output, on the first GEMM's float rows
+    (``2 * I`` wide for a gated activation): one pass, the activated rows never reach memory in a
+    float dtype. The counterpart of the torch ``ActivateQuantize``; the activation is computed in
+    fp32 by the kernels' formulas (as in the GEMM epilogue)."""
+
+    kinds: ClassVar = (StageKind.ACTIVATION, StageKind.QUANTIZE)
+    config: ActivationConfig
+    quantizer: Quantizer
+
+    def __attrs_post_init__(self) -> None:
+        self._format()
+        kernel_ops()
+
+    def summary(self) -> str:
+        return f"ActivateQuantizeAligned(triton, {self.config.summary()} -> {self.quantizer.summary()})"
+
+    def accepts(self) -> Accepts:
+        return Accepts(kind=PayloadKind.EXPERT_HIDDEN, layout=Layout.BLOCK_ALIGNED, dtype=FLOAT_DTYPES,
+                       scale_layout=ScaleLayout.NONE)
+
+    def _out_width(self, width: int) -> int:
+        return width // 2 if self.config.gated else width
+
+    def check(self, spec: Spec) -> list[Mismatch]:
+        found = super().check(spec)
+        if self.config.gated and spec.width % 2:
+            found.append(Mismatch("width", spec.width, "an even width (gate and up)",
+                                  "a gated activation needs the first GEMM to produce 2 * intermediate"))
+            return found
+        problem = self.quantizer.check_width(self._out_width(spec.width))
+        if problem is not None:
+            found.append(Mismatch("width", spec.width, "an activation output width the quantizer takes",
+                                  f"{problem} (the activation's output is what gets quantized)"))
+        return found
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(width=self._out_width(spec.width), dtype=self.quantizer.dtype,
+                           scale_layout=self.quantizer.scale_layout)
+
+    def __call__(self, x: AlignedRows) -> AlignedRows:
+        dtype, per_group = self._format()
+        q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, *_act_args(self.config))
+        return AlignedRows(x=Activations(q, scale), plan=x.plan, copy_major=x.copy_major)
+
+
+@attrs.frozen(eq=False)
+class TritonQuantizeTokens(QuantizeTokens):
+    """:class:`~moeforge.stages.quantize.QuantizeTokens` computed by the quantization kernel (same
+    results, bit for bit): quantize token-major activations before the dispatch on the GPU."""
+
+    def __attrs_post_init__(self) -> None:
+        kernel_format(self.quantizer)
+        kernel_ops()
+
+    @classmethod
+    def supports(cls, quantizer: Quantizer) -> bool:
+        """Whether the kernel computes ``quantizer`` (else keep the torch ``QuantizeTokens``)."""
+        return kernel_supports(quantizer)
+
+    def summary(self) -> str:
+        return f"TritonQuantizeTokens({self.quantizer.summary()})"
+
+    def __call__(self, x: RoutedTokens) -> RoutedTokens:
+        dtype, per_group = kernel_format(self.quantizer)
+        q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, 0, False, False, 1.0, 0.0)
+        return x.with_x(Activations(q, scale))
+
+
+QUANTIZED_DISPATCH_DTYPES = KERNEL_DTYPES | {DType.FP8_E4M3, DType.INT8}
+QUANTIZED_DISPATCH_SCALES = frozenset(
+    {ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR})
+
+
+@attrs.frozen(eq=False)
+class QuantAlignDispatch(AlignDispatch):
+    """:class:`~moeforge.stages.aligned.AlignDispatch` that also takes FP8 / INT8 tokens with their
+    scales (the plan never moves rows, so the format passes through untouched)."""
+
+    def summary(self) -> str:
+        return "QuantAlignDispatch(triton, block-aligned)"
+
+    def accepts(self) -> Accepts:
+        return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=QUANTIZED_DISPATCH_DTYPES,
+                       scale_layout=QUANTIZED_DISPATCH_SCALES)
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        return None
