@@ -25,8 +25,10 @@ from moeforge.spec import DType, RoutingWeights, input_spec
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
 from moeforge.stages.aligned import AlignDispatch, AlignedCombine, TritonTopK
+from moeforge.stages.aligned_quant import TritonQuantizeTokens
 from moeforge.stages.combine import Combine
 from moeforge.stages.dispatch import PaddedDispatch, SortedDispatch
+from moeforge.stages.quantize import QuantizeTokens
 from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import ParamRef
 
@@ -186,6 +188,8 @@ class MoELayer(nn.Module):
         topk_class = TritonTopK if triton and TritonTopK.supports(routing) else TopK
         stages: list[Stage[Any, Any]] = [topk_class(self.num_experts, self.top_k, routing, selection_bias)]
         quantize = self.quant.quantize_stage(self.dispatch_decision.dtype, compute)
+        if triton and isinstance(quantize, QuantizeTokens) and TritonQuantizeTokens.supports(quantize.quantizer):
+            quantize = TritonQuantizeTokens(quantize.quantizer)  # the same numbers, by the kernel
         if quantize is not None:
             stages.append(quantize)
         folded = routing.scaling_in_weights or routing.routed_scaling_factor == 1.0

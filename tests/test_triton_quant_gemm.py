@@ -34,7 +34,6 @@ from moeforge.stages.aligned import AlignDispatch, AlignedCombine, TritonTopK, a
 from moeforge.stages.aligned_quant import (  # noqa: E402
     ActivateQuantizeAligned,
     FusedQuantGroupedGemm,
-    QuantAlignDispatch,
     QuantizeAligned,
     QuantScheme,
     TritonQuantizeTokens,
@@ -382,7 +381,7 @@ def quant_pipeline(
     table = ConfigTable(experts, k)
     stages: list[mf.Stage] = [TritonTopK(experts, k)]  # type: ignore[type-arg]
     if quantizer is not None and quantize_before_dispatch:
-        stages += [TritonQuantizeTokens(quantizer), QuantAlignDispatch(experts, table)]
+        stages += [TritonQuantizeTokens(quantizer), AlignDispatch(experts, table)]
     else:
         stages.append(AlignDispatch(experts, table))
         if quantizer is not None:
@@ -504,12 +503,16 @@ def test_fp8_gemm_rejects_float_rows_at_build_time() -> None:
     assert "QuantizeAligned" in str(error.value)
 
 
-def test_plain_align_dispatch_rejects_quantized_tokens_and_the_quantized_one_takes_them() -> None:
+def test_align_dispatch_passes_quantized_tokens_and_the_bf16_gemm_refuses_them() -> None:
     table = ConfigTable(4, 2)
     spec = mf.input_spec(128, torch.float16, 4)
-    with pytest.raises(mf.ContractError):
-        mf.Pipeline([TritonTopK(4, 2), TritonQuantizeTokens(PerGroupQuantizer()), AlignDispatch(4, table)], spec)
-    mf.Pipeline([TritonTopK(4, 2), TritonQuantizeTokens(PerGroupQuantizer()), QuantAlignDispatch(4, table)], spec)
+    pipeline = mf.Pipeline([TritonTopK(4, 2), TritonQuantizeTokens(PerGroupQuantizer()), AlignDispatch(4, table)], spec)
+    assert pipeline.specs[-1].dtype is DType.FP8_E4M3 and pipeline.specs[-1].scale_layout is mf.ScaleLayout.PER_GROUP_128
+    holder = torch.nn.Module()
+    holder.w = torch.nn.Parameter(torch.randn(4, 64, 128, dtype=torch.float16))
+    bf16_gemm = mf.FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(holder, "w"), table, None, mf.ActivationConfig())
+    with pytest.raises(mf.ContractError, match="dtype"):
+        mf.Pipeline(list(pipeline.stages) + [bf16_gemm], spec)
 
 
 def test_down_gemm_rejects_rows_with_the_wrong_scale_layout() -> None:

@@ -253,6 +253,7 @@ class W4A16Method(QuantMethod):
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     prefers: ClassVar[Optional[DispatchDtype]] = None  # no activation quantization: the layer's dtype
     expert_parameters: ClassVar[tuple[str, ...]] = (W13_Q, W13_S, W13_Z, W2_Q, W2_S, W2_Z, B13, B2)
+    backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH, Backend.TRITON})
 
     def __init__(self, group_size: int = 128, zero_points: bool = True,
                  checkpoint_format: Union[CheckpointFormat, str] = CheckpointFormat.GPTQ) -> None:
@@ -439,13 +440,23 @@ class W4A16Method(QuantMethod):
         configs: Optional[ConfigTable] = None,
         dispatch: Optional[DispatchDtype] = None,
     ) -> list[Stage[Any, Any]]:
-        if backend is not Backend.TORCH:
-            raise BackendUnavailableError(
-                f"{self!r} has no {backend.value} expert stages yet (no W4A16 kernel is wired in): build the "
-                "layer with backend='torch'")
-
         def ref(name: str) -> Optional[ParamRef]:
             return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
+
+        if backend is Backend.TRITON:  # int4 unpacked and dequantized inside the fused GEMM kernel
+            from moeforge.stages.aligned_quant import FusedQuantGroupedGemm, QuantScheme
+
+            if configs is None:
+                raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
+            out = DType.from_torch(getattr(layer, W13_S).dtype)
+            return [
+                FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.W4A16, ParamRef(layer, W13_Q),
+                                      ParamRef(layer, W13_S), configs, weight_zero=ref(W13_Z), bias=ref(B13),
+                                      activation=activation, out_dtype=out),
+                FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.W4A16, ParamRef(layer, W2_Q),
+                                      ParamRef(layer, W2_S), configs, weight_zero=ref(W2_Z), bias=ref(B2),
+                                      apply_routing_weights=routing_weights_in_epilogue, out_dtype=out),
+            ]
 
         def gemm(role: GemmRole, prefix: str, epilogue: bool) -> W4A16GroupedGemm:
             q_name, s_name, z_name = _PARAMS[prefix]

@@ -280,6 +280,7 @@ class W8A8Method(QuantMethod):
     """
 
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W2, S13, S2, B13, B2)
+    backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH, Backend.TRITON})
     weight_dtype: ClassVar[DType]
 
     @property
@@ -410,12 +411,10 @@ class W8A8Method(QuantMethod):
         configs: Optional[ConfigTable] = None,
         dispatch: Optional[DispatchDtype] = None,
     ) -> list[Stage[Any, Any]]:
-        if backend is not Backend.TORCH:
-            raise BackendUnavailableError(
-                f"{self.name} has torch reference stages only; the triton kernels for fp8/int8 w8a8 land "
-                "separately: use backend='torch'")
         quantizer = self.activation_quantizer
         out = DType.from_torch(layer_dtype(layer))
+        if backend is Backend.TRITON:
+            return self._triton_stages(layer, activation, routing_weights_in_epilogue, configs, dispatch, out)
 
         def gemm(role: GemmRole, weight: str, scale: str, bias: str, epilogue: bool = False) -> W8A8GroupedGemm:
             source = ParamRef(layer, bias) if getattr(layer, bias, None) is not None else None
@@ -429,6 +428,32 @@ class W8A8Method(QuantMethod):
             gemm(GemmRole.GATE_UP, W13, S13, B13),
             ActivateQuantize(activation, quantizer),
             gemm(GemmRole.DOWN, W2, S2, B2, routing_weights_in_epilogue),
+        ]
+        return stages
+
+    def _triton_stages(self, layer: torch.nn.Module, activation: ActivationConfig, epilogue: bool,
+                       configs: Optional[ConfigTable], dispatch: Optional[DispatchDtype], out: DType
+                       ) -> list[Stage[Any, Any]]:
+        """The fused kernels: GEMM 1 with the activation and the FP8/INT8 quantization of its output
+        in the epilogue (a second kernel for per-token scales), GEMM 2 with the routing weights."""
+        from moeforge.stages.aligned_quant import FusedQuantGroupedGemm, QuantizeAligned, QuantScheme
+
+        if configs is None:
+            raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
+        quantizer = self.activation_quantizer
+        scheme = QuantScheme.FP8_W8A8 if quantizer.dtype is DType.FP8_E4M3 else QuantScheme.INT8_W8A8
+
+        def bias(name: str) -> Optional[ParamRef]:
+            return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
+
+        stages: list[Stage[Any, Any]] = []
+        if dispatch is None or not dispatch.is_quantized:
+            stages.append(QuantizeAligned(quantizer))  # quantizes the T token rows, not the T * k copies
+        stages += [
+            FusedQuantGroupedGemm(GemmRole.GATE_UP, scheme, ParamRef(layer, W13), ParamRef(layer, S13), configs,
+                                  bias=bias(B13), activation=activation, out_dtype=out, output_quantizer=quantizer),
+            FusedQuantGroupedGemm(GemmRole.DOWN, scheme, ParamRef(layer, W2), ParamRef(layer, S2), configs,
+                                  bias=bias(B2), apply_routing_weights=epilogue, out_dtype=out),
         ]
         return stages
 

@@ -113,13 +113,12 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         return "AlignDispatch(triton, block-aligned)"
 
     def accepts(self) -> Accepts:
-        return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=KERNEL_DTYPES,
-                       scale_layout=ScaleLayout.NONE)
-
-    def hint(self, field: str, have: object) -> Optional[str]:
-        if field in ("dtype", "scale_layout"):
-            return "the triton backend's bf16/fp16/fp32 path takes unquantized activations"
-        return None
+        # The plan moves no rows: quantized tokens and their scales pass through untouched (the
+        # GEMMs after it say which formats they take).
+        return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts,
+                       dtype=KERNEL_DTYPES | {DType.FP8_E4M3, DType.INT8},
+                       scale_layout={ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128,
+                                     ScaleLayout.PER_TENSOR})
 
     def output_spec(self, spec: Spec) -> Spec:
         return spec.evolve(kind=PayloadKind.DISPATCHED, layout=Layout.BLOCK_ALIGNED, group_list_type=None,

@@ -10,8 +10,8 @@ These stages extend :mod:`moeforge.stages.aligned` (read it first) to the quanti
   not the ``T * top_k`` copies; or between the GEMMs).
 * :class:`ActivateQuantizeAligned` — the activation fused with the quantization of its output.
 * :class:`TritonQuantizeTokens` — :class:`~moeforge.stages.quantize.QuantizeTokens` by the kernel
-  (before the dispatch), and :class:`QuantAlignDispatch`, the block-aligned dispatch of quantized
-  tokens.
+  (before the dispatch; :class:`~moeforge.stages.aligned.AlignDispatch` passes quantized tokens
+  through untouched).
 
 The kernels produce what the torch quantizers produce (bit-identical for the same float input).
 """
@@ -441,24 +441,3 @@ class TritonQuantizeTokens(QuantizeTokens):
         dtype, per_group = kernel_format(self.quantizer)
         q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, 0, False, False, 1.0, 0.0)
         return x.with_x(Activations(q, scale))
-
-
-QUANTIZED_DISPATCH_DTYPES = KERNEL_DTYPES | {DType.FP8_E4M3, DType.INT8}
-QUANTIZED_DISPATCH_SCALES = frozenset(
-    {ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR})
-
-
-@attrs.frozen(eq=False)
-class QuantAlignDispatch(AlignDispatch):
-    """:class:`~moeforge.stages.aligned.AlignDispatch` that also takes FP8 / INT8 tokens with their
-    scales (the plan never moves rows, so the format passes through untouched)."""
-
-    def summary(self) -> str:
-        return "QuantAlignDispatch(triton, block-aligned)"
-
-    def accepts(self) -> Accepts:
-        return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=QUANTIZED_DISPATCH_DTYPES,
-                       scale_layout=QUANTIZED_DISPATCH_SCALES)
-
-    def hint(self, field: str, have: object) -> Optional[str]:
-        return None
