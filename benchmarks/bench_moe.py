@@ -13,6 +13,12 @@ graph replays with the L2 flushed before every replay, on random (never zero) bf
 * ``baseline_torch_grouped_mm``: the ``experts`` computation written with PyTorch's
   ``torch._grouped_mm`` (an open baseline; other open kernels are not installed on our GPU machines).
 
+With ``--quant fp8,w4a16`` it also times the ``experts`` span of quantized layers on the same shapes
+and M grid — FP8 W8A8 (128x128 block weights, per-128-group activations quantized before the
+dispatch, DeepSeek-V3 style) and W4A16 (int4, group 128, zero points) — records ``experts_<quant>``
+with the speedup over the bf16 ``experts`` of the same run, against a roofline computed from the
+quantized weight bytes (scales and zero points included) and, for FP8, the fp8 matmul peak.
+
 The roofline is measured in the same run: the bf16 matmul peak (8192^3) and the device-to-device copy
 bandwidth. roofline time = max(flops / peak, bytes / bandwidth) with flops = 2 M k (H 2I + I H) and
 bytes = the weights of the experts actually used + input + output. It prints a table and writes JSON
@@ -165,7 +171,7 @@ def grouped_mm_baseline(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput) -
 
 
 def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float, read_bw: float,
-                flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
+                flush: torch.Tensor, reps: int, experts_only_timing: bool = False) -> list[dict[str, Any]]:
     experts, top_k, hidden, inter = SHAPES[name]
     layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda",
                         backend="triton")
@@ -180,8 +186,9 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float,
         strict, _ = roofline_us(SHAPES[name], tokens, topk.ids, peak, read_bw)
         with torch.no_grad():
             timed = {}
-            for what, fn in (("experts", lambda: experts_only(routed)), ("layer", lambda: layer(x, logits)),
-                             ("by_hand", kernels_by_hand(layer, x, logits))):
+            spans = (("experts", lambda: experts_only(routed)), ("layer", lambda: layer(x, logits)),
+                     ("by_hand", kernels_by_hand(layer, x, logits)))
+            for what, fn in spans[:1] if experts_only_timing else spans:
                 us = timed[what] = time_graph(fn, reps, flush)
                 records.append(dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=what,
                                     median_us=round(us, 2), roofline_us=round(roof, 2),
@@ -191,6 +198,8 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float,
                 print(f"{name:9s} M={tokens:6d} {what:8s} {us:10.1f} us  roofline {roof:9.1f} us "
                       f"{100 * roof / us:6.1f}%  (read bw: {100 * strict / us:5.1f}%)  "
                       f"{flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s", flush=True)
+            if experts_only_timing:
+                continue
             try:
                 base = time_graph(grouped_mm_baseline(layer, x, topk), reps, flush)
             except Exception as error:  # not every PyTorch build has _grouped_mm for this device
@@ -209,6 +218,58 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float,
     return records
 
 
+QUANT_METHODS: dict[str, Callable[[], mf.QuantMethod]] = {
+    "fp8": lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
+    "w4a16": lambda: mf.W4A16Method(group_size=128, zero_points=True),
+}
+
+
+def measure_fp8_peak() -> float:
+    """fp8 e4m3 matmul TFLOP/s on 8192^3 (``torch._scaled_mm``); 2x the bf16 peak if unavailable."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    us = time_graph(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 20, None)
+    return 2 * n**3 / (us * 1e-6) / 1e12
+
+
+def quant_weight_bytes(quant: str, hidden: int, inter: int) -> float:
+    """Bytes of one expert's weights (gate/up + down) in the quantized format, scales included."""
+    elements = 3 * hidden * inter
+    if quant == "fp8":  # 1 byte each + one fp32 scale per 128x128 block
+        return elements + 4 * elements / (128 * 128)
+    # 4 bits each + a bf16 scale and a uint8 zero point per 128 elements of a row
+    return elements / 2 + 3 * elements / 128
+
+
+def bench_quant(name: str, quant: str, tokens_list: tuple[int, ...], bf16_us: dict[int, float], peak: float,
+                bw: float, flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
+    experts, top_k, hidden, inter = SHAPES[name]
+    layer = mf.MoELayer(experts, top_k, hidden, inter, quant=QUANT_METHODS[quant](), dtype=torch.bfloat16,
+                        device="cuda", backend="triton")
+    experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
+    records = []
+    for tokens in tokens_list:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(tokens, experts, device="cuda", dtype=torch.float32)
+        topk = mf.stages.select_experts(logits, top_k, layer.routing)
+        routed = RoutedTokens(Activations(x), TopKOutput(topk.weights, topk.ids))
+        used = int(torch.unique(topk.ids).numel())
+        flops = 2 * tokens * top_k * 3 * hidden * inter
+        data = used * quant_weight_bytes(quant, hidden, inter) + 2 * tokens * hidden * 2
+        roof = max(flops / (peak * 1e12), data / (bw * 1e12)) * 1e6
+        with torch.no_grad():
+            us = time_graph(lambda: experts_only(routed), reps, flush)
+        speedup = bf16_us[tokens] / us
+        records.append(dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=f"experts_{quant}",
+                            median_us=round(us, 2), roofline_us=round(roof, 2), pct_roofline=round(100 * roof / us, 1),
+                            tflops=round(flops / (us * 1e-6) / 1e12, 1), speedup_vs_bf16=round(speedup, 2)))
+        print(f"{name:9s} M={tokens:6d} {quant:8s} {us:10.1f} us  roofline {roof:9.1f} us {100 * roof / us:6.1f}%  "
+              f"{speedup:5.2f}x vs bf16", flush=True)
+    return records
+
+
 def _triton_version() -> str:
     import triton
 
@@ -222,6 +283,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<date>.json)")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    parser.add_argument("--quant", default="", help="quantized layers to time too: fp8,w4a16")
+    parser.add_argument("--skip-bf16-extras", action="store_true",
+                        help="time only the bf16 experts span (no layer / by-hand / baseline)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe.py needs a CUDA device")
@@ -230,11 +294,19 @@ def main() -> None:
     peak, bw, read_bw = measure_peak()
     device = torch.cuda.get_device_name()
     print(f"{device}: bf16 matmul {peak:.0f} TFLOP/s, copy {bw:.2f} TB/s, read {read_bw:.2f} TB/s")
+    fp8_peak = measure_fp8_peak() if "fp8" in args.quant else None
+    if fp8_peak is not None:
+        print(f"fp8 matmul {fp8_peak:.0f} TFLOP/s")
     records = []
     for name in args.shapes.split(","):
         tokens = tuple(int(t) for t in args.tokens.split(","))
-        records += bench_shape(name, tokens, peak, bw, read_bw, flush, args.reps)
+        records += bench_shape(name, tokens, peak, bw, read_bw, flush, args.reps, args.skip_bf16_extras)
         torch.cuda.empty_cache()  # the layer of this shape is gone: free its weights for the next
+        bf16_us = {r["M"]: r["median_us"] for r in records if r["shape"] == name and r["what"] == "experts"}
+        for quant in filter(None, args.quant.split(",")):
+            quant_peak = fp8_peak if quant == "fp8" and fp8_peak is not None else peak
+            records += bench_quant(name, quant, tokens, bf16_us, quant_peak, bw, flush, args.reps)
+            torch.cuda.empty_cache()
     def geomean(key: str) -> tuple[float, float]:
         values = [r[key] for r in records if r["what"] == "experts"]
         return math.exp(sum(math.log(v) for v in values) / len(values)), min(values)
@@ -242,12 +314,22 @@ def main() -> None:
     (gm, low), (gm_read, low_read) = geomean("pct_roofline"), geomean("pct_roofline_read")
     print(f"\ngeometric mean of % roofline (experts): {gm:.1f}% (min {low:.1f}%); "
           f"against the read bandwidth: {gm_read:.1f}% (min {low_read:.1f}%)")
+    quant_summary = {}
+    for quant in filter(None, args.quant.split(",")):
+        cells = [r for r in records if r["what"] == f"experts_{quant}"]
+        gm_q = math.exp(sum(math.log(r["pct_roofline"]) for r in cells) / len(cells))
+        quant_summary[quant] = dict(geomean_pct_quant_roofline=round(gm_q, 1),
+                                    min_speedup=min(r["speedup_vs_bf16"] for r in cells),
+                                    max_speedup=max(r["speedup_vs_bf16"] for r in cells))
+        print(f"{quant}: geometric mean {gm_q:.1f}% of the quantized roofline; speedup vs bf16 "
+              f"{quant_summary[quant]['min_speedup']:.2f}x .. {quant_summary[quant]['max_speedup']:.2f}x")
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
     result = dict(device=device, commit=commit or "unknown", date=datetime.date.today().isoformat(),
                   torch=torch.__version__, triton=_triton_version(), peak_tflops=round(peak, 1),
                   bandwidth_tbps=round(bw, 3), read_bandwidth_tbps=round(read_bw, 3),
                   geomean_pct_roofline_experts=round(gm, 1), geomean_pct_roofline_read_experts=round(gm_read, 1),
+                  fp8_peak_tflops=round(fp8_peak, 1) if fp8_peak is not None else None, quant=quant_summary,
                   records=records)
     out = Path(args.out) if args.out else (
         Path(__file__).parent / "results" / f"bench_moe-{device_key(device)}-{result['date']}.json")
