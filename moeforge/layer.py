@@ -244,7 +244,7 @@ class MoELayer(nn.Module):
         device = self._device()
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
-                                DType.from_torch(self.dtype).value)
+                                DType.from_torch(self.dtype).value, max_block_m=self.quant.max_block_m)
 
     def _aligned(self) -> bool:
         return self.dispatcher in ("auto", "aligned")

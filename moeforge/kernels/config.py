@@ -101,16 +101,23 @@ class ConfigTable:
     top_k: int
     tokens: tuple[int, ...] = ()
     configs: tuple[MoEConfig, ...] = ()
+    max_block_m: Optional[int] = None  # a kernel whose tiles spill beyond it (quantized GEMMs: 64)
 
     def lookup(self, num_tokens: int) -> MoEConfig:
         if not self.tokens:
-            return default_config(num_tokens, self.num_experts, self.top_k)
+            return self._capped(default_config(num_tokens, self.num_experts, self.top_k))
         index = bisect.bisect_left(self.tokens, num_tokens)
         if index == len(self.tokens):
             index -= 1
         elif index > 0 and num_tokens - self.tokens[index - 1] < self.tokens[index] - num_tokens:
             index -= 1
-        return self.configs[index]
+        return self._capped(self.configs[index])
+
+    def _capped(self, config: MoEConfig) -> MoEConfig:
+        if self.max_block_m is None or config.block_m <= self.max_block_m:
+            return config
+        return MoEConfig(attrs.evolve(config.gate_up, block_m=self.max_block_m),
+                         attrs.evolve(config.down, block_m=self.max_block_m))
 
     @classmethod
     def from_json(cls, num_experts: int, top_k: int, entries: dict[str, Any]) -> ConfigTable:
@@ -120,14 +127,18 @@ class ConfigTable:
 
     @classmethod
     def load(cls, device_name: Optional[str], num_experts: int, top_k: int, hidden: int,
-             intermediate: int, dtype: str) -> ConfigTable:
-        """The tuned table for this device and shape, or an empty table (heuristic fallback)."""
+             intermediate: int, dtype: str, max_block_m: Optional[int] = None) -> ConfigTable:
+        """The tuned table for this device and shape, or an empty table (heuristic fallback);
+        ``max_block_m`` caps the alignment block of every entry."""
+        empty = cls(num_experts, top_k, max_block_m=max_block_m)
         if device_name is None:
-            return cls(num_experts, top_k)
+            return empty
         try:
             text = resources.files("moeforge.kernels").joinpath(
                 f"configs/{device_key(device_name)}.json").read_text()
         except (FileNotFoundError, OSError):
-            return cls(num_experts, top_k)
+            return empty
         entries = json.loads(text).get(shape_key(num_experts, top_k, hidden, intermediate, dtype))
-        return cls.from_json(num_experts, top_k, entries) if entries else cls(num_experts, top_k)
+        if not entries:
+            return empty
+        return attrs.evolve(cls.from_json(num_experts, top_k, entries), max_block_m=max_block_m)

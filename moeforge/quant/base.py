@@ -48,7 +48,9 @@ class QuantMethod(abc.ABC):
       dimension = experts): what expert parallelism slices per rank;
     * ``offers_fused_ep`` — whether :meth:`fused_ep_stage` builds a fused dispatch -> combine stage;
     * ``backends`` — the backends :meth:`expert_stages` builds stages for (``backend="auto"`` picks
-      triton only when it is among them).
+      triton only when it is among them);
+    * ``max_block_m`` — caps the rows per block of the block-aligned dispatch for this method's
+      triton GEMMs (``None``: the tuned tables decide).
     """
 
     accepts: ClassVar[frozenset[DType]]
@@ -57,6 +59,7 @@ class QuantMethod(abc.ABC):
     expert_parameters: ClassVar[tuple[str, ...]] = ()
     offers_fused_ep: ClassVar[bool] = False
     backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH})
+    max_block_m: ClassVar[Optional[int]] = None  # the triton GEMMs' largest useful alignment block
 
     @property
     def name(self) -> str:

@@ -281,6 +281,8 @@ class W8A8Method(QuantMethod):
 
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W2, S13, S2, B13, B2)
     backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH, Backend.TRITON})
+    # 128-row blocks spill the gate/up kernel's registers (two accumulators, per-K-step scales).
+    max_block_m: ClassVar[Optional[int]] = 64
     weight_dtype: ClassVar[DType]
 
     @property

@@ -68,18 +68,30 @@ class QuantScheme(enum.Enum):
         return frozenset({ScaleLayout.NONE})
 
 
-def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = False) -> GemmConfig:
-    """A launch configuration for ``scheme`` keeping the dispatch's ``block_m`` (H100 guesses, not
-    tuned: few rows per block are bound by reading the weights, so the tiles stay narrow and the
-    pipeline deep; many rows use wider tiles and 8 warps). ``wide_n`` asks for a ``block_n`` that is
-    a multiple of 128 (FP8 per-group quantization in the epilogue)."""
-    block_n = 128 if wide_n or block_m > 32 else 64
-    block_k = 128  # one 128-group per K-step for FP8 group/block scales; 64 bytes of packed int4
-    if block_m <= 16:
-        return GemmConfig(block_m, block_n, block_k, group_m=1, num_warps=4, num_stages=4)
-    if block_m <= 64:
-        return GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=4, num_stages=4)
-    return GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=8, num_stages=3)
+def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = False,
+                         two_accumulators: bool = False) -> GemmConfig:
+    """A launch configuration for ``scheme`` keeping the dispatch's ``block_m``.
+
+    Few rows per block are bound by reading the weights: narrow tiles, a deep pipeline. Many rows:
+    from a sweep on an H100 (DeepSeek-V3 gate/up, fp8 block/group scales, benchmarks/results), a
+    gate/up GEMM (``two_accumulators``: gate and up tiles side by side) with per-128 K-step scales
+    spills registers beyond ``64 x 64`` tiles on 4 warps (16 TFLOP/s at 64 x 128 against 450 at
+    64 x 64), so it stays at 64 x 64, or 64 x 128 on 8 warps when ``wide_n`` (a ``block_n``
+    multiple of 128 for FP8 per-group quantization in the epilogue) asks for it; a single
+    accumulator takes 128-wide tiles on 8 warps."""
+    if scheme is QuantScheme.W4A16:
+        # Sweep on an H100 (DeepSeek-V3 gate/up, group 128): narrow 32-column tiles at small M
+        # (620 us against 800 at 128 columns, M=8), 64 x 64 x 64 on 4 warps at large M.
+        if block_m <= 32:
+            return GemmConfig(block_m, 32, 128, group_m=1 if block_m <= 16 else 8, num_warps=4, num_stages=3)
+        return GemmConfig(block_m, 64, 64, group_m=8, num_warps=4, num_stages=3)
+    block_k = 128  # one 128-group per K-step for FP8 group/block scales
+    wide = 128 if wide_n else 64
+    if block_m <= 32:
+        return GemmConfig(block_m, wide, block_k, group_m=1 if block_m <= 16 else 8, num_warps=4, num_stages=4)
+    if two_accumulators:
+        return GemmConfig(block_m, wide, block_k, group_m=8, num_warps=8 if wide_n else 4, num_stages=3)
+    return GemmConfig(block_m, 128, block_k, group_m=8, num_warps=8, num_stages=4)
 
 
 def kernel_supports(quantizer: Quantizer) -> bool:
@@ -295,7 +307,9 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         gate_up, down = _plan_config(self.configs, plan, self.name)
         if self.use_table_tiles:
             return gate_up if self.role is GemmRole.GATE_UP else down
-        return default_quant_config(self.scheme, plan.block_m, wide_n=self._fp8_group_epilogue())
+        glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
+        return default_quant_config(self.scheme, plan.block_m, wide_n=self._fp8_group_epilogue(),
+                                    two_accumulators=glu)
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
         plan = x.plan
