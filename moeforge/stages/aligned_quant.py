@@ -80,10 +80,10 @@ def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = Fa
     multiple of 128 for FP8 per-group quantization in the epilogue) asks for it; a single
     accumulator takes 128-wide tiles on 8 warps."""
     if scheme is QuantScheme.W4A16:
-        # Sweep on an H100 (DeepSeek-V3 gate/up, group 128): narrow 32-column tiles at small M
-        # (620 us against 800 at 128 columns, M=8), 64 x 64 x 64 on 4 warps at large M.
-        if block_m <= 32:
-            return GemmConfig(block_m, 32, 128, group_m=1 if block_m <= 16 else 8, num_warps=4, num_stages=3)
+        # Sweep on an H100 (DeepSeek-V3 gate/up, group 128): narrow 32-column tiles for 16-row
+        # blocks (620 us against 800 at 128 columns, M=8), 64 columns x 64 K on 4 warps beyond.
+        if block_m <= 16:
+            return GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
         return GemmConfig(block_m, 64, 64, group_m=8, num_warps=4, num_stages=3)
     block_k = 128  # one 128-group per K-step for FP8 group/block scales
     wide = 128 if wide_n else 64
