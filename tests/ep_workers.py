@@ -261,3 +261,30 @@ def hang_on_rank_one(rank: int, world: int) -> None:
         import time
 
         time.sleep(3600)
+
+
+def quantized_layers_match(rank: int, world: int) -> dict[str, float]:
+    """Expert parallelism with quant methods: FP8 (rows and per-128-group scales on the wire), INT8,
+    W4A16 and NVFP4 experts, each through both dispatchers, equal the whole quantized layer."""
+    hidden = 128
+    methods = {
+        "fp8 block/group": lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
+        "fp8 channel/token": lambda: mf.Fp8W8A8Method(weight_scales="channel", activation_scales="token"),
+        "int8": lambda: mf.Int8W8A8Method(),
+        "w4a16": lambda: mf.W4A16Method(group_size=32),
+    }
+    x = _tokens(rank, hidden=hidden)
+    errors = {}
+    for name, make in methods.items():
+        kwargs = {**BASE, "hidden_size": hidden, "intermediate_size": 128}
+        torch.manual_seed(0)
+        whole = mf.MoELayer(**kwargs, quant=make(), backend="torch", environ={})
+        ep = ExpertParallel(E)
+        for kind, dispatcher in (("all_to_all", "auto"), ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
+            parallel = mf.MoELayer(**kwargs, quant=make(), backend="torch", environ={}, expert_parallel=ep,
+                                   dispatcher=dispatcher)
+            parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
+            parallel.process_weights_after_loading()
+            assert parallel.dispatch_decision.dtype is whole.dispatch_decision.dtype
+            errors[f"{name}/{kind}"] = _close(parallel(x), whole(x), f"{name} {kind}", tol=1e-4)
+    return errors

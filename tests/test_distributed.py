@@ -66,3 +66,8 @@ def test_a_hanging_rank_is_terminated_at_the_deadline() -> None:
         run_ranks(ep_workers.hang_on_rank_one, 2, timeout=8)
     assert timed_out.value.ranks == [1]
     assert time.monotonic() - start < 30
+
+
+def test_quantized_experts_behind_both_dispatchers() -> None:
+    errors = run_ranks(ep_workers.quantized_layers_match, 2, timeout=300)
+    assert all(len(rank_errors) == 8 for rank_errors in errors)
