@@ -1,4 +1,4 @@
-"""Built-in stages (torch reference backend), one module per stage kind."""
+"""Built-in stages, one module per stage kind (``aligned`` / ``aligned_quant``: the triton path)."""
 
 from moeforge.stages.activation import (
     Activate,
@@ -7,7 +7,15 @@ from moeforge.stages.activation import (
     GateUpLayout,
     apply_activation,
 )
+from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.aligned import AlignDispatch, AlignedCombine, FusedGroupedGemm, TritonTopK
+from moeforge.stages.aligned_quant import (
+    ActivateQuantizeAligned,
+    FusedQuantGroupedGemm,
+    QuantizeAligned,
+    QuantScheme,
+    TritonQuantizeTokens,
+)
 from moeforge.stages.combine import Combine, combine_rows
 from moeforge.stages.dispatch import Overflow, PaddedDispatch, SortedDispatch
 from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
@@ -34,7 +42,9 @@ from moeforge.stages.topk import (
 
 __all__ = [
     "Activate", "ActivationConfig", "ActivationKind", "GateUpLayout", "apply_activation",
+    "ActivateQuantize",
     "AlignDispatch", "AlignedCombine", "FusedGroupedGemm", "TritonTopK",
+    "ActivateQuantizeAligned", "FusedQuantGroupedGemm", "QuantizeAligned", "QuantScheme", "TritonQuantizeTokens",
     "Combine", "combine_rows",
     "Overflow", "PaddedDispatch", "SortedDispatch",
     "GemmRole", "GroupedGemm", "grouped_gemm_padded", "grouped_gemm_sorted",
