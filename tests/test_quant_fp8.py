@@ -507,7 +507,12 @@ def test_expert_stages() -> None:
         stages = method.expert_stages(holder, dispatch=dispatch, **kwargs)
         assert isinstance(stages[0], mf.QuantizeRows) and len(stages) == 4
         assert stages[0].quantizer == mf.PerGroupQuantizer()
-    with pytest.raises(mf.BackendUnavailableError, match="triton kernels for fp8"):
+    from moeforge.kernels.config import ConfigTable
+
+    triton = method.expert_stages(holder, backend=mf.Backend.TRITON, configs=ConfigTable(4, 2), **kwargs)
+    assert [type(stage).__name__ for stage in triton] == ["QuantizeAligned", "FusedQuantGroupedGemm",
+                                                          "FusedQuantGroupedGemm"]
+    with pytest.raises(ValueError, match="ConfigTable"):
         method.expert_stages(holder, backend=mf.Backend.TRITON, **kwargs)
 
 

@@ -137,9 +137,12 @@ def test_stages_and_contracts() -> None:
         mf.MoELayer(4, 2, 128, 128, quant=method, dispatch_dtype="fp8", environ={})
     with pytest.raises(mf.ContractError):
         method.quantize_stage(mf.DispatchDtype.FP8, mf.DType.BF16)
-    with pytest.raises(mf.BackendUnavailableError):
-        method.expert_stages(layer, activation=mf.ActivationConfig(), routing_weights_in_epilogue=False,
-                             backend=mf.Backend.TRITON)
+    from moeforge.kernels.config import ConfigTable
+
+    triton = method.expert_stages(layer, activation=mf.ActivationConfig(), routing_weights_in_epilogue=False,
+                                  backend=mf.Backend.TRITON, configs=ConfigTable(4, 2),
+                                  dispatch=mf.DispatchDtype.INT8)
+    assert [type(stage).__name__ for stage in triton] == ["FusedQuantGroupedGemm", "FusedQuantGroupedGemm"]
 
 
 def test_a_device_without_int8_dispatch_quantizes_after() -> None:

@@ -347,9 +347,14 @@ def test_dispatch_dtype_follows_the_layer() -> None:
     assert other.dispatch_decision.dtype is mf.DispatchDtype.BF16
 
 
-def test_triton_backend_is_not_available_yet() -> None:
+def test_triton_expert_stages_are_the_fused_int4_kernels() -> None:
+    from moeforge.kernels.config import ConfigTable
+
     layer = build(32)
-    with pytest.raises(mf.BackendUnavailableError, match="backend='torch'"):
+    stages = layer.quant.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
+                                       backend=mf.Backend.TRITON, configs=ConfigTable(layer.num_experts, layer.top_k))
+    assert [type(stage).__name__ for stage in stages] == ["FusedQuantGroupedGemm", "FusedQuantGroupedGemm"]
+    with pytest.raises(ValueError, match="ConfigTable"):
         layer.quant.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
                                   backend=mf.Backend.TRITON)
 

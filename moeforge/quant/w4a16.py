@@ -28,7 +28,7 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.errors import BackendUnavailableError, CheckpointError, InputError
+from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, PaddedRows, SortedRows
 from moeforge.quant.base import QuantMethod

@@ -25,7 +25,7 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
+from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, PaddedRows, RoutedTokens, SortedRows
 from moeforge.quant.base import QuantMethod
