@@ -140,7 +140,9 @@ class DeviceDispatchSupport:
         device = torch.device(device if device is not None else "cpu")
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
-            return cls(fp8=(major, minor) >= (8, 9), int8=True, nvfp4=major >= 10)
+            # NVFP4 is quantized and its GEMMs emulated by the torch reference (moeforge.quant.nvfp4) on
+            # any GPU; sm_100's FP4 tensor cores are not used yet.
+            return cls(fp8=(major, minor) >= (8, 9), int8=True, nvfp4=True)
         # The torch reference carries FP8, INT8 and NVFP4 (moeforge.quant.nvfp4.Nvfp4Quantizer) as
         # plain tensors on any device.
         return cls(fp8=True, int8=True, nvfp4=True)
