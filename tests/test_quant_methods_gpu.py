@@ -33,6 +33,9 @@ METHODS: dict[str, Callable[[], mf.QuantMethod]] = {
 }
 
 
+BF16_TOLERANCE = {"fp8": 6e-2, "int8": 3e-2, "w4a4": 1e-1}
+
+
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float().cpu() - want.float().cpu()).norm() / want.float().norm().clamp(min=1e-12))
 
@@ -64,9 +67,13 @@ def test_quant_method_on_the_gpu_equals_the_cpu(name: str, dtype: torch.dtype) -
             gpu.load_state_dict(cpu.state_dict())
             gpu.process_weights_after_loading()
             assert gpu.backend.value == backend
-            # fp32: the same quantized operands, sums in another order (a rounding boundary may flip
-            # one re-quantized element); bf16: the output's own rounding.
-            tol = 2e-3 if dtype is torch.float32 else 2e-2
+            # fp32: the same quantized operands, sums in another order: measured <= 6e-7. bf16: the
+            # quantization between the GEMMs sees inputs one bf16 rounding apart (the torch stages round
+            # the gate/up output to bf16, the triton epilogue quantizes from fp32; GPU and CPU matmuls
+            # round differently), so an element can land one fp8 step (6-12 %) or int4 step (14 %)
+            # apart. Measured on an H100 (33 tokens / 1 token / skewed): fp8 <= 3.6e-2, int8 1.1e-2,
+            # w4a4 5.6e-2, weight-only methods <= 6.2e-3.
+            tol = 2e-3 if dtype is torch.float32 else BF16_TOLERANCE.get(name.split()[0], 2e-2)
             for (tokens, logits), want in zip(cases, wants):
                 got = gpu(tokens.cuda(), logits.cuda())
                 assert torch.isfinite(got).all()
