@@ -61,8 +61,9 @@ class MoELayer(nn.Module):
         expert_parallel: an :class:`~moeforge.distributed.ExpertParallel`: this rank holds only its
             experts' weights and the dispatcher exchanges rows with the other ranks (``dispatcher``
             ``"auto"`` / ``"all_to_all"``: :class:`~moeforge.distributed.AllToAllDispatch`; or a
-            :class:`~moeforge.distributed.LowLatencyDispatch` instance). The experts run on the torch
-            backend's stages.
+            :class:`~moeforge.distributed.LowLatencyDispatch` instance). With the triton backend the
+            all-to-all rows arrive block-aligned for the triton GEMMs; the low-latency dispatcher's
+            padded rows run on the torch stages.
         debug: check every payload against its spec and reject non-finite router logits.
         environ: where the process default ``MOEFORGE_DISPATCH_DTYPE`` is read (default
             ``os.environ``; only read, never written).
@@ -118,15 +119,16 @@ class MoELayer(nn.Module):
                              f"num_experts={num_experts}")
         self.backend = resolve_backend(backend, device)
         self._backend_note = ""
-        if expert_parallel is not None and self.backend is Backend.TRITON:
-            # The triton GEMMs read block-aligned rows of local tokens; exchanged rows arrive
-            # expert-sorted or expert-padded, which the torch stages take.
+        if (expert_parallel is not None and self.backend is Backend.TRITON and isinstance(dispatcher, Stage)
+                and not isinstance(dispatcher, AllToAllDispatch)):
+            # The triton GEMMs read block-aligned rows; the low-latency dispatcher's [L, W * C, H]
+            # buffers (masked_m) go to the torch stages.
             if not isinstance(backend, Backend) and backend.lower() == "auto":
                 self.backend = Backend.TORCH
-                self._backend_note = " (auto: expert-parallel rows run on the torch expert stages)"
+                self._backend_note = f" (auto: {dispatcher.name}'s padded rows run on the torch expert stages)"
             else:
-                raise InputError("backend='triton' does not take expert-parallel rows yet: use backend='auto' or "
-                                 "'torch' with expert_parallel")
+                raise InputError(f"backend='triton' does not take {dispatcher.name}'s padded rows yet: use "
+                                 "backend='auto' or 'torch', or the all-to-all dispatcher")
         auto = not isinstance(backend, Backend) and backend.lower() == "auto"
         if self.backend is Backend.TRITON and auto and Backend.TRITON not in self.quant.backends:
             # "auto" means the fastest path that can run this layer: this quant method has torch stages only.
@@ -265,7 +267,11 @@ class MoELayer(nn.Module):
         choice = self.dispatcher
         if ep is not None:
             if choice in ("auto", "all_to_all"):
-                return AllToAllDispatch(ep, apply_routing_weights=on_input)
+                if configs is not None and on_input:
+                    raise InputError("the triton backend does not apply routing weights on the input yet "
+                                     "(RoutingWeights.ON_INPUT): use backend='torch'")
+                # With the triton backend the rows arrive block-aligned for its GEMMs.
+                return AllToAllDispatch(ep, apply_routing_weights=on_input, configs=configs)
             raise InputError(f"dispatcher={choice!r} does not exchange rows between ranks: an expert-parallel layer "
                              "takes dispatcher='auto' / 'all_to_all', or a LowLatencyDispatch(ep, max_tokens=...) instance")
         if choice == "auto":

@@ -71,3 +71,9 @@ def test_a_hanging_rank_is_terminated_at_the_deadline() -> None:
 def test_quantized_experts_behind_both_dispatchers() -> None:
     errors = run_ranks(ep_workers.quantized_layers_match, 2, timeout=300)
     assert all(len(rank_errors) == 8 for rank_errors in errors)
+
+
+def test_triton_expert_gemms_behind_the_all_to_all_dispatcher() -> None:
+    pytest.importorskip("triton")
+    errors = run_ranks(ep_workers.triton_experts_match, 2, timeout=300)
+    assert all(len(rank_errors) == 2 for rank_errors in errors)

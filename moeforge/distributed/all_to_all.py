@@ -9,7 +9,9 @@ Dispatch, on every rank:
 3. pack each copy's row, scales and routing weight into one byte row (:mod:`~moeforge.distributed.wire`)
    and ``all_to_all_single`` them with those splits;
 4. regroup the received rows by local expert (stable: source rank, then the source's order), so that
-   the experts get ``EXPERT_SORTED`` rows with a ``group_list``.
+   the experts get ``EXPERT_SORTED`` rows with a ``group_list`` — or, built with the triton
+   ``configs``, ``BLOCK_ALIGNED`` rows (each received row one copy of its local expert, the
+   alignment plan computed on the device) for the triton expert GEMMs.
 
 The paired :class:`AllToAllCombine` sends the expert outputs back with the reversed splits and sums each
 token's copies on its own rank in fp32, ``k = 0 .. top_k - 1`` in order, by gathering: deterministic.
@@ -33,7 +35,17 @@ from moeforge.distributed.exchange import (
 )
 from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.wire import RowFormat, Traffic
-from moeforge.payloads import Activations, MoEOutput, RoutedTokens, SortedPlan, SortedRows
+from moeforge.kernels.config import ConfigTable
+from moeforge.payloads import (
+    Activations,
+    AlignedPlan,
+    AlignedRows,
+    ExpertRows,
+    MoEOutput,
+    RoutedTokens,
+    SortedPlan,
+    SortedRows,
+)
 from moeforge.spec import (
     Accepts,
     DType,
@@ -88,34 +100,54 @@ class ExchangedRows(SortedRows):
     exchange: AllToAllPlan
 
 
+@attrs.frozen
+class ExchangedAlignedRows(AlignedRows):
+    """Received rows for the triton expert GEMMs: ``x.data [R, W]`` in expert-sorted order, each row
+    one copy (``plan.top_k == 1``) of its local expert; ``exchange`` is the plan of the way home."""
+
+    exchange: AllToAllPlan
+
+
 @attrs.frozen(eq=False)
-class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedRows]):
+class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     """Send every token copy to the rank that owns its expert (see the module docstring).
 
     ``apply_routing_weights`` scales the rows by their routing weights before sending (Llama-4).
+    ``configs`` (the triton launch table of the expert GEMMs) makes the output ``BLOCK_ALIGNED``
+    (:class:`ExchangedAlignedRows`, ``top_k = 1`` in the spec) instead of ``EXPERT_SORTED``.
     """
 
     kinds: ClassVar = (StageKind.DISPATCH,)
     ep: ExpertParallel
     group_list_type: GroupListType = GroupListType.COUNT
     apply_routing_weights: bool = False
+    configs: Optional[ConfigTable] = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.configs is not None:
+            from moeforge.stages.aligned import kernel_ops
+
+            kernel_ops()
 
     def summary(self) -> str:
         extra = ", weights on input" if self.apply_routing_weights else ""
-        return (f"AllToAllDispatch({self.group_list_type.name.lower()}, rank {self.ep.rank}/{self.ep.world_size}, "
+        layout = "block-aligned" if self.configs is not None else self.group_list_type.name.lower()
+        return (f"AllToAllDispatch({layout}, rank {self.ep.rank}/{self.ep.world_size}, "
                 f"{self.ep.local_experts} local experts{extra})")
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(
-            kind=PayloadKind.DISPATCHED, layout=Layout.EXPERT_SORTED, group_list_type=self.group_list_type,
-            expert_ids=ExpertIds.LOCAL, num_experts=self.ep.local_experts, exchange=Exchange.ALL_TO_ALL,
-            routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
+        common = dict(kind=PayloadKind.DISPATCHED, expert_ids=ExpertIds.LOCAL, num_experts=self.ep.local_experts,
+                      exchange=Exchange.ALL_TO_ALL,
+                      routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
+        if self.configs is not None:
+            return spec.evolve(layout=Layout.BLOCK_ALIGNED, group_list_type=None, top_k=1, **common)
+        return spec.evolve(layout=Layout.EXPERT_SORTED, group_list_type=self.group_list_type, **common)
 
     def combine_stage(self, *, apply_routing_weights: bool = True, routed_scaling_factor: Optional[float] = None,
                       out_dtype: Optional[DType] = None) -> AllToAllCombine:
         return AllToAllCombine(apply_routing_weights, routed_scaling_factor, out_dtype)
 
-    def __call__(self, x: RoutedTokens) -> ExchangedRows:
+    def __call__(self, x: RoutedTokens) -> ExpertRows:
         ep, group = self.ep, self.ep.group
         world, local = ep.world_size, ep.local_experts
         tokens, top_k = x.topk.ids.shape
@@ -151,14 +183,30 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedRows]):
                           received=received.numel() + recv_counts.numel() * _COUNT_BYTES)
         exchange = AllToAllPlan(ep, tuple(send_splits), tuple(recv_splits), _inverse(order).view(tokens, top_k),
                                 x.topk.weights, _inverse(regroup), tokens, traffic)
+        if self.configs is not None:
+            return ExchangedAlignedRows(Activations(data, scale), self._aligned_plan(expert_counts, row_weight),
+                                        False, exchange)
         plan = SortedPlan(row_token=regroup, row_weight=row_weight,
                           token_rows=order.new_empty(0, top_k), num_tokens=0)
         group_list = expert_counts if self.group_list_type is GroupListType.COUNT else expert_counts.cumsum(0)
         return ExchangedRows(Activations(data, scale), group_list, self.group_list_type, plan, exchange)
 
+    def _aligned_plan(self, expert_counts: torch.Tensor, row_weight: torch.Tensor) -> AlignedPlan:
+        """The block-aligned plan of expert-sorted rows: each row one copy (``top_k = 1``) of its
+        local expert, aligned on the device like local tokens."""
+        assert self.configs is not None
+        rows = row_weight.shape[0]
+        row_expert = torch.repeat_interleave(torch.arange(self.ep.local_experts, device=row_weight.device),
+                                             expert_counts, output_size=rows).to(torch.int32).view(rows, 1)
+        block_m = self.configs.lookup(rows).block_m
+        sorted_ids, block_expert, num_padded = torch.ops.moeforge.align_block_size(
+            row_expert, self.ep.local_experts, block_m)
+        return AlignedPlan(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
+                           weights=row_weight, block_m=block_m, top_k=1, num_tokens=rows)
+
 
 @attrs.frozen(eq=False)
-class AllToAllCombine(Stage[ExchangedRows, MoEOutput]):
+class AllToAllCombine(Stage[ExpertRows, MoEOutput]):
     """Send expert outputs back to their source ranks and sum each token's copies there (fp32, fixed
     order). ``apply_routing_weights=False`` when an earlier stage applied them; ``routed_scaling_factor``
     multiplies the output when the top-k left it pending; ``out_dtype=None`` keeps the rows' dtype."""
@@ -175,15 +223,17 @@ class AllToAllCombine(Stage[ExchangedRows, MoEOutput]):
         return f"AllToAllCombine({', '.join(parts)})"
 
     def accepts(self) -> Accepts:
-        return combine_accepts(self.apply_routing_weights, self.routed_scaling_factor, Layout.EXPERT_SORTED,
-                                Exchange.ALL_TO_ALL)
+        return combine_accepts(self.apply_routing_weights, self.routed_scaling_factor,
+                               {Layout.EXPERT_SORTED, Layout.BLOCK_ALIGNED}, Exchange.ALL_TO_ALL)
 
     def output_spec(self, spec: Spec) -> Spec:
         return combined_spec(spec, self.apply_routing_weights, self.routed_scaling_factor, self.out_dtype)
 
-    def __call__(self, x: ExchangedRows) -> MoEOutput:
+    def __call__(self, x: ExpertRows) -> MoEOutput:
+        if not isinstance(x, (ExchangedRows, ExchangedAlignedRows)):
+            raise TypeError(f"AllToAllCombine cannot consume {type(x).__name__}")
         plan = x.exchange
-        rows = x.x.data
+        rows = x.x.data  # expert-sorted order (block-aligned rows: one copy per row, in row order)
         back = rows.index_select(0, plan.return_order)  # receive-buffer order (a gather, not a scatter)
         returned = rows.new_empty(sum(plan.send_splits), rows.shape[-1])
         exchange_bytes(back, returned, plan.ep.group, list(plan.send_splits), list(plan.recv_splits))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -109,7 +109,8 @@ def combine_on_source(rows: torch.Tensor, index: torch.Tensor, copy_weight: Opti
     return combine_rows(rows, index, None, out_dtype, scaling_factor, copy_weight=copy_weight)
 
 
-def combine_accepts(weighted: bool, scaling: Optional[float], layout: Layout, exchange: Exchange) -> Accepts:
+def combine_accepts(weighted: bool, scaling: Optional[float], layout: Union[Layout, set[Layout]],
+                    exchange: Exchange) -> Accepts:
     """What an expert-parallel combine accepts: expert outputs of its own exchange, float, and the
     routing weights / scaling factor pending exactly when it applies them."""
     applied = {RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE}

@@ -234,7 +234,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
             gemm.as_list(),
             x.x.data.dtype,
         )
-        return AlignedRows(x=Activations(out), plan=plan, copy_major=True)
+        return attrs.evolve(x, x=Activations(out), copy_major=True)  # keeps a subclass's fields
 
 
 @attrs.frozen(eq=False)

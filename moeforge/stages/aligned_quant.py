@@ -331,13 +331,13 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             operands = (x.x.data, x.x.scale, resolve(self.weight), resolve(self.weight_scale), bias, weights)
             if self._fp8_group_epilogue() and config.block_n % GROUP_SIZE == 0:
                 q, scale = ops.w8a8_moe_gemm_fp8_out(*operands, *route)
-                return AlignedRows(x=Activations(q, scale), plan=plan, copy_major=True)
+                return attrs.evolve(x, x=Activations(q, scale), copy_major=True)
             out = ops.w8a8_moe_gemm(*operands, *route, self.out_dtype.torch_dtype)
         if self.output_quantizer is not None:
             dtype, per_group = kernel_format(self.output_quantizer)
             q, scale = ops.quantize_rows(out, dtype, per_group, 0, False, False, 1.0, 0.0)
-            return AlignedRows(x=Activations(q, scale), plan=plan, copy_major=True)
-        return AlignedRows(x=Activations(out), plan=plan, copy_major=True)
+            return attrs.evolve(x, x=Activations(q, scale), copy_major=True)
+        return attrs.evolve(x, x=Activations(out), copy_major=True)  # keeps a subclass's fields
 
 
 class _QuantizeAlignedBase:
@@ -385,7 +385,7 @@ class QuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRows]):
     def __call__(self, x: AlignedRows) -> AlignedRows:
         dtype, per_group = self._format()
         q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, 0, False, False, 1.0, 0.0)
-        return AlignedRows(x=Activations(q, scale), plan=x.plan, copy_major=x.copy_major)
+        return x.with_x(Activations(q, scale))
 
 
 @attrs.frozen(eq=False)
@@ -432,7 +432,7 @@ class ActivateQuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRo
     def __call__(self, x: AlignedRows) -> AlignedRows:
         dtype, per_group = self._format()
         q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, *_act_args(self.config))
-        return AlignedRows(x=Activations(q, scale), plan=x.plan, copy_major=x.copy_major)
+        return x.with_x(Activations(q, scale))
 
 
 @attrs.frozen(eq=False)
