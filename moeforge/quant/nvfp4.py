@@ -55,7 +55,7 @@ from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.payloads import Activations, ExpertRows, PaddedRows, RoutedTokens, SortedRows
+from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.quant.base import QuantMethod
 from moeforge.quant.fp4 import (
     NVFP4_BLOCK,
@@ -79,7 +79,7 @@ from moeforge.spec import (
 )
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
-from moeforge.stages.gemm import GemmRole, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.gemm import GemmRole, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.stages.quantize import QuantizeTokens, Quantizer
 from moeforge.tensor_ref import ParamRef, TensorSource, resolve
 
@@ -256,17 +256,9 @@ class EmulatedGroupedGemm(Stage[ExpertRows, ExpertRows]):
     def __call__(self, x: ExpertRows) -> ExpertRows:
         values = Activations(self._values(x.x))
         out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else x.x.data.dtype
-        weight = self.weight.dequantize()
         bias = resolve(self.bias) if self.bias is not None else None
-        if isinstance(x, SortedRows):
-            scale = x.plan.row_weight if self.apply_routing_weights else None
-            y = grouped_gemm_sorted(values, x.counts(), weight, bias, scale, out_dtype)
-        elif isinstance(x, PaddedRows):
-            scale = x.plan.slot_weight if self.apply_routing_weights else None
-            y = grouped_gemm_padded(values, weight, bias, scale, out_dtype)
-        else:
-            raise TypeError(f"EmulatedGroupedGemm cannot consume {type(x).__name__}")
-        return x.with_x(Activations(y))
+        rows = x.with_x(values)
+        return expert_rows_gemm(rows, self.weight.dequantize(), bias, self.apply_routing_weights, out_dtype, self.name)
 
 
 # -- NVFP4 --------------------------------------------------------------------------------------------------

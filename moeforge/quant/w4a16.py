@@ -30,7 +30,7 @@ from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.payloads import Activations, ExpertRows, PaddedRows, SortedRows
+from moeforge.payloads import Activations, ExpertRows
 from moeforge.quant.base import QuantMethod
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
@@ -56,7 +56,7 @@ from moeforge.spec import (
 )
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig, GateUpLayout, apply_activation
-from moeforge.stages.gemm import GemmRole
+from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.tensor_ref import ParamRef, TensorSource, resolve
 
 GROUP_SIZES = (32, 64, 128)
@@ -111,24 +111,18 @@ def _expert(weight: Int4Weight, expert: int) -> torch.Tensor:
     return dequantize_int4(weight.qweight[expert], weight.scales[expert], zeros)
 
 
+def int4_experts(weight: Int4Weight) -> ExpertWeights:
+    """The experts of ``weight`` for the reference GEMMs, dequantized one at a time (experts without
+    rows never are)."""
+    return ExpertWeights(int(weight.qweight.shape[0]), weight.out_features, lambda expert: _expert(weight, expert))
+
+
 def int4_gemm_sorted(x: torch.Tensor, counts: torch.Tensor, weight: Int4Weight,
                      bias: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``y[r] = x[r] @ dequant(weight[e(r)]).T (+ bias[e(r)]) (* row_scale[r])`` in fp32 for rows
-    ``x [R, K]`` grouped by expert ``e`` as ``counts`` says; experts without rows are not dequantized."""
-    values = x.float()
-    out = torch.empty(values.shape[0], weight.out_features, dtype=torch.float32, device=values.device)
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            rows = slice(start, start + count)
-            out[rows] = values[rows] @ _expert(weight, expert).t()
-            if bias is not None:
-                out[rows] += bias[expert].float()
-            start += count
-    if row_scale is not None:
-        out *= row_scale.unsqueeze(-1)
-    return out.to(out_dtype)
+    ``x [R, K]`` grouped by expert ``e`` as ``counts`` says."""
+    return grouped_gemm_sorted(Activations(x), counts, int4_experts(weight), bias, row_scale, out_dtype)
 
 
 def int4_gemm_padded(x: torch.Tensor, weight: Int4Weight, bias: Optional[torch.Tensor] = None,
@@ -136,15 +130,7 @@ def int4_gemm_padded(x: torch.Tensor, weight: Int4Weight, bias: Optional[torch.T
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``y[e, c] = x[e, c] @ dequant(weight[e]).T (+ bias[e]) (* slot_scale[e, c])`` for ``x [E, C, K]``
     (every slot, valid or not, as the unquantized reference does)."""
-    values = x.float()
-    out = torch.empty(*values.shape[:2], weight.out_features, dtype=torch.float32, device=values.device)
-    for expert in range(values.shape[0]):  # one expert's fp32 weights at a time bounds the memory
-        out[expert] = values[expert] @ _expert(weight, expert).t()
-    if bias is not None:
-        out += bias.float().unsqueeze(1)
-    if slot_scale is not None:
-        out *= slot_scale.unsqueeze(-1)
-    return out.to(out_dtype)
+    return grouped_gemm_padded(Activations(x), int4_experts(weight), bias, slot_scale, out_dtype)
 
 
 @attrs.frozen(eq=False)
@@ -217,18 +203,9 @@ class W4A16GroupedGemm(Stage[ExpertRows, ExpertRows]):
         )
 
     def __call__(self, x: ExpertRows) -> ExpertRows:
-        weight = self.weight()
         bias = resolve(self.bias) if self.bias is not None else None
-        data = x.x.data
-        if isinstance(x, SortedRows):
-            scale = x.plan.row_weight if self.apply_routing_weights else None
-            y = int4_gemm_sorted(data, x.counts(), weight, bias, scale, data.dtype)
-        elif isinstance(x, PaddedRows):
-            scale = x.plan.slot_weight if self.apply_routing_weights else None
-            y = int4_gemm_padded(data, weight, bias, scale, data.dtype)
-        else:
-            raise TypeError(f"W4A16GroupedGemm cannot consume {type(x).__name__}")
-        return x.with_x(Activations(y))
+        return expert_rows_gemm(x, int4_experts(self.weight()), bias, self.apply_routing_weights, x.x.data.dtype,
+                                self.name)
 
 
 # -- the quant method -------------------------------------------------------------------------------------

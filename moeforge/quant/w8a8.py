@@ -27,7 +27,7 @@ from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.payloads import Activations, ExpertRows, PaddedRows, RoutedTokens, SortedRows
+from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.quant.base import QuantMethod
 from moeforge.quant.unquantized import group_list_type_arg
 from moeforge.spec import (
@@ -44,8 +44,8 @@ from moeforge.spec import (
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.activation import ActivationConfig, GateUpLayout, apply_activation
-from moeforge.stages.gemm import GemmRole
-from moeforge.stages.quantize import PerTokenQuantizer, Quantizer, QuantizeRows, QuantizeTokens, dequantize
+from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.quantize import PerTokenQuantizer, Quantizer, QuantizeRows, QuantizeTokens
 from moeforge.tensor_ref import ParamRef, TensorSource, resolve
 
 if TYPE_CHECKING:
@@ -104,6 +104,13 @@ def scale_shape(rows: int, cols: int, block: bool) -> tuple[int, ...]:
 
 # -- the grouped GEMM -------------------------------------------------------------------------------
 
+def dequantized_experts(weight: torch.Tensor, weight_scale: torch.Tensor) -> ExpertWeights:
+    """The experts of a quantized ``weight [E, N, K]`` for the reference GEMMs, dequantized one at a
+    time."""
+    return ExpertWeights(int(weight.shape[0]), int(weight.shape[1]),
+                         lambda expert: dequantize_weight(weight[expert], weight_scale[expert]))
+
+
 def w8a8_gemm_sorted(
     x: Activations,
     counts: torch.Tensor,
@@ -115,19 +122,7 @@ def w8a8_gemm_sorted(
 ) -> torch.Tensor:
     """``y[r] = deq(x)[r] @ deq(weight[e(r)]).T (+ bias) (* row_scale[r])`` in fp32 for rows grouped by
     expert according to ``counts`` (``[E]``), cast to ``out_dtype``."""
-    values = dequantize(x)
-    out = torch.zeros(values.shape[0], weight.shape[1], dtype=torch.float32, device=values.device)
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            rows = slice(start, start + count)
-            out[rows] = values[rows] @ dequantize_weight(weight[expert], weight_scale[expert]).t()
-            if bias is not None:
-                out[rows] += bias[expert].float()
-            start += count
-    if row_scale is not None:
-        out *= row_scale.unsqueeze(-1)
-    return out.to(out_dtype)
+    return grouped_gemm_sorted(x, counts, dequantized_experts(weight, weight_scale), bias, row_scale, out_dtype)
 
 
 def w8a8_gemm_padded(
@@ -140,16 +135,7 @@ def w8a8_gemm_padded(
 ) -> torch.Tensor:
     """``y[e, c] = deq(x)[e, c] @ deq(weight[e]).T (+ bias[e]) (* slot_scale[e, c])`` for ``x [E, C, K]``
     (every slot, as the unquantized padded GEMM does; the combine reads only the valid ones)."""
-    values = dequantize(x)
-    out = torch.empty(values.shape[0], values.shape[1], weight.shape[1], dtype=torch.float32,
-                      device=values.device)
-    for expert in range(weight.shape[0]):
-        out[expert] = values[expert] @ dequantize_weight(weight[expert], weight_scale[expert]).t()
-    if bias is not None:
-        out += bias.float().unsqueeze(1)
-    if slot_scale is not None:
-        out *= slot_scale.unsqueeze(-1)
-    return out.to(out_dtype)
+    return grouped_gemm_padded(x, dequantized_experts(weight, weight_scale), bias, slot_scale, out_dtype)
 
 
 @attrs.frozen(eq=False)
@@ -245,18 +231,9 @@ class W8A8GroupedGemm(Stage[ExpertRows, ExpertRows]):
         )
 
     def __call__(self, x: ExpertRows) -> ExpertRows:
-        weight, scale = resolve(self.weight), resolve(self.weight_scale)
+        experts = dequantized_experts(resolve(self.weight), resolve(self.weight_scale))
         bias = resolve(self.bias) if self.bias is not None else None
-        out_dtype = self.out_dtype.torch_dtype
-        if isinstance(x, SortedRows):
-            row_scale = x.plan.row_weight if self.apply_routing_weights else None
-            y = w8a8_gemm_sorted(x.x, x.counts(), weight, scale, bias, row_scale, out_dtype)
-        elif isinstance(x, PaddedRows):
-            slot_scale = x.plan.slot_weight if self.apply_routing_weights else None
-            y = w8a8_gemm_padded(x.x, weight, scale, bias, slot_scale, out_dtype)
-        else:
-            raise TypeError(f"W8A8GroupedGemm cannot consume {type(x).__name__}")
-        return x.with_x(Activations(y))
+        return expert_rows_gemm(x, experts, bias, self.apply_routing_weights, self.out_dtype.torch_dtype, self.name)
 
 
 # -- the methods' shared body -----------------------------------------------------------------------

@@ -40,7 +40,7 @@ from moeforge.spec import (
 )
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
-from moeforge.stages.aligned import KERNEL_DTYPES, AlignDispatch, act_code, kernel_ops
+from moeforge.stages.aligned import act_code, kernel_ops
 from moeforge.stages.gemm import GemmRole
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, QuantizeTokens, Quantizer
 from moeforge.tensor_ref import TensorSource, resolve

@@ -8,7 +8,7 @@ multiply each output row by its routing weight in the epilogue (after the bias, 
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional, Union
 
 import attrs
 import torch
@@ -40,23 +40,45 @@ class GemmRole(enum.Enum):
     DOWN = "down"  # expert hidden (width I) -> expert output (width H)
 
 
+@attrs.frozen
+class ExpertWeights:
+    """Expert weights made one expert at a time: ``expert(e)`` is expert ``e``'s fp32 ``[N, K]``
+    weight (a quantized method dequantizes it on demand, so at most one expert's fp32 copy lives at
+    a time and experts without rows are never dequantized)."""
+
+    num_experts: int
+    out_features: int
+    expert: Callable[[int], torch.Tensor]
+
+
+WeightsArg = Union[torch.Tensor, ExpertWeights]
+
+
+def _per_expert(weight: WeightsArg) -> ExpertWeights:
+    if isinstance(weight, ExpertWeights):
+        return weight
+    return ExpertWeights(int(weight.shape[0]), int(weight.shape[1]), lambda expert: weight[expert].float())
+
+
 def grouped_gemm_sorted(
     x: Activations,
     counts: torch.Tensor,
-    weight: torch.Tensor,
+    weight: WeightsArg,
     bias: Optional[torch.Tensor] = None,
     row_scale: Optional[torch.Tensor] = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``y[r] = x[r] @ weight[e(r)].T (+ bias[e(r)]) (* row_scale[r])`` with rows grouped by expert
-    ``e`` according to ``counts`` (int64 ``[E]``)."""
+    ``e`` according to ``counts`` (int64 ``[E]``); ``weight`` is ``[E, N, K]`` or
+    :class:`ExpertWeights`."""
     values = dequantize(x)
-    out = torch.empty(values.shape[0], weight.shape[1], dtype=torch.float32, device=values.device)
+    experts = _per_expert(weight)
+    out = torch.empty(values.shape[0], experts.out_features, dtype=torch.float32, device=values.device)
     start = 0
     for expert, count in enumerate(counts.tolist()):
         if count:
             rows = slice(start, start + count)
-            out[rows] = values[rows] @ weight[expert].float().t()
+            out[rows] = values[rows] @ experts.expert(expert).t()
             if bias is not None:
                 out[rows] += bias[expert].float()
             start += count
@@ -67,18 +89,47 @@ def grouped_gemm_sorted(
 
 def grouped_gemm_padded(
     x: Activations,
-    weight: torch.Tensor,
+    weight: WeightsArg,
     bias: Optional[torch.Tensor] = None,
     slot_scale: Optional[torch.Tensor] = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """``y[e, c] = x[e, c] @ weight[e].T (+ bias[e]) (* slot_scale[e, c])`` for ``x [E, C, K]``."""
-    out = torch.bmm(dequantize(x), weight.float().transpose(1, 2))
+    """``y[e, c] = x[e, c] @ weight[e].T (+ bias[e]) (* slot_scale[e, c])`` for ``x [E, C, K]``
+    (every slot; the combine reads only the valid ones); ``weight`` is ``[E, N, K]`` (one batched
+    matmul) or :class:`ExpertWeights` (one expert at a time)."""
+    values = dequantize(x)
+    if isinstance(weight, torch.Tensor):
+        out = torch.bmm(values, weight.float().transpose(1, 2))
+    else:
+        out = torch.empty(*values.shape[:2], weight.out_features, dtype=torch.float32, device=values.device)
+        for expert in range(weight.num_experts):
+            out[expert] = values[expert] @ weight.expert(expert).t()
     if bias is not None:
         out += bias.float().unsqueeze(1)
     if slot_scale is not None:
         out *= slot_scale.unsqueeze(-1)
     return out.to(out_dtype)
+
+
+def expert_rows_gemm(
+    x: ExpertRows,
+    weight: WeightsArg,
+    bias: Optional[torch.Tensor],
+    apply_routing_weights: bool,
+    out_dtype: torch.dtype,
+    stage: str,
+) -> ExpertRows:
+    """One grouped GEMM on either expert-grouped layout (the routing weights of the plan applied
+    after the bias when asked): the body of every torch-reference GEMM stage."""
+    if isinstance(x, SortedRows):
+        scale = x.plan.row_weight if apply_routing_weights else None
+        y = grouped_gemm_sorted(x.x, x.counts(), weight, bias, scale, out_dtype)
+    elif isinstance(x, PaddedRows):
+        scale = x.plan.slot_weight if apply_routing_weights else None
+        y = grouped_gemm_padded(x.x, weight, bias, scale, out_dtype)
+    else:
+        raise TypeError(f"{stage} cannot consume {type(x).__name__}")
+    return x.with_x(Activations(y))
 
 
 @attrs.frozen(eq=False)
@@ -159,17 +210,6 @@ class GroupedGemm(Stage[ExpertRows, ExpertRows]):
         return self.out_dtype.torch_dtype if self.out_dtype is not None else x.data.dtype
 
     def __call__(self, x: ExpertRows) -> ExpertRows:
-        weight = resolve(self.weight)
         bias = resolve(self.bias) if self.bias is not None else None
-        out_dtype = self._out_dtype(x.x)
-        if isinstance(x, SortedRows):
-            counts = x.counts()
-            scale = x.plan.row_weight if self.apply_routing_weights else None
-            y = grouped_gemm_sorted(x.x, counts, weight, bias, scale, out_dtype)
-        elif isinstance(x, PaddedRows):
-            scale = x.plan.slot_weight if self.apply_routing_weights else None
-            y = grouped_gemm_padded(x.x, weight, bias, scale, out_dtype)
-        else:
-            raise TypeError(f"GroupedGemm cannot consume {type(x).__name__}")
-        return x.with_x(Activations(y))
-
+        return expert_rows_gemm(x, resolve(self.weight), bias, self.apply_routing_weights, self._out_dtype(x.x),
+                                self.name)
