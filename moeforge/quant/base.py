@@ -178,3 +178,20 @@ class QuantMethod(abc.ABC):
         with ``group_list`` = valid rows per expert (``group_list_type`` must be 1). Returns
         ``[R, H]`` (or ``[E, C, H]``) in ``output_dtype``.
         """
+
+
+def expert_shapes(num_experts: int, hidden_size: int, intermediate_size: int,
+                  gated: bool) -> dict[str, tuple[int, int, int]]:
+    """The expert matrices every method stores, as ``[E, N, K]``: ``"w13"`` gate/up ``[E, 2I, H]``
+    (``[E, I, H]`` when the activation is not gated) and ``"w2"`` down ``[E, H, I]``."""
+    gate_up = 2 * intermediate_size if gated else intermediate_size
+    return {"w13": (num_experts, gate_up, hidden_size), "w2": (num_experts, hidden_size, intermediate_size)}
+
+
+def register_expert_biases(layer: torch.nn.Module, shapes: dict[str, tuple[int, int, int]], bias: bool,
+                           dtype: torch.dtype, device: Union[torch.device, str, None]) -> None:
+    """``w13_bias [E, N13]`` and ``w2_bias [E, H]`` (zeros, float, trainable), or ``None`` for both
+    when the experts have no biases; ``shapes`` as :func:`expert_shapes` gives them."""
+    for prefix, (experts, rows, _) in shapes.items():
+        value = torch.nn.Parameter(torch.zeros(experts, rows, dtype=dtype, device=device)) if bias else None
+        layer.register_parameter(f"{prefix}_bias", value)

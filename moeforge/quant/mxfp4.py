@@ -31,7 +31,7 @@ from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import BackendUnavailableError, CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.quant.base import QuantMethod
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import (
     EmulatedGroupedGemm,
@@ -113,17 +113,14 @@ class Mxfp4Method(QuantMethod):
             if size % MXFP4_BLOCK:
                 raise InputError(f"Mxfp4Method needs {name} divisible by {MXFP4_BLOCK} (its block size), "
                                  f"got {size}")
-        gate_up = 2 * intermediate_size if gated else intermediate_size
-        shapes = {"w13": (num_experts, gate_up, hidden_size), "w2": (num_experts, hidden_size, intermediate_size)}
+        shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
         for prefix, (experts, rows, width) in shapes.items():
             groups = width // MXFP4_BLOCK
             for name, shape in ((f"{prefix}_blocks", (experts, rows, groups, BYTES_PER_BLOCK)),
                                 (f"{prefix}_scales", (experts, rows, groups))):
                 tensor = torch.zeros(shape, dtype=torch.uint8, device=device)
                 layer.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
-        for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
-            value = torch.nn.Parameter(torch.zeros(bias_shape, dtype=dtype, device=device)) if bias else None
-            layer.register_parameter(name, value)
+        register_expert_biases(layer, shapes, bias, dtype, device)
         # Usable before loading: random N(0, 1/fan_in) weights, quantized.
         w13 = torch.empty(shapes["w13"], device=device).normal_(std=hidden_size ** -0.5)
         w2 = torch.empty(shapes["w2"], device=device).normal_(std=intermediate_size ** -0.5)

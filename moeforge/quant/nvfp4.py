@@ -56,7 +56,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
-from moeforge.quant.base import QuantMethod
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.quant.fp4 import (
     NVFP4_BLOCK,
     dequantize_nvfp4,
@@ -361,8 +361,7 @@ class Nvfp4Method(QuantMethod):
             if size % NVFP4_BLOCK:
                 raise InputError(f"Nvfp4Method needs {name} divisible by {NVFP4_BLOCK} (its block size), "
                                  f"got {size}")
-        gate_up = 2 * intermediate_size if gated else intermediate_size
-        shapes = {"w13": (num_experts, gate_up, hidden_size), "w2": (num_experts, hidden_size, intermediate_size)}
+        shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
         for prefix, shape in shapes.items():
             data_shape, scale_shape = fp4_storage(shape, NVFP4_BLOCK)
             for suffix, tensor in (
@@ -371,9 +370,7 @@ class Nvfp4Method(QuantMethod):
                 ("weight_global_scale", torch.ones(num_experts, dtype=torch.float32, device=device)),
             ):
                 layer.register_parameter(f"{prefix}_{suffix}", torch.nn.Parameter(tensor, requires_grad=False))
-        for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
-            value = torch.nn.Parameter(torch.zeros(bias_shape, dtype=dtype, device=device)) if bias else None
-            layer.register_parameter(name, value)
+        register_expert_biases(layer, shapes, bias, dtype, device)
         # Usable before loading: random N(0, 1/fan_in) weights, quantized.
         w13 = torch.empty(shapes["w13"], device=device).normal_(std=hidden_size ** -0.5)
         w2 = torch.empty(shapes["w2"], device=device).normal_(std=intermediate_size ** -0.5)

@@ -15,7 +15,7 @@ from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
 from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
-from moeforge.quant.base import QuantMethod
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.tensor_ref import ParamRef
 
 W13, W2, B13, B2 = "w13_weight", "w2_weight", "w13_bias", "w2_bias"
@@ -44,14 +44,11 @@ class UnquantizedMethod(QuantMethod):
         dtype: torch.dtype,
         device: Union[torch.device, str, None],
     ) -> None:
-        gate_up = 2 * intermediate_size if gated else intermediate_size
-        shapes = {W13: (num_experts, gate_up, hidden_size), W2: (num_experts, hidden_size, intermediate_size)}
-        for name, shape in shapes.items():  # weights ~ N(0, 1/fan_in): a usable layer before loading
+        shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
+        for name, shape in zip((W13, W2), shapes.values()):  # weights ~ N(0, 1/fan_in): usable before loading
             weight = torch.empty(shape, dtype=torch.float32, device=device).normal_(std=shape[-1] ** -0.5)
             layer.register_parameter(name, torch.nn.Parameter(weight.to(dtype)))
-        for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
-            value = torch.nn.Parameter(torch.zeros(bias_shape, dtype=dtype, device=device)) if bias else None
-            layer.register_parameter(name, value)
+        register_expert_biases(layer, shapes, bias, dtype, device)
 
     def expert_stages(
         self,

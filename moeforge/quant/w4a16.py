@@ -31,7 +31,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows
-from moeforge.quant.base import QuantMethod
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
     CheckpointFormat,
@@ -269,8 +269,8 @@ class W4A16Method(QuantMethod):
         device: Union[torch.device, str, None],
     ) -> None:
         self._check_sizes(hidden_size, intermediate_size)
-        gate_up = 2 * intermediate_size if gated else intermediate_size
-        for prefix, (n, k) in (("w13", (gate_up, hidden_size)), ("w2", (hidden_size, intermediate_size))):
+        shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
+        for prefix, (_, n, k) in shapes.items():
             q_name, s_name, z_name = _PARAMS[prefix]
             groups = (num_experts, n, k // self.group_size)
             # Random valid weights with the unquantized method's spread: a usable layer before loading.
@@ -282,9 +282,7 @@ class W4A16Method(QuantMethod):
             _register(layer, q_name, packed)
             _register(layer, s_name, scales.to(dtype))
             _register(layer, z_name, zeros)
-        for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
-            _register(layer, name, torch.zeros(bias_shape, dtype=dtype, device=device) if bias else None,
-                      trainable=True)
+        register_expert_biases(layer, shapes, bias, dtype, device)
 
     def quantize_weights(self, layer: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Fill ``layer``'s int4 weights from float ``w13 [E, 2I, H]`` (``[E, I, H]`` when not gated,

@@ -40,7 +40,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import BackendUnavailableError, CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, MoEOutput, PaddedRows, RoutedTokens, SortedRows
-from moeforge.quant.base import QuantMethod
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.quant.nvfp4 import check_expert_groups, optional_tensor
 from moeforge.spec import (
     Accepts,
@@ -294,17 +294,14 @@ class W4A4NpuMethod(QuantMethod):
         for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if size % 2:
                 raise InputError(f"W4A4NpuMethod packs two int4 values per byte: {name} must be even, got {size}")
-        gate_up = 2 * intermediate_size if gated else intermediate_size
-        shapes = {"w13": (num_experts, gate_up, hidden_size), "w2": (num_experts, hidden_size, intermediate_size)}
+        shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
         for prefix, (experts, rows, width) in shapes.items():
             for name, tensor in (
                 (f"{prefix}_weight", torch.zeros(experts, rows, width // 2, dtype=torch.uint8, device=device)),
                 (f"{prefix}_weight_scale", torch.ones(experts, rows, dtype=torch.float32, device=device)),
             ):
                 layer.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
-        for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
-            value = torch.nn.Parameter(torch.zeros(bias_shape, dtype=dtype, device=device)) if bias else None
-            layer.register_parameter(name, value)
+        register_expert_biases(layer, shapes, bias, dtype, device)
         # Usable before loading: random N(0, 1/fan_in) weights, quantized.
         w13 = torch.empty(shapes["w13"], device=device).normal_(std=hidden_size ** -0.5)
         w2 = torch.empty(shapes["w2"], device=device).normal_(std=intermediate_size ** -0.5)

@@ -28,7 +28,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
-from moeforge.quant.base import QuantMethod
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.quant.unquantized import group_list_type_arg
 from moeforge.spec import (
     Accepts,
@@ -310,9 +310,8 @@ class W8A8Method(QuantMethod):
         device: Union[torch.device, str, None],
     ) -> None:
         self.check_sizes(hidden_size, intermediate_size, gated)
-        gate_up = 2 * intermediate_size if gated else intermediate_size
-        shapes = {W13: (num_experts, gate_up, hidden_size), W2: (num_experts, hidden_size, intermediate_size)}
-        for (name, shape), scale_name in zip(shapes.items(), (S13, S2)):
+        shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
+        for name, shape, scale_name in zip((W13, W2), shapes.values(), (S13, S2)):
             # Quantized N(0, 1/fan_in) weights: a usable layer before loading, like the unquantized one.
             # One expert at a time, so the float copies stay one expert's size.
             data = torch.empty(shape, dtype=self.weight_dtype.torch_dtype, device=device)
@@ -322,9 +321,7 @@ class W8A8Method(QuantMethod):
                 data[expert], scale[expert] = self.quantize(weight)
             layer.register_parameter(name, torch.nn.Parameter(data, requires_grad=False))
             layer.register_parameter(scale_name, torch.nn.Parameter(scale, requires_grad=False))
-        for name, bias_shape in ((B13, (num_experts, gate_up)), (B2, (num_experts, hidden_size))):
-            value = torch.nn.Parameter(torch.zeros(bias_shape, dtype=dtype, device=device)) if bias else None
-            layer.register_parameter(name, value)
+        register_expert_biases(layer, shapes, bias, dtype, device)
 
     def quantize_weights(self, layer: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Fill ``layer``'s quantized weights and scales from float weights ``w13 [E, 2I, H]`` (the
