@@ -25,7 +25,7 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.errors import CheckpointError, ContractError
+from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import MoEOutput, RoutedTokens
 from moeforge.spec import DType, GroupListType, ScaleLayout
@@ -195,3 +195,45 @@ def register_expert_biases(layer: torch.nn.Module, shapes: dict[str, tuple[int, 
     for prefix, (experts, rows, _) in shapes.items():
         value = torch.nn.Parameter(torch.zeros(experts, rows, dtype=dtype, device=device)) if bias else None
         layer.register_parameter(f"{prefix}_bias", value)
+
+
+def group_list_type_arg(value: object) -> GroupListType:
+    """:meth:`GroupListType.parse`, raising :class:`InputError` (the argument error of the apply paths)."""
+    try:
+        return GroupListType.parse(value)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def check_expert_groups(
+    hidden_states: torch.Tensor,
+    group_list_type: Union[GroupListType, int],
+    group_list: torch.Tensor,
+    num_experts: int,
+    width: int,
+) -> Optional[torch.Tensor]:
+    """Check the expert-grouped arguments of ``apply_without_routing_weights`` (``width``: the last
+    dimension ``hidden_states`` must have); return the per-expert row counts (int64) of sorted rows
+    ``[R, width]``, or ``None`` for padded rows ``[E, C, width]``. Raises :class:`InputError`."""
+    kind = group_list_type_arg(group_list_type)
+    if not isinstance(group_list, torch.Tensor) or group_list.dim() != 1 or group_list.shape[0] != num_experts:
+        shape = tuple(group_list.shape) if isinstance(group_list, torch.Tensor) else type(group_list).__name__
+        raise InputError(f"group_list must be [num_experts={num_experts}], got {shape}")
+    if hidden_states.dim() not in (2, 3):
+        raise InputError(f"hidden_states must be [R, W] or [E, C, W], got {tuple(hidden_states.shape)}")
+    # Check against the weights here: a mismatch would otherwise surface as a matmul shape error.
+    if hidden_states.shape[-1] != width or (hidden_states.dim() == 3 and hidden_states.shape[0] != num_experts):
+        want = f"[R, {width}] or [{num_experts}, C, {width}]"
+        raise InputError(f"hidden_states must be {want} to match the expert weights, got "
+                         f"{tuple(hidden_states.shape)}")
+    if hidden_states.dim() == 3:
+        if kind is not GroupListType.COUNT:
+            raise InputError("padded hidden_states [E, C, W] need group_list_type=1 (counts)")
+        return None
+    counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
+        group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
+    if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
+        raise InputError(
+            f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "
+            f"{counts.tolist()}; hidden_states has {hidden_states.shape[0]} rows")
+    return counts

@@ -31,13 +31,12 @@ from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import BackendUnavailableError, CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import (
     EmulatedGroupedGemm,
     bias_ref,
     optional_tensor,
-    check_expert_groups,
     emulated_expert_mlp,
 )
 from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout

@@ -37,8 +37,7 @@ Activations after dispatch: float (bf16/fp16/fp32), or NVFP4 (``DType.NVFP4``,
 * The second GEMM's input (the activation output) stays in the layer's dtype: there is no static
   scale for it in this config.
 
-The GEMM stage (:class:`EmulatedGroupedGemm`) and the expert-grouped helpers
-(:func:`check_expert_groups`, :func:`emulated_expert_mlp`) are shared with
+The GEMM stage (:class:`EmulatedGroupedGemm`) and :func:`emulated_expert_mlp` are shared with
 :mod:`moeforge.quant.mxfp4`.
 """
 
@@ -56,7 +55,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
-from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
 from moeforge.quant.fp4 import (
     NVFP4_BLOCK,
     dequantize_nvfp4,
@@ -64,7 +63,6 @@ from moeforge.quant.fp4 import (
     nvfp4_global_scale,
     quantize_nvfp4,
 )
-from moeforge.quant.unquantized import group_list_type_arg
 from moeforge.spec import (
     FLOAT_DTYPES,
     Accepts,
@@ -101,40 +99,6 @@ class DequantizableWeight(Protocol):
     def shape(self) -> tuple[int, int, int]: ...
 
     def dequantize(self) -> torch.Tensor: ...
-
-
-def check_expert_groups(
-    hidden_states: torch.Tensor,
-    group_list_type: Union[GroupListType, int],
-    group_list: torch.Tensor,
-    num_experts: int,
-    width: int,
-) -> Optional[torch.Tensor]:
-    """Check the expert-grouped arguments of ``apply_without_routing_weights`` (``width``: the last
-    dimension ``hidden_states`` must have); return the per-expert row counts (int64) of sorted rows
-    ``[R, width]``, or ``None`` for padded rows ``[E, C, width]``. Raises :class:`InputError`."""
-    kind = group_list_type_arg(group_list_type)
-    if not isinstance(group_list, torch.Tensor) or group_list.dim() != 1 or group_list.shape[0] != num_experts:
-        shape = tuple(group_list.shape) if isinstance(group_list, torch.Tensor) else type(group_list).__name__
-        raise InputError(f"group_list must be [num_experts={num_experts}], got {shape}")
-    if hidden_states.dim() not in (2, 3):
-        raise InputError(f"hidden_states must be [R, W] or [E, C, W], got {tuple(hidden_states.shape)}")
-    # Check against the weights here: a mismatch would otherwise surface as a matmul shape error.
-    if hidden_states.shape[-1] != width or (hidden_states.dim() == 3 and hidden_states.shape[0] != num_experts):
-        want = f"[R, {width}] or [{num_experts}, C, {width}]"
-        raise InputError(f"hidden_states must be {want} to match the expert weights, got "
-                         f"{tuple(hidden_states.shape)}")
-    if hidden_states.dim() == 3:
-        if kind is not GroupListType.COUNT:
-            raise InputError("padded hidden_states [E, C, W] need group_list_type=1 (counts)")
-        return None
-    counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
-        group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
-    if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
-        raise InputError(
-            f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "
-            f"{counts.tolist()}; hidden_states has {hidden_states.shape[0]} rows")
-    return counts
 
 
 def emulated_expert_mlp(

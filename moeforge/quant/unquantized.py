@@ -15,7 +15,7 @@ from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
 from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
-from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
 from moeforge.tensor_ref import ParamRef
 
 W13, W2, B13, B2 = "w13_weight", "w2_weight", "w13_bias", "w2_bias"
@@ -95,42 +95,15 @@ class UnquantizedMethod(QuantMethod):
             raise InputError("hidden_states_scale must be None: UnquantizedMethod takes float activations")
         if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
-        kind = group_list_type_arg(group_list_type)
         w13, w2 = getattr(layer, W13), getattr(layer, W2)
         b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
-        num_experts, hidden_size = w13.shape[0], w13.shape[2]
-        if group_list.dim() != 1 or group_list.shape[0] != num_experts:
-            raise InputError(f"group_list must be [num_experts={num_experts}], got {tuple(group_list.shape)}")
-        if hidden_states.dim() not in (2, 3):
-            raise InputError(f"hidden_states must be [R, H] or [E, C, H], got {tuple(hidden_states.shape)}")
-        # Check against the weights here: a mismatch would otherwise surface as a matmul shape error.
-        if hidden_states.shape[-1] != hidden_size or (
-                hidden_states.dim() == 3 and hidden_states.shape[0] != num_experts):
-            want = f"[R, {hidden_size}] or [{num_experts}, C, {hidden_size}]"
-            raise InputError(f"hidden_states must be {want} to match the expert weights, got "
-                             f"{tuple(hidden_states.shape)}")
+        counts = check_expert_groups(hidden_states, group_list_type, group_list, w13.shape[0], w13.shape[2])
         config: ActivationConfig = getattr(layer, "activation")
-        if hidden_states.dim() == 3:
-            if kind is not GroupListType.COUNT:
-                raise InputError("padded hidden_states [E, C, H] need group_list_type=1 (counts)")
-            # Intermediates are rounded to the activations' dtype, as the pipeline's stages do.
+        # Intermediates are rounded to the activations' dtype, as the pipeline's stages do.
+        if counts is None:
             hidden = grouped_gemm_padded(Activations(hidden_states), w13, b13, None, hidden_states.dtype)
             activated = apply_activation(hidden, config).to(hidden_states.dtype)
             return grouped_gemm_padded(Activations(activated), w2, b2, None, output_dtype)
-        counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
-            group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
-        if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
-            raise InputError(
-                f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "
-                f"{counts.tolist()}; hidden_states has {hidden_states.shape[0]} rows")
         hidden = grouped_gemm_sorted(Activations(hidden_states), counts, w13, b13, None, hidden_states.dtype)
         activated = apply_activation(hidden, config).to(hidden_states.dtype)
         return grouped_gemm_sorted(Activations(activated), counts, w2, b2, None, output_dtype)
-
-
-def group_list_type_arg(value: object) -> GroupListType:
-    """:meth:`GroupListType.parse`, raising :class:`InputError` (the argument error of the apply paths)."""
-    try:
-        return GroupListType.parse(value)
-    except ValueError as error:
-        raise InputError(str(error)) from None

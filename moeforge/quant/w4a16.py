@@ -31,7 +31,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows
-from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
     CheckpointFormat,
@@ -41,7 +41,6 @@ from moeforge.quant.int4_packing import (
     gptq_to_int4,
     pack_int4,
 )
-from moeforge.quant.unquantized import group_list_type_arg
 from moeforge.spec import (
     FLOAT_DTYPES,
     Accepts,
@@ -455,34 +454,17 @@ class W4A16Method(QuantMethod):
             raise InputError(f"hidden_states_scale must be None: {self.name} takes float activations")
         if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
-        kind = group_list_type_arg(group_list_type)
         w13, w2 = _weight(layer, "w13"), _weight(layer, "w2")
         b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
-        num_experts, hidden_size = int(w13.qweight.shape[0]), w13.in_features
-        if group_list.dim() != 1 or group_list.shape[0] != num_experts:
-            raise InputError(f"group_list must be [num_experts={num_experts}], got {tuple(group_list.shape)}")
-        if hidden_states.dim() not in (2, 3):
-            raise InputError(f"hidden_states must be [R, H] or [E, C, H], got {tuple(hidden_states.shape)}")
-        if hidden_states.shape[-1] != hidden_size or (
-                hidden_states.dim() == 3 and hidden_states.shape[0] != num_experts):
-            want = f"[R, {hidden_size}] or [{num_experts}, C, {hidden_size}]"
-            raise InputError(f"hidden_states must be {want} to match the expert weights, got "
-                             f"{tuple(hidden_states.shape)}")
+        counts = check_expert_groups(hidden_states, group_list_type, group_list, int(w13.qweight.shape[0]),
+                                     w13.in_features)
         config: ActivationConfig = getattr(layer, "activation")
         dtype = hidden_states.dtype
-        if hidden_states.dim() == 3:
-            if kind is not GroupListType.COUNT:
-                raise InputError("padded hidden_states [E, C, H] need group_list_type=1 (counts)")
-            # Intermediates are rounded to the activations' dtype, as the pipeline's stages do.
+        # Intermediates are rounded to the activations' dtype, as the pipeline's stages do.
+        if counts is None:
             hidden = int4_gemm_padded(hidden_states, w13, b13, None, dtype)
             activated = apply_activation(hidden, config).to(dtype)
             return int4_gemm_padded(activated, w2, b2, None, output_dtype)
-        counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
-            group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
-        if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
-            raise InputError(
-                f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "
-                f"{counts.tolist()}; hidden_states has {hidden_states.shape[0]} rows")
         hidden = int4_gemm_sorted(hidden_states, counts, w13, b13, None, dtype)
         activated = apply_activation(hidden, config).to(dtype)
         return int4_gemm_sorted(activated, counts, w2, b2, None, output_dtype)

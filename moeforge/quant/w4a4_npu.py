@@ -40,8 +40,8 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import BackendUnavailableError, CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, MoEOutput, PaddedRows, RoutedTokens, SortedRows
-from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
-from moeforge.quant.nvfp4 import check_expert_groups, optional_tensor
+from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
+from moeforge.quant.nvfp4 import optional_tensor
 from moeforge.spec import (
     Accepts,
     DType,

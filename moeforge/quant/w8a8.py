@@ -28,8 +28,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
-from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
-from moeforge.quant.unquantized import group_list_type_arg
+from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
 from moeforge.spec import (
     Accepts,
     DType,
@@ -468,35 +467,17 @@ class W8A8Method(QuantMethod):
         """GEMM -> activation + quantization -> GEMM on expert-grouped rows, as the pipeline's stages
         compute it (the first GEMM's output rounded to the layer's dtype). ``hidden_states`` are float
         (quantized here) or in the method's activation format with ``hidden_states_scale``."""
-        kind = group_list_type_arg(group_list_type)
         w13, w2 = getattr(layer, W13), getattr(layer, W2)
         s13, s2 = getattr(layer, S13), getattr(layer, S2)
         b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
-        num_experts, hidden_size = w13.shape[0], w13.shape[2]
-        if group_list.dim() != 1 or group_list.shape[0] != num_experts:
-            raise InputError(f"group_list must be [num_experts={num_experts}], got {tuple(group_list.shape)}")
-        if hidden_states.dim() not in (2, 3):
-            raise InputError(f"hidden_states must be [R, H] or [E, C, H], got {tuple(hidden_states.shape)}")
-        if hidden_states.shape[-1] != hidden_size or (
-                hidden_states.dim() == 3 and hidden_states.shape[0] != num_experts):
-            want = f"[R, {hidden_size}] or [{num_experts}, C, {hidden_size}]"
-            raise InputError(f"hidden_states must be {want} to match the expert weights, got "
-                             f"{tuple(hidden_states.shape)}")
+        counts = check_expert_groups(hidden_states, group_list_type, group_list, w13.shape[0], w13.shape[2])
         x = self._quantized_input(hidden_states, hidden_states_scale)
         config: ActivationConfig = getattr(layer, "activation")
         between = layer_dtype(layer)
         quantizer = self.activation_quantizer
-        if hidden_states.dim() == 3:
-            if kind is not GroupListType.COUNT:
-                raise InputError("padded hidden_states [E, C, H] need group_list_type=1 (counts)")
+        if counts is None:
             hidden = w8a8_gemm_padded(x, w13, s13, b13, None, between)
             return w8a8_gemm_padded(quantizer(apply_activation(hidden, config)), w2, s2, b2, None, output_dtype)
-        counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
-            group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
-        if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
-            raise InputError(
-                f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "
-                f"{counts.tolist()}; hidden_states has {hidden_states.shape[0]} rows")
         hidden = w8a8_gemm_sorted(x, counts, w13, s13, b13, None, between)
         return w8a8_gemm_sorted(quantizer(apply_activation(hidden, config)), counts, w2, s2, b2, None, output_dtype)
 
