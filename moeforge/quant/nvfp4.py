@@ -63,21 +63,10 @@ from moeforge.quant.fp4 import (
     nvfp4_global_scale,
     quantize_nvfp4,
 )
-from moeforge.spec import (
-    FLOAT_DTYPES,
-    Accepts,
-    DType,
-    ExpertIds,
-    GroupListType,
-    Layout,
-    PayloadKind,
-    RoutingWeights,
-    ScaleLayout,
-    Spec,
-)
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
-from moeforge.stages.gemm import GemmRole, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.gemm import GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.stages.quantize import QuantizeTokens, Quantizer
 from moeforge.tensor_ref import ParamRef, TensorSource, resolve
 
@@ -175,16 +164,8 @@ class EmulatedGroupedGemm(Stage[ExpertRows, ExpertRows]):
 
     def accepts(self) -> Accepts:
         dtypes, scales = self._dtypes()
-        return Accepts(
-            kind=PayloadKind.DISPATCHED if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
-            layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
-            dtype=dtypes,
-            scale_layout=scales,
-            width=self.in_features,
-            expert_ids=ExpertIds.LOCAL,
-            num_experts=self.num_experts,
-            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
-        )
+        return expert_gemm_accepts(self.role, dtypes=dtypes, scales=scales, in_features=self.in_features,
+                                   num_experts=self.num_experts, apply_routing_weights=self.apply_routing_weights)
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout") and self.input_global_scale is None:
@@ -202,14 +183,8 @@ class EmulatedGroupedGemm(Stage[ExpertRows, ExpertRows]):
         return found
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(
-            kind=PayloadKind.EXPERT_HIDDEN if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
-            dtype=self.out_dtype or spec.dtype,
-            scale_layout=ScaleLayout.NONE,
-            width=self.out_features,
-            routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if self.apply_routing_weights
-            else spec.routing_weights,
-        )
+        return expert_gemm_output_spec(spec, self.role, out_features=self.out_features,
+                                       apply_routing_weights=self.apply_routing_weights, out_dtype=self.out_dtype)
 
     def _values(self, x: Activations) -> torch.Tensor:
         if x.data.dtype == torch.uint8:  # NVFP4 rows (accepted only with a global scale)

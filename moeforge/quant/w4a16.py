@@ -41,21 +41,10 @@ from moeforge.quant.int4_packing import (
     gptq_to_int4,
     pack_int4,
 )
-from moeforge.spec import (
-    FLOAT_DTYPES,
-    Accepts,
-    DType,
-    ExpertIds,
-    GroupListType,
-    Layout,
-    PayloadKind,
-    RoutingWeights,
-    ScaleLayout,
-    Spec,
-)
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig, GateUpLayout, apply_activation
-from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.tensor_ref import ParamRef, TensorSource, resolve
 
 GROUP_SIZES = (32, 64, 128)
@@ -176,17 +165,9 @@ class W4A16GroupedGemm(Stage[ExpertRows, ExpertRows]):
                 f"int4 g{weight.group_size}{extra})")
 
     def accepts(self) -> Accepts:
-        weight = self.weight()
-        return Accepts(
-            kind=PayloadKind.DISPATCHED if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
-            layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
-            dtype=self.accepts_dtypes,
-            scale_layout=ScaleLayout.NONE,
-            width=weight.in_features,
-            expert_ids=ExpertIds.LOCAL,
-            num_experts=self.num_experts,
-            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
-        )
+        return expert_gemm_accepts(self.role, dtypes=self.accepts_dtypes, scales=ScaleLayout.NONE,
+                                   in_features=self.weight().in_features, num_experts=self.num_experts,
+                                   apply_routing_weights=self.apply_routing_weights)
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):
@@ -194,12 +175,8 @@ class W4A16GroupedGemm(Stage[ExpertRows, ExpertRows]):
         return None
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(
-            kind=PayloadKind.EXPERT_HIDDEN if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
-            width=self.weight().out_features,
-            routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if self.apply_routing_weights
-            else spec.routing_weights,
-        )
+        return expert_gemm_output_spec(spec, self.role, out_features=self.weight().out_features,
+                                       apply_routing_weights=self.apply_routing_weights, out_dtype=None)
 
     def __call__(self, x: ExpertRows) -> ExpertRows:
         bias = resolve(self.bias) if self.bias is not None else None

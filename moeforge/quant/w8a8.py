@@ -29,21 +29,11 @@ from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
-from moeforge.spec import (
-    Accepts,
-    DType,
-    ExpertIds,
-    GroupListType,
-    Layout,
-    PayloadKind,
-    RoutingWeights,
-    ScaleLayout,
-    Spec,
-)
+from moeforge.spec import Accepts, DType, GroupListType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.activation import ActivationConfig, GateUpLayout, apply_activation
-from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.stages.quantize import PerTokenQuantizer, Quantizer, QuantizeRows, QuantizeTokens
 from moeforge.tensor_ref import ParamRef, TensorSource, resolve
 
@@ -202,16 +192,9 @@ class W8A8GroupedGemm(Stage[ExpertRows, ExpertRows]):
                 f"w={wdtype}/{per}, a={self.act_dtype.value}/{self.act_scales.value}{extra})")
 
     def accepts(self) -> Accepts:
-        return Accepts(
-            kind=PayloadKind.DISPATCHED if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
-            layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
-            dtype=self.act_dtype,
-            scale_layout=self.act_scales,
-            width=self.in_features,
-            expert_ids=ExpertIds.LOCAL,
-            num_experts=self.num_experts,
-            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
-        )
+        return expert_gemm_accepts(self.role, dtypes=self.act_dtype, scales=self.act_scales,
+                                   in_features=self.in_features, num_experts=self.num_experts,
+                                   apply_routing_weights=self.apply_routing_weights)
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):
@@ -220,14 +203,8 @@ class W8A8GroupedGemm(Stage[ExpertRows, ExpertRows]):
         return None
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(
-            kind=PayloadKind.EXPERT_HIDDEN if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
-            dtype=self.out_dtype,
-            scale_layout=ScaleLayout.NONE,
-            width=self.out_features,
-            routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if self.apply_routing_weights
-            else spec.routing_weights,
-        )
+        return expert_gemm_output_spec(spec, self.role, out_features=self.out_features,
+                                       apply_routing_weights=self.apply_routing_weights, out_dtype=self.out_dtype)
 
     def __call__(self, x: ExpertRows) -> ExpertRows:
         experts = dequantized_experts(resolve(self.weight), resolve(self.weight_scale))

@@ -111,6 +111,37 @@ def grouped_gemm_padded(
     return out.to(out_dtype)
 
 
+def expert_gemm_accepts(role: GemmRole, *, dtypes: Union[DType, frozenset[DType]],
+                        scales: Union[ScaleLayout, frozenset[ScaleLayout]], in_features: int, num_experts: int,
+                        apply_routing_weights: bool) -> Accepts:
+    """What a grouped GEMM stage of the experts accepts: its role's payload on either expert-grouped
+    layout, in its formats, ``in_features`` wide, local ids, pending weights if its epilogue applies
+    them."""
+    return Accepts(
+        kind=PayloadKind.DISPATCHED if role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
+        layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
+        dtype=dtypes,
+        scale_layout=scales,
+        width=in_features,
+        expert_ids=ExpertIds.LOCAL,
+        num_experts=num_experts,
+        routing_weights=RoutingWeights.PENDING if apply_routing_weights else None,
+    )
+
+
+def expert_gemm_output_spec(spec: Spec, role: GemmRole, *, out_features: int, apply_routing_weights: bool,
+                            out_dtype: Optional[DType]) -> Spec:
+    """What a grouped GEMM stage of the experts produces from ``spec`` (``out_dtype=None``: the
+    input's dtype; unscaled)."""
+    return spec.evolve(
+        kind=PayloadKind.EXPERT_HIDDEN if role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
+        dtype=out_dtype or spec.dtype,
+        scale_layout=ScaleLayout.NONE,
+        width=out_features,
+        routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if apply_routing_weights else spec.routing_weights,
+    )
+
+
 def expert_rows_gemm(
     x: ExpertRows,
     weight: WeightsArg,
@@ -178,16 +209,9 @@ class GroupedGemm(Stage[ExpertRows, ExpertRows]):
         return f"GroupedGemm({self.role.value}, {self.in_features}->{self.out_features}{extra})"
 
     def accepts(self) -> Accepts:
-        return Accepts(
-            kind=PayloadKind.DISPATCHED if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
-            layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
-            dtype=self.accepts_dtypes,
-            scale_layout=self.accepts_scales,
-            width=self.in_features,
-            expert_ids=ExpertIds.LOCAL,
-            num_experts=self.num_experts,
-            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
-        )
+        return expert_gemm_accepts(self.role, dtypes=self.accepts_dtypes, scales=self.accepts_scales,
+                                   in_features=self.in_features, num_experts=self.num_experts,
+                                   apply_routing_weights=self.apply_routing_weights)
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)
@@ -197,14 +221,8 @@ class GroupedGemm(Stage[ExpertRows, ExpertRows]):
         return found
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(
-            kind=PayloadKind.EXPERT_HIDDEN if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
-            dtype=self.out_dtype or spec.dtype,
-            scale_layout=ScaleLayout.NONE,
-            width=self.out_features,
-            routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if self.apply_routing_weights
-            else spec.routing_weights,
-        )
+        return expert_gemm_output_spec(spec, self.role, out_features=self.out_features,
+                                       apply_routing_weights=self.apply_routing_weights, out_dtype=self.out_dtype)
 
     def _out_dtype(self, x: Activations) -> torch.dtype:
         return self.out_dtype.torch_dtype if self.out_dtype is not None else x.data.dtype
