@@ -158,6 +158,10 @@ def fp8_on_the_wire(rank: int, world: int) -> dict[str, Any]:
             for stage in pipeline.stages[: pipeline.stages.index(dispatch) + 1]:
                 routed = stage(routed)
             traffic[f"{name}/{kind}"] = (routed.exchange.traffic.sent, routed.exchange.traffic.received)
+            if kind == "all_to_all":  # the way home: the received rows, as fp32 outputs
+                back = routed.exchange.combine_traffic(4 * hidden)
+                assert back.sent == routed.x.data.shape[0] * 4 * hidden
+                traffic[f"{name}/combine"] = (back.sent, back.received)
     formats = {name: RowFormat.for_dispatch(mf.DispatchDtype.parse(name.split("/")[0]), hidden,
                                             mf.ScaleLayout.PER_GROUP_128 if "group" in name else
                                             mf.ScaleLayout.PER_TOKEN if name in ("fp8", "int8") else

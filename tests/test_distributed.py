@@ -37,6 +37,8 @@ def test_quantized_dispatch_on_the_wire(world: int) -> None:
             sent = sum(r["traffic"][f"{name}/{kind}"][0] for r in results)
             received = sum(r["traffic"][f"{name}/{kind}"][1] for r in results)
             assert sent == received  # nothing lost, nothing invented
+        combined = [r["traffic"][f"{name}/combine"] for r in results]
+        assert sum(sent for sent, _ in combined) == sum(received for _, received in combined)
     fp8 = sum(r["traffic"]["fp8/all_to_all"][0] for r in results)
     bf16 = sum(r["traffic"]["bf16/all_to_all"][0] for r in results)
     assert 0.5 <= fp8 / bf16 <= 0.56

@@ -78,7 +78,6 @@ class AllToAllPlan:
     token_rows: torch.Tensor
     copy_weight: torch.Tensor
     return_order: torch.Tensor
-    num_tokens: int
     traffic: Traffic
 
     def combine_traffic(self, row_bytes: int) -> Traffic:
@@ -182,7 +181,7 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         traffic = Traffic(sent=packet.numel() + counts.numel() * _COUNT_BYTES,
                           received=received.numel() + recv_counts.numel() * _COUNT_BYTES)
         exchange = AllToAllPlan(ep, tuple(send_splits), tuple(recv_splits), _inverse(order).view(tokens, top_k),
-                                x.topk.weights, _inverse(regroup), tokens, traffic)
+                                x.topk.weights, _inverse(regroup), traffic)
         if self.configs is not None:
             return ExchangedAlignedRows(Activations(data, scale), self._aligned_plan(expert_counts, row_weight),
                                         False, exchange)

@@ -64,11 +64,9 @@ class LowLatencyPlan:
     went to (any row for an empty slot: nobody reads it back)."""
 
     ep: ExpertParallel
-    capacity: int
     token_slots: torch.Tensor
     copy_weight: torch.Tensor
     home: torch.Tensor
-    num_tokens: int
     dropped: torch.Tensor
     traffic: Traffic
 
@@ -173,8 +171,8 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedPaddedRo
         token_slots = torch.full((tokens * top_k,), -1, dtype=torch.int64, device=device)
         token_slots[order] = torch.where(kept, sorted_expert * cap + position, -1)
         traffic = Traffic(sent=trash * wire.row_bytes, received=trash * wire.row_bytes)
-        exchange = LowLatencyPlan(ep, cap, token_slots.view(tokens, top_k), x.topk.weights,
-                                  home.view(local, world, cap).permute(1, 0, 2).reshape(-1), tokens, dropped, traffic)
+        exchange = LowLatencyPlan(ep, token_slots.view(tokens, top_k), x.topk.weights,
+                                  home.view(local, world, cap).permute(1, 0, 2).reshape(-1), dropped, traffic)
         plan = PaddedPlan(slot_weight=row_weight, token_slots=token_slots.new_empty(0, top_k), num_tokens=0,
                           dropped=dropped)
         return ExchangedPaddedRows(Activations(data, scale), masked_m, plan, exchange)
