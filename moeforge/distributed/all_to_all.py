@@ -26,9 +26,7 @@ import torch
 
 from moeforge.distributed.exchange import (
     ExchangeDispatch,
-    combine_accepts,
     combine_on_source,
-    combined_spec,
     count_per_expert,
     exchange_bytes,
     scaled_rows,
@@ -47,7 +45,6 @@ from moeforge.payloads import (
     SortedRows,
 )
 from moeforge.spec import (
-    Accepts,
     DType,
     Exchange,
     ExpertIds,
@@ -58,6 +55,7 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage, StageKind
+from moeforge.stages.combine import Combine
 
 _COUNT_BYTES = 8  # int64 per expert in the count exchange
 
@@ -205,28 +203,12 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
 
 
 @attrs.frozen(eq=False)
-class AllToAllCombine(Stage[ExpertRows, MoEOutput]):
+class AllToAllCombine(Combine):
     """Send expert outputs back to their source ranks and sum each token's copies there (fp32, fixed
-    order). ``apply_routing_weights=False`` when an earlier stage applied them; ``routed_scaling_factor``
-    multiplies the output when the top-k left it pending; ``out_dtype=None`` keeps the rows' dtype."""
+    order); the options are :class:`~moeforge.stages.combine.Combine`'s."""
 
-    kinds: ClassVar = (StageKind.COMBINE,)
-    apply_routing_weights: bool = True
-    routed_scaling_factor: Optional[float] = None
-    out_dtype: Optional[DType] = None
-
-    def summary(self) -> str:
-        parts = ["weighted" if self.apply_routing_weights else "unweighted", "fp32 fixed order"]
-        if self.routed_scaling_factor is not None:
-            parts.append(f"x{self.routed_scaling_factor:g}")
-        return f"AllToAllCombine({', '.join(parts)})"
-
-    def accepts(self) -> Accepts:
-        return combine_accepts(self.apply_routing_weights, self.routed_scaling_factor,
-                               {Layout.EXPERT_SORTED, Layout.BLOCK_ALIGNED}, Exchange.ALL_TO_ALL)
-
-    def output_spec(self, spec: Spec) -> Spec:
-        return combined_spec(spec, self.apply_routing_weights, self.routed_scaling_factor, self.out_dtype)
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.BLOCK_ALIGNED})
+    exchange: ClassVar[Exchange] = Exchange.ALL_TO_ALL
 
     def __call__(self, x: ExpertRows) -> MoEOutput:
         if not isinstance(x, (ExchangedRows, ExchangedAlignedRows)):

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from moeforge.distributed.group import ExpertParallel
 from moeforge.payloads import Activations, MoEOutput
-from moeforge.spec import (
-    FLOAT_DTYPES,
-    Accepts,
-    DType,
-    Exchange,
-    ExpertIds,
-    Layout,
-    PayloadKind,
-    RoutingWeights,
-    ScaleLayout,
-    ScalingFactor,
-    Spec,
-)
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, PayloadKind, RoutingWeights, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.combine import combine_rows
 
@@ -107,22 +95,3 @@ def combine_on_source(rows: torch.Tensor, index: torch.Tensor, copy_weight: Opti
             return combine_copies(rows.contiguous(), index.shape[1], out, weights,
                                   1.0 if scaling_factor is None else scaling_factor, index.contiguous())
     return combine_rows(rows, index, None, out_dtype, scaling_factor, copy_weight=copy_weight)
-
-
-def combine_accepts(weighted: bool, scaling: Optional[float], layout: Union[Layout, set[Layout]],
-                    exchange: Exchange) -> Accepts:
-    """What an expert-parallel combine accepts: expert outputs of its own exchange, float, and the
-    routing weights / scaling factor pending exactly when it applies them."""
-    applied = {RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE}
-    return Accepts(kind=PayloadKind.EXPERT_OUTPUT, layout=layout, dtype=FLOAT_DTYPES, scale_layout=ScaleLayout.NONE,
-                   routing_weights=RoutingWeights.PENDING if weighted else applied,
-                   scaling_factor=ScalingFactor.PENDING if scaling is not None else None, exchange=exchange)
-
-
-def combined_spec(spec: Spec, weighted: bool, scaling: Optional[float], out_dtype: Optional[DType]) -> Spec:
-    """The spec of an expert-parallel combine's output: token-major, back on the source rank."""
-    return spec.evolve(
-        kind=PayloadKind.OUTPUT, layout=Layout.TOKEN_MAJOR, dtype=out_dtype or spec.dtype, group_list_type=None,
-        expert_ids=ExpertIds.GLOBAL, exchange=Exchange.NONE,
-        routing_weights=RoutingWeights.IN_COMBINE if weighted else spec.routing_weights,
-        scaling_factor=ScalingFactor.APPLIED if scaling is not None else spec.scaling_factor)

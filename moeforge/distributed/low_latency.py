@@ -29,9 +29,7 @@ import torch.distributed as dist
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.distributed.exchange import (
     ExchangeDispatch,
-    combine_accepts,
     combine_on_source,
-    combined_spec,
     count_per_expert,
     exchange_bytes,
     scaled_rows,
@@ -39,9 +37,8 @@ from moeforge.distributed.exchange import (
 from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.wire import RowFormat, Traffic
 from moeforge.errors import InputError
-from moeforge.payloads import Activations, MoEOutput, PaddedPlan, PaddedRows, RoutedTokens
+from moeforge.payloads import Activations, ExpertRows, MoEOutput, PaddedPlan, PaddedRows, RoutedTokens
 from moeforge.spec import (
-    Accepts,
     DType,
     Exchange,
     ExpertIds,
@@ -52,6 +49,7 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage, StageKind
+from moeforge.stages.combine import Combine
 from moeforge.stages.dispatch import Overflow
 
 
@@ -191,29 +189,17 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedPaddedRo
 
 
 @attrs.frozen(eq=False)
-class LowLatencyCombine(Stage[ExchangedPaddedRows, MoEOutput]):
+class LowLatencyCombine(Combine):
     """Send the expert outputs back in the fixed-capacity buffers and sum each token's copies on its
-    own rank (fp32, fixed order); dropped copies contribute nothing."""
+    own rank (fp32, fixed order); dropped copies contribute nothing. The options are
+    :class:`~moeforge.stages.combine.Combine`'s."""
 
-    kinds: ClassVar = (StageKind.COMBINE,)
-    apply_routing_weights: bool = True
-    routed_scaling_factor: Optional[float] = None
-    out_dtype: Optional[DType] = None
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_PADDED})
+    exchange: ClassVar[Exchange] = Exchange.LOW_LATENCY
 
-    def summary(self) -> str:
-        parts = ["weighted" if self.apply_routing_weights else "unweighted", "fp32 fixed order"]
-        if self.routed_scaling_factor is not None:
-            parts.append(f"x{self.routed_scaling_factor:g}")
-        return f"LowLatencyCombine({', '.join(parts)})"
-
-    def accepts(self) -> Accepts:
-        return combine_accepts(self.apply_routing_weights, self.routed_scaling_factor, Layout.EXPERT_PADDED,
-                               Exchange.LOW_LATENCY)
-
-    def output_spec(self, spec: Spec) -> Spec:
-        return combined_spec(spec, self.apply_routing_weights, self.routed_scaling_factor, self.out_dtype)
-
-    def __call__(self, x: ExchangedPaddedRows) -> MoEOutput:
+    def __call__(self, x: ExpertRows) -> MoEOutput:
+        if not isinstance(x, ExchangedPaddedRows):
+            raise TypeError(f"LowLatencyCombine cannot consume {type(x).__name__}")
         plan = x.exchange
         rows = x.x.data  # [L, W * C, H]
         # One gather puts every slot back where its source rank sent it from; the rows of empty

@@ -18,6 +18,7 @@ from moeforge.spec import (
     Accepts,
     DType,
     Exchange,
+    ExpertIds,
     Layout,
     PayloadKind,
     RoutingWeights,
@@ -75,6 +76,10 @@ class Combine(Stage[ExpertRows, MoEOutput]):
     """
 
     kinds: ClassVar = (StageKind.COMBINE,)
+    # Where the rows it takes come from: the expert-parallel combines (subclasses) take their own
+    # dispatcher's rows.
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
+    exchange: ClassVar[Exchange] = Exchange.NONE
     apply_routing_weights: bool = True
     routed_scaling_factor: Optional[float] = None
     out_dtype: Optional[DType] = None
@@ -83,27 +88,29 @@ class Combine(Stage[ExpertRows, MoEOutput]):
         parts = ["weighted" if self.apply_routing_weights else "unweighted", "fp32 fixed order"]
         if self.routed_scaling_factor is not None:
             parts.append(f"x{self.routed_scaling_factor:g}")
-        return f"Combine({', '.join(parts)})"
+        return f"{self.name}({', '.join(parts)})"
 
     def accepts(self) -> Accepts:
         applied = {RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE}
         return Accepts(
             kind=PayloadKind.EXPERT_OUTPUT,
-            layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
+            layout=self.layouts,
             dtype=FLOAT_DTYPES,
             scale_layout=ScaleLayout.NONE,
             routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else applied,
             scaling_factor=ScalingFactor.PENDING if self.routed_scaling_factor is not None else None,
-            exchange=Exchange.NONE,
+            exchange=self.exchange,
         )
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field == "routing_weights" and have is RoutingWeights.PENDING:
             return ("this combine does not apply the routing weights and no earlier stage did: use "
-                    "Combine(apply_routing_weights=True)")
+                    f"{self.name}(apply_routing_weights=True)")
         if field == "routing_weights":
             return (f"the routing weights were already applied ({getattr(have, 'value', have)}): use "
-                    "Combine(apply_routing_weights=False)")
+                    f"{self.name}(apply_routing_weights=False)")
+        if field == "exchange" and have is Exchange.NONE:
+            return "these rows never left this process: combine them with Combine"
         if field == "exchange":
             return ("these rows came from other expert-parallel ranks: combine them with the combine stage "
                     "of their dispatcher (e.g. AllToAllDispatch.combine_stage(...))")
@@ -118,6 +125,8 @@ class Combine(Stage[ExpertRows, MoEOutput]):
             layout=Layout.TOKEN_MAJOR,
             dtype=self.out_dtype or spec.dtype,
             group_list_type=None,
+            expert_ids=ExpertIds.GLOBAL,  # back on the tokens (and on their own rank)
+            exchange=Exchange.NONE,
             routing_weights=RoutingWeights.IN_COMBINE if self.apply_routing_weights else spec.routing_weights,
             scaling_factor=ScalingFactor.APPLIED if self.routed_scaling_factor is not None
             else spec.scaling_factor,
