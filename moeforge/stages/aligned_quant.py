@@ -26,7 +26,7 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.kernels.config import ConfigTable, GemmConfig
-from moeforge.payloads import GROUP_SIZE, Activations, AlignedPlan, AlignedRows, RoutedTokens
+from moeforge.payloads import GROUP_SIZE, Activations, AlignedPlan, AlignedRows, ExpertRows, RoutedTokens
 from moeforge.spec import (
     FLOAT_DTYPES,
     Accepts,
@@ -40,6 +40,7 @@ from moeforge.spec import (
 )
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
+from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.aligned import act_code, kernel_ops
 from moeforge.stages.gemm import GemmRole
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, QuantizeTokens, Quantizer
@@ -389,15 +390,11 @@ class QuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRows]):
 
 
 @attrs.frozen(eq=False)
-class ActivateQuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRows]):
+class ActivateQuantizeAligned(_QuantizeAlignedBase, ActivateQuantize):
     """The activation fused with the quantization of its output, on the first GEMM's float rows
     (``2 * I`` wide for a gated activation): one pass, the activated rows never reach memory in a
     float dtype. The counterpart of the torch ``ActivateQuantize``; the activation is computed in
     fp32 by the kernels' formulas (as in the GEMM epilogue)."""
-
-    kinds: ClassVar = (StageKind.ACTIVATION, StageKind.QUANTIZE)
-    config: ActivationConfig
-    quantizer: Quantizer
 
     def __attrs_post_init__(self) -> None:
         self._format()
@@ -407,29 +404,11 @@ class ActivateQuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRo
         return f"ActivateQuantizeAligned(triton, {self.config.summary()} -> {self.quantizer.summary()})"
 
     def accepts(self) -> Accepts:
-        return Accepts(kind=PayloadKind.EXPERT_HIDDEN, layout=Layout.BLOCK_ALIGNED, dtype=FLOAT_DTYPES,
-                       scale_layout=ScaleLayout.NONE)
+        return attrs.evolve(super().accepts(), layout=Layout.BLOCK_ALIGNED)
 
-    def _out_width(self, width: int) -> int:
-        return width // 2 if self.config.gated else width
-
-    def check(self, spec: Spec) -> list[Mismatch]:
-        found = super().check(spec)
-        if self.config.gated and spec.width % 2:
-            found.append(Mismatch("width", spec.width, "an even width (gate and up)",
-                                  "a gated activation needs the first GEMM to produce 2 * intermediate"))
-            return found
-        problem = self.quantizer.check_width(self._out_width(spec.width))
-        if problem is not None:
-            found.append(Mismatch("width", spec.width, "an activation output width the quantizer takes",
-                                  f"{problem} (the activation's output is what gets quantized)"))
-        return found
-
-    def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(width=self._out_width(spec.width), dtype=self.quantizer.dtype,
-                           scale_layout=self.quantizer.scale_layout)
-
-    def __call__(self, x: AlignedRows) -> AlignedRows:
+    def __call__(self, x: ExpertRows) -> ExpertRows:
+        if not isinstance(x, AlignedRows):
+            raise TypeError(f"ActivateQuantizeAligned cannot consume {type(x).__name__}")
         dtype, per_group = self._format()
         q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, *_act_args(self.config))
         return x.with_x(Activations(q, scale))
