@@ -119,16 +119,17 @@ class MoELayer(nn.Module):
                              f"num_experts={num_experts}")
         self.backend = resolve_backend(backend, device)
         self._backend_note = ""
-        if (expert_parallel is not None and self.backend is Backend.TRITON and isinstance(dispatcher, Stage)
-                and not isinstance(dispatcher, AllToAllDispatch)):
-            # The triton GEMMs read block-aligned rows; the low-latency dispatcher's [L, W * C, H]
-            # buffers (masked_m) go to the torch stages.
+        if (expert_parallel is not None and self.backend is Backend.TRITON
+                and isinstance(dispatcher, Stage) and isinstance(dispatcher, ExchangeDispatch)
+                and not dispatcher.block_aligned):
+            # The triton GEMMs read block-aligned rows; a dispatcher that delivers other rows (the
+            # low-latency one's [L, W * C, H] buffers) feeds the torch stages.
             if not isinstance(backend, Backend) and backend.lower() == "auto":
                 self.backend = Backend.TORCH
-                self._backend_note = f" (auto: {dispatcher.name}'s padded rows run on the torch expert stages)"
+                self._backend_note = f" (auto: {dispatcher.name}'s rows are not block-aligned: torch expert stages)"
             else:
-                raise InputError(f"backend='triton' does not take {dispatcher.name}'s padded rows yet: use "
-                                 "backend='auto' or 'torch', or the all-to-all dispatcher")
+                raise InputError(f"backend='triton' reads block-aligned rows; {dispatcher.name} delivers others: use "
+                                 "backend='auto' or 'torch', or AllToAllDispatch(ep, configs=...)")
         auto = not isinstance(backend, Backend) and backend.lower() == "auto"
         if self.backend is Backend.TRITON and auto and Backend.TRITON not in self.quant.backends:
             # "auto" means the fastest path that can run this layer: this quant method has torch stages only.

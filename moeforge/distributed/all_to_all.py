@@ -126,6 +126,10 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
 
             kernel_ops()
 
+    @property
+    def block_aligned(self) -> bool:
+        return self.configs is not None
+
     def summary(self) -> str:
         extra = ", weights on input" if self.apply_routing_weights else ""
         layout = "block-aligned" if self.configs is not None else self.group_list_type.name.lower()
@@ -165,7 +169,7 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         else:
             # Pack each token once, then gather the copies' rows in one pass and write their weights
             # (top_k times fewer bytes packed than packing every copy).
-            packet = wire.pack(x.x.data, x.x.scale, x.topk.weights.new_zeros(tokens)).index_select(0, token_of_copy)
+            packet = wire.pack(x.x.data, x.x.scale, None).index_select(0, token_of_copy)
             wire.set_weights(packet, weight)
         received = packet.new_empty(sum(recv_splits), wire.row_bytes)
         exchange_bytes(packet, received, group, recv_splits, send_splits)

@@ -29,6 +29,11 @@ class ExchangeDispatch(abc.ABC):
     ep: ExpertParallel
     apply_routing_weights: bool
 
+    @property
+    def block_aligned(self) -> bool:
+        """Whether the rows arrive ``BLOCK_ALIGNED`` (what the triton expert GEMMs read)."""
+        return False
+
     @abc.abstractmethod
     def combine_stage(self, *, apply_routing_weights: bool = True, routed_scaling_factor: Optional[float] = None,
                       out_dtype: Optional[DType] = None) -> Stage[Any, MoEOutput]:

@@ -99,15 +99,18 @@ class RowFormat:
             fields.append((self.scale_offset, self.scale_width * self.scale_dtype.itemsize))
         return fields + [(self.weight_offset, 4)]
 
-    def pack(self, data: torch.Tensor, scale: Optional[torch.Tensor], weight: torch.Tensor,
+    def pack(self, data: torch.Tensor, scale: Optional[torch.Tensor], weight: Optional[torch.Tensor],
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``data [N, width]``, ``scale [N, scale_width]`` (or None), fp32 ``weight [N]`` -> ``uint8
-        [N, row_bytes]`` with the flag set (written into ``out`` when given). Padding bytes are left
-        as they are."""
+        [N, row_bytes]`` with the flag set (written into ``out`` when given). Padding bytes — and the
+        weight field when ``weight`` is None (:meth:`set_weights` fills it later) — are left as they
+        are."""
         rows = data.shape[0]
         packet = out if out is not None else torch.empty(rows, self.row_bytes, dtype=torch.uint8,
                                                          device=data.device)
-        values = [data, scale, weight.float()] if self.scale_width else [data, weight.float()]
+        values = [data, scale] if self.scale_width else [data]
+        if weight is not None:
+            values.append(weight.float())
         for (offset, size), value in zip(self._fields(), values):
             assert value is not None
             source = value.contiguous().reshape(-1).view(torch.uint8).reshape(rows, size)
