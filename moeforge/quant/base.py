@@ -205,6 +205,15 @@ def group_list_type_arg(value: object) -> GroupListType:
         raise InputError(str(error)) from None
 
 
+def check_float_hidden_states(method: str, hidden_states: torch.Tensor,
+                              hidden_states_scale: Optional[torch.Tensor]) -> None:
+    """``apply_without_routing_weights`` of a method that takes float rows: no scale, a float dtype."""
+    if hidden_states_scale is not None:
+        raise InputError(f"hidden_states_scale must be None: {method} takes float activations")
+    if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
+
+
 def check_expert_groups(
     hidden_states: torch.Tensor,
     group_list_type: Union[GroupListType, int],

@@ -31,7 +31,7 @@ from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import BackendUnavailableError, CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, register_expert_biases
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import (
     EmulatedGroupedGemm,
@@ -214,10 +214,7 @@ class Mxfp4Method(QuantMethod):
         group_list: torch.Tensor,
         output_dtype: torch.dtype,
     ) -> torch.Tensor:
-        if hidden_states_scale is not None:
-            raise InputError("hidden_states_scale must be None: Mxfp4Method takes float activations")
-        if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
+        check_float_hidden_states("Mxfp4Method", hidden_states, hidden_states_scale)
         w13, w2 = Mxfp4WeightRef(layer, "w13"), Mxfp4WeightRef(layer, "w2")
         num_experts, _, hidden_size = w13.shape
         counts = check_expert_groups(hidden_states, group_list_type, group_list, num_experts, hidden_size)

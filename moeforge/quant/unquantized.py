@@ -8,14 +8,13 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.errors import InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations
 from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
 from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
-from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, register_expert_biases
 from moeforge.tensor_ref import ParamRef
 
 W13, W2, B13, B2 = "w13_weight", "w2_weight", "w13_bias", "w2_bias"
@@ -91,10 +90,7 @@ class UnquantizedMethod(QuantMethod):
         group_list: torch.Tensor,
         output_dtype: torch.dtype,
     ) -> torch.Tensor:
-        if hidden_states_scale is not None:
-            raise InputError("hidden_states_scale must be None: UnquantizedMethod takes float activations")
-        if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
+        check_float_hidden_states("UnquantizedMethod", hidden_states, hidden_states_scale)
         w13, w2 = getattr(layer, W13), getattr(layer, W2)
         b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
         counts = check_expert_groups(hidden_states, group_list_type, group_list, w13.shape[0], w13.shape[2])

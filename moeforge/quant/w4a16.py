@@ -31,7 +31,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows
-from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, register_expert_biases
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
     CheckpointFormat,
@@ -427,10 +427,7 @@ class W4A16Method(QuantMethod):
         group_list: torch.Tensor,
         output_dtype: torch.dtype,
     ) -> torch.Tensor:
-        if hidden_states_scale is not None:
-            raise InputError(f"hidden_states_scale must be None: {self.name} takes float activations")
-        if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
+        check_float_hidden_states(self.name, hidden_states, hidden_states_scale)
         w13, w2 = _weight(layer, "w13"), _weight(layer, "w2")
         b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
         counts = check_expert_groups(hidden_states, group_list_type, group_list, int(w13.qweight.shape[0]),

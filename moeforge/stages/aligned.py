@@ -31,7 +31,7 @@ from moeforge.spec import (
 )
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout
-from moeforge.stages.gemm import GemmRole
+from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
 from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import TensorSource, resolve
 
@@ -177,16 +177,9 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     def accepts(self) -> Accepts:
         weight = resolve(self.weight)
-        return Accepts(
-            kind=PayloadKind.DISPATCHED if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
-            layout=Layout.BLOCK_ALIGNED,
-            dtype=KERNEL_DTYPES,
-            scale_layout=ScaleLayout.NONE,
-            width=int(weight.shape[2]),
-            expert_ids=ExpertIds.LOCAL,
-            num_experts=int(weight.shape[0]),
-            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
-        )
+        return expert_gemm_accepts(self.role, dtypes=KERNEL_DTYPES, scales=ScaleLayout.NONE,
+                                   in_features=int(weight.shape[2]), num_experts=int(weight.shape[0]),
+                                   apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED)
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)

@@ -31,7 +31,6 @@ from moeforge.spec import (
     FLOAT_DTYPES,
     Accepts,
     DType,
-    ExpertIds,
     Layout,
     PayloadKind,
     RoutingWeights,
@@ -42,7 +41,7 @@ from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.aligned import act_code, kernel_ops
-from moeforge.stages.gemm import GemmRole
+from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, QuantizeTokens, Quantizer
 from moeforge.tensor_ref import TensorSource, resolve
 
@@ -264,17 +263,9 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return text + ")"
 
     def accepts(self) -> Accepts:
-        weight = resolve(self.weight)
-        return Accepts(
-            kind=PayloadKind.DISPATCHED if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
-            layout=Layout.BLOCK_ALIGNED,
-            dtype=self._activation_dtype(),
-            scale_layout=self.scheme.input_scales,
-            width=self.in_features,
-            expert_ids=ExpertIds.LOCAL,
-            num_experts=int(weight.shape[0]),
-            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
-        )
+        return expert_gemm_accepts(self.role, dtypes=self._activation_dtype(), scales=self.scheme.input_scales,
+                                   in_features=self.in_features, num_experts=int(resolve(self.weight).shape[0]),
+                                   apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED)
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):

@@ -35,6 +35,9 @@ REFERENCE_SCALES = frozenset(
 )
 
 
+REFERENCE_LAYOUTS = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
+
+
 class GemmRole(enum.Enum):
     GATE_UP = "gate_up"  # dispatched rows (width H) -> expert hidden (width 2I, or I if not gated)
     DOWN = "down"  # expert hidden (width I) -> expert output (width H)
@@ -113,13 +116,14 @@ def grouped_gemm_padded(
 
 def expert_gemm_accepts(role: GemmRole, *, dtypes: Union[DType, frozenset[DType]],
                         scales: Union[ScaleLayout, frozenset[ScaleLayout]], in_features: int, num_experts: int,
-                        apply_routing_weights: bool) -> Accepts:
-    """What a grouped GEMM stage of the experts accepts: its role's payload on either expert-grouped
-    layout, in its formats, ``in_features`` wide, local ids, pending weights if its epilogue applies
-    them."""
+                        apply_routing_weights: bool,
+                        layouts: Union[Layout, frozenset[Layout]] = REFERENCE_LAYOUTS) -> Accepts:
+    """What a grouped GEMM stage of the experts accepts: its role's payload in ``layouts`` (the
+    torch reference's: either expert-grouped layout; the triton GEMMs': block-aligned), in its
+    formats, ``in_features`` wide, local ids, pending weights if its epilogue applies them."""
     return Accepts(
         kind=PayloadKind.DISPATCHED if role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
-        layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
+        layout=layouts,
         dtype=dtypes,
         scale_layout=scales,
         width=in_features,
