@@ -93,6 +93,9 @@ from moeforge.stages import (
 )
 from moeforge.tensor_ref import ParamRef
 
+# Submodules reachable as attributes after `import moeforge` (moeforge.hf is not: it needs transformers).
+from moeforge import checkpoint, families
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -27,6 +27,15 @@ Compose the strategies in your own hypothesis tests::
         check_matches_dense_reference(layer, x, rtol=1e-4, logits=logits)
 """
 
+try:
+    import hypothesis  # noqa: F401  (checked first: without it the submodules below fail with a bare name)
+except ModuleNotFoundError as missing:
+    if missing.name != "hypothesis":
+        raise
+    raise ModuleNotFoundError(
+        "moeforge.testing needs the 'hypothesis' package, which is not installed: "
+        "pip install 'moeforge[tests]' (or pip install hypothesis)", name="hypothesis") from missing
+
 from moeforge.testing.contracts import (
     accepted_output_spec,
     assert_stage_honours_contract,
