@@ -1,8 +1,10 @@
 """Routing on the device: scores, selection bias, grouped top-k, top-k, renormalisation, scaling.
 
-One program routes ``BLOCK_T`` tokens with all their expert logits in registers (fp32). Selection is
-``top_k`` rounds of arg-max with ties going to the lower expert index, which matches the reference's
-stable descending sort.
+One program routes ``BLOCK_T`` tokens with all their expert logits in registers (fp32). Groups and
+experts are chosen in rounds of "best free value, lowest index among equals", which matches the
+reference's stable descending sort. A round only looks at what is still free (not picked yet, not a
+padding column): an arg-max over values overwritten with ``-inf`` once picked would pick an index again
+as soon as every value left is ``-inf`` (masked experts, the experts past the kept groups).
 """
 
 from __future__ import annotations
@@ -20,17 +22,18 @@ from moeforge.stages.topk import GroupScore, RoutingConfig, Scoring, ScoreOrder
 @triton.jit
 def _topk_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    T, E, stride_t, scaling, group_fill,
+    T, E, stride_t, stride_e, scaling, group_fill,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
     SIGMOID: tl.constexpr, SELECT_FIRST: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_MAX: tl.constexpr, BLOCK_G: tl.constexpr,
+    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SUM_TOP2: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     NEG: tl.constexpr = float("-inf")
+    POS: tl.constexpr = float("inf")
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < T
     col_ok = cols < E
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :],
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :] * stride_e,
                 mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     x = tl.where(col_ok[None, :], x, NEG)  # rows past T stay finite: no NaN from -inf - -inf
     if SELECT_FIRST:
@@ -44,7 +47,9 @@ def _topk_kernel(
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    choice = tl.where(col_ok[None, :], choice, NEG)
+    # A NaN ranks first (as in torch's sort) instead of never being "the best": the rounds below then
+    # always find a free index, so the ids stay distinct and in range even for NaN logits.
+    choice = tl.where(choice != choice, POS, choice)
 
     if N_GROUP > 1:
         per_group = E // N_GROUP
@@ -54,32 +59,36 @@ def _topk_kernel(
         for g in tl.static_range(N_GROUP):
             member = tl.where((group_of == g)[None, :], choice, NEG)
             best = tl.max(member, axis=1)
-            if GROUP_MAX:
-                score = best
-            else:
+            if SUM_TOP2:
                 first = tl.argmax(member, axis=1, tie_break_left=True)
                 second = tl.max(tl.where(cols[None, :] == first[:, None], NEG, member), axis=1)
                 score = best + second
+            else:
+                score = best
             gscores = tl.where(gcols[None, :] == g, score[:, None], gscores)
+        gscores = tl.where(gscores != gscores, POS, gscores)  # a NaN's +inf plus a -inf in one group
+        gfree = tl.broadcast_to((gcols < N_GROUP)[None, :], (BLOCK_T, BLOCK_G))
         keep = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
-            pick = tl.argmax(gscores, axis=1, tie_break_left=True)
+            top = tl.max(tl.where(gfree, gscores, NEG), axis=1)
+            pick = tl.min(tl.where(gfree & (gscores == top[:, None]), gcols[None, :], BLOCK_G), axis=1)
             keep = keep | (group_of[None, :] == pick[:, None])
-            gscores = tl.where(gcols[None, :] == pick[:, None], NEG, gscores)
-        # Dropped groups get group_fill (-inf, or the 0.0 of older transformers' DeepSeek-V3); the padding
-        # columns past E stay -inf so that they can never be picked.
-        choice = tl.where(keep, choice, tl.where(col_ok[None, :], group_fill, NEG))
+            gfree = gfree & (gcols[None, :] != pick[:, None])
+        # Dropped groups get group_fill (-inf, or the 0.0 of older transformers' DeepSeek-V3).
+        choice = tl.where(keep, choice, group_fill)
 
     kcols = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     ids = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
+    free = tl.broadcast_to(col_ok[None, :], (BLOCK_T, BLOCK_E))  # padding columns are never free
     for k in tl.static_range(TOP_K):
-        pick = tl.argmax(choice, axis=1, tie_break_left=True)
+        top = tl.max(tl.where(free, choice, NEG), axis=1)
+        pick = tl.min(tl.where(free & (choice == top[:, None]), cols[None, :], BLOCK_E), axis=1)
         hit = cols[None, :] == pick[:, None]
         value = tl.sum(tl.where(hit, scores, 0.0), axis=1)
         weights = tl.where(kcols[None, :] == k, value[:, None], weights)
-        ids = tl.where(kcols[None, :] == k, pick[:, None].to(tl.int32), ids)
-        choice = tl.where(hit, NEG, choice)
+        ids = tl.where(kcols[None, :] == k, pick[:, None], ids)
+        free = free & ~hit
     k_ok = kcols < TOP_K
     if SELECT_FIRST:
         if SIGMOID:
@@ -92,7 +101,7 @@ def _topk_kernel(
     if RENORM:
         weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     weights = weights * scaling
-    out = rows[:, None] * TOP_K + kcols[None, :]
+    out = rows[:, None].to(tl.int64) * TOP_K + kcols[None, :]
     mask = row_ok[:, None] & k_ok[None, :]
     tl.store(weights_ptr + out, weights, mask=mask)
     tl.store(ids_ptr + out, ids, mask=mask)
@@ -122,14 +131,21 @@ def route(
     block_e = triton.next_power_of_2(num_experts)
     block_t = max(1, min(16, 4096 // block_e))
     grid = (triton.cdiv(tokens, block_t),)
-    bias = selection_bias if selection_bias is not None else weights
+    # Any strides for the logits (the kernel takes both; Triton specialises a stride of 1); the bias is
+    # read as a dense vector.
+    bias = selection_bias.contiguous() if selection_bias is not None else weights
+    if topk_group >= n_group:
+        n_group = topk_group = 1  # every group is kept: nothing to mask
+    # The reference sums a group's best min(2, group size) experts: a group of one expert scores its only
+    # expert, as under MAX, not that expert plus a missing second best of -inf (every group would tie).
+    sum_top2 = not group_max and num_experts // n_group > 1
     _topk_kernel[grid](
         router_logits, bias, weights, ids,
-        tokens, num_experts, router_logits.stride(0), scaling, group_mask_value,
+        tokens, num_experts, router_logits.stride(0), router_logits.stride(1), scaling, group_mask_value,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_T=block_t,
         SIGMOID=sigmoid, SELECT_FIRST=select_first, RENORM=renormalize,
         HAS_BIAS=selection_bias is not None,
-        N_GROUP=n_group, TOPK_GROUP=topk_group, GROUP_MAX=group_max,
+        N_GROUP=n_group, TOPK_GROUP=topk_group, SUM_TOP2=sum_top2,
         BLOCK_G=triton.next_power_of_2(n_group),
         num_warps=4,
     )
