@@ -3,8 +3,11 @@
     report = load_weights(layer, ["model-00001-of-00002.safetensors", ...], prefix="model.layers.3.mlp.")
     report = load_weights(layer, state_dict, prefix="model.layers.3.mlp.")
 
-Names are read relative to ``prefix``. The experts come in one of three namings (detected; a mix is
-an error), :class:`ExpertNaming`:
+Names are read relative to ``prefix``, the block's module path with its trailing dot
+(``"model.layers.3.mlp."``; ``"model.layers.3.mlp"`` is taken to mean the same when the checkpoint has
+keys under ``"model.layers.3.mlp."``). The experts come in one of three namings (detected by
+:func:`moeforge.expert_naming.detect_naming`, which the quant methods' checkpoint readers share; a mix
+is an error), :class:`ExpertNaming`:
 
 * ``W1_W3_W2`` — ``experts.{i}.w1.weight`` (gate) and ``w3`` (up) ``[I, H]``, ``w2`` (down) ``[H, I]``:
   Mixtral's original checkpoints (what ``transformers``' ``save_pretrained`` writes for Mixtral);
@@ -12,6 +15,10 @@ an error), :class:`ExpertNaming`:
   OLMoE checkpoints;
 * ``FUSED`` — ``experts.gate_up_proj [E, 2I, H]`` (gate rows then up rows) and
   ``experts.down_proj [E, H, I]``: the ``transformers`` 5 in-memory layout (a model's ``state_dict()``).
+
+An expert-parallel layer (``MoELayer(..., expert_parallel=...)``) reads the experts of its
+``expert_range`` only (their global ids: rank 1 of 2 with 4 experts reads experts 2 and 3); the other
+experts' tensors are reported unused (another rank loads them).
 
 A layer with a plain (non-gated) activation reads ``up_proj`` only (``experts.up_proj [E, I, H]``
 when fused). Gate and up rows are laid out as the layer's activation wants them (concatenated, or
@@ -39,25 +46,31 @@ scales, a router the layer does not own, shared experts it does not have, ...) a
 prefix that selects exactly one block leaves none.
 
 Tensors are converted to the dtype (and device) of the layer's tensor they go into, then
-``layer.process_weights_after_loading()`` runs. Safetensors files are opened lazily
-(``safetensors.safe_open``): only the needed tensors are read.
+``layer.process_weights_after_loading()`` runs. A layer built on the ``meta`` device has no storage
+to copy into: :class:`~moeforge.errors.InputError` says to call ``layer.to_empty(device=...)`` first
+(on the device the layer will run on; ``load_weights`` then writes every tensor the layer has, so
+none keeps ``to_empty``'s uninitialised values).
+
+Safetensors files are opened lazily (``safetensors.safe_open``): only the needed tensors are read.
+Reading files needs the ``safetensors`` package (``pip install 'moeforge[safetensors]'``; without
+it, :class:`MissingPackageError`); a state dict needs nothing more.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
+import itertools
 import os
-import re
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import attrs
 import torch
 
-from moeforge.errors import CheckpointError
+from moeforge.errors import CheckpointError, InputError, MissingPackageError
+from moeforge.expert_naming import FUSED_NAMES, ExpertNaming, detect_naming, projection_names
 from moeforge.layer import MoELayer
 from moeforge.quant.unquantized import UnquantizedMethod
 from moeforge.stages.activation import GateUpLayout
@@ -96,13 +109,6 @@ class UnusedWeightsError(CheckpointError):
 
 class UnusedWeightsWarning(UserWarning):
     """Tensors under the prefix were not read (see :attr:`LoadReport.unused`)."""
-
-
-class ExpertNaming(enum.Enum):
-    W1_W3_W2 = "experts.{i}.w1/w3/w2.weight"
-    PROJ = "experts.{i}.gate_proj/up_proj/down_proj.weight"
-    FUSED = "experts.gate_up_proj / experts.down_proj"
-    QUANT_METHOD = "the quant method's own format (QuantMethod.load_checkpoint_experts)"
 
 
 @attrs.frozen
@@ -207,7 +213,13 @@ def _open(source: Source) -> Iterator[_Tensors]:
     if not isinstance(source, (str, os.PathLike, Sequence)):
         raise TypeError("source must be a state dict (a mapping of names to tensors), a .safetensors path "
                         f"or directory, or a list of paths; got {type(source).__name__}")
-    from safetensors import safe_open
+    try:
+        from safetensors import safe_open
+    except ImportError as error:
+        raise MissingPackageError(
+            "reading .safetensors checkpoint files needs the 'safetensors' package, which is not installed: "
+            "pip install 'moeforge[safetensors]' (or pip install safetensors); or pass a state dict "
+            "(a mapping of names to tensors) as the source") from error
 
     with contextlib.ExitStack() as stack:
         handles = {str(path): stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
@@ -273,6 +285,10 @@ class _ExpertView(Mapping[str, torch.Tensor]):
         self._tensors, self.prefix, self._names = tensors, prefix, names
         self.read: set[str] = set()
 
+    def all_keys(self) -> Iterator[str]:
+        """Every key of the checkpoint, under the prefix or not (for error hints)."""
+        return self._tensors.keys()
+
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:
             raise KeyError(name)
@@ -293,8 +309,14 @@ def _quantized_experts(layer: MoELayer, view: _ExpertView) -> dict[str, torch.Te
     try:
         experts = layer.quant.load_checkpoint_experts(layer, view)
     except CheckpointError as error:
-        raise CheckpointError(f"under prefix '{view.prefix}': {error}") from error
-    allowed = set(layer.quant.expert_parameter_names(layer))
+        hint = "" if len(view) else _prefix_hint(view.all_keys(), view.prefix)
+        raise CheckpointError(f"under prefix '{view.prefix}': {error}{hint}") from error
+    names = layer.quant.expert_parameter_names(layer)
+    allowed = set(names)
+    unfilled = [name for name in names if name not in experts]
+    if unfilled:
+        raise CheckpointError(f"{layer.quant.name}.load_checkpoint_experts filled {sorted(experts)} but not "
+                              f"{unfilled}: they would keep the values they had before loading")
     for name, value in experts.items():
         if name not in allowed:
             raise CheckpointError(f"{layer.quant.name}.load_checkpoint_experts returned '{name}', which is not one of "
@@ -306,31 +328,52 @@ def _quantized_experts(layer: MoELayer, view: _ExpertView) -> dict[str, torch.Te
     return experts
 
 
-_PER_EXPERT = re.compile(r"experts\.(\d+)\.([A-Za-z0-9_]+)\.")
-
-
 def _naming(planner: _Planner) -> ExpertNaming:
-    found: dict[ExpertNaming, str] = {}
-    for name in sorted(planner.names):
-        match = _PER_EXPERT.match(name)
-        if match is not None:
-            proj = match.group(2)
-            if proj in ("w1", "w2", "w3"):
-                found.setdefault(ExpertNaming.W1_W3_W2, name)
-            elif proj in ("gate_proj", "up_proj", "down_proj"):
-                found.setdefault(ExpertNaming.PROJ, name)
-        elif name in ("experts.gate_up_proj", "experts.up_proj", "experts.down_proj"):
-            found.setdefault(ExpertNaming.FUSED, name)
-    if len(found) > 1:
-        examples = ", ".join(f"'{planner.prefix}{key}' ({naming.name})" for naming, key in found.items())
-        raise CheckpointError(f"the experts under '{planner.prefix}' mix naming schemes: {examples}")
-    if not found:
+    naming = detect_naming(planner.names, planner.prefix)
+    if naming is None:
         p = planner.prefix
         raise MissingWeightError(
             f"{p}experts.0.w1.weight",
             f" (no expert weights under '{p}': expected '{p}experts.{{i}}.w1.weight' / "
-            f"'{p}experts.{{i}}.gate_proj.weight' per expert, or fused '{p}experts.gate_up_proj')")
-    return next(iter(found))
+            f"'{p}experts.{{i}}.gate_proj.weight' per expert, or fused '{p}{FUSED_NAMES[0]}')"
+            f"{_prefix_hint(planner.tensors.keys(), p)}")
+    return naming
+
+
+def _prefix_hint(keys: Iterable[str], prefix: str) -> str:
+    """Where the checkpoint's expert tensors are, when there are none under ``prefix``."""
+    blocks = sorted({key[:at] for key in keys if (at := key.find("experts.")) >= 0
+                     and (at == 0 or key[at - 1] == ".")})
+    if not blocks:
+        return f"; the checkpoint has no key containing 'experts.' (is '{prefix}' the MoE block's prefix?)"
+    more = f" and {len(blocks) - 4} more" if len(blocks) > 4 else ""
+    shown = ", ".join(f"'{block}'" for block in blocks[:4]) + more
+    return f"; the checkpoint's experts are under {shown}"
+
+
+def _block_prefix(prefix: str, keys: Iterable[str]) -> str:
+    """``prefix``, with a trailing dot added when it names a module: ``"model.layers.3.mlp"`` for
+    keys ``"model.layers.3.mlp.experts..."`` (without the dot the names would read ``".experts..."``,
+    and ``"model.layers.1"`` would also select ``"model.layers.10..."``)."""
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str (the block's key prefix, e.g. 'model.layers.3.mlp.'), got "
+                        f"{type(prefix).__name__}")
+    if prefix and not prefix.endswith("."):
+        dotted = prefix + "."
+        if any(key.startswith(dotted) for key in keys):
+            return dotted
+    return prefix
+
+
+def _check_storage(layer: MoELayer) -> None:
+    """A layer on the meta device has nowhere to copy the values to (``copy_`` would do nothing)."""
+    meta = [name for name, tensor in itertools.chain(layer.named_parameters(), layer.named_buffers())
+            if tensor.is_meta]
+    if meta:
+        shown = ", ".join(meta[:4]) + (f" and {len(meta) - 4} more" if len(meta) > 4 else "")
+        raise InputError(f"layer: its tensors are on the meta device ({shown}), with no storage to load into: "
+                         "call layer.to_empty(device=...) first (the device it will run on, e.g. 'cuda'), "
+                         "then load_weights, which fills every tensor the layer has")
 
 
 def _plan_experts(planner: _Planner, layer: MoELayer, naming: ExpertNaming) -> None:
@@ -369,13 +412,7 @@ def _plan_experts(planner: _Planner, layer: MoELayer, naming: ExpertNaming) -> N
             planner.take("experts.up_proj", (num_experts, inter, hidden), w13, relayout=mine())
         planner.take("experts.down_proj", (num_experts, hidden, inter), w2, relayout=mine())
         return
-    if naming is ExpertNaming.W1_W3_W2:
-        if not gated:
-            raise CheckpointError("the w1/w3/w2 naming is for gated experts (w1 = gate, w3 = up); this layer's "
-                                  f"activation {layer.activation.kind.value} is not gated")
-        gate, up, down = "w1", "w3", "w2"
-    else:
-        gate, up, down = "gate_proj", "up_proj", "down_proj"
+    gate, up, down = projection_names(naming, gated)
     for local, i in enumerate(experts):
         def expert13(local: int = local) -> torch.Tensor:
             return w13()[local]
@@ -451,10 +488,18 @@ def load_weights(layer: MoELayer, source: Source, prefix: str = "", *, on_unused
             GPTQ/AWQ ``qweight``/``qzeros``/``scales``); the router and shared experts as usual.
         source: a state dict, a ``.safetensors`` file or a directory of them, or a list of files (the
             shards of one checkpoint).
-        prefix: the block's key prefix, e.g. ``"model.layers.3.mlp."`` (with its trailing dot).
+        prefix: the block's key prefix, e.g. ``"model.layers.3.mlp."``. Without its trailing dot
+            (``"model.layers.3.mlp"``) the dot is added when the checkpoint has keys under
+            ``"model.layers.3.mlp."``; the report holds the prefix used.
         on_unused: what to do with keys under ``prefix`` that were not read: ``"warn"``
             (:class:`UnusedWeightsWarning`), ``"raise"`` (:class:`UnusedWeightsError`, before any
             copy) or ``"ignore"``. They are in the returned report in every case.
+
+    Raises:
+        InputError: ``layer`` is on the meta device (call ``layer.to_empty(device=...)`` first).
+        MissingPackageError: ``source`` names files and ``safetensors`` is not installed.
+        CheckpointError: the checkpoint cannot fill the layer (see the module notes); nothing was
+            copied.
     """
     if on_unused not in ("warn", "raise", "ignore"):
         raise ValueError(f"on_unused must be 'warn', 'raise' or 'ignore', got {on_unused!r}")
@@ -462,8 +507,10 @@ def load_weights(layer: MoELayer, source: Source, prefix: str = "", *, on_unused
     if not quantized and (getattr(layer, "w13_bias", None) is not None or getattr(layer, "w2_bias", None) is not None):
         raise CheckpointError("the layer's experts have biases (GPT-OSS): no supported naming carries them; "
                               "convert the transformers block with moeforge.hf.from_hf")
+    _check_storage(layer)
     experts: dict[str, torch.Tensor] = {}
     with _open(source) as tensors:
+        prefix = _block_prefix(prefix, tensors.keys())
         planner = _Planner(tensors, prefix)
         view = _ExpertView(tensors, prefix, planner.names)
         if quantized:  # the method reads its own format; checked here before anything is copied

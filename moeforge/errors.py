@@ -63,6 +63,15 @@ class CheckpointError(MoEForgeError, ValueError):
     """A checkpoint cannot fill this layer (missing or misshapen tensor, unsupported format)."""
 
 
+class MissingPackageError(MoEForgeError, ImportError):
+    """A package an optional feature needs is not installed (the message says how to install it)."""
+
+
+class PresetError(MoEForgeError, TypeError):
+    """A family preset was given a keyword it does not take, lacks a required one, or was given a
+    ``MoELayer`` setting that the family fixes itself (a ``TypeError``, as Python's own)."""
+
+
 def _show(value: Any) -> str:
     if isinstance(value, (set, frozenset)):
         return "{" + ", ".join(sorted(_show(v) for v in value)) + "}"

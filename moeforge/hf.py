@@ -40,6 +40,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import warnings
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any, Optional
@@ -63,6 +64,9 @@ def from_hf(block: nn.Module, **layer_kwargs: Any) -> MoELayer:
     ``layer_kwargs`` (e.g. ``backend``, ``debug``) are passed to the layer. The layer shares the
     block's storage where the layouts agree (see each family's notes). An :class:`HFMoEBlock` gives
     back the layer it runs. Raises ``TypeError`` for a block of an unsupported class."""
+    if not isinstance(block, nn.Module):
+        raise TypeError(f"from_hf: block must be a transformers MoE block (a torch.nn.Module, e.g. "
+                        f"model.model.layers[0].mlp), got {type(block).__name__}")
     if isinstance(block, HFMoEBlock):
         return block.layer
     classes = block_classes()
@@ -124,17 +128,6 @@ class HFMoEBlock(nn.Module):
             raise TypeError(f"{self.original_class} (patched by moeforge): '{self._input_name}' must be a "
                             f"tensor, got {type(value).__name__}")
         return value
-
-    def _apply(self, fn: Any, recurse: bool = True) -> HFMoEBlock:
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        # model.to(torch.bfloat16) casts the layer's tensors; its pipeline was built for the old
-        # dtype and would reject the model's new activations.
-        weight = getattr(self.layer, "w13_weight", None)
-        if (isinstance(weight, torch.Tensor) and weight.dtype != self.layer.dtype
-                and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)):
-            self.layer.dtype = weight.dtype
-            self.layer.rebuild_pipeline()
-        return self
 
     def extra_repr(self) -> str:
         return f"replaces {self.original_class} ({self.family_name})"
@@ -207,6 +200,10 @@ class PatchError(TypeError):
     """``patch_model(strict=True)`` met a block it cannot replace (raised before anything changed)."""
 
 
+class NothingPatchedWarning(UserWarning):
+    """``patch_model`` replaced no block (and none was patched before): the model runs as it did."""
+
+
 def patch_model(model: nn.Module, *, strict: bool = False, **layer_kwargs: Any) -> PatchReport:
     """Replace every supported MoE block of ``model`` in place by an :class:`HFMoEBlock`.
 
@@ -214,11 +211,17 @@ def patch_model(model: nn.Module, *, strict: bool = False, **layer_kwargs: Any) 
     MoE-looking blocks (a module with an ``experts`` child module) that have no converter, or whose
     converter refuses their configuration, are left untouched and listed in ``report.skipped``;
     with ``strict=True`` they raise :class:`PatchError` instead, before any block is replaced.
-    Blocks already patched are listed in ``report.already_patched`` and left as they are.
+    Blocks already patched are listed in ``report.already_patched`` and left as they are. When
+    nothing is replaced and nothing was patched before, a :class:`NothingPatchedWarning` says so,
+    listing the MoE-looking blocks that were left alone and why (or that there were none).
 
     ``layer_kwargs`` (e.g. ``backend="torch"``, ``debug=True``) go to every layer; ``dtype`` and
     ``device`` come from each block's tensors (cast or move the model, before or after patching).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch_model: model must be a torch.nn.Module (e.g. a transformers model from "
+                        f"AutoModelForCausalLM.from_pretrained(...)), got {type(model).__name__}; "
+                        "load the model first, then patch it")
     for name in _FORBIDDEN_PATCH_KWARGS:
         if name in layer_kwargs:
             raise TypeError(f"patch_model takes no {name!r}: each layer keeps its block's {name}; "
@@ -280,7 +283,22 @@ def patch_model(model: nn.Module, *, strict: bool = False, **layer_kwargs: Any) 
             setattr(parent, name, replacement)
         _share_hooks(original, replacement)
         _release_tensors(original)
-    return PatchReport(tuple(replaced), tuple(skipped), tuple(already))
+    report = PatchReport(tuple(replaced), tuple(skipped), tuple(already))
+    if not replaced and not already:
+        warnings.warn(_nothing_patched(model, report), NothingPatchedWarning, stacklevel=2)
+    return report
+
+
+def _nothing_patched(model: nn.Module, report: PatchReport) -> str:
+    name = type(model).__name__
+    if not report.skipped:
+        return (f"patch_model replaced nothing: {name} has no MoE-looking block (a module with an 'experts' "
+                f"child); supported blocks: {', '.join(sorted(block_classes()))}")
+    shown = [f"  {entry.path}: {entry.block_class} ({entry.reason})" for entry in report.skipped[:8]]
+    if len(report.skipped) > 8:
+        shown.append(f"  ... and {len(report.skipped) - 8} more (see the returned report's 'skipped')")
+    return "\n".join([f"patch_model replaced nothing in {name}: left {len(report.skipped)} MoE-looking "
+                      "block(s) alone", *shown])
 
 
 def _walk(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -221,6 +221,32 @@ def test_int8_channel_checkpoint(layout: str) -> None:
         layer.quant.load_checkpoint_experts(layer, checkpoint(w13, w2, "channel"))  # fp8 into int8
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@torch.no_grad()
+def test_expert_biases_are_read(interleaved: bool) -> None:
+    """A layer with expert biases reads ``bias`` beside each projection's weight (before, they kept
+    their initial zeros and nothing said so)."""
+    w13, w2 = float_experts(7)
+    tensors = checkpoint(w13, w2, "channel")
+    gen = torch.Generator().manual_seed(7)
+    for i in range(E):
+        for proj, rows in (("gate_proj", I), ("up_proj", I), ("down_proj", H)):
+            tensors[f"experts.{i}.{proj}.bias"] = torch.randn(rows, generator=gen)
+    layout = mf.GateUpLayout.INTERLEAVED if interleaved else mf.GateUpLayout.CONCATENATED
+    layer = layer_for(Fp8W8A8Method(), expert_bias=True, activation=mf.ActivationConfig(gate_up=layout))
+    loaded = layer.quant.load_checkpoint_experts(layer, tensors)
+    for i in range(E):
+        gate, up = tensors[f"experts.{i}.gate_proj.bias"], tensors[f"experts.{i}.up_proj.bias"]
+        want = torch.stack([gate, up], dim=1).flatten() if interleaved else torch.cat([gate, up])
+        assert torch.equal(loaded["w13_bias"][i], want)
+        assert torch.equal(loaded["w2_bias"][i], tensors[f"experts.{i}.down_proj.bias"])
+    copy_into(layer, loaded)
+    assert_matches_reference(layer, *inputs(10, H, E))
+    del tensors["experts.2.down_proj.bias"]
+    with pytest.raises(CheckpointError, match=r"missing tensor 'experts\.2\.down_proj\.bias'"):
+        layer.quant.load_checkpoint_experts(layer, tensors)
+
+
 # -- errors name the key -------------------------------------------------------------------------------
 
 

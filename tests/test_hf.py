@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib
 import io
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from moeforge import MoELayer  # noqa: E402
 from moeforge.families import FAMILIES, family  # noqa: E402
 from moeforge.hf import (  # noqa: E402
     HFMoEBlock,
+    NothingPatchedWarning,
     PatchError,
     PatchReport,
     from_hf,
@@ -244,7 +246,9 @@ def test_patching_twice_is_harmless() -> None:
     blocks = [model.get_submodule(entry.path) for entry in first.replaced]
     ids = tokens()
     want = logits(model, ids)
-    second = patch_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NothingPatchedWarning)  # nothing to do is not nothing done
+        second = patch_model(model)
     assert second.replaced == () and second.skipped == ()
     assert second.already_patched == tuple(entry.path for entry in first.replaced)
     assert [model.get_submodule(entry.path) for entry in first.replaced] == blocks
@@ -303,6 +307,42 @@ def test_strict_raises_before_changing_anything() -> None:
     assert model.get_submodule("model.layers.1.mlp") is dummy
 
 
+def test_nothing_patched_warns_and_lists_the_blocks_left_alone() -> None:
+    model = nn.Sequential(DummyMoE(8), nn.Sequential(DummyMoE(8)))
+    with pytest.warns(NothingPatchedWarning) as record:
+        report = patch_model(model)
+    assert report.replaced == () and len(report.skipped) == 2
+    assert len(record) == 1
+    assert str(record[0].message).splitlines() == [
+        "patch_model replaced nothing in Sequential: left 2 MoE-looking block(s) alone",
+        "  0: DummyMoE (no moeforge converter for this class)",
+        "  1.0: DummyMoE (no moeforge converter for this class)",
+    ]
+
+
+def test_no_moe_block_at_all_warns_with_the_supported_blocks() -> None:
+    with pytest.warns(NothingPatchedWarning, match=r"Sequential has no MoE-looking block \(a module with an "
+                                                   r"'experts' child\); supported blocks: .*MixtralSparseMoeBlock"):
+        assert patch_model(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == PatchReport((), (), ())
+
+
+def test_a_model_with_replaced_blocks_does_not_warn() -> None:
+    model, _ = _with_dummy()  # one block replaced, one left alone: the report says which
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NothingPatchedWarning)
+        report = patch_model(model)
+    assert len(report.replaced) == 1 and len(report.skipped) == 1
+
+
+@pytest.mark.parametrize("value", ["mistralai/Mixtral-8x7B-v0.1", None, {"model": 1}])
+def test_patch_model_needs_a_module(value: object) -> None:
+    with pytest.raises(TypeError, match=rf"patch_model: model must be a torch\.nn\.Module .*got "
+                                        rf"{type(value).__name__}; load the model first"):
+        patch_model(value)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=rf"from_hf: block must be .*got {type(value).__name__}"):
+        from_hf(value)  # type: ignore[arg-type]
+
+
 class MixtralSparseMoeBlock(nn.Module):
     """Right class name, wrong contents: the converter refuses it, patch_model reports why."""
 
@@ -316,7 +356,9 @@ class MixtralSparseMoeBlock(nn.Module):
 
 def test_converter_refusal_is_reported() -> None:
     model = nn.Sequential(MixtralSparseMoeBlock())
-    report = patch_model(model)
+    with pytest.warns(NothingPatchedWarning, match=r"replaced nothing in Sequential: left 1 MoE-looking block\(s\) "
+                                                   r"alone\n  0: MixtralSparseMoeBlock \(mixtral converter refused it"):
+        report = patch_model(model)
     assert report.replaced == ()
     assert report.skipped[0].path == "0"
     assert "mixtral converter refused it" in report.skipped[0].reason
@@ -422,7 +464,8 @@ def test_from_hf() -> None:
 
 
 def test_report_is_plain_data() -> None:
-    report = patch_model(nn.Linear(2, 2))
+    with pytest.warns(NothingPatchedWarning):
+        report = patch_model(nn.Linear(2, 2))
     assert report == PatchReport((), (), ())
     assert str(report) == "replaced 0 MoE block(s)"
 

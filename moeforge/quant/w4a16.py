@@ -12,7 +12,10 @@ The weights are in moeforge's int4 layout (:mod:`moeforge.quant.int4_packing`):
 ``w[n, k] = (q[n, k] - z[n, k // G]) * s[n, k // G]``. Activations are not quantized: the method
 accepts float rows (bf16/fp16/fp32) after the dispatch and has no preferred dispatch dtype, so a layer
 dispatches in its own dtype. The torch backend's GEMM (:class:`W4A16GroupedGemm`) dequantizes one
-expert at a time to fp32 and multiplies in fp32; the triton backend has no W4A16 kernel here yet.
+expert at a time to fp32 and multiplies in fp32; the triton backend's fused GEMM
+(:class:`~moeforge.stages.aligned_quant.FusedQuantGroupedGemm` with ``QuantScheme.W4A16``, kernel
+:func:`moeforge.kernels.quant_gemm.w4a16_moe_gemm`) unpacks and dequantizes the int4 weights in
+registers.
 
 Weights come from a checkpoint (:meth:`W4A16Method.load_checkpoint_experts`: GPTQ v1/v2 or AWQ, per
 expert) or from float weights (:meth:`W4A16Method.quantize_weights`, round-to-nearest).
@@ -29,9 +32,10 @@ import torch
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
+from moeforge.expert_naming import per_expert_projections
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows
-from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, held_experts, register_expert_biases
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
     CheckpointFormat,
@@ -206,6 +210,7 @@ class W4A16Method(QuantMethod):
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     prefers: ClassVar[Optional[DispatchDtype]] = None  # no activation quantization: the layer's dtype
     expert_parameters: ClassVar[tuple[str, ...]] = (W13_Q, W13_S, W13_Z, W2_Q, W2_S, W2_Z, B13, B2)
+    compute_dtype_parameters: ClassVar[tuple[str, ...]] = (W13_S, W2_S, B13, B2)  # scales in the compute dtype
     backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH, Backend.TRITON})
 
     def __init__(self, group_size: int = 128, zero_points: bool = True,
@@ -322,13 +327,12 @@ class W4A16Method(QuantMethod):
         activation = getattr(layer, "activation", None)
         gated = activation.gated if isinstance(activation, ActivationConfig) else dims.n13 == 2 * dims.inter
         layout = activation.gate_up if isinstance(activation, ActivationConfig) else GateUpLayout.CONCATENATED
-        gate, up, down = _naming(tensors, gated)
+        gate, up, down = per_expert_projections(tensors.keys(), gated)
         dtype = getattr(layer, W13_S).dtype
         biased = getattr(layer, B13, None) is not None
         parts: dict[str, list[torch.Tensor]] = {}
         # An expert-parallel layer holds (and reads) its rank's experts only.
-        experts = getattr(layer, "expert_range", range(dims.experts))
-        for i in experts:
+        for i in held_experts(layer, dims.experts):
             w13 = self._read(tensors, f"experts.{i}.{up}.", dims.inter, dims.hidden, dtype, biased)
             if gated:
                 gate_part = self._read(tensors, f"experts.{i}.{gate}.", dims.inter, dims.hidden, dtype, biased)
@@ -478,16 +482,6 @@ def _dims(layer: torch.nn.Module) -> _Dims:
     if tuple(q2.shape) != want:
         raise InputError(f"{W2_Q} must be {want} to match {W13_Q} {tuple(q13.shape)}, got {tuple(q2.shape)}")
     return dims
-
-
-def _naming(tensors: Mapping[str, torch.Tensor], gated: bool) -> tuple[str, str, str]:
-    """``(gate, up, down)`` projection names: ``gate_proj``/``up_proj``/``down_proj`` (Qwen, DeepSeek,
-    OLMoE) or Mixtral's ``w1``/``w3``/``w2``."""
-    proj = "experts.0.gate_proj.qweight" if gated else "experts.0.up_proj.qweight"
-    mixtral = "experts.0.w1.qweight" if gated else "experts.0.w3.qweight"
-    if proj in tensors and mixtral in tensors:
-        raise CheckpointError(f"the experts mix naming schemes: both '{proj}' and '{mixtral}' are present")
-    return ("w1", "w3", "w2") if mixtral in tensors else ("gate_proj", "up_proj", "down_proj")
 
 
 def _join_gate_up(gate: torch.Tensor, up: torch.Tensor, layout: GateUpLayout) -> torch.Tensor:

@@ -6,7 +6,8 @@ either one per output channel (``[E, N]``) or one per 128 x 128 block (``[E, cei
 ceil(K/128)]``, DeepSeek-V3's ``weight_scale_inv``, a multiplier despite its name). The dequantized
 weight is ``q[n, k] * scale[n]`` or ``q[n, k] * scale[n // 128, k // 128]``. Activations are
 quantized per row (one fp32 scale per token) or per 128-element group, and the product accumulates
-in fp32 (see ``/work/notes/layouts.md`` for the layouts the Triton kernels share).
+in fp32. The Triton kernels (:mod:`moeforge.kernels.quant_gemm`, through
+:mod:`moeforge.stages.aligned_quant`) read these same layouts.
 
 The torch reference dequantizes one expert's weight at a time (never the whole ``[E, N, K]`` tensor:
 at DeepSeek-V3's sizes that would be tens of GB in fp32) and multiplies in fp32.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import abc
 import copy
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
@@ -26,9 +26,10 @@ import torch
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
+from moeforge.expert_naming import per_expert_projections
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
-from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, held_experts, register_expert_biases
 from moeforge.spec import Accepts, DType, GroupListType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activate_quantize import ActivateQuantize
@@ -496,24 +497,6 @@ def quantize_layer(layer: MoELayer, method: W8A8Method) -> MoELayer:
 
 # -- checkpoint loading -----------------------------------------------------------------------------
 
-_EXPERT_WEIGHT = re.compile(r"experts\.(\d+)\.([A-Za-z0-9_]+)\.weight$")
-_PROJ, _W = ("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")
-
-
-def _projections(names: set[str], gated: bool) -> tuple[str, str, str]:
-    """``(gate, up, down)`` projection names: ``gate_proj/up_proj/down_proj`` (DeepSeek, Qwen) or
-    Mixtral's ``w1/w3/w2``."""
-    found = {match.group(2) for name in names if (match := _EXPERT_WEIGHT.match(name))}
-    if found & set(_PROJ) and found & set(_W):
-        raise CheckpointError("the experts mix the gate_proj/up_proj/down_proj and w1/w3/w2 namings")
-    if found & set(_W):
-        if not gated:
-            raise CheckpointError("the w1/w3/w2 naming is for gated experts (w1 = gate, w3 = up); this layer's "
-                                  "activation is not gated")
-        return _W
-    return _PROJ
-
-
 def _scale_in_layout(method: W8A8Method, scale: torch.Tensor, key: str, shape: tuple[int, int]) -> torch.Tensor:
     """A checkpoint scale of one ``shape`` weight in the method's layout: per-tensor scales (``[]``,
     ``[1]``) are spread exactly over channels or blocks; per-channel ``[N]`` / ``[N, 1]`` and per-block
@@ -568,15 +551,29 @@ def _gate_up(gate: torch.Tensor, up: torch.Tensor, interleaved: bool) -> torch.T
     return torch.cat([gate, up])
 
 
+def _read_bias(tensors: Mapping[str, torch.Tensor], names: set[str], base: str, rows: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The float bias ``{base}.bias [rows]`` of one projection, in the layer's bias dtype."""
+    key = f"{base}.bias"
+    if key not in names:
+        raise CheckpointError(f"missing tensor '{key}' (the layer's experts have biases)")
+    bias = tensors[key]
+    if tuple(bias.shape) != (rows,) or not bias.dtype.is_floating_point:
+        raise CheckpointError(f"tensor '{key}' is {bias.dtype} {tuple(bias.shape)}, expected float ({rows},)")
+    return bias.to(dtype)
+
+
 def load_experts(method: W8A8Method, layer: torch.nn.Module,
                  tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``layer``'s quantized expert tensors from a checkpoint (names relative to the block prefix):
     per expert ``experts.{i}.{gate_proj,up_proj,down_proj}.weight`` (or ``w1/w3/w2``) in the method's
     weight dtype, each with ``weight_scale_inv`` (DeepSeek-V3, 128x128 blocks) or ``weight_scale``
-    (per channel ``[N, 1]`` / ``[N]``, or per tensor). Every check runs before anything is returned;
-    nothing is copied into ``layer``."""
+    (per channel ``[N, 1]`` / ``[N]``, or per tensor), and ``bias`` when the layer's experts have
+    biases. ``i`` runs over the layer's global expert ids (``expert_range``: an expert-parallel rank
+    reads its own experts). Every check runs before anything is returned; nothing is copied into
+    ``layer``."""
     w13, w2 = getattr(layer, W13), getattr(layer, W2)
-    experts, gate_up, hidden = (int(n) for n in w13.shape)
+    local, gate_up, hidden = (int(n) for n in w13.shape)
     inter = int(w2.shape[2])
     config = getattr(layer, "activation", ActivationConfig())
     gated = gate_up == 2 * inter and config.gated
@@ -585,9 +582,12 @@ def load_experts(method: W8A8Method, layer: torch.nn.Module,
         raise CheckpointError(f"{method.name}: 128x128 weight blocks cannot hold interleaved gate/up rows (a block "
                               "would mix gate and up scales); use weight_scales='channel'")
     names = set(tensors.keys())
-    gate, up, down = _projections(names, gated)
+    gate, up, down = per_expert_projections(names, gated)
+    bias13, bias2 = getattr(layer, B13, None), getattr(layer, B2, None)
     parts: dict[str, list[torch.Tensor]] = {W13: [], S13: [], W2: [], S2: []}
-    for i in range(experts):
+    if bias13 is not None and bias2 is not None:
+        parts.update({B13: [], B2: []})
+    for i in held_experts(layer, local):
         up_weight, up_scale = _read_quantized(method, tensors, names, f"experts.{i}.{up}", (inter, hidden))
         if gated:
             gate_weight, gate_scale = _read_quantized(method, tensors, names, f"experts.{i}.{gate}", (inter, hidden))
@@ -599,4 +599,11 @@ def load_experts(method: W8A8Method, layer: torch.nn.Module,
         down_weight, down_scale = _read_quantized(method, tensors, names, f"experts.{i}.{down}", (hidden, inter))
         parts[W2].append(down_weight)
         parts[S2].append(down_scale)
+        if bias13 is not None and bias2 is not None:
+            up_bias = _read_bias(tensors, names, f"experts.{i}.{up}", inter, bias13.dtype)
+            if gated:
+                gate_bias = _read_bias(tensors, names, f"experts.{i}.{gate}", inter, bias13.dtype)
+                up_bias = _gate_up(gate_bias, up_bias, interleaved)
+            parts[B13].append(up_bias)
+            parts[B2].append(_read_bias(tensors, names, f"experts.{i}.{down}", hidden, bias2.dtype))
     return {name: torch.stack(values) for name, values in parts.items()}
