@@ -15,8 +15,10 @@ from moeforge.errors import (
     ContractError,
     DispatchDtypeError,
     InputError,
+    MissingPackageError,
     MoEForgeError,
     PayloadError,
+    PresetError,
 )
 from moeforge.layer import MoELayer
 from moeforge.payloads import (
@@ -106,7 +108,7 @@ __all__ = [
     "WeightScales", "Chain", "Combine", "ContractError", "CustomTopK",
     "DType", "DeviceDispatchSupport", "DispatchDecision", "DispatchDtype", "DispatchDtypeError",
     "DispatchRule", "ENV_VAR", "ExpertIds", "ExpertRows", "GateUpLayout", "GemmRole", "GroupListType",
-    "GroupScore", "GroupedGemm", "InputError", "Layout", "Mismatch", "MoEForgeError", "MoEInput",
+    "GroupScore", "GroupedGemm", "InputError", "MissingPackageError", "PresetError", "Layout", "Mismatch", "MoEForgeError", "MoEInput",
     "MoELayer", "MoEOutput", "Overflow", "PaddedDispatch", "PaddedPlan", "PaddedRows", "ParamRef",
     "PayloadError", "PayloadKind", "PerGroupQuantizer", "PerTensorQuantizer", "PerTokenQuantizer", "Pipeline",
     "QuantMethod", "QuantizeRows", "QuantizeTokens", "RoutedTokens", "RoutingConfig",

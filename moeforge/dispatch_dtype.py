@@ -14,6 +14,11 @@ that gives an answer wins):
    accept it and the device carries it, else FP8 when the experts accept FP8, else the layer's own
    activation dtype, else BF16.
 
+When the routing weights are applied on the input (``RoutingWeights.ON_INPUT``, Llama-4), the dispatch
+scales its rows by them, which needs float rows: rules 2, 5 and 6 then consider only the float dtypes
+the experts accept (rule 6 records why), and an explicit or required quantized dtype is a
+:class:`~moeforge.ContractError` that names the settings to change.
+
 The answer is then validated against the device: FP8 where the device has no FP8 becomes INT8 (with a
 warning), INT8 where INT8 dispatch is unsupported becomes FP8, NVFP4 where unsupported is rejected.
 The returned :class:`DispatchDecision` records the rule that decided, for ``describe()``.
@@ -31,7 +36,7 @@ import attrs
 import torch
 
 from moeforge.errors import ContractError, DispatchDtypeError
-from moeforge.spec import DType
+from moeforge.spec import FLOAT_DTYPES, DType
 
 ENV_VAR = "MOEFORGE_DISPATCH_DTYPE"
 
@@ -165,9 +170,12 @@ class DispatchDecision:
     rule: DispatchRule
     converted_from: Optional[DispatchDtype] = None
     preferred: bool = False  # rule 6 took the quant method's preference
+    reason: Optional[str] = None  # what narrowed the choice, e.g. routing weights on the input
 
     def explain(self) -> str:
         label = self.rule.label + (", the quant method's preference" if self.preferred else "")
+        if self.reason is not None:
+            label += f"; {self.reason}"
         text = f"dispatch {self.dtype.value} (rule {int(self.rule)}: {label})"
         if self.converted_from is not None:
             text += f", converted from {self.converted_from.value}: the device cannot carry it"
@@ -185,19 +193,46 @@ def resolve_dispatch_dtype(
     environ: Optional[Mapping[str, str]] = None,
     experts_name: str = "experts",
     quant_prefers: Optional[DispatchDtype] = None,
+    weights_on_input: bool = False,
 ) -> DispatchDecision:
     """Decide the dispatch dtype of one layer (see the module docstring for the priority).
 
-    ``environ`` defaults to ``os.environ``, which is only read. Raises :class:`ContractError` when
-    the explicit setting or the rule that decided names a dtype the experts cannot consume, and
+    ``environ`` defaults to ``os.environ``, which is only read. ``weights_on_input``: the dispatch
+    scales the rows by their routing weights, so they must travel in a float dtype. Raises
+    :class:`ContractError` when the explicit setting or the rule that decided names a dtype the
+    experts cannot consume (or a quantized one for rows scaled on the input), and
     :class:`DispatchDtypeError` when the device cannot carry it and no conversion applies.
     """
     support = device if isinstance(device, DeviceDispatchSupport) else DeviceDispatchSupport.for_device(device)
     accept = frozenset(experts_accept)
     environ = os.environ if environ is None else environ
-    decision = _by_priority(setting, accept, activation_dtype, quant_requires, backend_requires,
-                            support, environ, experts_name, quant_prefers)
+    # Rows scaled by their routing weights before the experts must be float on the wire.
+    wire = accept & FLOAT_DTYPES if weights_on_input else accept
+    if not wire:
+        raise ContractError(
+            producer="dispatch with the routing weights on the input", consumer=experts_name, field="dtype",
+            have=FLOAT_DTYPES, want=accept,
+            hint="the dispatch scales float rows by the routing weights (RoutingWeights.ON_INPUT) but these "
+            "experts take only quantized rows: apply the weights in the combine "
+            "(apply_weights=RoutingWeights.IN_COMBINE), or use a quant method that accepts float rows")
+    wire_name = f"{experts_name} behind a dispatch that scales rows on the input" if wire != accept else experts_name
+    decision = _by_priority(setting, wire, activation_dtype, quant_requires, backend_requires,
+                            support, environ, wire_name, quant_prefers, float_rows=weights_on_input)
+    if weights_on_input and wire != accept and decision.rule is DispatchRule.LIBRARY_DEFAULT:
+        decision = attrs.evolve(decision, reason="routing weights on the input need float rows")
     decision = _validate_on_device(decision, support)
+    if weights_on_input and decision.dtype.activation_dtype not in FLOAT_DTYPES:
+        raise ContractError(
+            producer=decision.explain(),
+            consumer="dispatch with the routing weights on the input",
+            field="dtype",
+            have=decision.dtype.activation_dtype,
+            want=wire,
+            hint="the routing weights are applied on the input (RoutingConfig(apply_weights=RoutingWeights."
+            "ON_INPUT)): the dispatch scales float rows, so set dispatch_dtype to 'auto' or one of "
+            f"{_names(wire)} (the experts quantize after the dispatch), or apply the weights in the combine "
+            "(apply_weights=RoutingWeights.IN_COMBINE)",
+        )
     if decision.dtype.activation_dtype not in accept:
         raise ContractError(
             producer=decision.explain(),
@@ -221,6 +256,7 @@ def _by_priority(
     environ: Mapping[str, str],
     experts_name: str,
     quant_prefers: Optional[DispatchDtype] = None,
+    float_rows: bool = False,
 ) -> DispatchDecision:
     if setting is not None and not (isinstance(setting, str) and setting.strip().lower() == "auto"):
         return DispatchDecision(DispatchDtype.parse(setting), DispatchRule.EXPLICIT)
@@ -242,7 +278,7 @@ def _by_priority(
         return DispatchDecision(quant_requires, DispatchRule.QUANT_METHOD)
     if backend_requires is not None:
         return DispatchDecision(backend_requires, DispatchRule.EXPERT_BACKEND)
-    if support.default is not None:
+    if support.default is not None and not (float_rows and support.default.is_quantized):
         return DispatchDecision(support.default, DispatchRule.DEVICE_DEFAULT)
     if quant_prefers is not None and quant_prefers.activation_dtype in accept and support.carries(quant_prefers):
         return DispatchDecision(quant_prefers, DispatchRule.LIBRARY_DEFAULT, preferred=True)

@@ -16,7 +16,9 @@ FLOAT_TYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOGIT_TYPES = FLOAT_TYPES + (torch.float64,)  # routing runs in fp32 whatever the logits' dtype
 
 
-def check_hidden_states(x: object, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def check_hidden_states(
+    x: object, hidden_size: int, dtype: torch.dtype, device: torch.device, debug: bool = False
+) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise InputError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in (2, 3) or x.shape[-1] != hidden_size:
@@ -27,7 +29,16 @@ def check_hidden_states(x: object, hidden_size: int, dtype: torch.dtype, device:
         raise InputError(f"hidden_states must have the layer's dtype {dtype}, got {x.dtype}")
     if x.device != device:
         raise InputError(f"hidden_states must be on the layer's device {device}, got {x.device}")
+    if debug:
+        _check_finite(x, "hidden_states")
     return x
+
+
+def _check_finite(tensor: torch.Tensor, name: str) -> None:
+    """Reads values (a host synchronisation): debug mode only."""
+    if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise InputError(f"{name} contain {bad} non-finite values (NaN or inf)")
 
 
 def check_router_logits(
@@ -43,9 +54,8 @@ def check_router_logits(
         raise InputError(f"router_logits must be a float tensor (bf16, fp16, fp32, fp64), got {logits.dtype}")
     if logits.device != device:
         raise InputError(f"router_logits must be on the layer's device {device}, got {logits.device}")
-    if debug and not bool(torch.isfinite(logits).all()):
-        bad = int((~torch.isfinite(logits)).sum())
-        raise InputError(f"router_logits contain {bad} non-finite values (NaN or inf)")
+    if debug:
+        _check_finite(logits, "router_logits")
     return logits.reshape(tokens, num_experts)
 
 

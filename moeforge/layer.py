@@ -57,14 +57,19 @@ class MoELayer(nn.Module):
             ``router_logits``.
         backend: ``"auto"`` (triton on CUDA when Triton is installed, else torch), ``"torch"`` or
             ``"triton"``.
-        dtype, device: of the parameters and of the activations the layer takes.
+        dtype, device: of the parameters and of the activations the layer takes; as in ``torch.nn``,
+            ``dtype=None`` is ``torch.get_default_dtype()`` and ``device=None`` the CPU. The layer
+            follows ``.to()``, ``.half()``, ``.cuda()``, ``.to_empty()`` like any module (quantized
+            weights keep their format: see :meth:`QuantMethod.keeps_dtype`), and rebuilds its
+            pipeline for the new dtype and device.
         expert_parallel: an :class:`~moeforge.distributed.ExpertParallel`: this rank holds only its
             experts' weights and the dispatcher exchanges rows with the other ranks (``dispatcher``
             ``"auto"`` / ``"all_to_all"``: :class:`~moeforge.distributed.AllToAllDispatch`; or a
             :class:`~moeforge.distributed.LowLatencyDispatch` instance). With the triton backend the
             all-to-all rows arrive block-aligned for the triton GEMMs; the low-latency dispatcher's
             padded rows run on the torch stages.
-        debug: check every payload against its spec and reject non-finite router logits.
+        debug: check every payload against its spec (values included) and reject non-finite hidden
+            states, router logits and routing weights (these checks synchronise with the device).
         environ: where the process default ``MOEFORGE_DISPATCH_DTYPE`` is read (default
             ``os.environ``; only read, never written).
     """
@@ -85,7 +90,7 @@ class MoELayer(nn.Module):
         expert_bias: bool = False,
         router: bool = True,
         backend: Union[Backend, str] = "auto",
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: Optional[torch.dtype] = None,
         device: Union[torch.device, str, None] = None,
         debug: bool = False,
         environ: Optional[Mapping[str, str]] = None,
@@ -98,8 +103,8 @@ class MoELayer(nn.Module):
                 raise InputError(f"{name} must be a positive int, got {value!r}")
         if top_k > num_experts:
             raise InputError(f"top_k={top_k} exceeds num_experts={num_experts}")
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InputError(f"dtype must be bf16, fp16 or fp32, got {dtype}")
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        self._check_compute_dtype(dtype, "dtype")
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
@@ -109,42 +114,19 @@ class MoELayer(nn.Module):
         self.quant = quant if quant is not None else UnquantizedMethod()
         self.dispatcher = dispatcher
         self.dispatch_dtype_setting = dispatch_dtype
-        self.dtype = dtype
+        self.backend_setting = backend
         self.debug = debug
         self._environ = environ
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        # The compute dtype and device follow .to() / .half() / .cuda() / .to_empty() (see _apply);
+        # what depends on them (backend, dispatch dtype, stages) is rebuilt when they change.
+        self._dtype = dtype
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
         self.expert_parallel = expert_parallel
         if expert_parallel is not None and expert_parallel.num_experts != num_experts:
             raise InputError(f"expert_parallel.num_experts={expert_parallel.num_experts} differs from "
                              f"num_experts={num_experts}")
-        self.backend = resolve_backend(backend, device)
-        self._backend_note = ""
-        if (expert_parallel is not None and self.backend is Backend.TRITON
-                and isinstance(dispatcher, Stage) and isinstance(dispatcher, ExchangeDispatch)
-                and not dispatcher.block_aligned):
-            # The triton GEMMs read block-aligned rows; a dispatcher that delivers other rows (the
-            # low-latency one's [L, W * C, H] buffers) feeds the torch stages.
-            if not isinstance(backend, Backend) and backend.lower() == "auto":
-                self.backend = Backend.TORCH
-                self._backend_note = f" (auto: {dispatcher.name}'s rows are not block-aligned: torch expert stages)"
-            else:
-                raise InputError(f"backend='triton' reads block-aligned rows; {dispatcher.name} delivers others: use "
-                                 "backend='auto' or 'torch', or AllToAllDispatch(ep, configs=...)")
-        auto = not isinstance(backend, Backend) and backend.lower() == "auto"
-        if self.backend is Backend.TRITON and auto and Backend.TRITON not in self.quant.backends:
-            # "auto" means the fastest path that can run this layer: this quant method has torch stages only.
-            self.backend = Backend.TORCH
-            self._backend_note = f" (auto: {self.quant.name} has no triton stages)"
-        if (self.backend is Backend.TRITON and auto
-                and routing.apply_weights is RoutingWeights.ON_INPUT):
-            # "auto" means the fastest path that can run this layer; the triton path cannot scale the
-            # expert inputs yet, so such a layer (Llama-4) runs on torch. backend="triton" still errors.
-            self.backend = Backend.TORCH
-            self._backend_note = " (auto: the triton path cannot apply routing weights on the input yet)"
-
-        if self.backend is Backend.TRITON and Backend.TRITON not in self.quant.backends:
-            raise InputError(f"backend='triton': {self.quant.name} has no triton stages (it runs on "
-                             f"{sorted(b.value for b in self.quant.backends)}); use backend='auto' or 'torch'")
+        self.backend, self._backend_note = self._resolve_backend()
+        device = self._device
 
         self.router: Optional[nn.Linear] = None
         if router:
@@ -166,6 +148,70 @@ class MoELayer(nn.Module):
 
     # -- building ---------------------------------------------------------------------------------
 
+    @staticmethod
+    def _check_compute_dtype(dtype: object, what: str) -> None:
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InputError(f"{what} must be torch.bfloat16, torch.float16 or torch.float32 (the dtypes the "
+                             f"layer computes in), got {dtype}")
+
+    def _resolve_backend(self) -> tuple[Backend, str]:
+        """The backend for the current device, and a note for ``describe()`` when "auto" fell back."""
+        setting, dispatcher = self.backend_setting, self.dispatcher
+        auto = not isinstance(setting, Backend) and setting.lower() == "auto"
+        backend = resolve_backend(setting, self._device)
+        if backend is not Backend.TRITON:
+            return backend, ""
+        if (self.expert_parallel is not None and isinstance(dispatcher, Stage)
+                and isinstance(dispatcher, ExchangeDispatch) and not dispatcher.block_aligned):
+            # The triton GEMMs read block-aligned rows; a dispatcher that delivers other rows (the
+            # low-latency one's [L, W * C, H] buffers) feeds the torch stages.
+            if auto:
+                return Backend.TORCH, f" (auto: {dispatcher.name}'s rows are not block-aligned: torch expert stages)"
+            raise InputError(f"backend='triton' reads block-aligned rows; {dispatcher.name} delivers others: use "
+                             "backend='auto' or 'torch', or AllToAllDispatch(ep, configs=...)")
+        if Backend.TRITON not in self.quant.backends:
+            if auto:  # "auto" means the fastest path that can run this layer: this method has torch stages only
+                return Backend.TORCH, f" (auto: {self.quant.name} has no triton stages)"
+            raise InputError(f"backend='triton': {self.quant.name} has no triton stages (it runs on "
+                             f"{sorted(b.value for b in self.quant.backends)}); use backend='auto' or 'torch'")
+        if auto and self.routing.apply_weights is RoutingWeights.ON_INPUT:
+            # The triton path cannot scale the expert inputs yet, so such a layer (Llama-4) runs on
+            # torch under "auto"; backend="triton" errors when the dispatch stage is built.
+            return Backend.TORCH, " (auto: the triton path cannot apply routing weights on the input yet)"
+        return backend, ""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MoELayer:
+        """``nn.Module``'s conversion hook (``.to``, ``.half``, ``.cuda``, ``.to_empty``, ...): converts
+        the tensors, keeping the dtype of those whose dtype is part of a quantized format (they only
+        move), then follows the new compute dtype and device and rebuilds the pipeline."""
+        # What fn does to a tensor in the compute dtype tells the new compute dtype and device.
+        probe = fn(torch.empty(0, dtype=self._dtype, device=self._device))
+        if probe.dtype != self._dtype:
+            self._check_compute_dtype(probe.dtype, f"{type(self).__name__}'s new dtype")
+        keep = {id(tensor) for name, tensor in self.named_tensors_with_fixed_dtype()}
+
+        def convert(tensor: torch.Tensor) -> torch.Tensor:
+            converted: torch.Tensor = fn(tensor)
+            if id(tensor) in keep and converted.dtype != tensor.dtype:
+                return tensor.to(device=converted.device)
+            return converted
+
+        super()._apply(convert, recurse)  # type: ignore[no-untyped-call]
+        changed = (probe.dtype, probe.device) != (self._dtype, self._device)
+        self._dtype, self._device = probe.dtype, probe.device
+        if changed and hasattr(self, "pipeline"):
+            self.backend, self._backend_note = self._resolve_backend()
+            self.rebuild_pipeline()
+        return self
+
+    def named_tensors_with_fixed_dtype(self) -> list[tuple[str, torch.Tensor]]:
+        """The layer's tensors that keep their dtype when the layer's dtype changes: the quant method's
+        format tensors (e.g. FP8 weights and fp32 scales) and the fp32 selection bias."""
+        names = [name for name in self.quant.expert_parameter_names(self) if self.quant.keeps_dtype(name)]
+        if self.routing.selection_bias:
+            names.append("e_score_correction_bias")  # routing runs in fp32
+        return [(name, getattr(self, name)) for name in names]
+
     def rebuild_pipeline(self) -> None:
         """Resolve the dispatch dtype and build + validate the pipeline from the current settings.
 
@@ -178,9 +224,10 @@ class MoELayer(nn.Module):
             activation_dtype=self.dtype,
             quant_requires=self.quant.required_dispatch_dtype(),
             quant_prefers=self.quant.prefers,
-            device=self._device(),
+            device=self._device,
             environ=self._environ,
             experts_name=f"experts ({self.quant.name})",
+            weights_on_input=self.routing.apply_weights is RoutingWeights.ON_INPUT,
         )
         routing = self.routing
         triton = self.backend is Backend.TRITON
@@ -244,7 +291,7 @@ class MoELayer(nn.Module):
         return range(self.num_experts)
 
     def _kernel_configs(self) -> ConfigTable:
-        device = self._device()
+        device = self._device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
                                 DType.from_torch(self.dtype).value, max_block_m=self.quant.max_block_m)
@@ -318,25 +365,41 @@ class MoELayer(nn.Module):
         self.rebuild_pipeline()
 
     def describe(self) -> str:
-        return self.pipeline.describe()
+        """Every part of the layer: the router, the pipeline table (with the dispatch-dtype decision
+        and the backend), and the shared experts."""
+        if self.router is None:
+            router = "router: none (forward() takes router_logits)"
+        else:
+            router = (f"router: Linear({self.hidden_size} -> {self.num_experts}"
+                      f"{', bias' if self.router.bias is not None else ''}, "
+                      f"logits in {'fp32' if self.routing.router_in_fp32 else DType.from_torch(self.dtype).value})")
+        lines = [router, self.pipeline.describe()]
+        if self.shared_experts is not None:
+            lines.append(f"shared experts: {self.shared_experts.summary()}, added to the output")
+        return "\n".join(lines)
 
-    def _device(self) -> torch.device:
-        for tensor in self.parameters():
-            return tensor.device
-        return torch.device("cpu")
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float dtype the layer computes in and takes its activations in."""
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     # -- running ----------------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``hidden_states [T, H]`` or ``[B, S, H]`` -> same shape. ``router_logits`` (``[T, E]`` or
         ``[B, S, E]``) are computed by the layer's router when not given."""
-        device = self._device()
-        check_hidden_states(hidden_states, self.hidden_size, self.dtype, device)
+        device = self._device
+        check_hidden_states(hidden_states, self.hidden_size, self.dtype, device, self.debug)
         x = hidden_states.reshape(-1, self.hidden_size)
         if router_logits is None:
             router_logits = self.router_logits(x)
         logits = check_router_logits(router_logits, x.shape[0], self.num_experts, device, self.debug)
-        out = self.pipeline(MoEInput(x, logits)).hidden_states
+        # The checks above cover what the pipeline would check of its input, with the layer's words.
+        out = self.pipeline.run(MoEInput(x, logits), input_checked=True).hidden_states
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(hidden_states.shape)

@@ -1,16 +1,24 @@
 """Payloads: the run-time records that carry tensors across stage boundaries.
 
-Every payload is a frozen ``attrs`` record with named fields. ``payload.check(spec)`` verifies that
-the tensors agree with a :class:`~moeforge.spec.Spec` (shapes, dtypes, metadata); pipelines call it
-after every stage in debug mode, and :mod:`moeforge.testing` calls it to catch a stage that lies about
-its spec.
+Every payload is a frozen record with named fields (a frozen ``dataclass``, not ``attrs``:
+``torch.compile`` traces the forward, and Dynamo (torch 2.13) cannot trace the descriptor lookup
+``object.__setattr__.__get__`` that a frozen ``attrs`` ``__init__`` starts with; a frozen dataclass
+assigns with plain ``object.__setattr__`` calls, which it can. Specs, configs and stages, built once
+before the forward, stay ``attrs``).
+
+``payload.check(spec)`` verifies that the tensors agree with a :class:`~moeforge.spec.Spec`. Its
+metadata checks (types, ranks, shapes, dtypes, devices) read no tensor values and cost no device
+work: a pipeline runs them on its input on every call. ``values=True`` adds the checks that read
+values (id ranges, distinct experts, group-list sums, non-finite routing weights), which need a host
+synchronisation: pipelines run those in debug mode only, after every stage, and
+:mod:`moeforge.testing` runs them to catch a stage that lies about its spec.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
-import attrs
 import torch
 from typing_extensions import Self
 
@@ -29,7 +37,30 @@ def _expect(condition: bool, what: str, have: object, want: object) -> None:
         raise _fail(what, have, want)
 
 
-@attrs.frozen
+def _tensor(value: object, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise PayloadError(f"{what}: have {type(value).__name__}, expected a torch.Tensor")
+    return value
+
+
+def _finite(tensor: torch.Tensor, what: str) -> None:
+    """Reads values (a host synchronisation): only for ``values=True`` checks."""
+    if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise PayloadError(f"{what}: {bad} non-finite values (NaN or inf)")
+
+
+def _check_data(value: object, spec: Spec, what: str) -> torch.Tensor:
+    """An activation tensor's dtype and width (``[..., W]``; NVFP4 packs two values per byte)."""
+    data = _tensor(value, what)
+    _expect(data.dtype == spec.dtype.torch_dtype, f"{what} dtype", data.dtype, spec.dtype.value)
+    width = spec.width // 2 if spec.dtype is DType.NVFP4 else spec.width
+    _expect(data.dim() >= 1 and data.shape[-1] == width, f"{what} width",
+            data.shape[-1] if data.dim() else "a 0-d tensor", width)
+    return data
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Activations:
     """An activation tensor and its scales (``None`` when unquantized).
 
@@ -41,17 +72,16 @@ class Activations:
     scale: Optional[torch.Tensor] = None
 
     def check(self, spec: Spec, where: str) -> None:
-        data = self.data
-        _expect(data.dtype == spec.dtype.torch_dtype, f"{where}.data dtype", data.dtype, spec.dtype.value)
-        width = spec.width // 2 if spec.dtype is DType.NVFP4 else spec.width
-        _expect(data.shape[-1] == width, f"{where}.data width", data.shape[-1], width)
+        """Metadata only (dtype, width, scale shape and dtype, device): reads no values."""
+        data = _check_data(self.data, spec, f"{where}.data")
         layout = spec.scale_layout
         if layout is ScaleLayout.NONE:
             _expect(self.scale is None, f"{where}.scale", "a tensor", "no scale")
             return
-        scale = self.scale
-        if scale is None:
+        if self.scale is None:
             raise _fail(f"{where}.scale", None, layout.value)
+        scale = _tensor(self.scale, f"{where}.scale")
+        _expect(scale.device == data.device, f"{where}.scale device", scale.device, data.device)
         lead = tuple(data.shape[:-1])
         expected: tuple[int, ...]
         if layout is ScaleLayout.PER_TOKEN:
@@ -67,35 +97,48 @@ class Activations:
             _expect(scale.dtype == torch.float32, f"{where}.scale dtype", scale.dtype, "float32")
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class MoEInput:
     """The pipeline input: token-major hidden states ``[T, H]`` and router logits ``[T, E]``."""
 
     hidden_states: torch.Tensor
     router_logits: torch.Tensor
 
-    def check(self, spec: Spec) -> None:
+    def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.kind is PayloadKind.TOKENS, "payload kind", "MoEInput", spec.kind.value)
-        Activations(self.hidden_states).check(spec, "hidden_states")
-        tokens = self.hidden_states.shape[0]
-        want = (tokens, spec.num_experts)
-        _expect(tuple(self.router_logits.shape) == want, "router_logits shape",
-                tuple(self.router_logits.shape), want)
+        hidden = _tensor(self.hidden_states, "hidden_states")
+        _expect(hidden.dim() == 2, "hidden_states shape", tuple(hidden.shape), f"[tokens, {spec.width}]")
+        _check_data(hidden, spec, "hidden_states")
+        logits = _tensor(self.router_logits, "router_logits")
+        want = (hidden.shape[0], spec.num_experts)
+        _expect(tuple(logits.shape) == want, "router_logits shape", tuple(logits.shape),
+                f"{want} (tokens x experts)")
+        _expect(logits.is_floating_point(), "router_logits dtype", logits.dtype, "a float dtype")
+        _expect(logits.device == hidden.device, "router_logits device", logits.device,
+                f"{hidden.device} (the hidden states' device)")
+        if values:
+            _finite(hidden, "hidden_states")
+            _finite(logits, "router_logits")
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class TopKOutput:
     """Routing decision: fp32 ``weights [T, K]`` and int32 global ``ids [T, K]``."""
 
     weights: torch.Tensor
     ids: torch.Tensor
 
-    def check(self, num_tokens: int, spec: Spec) -> None:
+    def check(self, num_tokens: int, spec: Spec, values: bool = True) -> None:
         want = (num_tokens, spec.top_k)
-        _expect(tuple(self.weights.shape) == want, "topk.weights shape", tuple(self.weights.shape), want)
-        _expect(tuple(self.ids.shape) == want, "topk.ids shape", tuple(self.ids.shape), want)
-        _expect(self.weights.dtype == torch.float32, "topk.weights dtype", self.weights.dtype, "float32")
-        _expect(self.ids.dtype == torch.int32, "topk.ids dtype", self.ids.dtype, "int32")
+        weights, ids = _tensor(self.weights, "topk.weights"), _tensor(self.ids, "topk.ids")
+        _expect(tuple(weights.shape) == want, "topk.weights shape", tuple(weights.shape), want)
+        _expect(tuple(ids.shape) == want, "topk.ids shape", tuple(ids.shape), want)
+        _expect(weights.dtype == torch.float32, "topk.weights dtype", weights.dtype, "float32")
+        _expect(ids.dtype == torch.int32, "topk.ids dtype", ids.dtype, "int32")
+        _expect(ids.device == weights.device, "topk.ids device", ids.device, weights.device)
+        if not values:
+            return
+        _finite(weights, "topk.weights")
         if self.ids.numel() and spec.num_experts is not None:
             low, high = int(self.ids.min()), int(self.ids.max())
             _expect(low >= 0 and high < spec.num_experts, "topk.ids range", (low, high),
@@ -105,7 +148,7 @@ class TopKOutput:
             _expect(not repeated, "topk.ids", "a token routed to the same expert twice", "distinct experts")
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class RoutedTokens:
     """Token-major activations (possibly quantized) with their routing decision."""
 
@@ -113,17 +156,19 @@ class RoutedTokens:
     topk: TopKOutput
 
     def with_x(self, x: Activations) -> Self:
-        return attrs.evolve(self, x=x)
+        return dataclasses.replace(self, x=x)
 
-    def check(self, spec: Spec) -> None:
+    def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.kind is PayloadKind.ROUTED, "payload kind", "RoutedTokens", spec.kind.value)
         _expect(spec.layout is Layout.TOKEN_MAJOR, "layout", "RoutedTokens", spec.layout.value)
-        _expect(self.x.data.dim() == 2, "x.data rank", self.x.data.dim(), 2)
         self.x.check(spec, "x")
-        self.topk.check(self.x.data.shape[0], spec)
+        _expect(self.x.data.dim() == 2, "x.data rank", self.x.data.dim(), 2)
+        self.topk.check(self.x.data.shape[0], spec, values)
+        _expect(self.topk.ids.device == self.x.data.device, "topk.ids device", self.topk.ids.device,
+                self.x.data.device)
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class SortedPlan:
     """How expert-sorted rows map back to tokens; produced by dispatch, used by combine.
 
@@ -137,7 +182,7 @@ class SortedPlan:
     num_tokens: int
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class PaddedPlan:
     """How padded slots map back to tokens. ``token_slots[t, k]`` is the flat slot
     ``expert * capacity + position`` of copy ``k`` of token ``t``, or -1 if it was dropped or is not on
@@ -151,17 +196,17 @@ class PaddedPlan:
     dropped: torch.Tensor
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class ExpertRows:
     """Base of the expert-grouped payloads (dispatched rows, expert hidden states, expert outputs)."""
 
     x: Activations
 
     def with_x(self, x: Activations) -> Self:
-        return attrs.evolve(self, x=x)
+        return dataclasses.replace(self, x=x)
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class SortedRows(ExpertRows):
     """``x.data [R, W]``: rows grouped by local expert; ``group_list [E]`` (int64) holds counts or
     cumulative sums, as ``group_list_type`` says."""
@@ -180,27 +225,29 @@ class SortedRows(ExpertRows):
             return self.group_list
         return torch.diff(self.group_list, prepend=self.group_list.new_zeros(1))
 
-    def check(self, spec: Spec) -> None:
+    def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.layout is Layout.EXPERT_SORTED, "layout", "SortedRows", spec.layout.value)
-        _expect(self.x.data.dim() == 2, "x.data rank", self.x.data.dim(), 2)
         self.x.check(spec, "x")
+        _expect(self.x.data.dim() == 2, "x.data rank", self.x.data.dim(), 2)
         _expect(self.group_list_type is spec.group_list_type, "group_list_type", self.group_list_type,
                 spec.group_list_type)
         _expect(self.group_list.dtype == torch.int64, "group_list dtype", self.group_list.dtype, "int64")
         _expect(self.num_experts == spec.num_experts, "group_list length", self.num_experts,
                 spec.num_experts)
-        counts = self.counts()
-        total = int(counts.sum()) if counts.numel() else 0
-        _expect(bool((counts >= 0).all()), "group_list counts", counts.tolist(), "non-negative")
         rows = self.x.data.shape[0]
-        _expect(total == rows, "rows covered by group_list", total, rows)
         _expect(self.plan.row_token.shape == (rows,), "plan.row_token shape",
                 tuple(self.plan.row_token.shape), (rows,))
         _expect(self.plan.row_weight.shape == (rows,), "plan.row_weight shape",
                 tuple(self.plan.row_weight.shape), (rows,))
+        if not values:
+            return
+        counts = self.counts()
+        total = int(counts.sum()) if counts.numel() else 0
+        _expect(bool((counts >= 0).all()), "group_list counts", counts.tolist(), "non-negative")
+        _expect(total == rows, "rows covered by group_list", total, rows)
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class PaddedRows(ExpertRows):
     """``x.data [E, C, W]``: each local expert's rows in a fixed-capacity buffer; only the first
     ``masked_m[e]`` rows of expert ``e`` are valid."""
@@ -216,23 +263,23 @@ class PaddedRows(ExpertRows):
     def capacity(self) -> int:
         return int(self.x.data.shape[1])
 
-    def check(self, spec: Spec) -> None:
+    def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.layout is Layout.EXPERT_PADDED, "layout", "PaddedRows", spec.layout.value)
-        _expect(self.x.data.dim() == 3, "x.data rank", self.x.data.dim(), 3)
         self.x.check(spec, "x")
+        _expect(self.x.data.dim() == 3, "x.data rank", self.x.data.dim(), 3)
         _expect(self.num_experts == spec.num_experts, "masked_m length", self.num_experts,
                 spec.num_experts)
         _expect(self.x.data.shape[0] == self.num_experts, "x.data experts", self.x.data.shape[0],
                 self.num_experts)
-        if self.masked_m.numel():
-            _expect(int(self.masked_m.max()) <= self.capacity, "masked_m", int(self.masked_m.max()),
-                    f"<= capacity {self.capacity}")
         want = (self.num_experts, self.capacity)
         _expect(tuple(self.plan.slot_weight.shape) == want, "plan.slot_weight shape",
                 tuple(self.plan.slot_weight.shape), want)
+        if values and self.masked_m.numel():
+            _expect(int(self.masked_m.max()) <= self.capacity, "masked_m", int(self.masked_m.max()),
+                    f"<= capacity {self.capacity}")
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class AlignedPlan:
     """The ``BLOCK_ALIGNED`` routing plan (Triton fused-MoE style), all on the device.
 
@@ -255,7 +302,7 @@ class AlignedPlan:
         return self.num_tokens * self.top_k
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class AlignedRows(ExpertRows):
     """Expert-grouped rows described by an :class:`AlignedPlan`, never physically sorted.
 
@@ -267,13 +314,15 @@ class AlignedRows(ExpertRows):
     plan: AlignedPlan
     copy_major: bool
 
-    def check(self, spec: Spec) -> None:
+    def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.layout is Layout.BLOCK_ALIGNED, "layout", "AlignedRows", spec.layout.value)
-        _expect(self.x.data.dim() == 2, "x.data rank", self.x.data.dim(), 2)
         self.x.check(spec, "x")
+        _expect(self.x.data.dim() == 2, "x.data rank", self.x.data.dim(), 2)
         rows = self.plan.num_copies if self.copy_major else self.plan.num_tokens
         _expect(self.x.data.shape[0] == rows, "x.data rows", self.x.data.shape[0], rows)
         _expect(self.plan.top_k == spec.top_k, "plan.top_k", self.plan.top_k, spec.top_k)
+        if not values:
+            return
         used = int(self.plan.num_padded.item())
         _expect(used % self.plan.block_m == 0 and used <= self.plan.sorted_ids.numel(), "plan.num_padded",
                 used, f"a multiple of block_m={self.plan.block_m} <= {self.plan.sorted_ids.numel()}")
@@ -283,23 +332,24 @@ class AlignedRows(ExpertRows):
                     "out of range", f"[0, {spec.num_experts})")
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)
 class MoEOutput:
     """The combined output, token-major ``[T, H]``."""
 
     hidden_states: torch.Tensor
 
-    def check(self, spec: Spec) -> None:
+    def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.kind is PayloadKind.OUTPUT, "payload kind", "MoEOutput", spec.kind.value)
+        _check_data(self.hidden_states, spec, "hidden_states")
         _expect(self.hidden_states.dim() == 2, "hidden_states rank", self.hidden_states.dim(), 2)
-        Activations(self.hidden_states).check(spec, "hidden_states")
 
 
 Payload = Union[MoEInput, RoutedTokens, SortedRows, PaddedRows, AlignedRows, MoEOutput]
 
 
-def check_payload(payload: object, spec: Spec) -> None:
-    """Raise :class:`PayloadError` unless ``payload`` matches ``spec``."""
+def check_payload(payload: object, spec: Spec, *, values: bool = True) -> None:
+    """Raise :class:`PayloadError` unless ``payload`` matches ``spec`` (``values=False``: the metadata
+    checks only, which read no tensor values)."""
     if not isinstance(payload, (MoEInput, RoutedTokens, SortedRows, PaddedRows, AlignedRows, MoEOutput)):
         raise PayloadError(f"{type(payload).__name__} is not a pipeline payload")
-    payload.check(spec)
+    payload.check(spec, values)

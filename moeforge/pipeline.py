@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar, Union, cast
 
-from moeforge.errors import ContractError, PayloadError
+from moeforge.errors import ContractError, InputError, PayloadError
 from moeforge.payloads import check_payload
 from moeforge.spec import PayloadKind, RoutingWeights, ScalingFactor, Spec
 from moeforge.stage import Mismatch, Stage
@@ -93,12 +93,16 @@ class Pipeline(Generic[InT, OutT]):
     """A validated, callable sequence of stages.
 
     Build it from a list of stages and the input spec (or with :func:`chain` for static typing).
-    Validation happens here, once; ``__call__`` only runs the stages. With ``debug=True`` every
-    payload is checked against its spec after each stage (off by default: no cost when off).
+    Validation happens here, once. Each call checks its input payload against the input spec
+    (types, shapes, dtypes, devices: metadata only, no device work) and raises
+    :class:`~moeforge.InputError` naming the argument, then runs the stages. With ``debug=True`` the
+    input's values are checked too (non-finite hidden states or logits), and every payload is checked
+    against its spec after each stage, values included (off by default: those checks synchronise
+    with the device).
     ``notes`` are extra lines for :meth:`describe`, such as the dispatch-dtype decision.
     """
 
-    __slots__ = ("stages", "input_spec", "specs", "debug", "notes", "_run")
+    __slots__ = ("stages", "input_spec", "specs", "debug", "notes")
 
     def __init__(
         self,
@@ -113,26 +117,40 @@ class Pipeline(Generic[InT, OutT]):
         self.specs: tuple[Spec, ...] = tuple(validate(self.stages, input_spec))
         self.debug = debug
         self.notes: tuple[str, ...] = tuple(notes)
-        self._run = self._run_checked if debug else self._run_plain
 
     @property
     def output_spec(self) -> Spec:
         return self.specs[-1]
 
     def __call__(self, x: InT) -> OutT:
-        return self._run(x)
+        return self.run(x)
 
-    def _run_plain(self, x: Any) -> OutT:
+    def run(self, x: InT, *, input_checked: bool = False) -> OutT:
+        """Run the stages on ``x``. ``input_checked=True`` skips the input's metadata checks, for a
+        caller that has just made the same checks with its own messages (``MoELayer.forward``);
+        debug mode checks everything regardless."""
+        if self.debug:
+            return self._run_checked(x)
+        if not input_checked:
+            self._check_input(x, values=False)
+        payload: Any = x
         for stage in self.stages:
-            x = stage(x)
-        return cast(OutT, x)
+            payload = stage(payload)
+        return cast(OutT, payload)
 
     def _run_checked(self, x: Any) -> OutT:
-        self._check(x, self.input_spec, PIPELINE_INPUT)
+        self._check_input(x, values=True)
         for index, (stage, spec) in enumerate(zip(self.stages, self.specs)):
             x = stage(x)
             self._check(x, spec, _label(index, stage))
         return cast(OutT, x)
+
+    def _check_input(self, payload: Any, values: bool) -> None:
+        try:
+            check_payload(payload, self.input_spec, values=values)
+        except PayloadError as error:
+            raise InputError(f"the pipeline input does not match its input spec "
+                             f"({self.input_spec.short()}): {error}") from None
 
     @staticmethod
     def _check(payload: Any, spec: Spec, where: str) -> None:

@@ -60,6 +60,15 @@ class SharedExperts(nn.Module):
         if config.gate is SharedGate.SIGMOID:
             self.gate = nn.Linear(hidden_size, 1, bias=False, **kwargs)  # type: ignore[arg-type]
 
+    def summary(self) -> str:
+        config = self.config
+        text = f"SharedExperts(I={config.intermediate_size}, {config.activation.summary()}"
+        if config.bias:
+            text += ", bias"
+        if config.gate is SharedGate.SIGMOID:
+            text += ", x sigmoid(gate(x))"
+        return text + ")"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = apply_activation(self.gate_up_proj(x), self.config.activation).to(x.dtype)
         out: torch.Tensor = self.down_proj(hidden)

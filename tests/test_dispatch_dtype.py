@@ -439,3 +439,79 @@ def test_layers_with_different_environments_are_independent() -> None:
     assert draft.dispatch_decision.dtype is DispatchDtype.FP32
     draft.process_weights_after_loading()
     assert target.dispatch_decision.dtype is DispatchDtype.BF16
+
+
+# -- routing weights on the input need float rows ---------------------------------------------------
+
+ON_INPUT = mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT)
+
+
+def test_weights_on_input_pick_a_float_dispatch_and_say_why(no_warnings: None) -> None:
+    decision = resolve(experts_accept=FP8_AND_FLOATS, activation_dtype=torch.float16, weights_on_input=True)
+    assert decision.dtype is DispatchDtype.FP16 and decision.rule is DispatchRule.LIBRARY_DEFAULT
+    assert "routing weights on the input need float rows" in decision.explain()
+    # Without the weights on the input the same experts get FP8, and no reason is recorded.
+    assert resolve(experts_accept=FP8_AND_FLOATS).dtype is DispatchDtype.FP8
+    assert resolve(experts_accept=FP8_AND_FLOATS).reason is None
+
+
+def test_weights_on_input_skip_a_quantized_preference_and_device_default(no_warnings: None) -> None:
+    device = DeviceDispatchSupport(fp8=True, int8=True, default=DispatchDtype.FP8)
+    decision = resolve(experts_accept=FP8_AND_FLOATS, device=device, quant_prefers=DispatchDtype.FP8,
+                       activation_dtype=torch.bfloat16, weights_on_input=True)
+    assert decision.dtype is DispatchDtype.BF16
+
+
+@pytest.mark.parametrize("setting", ["fp8", "int8"])
+def test_explicit_quantized_dispatch_with_weights_on_input_names_the_settings(setting: str) -> None:
+    with pytest.raises(mf.ContractError) as caught:
+        resolve(setting, weights_on_input=True)
+    error = caught.value
+    assert error.field == "dtype" and "rule 1" in error.producer
+    assert "dispatch_dtype" in error.hint and "apply_weights=RoutingWeights.IN_COMBINE" in error.hint
+    assert "QuantizeRows" not in error.hint  # a layer user has no such setting
+
+
+def test_required_quantized_dispatch_with_weights_on_input_is_a_contract_error() -> None:
+    with pytest.raises(mf.ContractError, match="rule 3"):
+        resolve(quant_requires=DispatchDtype.NVFP4, weights_on_input=True)
+
+
+def test_environment_fp8_is_ignored_for_rows_scaled_on_the_input() -> None:
+    with pytest.warns(UserWarning, match=f"{ENV}=fp8 ignored.*scales rows on the input"):
+        decision = resolve(experts_accept=FP8_AND_FLOATS, environ={ENV: "fp8"}, weights_on_input=True,
+                           activation_dtype=torch.float32)
+    assert decision.dtype is DispatchDtype.FP32 and decision.rule is DispatchRule.LIBRARY_DEFAULT
+
+
+def test_experts_taking_only_quantized_rows_cannot_have_weights_on_the_input() -> None:
+    with pytest.raises(mf.ContractError, match="apply the weights in the combine"):
+        resolve(experts_accept={DType.FP8_E4M3}, weights_on_input=True)
+
+
+@pytest.mark.parametrize("method", [mf.Fp8W8A8Method, mf.Int8W8A8Method], ids=lambda m: m.__name__)
+def test_w8a8_layer_with_weights_on_the_input_builds_under_auto(method: Any) -> None:
+    # Was a ContractError whose hint told a layer user to insert QuantizeRows.
+    from moeforge.quant.w8a8 import quantize_layer
+
+    torch.manual_seed(0)
+    float_layer = mf.MoELayer(4, 1, 32, 16, routing=ON_INPUT, dtype=torch.float32)
+    with torch.no_grad():
+        float_layer.router.weight.mul_(4)  # decisive routing: weights well away from 1
+    layer = quantize_layer(float_layer, method())
+    assert layer.dispatch_decision.dtype is DispatchDtype.FP32
+    assert "routing weights on the input need float rows" in layer.describe()
+    x = torch.randn(5, 32)
+    out, reference = layer(x), layer_reference(float_layer, x)
+    assert _rel(out, reference) < 0.09  # the FP8 tests' bound: quantization after the dispatch (~0.07 here)
+    explicit = quantize_layer(float_layer, method())
+    explicit.dispatch_dtype_setting = "fp32"
+    explicit.rebuild_pipeline()
+    assert "rule 1" in explicit.dispatch_decision.explain()
+    assert torch.equal(explicit(x), out)  # "auto" chose exactly what the explicit setting runs
+
+
+def test_w8a8_layer_with_weights_on_input_and_explicit_fp8_names_the_layer_settings() -> None:
+    with pytest.raises(mf.ContractError) as caught:
+        mf.MoELayer(4, 1, 32, 16, routing=ON_INPUT, quant=mf.Fp8W8A8Method(), dispatch_dtype="fp8")
+    assert "dispatch_dtype" in caught.value.hint and "QuantizeRows" not in caught.value.hint

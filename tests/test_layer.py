@@ -598,11 +598,13 @@ def test_non_finite_router_logits_in_debug_mode(layer32: mf.MoELayer, bad: float
         layer32(torch.randn(T, H), logits)
 
 
-def test_non_finite_hidden_states_reach_the_router_check_in_debug_mode(layer32: mf.MoELayer) -> None:
+@pytest.mark.parametrize("with_logits", [False, True])
+def test_non_finite_hidden_states_are_named_in_debug_mode(layer32: mf.MoELayer, with_logits: bool) -> None:
+    # Before the router turns them into NaN logits: the message names the argument that was bad.
     x = torch.randn(T, H)
     x[0, 0] = float("nan")
-    with pytest.raises(mf.InputError, match="router_logits.*non-finite"):
-        layer32(x)
+    with pytest.raises(mf.InputError, match="hidden_states contain 1 non-finite"):
+        layer32(x, torch.randn(T, E) if with_logits else None)
 
 
 def test_non_finite_router_logits_are_not_read_outside_debug_mode() -> None:

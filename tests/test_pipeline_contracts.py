@@ -565,14 +565,46 @@ def test_without_debug_the_lying_stage_is_not_checked() -> None:
     assert not isinstance(info.value, mf.PayloadError)
 
 
-def test_debug_checks_the_pipeline_input() -> None:
-    pipeline = mf.Pipeline(_stages(), _spec(), debug=True)
-    bad = mf.MoEInput(torch.randn(T, H, dtype=torch.bfloat16), torch.randn(T, E))
-    with pytest.raises(mf.PayloadError, match="pipeline input"):
-        pipeline(bad)
-    bad_logits = mf.MoEInput(torch.randn(T, H), torch.randn(T, E + 1))
-    with pytest.raises(mf.PayloadError, match="router_logits"):
-        pipeline(bad_logits)
+BAD_INPUTS = {
+    # A token silently dropped before (a (4, H) output for 5 tokens).
+    "logits for fewer tokens": (lambda: torch.randn(T, H), lambda: torch.randn(T - 1, E), "router_logits shape"),
+    # An IndexError inside the dispatch before.
+    "one logit column too many": (lambda: torch.randn(T, H), lambda: torch.randn(T, E + 1), "router_logits shape"),
+    # A RuntimeError inside the GEMM before.
+    "wrong hidden size": (lambda: torch.randn(T, H + 1), lambda: torch.randn(T, E), "hidden_states width"),
+    "wrong dtype": (lambda: torch.randn(T, H, dtype=torch.bfloat16), lambda: torch.randn(T, E),
+                    "hidden_states dtype"),
+    "3-d hidden states": (lambda: torch.randn(1, T, H), lambda: torch.randn(T, E), "hidden_states shape"),
+    "integer logits": (lambda: torch.randn(T, H), lambda: torch.ones(T, E, dtype=torch.int64), "router_logits dtype"),
+    "not a tensor": (lambda: [[0.0] * H] * T, lambda: torch.randn(T, E), "hidden_states: have list"),
+}
+
+
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_the_pipeline_checks_its_input_on_every_call(case: str, debug: bool) -> None:
+    # Shapes, dtypes and devices are metadata: checked with or without debug, with no device work.
+    pipeline = mf.Pipeline(_stages(), _spec(), debug=debug)
+    hidden, logits, message = BAD_INPUTS[case]
+    with pytest.raises(mf.InputError, match=f"pipeline input.*{message}"):
+        pipeline(mf.MoEInput(hidden(), logits()))  # type: ignore[arg-type]
+
+
+def test_the_pipeline_checks_input_values_only_in_debug_mode() -> None:
+    x = _inputs()
+    x.hidden_states[0, 0] = float("nan")
+    mf.Pipeline(_stages(), _spec())(x)  # reading values would need a host sync: not outside debug
+    with pytest.raises(mf.InputError, match="hidden_states: 1 non-finite"):
+        mf.Pipeline(_stages(), _spec(), debug=True)(x)
+
+
+def test_a_payload_of_the_wrong_kind_is_an_input_error() -> None:
+    pipeline = mf.Pipeline(_stages(), _spec())
+    routed = mf.TopK(E, K)(_inputs())
+    with pytest.raises(mf.InputError, match="payload kind"):
+        pipeline(routed)  # type: ignore[arg-type]
+    with pytest.raises(mf.InputError, match="not a pipeline payload"):
+        pipeline((torch.randn(T, H), torch.randn(T, E)))  # type: ignore[arg-type]
 
 
 @attrs.frozen(eq=False)

@@ -349,9 +349,13 @@ def test_biases_and_where_the_routing_weights_go(apply_weights: mf.RoutingWeight
 
 
 def test_weights_on_the_input_with_fp8_dispatch_is_a_contract_error() -> None:
+    # Under "auto" such a layer dispatches float rows (tests/test_dispatch_dtype.py); an explicit FP8
+    # dispatch is refused with a hint naming the layer's own settings.
     routing = mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT)
-    with pytest.raises(mf.ContractError, match="QuantizeRows"):
-        mf.MoELayer(4, 2, 128, 128, quant=Fp8W8A8Method(), routing=routing, environ={})
+    with pytest.raises(mf.ContractError, match="dispatch_dtype"):
+        mf.MoELayer(4, 2, 128, 128, quant=Fp8W8A8Method(), routing=routing, environ={}, dispatch_dtype="fp8")
+    layer = mf.MoELayer(4, 2, 128, 128, quant=Fp8W8A8Method(), routing=routing, environ={}, dtype=torch.bfloat16)
+    assert layer.dispatch_decision.dtype is mf.DispatchDtype.BF16
 
 
 @settings(max_examples=15, deadline=None)
@@ -404,7 +408,7 @@ def test_deepseek_v3_preset() -> None:
 
 
 def test_describe_shows_the_dispatch_decision() -> None:
-    layer = mf.MoELayer(4, 2, 128, 128, quant=Fp8W8A8Method("block", "group"), environ={})
+    layer = mf.MoELayer(4, 2, 128, 128, quant=Fp8W8A8Method("block", "group"), environ={}, dtype=torch.bfloat16)
     text = layer.describe()
     assert layer.dispatch_decision == mf.DispatchDecision(mf.DispatchDtype.FP8, mf.DispatchRule.LIBRARY_DEFAULT,
                                                           preferred=True)
@@ -414,7 +418,7 @@ def test_describe_shows_the_dispatch_decision() -> None:
     assert "ActivateQuantize(swiglu, concatenated -> fp8_e4m3/per_group_128)" in text
     assert "QuantizeRows" not in text
     explicit = mf.MoELayer(4, 2, 128, 128, quant=Fp8W8A8Method("block", "group"), environ={},
-                           dispatch_dtype="bf16")
+                           dispatch_dtype="bf16", dtype=torch.bfloat16)
     text = explicit.describe()
     assert "dispatch bf16 (rule 1: explicit setting)" in text
     assert "QuantizeTokens" not in text
@@ -577,10 +581,11 @@ def test_layers_with_different_methods_keep_their_own_decisions() -> None:
     environ = {"MOEFORGE_DISPATCH_DTYPE": "fp8"}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fp8 = mf.MoELayer(4, 2, 128, 128, quant=Fp8W8A8Method("block", "group"), environ=environ)
-        int8 = mf.MoELayer(4, 2, 128, 128, quant=Int8W8A8Method(), environ=environ)
-        plain = mf.MoELayer(4, 2, 128, 128, environ=environ)
-        default = mf.MoELayer(4, 2, 128, 128, quant=Fp8W8A8Method(), environ={})
+        bf16 = torch.bfloat16
+        fp8 = mf.MoELayer(4, 2, 128, 128, quant=Fp8W8A8Method("block", "group"), environ=environ, dtype=bf16)
+        int8 = mf.MoELayer(4, 2, 128, 128, quant=Int8W8A8Method(), environ=environ, dtype=bf16)
+        plain = mf.MoELayer(4, 2, 128, 128, environ=environ, dtype=bf16)
+        default = mf.MoELayer(4, 2, 128, 128, quant=Fp8W8A8Method(), environ={}, dtype=bf16)
     assert fp8.dispatch_decision.rule is mf.DispatchRule.PROCESS_DEFAULT
     assert int8.dispatch_decision == mf.DispatchDecision(mf.DispatchDtype.INT8, mf.DispatchRule.LIBRARY_DEFAULT,
                                                          preferred=True)

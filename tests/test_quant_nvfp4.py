@@ -273,6 +273,7 @@ def test_explicit_nvfp4_without_a_global_scale_is_a_contract_error() -> None:
     with pytest.raises(mf.ContractError) as info:
         _layer(Nvfp4Method(), dispatch_dtype="nvfp4")
     assert info.value.field == "input_global_scale" and "input_global_scale=" in info.value.hint
+    assert "produces: None" not in str(info.value) and "produces: no global scale" in str(info.value)
 
 
 def test_nvfp4_dispatch_is_rejected_where_the_device_cannot_carry_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -343,7 +343,7 @@ def test_dispatch_dtype_follows_the_layer() -> None:
     # the process default asking for fp8 is ignored (with a warning) for experts that cannot take it
     with pytest.warns(UserWarning):
         other = mf.MoELayer(E, K, H, I, quant=W4A16Method(32), backend="torch",
-                            environ={"MOEFORGE_DISPATCH_DTYPE": "fp8"})
+                            environ={"MOEFORGE_DISPATCH_DTYPE": "fp8"}, dtype=torch.bfloat16)
     assert other.dispatch_decision.dtype is mf.DispatchDtype.BF16
 
 

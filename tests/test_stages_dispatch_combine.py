@@ -238,9 +238,9 @@ def test_combine_of_copies_that_are_all_on_other_ranks() -> None:
 
 
 def attrs_evolve(instance: object, **changes: object) -> object:
-    import attrs
+    import dataclasses
 
-    return attrs.evolve(instance, **changes)  # type: ignore[misc]
+    return dataclasses.replace(instance, **changes)  # type: ignore[type-var]
 
 
 def test_padded_capacity_must_be_positive() -> None:

@@ -525,7 +525,9 @@ def test_interleaved_and_concatenated_read_the_same_gate_and_up() -> None:
                                         mf.ActivationConfig(kind, mf.GateUpLayout.CONCATENATED))
         interleaved = apply_activation(_join(gate, up, mf.GateUpLayout.INTERLEAVED),
                                        mf.ActivationConfig(kind, mf.GateUpLayout.INTERLEAVED))
-        assert torch.equal(concatenated, interleaved)
+        # Not bit equality: a strided view and a contiguous tensor can take different vector paths of
+        # the CPU's math library (they differ in the last bits on AVX2). A wrong split would be far off.
+        torch.testing.assert_close(concatenated, interleaved, rtol=1e-6, atol=1e-6)
 
 
 def test_activation_config_validation() -> None:

@@ -221,14 +221,40 @@ class TokenDroppingTopK(mf.Stage[mf.MoEInput, mf.RoutedTokens]):
         return mf.RoutedTokens(mf.Activations(first), topk)
 
 
+class DuplicatingTopK(mf.Stage[mf.MoEInput, mf.RoutedTokens]):
+    """Routes every token to its best expert twice (k=2): ids in range, but not distinct."""
+
+    kinds: ClassVar = (mf.StageKind.TOPK,)
+
+    def accepts(self) -> mf.Accepts:
+        return mf.Accepts(kind=mf.PayloadKind.TOKENS)
+
+    def output_spec(self, spec: mf.Spec) -> mf.Spec:
+        return spec.evolve(kind=mf.PayloadKind.ROUTED, top_k=2)
+
+    def __call__(self, x: mf.MoEInput) -> mf.RoutedTokens:
+        best = x.router_logits.argmax(-1, keepdim=True).to(torch.int32)
+        weights = torch.full((x.hidden_states.shape[0], 2), 0.5)
+        return mf.RoutedTokens(mf.Activations(x.hidden_states), mf.TopKOutput(weights, best.expand(-1, 2)))
+
+
 def _duplicate_ids(x: torch.Tensor, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     best = logits.argmax(-1, keepdim=True)
     return torch.full((x.shape[0], k), 0.5), best.expand(-1, k)  # the best expert, twice
 
 
 def test_checker_catches_duplicate_expert_ids() -> None:
-    with pytest.raises(AssertionError, match="CustomTopK broke its declared output spec.*same expert twice"):
-        assert_stage_honours_contract(mf.CustomTopK(E, 2, _duplicate_ids), tokens(), max_examples=20)
+    with pytest.raises(AssertionError, match="DuplicatingTopK broke its declared output spec.*same expert twice"):
+        assert_stage_honours_contract(DuplicatingTopK(), tokens(), max_examples=20)
+
+
+def test_custom_topk_rejects_duplicate_expert_ids_on_every_call() -> None:
+    # User routing code is checked on every call (not only in debug mode): a repeated id would be summed
+    # twice by the sorted dispatcher and overflow the padded one's capacity.
+    stage = mf.CustomTopK(E, 2, _duplicate_ids)
+    x = torch.randn(3, H)
+    with pytest.raises(mf.InputError, match="same expert more than once"):
+        stage(mf.MoEInput(x, torch.randn(3, E)))
 
 
 def test_checker_catches_a_stage_that_lies_about_its_dtype() -> None:

@@ -19,6 +19,7 @@ token's copies on its own rank in fp32, ``k = 0 .. top_k - 1`` in order, by gath
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, Optional
 
 import attrs
@@ -60,7 +61,7 @@ from moeforge.stages.combine import Combine
 _COUNT_BYTES = 8  # int64 per expert in the count exchange
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
 class AllToAllPlan:
     """What :class:`AllToAllCombine` needs to send rows home and sum them.
 
@@ -84,7 +85,7 @@ class AllToAllPlan:
         return Traffic(sent=sum(self.recv_splits) * row_bytes, received=sum(self.send_splits) * row_bytes)
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
 class ExchangedRows(SortedRows):
     """Expert-sorted rows received from the expert-parallel ranks.
 
@@ -97,7 +98,7 @@ class ExchangedRows(SortedRows):
     exchange: AllToAllPlan
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
 class ExchangedAlignedRows(AlignedRows):
     """Received rows for the triton expert GEMMs: ``x.data [R, W]`` in expert-sorted order, each row
     one copy (``plan.top_k == 1``) of its local expert; ``exchange`` is the plan of the way home."""

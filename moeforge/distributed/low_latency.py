@@ -20,6 +20,7 @@ into ``[L, world * capacity, H]`` with ``masked_m[l]`` valid rows (``EXPERT_PADD
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, Optional
 
 import attrs
@@ -53,7 +54,7 @@ from moeforge.stages.combine import Combine
 from moeforge.stages.dispatch import Overflow
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
 class LowLatencyPlan:
     """What :class:`LowLatencyCombine` needs: ``token_slots [T, K]`` is the send-buffer slot
     (``global expert * capacity + position``) of each copy, -1 if dropped; ``copy_weight [T, K]``
@@ -69,7 +70,7 @@ class LowLatencyPlan:
     traffic: Traffic
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
 class ExchangedPaddedRows(PaddedRows):
     """Expert-padded rows ``[L, W * C, H]`` received from the expert-parallel ranks. The inherited
     ``plan`` is the local view: ``slot_weight`` holds each row's routing weight (0 for empty rows) and

@@ -14,6 +14,7 @@ low-latency dispatcher sends no counts). Fields are copied as 32-bit words where
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import attrs
@@ -30,7 +31,7 @@ def _align(offset: int, to: int) -> int:
     return -(-offset // to) * to
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
 class Traffic:
     """Bytes one rank sent and received in one exchange (rows, scales, weights and counts), including
     the rows a rank exchanges with itself."""

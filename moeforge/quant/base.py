@@ -51,6 +51,9 @@ class QuantMethod(abc.ABC):
       triton only when it is among them);
     * ``max_block_m`` — caps the rows per block of the block-aligned dispatch for this method's
       triton GEMMs (``None``: the tuned tables decide).
+    * ``compute_dtype_parameters`` — the expert tensors held in the layer's compute dtype (biases,
+      unquantized weights, W4A16 scales): they follow ``layer.to(dtype)``, the others keep their
+      format's dtype (:meth:`keeps_dtype`).
     """
 
     accepts: ClassVar[frozenset[DType]]
@@ -60,6 +63,9 @@ class QuantMethod(abc.ABC):
     offers_fused_ep: ClassVar[bool] = False
     backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH})
     max_block_m: ClassVar[Optional[int]] = None  # the triton GEMMs' largest useful alignment block
+    # Expert tensors held in the layer's compute dtype, which follow layer.to(dtype); every other expert
+    # tensor's dtype is part of the weight format (FP8 weights, fp32 scales) and stays.
+    compute_dtype_parameters: ClassVar[tuple[str, ...]] = ("w13_bias", "w2_bias")
 
     @property
     def name(self) -> str:
@@ -87,6 +93,12 @@ class QuantMethod(abc.ABC):
         """The dispatch dtype this method's configuration requires (rule 3), if any."""
         return None
 
+    def keeps_dtype(self, name: str) -> bool:
+        """Whether the expert tensor ``name`` keeps its dtype when the layer's dtype changes
+        (``layer.to(torch.float16)``): true for the tensors of the weight format (quantized weights,
+        their scales), false for those in the compute dtype (``compute_dtype_parameters``)."""
+        return name not in self.compute_dtype_parameters
+
     def expert_parameter_names(self, layer: torch.nn.Module) -> tuple[str, ...]:
         """The per-expert tensors of ``layer`` (those of ``expert_parameters`` it has, not ``None``)."""
         return tuple(name for name in self.expert_parameters if getattr(layer, name, None) is not None)
@@ -97,9 +109,12 @@ class QuantMethod(abc.ABC):
         """The method's expert tensors built from a checkpoint in its own format.
 
         ``tensors`` maps names relative to the block prefix (``"experts.3.gate_proj.weight"``,
-        ``"experts.3.gate_proj.weight_scale_inv"``, ...) to tensors, read lazily. Returns, for each
-        of ``layer``'s expert tensors it fills, the new value (same shape and dtype as the layer's;
-        :func:`moeforge.checkpoint.load_weights` copies them only after every check passed). Raise
+        ``"experts.3.gate_proj.weight_scale_inv"``, ...) to tensors, read lazily. Checkpoints name
+        experts by their global id: an expert-parallel layer reads the experts of its
+        ``expert_range`` (:func:`held_experts`), not ``0 .. local - 1``. Returns, for each of
+        ``layer``'s expert tensors (all of them: :func:`moeforge.checkpoint.load_weights` refuses a
+        result that leaves one unfilled), the new value (same shape and dtype as the layer's;
+        ``load_weights`` copies them only after every check passed). Raise
         :class:`~moeforge.errors.CheckpointError` naming the key for a missing or misshapen tensor.
         Default: this method reads no checkpoint format.
         """
@@ -195,6 +210,20 @@ def register_expert_biases(layer: torch.nn.Module, shapes: dict[str, tuple[int, 
     for prefix, (experts, rows, _) in shapes.items():
         value = torch.nn.Parameter(torch.zeros(experts, rows, dtype=dtype, device=device)) if bias else None
         layer.register_parameter(f"{prefix}_bias", value)
+
+
+def held_experts(layer: torch.nn.Module, local_experts: int) -> range:
+    """The global ids of the ``local_experts`` experts whose tensors ``layer`` holds, the ids a
+    checkpoint names them by: ``layer.expert_range`` (an expert-parallel
+    :class:`~moeforge.MoELayer` holds its rank's experts only, e.g. 2..3 of 4 on rank 1), or
+    ``range(local_experts)`` for a module without one."""
+    experts = getattr(layer, "expert_range", None)
+    if experts is None:
+        return range(local_experts)
+    if not isinstance(experts, range) or len(experts) != local_experts:
+        raise CheckpointError(f"{type(layer).__name__}.expert_range is {experts!r}, but its expert tensors hold "
+                              f"{local_experts} experts")
+    return experts
 
 
 def group_list_type_arg(value: object) -> GroupListType:

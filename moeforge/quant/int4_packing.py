@@ -31,11 +31,11 @@ the tensor (``where`` + ``"qweight"``, ...); the functions on moeforge's own lay
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 from typing import Optional, Union
 
-import attrs
 import torch
 
 from moeforge.errors import CheckpointError, InputError
@@ -115,7 +115,7 @@ def dequantize_int4(
     return values.reshape(q.shape).to(dtype)
 
 
-@attrs.frozen(eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
 class Int4Weight:
     """Int4 weights in moeforge's layout (see the module notes), any leading dimensions."""
 
@@ -123,7 +123,7 @@ class Int4Weight:
     scales: torch.Tensor
     qzeros: Optional[torch.Tensor] = None
 
-    def __attrs_post_init__(self) -> None:
+    def __post_init__(self) -> None:
         q, s, z = self.qweight, self.scales, self.qzeros
         if q.dtype != torch.uint8 or q.dim() < 2:
             raise InputError(f"qweight must be uint8 [..., N, K // 2], got {q.dtype} {tuple(q.shape)}")

@@ -31,7 +31,7 @@ from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import BackendUnavailableError, CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, held_experts, register_expert_biases
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import (
     EmulatedGroupedGemm,
@@ -60,17 +60,21 @@ CHECKPOINT_KEYS: dict[str, str] = {
 }
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, init=False)
 class Mxfp4WeightRef:
-    """The MXFP4 weight ``{prefix}_blocks`` / ``{prefix}_scales`` of a module, read at call time."""
+    """The MXFP4 weight ``{prefix}_blocks`` / ``{prefix}_scales`` of a module, read at call time. Holds
+    :class:`~moeforge.ParamRef` s, not the module (no reference cycle through the layer's pipeline)."""
 
-    owner: torch.nn.Module
     prefix: str
-    format: str = attrs.field(default="mxfp4", init=False)
+    refs: tuple[ParamRef, ParamRef]
+    format: str = "mxfp4"
+
+    def __init__(self, owner: torch.nn.Module, prefix: str) -> None:
+        self.__attrs_init__(prefix, (ParamRef(owner, f"{prefix}_blocks"), ParamRef(owner, f"{prefix}_scales")))  # type: ignore[attr-defined]
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (ParamRef(self.owner, f"{self.prefix}_blocks").get(),
-                ParamRef(self.owner, f"{self.prefix}_scales").get())
+        blocks, scales = self.refs
+        return blocks.get(), scales.get()
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -160,9 +164,13 @@ class Mxfp4Method(QuantMethod):
         self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """GPT-OSS's MXFP4 expert tensors (``experts.gate_up_proj_blocks`` ...; biases are cast to
-        the layer's dtype). Raises :class:`CheckpointError` naming the key of a missing, misshapen or
-        mistyped tensor."""
+        the layer's dtype). The checkpoint holds every expert (``[E, ...]``); an expert-parallel layer
+        takes the rows of its ``expert_range``. Raises :class:`CheckpointError` naming the key of a
+        missing, misshapen or mistyped tensor."""
         found: dict[str, torch.Tensor] = {}
+        blocks = getattr(layer, W13_BLOCKS)
+        experts = held_experts(layer, int(blocks.shape[0]))
+        total = int(getattr(layer, "num_experts", blocks.shape[0]))
         for key, name in CHECKPOINT_KEYS.items():
             target = getattr(layer, name, None)
             if not isinstance(target, torch.Tensor):  # e.g. the layer has no expert biases
@@ -170,9 +178,11 @@ class Mxfp4Method(QuantMethod):
             if key not in tensors:
                 raise CheckpointError(f"checkpoint tensor '{key}' is missing (it fills {name})")
             value = tensors[key]
-            if tuple(value.shape) != tuple(target.shape):
+            want = [total, *target.shape[1:]]
+            if list(value.shape) != want:
                 raise CheckpointError(f"checkpoint tensor '{key}' has shape {list(value.shape)}; {name} needs "
-                                      f"{list(target.shape)}")
+                                      f"{want} (all {total} experts)")
+            value = value[experts.start:experts.stop]
             if target.dtype == torch.uint8:
                 if value.dtype != torch.uint8:
                     raise CheckpointError(f"checkpoint tensor '{key}' is {value.dtype}; MXFP4 blocks and scales "

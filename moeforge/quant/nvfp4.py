@@ -238,19 +238,24 @@ class Nvfp4Quantizer(Quantizer):
         return Activations(q.data, q.scale)
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, init=False)
 class Nvfp4WeightRef:
     """The NVFP4 weight ``{prefix}_weight`` / ``_weight_scale`` / ``_weight_global_scale`` of a module,
-    read at call time (so loading or ``layer.to`` is seen without rebuilding)."""
+    read at call time (so loading or ``layer.to`` is seen without rebuilding). Holds
+    :class:`~moeforge.ParamRef` s, not the module (no reference cycle through the layer's pipeline)."""
 
-    owner: torch.nn.Module
     prefix: str
-    format: str = attrs.field(default="nvfp4", init=False)
+    refs: tuple[ParamRef, ParamRef, ParamRef]
+    format: str = "nvfp4"
+
+    def __init__(self, owner: torch.nn.Module, prefix: str) -> None:
+        refs = (ParamRef(owner, f"{prefix}_weight"), ParamRef(owner, f"{prefix}_weight_scale"),
+                ParamRef(owner, f"{prefix}_weight_global_scale"))
+        self.__attrs_init__(prefix, refs)  # type: ignore[attr-defined]
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (ParamRef(self.owner, f"{self.prefix}_weight").get(),
-                ParamRef(self.owner, f"{self.prefix}_weight_scale").get(),
-                ParamRef(self.owner, f"{self.prefix}_weight_global_scale").get())
+        weight, scale, global_scale = self.refs
+        return weight.get(), scale.get(), global_scale.get()
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -365,7 +370,7 @@ class Nvfp4Method(QuantMethod):
                 producer="dispatch nvfp4",
                 consumer=f"experts ({self.name})",
                 field="input_global_scale",
-                have=None,
+                have="no global scale (the method was built without input_global_scale)",
                 want="a static NVFP4 activation global scale",
                 hint="build Nvfp4Method(input_global_scale=...) (the calibrated amax / (6 * 448), "
                 "ModelOpt's input_scale), or dispatch a float dtype",

@@ -29,6 +29,7 @@ class UnquantizedMethod(QuantMethod):
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)
+    compute_dtype_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)
     backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH, Backend.TRITON})
 
     def create_weights(

@@ -59,6 +59,7 @@ from moeforge.stages.activation import ActivationConfig, apply_activation
 from moeforge.stages.combine import combine_rows
 from moeforge.stages.dispatch import SortedDispatch
 from moeforge.stages.gemm import grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.tensor_ref import LayerRef
 
 INT4_MAX = 7.0
 _TINY = 1e-12  # keeps the scale of an all-zero row finite
@@ -140,7 +141,7 @@ class W4A4Experts(Stage[ExpertRows, ExpertRows]):
 
     kinds: ClassVar = (StageKind.GEMM, StageKind.ACTIVATION, StageKind.GEMM)
     method: W4A4NpuMethod
-    layer: torch.nn.Module
+    layer: LayerRef = attrs.field(converter=LayerRef)  # weak: see LayerRef
     apply_routing_weights: bool = False
 
     def summary(self) -> str:
@@ -148,7 +149,7 @@ class W4A4Experts(Stage[ExpertRows, ExpertRows]):
         return f"W4A4Experts(apply_without_routing_weights, int4 per-token x int4 per-channel{extra})"
 
     def accepts(self) -> Accepts:
-        experts, hidden = _hidden_size(self.layer)
+        experts, hidden = _hidden_size(self.layer.get())
         return Accepts(
             kind=PayloadKind.DISPATCHED,
             layout={Layout.EXPERT_SORTED, Layout.EXPERT_PADDED},
@@ -182,7 +183,7 @@ class W4A4Experts(Stage[ExpertRows, ExpertRows]):
             weight = x.plan.slot_weight
         else:
             raise TypeError(f"W4A4Experts cannot consume {type(x).__name__}")
-        out = self.method.apply_without_routing_weights(self.layer, data, None, group_list_type, group_list,
+        out = self.method.apply_without_routing_weights(self.layer.get(), data, None, group_list_type, group_list,
                                                         data.dtype)
         if self.apply_routing_weights:
             out = (out.float() * weight.unsqueeze(-1)).to(data.dtype)
@@ -199,14 +200,14 @@ class W4A4FusedEp(Stage[RoutedTokens, MoEOutput]):
     kinds: ClassVar = (StageKind.DISPATCH, StageKind.GEMM, StageKind.ACTIVATION, StageKind.GEMM,
                        StageKind.COMBINE)
     method: W4A4NpuMethod
-    layer: torch.nn.Module
+    layer: LayerRef = attrs.field(converter=LayerRef)  # weak: see LayerRef
     apply_routing_weights: bool
     routed_scaling_factor: Optional[float]
     out_dtype: DType
 
     @property
     def num_experts(self) -> int:
-        return _hidden_size(self.layer)[0]
+        return _hidden_size(self.layer.get())[0]
 
     def summary(self) -> str:
         parts = ["sorted", "int4 per-token x int4 per-channel",
@@ -216,7 +217,7 @@ class W4A4FusedEp(Stage[RoutedTokens, MoEOutput]):
         return f"W4A4FusedEp({', '.join(parts)})"
 
     def accepts(self) -> Accepts:
-        experts, hidden = _hidden_size(self.layer)
+        experts, hidden = _hidden_size(self.layer.get())
         applied = {RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE}
         return Accepts(
             kind=PayloadKind.ROUTED,
@@ -251,7 +252,7 @@ class W4A4FusedEp(Stage[RoutedTokens, MoEOutput]):
     def __call__(self, x: RoutedTokens) -> MoEOutput:
         rows = SortedDispatch(self.num_experts)(x)
         data = rows.x.data
-        out = self.method.apply_without_routing_weights(self.layer, data, None, GroupListType.COUNT,
+        out = self.method.apply_without_routing_weights(self.layer.get(), data, None, GroupListType.COUNT,
                                                         rows.group_list, data.dtype)
         weight = rows.plan.row_weight if self.apply_routing_weights else None
         return MoEOutput(combine_rows(out, rows.plan.token_rows, weight, self.out_dtype.torch_dtype,

@@ -9,6 +9,7 @@ graphs work); the ops module is imported when a stage is built, so ``import moef
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 from typing import Any, ClassVar, Optional
 
@@ -227,7 +228,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
             gemm.as_list(),
             x.x.data.dtype,
         )
-        return attrs.evolve(x, x=Activations(out), copy_major=True)  # keeps a subclass's fields
+        return dataclasses.replace(x, x=Activations(out), copy_major=True)  # keeps a subclass's fields
 
 
 @attrs.frozen(eq=False)

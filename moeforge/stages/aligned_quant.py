@@ -18,6 +18,7 @@ The kernels produce what the torch quantizers produce (bit-identical for the sam
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import ClassVar, Optional
 
@@ -323,13 +324,13 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             operands = (x.x.data, x.x.scale, resolve(self.weight), resolve(self.weight_scale), bias, weights)
             if self._fp8_group_epilogue() and config.block_n % GROUP_SIZE == 0:
                 q, scale = ops.w8a8_moe_gemm_fp8_out(*operands, *route)
-                return attrs.evolve(x, x=Activations(q, scale), copy_major=True)
+                return dataclasses.replace(x, x=Activations(q, scale), copy_major=True)
             out = ops.w8a8_moe_gemm(*operands, *route, self.out_dtype.torch_dtype)
         if self.output_quantizer is not None:
             dtype, per_group = kernel_format(self.output_quantizer)
             q, scale = ops.quantize_rows(out, dtype, per_group, 0, False, False, 1.0, 0.0)
-            return attrs.evolve(x, x=Activations(q, scale), copy_major=True)
-        return attrs.evolve(x, x=Activations(out), copy_major=True)  # keeps a subclass's fields
+            return dataclasses.replace(x, x=Activations(q, scale), copy_major=True)
+        return dataclasses.replace(x, x=Activations(out), copy_major=True)  # keeps a subclass's fields
 
 
 class _QuantizeAlignedBase:

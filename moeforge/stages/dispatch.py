@@ -45,10 +45,14 @@ class Overflow(enum.Enum):
 
 
 def _sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The order that groups the flattened ``(token, k)`` copies by expert (stable), and counts."""
+    """The order that groups the flattened ``(token, k)`` copies by expert (stable), and counts.
+
+    Every size here follows from the input sizes (no ``bincount``, whose length depends on the
+    largest id), so ``torch.compile`` traces the dispatch without a graph break."""
     flat = ids.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     return order, counts
 
 
@@ -137,7 +141,9 @@ class PaddedDispatch(_Dispatch, Stage[RoutedTokens, PaddedRows]):
 
     ``capacity=None`` sizes the buffer to the token count, which never overflows on one rank (a token
     picks an expert at most once). A smaller capacity bounds memory; ``overflow`` says what happens
-    when an expert gets more rows than that.
+    when an expert gets more rows than that. Checking for ``Overflow.ERROR`` reads the counts (a host
+    synchronisation, and a graph break under ``torch.compile``); with ``capacity=None`` there is
+    nothing to check.
     """
 
     kinds: ClassVar = (StageKind.DISPATCH,)
@@ -170,41 +176,42 @@ class PaddedDispatch(_Dispatch, Stage[RoutedTokens, PaddedRows]):
         starts = counts.cumsum(0) - counts
         position = torch.arange(order.numel(), device=device) - starts[sorted_expert]
         kept = position < capacity
-        if self.overflow is Overflow.ERROR and not bool(kept.all()):
+        if self.capacity is not None and self.overflow is Overflow.ERROR and not bool(kept.all()):
             worst = int(counts.argmax())
             raise InputError(
                 f"PaddedDispatch capacity overflow: expert {worst} received {int(counts[worst])} rows, "
                 f"capacity is {capacity}; raise capacity or use overflow=Overflow.DROP"
             )
-        slot = sorted_expert * capacity + position
-        kept_slots, kept_copies = slot[kept], order[kept]
-        row_weight = topk.weights.reshape(-1)[kept_copies]
+        # Every copy is written, a dropped one to a spare slot past the end that is cut off after: the
+        # sizes stay those of the input (no boolean-mask indexing), so torch.compile can trace it.
+        spare = num_experts * capacity
+        slot = torch.where(kept, sorted_expert * capacity + position, spare)
+        row_weight = topk.weights.reshape(-1)[order]
 
-        source = _rows_of(x.x, torch.div(kept_copies, k, rounding_mode="floor"))
+        source = _rows_of(x.x, torch.div(order, k, rounding_mode="floor"))
         data = source.data
         if self.apply_routing_weights:
             data = _scale_rows(data, row_weight)
         width = data.shape[-1]
-        buffer = torch.zeros(num_experts * capacity, width, dtype=data.dtype, device=device)
-        buffer[kept_slots] = data
+        buffer = torch.zeros(spare + 1, width, dtype=data.dtype, device=device)
+        buffer[slot] = data
         scale = source.scale
         if scale is not None and scale.dim() == 2:
-            scale_buffer = torch.ones(num_experts * capacity, scale.shape[-1], dtype=scale.dtype,
-                                      device=device)
-            scale_buffer[kept_slots] = scale
-            scale = scale_buffer.view(num_experts, capacity, -1)
-        slot_weight = torch.zeros(num_experts * capacity, dtype=torch.float32, device=device)
-        slot_weight[kept_slots] = row_weight
+            scale_buffer = torch.ones(spare + 1, scale.shape[-1], dtype=scale.dtype, device=device)
+            scale_buffer[slot] = scale
+            scale = scale_buffer[:spare].view(num_experts, capacity, -1)
+        slot_weight = torch.zeros(spare + 1, dtype=torch.float32, device=device)
+        slot_weight[slot] = row_weight
         token_slots = torch.full((tokens * k,), -1, dtype=torch.int64, device=device)
-        token_slots[kept_copies] = kept_slots
+        token_slots[order] = torch.where(kept, slot, -1)
         plan = PaddedPlan(
-            slot_weight=slot_weight.view(num_experts, capacity),
+            slot_weight=slot_weight[:spare].view(num_experts, capacity),
             token_slots=token_slots.view(tokens, k),
             num_tokens=tokens,
             dropped=(~kept).sum(),
         )
         return PaddedRows(
-            x=Activations(buffer.view(num_experts, capacity, width), scale),
+            x=Activations(buffer[:spare].view(num_experts, capacity, width), scale),
             masked_m=counts.clamp(max=capacity).to(torch.int32),
             plan=plan,
         )

@@ -7,6 +7,7 @@ multiply each output row by its routing weight in the epilogue (after the bias, 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Callable, ClassVar, Optional, Union
 
@@ -26,6 +27,7 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Mismatch, Stage, StageKind
+from moeforge.stages.grouped_mm import grouped_mm
 from moeforge.stages.quantize import dequantize
 from moeforge.tensor_ref import TensorSource, resolve
 
@@ -43,7 +45,7 @@ class GemmRole(enum.Enum):
     DOWN = "down"  # expert hidden (width I) -> expert output (width H)
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
 class ExpertWeights:
     """Expert weights made one expert at a time: ``expert(e)`` is expert ``e``'s fp32 ``[N, K]``
     weight (a quantized method dequantizes it on demand, so at most one expert's fp32 copy lives at
@@ -57,12 +59,6 @@ class ExpertWeights:
 WeightsArg = Union[torch.Tensor, ExpertWeights]
 
 
-def _per_expert(weight: WeightsArg) -> ExpertWeights:
-    if isinstance(weight, ExpertWeights):
-        return weight
-    return ExpertWeights(int(weight.shape[0]), int(weight.shape[1]), lambda expert: weight[expert].float())
-
-
 def grouped_gemm_sorted(
     x: Activations,
     counts: torch.Tensor,
@@ -72,19 +68,23 @@ def grouped_gemm_sorted(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``y[r] = x[r] @ weight[e(r)].T (+ bias[e(r)]) (* row_scale[r])`` with rows grouped by expert
-    ``e`` according to ``counts`` (int64 ``[E]``); ``weight`` is ``[E, N, K]`` or
-    :class:`ExpertWeights`."""
+    ``e`` according to ``counts`` (int64 ``[E]``); ``weight`` is ``[E, N, K]`` (one custom op that
+    ``torch.compile`` traces, see :mod:`moeforge.stages.grouped_mm`) or :class:`ExpertWeights`."""
     values = dequantize(x)
-    experts = _per_expert(weight)
-    out = torch.empty(values.shape[0], experts.out_features, dtype=torch.float32, device=values.device)
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            rows = slice(start, start + count)
-            out[rows] = values[rows] @ experts.expert(expert).t()
-            if bias is not None:
-                out[rows] += bias[expert].float()
-            start += count
+    if isinstance(weight, torch.Tensor):
+        out = grouped_mm(values, weight, counts)
+    else:
+        out = torch.empty(values.shape[0], weight.out_features, dtype=torch.float32, device=values.device)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                out[start:start + count] = values[start:start + count] @ weight.expert(expert).t()
+                start += count
+    if bias is not None:
+        # Each row's bias by its expert: the expert ids of the rows, from the counts (sizes known).
+        row_expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
+                                             output_size=values.shape[0])
+        out = out + bias.float()[row_expert]
     if row_scale is not None:
         out *= row_scale.unsqueeze(-1)
     return out.to(out_dtype)

@@ -280,9 +280,12 @@ class CustomTopK(_RoutingStage):
     fp32 / int32. ``scaling_factor`` declares whether the function already folded a routed scaling
     factor into its weights.
 
-    The function's output is user code, so every call checks it (shapes, dtypes, device, and the id
-    range, which reads the ids: one host sync) and raises :class:`~moeforge.InputError`: an id out of
-    ``[0, num_experts)`` would otherwise index the expert weights out of bounds, or crash the dispatch.
+    The function's output is user code, so every call checks it (shapes, dtypes, device, and the
+    ids' values, which needs one host sync) and raises :class:`~moeforge.InputError`: an id out of
+    ``[0, num_experts)`` would otherwise index the expert weights out of bounds, or crash the dispatch,
+    and a token routed to the same expert twice would be summed twice by one dispatcher and overflow
+    another's capacity. Every routing stage routes a token to ``top_k`` *distinct* experts; the
+    built-in ones do so by construction.
     """
 
     num_experts: int
@@ -293,6 +296,9 @@ class CustomTopK(_RoutingStage):
 
     def __attrs_post_init__(self) -> None:
         _check_sizes(self.num_experts, self.top_k, RoutingConfig())
+        if not callable(self.fn):
+            raise InputError(f"CustomTopK fn must be a callable fn(hidden_states, router_logits, top_k) -> "
+                             f"(weights, ids), got {type(self.fn).__name__}")
 
     def summary(self) -> str:
         return f"CustomTopK({self.label}, k={self.top_k})"
@@ -301,7 +307,12 @@ class CustomTopK(_RoutingStage):
         return self.scaling_factor
 
     def __call__(self, x: MoEInput) -> RoutedTokens:
-        weights, ids = self.fn(x.hidden_states, x.router_logits, self.top_k)
+        result: object = self.fn(x.hidden_states, x.router_logits, self.top_k)
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            got = f"a {len(result)}-tuple" if isinstance(result, (tuple, list)) else type(result).__name__
+            raise InputError(f"{self.summary()}: the routing function returned {got}; it must return a "
+                             "(weights, ids) pair of tensors")
+        weights, ids = result
         self._check_output(weights, ids, x.router_logits)
         topk = TopKOutput(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
         return RoutedTokens(x=Activations(x.hidden_states), topk=topk)
@@ -323,10 +334,16 @@ class CustomTopK(_RoutingStage):
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise InputError(f"{where} ids of dtype {ids.dtype}; expected an integer dtype")
         if ids.numel():
-            low, high = int(ids.min()), int(ids.max())
+            ordered = torch.sort(ids, dim=-1).values
+            repeated = (ordered[:, 1:] == ordered[:, :-1]).any()
+            # One host synchronisation for the three facts.
+            low, high, twice = torch.stack([ids.min().long(), ids.max().long(), repeated.long()]).tolist()
             if low < 0 or high >= self.num_experts:
                 raise InputError(f"{where} expert ids in [{low}, {high}]; ids must be in "
                                  f"[0, num_experts={self.num_experts})")
+            if twice:
+                raise InputError(f"{where} a token routed to the same expert more than once; each token's "
+                                 f"top_k={self.top_k} ids must be distinct experts")
 
 
 RoutingStage = Union[TopK, CustomTopK]
