@@ -120,7 +120,8 @@ class MoELayer(nn.Module):
         # The compute dtype and device follow .to() / .half() / .cuda() / .to_empty() (see _apply);
         # what depends on them (backend, dispatch dtype, stages) is rebuilt when they change.
         self._dtype = dtype
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        # As the tensors will report it ("cuda" becomes "cuda:0"), for the input device checks.
+        self._device = torch.empty(0, device=device).device
         self.expert_parallel = expert_parallel
         if expert_parallel is not None and expert_parallel.num_experts != num_experts:
             raise InputError(f"expert_parallel.num_experts={expert_parallel.num_experts} differs from "

@@ -209,3 +209,20 @@ def test_describe_shows_the_router_and_the_shared_experts() -> None:
     assert layer.pipeline.describe() in text
     bare = mf.MoELayer(E, K, H, I, dtype=torch.bfloat16, router=False).describe()
     assert bare.splitlines()[0] == "router: none (forward() takes router_logits)" and "shared experts" not in bare
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_moves_the_layer_and_auto_picks_the_triton_backend() -> None:
+    torch.manual_seed(0)
+    layer = mf.MoELayer(E, K, H, I, dtype=torch.bfloat16)
+    x = torch.randn(9, H, dtype=torch.bfloat16)
+    on_cpu = layer(x)
+    assert layer.backend is mf.Backend.TORCH
+    layer.cuda()
+    assert layer.device.type == "cuda" and layer.backend is mf.Backend.TRITON
+    assert "AlignDispatch" in layer.describe()
+    on_gpu = layer(x.cuda()).cpu()
+    assert float((on_gpu.double() - on_cpu.double()).norm() / on_cpu.double().norm()) < 2e-2
+    layer.cpu()
+    assert layer.backend is mf.Backend.TORCH
+    torch.testing.assert_close(layer(x), on_cpu)
