@@ -79,7 +79,12 @@ def test_quantized_layer_compiles(name: str) -> None:
     _compare(layer, torch.compile(layer, backend="aot_eager"))
 
 
-def test_compiled_layer_with_the_default_backend_matches_eager_values_and_gradients() -> None:
+def test_compiled_layer_with_the_default_backend_matches_eager_values_and_gradients(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A private Inductor cache: its on-disk key leaves out ATEN_CPU_CAPABILITY, so a kernel cached by a
+    # run on the CPU's own vector width is reused, wrongly, by a run with ATEN_CPU_CAPABILITY=avx2 on the
+    # same machine (an index-out-of-bounds error inside the generated kernel).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     layer = _layer(shared_experts=mf.SharedExpertsConfig(32))
     compiled = torch.compile(layer, fullgraph=True)
     x = torch.randn(7, H, requires_grad=True)
