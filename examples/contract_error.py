@@ -45,10 +45,10 @@ def fp8_dispatch_on_a_layer() -> Any:
 
 
 def routing_weights_applied_twice() -> Any:
-    # Llama-4 style: the dispatch scales the rows by their routing weights... and the default
-    # Combine weights them again. Every output would be scaled by w**2.
+    # Llama-4 style: the router declares its weights applied on the input, the dispatch scales the rows
+    # by them... and the default Combine weights them again. Every output would be scaled by w**2.
     return mf.Pipeline([
-        mf.TopK(E, K),
+        mf.TopK(E, K, mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT)),
         mf.SortedDispatch(E, apply_routing_weights=True),
         mf.GroupedGemm(mf.GemmRole.GATE_UP, W13),
         mf.Activate(),

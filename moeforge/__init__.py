@@ -96,7 +96,7 @@ from moeforge.stages import (
 from moeforge.tensor_ref import ParamRef
 
 # Submodules reachable as attributes after `import moeforge` (moeforge.hf is not: it needs transformers).
-from moeforge import checkpoint, families
+from moeforge import checkpoint as checkpoint, families as families
 
 __version__ = "0.1.0"
 

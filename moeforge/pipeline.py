@@ -1,9 +1,17 @@
 """Pipelines: an ordered sequence of stages, validated once when built and cheap to call.
 
 Validation walks the specs from the input through every stage: each stage must accept the spec its
-predecessor produces, and a pipeline that ends in an ``OUTPUT`` payload must have applied the
-routing weights and the routed scaling factor exactly once. Any disagreement raises
-:class:`~moeforge.errors.ContractError` before a tensor exists.
+predecessor produces. Beyond each stage's own ``accepts``, the checker holds every composition to
+what an MoE forward is:
+
+* every spec's dtype travels with the scales it needs (a quantized dtype with them, a float one
+  without): anything else would be read as the integers it stores;
+* the expert computation holds exactly one activation between its two GEMMs (counted from the stages'
+  ``kinds``; a fused GEMM + activation counts as that one; a model without one uses the identity);
+* a pipeline that ends in an ``OUTPUT`` payload produces a float dtype and has applied the routing
+  weights exactly once, at the place the router declared, and the routed scaling factor exactly once.
+
+Any disagreement raises :class:`~moeforge.errors.ContractError` before a tensor exists.
 """
 
 from __future__ import annotations
@@ -13,8 +21,8 @@ from typing import Any, Generic, TypeVar, Union, cast
 
 from moeforge.errors import ContractError, InputError, PayloadError
 from moeforge.payloads import check_payload
-from moeforge.spec import PayloadKind, RoutingWeights, ScalingFactor, Spec
-from moeforge.stage import Mismatch, Stage
+from moeforge.spec import FLOAT_DTYPES, SCALES_OF, PayloadKind, RoutingWeights, ScalingFactor, Spec
+from moeforge.stage import Mismatch, Stage, StageKind
 
 InT = TypeVar("InT")
 OutT = TypeVar("OutT")
@@ -41,6 +49,15 @@ _GENERIC_HINTS = {
     "expert_ids": "GEMMs index weights by local expert id: put a dispatch stage before them",
     "num_experts": "the dispatch stage and the expert weights disagree on the number of (local) experts",
     "top_k": "the top-k and the stage after it disagree on k",
+    "weights_at": "the router declares where its weights are applied (RoutingConfig.apply_weights): only the "
+    "stage at that place may apply them: the dispatch (on_input), the down GEMM's epilogue "
+    "(in_gemm_epilogue) or the combine (in_combine); a gate/up GEMM never does, the activation comes after it",
+    "pending_scale": "the stage applying the routed scaling factor must apply the value the top-k left "
+    "pending: use the top-k's routed_scaling_factor",
+    "activations": "the expert computation holds exactly one activation between its two GEMMs: add an "
+    "Activate stage (ActivationKind.IDENTITY where the model has none), or remove the extra one",
+    "alignment": "the block-aligned dispatch and the GEMMs after it must align rows alike: build them from "
+    "the same ConfigTable",
 }
 
 
@@ -56,7 +73,7 @@ def _raise(producer: str, consumer: str, mismatch: Mismatch) -> None:
 
 
 def _label(index: int, stage: Stage[Any, Any]) -> str:
-    return f"stage {index} ({stage.name})"
+    return f"stage {index} ({getattr(stage, 'name', type(stage).__name__)})"
 
 
 def validate(stages: Sequence[Stage[Any, Any]], input_spec: Spec) -> list[Spec]:
@@ -69,24 +86,74 @@ def validate(stages: Sequence[Stage[Any, Any]], input_spec: Spec) -> list[Spec]:
     for index, stage in enumerate(stages):
         if not isinstance(stage, Stage):
             raise TypeError(f"stages[{index}] is a {type(stage).__name__}, not a moeforge Stage")
+        label = _label(index, stage)
+        if index == 0:
+            _check_scales(spec, producer, label)
         mismatches = stage.check(spec)
         if mismatches:
-            _raise(producer, _label(index, stage), mismatches[0])
-        spec = stage.output_spec(spec)
+            _raise(producer, label, mismatches[0])
+        spec = _count_activations(spec, stage.output_spec(spec), stage, producer, label)
+        consumer = _label(index + 1, stages[index + 1]) if index + 1 < len(stages) else PIPELINE_OUTPUT
+        _check_scales(spec, label, consumer)
         specs.append(spec)
-        producer = _label(index, stage)
+        producer = label
     if spec.kind is PayloadKind.OUTPUT:
-        if spec.routing_weights is RoutingWeights.PENDING:
-            _raise(producer, PIPELINE_OUTPUT, Mismatch(
-                "routing_weights", spec.routing_weights, "applied exactly once",
-                "no stage applied the routing weights: enable them in the combine, the second GEMM's "
-                "epilogue or the dispatch (input scaling)"))
-        if spec.scaling_factor is ScalingFactor.PENDING:
-            _raise(producer, PIPELINE_OUTPUT, Mismatch(
-                "scaling_factor", spec.scaling_factor, "applied exactly once",
-                "the top-k left the routed scaling factor to a later stage but none applied it: set "
-                "routed_scaling_factor on the combine, or let the top-k fold it into the weights"))
+        _check_output(spec, producer)
     return specs
+
+
+_EXPERT_OUTPUT_ORDER = list(PayloadKind).index(PayloadKind.EXPERT_OUTPUT)
+
+
+def _count_activations(before: Spec, after: Spec, stage: Stage[Any, Any], producer: str, label: str) -> Spec:
+    """``after`` with the activations applied since the dispatch counted; when ``stage`` completes the
+    expert computation (its output is at or past ``EXPERT_OUTPUT``, its input before), exactly one."""
+    kinds = list(PayloadKind)
+    count = before.activations + list(stage.kinds).count(StageKind.ACTIVATION)
+    if kinds.index(before.kind) < _EXPERT_OUTPUT_ORDER <= kinds.index(after.kind) and count != 1:
+        _raise(producer, label, Mismatch(
+            "activations", count, 1,
+            f"the expert computation has {count} activations between its two GEMMs, not one: "
+            + ("add an Activate stage between them (ActivationKind.IDENTITY where the model has none)" if count == 0
+               else "keep one (a fused GEMM + activation already is one)")))
+    return after.evolve(activations=count) if count != after.activations else after
+
+
+def _check_scales(spec: Spec, producer: str, consumer: str) -> None:
+    """Every dtype travels with the scales its format needs (SCALES_OF)."""
+    allowed = SCALES_OF[spec.dtype]
+    if spec.scale_layout not in allowed:
+        if spec.dtype.is_quantized:
+            hint = (f"{spec.dtype.value} values mean nothing without their scales: produce them with a quantizer "
+                    "(QuantizeTokens / QuantizeRows / ActivateQuantize), not with an out_dtype")
+        else:
+            hint = f"a {spec.dtype.value} tensor carries no scales: a stage declared a scale layout it does not produce"
+        _raise(producer, consumer, Mismatch("scale_layout", spec.scale_layout, allowed, hint))
+
+
+def _check_output(spec: Spec, producer: str) -> None:
+    if spec.dtype not in FLOAT_DTYPES:
+        _raise(producer, PIPELINE_OUTPUT, Mismatch(
+            "dtype", spec.dtype, FLOAT_DTYPES,
+            "the layer's output is float: give the combine a float out_dtype (or None: the expert outputs' dtype)"))
+    if spec.routing_weights is RoutingWeights.PENDING:
+        _raise(producer, PIPELINE_OUTPUT, Mismatch(
+            "routing_weights", spec.routing_weights, "applied exactly once",
+            "no stage applied the routing weights: enable them "
+            + (f"at the place the router declares ({spec.weights_at.value})" if spec.weights_at is not None
+               else "in the combine, the second GEMM's epilogue or the dispatch (input scaling)")))
+    if spec.weights_at is not None and spec.routing_weights is not spec.weights_at:
+        _raise(producer, PIPELINE_OUTPUT, Mismatch(
+            "weights_at", spec.routing_weights, spec.weights_at,
+            f"the router declares its weights applied {spec.weights_at.value} but a stage applied them "
+            f"{spec.routing_weights.value}: {_GENERIC_HINTS['weights_at']}"))
+    if spec.scaling_factor is ScalingFactor.PENDING:
+        _raise(producer, PIPELINE_OUTPUT, Mismatch(
+            "scaling_factor", spec.scaling_factor, "applied exactly once",
+            "the top-k left the routed scaling factor to a later stage but none applied it: set "
+            + (f"routed_scaling_factor={spec.pending_scale:g} " if spec.pending_scale is not None
+               else "routed_scaling_factor ")
+            + "on the combine, or let the top-k fold it into the weights"))
 
 
 class Pipeline(Generic[InT, OutT]):

@@ -78,6 +78,16 @@ class ScaleLayout(enum.Enum):
     NVFP4_BLOCK16 = "nvfp4_block16"  # fp8 scale per 16 elements + fp32 global scale
 
 
+# The scale layouts each element format travels with: a quantized dtype without its scales would be
+# read as the integers it stores, and a float dtype with scales means something else.
+SCALES_OF: dict[DType, frozenset[ScaleLayout]] = {
+    **{dtype: frozenset({ScaleLayout.NONE}) for dtype in FLOAT_DTYPES},
+    DType.FP8_E4M3: frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR}),
+    DType.INT8: frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR}),
+    DType.NVFP4: frozenset({ScaleLayout.NVFP4_BLOCK16}),
+}
+
+
 class GroupListType(enum.IntEnum):
     """How expert-sorted rows say where each expert's rows end (the grouped-matmul convention)."""
 
@@ -95,11 +105,13 @@ class GroupListType(enum.IntEnum):
 
 
 class RoutingWeights(enum.Enum):
-    """Where the routing weights are applied. They must be applied exactly once."""
+    """Where the routing weights are applied. They must be applied exactly once, at the place the
+    router declared (``Spec.weights_at``): the three places give three different functions as soon as
+    the experts are nonlinear or have biases, so none may stand in for another."""
 
     PENDING = "pending"
     ON_INPUT = "on_input"  # dispatched rows were scaled before the experts (Llama-4)
-    IN_GEMM_EPILOGUE = "in_gemm_epilogue"  # the second GEMM scaled its output rows
+    IN_GEMM_EPILOGUE = "in_gemm_epilogue"  # the second (down) GEMM scaled its output rows, after its bias
     IN_COMBINE = "in_combine"  # the weighted sum of the combine
 
 
@@ -127,7 +139,24 @@ class Exchange(enum.Enum):
 
 @attrs.frozen
 class Spec:
-    """What crosses one stage boundary. Compared field by field by the contract checker."""
+    """What crosses one stage boundary. Compared field by field by the contract checker.
+
+    Besides the format, a spec carries what changes the math of the forward, so that the checker can
+    tell a composition that computes an MoE forward from one that computes something else:
+
+    * ``weights_at`` — where the router declared the routing weights are applied (set by the top-k;
+      ``None`` for a user-written routing stage that declares nothing); only the stage at that place
+      may apply them, and they must be applied by the output;
+    * ``pending_scale`` — the value of a routed scaling factor left to a later stage (``scaling_factor``
+      is ``PENDING``): the stage that applies it must apply this value;
+    * ``activations`` — activations applied since the rows were dispatched: the expert computation
+      must hold exactly one between its two GEMMs (:func:`moeforge.pipeline.validate` counts the stages
+      whose kinds include ``ACTIVATION``);
+    * ``alignment`` — for block-aligned rows, what decided their ``block_m``
+      (:meth:`moeforge.kernels.config.ConfigTable.alignment`): the GEMMs must align alike;
+    * ``global_scale`` — the static global scale NVFP4 rows were quantized with (it travels with the
+      quantizer, not the payload): the GEMM reading them must dequantize with the same one.
+    """
 
     kind: PayloadKind
     layout: Layout
@@ -141,6 +170,11 @@ class Spec:
     num_experts: Optional[int] = None  # experts in this view: global before dispatch, local after
     top_k: Optional[int] = None
     exchange: Exchange = Exchange.NONE
+    weights_at: Optional[RoutingWeights] = None
+    pending_scale: Optional[float] = None
+    activations: int = 0
+    alignment: Optional[tuple[object, ...]] = None
+    global_scale: Optional[float] = None
 
     def evolve(self, **changes: Any) -> Spec:
         return attrs.evolve(self, **changes)
@@ -158,9 +192,15 @@ class Spec:
         if self.group_list_type is not None:
             parts.append(f"group_list={self.group_list_type.name.lower()}")
         if self.kind is not PayloadKind.TOKENS:
-            parts.append(f"rw={self.routing_weights.value}")
+            placement = ""
+            if self.routing_weights is RoutingWeights.PENDING and self.weights_at is not None:
+                placement = f"->{self.weights_at.value}"
+            parts.append(f"rw={self.routing_weights.value}{placement}")
         if self.scaling_factor is not ScalingFactor.NONE:
-            parts.append(f"rsf={self.scaling_factor.value}")
+            value = f"(x{self.pending_scale:g})" if self.pending_scale is not None else ""
+            parts.append(f"rsf={self.scaling_factor.value}{value}")
+        if self.kind is PayloadKind.EXPERT_HIDDEN:
+            parts.append(f"act={self.activations}")
         if self.kind in (PayloadKind.DISPATCHED, PayloadKind.EXPERT_HIDDEN, PayloadKind.EXPERT_OUTPUT):
             parts.append(f"ids={self.expert_ids.value}")
         if self.exchange is not Exchange.NONE:
@@ -197,6 +237,12 @@ class Accepts:
     num_experts: Optional[frozenset[Optional[int]]] = attrs.field(default=None, converter=_opt_set)
     top_k: Optional[frozenset[Optional[int]]] = attrs.field(default=None, converter=_opt_set)
     exchange: Optional[frozenset[Exchange]] = attrs.field(default=None, converter=_opt_set)
+    weights_at: Optional[frozenset[Optional[RoutingWeights]]] = attrs.field(default=None, converter=_opt_set)
+    pending_scale: Optional[frozenset[Optional[float]]] = attrs.field(default=None, converter=_opt_set)
+    activations: Optional[frozenset[int]] = attrs.field(default=None, converter=_opt_set)
+    # A tuple is one value here, not a collection of them: give alignments as frozenset({alignment}).
+    alignment: Optional[frozenset[Optional[tuple[object, ...]]]] = attrs.field(default=None, converter=_opt_set)
+    global_scale: Optional[frozenset[Optional[float]]] = attrs.field(default=None, converter=_opt_set)
 
     def mismatches(self, spec: Spec) -> list[tuple[str, Any, frozenset[Any]]]:
         """Every field whose value in ``spec`` is not allowed: ``(field, have, allowed)``."""

@@ -8,7 +8,7 @@ the hook is checked against tensors it did not produce.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch

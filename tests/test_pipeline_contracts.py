@@ -262,8 +262,18 @@ def test_wrong_number_of_experts_between_topk_and_dispatch() -> None:
                  field="num_experts")
 
 
+def _router(where: mf.RoutingWeights) -> mf.TopK:
+    return mf.TopK(E, K, mf.RoutingConfig(apply_weights=where))
+
+
+ON_INPUT, EPILOGUE, IN_COMBINE = (mf.RoutingWeights.ON_INPUT, mf.RoutingWeights.IN_GEMM_EPILOGUE,
+                                  mf.RoutingWeights.IN_COMBINE)
+
+
 def test_routing_weights_on_input_and_in_combine() -> None:
-    stages = _stages(dispatch=mf.SortedDispatch(E, apply_routing_weights=True))
+    # The router declares on_input, the dispatch applies them there: the combine applying them again
+    # is the double application (the placement rule is tested on its own below).
+    stages = _stages(topk=_router(ON_INPUT), dispatch=mf.SortedDispatch(E, apply_routing_weights=True))
     with pytest.raises(mf.ContractError) as info:
         mf.Pipeline(stages, _spec())
     _check_error(info.value, producer="stage 4 (GroupedGemm)", consumer="stage 5 (Combine)",
@@ -275,7 +285,7 @@ def test_routing_weights_on_input_and_in_combine() -> None:
 
 def test_routing_weights_in_gemm_epilogue_and_in_combine() -> None:
     w = _weights()
-    stages = _stages(w, down=_gemm(mf.GemmRole.DOWN, w.w2, apply_routing_weights=True))
+    stages = _stages(w, topk=_router(EPILOGUE), down=_gemm(mf.GemmRole.DOWN, w.w2, apply_routing_weights=True))
     with pytest.raises(mf.ContractError) as info:
         mf.Pipeline(stages, _spec())
     _check_error(info.value, producer="stage 4 (GroupedGemm)", consumer="stage 5 (Combine)",
@@ -285,7 +295,7 @@ def test_routing_weights_in_gemm_epilogue_and_in_combine() -> None:
 
 def test_routing_weights_on_input_and_in_gemm_epilogue() -> None:
     w = _weights()
-    stages = _stages(w, dispatch=mf.SortedDispatch(E, apply_routing_weights=True),
+    stages = _stages(w, topk=_router(ON_INPUT), dispatch=mf.SortedDispatch(E, apply_routing_weights=True),
                      down=_gemm(mf.GemmRole.DOWN, w.w2, apply_routing_weights=True),
                      combine=mf.Combine(apply_routing_weights=False))
     with pytest.raises(mf.ContractError) as info:
@@ -293,6 +303,46 @@ def test_routing_weights_on_input_and_in_gemm_epilogue() -> None:
     _check_error(info.value, producer="stage 3 (Activate)", consumer="stage 4 (GroupedGemm)",
                  field="routing_weights")
     assert info.value.have is mf.RoutingWeights.ON_INPUT
+
+
+PLACEMENTS = {
+    ON_INPUT: {"dispatch": mf.SortedDispatch(E, apply_routing_weights=True), "combine": mf.Combine(apply_routing_weights=False)},
+    EPILOGUE: {"down": "epilogue", "combine": mf.Combine(apply_routing_weights=False)},
+    IN_COMBINE: {},
+}
+
+
+@pytest.mark.parametrize("declared", list(PLACEMENTS), ids=lambda r: r.value)
+@pytest.mark.parametrize("applied", list(PLACEMENTS), ids=lambda r: r.value)
+def test_the_router_declared_placement_is_binding(declared: mf.RoutingWeights, applied: mf.RoutingWeights) -> None:
+    # Applied exactly once, but elsewhere than the router declares: Llama-4's input weighting silently
+    # replaced by Mixtral's output weighting, or the reverse. Rejected naming the field and the fix.
+    w = _weights()
+    overrides: dict[str, Any] = dict(PLACEMENTS[applied])
+    if overrides.get("down") == "epilogue":
+        overrides["down"] = _gemm(mf.GemmRole.DOWN, w.w2, apply_routing_weights=True)
+    stages = _stages(w, topk=_router(declared), **overrides)
+    if declared is applied:
+        pipeline = mf.Pipeline(stages, _spec())
+        x = _inputs()
+        assert _rel(pipeline(x).hidden_states, _dense(x, w, mf.RoutingConfig(apply_weights=declared))) < 1e-5
+        return
+    with pytest.raises(mf.ContractError) as info:
+        mf.Pipeline(stages, _spec())
+    assert info.value.field == "weights_at" and info.value.have is declared
+    assert "apply_routing_weights" in info.value.hint or "apply_weights" in info.value.hint
+
+
+def test_a_gate_up_gemm_never_applies_the_routing_weights() -> None:
+    # The weight would multiply the gate/up output before the activation: no router's placement.
+    w = _weights()
+    for where in PLACEMENTS:
+        stages = _stages(w, topk=_router(where), gate_up=_gemm(mf.GemmRole.GATE_UP, w.w13, apply_routing_weights=True),
+                         combine=mf.Combine(apply_routing_weights=False))
+        with pytest.raises(mf.ContractError) as info:
+            mf.Pipeline(stages, _spec())
+        assert info.value.field == "weights_at" and info.value.want == frozenset()
+        assert "gate/up GEMM never" in info.value.hint
 
 
 @pytest.mark.parametrize("where", ["on_input", "epilogue"])
@@ -306,6 +356,7 @@ def test_routing_weights_applied_once_elsewhere_builds_and_matches(where: str) -
         overrides = {"down": _gemm(mf.GemmRole.DOWN, w.w2, apply_routing_weights=True)}
         routing = mf.RoutingConfig(apply_weights=mf.RoutingWeights.IN_GEMM_EPILOGUE)
         expect = mf.RoutingWeights.IN_GEMM_EPILOGUE
+    overrides["topk"] = mf.TopK(E, K, routing)
     pipeline = mf.Pipeline(_stages(w, combine=mf.Combine(apply_routing_weights=False), **overrides),
                            _spec())
     assert pipeline.output_spec.routing_weights is expect
@@ -692,3 +743,62 @@ def test_chain_validates_at_build() -> None:
     with pytest.raises(mf.ContractError) as info:
         partial.then(stages[5]).build(_spec())
     assert info.value.field == "scaling_factor"
+
+
+# -- what changes the math: the checker's soundness rules (issue: a sound contract checker) ------------
+
+
+def test_the_pending_scaling_factor_must_be_applied_with_its_value() -> None:
+    # 2.5 pending, 3.0 applied: the output would be 1.2x too large.
+    routing = mf.RoutingConfig(routed_scaling_factor=2.5, scaling_in_weights=False)
+    with pytest.raises(mf.ContractError) as info:
+        mf.Pipeline(_stages(topk=mf.TopK(E, K, routing), combine=mf.Combine(routed_scaling_factor=3.0)), _spec())
+    _check_error(info.value, producer="stage 4 (GroupedGemm)", consumer="stage 5 (Combine)", field="pending_scale")
+    assert info.value.have == 2.5 and "routed_scaling_factor=2.5" in info.value.hint
+    pipeline = mf.Pipeline(_stages(topk=mf.TopK(E, K, routing), combine=mf.Combine(routed_scaling_factor=2.5)),
+                           _spec())
+    assert "rsf=pending(x2.5)" in pipeline.describe()
+
+
+@pytest.mark.parametrize("dtype", [mf.DType.INT8, mf.DType.FP8_E4M3])
+def test_a_pipeline_output_is_float(dtype: mf.DType) -> None:
+    with pytest.raises(mf.ContractError) as info:
+        mf.Pipeline(_stages(combine=mf.Combine(out_dtype=dtype)), _spec())
+    assert info.value.consumer == PIPELINE_OUTPUT and info.value.field in ("scale_layout", "dtype")
+    assert "scales" in info.value.hint or "float" in info.value.hint
+
+
+@pytest.mark.parametrize("where", ["activation", "gate_up"])
+@pytest.mark.parametrize("dtype", [mf.DType.INT8, mf.DType.FP8_E4M3])
+def test_a_quantized_dtype_travels_with_its_scales(where: str, dtype: mf.DType) -> None:
+    w = _weights()
+    if where == "activation":
+        overrides: dict[str, Any] = dict(act=mf.Activate(out_dtype=dtype),
+                                         down=_gemm(mf.GemmRole.DOWN, w.w2, out_dtype=mf.DType.FP32))
+        producer = "stage 3 (Activate)"
+    else:
+        overrides = dict(gate_up=mf.GroupedGemm(mf.GemmRole.GATE_UP, w.w13, out_dtype=dtype))
+        producer = "stage 2 (GroupedGemm)"
+    with pytest.raises(mf.ContractError) as info:
+        mf.Pipeline(_stages(w, **overrides), _spec())
+    assert info.value.producer == producer and info.value.field == "scale_layout"
+    assert info.value.have is mf.ScaleLayout.NONE and "quantizer" in info.value.hint
+
+
+def test_exactly_one_activation_between_the_expert_gemms() -> None:
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(E, 4 * I, H, generator=gen)
+    twice = _stages(gate_up=_gemm(mf.GemmRole.GATE_UP, wide))
+    twice.insert(3, mf.Activate())
+    with pytest.raises(mf.ContractError) as info:  # SwiGLU twice on a 4I-wide gate/up output
+        mf.Pipeline(twice, _spec())
+    assert info.value.field == "activations" and info.value.have == 2
+    plain = torch.randn(E, I, H, generator=gen)
+    stages = _stages(gate_up=_gemm(mf.GemmRole.GATE_UP, plain))
+    stages.remove(stages[3])  # gate/up straight into down
+    with pytest.raises(mf.ContractError) as info:
+        mf.Pipeline(stages, _spec())
+    assert info.value.field == "activations" and info.value.have == 0 and "IDENTITY" in info.value.hint
+    identity = mf.Activate(mf.ActivationConfig(mf.ActivationKind.IDENTITY))
+    pipeline = mf.Pipeline(stages[:3] + [identity] + stages[3:], _spec())
+    assert "act=1" in pipeline.describe()

@@ -488,3 +488,17 @@ def test_emulated_gemm_rejects_formats_it_cannot_read() -> None:
     assert [m.field for m in with_scale.check(mixed)] == ["scale_layout"]
     assert [m.field for m in stage.check(_spec(Layout.EXPERT_SORTED, mf.DType.FP8_E4M3,
                                                mf.ScaleLayout.PER_TOKEN))] == ["dtype", "scale_layout"]
+
+
+def test_nvfp4_rows_quantized_with_another_global_scale_are_rejected() -> None:
+    # The global scale stays with the quantizer and the GEMM, not the payload: a GEMM dequantizing with
+    # another value would be off by their ratio, silently. The spec carries the value.
+    layer = mf.MoELayer(4, 2, 64, 32, quant=Nvfp4Method(input_global_scale=G), dtype=torch.float32)
+    stages = list(layer.pipeline.stages)
+    quantize = next(index for index, stage in enumerate(stages) if isinstance(stage, mf.QuantizeTokens))
+    stages[quantize] = mf.QuantizeTokens(Nvfp4Quantizer(G * 2))
+    with pytest.raises(mf.ContractError) as info:
+        mf.Pipeline(stages, layer.pipeline.input_spec)
+    assert info.value.field == "global_scale" and "one value" in info.value.hint
+    stages[quantize] = mf.QuantizeTokens(Nvfp4Quantizer(G))
+    mf.Pipeline(stages, layer.pipeline.input_spec)

@@ -48,8 +48,9 @@ def _routed(
 
 
 def _routed_spec(experts: int, top_k: int, hidden: int = H, dtype: torch.dtype = torch.float32,
-                 quantizer: Optional[mf.stages.Quantizer] = None) -> mf.Spec:
-    stages: list[mf.Stage] = [mf.TopK(experts, top_k)]
+                 quantizer: Optional[mf.stages.Quantizer] = None,
+                 routing: mf.RoutingConfig = mf.RoutingConfig()) -> mf.Spec:
+    stages: list[mf.Stage] = [mf.TopK(experts, top_k, routing)]
     if quantizer is not None:
         stages.append(mf.QuantizeTokens(quantizer))
     return mf.Pipeline(stages, mf.input_spec(hidden, dtype, experts)).output_spec
@@ -72,6 +73,12 @@ def _scaling_experts(experts: int, hidden: int = H) -> tuple[mf.GroupedGemm, mf.
     factor = torch.arange(1, experts + 1, dtype=torch.float32).view(experts, 1, 1)
     return (mf.GroupedGemm(mf.GemmRole.GATE_UP, (eye * factor).contiguous()),
             mf.GroupedGemm(mf.GemmRole.DOWN, eye.contiguous()))
+
+
+ON_INPUT = mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT)
+
+# The experts here are linear maps: the identity activation between their two GEMMs says so.
+IDENTITY = mf.Activate(mf.ActivationConfig(mf.ActivationKind.IDENTITY))
 
 
 def _identity_experts(experts: int, hidden: int = H) -> tuple[mf.GroupedGemm, mf.GroupedGemm]:
@@ -278,7 +285,7 @@ def test_dispatch_combine_round_trip(
     top_k = data.draw(st.integers(1, experts), label="top_k")
     dispatch = _dispatcher(layout, experts, group_list_type)
     gate_up, down = _identity_experts(experts)
-    pipeline = mf.Pipeline([mf.TopK(experts, top_k), dispatch, gate_up, down, mf.Combine()],
+    pipeline = mf.Pipeline([mf.TopK(experts, top_k), dispatch, gate_up, IDENTITY, down, mf.Combine()],
                            mf.input_spec(H, dtype, experts), debug=True)
     gen = _gen(seed)
     x = torch.randn(tokens, H, generator=gen).to(dtype)
@@ -356,7 +363,7 @@ def test_combine_output_spec_and_dtype() -> None:
     experts, top_k = 4, 2
     gate_up, down = _identity_experts(experts)
     pipeline = mf.Pipeline(
-        [mf.TopK(experts, top_k), mf.SortedDispatch(experts), gate_up, down, mf.Combine(out_dtype=mf.DType.FP32)],
+        [mf.TopK(experts, top_k), mf.SortedDispatch(experts), gate_up, IDENTITY, down, mf.Combine(out_dtype=mf.DType.FP32)],
         mf.input_spec(H, torch.bfloat16, experts), debug=True)
     spec = pipeline.output_spec
     assert spec.kind is mf.PayloadKind.OUTPUT and spec.layout is mf.Layout.TOKEN_MAJOR
@@ -383,10 +390,10 @@ def test_combine_applies_a_pending_scaling_factor() -> None:
     folded = mf.RoutingConfig(scoring=mf.Scoring.SIGMOID, routed_scaling_factor=2.5)
     gate_up, down = _identity_experts(experts)
     spec = mf.input_spec(H, torch.float32, experts)
-    pending = mf.Pipeline([mf.TopK(experts, 2, routing), mf.SortedDispatch(experts), gate_up, down,
+    pending = mf.Pipeline([mf.TopK(experts, 2, routing), mf.SortedDispatch(experts), gate_up, IDENTITY, down,
                            mf.Combine(routed_scaling_factor=2.5)], spec)
     assert pending.output_spec.scaling_factor is mf.ScalingFactor.APPLIED
-    in_weights = mf.Pipeline([mf.TopK(experts, 2, folded), mf.SortedDispatch(experts), gate_up, down,
+    in_weights = mf.Pipeline([mf.TopK(experts, 2, folded), mf.SortedDispatch(experts), gate_up, IDENTITY, down,
                               mf.Combine()], spec)
     assert in_weights.output_spec.scaling_factor is mf.ScalingFactor.IN_WEIGHTS
     gen = _gen(10)
@@ -396,11 +403,11 @@ def test_combine_applies_a_pending_scaling_factor() -> None:
     torch.testing.assert_close(a, inputs.hidden_states * 2.5)
     # Applying it twice, or not at all, fails at build time.
     with pytest.raises(mf.ContractError) as error:
-        mf.Pipeline([mf.TopK(experts, 2, folded), mf.SortedDispatch(experts), gate_up, down,
+        mf.Pipeline([mf.TopK(experts, 2, folded), mf.SortedDispatch(experts), gate_up, IDENTITY, down,
                      mf.Combine(routed_scaling_factor=2.5)], spec)
     assert error.value.field == "scaling_factor" and "Combine" in error.value.consumer
     with pytest.raises(mf.ContractError) as error:
-        mf.Pipeline([mf.TopK(experts, 2, routing), mf.SortedDispatch(experts), gate_up, down, mf.Combine()],
+        mf.Pipeline([mf.TopK(experts, 2, routing), mf.SortedDispatch(experts), gate_up, IDENTITY, down, mf.Combine()],
                     spec)
     assert error.value.field == "scaling_factor" and error.value.consumer == "pipeline output"
 
@@ -416,7 +423,7 @@ def test_apply_routing_weights_on_input(layout: str) -> None:
         dispatch = mf.SortedDispatch(experts, apply_routing_weights=True)
     else:
         dispatch = mf.PaddedDispatch(experts, apply_routing_weights=True)
-    spec = _dispatched_spec(dispatch, experts, top_k)
+    spec = _dispatched_spec(dispatch, experts, top_k, routing=ON_INPUT)
     assert spec.routing_weights is mf.RoutingWeights.ON_INPUT
     routed = _routed(14, experts, top_k, seed=11)
     out = dispatch(routed)
@@ -437,7 +444,8 @@ def test_apply_routing_weights_on_input(layout: str) -> None:
 def test_routing_weights_on_input_and_in_combine_is_a_contract_error() -> None:
     experts = 4
     gate_up, down = _identity_experts(experts)
-    stages = [mf.TopK(experts, 2), mf.SortedDispatch(experts, apply_routing_weights=True), gate_up, down]
+    stages = [mf.TopK(experts, 2, ON_INPUT), mf.SortedDispatch(experts, apply_routing_weights=True), gate_up,
+              IDENTITY, down]
     spec = mf.input_spec(H, torch.float32, experts)
     with pytest.raises(mf.ContractError) as error:
         mf.Pipeline(stages + [mf.Combine()], spec)
@@ -447,7 +455,7 @@ def test_routing_weights_on_input_and_in_combine_is_a_contract_error() -> None:
     assert pipeline.output_spec.routing_weights is mf.RoutingWeights.ON_INPUT
     # And never applied at all is caught too.
     with pytest.raises(mf.ContractError) as error:
-        mf.Pipeline([mf.TopK(experts, 2), mf.SortedDispatch(experts), gate_up, down,
+        mf.Pipeline([mf.TopK(experts, 2), mf.SortedDispatch(experts), gate_up, IDENTITY, down,
                      mf.Combine(apply_routing_weights=False)], spec)
     assert error.value.field == "routing_weights"
 

@@ -211,6 +211,7 @@ def test_grouped_gemm_sorted_property(
 # -- GroupedGemm stage -----------------------------------------------------------------------------
 
 E, K, H, I = 4, 2, 128, 32
+EPILOGUE = mf.RoutingConfig(apply_weights=mf.RoutingWeights.IN_GEMM_EPILOGUE)
 
 
 def _spec(dtype: torch.dtype = torch.float32, hidden: int = H) -> mf.Spec:
@@ -227,7 +228,7 @@ def test_gemm_stage_specs() -> None:
     gate_up = mf.GroupedGemm(mf.GemmRole.GATE_UP, w13)
     down = mf.GroupedGemm(mf.GemmRole.DOWN, w2, apply_routing_weights=True)
     assert (gate_up.num_experts, gate_up.in_features, gate_up.out_features) == (E, H, 2 * I)
-    pipeline = mf.Pipeline([mf.TopK(E, K), mf.SortedDispatch(E), gate_up, mf.Activate(), down,
+    pipeline = mf.Pipeline([mf.TopK(E, K, EPILOGUE), mf.SortedDispatch(E), gate_up, mf.Activate(), down,
                             mf.Combine(apply_routing_weights=False)], _spec(), debug=True)
     hidden, act, out = pipeline.specs[2], pipeline.specs[3], pipeline.specs[4]
     assert hidden.kind is mf.PayloadKind.EXPERT_HIDDEN and hidden.width == 2 * I
@@ -274,11 +275,13 @@ def test_gemm_activation_gemm_pipeline_matches_token_loop(layout: str, weights_a
     epilogue = weights_at == "epilogue"
     dispatch = mf.SortedDispatch(E) if layout == "sorted" else mf.PaddedDispatch(E)
     pipeline = mf.Pipeline(
-        [mf.TopK(E, K), dispatch, mf.GroupedGemm(mf.GemmRole.GATE_UP, w13, b13), mf.Activate(),
+        [mf.TopK(E, K, EPILOGUE if epilogue else mf.RoutingConfig()), dispatch,
+         mf.GroupedGemm(mf.GemmRole.GATE_UP, w13, b13), mf.Activate(),
          mf.GroupedGemm(mf.GemmRole.DOWN, w2, b2, apply_routing_weights=epilogue),
          mf.Combine(apply_routing_weights=not epilogue)],
         _spec(), debug=True)
     inputs = _inputs(13, seed=23)
+    # Weights after the down GEMM's bias, or in the combine: the same sum (the reference weights after).
     want = _token_loop_reference(inputs, mf.RoutingConfig(), w13, w2, mf.ActivationConfig(), b13, b2)
     torch.testing.assert_close(pipeline(inputs).hidden_states.double(), want, rtol=1e-4, atol=1e-4)
 
@@ -363,14 +366,15 @@ def test_routing_weights_in_the_epilogue_exactly_once() -> None:
     w13, w2 = _weights(E, 2 * I, H, seed=33), _weights(E, H, I, seed=34)
     gate_up = mf.GroupedGemm(mf.GemmRole.GATE_UP, w13)
     down = mf.GroupedGemm(mf.GemmRole.DOWN, w2, apply_routing_weights=True)
-    head = [mf.TopK(E, K), mf.SortedDispatch(E), gate_up, mf.Activate(), down]
+    head = [mf.TopK(E, K, EPILOGUE), mf.SortedDispatch(E), gate_up, mf.Activate(), down]
     with pytest.raises(mf.ContractError) as caught:
         mf.Pipeline(head + [mf.Combine()], _spec())
     assert caught.value.field == "routing_weights" and "apply_routing_weights=False" in caught.value.hint
-    # Already applied on the input: the epilogue may not apply them again.
+    # Already applied on the input (where the router declares): the epilogue may not apply them again.
+    on_input = mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT)
     with pytest.raises(mf.ContractError) as caught:
-        mf.Pipeline([mf.TopK(E, K), mf.SortedDispatch(E, apply_routing_weights=True), gate_up, mf.Activate(),
-                     down], _spec())
+        mf.Pipeline([mf.TopK(E, K, on_input), mf.SortedDispatch(E, apply_routing_weights=True), gate_up,
+                     mf.Activate(), down], _spec())
     assert caught.value.field == "routing_weights"
 
 

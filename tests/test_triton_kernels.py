@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels import align, combine, grouped_gemm, topk  # noqa: E402
-from moeforge.kernels.config import ConfigTable, GemmConfig  # noqa: E402
+from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
 from moeforge.reference import dense_moe  # noqa: E402
 from moeforge.stages.aligned import (  # noqa: E402
     AlignDispatch,
@@ -118,6 +118,7 @@ ACTIVATIONS = {
     "silu": mf.ActivationConfig(mf.ActivationKind.SILU),
     "gelu": mf.ActivationConfig(mf.ActivationKind.GELU),
     "relu2": mf.ActivationConfig(mf.ActivationKind.RELU2),
+    "identity": mf.ActivationConfig(mf.ActivationKind.IDENTITY),
 }
 
 
@@ -214,6 +215,7 @@ CASES = {
                                          routed_scaling_factor=2.5, scaling_in_weights=False),
                  mf.ActivationConfig(), False),
     "k=E relu2": (4, 4, mf.RoutingConfig(), mf.ActivationConfig(mf.ActivationKind.RELU2), False),
+    "identity": (4, 2, mf.RoutingConfig(), mf.ActivationConfig(mf.ActivationKind.IDENTITY), True),
 }
 
 
@@ -271,3 +273,29 @@ def test_activation_fusion_is_one_stage_of_two_kinds() -> None:
     stage = FusedGroupedGemm(mf.GemmRole.GATE_UP, torch.randn(4, 32, 16, device=DEVICE), table,
                              activation=mf.ActivationConfig())
     assert stage.kinds == (mf.StageKind.GEMM, mf.StageKind.ACTIVATION)
+
+
+def test_dispatch_and_gemms_from_tables_that_align_differently_are_rejected_at_build_time() -> None:
+    # Caught when the pipeline is built, no longer on every call (even with zero tokens).
+    w13 = torch.randn(4, 32, 16, device=DEVICE)
+    w2 = torch.randn(4, 16, 16, device=DEVICE)
+    small = GemmConfig(16, 32, 32)
+    table16 = ConfigTable(4, 2, (1, 64), (MoEConfig(small, small), MoEConfig(small, small)))
+    wide = GemmConfig(32, 32, 32)
+    table32 = ConfigTable(4, 2, (1, 64), (MoEConfig(small, small), MoEConfig(wide, wide)))
+
+    def stages(dispatch_table: ConfigTable, gemm_table: ConfigTable) -> list[mf.Stage]:  # type: ignore[type-arg]
+        return [TritonTopK(4, 2), AlignDispatch(4, dispatch_table),
+                FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, gemm_table, activation=mf.ActivationConfig()),
+                FusedGroupedGemm(mf.GemmRole.DOWN, w2, gemm_table), AlignedCombine()]
+
+    spec = mf.input_spec(16, torch.float32, 4)
+    with pytest.raises(mf.ContractError) as error:
+        mf.Pipeline(stages(table16, table32), spec)
+    assert error.value.field == "alignment" and "same ConfigTable" in error.value.hint
+    # A table with the same block_m for every token count aligns alike, although another object.
+    copy = ConfigTable(4, 2, (1, 64), (MoEConfig(small, small), MoEConfig(small, small)))
+    pipeline = mf.Pipeline(stages(table16, copy), spec)
+    x = torch.randn(5, 16, device=DEVICE)
+    assert pipeline(mf.MoEInput(x, torch.randn(5, 4, device=DEVICE))).hidden_states.shape == (5, 16)
+    assert table16.alignment() != ConfigTable(4, 2).alignment() != ConfigTable(8, 2).alignment()

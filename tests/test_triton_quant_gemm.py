@@ -380,7 +380,8 @@ def quant_pipeline(
     """TopK -> [quantize] -> dispatch -> [quantize] -> gate/up GEMM (+act, +quantize) -> down GEMM
     -> combine, the way a quant method's ``expert_stages(backend=TRITON)`` builds it."""
     table = ConfigTable(experts, k)
-    stages: list[mf.Stage] = [TritonTopK(experts, k)]  # type: ignore[type-arg]
+    where = mf.RoutingWeights.IN_GEMM_EPILOGUE if weights_in_epilogue else mf.RoutingWeights.IN_COMBINE
+    stages: list[mf.Stage] = [TritonTopK(experts, k, mf.RoutingConfig(apply_weights=where))]  # type: ignore[type-arg]
     if quantizer is not None and quantize_before_dispatch:
         stages += [TritonQuantizeTokens(quantizer), AlignDispatch(experts, table)]
     else:

@@ -142,7 +142,8 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                       exchange=Exchange.ALL_TO_ALL,
                       routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
         if self.configs is not None:
-            return spec.evolve(layout=Layout.BLOCK_ALIGNED, group_list_type=None, top_k=1, **common)
+            return spec.evolve(layout=Layout.BLOCK_ALIGNED, group_list_type=None, top_k=1,
+                               alignment=self.configs.alignment(), **common)
         return spec.evolve(layout=Layout.EXPERT_SORTED, group_list_type=self.group_list_type, **common)
 
     def combine_stage(self, *, apply_routing_weights: bool = True, routed_scaling_factor: Optional[float] = None,

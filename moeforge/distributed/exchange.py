@@ -43,7 +43,8 @@ class ExchangeDispatch(abc.ABC):
         common: dict[str, Any] = dict(kind=PayloadKind.ROUTED, num_experts=self.ep.num_experts,
                                       scale_layout=WIRE_SCALES)
         if self.apply_routing_weights:
-            return Accepts(dtype=FLOAT_DTYPES, routing_weights=RoutingWeights.PENDING, **common)
+            return Accepts(dtype=FLOAT_DTYPES, routing_weights=RoutingWeights.PENDING,
+                           weights_at={RoutingWeights.ON_INPUT, None}, **common)
         return Accepts(**common)
 
     def hint(self, field: str, have: object) -> Optional[str]:

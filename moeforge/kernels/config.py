@@ -113,6 +113,13 @@ class ConfigTable:
             index -= 1
         return self._capped(self.configs[index])
 
+    def alignment(self) -> tuple[object, ...]:
+        """What decides ``block_m`` for a token count: two tables with equal alignments align every batch
+        alike, which a block-aligned dispatch and the GEMMs reading its rows must (``Spec.alignment``)."""
+        if not self.tokens:
+            return ("default", self.num_experts, self.top_k, self.max_block_m)
+        return ("tuned", self.tokens, tuple(self._capped(config).block_m for config in self.configs))
+
     def _capped(self, config: MoEConfig) -> MoEConfig:
         if self.max_block_m is None or config.block_m <= self.max_block_m:
             return config

@@ -164,12 +164,17 @@ class EmulatedGroupedGemm(Stage[ExpertRows, ExpertRows]):
 
     def accepts(self) -> Accepts:
         dtypes, scales = self._dtypes()
-        return expert_gemm_accepts(self.role, dtypes=dtypes, scales=scales, in_features=self.in_features,
-                                   num_experts=self.num_experts, apply_routing_weights=self.apply_routing_weights)
+        accepts = expert_gemm_accepts(self.role, dtypes=dtypes, scales=scales, in_features=self.in_features,
+                                      num_experts=self.num_experts, apply_routing_weights=self.apply_routing_weights)
+        # NVFP4 rows are dequantized with input_global_scale: only rows quantized with it (float rows: None).
+        return attrs.evolve(accepts, global_scale={None, self.input_global_scale})
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout") and self.input_global_scale is None:
             return "these GEMMs take float rows: dispatch a float dtype (NVFP4 rows need input_global_scale)"
+        if field == "global_scale":
+            return (f"the NVFP4 rows were quantized with global scale {have} but this GEMM dequantizes with "
+                    f"{self.input_global_scale}: use one value for the quantizer and the GEMM")
         return None
 
     def check(self, spec: Spec) -> list[Mismatch]:

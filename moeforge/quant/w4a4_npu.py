@@ -51,12 +51,11 @@ from moeforge.spec import (
     PayloadKind,
     RoutingWeights,
     ScaleLayout,
-    ScalingFactor,
     Spec,
 )
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, apply_activation
-from moeforge.stages.combine import combine_rows
+from moeforge.stages.combine import combine_accepts, combine_hint, combine_output_spec, combine_rows
 from moeforge.stages.dispatch import SortedDispatch
 from moeforge.stages.gemm import grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.tensor_ref import LayerRef
@@ -159,6 +158,7 @@ class W4A4Experts(Stage[ExpertRows, ExpertRows]):
             expert_ids=ExpertIds.LOCAL,
             num_experts=experts,
             routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else None,
+            weights_at={RoutingWeights.IN_GEMM_EPILOGUE, None} if self.apply_routing_weights else None,
         )
 
     def hint(self, field: str, have: object) -> Optional[str]:
@@ -218,7 +218,6 @@ class W4A4FusedEp(Stage[RoutedTokens, MoEOutput]):
 
     def accepts(self) -> Accepts:
         experts, hidden = _hidden_size(self.layer.get())
-        applied = {RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE}
         return Accepts(
             kind=PayloadKind.ROUTED,
             layout=Layout.TOKEN_MAJOR,
@@ -226,28 +225,19 @@ class W4A4FusedEp(Stage[RoutedTokens, MoEOutput]):
             scale_layout=ScaleLayout.NONE,
             width=hidden,
             num_experts=experts,
-            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else applied,
-            scaling_factor=ScalingFactor.PENDING if self.routed_scaling_factor is not None else None,
+            **combine_accepts(self.apply_routing_weights, self.routed_scaling_factor),
         )
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):
             return "this NPU-style method quantizes inside its kernel: dispatch bf16"
-        if field == "routing_weights":
+        if field in ("routing_weights", "weights_at"):
             return ("the fused stage applies the routing weights in its combine only: route with "
                     "apply_weights=RoutingWeights.IN_COMBINE, or use dispatcher='sorted' / 'padded'")
-        return None
+        return combine_hint(self.name, field, have)
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(
-            kind=PayloadKind.OUTPUT,
-            layout=Layout.TOKEN_MAJOR,
-            dtype=self.out_dtype,
-            group_list_type=None,
-            routing_weights=RoutingWeights.IN_COMBINE if self.apply_routing_weights else spec.routing_weights,
-            scaling_factor=ScalingFactor.APPLIED if self.routed_scaling_factor is not None
-            else spec.scaling_factor,
-        )
+        return combine_output_spec(spec, self.apply_routing_weights, self.routed_scaling_factor, self.out_dtype)
 
     def __call__(self, x: RoutedTokens) -> MoEOutput:
         rows = SortedDispatch(self.num_experts)(x)

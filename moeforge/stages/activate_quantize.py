@@ -57,8 +57,7 @@ class ActivateQuantize(Stage[ExpertRows, ExpertRows]):
         return None
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(width=self._out_width(spec.width), dtype=self.quantizer.dtype,
-                           scale_layout=self.quantizer.scale_layout)
+        return self.quantizer.output_spec(spec.evolve(width=self._out_width(spec.width)))
 
     def __call__(self, x: ExpertRows) -> ExpertRows:
         return x.with_x(self.quantizer(apply_activation(x.x.data, self.config)))

@@ -1,4 +1,4 @@
-"""Expert activations: gated (SwiGLU, GeGLU, GPT-OSS SwiGLU) and plain (SiLU, GELU, ReLU²).
+"""Expert activations: gated (SwiGLU, GeGLU, GPT-OSS SwiGLU), plain (SiLU, GELU, ReLU²) and the identity.
 
 A gated activation reads a ``2 * I`` wide row holding gate and up — either as two halves
 (``CONCATENATED``: ``[gate | up]``, Mixtral/Qwen/DeepSeek) or alternating (``INTERLEAVED``:
@@ -26,6 +26,9 @@ class ActivationKind(enum.Enum):
     SILU = "silu"
     GELU = "gelu"
     RELU2 = "relu2"  # relu(x) ** 2
+    # No nonlinearity: experts that are two linear maps. The checker wants exactly one activation
+    # between the expert GEMMs, so a model without one says so explicitly.
+    IDENTITY = "identity"
 
     @property
     def gated(self) -> bool:
@@ -79,6 +82,8 @@ def apply_activation(x: torch.Tensor, config: ActivationConfig) -> torch.Tensor:
     """The activation of ``x [..., W]`` in fp32, or fp64 for fp64 input (``W`` halves when gated)."""
     x = x if x.dtype == torch.float64 else x.float()
     kind = config.kind
+    if kind is ActivationKind.IDENTITY:
+        return x
     if kind is ActivationKind.SILU:
         return F.silu(x)
     if kind is ActivationKind.GELU:

@@ -22,16 +22,17 @@ from moeforge.payloads import Activations, AlignedPlan, AlignedRows, MoEInput, M
 from moeforge.spec import (
     Accepts,
     DType,
+    Exchange,
     ExpertIds,
     Layout,
     PayloadKind,
     RoutingWeights,
     ScaleLayout,
-    ScalingFactor,
     Spec,
 )
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout
+from moeforge.stages.combine import combine_accepts, combine_hint, combine_output_spec
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
 from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import TensorSource, resolve
@@ -57,6 +58,8 @@ def act_code(config: ActivationConfig) -> int:
         return g.ACT_SILU
     if config.kind is ActivationKind.RELU2:
         return g.ACT_RELU2
+    if config.kind is ActivationKind.IDENTITY:
+        return g.ACT_NONE
     return g.ACT_GELU_TANH if config.gelu_approximate == "tanh" else g.ACT_GELU
 
 
@@ -123,7 +126,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
 
     def output_spec(self, spec: Spec) -> Spec:
         return spec.evolve(kind=PayloadKind.DISPATCHED, layout=Layout.BLOCK_ALIGNED, group_list_type=None,
-                           expert_ids=ExpertIds.LOCAL)
+                           expert_ids=ExpertIds.LOCAL, alignment=self.configs.alignment())
 
     def __call__(self, x: RoutedTokens) -> AlignedRows:
         tokens, top_k = x.topk.ids.shape
@@ -178,9 +181,10 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     def accepts(self) -> Accepts:
         weight = resolve(self.weight)
-        return expert_gemm_accepts(self.role, dtypes=KERNEL_DTYPES, scales=ScaleLayout.NONE,
-                                   in_features=int(weight.shape[2]), num_experts=int(weight.shape[0]),
-                                   apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED)
+        accepts = expert_gemm_accepts(self.role, dtypes=KERNEL_DTYPES, scales=ScaleLayout.NONE,
+                                      in_features=int(weight.shape[2]), num_experts=int(weight.shape[0]),
+                                      apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED)
+        return attrs.evolve(accepts, alignment=frozenset({self.configs.alignment()}))
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)
@@ -250,24 +254,20 @@ class AlignedCombine(Stage[AlignedRows, MoEOutput]):
         return f"AlignedCombine(triton, {text}, fp32 fixed order)"
 
     def accepts(self) -> Accepts:
-        applied = {RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE}
         return Accepts(
             kind=PayloadKind.EXPERT_OUTPUT,
             layout=Layout.BLOCK_ALIGNED,
             dtype=KERNEL_DTYPES,
-            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else applied,
-            scaling_factor=ScalingFactor.PENDING if self.routed_scaling_factor is not None else None,
+            scale_layout=ScaleLayout.NONE,
+            exchange=Exchange.NONE,
+            **combine_accepts(self.apply_routing_weights, self.routed_scaling_factor),
         )
 
+    def hint(self, field: str, have: object) -> Optional[str]:
+        return combine_hint(self.name, field, have)
+
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(
-            kind=PayloadKind.OUTPUT,
-            layout=Layout.TOKEN_MAJOR,
-            dtype=self.out_dtype or spec.dtype,
-            routing_weights=RoutingWeights.IN_COMBINE if self.apply_routing_weights else spec.routing_weights,
-            scaling_factor=ScalingFactor.APPLIED if self.routed_scaling_factor is not None
-            else spec.scaling_factor,
-        )
+        return combine_output_spec(spec, self.apply_routing_weights, self.routed_scaling_factor, self.out_dtype)
 
     def __call__(self, x: AlignedRows) -> MoEOutput:
         dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else x.x.data.dtype

@@ -34,7 +34,6 @@ from moeforge.spec import (
     DType,
     Layout,
     PayloadKind,
-    RoutingWeights,
     ScaleLayout,
     Spec,
 )
@@ -42,7 +41,7 @@ from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.aligned import act_code, kernel_ops
-from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
+from moeforge.stages.gemm import GemmRole, expert_gemm_accepts, expert_gemm_output_spec
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, QuantizeTokens, Quantizer
 from moeforge.tensor_ref import TensorSource, resolve
 
@@ -264,9 +263,10 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return text + ")"
 
     def accepts(self) -> Accepts:
-        return expert_gemm_accepts(self.role, dtypes=self._activation_dtype(), scales=self.scheme.input_scales,
-                                   in_features=self.in_features, num_experts=int(resolve(self.weight).shape[0]),
-                                   apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED)
+        accepts = expert_gemm_accepts(self.role, dtypes=self._activation_dtype(), scales=self.scheme.input_scales,
+                                      in_features=self.in_features, num_experts=int(resolve(self.weight).shape[0]),
+                                      apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED)
+        return attrs.evolve(accepts, alignment=frozenset({self.configs.alignment()}))
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):
@@ -279,15 +279,9 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return None
 
     def output_spec(self, spec: Spec) -> Spec:
-        quantizer = self.output_quantizer
-        return spec.evolve(
-            kind=PayloadKind.EXPERT_HIDDEN if self.role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
-            dtype=quantizer.dtype if quantizer is not None else self.out_dtype,
-            scale_layout=quantizer.scale_layout if quantizer is not None else ScaleLayout.NONE,
-            width=self.out_features,
-            routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if self.apply_routing_weights
-            else spec.routing_weights,
-        )
+        out = expert_gemm_output_spec(spec, self.role, out_features=self.out_features,
+                                      apply_routing_weights=self.apply_routing_weights, out_dtype=self.out_dtype)
+        return self.output_quantizer.output_spec(out) if self.output_quantizer is not None else out
 
     # -- run ----------------------------------------------------------------------------------------
 
@@ -373,7 +367,7 @@ class QuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRows]):
         return found
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(dtype=self.quantizer.dtype, scale_layout=self.quantizer.scale_layout)
+        return self.quantizer.output_spec(spec)
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
         dtype, per_group = self._format()

@@ -7,7 +7,7 @@ capacity limit contribute nothing.
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import attrs
 import torch
@@ -91,46 +91,25 @@ class Combine(Stage[ExpertRows, MoEOutput]):
         return f"{self.name}({', '.join(parts)})"
 
     def accepts(self) -> Accepts:
-        applied = {RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE}
         return Accepts(
             kind=PayloadKind.EXPERT_OUTPUT,
             layout=self.layouts,
             dtype=FLOAT_DTYPES,
             scale_layout=ScaleLayout.NONE,
-            routing_weights=RoutingWeights.PENDING if self.apply_routing_weights else applied,
-            scaling_factor=ScalingFactor.PENDING if self.routed_scaling_factor is not None else None,
             exchange=self.exchange,
+            **combine_accepts(self.apply_routing_weights, self.routed_scaling_factor),
         )
 
     def hint(self, field: str, have: object) -> Optional[str]:
-        if field == "routing_weights" and have is RoutingWeights.PENDING:
-            return ("this combine does not apply the routing weights and no earlier stage did: use "
-                    f"{self.name}(apply_routing_weights=True)")
-        if field == "routing_weights":
-            return (f"the routing weights were already applied ({getattr(have, 'value', have)}): use "
-                    f"{self.name}(apply_routing_weights=False)")
         if field == "exchange" and have is Exchange.NONE:
             return "these rows never left this process: combine them with Combine"
         if field == "exchange":
             return ("these rows came from other expert-parallel ranks: combine them with the combine stage "
                     "of their dispatcher (e.g. AllToAllDispatch.combine_stage(...))")
-        if field == "scaling_factor":
-            return (f"the routed scaling factor is {getattr(have, 'value', have)}, not pending: drop "
-                    "routed_scaling_factor from the combine")
-        return None
+        return combine_hint(self.name, field, have)
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(
-            kind=PayloadKind.OUTPUT,
-            layout=Layout.TOKEN_MAJOR,
-            dtype=self.out_dtype or spec.dtype,
-            group_list_type=None,
-            expert_ids=ExpertIds.GLOBAL,  # back on the tokens (and on their own rank)
-            exchange=Exchange.NONE,
-            routing_weights=RoutingWeights.IN_COMBINE if self.apply_routing_weights else spec.routing_weights,
-            scaling_factor=ScalingFactor.APPLIED if self.routed_scaling_factor is not None
-            else spec.scaling_factor,
-        )
+        return combine_output_spec(spec, self.apply_routing_weights, self.routed_scaling_factor, self.out_dtype)
 
     def __call__(self, x: ExpertRows) -> MoEOutput:
         out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else x.x.data.dtype
@@ -144,3 +123,56 @@ class Combine(Stage[ExpertRows, MoEOutput]):
         out = combine_rows(rows, index, weight if self.apply_routing_weights else None, out_dtype,
                            self.routed_scaling_factor)
         return MoEOutput(out)
+
+
+def combine_accepts(apply_routing_weights: bool, routed_scaling_factor: Optional[float]) -> dict[str, Any]:
+    """The routing fields a combine accepts: pending weights the router left to the combine when it
+    applies them (else weights already applied), and the pending factor of its own value when it
+    applies one."""
+    fields: dict[str, Any] = {}
+    if apply_routing_weights:
+        fields.update(routing_weights=RoutingWeights.PENDING, weights_at={RoutingWeights.IN_COMBINE, None})
+    else:
+        fields.update(routing_weights={RoutingWeights.ON_INPUT, RoutingWeights.IN_GEMM_EPILOGUE})
+    if routed_scaling_factor is not None:
+        # None: a user-written routing stage that left a factor pending without saying which.
+        fields.update(scaling_factor=ScalingFactor.PENDING, pending_scale={routed_scaling_factor, None})
+    return fields
+
+
+def combine_output_spec(spec: Spec, apply_routing_weights: bool, routed_scaling_factor: Optional[float],
+                        out_dtype: Optional[DType]) -> Spec:
+    """The output spec of a combine (see :func:`combine_accepts`)."""
+    applies_factor = routed_scaling_factor is not None
+    return spec.evolve(
+        kind=PayloadKind.OUTPUT,
+        layout=Layout.TOKEN_MAJOR,
+        dtype=out_dtype or spec.dtype,
+        group_list_type=None,
+        expert_ids=ExpertIds.GLOBAL,  # back on the tokens (and on their own rank)
+        exchange=Exchange.NONE,
+        alignment=None,
+        routing_weights=RoutingWeights.IN_COMBINE if apply_routing_weights else spec.routing_weights,
+        scaling_factor=ScalingFactor.APPLIED if applies_factor else spec.scaling_factor,
+        pending_scale=None if applies_factor else spec.pending_scale,
+    )
+
+
+def combine_hint(stage: str, field: str, have: object) -> Optional[str]:
+    """Hints for the routing fields of a combine named ``stage``."""
+    if field == "routing_weights" and have is RoutingWeights.PENDING:
+        return ("this combine does not apply the routing weights and no earlier stage did: use "
+                f"{stage}(apply_routing_weights=True)")
+    if field == "routing_weights":
+        return (f"the routing weights were already applied ({getattr(have, 'value', have)}): use "
+                f"{stage}(apply_routing_weights=False)")
+    if field == "weights_at":
+        return (f"the router applies its weights {getattr(have, 'value', have)}, not in the combine: use "
+                f"{stage}(apply_routing_weights=False) and apply them there")
+    if field == "scaling_factor":
+        return (f"the routed scaling factor is {getattr(have, 'value', have)}, not pending: drop "
+                "routed_scaling_factor from the combine")
+    if field == "pending_scale":
+        return (f"the top-k left the routed scaling factor {have} pending: use routed_scaling_factor={have} "
+                "on the combine")
+    return None

@@ -80,13 +80,17 @@ class _Dispatch:
         if self.apply_routing_weights:
             # Scaling quantized values would need a re-quantization: scale first, then quantize.
             return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=FLOAT_DTYPES,
-                           routing_weights=RoutingWeights.PENDING)
+                           routing_weights=RoutingWeights.PENDING, weights_at={RoutingWeights.ON_INPUT, None})
         return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts)
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field == "dtype" and self.apply_routing_weights:
             return ("routing weights applied on the input need float activations: quantize after the "
                     "dispatch (QuantizeRows) instead of before it")
+        if field == "weights_at":
+            return (f"the router applies its weights {getattr(have, 'value', have)}, not on the input: use "
+                    f"{type(self).__name__}(apply_routing_weights=False), or "
+                    "RoutingConfig(apply_weights=RoutingWeights.ON_INPUT) for weights on the input (Llama-4)")
         return None
 
     def _dispatched(self, spec: Spec, layout: Layout, group_list_type: Optional[GroupListType]) -> Spec:

@@ -120,7 +120,14 @@ def expert_gemm_accepts(role: GemmRole, *, dtypes: Union[DType, frozenset[DType]
                         layouts: Union[Layout, frozenset[Layout]] = REFERENCE_LAYOUTS) -> Accepts:
     """What a grouped GEMM stage of the experts accepts: its role's payload in ``layouts`` (the
     torch reference's: either expert-grouped layout; the triton GEMMs': block-aligned), in its
-    formats, ``in_features`` wide, local ids, pending weights if its epilogue applies them."""
+    formats, ``in_features`` wide, local ids, pending weights if its epilogue applies them. Only the
+    down GEMM's epilogue may apply them, where the router declares ``IN_GEMM_EPILOGUE``: the gate/up
+    GEMM's output goes through the activation, so weights applied there would be a different function
+    from every placement a router declares (no spec is accepted)."""
+    weights_at: Optional[frozenset[Optional[RoutingWeights]]] = None
+    if apply_routing_weights:
+        # None: a router that declares no placement (a user-written routing stage) leaves it to the stages.
+        weights_at = frozenset({RoutingWeights.IN_GEMM_EPILOGUE, None}) if role is GemmRole.DOWN else frozenset()
     return Accepts(
         kind=PayloadKind.DISPATCHED if role is GemmRole.GATE_UP else PayloadKind.EXPERT_HIDDEN,
         layout=layouts,
@@ -130,6 +137,7 @@ def expert_gemm_accepts(role: GemmRole, *, dtypes: Union[DType, frozenset[DType]
         expert_ids=ExpertIds.LOCAL,
         num_experts=num_experts,
         routing_weights=RoutingWeights.PENDING if apply_routing_weights else None,
+        weights_at=weights_at,
     )
 
 
@@ -141,6 +149,7 @@ def expert_gemm_output_spec(spec: Spec, role: GemmRole, *, out_features: int, ap
         kind=PayloadKind.EXPERT_HIDDEN if role is GemmRole.GATE_UP else PayloadKind.EXPERT_OUTPUT,
         dtype=out_dtype or spec.dtype,
         scale_layout=ScaleLayout.NONE,
+        global_scale=None,
         width=out_features,
         routing_weights=RoutingWeights.IN_GEMM_EPILOGUE if apply_routing_weights else spec.routing_weights,
     )

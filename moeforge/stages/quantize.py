@@ -29,10 +29,15 @@ class Quantizer(abc.ABC):
 
     dtype: DType
     scale_layout: ScaleLayout
+    global_scale: Optional[float] = None  # a static scale that stays with the quantizer (NVFP4)
 
     @abc.abstractmethod
     def __call__(self, x: torch.Tensor) -> Activations:
         """Quantize ``x`` (any float dtype)."""
+
+    def output_spec(self, spec: Spec) -> Spec:
+        """``spec`` in this quantizer's format."""
+        return spec.evolve(dtype=self.dtype, scale_layout=self.scale_layout, global_scale=self.global_scale)
 
     def check_width(self, width: int) -> Optional[str]:
         """Why this quantizer cannot take rows of ``width`` elements, or ``None``."""
@@ -166,7 +171,7 @@ class _QuantizeStage:
         return [Mismatch("width", spec.width, "a multiple of 128", problem)] if problem else []
 
     def _quantized(self, spec: Spec) -> Spec:
-        return spec.evolve(dtype=self.quantizer.dtype, scale_layout=self.quantizer.scale_layout)
+        return self.quantizer.output_spec(spec)
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):

@@ -216,15 +216,22 @@ class _RoutingStage(Stage[MoEInput, RoutedTokens]):
     def accepts(self) -> Accepts:
         return Accepts(kind=PayloadKind.TOKENS, num_experts=self.num_experts)
 
-    def _scaling(self) -> ScalingFactor:
-        return ScalingFactor.NONE
+    def _scaling(self) -> tuple[ScalingFactor, Optional[float]]:
+        """The scaling-factor state of the weights, and the factor's value when it is left pending."""
+        return ScalingFactor.NONE, None
+
+    def _weights_at(self) -> RoutingWeights:
+        return RoutingWeights.IN_COMBINE
 
     def output_spec(self, spec: Spec) -> Spec:
+        scaling, pending = self._scaling()
         return spec.evolve(
             kind=PayloadKind.ROUTED,
             top_k=self.top_k,
             routing_weights=RoutingWeights.PENDING,
-            scaling_factor=self._scaling(),
+            weights_at=self._weights_at(),
+            scaling_factor=scaling,
+            pending_scale=pending,
         )
 
 
@@ -260,8 +267,12 @@ class TopK(_RoutingStage):
             parts.append(f"x{c.routed_scaling_factor:g}")
         return ", ".join(parts) + ")"
 
-    def _scaling(self) -> ScalingFactor:
-        return self.config.scaling_spec
+    def _scaling(self) -> tuple[ScalingFactor, Optional[float]]:
+        scaling = self.config.scaling_spec
+        return scaling, self.config.routed_scaling_factor if scaling is ScalingFactor.PENDING else None
+
+    def _weights_at(self) -> RoutingWeights:
+        return self.config.apply_weights
 
     def __call__(self, x: MoEInput) -> RoutedTokens:
         bias = resolve(self.selection_bias) if self.selection_bias is not None else None
@@ -277,8 +288,10 @@ class CustomTopK(_RoutingStage):
     """Routing by a user function ``fn(hidden_states, router_logits, top_k) -> (weights, ids)``.
 
     The function returns float weights and integer ids of shape ``[T, top_k]``; they are converted to
-    fp32 / int32. ``scaling_factor`` declares whether the function already folded a routed scaling
-    factor into its weights.
+    fp32 / int32. ``apply_weights`` declares where the weights are to be applied (as
+    :attr:`RoutingConfig.apply_weights`; the combine by default). ``scaling_factor`` declares whether
+    the function already folded a routed scaling factor into its weights (``IN_WEIGHTS``), or leaves
+    the factor ``routed_scaling_factor`` to a later stage (``PENDING``).
 
     The function's output is user code, so every call checks it (shapes, dtypes, device, and the
     ids' values, which needs one host sync) and raises :class:`~moeforge.InputError`: an id out of
@@ -293,9 +306,17 @@ class CustomTopK(_RoutingStage):
     fn: RoutingFunction
     label: str = "custom"
     scaling_factor: ScalingFactor = ScalingFactor.NONE
+    apply_weights: RoutingWeights = RoutingWeights.IN_COMBINE
+    routed_scaling_factor: Optional[float] = None
 
     def __attrs_post_init__(self) -> None:
         _check_sizes(self.num_experts, self.top_k, RoutingConfig())
+        if self.apply_weights is RoutingWeights.PENDING:
+            raise InputError("CustomTopK apply_weights must say where the weights are applied, not PENDING")
+        pending = self.scaling_factor is ScalingFactor.PENDING
+        if pending != (self.routed_scaling_factor is not None):
+            raise InputError("CustomTopK: give routed_scaling_factor exactly when scaling_factor=ScalingFactor.PENDING "
+                             "(the value the stage that applies it must use)")
         if not callable(self.fn):
             raise InputError(f"CustomTopK fn must be a callable fn(hidden_states, router_logits, top_k) -> "
                              f"(weights, ids), got {type(self.fn).__name__}")
@@ -303,8 +324,11 @@ class CustomTopK(_RoutingStage):
     def summary(self) -> str:
         return f"CustomTopK({self.label}, k={self.top_k})"
 
-    def _scaling(self) -> ScalingFactor:
-        return self.scaling_factor
+    def _scaling(self) -> tuple[ScalingFactor, Optional[float]]:
+        return self.scaling_factor, self.routed_scaling_factor
+
+    def _weights_at(self) -> RoutingWeights:
+        return self.apply_weights
 
     def __call__(self, x: MoEInput) -> RoutedTokens:
         result: object = self.fn(x.hidden_states, x.router_logits, self.top_k)
