@@ -123,7 +123,9 @@ class MoEInput:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TopKOutput:
-    """Routing decision: fp32 ``weights [T, K]`` and int32 global ``ids [T, K]``."""
+    """Routing decision: fp32 ``weights [T, K]`` and int32 global ``ids [T, K]``, each token's ``K`` ids
+    distinct experts (the built-in routers by construction; ``CustomTopK`` checks it on every call; the
+    value checks of debug mode check it after any routing stage)."""
 
     weights: torch.Tensor
     ids: torch.Tensor
