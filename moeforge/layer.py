@@ -126,7 +126,7 @@ class MoELayer(nn.Module):
         if expert_parallel is not None and expert_parallel.num_experts != num_experts:
             raise InputError(f"expert_parallel.num_experts={expert_parallel.num_experts} differs from "
                              f"num_experts={num_experts}")
-        self.backend, self._backend_note = self._resolve_backend()
+        self.backend, self._backend_note = self._resolve_backend(self._device)
         device = self._device
 
         self.router: Optional[nn.Linear] = None
@@ -155,11 +155,11 @@ class MoELayer(nn.Module):
             raise InputError(f"{what} must be torch.bfloat16, torch.float16 or torch.float32 (the dtypes the "
                              f"layer computes in), got {dtype}")
 
-    def _resolve_backend(self) -> tuple[Backend, str]:
-        """The backend for the current device, and a note for ``describe()`` when "auto" fell back."""
+    def _resolve_backend(self, device: torch.device) -> tuple[Backend, str]:
+        """The backend on ``device``, and a note for ``describe()`` when "auto" fell back."""
         setting, dispatcher = self.backend_setting, self.dispatcher
         auto = not isinstance(setting, Backend) and setting.lower() == "auto"
-        backend = resolve_backend(setting, self._device)
+        backend = resolve_backend(setting, device)
         if backend is not Backend.TRITON:
             return backend, ""
         if (self.expert_parallel is not None and isinstance(dispatcher, Stage)
@@ -185,10 +185,13 @@ class MoELayer(nn.Module):
         """``nn.Module``'s conversion hook (``.to``, ``.half``, ``.cuda``, ``.to_empty``, ...): converts
         the tensors, keeping the dtype of those whose dtype is part of a quantized format (they only
         move), then follows the new compute dtype and device and rebuilds the pipeline."""
-        # What fn does to a tensor in the compute dtype tells the new compute dtype and device.
+        # What fn does to a tensor in the compute dtype tells the new compute dtype and device; what
+        # cannot follow them is refused before any tensor is converted.
         probe = fn(torch.empty(0, dtype=self._dtype, device=self._device))
         if probe.dtype != self._dtype:
             self._check_compute_dtype(probe.dtype, f"{type(self).__name__}'s new dtype")
+        changed = (probe.dtype, probe.device) != (self._dtype, self._device)
+        backend = self._resolve_backend(probe.device) if changed else (self.backend, self._backend_note)
         keep = {id(tensor) for name, tensor in self.named_tensors_with_fixed_dtype()}
 
         def convert(tensor: torch.Tensor) -> torch.Tensor:
@@ -198,10 +201,9 @@ class MoELayer(nn.Module):
             return converted
 
         super()._apply(convert, recurse)  # type: ignore[no-untyped-call]
-        changed = (probe.dtype, probe.device) != (self._dtype, self._device)
-        self._dtype, self._device = probe.dtype, probe.device
-        if changed and hasattr(self, "pipeline"):
-            self.backend, self._backend_note = self._resolve_backend()
+        if changed:
+            self._dtype, self._device = probe.dtype, probe.device
+            self.backend, self._backend_note = backend
             self.rebuild_pipeline()
         return self
 

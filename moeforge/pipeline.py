@@ -102,15 +102,15 @@ def validate(stages: Sequence[Stage[Any, Any]], input_spec: Spec) -> list[Spec]:
     return specs
 
 
-_EXPERT_OUTPUT_ORDER = list(PayloadKind).index(PayloadKind.EXPERT_OUTPUT)
+_ORDER = {kind: index for index, kind in enumerate(PayloadKind)}  # the order the forward produces them
 
 
 def _count_activations(before: Spec, after: Spec, stage: Stage[Any, Any], producer: str, label: str) -> Spec:
     """``after`` with the activations applied since the dispatch counted; when ``stage`` completes the
     expert computation (its output is at or past ``EXPERT_OUTPUT``, its input before), exactly one."""
-    kinds = list(PayloadKind)
     count = before.activations + list(stage.kinds).count(StageKind.ACTIVATION)
-    if kinds.index(before.kind) < _EXPERT_OUTPUT_ORDER <= kinds.index(after.kind) and count != 1:
+    completes = _ORDER[before.kind] < _ORDER[PayloadKind.EXPERT_OUTPUT] <= _ORDER[after.kind]
+    if completes and count != 1:
         _raise(producer, label, Mismatch(
             "activations", count, 1,
             f"the expert computation has {count} activations between its two GEMMs, not one: "
