@@ -346,3 +346,16 @@ def test_layer_matches_dense_reference(config: LayerConfig, num_tokens: int) -> 
     x, logits = config.inputs(num_tokens, seed=2)
     check_matches_dense_reference(layer, x, rtol=1e-4, logits=logits)
     check_matches_dense_reference(layer, x, rtol=1e-4)  # the layer's own router
+
+
+def test_debug_mode_rejects_non_finite_routing_weights() -> None:
+    def nan_weights(x: torch.Tensor, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = logits.softmax(-1).topk(k)
+        return weights.masked_fill(torch.ones_like(weights, dtype=torch.bool), float("nan")), ids
+
+    stages = [mf.CustomTopK(E, K, nan_weights), mf.SortedDispatch(E), mf.GroupedGemm(mf.GemmRole.GATE_UP, W13),
+              mf.Activate(), mf.GroupedGemm(mf.GemmRole.DOWN, W2), mf.Combine()]
+    x = mf.MoEInput(torch.randn(3, H), torch.randn(3, E))
+    mf.Pipeline(stages, tokens())(x)  # outside debug mode nothing reads the values
+    with pytest.raises(mf.PayloadError, match=r"stage 0 \(CustomTopK\).*topk.weights: 6 non-finite"):
+        mf.Pipeline(stages, tokens(), debug=True)(x)
