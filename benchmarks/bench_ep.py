@@ -5,7 +5,7 @@
 Per token count T (tokens per rank), DeepSeek-V3 shapes (E=256 experts, top-8, H=7168), uniform random
 routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group scales) dispatch:
 
-* ``normal``: :class:`AllToAllDispatch` then :class:`AllToAllCombine` (bf16 expert outputs back),
+* ``normal``: :class:`AllToAllDispatch` then its combine (bf16 expert outputs back),
   against ``raw`` = the two ``all_to_all_single`` calls with the same split sizes and the same bytes
   (packed dispatch rows, then the outputs) on preallocated buffers; and the dispatch alone against
   its raw all-to-all (FP8 halves the dispatch's bytes, not the combine's);
@@ -169,7 +169,7 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
     def ours() -> None:
         combine(dispatch(routed).with_x(Activations(outputs)))
 
-    plan = rows.exchange
+    plan = rows.plan
     wire = RowFormat.of(routed.x)
     send, recv = (torch.empty(sum(s), wire.row_bytes, dtype=torch.uint8, device="cuda")
                   for s in (plan.send_splits, plan.recv_splits))

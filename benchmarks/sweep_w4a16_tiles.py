@@ -3,7 +3,7 @@
     python benchmarks/sweep_w4a16_tiles.py
 
 Prints one line per configuration (median of CUDA-event-timed runs after warm-up, random data); the
-defaults in moeforge.stages.aligned_quant.default_quant_config were chosen from its output on an H100
+defaults in moeforge.stages.triton_quant.default_quant_config were chosen from its output on an H100
 (2026-11-21). A development tool: it writes no JSON.
 """
 import sys, itertools, torch, statistics

@@ -23,15 +23,12 @@ from moeforge.errors import (
 from moeforge.layer import MoELayer
 from moeforge.payloads import (
     Activations,
-    AlignedPlan,
     AlignedRows,
     ExpertRows,
     MoEInput,
     MoEOutput,
-    PaddedPlan,
     PaddedRows,
     RoutedTokens,
-    SortedPlan,
     SortedRows,
     TopKOutput,
 )
@@ -101,7 +98,7 @@ from moeforge import checkpoint as checkpoint, families as families
 __version__ = "0.1.0"
 
 __all__ = [
-    "AlignDispatch", "AlignedCombine", "AlignedPlan", "AlignedRows", "FusedGroupedGemm", "TritonTopK",
+    "AlignDispatch", "AlignedCombine", "AlignedRows", "FusedGroupedGemm", "TritonTopK",
     "Accepts", "Activate", "ActivationConfig", "ActivationKind", "Activations", "Backend",
     "BackendUnavailableError", "Cast", "CheckpointError", "CheckpointFormat", "Mxfp4Method", "Nvfp4Method",
     "Nvfp4Quantizer", "W4A16Method", "W4A4NpuMethod", "ActivationScales", "Fp8W8A8Method", "Int8W8A8Method",
@@ -109,11 +106,11 @@ __all__ = [
     "DType", "DeviceDispatchSupport", "DispatchDecision", "DispatchDtype", "DispatchDtypeError",
     "DispatchRule", "ENV_VAR", "ExpertIds", "ExpertRows", "GateUpLayout", "GemmRole", "GroupListType",
     "GroupScore", "GroupedGemm", "InputError", "MissingPackageError", "PresetError", "Layout", "Mismatch", "MoEForgeError", "MoEInput",
-    "MoELayer", "MoEOutput", "Overflow", "PaddedDispatch", "PaddedPlan", "PaddedRows", "ParamRef",
+    "MoELayer", "MoEOutput", "Overflow", "PaddedDispatch", "PaddedRows", "ParamRef",
     "PayloadError", "PayloadKind", "PerGroupQuantizer", "PerTensorQuantizer", "PerTokenQuantizer", "Pipeline",
     "QuantMethod", "QuantizeRows", "QuantizeTokens", "RoutedTokens", "RoutingConfig",
     "RoutingWeights", "ScaleLayout", "ScalingFactor", "ScoreOrder", "Scoring", "SharedExperts",
-    "SharedExpertsConfig", "SharedGate", "SortedDispatch", "SortedPlan", "SortedRows", "Spec",
+    "SharedExpertsConfig", "SharedGate", "SortedDispatch", "SortedRows", "Spec",
     "Stage", "StageKind", "TopK", "TopKOutput", "UnquantizedMethod", "chain", "input_spec",
     "resolve_dispatch_dtype",
 ]

@@ -24,8 +24,8 @@ from moeforge.shared_experts import SharedExperts, SharedExpertsConfig
 from moeforge.spec import DType, RoutingWeights, input_spec
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
-from moeforge.stages.aligned import AlignDispatch, AlignedCombine, TritonTopK
-from moeforge.stages.aligned_quant import TritonQuantizeTokens
+from moeforge.stages.triton import AlignDispatch, AlignedCombine, TritonTopK
+from moeforge.stages.triton_quant import TritonQuantizeTokens
 from moeforge.stages.combine import Combine
 from moeforge.stages.dispatch import PaddedDispatch, SortedDispatch
 from moeforge.stages.quantize import QuantizeTokens

@@ -16,6 +16,7 @@ synchronisation: pipelines run those in debug mode only, after every stage, and
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Optional, Union
 
@@ -23,6 +24,7 @@ import torch
 from typing_extensions import Self
 
 from moeforge.errors import PayloadError
+from moeforge.kernels.config import MoEConfig
 from moeforge.spec import DType, GroupListType, Layout, PayloadKind, ScaleLayout, Spec
 
 GROUP_SIZE = 128  # elements per scale in ScaleLayout.PER_GROUP_128
@@ -170,39 +172,37 @@ class RoutedTokens:
                 self.x.data.device)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class SortedPlan:
-    """How expert-sorted rows map back to tokens; produced by dispatch, used by combine.
+class Plan(abc.ABC):
+    """How a dispatcher's expert-grouped rows go back to their tokens.
 
-    ``row_token[r]`` is the source token of row ``r``; ``row_weight[r]`` its routing weight (fp32);
-    ``token_rows[t, k]`` the row holding copy ``k`` of token ``t``, or -1 if it is not on this rank.
-    """
+    Only the combine reads it, through :meth:`combine`: what a plan holds (row maps, capacities, the
+    exchange with other expert-parallel ranks) is its dispatcher's business, so the stages between
+    the dispatch and the combine never depend on which dispatcher ran. The dispatchers define their
+    plans beside themselves (:mod:`moeforge.stages.dispatch`, :mod:`moeforge.stages.triton`,
+    :mod:`moeforge.distributed`)."""
 
-    row_token: torch.Tensor
-    row_weight: torch.Tensor
-    token_rows: torch.Tensor
-    num_tokens: int
+    @abc.abstractmethod
+    def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
+                out_dtype: torch.dtype) -> torch.Tensor:
+        """The token-major output ``[T, H]``: each token's copies among ``rows`` (the expert outputs, in
+        the layout of the payload that carried this plan) summed in fp32 in the fixed order
+        ``k = 0 .. top_k - 1``, times their routing weights when ``weighted``, times
+        ``scaling_factor`` when given, in ``out_dtype``."""
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PaddedPlan:
-    """How padded slots map back to tokens. ``token_slots[t, k]`` is the flat slot
-    ``expert * capacity + position`` of copy ``k`` of token ``t``, or -1 if it was dropped or is not on
-    this rank; ``slot_weight [E, C]`` holds each slot's routing weight (0 for empty slots);
-    ``dropped`` (a 0-d int64 tensor, so reading it needs no host sync) counts the copies that did not
-    fit the capacity."""
-
-    slot_weight: torch.Tensor
-    token_slots: torch.Tensor
-    num_tokens: int
-    dropped: torch.Tensor
+    @abc.abstractmethod
+    def kept(self) -> torch.Tensor:
+        """``[T, top_k]`` bool: the copies :meth:`combine` sums (false for a copy a capacity dropped)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExpertRows:
-    """Base of the expert-grouped payloads (dispatched rows, expert hidden states, expert outputs)."""
+    """Base of the expert-grouped payloads (dispatched rows, expert hidden states, expert outputs).
+
+    Every layout carries its rows' routing weights in its own order (what a GEMM epilogue multiplies
+    by) and the :class:`Plan` of the way back (keyword-only, so each layout's own fields come first)."""
 
     x: Activations
+    plan: Plan = dataclasses.field(kw_only=True)
 
     def with_x(self, x: Activations) -> Self:
         return dataclasses.replace(self, x=x)
@@ -211,11 +211,12 @@ class ExpertRows:
 @dataclasses.dataclass(frozen=True, eq=False)
 class SortedRows(ExpertRows):
     """``x.data [R, W]``: rows grouped by local expert; ``group_list [E]`` (int64) holds counts or
-    cumulative sums, as ``group_list_type`` says."""
+    cumulative sums, as ``group_list_type`` says; ``row_weights [R]`` (fp32) is each row's routing
+    weight."""
 
     group_list: torch.Tensor
     group_list_type: GroupListType
-    plan: SortedPlan
+    row_weights: torch.Tensor
 
     @property
     def num_experts(self) -> int:
@@ -237,10 +238,8 @@ class SortedRows(ExpertRows):
         _expect(self.num_experts == spec.num_experts, "group_list length", self.num_experts,
                 spec.num_experts)
         rows = self.x.data.shape[0]
-        _expect(self.plan.row_token.shape == (rows,), "plan.row_token shape",
-                tuple(self.plan.row_token.shape), (rows,))
-        _expect(self.plan.row_weight.shape == (rows,), "plan.row_weight shape",
-                tuple(self.plan.row_weight.shape), (rows,))
+        _expect(tuple(self.row_weights.shape) == (rows,), "row_weights shape", tuple(self.row_weights.shape),
+                (rows,))
         if not values:
             return
         counts = self.counts()
@@ -252,10 +251,11 @@ class SortedRows(ExpertRows):
 @dataclasses.dataclass(frozen=True, eq=False)
 class PaddedRows(ExpertRows):
     """``x.data [E, C, W]``: each local expert's rows in a fixed-capacity buffer; only the first
-    ``masked_m[e]`` rows of expert ``e`` are valid."""
+    ``masked_m[e]`` rows of expert ``e`` are valid; ``slot_weights [E, C]`` (fp32) is each slot's
+    routing weight (0 for empty slots)."""
 
     masked_m: torch.Tensor
-    plan: PaddedPlan
+    slot_weights: torch.Tensor
 
     @property
     def num_experts(self) -> int:
@@ -274,30 +274,35 @@ class PaddedRows(ExpertRows):
         _expect(self.x.data.shape[0] == self.num_experts, "x.data experts", self.x.data.shape[0],
                 self.num_experts)
         want = (self.num_experts, self.capacity)
-        _expect(tuple(self.plan.slot_weight.shape) == want, "plan.slot_weight shape",
-                tuple(self.plan.slot_weight.shape), want)
+        _expect(tuple(self.slot_weights.shape) == want, "slot_weights shape", tuple(self.slot_weights.shape),
+                want)
         if values and self.masked_m.numel():
             _expect(int(self.masked_m.max()) <= self.capacity, "masked_m", int(self.masked_m.max()),
                     f"<= capacity {self.capacity}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class AlignedPlan:
-    """The ``BLOCK_ALIGNED`` routing plan (Triton fused-MoE style), all on the device.
+class BlockAlignment:
+    """Where the copies of ``BLOCK_ALIGNED`` rows are (Triton fused-MoE style), all on the device:
+    what the triton GEMMs read.
 
-    ``sorted_ids`` lists copy indices ``t * top_k + k`` grouped by expert, each expert's run padded
+    ``sorted_ids`` lists copy indices ``c = t * top_k + k`` grouped by expert, each expert's run padded
     with the sentinel ``num_tokens * top_k`` to a multiple of ``block_m``; ``block_expert[b]`` is the
-    local expert of block ``b``; ``num_padded`` (1 element, int32) is the used length of
-    ``sorted_ids``; ``weights [T * top_k]`` are the routing weights in copy order (fp32).
+    local expert of block ``b``; ``num_padded`` (1 element, int32) is the used length of ``sorted_ids``.
+    ``config`` is the GEMMs' launch configuration for this batch, chosen once by the dispatch (it
+    decided ``block_m``); the GEMMs take it from here.
     """
 
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor
     num_padded: torch.Tensor
-    weights: torch.Tensor
-    block_m: int
+    config: MoEConfig
     top_k: int
     num_tokens: int
+
+    @property
+    def block_m(self) -> int:
+        return self.config.block_m
 
     @property
     def num_copies(self) -> int:
@@ -306,31 +311,36 @@ class AlignedPlan:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AlignedRows(ExpertRows):
-    """Expert-grouped rows described by an :class:`AlignedPlan`, never physically sorted.
+    """Expert-grouped rows described by a :class:`BlockAlignment`, never physically sorted.
 
     When ``copy_major`` is false, ``x.data`` is still token-major ``[T, W]`` and copy ``c`` reads row
     ``c // top_k`` (the first GEMM gathers by index); when true, ``x.data`` is ``[T * top_k, W]`` with
-    one row per copy, in copy order (what the GEMMs write).
+    one row per copy, in copy order (what the GEMMs write). ``copy_weights [T * top_k]`` (fp32) are
+    the copies' routing weights in copy order.
     """
 
-    plan: AlignedPlan
+    alignment: BlockAlignment
     copy_major: bool
+    copy_weights: torch.Tensor
 
     def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.layout is Layout.BLOCK_ALIGNED, "layout", "AlignedRows", spec.layout.value)
         self.x.check(spec, "x")
         _expect(self.x.data.dim() == 2, "x.data rank", self.x.data.dim(), 2)
-        rows = self.plan.num_copies if self.copy_major else self.plan.num_tokens
+        alignment = self.alignment
+        rows = alignment.num_copies if self.copy_major else alignment.num_tokens
         _expect(self.x.data.shape[0] == rows, "x.data rows", self.x.data.shape[0], rows)
-        _expect(self.plan.top_k == spec.top_k, "plan.top_k", self.plan.top_k, spec.top_k)
+        _expect(alignment.top_k == spec.top_k, "alignment.top_k", alignment.top_k, spec.top_k)
+        _expect(tuple(self.copy_weights.shape) == (alignment.num_copies,), "copy_weights shape",
+                tuple(self.copy_weights.shape), (alignment.num_copies,))
         if not values:
             return
-        used = int(self.plan.num_padded.item())
-        _expect(used % self.plan.block_m == 0 and used <= self.plan.sorted_ids.numel(), "plan.num_padded",
-                used, f"a multiple of block_m={self.plan.block_m} <= {self.plan.sorted_ids.numel()}")
+        used = int(alignment.num_padded.item())
+        _expect(used % alignment.block_m == 0 and used <= alignment.sorted_ids.numel(), "alignment.num_padded",
+                used, f"a multiple of block_m={alignment.block_m} <= {alignment.sorted_ids.numel()}")
         if used and spec.num_experts is not None:
-            experts = self.plan.block_expert[: used // self.plan.block_m]
-            _expect(bool(((experts >= 0) & (experts < spec.num_experts)).all()), "plan.block_expert",
+            experts = alignment.block_expert[: used // alignment.block_m]
+            _expect(bool(((experts >= 0) & (experts < spec.num_experts)).all()), "alignment.block_expert",
                     "out of range", f"[0, {spec.num_experts})")
 
 

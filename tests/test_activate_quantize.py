@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moeforge as mf
+from moeforge.stages.dispatch import SortedPlan
 from moeforge.payloads import SortedRows
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.activation import apply_activation
@@ -42,8 +43,8 @@ def test_equals_the_activation_then_the_quantizer(quantizer: mf.Quantizer, confi
     width = 256 if config.gated else 128
     rows = torch.randn(7, width, generator=torch.Generator().manual_seed(0)).bfloat16()
     rows[2] = 0.0  # an all-zero row quantizes to zeros with a finite scale
-    payload = SortedRows(mf.Activations(rows), torch.tensor([3, 0, 4]), mf.GroupListType.COUNT,
-                         mf.SortedPlan(torch.arange(7), torch.ones(7), torch.arange(7).view(7, 1), 7))
+    payload = SortedRows(mf.Activations(rows), torch.tensor([3, 0, 4]), mf.GroupListType.COUNT, torch.ones(7),
+                         plan=SortedPlan(torch.arange(7).view(7, 1), torch.ones(7, 1)))
     out = ActivateQuantize(config, quantizer)(payload)
     expected = quantizer(apply_activation(rows, config))  # from the fp32 activation, not rounded to bf16
     assert out.x.scale is not None and expected.scale is not None

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import moeforge as mf
-from moeforge.payloads import AlignedPlan, AlignedRows, PaddedPlan, PaddedRows, SortedPlan, SortedRows
+from moeforge.kernels.config import default_config
+from moeforge.payloads import AlignedRows, BlockAlignment, PaddedRows, SortedRows
+from moeforge.stages.dispatch import PaddedPlan, SortedPlan
 
 E, H, I = 8, 64, 32
 
@@ -105,15 +107,18 @@ def test_payloads_are_built_inside_a_compiled_function() -> None:
     # frozen dataclasses. Every payload (and plan) is built and read back in one graph.
     def build(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         routed = mf.RoutedTokens(mf.Activations(x), mf.TopKOutput(x[:, :2], ids))
-        sorted_rows = SortedRows(routed.x, ids[0].long(), mf.GroupListType.COUNT,
-                                 SortedPlan(ids[:, 0].long(), x[:, 0], ids.long(), 3))
-        padded = PaddedRows(mf.Activations(x[None]), ids[0], PaddedPlan(x[None, :, 0], ids.long(), 3, ids.sum()))
-        aligned = AlignedRows(routed.x, AlignedPlan(ids[:, 0], ids[0], ids[:1, 0], x[:, 0], 16, 2, 3), False)
+        sorted_rows = SortedRows(routed.x, ids[0].long(), mf.GroupListType.COUNT, x[:, 0],
+                                 plan=SortedPlan(ids.long(), x[:, :2]))
+        padded = PaddedRows(mf.Activations(x[None]), ids[0], x[None, :, 0],
+                            plan=PaddedPlan(ids.long(), x[:, :2], ids.sum()))
+        alignment = BlockAlignment(ids[:, 0], ids[0], ids[:1, 0], config, 2, 3)
+        aligned = AlignedRows(routed.x, alignment, False, x[:, 0], plan=sorted_rows.plan)
         evolved = sorted_rows.with_x(mf.Activations(x * 2))
         out = mf.MoEOutput(evolved.x.data + padded.x.data[0] + aligned.x.data)
         return mf.MoEInput(out.hidden_states, x).hidden_states
 
     x, ids = torch.randn(3, 4), torch.zeros(3, 2, dtype=torch.int32)
+    config = default_config(3, 4, 2)  # a launch configuration is looked up (not built) in the forward
     torch.testing.assert_close(torch.compile(build, fullgraph=True, backend="eager")(x, ids), build(x, ids))
 
 

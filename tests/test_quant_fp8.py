@@ -46,7 +46,6 @@ from moeforge.quant.w8a8 import (
 from moeforge.reference import layer_reference
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.activation import apply_activation
-from moeforge.stages.combine import combine_rows
 from moeforge.stages.topk import select_experts
 
 FP8_CONFIGS = [("channel", "token"), ("channel", "group"), ("block", "token"), ("block", "group")]
@@ -558,14 +557,16 @@ def test_gemm_stage_matches_dense_math(weights: str, acts: str, dispatcher: str,
     w13 = ref_weight(holder.w13_weight, holder.w13_weight_scale)
     if isinstance(rows, SortedRows):
         experts = torch.repeat_interleave(torch.arange(4), rows.group_list)
-        inputs_, weight = values[rows.plan.row_token], rows.plan.row_weight
+        row_token = torch.empty(rows.row_weights.shape[0], dtype=torch.int64)
+        row_token[rows.plan.token_rows.reshape(-1)] = torch.arange(row_token.numel()) // rows.plan.token_rows.shape[1]
+        inputs_, weight = values[row_token], rows.row_weights
     else:
         assert isinstance(rows, PaddedRows)
         experts = torch.arange(4).repeat_interleave(rows.capacity)
         slots = rows.plan.token_slots.reshape(-1)
         inputs_ = torch.zeros(4 * rows.capacity, 128, dtype=torch.float64)
         inputs_[slots] = values.repeat_interleave(2, dim=0)
-        weight = rows.plan.slot_weight.reshape(-1)
+        weight = rows.slot_weights.reshape(-1)
         out = out.reshape(-1, 256)
     ref = torch.einsum("rk,rnk->rn", inputs_, w13[experts]) + holder.w13_bias.double()[experts]
     if epilogue:
@@ -657,10 +658,10 @@ def dispatched(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -> Exp
 
 def combine(layer: mf.MoELayer, rows: ExpertRows, expert_out: torch.Tensor) -> torch.Tensor:
     if isinstance(rows, SortedRows):
-        return combine_rows(expert_out, rows.plan.token_rows, rows.plan.row_weight, layer.dtype)
+        return rows.plan.combine(expert_out, True, None, layer.dtype)
     assert isinstance(rows, PaddedRows)
     flat = expert_out.reshape(-1, expert_out.shape[-1])
-    return combine_rows(flat, rows.plan.token_slots, rows.plan.slot_weight.reshape(-1), layer.dtype)
+    return rows.plan.combine(flat, True, None, layer.dtype)
 
 
 @pytest.mark.parametrize("weights, acts", [("channel", "token"), ("block", "group")])

@@ -163,7 +163,9 @@ def test_apply_without_routing_weights_equals_the_forward(group_list_type: int) 
     out = layer.quant.apply_without_routing_weights(layer, rows.x.data, rows.x.scale, group_list_type,
                                                     rows.group_list, torch.float32)
     torch.testing.assert_close(combine(layer, rows, out), layer(x, logits), rtol=1e-6, atol=1e-6)
-    from_float = layer.quant.apply_without_routing_weights(layer, x[rows.plan.row_token], None, group_list_type,
+    row_token = torch.empty(rows.row_weights.shape[0], dtype=torch.int64)
+    row_token[rows.plan.token_rows.reshape(-1)] = torch.arange(row_token.numel()) // rows.plan.token_rows.shape[1]
+    from_float = layer.quant.apply_without_routing_weights(layer, x[row_token], None, group_list_type,
                                                            rows.group_list, torch.float32)
     assert torch.equal(out, from_float)
     with pytest.raises(mf.InputError, match="int8"):

@@ -13,7 +13,6 @@ import moeforge as mf
 from moeforge.payloads import ExpertRows, PaddedRows, SortedRows
 from moeforge.reference import layer_reference
 from moeforge.spec import FLOAT_DTYPES
-from moeforge.stages.combine import combine_rows
 
 E, K, H, I = 8, 2, 32, 16
 
@@ -127,10 +126,10 @@ def _combine(layer: mf.MoELayer, rows: ExpertRows, expert_out: torch.Tensor) -> 
     if routing.routed_scaling_factor != 1.0 and not routing.scaling_in_weights:
         factor = routing.routed_scaling_factor
     if isinstance(rows, SortedRows):
-        return combine_rows(expert_out, rows.plan.token_rows, rows.plan.row_weight, layer.dtype, factor)
+        return rows.plan.combine(expert_out, True, factor, layer.dtype)
     assert isinstance(rows, PaddedRows)
     flat = expert_out.reshape(-1, expert_out.shape[-1])
-    return combine_rows(flat, rows.plan.token_slots, rows.plan.slot_weight.reshape(-1), layer.dtype, factor)
+    return rows.plan.combine(flat, True, factor, layer.dtype)
 
 
 def _apply(layer: mf.MoELayer, rows: ExpertRows, group_list_type: Union[mf.GroupListType, int],

@@ -22,7 +22,6 @@ from moeforge.quant.fp4 import MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.mxfp4 import CHECKPOINT_KEYS, Mxfp4Method
 from moeforge.reference import dense_moe
 from moeforge.spec import FLOAT_DTYPES
-from moeforge.stages.combine import combine_rows
 from moeforge.testing import default_settings
 
 E, K, H, I = 4, 2, 64, 32
@@ -298,13 +297,12 @@ def test_apply_without_routing_weights_equals_the_forward(dispatcher: Any, group
     if isinstance(rows, SortedRows):
         out = layer.quant.apply_without_routing_weights(layer, rows.x.data, None, group_list_type, rows.group_list,
                                                         torch.float32)
-        combined = combine_rows(out, rows.plan.token_rows, rows.plan.row_weight, torch.float32)
+        combined = rows.plan.combine(out, True, None, torch.float32)
     else:
         assert isinstance(rows, PaddedRows)
         out = layer.quant.apply_without_routing_weights(layer, rows.x.data, None, group_list_type, rows.masked_m,
                                                         torch.float32)
-        combined = combine_rows(out.reshape(-1, H), rows.plan.token_slots, rows.plan.slot_weight.reshape(-1),
-                                torch.float32)
+        combined = rows.plan.combine(out, True, None, torch.float32)
     torch.testing.assert_close(combined, layer(x), rtol=1e-5, atol=1e-6)
 
 

@@ -27,7 +27,6 @@ from moeforge.quant.fp4 import dequantize_nvfp4, quantize_nvfp4
 from moeforge.quant.nvfp4 import EmulatedGroupedGemm, Nvfp4Method, Nvfp4Quantizer, Nvfp4WeightRef
 from moeforge.reference import dense_moe
 from moeforge.spec import FLOAT_DTYPES, Layout, PayloadKind, Spec
-from moeforge.stages.combine import combine_rows
 from moeforge.testing import assert_stage_honours_contract, default_settings, dispatch_outputs
 
 E, K, H, I = 4, 2, 32, 16
@@ -369,9 +368,9 @@ def _dispatched(layer: mf.MoELayer, x: torch.Tensor) -> ExpertRows:
 
 def _combine(layer: mf.MoELayer, rows: ExpertRows, out: torch.Tensor) -> torch.Tensor:
     if isinstance(rows, SortedRows):
-        return combine_rows(out, rows.plan.token_rows, rows.plan.row_weight, layer.dtype)
+        return rows.plan.combine(out, True, None, layer.dtype)
     assert isinstance(rows, PaddedRows)
-    return combine_rows(out.reshape(-1, H), rows.plan.token_slots, rows.plan.slot_weight.reshape(-1), layer.dtype)
+    return rows.plan.combine(out, True, None, layer.dtype)
 
 
 @pytest.mark.usefixtures("nvfp4_device")

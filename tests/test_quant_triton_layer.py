@@ -39,8 +39,8 @@ def _triton_pipeline(layer: mf.MoELayer) -> mf.Pipeline:  # type: ignore[type-ar
     """The triton pipeline MoELayer builds, from ``layer``'s method and weights: the method's
     quantizer (by the kernel), the block-aligned dispatch, its triton expert stages, the combine."""
     from moeforge.kernels.config import ConfigTable
-    from moeforge.stages.aligned import AlignDispatch, AlignedCombine
-    from moeforge.stages.aligned_quant import TritonQuantizeTokens
+    from moeforge.stages.triton import AlignDispatch, AlignedCombine
+    from moeforge.stages.triton_quant import TritonQuantizeTokens
 
     table = ConfigTable(E, K)
     dispatch = layer.dispatch_decision.dtype

@@ -17,7 +17,6 @@ from moeforge.quant.int4_packing import pack_int4
 from moeforge.quant.w4a16 import W4A16GroupedGemm, W4A16Method, quantize_int4
 from moeforge.reference import dense_moe
 from moeforge.spec import FLOAT_DTYPES
-from moeforge.stages.combine import combine_rows
 from moeforge.testing import assert_stage_honours_contract
 
 E, K, H, I = 4, 2, 64, 32
@@ -289,10 +288,10 @@ def _dispatched(layer: mf.MoELayer, x: torch.Tensor) -> ExpertRows:
 
 def _combine(layer: mf.MoELayer, rows: ExpertRows, expert_out: torch.Tensor) -> torch.Tensor:
     if isinstance(rows, SortedRows):
-        return combine_rows(expert_out, rows.plan.token_rows, rows.plan.row_weight, layer.dtype, None)
+        return rows.plan.combine(expert_out, True, None, layer.dtype)
     assert isinstance(rows, PaddedRows)
     flat = expert_out.reshape(-1, expert_out.shape[-1])
-    return combine_rows(flat, rows.plan.token_slots, rows.plan.slot_weight.reshape(-1), layer.dtype, None)
+    return rows.plan.combine(flat, True, None, layer.dtype)
 
 
 @pytest.mark.parametrize("dispatcher, group_list_type", [

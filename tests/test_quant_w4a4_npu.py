@@ -31,7 +31,6 @@ from moeforge.quant.w4a4_npu import (
     unpack_int4,
 )
 from moeforge.stages.activation import apply_activation
-from moeforge.stages.combine import combine_rows
 from moeforge.stages.topk import select_experts
 from moeforge.testing import default_settings
 
@@ -313,9 +312,8 @@ def test_apply_on_padded_rows_equals_sorted_rows() -> None:
     quant = sorted_layer.quant
     out = quant.apply_without_routing_weights(sorted_layer, rows.x.data, None, 1, rows.group_list, torch.float32)
     padded = quant.apply_without_routing_weights(padded_layer, slots.x.data, None, 1, slots.masked_m, torch.float32)
-    a = combine_rows(out, rows.plan.token_rows, rows.plan.row_weight, torch.float32)
-    b = combine_rows(padded.reshape(-1, H), slots.plan.token_slots, slots.plan.slot_weight.reshape(-1),
-                     torch.float32)
+    a = rows.plan.combine(out, True, None, torch.float32)
+    b = slots.plan.combine(padded, True, None, torch.float32)
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import moeforge as mf
 from moeforge.stages import dequantize
+from moeforge.stages.dispatch import SortedPlan
 
 FP8 = mf.DType.FP8_E4M3
 H = 32
@@ -106,13 +107,13 @@ def test_sorted_dispatch_groups_rows_by_expert_in_token_order(group_list_type: m
     row = 0
     for expert in range(experts):
         for token, k in _copies_of(ids, expert):
-            assert int(out.plan.row_token[row]) == token
-            assert float(out.plan.row_weight[row]) == float(routed.topk.weights[token, k])
+            assert float(out.row_weights[row]) == float(routed.topk.weights[token, k])
             assert int(out.plan.token_rows[token, k]) == row
             assert torch.equal(out.x.data[row], x[token])
             row += 1
     assert row == tokens * top_k == out.x.data.shape[0]
-    assert out.plan.num_tokens == tokens
+    assert out.plan.token_rows.shape == (tokens, top_k)
+    assert torch.equal(out.plan.copy_weights, routed.topk.weights)  # token-major: nothing to permute back
     assert out.x.scale is None
 
 
@@ -131,17 +132,18 @@ def test_sorted_plan_is_a_permutation() -> None:
     out = mf.SortedDispatch(8)(routed)
     rows = out.plan.token_rows.reshape(-1)
     assert torch.equal(rows.sort().values, torch.arange(90))
-    assert torch.equal(out.plan.row_token[out.plan.token_rows], torch.arange(30).unsqueeze(-1).expand(30, 3))
+    assert torch.equal(out.x.data[out.plan.token_rows], routed.x.data.unsqueeze(1).expand(30, 3, H))
 
 
 def test_payload_check_catches_a_wrong_group_list() -> None:
     dispatch = mf.SortedDispatch(4)
     spec = _dispatched_spec(dispatch, 4, 2)
     out = dispatch(_routed(8, 4, 2))
-    bad = mf.SortedRows(out.x, out.group_list + 1, out.group_list_type, out.plan)
+    bad = mf.SortedRows(out.x, out.group_list + 1, out.group_list_type, out.row_weights, plan=out.plan)
     with pytest.raises(mf.PayloadError, match="rows covered"):
         bad.check(spec)
-    cumsum = mf.SortedRows(out.x, out.group_list.cumsum(0), mf.GroupListType.CUMSUM, out.plan)
+    cumsum = mf.SortedRows(out.x, out.group_list.cumsum(0), mf.GroupListType.CUMSUM, out.row_weights,
+                           plan=out.plan)
     with pytest.raises(mf.PayloadError, match="group_list_type"):
         cumsum.check(spec)
 
@@ -163,16 +165,16 @@ def test_padded_dispatch_layout(capacity: Optional[int]) -> None:
     assert out.x.data.shape == (experts, cap, H) and out.capacity == cap
     ids, x = routed.topk.ids, routed.x.data
     assert out.masked_m.tolist() == torch.bincount(ids.reshape(-1).long(), minlength=experts).tolist()
-    assert int(out.plan.dropped) == 0 and out.plan.num_tokens == tokens
+    assert int(out.plan.dropped) == 0 and out.plan.token_slots.shape == (tokens, top_k)
     for expert in range(experts):
         copies = _copies_of(ids, expert)
         for position, (token, k) in enumerate(copies):
             assert torch.equal(out.x.data[expert, position], x[token])
-            assert float(out.plan.slot_weight[expert, position]) == float(routed.topk.weights[token, k])
+            assert float(out.slot_weights[expert, position]) == float(routed.topk.weights[token, k])
             assert int(out.plan.token_slots[token, k]) == expert * cap + position
         # Slots past masked_m are empty: zero rows, zero weights.
         assert bool((out.x.data[expert, len(copies):] == 0).all())
-        assert bool((out.plan.slot_weight[expert, len(copies):] == 0).all())
+        assert bool((out.slot_weights[expert, len(copies):] == 0).all())
 
 
 def test_capacity_overflow_error_names_the_expert() -> None:
@@ -228,10 +230,9 @@ def test_dropped_copies_contribute_nothing_even_next_to_non_finite_rows() -> Non
 
 def test_combine_of_copies_that_are_all_on_other_ranks() -> None:
     """``token_rows`` is -1 for copies held elsewhere; a rank may hold no rows at all."""
-    plan = mf.SortedPlan(row_token=torch.empty(0, dtype=torch.int64), row_weight=torch.empty(0),
-                         token_rows=torch.full((3, 2), -1, dtype=torch.int64), num_tokens=3)
+    plan = SortedPlan(token_rows=torch.full((3, 2), -1, dtype=torch.int64), copy_weights=torch.rand(3, 2))
     rows = mf.SortedRows(mf.Activations(torch.empty(0, H)), torch.zeros(4, dtype=torch.int64),
-                         mf.GroupListType.COUNT, plan)
+                         mf.GroupListType.COUNT, torch.empty(0), plan=plan)
     for combine in (mf.Combine(), mf.Combine(apply_routing_weights=False, routed_scaling_factor=2.0)):
         out = combine(rows).hidden_states
         assert out.shape == (3, H) and bool((out == 0).all())
@@ -545,7 +546,7 @@ def test_every_token_on_one_expert(layout: str) -> None:
     else:
         assert isinstance(out, mf.SortedRows)
         assert out.counts().tolist() == [0, 0, 0, 9, 0]
-        assert out.plan.row_token.tolist() == list(range(9))
+        assert out.plan.token_rows.view(-1).tolist() == list(range(9))
     # With k = 2, every token on the same pair.
     pair = torch.tensor([[4, 1]] * 7, dtype=torch.int32)
     _check_round_trip(layout, _routed(7, 5, 2, ids=pair, seed=15), 5)

@@ -294,12 +294,12 @@ def test_quantize_rows_after_dispatch(dispatch: mf.Stage, quantizer: mf.stages.Q
         assert isinstance(dispatched, mf.SortedRows)
         assert torch.equal(out.group_list, dispatched.group_list)
         assert torch.equal(out.plan.token_rows, dispatched.plan.token_rows)
-        assert torch.equal(out.plan.row_weight, dispatched.plan.row_weight)
+        assert torch.equal(out.row_weights, dispatched.row_weights)
     else:
         assert isinstance(out, mf.PaddedRows) and isinstance(dispatched, mf.PaddedRows)
         assert torch.equal(out.masked_m, dispatched.masked_m)
         assert torch.equal(out.plan.token_slots, dispatched.plan.token_slots)
-        assert torch.equal(out.plan.slot_weight, dispatched.plan.slot_weight)
+        assert torch.equal(out.slot_weights, dispatched.slot_weights)
 
 
 def test_quantize_rows_between_activation_and_down_gemm() -> None:

@@ -16,7 +16,7 @@ import moeforge as mf  # noqa: E402
 from moeforge.kernels import align, combine, grouped_gemm, topk  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
 from moeforge.reference import dense_moe  # noqa: E402
-from moeforge.stages.aligned import (  # noqa: E402
+from moeforge.stages.triton import (  # noqa: E402
     AlignDispatch,
     AlignedCombine,
     FusedGroupedGemm,

@@ -30,8 +30,8 @@ from moeforge.kernels.config import ConfigTable, GemmConfig  # noqa: E402
 from moeforge.payloads import Activations  # noqa: E402
 from moeforge.spec import DType  # noqa: E402
 from moeforge.stages.activation import apply_activation  # noqa: E402
-from moeforge.stages.aligned import AlignDispatch, AlignedCombine, TritonTopK, act_code  # noqa: E402
-from moeforge.stages.aligned_quant import (  # noqa: E402
+from moeforge.stages.triton import AlignDispatch, AlignedCombine, TritonTopK, act_code  # noqa: E402
+from moeforge.stages.triton_quant import (  # noqa: E402
     ActivateQuantizeAligned,
     FusedQuantGroupedGemm,
     QuantizeAligned,

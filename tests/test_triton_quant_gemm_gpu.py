@@ -33,8 +33,8 @@ import moeforge as mf  # noqa: E402
 from moeforge.kernels import align, quant_gemm  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, default_config  # noqa: E402
 from moeforge.spec import DType  # noqa: E402
-from moeforge.stages.aligned import AlignDispatch, AlignedCombine, FusedGroupedGemm, TritonTopK, act_code  # noqa: E402
-from moeforge.stages.aligned_quant import QuantScheme, default_quant_config  # noqa: E402
+from moeforge.stages.triton import AlignDispatch, AlignedCombine, FusedGroupedGemm, TritonTopK, act_code  # noqa: E402
+from moeforge.stages.triton_quant import QuantScheme, default_quant_config  # noqa: E402
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, dequantize  # noqa: E402
 from test_triton_quant_gemm import (  # noqa: E402
     ACTIVATIONS,

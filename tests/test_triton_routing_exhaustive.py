@@ -36,7 +36,7 @@ pytest.importorskip("triton")
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels import topk  # noqa: E402
-from moeforge.stages.aligned import TritonTopK  # noqa: E402
+from moeforge.stages.triton import TritonTopK  # noqa: E402
 from moeforge.stages.topk import topk_lowest_index  # noqa: E402
 from moeforge.testing import default_settings  # noqa: E402
 

@@ -21,7 +21,7 @@ import moeforge as mf  # noqa: E402
 from moeforge.kernels import topk  # noqa: E402
 from moeforge.reference import layer_reference  # noqa: E402
 from moeforge.stages import select_experts  # noqa: E402
-from moeforge.stages.aligned import TritonTopK  # noqa: E402
+from moeforge.stages.triton import TritonTopK  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -2,24 +2,19 @@
 
 A layer built with ``expert_parallel=ExpertParallel(num_experts)`` holds only its rank's experts and
 exchanges token rows with :class:`AllToAllDispatch` (normal, variable-length) or
-:class:`LowLatencyDispatch` (fixed capacity, no host sync, CUDA-graph capturable); each is paired
-with its combine.
+:class:`LowLatencyDispatch` (fixed capacity, no host sync, CUDA-graph capturable). Their rows carry
+the plan of the way home (:class:`AllToAllPlan`, :class:`LowLatencyPlan`), which the ordinary
+:class:`~moeforge.Combine` follows.
 """
 
-from moeforge.distributed.all_to_all import AllToAllCombine, AllToAllDispatch, AllToAllPlan, ExchangedRows
+from moeforge.distributed.all_to_all import AllToAllDispatch, AllToAllPlan
 from moeforge.distributed.exchange import ExchangeDispatch
 from moeforge.distributed.group import ExpertParallel
-from moeforge.distributed.low_latency import (
-    ExchangedPaddedRows,
-    LowLatencyCombine,
-    LowLatencyDispatch,
-    LowLatencyPlan,
-)
+from moeforge.distributed.low_latency import LowLatencyDispatch, LowLatencyPlan
 from moeforge.distributed.shard import shard_state_dict
 from moeforge.distributed.wire import RowFormat, Traffic
 
 __all__ = [
-    "AllToAllCombine", "AllToAllDispatch", "AllToAllPlan", "ExchangeDispatch", "ExchangedPaddedRows",
-    "ExchangedRows", "ExpertParallel", "LowLatencyCombine", "LowLatencyDispatch", "LowLatencyPlan", "RowFormat",
-    "Traffic", "shard_state_dict",
+    "AllToAllDispatch", "AllToAllPlan", "ExchangeDispatch", "ExpertParallel", "LowLatencyDispatch",
+    "LowLatencyPlan", "RowFormat", "Traffic", "shard_state_dict",
 ]

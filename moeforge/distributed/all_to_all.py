@@ -35,18 +35,8 @@ from moeforge.distributed.exchange import (
 from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.wire import RowFormat, Traffic
 from moeforge.kernels.config import ConfigTable
-from moeforge.payloads import (
-    Activations,
-    AlignedPlan,
-    AlignedRows,
-    ExpertRows,
-    MoEOutput,
-    RoutedTokens,
-    SortedPlan,
-    SortedRows,
-)
+from moeforge.payloads import Activations, AlignedRows, BlockAlignment, ExpertRows, Plan, RoutedTokens, SortedRows
 from moeforge.spec import (
-    DType,
     Exchange,
     ExpertIds,
     GroupListType,
@@ -56,18 +46,18 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage, StageKind
-from moeforge.stages.combine import Combine
 
 _COUNT_BYTES = 8  # int64 per expert in the count exchange
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
-class AllToAllPlan:
-    """What :class:`AllToAllCombine` needs to send rows home and sum them.
+@dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
+class AllToAllPlan(Plan):
+    """The way back from :class:`AllToAllDispatch`'s rows: send the expert outputs home with the
+    reversed splits and sum each token's copies on its own rank.
 
     ``send_splits[r]`` / ``recv_splits[r]``: rows this rank sent to / received from rank ``r``;
     ``token_rows [T, K]``: the send-buffer row of copy ``k`` of token ``t`` (every copy is sent);
-    ``copy_weight [T, K]``: the routing weights (fp32); ``return_order [R]``: for each receive-buffer
+    ``copy_weights [T, K]``: the routing weights (fp32); ``return_order [R]``: for each receive-buffer
     row, its expert-sorted row (the inverse of the regrouping); ``traffic``: the dispatch's bytes.
     """
 
@@ -75,35 +65,26 @@ class AllToAllPlan:
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     token_rows: torch.Tensor
-    copy_weight: torch.Tensor
+    copy_weights: torch.Tensor
     return_order: torch.Tensor
     traffic: Traffic
+
+    def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
+                out_dtype: torch.dtype) -> torch.Tensor:
+        # rows: expert-sorted order (block-aligned rows: one copy per row, in row order)
+        back = rows.index_select(0, self.return_order)  # receive-buffer order (a gather, not a scatter)
+        returned = rows.new_empty(sum(self.send_splits), rows.shape[-1])
+        exchange_bytes(back, returned, self.ep.group, list(self.send_splits), list(self.recv_splits))
+        weights = self.copy_weights if weighted else None
+        return combine_on_source(returned, self.token_rows, weights, out_dtype, scaling_factor)
+
+    def kept(self) -> torch.Tensor:
+        return self.token_rows >= 0
 
     def combine_traffic(self, row_bytes: int) -> Traffic:
         """The combine's bytes for expert outputs of ``row_bytes`` bytes per row: the dispatch's rows,
         reversed."""
         return Traffic(sent=sum(self.recv_splits) * row_bytes, received=sum(self.send_splits) * row_bytes)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
-class ExchangedRows(SortedRows):
-    """Expert-sorted rows received from the expert-parallel ranks.
-
-    The inherited ``plan`` is the local view: ``row_weight`` holds each row's routing weight (for a
-    GEMM epilogue) and ``row_token`` each row's position in the receive buffer, where the combine
-    sends it back from; no token of this rank is named there (``token_rows`` is empty,
-    ``num_tokens`` 0). ``exchange`` is the plan of the way home.
-    """
-
-    exchange: AllToAllPlan
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
-class ExchangedAlignedRows(AlignedRows):
-    """Received rows for the triton expert GEMMs: ``x.data [R, W]`` in expert-sorted order, each row
-    one copy (``plan.top_k == 1``) of its local expert; ``exchange`` is the plan of the way home."""
-
-    exchange: AllToAllPlan
 
 
 @attrs.frozen(eq=False)
@@ -123,7 +104,7 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
 
     def __attrs_post_init__(self) -> None:
         if self.configs is not None:
-            from moeforge.stages.aligned import kernel_ops
+            from moeforge.stages.triton import kernel_ops
 
             kernel_ops()
 
@@ -145,10 +126,6 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             return spec.evolve(layout=Layout.BLOCK_ALIGNED, group_list_type=None, top_k=1,
                                alignment=self.configs.alignment(), **common)
         return spec.evolve(layout=Layout.EXPERT_SORTED, group_list_type=self.group_list_type, **common)
-
-    def combine_stage(self, *, apply_routing_weights: bool = True, routed_scaling_factor: Optional[float] = None,
-                      out_dtype: Optional[DType] = None) -> AllToAllCombine:
-        return AllToAllCombine(apply_routing_weights, routed_scaling_factor, out_dtype)
 
     def __call__(self, x: RoutedTokens) -> ExpertRows:
         ep, group = self.ep, self.ep.group
@@ -184,49 +161,25 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         expert_counts = recv_counts.view(world, local).sum(0)
         traffic = Traffic(sent=packet.numel() + counts.numel() * _COUNT_BYTES,
                           received=received.numel() + recv_counts.numel() * _COUNT_BYTES)
-        exchange = AllToAllPlan(ep, tuple(send_splits), tuple(recv_splits), _inverse(order).view(tokens, top_k),
-                                x.topk.weights, _inverse(regroup), traffic)
+        plan = AllToAllPlan(ep, tuple(send_splits), tuple(recv_splits), _inverse(order).view(tokens, top_k),
+                            x.topk.weights, _inverse(regroup), traffic)
         if self.configs is not None:
-            return ExchangedAlignedRows(Activations(data, scale), self._aligned_plan(expert_counts, row_weight),
-                                        False, exchange)
-        plan = SortedPlan(row_token=regroup, row_weight=row_weight,
-                          token_rows=order.new_empty(0, top_k), num_tokens=0)
+            return AlignedRows(Activations(data, scale), self._alignment(expert_counts, row_weight.shape[0]),
+                               copy_major=False, copy_weights=row_weight, plan=plan)
         group_list = expert_counts if self.group_list_type is GroupListType.COUNT else expert_counts.cumsum(0)
-        return ExchangedRows(Activations(data, scale), group_list, self.group_list_type, plan, exchange)
+        return SortedRows(Activations(data, scale), group_list, self.group_list_type, row_weight, plan=plan)
 
-    def _aligned_plan(self, expert_counts: torch.Tensor, row_weight: torch.Tensor) -> AlignedPlan:
-        """The block-aligned plan of expert-sorted rows: each row one copy (``top_k = 1``) of its
-        local expert, aligned on the device like local tokens."""
+    def _alignment(self, expert_counts: torch.Tensor, rows: int) -> BlockAlignment:
+        """The block alignment of expert-sorted rows: each row one copy (``top_k = 1``) of its local
+        expert, aligned on the device like local tokens."""
         assert self.configs is not None
-        rows = row_weight.shape[0]
-        row_expert = torch.repeat_interleave(torch.arange(self.ep.local_experts, device=row_weight.device),
+        row_expert = torch.repeat_interleave(torch.arange(self.ep.local_experts, device=expert_counts.device),
                                              expert_counts, output_size=rows).to(torch.int32).view(rows, 1)
-        block_m = self.configs.lookup(rows).block_m
+        config = self.configs.lookup(rows)
         sorted_ids, block_expert, num_padded = torch.ops.moeforge.align_block_size(
-            row_expert, self.ep.local_experts, block_m)
-        return AlignedPlan(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
-                           weights=row_weight, block_m=block_m, top_k=1, num_tokens=rows)
-
-
-@attrs.frozen(eq=False)
-class AllToAllCombine(Combine):
-    """Send expert outputs back to their source ranks and sum each token's copies there (fp32, fixed
-    order); the options are :class:`~moeforge.stages.combine.Combine`'s."""
-
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.BLOCK_ALIGNED})
-    exchange: ClassVar[Exchange] = Exchange.ALL_TO_ALL
-
-    def __call__(self, x: ExpertRows) -> MoEOutput:
-        if not isinstance(x, (ExchangedRows, ExchangedAlignedRows)):
-            raise TypeError(f"AllToAllCombine cannot consume {type(x).__name__}")
-        plan = x.exchange
-        rows = x.x.data  # expert-sorted order (block-aligned rows: one copy per row, in row order)
-        back = rows.index_select(0, plan.return_order)  # receive-buffer order (a gather, not a scatter)
-        returned = rows.new_empty(sum(plan.send_splits), rows.shape[-1])
-        exchange_bytes(back, returned, plan.ep.group, list(plan.send_splits), list(plan.recv_splits))
-        out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else rows.dtype
-        weight = plan.copy_weight if self.apply_routing_weights else None
-        return MoEOutput(combine_on_source(returned, plan.token_rows, weight, out_dtype, self.routed_scaling_factor))
+            row_expert, self.ep.local_experts, config.block_m)
+        return BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
+                              config=config, top_k=1, num_tokens=rows)
 
 
 def _inverse(permutation: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,9 @@ import torch
 import torch.distributed as dist
 
 from moeforge.distributed.group import ExpertParallel
-from moeforge.payloads import Activations, MoEOutput
+from moeforge.payloads import Activations
 from moeforge.spec import FLOAT_DTYPES, Accepts, DType, PayloadKind, RoutingWeights, ScaleLayout
-from moeforge.stage import Stage
-from moeforge.stages.combine import combine_rows
+from moeforge.stages.combine import Combine, combine_rows
 
 # Scales that travel with their rows. A per-tensor scale belongs to one rank's whole batch: after
 # the exchange, rows of several ranks would share one expert GEMM with different scales.
@@ -34,10 +33,11 @@ class ExchangeDispatch(abc.ABC):
         """Whether the rows arrive ``BLOCK_ALIGNED`` (what the triton expert GEMMs read)."""
         return False
 
-    @abc.abstractmethod
     def combine_stage(self, *, apply_routing_weights: bool = True, routed_scaling_factor: Optional[float] = None,
-                      out_dtype: Optional[DType] = None) -> Stage[Any, MoEOutput]:
-        """The combine that returns this dispatcher's rows to their source tokens."""
+                      out_dtype: Optional[DType] = None) -> Combine:
+        """The combine for this dispatcher's rows: :class:`~moeforge.stages.combine.Combine`, whose call
+        hands them to their plan, which sends them home and sums them there."""
+        return Combine(apply_routing_weights, routed_scaling_factor, out_dtype)
 
     def accepts(self) -> Accepts:
         common: dict[str, Any] = dict(kind=PayloadKind.ROUTED, num_experts=self.ep.num_experts,

@@ -38,9 +38,8 @@ from moeforge.distributed.exchange import (
 from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.wire import RowFormat, Traffic
 from moeforge.errors import InputError
-from moeforge.payloads import Activations, ExpertRows, MoEOutput, PaddedPlan, PaddedRows, RoutedTokens
+from moeforge.payloads import Activations, PaddedRows, Plan, RoutedTokens
 from moeforge.spec import (
-    DType,
     Exchange,
     ExpertIds,
     Layout,
@@ -50,38 +49,43 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage, StageKind
-from moeforge.stages.combine import Combine
 from moeforge.stages.dispatch import Overflow
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
-class LowLatencyPlan:
-    """What :class:`LowLatencyCombine` needs: ``token_slots [T, K]`` is the send-buffer slot
-    (``global expert * capacity + position``) of each copy, -1 if dropped; ``copy_weight [T, K]``
-    the routing weights; ``home [W * L * C]``, in the order of the send buffer the combine returns
-    (rank, local expert, slot), the row of the expert buffer ``[L * W * C]`` that each received slot
-    went to (any row for an empty slot: nobody reads it back)."""
+@dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
+class LowLatencyPlan(Plan):
+    """The way back from :class:`LowLatencyDispatch`'s rows: send the expert outputs back in the
+    fixed-capacity buffers and sum each token's copies on its own rank; dropped copies add nothing.
+
+    ``token_slots [T, K]`` is the send-buffer slot (``global expert * capacity + position``) of each
+    copy, -1 if dropped; ``copy_weights [T, K]`` the routing weights; ``home [W * L * C]``, in the order
+    of the send buffer the combine returns (rank, local expert, slot), the row of the expert buffer
+    ``[L * W * C]`` that each received slot went to (any row for an empty slot: nobody reads it back);
+    ``dropped`` (0-d) the copies this rank could not send."""
 
     ep: ExpertParallel
     token_slots: torch.Tensor
-    copy_weight: torch.Tensor
+    copy_weights: torch.Tensor
     home: torch.Tensor
     dropped: torch.Tensor
     traffic: Traffic
 
+    def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
+                out_dtype: torch.dtype) -> torch.Tensor:
+        # rows [L, W * C, H]: one gather puts every slot back where its source rank sent it from; the
+        # rows of empty slots are placeholders that the source never reads (its dropped copies index -1).
+        back = rows.reshape(-1, rows.shape[-1]).index_select(0, self.home)
+        returned = torch.empty_like(back)
+        exchange_bytes(back, returned, self.ep.group)
+        weights = self.copy_weights if weighted else None
+        return combine_on_source(returned, self.token_slots, weights, out_dtype, scaling_factor)
 
-@dataclasses.dataclass(frozen=True, eq=False)  # a payload: see moeforge.payloads
-class ExchangedPaddedRows(PaddedRows):
-    """Expert-padded rows ``[L, W * C, H]`` received from the expert-parallel ranks. The inherited
-    ``plan`` is the local view: ``slot_weight`` holds each row's routing weight (0 for empty rows) and
-    ``dropped`` the copies this rank could not send; it names no token of this rank (``token_slots``
-    is empty). ``exchange`` is the plan of the way home."""
-
-    exchange: LowLatencyPlan
+    def kept(self) -> torch.Tensor:
+        return self.token_slots >= 0
 
 
 @attrs.frozen(eq=False)
-class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedPaddedRows]):
+class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
     """Fixed-capacity exchange (see the module docstring). ``max_tokens``: the most tokens a rank
     passes per call (a larger batch is an ``InputError``); ``capacity``: rows per (source rank,
     expert), default ``max_tokens``."""
@@ -120,11 +124,7 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedPaddedRo
             expert_ids=ExpertIds.LOCAL, num_experts=self.ep.local_experts, exchange=Exchange.LOW_LATENCY,
             routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
 
-    def combine_stage(self, *, apply_routing_weights: bool = True, routed_scaling_factor: Optional[float] = None,
-                      out_dtype: Optional[DType] = None) -> LowLatencyCombine:
-        return LowLatencyCombine(apply_routing_weights, routed_scaling_factor, out_dtype)
-
-    def __call__(self, x: RoutedTokens) -> ExchangedPaddedRows:
+    def __call__(self, x: RoutedTokens) -> PaddedRows:
         ep, group, cap = self.ep, self.ep.group, self.slots
         world, local, experts = ep.world_size, ep.local_experts, ep.num_experts
         tokens, top_k = x.topk.ids.shape
@@ -170,11 +170,9 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedPaddedRo
         token_slots = torch.full((tokens * top_k,), -1, dtype=torch.int64, device=device)
         token_slots[order] = torch.where(kept, sorted_expert * cap + position, -1)
         traffic = Traffic(sent=trash * wire.row_bytes, received=trash * wire.row_bytes)
-        exchange = LowLatencyPlan(ep, token_slots.view(tokens, top_k), x.topk.weights,
-                                  home.view(local, world, cap).permute(1, 0, 2).reshape(-1), dropped, traffic)
-        plan = PaddedPlan(slot_weight=row_weight, token_slots=token_slots.new_empty(0, top_k), num_tokens=0,
-                          dropped=dropped)
-        return ExchangedPaddedRows(Activations(data, scale), masked_m, plan, exchange)
+        plan = LowLatencyPlan(ep, token_slots.view(tokens, top_k), x.topk.weights,
+                              home.view(local, world, cap).permute(1, 0, 2).reshape(-1), dropped, traffic)
+        return PaddedRows(Activations(data, scale), masked_m, row_weight, plan=plan)
 
     def _raise_on_overflow(self, dropped: torch.Tensor, counts: torch.Tensor) -> None:
         # Every rank must raise together: a rank that raised alone would leave the others waiting in
@@ -187,27 +185,3 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExchangedPaddedRo
                 f"LowLatencyDispatch capacity overflow: a rank sends up to {most} copies to one expert, capacity is "
                 f"{self.slots} per (rank, expert); raise capacity or use overflow=Overflow.DROP (dropped copies "
                 "are then counted in the plan's 'dropped')")
-
-
-@attrs.frozen(eq=False)
-class LowLatencyCombine(Combine):
-    """Send the expert outputs back in the fixed-capacity buffers and sum each token's copies on its
-    own rank (fp32, fixed order); dropped copies contribute nothing. The options are
-    :class:`~moeforge.stages.combine.Combine`'s."""
-
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_PADDED})
-    exchange: ClassVar[Exchange] = Exchange.LOW_LATENCY
-
-    def __call__(self, x: ExpertRows) -> MoEOutput:
-        if not isinstance(x, ExchangedPaddedRows):
-            raise TypeError(f"LowLatencyCombine cannot consume {type(x).__name__}")
-        plan = x.exchange
-        rows = x.x.data  # [L, W * C, H]
-        # One gather puts every slot back where its source rank sent it from; the rows of empty
-        # slots are placeholders that the source never reads (its dropped copies index -1).
-        back = rows.reshape(-1, rows.shape[-1]).index_select(0, plan.home)
-        returned = torch.empty_like(back)
-        exchange_bytes(back, returned, plan.ep.group)
-        out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else rows.dtype
-        weight = plan.copy_weight if self.apply_routing_weights else None
-        return MoEOutput(combine_on_source(returned, plan.token_slots, weight, out_dtype, self.routed_scaling_factor))

@@ -66,22 +66,26 @@ def fit_shared_memory(config: GemmConfig, element_bytes: int, b_tiles: int) -> G
             return config
 
 
-def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
-    """A reasonable configuration when no tuned table covers the shape.
+# The fallback configurations by rows per expert (upper bounds): few rows, the GEMMs are bound by reading
+# the weights, so a small block_m wastes no work on padding rows; many rows, bound by arithmetic, so
+# larger tiles reuse each loaded byte. Built once: a lookup in the forward creates no objects.
+_DEFAULTS = tuple(
+    (bound, MoEConfig(config, config)) for bound, config in (
+        (16.0, GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)),
+        (64.0, GemmConfig(32, 64, 128, group_m=8, num_warps=4, num_stages=4)),
+        (256.0, GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
+        (float("inf"), GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)),
+    ))
 
-    Few rows per expert: the GEMMs are bound by reading the weights, so a small ``block_m`` wastes
-    no work on padding rows. Many rows: bound by arithmetic, so larger tiles reuse each loaded byte.
-    """
+
+def _default_index(num_tokens: int, num_experts: int, top_k: int) -> int:
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
-    if rows_per_expert <= 16:
-        config = GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)
-    elif rows_per_expert <= 64:
-        config = GemmConfig(32, 64, 128, group_m=8, num_warps=4, num_stages=4)
-    elif rows_per_expert <= 256:
-        config = GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)
-    else:
-        config = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
-    return MoEConfig(config, config)
+    return next(index for index, (bound, _) in enumerate(_DEFAULTS) if rows_per_expert <= bound)
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int) -> MoEConfig:
+    """A reasonable configuration when no tuned table covers the shape (see ``_DEFAULTS``)."""
+    return _DEFAULTS[_default_index(num_tokens, num_experts, top_k)][1]
 
 
 def device_key(name: str) -> str:
@@ -102,23 +106,29 @@ class ConfigTable:
     tokens: tuple[int, ...] = ()
     configs: tuple[MoEConfig, ...] = ()
     max_block_m: Optional[int] = None  # a kernel whose tiles spill beyond it (quantized GEMMs: 64)
+    # The entries (or the fallbacks) with max_block_m applied, made once: lookup() runs in every forward.
+    _capped_configs: tuple[MoEConfig, ...] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        entries = self.configs if self.tokens else tuple(config for _, config in _DEFAULTS)
+        object.__setattr__(self, "_capped_configs", tuple(self._capped(config) for config in entries))
 
     def lookup(self, num_tokens: int) -> MoEConfig:
         if not self.tokens:
-            return self._capped(default_config(num_tokens, self.num_experts, self.top_k))
+            return self._capped_configs[_default_index(num_tokens, self.num_experts, self.top_k)]
         index = bisect.bisect_left(self.tokens, num_tokens)
         if index == len(self.tokens):
             index -= 1
         elif index > 0 and num_tokens - self.tokens[index - 1] < self.tokens[index] - num_tokens:
             index -= 1
-        return self._capped(self.configs[index])
+        return self._capped_configs[index]
 
     def alignment(self) -> tuple[object, ...]:
         """What decides ``block_m`` for a token count: two tables with equal alignments align every batch
         alike, which a block-aligned dispatch and the GEMMs reading its rows must (``Spec.alignment``)."""
         if not self.tokens:
             return ("default", self.num_experts, self.top_k, self.max_block_m)
-        return ("tuned", self.tokens, tuple(self._capped(config).block_m for config in self.configs))
+        return ("tuned", self.tokens, tuple(config.block_m for config in self._capped_configs))
 
     def _capped(self, config: MoEConfig) -> MoEConfig:
         if self.max_block_m is None or config.block_m <= self.max_block_m:

@@ -64,7 +64,7 @@ class UnquantizedMethod(QuantMethod):
             return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
 
         if backend is Backend.TRITON:
-            from moeforge.stages.aligned import FusedGroupedGemm
+            from moeforge.stages.triton import FusedGroupedGemm
 
             if configs is None:
                 raise ValueError("the triton expert stages need the ConfigTable of the dispatch")

@@ -13,7 +13,7 @@ The weights are in moeforge's int4 layout (:mod:`moeforge.quant.int4_packing`):
 accepts float rows (bf16/fp16/fp32) after the dispatch and has no preferred dispatch dtype, so a layer
 dispatches in its own dtype. The torch backend's GEMM (:class:`W4A16GroupedGemm`) dequantizes one
 expert at a time to fp32 and multiplies in fp32; the triton backend's fused GEMM
-(:class:`~moeforge.stages.aligned_quant.FusedQuantGroupedGemm` with ``QuantScheme.W4A16``, kernel
+(:class:`~moeforge.stages.triton_quant.FusedQuantGroupedGemm` with ``QuantScheme.W4A16``, kernel
 :func:`moeforge.kernels.quant_gemm.w4a16_moe_gemm`) unpacks and dequantizes the int4 weights in
 registers.
 
@@ -399,7 +399,7 @@ class W4A16Method(QuantMethod):
             return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
 
         if backend is Backend.TRITON:  # int4 unpacked and dequantized inside the fused GEMM kernel
-            from moeforge.stages.aligned_quant import FusedQuantGroupedGemm, QuantScheme
+            from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
 
             if configs is None:
                 raise ValueError("the triton expert stages need the ConfigTable of the dispatch")

@@ -55,7 +55,7 @@ from moeforge.spec import (
 )
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, apply_activation
-from moeforge.stages.combine import combine_accepts, combine_hint, combine_output_spec, combine_rows
+from moeforge.stages.combine import combine_accepts, combine_hint, combine_output_spec
 from moeforge.stages.dispatch import SortedDispatch
 from moeforge.stages.gemm import grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.tensor_ref import LayerRef
@@ -177,10 +177,10 @@ class W4A4Experts(Stage[ExpertRows, ExpertRows]):
         data = x.x.data
         if isinstance(x, SortedRows):
             group_list, group_list_type = x.group_list, x.group_list_type
-            weight = x.plan.row_weight
+            weight = x.row_weights
         elif isinstance(x, PaddedRows):
             group_list, group_list_type = x.masked_m, GroupListType.COUNT
-            weight = x.plan.slot_weight
+            weight = x.slot_weights
         else:
             raise TypeError(f"W4A4Experts cannot consume {type(x).__name__}")
         out = self.method.apply_without_routing_weights(self.layer.get(), data, None, group_list_type, group_list,
@@ -244,9 +244,8 @@ class W4A4FusedEp(Stage[RoutedTokens, MoEOutput]):
         data = rows.x.data
         out = self.method.apply_without_routing_weights(self.layer.get(), data, None, GroupListType.COUNT,
                                                         rows.group_list, data.dtype)
-        weight = rows.plan.row_weight if self.apply_routing_weights else None
-        return MoEOutput(combine_rows(out, rows.plan.token_rows, weight, self.out_dtype.torch_dtype,
-                                      self.routed_scaling_factor))
+        return MoEOutput(rows.plan.combine(out, self.apply_routing_weights, self.routed_scaling_factor,
+                                           self.out_dtype.torch_dtype))
 
 
 # -- the method -----------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ ceil(K/128)]``, DeepSeek-V3's ``weight_scale_inv``, a multiplier despite its nam
 weight is ``q[n, k] * scale[n]`` or ``q[n, k] * scale[n // 128, k // 128]``. Activations are
 quantized per row (one fp32 scale per token) or per 128-element group, and the product accumulates
 in fp32. The Triton kernels (:mod:`moeforge.kernels.quant_gemm`, through
-:mod:`moeforge.stages.aligned_quant`) read these same layouts.
+:mod:`moeforge.stages.triton_quant`) read these same layouts.
 
 The torch reference dequantizes one expert's weight at a time (never the whole ``[E, N, K]`` tensor:
 at DeepSeek-V3's sizes that would be tens of GB in fp32) and multiplies in fp32.
@@ -389,7 +389,7 @@ class W8A8Method(QuantMethod):
                        ) -> list[Stage[Any, Any]]:
         """The fused kernels: GEMM 1 with the activation and the FP8/INT8 quantization of its output
         in the epilogue (a second kernel for per-token scales), GEMM 2 with the routing weights."""
-        from moeforge.stages.aligned_quant import FusedQuantGroupedGemm, QuantizeAligned, QuantScheme
+        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantizeAligned, QuantScheme
 
         if configs is None:
             raise ValueError("the triton expert stages need the ConfigTable of the dispatch")

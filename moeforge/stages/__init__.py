@@ -1,4 +1,4 @@
-"""Built-in stages, one module per stage kind (``aligned`` / ``aligned_quant``: the triton path)."""
+"""Built-in stages, one module per stage kind (``triton`` / ``triton_quant``: the triton backend's stages)."""
 
 from moeforge.stages.activation import (
     Activate,
@@ -8,8 +8,8 @@ from moeforge.stages.activation import (
     apply_activation,
 )
 from moeforge.stages.activate_quantize import ActivateQuantize
-from moeforge.stages.aligned import AlignDispatch, AlignedCombine, FusedGroupedGemm, TritonTopK
-from moeforge.stages.aligned_quant import (
+from moeforge.stages.triton import AlignDispatch, AlignedCombine, FusedGroupedGemm, TritonTopK
+from moeforge.stages.triton_quant import (
     ActivateQuantizeAligned,
     FusedQuantGroupedGemm,
     QuantizeAligned,

@@ -1,8 +1,10 @@
 """Combine: return expert outputs to their tokens and sum the top-k copies.
 
-The sum runs in fp32 over ``k = 0 .. top_k - 1`` in that fixed order, by gathering (no atomics), so
-the result is bit-for-bit deterministic. Copies that are not on this rank or were dropped by a
-capacity limit contribute nothing.
+The way back is the rows' :class:`~moeforge.payloads.Plan`, made by their dispatcher: the one
+:class:`Combine` stage takes the rows of every dispatcher. The sum runs in fp32 over
+``k = 0 .. top_k - 1`` in that fixed order, by gathering (no atomics), so the result is bit-for-bit
+deterministic (:func:`combine_rows`). Copies that are not on this rank or were dropped by a capacity
+limit contribute nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any, ClassVar, Optional
 import attrs
 import torch
 
-from moeforge.payloads import ExpertRows, MoEOutput, PaddedRows, SortedRows
+from moeforge.payloads import ExpertRows, MoEOutput
 from moeforge.spec import (
     FLOAT_DTYPES,
     Accepts,
@@ -76,10 +78,9 @@ class Combine(Stage[ExpertRows, MoEOutput]):
     """
 
     kinds: ClassVar = (StageKind.COMBINE,)
-    # Where the rows it takes come from: the expert-parallel combines (subclasses) take their own
-    # dispatcher's rows.
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
-    exchange: ClassVar[Exchange] = Exchange.NONE
+    # The rows' plan does the un-permutation (a local one, or the exchange back to the other expert-
+    # parallel ranks), so one combine takes every dispatcher's rows; a subclass may narrow the layouts.
+    layouts: ClassVar[frozenset[Layout]] = frozenset(Layout) - {Layout.TOKEN_MAJOR}
     apply_routing_weights: bool = True
     routed_scaling_factor: Optional[float] = None
     out_dtype: Optional[DType] = None
@@ -96,33 +97,20 @@ class Combine(Stage[ExpertRows, MoEOutput]):
             layout=self.layouts,
             dtype=FLOAT_DTYPES,
             scale_layout=ScaleLayout.NONE,
-            exchange=self.exchange,
             **combine_accepts(self.apply_routing_weights, self.routed_scaling_factor),
         )
 
     def hint(self, field: str, have: object) -> Optional[str]:
-        if field == "exchange" and have is Exchange.NONE:
-            return "these rows never left this process: combine them with Combine"
-        if field == "exchange":
-            return ("these rows came from other expert-parallel ranks: combine them with the combine stage "
-                    "of their dispatcher (e.g. AllToAllDispatch.combine_stage(...))")
         return combine_hint(self.name, field, have)
 
     def output_spec(self, spec: Spec) -> Spec:
         return combine_output_spec(spec, self.apply_routing_weights, self.routed_scaling_factor, self.out_dtype)
 
     def __call__(self, x: ExpertRows) -> MoEOutput:
+        if not isinstance(x, ExpertRows):
+            raise TypeError(f"{self.name} cannot consume {type(x).__name__}")
         out_dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else x.x.data.dtype
-        if isinstance(x, SortedRows):
-            rows, index, weight = x.x.data, x.plan.token_rows, x.plan.row_weight
-        elif isinstance(x, PaddedRows):
-            rows = x.x.data.reshape(-1, x.x.data.shape[-1])
-            index, weight = x.plan.token_slots, x.plan.slot_weight.reshape(-1)
-        else:
-            raise TypeError(f"Combine cannot consume {type(x).__name__}")
-        out = combine_rows(rows, index, weight if self.apply_routing_weights else None, out_dtype,
-                           self.routed_scaling_factor)
-        return MoEOutput(out)
+        return MoEOutput(x.plan.combine(x.x.data, self.apply_routing_weights, self.routed_scaling_factor, out_dtype))
 
 
 def combine_accepts(apply_routing_weights: bool, routed_scaling_factor: Optional[float]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ the expert *input*).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import ClassVar, Optional
 
@@ -16,14 +17,7 @@ import attrs
 import torch
 
 from moeforge.errors import InputError
-from moeforge.payloads import (
-    Activations,
-    PaddedPlan,
-    PaddedRows,
-    RoutedTokens,
-    SortedPlan,
-    SortedRows,
-)
+from moeforge.payloads import Activations, PaddedRows, Plan, RoutedTokens, SortedRows
 from moeforge.spec import (
     FLOAT_DTYPES,
     Accepts,
@@ -35,6 +29,7 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage, StageKind
+from moeforge.stages.combine import combine_rows
 
 
 class Overflow(enum.Enum):
@@ -42,6 +37,44 @@ class Overflow(enum.Enum):
 
     ERROR = "error"  # raise, naming the expert and its row count
     DROP = "drop"  # keep the first `capacity` rows (in token order); the plan counts the dropped copies
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
+class SortedPlan(Plan):
+    """The way back from :class:`SortedDispatch`'s rows: ``token_rows[t, k]`` is the row holding copy
+    ``k`` of token ``t``; ``copy_weights [T, K]`` the routing weights, token-major (fp32)."""
+
+    token_rows: torch.Tensor
+    copy_weights: torch.Tensor
+
+    def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
+                out_dtype: torch.dtype) -> torch.Tensor:
+        weights = self.copy_weights if weighted else None
+        return combine_rows(rows, self.token_rows, None, out_dtype, scaling_factor, copy_weight=weights)
+
+    def kept(self) -> torch.Tensor:
+        return self.token_rows >= 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
+class PaddedPlan(Plan):
+    """The way back from :class:`PaddedDispatch`'s rows: ``token_slots[t, k]`` is the flat slot
+    ``expert * capacity + position`` of copy ``k`` of token ``t``, or -1 if it was dropped;
+    ``copy_weights [T, K]`` the routing weights (fp32); ``dropped`` (a 0-d int64 tensor, so reading it
+    needs no host sync) counts the copies that did not fit the capacity."""
+
+    token_slots: torch.Tensor
+    copy_weights: torch.Tensor
+    dropped: torch.Tensor
+
+    def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
+                out_dtype: torch.dtype) -> torch.Tensor:
+        weights = self.copy_weights if weighted else None
+        return combine_rows(rows.reshape(-1, rows.shape[-1]), self.token_slots, None, out_dtype, scaling_factor,
+                            copy_weight=weights)
+
+    def kept(self) -> torch.Tensor:
+        return self.token_slots >= 0
 
 
 def _sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,9 +167,9 @@ class SortedDispatch(_Dispatch, Stage[RoutedTokens, SortedRows]):
         if self.apply_routing_weights:
             rows = Activations(_scale_rows(rows.data, row_weight))
         group_list = counts if self.group_list_type is GroupListType.COUNT else counts.cumsum(0)
-        plan = SortedPlan(row_token=row_token, row_weight=row_weight,
-                          token_rows=token_rows.view(tokens, k), num_tokens=tokens)
-        return SortedRows(x=rows, group_list=group_list, group_list_type=self.group_list_type, plan=plan)
+        plan = SortedPlan(token_rows=token_rows.view(tokens, k), copy_weights=topk.weights)
+        return SortedRows(x=rows, group_list=group_list, group_list_type=self.group_list_type,
+                          row_weights=row_weight, plan=plan)
 
 
 @attrs.frozen(eq=False)
@@ -208,15 +241,11 @@ class PaddedDispatch(_Dispatch, Stage[RoutedTokens, PaddedRows]):
         slot_weight[slot] = row_weight
         token_slots = torch.full((tokens * k,), -1, dtype=torch.int64, device=device)
         token_slots[order] = torch.where(kept, slot, -1)
-        plan = PaddedPlan(
-            slot_weight=slot_weight[:spare].view(num_experts, capacity),
-            token_slots=token_slots.view(tokens, k),
-            num_tokens=tokens,
-            dropped=(~kept).sum(),
-        )
+        plan = PaddedPlan(token_slots=token_slots.view(tokens, k), copy_weights=topk.weights, dropped=(~kept).sum())
         return PaddedRows(
             x=Activations(buffer[:spare].view(num_experts, capacity, width), scale),
             masked_m=counts.clamp(max=capacity).to(torch.int32),
+            slot_weights=slot_weight[:spare].view(num_experts, capacity),
             plan=plan,
         )
 

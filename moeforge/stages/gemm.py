@@ -166,10 +166,10 @@ def expert_rows_gemm(
     """One grouped GEMM on either expert-grouped layout (the routing weights of the plan applied
     after the bias when asked): the body of every torch-reference GEMM stage."""
     if isinstance(x, SortedRows):
-        scale = x.plan.row_weight if apply_routing_weights else None
+        scale = x.row_weights if apply_routing_weights else None
         y = grouped_gemm_sorted(x.x, x.counts(), weight, bias, scale, out_dtype)
     elif isinstance(x, PaddedRows):
-        scale = x.plan.slot_weight if apply_routing_weights else None
+        scale = x.slot_weights if apply_routing_weights else None
         y = grouped_gemm_padded(x.x, weight, bias, scale, out_dtype)
     else:
         raise TypeError(f"{stage} cannot consume {type(x).__name__}")

@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from moeforge.payloads import MoEInput, PaddedRows, RoutedTokens, SortedRows, TopKOutput
+from moeforge.payloads import ExpertRows, MoEInput, RoutedTokens, TopKOutput
 from moeforge.pipeline import Pipeline
 from moeforge.reference import layer_reference
 from moeforge.spec import DType, Layout, PayloadKind, RoutingWeights, Spec
@@ -46,15 +46,11 @@ def check_dispatch_combine_identity(
     spec = Spec(PayloadKind.ROUTED, Layout.TOKEN_MAJOR, DType.from_torch(x.data.dtype),
                 int(x.data.shape[-1]), num_experts=num_experts, top_k=int(weights.shape[-1]))
     rows = check_stage(dispatch_stage, spec, routed)
-    if isinstance(rows, SortedRows):
-        copies = rows.plan.token_rows
-    elif isinstance(rows, PaddedRows):
-        copies = rows.plan.token_slots
-    else:
-        raise TypeError(f"{dispatch_stage.name} produced {type(rows).__name__}, not SortedRows/PaddedRows")
+    if not isinstance(rows, ExpertRows):
+        raise TypeError(f"{dispatch_stage.name} produced {type(rows).__name__}, not expert-grouped rows")
     applied = dispatch_stage.output_spec(spec).routing_weights is RoutingWeights.ON_INPUT
     out = Combine(apply_routing_weights=not applied, out_dtype=DType.FP32)(rows).hidden_states
-    kept_weight = (weights * (copies >= 0)).sum(-1, keepdim=True)
+    kept_weight = (weights * rows.plan.kept()).sum(-1, keepdim=True)
     expected = x.data.float() * kept_weight
     torch.testing.assert_close(out, expected, rtol=rtol, atol=atol,
                                msg=lambda m: f"{dispatch_stage.name} dispatch -> combine is not the "

@@ -17,12 +17,11 @@ import attrs
 import torch
 
 from moeforge.errors import BackendUnavailableError, InputError
-from moeforge.kernels.config import ConfigTable, MoEConfig
-from moeforge.payloads import Activations, AlignedPlan, AlignedRows, MoEInput, MoEOutput, RoutedTokens, TopKOutput
+from moeforge.kernels.config import ConfigTable
+from moeforge.payloads import Activations, AlignedRows, BlockAlignment, MoEInput, Plan, RoutedTokens, TopKOutput
 from moeforge.spec import (
     Accepts,
     DType,
-    Exchange,
     ExpertIds,
     Layout,
     PayloadKind,
@@ -32,7 +31,7 @@ from moeforge.spec import (
 )
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout
-from moeforge.stages.combine import combine_accepts, combine_hint, combine_output_spec
+from moeforge.stages.combine import Combine
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
 from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import TensorSource, resolve
@@ -130,13 +129,33 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
 
     def __call__(self, x: RoutedTokens) -> AlignedRows:
         tokens, top_k = x.topk.ids.shape
-        block_m = self.configs.lookup(tokens).block_m
+        config = self.configs.lookup(tokens)  # once per batch: the GEMMs read it from the alignment
         sorted_ids, block_expert, num_padded = torch.ops.moeforge.align_block_size(
-            x.topk.ids, self.num_experts, block_m)
-        plan = AlignedPlan(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
-                           weights=x.topk.weights.reshape(-1), block_m=block_m, top_k=top_k,
-                           num_tokens=tokens)
-        return AlignedRows(x=x.x, plan=plan, copy_major=False)
+            x.topk.ids, self.num_experts, config.block_m)
+        alignment = BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
+                                   config=config, top_k=top_k, num_tokens=tokens)
+        return AlignedRows(x=x.x, alignment=alignment, copy_major=False, copy_weights=x.topk.weights.reshape(-1),
+                           plan=CopyOrderPlan(x.topk.weights))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
+class CopyOrderPlan(Plan):
+    """The way back from :class:`AlignDispatch`'s rows: the GEMMs write one row per copy in copy order,
+    so token ``t``'s copies are rows ``t * top_k .. t * top_k + top_k - 1``; ``copy_weights [T, top_k]``
+    (fp32). Summed by the triton combine kernel (fixed order, fp32, no atomics)."""
+
+    copy_weights: torch.Tensor
+
+    def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
+                out_dtype: torch.dtype) -> torch.Tensor:
+        top_k = int(self.copy_weights.shape[1])
+        out: torch.Tensor = torch.ops.moeforge.combine(rows, self.copy_weights if weighted else None, top_k,
+                                                       scaling_factor if scaling_factor is not None else 1.0,
+                                                       out_dtype)
+        return out
+
+    def kept(self) -> torch.Tensor:
+        return torch.ones_like(self.copy_weights, dtype=torch.bool)
 
 
 @attrs.frozen(eq=False)
@@ -153,6 +172,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
     bias: Optional[TensorSource] = None
     activation: Optional[ActivationConfig] = None
     apply_routing_weights: bool = False
+    _act: tuple[int, bool, bool, float, float] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         shape = tuple(resolve(self.weight).shape)
@@ -163,6 +183,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         if self.activation is not None and self.activation.gated and shape[1] % 2:
             raise ValueError(f"a gated activation needs an even gate/up width, got {shape[1]}")
         kernel_ops()
+        object.__setattr__(self, "_act", activation_args(self.activation))  # once, not per call
 
     @property
     def kinds(self) -> tuple[StageKind, ...]:  # type: ignore[override]
@@ -204,45 +225,40 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
             else spec.routing_weights,
         )
 
-    def _config(self, plan: AlignedPlan) -> MoEConfig:
-        config = self.configs.lookup(plan.num_tokens)
-        if config.block_m != plan.block_m:
-            raise InputError(f"{self.name}: the dispatch aligned to block_m={plan.block_m} but this GEMM's "
-                             f"table says {config.block_m}; build both stages from the same ConfigTable")
-        return config
-
     def __call__(self, x: AlignedRows) -> AlignedRows:
-        plan = x.plan
-        config = self._config(plan)
+        alignment = x.alignment
+        config = alignment.config  # chosen by the dispatch for this batch; the spec checked the tables agree
         gemm = config.gate_up if self.role is GemmRole.GATE_UP else config.down
-        act = self.activation
         out = torch.ops.moeforge.fused_moe_gemm(
             x.x.data,
             resolve(self.weight),
             resolve(self.bias) if self.bias is not None else None,
-            plan.weights if self.apply_routing_weights else None,
-            plan.sorted_ids, plan.block_expert, plan.num_padded,
-            plan.num_copies,
-            1 if x.copy_major else plan.top_k,
-            act_code(act) if act is not None else 0,
-            act is not None and act.gated,
-            act is not None and act.gate_up is GateUpLayout.INTERLEAVED,
-            act.alpha if act is not None else 1.0,
-            act.limit if act is not None else 0.0,
+            x.copy_weights if self.apply_routing_weights else None,
+            alignment.sorted_ids, alignment.block_expert, alignment.num_padded,
+            alignment.num_copies,
+            1 if x.copy_major else alignment.top_k,
+            *self._act,
             gemm.as_list(),
             x.x.data.dtype,
         )
-        return dataclasses.replace(x, x=Activations(out), copy_major=True)  # keeps a subclass's fields
+        return dataclasses.replace(x, x=Activations(out), copy_major=True)
+
+
+def activation_args(config: Optional[ActivationConfig]) -> tuple[int, bool, bool, float, float]:
+    """The kernels' activation arguments ``(code, glu, interleaved, alpha, limit)`` (no activation:
+    code 0, the identity)."""
+    if config is None:
+        return 0, False, False, 1.0, 0.0
+    return (act_code(config), config.gated, config.gate_up is GateUpLayout.INTERLEAVED, config.alpha,
+            config.limit)
 
 
 @attrs.frozen(eq=False)
-class AlignedCombine(Stage[AlignedRows, MoEOutput]):
-    """Sum each token's ``top_k`` copies in fixed order (fp32, no atomics) on the device."""
+class AlignedCombine(Combine):
+    """:class:`~moeforge.stages.combine.Combine` for block-aligned rows (their plan sums each token's
+    ``top_k`` copies with the triton combine kernel, fixed order, fp32, no atomics)."""
 
-    kinds: ClassVar = (StageKind.COMBINE,)
-    apply_routing_weights: bool = True
-    routed_scaling_factor: Optional[float] = None
-    out_dtype: Optional[DType] = None
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.BLOCK_ALIGNED})
 
     def __attrs_post_init__(self) -> None:
         kernel_ops()
@@ -252,26 +268,3 @@ class AlignedCombine(Stage[AlignedRows, MoEOutput]):
         if self.routed_scaling_factor is not None:
             text += f", x{self.routed_scaling_factor:g}"
         return f"AlignedCombine(triton, {text}, fp32 fixed order)"
-
-    def accepts(self) -> Accepts:
-        return Accepts(
-            kind=PayloadKind.EXPERT_OUTPUT,
-            layout=Layout.BLOCK_ALIGNED,
-            dtype=KERNEL_DTYPES,
-            scale_layout=ScaleLayout.NONE,
-            exchange=Exchange.NONE,
-            **combine_accepts(self.apply_routing_weights, self.routed_scaling_factor),
-        )
-
-    def hint(self, field: str, have: object) -> Optional[str]:
-        return combine_hint(self.name, field, have)
-
-    def output_spec(self, spec: Spec) -> Spec:
-        return combine_output_spec(spec, self.apply_routing_weights, self.routed_scaling_factor, self.out_dtype)
-
-    def __call__(self, x: AlignedRows) -> MoEOutput:
-        dtype = self.out_dtype.torch_dtype if self.out_dtype is not None else x.x.data.dtype
-        weights = x.plan.weights.view(-1, x.plan.top_k) if self.apply_routing_weights else None
-        out = torch.ops.moeforge.combine(x.x.data, weights, x.plan.top_k,
-                                         self.routed_scaling_factor or 1.0, dtype)
-        return MoEOutput(out)

@@ -1,6 +1,6 @@
 """The Triton path for quantized experts: quantization and quantized grouped GEMMs on block-aligned rows.
 
-These stages extend :mod:`moeforge.stages.aligned` (read it first) to the quantized formats of
+These stages extend :mod:`moeforge.stages.triton` (read it first) to the quantized formats of
 ``/docs/kernels.md``; the quant methods build them in ``expert_stages(backend=TRITON)``:
 
 * :class:`FusedQuantGroupedGemm` — FP8 / INT8 W8A8 or W4A16 grouped GEMM with the bias, activation
@@ -10,7 +10,7 @@ These stages extend :mod:`moeforge.stages.aligned` (read it first) to the quanti
   not the ``T * top_k`` copies; or between the GEMMs).
 * :class:`ActivateQuantizeAligned` — the activation fused with the quantization of its output.
 * :class:`TritonQuantizeTokens` — :class:`~moeforge.stages.quantize.QuantizeTokens` by the kernel
-  (before the dispatch; :class:`~moeforge.stages.aligned.AlignDispatch` passes quantized tokens
+  (before the dispatch; :class:`~moeforge.stages.triton.AlignDispatch` passes quantized tokens
   through untouched).
 
 The kernels produce what the torch quantizers produce (bit-identical for the same float input).
@@ -27,7 +27,7 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.kernels.config import ConfigTable, GemmConfig
-from moeforge.payloads import GROUP_SIZE, Activations, AlignedPlan, AlignedRows, ExpertRows, RoutedTokens
+from moeforge.payloads import GROUP_SIZE, Activations, AlignedRows, BlockAlignment, ExpertRows, RoutedTokens
 from moeforge.spec import (
     FLOAT_DTYPES,
     Accepts,
@@ -38,9 +38,9 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Mismatch, Stage, StageKind
-from moeforge.stages.activation import ActivationConfig, GateUpLayout
+from moeforge.stages.activation import ActivationConfig
 from moeforge.stages.activate_quantize import ActivateQuantize
-from moeforge.stages.aligned import act_code, kernel_ops
+from moeforge.stages.triton import activation_args, kernel_ops
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts, expert_gemm_output_spec
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, QuantizeTokens, Quantizer
 from moeforge.tensor_ref import TensorSource, resolve
@@ -111,26 +111,10 @@ def kernel_format(quantizer: Quantizer) -> tuple[torch.dtype, bool]:
                      f"PerGroupQuantizer; got {quantizer!r} (use the torch stage for it)")
 
 
-def _act_args(config: Optional[ActivationConfig]) -> tuple[int, bool, bool, float, float]:
-    """The kernels' activation arguments ``(code, glu, interleaved, alpha, limit)``."""
-    if config is None:
-        return 0, False, False, 1.0, 0.0
-    return (act_code(config), config.gated, config.gate_up is GateUpLayout.INTERLEAVED, config.alpha,
-            config.limit)
-
-
-def _plan_config(configs: ConfigTable, plan: AlignedPlan, name: str) -> tuple[GemmConfig, GemmConfig]:
-    config = configs.lookup(plan.num_tokens)
-    if config.block_m != plan.block_m:
-        raise InputError(f"{name}: the dispatch aligned to block_m={plan.block_m} but this GEMM's table says "
-                         f"{config.block_m}; build both stages from the same ConfigTable")
-    return config.gate_up, config.down
-
-
 @attrs.frozen(eq=False)
 class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     """A quantized grouped GEMM on block-aligned rows, with the epilogue of
-    :class:`~moeforge.stages.aligned.FusedGroupedGemm` (bias, fused activation, routing weights).
+    :class:`~moeforge.stages.triton.FusedGroupedGemm` (bias, fused activation, routing weights).
 
     ``weight`` is ``[E, N, K]`` fp8 / int8 (W8A8) or ``[E, N, K / 2]`` uint8 packed int4 (W4A16);
     ``weight_scale`` is fp32 ``[E, N]`` (per channel) or ``[E, ceil(N / 128), ceil(K / 128)]``
@@ -290,23 +274,23 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return (self.scheme is not QuantScheme.W4A16 and isinstance(self.output_quantizer, PerGroupQuantizer)
                 and self.out_features % GROUP_SIZE == 0)
 
-    def gemm_config(self, plan: AlignedPlan) -> GemmConfig:
-        """The launch configuration for ``plan`` (before the kernel's own fitting)."""
-        gate_up, down = _plan_config(self.configs, plan, self.name)
+    def gemm_config(self, alignment: BlockAlignment) -> GemmConfig:
+        """The launch configuration for rows aligned by ``alignment`` (before the kernel's own fitting)."""
+        gate_up, down = alignment.config.gate_up, alignment.config.down
         if self.use_table_tiles:
             return gate_up if self.role is GemmRole.GATE_UP else down
         glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
-        return default_quant_config(self.scheme, plan.block_m, wide_n=self._fp8_group_epilogue(),
+        return default_quant_config(self.scheme, alignment.block_m, wide_n=self._fp8_group_epilogue(),
                                     two_accumulators=glu)
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
-        plan = x.plan
-        config = self.gemm_config(plan)
-        act, glu, interleaved, alpha, limit = _act_args(self.activation)
+        alignment = x.alignment
+        config = self.gemm_config(alignment)
+        act, glu, interleaved, alpha, limit = activation_args(self.activation)
         bias = resolve(self.bias) if self.bias is not None else None
-        weights = plan.weights if self.apply_routing_weights else None
-        rows_per_a = 1 if x.copy_major else plan.top_k
-        route = (plan.sorted_ids, plan.block_expert, plan.num_padded, plan.num_copies, rows_per_a,
+        weights = x.copy_weights if self.apply_routing_weights else None
+        rows_per_a = 1 if x.copy_major else alignment.top_k
+        route = (alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies, rows_per_a,
                  act, glu, interleaved, alpha, limit, config.as_list())
         ops = torch.ops.moeforge
         if self.scheme is QuantScheme.W4A16:
@@ -396,7 +380,7 @@ class ActivateQuantizeAligned(_QuantizeAlignedBase, ActivateQuantize):
         if not isinstance(x, AlignedRows):
             raise TypeError(f"ActivateQuantizeAligned cannot consume {type(x).__name__}")
         dtype, per_group = self._format()
-        q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, *_act_args(self.config))
+        q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, *activation_args(self.config))
         return x.with_x(Activations(q, scale))
 
 
