@@ -10,27 +10,20 @@ from torch import nn
 
 from moeforge.backend import Backend, resolve_backend
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
-from moeforge.distributed.all_to_all import AllToAllDispatch
-from moeforge.distributed.exchange import ExchangeDispatch
 from moeforge.distributed.group import ExpertParallel
 from moeforge.errors import InputError
 from moeforge.inputs import check_hidden_states, check_router_logits
-from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import ExpertRows, MoEInput, MoEOutput, RoutedTokens
 from moeforge.pipeline import Pipeline
 from moeforge.quant.base import QuantMethod
 from moeforge.quant.unquantized import UnquantizedMethod
+from moeforge.roles.base import LayerConfig
+from moeforge.selector import select
 from moeforge.shared_experts import SharedExperts, SharedExpertsConfig
 from moeforge.spec import DType, RoutingWeights, input_spec
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
-from moeforge.stages.triton import AlignDispatch, AlignedCombine, TritonTopK
-from moeforge.stages.triton_quant import TritonQuantizeTokens
-from moeforge.stages.combine import Combine
-from moeforge.stages.dispatch import PaddedDispatch, SortedDispatch
-from moeforge.stages.quantize import QuantizeTokens
-from moeforge.stages.topk import RoutingConfig, TopK
-from moeforge.tensor_ref import ParamRef
+from moeforge.stages.topk import RoutingConfig
 
 DispatcherChoice = Union[str, Stage[RoutedTokens, ExpertRows]]
 
@@ -126,7 +119,7 @@ class MoELayer(nn.Module):
         if expert_parallel is not None and expert_parallel.num_experts != num_experts:
             raise InputError(f"expert_parallel.num_experts={expert_parallel.num_experts} differs from "
                              f"num_experts={num_experts}")
-        self.backend, self._backend_note = self._resolve_backend(self._device)
+        self._backend_preference(self._device)  # an unknown or unusable backend fails here, before any weight
         device = self._device
 
         self.router: Optional[nn.Linear] = None
@@ -155,31 +148,13 @@ class MoELayer(nn.Module):
             raise InputError(f"{what} must be torch.bfloat16, torch.float16 or torch.float32 (the dtypes the "
                              f"layer computes in), got {dtype}")
 
-    def _resolve_backend(self, device: torch.device) -> tuple[Backend, str]:
-        """The backend on ``device``, and a note for ``describe()`` when "auto" fell back."""
-        setting, dispatcher = self.backend_setting, self.dispatcher
-        auto = not isinstance(setting, Backend) and setting.lower() == "auto"
-        backend = resolve_backend(setting, device)
-        if backend is not Backend.TRITON:
-            return backend, ""
-        if (self.expert_parallel is not None and isinstance(dispatcher, Stage)
-                and isinstance(dispatcher, ExchangeDispatch) and not dispatcher.block_aligned):
-            # The triton GEMMs read block-aligned rows; a dispatcher that delivers other rows (the
-            # low-latency one's [L, W * C, H] buffers) feeds the torch stages.
-            if auto:
-                return Backend.TORCH, f" (auto: {dispatcher.name}'s rows are not block-aligned: torch expert stages)"
-            raise InputError(f"backend='triton' reads block-aligned rows; {dispatcher.name} delivers others: use "
-                             "backend='auto' or 'torch', or AllToAllDispatch(ep, configs=...)")
-        if Backend.TRITON not in self.quant.backends:
-            if auto:  # "auto" means the fastest path that can run this layer: this method has torch stages only
-                return Backend.TORCH, f" (auto: {self.quant.name} has no triton stages)"
-            raise InputError(f"backend='triton': {self.quant.name} has no triton stages (it runs on "
-                             f"{sorted(b.value for b in self.quant.backends)}); use backend='auto' or 'torch'")
-        if auto and self.routing.apply_weights is RoutingWeights.ON_INPUT:
-            # The triton path cannot scale the expert inputs yet, so such a layer (Llama-4) runs on
-            # torch under "auto"; backend="triton" errors when the dispatch stage is built.
-            return Backend.TORCH, " (auto: the triton path cannot apply routing weights on the input yet)"
-        return backend, ""
+    def _backend_preference(self, device: torch.device) -> Optional[Backend]:
+        """The backend asked for (``None``: "auto"), checked against ``device``: an explicit one that cannot
+        run there raises :class:`~moeforge.BackendUnavailableError` saying why."""
+        setting = self.backend_setting
+        if not isinstance(setting, Backend) and isinstance(setting, str) and setting.lower() == "auto":
+            return None
+        return resolve_backend(setting, device)
 
     def _apply(self, fn: Any, recurse: bool = True) -> MoELayer:
         """``nn.Module``'s conversion hook (``.to``, ``.half``, ``.cuda``, ``.to_empty``, ...): converts
@@ -191,7 +166,7 @@ class MoELayer(nn.Module):
         if probe.dtype != self._dtype:
             self._check_compute_dtype(probe.dtype, f"{type(self).__name__}'s new dtype")
         changed = (probe.dtype, probe.device) != (self._dtype, self._device)
-        backend = self._resolve_backend(probe.device) if changed else (self.backend, self._backend_note)
+        self._backend_preference(probe.device)
         keep = {id(tensor) for name, tensor in self.named_tensors_with_fixed_dtype()}
 
         def convert(tensor: torch.Tensor) -> torch.Tensor:
@@ -203,7 +178,6 @@ class MoELayer(nn.Module):
         super()._apply(convert, recurse)  # type: ignore[no-untyped-call]
         if changed:
             self._dtype, self._device = probe.dtype, probe.device
-            self.backend, self._backend_note = backend
             self.rebuild_pipeline()
         return self
 
@@ -220,7 +194,6 @@ class MoELayer(nn.Module):
 
         Stages swapped in with :meth:`replace_stage` are applied again, in order, to the rebuilt
         pipeline (and validated again)."""
-        compute = DType.from_torch(self.dtype)
         self.dispatch_decision = resolve_dispatch_dtype(
             self.dispatch_dtype_setting,
             experts_accept=self.quant.accepts,
@@ -232,50 +205,20 @@ class MoELayer(nn.Module):
             experts_name=f"experts ({self.quant.name})",
             weights_on_input=self.routing.apply_weights is RoutingWeights.ON_INPUT,
         )
-        routing = self.routing
-        triton = self.backend is Backend.TRITON
-        configs = self._kernel_configs() if triton else None
-        selection_bias = ParamRef(self, "e_score_correction_bias") if routing.selection_bias else None
-        # The routing kernel does not cover every routing (e.g. PhiMoE's sparsemixer): those route
-        # with the torch stage, whose output feeds the triton dispatch all the same.
-        topk_class = TritonTopK if triton and TritonTopK.supports(routing) else TopK
-        stages: list[Stage[Any, Any]] = [topk_class(self.num_experts, self.top_k, routing, selection_bias)]
-        quantize = self.quant.quantize_stage(self.dispatch_decision.dtype, compute)
-        if triton and isinstance(quantize, QuantizeTokens) and TritonQuantizeTokens.supports(quantize.quantizer):
-            quantize = TritonQuantizeTokens(quantize.quantizer)  # the same numbers, by the kernel
-        if quantize is not None:
-            stages.append(quantize)
-        folded = routing.scaling_in_weights or routing.routed_scaling_factor == 1.0
-        if self.dispatcher == "fused_ep":
-            # The method's own stage spans dispatch -> combine; a method without one raises
-            # ContractError here, at build time (no silent fallback to the unfused stages).
-            stage = self.quant.fused_ep_stage(
-                self, activation=self.activation,
-                apply_routing_weights=routing.apply_weights is RoutingWeights.IN_COMBINE,
-                routed_scaling_factor=None if folded else routing.routed_scaling_factor,
-                out_dtype=compute, dispatch=self.dispatch_decision.dtype)
-            self.quant.prepare_fused_ep_weights(self)
-            stages.append(stage)
-        else:
-            dispatch_stage = self._dispatch_stage(configs)
-            stages.append(dispatch_stage)
-            stages += self.quant.expert_stages(
-                self, activation=self.activation,
-                routing_weights_in_epilogue=routing.apply_weights is RoutingWeights.IN_GEMM_EPILOGUE,
-                backend=self.backend, configs=configs, dispatch=self.dispatch_decision.dtype)
-            combine_options: dict[str, Any] = dict(
-                apply_routing_weights=routing.apply_weights is RoutingWeights.IN_COMBINE,
-                routed_scaling_factor=None if folded else routing.routed_scaling_factor,
-                out_dtype=compute)
-            if isinstance(dispatch_stage, ExchangeDispatch):  # exchanged rows go home with its own combine
-                stages.append(dispatch_stage.combine_stage(**combine_options))
-            else:
-                combine_class = AlignedCombine if triton and self._aligned() else Combine
-                stages.append(combine_class(**combine_options))
+        config = LayerConfig(
+            num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, routing=self.routing, activation=self.activation,
+            quant=self.quant, dtype=self.dtype, device=self._device, dispatch=self.dispatch_decision,
+            expert_parallel=self.expert_parallel, backend=self._backend_preference(self._device),
+            dispatcher=self.dispatcher)
+        self.selection = select(config)
+        self.backend = self.selection.backend
+        stages = self.selection.stages(self, config)
         spec = input_spec(self.hidden_size, self.dtype, self.num_experts)
-        notes = [self.dispatch_decision.explain(), f"backend {self.backend.value}{self._backend_note}"]
+        notes = [self.dispatch_decision.explain(), f"backend {self.backend.value}"]
         if self.expert_parallel is not None:
             notes.append(self.expert_parallel.summary())
+        notes += self.selection.describe()
         pipeline: Pipeline[MoEInput, MoEOutput] = Pipeline(stages, spec, debug=self.debug, notes=notes)
         for which, stage in self.replaced_stages:
             pipeline = pipeline.replace(which, stage)
@@ -292,57 +235,6 @@ class MoELayer(nn.Module):
         if self.expert_parallel is not None:
             return self.expert_parallel.expert_range
         return range(self.num_experts)
-
-    def _kernel_configs(self) -> ConfigTable:
-        device = self._device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        return ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
-                                DType.from_torch(self.dtype).value, max_block_m=self.quant.max_block_m)
-
-    def _aligned(self) -> bool:
-        return self.dispatcher in ("auto", "aligned")
-
-    def _dispatch_stage(self, configs: Optional[ConfigTable]) -> Stage[RoutedTokens, Any]:
-        on_input = self.routing.apply_weights is RoutingWeights.ON_INPUT
-        ep = self.expert_parallel
-        if isinstance(self.dispatcher, Stage):
-            if ep is not None and not isinstance(self.dispatcher, ExchangeDispatch):
-                raise InputError(f"an expert-parallel layer needs an expert-parallel dispatcher (AllToAllDispatch or "
-                                 f"LowLatencyDispatch), got {self.dispatcher.name}")
-            if ep is None and isinstance(self.dispatcher, ExchangeDispatch):
-                raise InputError(f"{self.dispatcher.name} exchanges rows between ranks: build the layer with "
-                                 "expert_parallel=ExpertParallel(num_experts, group)")
-            if isinstance(self.dispatcher, ExchangeDispatch) and self.dispatcher.ep is not ep:
-                raise InputError("the dispatcher's ExpertParallel differs from the layer's expert_parallel: pass the same one")
-            return self.dispatcher
-        choice = self.dispatcher
-        if ep is not None:
-            if choice in ("auto", "all_to_all"):
-                if configs is not None and on_input:
-                    raise InputError("the triton backend does not apply routing weights on the input yet "
-                                     "(RoutingWeights.ON_INPUT): use backend='torch'")
-                # With the triton backend the rows arrive block-aligned for its GEMMs.
-                return AllToAllDispatch(ep, apply_routing_weights=on_input, configs=configs)
-            raise InputError(f"dispatcher={choice!r} does not exchange rows between ranks: an expert-parallel layer "
-                             "takes dispatcher='auto' / 'all_to_all', or a LowLatencyDispatch(ep, max_tokens=...) instance")
-        if choice == "auto":
-            choice = "aligned" if self.backend is Backend.TRITON else "sorted"
-        if choice in ("sorted", "padded") and self.backend is Backend.TRITON:
-            raise InputError(f"dispatcher={choice!r} feeds the torch backend's GEMMs; the triton backend's "
-                             "GEMMs read block-aligned rows: use dispatcher='auto' (or backend='torch')")
-        if choice == "sorted":
-            return SortedDispatch(self.num_experts, apply_routing_weights=on_input)
-        if choice == "padded":
-            return PaddedDispatch(self.num_experts, apply_routing_weights=on_input)
-        if choice == "aligned":
-            if configs is None:
-                raise InputError("dispatcher='aligned' needs backend='triton'")
-            if on_input:
-                raise InputError("the triton backend does not apply routing weights on the input yet "
-                                 "(RoutingWeights.ON_INPUT): use backend='torch'")
-            return AlignDispatch(self.num_experts, configs)
-        raise InputError("dispatcher must be 'auto', 'sorted', 'padded', 'aligned' or a dispatch Stage, "
-                         f"got {self.dispatcher!r}")
 
     @classmethod
     def from_preset(cls, family: str, **kwargs: Any) -> MoELayer:

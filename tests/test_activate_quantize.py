@@ -10,7 +10,7 @@ from moeforge.stages.dispatch import SortedPlan
 from moeforge.payloads import SortedRows
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.activation import apply_activation
-from moeforge.testing import assert_stage_honours_contract, dispatch_outputs
+from moeforge.testing import assert_stage_honours_contract
 
 QUANTIZERS = [mf.PerTokenQuantizer(mf.DType.FP8_E4M3), mf.PerGroupQuantizer(), mf.PerTokenQuantizer(mf.DType.INT8)]
 ACTIVATIONS = [mf.ActivationConfig(), mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, mf.GateUpLayout.INTERLEAVED),

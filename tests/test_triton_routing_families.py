@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 import moeforge as mf  # noqa: E402
+from moeforge.roles import LayerConfig  # noqa: E402
 from moeforge.kernels import topk  # noqa: E402
 from moeforge.reference import layer_reference  # noqa: E402
 from moeforge.stages import select_experts  # noqa: E402
@@ -120,8 +121,8 @@ def test_triton_topk_refuses_the_sparsemixer() -> None:
 def _triton_layer(seed: int, **kwargs: Any) -> tuple[mf.MoELayer, mf.MoELayer]:
     """A triton-backend layer and the same layer on the torch backend (same weights, fp32).
 
-    Without CUDA a triton-backend layer cannot be built (the backend check wants a GPU); the kernels
-    do run in the interpreter, so the torch layer's backend is switched and its pipeline rebuilt."""
+    Without CUDA the selector does not pick the triton implementations (they want a GPU); the kernels
+    do run in the interpreter, so the layer is built with the selector told they can."""
     torch.manual_seed(seed)
     options: dict[str, Any] = dict(dtype=torch.float32, environ={}, device=DEVICE)
     reference = mf.MoELayer.from_preset(backend="torch", **options, **kwargs)
@@ -135,10 +136,11 @@ def _triton_layer(seed: int, **kwargs: Any) -> tuple[mf.MoELayer, mf.MoELayer]:
         layer = mf.MoELayer.from_preset(backend="triton", **options, **kwargs)
         layer.load_state_dict(reference.state_dict())
     else:
-        layer = mf.MoELayer.from_preset(backend="torch", **options, **kwargs)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(LayerConfig, "triton_problem", lambda self: None)
+            layer = mf.MoELayer.from_preset(backend="auto", **options, **kwargs)
+        assert layer.backend is mf.Backend.TRITON
         layer.load_state_dict(reference.state_dict())
-        layer.backend = mf.Backend.TRITON
-        layer.rebuild_pipeline()
     return layer, reference
 
 

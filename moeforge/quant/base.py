@@ -25,7 +25,7 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.errors import CheckpointError, ContractError, InputError
+from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import MoEOutput, RoutedTokens
 from moeforge.spec import DType, GroupListType, ScaleLayout
@@ -47,8 +47,8 @@ class QuantMethod(abc.ABC):
     * ``expert_parameters`` — names of the per-expert tensors ``create_weights`` registers (leading
       dimension = experts): what expert parallelism slices per rank;
     * ``offers_fused_ep`` — whether :meth:`fused_ep_stage` builds a fused dispatch -> combine stage;
-    * ``backends`` — the backends :meth:`expert_stages` builds stages for (``backend="auto"`` picks
-      triton only when it is among them);
+    * ``backends`` — (a property) the backends its experts run on: the :mod:`moeforge.selector`'s
+      :class:`~moeforge.roles.Experts` candidates that compute it;
     * ``max_block_m`` — caps the rows per block of the block-aligned dispatch for this method's
       triton GEMMs (``None``: the tuned tables decide).
     * ``compute_dtype_parameters`` — the expert tensors held in the layer's compute dtype (biases,
@@ -61,7 +61,6 @@ class QuantMethod(abc.ABC):
     prefers: ClassVar[Optional[DispatchDtype]] = None
     expert_parameters: ClassVar[tuple[str, ...]] = ()
     offers_fused_ep: ClassVar[bool] = False
-    backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH})
     max_block_m: ClassVar[Optional[int]] = None  # the triton GEMMs' largest useful alignment block
     # Expert tensors held in the layer's compute dtype, which follow layer.to(dtype); every other expert
     # tensor's dtype is part of the weight format (FP8 weights, fp32 scales) and stays.
@@ -157,7 +156,13 @@ class QuantMethod(abc.ABC):
         quantizer = quantizer_for(dispatch, compute)
         return QuantizeTokens(quantizer) if quantizer is not None else None
 
-    @abc.abstractmethod
+    @property
+    def backends(self) -> frozenset[Backend]:
+        """The backends this method's experts run on (the :mod:`moeforge.selector` candidates for it)."""
+        from moeforge.selector import EXPERTS
+
+        return frozenset(experts.backend for experts in EXPERTS if isinstance(self, experts.method))
+
     def expert_stages(
         self,
         layer: torch.nn.Module,
@@ -169,11 +174,22 @@ class QuantMethod(abc.ABC):
         dispatch: Optional[DispatchDtype] = None,
     ) -> list[Stage[Any, Any]]:
         """The stages from dispatched rows to expert outputs (typically GEMM, activation, GEMM) for
-        ``backend``; ``configs`` are the triton launch configurations shared with the dispatch.
-        ``dispatch`` is the resolved dispatch dtype (``None``: the layer's float dtype): a method
-        that computes in a quantized format but receives float rows starts with its own
-        ``QuantizeRows`` (quantize after dispatch). A method without stages for ``backend`` raises
+        ``backend``: those of the first :class:`~moeforge.roles.Experts` candidate of the selector that
+        computes this method on it. ``configs`` are the triton launch configurations shared with the
+        dispatch. ``dispatch`` is the resolved dispatch dtype (``None``: the layer's float dtype): a
+        method that computes in a quantized format but receives float rows starts with its own
+        ``QuantizeRows`` (quantize after dispatch). A method without experts on ``backend`` raises
         :class:`BackendUnavailableError`."""
+        from moeforge.selector import EXPERTS
+
+        for experts in EXPERTS:
+            if isinstance(self, experts.method) and experts.backend is backend:
+                return experts.stages(self, layer, activation=activation,
+                                      routing_weights_in_epilogue=routing_weights_in_epilogue, configs=configs,
+                                      dispatch=dispatch)
+        raise BackendUnavailableError(
+            f"{self.name} has no {backend.value} experts (it runs on "
+            f"{', '.join(sorted(b.value for b in self.backends))}): use backend='torch'")
 
     @abc.abstractmethod
     def apply_without_routing_weights(

@@ -29,7 +29,7 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.errors import BackendUnavailableError, CheckpointError, InputError
+from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, held_experts, register_expert_biases
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
@@ -39,7 +39,8 @@ from moeforge.quant.nvfp4 import (
     optional_tensor,
     emulated_expert_mlp,
 )
-from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
+from moeforge.roles.base import Experts
+from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, Layout, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig
 from moeforge.stages.gemm import GemmRole
@@ -194,27 +195,6 @@ class Mxfp4Method(QuantMethod):
 
     # -- stages ---------------------------------------------------------------------------------------------
 
-    def expert_stages(
-        self,
-        layer: torch.nn.Module,
-        *,
-        activation: ActivationConfig,
-        routing_weights_in_epilogue: bool,
-        backend: Backend = Backend.TORCH,
-        configs: Optional[ConfigTable] = None,
-        dispatch: Optional[DispatchDtype] = None,
-    ) -> list[Stage[Any, Any]]:
-        if backend is not Backend.TORCH:
-            raise BackendUnavailableError(
-                f"{self.name} has no {backend.value} stages yet (its GEMMs are a torch emulation): use "
-                "backend='torch'")
-        return [
-            EmulatedGroupedGemm(GemmRole.GATE_UP, Mxfp4WeightRef(layer, "w13"), bias_ref(layer, B13)),
-            Activate(activation),
-            EmulatedGroupedGemm(GemmRole.DOWN, Mxfp4WeightRef(layer, "w2"), bias_ref(layer, B2),
-                                apply_routing_weights=routing_weights_in_epilogue),
-        ]
-
     def apply_without_routing_weights(
         self,
         layer: torch.nn.Module,
@@ -232,3 +212,25 @@ class Mxfp4Method(QuantMethod):
         return emulated_expert_mlp(hidden_states, counts, w13.dequantize(), optional_tensor(layer, B13),
                                    w2.dequantize(), optional_tensor(layer, B2), config, hidden_states.dtype,
                                    output_dtype)
+
+
+# -- its experts --------------------------------------------------------------------------------------
+
+
+class EmulatedMxfp4Experts(Experts):
+    """MXFP4 weights dequantized to fp32 in torch (float rows), the math of an MXFP4 kernel."""
+
+    backend: ClassVar[Backend] = Backend.TORCH
+    method: ClassVar[type[Any]] = Mxfp4Method
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        return [
+            EmulatedGroupedGemm(GemmRole.GATE_UP, Mxfp4WeightRef(layer, "w13"), bias_ref(layer, B13)),
+            Activate(activation),
+            EmulatedGroupedGemm(GemmRole.DOWN, Mxfp4WeightRef(layer, "w2"), bias_ref(layer, B2),
+                                apply_routing_weights=routing_weights_in_epilogue),
+        ]

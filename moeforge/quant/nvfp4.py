@@ -52,7 +52,7 @@ from typing_extensions import Protocol
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
+from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
@@ -63,7 +63,8 @@ from moeforge.quant.fp4 import (
     nvfp4_global_scale,
     quantize_nvfp4,
 )
-from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, ScaleLayout, Spec
+from moeforge.roles.base import Experts
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, Layout, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
@@ -389,32 +390,6 @@ class Nvfp4Method(QuantMethod):
             return QuantizeTokens(Nvfp4Quantizer(self._require_scale()))
         return super().quantize_stage(dispatch, compute)
 
-    def expert_stages(
-        self,
-        layer: torch.nn.Module,
-        *,
-        activation: ActivationConfig,
-        routing_weights_in_epilogue: bool,
-        backend: Backend = Backend.TORCH,
-        configs: Optional[ConfigTable] = None,
-        dispatch: Optional[DispatchDtype] = None,
-    ) -> list[Stage[Any, Any]]:
-        if backend is not Backend.TORCH:
-            raise BackendUnavailableError(
-                f"{self.name} has no {backend.value} stages yet (its GEMMs are a torch emulation): use "
-                "backend='torch'")
-        nvfp4_rows = dispatch is DispatchDtype.NVFP4
-        if nvfp4_rows:
-            self._require_scale()
-        return [
-            EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"), bias_ref(layer, B13),
-                                input_global_scale=self.input_global_scale,
-                                out_dtype=compute_dtype(layer) if nvfp4_rows else None),
-            Activate(activation),
-            EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(layer, "w2"), bias_ref(layer, B2),
-                                apply_routing_weights=routing_weights_in_epilogue),
-        ]
-
     def apply_without_routing_weights(
         self,
         layer: torch.nn.Module,
@@ -466,3 +441,31 @@ def bias_ref(layer: torch.nn.Module, name: str) -> Optional[ParamRef]:
 def optional_tensor(layer: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
     value = getattr(layer, name, None)
     return value if isinstance(value, torch.Tensor) else None
+
+
+# -- its experts --------------------------------------------------------------------------------------
+
+
+class EmulatedNvfp4Experts(Experts):
+    """NVFP4 weights (and NVFP4 rows, with the method's static global scale) dequantized to fp32 in
+    torch: the math of an FP4 kernel, without FP4 hardware."""
+
+    backend: ClassVar[Backend] = Backend.TORCH
+    method: ClassVar[type[Any]] = Nvfp4Method
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        nvfp4_rows = dispatch is DispatchDtype.NVFP4
+        if nvfp4_rows:
+            method._require_scale()
+        return [
+            EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"), bias_ref(layer, B13),
+                                input_global_scale=method.input_global_scale,
+                                out_dtype=compute_dtype(layer) if nvfp4_rows else None),
+            Activate(activation),
+            EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(layer, "w2"), bias_ref(layer, B2),
+                                apply_routing_weights=routing_weights_in_epilogue),
+        ]

@@ -10,7 +10,9 @@ from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations
-from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
+from moeforge.payloads import RoutedTokens
+from moeforge.roles.base import Experts, LayerConfig, on_the_device
+from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, Layout, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
 from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
@@ -30,7 +32,6 @@ class UnquantizedMethod(QuantMethod):
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)
-    backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH, Backend.TRITON})
 
     def create_weights(
         self,
@@ -49,38 +50,6 @@ class UnquantizedMethod(QuantMethod):
             weight = torch.empty(shape, dtype=torch.float32, device=device).normal_(std=shape[-1] ** -0.5)
             layer.register_parameter(name, torch.nn.Parameter(weight.to(dtype)))
         register_expert_biases(layer, shapes, bias, dtype, device)
-
-    def expert_stages(
-        self,
-        layer: torch.nn.Module,
-        *,
-        activation: ActivationConfig,
-        routing_weights_in_epilogue: bool,
-        backend: Backend = Backend.TORCH,
-        configs: Optional[ConfigTable] = None,
-        dispatch: Optional[DispatchDtype] = None,
-    ) -> list[Stage[Any, Any]]:
-        def bias(name: str) -> Optional[ParamRef]:
-            return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
-
-        if backend is Backend.TRITON:
-            from moeforge.stages.triton import FusedGroupedGemm
-
-            if configs is None:
-                raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
-            return [
-                FusedGroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), configs, bias(B13), activation),
-                FusedGroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), configs, bias(B2),
-                                 apply_routing_weights=routing_weights_in_epilogue),
-            ]
-        return [
-            GroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), bias(B13),
-                        accepts_dtypes=self.accepts, accepts_scales=self.accepts_scales),
-            Activate(activation),
-            GroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), bias(B2),
-                        accepts_dtypes=self.accepts, accepts_scales=self.accepts_scales,
-                        apply_routing_weights=routing_weights_in_epilogue),
-        ]
 
     def apply_without_routing_weights(
         self,
@@ -104,3 +73,57 @@ class UnquantizedMethod(QuantMethod):
         hidden = grouped_gemm_sorted(Activations(hidden_states), counts, w13, b13, None, hidden_states.dtype)
         activated = apply_activation(hidden, config).to(hidden_states.dtype)
         return grouped_gemm_sorted(Activations(activated), counts, w2, b2, None, output_dtype)
+
+
+# -- its experts -------------------------------------------------------------------------------------
+
+
+def _optional(layer: torch.nn.Module, name: str) -> Optional[ParamRef]:
+    return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
+
+
+class TritonUnquantizedExperts(Experts):
+    """The fused triton GEMMs on block-aligned rows: gate/up with the activation in its epilogue, down
+    with the routing weights in its epilogue when the router puts them there."""
+
+    backend: ClassVar[Backend] = Backend.TRITON
+    method: ClassVar[type[Any]] = UnquantizedMethod
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.BLOCK_ALIGNED})
+
+    @classmethod
+    def quantize_stage(cls, config: LayerConfig) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
+        return on_the_device(super().quantize_stage(config))
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        from moeforge.stages.triton import FusedGroupedGemm
+
+        if configs is None:
+            raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
+        return [
+            FusedGroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), configs, _optional(layer, B13), activation),
+            FusedGroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), configs, _optional(layer, B2),
+                             apply_routing_weights=routing_weights_in_epilogue),
+        ]
+
+
+class TorchUnquantizedExperts(Experts):
+    """The torch reference: grouped GEMM, activation, grouped GEMM, on either expert-grouped layout."""
+
+    backend: ClassVar[Backend] = Backend.TORCH
+    method: ClassVar[type[Any]] = UnquantizedMethod
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        dtypes, scales = UnquantizedMethod.accepts, UnquantizedMethod.accepts_scales
+        return [
+            GroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), _optional(layer, B13), dtypes, scales),
+            Activate(activation),
+            GroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), _optional(layer, B2), dtypes, scales,
+                        apply_routing_weights=routing_weights_in_epilogue),
+        ]

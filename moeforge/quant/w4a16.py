@@ -34,7 +34,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.expert_naming import per_expert_projections
 from moeforge.kernels.config import ConfigTable
-from moeforge.payloads import Activations, ExpertRows
+from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, held_experts, register_expert_biases
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
@@ -45,7 +45,8 @@ from moeforge.quant.int4_packing import (
     gptq_to_int4,
     pack_int4,
 )
-from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, ScaleLayout, Spec
+from moeforge.roles.base import Experts, LayerConfig, on_the_device
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, Layout, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig, GateUpLayout, apply_activation
 from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
@@ -211,7 +212,6 @@ class W4A16Method(QuantMethod):
     prefers: ClassVar[Optional[DispatchDtype]] = None  # no activation quantization: the layer's dtype
     expert_parameters: ClassVar[tuple[str, ...]] = (W13_Q, W13_S, W13_Z, W2_Q, W2_S, W2_Z, B13, B2)
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = (W13_S, W2_S, B13, B2)  # scales in the compute dtype
-    backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH, Backend.TRITON})
 
     def __init__(self, group_size: int = 128, zero_points: bool = True,
                  checkpoint_format: Union[CheckpointFormat, str] = CheckpointFormat.GPTQ) -> None:
@@ -385,43 +385,6 @@ class W4A16Method(QuantMethod):
 
     # -- stages ------------------------------------------------------------------------------------
 
-    def expert_stages(
-        self,
-        layer: torch.nn.Module,
-        *,
-        activation: ActivationConfig,
-        routing_weights_in_epilogue: bool,
-        backend: Backend = Backend.TORCH,
-        configs: Optional[ConfigTable] = None,
-        dispatch: Optional[DispatchDtype] = None,
-    ) -> list[Stage[Any, Any]]:
-        def ref(name: str) -> Optional[ParamRef]:
-            return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
-
-        if backend is Backend.TRITON:  # int4 unpacked and dequantized inside the fused GEMM kernel
-            from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
-
-            if configs is None:
-                raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
-            out = DType.from_torch(getattr(layer, W13_S).dtype)
-            return [
-                FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.W4A16, ParamRef(layer, W13_Q),
-                                      ParamRef(layer, W13_S), configs, weight_zero=ref(W13_Z), bias=ref(B13),
-                                      activation=activation, out_dtype=out),
-                FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.W4A16, ParamRef(layer, W2_Q),
-                                      ParamRef(layer, W2_S), configs, weight_zero=ref(W2_Z), bias=ref(B2),
-                                      apply_routing_weights=routing_weights_in_epilogue, out_dtype=out),
-            ]
-
-        def gemm(role: GemmRole, prefix: str, epilogue: bool) -> W4A16GroupedGemm:
-            q_name, s_name, z_name = _PARAMS[prefix]
-            return W4A16GroupedGemm(role, ParamRef(layer, q_name), ParamRef(layer, s_name), ref(z_name),
-                                    ref(B13 if prefix == "w13" else B2), apply_routing_weights=epilogue,
-                                    accepts_dtypes=self.accepts)
-
-        return [gemm(GemmRole.GATE_UP, "w13", False), Activate(activation),
-                gemm(GemmRole.DOWN, "w2", routing_weights_in_epilogue)]
-
     def apply_without_routing_weights(
         self,
         layer: torch.nn.Module,
@@ -489,3 +452,62 @@ def _join_gate_up(gate: torch.Tensor, up: torch.Tensor, layout: GateUpLayout) ->
     if layout is GateUpLayout.INTERLEAVED:
         return torch.stack([gate, up], dim=1).flatten(0, 1)
     return torch.cat([gate, up])
+
+
+# -- its experts --------------------------------------------------------------------------------------
+
+
+def _optional(layer: torch.nn.Module, name: str) -> Optional[ParamRef]:
+    return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
+
+
+class TritonW4A16Experts(Experts):
+    """The fused int4 kernels: int4 unpacked and dequantized inside the GEMMs, the activation in the
+    gate/up GEMM's epilogue."""
+
+    backend: ClassVar[Backend] = Backend.TRITON
+    method: ClassVar[type[Any]] = W4A16Method
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.BLOCK_ALIGNED})
+
+    @classmethod
+    def quantize_stage(cls, config: LayerConfig) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
+        return on_the_device(super().quantize_stage(config))
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
+
+        if configs is None:
+            raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
+        out = DType.from_torch(getattr(layer, W13_S).dtype)
+        return [
+            FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.W4A16, ParamRef(layer, W13_Q), ParamRef(layer, W13_S),
+                                  configs, weight_zero=_optional(layer, W13_Z), bias=_optional(layer, B13),
+                                  activation=activation, out_dtype=out),
+            FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.W4A16, ParamRef(layer, W2_Q), ParamRef(layer, W2_S),
+                                  configs, weight_zero=_optional(layer, W2_Z), bias=_optional(layer, B2),
+                                  apply_routing_weights=routing_weights_in_epilogue, out_dtype=out),
+        ]
+
+
+class TorchW4A16Experts(Experts):
+    """The torch reference: int4 weights dequantized one expert at a time, in fp32."""
+
+    backend: ClassVar[Backend] = Backend.TORCH
+    method: ClassVar[type[Any]] = W4A16Method
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        def gemm(role: GemmRole, prefix: str, epilogue: bool) -> W4A16GroupedGemm:
+            q_name, s_name, z_name = _PARAMS[prefix]
+            return W4A16GroupedGemm(role, ParamRef(layer, q_name), ParamRef(layer, s_name), _optional(layer, z_name),
+                                    _optional(layer, B13 if prefix == "w13" else B2), apply_routing_weights=epilogue,
+                                    accepts_dtypes=method.accepts)
+
+        return [gemm(GemmRole.GATE_UP, "w13", False), Activate(activation),
+                gemm(GemmRole.DOWN, "w2", routing_weights_in_epilogue)]

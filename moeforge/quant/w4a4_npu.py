@@ -37,11 +37,12 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.errors import BackendUnavailableError, CheckpointError, InputError
+from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, MoEOutput, PaddedRows, RoutedTokens, SortedRows
 from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
 from moeforge.quant.nvfp4 import optional_tensor
+from moeforge.roles.base import Experts
 from moeforge.spec import (
     Accepts,
     DType,
@@ -328,24 +329,6 @@ class W4A4NpuMethod(QuantMethod):
 
     # -- stages ---------------------------------------------------------------------------------------------
 
-    def expert_stages(
-        self,
-        layer: torch.nn.Module,
-        *,
-        activation: ActivationConfig,
-        routing_weights_in_epilogue: bool,
-        backend: Backend = Backend.TORCH,
-        configs: Optional[ConfigTable] = None,
-        dispatch: Optional[DispatchDtype] = None,
-    ) -> list[Stage[Any, Any]]:
-        """One fused stage calling :meth:`apply_without_routing_weights` (which reads the layer's
-        ``activation``, the one the layer passes here)."""
-        if backend is not Backend.TORCH:
-            raise BackendUnavailableError(
-                f"{self.name} has no {backend.value} stages (it emulates an NPU kernel in torch): use "
-                "backend='torch'")
-        return [W4A4Experts(self, layer, apply_routing_weights=routing_weights_in_epilogue)]
-
     def fused_ep_stage(
         self,
         layer: torch.nn.Module,
@@ -389,3 +372,21 @@ class W4A4NpuMethod(QuantMethod):
         out = _int4_gemm(activated, counts, getattr(layer, W2), getattr(layer, W2_SCALE),
                          optional_tensor(layer, B2))
         return out.to(output_dtype)
+
+
+# -- its experts --------------------------------------------------------------------------------------
+
+
+class W4A4NpuExperts(Experts):
+    """One fused stage calling :meth:`W4A4NpuMethod.apply_without_routing_weights` (an NPU kernel's entry
+    point, emulated in torch; it reads the layer's ``activation``)."""
+
+    backend: ClassVar[Backend] = Backend.TORCH
+    method: ClassVar[type[Any]] = W4A4NpuMethod
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        return [W4A4Experts(method, layer, apply_routing_weights=routing_weights_in_epilogue)]

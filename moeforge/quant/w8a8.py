@@ -30,7 +30,8 @@ from moeforge.expert_naming import per_expert_projections
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, held_experts, register_expert_biases
-from moeforge.spec import Accepts, DType, GroupListType, ScaleLayout, Spec
+from moeforge.roles.base import Experts, LayerConfig, on_the_device
+from moeforge.spec import Accepts, DType, GroupListType, Layout, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.activation import ActivationConfig, GateUpLayout, apply_activation
@@ -234,7 +235,6 @@ class W8A8Method(QuantMethod):
     """
 
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W2, S13, S2, B13, B2)
-    backends: ClassVar[frozenset[Backend]] = frozenset({Backend.TORCH, Backend.TRITON})
     # 128-row blocks spill the gate/up kernel's registers (two accumulators, per-K-step scales).
     max_block_m: ClassVar[Optional[int]] = 64
     weight_dtype: ClassVar[DType]
@@ -354,62 +354,6 @@ class W8A8Method(QuantMethod):
             raise self._not_accepted(dispatch)
         return QuantizeTokens(self.activation_quantizer)
 
-    def expert_stages(
-        self,
-        layer: torch.nn.Module,
-        *,
-        activation: ActivationConfig,
-        routing_weights_in_epilogue: bool,
-        backend: Backend = Backend.TORCH,
-        configs: Optional[ConfigTable] = None,
-        dispatch: Optional[DispatchDtype] = None,
-    ) -> list[Stage[Any, Any]]:
-        quantizer = self.activation_quantizer
-        out = DType.from_torch(layer_dtype(layer))
-        if backend is Backend.TRITON:
-            return self._triton_stages(layer, activation, routing_weights_in_epilogue, configs, dispatch, out)
-
-        def gemm(role: GemmRole, weight: str, scale: str, bias: str, epilogue: bool = False) -> W8A8GroupedGemm:
-            source = ParamRef(layer, bias) if getattr(layer, bias, None) is not None else None
-            return W8A8GroupedGemm(role, ParamRef(layer, weight), ParamRef(layer, scale), quantizer.dtype,
-                                   quantizer.scale_layout, out, source, epilogue)
-
-        stages: list[Stage[Any, Any]] = []
-        if dispatch is None or not dispatch.is_quantized:
-            stages.append(QuantizeRows(quantizer))  # float rows on the wire: quantize after the dispatch
-        stages += [
-            gemm(GemmRole.GATE_UP, W13, S13, B13),
-            ActivateQuantize(activation, quantizer),
-            gemm(GemmRole.DOWN, W2, S2, B2, routing_weights_in_epilogue),
-        ]
-        return stages
-
-    def _triton_stages(self, layer: torch.nn.Module, activation: ActivationConfig, epilogue: bool,
-                       configs: Optional[ConfigTable], dispatch: Optional[DispatchDtype], out: DType
-                       ) -> list[Stage[Any, Any]]:
-        """The fused kernels: GEMM 1 with the activation and the FP8/INT8 quantization of its output
-        in the epilogue (a second kernel for per-token scales), GEMM 2 with the routing weights."""
-        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantizeAligned, QuantScheme
-
-        if configs is None:
-            raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
-        quantizer = self.activation_quantizer
-        scheme = QuantScheme.FP8_W8A8 if quantizer.dtype is DType.FP8_E4M3 else QuantScheme.INT8_W8A8
-
-        def bias(name: str) -> Optional[ParamRef]:
-            return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
-
-        stages: list[Stage[Any, Any]] = []
-        if dispatch is None or not dispatch.is_quantized:
-            stages.append(QuantizeAligned(quantizer))  # quantizes the T token rows, not the T * k copies
-        stages += [
-            FusedQuantGroupedGemm(GemmRole.GATE_UP, scheme, ParamRef(layer, W13), ParamRef(layer, S13), configs,
-                                  bias=bias(B13), activation=activation, out_dtype=out, output_quantizer=quantizer),
-            FusedQuantGroupedGemm(GemmRole.DOWN, scheme, ParamRef(layer, W2), ParamRef(layer, S2), configs,
-                                  bias=bias(B2), apply_routing_weights=epilogue, out_dtype=out),
-        ]
-        return stages
-
     # -- expert-grouped entry point ---------------------------------------------------------------
 
     def _quantized_input(self, hidden_states: torch.Tensor, scale: Optional[torch.Tensor]) -> Activations:
@@ -465,6 +409,80 @@ class W8A8Method(QuantMethod):
         self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         return load_experts(self, layer, tensors)
+
+
+# -- its experts --------------------------------------------------------------------------------------
+
+
+def _optional(layer: torch.nn.Module, name: str) -> Optional[ParamRef]:
+    return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
+
+
+class TorchW8A8Experts(Experts):
+    """The torch reference: quantize float rows after the dispatch (unless they came quantized), the
+    W8A8 GEMM, the activation quantized for the second GEMM, the W8A8 GEMM."""
+
+    backend: ClassVar[Backend] = Backend.TORCH
+    method: ClassVar[type[Any]] = W8A8Method
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        quantizer = method.activation_quantizer
+        out = DType.from_torch(layer_dtype(layer))
+
+        def gemm(role: GemmRole, weight: str, scale: str, bias: str, epilogue: bool = False) -> W8A8GroupedGemm:
+            return W8A8GroupedGemm(role, ParamRef(layer, weight), ParamRef(layer, scale), quantizer.dtype,
+                                   quantizer.scale_layout, out, _optional(layer, bias), epilogue)
+
+        stages: list[Stage[Any, Any]] = []
+        if dispatch is None or not dispatch.is_quantized:
+            stages.append(QuantizeRows(quantizer))  # float rows on the wire: quantize after the dispatch
+        stages += [
+            gemm(GemmRole.GATE_UP, W13, S13, B13),
+            ActivateQuantize(activation, quantizer),
+            gemm(GemmRole.DOWN, W2, S2, B2, routing_weights_in_epilogue),
+        ]
+        return stages
+
+
+class TritonW8A8Experts(Experts):
+    """The fused kernels: GEMM 1 with the activation and the FP8/INT8 quantization of its output in the
+    epilogue (a second kernel for per-token scales), GEMM 2 with the routing weights."""
+
+    backend: ClassVar[Backend] = Backend.TRITON
+    method: ClassVar[type[Any]] = W8A8Method
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.BLOCK_ALIGNED})
+
+    @classmethod
+    def quantize_stage(cls, config: LayerConfig) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
+        return on_the_device(super().quantize_stage(config))
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantizeAligned, QuantScheme
+
+        if configs is None:
+            raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
+        quantizer = method.activation_quantizer
+        out = DType.from_torch(layer_dtype(layer))
+        scheme = QuantScheme.FP8_W8A8 if quantizer.dtype is DType.FP8_E4M3 else QuantScheme.INT8_W8A8
+        stages: list[Stage[Any, Any]] = []
+        if dispatch is None or not dispatch.is_quantized:
+            stages.append(QuantizeAligned(quantizer))  # quantizes the T token rows, not the T * k copies
+        stages += [
+            FusedQuantGroupedGemm(GemmRole.GATE_UP, scheme, ParamRef(layer, W13), ParamRef(layer, S13), configs,
+                                  bias=_optional(layer, B13), activation=activation, out_dtype=out,
+                                  output_quantizer=quantizer),
+            FusedQuantGroupedGemm(GemmRole.DOWN, scheme, ParamRef(layer, W2), ParamRef(layer, S2), configs,
+                                  bias=_optional(layer, B2), apply_routing_weights=routing_weights_in_epilogue,
+                                  out_dtype=out),
+        ]
+        return stages
 
 
 def quantize_layer(layer: MoELayer, method: W8A8Method) -> MoELayer:

@@ -1,0 +1,217 @@
+"""The three roles a layer is assembled from, and the configuration they are chosen for.
+
+* a :class:`Router` builds the top-k stage;
+* a :class:`Dispatcher` builds the dispatch stage and the combine that takes its rows home (the rows'
+  plan is its business alone);
+* an :class:`Experts` implementation computes one weight format on one row layout: the quantization
+  before the dispatch, and the stages from dispatched rows to expert outputs.
+
+Each implementation is a class that says what it serves as data — its ``backend`` and the row
+``layout`` it reads or delivers — and why it cannot serve a layer (:meth:`Role.supports`, ``None``
+when it can). :func:`moeforge.selector.select` picks the first one of each role, in the order of its
+candidate lists (fastest first), that can serve the layer; the layer itself knows none of them.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
+
+import attrs
+import torch
+
+from moeforge.backend import Backend
+from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype
+from moeforge.kernels.config import ConfigTable
+from moeforge.payloads import MoEInput, RoutedTokens
+from moeforge.spec import DType, Layout, RoutingWeights
+from moeforge.stage import Stage
+from moeforge.stages.activation import ActivationConfig
+from moeforge.stages.topk import RoutingConfig
+
+if TYPE_CHECKING:
+    from moeforge.distributed.group import ExpertParallel
+    from moeforge.quant.base import QuantMethod
+
+
+@attrs.frozen
+class LayerConfig:
+    """Everything the roles are chosen for and built from: the layer's sizes, semantics, weight format,
+    device and dispatch dtype, and the user's preferences (``backend``: ``None`` for "auto";
+    ``dispatcher``: a name, or a dispatch stage the user built)."""
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    routing: RoutingConfig
+    activation: ActivationConfig
+    quant: QuantMethod
+    dtype: torch.dtype
+    device: torch.device
+    dispatch: DispatchDecision
+    expert_parallel: Optional[ExpertParallel] = None
+    backend: Optional[Backend] = None
+    dispatcher: Union[str, Stage[Any, Any]] = "auto"
+
+    @property
+    def local_experts(self) -> int:
+        return self.expert_parallel.local_experts if self.expert_parallel is not None else self.num_experts
+
+    @property
+    def weights_on_input(self) -> bool:
+        return self.routing.apply_weights is RoutingWeights.ON_INPUT
+
+    @property
+    def weights_in_epilogue(self) -> bool:
+        return self.routing.apply_weights is RoutingWeights.IN_GEMM_EPILOGUE
+
+    @property
+    def compute_dtype(self) -> DType:
+        return DType.from_torch(self.dtype)
+
+    def combine_options(self) -> dict[str, Any]:
+        """What the combine applies: the routing weights when the router puts them there, the routed
+        scaling factor when the top-k leaves it pending, and the layer's dtype."""
+        routing = self.routing
+        folded = routing.scaling_in_weights or routing.routed_scaling_factor == 1.0
+        return dict(apply_routing_weights=routing.apply_weights is RoutingWeights.IN_COMBINE,
+                    routed_scaling_factor=None if folded else routing.routed_scaling_factor,
+                    out_dtype=self.compute_dtype)
+
+    def triton_problem(self) -> Optional[str]:
+        """Why the triton kernels cannot run for this layer (``None`` when they can)."""
+        if self.device.type != "cuda":
+            return f"the layer is on {self.device}, the triton kernels need a CUDA device"
+        from moeforge.backend import triton_installed
+
+        if not triton_installed():
+            return "the 'triton' package is not installed"
+        return None
+
+    def kernel_configs(self) -> ConfigTable:
+        """The triton GEMMs' launch table for this shape and device, shared by the block-aligned dispatch
+        and the GEMMs (they must align alike)."""
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        return ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
+                                self.compute_dtype.value, max_block_m=self.quant.max_block_m)
+
+
+def on_the_device(stage: Optional[Stage[RoutedTokens, RoutedTokens]]) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
+    """``stage`` computed by the triton quantization kernel where it computes that quantizer (the same
+    numbers), for the triton experts' quantization before the dispatch."""
+    from moeforge.stages.quantize import QuantizeTokens
+
+    if isinstance(stage, QuantizeTokens):
+        from moeforge.stages.triton_quant import TritonQuantizeTokens
+
+        if TritonQuantizeTokens.supports(stage.quantizer):
+            return TritonQuantizeTokens(stage.quantizer)
+    return stage
+
+
+class Role(abc.ABC):
+    """Base of the implementations of every role: what they serve, as class data."""
+
+    backend: ClassVar[Backend]
+
+    @classmethod
+    def name(cls) -> str:
+        return cls.__name__
+
+    @classmethod
+    @abc.abstractmethod
+    def supports(cls, config: LayerConfig) -> Optional[str]:
+        """Why this implementation cannot serve ``config``, or ``None`` when it can."""
+
+
+class Router(Role):
+    """Builds the top-k stage."""
+
+    @classmethod
+    @abc.abstractmethod
+    def stage(cls, layer: torch.nn.Module, config: LayerConfig) -> Stage[MoEInput, RoutedTokens]:
+        """The routing stage (reading the layer's selection bias, if any)."""
+
+
+class Experts(Role):
+    """One weight format's computation on some row layouts: what the quant method's format needs around
+    the dispatch (its quantizer before it) and the stages from dispatched rows to expert outputs."""
+
+    method: ClassVar[type[Any]]  # the weight format it computes: its quant method (a QuantMethod subclass)
+    layouts: ClassVar[frozenset[Layout]]  # the rows its GEMMs read
+
+    @classmethod
+    def supports(cls, config: LayerConfig) -> Optional[str]:
+        if not isinstance(config.quant, cls.method):
+            return f"it computes {cls.method.__name__}'s weights"
+        from moeforge.quant.base import QuantMethod
+
+        if type(config.quant).expert_stages is not QuantMethod.expert_stages:
+            return "the quant method builds its own expert stages (it overrides expert_stages)"
+        if cls.backend is Backend.TRITON:
+            return config.triton_problem()
+        return None
+
+    @classmethod
+    def quantize_stage(cls, config: LayerConfig) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
+        """The stage that turns the layer's activations into the dispatch format (``None``: none needed)."""
+        return config.quant.quantize_stage(config.dispatch.dtype, config.compute_dtype)
+
+    @classmethod
+    @abc.abstractmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        """The stages from dispatched rows to expert outputs for ``method`` (an instance of ``cls.method``)
+        and ``layer``'s weights (``configs``: the launch table shared with a block-aligned dispatch;
+        ``dispatch``: the dispatch dtype, ``None`` for the layer's float dtype)."""
+
+
+class Dispatcher(Role):
+    """Builds the dispatch stage and the combine that takes its rows home."""
+
+    layouts: ClassVar[frozenset[Layout]]  # the layouts it can deliver
+    keyword: ClassVar[Optional[str]] = None  # the dispatcher= name that asks for it
+    automatic: ClassVar[bool] = True  # whether dispatcher="auto" may pick it
+    spans_experts: ClassVar[bool] = False  # a fused stage from routed tokens to the output (no Experts)
+
+    @classmethod
+    def layout_problem(cls, config: LayerConfig, layout: Layout) -> Optional[str]:
+        """Why it cannot deliver ``layout`` for ``config`` (``None`` when it can)."""
+        if layout not in cls.layouts:
+            return f"it delivers {', '.join(sorted(item.value for item in cls.layouts))} rows"
+        return None
+
+    @classmethod
+    @abc.abstractmethod
+    def stages(cls, layer: torch.nn.Module, config: LayerConfig, layout: Layout, configs: Optional[ConfigTable]
+               ) -> tuple[Stage[Any, Any], Optional[Stage[Any, Any]]]:
+        """The dispatch stage delivering ``layout`` and the combine (with ``config.combine_options()``);
+        a dispatcher that spans the experts returns its one fused stage and ``None``."""
+
+
+class MethodOwnExperts(Experts):
+    """A quant method written outside moeforge that builds its own expert stages (it overrides
+    :meth:`~moeforge.QuantMethod.expert_stages`): its torch stages, on either expert-grouped layout."""
+
+    backend: ClassVar[Backend] = Backend.TORCH
+    method: ClassVar[type[Any]] = object
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
+
+    @classmethod
+    def supports(cls, config: LayerConfig) -> Optional[str]:
+        from moeforge.quant.base import QuantMethod
+
+        if type(config.quant).expert_stages is QuantMethod.expert_stages:
+            return "the quant method builds no expert stages of its own"
+        return None
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        stages: list[Stage[Any, Any]] = method.expert_stages(
+            layer, activation=activation, routing_weights_in_epilogue=routing_weights_in_epilogue,
+            backend=Backend.TORCH, configs=configs, dispatch=dispatch)
+        return stages

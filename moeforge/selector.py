@@ -1,0 +1,192 @@
+"""The selector: the implementation of each role for a layer, by one pure function.
+
+The candidates are listed here, explicitly, fastest first; adding an implementation is one module
+(its class) plus one line below. :func:`select` walks the lists for a :class:`LayerConfig` and returns
+the first router, and the first experts + dispatcher pair that can serve it (a dispatcher must
+deliver a row layout the experts read), with the reason each candidate before them was skipped —
+what :meth:`Selection.describe` shows and an error lists when nothing fits.
+
+``backend="torch"`` / ``"triton"`` narrows the experts (and so the dispatcher) to that backend; the
+router follows when it can (a routing the triton kernel does not compute uses the torch router,
+whose output feeds any dispatcher). ``dispatcher=`` narrows the dispatchers to the one named, or to
+the stage the user built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import attrs
+import torch
+
+from moeforge.backend import Backend
+from moeforge.errors import InputError
+from moeforge.quant.mxfp4 import EmulatedMxfp4Experts
+from moeforge.quant.nvfp4 import EmulatedNvfp4Experts
+from moeforge.quant.unquantized import TorchUnquantizedExperts, TritonUnquantizedExperts
+from moeforge.quant.w4a4_npu import W4A4NpuExperts
+from moeforge.quant.w4a16 import TorchW4A16Experts, TritonW4A16Experts
+from moeforge.quant.w8a8 import TorchW8A8Experts, TritonW8A8Experts
+from moeforge.roles.base import Dispatcher, Experts, LayerConfig, MethodOwnExperts, Router
+from moeforge.roles.dispatchers import (
+    AlignedDispatcher,
+    AllToAllDispatcher,
+    FusedEpDispatcher,
+    GivenDispatcher,
+    PaddedDispatcher,
+    SortedDispatcher,
+)
+from moeforge.roles.routers import TorchRouter, TritonRouter
+from moeforge.spec import Layout
+from moeforge.stage import Stage
+
+ROUTERS: tuple[type[Router], ...] = (TritonRouter, TorchRouter)
+
+EXPERTS: tuple[type[Experts], ...] = (
+    TritonUnquantizedExperts,
+    TritonW8A8Experts,
+    TritonW4A16Experts,
+    TorchUnquantizedExperts,
+    TorchW8A8Experts,
+    TorchW4A16Experts,
+    EmulatedMxfp4Experts,
+    EmulatedNvfp4Experts,
+    W4A4NpuExperts,
+    MethodOwnExperts,  # a quant method from outside moeforge that overrides expert_stages
+)
+
+DISPATCHERS: tuple[type[Dispatcher], ...] = (
+    GivenDispatcher,
+    FusedEpDispatcher,
+    AllToAllDispatcher,
+    AlignedDispatcher,
+    SortedDispatcher,
+    PaddedDispatcher,
+)
+
+KEYWORDS = ("auto",) + tuple(d.keyword for d in DISPATCHERS if d.keyword is not None)
+
+
+@attrs.frozen
+class Selection:
+    """The implementation of each role for one layer (``experts`` is ``None`` under a dispatcher that
+    spans the experts), the layout of the rows between them, and why each candidate tried before the
+    chosen ones was skipped."""
+
+    router: type[Router]
+    dispatcher: type[Dispatcher]
+    experts: Optional[type[Experts]]
+    layout: Optional[Layout]
+    skipped: tuple[tuple[str, str], ...] = ()  # (candidate, reason)
+
+    @property
+    def backend(self) -> Backend:
+        """The backend of the expert computation (what ``MoELayer.backend`` reports)."""
+        return self.experts.backend if self.experts is not None else self.dispatcher.backend
+
+    def stages(self, layer: torch.nn.Module, config: LayerConfig) -> list[Stage[Any, Any]]:
+        """The layer's stages: route, quantize (if the format needs it), dispatch, experts, combine."""
+        stages: list[Stage[Any, Any]] = [self.router.stage(layer, config)]
+        quantize = self.experts.quantize_stage(config) if self.experts is not None else \
+            config.quant.quantize_stage(config.dispatch.dtype, config.compute_dtype)
+        if quantize is not None:
+            stages.append(quantize)
+        configs = config.kernel_configs() if self.layout is Layout.BLOCK_ALIGNED else None
+        dispatch, combine = self.dispatcher.stages(layer, config, self.layout or Layout.TOKEN_MAJOR, configs)
+        stages.append(dispatch)
+        if self.experts is not None:
+            stages += self.experts.stages(config.quant, layer, activation=config.activation,
+                                          routing_weights_in_epilogue=config.weights_in_epilogue, configs=configs,
+                                          dispatch=config.dispatch.dtype)
+        if combine is not None:
+            stages.append(combine)
+        return stages
+
+    def describe(self) -> list[str]:
+        """Lines for ``describe()``: what was chosen, and what was skipped and why."""
+        experts = f", experts {self.experts.name()}" if self.experts is not None else ""
+        lines = [f"roles: router {self.router.name()}, dispatcher {self.dispatcher.name()}{experts}"]
+        lines += [f"  skipped {name}: {reason}" for name, reason in self.skipped]
+        return lines
+
+
+def select(config: LayerConfig) -> Selection:
+    """The implementations for ``config`` (see the module docstring). Raises :class:`InputError`
+    naming every candidate and why it could not serve, when no combination can."""
+    skipped: list[tuple[str, str]] = []
+    router = _router(config, skipped)
+    dispatchers = _asked_dispatchers(config)
+    if dispatchers and dispatchers[0].spans_experts:
+        return Selection(router, dispatchers[0], None, None, tuple(skipped))
+    problems: list[tuple[str, str]] = []
+    for experts in EXPERTS:
+        reason = _experts_problem(experts, config)
+        if reason is not None:
+            if isinstance(config.quant, experts.method) and experts is not MethodOwnExperts:
+                skipped.append((experts.name(), reason))  # the other formats' experts are no news
+            continue
+        found = _dispatcher_for(experts, dispatchers, config, problems)
+        if found is not None:
+            dispatcher, layout = found
+            return Selection(router, dispatcher, experts, layout, tuple(skipped))
+        skipped.append((experts.name(), "no dispatcher delivers its rows: " + "; ".join(
+            f"{name}: {reason}" for name, reason in problems)))
+        problems.clear()
+    raise InputError(f"no implementation can run this layer ({config.quant.name}, backend="
+                     f"{config.backend.value if config.backend else 'auto'}, dispatcher={_asked(config)!r} on "
+                     f"{config.device}):\n" + "\n".join(f"  {name}: {reason}" for name, reason in skipped))
+
+
+def _router(config: LayerConfig, skipped: list[tuple[str, str]]) -> type[Router]:
+    for router in ROUTERS:
+        reason = router.supports(config)
+        if reason is None and config.backend is Backend.TORCH and router.backend is not Backend.TORCH:
+            reason = "backend='torch' was asked for"
+        if reason is None:
+            return router
+        if router.backend is not Backend.TORCH and config.device.type == "cuda":
+            skipped.append((router.name(), reason))
+    raise AssertionError("TorchRouter serves every layer")
+
+
+def _experts_problem(experts: type[Experts], config: LayerConfig) -> Optional[str]:
+    reason = experts.supports(config)
+    if reason is None and config.backend is not None and experts.backend is not config.backend:
+        reason = f"backend={config.backend.value!r} was asked for"
+    return reason
+
+
+def _asked(config: LayerConfig) -> str:
+    return config.dispatcher.name if isinstance(config.dispatcher, Stage) else str(config.dispatcher)
+
+
+def _asked_dispatchers(config: LayerConfig) -> list[type[Dispatcher]]:
+    """The dispatchers the ``dispatcher=`` setting allows, in preference order."""
+    asked = config.dispatcher
+    if isinstance(asked, Stage):
+        return [GivenDispatcher]
+    if not isinstance(asked, str) or asked not in KEYWORDS:
+        raise InputError(f"dispatcher must be one of {', '.join(repr(k) for k in KEYWORDS)} or a dispatch Stage, "
+                         f"got {asked!r}")
+    if asked == "auto":
+        return [d for d in DISPATCHERS if d.automatic and d.keyword is not None]
+    return [d for d in DISPATCHERS if d.keyword == asked]
+
+
+def _dispatcher_for(experts: type[Experts], dispatchers: list[type[Dispatcher]], config: LayerConfig,
+                    problems: list[tuple[str, str]]) -> Optional[tuple[type[Dispatcher], Layout]]:
+    """The first dispatcher (and layout) that delivers rows ``experts`` reads; else ``None``, with the
+    reasons in ``problems``."""
+    for dispatcher in dispatchers:
+        reason = dispatcher.supports(config)
+        if reason is None:
+            layouts = sorted(experts.layouts, key=lambda item: item.value)
+            for layout in layouts:
+                if dispatcher.layout_problem(config, layout) is None:
+                    return dispatcher, layout
+            reason = "; ".join(filter(None, (dispatcher.layout_problem(config, layout) for layout in layouts)))
+            reason += f" ({experts.name()} reads {', '.join(layout.value for layout in layouts)} rows"
+            reason += ": use dispatcher='auto' or another backend)" if config.dispatcher != "auto" else ")"
+        problems.append((dispatcher.name(), reason))
+    return None
+
