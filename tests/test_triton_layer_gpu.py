@@ -119,9 +119,15 @@ def test_deterministic_across_calls() -> None:
 
 
 @pytest.mark.parametrize("dispatcher", ["sorted", "padded"])
-def test_a_torch_layout_dispatcher_on_the_triton_backend_is_a_clear_error(dispatcher: str) -> None:
+def test_a_torch_layout_dispatcher_runs_torch_experts_and_is_a_clear_error_on_the_triton_backend(
+        dispatcher: str) -> None:
+    # backend="auto": the fastest experts that read these rows, the torch ones; describe() says why
+    # the triton experts were skipped.
+    layer = _layer(dispatcher=dispatcher)
+    assert layer.backend is mf.Backend.TORCH
+    assert "skipped TritonUnquantizedExperts: no dispatcher delivers its rows" in layer.describe()
     with pytest.raises(mf.InputError, match="dispatcher='auto'"):
-        _layer(dispatcher=dispatcher)
+        _layer(dispatcher=dispatcher, backend="triton")
 
 
 def test_auto_backend_runs_weights_on_input_on_torch() -> None:
