@@ -130,7 +130,7 @@ class ExpertIds(enum.Enum):
 
 
 class Exchange(enum.Enum):
-    """Where expert-grouped rows came from, so that only the matching combine can take them back."""
+    """Where expert-grouped rows came from (their plan takes them back there; shown by ``describe()``)."""
 
     NONE = "none"  # this process's own tokens (single process, or every expert local)
     ALL_TO_ALL = "all_to_all"  # exchanged with the other expert-parallel ranks, variable-length

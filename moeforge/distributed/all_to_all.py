@@ -13,8 +13,9 @@ Dispatch, on every rank:
    ``configs``, ``BLOCK_ALIGNED`` rows (each received row one copy of its local expert, the
    alignment plan computed on the device) for the triton expert GEMMs.
 
-The paired :class:`AllToAllCombine` sends the expert outputs back with the reversed splits and sums each
-token's copies on its own rank in fp32, ``k = 0 .. top_k - 1`` in order, by gathering: deterministic.
+The rows' :class:`AllToAllPlan` (which the ordinary :class:`~moeforge.Combine` follows) sends the
+expert outputs back with the reversed splits and sums each token's copies on its own rank in fp32,
+``k = 0 .. top_k - 1`` in order, by gathering: deterministic.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
 
     ``apply_routing_weights`` scales the rows by their routing weights before sending (Llama-4).
     ``configs`` (the triton launch table of the expert GEMMs) makes the output ``BLOCK_ALIGNED``
-    (:class:`ExchangedAlignedRows`, ``top_k = 1`` in the spec) instead of ``EXPERT_SORTED``.
+    (:class:`~moeforge.payloads.AlignedRows`, each row one copy: ``top_k = 1`` in the spec) instead of
+    ``EXPERT_SORTED``.
     """
 
     kinds: ClassVar = (StageKind.DISPATCH,)

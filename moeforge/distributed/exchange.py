@@ -22,8 +22,8 @@ WIRE_SCALES = frozenset({ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PE
 class ExchangeDispatch(abc.ABC):
     """Base of the dispatchers that send rows to the ranks owning their experts.
 
-    Their rows can only go home through the paired combine, :meth:`combine_stage` (the contract
-    checker enforces it through the spec's ``exchange`` field)."""
+    Their rows carry the plan that sends them home (the spec's ``exchange`` field says where they came
+    from), so the ordinary :class:`~moeforge.stages.combine.Combine` takes them: :meth:`combine_stage`."""
 
     ep: ExpertParallel
     apply_routing_weights: bool
