@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import Union
+from typing import Optional, Union
 
 import attrs
 import torch
@@ -75,6 +75,12 @@ class LayerRef:
 
     def __repr__(self) -> str:
         return f"LayerRef({self.owner_type})"
+
+
+def optional_ref(owner: torch.nn.Module, name: str) -> Optional[ParamRef]:
+    """A :class:`ParamRef` to ``owner.name``, or ``None`` when the module has it as ``None`` (an
+    optional tensor such as a bias)."""
+    return ParamRef(owner, name) if getattr(owner, name, None) is not None else None
 
 
 TensorSource = Union[torch.Tensor, ParamRef]

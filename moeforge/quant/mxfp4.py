@@ -27,7 +27,6 @@ from typing import Any, ClassVar, Optional, Union
 import attrs
 import torch
 
-from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
@@ -35,16 +34,15 @@ from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hi
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import (
     EmulatedGroupedGemm,
-    bias_ref,
     optional_tensor,
     emulated_expert_mlp,
 )
-from moeforge.roles.base import Experts
-from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, Layout, ScaleLayout
+from moeforge.roles.base import TorchExperts
+from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig
 from moeforge.stages.gemm import GemmRole
-from moeforge.tensor_ref import ParamRef
+from moeforge.tensor_ref import ParamRef, optional_ref
 
 W13_BLOCKS, W13_SCALES, W2_BLOCKS, W2_SCALES = "w13_blocks", "w13_scales", "w2_blocks", "w2_scales"
 B13, B2 = "w13_bias", "w2_bias"
@@ -217,20 +215,18 @@ class Mxfp4Method(QuantMethod):
 # -- its experts --------------------------------------------------------------------------------------
 
 
-class EmulatedMxfp4Experts(Experts):
+class EmulatedMxfp4Experts(TorchExperts):
     """MXFP4 weights dequantized to fp32 in torch (float rows), the math of an MXFP4 kernel."""
 
-    backend: ClassVar[Backend] = Backend.TORCH
     method: ClassVar[type[Any]] = Mxfp4Method
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         return [
-            EmulatedGroupedGemm(GemmRole.GATE_UP, Mxfp4WeightRef(layer, "w13"), bias_ref(layer, B13)),
+            EmulatedGroupedGemm(GemmRole.GATE_UP, Mxfp4WeightRef(layer, "w13"), optional_ref(layer, B13)),
             Activate(activation),
-            EmulatedGroupedGemm(GemmRole.DOWN, Mxfp4WeightRef(layer, "w2"), bias_ref(layer, B2),
+            EmulatedGroupedGemm(GemmRole.DOWN, Mxfp4WeightRef(layer, "w2"), optional_ref(layer, B2),
                                 apply_routing_weights=routing_weights_in_epilogue),
         ]

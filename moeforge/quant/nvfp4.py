@@ -50,7 +50,6 @@ import attrs
 import torch
 from typing_extensions import Protocol
 
-from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
@@ -63,13 +62,13 @@ from moeforge.quant.fp4 import (
     nvfp4_global_scale,
     quantize_nvfp4,
 )
-from moeforge.roles.base import Experts
-from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, Layout, ScaleLayout, Spec
+from moeforge.roles.base import TorchExperts
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.stages.quantize import QuantizeTokens, Quantizer
-from moeforge.tensor_ref import ParamRef, TensorSource, resolve
+from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
 
 W13, W13_SCALE, W13_GLOBAL = "w13_weight", "w13_weight_scale", "w13_weight_global_scale"
 W2, W2_SCALE, W2_GLOBAL = "w2_weight", "w2_weight_scale", "w2_weight_global_scale"
@@ -434,10 +433,6 @@ class Nvfp4Method(QuantMethod):
                                    w2.dequantize(), optional_tensor(layer, B2), config, mid_dtype, output_dtype)
 
 
-def bias_ref(layer: torch.nn.Module, name: str) -> Optional[ParamRef]:
-    return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
-
-
 def optional_tensor(layer: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
     value = getattr(layer, name, None)
     return value if isinstance(value, torch.Tensor) else None
@@ -446,13 +441,11 @@ def optional_tensor(layer: torch.nn.Module, name: str) -> Optional[torch.Tensor]
 # -- its experts --------------------------------------------------------------------------------------
 
 
-class EmulatedNvfp4Experts(Experts):
+class EmulatedNvfp4Experts(TorchExperts):
     """NVFP4 weights (and NVFP4 rows, with the method's static global scale) dequantized to fp32 in
     torch: the math of an FP4 kernel, without FP4 hardware."""
 
-    backend: ClassVar[Backend] = Backend.TORCH
     method: ClassVar[type[Any]] = Nvfp4Method
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
@@ -462,10 +455,10 @@ class EmulatedNvfp4Experts(Experts):
         if nvfp4_rows:
             method._require_scale()
         return [
-            EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"), bias_ref(layer, B13),
+            EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"), optional_ref(layer, B13),
                                 input_global_scale=method.input_global_scale,
                                 out_dtype=compute_dtype(layer) if nvfp4_rows else None),
             Activate(activation),
-            EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(layer, "w2"), bias_ref(layer, B2),
+            EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(layer, "w2"), optional_ref(layer, B2),
                                 apply_routing_weights=routing_weights_in_epilogue),
         ]

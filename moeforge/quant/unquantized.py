@@ -6,18 +6,16 @@ from typing import Any, ClassVar, Optional, Union
 
 import torch
 
-from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations
-from moeforge.payloads import RoutedTokens
-from moeforge.roles.base import Experts, LayerConfig, on_the_device
-from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, Layout, ScaleLayout
+from moeforge.roles.base import TorchExperts, TritonExperts
+from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
 from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, register_expert_biases
-from moeforge.tensor_ref import ParamRef
+from moeforge.tensor_ref import ParamRef, optional_ref
 
 W13, W2, B13, B2 = "w13_weight", "w2_weight", "w13_bias", "w2_bias"
 
@@ -78,21 +76,12 @@ class UnquantizedMethod(QuantMethod):
 # -- its experts -------------------------------------------------------------------------------------
 
 
-def _optional(layer: torch.nn.Module, name: str) -> Optional[ParamRef]:
-    return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
 
-
-class TritonUnquantizedExperts(Experts):
+class TritonUnquantizedExperts(TritonExperts):
     """The fused triton GEMMs on block-aligned rows: gate/up with the activation in its epilogue, down
     with the routing weights in its epilogue when the router puts them there."""
 
-    backend: ClassVar[Backend] = Backend.TRITON
     method: ClassVar[type[Any]] = UnquantizedMethod
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.BLOCK_ALIGNED})
-
-    @classmethod
-    def quantize_stage(cls, config: LayerConfig) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
-        return on_the_device(super().quantize_stage(config))
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
@@ -100,21 +89,18 @@ class TritonUnquantizedExperts(Experts):
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         from moeforge.stages.triton import FusedGroupedGemm
 
-        if configs is None:
-            raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
+        configs = cls.launch_table(configs)
         return [
-            FusedGroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), configs, _optional(layer, B13), activation),
-            FusedGroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), configs, _optional(layer, B2),
+            FusedGroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), configs, optional_ref(layer, B13), activation),
+            FusedGroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), configs, optional_ref(layer, B2),
                              apply_routing_weights=routing_weights_in_epilogue),
         ]
 
 
-class TorchUnquantizedExperts(Experts):
+class TorchUnquantizedExperts(TorchExperts):
     """The torch reference: grouped GEMM, activation, grouped GEMM, on either expert-grouped layout."""
 
-    backend: ClassVar[Backend] = Backend.TORCH
     method: ClassVar[type[Any]] = UnquantizedMethod
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
@@ -122,8 +108,8 @@ class TorchUnquantizedExperts(Experts):
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         dtypes, scales = UnquantizedMethod.accepts, UnquantizedMethod.accepts_scales
         return [
-            GroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), _optional(layer, B13), dtypes, scales),
+            GroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), optional_ref(layer, B13), dtypes, scales),
             Activate(activation),
-            GroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), _optional(layer, B2), dtypes, scales,
+            GroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), optional_ref(layer, B2), dtypes, scales,
                         apply_routing_weights=routing_weights_in_epilogue),
         ]

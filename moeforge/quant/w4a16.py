@@ -29,12 +29,11 @@ from typing import Any, ClassVar, Optional, Union
 import attrs
 import torch
 
-from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.expert_naming import per_expert_projections
 from moeforge.kernels.config import ConfigTable
-from moeforge.payloads import Activations, ExpertRows, RoutedTokens
+from moeforge.payloads import Activations, ExpertRows
 from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, held_experts, register_expert_biases
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
@@ -45,12 +44,12 @@ from moeforge.quant.int4_packing import (
     gptq_to_int4,
     pack_int4,
 )
-from moeforge.roles.base import Experts, LayerConfig, on_the_device
-from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, Layout, ScaleLayout, Spec
+from moeforge.roles.base import TorchExperts, TritonExperts
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig, GateUpLayout, apply_activation
 from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
-from moeforge.tensor_ref import ParamRef, TensorSource, resolve
+from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
 
 GROUP_SIZES = (32, 64, 128)
 W13_Q, W13_S, W13_Z = "w13_qweight", "w13_scales", "w13_qzeros"
@@ -457,21 +456,12 @@ def _join_gate_up(gate: torch.Tensor, up: torch.Tensor, layout: GateUpLayout) ->
 # -- its experts --------------------------------------------------------------------------------------
 
 
-def _optional(layer: torch.nn.Module, name: str) -> Optional[ParamRef]:
-    return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
 
-
-class TritonW4A16Experts(Experts):
+class TritonW4A16Experts(TritonExperts):
     """The fused int4 kernels: int4 unpacked and dequantized inside the GEMMs, the activation in the
     gate/up GEMM's epilogue."""
 
-    backend: ClassVar[Backend] = Backend.TRITON
     method: ClassVar[type[Any]] = W4A16Method
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.BLOCK_ALIGNED})
-
-    @classmethod
-    def quantize_stage(cls, config: LayerConfig) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
-        return on_the_device(super().quantize_stage(config))
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
@@ -479,25 +469,22 @@ class TritonW4A16Experts(Experts):
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
 
-        if configs is None:
-            raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
+        configs = cls.launch_table(configs)
         out = DType.from_torch(getattr(layer, W13_S).dtype)
         return [
             FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.W4A16, ParamRef(layer, W13_Q), ParamRef(layer, W13_S),
-                                  configs, weight_zero=_optional(layer, W13_Z), bias=_optional(layer, B13),
+                                  configs, weight_zero=optional_ref(layer, W13_Z), bias=optional_ref(layer, B13),
                                   activation=activation, out_dtype=out),
             FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.W4A16, ParamRef(layer, W2_Q), ParamRef(layer, W2_S),
-                                  configs, weight_zero=_optional(layer, W2_Z), bias=_optional(layer, B2),
+                                  configs, weight_zero=optional_ref(layer, W2_Z), bias=optional_ref(layer, B2),
                                   apply_routing_weights=routing_weights_in_epilogue, out_dtype=out),
         ]
 
 
-class TorchW4A16Experts(Experts):
+class TorchW4A16Experts(TorchExperts):
     """The torch reference: int4 weights dequantized one expert at a time, in fp32."""
 
-    backend: ClassVar[Backend] = Backend.TORCH
     method: ClassVar[type[Any]] = W4A16Method
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
@@ -505,8 +492,8 @@ class TorchW4A16Experts(Experts):
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         def gemm(role: GemmRole, prefix: str, epilogue: bool) -> W4A16GroupedGemm:
             q_name, s_name, z_name = _PARAMS[prefix]
-            return W4A16GroupedGemm(role, ParamRef(layer, q_name), ParamRef(layer, s_name), _optional(layer, z_name),
-                                    _optional(layer, B13 if prefix == "w13" else B2), apply_routing_weights=epilogue,
+            return W4A16GroupedGemm(role, ParamRef(layer, q_name), ParamRef(layer, s_name), optional_ref(layer, z_name),
+                                    optional_ref(layer, B13 if prefix == "w13" else B2), apply_routing_weights=epilogue,
                                     accepts_dtypes=method.accepts)
 
         return [gemm(GemmRole.GATE_UP, "w13", False), Activate(activation),

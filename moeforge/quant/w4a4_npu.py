@@ -35,14 +35,13 @@ from typing import Any, ClassVar, Optional, Union
 import attrs
 import torch
 
-from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, MoEOutput, PaddedRows, RoutedTokens, SortedRows
 from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
 from moeforge.quant.nvfp4 import optional_tensor
-from moeforge.roles.base import Experts
+from moeforge.roles.base import TorchExperts
 from moeforge.spec import (
     Accepts,
     DType,
@@ -377,13 +376,11 @@ class W4A4NpuMethod(QuantMethod):
 # -- its experts --------------------------------------------------------------------------------------
 
 
-class W4A4NpuExperts(Experts):
+class W4A4NpuExperts(TorchExperts):
     """One fused stage calling :meth:`W4A4NpuMethod.apply_without_routing_weights` (an NPU kernel's entry
     point, emulated in torch; it reads the layer's ``activation``)."""
 
-    backend: ClassVar[Backend] = Backend.TORCH
     method: ClassVar[type[Any]] = W4A4NpuMethod
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,

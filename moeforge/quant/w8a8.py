@@ -23,21 +23,20 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 import attrs
 import torch
 
-from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.expert_naming import per_expert_projections
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, held_experts, register_expert_biases
-from moeforge.roles.base import Experts, LayerConfig, on_the_device
-from moeforge.spec import Accepts, DType, GroupListType, Layout, ScaleLayout, Spec
+from moeforge.roles.base import TorchExperts, TritonExperts
+from moeforge.spec import Accepts, DType, GroupListType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.activation import ActivationConfig, GateUpLayout, apply_activation
 from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.stages.quantize import PerTokenQuantizer, Quantizer, QuantizeRows, QuantizeTokens
-from moeforge.tensor_ref import ParamRef, TensorSource, resolve
+from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
 
 if TYPE_CHECKING:
     from moeforge.layer import MoELayer
@@ -414,17 +413,12 @@ class W8A8Method(QuantMethod):
 # -- its experts --------------------------------------------------------------------------------------
 
 
-def _optional(layer: torch.nn.Module, name: str) -> Optional[ParamRef]:
-    return ParamRef(layer, name) if getattr(layer, name, None) is not None else None
 
-
-class TorchW8A8Experts(Experts):
+class TorchW8A8Experts(TorchExperts):
     """The torch reference: quantize float rows after the dispatch (unless they came quantized), the
     W8A8 GEMM, the activation quantized for the second GEMM, the W8A8 GEMM."""
 
-    backend: ClassVar[Backend] = Backend.TORCH
     method: ClassVar[type[Any]] = W8A8Method
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
@@ -435,7 +429,7 @@ class TorchW8A8Experts(Experts):
 
         def gemm(role: GemmRole, weight: str, scale: str, bias: str, epilogue: bool = False) -> W8A8GroupedGemm:
             return W8A8GroupedGemm(role, ParamRef(layer, weight), ParamRef(layer, scale), quantizer.dtype,
-                                   quantizer.scale_layout, out, _optional(layer, bias), epilogue)
+                                   quantizer.scale_layout, out, optional_ref(layer, bias), epilogue)
 
         stages: list[Stage[Any, Any]] = []
         if dispatch is None or not dispatch.is_quantized:
@@ -448,17 +442,11 @@ class TorchW8A8Experts(Experts):
         return stages
 
 
-class TritonW8A8Experts(Experts):
+class TritonW8A8Experts(TritonExperts):
     """The fused kernels: GEMM 1 with the activation and the FP8/INT8 quantization of its output in the
     epilogue (a second kernel for per-token scales), GEMM 2 with the routing weights."""
 
-    backend: ClassVar[Backend] = Backend.TRITON
     method: ClassVar[type[Any]] = W8A8Method
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.BLOCK_ALIGNED})
-
-    @classmethod
-    def quantize_stage(cls, config: LayerConfig) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
-        return on_the_device(super().quantize_stage(config))
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
@@ -466,8 +454,7 @@ class TritonW8A8Experts(Experts):
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantizeAligned, QuantScheme
 
-        if configs is None:
-            raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
+        configs = cls.launch_table(configs)
         quantizer = method.activation_quantizer
         out = DType.from_torch(layer_dtype(layer))
         scheme = QuantScheme.FP8_W8A8 if quantizer.dtype is DType.FP8_E4M3 else QuantScheme.INT8_W8A8
@@ -476,10 +463,10 @@ class TritonW8A8Experts(Experts):
             stages.append(QuantizeAligned(quantizer))  # quantizes the T token rows, not the T * k copies
         stages += [
             FusedQuantGroupedGemm(GemmRole.GATE_UP, scheme, ParamRef(layer, W13), ParamRef(layer, S13), configs,
-                                  bias=_optional(layer, B13), activation=activation, out_dtype=out,
+                                  bias=optional_ref(layer, B13), activation=activation, out_dtype=out,
                                   output_quantizer=quantizer),
             FusedQuantGroupedGemm(GemmRole.DOWN, scheme, ParamRef(layer, W2), ParamRef(layer, S2), configs,
-                                  bias=_optional(layer, B2), apply_routing_weights=routing_weights_in_epilogue,
+                                  bias=optional_ref(layer, B2), apply_routing_weights=routing_weights_in_epilogue,
                                   out_dtype=out),
         ]
         return stages

@@ -168,6 +168,32 @@ class Experts(Role):
         ``dispatch``: the dispatch dtype, ``None`` for the layer's float dtype)."""
 
 
+class TorchExperts(Experts):
+    """Base of the torch experts: the reference stages, on either expert-grouped layout."""
+
+    backend: ClassVar[Backend] = Backend.TORCH
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
+
+
+class TritonExperts(Experts):
+    """Base of the triton experts: fused kernels on block-aligned rows, whose quantization before the
+    dispatch runs on the device where a kernel computes it."""
+
+    backend: ClassVar[Backend] = Backend.TRITON
+    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.BLOCK_ALIGNED})
+
+    @classmethod
+    def quantize_stage(cls, config: LayerConfig) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
+        return on_the_device(super().quantize_stage(config))
+
+    @staticmethod
+    def launch_table(configs: Optional[ConfigTable]) -> ConfigTable:
+        """The launch table shared with the block-aligned dispatch (the GEMMs must align alike)."""
+        if configs is None:
+            raise ValueError("the triton expert stages need the ConfigTable of the dispatch")
+        return configs
+
+
 class Dispatcher(Role):
     """Builds the dispatch stage and the combine that takes its rows home."""
 
@@ -191,13 +217,11 @@ class Dispatcher(Role):
         a dispatcher that spans the experts returns its one fused stage and ``None``."""
 
 
-class MethodOwnExperts(Experts):
+class MethodOwnExperts(TorchExperts):
     """A quant method written outside moeforge that builds its own expert stages (it overrides
     :meth:`~moeforge.QuantMethod.expert_stages`): its torch stages, on either expert-grouped layout."""
 
-    backend: ClassVar[Backend] = Backend.TORCH
     method: ClassVar[type[Any]] = object
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED, Layout.EXPERT_PADDED})
 
     @classmethod
     def supports(cls, config: LayerConfig) -> Optional[str]:
