@@ -60,33 +60,34 @@ class AlignedDispatcher(_Local):
         return AlignDispatch(config.num_experts, configs), combine_for(layout, config)
 
 
-class SortedDispatcher(_Local):
-    """:class:`~moeforge.stages.dispatch.SortedDispatch`: rows sorted by expert, the torch reference."""
+class _TorchLocal(_Local):
+    """A torch dispatch stage of the local tokens (its class: ``stage``) and the combine."""
 
     backend: ClassVar[Backend] = Backend.TORCH
+    stage: ClassVar[type[Any]]
+
+    @classmethod
+    def stages(cls, layer: torch.nn.Module, config: LayerConfig, layout: Layout, configs: Optional[ConfigTable]
+               ) -> tuple[Stage[Any, Any], Optional[Stage[Any, Any]]]:
+        dispatch: Stage[Any, Any] = cls.stage(config.num_experts, apply_routing_weights=config.weights_on_input)
+        return dispatch, combine_for(layout, config)
+
+
+class SortedDispatcher(_TorchLocal):
+    """:class:`~moeforge.stages.dispatch.SortedDispatch`: rows sorted by expert, the torch reference."""
+
+    stage: ClassVar[type[Any]] = SortedDispatch
     layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_SORTED})
     keyword: ClassVar[Optional[str]] = "sorted"
 
-    @classmethod
-    def stages(cls, layer: torch.nn.Module, config: LayerConfig, layout: Layout, configs: Optional[ConfigTable]
-               ) -> tuple[Stage[Any, Any], Optional[Stage[Any, Any]]]:
-        dispatch = SortedDispatch(config.num_experts, apply_routing_weights=config.weights_on_input)
-        return dispatch, combine_for(layout, config)
 
-
-class PaddedDispatcher(_Local):
+class PaddedDispatcher(_TorchLocal):
     """:class:`~moeforge.stages.dispatch.PaddedDispatch`: ``[E, capacity, H]`` buffers; on request only."""
 
-    backend: ClassVar[Backend] = Backend.TORCH
+    stage: ClassVar[type[Any]] = PaddedDispatch
     layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.EXPERT_PADDED})
     keyword: ClassVar[Optional[str]] = "padded"
     automatic: ClassVar[bool] = False
-
-    @classmethod
-    def stages(cls, layer: torch.nn.Module, config: LayerConfig, layout: Layout, configs: Optional[ConfigTable]
-               ) -> tuple[Stage[Any, Any], Optional[Stage[Any, Any]]]:
-        dispatch = PaddedDispatch(config.num_experts, apply_routing_weights=config.weights_on_input)
-        return dispatch, combine_for(layout, config)
 
 
 class AllToAllDispatcher(Dispatcher):
