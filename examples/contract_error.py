@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 import moeforge as mf
-from moeforge.spec import FLOAT_DTYPES
+from moeforge.spec import FLOAT_DTYPES, Accepts, GroupListType, PayloadKind, ScaleLayout
+from moeforge.stages import PerTokenQuantizer
 
 E, K, H, I = 8, 2, 64, 32
 W13 = torch.randn(E, 2 * I, H)
@@ -28,10 +29,10 @@ def fp8_dispatch_into_unquantized_gemm() -> Any:
     # unquantized method's, which only reads float rows.
     return mf.Pipeline([
         mf.TopK(E, K),
-        mf.QuantizeTokens(mf.PerTokenQuantizer(mf.DType.FP8_E4M3)),
+        mf.QuantizeTokens(PerTokenQuantizer(mf.DType.FP8_E4M3)),
         mf.SortedDispatch(E),
         mf.GroupedGemm(mf.GemmRole.GATE_UP, W13, accepts_dtypes=FLOAT_DTYPES,
-                       accepts_scales=frozenset({mf.ScaleLayout.NONE})),
+                       accepts_scales=frozenset({ScaleLayout.NONE})),
         mf.Activate(),
         mf.GroupedGemm(mf.GemmRole.DOWN, W2),
         mf.Combine(),
@@ -75,12 +76,12 @@ def scaling_factor_never_applied() -> Any:
 def group_list_convention_mismatch() -> Any:
     # A kernel written for cumulative group lists behind a dispatch that produces counts.
     class CumsumOnlyGemm(mf.GroupedGemm):
-        def accepts(self) -> mf.Accepts:
-            return mf.Accepts(kind=mf.PayloadKind.DISPATCHED, group_list_type=mf.GroupListType.CUMSUM)
+        def accepts(self) -> Accepts:
+            return Accepts(kind=PayloadKind.DISPATCHED, group_list_type=GroupListType.CUMSUM)
 
     return mf.Pipeline([
         mf.TopK(E, K),
-        mf.SortedDispatch(E, mf.GroupListType.COUNT),
+        mf.SortedDispatch(E, GroupListType.COUNT),
         CumsumOnlyGemm(mf.GemmRole.GATE_UP, W13),
     ], SPEC)
 

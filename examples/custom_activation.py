@@ -1,7 +1,7 @@
 """A custom activation stage: SwiGLU with a learned per-expert scale, swapped into a layer.
 
 ``y = scale[e] * silu(gate) * up`` for rows of expert ``e``. The scale is a parameter the layer
-owns; the stage refers to it by name (``mf.ParamRef``), so ``layer.to(...)`` or
+owns; the stage refers to it by name (``ParamRef``), so ``layer.to(...)`` or
 ``load_state_dict`` are seen by the next call. The stage works on both expert-grouped layouts.
 
 Run it: ``python examples/custom_activation.py``.
@@ -15,45 +15,54 @@ import torch
 import torch.nn.functional as F
 
 import moeforge as mf
-from moeforge.spec import FLOAT_DTYPES
-from moeforge.stages import select_experts
+from moeforge.spec import FLOAT_DTYPES, Accepts, PayloadKind, ScaleLayout, Spec
+from moeforge.stages import (
+    Activations,
+    ExpertRows,
+    Mismatch,
+    ParamRef,
+    SortedRows,
+    Stage,
+    StageKind,
+    select_experts,
+)
 from moeforge.testing import assert_stage_honours_contract
 
 
-class ScaledSwiGLU(mf.Stage[mf.ExpertRows, mf.ExpertRows]):
+class ScaledSwiGLU(Stage[ExpertRows, ExpertRows]):
     """``[R, 2I]`` gate|up rows -> ``[R, I]``, each row scaled by its expert's learned scale."""
 
-    kinds: ClassVar = (mf.StageKind.ACTIVATION,)
+    kinds: ClassVar = (StageKind.ACTIVATION,)
 
-    def __init__(self, scale: mf.ParamRef) -> None:
+    def __init__(self, scale: ParamRef) -> None:
         self.scale = scale
 
-    def accepts(self) -> mf.Accepts:
+    def accepts(self) -> Accepts:
         # After the first GEMM, unquantized, for exactly as many experts as we have scales.
-        return mf.Accepts(kind=mf.PayloadKind.EXPERT_HIDDEN, dtype=FLOAT_DTYPES,
-                          scale_layout=mf.ScaleLayout.NONE, num_experts=self.scale.get().shape[0])
+        return Accepts(kind=PayloadKind.EXPERT_HIDDEN, dtype=FLOAT_DTYPES,
+                          scale_layout=ScaleLayout.NONE, num_experts=self.scale.get().shape[0])
 
-    def check(self, spec: mf.Spec) -> list[mf.Mismatch]:
+    def check(self, spec: Spec) -> list[Mismatch]:
         # A constraint that a set of allowed values cannot say: the width must split into gate | up.
         found = super().check(spec)
         if spec.width % 2:
-            found.append(mf.Mismatch("width", spec.width, "an even width",
+            found.append(Mismatch("width", spec.width, "an even width",
                                      "the first GEMM must produce 2 * intermediate (gate and up)"))
         return found
 
-    def output_spec(self, spec: mf.Spec) -> mf.Spec:
+    def output_spec(self, spec: Spec) -> Spec:
         return spec.evolve(width=spec.width // 2)  # same kind, layout and dtype, half the width
 
-    def __call__(self, x: mf.ExpertRows) -> mf.ExpertRows:
+    def __call__(self, x: ExpertRows) -> ExpertRows:
         data = x.x.data.float()
         gate, up = data.chunk(2, dim=-1)
         scale = self.scale.get().float()
-        if isinstance(x, mf.SortedRows):  # rows grouped by expert: repeat each scale per row
+        if isinstance(x, SortedRows):  # rows grouped by expert: repeat each scale per row
             row_scale = scale.repeat_interleave(x.counts(), output_size=data.shape[0])[:, None]
         else:  # padded [E, C, W]: one scale per expert buffer
             row_scale = scale[:, None, None]
         y = F.silu(gate) * up * row_scale
-        return x.with_x(mf.Activations(y.to(x.x.data.dtype)))
+        return x.with_x(Activations(y.to(x.x.data.dtype)))
 
 
 def reference(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -79,7 +88,7 @@ def main() -> None:
                             dtype=torch.float32, environ={})
         # The learned scale: one per expert, owned (and saved, and moved) by the layer.
         layer.register_parameter("act_scale", torch.nn.Parameter(torch.rand(num_experts) + 0.5))
-        activation = ScaledSwiGLU(mf.ParamRef(layer, "act_scale"))
+        activation = ScaledSwiGLU(ParamRef(layer, "act_scale"))
 
         # Replace the built-in activation by name; the pipeline is validated again.
         layer.replace_stage("Activate", activation)
@@ -104,7 +113,7 @@ def main() -> None:
                         activation=mf.ActivationConfig(mf.ActivationKind.RELU2))
     plain.register_parameter("act_scale", torch.nn.Parameter(torch.ones(num_experts)))
     try:
-        plain.replace_stage("Activate", ScaledSwiGLU(mf.ParamRef(plain, "act_scale")))
+        plain.replace_stage("Activate", ScaledSwiGLU(ParamRef(plain, "act_scale")))
     except mf.ContractError as error:
         print(f"\nrejected at build time:\n{error}")
     else:

@@ -15,17 +15,19 @@ import torch
 
 import moeforge as mf
 from moeforge.reference import layer_reference
+from moeforge.spec import Accepts, PayloadKind, ScalingFactor, Spec
+from moeforge.stages import Activations, RoutedTokens, Stage, StageKind, TopKOutput
 from moeforge.stages.activation import apply_activation
 from moeforge.testing import assert_stage_honours_contract, check_token_permutation_equivariance
 
 
-class HashRouting(mf.Stage[mf.MoEInput, mf.RoutedTokens]):
+class HashRouting(Stage[mf.MoEInput, RoutedTokens]):
     """Token ``t`` goes to experts ``h(t), h(t) + 1, ..., h(t) + k - 1`` (mod E), each with weight 1/k.
 
     A stage declares three things: what it accepts, what it produces, and how to run.
     """
 
-    kinds: ClassVar = (mf.StageKind.TOPK,)
+    kinds: ClassVar = (StageKind.TOPK,)
 
     def __init__(self, num_experts: int, top_k: int) -> None:
         if not 1 <= top_k <= num_experts:
@@ -38,21 +40,21 @@ class HashRouting(mf.Stage[mf.MoEInput, mf.RoutedTokens]):
 
     # 1. What it accepts: the pipeline input, for our number of experts. The pipeline compares this
     #    with what the previous stage produces when it is *built*.
-    def accepts(self) -> mf.Accepts:
-        return mf.Accepts(kind=mf.PayloadKind.TOKENS, num_experts=self.num_experts)
+    def accepts(self) -> Accepts:
+        return Accepts(kind=PayloadKind.TOKENS, num_experts=self.num_experts)
 
     # 2. What it produces: routed tokens with k experts each; the weights are not applied yet (the
     #    combine applies them) and there is no routed scaling factor.
-    def output_spec(self, spec: mf.Spec) -> mf.Spec:
-        return spec.evolve(kind=mf.PayloadKind.ROUTED, top_k=self.top_k,
+    def output_spec(self, spec: Spec) -> Spec:
+        return spec.evolve(kind=PayloadKind.ROUTED, top_k=self.top_k,
                            routing_weights=mf.RoutingWeights.PENDING,
-                           scaling_factor=mf.ScalingFactor.NONE)
+                           scaling_factor=ScalingFactor.NONE)
 
     # 3. How to run: fp32 weights [T, k] and int32 ids [T, k], distinct per token.
-    def __call__(self, x: mf.MoEInput) -> mf.RoutedTokens:
+    def __call__(self, x: mf.MoEInput) -> RoutedTokens:
         ids = self.expert_ids(x.hidden_states)
         weights = torch.full(ids.shape, 1.0 / self.top_k, dtype=torch.float32, device=ids.device)
-        return mf.RoutedTokens(x=mf.Activations(x.hidden_states), topk=mf.TopKOutput(weights, ids))
+        return RoutedTokens(x=Activations(x.hidden_states), topk=TopKOutput(weights, ids))
 
     def expert_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # A multiplicative hash of the token's bytes (any dtype). Viewing [T, H] as bytes gives

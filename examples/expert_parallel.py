@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import moeforge as mf
 from moeforge.distributed import AllToAllDispatch, ExpertParallel, LowLatencyDispatch, shard_state_dict
+from moeforge.stages import ParamRef, PerGroupQuantizer, Stage
 
 
 def main() -> None:
@@ -51,13 +52,13 @@ def main() -> None:
 
     # FP8 on the wire: quantize per 128-group before the dispatch; the expert GEMMs dequantize.
     dispatch = AllToAllDispatch(ep)
-    stages: list[mf.Stage] = [  # type: ignore[type-arg]
-        mf.TopK(sizes["num_experts"], sizes["top_k"], layer.routing, mf.ParamRef(layer, "e_score_correction_bias")),
-        mf.QuantizeTokens(mf.PerGroupQuantizer()),
+    stages: list[Stage] = [  # type: ignore[type-arg]
+        mf.TopK(sizes["num_experts"], sizes["top_k"], layer.routing, ParamRef(layer, "e_score_correction_bias")),
+        mf.QuantizeTokens(PerGroupQuantizer()),
         dispatch,
-        mf.GroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(layer, "w13_weight"), out_dtype=mf.DType.FP32),
+        mf.GroupedGemm(mf.GemmRole.GATE_UP, ParamRef(layer, "w13_weight"), out_dtype=mf.DType.FP32),
         mf.Activate(layer.activation),
-        mf.GroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(layer, "w2_weight")),
+        mf.GroupedGemm(mf.GemmRole.DOWN, ParamRef(layer, "w2_weight")),
         dispatch.combine_stage(routed_scaling_factor=None, out_dtype=mf.DType.FP32),
     ]
     fp8 = mf.Pipeline(stages, mf.input_spec(sizes["hidden_size"], torch.float32, sizes["num_experts"]))

@@ -97,20 +97,23 @@ from moeforge import checkpoint as checkpoint, families as families
 
 __version__ = "0.1.0"
 
+# The user's API: building, configuring and running layers and pipelines, the quant methods, the
+# errors. The stage-authoring kit (the Stage interface, payloads, specs, every built-in stage) lives in
+# moeforge.stages and moeforge.spec; the names above that are not listed here stay importable from
+# moeforge for code written against 0.1 (type checkers treat them as not exported).
 __all__ = [
-    "AlignDispatch", "AlignedCombine", "AlignedRows", "FusedGroupedGemm", "TritonTopK",
-    "Accepts", "Activate", "ActivationConfig", "ActivationKind", "Activations", "Backend",
-    "BackendUnavailableError", "Cast", "CheckpointError", "CheckpointFormat", "Mxfp4Method", "Nvfp4Method",
-    "Nvfp4Quantizer", "W4A16Method", "W4A4NpuMethod", "ActivationScales", "Fp8W8A8Method", "Int8W8A8Method",
-    "WeightScales", "Chain", "Combine", "ContractError", "CustomTopK",
-    "DType", "DeviceDispatchSupport", "DispatchDecision", "DispatchDtype", "DispatchDtypeError",
-    "DispatchRule", "ENV_VAR", "ExpertIds", "ExpertRows", "GateUpLayout", "GemmRole", "GroupListType",
-    "GroupScore", "GroupedGemm", "InputError", "MissingPackageError", "PresetError", "Layout", "Mismatch", "MoEForgeError", "MoEInput",
-    "MoELayer", "MoEOutput", "Overflow", "PaddedDispatch", "PaddedRows", "ParamRef",
-    "PayloadError", "PayloadKind", "PerGroupQuantizer", "PerTensorQuantizer", "PerTokenQuantizer", "Pipeline",
-    "QuantMethod", "QuantizeRows", "QuantizeTokens", "RoutedTokens", "RoutingConfig",
-    "RoutingWeights", "ScaleLayout", "ScalingFactor", "ScoreOrder", "Scoring", "SharedExperts",
-    "SharedExpertsConfig", "SharedGate", "SortedDispatch", "SortedRows", "Spec",
-    "Stage", "StageKind", "TopK", "TopKOutput", "UnquantizedMethod", "chain", "input_spec",
-    "resolve_dispatch_dtype",
+    # layers and their configuration
+    "MoELayer", "RoutingConfig", "Scoring", "ScoreOrder", "GroupScore", "RoutingWeights", "ActivationConfig",
+    "ActivationKind", "GateUpLayout", "SharedExpertsConfig", "SharedGate", "Backend", "DispatchDtype", "DType",
+    # weight formats
+    "QuantMethod", "UnquantizedMethod", "Fp8W8A8Method", "Int8W8A8Method", "W4A16Method", "Mxfp4Method",
+    "Nvfp4Method", "W4A4NpuMethod",
+    # pipelines composed by hand
+    "Pipeline", "chain", "input_spec", "MoEInput", "MoEOutput", "TopK", "CustomTopK", "SortedDispatch",
+    "PaddedDispatch", "GroupedGemm", "GemmRole", "Activate", "Combine", "QuantizeTokens",
+    # errors
+    "MoEForgeError", "ContractError", "InputError", "PayloadError", "BackendUnavailableError", "CheckpointError",
+    "DispatchDtypeError", "MissingPackageError", "PresetError",
+    # submodules
+    "checkpoint", "families",
 ]

@@ -14,6 +14,12 @@ import attrs
 import torch
 
 
+__all__ = [
+    "Accepts", "DType", "Exchange", "ExpertIds", "FLOAT_DTYPES", "GroupListType", "Layout", "PayloadKind",
+    "RoutingWeights", "SCALES_OF", "ScaleLayout", "ScalingFactor", "Spec", "input_spec",
+]
+
+
 class PayloadKind(enum.Enum):
     """What a payload is, in the order the forward produces them."""
 

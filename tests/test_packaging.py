@@ -123,3 +123,18 @@ def test_import_moeforge_reaches_families_and_checkpoint_without_optional_packag
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["moeforge.families.deepseek_v3 load_weights", "[]"], done.stdout
+
+
+def test_the_public_api_is_the_users_and_the_authoring_kit_lives_in_submodules() -> None:
+    import moeforge
+    import moeforge.spec
+    import moeforge.stages
+
+    assert len(moeforge.__all__) <= 50, "moeforge.__all__ is the user's API, not every class"
+    for module in (moeforge, moeforge.stages, moeforge.spec):
+        missing = [name for name in module.__all__ if not hasattr(module, name)]
+        assert not missing, f"{module.__name__}.__all__ names what it does not define: {missing}"
+    kit = {"Stage", "StageKind", "Mismatch", "ParamRef", "Activations", "ExpertRows", "RoutedTokens", "TopKOutput",
+           "SortedRows", "PaddedRows", "AlignedRows", "Plan", "PerTokenQuantizer", "QuantizeRows"}
+    assert kit <= set(moeforge.stages.__all__) and not kit & set(moeforge.__all__)
+    assert {"Spec", "Accepts", "PayloadKind", "Layout", "ScaleLayout", "ScalingFactor"} <= set(moeforge.spec.__all__)

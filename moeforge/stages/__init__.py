@@ -1,4 +1,22 @@
-"""Built-in stages, one module per stage kind (``triton`` / ``triton_quant``: the triton backend's stages)."""
+"""The stage-authoring kit: the built-in stages (one module per stage kind; ``triton`` /
+``triton_quant``: the triton backend's), the :class:`Stage` interface, and the payloads stages pass
+each other. What a stage declares it accepts and produces is in :mod:`moeforge.spec`."""
+
+from moeforge.payloads import (
+    Activations,
+    AlignedRows,
+    BlockAlignment,
+    ExpertRows,
+    MoEInput,
+    MoEOutput,
+    PaddedRows,
+    Plan,
+    RoutedTokens,
+    SortedRows,
+    TopKOutput,
+)
+from moeforge.stage import Mismatch, Stage, StageKind
+from moeforge.tensor_ref import ParamRef, optional_ref
 
 from moeforge.stages.activation import (
     Activate,
@@ -41,6 +59,9 @@ from moeforge.stages.topk import (
 )
 
 __all__ = [
+    "Stage", "StageKind", "Mismatch", "ParamRef", "optional_ref",
+    "Activations", "AlignedRows", "BlockAlignment", "ExpertRows", "MoEInput", "MoEOutput", "PaddedRows", "Plan",
+    "RoutedTokens", "SortedRows", "TopKOutput",
     "Activate", "ActivationConfig", "ActivationKind", "GateUpLayout", "apply_activation",
     "ActivateQuantize",
     "AlignDispatch", "AlignedCombine", "FusedGroupedGemm", "TritonTopK",
