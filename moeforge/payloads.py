@@ -84,19 +84,27 @@ class Activations:
             raise _fail(f"{where}.scale", None, layout.value)
         scale = _tensor(self.scale, f"{where}.scale")
         _expect(scale.device == data.device, f"{where}.scale device", scale.device, data.device)
-        lead = tuple(data.shape[:-1])
-        expected: tuple[int, ...]
-        if layout is ScaleLayout.PER_TOKEN:
-            expected = lead + (1,)
-        elif layout is ScaleLayout.PER_GROUP_128:
-            expected = lead + (spec.width // GROUP_SIZE,)
-        elif layout is ScaleLayout.PER_TENSOR:
-            expected = (1,)
-        else:
-            expected = lead + (spec.width // 16,)
+        expected = scale_shape(layout, tuple(data.shape[:-1]), spec.width)
         _expect(tuple(scale.shape) == expected, f"{where}.scale shape", tuple(scale.shape), expected)
-        if layout is not ScaleLayout.NVFP4_BLOCK16:
-            _expect(scale.dtype == torch.float32, f"{where}.scale dtype", scale.dtype, "float32")
+        _expect(scale.dtype == scale_dtype(layout), f"{where}.scale dtype", scale.dtype, scale_dtype(layout))
+
+
+def scale_shape(layout: ScaleLayout, lead: tuple[int, ...], width: int) -> tuple[int, ...]:
+    """The shape of the scales of activations ``[*lead, width]`` (``width`` unpacked) in ``layout``."""
+    if layout is ScaleLayout.PER_TOKEN:
+        return lead + (1,)
+    if layout is ScaleLayout.PER_GROUP_128:
+        return lead + (width // GROUP_SIZE,)
+    if layout is ScaleLayout.PER_TENSOR:
+        return (1,)
+    if layout is ScaleLayout.NVFP4_BLOCK16:
+        return lead + (width // 16,)
+    raise ValueError(f"{layout.value} activations carry no scales")
+
+
+def scale_dtype(layout: ScaleLayout) -> torch.dtype:
+    """The dtype of the scales in ``layout``: e4m3 for NVFP4's 16-element blocks, fp32 otherwise."""
+    return torch.float8_e4m3fn if layout is ScaleLayout.NVFP4_BLOCK16 else torch.float32
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -77,28 +77,49 @@ def test_layer_weights_follow_the_activation() -> None:
 
 
 def test_quant_method_missing_abstract_methods_cannot_be_instantiated() -> None:
-    # expert_stages has a default (the selector's experts for the method); a method may override it.
-    assert {"create_weights", "apply_without_routing_weights"} <= set(mf.QuantMethod.__abstractmethods__)
-
-    class NoApply(mf.QuantMethod):
-        accepts: ClassVar[frozenset[mf.DType]] = FLOAT_DTYPES
-        accepts_scales: ClassVar[frozenset[mf.ScaleLayout]] = frozenset({mf.ScaleLayout.NONE})
-
-        def create_weights(self, layer: torch.nn.Module, **kwargs: Any) -> None:
-            pass
-
-        def expert_stages(self, layer: torch.nn.Module, **kwargs: Any) -> list[mf.Stage[Any, Any]]:
-            return []
+    # expert_stages has a default (the selector's experts for the method) and apply_without_routing_weights
+    # one (those stages, run without routing weights); only the weights are the method's to define.
+    assert set(mf.QuantMethod.__abstractmethods__) == {"create_weights"}
 
     class NothingAtAll(mf.QuantMethod):
         pass
 
-    with pytest.raises(TypeError, match="apply_without_routing_weights"):
-        NoApply()  # type: ignore[abstract]
     with pytest.raises(TypeError, match="create_weights"):
         NothingAtAll()  # type: ignore[abstract]
     with pytest.raises(TypeError):
         mf.QuantMethod()  # type: ignore[abstract]
+
+
+class OwnStagesMethod(mf.QuantMethod):
+    """A method written outside moeforge: its weights and its own torch expert stages, nothing else."""
+
+    accepts: ClassVar[frozenset[mf.DType]] = FLOAT_DTYPES
+    accepts_scales: ClassVar[frozenset[mf.ScaleLayout]] = frozenset({mf.ScaleLayout.NONE})
+    expert_parameters: ClassVar[tuple[str, ...]] = ("gate_up", "down")
+
+    def create_weights(self, layer: torch.nn.Module, *, num_experts: int, hidden_size: int,
+                       intermediate_size: int, gated: bool, bias: bool, dtype: torch.dtype,
+                       device: Any) -> None:
+        gate_up = 2 * intermediate_size if gated else intermediate_size
+        layer.register_parameter("gate_up", torch.nn.Parameter(
+            torch.randn(num_experts, gate_up, hidden_size, dtype=dtype, device=device) / hidden_size ** 0.5))
+        layer.register_parameter("down", torch.nn.Parameter(
+            torch.randn(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device)
+            / intermediate_size ** 0.5))
+
+    def expert_stages(self, layer: torch.nn.Module, *, activation: mf.ActivationConfig,
+                      routing_weights_in_epilogue: bool, **kwargs: Any) -> list[mf.Stage[Any, Any]]:
+        return [
+            mf.stages.GroupedGemm(mf.stages.GemmRole.GATE_UP, getattr(layer, "gate_up")),
+            mf.stages.Activate(activation),
+            mf.stages.GroupedGemm(mf.stages.GemmRole.DOWN, getattr(layer, "down"),
+                                  apply_routing_weights=routing_weights_in_epilogue),
+        ]
+
+
+class NoStagesMethod(OwnStagesMethod):
+    def expert_stages(self, layer: torch.nn.Module, **kwargs: Any) -> list[mf.Stage[Any, Any]]:
+        return []
 
 
 # -- apply_without_routing_weights == the full forward ------------------------------------------------
@@ -185,6 +206,40 @@ def test_apply_without_routing_weights_on_padded_rows_equals_the_forward(bias: b
         out = _combine(layer, rows, expert_out)
         torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-6)
         assert _rel(out, layer_reference(layer, x)) < 1e-5
+
+
+@pytest.mark.parametrize("dispatcher", ["sorted", "padded"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_a_method_with_its_own_stages_gets_apply_without_routing_weights_from_them(
+    dispatcher: str, out_dtype: torch.dtype,
+) -> None:
+    """The base class runs the method's own torch expert stages: a method that defines only its weights
+    and stages answers expert-grouped callers with what the layer's forward computes."""
+    layer = mf.MoELayer(E, K, H, I, dtype=torch.float32, environ={}, quant=OwnStagesMethod(),
+                        dispatcher=dispatcher)
+    x = torch.randn(24, H, generator=torch.Generator().manual_seed(9))
+    rows = _dispatched(layer, x)
+    group_list = rows.group_list if isinstance(rows, SortedRows) else rows.masked_m  # type: ignore[attr-defined]
+    expert_out = layer.quant.apply_without_routing_weights(layer, rows.x.data, None, 1, group_list, out_dtype)
+    assert expert_out.shape == rows.x.data.shape and expert_out.dtype == out_dtype
+    out = _combine(layer, rows, expert_out.float())
+    tol = dict(rtol=1e-5, atol=1e-6) if out_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, layer(x), **tol)  # type: ignore[arg-type]
+
+
+def test_a_method_whose_stages_hold_no_gemm_must_override_apply() -> None:
+    layer = mf.MoELayer(E, K, H, I, dtype=torch.float32, environ={}, quant=OwnStagesMethod())
+    with pytest.raises(TypeError, match="override apply_without_routing_weights"):
+        NoStagesMethod().apply_without_routing_weights(layer, torch.randn(16, H), None, 1,
+                                                       torch.full((E,), 2, dtype=torch.int64), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64])
+def test_apply_rejects_an_output_dtype_that_is_not_float(layer: mf.MoELayer, dtype: torch.dtype) -> None:
+    with pytest.raises(mf.InputError, match="output_dtype"):
+        layer.quant.apply_without_routing_weights(layer, torch.randn(16, H), None, 1,
+                                                  torch.full((E,), 2, dtype=torch.int64), dtype)
 
 
 @pytest.mark.parametrize("dispatcher", ["sorted", "padded"])

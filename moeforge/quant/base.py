@@ -191,7 +191,6 @@ class QuantMethod(abc.ABC):
             f"{self.name} has no {backend.value} experts (it runs on "
             f"{', '.join(sorted(b.value for b in self.backends))}): use backend='torch'")
 
-    @abc.abstractmethod
     def apply_without_routing_weights(
         self,
         layer: torch.nn.Module,
@@ -204,11 +203,23 @@ class QuantMethod(abc.ABC):
         """GEMM -> activation -> GEMM on expert-grouped rows, leaving routing weights and
         un-permutation to the caller's combine.
 
-        ``hidden_states`` is ``[R, H]`` with rows grouped by local expert and ``group_list`` (length
-        E) in the ``group_list_type`` convention (0 = cumsum, 1 = counts); or ``[E, C, H]`` (padded)
-        with ``group_list`` = valid rows per expert (``group_list_type`` must be 1). Returns
-        ``[R, H]`` (or ``[E, C, H]``) in ``output_dtype``.
+        ``hidden_states`` is ``[R, W]`` with rows grouped by local expert and ``group_list`` (length
+        E) in the ``group_list_type`` convention (0 = cumsum, 1 = counts); or ``[E, C, W]`` (padded)
+        with ``group_list`` = valid rows per expert (``group_list_type`` must be 1). Float rows come
+        without a scale (a method that computes in a quantized format quantizes them as its experts
+        do after a float dispatch); rows in one of the method's quantized formats come with the scale
+        its quantizer produces (NVFP4: packed ``[..., H // 2]``). Returns the rows' shape (width H) in
+        ``output_dtype``.
+
+        Implemented once, here: the method's own torch expert stages
+        (:meth:`expert_stages` for ``Backend.TORCH``), checked and run without routing weights
+        (:func:`moeforge.quant.expert_grouped.apply_expert_stages`), so it computes what the layer's
+        forward computes. Override it only for a fused kernel of the method's own (W4A4 on NPUs).
         """
+        from moeforge.quant.expert_grouped import apply_expert_stages
+
+        return apply_expert_stages(self, layer, hidden_states, hidden_states_scale, group_list_type, group_list,
+                                   output_dtype)
 
 
 def expert_shapes(num_experts: int, hidden_size: int, intermediate_size: int,
@@ -248,15 +259,6 @@ def group_list_type_arg(value: object) -> GroupListType:
         return GroupListType.parse(value)
     except ValueError as error:
         raise InputError(str(error)) from None
-
-
-def check_float_hidden_states(method: str, hidden_states: torch.Tensor,
-                              hidden_states_scale: Optional[torch.Tensor]) -> None:
-    """``apply_without_routing_weights`` of a method that takes float rows: no scale, a float dtype."""
-    if hidden_states_scale is not None:
-        raise InputError(f"hidden_states_scale must be None: {method} takes float activations")
-    if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise InputError(f"hidden_states must be bf16/fp16/fp32, got {hidden_states.dtype}")
 
 
 def check_expert_groups(

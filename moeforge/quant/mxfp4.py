@@ -30,15 +30,13 @@ import torch
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, held_experts, register_expert_biases
+from moeforge.quant.base import QuantMethod, expert_shapes, held_experts, register_expert_biases
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import (
     EmulatedGroupedGemm,
-    optional_tensor,
-    emulated_expert_mlp,
 )
 from moeforge.roles.base import TorchExperts
-from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
+from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig
 from moeforge.stages.gemm import GemmRole
@@ -192,25 +190,6 @@ class Mxfp4Method(QuantMethod):
         return found
 
     # -- stages ---------------------------------------------------------------------------------------------
-
-    def apply_without_routing_weights(
-        self,
-        layer: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        hidden_states_scale: Optional[torch.Tensor],
-        group_list_type: Union[GroupListType, int],
-        group_list: torch.Tensor,
-        output_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        check_float_hidden_states("Mxfp4Method", hidden_states, hidden_states_scale)
-        w13, w2 = Mxfp4WeightRef(layer, "w13"), Mxfp4WeightRef(layer, "w2")
-        num_experts, _, hidden_size = w13.shape
-        counts = check_expert_groups(hidden_states, group_list_type, group_list, num_experts, hidden_size)
-        config: ActivationConfig = getattr(layer, "activation")
-        return emulated_expert_mlp(hidden_states, counts, w13.dequantize(), optional_tensor(layer, B13),
-                                   w2.dequantize(), optional_tensor(layer, B2), config, hidden_states.dtype,
-                                   output_dtype)
-
 
 # -- its experts --------------------------------------------------------------------------------------
 

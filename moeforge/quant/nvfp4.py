@@ -37,8 +37,7 @@ Activations after dispatch: float (bf16/fp16/fp32), or NVFP4 (``DType.NVFP4``,
 * The second GEMM's input (the activation output) stays in the layer's dtype: there is no static
   scale for it in this config.
 
-The GEMM stage (:class:`EmulatedGroupedGemm`) and :func:`emulated_expert_mlp` are shared with
-:mod:`moeforge.quant.mxfp4`.
+The GEMM stage (:class:`EmulatedGroupedGemm`) is shared with :mod:`moeforge.quant.mxfp4`.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
-from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.quant.fp4 import (
     NVFP4_BLOCK,
     dequantize_nvfp4,
@@ -63,10 +62,10 @@ from moeforge.quant.fp4 import (
     quantize_nvfp4,
 )
 from moeforge.roles.base import TorchExperts
-from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, ScaleLayout, Spec
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
-from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
-from moeforge.stages.gemm import GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.activation import Activate, ActivationConfig
+from moeforge.stages.gemm import GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm
 from moeforge.stages.quantize import QuantizeTokens, Quantizer
 from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
 
@@ -88,28 +87,6 @@ class DequantizableWeight(Protocol):
     def shape(self) -> tuple[int, int, int]: ...
 
     def dequantize(self) -> torch.Tensor: ...
-
-
-def emulated_expert_mlp(
-    values: torch.Tensor,
-    counts: Optional[torch.Tensor],
-    w13: torch.Tensor,
-    b13: Optional[torch.Tensor],
-    w2: torch.Tensor,
-    b2: Optional[torch.Tensor],
-    activation: ActivationConfig,
-    mid_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """GEMM -> activation -> GEMM on float expert-grouped rows with dequantized (fp32) weights; the
-    intermediates are rounded to ``mid_dtype`` as the pipeline's stages round them."""
-    if counts is None:
-        hidden = grouped_gemm_padded(Activations(values), w13, b13, None, mid_dtype)
-        activated = apply_activation(hidden, activation).to(mid_dtype)
-        return grouped_gemm_padded(Activations(activated), w2, b2, None, out_dtype)
-    hidden = grouped_gemm_sorted(Activations(values), counts, w13, b13, None, mid_dtype)
-    activated = apply_activation(hidden, activation).to(mid_dtype)
-    return grouped_gemm_sorted(Activations(activated), counts, w2, b2, None, out_dtype)
 
 
 def compute_dtype(layer: torch.nn.Module) -> DType:
@@ -388,50 +365,6 @@ class Nvfp4Method(QuantMethod):
         if dispatch is DispatchDtype.NVFP4:
             return QuantizeTokens(Nvfp4Quantizer(self._require_scale()))
         return super().quantize_stage(dispatch, compute)
-
-    def apply_without_routing_weights(
-        self,
-        layer: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        hidden_states_scale: Optional[torch.Tensor],
-        group_list_type: Union[GroupListType, int],
-        group_list: torch.Tensor,
-        output_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """Float rows ``[R, H]`` / ``[E, C, H]`` (``hidden_states_scale=None``), or NVFP4 rows: uint8
-        ``[R, H // 2]`` / ``[E, C, H // 2]`` with e4m3 ``hidden_states_scale [..., H // 16]`` and the
-        method's ``input_global_scale``."""
-        w13, w2 = Nvfp4WeightRef(layer, "w13"), Nvfp4WeightRef(layer, "w2")
-        num_experts, _, hidden_size = w13.shape
-        nvfp4 = hidden_states.dtype == torch.uint8
-        if nvfp4:
-            if self.input_global_scale is None:
-                raise InputError("NVFP4 hidden_states need the method's input_global_scale: build "
-                                 "Nvfp4Method(input_global_scale=...)")
-        elif hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InputError(f"hidden_states must be bf16/fp16/fp32, or uint8 (packed NVFP4), got "
-                             f"{hidden_states.dtype}")
-        elif hidden_states_scale is not None:
-            raise InputError("hidden_states_scale must be None for float hidden_states")
-        counts = check_expert_groups(hidden_states, group_list_type, group_list, num_experts,
-                                     hidden_size // 2 if nvfp4 else hidden_size)
-        if nvfp4:
-            assert self.input_global_scale is not None
-            want = tuple(hidden_states.shape[:-1]) + (hidden_size // NVFP4_BLOCK,)
-            if (hidden_states_scale is None or hidden_states_scale.dtype != torch.float8_e4m3fn
-                    or tuple(hidden_states_scale.shape) != want):
-                have = None if hidden_states_scale is None else (
-                    tuple(hidden_states_scale.shape), hidden_states_scale.dtype)
-                raise InputError(f"hidden_states_scale must be float8_e4m3fn of shape {list(want)} for NVFP4 "
-                                 f"hidden_states, got {have}")
-            values = dequantize_nvfp4(hidden_states, hidden_states_scale, self.input_global_scale)
-            mid_dtype = output_dtype
-        else:
-            values, mid_dtype = hidden_states, hidden_states.dtype
-        config: ActivationConfig = getattr(layer, "activation")
-        return emulated_expert_mlp(values, counts, w13.dequantize(), optional_tensor(layer, B13),
-                                   w2.dequantize(), optional_tensor(layer, B2), config, mid_dtype, output_dtype)
-
 
 def optional_tensor(layer: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
     value = getattr(layer, name, None)

@@ -8,13 +8,12 @@ import torch
 
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.kernels.config import ConfigTable
-from moeforge.payloads import Activations
 from moeforge.roles.base import TorchExperts, TritonExperts
-from moeforge.spec import FLOAT_DTYPES, DType, GroupListType, ScaleLayout
+from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stage import Stage
-from moeforge.stages.activation import Activate, ActivationConfig, apply_activation
-from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
-from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, register_expert_biases
+from moeforge.stages.activation import Activate, ActivationConfig
+from moeforge.stages.gemm import GemmRole, GroupedGemm
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.tensor_ref import ParamRef, optional_ref
 
 W13, W2, B13, B2 = "w13_weight", "w2_weight", "w13_bias", "w2_bias"
@@ -48,30 +47,6 @@ class UnquantizedMethod(QuantMethod):
             weight = torch.empty(shape, dtype=torch.float32, device=device).normal_(std=shape[-1] ** -0.5)
             layer.register_parameter(name, torch.nn.Parameter(weight.to(dtype)))
         register_expert_biases(layer, shapes, bias, dtype, device)
-
-    def apply_without_routing_weights(
-        self,
-        layer: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        hidden_states_scale: Optional[torch.Tensor],
-        group_list_type: Union[GroupListType, int],
-        group_list: torch.Tensor,
-        output_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        check_float_hidden_states("UnquantizedMethod", hidden_states, hidden_states_scale)
-        w13, w2 = getattr(layer, W13), getattr(layer, W2)
-        b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
-        counts = check_expert_groups(hidden_states, group_list_type, group_list, w13.shape[0], w13.shape[2])
-        config: ActivationConfig = getattr(layer, "activation")
-        # Intermediates are rounded to the activations' dtype, as the pipeline's stages do.
-        if counts is None:
-            hidden = grouped_gemm_padded(Activations(hidden_states), w13, b13, None, hidden_states.dtype)
-            activated = apply_activation(hidden, config).to(hidden_states.dtype)
-            return grouped_gemm_padded(Activations(activated), w2, b2, None, output_dtype)
-        hidden = grouped_gemm_sorted(Activations(hidden_states), counts, w13, b13, None, hidden_states.dtype)
-        activated = apply_activation(hidden, config).to(hidden_states.dtype)
-        return grouped_gemm_sorted(Activations(activated), counts, w2, b2, None, output_dtype)
-
 
 # -- its experts -------------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from moeforge.errors import CheckpointError, InputError
 from moeforge.expert_naming import per_expert_projections
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows
-from moeforge.quant.base import QuantMethod, check_expert_groups, check_float_hidden_states, expert_shapes, held_experts, register_expert_biases
+from moeforge.quant.base import QuantMethod, expert_shapes, held_experts, register_expert_biases
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
     CheckpointFormat,
@@ -45,9 +45,9 @@ from moeforge.quant.int4_packing import (
     pack_int4,
 )
 from moeforge.roles.base import TorchExperts, TritonExperts
-from moeforge.spec import FLOAT_DTYPES, Accepts, DType, GroupListType, ScaleLayout, Spec
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
-from moeforge.stages.activation import Activate, ActivationConfig, GateUpLayout, apply_activation
+from moeforge.stages.activation import Activate, ActivationConfig, GateUpLayout
 from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
 
@@ -383,32 +383,6 @@ class W4A16Method(QuantMethod):
         return out
 
     # -- stages ------------------------------------------------------------------------------------
-
-    def apply_without_routing_weights(
-        self,
-        layer: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        hidden_states_scale: Optional[torch.Tensor],
-        group_list_type: Union[GroupListType, int],
-        group_list: torch.Tensor,
-        output_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        check_float_hidden_states(self.name, hidden_states, hidden_states_scale)
-        w13, w2 = _weight(layer, "w13"), _weight(layer, "w2")
-        b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
-        counts = check_expert_groups(hidden_states, group_list_type, group_list, int(w13.qweight.shape[0]),
-                                     w13.in_features)
-        config: ActivationConfig = getattr(layer, "activation")
-        dtype = hidden_states.dtype
-        # Intermediates are rounded to the activations' dtype, as the pipeline's stages do.
-        if counts is None:
-            hidden = int4_gemm_padded(hidden_states, w13, b13, None, dtype)
-            activated = apply_activation(hidden, config).to(dtype)
-            return int4_gemm_padded(activated, w2, b2, None, output_dtype)
-        hidden = int4_gemm_sorted(hidden_states, counts, w13, b13, None, dtype)
-        activated = apply_activation(hidden, config).to(dtype)
-        return int4_gemm_sorted(activated, counts, w2, b2, None, output_dtype)
-
 
 # -- helpers ---------------------------------------------------------------------------------------------
 

@@ -28,12 +28,12 @@ from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.expert_naming import per_expert_projections
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
-from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, held_experts, register_expert_biases
+from moeforge.quant.base import QuantMethod, expert_shapes, held_experts, register_expert_biases
 from moeforge.roles.base import TorchExperts, TritonExperts
-from moeforge.spec import Accepts, DType, GroupListType, ScaleLayout, Spec
+from moeforge.spec import Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activate_quantize import ActivateQuantize
-from moeforge.stages.activation import ActivationConfig, GateUpLayout, apply_activation
+from moeforge.stages.activation import ActivationConfig, GateUpLayout
 from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.stages.quantize import PerTokenQuantizer, Quantizer, QuantizeRows, QuantizeTokens
 from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
@@ -352,55 +352,6 @@ class W8A8Method(QuantMethod):
         if dispatch is not self.dispatch_dtype:
             raise self._not_accepted(dispatch)
         return QuantizeTokens(self.activation_quantizer)
-
-    # -- expert-grouped entry point ---------------------------------------------------------------
-
-    def _quantized_input(self, hidden_states: torch.Tensor, scale: Optional[torch.Tensor]) -> Activations:
-        quantizer = self.activation_quantizer
-        if hidden_states.dtype in (torch.bfloat16, torch.float16, torch.float32):
-            if scale is not None:
-                raise InputError("hidden_states_scale must be None for float hidden_states (the method quantizes "
-                                 f"them itself); pass {quantizer.dtype.value} hidden_states with their scale")
-            return quantizer(hidden_states)
-        if hidden_states.dtype != quantizer.dtype.torch_dtype:
-            raise InputError(f"hidden_states must be bf16/fp16/fp32, or {quantizer.dtype.torch_dtype} with a scale "
-                             f"({self.name}), got {hidden_states.dtype}")
-        width = hidden_states.shape[-1]
-        groups = 1 if quantizer.scale_layout is ScaleLayout.PER_TOKEN else width // BLOCK
-        want = (*hidden_states.shape[:-1], groups)
-        if scale is None:
-            raise InputError(f"hidden_states_scale is required with {hidden_states.dtype} hidden_states: fp32 "
-                             f"{want} ({quantizer.scale_layout.value})")
-        if tuple(scale.shape) != want or scale.dtype != torch.float32:
-            raise InputError(f"hidden_states_scale must be fp32 {want} ({quantizer.scale_layout.value}), got "
-                             f"{scale.dtype} {tuple(scale.shape)}")
-        return Activations(hidden_states, scale)
-
-    def apply_without_routing_weights(
-        self,
-        layer: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        hidden_states_scale: Optional[torch.Tensor],
-        group_list_type: Union[GroupListType, int],
-        group_list: torch.Tensor,
-        output_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """GEMM -> activation + quantization -> GEMM on expert-grouped rows, as the pipeline's stages
-        compute it (the first GEMM's output rounded to the layer's dtype). ``hidden_states`` are float
-        (quantized here) or in the method's activation format with ``hidden_states_scale``."""
-        w13, w2 = getattr(layer, W13), getattr(layer, W2)
-        s13, s2 = getattr(layer, S13), getattr(layer, S2)
-        b13, b2 = getattr(layer, B13, None), getattr(layer, B2, None)
-        counts = check_expert_groups(hidden_states, group_list_type, group_list, w13.shape[0], w13.shape[2])
-        x = self._quantized_input(hidden_states, hidden_states_scale)
-        config: ActivationConfig = getattr(layer, "activation")
-        between = layer_dtype(layer)
-        quantizer = self.activation_quantizer
-        if counts is None:
-            hidden = w8a8_gemm_padded(x, w13, s13, b13, None, between)
-            return w8a8_gemm_padded(quantizer(apply_activation(hidden, config)), w2, s2, b2, None, output_dtype)
-        hidden = w8a8_gemm_sorted(x, counts, w13, s13, b13, None, between)
-        return w8a8_gemm_sorted(quantizer(apply_activation(hidden, config)), counts, w2, s2, b2, None, output_dtype)
 
     # -- checkpoints ------------------------------------------------------------------------------
 
