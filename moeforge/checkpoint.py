@@ -6,8 +6,8 @@
 Names are read relative to ``prefix``, the block's module path with its trailing dot
 (``"model.layers.3.mlp."``; ``"model.layers.3.mlp"`` is taken to mean the same when the checkpoint has
 keys under ``"model.layers.3.mlp."``). The experts come in one of three namings (detected by
-:func:`moeforge.expert_naming.detect_naming`, which the quant methods' checkpoint readers share; a mix
-is an error), :class:`ExpertNaming`:
+:func:`moeforge.expert_naming.detect_naming`, which the quantized loop of
+:mod:`moeforge.expert_checkpoint` shares; a mix is an error), :class:`ExpertNaming`:
 
 * ``W1_W3_W2`` — ``experts.{i}.w1.weight`` (gate) and ``w3`` (up) ``[I, H]``, ``w2`` (down) ``[H, I]``:
   Mixtral's original checkpoints (what ``transformers``' ``save_pretrained`` writes for Mixtral);

@@ -25,6 +25,7 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
+from moeforge.expert_checkpoint import Projection
 from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import MoEOutput, RoutedTokens
@@ -108,15 +109,29 @@ class QuantMethod(abc.ABC):
         """The method's expert tensors built from a checkpoint in its own format.
 
         ``tensors`` maps names relative to the block prefix (``"experts.3.gate_proj.weight"``,
-        ``"experts.3.gate_proj.weight_scale_inv"``, ...) to tensors, read lazily. Checkpoints name
-        experts by their global id: an expert-parallel layer reads the experts of its
-        ``expert_range`` (:func:`held_experts`), not ``0 .. local - 1``. Returns, for each of
+        ``"experts.3.gate_proj.weight_scale_inv"``, ...) to tensors, read lazily. Returns, for each of
         ``layer``'s expert tensors (all of them: :func:`moeforge.checkpoint.load_weights` refuses a
         result that leaves one unfilled), the new value (same shape and dtype as the layer's;
-        ``load_weights`` copies them only after every check passed). Raise
-        :class:`~moeforge.errors.CheckpointError` naming the key for a missing or misshapen tensor.
-        Default: this method reads no checkpoint format.
+        ``load_weights`` copies them only after every check passed).
+
+        Default: the per-expert loop of :func:`moeforge.expert_checkpoint.read_per_expert` (naming,
+        the experts an expert-parallel layer holds, gate/up joining, biases, stacking), which asks
+        :meth:`read_projection` for each projection. A method whose checkpoints store the experts
+        otherwise (GPT-OSS's fused MXFP4 tensors) overrides this instead.
         """
+        from moeforge.expert_checkpoint import read_per_expert
+
+        return read_per_expert(self, layer, tensors)
+
+    def read_projection(self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+                        projection: Projection) -> dict[str, torch.Tensor]:
+        """One expert projection's tensors in this method's format: the checkpoint's
+        ``{projection.key}.<suffix>`` tensors turned into the layer's, keyed by the layer's expert
+        tensor names without their ``w13_`` / ``w2_`` prefix (``{"weight": [N, K], "weight_scale":
+        [N]}``), rows first (dim 0 = the projection's output features, or their blocks: the loader
+        joins gate and up rows along it). Biases are the loader's. Raise
+        :class:`~moeforge.errors.CheckpointError` naming the key of a missing or misshapen tensor.
+        Default: this method reads no checkpoint format."""
         raise CheckpointError(f"{self.name} does not read checkpoints: fill its tensors yourself, then call "
                               "layer.process_weights_after_loading()")
 
@@ -237,20 +252,6 @@ def register_expert_biases(layer: torch.nn.Module, shapes: dict[str, tuple[int, 
     for prefix, (experts, rows, _) in shapes.items():
         value = torch.nn.Parameter(torch.zeros(experts, rows, dtype=dtype, device=device)) if bias else None
         layer.register_parameter(f"{prefix}_bias", value)
-
-
-def held_experts(layer: torch.nn.Module, local_experts: int) -> range:
-    """The global ids of the ``local_experts`` experts whose tensors ``layer`` holds, the ids a
-    checkpoint names them by: ``layer.expert_range`` (an expert-parallel
-    :class:`~moeforge.MoELayer` holds its rank's experts only, e.g. 2..3 of 4 on rank 1), or
-    ``range(local_experts)`` for a module without one."""
-    experts = getattr(layer, "expert_range", None)
-    if experts is None:
-        return range(local_experts)
-    if not isinstance(experts, range) or len(experts) != local_experts:
-        raise CheckpointError(f"{type(layer).__name__}.expert_range is {experts!r}, but its expert tensors hold "
-                              f"{local_experts} experts")
-    return experts
 
 
 def group_list_type_arg(value: object) -> GroupListType:

@@ -30,7 +30,8 @@ import torch
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.quant.base import QuantMethod, expert_shapes, held_experts, register_expert_biases
+from moeforge.expert_checkpoint import held_experts
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import (
     EmulatedGroupedGemm,
@@ -189,7 +190,6 @@ class Mxfp4Method(QuantMethod):
             found[name] = value.to(device=target.device, dtype=target.dtype)
         return found
 
-    # -- stages ---------------------------------------------------------------------------------------------
 
 # -- its experts --------------------------------------------------------------------------------------
 

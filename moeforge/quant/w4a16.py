@@ -31,10 +31,10 @@ import torch
 
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
-from moeforge.expert_naming import per_expert_projections
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows
-from moeforge.quant.base import QuantMethod, expert_shapes, held_experts, register_expert_biases
+from moeforge.expert_checkpoint import Projection
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
     CheckpointFormat,
@@ -47,7 +47,7 @@ from moeforge.quant.int4_packing import (
 from moeforge.roles.base import TorchExperts, TritonExperts
 from moeforge.spec import FLOAT_DTYPES, Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
-from moeforge.stages.activation import Activate, ActivationConfig, GateUpLayout
+from moeforge.stages.activation import Activate, ActivationConfig
 from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
 
@@ -313,38 +313,17 @@ class W4A16Method(QuantMethod):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def load_checkpoint_experts(
-        self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """The layer's expert tensors from per-expert GPTQ or AWQ linear layers (``checkpoint_format``):
-        ``experts.{i}.gate_proj`` / ``up_proj`` / ``down_proj`` (or Mixtral's ``w1`` / ``w3`` /
-        ``w2``), each with ``qweight``, ``scales``, ``qzeros`` (optional when ``zero_points=False``;
-        then every zero must be 8), GPTQ's optional ``g_idx`` (trivial order only) and ``bias`` when
-        the layer has expert biases. A plain (non-gated) activation reads ``up_proj`` only. Gate and
-        up rows are laid out as the layer's activation wants (concatenated or interleaved)."""
-        dims = _dims(layer)
-        activation = getattr(layer, "activation", None)
-        gated = activation.gated if isinstance(activation, ActivationConfig) else dims.n13 == 2 * dims.inter
-        layout = activation.gate_up if isinstance(activation, ActivationConfig) else GateUpLayout.CONCATENATED
-        gate, up, down = per_expert_projections(tensors.keys(), gated)
-        dtype = getattr(layer, W13_S).dtype
-        biased = getattr(layer, B13, None) is not None
-        parts: dict[str, list[torch.Tensor]] = {}
-        # An expert-parallel layer holds (and reads) its rank's experts only.
-        for i in held_experts(layer, dims.experts):
-            w13 = self._read(tensors, f"experts.{i}.{up}.", dims.inter, dims.hidden, dtype, biased)
-            if gated:
-                gate_part = self._read(tensors, f"experts.{i}.{gate}.", dims.inter, dims.hidden, dtype, biased)
-                w13 = {name: _join_gate_up(gate_part[name], value, layout) for name, value in w13.items()}
-            w2 = self._read(tensors, f"experts.{i}.{down}.", dims.hidden, dims.inter, dtype, biased)
-            for prefix, found in (("w13", w13), ("w2", w2)):
-                for name, value in found.items():
-                    parts.setdefault(f"{prefix}_{name}", []).append(value)
-        return {name: torch.stack(values) for name, values in parts.items()}
+    def read_projection(self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+                        projection: Projection) -> dict[str, torch.Tensor]:
+        """One GPTQ or AWQ linear layer (``checkpoint_format``): ``{key}.qweight``, ``scales``,
+        ``qzeros`` (optional when ``zero_points=False``; then every zero must be 8) and GPTQ's optional
+        ``g_idx`` (trivial order only), in the layer's int4 layout."""
+        return self._read(tensors, f"{projection.key}.", projection.out_features, projection.in_features,
+                          getattr(layer, W13_S).dtype)
 
-    def _read(self, tensors: Mapping[str, torch.Tensor], where: str, n: int, k: int, dtype: torch.dtype,
-              biased: bool) -> dict[str, torch.Tensor]:
-        """One linear layer ``[n, k]`` named ``where + ...`` -> ``{"qweight", "scales"[, "qzeros"][, "bias"]}``."""
+    def _read(self, tensors: Mapping[str, torch.Tensor], where: str, n: int, k: int,
+              dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """One linear layer ``[n, k]`` named ``where + ...`` -> ``{"qweight", "scales"[, "qzeros"]}``."""
         fmt = self.checkpoint_format
 
         def get(name: str, required: bool = True) -> Optional[torch.Tensor]:
@@ -373,16 +352,7 @@ class W4A16Method(QuantMethod):
             elif bool((weight.qzeros != SYMMETRIC_ZERO).any()):
                 raise CheckpointError(f"tensor '{where}qzeros' holds zero points other than {SYMMETRIC_ZERO}: "
                                       "the checkpoint is asymmetric; build W4A16Method(zero_points=True)")
-        if biased:
-            bias = get("bias")
-            assert bias is not None
-            if tuple(bias.shape) != (n,) or not bias.dtype.is_floating_point:
-                raise CheckpointError(f"tensor '{where}bias' is {bias.dtype} {tuple(bias.shape)}, expected "
-                                      f"float ({n},)")
-            out["bias"] = bias.to(dtype)
         return out
-
-    # -- stages ------------------------------------------------------------------------------------
 
 # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -418,13 +388,6 @@ def _dims(layer: torch.nn.Module) -> _Dims:
     if tuple(q2.shape) != want:
         raise InputError(f"{W2_Q} must be {want} to match {W13_Q} {tuple(q13.shape)}, got {tuple(q2.shape)}")
     return dims
-
-
-def _join_gate_up(gate: torch.Tensor, up: torch.Tensor, layout: GateUpLayout) -> torch.Tensor:
-    """Gate rows and up rows (each ``[I, ...]``) -> ``[2I, ...]`` in the activation's layout."""
-    if layout is GateUpLayout.INTERLEAVED:
-        return torch.stack([gate, up], dim=1).flatten(0, 1)
-    return torch.cat([gate, up])
 
 
 # -- its experts --------------------------------------------------------------------------------------

@@ -25,15 +25,15 @@ import torch
 
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
-from moeforge.expert_naming import per_expert_projections
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
-from moeforge.quant.base import QuantMethod, expert_shapes, held_experts, register_expert_biases
+from moeforge.expert_checkpoint import Projection
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.roles.base import TorchExperts, TritonExperts
 from moeforge.spec import Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activate_quantize import ActivateQuantize
-from moeforge.stages.activation import ActivationConfig, GateUpLayout
+from moeforge.stages.activation import ActivationConfig
 from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.stages.quantize import PerTokenQuantizer, Quantizer, QuantizeRows, QuantizeTokens
 from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
@@ -355,10 +355,17 @@ class W8A8Method(QuantMethod):
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def load_checkpoint_experts(
-        self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        return load_experts(self, layer, tensors)
+    def read_projection(self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+                        projection: Projection) -> dict[str, torch.Tensor]:
+        """``{key}.weight`` in the method's weight dtype with its scale: ``weight_scale_inv``
+        (DeepSeek-V3, 128x128 blocks) or ``weight_scale`` (per channel ``[N, 1]`` / ``[N]``, or per
+        tensor, spread over the method's layout)."""
+        if projection.interleaved and self.block_weights:
+            raise CheckpointError(f"{self.name}: 128x128 weight blocks cannot hold interleaved gate/up rows (a block "
+                                  "would mix gate and up scales); use weight_scales='channel'")
+        weight, scale = _read_quantized(self, tensors, projection.key,
+                                        (projection.out_features, projection.in_features))
+        return {"weight": weight, "weight_scale": scale}
 
 
 # -- its experts --------------------------------------------------------------------------------------
@@ -476,11 +483,11 @@ def _scale_in_layout(method: W8A8Method, scale: torch.Tensor, key: str, shape: t
     raise CheckpointError(f"tensor '{key}' has shape {found}, expected {want} for {method.name}{hint}")
 
 
-def _read_quantized(method: W8A8Method, tensors: Mapping[str, torch.Tensor], names: set[str], base: str,
+def _read_quantized(method: W8A8Method, tensors: Mapping[str, torch.Tensor], base: str,
                     shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The weight ``{base}.weight`` and its scale (``weight_scale_inv`` or ``weight_scale``), checked."""
     key = f"{base}.weight"
-    if key not in names:
+    if key not in tensors:
         raise CheckpointError(f"missing tensor '{key}'")
     weight = tensors[key]
     want_dtype = method.weight_dtype.torch_dtype
@@ -491,75 +498,10 @@ def _read_quantized(method: W8A8Method, tensors: Mapping[str, torch.Tensor], nam
     if tuple(weight.shape) != shape:
         raise CheckpointError(f"tensor '{key}' has shape {tuple(weight.shape)}, expected {shape}")
     suffixes = ("weight_scale_inv", "weight_scale") if method.block_weights else ("weight_scale", "weight_scale_inv")
-    present = [f"{base}.{suffix}" for suffix in suffixes if f"{base}.{suffix}" in names]
+    present = [f"{base}.{suffix}" for suffix in suffixes if f"{base}.{suffix}" in tensors]
     if not present:
         raise CheckpointError(f"missing tensor '{base}.{suffixes[0]}' (the scale of '{key}'; "
                               f"'{base}.{suffixes[1]}' is read too)")
     if len(present) > 1:
         raise CheckpointError(f"both '{present[0]}' and '{present[1]}' are in the checkpoint: which scales '{key}'?")
     return weight, _scale_in_layout(method, tensors[present[0]], present[0], shape)
-
-
-def _gate_up(gate: torch.Tensor, up: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Gate and up rows (weights ``[I, H]`` or channel scales ``[I]``) in the layer's layout."""
-    if interleaved:
-        return torch.stack([gate, up], dim=1).flatten(0, 1)
-    return torch.cat([gate, up])
-
-
-def _read_bias(tensors: Mapping[str, torch.Tensor], names: set[str], base: str, rows: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """The float bias ``{base}.bias [rows]`` of one projection, in the layer's bias dtype."""
-    key = f"{base}.bias"
-    if key not in names:
-        raise CheckpointError(f"missing tensor '{key}' (the layer's experts have biases)")
-    bias = tensors[key]
-    if tuple(bias.shape) != (rows,) or not bias.dtype.is_floating_point:
-        raise CheckpointError(f"tensor '{key}' is {bias.dtype} {tuple(bias.shape)}, expected float ({rows},)")
-    return bias.to(dtype)
-
-
-def load_experts(method: W8A8Method, layer: torch.nn.Module,
-                 tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``layer``'s quantized expert tensors from a checkpoint (names relative to the block prefix):
-    per expert ``experts.{i}.{gate_proj,up_proj,down_proj}.weight`` (or ``w1/w3/w2``) in the method's
-    weight dtype, each with ``weight_scale_inv`` (DeepSeek-V3, 128x128 blocks) or ``weight_scale``
-    (per channel ``[N, 1]`` / ``[N]``, or per tensor), and ``bias`` when the layer's experts have
-    biases. ``i`` runs over the layer's global expert ids (``expert_range``: an expert-parallel rank
-    reads its own experts). Every check runs before anything is returned; nothing is copied into
-    ``layer``."""
-    w13, w2 = getattr(layer, W13), getattr(layer, W2)
-    local, gate_up, hidden = (int(n) for n in w13.shape)
-    inter = int(w2.shape[2])
-    config = getattr(layer, "activation", ActivationConfig())
-    gated = gate_up == 2 * inter and config.gated
-    interleaved = gated and config.gate_up is GateUpLayout.INTERLEAVED
-    if interleaved and method.block_weights:
-        raise CheckpointError(f"{method.name}: 128x128 weight blocks cannot hold interleaved gate/up rows (a block "
-                              "would mix gate and up scales); use weight_scales='channel'")
-    names = set(tensors.keys())
-    gate, up, down = per_expert_projections(names, gated)
-    bias13, bias2 = getattr(layer, B13, None), getattr(layer, B2, None)
-    parts: dict[str, list[torch.Tensor]] = {W13: [], S13: [], W2: [], S2: []}
-    if bias13 is not None and bias2 is not None:
-        parts.update({B13: [], B2: []})
-    for i in held_experts(layer, local):
-        up_weight, up_scale = _read_quantized(method, tensors, names, f"experts.{i}.{up}", (inter, hidden))
-        if gated:
-            gate_weight, gate_scale = _read_quantized(method, tensors, names, f"experts.{i}.{gate}", (inter, hidden))
-            parts[W13].append(_gate_up(gate_weight, up_weight, interleaved))
-            parts[S13].append(_gate_up(gate_scale, up_scale, interleaved))
-        else:
-            parts[W13].append(up_weight)
-            parts[S13].append(up_scale)
-        down_weight, down_scale = _read_quantized(method, tensors, names, f"experts.{i}.{down}", (hidden, inter))
-        parts[W2].append(down_weight)
-        parts[S2].append(down_scale)
-        if bias13 is not None and bias2 is not None:
-            up_bias = _read_bias(tensors, names, f"experts.{i}.{up}", inter, bias13.dtype)
-            if gated:
-                gate_bias = _read_bias(tensors, names, f"experts.{i}.{gate}", inter, bias13.dtype)
-                up_bias = _gate_up(gate_bias, up_bias, interleaved)
-            parts[B13].append(up_bias)
-            parts[B2].append(_read_bias(tensors, names, f"experts.{i}.{down}", hidden, bias2.dtype))
-    return {name: torch.stack(values) for name, values in parts.items()}
