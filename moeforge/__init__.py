@@ -98,7 +98,8 @@ from moeforge import checkpoint as checkpoint, families as families
 __version__ = "0.1.0"
 
 # The user's API: building, configuring and running layers and pipelines, the quant methods, the
-# errors. The stage-authoring kit (the Stage interface, payloads, specs, every built-in stage) lives in
+# errors a caller handles (moeforge.errors has the narrower ones: PayloadError, BackendUnavailableError,
+# DispatchDtypeError, MissingPackageError, PresetError). The stage-authoring kit (the Stage interface, payloads, specs, every built-in stage) lives in
 # moeforge.stages and moeforge.spec; the names above that are not listed here stay importable from
 # moeforge for code written against 0.1 (type checkers treat them as not exported).
 __all__ = [
@@ -111,9 +112,8 @@ __all__ = [
     # pipelines composed by hand
     "Pipeline", "chain", "input_spec", "MoEInput", "MoEOutput", "TopK", "CustomTopK", "SortedDispatch",
     "PaddedDispatch", "GroupedGemm", "GemmRole", "Activate", "Combine", "QuantizeTokens",
-    # errors
-    "MoEForgeError", "ContractError", "InputError", "PayloadError", "BackendUnavailableError", "CheckpointError",
-    "DispatchDtypeError", "MissingPackageError", "PresetError",
+    # errors (the narrower ones, each also a standard exception, are in moeforge.errors)
+    "MoEForgeError", "ContractError", "InputError", "CheckpointError",
     # submodules
     "checkpoint", "families",
 ]

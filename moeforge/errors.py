@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = [
+    "MoEForgeError", "ContractError", "PayloadError", "InputError", "DispatchDtypeError", "BackendUnavailableError",
+    "CheckpointError", "MissingPackageError", "PresetError",
+]
+
 
 class MoEForgeError(Exception):
     """Base class of every error moeforge raises on purpose."""

@@ -116,7 +116,7 @@ def test_rule6_falls_back_to_bf16_when_the_layer_dtype_is_not_accepted(no_warnin
 
 
 def test_rule6_with_no_fitting_default_raises() -> None:
-    with pytest.raises(mf.DispatchDtypeError, match="set dispatch_dtype explicitly"):
+    with pytest.raises(mf.errors.DispatchDtypeError, match="set dispatch_dtype explicitly"):
         resolve(experts_accept={DType.INT8}, activation_dtype=torch.bfloat16)
 
 
@@ -176,7 +176,7 @@ def test_ignored_environment_falls_through_to_the_quant_method() -> None:
 
 @pytest.mark.parametrize("value", ["fp4", "bogus", "8"])
 def test_invalid_environment_value_raises_naming_the_variable(value: str) -> None:
-    with pytest.raises(mf.DispatchDtypeError, match=ENV):
+    with pytest.raises(mf.errors.DispatchDtypeError, match=ENV):
         resolve(environ={ENV: value})
 
 
@@ -224,7 +224,7 @@ def test_int8_where_int8_dispatch_is_unsupported_becomes_fp8() -> None:
 
 
 def test_nvfp4_where_unsupported_is_rejected() -> None:
-    with pytest.raises(mf.DispatchDtypeError, match="nvfp4") as info:
+    with pytest.raises(mf.errors.DispatchDtypeError, match="nvfp4") as info:
         resolve(quant_requires=DispatchDtype.NVFP4, device=DeviceDispatchSupport(nvfp4=False))
     assert "rule 3" in str(info.value)
 
@@ -235,7 +235,7 @@ def test_nvfp4_where_supported_is_kept(no_warnings: None) -> None:
 
 
 def test_fp8_on_a_device_with_neither_fp8_nor_int8_is_rejected() -> None:
-    with pytest.raises(mf.DispatchDtypeError, match="cannot carry fp8"):
+    with pytest.raises(mf.errors.DispatchDtypeError, match="cannot carry fp8"):
         resolve("fp8", device=DeviceDispatchSupport(fp8=False, int8=False))
 
 
@@ -311,7 +311,7 @@ def test_parse_aliases(text: Any, expected: DispatchDtype) -> None:
 
 @pytest.mark.parametrize("text", ["fp4", "", "auto", "e5m2", "int4", "bf 16"])
 def test_parse_errors_list_the_choices(text: str) -> None:
-    with pytest.raises(mf.DispatchDtypeError) as info:
+    with pytest.raises(mf.errors.DispatchDtypeError) as info:
         DispatchDtype.parse(text)
     message = str(info.value)
     assert repr(text) in message
@@ -322,12 +322,12 @@ def test_parse_errors_list_the_choices(text: str) -> None:
 
 @pytest.mark.parametrize("value", [None, 8, torch.bfloat16, DType.BF16])
 def test_parse_of_a_non_string_is_a_dispatch_dtype_error(value: Any) -> None:
-    with pytest.raises(mf.DispatchDtypeError, match="dispatch dtype"):
+    with pytest.raises(mf.errors.DispatchDtypeError, match="dispatch dtype"):
         DispatchDtype.parse(value)
 
 
 def test_layer_with_a_non_string_dispatch_dtype_raises_a_clear_error() -> None:
-    with pytest.raises(mf.DispatchDtypeError, match="dispatch dtype"):
+    with pytest.raises(mf.errors.DispatchDtypeError, match="dispatch dtype"):
         mf.MoELayer(4, 2, 16, 8, dispatch_dtype=torch.bfloat16, environ={})  # type: ignore[arg-type]
 
 

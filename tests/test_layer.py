@@ -641,13 +641,13 @@ def test_top_k_greater_than_num_experts_names_both() -> None:
 
 @pytest.mark.parametrize("backend", ["triton", mf.Backend.TRITON])
 def test_triton_backend_on_cpu_is_unavailable(backend: Any) -> None:
-    with pytest.raises(mf.BackendUnavailableError, match="triton"):
+    with pytest.raises(mf.errors.BackendUnavailableError, match="triton"):
         mf.MoELayer(E, K, H, I, backend=backend, environ={}, device="cpu")
 
 
 @pytest.mark.parametrize("backend", ["nonsense", "cuda", ""])
 def test_unknown_backend(backend: str) -> None:
-    with pytest.raises(mf.BackendUnavailableError, match="unknown backend"):
+    with pytest.raises(mf.errors.BackendUnavailableError, match="unknown backend"):
         mf.MoELayer(E, K, H, I, backend=backend, environ={})
 
 
@@ -660,7 +660,7 @@ def test_torch_backend_on_cpu(backend: Any) -> None:
 
 def test_errors_are_value_and_runtime_errors() -> None:
     assert issubclass(mf.InputError, ValueError)
-    assert issubclass(mf.BackendUnavailableError, RuntimeError)
+    assert issubclass(mf.errors.BackendUnavailableError, RuntimeError)
     assert issubclass(mf.ContractError, mf.MoEForgeError)
 
 

@@ -127,14 +127,19 @@ def test_import_moeforge_reaches_families_and_checkpoint_without_optional_packag
 
 def test_the_public_api_is_the_users_and_the_authoring_kit_lives_in_submodules() -> None:
     import moeforge
+    import moeforge.errors
     import moeforge.spec
     import moeforge.stages
 
-    assert len(moeforge.__all__) <= 50, "moeforge.__all__ is the user's API, not every class"
-    for module in (moeforge, moeforge.stages, moeforge.spec):
+    assert len(moeforge.__all__) <= 42, "moeforge.__all__ is the user's API, not every class"
+    for module in (moeforge, moeforge.stages, moeforge.spec, moeforge.errors):
         missing = [name for name in module.__all__ if not hasattr(module, name)]
         assert not missing, f"{module.__name__}.__all__ names what it does not define: {missing}"
     kit = {"Stage", "StageKind", "Mismatch", "ParamRef", "Activations", "ExpertRows", "RoutedTokens", "TopKOutput",
            "SortedRows", "PaddedRows", "AlignedRows", "Plan", "PerTokenQuantizer", "QuantizeRows"}
     assert kit <= set(moeforge.stages.__all__) and not kit & set(moeforge.__all__)
     assert {"Spec", "Accepts", "PayloadKind", "Layout", "ScaleLayout", "ScalingFactor"} <= set(moeforge.spec.__all__)
+    # every error is in moeforge.errors, and each one a caller may not catch by a wider class is in moeforge
+    errors = {name for name in dir(moeforge.errors) if name.endswith("Error")}
+    assert errors == set(moeforge.errors.__all__)
+    assert {"MoEForgeError", "ContractError", "InputError", "CheckpointError"} <= set(moeforge.__all__)

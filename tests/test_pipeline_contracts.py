@@ -547,7 +547,7 @@ def test_replace_keeps_debug_mode() -> None:
     pipeline = mf.Pipeline(_stages(), _spec(), debug=True)
     replaced = pipeline.replace("Activate", LyingActivate())
     assert replaced.debug
-    with pytest.raises(mf.PayloadError):
+    with pytest.raises(mf.errors.PayloadError):
         replaced(_inputs())
 
 
@@ -589,7 +589,7 @@ class WrongDtypeActivate(mf.Stage[ExpertRows, ExpertRows]):
 
 def test_debug_catches_a_stage_that_lies_about_its_width() -> None:
     pipeline = mf.Pipeline(_stages(act=LyingActivate()), _spec(), debug=True)
-    with pytest.raises(mf.PayloadError) as info:
+    with pytest.raises(mf.errors.PayloadError) as info:
         pipeline(_inputs())
     message = str(info.value)
     assert "stage 3 (LyingActivate)" in message
@@ -600,7 +600,7 @@ def test_debug_catches_a_stage_that_lies_about_its_width() -> None:
                          ids=["sorted", "padded"])
 def test_debug_catches_a_stage_that_lies_about_its_dtype(dispatch: mf.Stage[Any, Any]) -> None:
     x = _inputs()
-    with pytest.raises(mf.PayloadError, match=r"stage 3 \(WrongDtypeActivate\).*dtype"):
+    with pytest.raises(mf.errors.PayloadError, match=r"stage 3 \(WrongDtypeActivate\).*dtype"):
         mf.Pipeline(_stages(act=WrongDtypeActivate(), dispatch=dispatch), _spec(), debug=True)(x)
     # without debug the lie is not checked: the forward runs (the GEMM just computes on bf16 rows)
     out = mf.Pipeline(_stages(act=WrongDtypeActivate(), dispatch=dispatch), _spec())(x)
@@ -613,7 +613,7 @@ def test_without_debug_the_lying_stage_is_not_checked() -> None:
     # shape error), never as a PayloadError: debug=False runs the stages and nothing else.
     with pytest.raises(Exception) as info:
         pipeline(_inputs())
-    assert not isinstance(info.value, mf.PayloadError)
+    assert not isinstance(info.value, mf.errors.PayloadError)
 
 
 BAD_INPUTS = {

@@ -140,11 +140,11 @@ def test_payload_check_catches_a_wrong_group_list() -> None:
     spec = _dispatched_spec(dispatch, 4, 2)
     out = dispatch(_routed(8, 4, 2))
     bad = mf.SortedRows(out.x, out.group_list + 1, out.group_list_type, out.row_weights, plan=out.plan)
-    with pytest.raises(mf.PayloadError, match="rows covered"):
+    with pytest.raises(mf.errors.PayloadError, match="rows covered"):
         bad.check(spec)
     cumsum = mf.SortedRows(out.x, out.group_list.cumsum(0), mf.GroupListType.CUMSUM, out.row_weights,
                            plan=out.plan)
-    with pytest.raises(mf.PayloadError, match="group_list_type"):
+    with pytest.raises(mf.errors.PayloadError, match="group_list_type"):
         cumsum.check(spec)
 
 

@@ -386,7 +386,7 @@ def test_payload_check_catches_a_lying_scale() -> None:
                            mf.input_spec(H, torch.bfloat16, E))
     out = pipeline(_input())
     token_scale = mf.PerTokenQuantizer(FP8)(out.x.data.float()).scale
-    with pytest.raises(mf.PayloadError, match="scale shape"):
+    with pytest.raises(mf.errors.PayloadError, match="scale shape"):
         out.with_x(mf.Activations(out.x.data, token_scale)).check(pipeline.output_spec)
-    with pytest.raises(mf.PayloadError, match="scale"):
+    with pytest.raises(mf.errors.PayloadError, match="scale"):
         out.with_x(mf.Activations(out.x.data)).check(pipeline.output_spec)

@@ -357,5 +357,5 @@ def test_debug_mode_rejects_non_finite_routing_weights() -> None:
               mf.Activate(), mf.GroupedGemm(mf.GemmRole.DOWN, W2), mf.Combine()]
     x = mf.MoEInput(torch.randn(3, H), torch.randn(3, E))
     mf.Pipeline(stages, tokens())(x)  # outside debug mode nothing reads the values
-    with pytest.raises(mf.PayloadError, match=r"stage 0 \(CustomTopK\).*topk.weights: 6 non-finite"):
+    with pytest.raises(mf.errors.PayloadError, match=r"stage 0 \(CustomTopK\).*topk.weights: 6 non-finite"):
         mf.Pipeline(stages, tokens(), debug=True)(x)
