@@ -25,7 +25,7 @@ from typing_extensions import Self
 
 from moeforge.errors import PayloadError
 from moeforge.kernels.config import MoEConfig
-from moeforge.spec import DType, GroupListType, Layout, PayloadKind, ScaleLayout, Spec
+from moeforge.spec import DType, Exchange, GroupListType, Layout, PayloadKind, ScaleLayout, Spec
 
 GROUP_SIZE = 128  # elements per scale in ScaleLayout.PER_GROUP_128
 
@@ -294,18 +294,21 @@ class BlockAlignment:
     """Where the copies of ``BLOCK_ALIGNED`` rows are (Triton fused-MoE style), all on the device:
     what the triton GEMMs read.
 
-    ``sorted_ids`` lists copy indices ``c = t * top_k + k`` grouped by expert, each expert's run padded
-    with the sentinel ``num_tokens * top_k`` to a multiple of ``block_m``; ``block_expert[b]`` is the
+    ``sorted_ids`` lists copy indices ``c = t * copies_per_row + k`` grouped by expert, each expert's run
+    padded with the sentinel ``num_copies`` to a multiple of ``block_m``; ``block_expert[b]`` is the
     local expert of block ``b``; ``num_padded`` (1 element, int32) is the used length of ``sorted_ids``.
     ``config`` is the GEMMs' launch configuration for this batch, chosen once by the dispatch (it
-    decided ``block_m``); the GEMMs take it from here.
+    decided ``block_m``); the GEMMs take it from here. ``copies_per_row``: the copies each row of the
+    dispatched ``x.data`` stands for — the router's ``top_k`` for local tokens, 1 for rows an
+    expert-parallel exchange delivered (each received row is one copy; the spec still says the
+    router's ``k``).
     """
 
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor
     num_padded: torch.Tensor
     config: MoEConfig
-    top_k: int
+    copies_per_row: int
     num_tokens: int
 
     @property
@@ -314,17 +317,17 @@ class BlockAlignment:
 
     @property
     def num_copies(self) -> int:
-        return self.num_tokens * self.top_k
+        return self.num_tokens * self.copies_per_row
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AlignedRows(ExpertRows):
     """Expert-grouped rows described by a :class:`BlockAlignment`, never physically sorted.
 
-    When ``copy_major`` is false, ``x.data`` is still token-major ``[T, W]`` and copy ``c`` reads row
-    ``c // top_k`` (the first GEMM gathers by index); when true, ``x.data`` is ``[T * top_k, W]`` with
-    one row per copy, in copy order (what the GEMMs write). ``copy_weights [T * top_k]`` (fp32) are
-    the copies' routing weights in copy order.
+    When ``copy_major`` is false, ``x.data`` is still row-major as dispatched ``[T, W]`` and copy ``c``
+    reads row ``c // copies_per_row`` (the first GEMM gathers by index); when true, ``x.data`` is
+    ``[num_copies, W]`` with one row per copy, in copy order (what the GEMMs write). ``copy_weights
+    [num_copies]`` (fp32) are the copies' routing weights in copy order.
     """
 
     alignment: BlockAlignment
@@ -338,7 +341,10 @@ class AlignedRows(ExpertRows):
         alignment = self.alignment
         rows = alignment.num_copies if self.copy_major else alignment.num_tokens
         _expect(self.x.data.shape[0] == rows, "x.data rows", self.x.data.shape[0], rows)
-        _expect(alignment.top_k == spec.top_k, "alignment.top_k", alignment.top_k, spec.top_k)
+        # Local tokens: each row stands for the router's k copies; rows an exchange delivered, one each.
+        per_row = 1 if spec.exchange is not Exchange.NONE else spec.top_k
+        _expect(alignment.copies_per_row == per_row, "alignment.copies_per_row", alignment.copies_per_row,
+                f"{per_row} ({'exchanged rows' if spec.exchange is not Exchange.NONE else 'top_k'})")
         _expect(tuple(self.copy_weights.shape) == (alignment.num_copies,), "copy_weights shape",
                 tuple(self.copy_weights.shape), (alignment.num_copies,))
         if not values:

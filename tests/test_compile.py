@@ -111,7 +111,7 @@ def test_payloads_are_built_inside_a_compiled_function() -> None:
                                  plan=SortedPlan(ids.long(), x[:, :2]))
         padded = PaddedRows(mf.Activations(x[None]), ids[0], x[None, :, 0],
                             plan=PaddedPlan(ids.long(), x[:, :2], ids.sum()))
-        alignment = BlockAlignment(ids[:, 0], ids[0], ids[:1, 0], config, 2, 3)
+        alignment = BlockAlignment(ids[:, 0], ids[0], ids[:1, 0], config, copies_per_row=2, num_tokens=3)
         aligned = AlignedRows(routed.x, alignment, False, x[:, 0], plan=sorted_rows.plan)
         evolved = sorted_rows.with_x(mf.Activations(x * 2))
         out = mf.MoEOutput(evolved.x.data + padded.x.data[0] + aligned.x.data)

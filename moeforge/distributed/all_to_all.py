@@ -94,7 +94,8 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
 
     ``apply_routing_weights`` scales the rows by their routing weights before sending (Llama-4).
     ``configs`` (the triton launch table of the expert GEMMs) makes the output ``BLOCK_ALIGNED``
-    (:class:`~moeforge.payloads.AlignedRows`, each row one copy: ``top_k = 1`` in the spec) instead of
+    (:class:`~moeforge.payloads.AlignedRows`, each received row one copy: ``copies_per_row = 1`` in its
+    alignment; the spec keeps the router's ``top_k``) instead of
     ``EXPERT_SORTED``.
     """
 
@@ -125,7 +126,7 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                       exchange=Exchange.ALL_TO_ALL,
                       routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
         if self.configs is not None:
-            return spec.evolve(layout=Layout.BLOCK_ALIGNED, group_list_type=None, top_k=1,
+            return spec.evolve(layout=Layout.BLOCK_ALIGNED, group_list_type=None,
                                alignment=self.configs.alignment(), **common)
         return spec.evolve(layout=Layout.EXPERT_SORTED, group_list_type=self.group_list_type, **common)
 
@@ -172,7 +173,7 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         return SortedRows(Activations(data, scale), group_list, self.group_list_type, row_weight, plan=plan)
 
     def _alignment(self, expert_counts: torch.Tensor, rows: int) -> BlockAlignment:
-        """The block alignment of expert-sorted rows: each row one copy (``top_k = 1``) of its local
+        """The block alignment of expert-sorted rows: each row one copy (``copies_per_row = 1``) of its local
         expert, aligned on the device like local tokens."""
         assert self.configs is not None
         row_expert = torch.repeat_interleave(torch.arange(self.ep.local_experts, device=expert_counts.device),
@@ -181,7 +182,7 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         sorted_ids, block_expert, num_padded = torch.ops.moeforge.align_block_size(
             row_expert, self.ep.local_experts, config.block_m)
         return BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
-                              config=config, top_k=1, num_tokens=rows)
+                              config=config, copies_per_row=1, num_tokens=rows)
 
 
 def _inverse(permutation: torch.Tensor) -> torch.Tensor:

@@ -133,7 +133,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         sorted_ids, block_expert, num_padded = torch.ops.moeforge.align_block_size(
             x.topk.ids, self.num_experts, config.block_m)
         alignment = BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
-                                   config=config, top_k=top_k, num_tokens=tokens)
+                                   config=config, copies_per_row=top_k, num_tokens=tokens)
         return AlignedRows(x=x.x, alignment=alignment, copy_major=False, copy_weights=x.topk.weights.reshape(-1),
                            plan=CopyOrderPlan(x.topk.weights))
 
@@ -236,7 +236,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
             x.copy_weights if self.apply_routing_weights else None,
             alignment.sorted_ids, alignment.block_expert, alignment.num_padded,
             alignment.num_copies,
-            1 if x.copy_major else alignment.top_k,
+            1 if x.copy_major else alignment.copies_per_row,
             *self._act,
             gemm.as_list(),
             x.x.data.dtype,

@@ -289,7 +289,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         act, glu, interleaved, alpha, limit = activation_args(self.activation)
         bias = resolve(self.bias) if self.bias is not None else None
         weights = x.copy_weights if self.apply_routing_weights else None
-        rows_per_a = 1 if x.copy_major else alignment.top_k
+        rows_per_a = 1 if x.copy_major else alignment.copies_per_row
         route = (alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies, rows_per_a,
                  act, glu, interleaved, alpha, limit, config.as_list())
         ops = torch.ops.moeforge
