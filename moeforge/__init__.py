@@ -65,7 +65,6 @@ from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages import (
     Activate,
     AlignDispatch,
-    AlignedCombine,
     FusedGroupedGemm,
     TritonTopK,
     ActivationConfig,

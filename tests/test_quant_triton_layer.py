@@ -39,7 +39,8 @@ def _triton_pipeline(layer: mf.MoELayer) -> mf.Pipeline:  # type: ignore[type-ar
     """The triton pipeline MoELayer builds, from ``layer``'s method and weights: the method's
     quantizer (by the kernel), the block-aligned dispatch, its triton expert stages, the combine."""
     from moeforge.kernels.config import ConfigTable
-    from moeforge.stages.triton import AlignDispatch, AlignedCombine
+    from moeforge.stages.combine import Combine
+    from moeforge.stages.triton import AlignDispatch
     from moeforge.stages.triton_quant import TritonQuantizeTokens
 
     table = ConfigTable(E, K)
@@ -52,7 +53,7 @@ def _triton_pipeline(layer: mf.MoELayer) -> mf.Pipeline:  # type: ignore[type-ar
     stages.append(AlignDispatch(E, table))
     stages += layer.quant.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
                                         backend=mf.Backend.TRITON, configs=table, dispatch=dispatch)
-    stages.append(AlignedCombine(apply_routing_weights=True, out_dtype=mf.DType.FP16))
+    stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.FP16))
     return mf.Pipeline(stages, mf.input_spec(H, torch.float16, E), debug=True)
 
 

@@ -16,9 +16,9 @@ import moeforge as mf  # noqa: E402
 from moeforge.kernels import align, combine, grouped_gemm, topk  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
 from moeforge.reference import dense_moe  # noqa: E402
+from moeforge.stages.combine import Combine  # noqa: E402
 from moeforge.stages.triton import (  # noqa: E402
     AlignDispatch,
-    AlignedCombine,
     FusedGroupedGemm,
     TritonTopK,
     act_code,
@@ -200,7 +200,7 @@ def _pipeline(experts: int, k: int, hidden: int, inter: int, dtype: torch.dtype,
         AlignDispatch(experts, table),
         FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, b13, act),
         FusedGroupedGemm(mf.GemmRole.DOWN, w2, table, b2, apply_routing_weights=in_epilogue),
-        AlignedCombine(apply_routing_weights=not in_epilogue,
+        Combine(apply_routing_weights=not in_epilogue,
                        routed_scaling_factor=None if folded else routing.routed_scaling_factor),
     ]
     pipeline = mf.Pipeline(stages, mf.input_spec(hidden, dtype, experts), debug=True)
@@ -256,7 +256,7 @@ def test_fused_gemm_rejects_activations_of_another_dtype() -> None:
     with pytest.raises(mf.ContractError, match="dtype"):
         mf.Pipeline([TritonTopK(4, 2), AlignDispatch(4, table),
                      FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=mf.ActivationConfig()),
-                     FusedGroupedGemm(mf.GemmRole.DOWN, w2, table), AlignedCombine()],
+                     FusedGroupedGemm(mf.GemmRole.DOWN, w2, table), Combine()],
                     mf.input_spec(16, torch.float32, 4))
 
 
@@ -287,7 +287,7 @@ def test_dispatch_and_gemms_from_tables_that_align_differently_are_rejected_at_b
     def stages(dispatch_table: ConfigTable, gemm_table: ConfigTable) -> list[mf.Stage]:  # type: ignore[type-arg]
         return [TritonTopK(4, 2), AlignDispatch(4, dispatch_table),
                 FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, gemm_table, activation=mf.ActivationConfig()),
-                FusedGroupedGemm(mf.GemmRole.DOWN, w2, gemm_table), AlignedCombine()]
+                FusedGroupedGemm(mf.GemmRole.DOWN, w2, gemm_table), Combine()]
 
     spec = mf.input_spec(16, torch.float32, 4)
     with pytest.raises(mf.ContractError) as error:

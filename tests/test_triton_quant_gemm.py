@@ -30,7 +30,8 @@ from moeforge.kernels.config import ConfigTable, GemmConfig  # noqa: E402
 from moeforge.payloads import Activations  # noqa: E402
 from moeforge.spec import DType  # noqa: E402
 from moeforge.stages.activation import apply_activation  # noqa: E402
-from moeforge.stages.triton import AlignDispatch, AlignedCombine, TritonTopK, act_code  # noqa: E402
+from moeforge.stages.combine import Combine  # noqa: E402
+from moeforge.stages.triton import AlignDispatch, TritonTopK, act_code  # noqa: E402
 from moeforge.stages.triton_quant import (  # noqa: E402
     ActivateQuantizeAligned,
     FusedQuantGroupedGemm,
@@ -402,7 +403,7 @@ def quant_pipeline(
     stages += [
         FusedQuantGroupedGemm(mf.GemmRole.DOWN, scheme, t["w2"], t["w2_scale"], table, t["w2_zero"], t["w2_bias"],
                               apply_routing_weights=weights_in_epilogue, out_dtype=out),
-        AlignedCombine(apply_routing_weights=not weights_in_epilogue),
+        Combine(apply_routing_weights=not weights_in_epilogue),
     ]
     return mf.Pipeline(stages, mf.input_spec(hidden, dtype, experts), debug=debug)
 

@@ -33,7 +33,8 @@ import moeforge as mf  # noqa: E402
 from moeforge.kernels import align, quant_gemm  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, default_config  # noqa: E402
 from moeforge.spec import DType  # noqa: E402
-from moeforge.stages.triton import AlignDispatch, AlignedCombine, FusedGroupedGemm, TritonTopK, act_code  # noqa: E402
+from moeforge.stages.combine import Combine  # noqa: E402
+from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK, act_code  # noqa: E402
 from moeforge.stages.triton_quant import QuantScheme, default_quant_config  # noqa: E402
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, dequantize  # noqa: E402
 from test_triton_quant_gemm import (  # noqa: E402
@@ -262,7 +263,7 @@ def time_quant_experts(
     w2 = (torch.randn(experts, hidden, inter, device=DEVICE) * inter ** -0.5).to(BF16)
     dense = mf.Pipeline([TritonTopK(experts, top_k), AlignDispatch(experts, table),
                          FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=ACTIVATIONS["swiglu"]),
-                         FusedGroupedGemm(mf.GemmRole.DOWN, w2, table), AlignedCombine()],
+                         FusedGroupedGemm(mf.GemmRole.DOWN, w2, table), Combine()],
                         mf.input_spec(hidden, BF16, experts))
     x = torch.randn(tokens, hidden, device=DEVICE, dtype=BF16)
     logits = torch.randn(tokens, experts, device=DEVICE)

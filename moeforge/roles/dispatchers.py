@@ -19,12 +19,8 @@ from moeforge.stages.combine import Combine
 from moeforge.stages.dispatch import PaddedDispatch, SortedDispatch
 
 
-def combine_for(layout: Layout, config: LayerConfig) -> Combine:
-    """The combine of rows in ``layout`` (their plan does the rest: one stage for every dispatcher)."""
-    if layout is Layout.BLOCK_ALIGNED:
-        from moeforge.stages.triton import AlignedCombine
-
-        return AlignedCombine(**config.combine_options())
+def combine_for(config: LayerConfig) -> Combine:
+    """The combine of any dispatcher's rows: their plan does the un-permutation."""
     return Combine(**config.combine_options())
 
 
@@ -57,7 +53,7 @@ class AlignedDispatcher(_Local):
         from moeforge.stages.triton import AlignDispatch
 
         assert configs is not None, "block-aligned rows are aligned by the experts' launch table"
-        return AlignDispatch(config.num_experts, configs), combine_for(layout, config)
+        return AlignDispatch(config.num_experts, configs), combine_for(config)
 
 
 class _TorchLocal(_Local):
@@ -70,7 +66,7 @@ class _TorchLocal(_Local):
     def stages(cls, layer: torch.nn.Module, config: LayerConfig, layout: Layout, configs: Optional[ConfigTable]
                ) -> tuple[Stage[Any, Any], Optional[Stage[Any, Any]]]:
         dispatch: Stage[Any, Any] = cls.stage(config.num_experts, apply_routing_weights=config.weights_on_input)
-        return dispatch, combine_for(layout, config)
+        return dispatch, combine_for(config)
 
 
 class SortedDispatcher(_TorchLocal):
@@ -183,7 +179,7 @@ class GivenDispatcher(Dispatcher):
     @classmethod
     def stages(cls, layer: torch.nn.Module, config: LayerConfig, layout: Layout, configs: Optional[ConfigTable]
                ) -> tuple[Stage[Any, Any], Optional[Stage[Any, Any]]]:
-        return cls._stage(config), combine_for(layout, config)
+        return cls._stage(config), combine_for(config)
 
     @staticmethod
     def _stage(config: LayerConfig) -> Stage[Any, Any]:

@@ -26,7 +26,7 @@ from moeforge.stages.activation import (
     apply_activation,
 )
 from moeforge.stages.activate_quantize import ActivateQuantize
-from moeforge.stages.triton import AlignDispatch, AlignedCombine, FusedGroupedGemm, TritonTopK
+from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK
 from moeforge.stages.triton_quant import (
     ActivateQuantizeAligned,
     FusedQuantGroupedGemm,
@@ -64,7 +64,7 @@ __all__ = [
     "RoutedTokens", "SortedRows", "TopKOutput",
     "Activate", "ActivationConfig", "ActivationKind", "GateUpLayout", "apply_activation",
     "ActivateQuantize",
-    "AlignDispatch", "AlignedCombine", "FusedGroupedGemm", "TritonTopK",
+    "AlignDispatch", "FusedGroupedGemm", "TritonTopK",
     "ActivateQuantizeAligned", "FusedQuantGroupedGemm", "QuantizeAligned", "QuantScheme", "TritonQuantizeTokens",
     "Combine", "combine_rows",
     "Overflow", "PaddedDispatch", "SortedDispatch",

@@ -117,13 +117,15 @@ def grouped_gemm_padded(
 def expert_gemm_accepts(role: GemmRole, *, dtypes: Union[DType, frozenset[DType]],
                         scales: Union[ScaleLayout, frozenset[ScaleLayout]], in_features: int, num_experts: int,
                         apply_routing_weights: bool,
-                        layouts: Union[Layout, frozenset[Layout]] = REFERENCE_LAYOUTS) -> Accepts:
+                        layouts: Union[Layout, frozenset[Layout]] = REFERENCE_LAYOUTS,
+                        alignment: Optional[tuple[object, ...]] = None) -> Accepts:
     """What a grouped GEMM stage of the experts accepts: its role's payload in ``layouts`` (the
     torch reference's: either expert-grouped layout; the triton GEMMs': block-aligned), in its
     formats, ``in_features`` wide, local ids, pending weights if its epilogue applies them. Only the
     down GEMM's epilogue may apply them, where the router declares ``IN_GEMM_EPILOGUE``: the gate/up
     GEMM's output goes through the activation, so weights applied there would be a different function
-    from every placement a router declares (no spec is accepted)."""
+    from every placement a router declares (no spec is accepted). ``alignment``: the block-aligned GEMMs'
+    (:meth:`~moeforge.kernels.config.ConfigTable.alignment`), which the rows must have been aligned by."""
     weights_at: Optional[frozenset[Optional[RoutingWeights]]] = None
     if apply_routing_weights:
         # None: a router that declares no placement (a user-written routing stage) leaves it to the stages.
@@ -138,6 +140,7 @@ def expert_gemm_accepts(role: GemmRole, *, dtypes: Union[DType, frozenset[DType]
         num_experts=num_experts,
         routing_weights=RoutingWeights.PENDING if apply_routing_weights else None,
         weights_at=weights_at,
+        alignment=frozenset({alignment}) if alignment is not None else None,
     )
 
 

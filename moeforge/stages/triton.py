@@ -31,7 +31,6 @@ from moeforge.spec import (
 )
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout
-from moeforge.stages.combine import Combine
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
 from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import TensorSource, resolve
@@ -202,10 +201,10 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     def accepts(self) -> Accepts:
         weight = resolve(self.weight)
-        accepts = expert_gemm_accepts(self.role, dtypes=KERNEL_DTYPES, scales=ScaleLayout.NONE,
-                                      in_features=int(weight.shape[2]), num_experts=int(weight.shape[0]),
-                                      apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED)
-        return attrs.evolve(accepts, alignment=frozenset({self.configs.alignment()}))
+        return expert_gemm_accepts(self.role, dtypes=KERNEL_DTYPES, scales=ScaleLayout.NONE,
+                                   in_features=int(weight.shape[2]), num_experts=int(weight.shape[0]),
+                                   apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED,
+                                   alignment=self.configs.alignment())
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)
@@ -251,20 +250,3 @@ def activation_args(config: Optional[ActivationConfig]) -> tuple[int, bool, bool
         return 0, False, False, 1.0, 0.0
     return (act_code(config), config.gated, config.gate_up is GateUpLayout.INTERLEAVED, config.alpha,
             config.limit)
-
-
-@attrs.frozen(eq=False)
-class AlignedCombine(Combine):
-    """:class:`~moeforge.stages.combine.Combine` for block-aligned rows (their plan sums each token's
-    ``top_k`` copies with the triton combine kernel, fixed order, fp32, no atomics)."""
-
-    layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.BLOCK_ALIGNED})
-
-    def __attrs_post_init__(self) -> None:
-        kernel_ops()
-
-    def summary(self) -> str:
-        text = "weighted" if self.apply_routing_weights else "unweighted"
-        if self.routed_scaling_factor is not None:
-            text += f", x{self.routed_scaling_factor:g}"
-        return f"AlignedCombine(triton, {text}, fp32 fixed order)"

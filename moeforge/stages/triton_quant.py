@@ -247,10 +247,10 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return text + ")"
 
     def accepts(self) -> Accepts:
-        accepts = expert_gemm_accepts(self.role, dtypes=self._activation_dtype(), scales=self.scheme.input_scales,
-                                      in_features=self.in_features, num_experts=int(resolve(self.weight).shape[0]),
-                                      apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED)
-        return attrs.evolve(accepts, alignment=frozenset({self.configs.alignment()}))
+        return expert_gemm_accepts(self.role, dtypes=self._activation_dtype(), scales=self.scheme.input_scales,
+                                   in_features=self.in_features, num_experts=int(resolve(self.weight).shape[0]),
+                                   apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED,
+                                   alignment=self.configs.alignment())
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):
