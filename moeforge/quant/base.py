@@ -237,6 +237,15 @@ class QuantMethod(abc.ABC):
                                    output_dtype)
 
 
+def layer_compute_dtype(layer: torch.nn.Module) -> DType:
+    """The float dtype ``layer`` computes in (``MoELayer.dtype``): what a quantized GEMM produces."""
+    dtype = getattr(layer, "dtype", None)
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InputError(f"{type(layer).__name__} has no float 'dtype' attribute (bf16, fp16 or fp32, as "
+                         f"MoELayer.dtype): the quantized GEMMs produce the layer's dtype; got {dtype!r}")
+    return DType.from_torch(dtype)  # type: ignore[arg-type]
+
+
 def expert_shapes(num_experts: int, hidden_size: int, intermediate_size: int,
                   gated: bool) -> dict[str, tuple[int, int, int]]:
     """The expert matrices every method stores, as ``[E, N, K]``: ``"w13"`` gate/up ``[E, 2I, H]``

@@ -17,7 +17,7 @@ quantizer produces. Every bad argument is an :class:`~moeforge.errors.InputError
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import attrs
 import torch
@@ -27,6 +27,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import ContractError, InputError
 from moeforge.payloads import Activations, ExpertRows, PaddedRows, Plan, SortedRows, scale_dtype, scale_shape
 from moeforge.pipeline import validate
+from moeforge.quant.base import QuantMethod, check_expert_groups, layer_compute_dtype
 from moeforge.spec import (
     DType,
     ExpertIds,
@@ -38,9 +39,6 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage, StageKind
-
-if TYPE_CHECKING:
-    from moeforge.quant.base import QuantMethod
 
 _FLOAT_DISPATCH = {DispatchDtype.BF16, DispatchDtype.FP16, DispatchDtype.FP32}
 
@@ -67,8 +65,6 @@ def apply_expert_stages(
 ) -> torch.Tensor:
     """GEMM -> activation -> GEMM of ``method``'s torch expert stages on expert-grouped rows, without
     routing weights; the result is ``hidden_states``' shape (unpacked width) in ``output_dtype``."""
-    from moeforge.quant.base import check_expert_groups
-
     if not isinstance(hidden_states, torch.Tensor):
         raise InputError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
     out_dtype = _float_dtype(output_dtype)
@@ -110,11 +106,6 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _layer_dtype(layer: torch.nn.Module, default: torch.dtype) -> DType:
-    dtype = getattr(layer, "dtype", None)
-    return DType.from_torch(dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else default)
-
-
 def _rows_format(method: QuantMethod, layer: torch.nn.Module, hidden_states: torch.Tensor,
                  scale: Optional[torch.Tensor]) -> tuple[DispatchDtype, Spec]:
     """The dispatch format of the rows (what the expert stages are built for) and their spec."""
@@ -133,7 +124,7 @@ def _rows_format(method: QuantMethod, layer: torch.nn.Module, hidden_states: tor
                              "float rows itself where it computes in a quantized format)")
         return dispatch, _dispatched(dispatch.activation_dtype, width)
     packed = 2 if dispatch is DispatchDtype.NVFP4 else 1
-    compute = _layer_dtype(layer, torch.bfloat16)
+    compute = layer_compute_dtype(layer)
     try:
         quantize = method.quantize_stage(dispatch, compute)
     except ContractError as error:

@@ -53,7 +53,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
-from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, expert_shapes, layer_compute_dtype, register_expert_biases
 from moeforge.quant.fp4 import (
     NVFP4_BLOCK,
     dequantize_nvfp4,
@@ -87,15 +87,6 @@ class DequantizableWeight(Protocol):
     def shape(self) -> tuple[int, int, int]: ...
 
     def dequantize(self) -> torch.Tensor: ...
-
-
-def compute_dtype(layer: torch.nn.Module) -> DType:
-    """The layer's float dtype (``MoELayer.dtype``)."""
-    dtype = getattr(layer, "dtype", None)
-    if not isinstance(dtype, torch.dtype):
-        raise InputError(f"{type(layer).__name__} has no 'dtype' attribute: the quantized GEMM needs the "
-                         "float dtype to produce")
-    return DType.from_torch(dtype)
 
 
 @attrs.frozen(eq=False)
@@ -390,7 +381,7 @@ class EmulatedNvfp4Experts(TorchExperts):
         return [
             EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"), optional_ref(layer, B13),
                                 input_global_scale=method.input_global_scale,
-                                out_dtype=compute_dtype(layer) if nvfp4_rows else None),
+                                out_dtype=layer_compute_dtype(layer) if nvfp4_rows else None),
             Activate(activation),
             EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(layer, "w2"), optional_ref(layer, B2),
                                 apply_routing_weights=routing_weights_in_epilogue),

@@ -28,7 +28,7 @@ from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.expert_checkpoint import Projection
-from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, expert_shapes, layer_compute_dtype, register_expert_biases
 from moeforge.roles.base import TorchExperts, TritonExperts
 from moeforge.spec import Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
@@ -215,15 +215,6 @@ class W8A8GroupedGemm(Stage[ExpertRows, ExpertRows]):
 
 # -- the methods' shared body -----------------------------------------------------------------------
 
-def layer_dtype(layer: torch.nn.Module) -> torch.dtype:
-    """The float dtype the layer computes in (``MoELayer.dtype``)."""
-    dtype = getattr(layer, "dtype", None)
-    if not isinstance(dtype, torch.dtype):
-        raise InputError(f"{type(layer).__name__} has no 'dtype' attribute (a torch.dtype): the W8A8 methods "
-                         "output the layer's float dtype")
-    return dtype
-
-
 class W8A8Method(QuantMethod):
     """Base of :class:`~moeforge.quant.fp8.Fp8W8A8Method` and :class:`~moeforge.quant.int8.Int8W8A8Method`.
 
@@ -383,7 +374,7 @@ class TorchW8A8Experts(TorchExperts):
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         quantizer = method.activation_quantizer
-        out = DType.from_torch(layer_dtype(layer))
+        out = layer_compute_dtype(layer)
 
         def gemm(role: GemmRole, weight: str, scale: str, bias: str, epilogue: bool = False) -> W8A8GroupedGemm:
             return W8A8GroupedGemm(role, ParamRef(layer, weight), ParamRef(layer, scale), quantizer.dtype,
@@ -414,7 +405,7 @@ class TritonW8A8Experts(TritonExperts):
 
         configs = cls.launch_table(configs)
         quantizer = method.activation_quantizer
-        out = DType.from_torch(layer_dtype(layer))
+        out = layer_compute_dtype(layer)
         scheme = QuantScheme.FP8_W8A8 if quantizer.dtype is DType.FP8_E4M3 else QuantScheme.INT8_W8A8
         stages: list[Stage[Any, Any]] = []
         if dispatch is None or not dispatch.is_quantized:
