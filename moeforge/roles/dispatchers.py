@@ -115,7 +115,7 @@ class AllToAllDispatcher(Dispatcher):
         assert config.expert_parallel is not None
         dispatch = AllToAllDispatch(config.expert_parallel, apply_routing_weights=config.weights_on_input,
                                     configs=configs if layout is Layout.BLOCK_ALIGNED else None)
-        return dispatch, dispatch.combine_stage(**config.combine_options())
+        return dispatch, combine_for(config)
 
 
 class FusedEpDispatcher(Dispatcher):
