@@ -13,16 +13,18 @@ graph replays with the L2 flushed before every replay, on random (never zero) bf
 * ``baseline_torch_grouped_mm``: the ``experts`` computation written with PyTorch's
   ``torch._grouped_mm`` (an open baseline; other open kernels are not installed on our GPU machines).
 
-With ``--quant fp8,w4a16`` it also times the ``experts`` span of quantized layers on the same shapes
-and M grid — FP8 W8A8 (128x128 block weights, per-128-group activations quantized before the
-dispatch, DeepSeek-V3 style) and W4A16 (int4, group 128, zero points) — records ``experts_<quant>``
-with the speedup over the bf16 ``experts`` of the same run, against a roofline computed from the
-quantized weight bytes (scales and zero points included) and, for FP8, the fp8 matmul peak.
+With ``--quant fp8,w4a16,mxfp4,nvfp4`` it also times the ``experts`` span of quantized layers on the
+same shapes and M grid — FP8 W8A8 (128x128 block weights, per-128-group activations quantized before
+the dispatch, DeepSeek-V3 style), W4A16 (int4, group 128, zero points), MXFP4 (GPT-OSS's format) and
+NVFP4 (weights only, bf16 activations) — records ``experts_<quant>`` with the speedup over the bf16
+``experts`` of the same run, against a roofline computed from the quantized weight bytes (scales and
+zero points included) and, for FP8, the fp8 matmul peak.
 
-The roofline is measured in the same run: the bf16 matmul peak (8192^3) and the device-to-device copy
-bandwidth. roofline time = max(flops / peak, bytes / bandwidth) with flops = 2 M k (H 2I + I H) and
-bytes = the weights of the experts actually used + input + output. It prints a table and writes JSON
-(device, commit, date, peak_tflops, bandwidth_tbps, records).
+One roofline everywhere, measured in the same run: the bf16 (or fp8) matmul peak (8192^3) and the HBM
+*read* bandwidth (a large reduction; a copy's bandwidth is lower and would put cells above 100 %).
+roofline time = max(flops / peak, bytes / read bandwidth) with flops = 2 M k (H 2I + I H) and bytes =
+the weights of the experts actually used, in their stored format + input + output. It prints a table
+and writes JSON (device, commit, date, peak_tflops, read_bandwidth_tbps, records).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import device_key  # noqa: E402
-from moeforge.kernels.grouped_gemm import ACT_SILU  # noqa: E402
+from moeforge.kernels.activations import ACT_SILU  # noqa: E402
 from moeforge.kernels.topk import routing_flags  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
 
@@ -94,12 +96,11 @@ def time_graph(fn: Callable[[], Any], reps: int, flush: Optional[torch.Tensor]) 
     return statistics.median(times)
 
 
-def measure_peak() -> tuple[float, float, float]:
-    """(bf16 matmul TFLOP/s on 8192^3 random data, device copy TB/s counting read + write, read-only
-    TB/s of a large reduction). The MoE kernels mostly *read* weights, which runs faster than a copy,
-    so cells are also reported against the read bandwidth: the stricter roofline.
+def measure_peak() -> tuple[float, float]:
+    """(bf16 matmul TFLOP/s on 8192^3 random data, read-only TB/s of a large reduction). The MoE
+    kernels mostly *read* weights, which runs faster than a copy: the read bandwidth is the roofline's.
 
-    Both operands far exceed the L2, so no flush is needed (and none pollutes the copy)."""
+    Both operands far exceed the L2, so no flush is needed."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -107,13 +108,10 @@ def measure_peak() -> tuple[float, float, float]:
     us = time_graph(lambda: torch.mm(a, b, out=out), 20, None)
     tflops = 2 * n**3 / (us * 1e-6) / 1e12
     src = torch.randn(1024 * 1024 * 1024 // 2, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    us = time_graph(lambda: dst.copy_(src), 20, None)
-    tbps = 2 * src.numel() * 2 / (us * 1e-6) / 1e12
     total = torch.empty((), device="cuda", dtype=torch.float32)
     us = time_graph(lambda: torch.sum(src, dim=0, dtype=torch.float32, out=total), 20, None)
     read_tbps = src.numel() * 2 / (us * 1e-6) / 1e12
-    return tflops, tbps, read_tbps
+    return tflops, read_tbps
 
 
 def roofline_us(shape: tuple[int, int, int, int], tokens: int, ids: torch.Tensor, peak: float,
@@ -139,10 +137,12 @@ def kernels_by_hand(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -
     def run() -> torch.Tensor:
         weights, ids = ops.route(logits, None, top_k, **flags)
         sorted_ids, block_expert, num_padded = ops.align_block_size(ids, experts, config.block_m)
-        hidden = ops.fused_moe_gemm(x, w13, None, None, sorted_ids, block_expert, num_padded, tokens * top_k,
-                                    top_k, ACT_SILU, True, False, 1.0, 0.0, config.gate_up.as_list(), x.dtype)
-        out = ops.fused_moe_gemm(hidden, w2, None, None, sorted_ids, block_expert, num_padded, tokens * top_k,
-                                 1, 0, False, False, 1.0, 0.0, config.down.as_list(), x.dtype)
+        hidden, _ = ops.moe_gemm(x, None, w13, None, None, None, None, None, sorted_ids, block_expert, num_padded,
+                                 tokens * top_k, top_k, 0, 1.0, ACT_SILU, True, False, 1.0, 0.0,
+                                 config.gate_up.as_list(), x.dtype, False)
+        out, _ = ops.moe_gemm(hidden, None, w2, None, None, None, None, None, sorted_ids, block_expert, num_padded,
+                              tokens * top_k, 1, 0, 1.0, 0, False, False, 1.0, 0.0, config.down.as_list(), x.dtype,
+                              False)
         return ops.combine(out, weights, top_k, 1.0, x.dtype)
 
     return run
@@ -170,11 +170,12 @@ def grouped_mm_baseline(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput) -
     return run
 
 
-def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float, read_bw: float,
-                flush: torch.Tensor, reps: int, experts_only_timing: bool = False) -> list[dict[str, Any]]:
+def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, read_bw: float,
+                flush: torch.Tensor, reps: int, experts_only_timing: bool = False,
+                batch_invariant: bool = False) -> list[dict[str, Any]]:
     experts, top_k, hidden, inter = SHAPES[name]
     layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda",
-                        backend="triton")
+                        backend="triton", batch_invariant=batch_invariant)
     experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
     records = []
     for tokens in tokens_list:
@@ -182,8 +183,7 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float,
         logits = torch.randn(tokens, experts, device="cuda", dtype=torch.float32)
         topk = mf.stages.select_experts(logits, top_k, layer.routing)
         routed = RoutedTokens(Activations(x), TopKOutput(topk.weights, topk.ids))
-        roof, flops = roofline_us(SHAPES[name], tokens, topk.ids, peak, bw)
-        strict, _ = roofline_us(SHAPES[name], tokens, topk.ids, peak, read_bw)
+        roof, flops = roofline_us(SHAPES[name], tokens, topk.ids, peak, read_bw)
         with torch.no_grad():
             timed = {}
             spans = (("experts", lambda: experts_only(routed)), ("layer", lambda: layer(x, logits)),
@@ -193,11 +193,9 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float,
                 records.append(dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=what,
                                     median_us=round(us, 2), roofline_us=round(roof, 2),
                                     tflops=round(flops / (us * 1e-6) / 1e12, 1),
-                                    pct_roofline=round(100 * roof / us, 1), roofline_read_us=round(strict, 2),
-                                    pct_roofline_read=round(100 * strict / us, 1)))
+                                    pct_roofline=round(100 * roof / us, 1), batch_invariant=batch_invariant))
                 print(f"{name:9s} M={tokens:6d} {what:8s} {us:10.1f} us  roofline {roof:9.1f} us "
-                      f"{100 * roof / us:6.1f}%  (read bw: {100 * strict / us:5.1f}%)  "
-                      f"{flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s", flush=True)
+                      f"{100 * roof / us:6.1f}%  {flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s", flush=True)
             if experts_only_timing:
                 continue
             try:
@@ -221,6 +219,8 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, bw: float,
 QUANT_METHODS: dict[str, Callable[[], mf.QuantMethod]] = {
     "fp8": lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
     "w4a16": lambda: mf.W4A16Method(group_size=128, zero_points=True),
+    "mxfp4": lambda: mf.Mxfp4Method(),
+    "nvfp4": lambda: mf.Nvfp4Method(),
 }
 
 
@@ -239,6 +239,10 @@ def quant_weight_bytes(quant: str, hidden: int, inter: int) -> float:
     elements = 3 * hidden * inter
     if quant == "fp8":  # 1 byte each + one fp32 scale per 128x128 block
         return elements + 4 * elements / (128 * 128)
+    if quant == "mxfp4":  # 4 bits each + one E8M0 byte per 32
+        return elements / 2 + elements / 32
+    if quant == "nvfp4":  # 4 bits each + one e4m3 byte per 16 (+ two fp32 global scales)
+        return elements / 2 + elements / 16 + 8
     # 4 bits each + a bf16 scale and a uint8 zero point per 128 elements of a row
     return elements / 2 + 3 * elements / 128
 
@@ -283,7 +287,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<date>.json)")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
-    parser.add_argument("--quant", default="", help="quantized layers to time too: fp8,w4a16")
+    parser.add_argument("--quant", default="", help="quantized layers to time too: fp8,w4a16,mxfp4,nvfp4")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also time the bf16 experts span with MoELayer(batch_invariant=True)")
     parser.add_argument("--skip-bf16-extras", action="store_true",
                         help="time only the bf16 experts span (no layer / by-hand / baseline)")
     args = parser.parse_args()
@@ -291,29 +297,40 @@ def main() -> None:
         sys.exit("bench_moe.py needs a CUDA device")
     torch.manual_seed(0)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    peak, bw, read_bw = measure_peak()
+    peak, read_bw = measure_peak()
     device = torch.cuda.get_device_name()
-    print(f"{device}: bf16 matmul {peak:.0f} TFLOP/s, copy {bw:.2f} TB/s, read {read_bw:.2f} TB/s")
+    print(f"{device}: bf16 matmul {peak:.0f} TFLOP/s, HBM read {read_bw:.2f} TB/s")
     fp8_peak = measure_fp8_peak() if "fp8" in args.quant else None
     if fp8_peak is not None:
         print(f"fp8 matmul {fp8_peak:.0f} TFLOP/s")
     records = []
     for name in args.shapes.split(","):
         tokens = tuple(int(t) for t in args.tokens.split(","))
-        records += bench_shape(name, tokens, peak, bw, read_bw, flush, args.reps, args.skip_bf16_extras)
+        records += bench_shape(name, tokens, peak, read_bw, flush, args.reps, args.skip_bf16_extras)
+        if args.batch_invariant:
+            invariant = bench_shape(name, tokens, peak, read_bw, flush, args.reps, True, batch_invariant=True)
+            default = {r["M"]: r["median_us"] for r in records if r["shape"] == name and r["what"] == "experts"}
+            for record in invariant:
+                record["what"] = "experts_batch_invariant"
+                record["cost_vs_default"] = round(record["median_us"] / default[record["M"]], 3)
+            records += invariant
         torch.cuda.empty_cache()  # the layer of this shape is gone: free its weights for the next
         bf16_us = {r["M"]: r["median_us"] for r in records if r["shape"] == name and r["what"] == "experts"}
         for quant in filter(None, args.quant.split(",")):
             quant_peak = fp8_peak if quant == "fp8" and fp8_peak is not None else peak
-            records += bench_quant(name, quant, tokens, bf16_us, quant_peak, bw, flush, args.reps)
+            records += bench_quant(name, quant, tokens, bf16_us, quant_peak, read_bw, flush, args.reps)
             torch.cuda.empty_cache()
     def geomean(key: str) -> tuple[float, float]:
         values = [r[key] for r in records if r["what"] == "experts"]
         return math.exp(sum(math.log(v) for v in values) / len(values)), min(values)
 
-    (gm, low), (gm_read, low_read) = geomean("pct_roofline"), geomean("pct_roofline_read")
-    print(f"\ngeometric mean of % roofline (experts): {gm:.1f}% (min {low:.1f}%); "
-          f"against the read bandwidth: {gm_read:.1f}% (min {low_read:.1f}%)")
+    gm, low = geomean("pct_roofline")
+    print(f"\ngeometric mean of % roofline (experts): {gm:.1f}% (min {low:.1f}%)")
+    invariant_costs = [r["cost_vs_default"] for r in records if r["what"] == "experts_batch_invariant"]
+    invariant_cost = (math.exp(sum(math.log(c) for c in invariant_costs) / len(invariant_costs))
+                      if invariant_costs else None)
+    if invariant_cost is not None:
+        print(f"batch-invariant mode: geometric mean {invariant_cost:.3f}x the default's time")
     quant_summary = {}
     for quant in filter(None, args.quant.split(",")):
         cells = [r for r in records if r["what"] == f"experts_{quant}"]
@@ -327,8 +344,8 @@ def main() -> None:
                                            text=True).stdout.strip()
     result = dict(device=device, commit=commit or "unknown", date=datetime.date.today().isoformat(),
                   torch=torch.__version__, triton=_triton_version(), peak_tflops=round(peak, 1),
-                  bandwidth_tbps=round(bw, 3), read_bandwidth_tbps=round(read_bw, 3),
-                  geomean_pct_roofline_experts=round(gm, 1), geomean_pct_roofline_read_experts=round(gm_read, 1),
+                  read_bandwidth_tbps=round(read_bw, 3), geomean_pct_roofline_experts=round(gm, 1),
+                  batch_invariant_geomean_cost=round(invariant_cost, 3) if invariant_cost is not None else None,
                   fp8_peak_tflops=round(fp8_peak, 1) if fp8_peak is not None else None, quant=quant_summary,
                   records=records)
     out = Path(args.out) if args.out else (

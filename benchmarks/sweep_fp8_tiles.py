@@ -8,9 +8,10 @@ defaults in moeforge.stages.triton_quant.default_quant_config were chosen from i
 """
 import sys, itertools, torch
 sys.path.insert(0, ".")
-from moeforge.kernels import align, quant_gemm
+from moeforge.kernels import align, moe_gemm
+from moeforge.kernels.formats import WeightFormat
 from moeforge.kernels.config import GemmConfig
-from moeforge.kernels.grouped_gemm import ACT_SILU
+from moeforge.kernels.activations import ACT_SILU
 import statistics
 
 def timeit(fn, reps=10):
@@ -39,7 +40,7 @@ for M in (256, 4096):
             cfg = GemmConfig(bm, bn, 128, 8, warps, stages)
             for name, xs, ws in (("group/block", xs_g, s13b), ("token/channel", xs_t, s13c)):
                 try:
-                    us = timeit(lambda: quant_gemm.w8a8_moe_gemm(x, xs, w13, ws, out, sid, bexp, npad, rows_per_a=K_,
+                    us = timeit(lambda: moe_gemm.moe_gemm(x, w13, out, sid, bexp, npad, weight_format=WeightFormat.FP8, a_scale=xs, weight_scale=ws, rows_per_a=K_,
                                                                  config=cfg, act=ACT_SILU, glu=True))
                     print(f"M={M} bm={bm} bn={bn} w={warps} s={stages} {name:14s} {us:9.1f} us {flops/us/1e6:7.1f} TFLOP/s", flush=True)
                 except Exception as err:

@@ -8,9 +8,10 @@ defaults in moeforge.stages.triton_quant.default_quant_config were chosen from i
 """
 import sys, itertools, torch, statistics
 sys.path.insert(0, ".")
-from moeforge.kernels import align, quant_gemm
+from moeforge.kernels import align, moe_gemm
+from moeforge.kernels.formats import WeightFormat
 from moeforge.kernels.config import GemmConfig
-from moeforge.kernels.grouped_gemm import ACT_SILU
+from moeforge.kernels.activations import ACT_SILU
 
 def timeit(fn, reps=8):
     for _ in range(2): fn()
@@ -35,8 +36,9 @@ for M in (8, 256, 4096):
         for bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4)):
             cfg = GemmConfig(bm, bn, bk, 8, warps, stages)
             try:
-                us = timeit(lambda: quant_gemm.w4a16_moe_gemm(x, q, sc, out, sid, bexp, npad, rows_per_a=K_, config=cfg,
-                                                              zeros=z, act=ACT_SILU, glu=True))
+                us = timeit(lambda: moe_gemm.moe_gemm(x, q, out, sid, bexp, npad, weight_format=WeightFormat.INT4,
+                                                      weight_scale=sc, weight_zero=z, rows_per_a=K_, config=cfg,
+                                                      act=ACT_SILU, glu=True))
                 print(f"M={M} bm={bm} bn={bn} bk={bk} w={warps} s={stages} {us:9.1f} us {flops/us/1e6:7.1f} TFLOP/s", flush=True)
             except Exception as err:
                 print(f"M={M} {cfg} failed: {type(err).__name__}: {str(err)[:80]}", flush=True)

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe import FLUSH_BYTES, SHAPES, TOKENS, time_graph  # noqa: E402
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, grouped_gemm  # noqa: E402
+from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels.activations import ACT_SILU  # noqa: E402
 from moeforge.kernels.config import GemmConfig, device_key, fit_shared_memory, shape_key  # noqa: E402
 
 
@@ -65,9 +66,9 @@ def tune_cell(shape: tuple[int, int, int, int], tokens: int, flush: torch.Tensor
     for config in candidates(tokens * top_k / experts):
         plan = align.align_block_size(topk.ids, experts, config.block_m)
         for role, run in (
-            ("gate_up", lambda c: grouped_gemm.fused_moe_gemm(
-                x, w13, out1, *plan, rows_per_a=top_k, config=c, act=grouped_gemm.ACT_SILU, glu=True)),
-            ("down", lambda c: grouped_gemm.fused_moe_gemm(
+            ("gate_up", lambda c: moe_gemm.moe_gemm(
+                x, w13, out1, *plan, rows_per_a=top_k, config=c, act=ACT_SILU, glu=True)),
+            ("down", lambda c: moe_gemm.moe_gemm(
                 hidden_rows, w2, out2, *plan, rows_per_a=1, config=c, topk_weights=topk.weights.view(-1))),
         ):
             fitted = fit_shared_memory(config, 2, 2 if role == "gate_up" else 1)

@@ -11,7 +11,7 @@ from torch import nn
 from moeforge.backend import Backend, resolve_backend
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
 from moeforge.distributed.group import ExpertParallel
-from moeforge.errors import InputError
+from moeforge.errors import BackendUnavailableError, InputError
 from moeforge.inputs import check_hidden_states, check_router_logits
 from moeforge.payloads import ExpertRows, MoEInput, MoEOutput, RoutedTokens
 from moeforge.pipeline import Pipeline
@@ -19,7 +19,7 @@ from moeforge.quant.base import QuantMethod
 from moeforge.quant.unquantized import UnquantizedMethod
 from moeforge.roles.base import LayerConfig
 from moeforge.selector import select
-from moeforge.shared_experts import SharedExperts, SharedExpertsConfig
+from moeforge.shared_experts import Linear, SharedExperts, SharedExpertsConfig
 from moeforge.spec import DType, RoutingWeights, input_spec
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
@@ -63,6 +63,9 @@ class MoELayer(nn.Module):
             padded rows run on the torch stages.
         debug: check every payload against its spec (values included) and reject non-finite hidden
             states, router logits and routing weights (these checks synchronise with the device).
+        batch_invariant: each token's output bitwise independent of the rest of the batch and of its
+            size (one launch configuration for every token count, the router and shared experts
+            through the same kernel; needs the triton backend). See :mod:`moeforge.batch_invariant`.
         environ: where the process default ``MOEFORGE_DISPATCH_DTYPE`` is read (default
             ``os.environ``; only read, never written).
     """
@@ -88,8 +91,12 @@ class MoELayer(nn.Module):
         debug: bool = False,
         environ: Optional[Mapping[str, str]] = None,
         expert_parallel: Optional[ExpertParallel] = None,
+        batch_invariant: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(batch_invariant, bool):
+            raise InputError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        self.batch_invariant = batch_invariant
         for name, value in (("num_experts", num_experts), ("top_k", top_k),
                             ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if not isinstance(value, int) or value < 1:
@@ -152,7 +159,17 @@ class MoELayer(nn.Module):
         """The backend asked for (``None``: "auto"), checked against ``device``: an explicit one that cannot
         run there raises :class:`~moeforge.BackendUnavailableError` saying why."""
         setting = self.backend_setting
-        if not isinstance(setting, Backend) and isinstance(setting, str) and setting.lower() == "auto":
+        auto = not isinstance(setting, Backend) and isinstance(setting, str) and setting.lower() == "auto"
+        if self.batch_invariant:
+            # Only the triton kernels fix their reduction order for every token count.
+            if not auto and resolve_backend(setting, device) is not Backend.TRITON:
+                raise InputError(f"batch_invariant=True needs the triton backend, got backend={setting!r}: the torch "
+                                 "backend's matmuls pick their reduction by batch size")
+            try:
+                return resolve_backend(Backend.TRITON, device)
+            except BackendUnavailableError as error:
+                raise BackendUnavailableError(f"batch_invariant=True needs the triton backend: {error}") from error
+        if auto:
             return None
         return resolve_backend(setting, device)
 
@@ -210,7 +227,7 @@ class MoELayer(nn.Module):
             intermediate_size=self.intermediate_size, routing=self.routing, activation=self.activation,
             quant=self.quant, dtype=self.dtype, device=self._device, dispatch=self.dispatch_decision,
             expert_parallel=self.expert_parallel, backend=self._backend_preference(self._device),
-            dispatcher=self.dispatcher)
+            dispatcher=self.dispatcher, batch_invariant=self.batch_invariant)
         self.selection = select(config)
         self.backend = self.selection.backend
         stages = self.selection.stages(self, config)
@@ -296,17 +313,29 @@ class MoELayer(nn.Module):
         # The checks above cover what the pipeline would check of its input, with the layer's words.
         out = self.pipeline.run(MoEInput(x, logits), input_checked=True).hidden_states
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x, self._linear())
         return out.view(hidden_states.shape)
+
+    def _linear(self) -> Linear:
+        """How the router and the shared experts multiply: one fixed reduction order per row when the
+        layer is batch-invariant."""
+        if self.batch_invariant:
+            from moeforge import batch_invariant
+
+            return batch_invariant.linear
+        return nn.functional.linear
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.router is None:
             raise InputError("this layer has no router (router=False): pass router_logits to forward()")
+        weight: torch.Tensor = self.router.weight
+        bias: Optional[torch.Tensor] = self.router.bias
         if self.routing.router_in_fp32:
-            bias = self.router.bias.float() if self.router.bias is not None else None
-            return nn.functional.linear(x.float(), self.router.weight.float(), bias)
-        logits: torch.Tensor = self.router(x)
-        return logits
+            x, weight, bias = x.float(), weight.float(), bias.float() if bias is not None else None
+        elif not self.batch_invariant:
+            logits: torch.Tensor = self.router(x)  # the module itself: its hooks (and wrappers) run
+            return logits
+        return self._linear()(x, weight, bias)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "

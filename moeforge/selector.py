@@ -21,8 +21,8 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.errors import InputError
-from moeforge.quant.mxfp4 import EmulatedMxfp4Experts
-from moeforge.quant.nvfp4 import EmulatedNvfp4Experts
+from moeforge.quant.mxfp4 import EmulatedMxfp4Experts, TritonMxfp4Experts
+from moeforge.quant.nvfp4 import EmulatedNvfp4Experts, TritonNvfp4Experts
 from moeforge.quant.unquantized import TorchUnquantizedExperts, TritonUnquantizedExperts
 from moeforge.quant.w4a4_npu import W4A4NpuExperts
 from moeforge.quant.w4a16 import TorchW4A16Experts, TritonW4A16Experts
@@ -46,6 +46,8 @@ EXPERTS: tuple[type[Experts], ...] = (
     TritonUnquantizedExperts,
     TritonW8A8Experts,
     TritonW4A16Experts,
+    TritonMxfp4Experts,
+    TritonNvfp4Experts,
     TorchUnquantizedExperts,
     TorchW8A8Experts,
     TorchW4A16Experts,

@@ -6,13 +6,15 @@ Ungated (DeepSeek-V3, Llama-4) or scaled by ``sigmoid(gate(x))`` per token (Qwen
 from __future__ import annotations
 
 import enum
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import attrs
 import torch
 from torch import nn
 
 from moeforge.stages.activation import ActivationConfig, apply_activation
+
+Linear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
 
 class SharedGate(enum.Enum):
@@ -69,9 +71,14 @@ class SharedExperts(nn.Module):
             text += ", x sigmoid(gate(x))"
         return text + ")"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = apply_activation(self.gate_up_proj(x), self.config.activation).to(x.dtype)
-        out: torch.Tensor = self.down_proj(hidden)
+    def forward(self, x: torch.Tensor, linear: Linear = nn.functional.linear) -> torch.Tensor:
+        """``linear``: how the projections multiply (``moeforge.batch_invariant.linear`` for a
+        batch-invariant layer)."""
+        def project(module: nn.Linear, rows: torch.Tensor) -> torch.Tensor:
+            return linear(rows, module.weight, module.bias)
+
+        hidden = apply_activation(project(self.gate_up_proj, x), self.config.activation).to(x.dtype)
+        out = project(self.down_proj, hidden)
         if self.gate is not None:
-            out = out * torch.sigmoid(self.gate(x))
+            out = out * torch.sigmoid(project(self.gate, x))
         return out

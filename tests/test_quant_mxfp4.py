@@ -183,11 +183,22 @@ def test_quantized_dispatch_is_a_contract_error(dispatch: str) -> None:
     assert info.value.field == "dtype" and "Mxfp4Method" in info.value.consumer
 
 
-def test_the_triton_backend_is_unavailable() -> None:
+def test_the_triton_experts_are_the_mxfp4_kernel() -> None:
+    """The triton experts are the one grouped GEMM on the stored blocks (tests/test_triton_fp4_gemm.py
+    checks its numbers); without a CUDA device the layer cannot pick them."""
+    pytest.importorskip("triton")
+    from moeforge.kernels.config import ConfigTable
+    from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
+
     layer = _layer()
-    with pytest.raises(BackendUnavailableError, match="backend='torch'"):
-        Mxfp4Method().expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
-                                    backend=mf.Backend.TRITON)
+    stages = Mxfp4Method().expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=True,
+                                         backend=mf.Backend.TRITON, configs=ConfigTable(E, K))
+    assert [type(s) for s in stages] == [FusedQuantGroupedGemm, FusedQuantGroupedGemm]
+    assert all(isinstance(s, FusedQuantGroupedGemm) and s.scheme is QuantScheme.MXFP4 for s in stages)
+    assert "mxfp4" in stages[0].summary() and "weights in epilogue" in stages[1].summary()
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailableError, match="CUDA"):
+            mf.MoELayer(E, K, H, I, quant=Mxfp4Method(), backend="triton", environ={})
 
 
 @torch.no_grad()

@@ -281,12 +281,26 @@ def test_nvfp4_dispatch_is_rejected_where_the_device_cannot_carry_it(monkeypatch
         _layer(Nvfp4Method(G))
 
 
-def test_the_triton_backend_is_unavailable() -> None:
+def test_the_triton_experts_are_the_nvfp4_kernel() -> None:
+    """The triton experts are the one grouped GEMM (tests/test_triton_fp4_gemm.py checks its numbers),
+    reading NVFP4 rows with the method's static global scale when the dispatch is NVFP4."""
+    pytest.importorskip("triton")
+    from moeforge.dispatch_dtype import DispatchDtype
+    from moeforge.kernels.config import ConfigTable
+    from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
+
     layer = _layer()
-    for method in (Nvfp4Method(), Nvfp4Method(G)):
-        with pytest.raises(BackendUnavailableError, match="backend='torch'"):
-            method.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
-                                 backend=mf.Backend.TRITON)
+    for method, dispatch in ((Nvfp4Method(), None), (Nvfp4Method(G), DispatchDtype.NVFP4)):
+        stages = method.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
+                                      backend=mf.Backend.TRITON, configs=ConfigTable(E, K), dispatch=dispatch)
+        assert all(isinstance(s, FusedQuantGroupedGemm) and s.scheme is QuantScheme.NVFP4 for s in stages)
+        first = stages[0]
+        assert isinstance(first, FusedQuantGroupedGemm)
+        assert first.input_global_scale == (G if dispatch is not None else None)
+    with pytest.raises(mf.ContractError, match="input_global_scale"):
+        Nvfp4Method().expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
+                                    backend=mf.Backend.TRITON, configs=ConfigTable(E, K),
+                                    dispatch=DispatchDtype.NVFP4)
 
 
 def test_the_quantizer() -> None:

@@ -26,7 +26,12 @@ METHODS: dict[str, Callable[[], mf.QuantMethod]] = {
     "int8": lambda: mf.Int8W8A8Method(),
     "w4a16 g32 zeros": lambda: mf.W4A16Method(group_size=32, zero_points=True),
     "w4a16 g128 symmetric": lambda: mf.W4A16Method(group_size=128, zero_points=False),
+    "mxfp4": lambda: mf.Mxfp4Method(),
+    "nvfp4": lambda: mf.Nvfp4Method(),
+    "nvfp4 rows": lambda: mf.Nvfp4Method(input_global_scale=4.0 / (6 * 448)),
 }
+# Methods whose rows travel in the layer's dtype (or in the one format the method requires) either way.
+FIXED_DISPATCH = ("w4a16", "mxfp4", "nvfp4")
 
 
 def _reference(make: Callable[[], mf.QuantMethod], dispatch: str) -> mf.MoELayer:
@@ -64,8 +69,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", list(METHODS))
 @pytest.mark.parametrize("dispatch", ["auto", "fp16"])
 def test_quantized_triton_stages_equal_the_torch_layer(name: str, dispatch: str) -> None:
-    if dispatch == "fp16" and name.startswith("w4a16"):
-        pytest.skip("W4A16 dispatches in the layer's dtype either way")
+    if dispatch == "fp16" and name.startswith(FIXED_DISPATCH):
+        pytest.skip(f"{name} dispatches in one dtype either way")
     reference = _reference(METHODS[name], dispatch)
     pipeline = _triton_pipeline(reference)
     x = torch.randn(5, H, device=DEVICE, dtype=torch.float16)
@@ -90,11 +95,13 @@ def test_quantized_triton_stages_equal_the_torch_layer(name: str, dispatch: str)
 
 
 def test_auto_backend_picks_triton_for_quant_methods_with_kernels_and_torch_otherwise() -> None:
-    for make, want in ((METHODS["fp8 block/group"], mf.Backend.TRITON), (lambda: mf.Mxfp4Method(), mf.Backend.TORCH)):
+    cases = ((METHODS["fp8 block/group"], mf.Backend.TRITON), (METHODS["mxfp4"], mf.Backend.TRITON),
+             (METHODS["nvfp4 rows"], mf.Backend.TRITON), (lambda: mf.W4A4NpuMethod(), mf.Backend.TORCH))
+    for make, want in cases:
         layer = mf.MoELayer(E, K, H, I, quant=make(), dtype=torch.float16, device=DEVICE, environ={})
         if DEVICE == "cuda":
             assert layer.backend is want
-            if want is mf.Backend.TORCH:  # no triton experts compute MXFP4: its emulated experts run
-                assert "experts EmulatedMxfp4Experts" in layer.describe()
+            if want is mf.Backend.TORCH:  # no triton experts compute W4A4: its torch experts run
+                assert "experts W4A4NpuExperts" in layer.describe()
         else:
             assert layer.backend is mf.Backend.TORCH

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, combine, grouped_gemm, topk  # noqa: E402
+from moeforge.kernels import align, combine, moe_gemm, topk  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
 from moeforge.reference import dense_moe  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
@@ -137,7 +137,7 @@ def test_first_gemm_with_fused_activation_bias_and_weights(name: str, dtype: tor
     sorted_ids, block_expert, num_padded = align.align_block_size(ids, experts, SMALL.block_m)
     out = torch.full((tokens * k, inter), float("nan"), dtype=dtype, device=DEVICE)
     code = act_code(act)
-    grouped_gemm.fused_moe_gemm(x, w13, out, sorted_ids, block_expert, num_padded, rows_per_a=k, config=SMALL,
+    moe_gemm.moe_gemm(x, w13, out, sorted_ids, block_expert, num_padded, rows_per_a=k, config=SMALL,
                                 bias=b13, topk_weights=weights.reshape(-1), act=code, glu=act.gated,
                                 interleaved=act.gate_up is mf.GateUpLayout.INTERLEAVED,
                                 alpha=act.alpha, limit=act.limit)
@@ -157,7 +157,7 @@ def test_second_gemm_reads_copy_rows(dtype: torch.dtype) -> None:
     ids = _ids(tokens, experts, k, gen)
     sorted_ids, block_expert, num_padded = align.align_block_size(ids, experts, SMALL.block_m)
     out = torch.full((tokens * k, hidden), float("nan"), dtype=dtype, device=DEVICE)
-    grouped_gemm.fused_moe_gemm(rows, w2, out, sorted_ids, block_expert, num_padded, rows_per_a=1, config=SMALL)
+    moe_gemm.moe_gemm(rows, w2, out, sorted_ids, block_expert, num_padded, rows_per_a=1, config=SMALL)
     ref = torch.einsum("ci,chi->ch", rows.double(), w2.double()[ids.reshape(-1).long()])
     assert _rel(out, ref) < TOL[dtype]
 

@@ -25,7 +25,8 @@ import torch
 pytest.importorskip("triton")
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, quant_gemm, quantize  # noqa: E402
+from moeforge.kernels import align, moe_gemm, quantize  # noqa: E402
+from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig  # noqa: E402
 from moeforge.payloads import Activations  # noqa: E402
 from moeforge.spec import DType  # noqa: E402
@@ -55,6 +56,21 @@ def route(tokens: int, experts: int, k: int, gen: torch.Generator, device: str =
         return torch.empty(0, k, dtype=torch.int32, device=device)
     rows = [torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]
     return torch.stack(rows).to(torch.int32).to(device)
+
+
+def w8a8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              out: torch.Tensor, *plan: torch.Tensor, **options: object) -> torch.Tensor:
+    """The one grouped GEMM on FP8 / INT8 rows and weights."""
+    fmt = WeightFormat.INT8 if weight.dtype == torch.int8 else WeightFormat.FP8
+    return moe_gemm.moe_gemm(a, weight, out, *plan, weight_format=fmt, a_scale=a_scale,  # type: ignore[misc]
+                             weight_scale=weight_scale, **options)
+
+
+def w4a16_gemm(a: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+               *plan: torch.Tensor, zeros: Optional[torch.Tensor] = None, **options: object) -> torch.Tensor:
+    """The one grouped GEMM on float rows and packed int4 weights."""
+    return moe_gemm.moe_gemm(a, packed, out, *plan, weight_format=WeightFormat.INT4,  # type: ignore[misc]
+                             weight_scale=scales, weight_zero=zeros, **options)
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -258,7 +274,7 @@ def test_w8a8_first_gemm_with_activation_bias_and_weights(case: str) -> None:
     plan = align.align_block_size(ids, experts, TILE.block_m)
     out = torch.full((tokens * k, inter), float("nan"), dtype=out_dtype, device=DEVICE)
     assert x.scale is not None
-    quant_gemm.w8a8_moe_gemm(x.data, x.scale, w13, w13_scale, out, *plan, rows_per_a=k, config=TILE, bias=b13,
+    w8a8_gemm(x.data, x.scale, w13, w13_scale, out, *plan, rows_per_a=k, config=TILE, bias=b13,
                              topk_weights=weights.reshape(-1), act=act_code(act), glu=True)
     ref = reference_gemm(dequantize(x), k, ids, w13_deq, b13, act, weights)
     assert rel(out, ref) < (1e-5 if out_dtype == torch.float32 else 2e-3)
@@ -278,7 +294,7 @@ def test_w8a8_second_gemm_reads_copy_rows(case: str, block_k: int) -> None:
     out = torch.full((tokens * k, hidden), float("nan"), device=DEVICE)
     assert rows.scale is not None
     config = GemmConfig(16, 32, block_k, group_m=1, num_warps=4, num_stages=2)
-    quant_gemm.w8a8_moe_gemm(rows.data, rows.scale, w2, w2_scale, out, *plan, rows_per_a=1, config=config)
+    w8a8_gemm(rows.data, rows.scale, w2, w2_scale, out, *plan, rows_per_a=1, config=config)
     assert rel(out, reference_gemm(dequantize(rows), 1, ids, w2_deq)) < 1e-5
 
 
@@ -300,10 +316,10 @@ def test_w8a8_epilogue_quantizes_its_output_like_the_group_quantizer(act_name: s
                  alpha=act.alpha, limit=act.limit)
     assert x.scale is not None
     floats = torch.empty(tokens * k, inter, device=DEVICE)
-    quant_gemm.w8a8_moe_gemm(x.data, x.scale, w13, w13_scale, floats, *plan, **flags)  # type: ignore[arg-type]
+    w8a8_gemm(x.data, x.scale, w13, w13_scale, floats, *plan, **flags)  # type: ignore[arg-type]
     q = torch.empty(tokens * k, inter, dtype=FP8, device=DEVICE)
     scale = torch.full((tokens * k, inter // 128), float("nan"), device=DEVICE)
-    quant_gemm.w8a8_moe_gemm(x.data, x.scale, w13, w13_scale, q, *plan, out_scale=scale, **flags)  # type: ignore[arg-type]
+    w8a8_gemm(x.data, x.scale, w13, w13_scale, q, *plan, out_scale=scale, **flags)  # type: ignore[arg-type]
     want = PerGroupQuantizer()(floats)
     assert want.scale is not None
     assert fp8_steps_apart(q, want.data) <= (1 if CUDA else 0)
@@ -329,7 +345,7 @@ def test_w4a16_first_gemm(group: int, block_k: int, zero_points: bool) -> None:
     plan = align.align_block_size(ids, experts, 16)
     out = torch.full((tokens * k, inter), float("nan"), dtype=dtype, device=DEVICE)
     config = GemmConfig(16, 32, block_k, group_m=2, num_warps=4, num_stages=2)
-    quant_gemm.w4a16_moe_gemm(x, packed, scales, out, *plan, rows_per_a=k, config=config, zeros=zeros, bias=b13,
+    w4a16_gemm(x, packed, scales, out, *plan, rows_per_a=k, config=config, zeros=zeros, bias=b13,
                               topk_weights=weights.reshape(-1), act=act_code(act), glu=True,
                               interleaved=act.gate_up is mf.GateUpLayout.INTERLEAVED)
     ref = reference_gemm(x, k, ids, deq, b13, act, weights)
@@ -345,7 +361,7 @@ def test_w4a16_second_gemm_in_fp32() -> None:
     ids = route(tokens, experts, k, gen)
     plan = align.align_block_size(ids, experts, 16)
     out = torch.full((tokens * k, hidden), float("nan"), device=DEVICE)
-    quant_gemm.w4a16_moe_gemm(rows, packed, scales, out, *plan, rows_per_a=1, config=TILE, zeros=zeros)
+    w4a16_gemm(rows, packed, scales, out, *plan, rows_per_a=1, config=TILE, zeros=zeros)
     assert rel(out, reference_gemm(rows, 1, ids, deq)) < 1e-5
 
 
@@ -582,11 +598,11 @@ def test_custom_ops_have_fake_implementations() -> None:
     plan = align.align_block_size(ids, 2, 16)
     ops = torch.ops.moeforge
     assert x.scale is not None
-    args = (x.data, x.scale, t["w13"], t["w13_scale"], None, None, *plan, 6, 2, 1, True, False, 1.0, 0.0,
-            [16, 128, 128, 1, 4, 2])
+    args = (x.data, x.scale, t["w13"], t["w13_scale"], None, None, None, None, *plan, 6, 2, int(WeightFormat.FP8),
+            1.0, 1, True, False, 1.0, 0.0, [16, 128, 128, 1, 4, 2])
     calls = {
-        "gemm": lambda *a: ops.w8a8_moe_gemm(*a, torch.float16),
-        "fp8_out": lambda *a: ops.w8a8_moe_gemm_fp8_out(*a),
+        "gemm": lambda *a: ops.moe_gemm(*a, torch.float16, False),
+        "fp8_out": lambda *a: ops.moe_gemm(*a, torch.float16, True),
         "quantize": lambda *a: ops.quantize_rows(a[0].float(), FP8, True, 0, False, False, 1.0, 0.0),
     }
     for name, call in calls.items():

@@ -30,7 +30,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, quant_gemm  # noqa: E402
+from moeforge.kernels import align  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, default_config  # noqa: E402
 from moeforge.spec import DType  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
@@ -48,6 +48,8 @@ from test_triton_quant_gemm import (  # noqa: E402
     quant_pipeline,
     quantize_activations,
     quantize_weight_w8,
+    w4a16_gemm,
+    w8a8_gemm,
     quantizers,
     reference_gemm,
     reference_moe,
@@ -106,13 +108,13 @@ def test_w8a8_gemms_at_scale(case: str, shape: tuple[int, int, int, int, int]) -
     config = default_quant_config(scheme, block_m)
     assert x.scale is not None
     hidden_rows = torch.full((tokens * k, inter), float("nan"), device=DEVICE, dtype=BF16)
-    quant_gemm.w8a8_moe_gemm(x.data, x.scale, w13, s13, hidden_rows, *plan, rows_per_a=k, config=config, bias=b13,
+    w8a8_gemm(x.data, x.scale, w13, s13, hidden_rows, *plan, rows_per_a=k, config=config, bias=b13,
                              topk_weights=weights.reshape(-1), act=act_code(act), glu=True)
     assert rel(hidden_rows, reference_gemm(dequantize(x), k, ids, w13_deq, b13, act, weights)) < GEMM_TOL
     rows = quantize_activations(torch.randn(tokens * k, inter, device=DEVICE), dtype, scales)
     assert rows.scale is not None
     out = torch.full((tokens * k, hidden), float("nan"), device=DEVICE, dtype=BF16)
-    quant_gemm.w8a8_moe_gemm(rows.data, rows.scale, w2, s2, out, *plan, rows_per_a=1, config=config)
+    w8a8_gemm(rows.data, rows.scale, w2, s2, out, *plan, rows_per_a=1, config=config)
     assert rel(out, reference_gemm(dequantize(rows), 1, ids, w2_deq)) < GEMM_TOL
 
 
@@ -132,12 +134,12 @@ def test_w4a16_gemms_at_scale(group: int, zero_points: bool, shape: tuple[int, i
     block_m, plan = _plan(ids, experts, tokens, k)
     config = default_quant_config(QuantScheme.W4A16, block_m)
     hidden_rows = torch.full((tokens * k, inter), float("nan"), device=DEVICE, dtype=BF16)
-    quant_gemm.w4a16_moe_gemm(x, w13, s13, hidden_rows, *plan, rows_per_a=k, config=config, zeros=z13,
+    w4a16_gemm(x, w13, s13, hidden_rows, *plan, rows_per_a=k, config=config, zeros=z13,
                               topk_weights=weights.reshape(-1), act=act_code(act), glu=True, interleaved=True)
     assert rel(hidden_rows, reference_gemm(x, k, ids, w13_deq, None, act, weights)) < GEMM_TOL
     rows = torch.randn(tokens * k, inter, device=DEVICE, dtype=BF16)
     out = torch.full((tokens * k, hidden), float("nan"), device=DEVICE, dtype=BF16)
-    quant_gemm.w4a16_moe_gemm(rows, w2, s2, out, *plan, rows_per_a=1, config=config, zeros=z2)
+    w4a16_gemm(rows, w2, s2, out, *plan, rows_per_a=1, config=config, zeros=z2)
     assert rel(out, reference_gemm(rows, 1, ids, w2_deq)) < GEMM_TOL
 
 
@@ -154,10 +156,10 @@ def test_fp8_epilogue_quantization_at_scale(block_n: int) -> None:
     config = GemmConfig(64, block_n, 128, group_m=8, num_warps=4 if block_n == 128 else 8, num_stages=3)
     assert x.scale is not None
     floats = torch.empty(tokens * k, inter, device=DEVICE)
-    quant_gemm.w8a8_moe_gemm(x.data, x.scale, w13, s13, floats, *plan, rows_per_a=k, config=config, act=1, glu=True)
+    w8a8_gemm(x.data, x.scale, w13, s13, floats, *plan, rows_per_a=k, config=config, act=1, glu=True)
     q = torch.empty(tokens * k, inter, dtype=torch.float8_e4m3fn, device=DEVICE)
     scale = torch.full((tokens * k, inter // 128), float("nan"), device=DEVICE)
-    quant_gemm.w8a8_moe_gemm(x.data, x.scale, w13, s13, q, *plan, rows_per_a=k, config=config, act=1, glu=True,
+    w8a8_gemm(x.data, x.scale, w13, s13, q, *plan, rows_per_a=k, config=config, act=1, glu=True,
                              out_scale=scale)
     want = PerGroupQuantizer()(floats)
     assert want.scale is not None

@@ -12,8 +12,10 @@ from typing import Optional
 import torch
 import triton
 
-from moeforge.kernels import align, combine, grouped_gemm, quant_gemm, quantize, topk
+from moeforge.kernels import align, combine, quantize, topk
+from moeforge.kernels import moe_gemm as kernel
 from moeforge.kernels.config import GemmConfig
+from moeforge.kernels.formats import WeightFormat
 
 
 @torch.library.custom_op("moeforge::align_block_size", mutates_args=())
@@ -30,10 +32,24 @@ def _(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Ten
     return new(size, dtype=torch.int32), new(triton.cdiv(size, block_m), dtype=torch.int32), new(1, dtype=torch.int32)
 
 
-@torch.library.custom_op("moeforge::fused_moe_gemm", mutates_args=())
-def fused_moe_gemm(
+def _moe_gemm_outputs(a: torch.Tensor, weight: torch.Tensor, num_copies: int, glu: bool, out_dtype: torch.dtype,
+                      fp8_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uninitialised outputs of :func:`moe_gemm` (its fake too: sizes depend on sizes only)."""
+    n_out = weight.shape[1] // 2 if glu else weight.shape[1]
+    if fp8_out:
+        return (a.new_empty(num_copies, n_out, dtype=torch.float8_e4m3fn),
+                a.new_empty(num_copies, n_out // quantize.GROUP, dtype=torch.float32))
+    return a.new_empty(num_copies, n_out, dtype=out_dtype), a.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("moeforge::moe_gemm", mutates_args=())
+def moe_gemm(
     a: torch.Tensor,
+    a_scale: Optional[torch.Tensor],
     weight: torch.Tensor,
+    weight_scale: Optional[torch.Tensor],
+    weight_zero: Optional[torch.Tensor],
+    weight_global: Optional[torch.Tensor],
     bias: Optional[torch.Tensor],
     topk_weights: Optional[torch.Tensor],
     sorted_ids: torch.Tensor,
@@ -41,6 +57,8 @@ def fused_moe_gemm(
     num_padded: torch.Tensor,
     num_copies: int,
     rows_per_a: int,
+    weight_format: int,
+    a_global: float,
     act: int,
     glu: bool,
     interleaved: bool,
@@ -48,142 +66,28 @@ def fused_moe_gemm(
     limit: float,
     config: list[int],
     out_dtype: torch.dtype,
-) -> torch.Tensor:
-    n_out = weight.shape[1] // 2 if glu else weight.shape[1]
-    out = torch.empty(num_copies, n_out, dtype=out_dtype, device=a.device)
-    return grouped_gemm.fused_moe_gemm(
-        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
-        config=GemmConfig(*config), bias=bias, topk_weights=topk_weights, act=act, glu=glu,
-        interleaved=interleaved, alpha=alpha, limit=limit)
-
-
-@fused_moe_gemm.register_fake
-def _(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-      sorted_ids: torch.Tensor, block_expert: torch.Tensor, num_padded: torch.Tensor, num_copies: int,
-      rows_per_a: int, act: int, glu: bool, interleaved: bool, alpha: float, limit: float,
-      config: list[int], out_dtype: torch.dtype) -> torch.Tensor:
-    n_out = weight.shape[1] // 2 if glu else weight.shape[1]
-    return a.new_empty(num_copies, n_out, dtype=out_dtype)
-
-
-def _gemm_out_width(weight: torch.Tensor, glu: bool) -> int:
-    return weight.shape[1] // 2 if glu else weight.shape[1]
-
-
-@torch.library.custom_op("moeforge::w8a8_moe_gemm", mutates_args=())
-def w8a8_moe_gemm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    topk_weights: Optional[torch.Tensor],
-    sorted_ids: torch.Tensor,
-    block_expert: torch.Tensor,
-    num_padded: torch.Tensor,
-    num_copies: int,
-    rows_per_a: int,
-    act: int,
-    glu: bool,
-    interleaved: bool,
-    alpha: float,
-    limit: float,
-    config: list[int],
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    out = torch.empty(num_copies, _gemm_out_width(weight, glu), dtype=out_dtype, device=a.device)
-    return quant_gemm.w8a8_moe_gemm(
-        a, a_scale, weight, weight_scale, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
-        config=GemmConfig(*config), bias=bias, topk_weights=topk_weights, act=act, glu=glu,
-        interleaved=interleaved, alpha=alpha, limit=limit)
-
-
-@w8a8_moe_gemm.register_fake
-def _(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-      bias: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,
-      block_expert: torch.Tensor, num_padded: torch.Tensor, num_copies: int, rows_per_a: int, act: int,
-      glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int],
-      out_dtype: torch.dtype) -> torch.Tensor:
-    return a.new_empty(num_copies, _gemm_out_width(weight, glu), dtype=out_dtype)
-
-
-@torch.library.custom_op("moeforge::w8a8_moe_gemm_fp8_out", mutates_args=())
-def w8a8_moe_gemm_fp8_out(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    topk_weights: Optional[torch.Tensor],
-    sorted_ids: torch.Tensor,
-    block_expert: torch.Tensor,
-    num_padded: torch.Tensor,
-    num_copies: int,
-    rows_per_a: int,
-    act: int,
-    glu: bool,
-    interleaved: bool,
-    alpha: float,
-    limit: float,
-    config: list[int],
+    fp8_out: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The W8A8 GEMM whose epilogue quantizes its (activated) output to FP8 per 128-group."""
-    n_out = _gemm_out_width(weight, glu)
-    out = torch.empty(num_copies, n_out, dtype=torch.float8_e4m3fn, device=a.device)
-    out_scale = torch.empty(num_copies, n_out // quant_gemm.GROUP, dtype=torch.float32, device=a.device)
-    quant_gemm.w8a8_moe_gemm(
-        a, a_scale, weight, weight_scale, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
-        config=GemmConfig(*config), bias=bias, topk_weights=topk_weights, act=act, glu=glu,
-        interleaved=interleaved, alpha=alpha, limit=limit, out_scale=out_scale)
+    """The one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`): ``(out, out_scale)``, where
+    ``out_scale`` is the per-128-group FP8 scale when ``fp8_out`` (else empty)."""
+    out, out_scale = _moe_gemm_outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
+    kernel.moe_gemm(
+        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=GemmConfig(*config),
+        weight_format=WeightFormat(weight_format), a_scale=a_scale, a_global=a_global,
+        weight_scale=weight_scale, weight_zero=weight_zero, weight_global=weight_global, bias=bias,
+        topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit,
+        out_scale=out_scale if fp8_out else None)
     return out, out_scale
 
 
-@w8a8_moe_gemm_fp8_out.register_fake
-def _(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-      bias: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,
-      block_expert: torch.Tensor, num_padded: torch.Tensor, num_copies: int, rows_per_a: int, act: int,
-      glu: bool, interleaved: bool, alpha: float, limit: float,
-      config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    n_out = _gemm_out_width(weight, glu)
-    return (a.new_empty(num_copies, n_out, dtype=torch.float8_e4m3fn),
-            a.new_empty(num_copies, n_out // quant_gemm.GROUP, dtype=torch.float32))
-
-
-@torch.library.custom_op("moeforge::w4a16_moe_gemm", mutates_args=())
-def w4a16_moe_gemm(
-    a: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    topk_weights: Optional[torch.Tensor],
-    sorted_ids: torch.Tensor,
-    block_expert: torch.Tensor,
-    num_padded: torch.Tensor,
-    num_copies: int,
-    rows_per_a: int,
-    act: int,
-    glu: bool,
-    interleaved: bool,
-    alpha: float,
-    limit: float,
-    config: list[int],
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    out = torch.empty(num_copies, _gemm_out_width(qweight, glu), dtype=out_dtype, device=a.device)
-    return quant_gemm.w4a16_moe_gemm(
-        a, qweight, scales, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
-        config=GemmConfig(*config), zeros=zeros, bias=bias, topk_weights=topk_weights, act=act, glu=glu,
-        interleaved=interleaved, alpha=alpha, limit=limit)
-
-
-@w4a16_moe_gemm.register_fake
-def _(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-      bias: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,
-      block_expert: torch.Tensor, num_padded: torch.Tensor, num_copies: int, rows_per_a: int, act: int,
-      glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int],
-      out_dtype: torch.dtype) -> torch.Tensor:
-    return a.new_empty(num_copies, _gemm_out_width(qweight, glu), dtype=out_dtype)
+@moe_gemm.register_fake
+def _(a: torch.Tensor, a_scale: Optional[torch.Tensor], weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
+      weight_zero: Optional[torch.Tensor], weight_global: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+      topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+      num_padded: torch.Tensor, num_copies: int, rows_per_a: int, weight_format: int, a_global: float, act: int,
+      glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int], out_dtype: torch.dtype,
+      fp8_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _moe_gemm_outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
 
 
 def _quantized_shapes(x: torch.Tensor, per_group: bool, glu: bool) -> tuple[int, int, int]:

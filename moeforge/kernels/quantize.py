@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeforge.kernels.grouped_gemm import ACT_NONE, _activate, _gated
+from moeforge.kernels.activations import ACT_NONE, activate, gated
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127.0
@@ -83,9 +83,9 @@ def _load_activated(x_ptr, cols, mask, gate_stride, up_offset, alpha, limit,
     if GLU:
         gate = tl.load(x_ptr + cols * gate_stride, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + cols * gate_stride + up_offset, mask=mask, other=0.0).to(tl.float32)
-        v = _gated(gate, up, ACT, alpha, limit)
+        v = gated(gate, up, ACT, alpha, limit)
     else:
-        v = _activate(tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32), ACT)
+        v = activate(tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32), ACT)
     # Masked columns must not raise the amax (an activation of 0 is 0, but say it explicitly).
     return tl.where(mask, v, 0.0)
 

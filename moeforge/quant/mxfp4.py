@@ -1,9 +1,11 @@
 """MXFP4 experts in GPT-OSS's checkpoint format: e2m1 weights in 32-element blocks with E8M0
 power-of-two scales (OCP MX, see :mod:`moeforge.quant.fp4`), float activations (W4A16-style).
 
-**Emulated where the GPU has no FP4 math**: the torch reference dequantizes the weights to fp32 at
-call time and multiplies in fp32 (the result cast to the activations' dtype), on any device. It is the
-oracle for a fast path, not one.
+**On CUDA** the triton experts (:class:`TritonMxfp4Experts`) run the one grouped-GEMM kernel
+(:mod:`moeforge.kernels.moe_gemm`): the e2m1 codes and E8M0 scales are dequantized in registers (exactly,
+to the activations' dtype) and meet the bf16/fp16 rows in the tensor cores (Hopper has no FP4 math).
+**Elsewhere** the torch reference dequantizes the weights to fp32 at call time and multiplies in fp32
+(the result cast to the activations' dtype), on any device: the oracle of the kernel, not a fast path.
 
 Weights (``E`` experts, ``H`` hidden, ``I`` intermediate, ``N13 = 2I`` gated or ``I``; ``H % 32 == 0``
 and ``I % 32 == 0``), exactly as GPT-OSS stores them, so checkpoint tensors copy in unchanged:
@@ -31,12 +33,12 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.expert_checkpoint import held_experts
-from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, expert_shapes, layer_compute_dtype, register_expert_biases
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import (
     EmulatedGroupedGemm,
 )
-from moeforge.roles.base import TorchExperts
+from moeforge.roles.base import TorchExperts, TritonExperts
 from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig
@@ -87,7 +89,7 @@ class Mxfp4WeightRef:
 
 class Mxfp4Method(QuantMethod):
     """MXFP4 expert weights (GPT-OSS's format, see the module docstring), float activations only.
-    Torch backend only (emulated GEMMs)."""
+    Triton experts on CUDA (:class:`TritonMxfp4Experts`), the emulated torch reference elsewhere."""
 
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
@@ -208,4 +210,29 @@ class EmulatedMxfp4Experts(TorchExperts):
             Activate(activation),
             EmulatedGroupedGemm(GemmRole.DOWN, Mxfp4WeightRef(layer, "w2"), optional_ref(layer, B2),
                                 apply_routing_weights=routing_weights_in_epilogue),
+        ]
+
+
+class TritonMxfp4Experts(TritonExperts):
+    """The one grouped-GEMM kernel on the stored MXFP4 blocks (read as ``[E, N, K / 2]`` bytes): weights
+    dequantized in registers, the activation in the gate/up GEMM's epilogue, the routing weights in the
+    down GEMM's."""
+
+    method: ClassVar[type[Any]] = Mxfp4Method
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
+
+        configs = cls.launch_table(configs)
+        out = layer_compute_dtype(layer)
+        return [
+            FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.MXFP4, ParamRef(layer, W13_BLOCKS),
+                                  ParamRef(layer, W13_SCALES), configs, bias=optional_ref(layer, B13),
+                                  activation=activation, out_dtype=out),
+            FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.MXFP4, ParamRef(layer, W2_BLOCKS),
+                                  ParamRef(layer, W2_SCALES), configs, bias=optional_ref(layer, B2),
+                                  apply_routing_weights=routing_weights_in_epilogue, out_dtype=out),
         ]

@@ -1,10 +1,13 @@
 """NVFP4 experts: e2m1 weights in 16-element blocks with e4m3 block scales and a per-expert fp32
 global scale (see :mod:`moeforge.quant.fp4`), and optionally NVFP4 activations on the wire.
 
-**Emulated where the GPU has no FP4 math**: this torch reference dequantizes the weights (and NVFP4
-activations) to fp32 and multiplies in fp32 (accumulation in fp32, the result cast to the layer's
-dtype). It gives the numbers an FP4 tensor-core kernel computes up to fp32 summation order, on any
-device, at the cost of materialising fp32 weights on every call: it is an oracle, not a fast path.
+**On CUDA** the triton experts (:class:`TritonNvfp4Experts`) run the one grouped-GEMM kernel
+(:mod:`moeforge.kernels.moe_gemm`): e2m1 codes times e4m3 block scales are exact in bf16/fp16, so the
+weights (and NVFP4 rows) are dequantized in registers without rounding, meet in a 16-bit ``tl.dot``,
+and the global scales multiply the finished accumulator. **Elsewhere** the torch reference
+dequantizes the weights (and NVFP4 activations) to fp32 and multiplies in fp32 (accumulation in fp32,
+the result cast to the layer's dtype), at the cost of materialising fp32 weights on every call: the
+kernel's oracle, not a fast path.
 
 Weights (``E`` experts, ``H`` hidden, ``I`` intermediate, ``N13 = 2I`` gated or ``I``; ``H % 16 == 0``
 and ``I % 16 == 0``):
@@ -61,7 +64,7 @@ from moeforge.quant.fp4 import (
     nvfp4_global_scale,
     quantize_nvfp4,
 )
-from moeforge.roles.base import TorchExperts
+from moeforge.roles.base import TorchExperts, TritonExperts
 from moeforge.spec import FLOAT_DTYPES, Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig
@@ -242,8 +245,8 @@ class Nvfp4WeightRef:
 
 class Nvfp4Method(QuantMethod):
     """NVFP4 expert weights (see the module docstring for the layout); float activations, or NVFP4
-    activations quantized before the dispatch with the static ``input_global_scale``. Torch backend
-    only (emulated GEMMs)."""
+    activations quantized before the dispatch with the static ``input_global_scale``. Triton experts on
+    CUDA (:class:`TritonNvfp4Experts`), the emulated torch reference elsewhere."""
 
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES | {DType.NVFP4}
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
@@ -385,4 +388,31 @@ class EmulatedNvfp4Experts(TorchExperts):
             Activate(activation),
             EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(layer, "w2"), optional_ref(layer, B2),
                                 apply_routing_weights=routing_weights_in_epilogue),
+        ]
+
+
+class TritonNvfp4Experts(TritonExperts):
+    """The one grouped-GEMM kernel on NVFP4 weights (and NVFP4 rows with the method's static global
+    scale): dequantized in registers, the global scales in the epilogue with the bias, activation and
+    routing weights."""
+
+    method: ClassVar[type[Any]] = Nvfp4Method
+
+    @classmethod
+    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
+
+        configs = cls.launch_table(configs)
+        nvfp4_rows = dispatch is DispatchDtype.NVFP4
+        out = layer_compute_dtype(layer)
+        return [
+            FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.NVFP4, ParamRef(layer, W13), ParamRef(layer, W13_SCALE),
+                                  configs, weight_global=ParamRef(layer, W13_GLOBAL),
+                                  input_global_scale=method._require_scale() if nvfp4_rows else None,
+                                  bias=optional_ref(layer, B13), activation=activation, out_dtype=out),
+            FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.NVFP4, ParamRef(layer, W2), ParamRef(layer, W2_SCALE),
+                                  configs, weight_global=ParamRef(layer, W2_GLOBAL), bias=optional_ref(layer, B2),
+                                  apply_routing_weights=routing_weights_in_epilogue, out_dtype=out),
         ]

@@ -53,6 +53,7 @@ class LayerConfig:
     expert_parallel: Optional[ExpertParallel] = None
     backend: Optional[Backend] = None
     dispatcher: Union[str, Stage[Any, Any]] = "auto"
+    batch_invariant: bool = False  # one launch configuration for every token count
 
     @property
     def local_experts(self) -> int:
@@ -92,6 +93,10 @@ class LayerConfig:
     def kernel_configs(self) -> ConfigTable:
         """The triton GEMMs' launch table for this shape and device, shared by the block-aligned dispatch
         and the GEMMs (they must align alike)."""
+        if self.batch_invariant:
+            from moeforge.batch_invariant import invariant_table
+
+            return invariant_table(self.num_experts, self.top_k, self.quant.max_block_m)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         return ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
                                 self.compute_dtype.value, max_block_m=self.quant.max_block_m)

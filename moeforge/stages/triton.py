@@ -48,7 +48,7 @@ def kernel_ops() -> ModuleType:
 
 
 def act_code(config: ActivationConfig) -> int:
-    from moeforge.kernels import grouped_gemm as g
+    from moeforge.kernels import activations as g
 
     if config.kind is ActivationKind.GPT_OSS_SWIGLU:
         return g.ACT_GPT_OSS
@@ -118,9 +118,9 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         # The plan moves no rows: quantized tokens and their scales pass through untouched (the
         # GEMMs after it say which formats they take).
         return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts,
-                       dtype=KERNEL_DTYPES | {DType.FP8_E4M3, DType.INT8},
+                       dtype=KERNEL_DTYPES | {DType.FP8_E4M3, DType.INT8, DType.NVFP4},
                        scale_layout={ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128,
-                                     ScaleLayout.PER_TENSOR})
+                                     ScaleLayout.PER_TENSOR, ScaleLayout.NVFP4_BLOCK16})
 
     def output_spec(self, spec: Spec) -> Spec:
         return spec.evolve(kind=PayloadKind.DISPATCHED, layout=Layout.BLOCK_ALIGNED, group_list_type=None,
@@ -228,17 +228,18 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         alignment = x.alignment
         config = alignment.config  # chosen by the dispatch for this batch; the spec checked the tables agree
         gemm = config.gate_up if self.role is GemmRole.GATE_UP else config.down
-        out = torch.ops.moeforge.fused_moe_gemm(
-            x.x.data,
-            resolve(self.weight),
+        out, _ = torch.ops.moeforge.moe_gemm(
+            x.x.data, None, resolve(self.weight), None, None, None,
             resolve(self.bias) if self.bias is not None else None,
             x.copy_weights if self.apply_routing_weights else None,
             alignment.sorted_ids, alignment.block_expert, alignment.num_padded,
             alignment.num_copies,
             1 if x.copy_major else alignment.copies_per_row,
+            0, 1.0,  # float weights, no global scale
             *self._act,
             gemm.as_list(),
             x.x.data.dtype,
+            False,
         )
         return dataclasses.replace(x, x=Activations(out), copy_major=True)
 

@@ -27,6 +27,7 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.kernels.config import ConfigTable, GemmConfig
+from moeforge.kernels.formats import MXFP4_GROUP, NVFP4_GROUP, WeightFormat
 from moeforge.payloads import GROUP_SIZE, Activations, AlignedRows, BlockAlignment, ExpertRows, RoutedTokens
 from moeforge.spec import (
     FLOAT_DTYPES,
@@ -47,16 +48,27 @@ from moeforge.tensor_ref import TensorSource, resolve
 
 
 class QuantScheme(enum.Enum):
-    """The operand formats of a quantized grouped GEMM."""
+    """The operand formats of a quantized grouped GEMM (``WeightFormat`` of the one kernel)."""
 
     FP8_W8A8 = "fp8_w8a8"  # fp8 e4m3 activations and weights
     INT8_W8A8 = "int8_w8a8"  # int8 activations and weights
-    W4A16 = "w4a16"  # float activations, 4-bit weights with group scales (and zero points)
+    W4A16 = "w4a16"  # float activations, 4-bit integer weights with group scales (and zero points)
+    MXFP4 = "mxfp4"  # float activations, e2m1 weights with E8M0 scales per 32
+    NVFP4 = "nvfp4"  # float or NVFP4 activations, e2m1 weights with e4m3 scales per 16 and global scales
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        return {QuantScheme.FP8_W8A8: WeightFormat.FP8, QuantScheme.INT8_W8A8: WeightFormat.INT8,
+                QuantScheme.W4A16: WeightFormat.INT4, QuantScheme.MXFP4: WeightFormat.MXFP4,
+                QuantScheme.NVFP4: WeightFormat.NVFP4}[self]
 
     @property
     def weight_dtype(self) -> torch.dtype:
-        return {QuantScheme.FP8_W8A8: torch.float8_e4m3fn, QuantScheme.INT8_W8A8: torch.int8,
-                QuantScheme.W4A16: torch.uint8}[self]
+        return {QuantScheme.FP8_W8A8: torch.float8_e4m3fn, QuantScheme.INT8_W8A8: torch.int8}.get(self, torch.uint8)
+
+    @property
+    def four_bit(self) -> bool:
+        return self.weight_format.packed
 
     @property
     def input_scales(self) -> frozenset[ScaleLayout]:
@@ -65,6 +77,8 @@ class QuantScheme(enum.Enum):
             return frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR})
         if self is QuantScheme.INT8_W8A8:
             return frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_TENSOR})
+        if self is QuantScheme.NVFP4:
+            return frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
         return frozenset({ScaleLayout.NONE})
 
 
@@ -80,12 +94,15 @@ def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = Fa
     multiple of 128 for FP8 per-group quantization in the epilogue) asks for it; a single
     accumulator (the down GEMM) takes 64 x 256 tiles on 8 warps (433 TFLOP/s at M=4096, 555 at
     16384)."""
-    if scheme is QuantScheme.W4A16:
-        # Sweep on an H100 (DeepSeek-V3 gate/up, group 128): narrow 32-column tiles for 16-row
-        # blocks (620 us against 800 at 128 columns, M=8), 64 columns x 64 K on 4 warps beyond.
-        if block_m <= 16:
-            return GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
-        return GemmConfig(block_m, 64, 64, group_m=8, num_warps=4, num_stages=3)
+    if scheme is QuantScheme.W4A16 and block_m <= 16:
+        # Sweep on an H100 (DeepSeek-V3 gate/up, group 128): narrow 32-column tiles for 16-row blocks
+        # (620 us against 800 at 128 columns, M=8).
+        return GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
+    if scheme.four_bit:
+        # W4A16 beyond 16-row blocks, and FP4 (benchmarks/sweep_fp4_tiles.py on an H100, GPT-OSS-120B shape,
+        # MXFP4, 2026-11-24): 64 x 64 tiles on 4 warps (M=64 gate/up 893-907 us against 973+ for 128
+        # columns or 128-deep K-steps; M=1024 1268 us at 64-row blocks); more warps only add stalls.
+        return GemmConfig(block_m, 64, 64, group_m=1 if block_m <= 16 else 8, num_warps=4, num_stages=3)
     block_k = 128  # one 128-group per K-step for FP8 group/block scales
     wide = 128 if wide_n else 64
     if block_m <= 32:
@@ -113,18 +130,22 @@ def kernel_format(quantizer: Quantizer) -> tuple[torch.dtype, bool]:
 
 @attrs.frozen(eq=False)
 class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
-    """A quantized grouped GEMM on block-aligned rows, with the epilogue of
+    """A quantized grouped GEMM on block-aligned rows (the one kernel of
+    :mod:`moeforge.kernels.moe_gemm`), with the epilogue of
     :class:`~moeforge.stages.triton.FusedGroupedGemm` (bias, fused activation, routing weights).
 
-    ``weight`` is ``[E, N, K]`` fp8 / int8 (W8A8) or ``[E, N, K / 2]`` uint8 packed int4 (W4A16);
-    ``weight_scale`` is fp32 ``[E, N]`` (per channel) or ``[E, ceil(N / 128), ceil(K / 128)]``
-    (128x128 blocks) for W8A8, ``[E, N, K / G]`` in the activation dtype for W4A16, with optional
-    ``weight_zero`` uint8 ``[E, N, K / G]`` (W4A16 only; else the zero point is 8). ``out_dtype`` is
-    the layer's float dtype. With ``output_quantizer`` (gate/up GEMM with a fused ``activation``) the
-    activated rows come out quantized for the down GEMM: FP8 per 128-group in the epilogue when the
-    tile is a multiple of 128 wide, else by the quantization kernel after the GEMM (from rows
-    rounded to ``out_dtype``). ``configs`` is the table shared with the dispatch (for ``block_m``);
-    the tiles are :func:`default_quant_config`'s unless ``use_table_tiles``.
+    ``weight`` is ``[E, N, K]`` fp8 / int8 (W8A8) or packed uint8 ``[E, N, K / 2]`` (the 4-bit schemes;
+    MXFP4's ``[E, N, K / 32, 16]`` blocks are read as that). ``weight_scale`` is fp32 ``[E, N]`` (per
+    channel) or ``[E, ceil(N / 128), ceil(K / 128)]`` (128x128 blocks) for W8A8; ``[E, N, K / G]`` in
+    the activation dtype for W4A16, with optional ``weight_zero`` uint8 ``[E, N, K / G]`` (else the zero
+    point is 8); uint8 E8M0 ``[E, N, K / 32]`` for MXFP4; float8_e4m3fn ``[E, N, K / 16]`` for NVFP4,
+    with fp32 ``weight_global`` ``[E]``. An NVFP4 GEMM with ``input_global_scale`` also takes NVFP4
+    rows (quantized before the dispatch with that static scale). ``out_dtype`` is the layer's float
+    dtype (and the compute dtype of the 4-bit schemes). With ``output_quantizer`` (gate/up GEMM with a
+    fused ``activation``) the activated rows come out quantized for the down GEMM: FP8 per 128-group in
+    the epilogue when the tile is a multiple of 128 wide, else by the quantization kernel after the
+    GEMM (from rows rounded to ``out_dtype``). ``configs`` is the table shared with the dispatch (for
+    ``block_m``); the tiles are :func:`default_quant_config`'s unless ``use_table_tiles``.
     """
 
     role: GemmRole
@@ -139,6 +160,8 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     out_dtype: DType = DType.BF16
     output_quantizer: Optional[Quantizer] = None
     use_table_tiles: bool = False
+    weight_global: Optional[TensorSource] = None
+    input_global_scale: Optional[float] = None
 
     def __attrs_post_init__(self) -> None:
         self._validate()
@@ -146,8 +169,12 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     # -- build-time checks ------------------------------------------------------------------------
 
-    def _validate(self) -> None:
+    def _weight(self) -> torch.Tensor:
         weight = resolve(self.weight)
+        return weight.flatten(2) if self.scheme.four_bit and weight.dim() == 4 else weight
+
+    def _validate(self) -> None:
+        weight = self._weight()
         where = f"FusedQuantGroupedGemm({self.scheme.value}, {self.role.value})"
         if weight.dim() != 3:
             raise InputError(f"{where}: weight must be [E, N, K], got shape {tuple(weight.shape)}")
@@ -156,11 +183,17 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         if self.out_dtype not in FLOAT_DTYPES:
             raise InputError(f"{where}: out_dtype must be bf16/fp16/fp32, got {self.out_dtype.value}")
         experts, n_w = int(weight.shape[0]), int(weight.shape[1])
+        if self.weight_zero is not None and self.scheme is not QuantScheme.W4A16:
+            raise InputError(f"{where}: weight_zero is for W4A16 only")
+        if (self.weight_global is not None) != (self.scheme is QuantScheme.NVFP4):
+            raise InputError(f"{where}: weight_global (the per-expert global scales) is NVFP4's, and NVFP4 needs it")
+        if self.input_global_scale is not None and self.scheme is not QuantScheme.NVFP4:
+            raise InputError(f"{where}: input_global_scale is for NVFP4 rows")
         if self.scheme is QuantScheme.W4A16:
             self._validate_w4a16(where)
+        elif self.scheme.four_bit:
+            self._validate_fp4(where)
         else:
-            if self.weight_zero is not None:
-                raise InputError(f"{where}: weight_zero is for W4A16 only")
             scale = resolve(self.weight_scale)
             k = self.in_features
             block = (experts, -(-n_w // 128), -(-k // 128))
@@ -183,7 +216,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
                 raise InputError(f"{where}: output_quantizer: {problem}")
 
     def _validate_w4a16(self, where: str) -> None:
-        weight, scales = resolve(self.weight), resolve(self.weight_scale)
+        weight, scales = self._weight(), resolve(self.weight_scale)
         experts, n_w, k = int(weight.shape[0]), int(weight.shape[1]), self.in_features
         if scales.dim() != 3 or tuple(scales.shape[:2]) != (experts, n_w) or scales.dtype not in (
                 torch.bfloat16, torch.float16, torch.float32):
@@ -200,16 +233,31 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
                 raise InputError(f"{where}: weight_zero must be uint8 {tuple(scales.shape)}, got {zeros.dtype} "
                                  f"{tuple(zeros.shape)}")
 
+    def _validate_fp4(self, where: str) -> None:
+        weight, scales = self._weight(), resolve(self.weight_scale)
+        experts, n_w, k = int(weight.shape[0]), int(weight.shape[1]), self.in_features
+        mx = self.scheme is QuantScheme.MXFP4
+        group, dtype = (MXFP4_GROUP, torch.uint8) if mx else (NVFP4_GROUP, torch.float8_e4m3fn)
+        want = (experts, n_w, k // group)
+        if k % group or tuple(scales.shape) != want or scales.dtype != dtype:
+            raise InputError(f"{where}: weight_scale must be {dtype} {list(want)} (one per {group} K-elements), "
+                             f"got {scales.dtype} {tuple(scales.shape)}")
+        if self.weight_global is not None:
+            global_scale = resolve(self.weight_global)
+            if global_scale.dtype != torch.float32 or tuple(global_scale.shape) != (experts,):
+                raise InputError(f"{where}: weight_global must be fp32 [{experts}], got {global_scale.dtype} "
+                                 f"{tuple(global_scale.shape)}")
+
     # -- contract -----------------------------------------------------------------------------------
 
     @property
     def in_features(self) -> int:
-        k = int(resolve(self.weight).shape[2])
-        return 2 * k if self.scheme is QuantScheme.W4A16 else k
+        k = int(self._weight().shape[2])
+        return 2 * k if self.scheme.four_bit else k
 
     @property
     def out_features(self) -> int:
-        n_w = int(resolve(self.weight).shape[1])
+        n_w = int(self._weight().shape[1])
         return n_w // 2 if self.activation is not None and self.activation.gated else n_w
 
     @property
@@ -221,21 +269,27 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             kinds.append(StageKind.QUANTIZE)
         return tuple(kinds)
 
-    def _activation_dtype(self) -> DType:
+    def _activation_dtypes(self) -> frozenset[DType]:
         if self.scheme is QuantScheme.FP8_W8A8:
-            return DType.FP8_E4M3
+            return frozenset({DType.FP8_E4M3})
         if self.scheme is QuantScheme.INT8_W8A8:
-            return DType.INT8
-        return DType.from_torch(resolve(self.weight_scale).dtype)
+            return frozenset({DType.INT8})
+        if self.scheme is QuantScheme.W4A16:
+            return frozenset({DType.from_torch(resolve(self.weight_scale).dtype)})
+        if self.input_global_scale is not None:
+            return frozenset({self.out_dtype, DType.NVFP4})
+        return frozenset({self.out_dtype})
 
     def summary(self) -> str:
         text = (f"FusedQuantGroupedGemm(triton, {self.scheme.value}, {self.role.value}, "
-                f"{self.in_features}->{int(resolve(self.weight).shape[1])}")
-        if self.scheme is not QuantScheme.W4A16:
-            text += ", block scales" if resolve(self.weight_scale).dim() == 3 else ", channel scales"
-        else:
+                f"{self.in_features}->{int(self._weight().shape[1])}")
+        if self.scheme is QuantScheme.W4A16:
             text += f", g{self.in_features // int(resolve(self.weight_scale).shape[2])}"
             text += ", zero points" if self.weight_zero is not None else ""
+        elif not self.scheme.four_bit:
+            text += ", block scales" if resolve(self.weight_scale).dim() == 3 else ", channel scales"
+        if self.input_global_scale is not None:
+            text += f", nvfp4 rows (global {self.input_global_scale:g})"
         if self.activation is not None:
             text += f" + {self.activation.summary()}"
         if self.output_quantizer is not None:
@@ -247,16 +301,28 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return text + ")"
 
     def accepts(self) -> Accepts:
-        return expert_gemm_accepts(self.role, dtypes=self._activation_dtype(), scales=self.scheme.input_scales,
-                                   in_features=self.in_features, num_experts=int(resolve(self.weight).shape[0]),
+        return expert_gemm_accepts(self.role, dtypes=self._activation_dtypes(), scales=self.scheme.input_scales,
+                                   in_features=self.in_features, num_experts=int(self._weight().shape[0]),
                                    apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED,
                                    alignment=self.configs.alignment())
 
+    def check(self, spec: Spec) -> list[Mismatch]:
+        found = super().check(spec)
+        # Each row dtype travels with its own scale layout (NVFP4 rows with block-16 scales).
+        if spec.dtype is DType.NVFP4 and spec.scale_layout is not ScaleLayout.NVFP4_BLOCK16:
+            found.append(Mismatch("scale_layout", spec.scale_layout, ScaleLayout.NVFP4_BLOCK16,
+                                  "NVFP4 rows carry e4m3 scales per 16 elements"))
+        if spec.dtype in FLOAT_DTYPES and spec.scale_layout is not ScaleLayout.NONE:
+            found.append(Mismatch("scale_layout", spec.scale_layout, ScaleLayout.NONE, "float rows carry no scales"))
+        return found
+
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):
-            want = self._activation_dtype().value
-            if self.scheme is QuantScheme.W4A16:
-                return f"the W4A16 GEMM takes unquantized {want} rows (the dtype of its scales)"
+            want = "/".join(sorted(d.value for d in self._activation_dtypes()))
+            if self.scheme.four_bit:
+                return (f"the {self.scheme.value} GEMM takes {want} rows (the layer's dtype"
+                        + (", or NVFP4 rows quantized with its input global scale)" if self.input_global_scale
+                           is not None else ")"))
             return (f"the {self.scheme.value} GEMM takes {want} rows with "
                     f"{'/'.join(sorted(s.value for s in self.scheme.input_scales))} scales: quantize them "
                     "before it (QuantizeAligned after the dispatch, or the gate/up GEMM's output_quantizer)")
@@ -271,7 +337,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     def _fp8_group_epilogue(self) -> bool:
         """Whether the epilogue itself quantizes to FP8 per 128-group (else a kernel runs after)."""
-        return (self.scheme is not QuantScheme.W4A16 and isinstance(self.output_quantizer, PerGroupQuantizer)
+        return (not self.scheme.four_bit and isinstance(self.output_quantizer, PerGroupQuantizer)
                 and self.out_features % GROUP_SIZE == 0)
 
     def gemm_config(self, alignment: BlockAlignment) -> GemmConfig:
@@ -287,26 +353,24 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         alignment = x.alignment
         config = self.gemm_config(alignment)
         act, glu, interleaved, alpha, limit = activation_args(self.activation)
-        bias = resolve(self.bias) if self.bias is not None else None
-        weights = x.copy_weights if self.apply_routing_weights else None
-        rows_per_a = 1 if x.copy_major else alignment.copies_per_row
-        route = (alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies, rows_per_a,
-                 act, glu, interleaved, alpha, limit, config.as_list())
-        ops = torch.ops.moeforge
-        if self.scheme is QuantScheme.W4A16:
-            zeros = resolve(self.weight_zero) if self.weight_zero is not None else None
-            out = ops.w4a16_moe_gemm(x.x.data, resolve(self.weight), resolve(self.weight_scale), zeros, bias,
-                                     weights, *route, self.out_dtype.torch_dtype)
-        else:
-            assert x.x.scale is not None, "quantized rows carry their scales"
-            operands = (x.x.data, x.x.scale, resolve(self.weight), resolve(self.weight_scale), bias, weights)
-            if self._fp8_group_epilogue() and config.block_n % GROUP_SIZE == 0:
-                q, scale = ops.w8a8_moe_gemm_fp8_out(*operands, *route)
-                return dataclasses.replace(x, x=Activations(q, scale), copy_major=True)
-            out = ops.w8a8_moe_gemm(*operands, *route, self.out_dtype.torch_dtype)
+        nvfp4_rows = x.x.data.dtype == torch.uint8
+        fp8_out = self._fp8_group_epilogue() and config.block_n % GROUP_SIZE == 0
+        out, out_scale = torch.ops.moeforge.moe_gemm(
+            x.x.data, x.x.scale, self._weight(), resolve(self.weight_scale),
+            resolve(self.weight_zero) if self.weight_zero is not None else None,
+            resolve(self.weight_global) if self.weight_global is not None else None,
+            resolve(self.bias) if self.bias is not None else None,
+            x.copy_weights if self.apply_routing_weights else None,
+            alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
+            1 if x.copy_major else alignment.copies_per_row,
+            int(self.scheme.weight_format),
+            self.input_global_scale if nvfp4_rows and self.input_global_scale is not None else 1.0,
+            act, glu, interleaved, alpha, limit, config.as_list(), self.out_dtype.torch_dtype, fp8_out)
+        if fp8_out:
+            return dataclasses.replace(x, x=Activations(out, out_scale), copy_major=True)
         if self.output_quantizer is not None:
             dtype, per_group = kernel_format(self.output_quantizer)
-            q, scale = ops.quantize_rows(out, dtype, per_group, 0, False, False, 1.0, 0.0)
+            q, scale = torch.ops.moeforge.quantize_rows(out, dtype, per_group, 0, False, False, 1.0, 0.0)
             return dataclasses.replace(x, x=Activations(q, scale), copy_major=True)
         return dataclasses.replace(x, x=Activations(out), copy_major=True)  # keeps a subclass's fields
 

@@ -1,0 +1,52 @@
+# Triton kernels (@triton.jit bodies) are not annotatable.
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False
+# mypy: disallow-untyped-decorators=False, disallow-untyped-calls=False
+"""The expert activations as Triton functions, shared by the GEMM epilogue
+(:mod:`moeforge.kernels.moe_gemm`) and the fused activation-quantization kernel
+(:mod:`moeforge.kernels.quantize`). Codes are ``tl.constexpr`` ints chosen by the launchers
+(:func:`moeforge.stages.triton.act_code`)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_GPT_OSS = 0, 1, 2, 3, 4, 5
+
+
+@triton.jit
+def _gelu(x, TANH: tl.constexpr):
+    if TANH:
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        # tanh(y) = 2 * sigmoid(2y) - 1
+        return 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
+    else:
+        return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def activate(x, ACT: tl.constexpr):
+    """An ungated activation of fp32 ``x`` (``ACT_NONE``: the identity)."""
+    if ACT == 1:
+        return x * tl.sigmoid(x)
+    elif ACT == 2:
+        return _gelu(x, False)
+    elif ACT == 3:
+        return _gelu(x, True)
+    elif ACT == 4:
+        r = tl.maximum(x, 0.0)
+        return r * r
+    else:
+        return x
+
+
+@triton.jit
+def gated(gate, up, ACT: tl.constexpr, alpha, limit):
+    """A gated activation of fp32 ``gate`` and ``up``: ``act(gate) * up``, or GPT-OSS's clamped
+    SwiGLU (``ACT_GPT_OSS``)."""
+    if ACT == 5:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    else:
+        return activate(gate, ACT) * up

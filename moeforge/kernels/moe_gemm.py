@@ -1,0 +1,643 @@
+# Triton kernels (@triton.jit bodies) are not annotatable; their Python launchers are.
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False
+# mypy: disallow-untyped-decorators=False, disallow-untyped-calls=False
+"""One grouped GEMM for every weight format, over block-aligned expert rows.
+
+A program computes a ``BLOCK_M x BLOCK_N`` tile of one expert: it reads the copy indices of its rows
+from ``sorted_ids`` (:mod:`moeforge.kernels.align`), gathers the input rows by index inside the kernel
+(``copy // rows_per_a``: the token for the first GEMM, the copy itself for the second), multiplies by
+the expert's ``[N, K]`` weight, and in the epilogue applies the scales that are constant along K, adds
+the bias, applies the activation (a gated one accumulates the gate and the up tile side by side and
+writes ``act(gate) * up``: the ``2 * I`` wide intermediate never reaches memory), multiplies by the
+routing weight and writes each row at its copy index, in a float dtype or as FP8 with one scale per
+128 columns (the down GEMM's input).
+
+The operand formats are compile-time parameters (``/docs/kernels.md`` has the layouts):
+
+* **rows** (:class:`RowFormat`): bf16 / fp16 / fp32; FP8-e4m3 or INT8 with fp32 scales per token
+  ``[R, 1]``, per tensor ``[1]`` or (FP8) per 128-group ``[R, K / 128]``; NVFP4 (``[R, K / 2]`` packed
+  e2m1, e4m3 scales ``[R, K / 16]``, a static fp32 global scale).
+* **weights** (:class:`WeightFormat`, ``[E, N, K]`` or ``[E, N, K / 2]`` packed): the rows' float
+  dtype; FP8 / INT8 with fp32 scales per channel ``[E, N]`` or per 128x128 block
+  ``[E, ceil(N / 128), ceil(K / 128)]``; INT4 (two per byte, scales ``[E, N, K / G]`` in the rows'
+  dtype, optional uint8 zero points, else 8); MXFP4 (e2m1, E8M0 scales ``[E, N, K / 32]``); NVFP4
+  (e2m1, e4m3 scales ``[E, N, K / 16]``, fp32 global scales ``[E]``).
+
+8-bit operands meet in ``tl.dot`` (FP8 accumulates in fp32, INT8 exactly in int32). Scales that change
+every 128 K-elements (FP8 groups / blocks) scale each K-step's partial product before it is added
+(the DeepGEMM / vLLM scheme; it also promotes Hopper's reduced-precision FP8 accumulation every
+K-step). 4-bit operands are dequantized in registers to the compute dtype (the rows' float dtype, or
+the output dtype for NVFP4 rows) and meet in a 16-bit ``tl.dot``: an e2m1 value times an E8M0 or e4m3
+scale is exact in bf16 and fp16, so the only rounding is the accumulation's; NVFP4's global scales
+multiply the finished accumulator. The K-loop has no split and a fixed order for every row count, so
+with one launch configuration a row's result does not depend on the other rows (batch invariance).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from moeforge.kernels.activations import ACT_NONE, activate, gated
+from moeforge.kernels.config import GemmConfig, fit_shared_memory
+from moeforge.kernels.formats import MXFP4_GROUP, NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat
+from moeforge.kernels.quantize import quantize_values, scale_of
+
+# Row scale modes (A_SCALE): none, one per row (per token; per tensor with stride 0), per 128-group
+# (FP8), per 16-block e4m3 (NVFP4).
+_NO_SCALE, _ROW_SCALE, _GROUP_SCALE, _NVFP4_SCALE = 0, 1, 2, 3
+
+
+# -- shared pieces ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of this program in grouped order: neighbouring programs share weight tiles
+    in L2."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.cdiv(tl.num_programs(0), num_pid_n)
+    group = pid // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _load_packed(ptrs, ok, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The packed bytes ``[ROWS, BLOCK_K // 2]`` of K-step ``k`` (``ok``: the rows that exist)."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=ok[:, None], other=0)
+    else:
+        byte_ok = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2) < K // 2
+        return tl.load(ptrs, mask=ok[:, None] & byte_ok[None, :], other=0)
+
+
+@triton.jit
+def _nibbles(packed, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The 4-bit codes ``[ROWS, BLOCK_K]`` of ``packed [ROWS, BLOCK_K // 2]``: byte j holds element
+    2j in its low nibble and 2j + 1 in its high nibble (join on a new last axis, flatten into K)."""
+    return tl.reshape(tl.join(packed & 0xF, packed >> 4), (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _e2m1(packed, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The e2m1 values (fp32 ``[ROWS, BLOCK_K]``) of packed codes. Code bits ``s e e m`` placed at
+    fp32 bits 31 and 24..22 give ``value * 2**-126`` for normal and subnormal codes alike (e2m1's
+    exponent bias is 1, fp32's 127); one exact multiplication by ``2**126`` restores it."""
+    return _e2m1_codes(_nibbles(packed, ROWS, BLOCK_K))
+
+
+@triton.jit
+def _group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The raw scales of K-step ``k`` for ``ROWS`` rows whose scale pointers are ``s_ptrs``: ``[ROWS, 1]``
+    when the step lies within one group (``GROUP`` a multiple of ``BLOCK_K``), else ``[ROWS, BLOCK_K]``
+    (``BLOCK_K // GROUP`` groups loaded side by side, each repeated ``GROUP`` times)."""
+    if BLOCK_K <= GROUP:
+        g = (k * BLOCK_K) // GROUP
+        return tl.load(s_ptrs + g * stride_sg, mask=ok, other=0)[:, None]
+    else:
+        g = k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(s_ptrs[:, None] + g[None, :] * stride_sg, mask=ok[:, None] & (g < K // GROUP)[None, :], other=0)
+        return tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, BLOCK_K // GROUP, GROUP)), (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _e8m0(s):
+    """E8M0 codes as fp32 powers of two ``2**(s - 127)``; code 0 is the subnormal ``2**-127``, 255 NaN."""
+    e = s.to(tl.uint32)
+    bits = tl.where(e == 0, e + 0x00400000, e << 23)
+    bits = tl.where(e == 255, e * 0 + 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(s):
+    """float8_e4m3fn codes (read as uint8) as fp32: bits ``s eeee mmm`` placed at fp32 bits 31 and
+    26..20 give ``value * 2**-120`` for normal and subnormal codes alike (bias 7 against 127); one
+    exact multiplication restores it; ``0x7F`` / ``0xFF`` are NaN. (Decoded by hand: one code path on
+    the GPU and in the interpreter, which cannot load fp8 with a masked default.)"""
+    e = s.to(tl.uint32)
+    bits = ((e & 0x80) << 24) | ((e & 0x7F) << 20)
+    value = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
+    return tl.where((e & 0x7F) == 0x7F, float("nan"), value)
+
+
+@triton.jit
+def _e2m1_codes(codes):
+    """e2m1 codes (any int dtype, 0..15) as fp32 values (see :func:`_e2m1`)."""
+    c = codes.to(tl.uint32)
+    bits = ((c & 8) << 28) | ((c & 7) << 22)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
+
+
+@triton.jit
+def _packed_weight_tile(b_ptrs, s_ptrs, z_ptrs, k, n_ok, K, stride_sg, stride_zg, DTYPE: tl.constexpr,
+                        B_FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                        EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` tile of K-step ``k`` of a 4-bit weight, dequantized to ``DTYPE``.
+
+    ``b_ptrs [BLOCK_N, BLOCK_K // 2]`` point at the step's packed bytes (K contiguous: wide loads),
+    ``s_ptrs`` / ``z_ptrs [BLOCK_N]`` at the columns' first scale / zero point."""
+    packed = _load_packed(b_ptrs, n_ok, k, K, BLOCK_K, EVEN_K)
+    s = _group_scales(s_ptrs, n_ok, k, K, stride_sg, GROUP, BLOCK_N, BLOCK_K)
+    if B_FMT == 3:
+        # INT4: (q - z) is an integer in [-15, 15], exact in every float dtype; one rounding in the
+        # product with the scale (stored in the rows' dtype).
+        q = _nibbles(packed, BLOCK_N, BLOCK_K).to(s.dtype)
+        if HAS_ZEROS:
+            z = _group_scales(z_ptrs, n_ok, k, K, stride_zg, GROUP, BLOCK_N, BLOCK_K)
+            w = (q - z.to(s.dtype)) * s
+        else:
+            w = (q - 8.0) * s
+    elif B_FMT == 4:
+        w = (_e2m1(packed, BLOCK_N, BLOCK_K) * _e8m0(s)).to(DTYPE)
+    else:
+        w = (_e2m1(packed, BLOCK_N, BLOCK_K) * _e4m3(s)).to(DTYPE)
+    return w
+
+
+@triton.jit
+def _dot8(a, b, INT8: tl.constexpr):
+    """``a @ b`` of 8-bit operands as fp32 (INT8 sums exactly in int32, FP8 in fp32)."""
+    if INT8:
+        return tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, expert, gate_rows, up_offset, n_ok, copies, row_ok,
+              bias_ptr, stride_bias_e, stride_bias_n, weights_ptr, alpha, limit,
+              ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr):
+    """Bias, activation and routing weight on the fp32 (fully scaled) accumulators."""
+    if HAS_BIAS:
+        bias_base = bias_ptr + expert * stride_bias_e
+        acc += tl.load(bias_base + gate_rows * stride_bias_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            up_bias = tl.load(bias_base + (gate_rows + up_offset) * stride_bias_n, mask=n_ok, other=0.0)
+            acc_up += up_bias.to(tl.float32)[None, :]
+    if GLU:
+        acc = gated(acc, acc_up, ACT, alpha, limit)
+    else:
+        acc = activate(acc, ACT)
+    if MUL_WEIGHTS:
+        w = tl.load(weights_ptr + copies, mask=row_ok, other=0.0)
+        acc = acc * w[:, None]
+    return acc
+
+
+@triton.jit
+def _store_fp8_groups(acc, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn,
+                      c_scale_ptr, stride_csm, stride_csg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Quantize the tile to FP8 with one scale per 128 columns (``PerGroupQuantizer``'s arithmetic)
+    and write data and scales: the activated rows never reach memory in a float dtype."""
+    v = tl.where(n_ok[None, :], acc, 0.0)  # columns past N must not raise a group's amax
+    groups = tl.reshape(v, (BLOCK_M, BLOCK_N // 128, 128))
+    scale = scale_of(tl.max(tl.abs(groups), axis=2), 448.0)
+    q = tl.reshape(quantize_values(groups, scale[:, :, None], 448.0, False), (BLOCK_M, BLOCK_N))
+    rows = copies.to(tl.int64)
+    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn, q,
+             mask=row_ok[:, None] & n_ok[None, :])
+    group_ids = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+    tl.store(c_scale_ptr + rows[:, None] * stride_csm + group_ids[None, :] * stride_csg, scale,
+             mask=row_ok[:, None] & (group_ids * 128 < N)[None, :])
+
+
+# -- the kernel ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+    N, K, num_copies, rows_per_a, a_global,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_be, stride_bn, stride_bk,
+    stride_bse, stride_bsn, stride_bsk,
+    stride_bze, stride_bzn, stride_bzk,
+    stride_bias_e, stride_bias_n,
+    stride_cm, stride_cn, stride_csm, stride_csg,
+    gate_stride, up_offset,
+    alpha, limit,
+    A_FMT: tl.constexpr, A_SCALE: tl.constexpr, B_FMT: tl.constexpr, B_BLOCKED: tl.constexpr,
+    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
+    ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _tile(N, BLOCK_N, GROUP_M)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    copies = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = copies < num_copies
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    a_rows = (copies // rows_per_a).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    gate_rows = offs_n * gate_stride
+    up_rows = gate_rows + up_offset
+
+    # The compute dtype of a dequantized 4-bit operand: the rows' float dtype, or the output's.
+    if A_FMT == 0:
+        DTYPE = a_ptr.dtype.element_ty
+    else:
+        DTYPE = c_ptr.dtype.element_ty
+    if A_FMT == 3:
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_kb[None, :] * stride_ak
+    else:
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    a_scale_rows = a_scale_ptr + a_rows * stride_asm
+    b_expert = b_ptr + expert * stride_be
+    if B_FMT >= 3:  # packed [N, K / 2]: K-contiguous byte tiles
+        b_gate = b_expert + gate_rows[:, None] * stride_bn + offs_kb[None, :] * stride_bk
+        b_up = b_expert + up_rows[:, None] * stride_bn + offs_kb[None, :] * stride_bk
+        b_step = (BLOCK_K // 2) * stride_bk
+    else:
+        b_gate = b_expert + offs_k[:, None] * stride_bk + gate_rows[None, :] * stride_bn
+        b_up = b_expert + offs_k[:, None] * stride_bk + up_rows[None, :] * stride_bn
+        b_step = BLOCK_K * stride_bk
+    s_expert = b_scale_ptr + expert * stride_bse
+    s_gate = s_expert + gate_rows * stride_bsn
+    s_up = s_expert + up_rows * stride_bsn
+    z_gate = b_zero_ptr + expert * stride_bze + gate_rows * stride_bzn
+    z_up = b_zero_ptr + expert * stride_bze + up_rows * stride_bzn
+
+    # 8-bit scales that change every 128 K-elements (PER_K) scale each step's partial product
+    # (BLOCK_K divides 128, so a step never straddles two scales); INT8 otherwise sums exactly in int32.
+    PER_K: tl.constexpr = A_SCALE == 2 or B_BLOCKED
+    # SWAP (4-bit weights): the dequantized weight tile is the MMA's left operand, which may live in
+    # registers (Hopper's wgmma reads only its right operand from shared memory): out^T = W @ rows^T,
+    # and the token rows are the MMA's narrow N side (a few rows per expert waste no MMA work). The
+    # accumulators are transposed once at the end.
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif B_FMT == 2 and not PER_K:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k * BLOCK_K
+        if B_FMT >= 3:
+            # -- 4-bit weights, dequantized in registers
+            if A_FMT == 3:
+                packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
+                sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_M, BLOCK_K)
+                a = (_e2m1(packed, BLOCK_M, BLOCK_K) * _e4m3(sa)).to(DTYPE)
+                a_ptrs += (BLOCK_K // 2) * stride_ak
+            else:
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                a_ptrs += BLOCK_K * stride_ak
+            b = _packed_weight_tile(b_gate, s_gate, z_gate, k, n_ok, K, stride_bsk, stride_bzk, DTYPE,
+                                    B_FMT, GROUP, HAS_ZEROS, EVEN_K, BLOCK_N, BLOCK_K)
+            if GLU:
+                bu = _packed_weight_tile(b_up, s_up, z_up, k, n_ok, K, stride_bsk, stride_bzk, DTYPE,
+                                         B_FMT, GROUP, HAS_ZEROS, EVEN_K, BLOCK_N, BLOCK_K)
+            b_gate += b_step
+            b_up += b_step
+            if SWAP:
+                a_t = tl.trans(a)
+                acc = tl.dot(b, a_t, acc, input_precision=PRECISION)
+                if GLU:
+                    acc_up = tl.dot(bu, a_t, acc_up, input_precision=PRECISION)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+                if GLU:
+                    acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=PRECISION)
+        else:
+            # -- the rows' tile [BLOCK_M, BLOCK_K]
+            if A_FMT == 3:
+                packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
+                sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_M, BLOCK_K)
+                a = (_e2m1(packed, BLOCK_M, BLOCK_K) * _e4m3(sa)).to(DTYPE)
+                a_ptrs += (BLOCK_K // 2) * stride_ak
+            else:
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                a_ptrs += BLOCK_K * stride_ak
+            # -- the weight tiles [BLOCK_K, BLOCK_N]
+            if EVEN_K:
+                b = tl.load(b_gate, mask=n_ok[None, :], other=0.0)
+                if GLU:
+                    bu = tl.load(b_up, mask=n_ok[None, :], other=0.0)
+            else:
+                b = tl.load(b_gate, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if GLU:
+                    bu = tl.load(b_up, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            b_gate += b_step
+            b_up += b_step
+            # -- multiply-accumulate
+            if B_FMT == 1 or B_FMT == 2:
+                if PER_K:
+                    kb = (k * BLOCK_K) // 128
+                    part = _dot8(a, b, B_FMT == 2)
+                    if GLU:
+                        part_up = _dot8(a, bu, B_FMT == 2)
+                    if A_SCALE == 2:
+                        sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)[:, None]
+                        part = part * sa
+                        if GLU:
+                            part_up = part_up * sa
+                    if B_BLOCKED:
+                        sb = tl.load(s_expert + (gate_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok,
+                                     other=0.0)
+                        part = part * sb[None, :]
+                        if GLU:
+                            sbu = tl.load(s_expert + (up_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok,
+                                          other=0.0)
+                            part_up = part_up * sbu[None, :]
+                    acc += part
+                    if GLU:
+                        acc_up += part_up
+                elif B_FMT == 2:
+                    acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+                    if GLU:
+                        acc_up = tl.dot(a, bu, acc_up, out_dtype=tl.int32)
+                else:
+                    acc = tl.dot(a, b, acc)
+                    if GLU:
+                        acc_up = tl.dot(a, bu, acc_up)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                if GLU:
+                    acc_up = tl.dot(a, bu, acc_up, input_precision=PRECISION)
+
+    # Scales constant along K multiply the finished accumulator once.
+    if SWAP:
+        out = tl.trans(acc)
+        out_up = tl.trans(acc_up)
+    else:
+        out = acc.to(tl.float32)
+        out_up = acc_up.to(tl.float32)
+    if A_SCALE == 1:
+        sa = tl.load(a_scale_rows, mask=row_ok, other=0.0)[:, None]
+        out = out * sa
+        out_up = out_up * sa
+    if (B_FMT == 1 or B_FMT == 2) and not B_BLOCKED:
+        out = out * tl.load(s_gate, mask=n_ok, other=0.0)[None, :]
+        if GLU:
+            out_up = out_up * tl.load(s_up, mask=n_ok, other=0.0)[None, :]
+    if B_FMT == 5 or A_FMT == 3:
+        g = a_global
+        if B_FMT == 5:
+            g = g * tl.load(b_global_ptr + expert)
+        out = out * g
+        out_up = out_up * g
+    out = _epilogue(out, out_up, expert, gate_rows, up_offset, n_ok, copies, row_ok,
+                    bias_ptr, stride_bias_e, stride_bias_n, weights_ptr, alpha, limit,
+                    ACT, GLU, HAS_BIAS, MUL_WEIGHTS)
+    if QUANT_OUT:
+        _store_fp8_groups(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn,
+                          c_scale_ptr, stride_csm, stride_csg, BLOCK_M, BLOCK_N)
+    else:
+        c_ptrs = c_ptr + copies.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# -- the launcher ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Weights:
+    """The checked weight operand: its K extent, scale group and the kernel's strides."""
+
+    k_dim: int
+    group: int  # K-elements per scale of a 4-bit format (1 otherwise)
+    blocked: bool  # 8-bit weights with 128x128 block scales
+    scale_strides: tuple[int, int, int]
+    zero_strides: tuple[int, int, int]
+
+
+def _stride3(t: Optional[torch.Tensor]) -> tuple[int, int, int]:
+    if t is None:
+        return 0, 0, 0
+    return t.stride(0), t.stride(1), t.stride(2) if t.dim() > 2 else 0
+
+
+def _check_weights(fmt: WeightFormat, a: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
+                   zero: Optional[torch.Tensor], global_scale: Optional[torch.Tensor]) -> _Weights:
+    experts, n_w = int(weight.shape[0]), int(weight.shape[1])
+    if weight.dim() != 3:
+        raise ValueError(f"weight must be [E, N, K] (or [E, N, K / 2] packed), got {tuple(weight.shape)}")
+    if fmt is WeightFormat.FLOAT:
+        if weight.dtype != a.dtype:
+            raise ValueError(f"float weights must be in the rows' dtype {a.dtype}, got {weight.dtype}")
+        return _Weights(int(weight.shape[2]), 1, False, (0, 0, 0), (0, 0, 0))
+    if scale is None:
+        raise ValueError(f"{fmt.name} weights need their scales")
+    if fmt in (WeightFormat.FP8, WeightFormat.INT8):
+        want = torch.float8_e4m3fn if fmt is WeightFormat.FP8 else torch.int8
+        if weight.dtype != want or a.dtype != want:
+            raise ValueError(f"{fmt.name} needs {want} rows and weights, got {a.dtype} and {weight.dtype}")
+        k_dim = int(weight.shape[2])
+        block = (experts, triton.cdiv(n_w, SCALE_BLOCK), triton.cdiv(k_dim, SCALE_BLOCK))
+        if scale.dtype != torch.float32 or tuple(scale.shape) not in ((experts, n_w), block):
+            raise ValueError(f"weight_scale must be fp32 [{experts}, {n_w}] (per channel) or {list(block)} "
+                             f"(128x128 blocks), got {scale.dtype} {tuple(scale.shape)}")
+        return _Weights(k_dim, 1, scale.dim() == 3, _stride3(scale), (0, 0, 0))
+    if weight.dtype != torch.uint8:
+        raise ValueError(f"{fmt.name} weights are packed uint8 [E, N, K / 2], got {weight.dtype}")
+    k_dim = 2 * int(weight.shape[2])
+    groups = int(scale.shape[2]) if scale.dim() == 3 else 0
+    if scale.dim() != 3 or tuple(scale.shape[:2]) != (experts, n_w) or not groups or k_dim % groups:
+        raise ValueError(f"weight_scale must be [{experts}, {n_w}, K / G] for K={k_dim}, got {tuple(scale.shape)}")
+    group = k_dim // groups
+    if fmt is WeightFormat.INT4:
+        if group < 16 or group & (group - 1):
+            raise ValueError(f"scales [E, N, K / G] must give a power-of-two group size G >= 16 for K={k_dim}, "
+                             f"got {groups} groups")
+        if scale.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"INT4 scales must be in the compute dtype, got {scale.dtype}")
+        if zero is not None and (zero.dtype != torch.uint8 or zero.shape != scale.shape):
+            raise ValueError(f"zero points must be uint8 {tuple(scale.shape)}, got {zero.dtype} {tuple(zero.shape)}")
+    elif fmt is WeightFormat.MXFP4:
+        if group != MXFP4_GROUP or scale.dtype != torch.uint8:
+            raise ValueError(f"MXFP4 scales must be uint8 E8M0 [E, N, K / 32], got {scale.dtype} "
+                             f"{tuple(scale.shape)} for K={k_dim}")
+    else:
+        if group != NVFP4_GROUP or scale.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"NVFP4 scales must be float8_e4m3fn [E, N, K / 16], got {scale.dtype} "
+                             f"{tuple(scale.shape)} for K={k_dim}")
+        if global_scale is None or global_scale.dtype != torch.float32 or tuple(global_scale.shape) != (experts,):
+            raise ValueError(f"NVFP4 weights need fp32 global scales [{experts}]")
+    if fmt is not WeightFormat.INT4 and zero is not None:
+        raise ValueError("zero points are for INT4 weights")
+    return _Weights(k_dim, group, False, _stride3(scale), _stride3(zero))
+
+
+def _row_scale_mode(fmt: RowFormat, a: torch.Tensor, a_scale: Optional[torch.Tensor], k_dim: int
+                    ) -> tuple[int, int, int]:
+    """``(mode, stride_row, stride_k)`` of the rows' scales."""
+    rows = a.shape[0]
+    if fmt is RowFormat.FLOAT:
+        return _NO_SCALE, 0, 0
+    if a_scale is None:
+        raise ValueError(f"{fmt.name} rows need their scales")
+    if fmt is RowFormat.NVFP4:
+        if a_scale.dtype != torch.float8_e4m3fn or tuple(a_scale.shape) != (rows, k_dim // NVFP4_GROUP):
+            raise ValueError(f"NVFP4 rows need float8_e4m3fn scales [{rows}, {k_dim // NVFP4_GROUP}], got "
+                             f"{a_scale.dtype} {tuple(a_scale.shape)}")
+        return _NVFP4_SCALE, a_scale.stride(0), a_scale.stride(1)
+    if a_scale.dtype != torch.float32:
+        raise ValueError(f"row scales must be fp32, got {a_scale.dtype}")
+    if a_scale.numel() == 1 and a_scale.dim() <= 1:
+        return _ROW_SCALE, 0, 0  # per tensor: every row reads the one scale
+    if a_scale.dim() == 2 and a_scale.shape[0] == rows and a_scale.shape[1] == 1 and k_dim > SCALE_BLOCK:
+        return _ROW_SCALE, a_scale.stride(0), 0
+    if a_scale.dim() == 2 and a_scale.shape[0] == rows and a_scale.shape[1] == triton.cdiv(k_dim, SCALE_BLOCK):
+        # (with K <= 128 one group is the whole row: per token and per group coincide)
+        return _GROUP_SCALE, a_scale.stride(0), a_scale.stride(1)
+    raise ValueError(f"a_scale must be [1], [{rows}, 1] or [{rows}, {k_dim // SCALE_BLOCK}], "
+                     f"got {tuple(a_scale.shape)}")
+
+
+def fit_config(config: GemmConfig, compute_bytes: int, *, packed: bool, per_k_scales: bool,
+               glu: bool) -> GemmConfig:
+    """``config`` fitted to the kernel for these operands: a K-step within one 128-wide scale group
+    when 8-bit scales change along K; at least 32 K-elements per step when an operand is 4-bit
+    (``packed``: 16 bytes per row); operand tiles that fit in shared memory (``compute_bytes`` per
+    element: 1 for 8-bit, else the compute dtype's, a dequantized 4-bit tile included)."""
+    if per_k_scales and config.block_k > SCALE_BLOCK:
+        config = attrs.evolve(config, block_k=SCALE_BLOCK)
+    if packed and config.block_k < 32:
+        config = attrs.evolve(config, block_k=32)
+    fitted = fit_shared_memory(config, compute_bytes, 2 if glu else 1)
+    if packed and fitted.block_k < 32:
+        fitted = attrs.evolve(fitted, block_k=32, num_stages=2)
+    return fitted
+
+
+def glu_strides(glu: bool, interleaved: bool, n_out: int) -> tuple[int, int]:
+    """``(gate_stride, up_offset)``: the weight row of output column n's gate is ``n * gate_stride``,
+    its up row ``n * gate_stride + up_offset`` ([gate | up] or interleaved g0 u0 g1 u1 ...)."""
+    if not glu:
+        return 1, 0
+    return (2, 1) if interleaved else (1, n_out)
+
+
+def moe_gemm(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    *,
+    rows_per_a: int,
+    config: GemmConfig,
+    weight_format: WeightFormat = WeightFormat.FLOAT,
+    a_scale: Optional[torch.Tensor] = None,
+    a_global: float = 1.0,
+    weight_scale: Optional[torch.Tensor] = None,
+    weight_zero: Optional[torch.Tensor] = None,
+    weight_global: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    topk_weights: Optional[torch.Tensor] = None,
+    act: int = ACT_NONE,
+    glu: bool = False,
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    out_scale: Optional[torch.Tensor] = None,
+    swap: Optional[bool] = None,
+) -> torch.Tensor:
+    """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
+    copy of ``sorted_ids`` (see the module docstring for the formats).
+
+    ``a [rows, K]`` (``[rows, K / 2]`` uint8 for NVFP4 rows, with ``a_scale`` and the static
+    ``a_global``); ``weight [E, N_w, K]`` or packed ``[E, N_w, K / 2]`` in ``weight_format`` with its
+    ``weight_scale`` / ``weight_zero`` / ``weight_global``; ``out [num_copies, N]`` (``N = N_w // 2`` when
+    ``glu``) in bf16/fp16/fp32, or float8_e4m3fn with ``out_scale [num_copies, N / 128]`` to quantize per
+    128-group in the epilogue (needs ``config.block_n`` and ``N`` multiples of 128). ``config.block_m``
+    must be the one ``sorted_ids`` was aligned with; the rest is fitted by :func:`fit_config`.
+    ``swap`` (4-bit weights): multiply ``W @ rows^T`` (the dequantized weight as the MMA's left operand);
+    by default for a GEMM without a gated activation and ``config.block_n >= 64`` (a whole Hopper
+    warpgroup MMA along N): on an H100 it takes the MXFP4 down GEMM of GPT-OSS at M=64 from 561 to
+    478 us, and slows the gate/up GEMM (two weight tiles per step) at M=1 and M=1024
+    (``benchmarks/sweep_fp4_tiles.py``).
+    """
+    weight_format = WeightFormat(weight_format)
+    row_format = RowFormat.of(a.dtype)
+    if row_format is RowFormat.NVFP4 and weight_format in (WeightFormat.FP8, WeightFormat.INT8):
+        raise ValueError("NVFP4 rows meet float or 4-bit weights, not 8-bit ones")
+    if row_format in (RowFormat.FP8, RowFormat.INT8) and weight_format not in (WeightFormat.FP8, WeightFormat.INT8):
+        raise ValueError(f"{row_format.name} rows need 8-bit weights of their dtype, got {weight_format.name}")
+    if weight_format is not WeightFormat.NVFP4 and weight_global is not None:
+        raise ValueError("weight_global is NVFP4's global scale")
+    w = _check_weights(weight_format, a if row_format is not RowFormat.NVFP4 else out, weight, weight_scale,
+                       weight_zero, weight_global)
+    k_dim = w.k_dim
+    a_k = a.shape[1] * (2 if row_format is RowFormat.NVFP4 else 1)
+    if a_k != k_dim:
+        raise ValueError(f"rows have K={a_k}, the weight K={k_dim}")
+    a_mode, stride_asm, stride_ask = _row_scale_mode(row_format, a, a_scale, k_dim)
+    if (row_format is RowFormat.NVFP4 or weight_format.packed) and out_scale is None and (
+            out.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
+        raise ValueError(f"out must be bf16/fp16/fp32, got {out.dtype}")
+    num_copies, n_out = out.shape
+    quant_out = out_scale is not None
+    compute_bytes = 1 if row_format in (RowFormat.FP8, RowFormat.INT8) else (
+        a.element_size() if row_format is RowFormat.FLOAT else out.element_size())
+    config = fit_config(config, compute_bytes, packed=weight_format.packed or row_format is RowFormat.NVFP4,
+                        per_k_scales=a_mode == _GROUP_SCALE or w.blocked, glu=glu)
+    if quant_out and (weight_format not in (WeightFormat.FP8, WeightFormat.INT8) or config.block_n % SCALE_BLOCK
+                      or n_out % SCALE_BLOCK):
+        raise ValueError(f"FP8 output quantization in the epilogue is for 8-bit GEMMs with block_n and N "
+                         f"multiples of 128, got {weight_format.name}, {config.block_n} and {n_out}")
+    if num_copies == 0 or n_out == 0:
+        return out
+    gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
+    grid = (sorted_ids.numel() // config.block_m * triton.cdiv(n_out, config.block_n),)
+    dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
+    # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
+    if a_scale is not None and a_scale.dtype == torch.float8_e4m3fn:
+        a_scale = a_scale.view(torch.uint8)
+    if weight_scale is not None and weight_scale.dtype == torch.float8_e4m3fn:
+        weight_scale = weight_scale.view(torch.uint8)
+    moe_gemm_kernel[grid](
+        a, a_scale if a_scale is not None else dummy, weight,
+        weight_scale if weight_scale is not None else dummy,
+        weight_zero if weight_zero is not None else dummy,
+        weight_global if weight_global is not None else dummy,
+        bias if bias is not None else dummy, out, out_scale if out_scale is not None else dummy,
+        topk_weights if topk_weights is not None else dummy,
+        sorted_ids, block_expert, num_padded,
+        n_out, k_dim, num_copies, rows_per_a, float(a_global),
+        a.stride(0), a.stride(1), stride_asm, stride_ask,
+        weight.stride(0), weight.stride(1), weight.stride(2),
+        *w.scale_strides, *w.zero_strides,
+        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+        out.stride(0), out.stride(1),
+        out_scale.stride(0) if out_scale is not None else 0, out_scale.stride(1) if out_scale is not None else 0,
+        gate_stride, up_offset,
+        alpha, limit,
+        A_FMT=int(row_format), A_SCALE=a_mode, B_FMT=int(weight_format), B_BLOCKED=w.blocked,
+        GROUP=w.group, HAS_ZEROS=weight_zero is not None, QUANT_OUT=quant_out,
+        ACT=act, GLU=glu, HAS_BIAS=bias is not None, MUL_WEIGHTS=topk_weights is not None,
+        EVEN_K=k_dim % config.block_k == 0,
+        # fp32 operands: full-precision products, so fp32 layers match the reference to ~1e-6.
+        PRECISION="ieee" if compute_bytes == 4 else "tf32",
+        SWAP=weight_format.packed and (swap if swap is not None else not glu and config.block_n >= 64),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
