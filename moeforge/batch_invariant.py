@@ -35,7 +35,8 @@ INVARIANT_CONFIG = MoEConfig(INVARIANT_GEMM, INVARIANT_GEMM)
 def invariant_table(num_experts: int, top_k: int, max_block_m: Optional[int] = None) -> ConfigTable:
     """A launch table that answers :data:`INVARIANT_CONFIG` for every token count (``max_block_m``: the
     quant method's cap, applied alike to every count)."""
-    return ConfigTable(num_experts, top_k, tokens=(1,), configs=(INVARIANT_CONFIG,), max_block_m=max_block_m)
+    return ConfigTable(num_experts, top_k, tokens=(1,), configs=(INVARIANT_CONFIG,), max_block_m=max_block_m,
+                       fixed=True)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -106,6 +106,8 @@ class ConfigTable:
     tokens: tuple[int, ...] = ()
     configs: tuple[MoEConfig, ...] = ()
     max_block_m: Optional[int] = None  # a kernel whose tiles spill beyond it (quantized GEMMs: 64)
+    # One configuration for every token count (batch invariance): no stage may pick tiles by token count.
+    fixed: bool = False
     # The entries (or the fallbacks) with max_block_m applied, made once: lookup() runs in every forward.
     _capped_configs: tuple[MoEConfig, ...] = attrs.field(init=False, eq=False, repr=False)
 
