@@ -14,7 +14,7 @@ accepts float rows (bf16/fp16/fp32) after the dispatch and has no preferred disp
 dispatches in its own dtype. The torch backend's GEMM (:class:`W4A16GroupedGemm`) dequantizes one
 expert at a time to fp32 and multiplies in fp32; the triton backend's fused GEMM
 (:class:`~moeforge.stages.triton_quant.FusedQuantGroupedGemm` with ``QuantScheme.W4A16``, kernel
-:func:`moeforge.kernels.quant_gemm.w4a16_moe_gemm`) unpacks and dequantizes the int4 weights in
+:func:`moeforge.kernels.moe_gemm.moe_gemm`, ``WeightFormat.INT4``) unpacks and dequantizes the int4 weights in
 registers.
 
 Weights come from a checkpoint (:meth:`W4A16Method.load_checkpoint_experts`: GPTQ v1/v2 or AWQ, per

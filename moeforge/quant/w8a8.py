@@ -6,7 +6,7 @@ either one per output channel (``[E, N]``) or one per 128 x 128 block (``[E, cei
 ceil(K/128)]``, DeepSeek-V3's ``weight_scale_inv``, a multiplier despite its name). The dequantized
 weight is ``q[n, k] * scale[n]`` or ``q[n, k] * scale[n // 128, k // 128]``. Activations are
 quantized per row (one fp32 scale per token) or per 128-element group, and the product accumulates
-in fp32. The Triton kernels (:mod:`moeforge.kernels.quant_gemm`, through
+in fp32. The Triton kernels (:mod:`moeforge.kernels.moe_gemm`, through
 :mod:`moeforge.stages.triton_quant`) read these same layouts.
 
 The torch reference dequantizes one expert's weight at a time (never the whole ``[E, N, K]`` tensor:
