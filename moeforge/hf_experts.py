@@ -1,0 +1,489 @@
+"""``experts_implementation="moeforge"``: moeforge's pipeline as a ``transformers`` experts implementation.
+
+``transformers`` 5 runs the experts of most of its MoE models — every experts class decorated with
+``@use_experts_implementation`` (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, PhiMoE, Granite-MoE
+and some fifty more in 5.23) — through a function it looks up by name in
+``transformers.integrations.moe.ExpertsInterface``. After :func:`register`,
+``from_pretrained(..., experts_implementation="moeforge")`` and
+``model.set_experts_implementation("moeforge")`` run those experts through moeforge::
+
+    import moeforge.hf_experts
+    moeforge.hf_experts.register()        # explicit and idempotent: importing this module registers nothing
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="moeforge")
+
+What runs
+---------
+``transformers`` keeps its router: the experts function receives ``hidden_states [T, H]``,
+``top_k_index [T, k]`` and ``top_k_weights [T, k]``. It runs a moeforge :class:`~moeforge.Pipeline` that
+starts from these routed tokens — dispatch, gate/up GEMM, activation, down GEMM, combine (the routing
+weights applied in the combine, summed in fp32 in a fixed order) — validated by the contract checker, its
+implementations picked by moeforge's selector as for a :class:`~moeforge.MoELayer` with
+``backend="auto"``: the triton kernels on a CUDA device when Triton is installed, the torch reference
+elsewhere. The torch reference differentiates, so models train through it.
+
+The GEMMs read the experts module's own ``gate_up_proj`` (``up_proj`` without a gate), ``down_proj`` and
+biases when they run: nothing is copied, and a module storing ``[E, in, out]`` (``is_transposed``) is
+read through a transposed view; training, ``load_state_dict`` and ``model.to(...)`` are seen by the next
+call. The activation is the module's own: ``act_fn`` mapped onto moeforge's activations (SiLU, GELU with
+erf or tanh, ReLU², identity; with a gate: SwiGLU, GeGLU), or GPT-OSS's clamped SwiGLU for a module with
+``alpha`` and ``limit`` (gate and up interleaved when ``is_concatenated`` is false). Before a pipeline is
+built, the mapping is checked against the module's own gating (``_apply_gate``, or ``act_fn`` without a
+gate) on probe values. What moeforge does not compute — another activation or gating, a post-expert
+norm, ``transformers``' expert-parallel sentinel ids — raises
+:class:`~moeforge.errors.UnsupportedExpertsError` naming it.
+
+The registered function builds one pipeline per experts module, dtype, device, top-k and layout, and
+keeps it keyed weakly by the module: a pipeline refers to the module's parameter table, not to the module,
+so ``del model`` frees the weights at once. Nothing here imports ``transformers`` until :func:`register`
+is called.
+"""
+
+from __future__ import annotations
+
+import importlib
+import weakref
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import attrs
+import torch
+from torch import nn
+
+from moeforge.dispatch_dtype import resolve_dispatch_dtype
+from moeforge.errors import BackendUnavailableError, InputError, MissingPackageError, UnsupportedExpertsError
+from moeforge.kernels.config import ConfigTable
+from moeforge.payloads import Activations, MoEOutput, RoutedTokens, TopKOutput
+from moeforge.pipeline import Pipeline
+from moeforge.quant.unquantized import TorchUnquantizedExperts, TritonUnquantizedExperts, UnquantizedMethod
+from moeforge.roles.base import Experts, LayerConfig
+from moeforge.selector import ROUTERS, select
+from moeforge.spec import Layout, PayloadKind, RoutingWeights, Spec, input_spec
+from moeforge.stage import Stage
+from moeforge.stages.activation import Activate, ActivationConfig, ActivationKind, GateUpLayout, apply_activation
+from moeforge.stages.gemm import GemmRole, GroupedGemm
+from moeforge.stages.topk import RoutingConfig
+from moeforge.tensor_ref import ParamRef, TensorSource
+
+NAME = "moeforge"  # the experts_implementation name
+
+# transformers' router gives the routing; the combine applies its weights (the experts functions of
+# transformers multiply after the down projection, and so does every experts class's eager forward).
+_GIVEN_ROUTING = RoutingConfig(apply_weights=RoutingWeights.IN_COMBINE)
+
+# act_fn (its class name, as transformers' ACT2FN and torch.nn name them) -> moeforge's plain activation
+# and its GELU approximation. Recognised by name: this module imports no transformers class.
+_ACTIVATIONS: dict[str, tuple[ActivationKind, str]] = {
+    "SiLUActivation": (ActivationKind.SILU, "none"),
+    "SiLU": (ActivationKind.SILU, "none"),
+    "GELUActivation": (ActivationKind.GELU, "none"),
+    "GELUTanh": (ActivationKind.GELU, "tanh"),
+    "PytorchGELUTanh": (ActivationKind.GELU, "tanh"),
+    "NewGELUActivation": (ActivationKind.GELU, "tanh"),
+    "FastGELUActivation": (ActivationKind.GELU, "tanh"),
+    "ReLUSquaredActivation": (ActivationKind.RELU2, "none"),
+    "LinearActivation": (ActivationKind.IDENTITY, "none"),
+    "Identity": (ActivationKind.IDENTITY, "none"),
+}
+_FUNCTIONS: dict[Callable[..., Any], tuple[ActivationKind, str]] = {
+    torch.nn.functional.silu: (ActivationKind.SILU, "none"),
+    torch.nn.functional.gelu: (ActivationKind.GELU, "none"),
+}
+_GATED = {ActivationKind.SILU: ActivationKind.SWIGLU, ActivationKind.GELU: ActivationKind.GEGLU}
+_COMPUTED = "SiLU, GELU (erf or tanh), ReLU\u00b2 and the identity; with a gate SwiGLU, GeGLU and GPT-OSS's clamped SwiGLU"
+
+
+@attrs.frozen
+class ExpertsLayout:
+    """How a ``transformers`` experts module stores its experts and what its activation is: the flags
+    ``@use_experts_implementation`` sets, the sizes read from the weights (in moeforge's ``[E, N, K]``
+    orientation), their dtype and device, and the activation moeforge computes for it."""
+
+    module_class: str
+    has_gate: bool
+    has_bias: bool
+    is_transposed: bool
+    is_concatenated: bool
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    weight_dtype: torch.dtype
+    device: torch.device
+    activation: ActivationConfig
+
+    @property
+    def up_name(self) -> str:
+        """The first projection's parameter: gate and up rows together, or up rows alone."""
+        return "gate_up_proj" if self.has_gate else "up_proj"
+
+
+@attrs.frozen
+class PipelineKey:
+    """What a cached pipeline was built for, besides its module."""
+
+    dtype: torch.dtype
+    top_k: int
+    layout: ExpertsLayout
+
+
+@attrs.frozen(eq=False, init=False)
+class TransposedParamRef(ParamRef):
+    """A :class:`~moeforge.tensor_ref.ParamRef` read with its last two dimensions swapped (a view, taken
+    when the stage runs, so autograd and ``.to()`` see the parameter itself): an ``[E, K, N]`` parameter
+    read as the ``[E, N, K]`` weight the GEMM stages take."""
+
+    def get(self) -> torch.Tensor:
+        return super().get().transpose(-2, -1)
+
+    def __repr__(self) -> str:
+        return f"TransposedParamRef({self.owner_type}.{self.name})"
+
+
+def _flag(module: nn.Module, name: str, default: Optional[bool] = None) -> bool:
+    value = getattr(module, name, default)
+    if not isinstance(value, bool):
+        raise UnsupportedExpertsError(
+            f"{type(module).__name__} has no boolean '{name}' attribute: moeforge runs experts classes decorated "
+            "with transformers' @use_experts_implementation (transformers >= 5.17 sets has_gate, has_bias, "
+            "is_transposed and is_concatenated on them)")
+    return value
+
+
+def _parameter(module: nn.Module, name: str) -> torch.Tensor:
+    value = getattr(module, name, None)
+    if not isinstance(value, torch.Tensor):
+        raise UnsupportedExpertsError(f"{type(module).__name__} has no tensor '{name}' (its layout flags say it has one)")
+    if name not in module._parameters and name not in module._buffers:
+        raise UnsupportedExpertsError(f"{type(module).__name__}.{name} is neither a parameter nor a buffer of the module")
+    return value
+
+
+def read_layout(module: nn.Module, hidden_states: torch.Tensor) -> ExpertsLayout:
+    """The layout of ``module`` (an experts module of ``transformers``) for ``hidden_states [T, H]``.
+
+    Raises :class:`UnsupportedExpertsError` for what moeforge does not compute and :class:`InputError`
+    when the hidden states do not fit the weights."""
+    cls = type(module).__name__
+    has_gate, has_bias = _flag(module, "has_gate"), _flag(module, "has_bias")
+    is_transposed, is_concatenated = _flag(module, "is_transposed"), _flag(module, "is_concatenated")
+    # transformers 5.17 sets neither flag: its experts have no post-expert norm and no EP sentinels.
+    if _flag(module, "has_post_expert_norm", False):
+        raise UnsupportedExpertsError(f"{cls} applies a norm after each expert (has_post_expert_norm): moeforge's "
+                                      "experts pipeline has no such stage; use experts_implementation='grouped_mm'")
+    if _flag(module, "_is_expert_parallel", False):
+        raise UnsupportedExpertsError(f"{cls} runs under transformers' expert parallelism (its routing carries "
+                                      "sentinel ids for experts on other ranks): moeforge's experts implementation "
+                                      "runs one process's experts; use moeforge.distributed for expert parallelism")
+    up = _parameter(module, "gate_up_proj" if has_gate else "up_proj")
+    down = _parameter(module, "down_proj")
+    for name, weight in (("gate_up_proj" if has_gate else "up_proj", up), ("down_proj", down)):
+        if weight.dim() != 3 or not weight.is_floating_point() or weight.element_size() < 2:
+            raise UnsupportedExpertsError(
+                f"{cls}.{name} is a {weight.dtype} tensor of shape {tuple(weight.shape)}: moeforge's experts "
+                "implementation takes [num_experts, out, in] (or [num_experts, in, out] when is_transposed) "
+                "bf16/fp16/fp32 weights")
+    up_shape = (up.shape[0], up.shape[2], up.shape[1]) if is_transposed else tuple(up.shape)
+    down_shape = (down.shape[0], down.shape[2], down.shape[1]) if is_transposed else tuple(down.shape)
+    num_experts, up_rows, hidden = up_shape
+    intermediate = down_shape[2]
+    width = 2 * intermediate if has_gate else intermediate
+    if down_shape[:2] != (num_experts, hidden) or up_rows != width:
+        orientation = "[E, in, out] (is_transposed)" if is_transposed else "[E, out, in]"
+        raise UnsupportedExpertsError(
+            f"{cls}: {'gate_up_proj' if has_gate else 'up_proj'} {tuple(up.shape)} and down_proj "
+            f"{tuple(down.shape)} are not one expert MLP stored {orientation}")
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
+        raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states must be [tokens, {hidden}], "
+                         f"got {tuple(hidden_states.shape)}")
+    if hidden_states.device != up.device:
+        raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states on {hidden_states.device}, "
+                         f"the expert weights on {up.device}")
+    return ExpertsLayout(
+        module_class=cls, has_gate=has_gate, has_bias=has_bias, is_transposed=is_transposed,
+        is_concatenated=is_concatenated, num_experts=int(num_experts), hidden_size=int(hidden),
+        intermediate_size=int(intermediate), weight_dtype=up.dtype, device=up.device,
+        activation=activation_of(module, has_gate, is_concatenated))
+
+
+# -- the activation -----------------------------------------------------------------------------------
+
+def _number(module: nn.Module, name: str) -> Optional[float]:
+    value = getattr(module, name, None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> ActivationConfig:
+    """moeforge's activation for ``module``, from its ``act_fn`` (or GPT-OSS's ``alpha`` / ``limit``).
+
+    Only the declared attributes are read here (cheaply, on every call); :func:`check_activation` checks
+    the result against what the module computes, once, before a pipeline is built."""
+    cls = type(module).__name__
+    gate_up = GateUpLayout.CONCATENATED if is_concatenated else GateUpLayout.INTERLEAVED
+    alpha, limit = _number(module, "alpha"), _number(module, "limit")
+    if has_gate and alpha is not None and limit is not None:
+        return ActivationConfig(ActivationKind.GPT_OSS_SWIGLU, gate_up, alpha=alpha, limit=limit)
+    act_fn = getattr(module, "act_fn", None)
+    if act_fn is None:
+        raise UnsupportedExpertsError(f"{cls} has no act_fn (and no GPT-OSS alpha / limit): moeforge cannot tell its "
+                                      "activation")
+    name = type(act_fn).__name__
+    found: Optional[tuple[ActivationKind, str]]
+    if isinstance(act_fn, nn.GELU):
+        found = (ActivationKind.GELU, act_fn.approximate)
+    elif isinstance(act_fn, nn.Module):
+        found = _ACTIVATIONS.get(name)
+    else:
+        found = next((value for function, value in _FUNCTIONS.items() if act_fn is function), None)
+    shown = getattr(act_fn, "__qualname__", name)
+    if found is None:
+        raise UnsupportedExpertsError(f"{cls}.act_fn is {shown}, an activation moeforge does not compute (it computes "
+                                      f"{_COMPUTED}); use experts_implementation='eager' or 'grouped_mm' for this model")
+    kind, approximate = found
+    if has_gate:
+        gated = _GATED.get(kind)
+        if gated is None:
+            raise UnsupportedExpertsError(f"{cls} gates with act_fn={shown} ({kind.value}(gate) * up), which moeforge "
+                                          f"does not compute (it computes {_COMPUTED}); use "
+                                          "experts_implementation='eager' or 'grouped_mm' for this model")
+        kind = gated
+    return ActivationConfig(kind, gate_up, gelu_approximate=approximate)
+
+
+def check_activation(module: nn.Module, layout: ExpertsLayout) -> None:
+    """Raise :class:`UnsupportedExpertsError` unless moeforge's activation for ``module`` computes what the
+    module's own gating computes (``_apply_gate`` for gated experts — a class may override it — else
+    ``act_fn``) on probe values in fp32, spread past any clamp ``limit`` the module declares."""
+    config = layout.activation
+    limits = [value for value in (_number(module, "limit"), _number(module, "swiglu_limit")) if value is not None]
+    reach = 2.0 * max([8.0, *limits])
+    width = 16
+    columns = 2 * width if layout.has_gate else width
+    # Fixed probe values: every gate meets every up value across the range, in a scrambled order.
+    values = torch.linspace(-reach, reach, 8 * columns, dtype=torch.float32)
+    order = torch.randperm(values.numel(), generator=torch.Generator().manual_seed(0))
+    probe = values[order].reshape(8, columns).to(layout.device)
+    gating: Callable[[torch.Tensor], object] = getattr(module, "_apply_gate" if layout.has_gate else "act_fn")
+    with torch.no_grad():
+        try:
+            theirs = gating(probe)
+        except Exception as error:  # noqa: BLE001 - whatever the module's own code raises, said as such
+            raise UnsupportedExpertsError(f"{layout.module_class}: its gating failed on a probe of fp32 values "
+                                          f"({type(error).__name__}: {error}); moeforge cannot check it computes "
+                                          f"{config.summary()}") from error
+        ours = apply_activation(probe, config)
+    if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape or not torch.allclose(
+            theirs.float(), ours, rtol=1e-5, atol=1e-5):
+        difference = (theirs.float() - ours).abs().max().item() if isinstance(theirs, torch.Tensor) and \
+            theirs.shape == ours.shape else "a different shape"
+        raise UnsupportedExpertsError(
+            f"{layout.module_class}'s {'_apply_gate' if layout.has_gate else 'act_fn'} does not compute {config.summary()} (largest difference on probe "
+            f"values: {difference}): its gating is not one moeforge computes ({_COMPUTED}); use "
+            "experts_implementation='eager' or 'grouped_mm' for this model")
+
+
+# -- the pipeline ---------------------------------------------------------------------------------------
+
+def routed_spec(layout: ExpertsLayout, dtype: torch.dtype, top_k: int) -> Spec:
+    """The spec of the pipeline's input: token-major hidden states with the routing ``transformers`` gave,
+    whose weights the combine applies."""
+    return input_spec(layout.hidden_size, dtype, layout.num_experts).evolve(
+        kind=PayloadKind.ROUTED, top_k=top_k, routing_weights=RoutingWeights.PENDING,
+        weights_at=RoutingWeights.IN_COMBINE)
+
+
+def _weight(module: nn.Module, name: str, transposed: bool) -> TensorSource:
+    return TransposedParamRef(module, name) if transposed else ParamRef(module, name)
+
+
+def _bias(module: nn.Module, name: str, layout: ExpertsLayout) -> Optional[TensorSource]:
+    if not layout.has_bias:
+        return None
+    _parameter(module, name)
+    return ParamRef(module, name)  # biases are [E, N] in every layout
+
+
+def expert_stages(experts: type[Experts], module: nn.Module, layout: ExpertsLayout,
+                  configs: Optional[ConfigTable]) -> list[Stage[Any, Any]]:
+    """The stages of the unquantized experts the selector chose, on the module's own tensors: the torch
+    reference (GEMM, activation, GEMM) or the triton GEMMs (activation fused into the first)."""
+    up = _weight(module, layout.up_name, layout.is_transposed)
+    down = _weight(module, "down_proj", layout.is_transposed)
+    up_bias, down_bias = _bias(module, f"{layout.up_name}_bias", layout), _bias(module, "down_proj_bias", layout)
+    if experts is TorchUnquantizedExperts:
+        dtypes, scales = UnquantizedMethod.accepts, UnquantizedMethod.accepts_scales
+        return [GroupedGemm(GemmRole.GATE_UP, up, up_bias, dtypes, scales), Activate(layout.activation),
+                GroupedGemm(GemmRole.DOWN, down, down_bias, dtypes, scales)]
+    if experts is TritonUnquantizedExperts:
+        from moeforge.stages.triton import FusedGroupedGemm
+
+        table = TritonUnquantizedExperts.launch_table(configs)
+        return [FusedGroupedGemm(GemmRole.GATE_UP, up, table, up_bias, layout.activation),
+                FusedGroupedGemm(GemmRole.DOWN, down, table, down_bias)]
+    raise UnsupportedExpertsError(f"moeforge's selector chose {experts.name()} for {layout.module_class}, whose stages "
+                                  "moeforge.hf_experts does not build on a transformers module")
+
+
+def build_pipeline(module: nn.Module, layout: ExpertsLayout, dtype: torch.dtype,
+                   top_k: int) -> Pipeline[RoutedTokens, MoEOutput]:
+    """The validated pipeline from routed tokens to the combined output for ``module``'s experts."""
+    check_activation(module, layout)
+    method = UnquantizedMethod()
+    dispatch = resolve_dispatch_dtype("auto", experts_accept=method.accepts, activation_dtype=dtype,
+                                      quant_prefers=method.prefers, device=layout.device,
+                                      experts_name=f"experts ({layout.module_class})")
+    config = LayerConfig(num_experts=layout.num_experts, top_k=top_k, hidden_size=layout.hidden_size,
+                         intermediate_size=layout.intermediate_size, routing=_GIVEN_ROUTING,
+                         activation=layout.activation, quant=method, dtype=dtype, device=layout.device,
+                         dispatch=dispatch)
+    selection = select(config)
+    assert selection.experts is not None and selection.layout is not None, "dispatcher='auto' spans no experts"
+    configs = config.kernel_configs() if selection.layout is Layout.BLOCK_ALIGNED else None
+    dispatch_stage, combine = selection.dispatcher.stages(module, config, selection.layout, configs)
+    stages: list[Stage[Any, Any]] = []
+    quantize = selection.experts.quantize_stage(config)
+    if quantize is not None:
+        stages.append(quantize)
+    stages.append(dispatch_stage)
+    stages += expert_stages(selection.experts, module, layout, configs)
+    if combine is not None:
+        stages.append(combine)
+    routers = {router.name() for router in ROUTERS}
+    notes = [f"routing: given by transformers (the router of {layout.module_class}'s block)",
+             dispatch.explain(), f"backend {selection.backend.value}",
+             f"roles: dispatcher {selection.dispatcher.name()}, experts {selection.experts.name()}"]
+    notes += [f"  skipped {name}: {reason}" for name, reason in selection.skipped if name not in routers]
+    return Pipeline(stages, routed_spec(layout, dtype, top_k), notes=notes)
+
+
+def _routing(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor) -> TopKOutput:
+    cls = type(module).__name__
+    for name, value in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
+                        ("top_k_weights", top_k_weights)):
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"{cls} (experts_implementation='moeforge'): {name} must be a tensor, got "
+                             f"{type(value).__name__}")
+    tokens = hidden_states.shape[0] if hidden_states.dim() else 0
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != tokens or top_k_weights.shape != top_k_index.shape:
+        raise InputError(f"{cls} (experts_implementation='moeforge'): top_k_index and top_k_weights must both be "
+                         f"[tokens={tokens}, top_k], got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
+    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+        raise InputError(f"{cls} (experts_implementation='moeforge'): top_k_index must hold integer expert ids, got "
+                         f"{top_k_index.dtype}")
+    if not top_k_weights.is_floating_point():
+        raise InputError(f"{cls} (experts_implementation='moeforge'): top_k_weights must be float, got "
+                         f"{top_k_weights.dtype}")
+    return TopKOutput(weights=top_k_weights.float().contiguous(), ids=top_k_index.to(torch.int32).contiguous())
+
+
+class ExpertsFunction:
+    """The experts implementation :func:`register` gives ``transformers``: called as
+    ``fn(experts_module, hidden_states, top_k_index, top_k_weights)``, returns ``[T, H]`` in the hidden
+    states' dtype.
+
+    It keeps the pipelines it built, keyed weakly by the experts module (see the module notes); a
+    function of its own (``ExpertsFunction()``) keeps its own."""
+
+    def __init__(self) -> None:
+        self._pipelines: weakref.WeakKeyDictionary[nn.Module, dict[PipelineKey, Pipeline[RoutedTokens, MoEOutput]]] \
+            = weakref.WeakKeyDictionary()
+
+    def __call__(self, module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        topk = _routing(module, hidden_states, top_k_index, top_k_weights)
+        pipeline = self.pipeline(module, hidden_states, int(top_k_index.shape[1]))
+        out: torch.Tensor = pipeline.run(RoutedTokens(x=Activations(hidden_states), topk=topk)).hidden_states
+        return out
+
+    def pipeline(self, module: nn.Module, hidden_states: torch.Tensor,
+                 top_k: int) -> Pipeline[RoutedTokens, MoEOutput]:
+        """The pipeline that runs ``module``'s experts on ``hidden_states`` routed to ``top_k`` experts each
+        (built on first use; ``describe()`` tells what it runs and why)."""
+        key = PipelineKey(hidden_states.dtype, top_k, read_layout(module, hidden_states))
+        built = self._pipelines.get(module)
+        if built is None:
+            built = self._pipelines[module] = {}
+        pipeline = built.get(key)
+        if pipeline is None:
+            pipeline = built[key] = build_pipeline(module, key.layout, key.dtype, top_k)
+        return pipeline
+
+    def cached_modules(self) -> int:
+        """How many experts modules this function keeps pipelines for (modules that were deleted are gone)."""
+        return len(self._pipelines)
+
+    def __repr__(self) -> str:
+        return f"moeforge.hf_experts.ExpertsFunction({self.cached_modules()} experts modules)"
+
+
+# -- registration -------------------------------------------------------------------------------------
+
+def _transformers_moe() -> Any:  # noqa: ANN401 - transformers' module, untyped
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError as error:
+        raise MissingPackageError("moeforge.hf_experts.register() needs transformers >= 5.17 (pip install "
+                                  "'moeforge[hf]' 'transformers>=5.17')") from error
+    try:
+        moe = importlib.import_module("transformers.integrations.moe")
+    except ImportError:
+        moe = None
+    if moe is None or not hasattr(moe, "ExpertsInterface") or not hasattr(moe, "ALL_EXPERTS_FUNCTIONS"):
+        raise BackendUnavailableError(
+            f"transformers {transformers.__version__} has no experts interface (transformers.integrations.moe."
+            "ExpertsInterface, transformers >= 5): moeforge cannot be its experts_implementation; use "
+            "moeforge.hf.patch_model(model) instead")
+    return moe
+
+
+def _refusal(name: str) -> Optional[str]:
+    """Why the installed ``transformers`` refuses ``experts_implementation=name`` although it is
+    registered (``None``: it accepts it). Asked of ``transformers``' own check: early 5.x releases
+    compare the name with a fixed list instead of the registry."""
+    modeling_utils = importlib.import_module("transformers.modeling_utils")
+    check = getattr(modeling_utils.PreTrainedModel, "get_correct_experts_implementation", None)
+    if check is None:
+        return "it has no experts_implementation setting"
+    try:
+        # The check reads the model only for "grouped_mm" (whether the kernel can run): no model is needed.
+        check(None, name)
+    except ValueError as error:
+        return str(error)
+    except (AttributeError, TypeError):
+        return None  # a check that reads the model: it answers when a model is built
+    return None
+
+
+def register() -> ExpertsFunction:
+    """Register ``"moeforge"`` as an experts implementation of ``transformers`` and return the registered
+    function. Idempotent: a second call returns the function registered by the first.
+
+    Raises :class:`~moeforge.errors.MissingPackageError` without ``transformers``,
+    :class:`~moeforge.errors.BackendUnavailableError` where the installed ``transformers`` has no experts
+    interface or refuses registered names (moeforge does not patch ``transformers``: use
+    :func:`moeforge.hf.patch_model` there), or where another library registered ``"moeforge"``."""
+    moe = _transformers_moe()
+    registered = moe.ALL_EXPERTS_FUNCTIONS.get(NAME)
+    if registered is None:
+        function = ExpertsFunction()
+        moe.ExpertsInterface.register(NAME, function)
+    elif isinstance(registered, ExpertsFunction):
+        function = registered
+    else:
+        raise BackendUnavailableError(f"transformers' experts implementation {NAME!r} is already registered to "
+                                      f"{registered!r}, not by moeforge.hf_experts.register(); moeforge leaves it as "
+                                      "it is")
+    refusal = _refusal(NAME)
+    if refusal is not None:
+        version = importlib.import_module("transformers").__version__
+        raise BackendUnavailableError(
+            f"transformers {version} refuses experts_implementation={NAME!r} although it is registered: its model "
+            f"check accepts only a fixed list of names ({refusal.strip()}). moeforge does not patch transformers: "
+            "upgrade transformers (5.17 and later accept registered names), or convert the model's MoE blocks with "
+            "moeforge.hf.patch_model(model)")
+    return function
+
+
+def registered_function() -> Union[ExpertsFunction, None]:
+    """The function registered as ``"moeforge"`` in ``transformers`` (``None`` before :func:`register`)."""
+    registered = _transformers_moe().ALL_EXPERTS_FUNCTIONS.get(NAME)
+    return registered if isinstance(registered, ExpertsFunction) else None
