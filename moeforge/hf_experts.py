@@ -194,6 +194,9 @@ def read_layout(module: nn.Module, hidden_states: torch.Tensor) -> ExpertsLayout
     if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
         raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states must be [tokens, {hidden}], "
                          f"got {tuple(hidden_states.shape)}")
+    if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states are {hidden_states.dtype}; moeforge "
+                         "computes in torch.bfloat16, torch.float16 or torch.float32")
     if hidden_states.device != up.device:
         raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states on {hidden_states.device}, "
                          f"the expert weights on {up.device}")
