@@ -410,6 +410,10 @@ class ExpertsFunction:
             pipeline = built[key] = build_pipeline(module, key.layout, key.dtype, top_k)
         return pipeline
 
+    def pipelines_for(self, module: nn.Module) -> tuple[Pipeline[RoutedTokens, MoEOutput], ...]:
+        """The pipelines this function built for ``module`` (none: it never ran ``module``'s experts)."""
+        return tuple(self._pipelines.get(module, {}).values())
+
     def cached_modules(self) -> int:
         """How many experts modules this function keeps pipelines for (modules that were deleted are gone)."""
         return len(self._pipelines)

@@ -129,7 +129,7 @@ def test_fp32_logits_match_eager(name: str, function: hf_experts.ExpertsFunction
     got = logits(model, ids)
     assert rel_err(got, want) <= 1e-6
     # Every experts module of the model ran through this function's pipelines (none fell back to eager).
-    assert all(module in function._pipelines for module in experts_modules(model))
+    assert all(function.pipelines_for(module) for module in experts_modules(model))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -203,7 +203,7 @@ def test_loaded_model_switches_back_and_forth(tmp_path: Path, function: hf_exper
         assert model.config._experts_implementation == implementation
         assert rel_err(logits(model, ids), got) <= 1e-6
     # One pipeline per experts module, built once and kept across the switches.
-    assert all(len(function._pipelines[module]) == 1 for module in experts_modules(model))
+    assert all(len(function.pipelines_for(module)) == 1 for module in experts_modules(model))
 
 
 def test_weights_are_read_when_the_experts_run(function: hf_experts.ExpertsFunction) -> None:
@@ -225,7 +225,7 @@ def test_weights_are_read_when_the_experts_run(function: hf_experts.ExpertsFunct
     model.set_experts_implementation("moeforge")
     got = logits(model, ids)
     assert got.dtype == torch.float16 and rel_err(got, want) <= 1e-2
-    assert len(function._pipelines[experts]) == 2  # fp32 and fp16
+    assert len(function.pipelines_for(experts)) == 2  # fp32 and fp16
     model.to(torch.float64)
     with pytest.raises(InputError, match=r"hidden_states are torch.float64; moeforge computes in torch.bfloat16"):
         logits(model, ids)
