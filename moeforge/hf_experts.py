@@ -40,10 +40,11 @@ is called.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import weakref
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import attrs
 import torch
@@ -54,13 +55,18 @@ from moeforge.errors import BackendUnavailableError, InputError, MissingPackageE
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, MoEOutput, RoutedTokens, TopKOutput
 from moeforge.pipeline import Pipeline
+from moeforge.quant.base import QuantMethod
+from moeforge.quant.fp8 import Fp8W8A8Method
 from moeforge.quant.unquantized import TorchUnquantizedExperts, TritonUnquantizedExperts, UnquantizedMethod
+from moeforge.quant.w8a8 import TorchW8A8Experts, TritonW8A8Experts, W8A8GroupedGemm
 from moeforge.roles.base import Experts, LayerConfig
 from moeforge.selector import ROUTERS, select
-from moeforge.spec import Layout, PayloadKind, RoutingWeights, Spec, input_spec
+from moeforge.spec import DType, Layout, PayloadKind, RoutingWeights, Spec, input_spec
 from moeforge.stage import Stage
+from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.activation import Activate, ActivationConfig, ActivationKind, GateUpLayout, apply_activation
 from moeforge.stages.gemm import GemmRole, GroupedGemm
+from moeforge.stages.quantize import QuantizeRows
 from moeforge.stages.topk import RoutingConfig
 from moeforge.tensor_ref import ParamRef, TensorSource
 
@@ -92,6 +98,16 @@ _GATED = {ActivationKind.SILU: ActivationKind.SWIGLU, ActivationKind.GELU: Activ
 _COMPUTED = "SiLU, GELU (erf or tanh), ReLU\u00b2 and the identity; with a gate SwiGLU, GeGLU and GPT-OSS's clamped SwiGLU"
 
 
+class WeightFormat(enum.Enum):
+    """The expert weight formats moeforge computes for a ``transformers`` experts module."""
+
+    FLOAT = "float"  # bf16 / fp16 / fp32 weights
+    # transformers' FP8Experts with DeepSeek-V3's format: e4m3 weights, one fp32 multiplier per 128 x 128
+    # block (``*_scale_inv``), activations quantized per 128-element group when the experts run
+    # (``activation_scheme="dynamic"``): moeforge's Fp8W8A8Method(weight_scales="block", activation_scales="group").
+    FP8_BLOCK128 = "fp8_block128"
+
+
 @attrs.frozen
 class ExpertsLayout:
     """How a ``transformers`` experts module stores its experts and what its activation is: the flags
@@ -109,11 +125,18 @@ class ExpertsLayout:
     weight_dtype: torch.dtype
     device: torch.device
     activation: ActivationConfig
+    weight_format: WeightFormat = WeightFormat.FLOAT
 
     @property
     def up_name(self) -> str:
         """The first projection's parameter: gate and up rows together, or up rows alone."""
         return "gate_up_proj" if self.has_gate else "up_proj"
+
+    def quant_method(self) -> QuantMethod:
+        """moeforge's quant method for this format."""
+        if self.weight_format is WeightFormat.FP8_BLOCK128:
+            return Fp8W8A8Method(weight_scales="block", activation_scales="group")
+        return UnquantizedMethod()
 
 
 @attrs.frozen
@@ -173,14 +196,18 @@ def read_layout(module: nn.Module, hidden_states: torch.Tensor) -> ExpertsLayout
         raise UnsupportedExpertsError(f"{cls} runs under transformers' expert parallelism (its routing carries "
                                       "sentinel ids for experts on other ranks): moeforge's experts implementation "
                                       "runs one process's experts; use moeforge.distributed for expert parallelism")
-    up = _parameter(module, "gate_up_proj" if has_gate else "up_proj")
-    down = _parameter(module, "down_proj")
-    for name, weight in (("gate_up_proj" if has_gate else "up_proj", up), ("down_proj", down)):
-        if weight.dim() != 3 or not weight.is_floating_point() or weight.element_size() < 2:
+    up_name = "gate_up_proj" if has_gate else "up_proj"
+    up, down = _parameter(module, up_name), _parameter(module, "down_proj")
+    weight_format = WeightFormat.FP8_BLOCK128 if up.dtype == torch.float8_e4m3fn else WeightFormat.FLOAT
+    for name, weight in ((up_name, up), ("down_proj", down)):
+        if weight.dim() != 3 or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32, up.dtype) or (
+                weight_format is WeightFormat.FLOAT and weight.dtype == torch.float8_e4m3fn):
             raise UnsupportedExpertsError(
                 f"{cls}.{name} is a {weight.dtype} tensor of shape {tuple(weight.shape)}: moeforge's experts "
                 "implementation takes [num_experts, out, in] (or [num_experts, in, out] when is_transposed) "
-                "bf16/fp16/fp32 weights")
+                "bf16/fp16/fp32 weights, or e4m3 weights with 128x128 block scales (FP8Experts)"
+                + ("; int8 expert weights are transformers' packed FP4 (expert_dtype='fp4'), which it does not "
+                   "compute" if weight.dtype == torch.int8 else ""))
     up_shape = (up.shape[0], up.shape[2], up.shape[1]) if is_transposed else tuple(up.shape)
     down_shape = (down.shape[0], down.shape[2], down.shape[1]) if is_transposed else tuple(down.shape)
     num_experts, up_rows, hidden = up_shape
@@ -200,18 +227,53 @@ def read_layout(module: nn.Module, hidden_states: torch.Tensor) -> ExpertsLayout
     if hidden_states.device != up.device:
         raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states on {hidden_states.device}, "
                          f"the expert weights on {up.device}")
+    if weight_format is WeightFormat.FP8_BLOCK128:
+        _check_fp8(module, up_name, has_bias, is_transposed)
     return ExpertsLayout(
         module_class=cls, has_gate=has_gate, has_bias=has_bias, is_transposed=is_transposed,
         is_concatenated=is_concatenated, num_experts=int(num_experts), hidden_size=int(hidden),
         intermediate_size=int(intermediate), weight_dtype=up.dtype, device=up.device,
-        activation=activation_of(module, has_gate, is_concatenated))
+        activation=activation_of(module, has_gate, is_concatenated), weight_format=weight_format)
+
+
+_FP8_BLOCK = 128
+
+
+def _check_fp8(module: nn.Module, up_name: str, has_bias: bool, is_transposed: bool) -> None:
+    """Raise :class:`UnsupportedExpertsError` unless an FP8 experts module (``transformers``' FP8Experts) has
+    the one FP8 format moeforge computes: 128 x 128 fp32 block scales, activations quantized dynamically."""
+    cls = type(module).__name__
+    block = getattr(module, "block_size", None)
+    if block is None or tuple(block) != (_FP8_BLOCK, _FP8_BLOCK):
+        raise UnsupportedExpertsError(f"{cls} holds FP8 weights with block_size={block!r}: moeforge computes FP8 "
+                                      "experts with 128x128 weight blocks (DeepSeek-V3's format) only")
+    scheme = getattr(module, "activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise UnsupportedExpertsError(f"{cls} quantizes its activations with activation_scheme={scheme!r}: moeforge "
+                                      "quantizes them per 128-element group when the experts run ('dynamic') only")
+    if has_bias or is_transposed:
+        raise UnsupportedExpertsError(f"{cls} holds FP8 weights with has_bias={has_bias}, is_transposed="
+                                      f"{is_transposed}: moeforge's FP8 experts read [E, out, in] weights without "
+                                      "biases")
+    for name in (up_name, "down_proj"):
+        weight, scale = _parameter(module, name), _parameter(module, f"{name}_scale_inv")
+        blocks = (weight.shape[0], -(-weight.shape[1] // _FP8_BLOCK), -(-weight.shape[2] // _FP8_BLOCK))
+        if scale.dtype != torch.float32 or tuple(scale.shape) != blocks:
+            raise UnsupportedExpertsError(
+                f"{cls}.{name}_scale_inv is a {scale.dtype} tensor of shape {tuple(scale.shape)}: moeforge reads one "
+                f"fp32 multiplier per 128x128 block, {blocks}"
+                + (" (UE8M0 scales, scale_fmt='ue8m0', are not computed)" if scale.dtype != torch.float32 else ""))
 
 
 # -- the activation -----------------------------------------------------------------------------------
 
-def _number(module: nn.Module, name: str) -> Optional[float]:
-    value = getattr(module, name, None)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+def _number(module: nn.Module, *names: str) -> Optional[float]:
+    """The first of the attributes ``names`` that is a number (``None``: none is)."""
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> ActivationConfig:
@@ -221,7 +283,8 @@ def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> A
     the result against what the module computes, once, before a pipeline is built."""
     cls = type(module).__name__
     gate_up = GateUpLayout.CONCATENATED if is_concatenated else GateUpLayout.INTERLEAVED
-    alpha, limit = _number(module, "alpha"), _number(module, "limit")
+    # GPT-OSS's experts call them alpha and limit; transformers' FP8Experts swiglu_alpha and swiglu_limit.
+    alpha, limit = _number(module, "alpha", "swiglu_alpha"), _number(module, "limit", "swiglu_limit")
     if has_gate and alpha is not None and limit is not None:
         return ActivationConfig(ActivationKind.GPT_OSS_SWIGLU, gate_up, alpha=alpha, limit=limit)
     act_fn = getattr(module, "act_fn", None)
@@ -304,13 +367,17 @@ def _bias(module: nn.Module, name: str, layout: ExpertsLayout) -> Optional[Tenso
     return ParamRef(module, name)  # biases are [E, N] in every layout
 
 
-def expert_stages(experts: type[Experts], module: nn.Module, layout: ExpertsLayout,
+def expert_stages(experts: type[Experts], module: nn.Module, layout: ExpertsLayout, config: LayerConfig,
                   configs: Optional[ConfigTable]) -> list[Stage[Any, Any]]:
-    """The stages of the unquantized experts the selector chose, on the module's own tensors: the torch
-    reference (GEMM, activation, GEMM) or the triton GEMMs (activation fused into the first)."""
+    """The stages of the experts the selector chose, on the module's own tensors: for float weights the
+    torch reference (GEMM, activation, GEMM) or the triton GEMMs (activation fused into the first); for FP8
+    weights the same with the W8A8 GEMMs and the activations quantized per 128-group (after the dispatch
+    unless the dispatch already carries FP8). They mirror the stages those ``Experts`` classes build on a
+    :class:`~moeforge.MoELayer`, whose parameters they read by moeforge's names."""
     up = _weight(module, layout.up_name, layout.is_transposed)
     down = _weight(module, "down_proj", layout.is_transposed)
     up_bias, down_bias = _bias(module, f"{layout.up_name}_bias", layout), _bias(module, "down_proj_bias", layout)
+    out = DType.from_torch(config.dtype)
     if experts is TorchUnquantizedExperts:
         dtypes, scales = UnquantizedMethod.accepts, UnquantizedMethod.accepts_scales
         return [GroupedGemm(GemmRole.GATE_UP, up, up_bias, dtypes, scales), Activate(layout.activation),
@@ -321,6 +388,27 @@ def expert_stages(experts: type[Experts], module: nn.Module, layout: ExpertsLayo
         table = TritonUnquantizedExperts.launch_table(configs)
         return [FusedGroupedGemm(GemmRole.GATE_UP, up, table, up_bias, layout.activation),
                 FusedGroupedGemm(GemmRole.DOWN, down, table, down_bias)]
+    if experts in (TorchW8A8Experts, TritonW8A8Experts) and isinstance(config.quant, Fp8W8A8Method):
+        quantizer = config.quant.activation_quantizer
+        up_scale, down_scale = ParamRef(module, f"{layout.up_name}_scale_inv"), ParamRef(module, "down_proj_scale_inv")
+        quantize_after_dispatch = not config.dispatch.dtype.is_quantized
+        stages: list[Stage[Any, Any]] = []
+        if experts is TorchW8A8Experts:
+            if quantize_after_dispatch:
+                stages.append(QuantizeRows(quantizer))
+            return stages + [
+                W8A8GroupedGemm(GemmRole.GATE_UP, up, up_scale, quantizer.dtype, quantizer.scale_layout, out),
+                ActivateQuantize(layout.activation, quantizer),
+                W8A8GroupedGemm(GemmRole.DOWN, down, down_scale, quantizer.dtype, quantizer.scale_layout, out)]
+        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantizeAligned, QuantScheme
+
+        table = TritonW8A8Experts.launch_table(configs)
+        if quantize_after_dispatch:
+            stages.append(QuantizeAligned(quantizer))
+        return stages + [
+            FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.FP8_W8A8, up, up_scale, table,
+                                  activation=layout.activation, out_dtype=out, output_quantizer=quantizer),
+            FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.FP8_W8A8, down, down_scale, table, out_dtype=out)]
     raise UnsupportedExpertsError(f"moeforge's selector chose {experts.name()} for {layout.module_class}, whose stages "
                                   "moeforge.hf_experts does not build on a transformers module")
 
@@ -329,10 +417,15 @@ def build_pipeline(module: nn.Module, layout: ExpertsLayout, dtype: torch.dtype,
                    top_k: int) -> Pipeline[RoutedTokens, MoEOutput]:
     """The validated pipeline from routed tokens to the combined output for ``module``'s experts."""
     check_activation(module, layout)
-    method = UnquantizedMethod()
+    method = layout.quant_method()
+    if isinstance(method, Fp8W8A8Method):
+        try:
+            method.check_sizes(layout.hidden_size, layout.intermediate_size, layout.has_gate)
+        except InputError as error:
+            raise UnsupportedExpertsError(f"{layout.module_class}: {error}") from None
     dispatch = resolve_dispatch_dtype("auto", experts_accept=method.accepts, activation_dtype=dtype,
-                                      quant_prefers=method.prefers, device=layout.device,
-                                      experts_name=f"experts ({layout.module_class})")
+                                      quant_requires=method.required_dispatch_dtype(), quant_prefers=method.prefers,
+                                      device=layout.device, experts_name=f"experts ({layout.module_class})")
     config = LayerConfig(num_experts=layout.num_experts, top_k=top_k, hidden_size=layout.hidden_size,
                          intermediate_size=layout.intermediate_size, routing=_GIVEN_ROUTING,
                          activation=layout.activation, quant=method, dtype=dtype, device=layout.device,
@@ -346,7 +439,7 @@ def build_pipeline(module: nn.Module, layout: ExpertsLayout, dtype: torch.dtype,
     if quantize is not None:
         stages.append(quantize)
     stages.append(dispatch_stage)
-    stages += expert_stages(selection.experts, module, layout, configs)
+    stages += expert_stages(selection.experts, module, layout, config, configs)
     if combine is not None:
         stages.append(combine)
     routers = {router.name() for router in ROUTERS}
@@ -424,7 +517,21 @@ class ExpertsFunction:
 
 # -- registration -------------------------------------------------------------------------------------
 
-def _transformers_moe() -> Any:  # noqa: ANN401 - transformers' module, untyped
+@attrs.frozen
+class ExpertsRegistry:
+    """One of ``transformers``' registries of experts functions: its interface class (whose ``register``
+    adds a name for every model) and the mapping the models look names up in."""
+
+    label: str
+    interface: Any
+    functions: Any
+
+    def get(self) -> object:
+        return self.functions.get(NAME)
+
+
+def _registries() -> list[ExpertsRegistry]:
+    """``transformers``' experts registries: the float experts' and, where it has one, FP8Experts'."""
     try:
         transformers = importlib.import_module("transformers")
     except ImportError as error:
@@ -439,7 +546,14 @@ def _transformers_moe() -> Any:  # noqa: ANN401 - transformers' module, untyped
             f"transformers {transformers.__version__} has no experts interface (transformers.integrations.moe."
             "ExpertsInterface, transformers >= 5): moeforge cannot be its experts_implementation; use "
             "moeforge.hf.patch_model(model) instead")
-    return moe
+    registries = [ExpertsRegistry("experts", moe.ExpertsInterface, moe.ALL_EXPERTS_FUNCTIONS)]
+    try:
+        fp8 = importlib.import_module("transformers.integrations.finegrained_fp8")
+    except ImportError:
+        fp8 = None
+    if fp8 is not None and hasattr(fp8, "FP8ExpertsInterface") and hasattr(fp8, "ALL_FP8_EXPERTS_FUNCTIONS"):
+        registries.append(ExpertsRegistry("FP8 experts", fp8.FP8ExpertsInterface, fp8.ALL_FP8_EXPERTS_FUNCTIONS))
+    return registries
 
 
 def _refusal(name: str) -> Optional[str]:
@@ -461,24 +575,26 @@ def _refusal(name: str) -> Optional[str]:
 
 
 def register() -> ExpertsFunction:
-    """Register ``"moeforge"`` as an experts implementation of ``transformers`` and return the registered
-    function. Idempotent: a second call returns the function registered by the first.
+    """Register ``"moeforge"`` as an experts implementation of ``transformers`` — for float experts, and for
+    ``transformers``' FP8Experts (FP8 checkpoints) where it has them — and return the registered function.
+    Idempotent: a second call returns the function registered by the first.
 
     Raises :class:`~moeforge.errors.MissingPackageError` without ``transformers``,
     :class:`~moeforge.errors.BackendUnavailableError` where the installed ``transformers`` has no experts
     interface or refuses registered names (moeforge does not patch ``transformers``: use
     :func:`moeforge.hf.patch_model` there), or where another library registered ``"moeforge"``."""
-    moe = _transformers_moe()
-    registered = moe.ALL_EXPERTS_FUNCTIONS.get(NAME)
-    if registered is None:
-        function = ExpertsFunction()
-        moe.ExpertsInterface.register(NAME, function)
-    elif isinstance(registered, ExpertsFunction):
-        function = registered
-    else:
-        raise BackendUnavailableError(f"transformers' experts implementation {NAME!r} is already registered to "
-                                      f"{registered!r}, not by moeforge.hf_experts.register(); moeforge leaves it as "
-                                      "it is")
+    registries = _registries()
+    found = [(registry, registry.get()) for registry in registries]
+    for registry, registered in found:
+        if registered is not None and not isinstance(registered, ExpertsFunction):
+            raise BackendUnavailableError(f"transformers' {registry.label} implementation {NAME!r} is already registered "
+                                          f"to {registered!r}, not by moeforge.hf_experts.register(); moeforge leaves "
+                                          "it as it is")
+    ours = [registered for _, registered in found if isinstance(registered, ExpertsFunction)]
+    function = ours[0] if ours else ExpertsFunction()
+    for registry, registered in found:
+        if registered is not function:
+            registry.interface.register(NAME, function)
     refusal = _refusal(NAME)
     if refusal is not None:
         version = importlib.import_module("transformers").__version__
@@ -490,7 +606,7 @@ def register() -> ExpertsFunction:
     return function
 
 
-def registered_function() -> Union[ExpertsFunction, None]:
+def registered_function() -> Optional[ExpertsFunction]:
     """The function registered as ``"moeforge"`` in ``transformers`` (``None`` before :func:`register`)."""
-    registered = _transformers_moe().ALL_EXPERTS_FUNCTIONS.get(NAME)
+    registered = _registries()[0].get()
     return registered if isinstance(registered, ExpertsFunction) else None

@@ -324,6 +324,87 @@ def test_the_pipeline_says_what_it_runs() -> None:
     assert "experts TorchUnquantizedExperts" in text and "backend torch" in text
 
 
+# -- FP8 experts (transformers' FP8Experts, FP8 checkpoints) ----------------------------------------------
+
+def _fp8_experts(block_size: Any = (128, 128), activation_scheme: str = "dynamic", seed: int = 0,
+                 hidden: int = 256, intermediate: int = 128) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """transformers' FP8Experts (a subclass, decorated as transformers decorates it when it loads an FP8
+    checkpoint) holding DeepSeek-V3-format weights quantized from random floats; and the dequantized weights."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from moeforge.quant.w8a8 import dequantize_weight, quantize_weight_blockwise
+
+    class TinyFP8Experts(fp8.FP8Experts):  # a subclass: decorating it leaves transformers' class alone
+        pass
+
+    config = transformers.Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=intermediate, num_experts=4,
+                                         num_experts_per_tok=2, hidden_act="silu")
+    config._experts_implementation = "moeforge"
+    decorated = moe.use_experts_implementation(TinyFP8Experts, experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    module = decorated(config, block_size=block_size, activation_scheme=activation_scheme)
+    generator = torch.Generator().manual_seed(seed)
+    dequantized = {}
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(module, name)
+            if block_size is None or tuple(block_size) != (128, 128):
+                continue
+            q, scale = quantize_weight_blockwise(torch.randn(weight.shape, generator=generator) / weight.shape[-1] ** 0.5)
+            weight.copy_(q)
+            getattr(module, f"{name}_scale_inv").copy_(scale)
+            dequantized[name] = dequantize_weight(q, scale)
+    return module, dequantized
+
+
+def test_fp8_experts_run_in_deepseek_v3_format(function: hf_experts.ExpertsFunction) -> None:
+    """An FP8Experts module of an FP8 checkpoint runs through moeforge's FP8 stages (activations quantized per
+    128-group, e4m3 x e4m3 GEMMs with 128x128 block scales), within FP8 rounding of the float experts on the
+    dequantized weights; the block scales mean what they mean to transformers' own dequantizer."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    assert fp8.ALL_FP8_EXPERTS_FUNCTIONS[hf_experts.NAME] is function
+    module, dequantized = _fp8_experts()
+    if hasattr(fp8, "_dequantize_fp8_weight"):  # transformers 5.23 (5.17 dequantizes at loading only)
+        theirs = fp8._dequantize_fp8_weight(module.gate_up_proj.data, module.gate_up_proj_scale_inv.data,
+                                            [128, 128], torch.float32)
+        assert torch.equal(theirs, dequantized["gate_up_proj"])
+    reference = _module()  # float experts with the dequantized weights
+    reference.gate_up_proj = nn.Parameter(dequantized["gate_up_proj"])
+    reference.down_proj = nn.Parameter(dequantized["down_proj"])
+    reference.num_experts = 4
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(11, 256, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(11, 4, generator=gen).argsort(-1)[:, :2]
+    weights = torch.rand(11, 2, generator=gen).to(torch.bfloat16)
+    got = module(hidden, ids, weights)  # transformers' forward dispatches to the registered function
+    want = moe.batched_mm_experts_forward(reference, hidden.float(), ids, weights.float())
+    assert got.dtype == torch.bfloat16 and got.shape == hidden.shape
+    assert 1e-3 < rel_err(got, want) < 0.08  # FP8 activations: a few percent, never exact
+    (pipeline,) = function.pipelines_for(module)
+    text = pipeline.describe()
+    assert "W8A8GroupedGemm(gate_up, 256->256, w=fp8_e4m3/block128, a=fp8_e4m3/per_group_128)" in text
+    assert "dispatch fp8" in text and "experts TorchW8A8Experts" in text
+
+
+def test_other_fp8_formats_are_refused_by_name() -> None:
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    hidden, ids, weights = _routing(4, 4, 2, 0)
+    hidden = torch.randn(4, 256).to(torch.bfloat16)
+    function = hf_experts.ExpertsFunction()
+    module, _ = _fp8_experts(block_size=(64, 64))
+    with pytest.raises(UnsupportedExpertsError, match=r"block_size=\(64, 64\): moeforge computes FP8 experts with "
+                                                      r"128x128 weight blocks"):
+        function(module, hidden, ids, weights)
+    module, _ = _fp8_experts(activation_scheme="static")
+    with pytest.raises(UnsupportedExpertsError, match=r"activation_scheme='static'"):
+        function(module, hidden, ids, weights)
+    module, _ = _fp8_experts(hidden=192)
+    with pytest.raises(UnsupportedExpertsError, match=r"need hidden_size divisible by 128, got 192"):
+        function(module, torch.randn(4, 192).to(torch.bfloat16), ids, weights)
+    module, _ = _fp8_experts()
+    module.down_proj_scale_inv = nn.Parameter(torch.ones(4, 2, 1, dtype=fp8._get_ue8m0_dtype()), requires_grad=False)
+    with pytest.raises(UnsupportedExpertsError, match=r"UE8M0 scales"):
+        function(module, hidden, ids, weights)
+
+
 # -- what is refused ----------------------------------------------------------------------------------------
 
 def _module(act: str = "silu", **flags: bool) -> nn.Module:
@@ -398,6 +479,8 @@ def test_bad_arguments_name_themselves() -> None:
 def test_register_is_explicit_and_idempotent(function: hf_experts.ExpertsFunction) -> None:
     assert hf_experts.register() is function
     assert moe.ALL_EXPERTS_FUNCTIONS[hf_experts.NAME] is function
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    assert fp8.ALL_FP8_EXPERTS_FUNCTIONS[hf_experts.NAME] is function  # FP8 checkpoints' experts too
     assert hf_experts.registered_function() is function
     assert "moeforge" in repr(function)
 

@@ -56,3 +56,21 @@ def test_triton_experts_in_bf16_are_as_accurate_as_eager(name: str, function: hf
         got = logits(model, ids)
         assert rel_err(got, exact) <= 1.25 * rel_err(eager, exact)
         assert rel_err(got, eager) <= (0 if implementation == "eager" else 2e-2)
+
+
+def test_fp8_experts_on_the_triton_kernels_match_the_torch_stages(function: hf_experts.ExpertsFunction) -> None:
+    """The same FP8Experts module on the CPU (moeforge's torch W8A8 stages) and on the GPU (its triton FP8
+    kernels, the activations quantized per 128-group before the dispatch)."""
+    from test_hf_experts import _fp8_experts
+
+    module, _ = _fp8_experts()
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(37, 256, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(37, 4, generator=gen).argsort(-1)[:, :2]
+    weights = torch.rand(37, 2, generator=gen).to(torch.bfloat16)
+    want = module(hidden, ids, weights)
+    module.cuda()
+    got = module(hidden.cuda(), ids.cuda(), weights.cuda())
+    assert rel_err(got.cpu(), want) < 1e-2
+    (pipeline,) = function.pipelines_for(module)[-1:]
+    assert "experts TritonW8A8Experts" in pipeline.describe()
