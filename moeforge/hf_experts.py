@@ -32,6 +32,14 @@ gate) on probe values. What moeforge does not compute — another activation or 
 norm, ``transformers``' expert-parallel sentinel ids — raises
 :class:`~moeforge.errors.UnsupportedExpertsError` naming it.
 
+FP8 checkpoints: ``transformers`` replaces their experts by ``FP8Experts``, which look functions up in a
+registry of their own (``ALL_FP8_EXPERTS_FUNCTIONS``); :func:`register` registers the same function there.
+It runs DeepSeek-V3's format — e4m3 weights with one fp32 multiplier per 128 x 128 block
+(``*_scale_inv``), activations quantized per 128-element group as the experts run
+(``activation_scheme="dynamic"``) — on moeforge's W8A8 stages
+(:class:`~moeforge.Fp8W8A8Method` with block weight scales and group activation scales), and refuses the
+other formats (another block size, static activation scales, UE8M0 scales, FP4 weights) by name.
+
 The registered function builds one pipeline per experts module, dtype, device, top-k and layout, and
 keeps it keyed weakly by the module: a pipeline refers to the module's parameter table, not to the module,
 so ``del model`` frees the weights at once. Nothing here imports ``transformers`` until :func:`register`
