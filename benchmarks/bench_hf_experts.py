@@ -121,11 +121,11 @@ def main() -> None:
             want = outputs["grouped_mm"]
             difference = float((outputs["moeforge"] - want).norm() / want.norm())
             by = {r["implementation"]: r for r in records if r["model"] == name and r["tokens"] == tokens}
-            print(f"{name:6s} M={tokens:5d}  model: grouped_mm {by['grouped_mm']['model_us']:9.1f} us  moeforge "
-                  f"{by['moeforge']['model_us']:9.1f} us ({by['grouped_mm']['model_us'] / by['moeforge']['model_us']:.2f}x)"
-                  f"  | experts: grouped_mm {by['grouped_mm']['experts_us']:8.1f} us  moeforge "
-                  f"{by['moeforge']['experts_us']:8.1f} us "
-                  f"({by['grouped_mm']['experts_us'] / by['moeforge']['experts_us']:.2f}x)"
+            theirs, ours = by["grouped_mm"], by["moeforge"]
+            print(f"{name:6s} M={tokens:5d}  model: grouped_mm {theirs['model_us']:9.1f} us  moeforge "
+                  f"{ours['model_us']:9.1f} us ({theirs['model_us'] / ours['model_us']:.2f}x)"
+                  f"  | experts: grouped_mm {theirs['experts_us']:8.1f} us  moeforge {ours['experts_us']:8.1f} us "
+                  f"({theirs['experts_us'] / ours['experts_us']:.2f}x)"
                   + (f"  batched_mm {by['batched_mm']['experts_us']:8.1f} us" if "batched_mm" in by else "")
                   + f"  | rel. diff {difference:.1e}", flush=True)
             by["moeforge"]["rel_diff_vs_grouped_mm"] = difference

@@ -103,7 +103,8 @@ _FUNCTIONS: dict[Callable[..., Any], tuple[ActivationKind, str]] = {
     torch.nn.functional.gelu: (ActivationKind.GELU, "none"),
 }
 _GATED = {ActivationKind.SILU: ActivationKind.SWIGLU, ActivationKind.GELU: ActivationKind.GEGLU}
-_COMPUTED = "SiLU, GELU (erf or tanh), ReLU\u00b2 and the identity; with a gate SwiGLU, GeGLU and GPT-OSS's clamped SwiGLU"
+_COMPUTED = ("SiLU, GELU (erf or tanh), ReLU\u00b2 and the identity; with a gate SwiGLU, GeGLU and GPT-OSS's "
+             "clamped SwiGLU")
 
 
 class WeightFormat(enum.Enum):
@@ -182,9 +183,11 @@ def _flag(module: nn.Module, name: str, default: Optional[bool] = None) -> bool:
 def _parameter(module: nn.Module, name: str) -> torch.Tensor:
     value = getattr(module, name, None)
     if not isinstance(value, torch.Tensor):
-        raise UnsupportedExpertsError(f"{type(module).__name__} has no tensor '{name}' (its layout flags say it has one)")
+        raise UnsupportedExpertsError(f"{type(module).__name__} has no tensor '{name}' (its layout flags say it "
+                                      "has one)")
     if name not in module._parameters and name not in module._buffers:
-        raise UnsupportedExpertsError(f"{type(module).__name__}.{name} is neither a parameter nor a buffer of the module")
+        raise UnsupportedExpertsError(f"{type(module).__name__}.{name} is neither a parameter nor a buffer of the "
+                                      "module")
     return value
 
 
@@ -230,8 +233,8 @@ def read_layout(module: nn.Module, hidden_states: torch.Tensor) -> ExpertsLayout
         raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states must be [tokens, {hidden}], "
                          f"got {tuple(hidden_states.shape)}")
     if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states are {hidden_states.dtype}; moeforge "
-                         "computes in torch.bfloat16, torch.float16 or torch.float32")
+        raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states are {hidden_states.dtype}; "
+                         "moeforge computes in torch.bfloat16, torch.float16 or torch.float32")
     if hidden_states.device != up.device:
         raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states on {hidden_states.device}, "
                          f"the expert weights on {up.device}")
@@ -309,8 +312,9 @@ def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> A
         found = next((value for function, value in _FUNCTIONS.items() if act_fn is function), None)
     shown = getattr(act_fn, "__qualname__", name)
     if found is None:
-        raise UnsupportedExpertsError(f"{cls}.act_fn is {shown}, an activation moeforge does not compute (it computes "
-                                      f"{_COMPUTED}); use experts_implementation='eager' or 'grouped_mm' for this model")
+        raise UnsupportedExpertsError(f"{cls}.act_fn is {shown}, an activation moeforge does not compute (it "
+                                      f"computes {_COMPUTED}); use experts_implementation='eager' or 'grouped_mm' "
+                                      "for this model")
     kind, approximate = found
     if has_gate:
         gated = _GATED.get(kind)
@@ -348,9 +352,10 @@ def check_activation(module: nn.Module, layout: ExpertsLayout) -> None:
             theirs.float(), ours, rtol=1e-5, atol=1e-5):
         difference = (theirs.float() - ours).abs().max().item() if isinstance(theirs, torch.Tensor) and \
             theirs.shape == ours.shape else "a different shape"
+        gating_name = "_apply_gate" if layout.has_gate else "act_fn"
         raise UnsupportedExpertsError(
-            f"{layout.module_class}'s {'_apply_gate' if layout.has_gate else 'act_fn'} does not compute {config.summary()} (largest difference on probe "
-            f"values: {difference}): its gating is not one moeforge computes ({_COMPUTED}); use "
+            f"{layout.module_class}'s {gating_name} does not compute {config.summary()} (largest difference on "
+            f"probe values: {difference}): its gating is not one moeforge computes ({_COMPUTED}); use "
             "experts_implementation='eager' or 'grouped_mm' for this model")
 
 
@@ -595,9 +600,9 @@ def register() -> ExpertsFunction:
     found = [(registry, registry.get()) for registry in registries]
     for registry, registered in found:
         if registered is not None and not isinstance(registered, ExpertsFunction):
-            raise BackendUnavailableError(f"transformers' {registry.label} implementation {NAME!r} is already registered "
-                                          f"to {registered!r}, not by moeforge.hf_experts.register(); moeforge leaves "
-                                          "it as it is")
+            raise BackendUnavailableError(f"transformers' {registry.label} implementation {NAME!r} is already "
+                                          f"registered to {registered!r}, not by moeforge.hf_experts.register(); "
+                                          "moeforge leaves it as it is")
     ours = [registered for _, registered in found if isinstance(registered, ExpertsFunction)]
     function = ours[0] if ours else ExpertsFunction()
     for registry, registered in found:

@@ -348,7 +348,8 @@ def _fp8_experts(block_size: Any = (128, 128), activation_scheme: str = "dynamic
             weight = getattr(module, name)
             if block_size is None or tuple(block_size) != (128, 128):
                 continue
-            q, scale = quantize_weight_blockwise(torch.randn(weight.shape, generator=generator) / weight.shape[-1] ** 0.5)
+            floats = torch.randn(weight.shape, generator=generator) / weight.shape[-1] ** 0.5
+            q, scale = quantize_weight_blockwise(floats)
             weight.copy_(q)
             getattr(module, f"{name}_scale_inv").copy_(scale)
             dequantized[name] = dequantize_weight(q, scale)
