@@ -8,7 +8,11 @@ count M (M tokens as sequences of at most 128):
 
 * ``model``: the whole forward (``model(ids)``, no KV cache), attention and router included;
 * ``experts``: one experts module's call on fixed routing (``experts(hidden, top_k_index, top_k_weights)``):
-  what the experts implementation alone costs.
+  what the experts implementation alone costs;
+* ``experts_graph``: the same call captured in a CUDA graph and replayed (no host work: the GPU time alone;
+  ``None`` where the implementation cannot be captured);
+* ``pipeline`` (moeforge only): its pipeline run directly, without the experts function around it (the
+  function's own cost is ``experts - pipeline``).
 
 for ``experts_implementation`` ``grouped_mm`` (``transformers``' default: ``torch.nn.functional.grouped_mm``),
 ``moeforge`` (the triton pipeline) and, up to 16 tokens, ``batched_mm``. Times are medians of eager calls
@@ -27,13 +31,14 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moeforge import hf_experts  # noqa: E402
+from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
 
 MODELS = {  # name -> (experts, top_k, hidden, moe intermediate, layers)
     "small": (64, 8, 1024, 512, 4),
@@ -74,12 +79,34 @@ def median_us(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn: Callable[[], Any], reps: int) -> Optional[float]:
+    """Median microseconds of a CUDA-graph replay of ``fn`` (``None`` if it cannot be captured)."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # noqa: BLE001 - any capture failure means "not capturable"
+        torch.cuda.synchronize()
+        return None
+    return median_us(graph.replay, reps)
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parents[1], timeout=10).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def _us(value: Optional[float]) -> str:
+    return "   n/a   " if value is None else f"{value:7.1f} us"
 
 
 def main() -> None:
@@ -93,7 +120,7 @@ def main() -> None:
         raise SystemExit("bench_hf_experts.py needs a CUDA device")
     import transformers
 
-    hf_experts.register()
+    function = hf_experts.register()
     records: list[dict[str, Any]] = []
     for name in args.models.split(","):
         model = build(name)
@@ -114,10 +141,16 @@ def main() -> None:
                 model.set_experts_implementation(implementation)
                 with torch.no_grad():
                     outputs[implementation] = experts(hidden_states, index, weights).float()
-                    model_us = median_us(lambda: model(ids), args.reps)
-                    experts_us = median_us(lambda: experts(hidden_states, index, weights), args.reps)
-                records.append(dict(model=name, tokens=tokens, implementation=implementation,
-                                    model_us=model_us, experts_us=experts_us))
+                    record = dict(model=name, tokens=tokens, implementation=implementation,
+                                  model_us=median_us(lambda: model(ids), args.reps),
+                                  experts_us=median_us(lambda: experts(hidden_states, index, weights), args.reps),
+                                  experts_graph_us=graph_us(lambda: experts(hidden_states, index, weights), args.reps))
+                    if implementation == "moeforge":
+                        pipeline = function.pipeline(experts, hidden_states, top_k)
+                        routed = RoutedTokens(x=Activations(hidden_states), topk=TopKOutput(
+                            weights=weights.float(), ids=index.to(torch.int32)))
+                        record["pipeline_us"] = median_us(lambda: pipeline.run(routed), args.reps)
+                records.append(record)
             want = outputs["grouped_mm"]
             difference = float((outputs["moeforge"] - want).norm() / want.norm())
             by = {r["implementation"]: r for r in records if r["model"] == name and r["tokens"] == tokens}
@@ -125,7 +158,8 @@ def main() -> None:
             print(f"{name:6s} M={tokens:5d}  model: grouped_mm {theirs['model_us']:9.1f} us  moeforge "
                   f"{ours['model_us']:9.1f} us ({theirs['model_us'] / ours['model_us']:.2f}x)"
                   f"  | experts: grouped_mm {theirs['experts_us']:8.1f} us  moeforge {ours['experts_us']:8.1f} us "
-                  f"({theirs['experts_us'] / ours['experts_us']:.2f}x)"
+                  f"({theirs['experts_us'] / ours['experts_us']:.2f}x; pipeline alone {ours['pipeline_us']:7.1f} us)"
+                  f"  | graphs: grouped_mm {_us(theirs['experts_graph_us'])}  moeforge {_us(ours['experts_graph_us'])}"
                   + (f"  batched_mm {by['batched_mm']['experts_us']:8.1f} us" if "batched_mm" in by else "")
                   + f"  | rel. diff {difference:.1e}", flush=True)
             by["moeforge"]["rel_diff_vs_grouped_mm"] = difference

@@ -148,15 +148,6 @@ class ExpertsLayout:
         return UnquantizedMethod()
 
 
-@attrs.frozen
-class PipelineKey:
-    """What a cached pipeline was built for, besides its module."""
-
-    dtype: torch.dtype
-    top_k: int
-    layout: ExpertsLayout
-
-
 @attrs.frozen(eq=False, init=False)
 class TransposedParamRef(ParamRef):
     """A :class:`~moeforge.tensor_ref.ParamRef` read with its last two dimensions swapped (a view, taken
@@ -484,6 +475,41 @@ def _routing(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.
     return TopKOutput(weights=top_k_weights.float().contiguous(), ids=top_k_index.to(torch.int32).contiguous())
 
 
+_KEY_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm",
+              "_is_expert_parallel", "alpha", "limit", "swiglu_alpha", "swiglu_limit", "activation_scheme")
+_KEY_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias",
+                "gate_up_proj_scale_inv", "up_proj_scale_inv", "down_proj_scale_inv")
+
+
+def _code(function: object) -> object:
+    """What identifies a gating function without holding what it is bound to (a bound method's instance)."""
+    function = getattr(function, "__func__", function)
+    return getattr(function, "__code__", type(function))
+
+
+def pipeline_key(module: nn.Module, hidden_states: torch.Tensor, top_k: int) -> tuple[object, ...]:
+    """Everything a built pipeline depends on besides its module, as a plain tuple, read on every call
+    (cheaply: the module's attribute and tensor tables, never a copy): the hidden states' dtype, device and
+    width, ``top_k``, the layout flags and activation settings, the class and shape of ``act_fn``, the gating
+    code, and the shape, dtype and device of every expert tensor. A pipeline reads the tensors themselves by
+    name when it runs, so new values (training, ``load_state_dict``, a new parameter of the same kind) keep
+    their pipeline; anything else builds (and checks) a new one."""
+    attributes, cls = module.__dict__, type(module)
+
+    def setting(name: str) -> object:  # an instance attribute, else the class's (nn.Module's own lookup is slow)
+        return attributes[name] if name in attributes else getattr(cls, name, None)
+
+    tensors = (module._parameters.get(name, module._buffers.get(name)) for name in _KEY_TENSORS)
+    act_fn = module._modules.get("act_fn", setting("act_fn"))
+    block = setting("block_size")
+    # A plain function as act_fn is keyed by identity: only torch's own functions are mapped, and they live on.
+    return (hidden_states.dtype, hidden_states.device, hidden_states.shape[-1], hidden_states.dim(), top_k,
+            tuple(setting(name) for name in _KEY_FLAGS), tuple(block) if isinstance(block, (tuple, list)) else block,
+            type(act_fn), getattr(act_fn, "approximate", None), None if isinstance(act_fn, nn.Module) else id(act_fn),
+            _code(setting("_apply_gate")),
+            tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors))
+
+
 class ExpertsFunction:
     """The experts implementation :func:`register` gives ``transformers``: called as
     ``fn(experts_module, hidden_states, top_k_index, top_k_weights)``, returns ``[T, H]`` in the hidden
@@ -493,7 +519,7 @@ class ExpertsFunction:
     function of its own (``ExpertsFunction()``) keeps its own."""
 
     def __init__(self) -> None:
-        self._pipelines: weakref.WeakKeyDictionary[nn.Module, dict[PipelineKey, Pipeline[RoutedTokens, MoEOutput]]] \
+        self._pipelines: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], Pipeline[RoutedTokens, MoEOutput]]] \
             = weakref.WeakKeyDictionary()
 
     def __call__(self, module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -507,13 +533,14 @@ class ExpertsFunction:
                  top_k: int) -> Pipeline[RoutedTokens, MoEOutput]:
         """The pipeline that runs ``module``'s experts on ``hidden_states`` routed to ``top_k`` experts each
         (built on first use; ``describe()`` tells what it runs and why)."""
-        key = PipelineKey(hidden_states.dtype, top_k, read_layout(module, hidden_states))
+        key = pipeline_key(module, hidden_states, top_k)
         built = self._pipelines.get(module)
         if built is None:
             built = self._pipelines[module] = {}
         pipeline = built.get(key)
-        if pipeline is None:
-            pipeline = built[key] = build_pipeline(module, key.layout, key.dtype, top_k)
+        if pipeline is None:  # the layout is read (and checked, with the errors' words) only here
+            pipeline = built[key] = build_pipeline(module, read_layout(module, hidden_states), hidden_states.dtype,
+                                                   top_k)
         return pipeline
 
     def pipelines_for(self, module: nn.Module) -> tuple[Pipeline[RoutedTokens, MoEOutput], ...]:

@@ -444,6 +444,29 @@ def test_a_gating_that_differs_from_its_declared_activation_is_refused() -> None
         _run(clamped)
 
 
+def test_a_module_changed_after_its_first_call_is_read_again() -> None:
+    """The cached pipeline is keyed by everything it depends on: a new activation, gating or flag is seen."""
+    function = hf_experts.ExpertsFunction()
+    module = _module()
+    hidden, ids, weights = _routing(4, 5, 2, 0)
+    function(module, hidden, ids, weights)
+    module.act_fn = transformers.activations.ACT2FN["gelu"]
+    assert rel_err(function(module, hidden, ids, weights), moe.batched_mm_experts_forward(module, hidden, ids,
+                                                                                         weights)) <= 1e-6
+    module.act_fn = nn.Tanh()
+    with pytest.raises(UnsupportedExpertsError, match="act_fn is Tanh"):
+        function(module, hidden, ids, weights)
+    module.act_fn = transformers.activations.ACT2FN["silu"]
+    module._apply_gate = lambda gate_up: gate_up.chunk(2, -1)[1]
+    with pytest.raises(UnsupportedExpertsError, match="_apply_gate does not compute swiglu"):
+        function(module, hidden, ids, weights)
+    del module._apply_gate
+    module.has_post_expert_norm = True
+    with pytest.raises(UnsupportedExpertsError, match="has_post_expert_norm"):
+        function(module, hidden, ids, weights)
+    assert len(function.pipelines_for(module)) == 2  # silu and gelu
+
+
 def test_what_moeforge_does_not_run_is_refused() -> None:
     module = _module()
     module._is_expert_parallel = True
