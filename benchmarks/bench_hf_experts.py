@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(str(t) for t in TOKENS))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--commit", default=None, help="the commit measured, when run from a copy without its git")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_hf_experts.py needs a CUDA device")
@@ -166,7 +167,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name()
-    result = dict(device=device, torch=torch.__version__, transformers=transformers.__version__, commit=_commit(),
+    result = dict(device=device, torch=torch.__version__, transformers=transformers.__version__, commit=args.commit or _commit(),
                   date=datetime.date.today().isoformat(), records=records)
     out = args.out or (Path(__file__).resolve().parent / "results" /
                        f"bench_hf_experts-{re.sub(r'[^a-z0-9]+', '_', device.lower()).strip('_')}-"
