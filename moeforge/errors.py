@@ -6,7 +6,7 @@ from typing import Any
 
 __all__ = [
     "MoEForgeError", "ContractError", "PayloadError", "InputError", "DispatchDtypeError", "BackendUnavailableError",
-    "CheckpointError", "MissingPackageError", "PresetError",
+    "CheckpointError", "MissingPackageError", "PresetError", "UnsupportedExpertsError",
 ]
 
 
@@ -75,6 +75,11 @@ class MissingPackageError(MoEForgeError, ImportError):
 class PresetError(MoEForgeError, TypeError):
     """A family preset was given a keyword it does not take, lacks a required one, or was given a
     ``MoELayer`` setting that the family fixes itself (a ``TypeError``, as Python's own)."""
+
+
+class UnsupportedExpertsError(MoEForgeError, TypeError):
+    """A ``transformers`` experts module has a layout or an activation that moeforge's experts
+    implementation does not compute (the message names it, and what to use instead)."""
 
 
 def _show(value: Any) -> str:
