@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import triton
 
-from moeforge.kernels import align, combine, quantize, topk
+from moeforge.kernels import align, backward, combine, quantize, topk
 from moeforge.kernels import moe_gemm as kernel
 from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.formats import WeightFormat
@@ -162,3 +162,10 @@ def _(router_logits: torch.Tensor, selection_bias: Optional[torch.Tensor], top_k
     tokens = router_logits.shape[0]
     return (router_logits.new_empty(tokens, top_k, dtype=torch.float32),
             router_logits.new_empty(tokens, top_k, dtype=torch.int32))
+
+
+# Backward formulas (moeforge/kernels/backward.py): the float grouped GEMM, the combine and the routing
+# weights differentiate; the quantized GEMMs and the quantization kernels are inference-only.
+moe_gemm.register_autograd(backward.moe_gemm_backward, setup_context=backward.moe_gemm_setup_context)
+combine_copies.register_autograd(backward.combine_backward, setup_context=backward.combine_setup_context)
+route.register_autograd(backward.route_backward, setup_context=backward.route_setup_context)

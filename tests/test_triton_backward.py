@@ -1,0 +1,222 @@
+"""Backward through the triton path: the grouped GEMM, the combine and the routing weights have
+autograd formulas (``moeforge/kernels/backward.py``); gradients equal those of a per-token float64 loop
+over the chosen experts (autograd through ``select_experts`` and ``apply_activation``).
+
+On CPU under the interpreter at tiny shapes (fp32 operands: 1e-5; fp16: 2e-2), on a GPU the same plus
+the layer users build (``MoELayer(..., backend="triton")``) against the torch backend in bf16, and a
+compiled training step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import moeforge as mf  # noqa: E402
+from moeforge.kernels import align  # noqa: E402
+from moeforge.kernels.backward import expert_weight_grad  # noqa: E402
+from moeforge.kernels.config import ConfigTable  # noqa: E402
+from moeforge.stages.activation import apply_activation  # noqa: E402
+from moeforge.stages.combine import Combine  # noqa: E402
+from moeforge.stages.topk import select_experts  # noqa: E402
+from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+ACTIVATIONS = {
+    "swiglu": mf.ActivationConfig(),
+    "gpt-oss": mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, gate_up=mf.GateUpLayout.INTERLEAVED),
+    "geglu-tanh": mf.ActivationConfig(mf.ActivationKind.GEGLU, gelu_approximate="tanh"),
+    "relu2": mf.ActivationConfig(mf.ActivationKind.RELU2),
+}
+ROUTINGS = {
+    "softmax": mf.RoutingConfig(),
+    "sigmoid renormalized, scaled": mf.RoutingConfig(scoring=mf.Scoring.SIGMOID, renormalize=True,
+                                                     routed_scaling_factor=2.5),
+    "select then softmax": mf.RoutingConfig(order=mf.ScoreOrder.SELECT_THEN_SCORE),
+}
+
+
+def _pipeline(experts: int, k: int, hidden: int, tensors: dict[str, torch.Tensor], act: mf.ActivationConfig,
+              routing: mf.RoutingConfig, dtype: torch.dtype) -> mf.Pipeline:  # type: ignore[type-arg]
+    table = ConfigTable(experts, k)
+    epilogue = routing.apply_weights is mf.RoutingWeights.IN_GEMM_EPILOGUE
+    return mf.Pipeline([
+        TritonTopK(experts, k, routing), AlignDispatch(experts, table),
+        FusedGroupedGemm(mf.GemmRole.GATE_UP, tensors["w13"], table, tensors["b13"], act),
+        FusedGroupedGemm(mf.GemmRole.DOWN, tensors["w2"], table, tensors["b2"], apply_routing_weights=epilogue),
+        Combine(apply_routing_weights=not epilogue,
+                routed_scaling_factor=None if routing.scaling_in_weights or routing.routed_scaling_factor == 1.0
+                else routing.routed_scaling_factor),
+    ], mf.input_spec(hidden, dtype, experts))
+
+
+def _reference(x: torch.Tensor, logits: torch.Tensor, k: int, t: dict[str, torch.Tensor], act: mf.ActivationConfig,
+               routing: mf.RoutingConfig) -> torch.Tensor:
+    """float64, one token and expert at a time."""
+    topk = select_experts(logits.double(), k, routing)
+    out = []
+    for token in range(x.shape[0]):
+        row = x.new_zeros(x.shape[1], dtype=torch.float64)
+        for j in range(k):
+            e = int(topk.ids[token, j])
+            h = apply_activation(x[token].double() @ t["w13"][e].double().T + t["b13"][e].double(), act)
+            row = row + topk.weights[token, j].double() * (h @ t["w2"][e].double().T + t["b2"][e].double())
+        out.append(row)
+    return torch.stack(out) if out else x.new_zeros(0, x.shape[1], dtype=torch.float64)
+
+
+def _tensors(experts: int, hidden: int, inter: int, gated: bool, dtype: torch.dtype, gen: torch.Generator
+             ) -> dict[str, torch.Tensor]:
+    n13 = (2 if gated else 1) * inter
+    made = {"w13": torch.randn(experts, n13, hidden, generator=gen) * hidden ** -0.5,
+            "w2": torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5,
+            "b13": torch.randn(experts, n13, generator=gen) * 0.1, "b2": torch.randn(experts, hidden, generator=gen) * 0.1}
+    return {name: torch.nn.Parameter(value.to(DEVICE, dtype)) for name, value in made.items()}
+
+
+def _check_gradients(tokens: int, experts: int, k: int, act: mf.ActivationConfig, routing: mf.RoutingConfig,
+                     dtype: torch.dtype, tolerance: float, logits: Any = None) -> None:
+    hidden, inter = 32, 48
+    gen = torch.Generator().manual_seed(81)
+    t = _tensors(experts, hidden, inter, act.gated, dtype, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype).requires_grad_()
+    if logits is None:
+        logits = torch.randn(tokens, experts, generator=gen)
+    logits = logits.to(DEVICE).requires_grad_()
+    out = _pipeline(experts, k, hidden, t, act, routing, dtype)(mf.MoEInput(x, logits)).hidden_states
+    grad = torch.randn(out.shape, generator=gen).to(DEVICE, dtype)
+    inputs = [x, logits, *t.values()]
+    got = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+    ref = _reference(x, logits, k, t, act, routing)
+    want = torch.autograd.grad(ref, inputs, grad.double(), allow_unused=True)
+    for name, g, w in zip(["x", "logits", *t], got, want):
+        assert g is not None, name
+        w = torch.zeros_like(g) if w is None else w
+        err = float((g.double() - w.double()).norm() / w.double().norm().clamp(min=1e-30))
+        assert err < tolerance or float(w.abs().max()) == 0 and float(g.abs().max()) == 0, (name, err)
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("weights_at", ["combine", "epilogue"])
+def test_gradients_of_every_activation_and_routing_weight_placement(act: str, weights_at: str) -> None:
+    place = mf.RoutingWeights.IN_GEMM_EPILOGUE if weights_at == "epilogue" else mf.RoutingWeights.IN_COMBINE
+    _check_gradients(9, 4, 2, ACTIVATIONS[act], mf.RoutingConfig(apply_weights=place), torch.float32, 1e-5)
+
+
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+def test_gradients_of_the_routing_weights(routing: str) -> None:
+    _check_gradients(7, 6, 3, ACTIVATIONS["swiglu"], ROUTINGS[routing], torch.float32, 1e-5)
+
+
+def test_gradients_with_idle_experts_one_busy_expert_and_top_k_equal_to_experts() -> None:
+    logits = torch.full((12, 4), -4.0)
+    logits[:, 2] = 4.0  # every token's first choice is expert 2; with k=1 experts 0, 1, 3 get nothing
+    _check_gradients(12, 4, 1, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32, 1e-5, logits=logits)
+    _check_gradients(5, 3, 3, ACTIVATIONS["relu2"], mf.RoutingConfig(), torch.float32, 1e-5)
+
+
+def test_gradients_in_half_precision() -> None:
+    _check_gradients(9, 4, 2, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float16, 2e-2)
+
+
+def test_an_empty_batch_has_zero_gradients() -> None:
+    gen = torch.Generator().manual_seed(82)
+    t = _tensors(4, 32, 48, True, torch.float32, gen)
+    x = torch.zeros(0, 32, device=DEVICE, requires_grad=True)
+    logits = torch.zeros(0, 4, device=DEVICE, requires_grad=True)
+    out = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32)(mf.MoEInput(x, logits))
+    grads = torch.autograd.grad(out.hidden_states.sum(), [x, *t.values()], allow_unused=True)
+    assert grads[0] is not None and grads[0].shape == (0, 32)
+    assert all(g is None or not g.any() for g in grads[1:])
+
+
+def test_the_weight_gradient_kernel_sums_each_experts_copies_in_order() -> None:
+    gen = torch.Generator().manual_seed(83)
+    tokens, k, experts = 10, 2, 5
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32)
+    ids[ids == 3] = 1  # expert 3 gets no copy (and expert 1 two per token at most once: distinct per row)
+    ids[:, 1] = torch.where(ids[:, 0] == ids[:, 1], (ids[:, 0] + 1) % experts, ids[:, 1])
+    ids[ids == 3] = 4
+    rows = torch.randn(tokens, 24, generator=gen).to(DEVICE)
+    d_rows = torch.randn(tokens * k, 40, generator=gen).to(DEVICE)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, 16)
+    dw, db = expert_weight_grad(d_rows, rows, k, sorted_ids, block_expert, num_padded, experts, 16, True)
+    flat = ids.reshape(-1).long().to(DEVICE)
+    for e in range(experts):
+        chosen = (flat == e).nonzero().flatten()
+        want = d_rows[chosen].double().T @ rows[chosen // k].double()
+        torch.testing.assert_close(dw[e].double(), want, rtol=1e-5, atol=1e-5)
+        assert db is not None
+        torch.testing.assert_close(db[e].double(), d_rows[chosen].double().sum(0), rtol=1e-5, atol=1e-5)
+    assert not dw[3].any()
+
+
+def test_quantized_grouped_gemms_refuse_a_backward() -> None:
+    """The op-level guard (the layer says it first, naming the method): an FP8 GEMM whose rows require
+    grad cannot be differentiated silently."""
+    from moeforge.kernels.formats import WeightFormat
+    from moeforge.kernels.ops import moe_gemm as moe_gemm_op
+
+    gen = torch.Generator().manual_seed(84)
+    rows = torch.randn(4, 128, generator=gen).to(DEVICE)
+    ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
+    plan = align.align_block_size(ids, 1, 16)
+    weight = torch.randn(1, 32, 128, generator=gen).to(DEVICE).to(torch.float8_e4m3fn)
+    scale = torch.ones(1, 32, device=DEVICE)
+    bias = torch.zeros(1, 32, device=DEVICE, requires_grad=True)
+    out, _ = moe_gemm_op(rows.to(torch.float8_e4m3fn), torch.ones(4, 1, device=DEVICE), weight, scale, None, None, bias,
+                         None, *plan, 4, 1, int(WeightFormat.FP8), 1.0, 0, False, False, 1.0, 0.0,
+                         [16, 32, 128, 1, 4, 2], torch.float32, False)
+    with pytest.raises(mf.InputError, match="inference-only"):
+        out.sum().backward()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3", "gpt_oss"])
+def test_triton_layer_gradients_equal_the_torch_backend_in_bf16(family: str) -> None:
+    torch.manual_seed(0)
+    sizes = dict(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256)
+    fast = mf.MoELayer.from_preset(family, **sizes, dtype=torch.bfloat16, device="cuda", backend="triton")
+    slow = mf.MoELayer.from_preset(family, **sizes, dtype=torch.bfloat16, device="cuda", backend="torch")
+    slow.load_state_dict(fast.state_dict())
+    assert "backend triton" in fast.describe()
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for layer in (fast, slow):
+        xi = x.clone().requires_grad_()
+        layer(xi).float().square().mean().backward()
+        grads.append([xi.grad] + [p.grad for p in layer.parameters()])
+        layer.zero_grad()
+    for got, want in zip(*grads):
+        assert got is not None and want is not None
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 3e-2
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_a_compiled_training_step() -> None:
+    torch.manual_seed(0)
+    layer = mf.MoELayer(8, 2, 256, 128, dtype=torch.bfloat16, device="cuda", backend="triton")
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1e-2)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = layer(x).float().square().mean()
+        loss.backward()
+        return loss
+
+    compiled = torch.compile(step)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    eager_loss = step(x)
+    eager = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+    layer.zero_grad()
+    compiled_loss = compiled(x)
+    got = [p.grad for p in layer.parameters() if p.grad is not None]
+    assert torch.allclose(eager_loss, compiled_loss, rtol=1e-3)
+    for g, w in zip(got, eager):
+        assert float((g.float() - w.float()).norm() / w.float().norm().clamp(min=1e-12)) < 1e-2
+    optimizer.step()
