@@ -18,6 +18,9 @@ from moeforge.stages.combine import Combine, combine_rows
 WIRE_SCALES = frozenset({ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128,
                          ScaleLayout.NVFP4_BLOCK16})
 
+# Row formats on the wire: every dtype but float64 (the wire carries fp32 routing weights beside the rows).
+WIRE_DTYPES = frozenset(DType) - {DType.FP64}
+
 
 class ExchangeDispatch(abc.ABC):
     """Base of the dispatchers that send rows to the ranks owning their experts.
@@ -45,12 +48,15 @@ class ExchangeDispatch(abc.ABC):
         if self.apply_routing_weights:
             return Accepts(dtype=FLOAT_DTYPES, routing_weights=RoutingWeights.PENDING,
                            weights_at={RoutingWeights.ON_INPUT, None}, **common)
-        return Accepts(**common)
+        return Accepts(dtype=WIRE_DTYPES, **common)
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field == "scale_layout":
             return ("a per-tensor scale cannot travel with its rows to other ranks: quantize per token or per "
                     "128-group before an expert-parallel dispatch")
+        if field == "dtype" and have is DType.FP64:
+            return ("expert-parallel rows travel with fp32 routing weights, in bf16, fp16, fp32 or a quantized "
+                    "format: a float64 layer (the torch reference, for gradcheck) runs on one process")
         if field == "dtype" and self.apply_routing_weights:
             return ("routing weights applied on the input need float activations: quantize after the "
                     "dispatch (QuantizeRows) instead of before it")
