@@ -51,8 +51,10 @@ def combine_rows(
     tokens, top_k = token_rows.shape
     accumulate = accumulation_dtype(rows.dtype)
     out = torch.zeros(tokens, rows.shape[-1], dtype=accumulate, device=rows.device)
-    if rows.shape[0] == 0:  # no rows here (every copy is on another rank): nothing to gather
-        return out.to(out_dtype)
+    if rows.shape[0] == 0:  # no rows (no tokens here): nothing to gather
+        # Zeros made from the (empty) rows, so that a backward still reaches what made them: an expert-parallel
+        # rank without tokens must join the exchanges of the backward like every other rank.
+        return (out + rows.sum(0).to(accumulate)).to(out_dtype)
     present = token_rows >= 0
     index = token_rows.clamp(min=0)
     # Gather in the rows' own dtype (one pass over the copies, not a float copy of every row); each

@@ -37,6 +37,11 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
 
 def _grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     dtype = accumulation_dtype(x.dtype)
+    if x.shape[0] == 0 and weight.shape[0]:
+        # No rows: an empty product that still depends on the rows and the weights, so that a backward reaches
+        # them (zero gradients) — an expert-parallel rank whose experts got no rows joins the backward's exchanges.
+        empty: torch.Tensor = x.to(dtype) @ weight[0].to(dtype).t()
+        return empty
     out = x.new_empty(x.shape[0], weight.shape[1], dtype=dtype)
     start = 0
     for expert, count in enumerate(counts.tolist()):
