@@ -240,6 +240,18 @@ def test_every_parameter_receives_a_gradient() -> None:
         assert param.grad is not None and bool(param.grad.abs().sum() > 0), name
 
 
+@pytest.mark.parametrize("dispatcher", ["sorted", "padded"])
+def test_an_empty_batch_stays_in_the_graph(dispatcher: str) -> None:
+    # Zero gradients, not a detached output: a data-parallel or expert-parallel rank without tokens runs the
+    # same backward as the others.
+    layer = make_layer(torch.float32, dispatcher=dispatcher, expert_bias=True, shared_experts=SHARED["plain"])
+    out = layer(torch.empty(0, H, requires_grad=True))
+    assert out.shape == (0, H) and out.requires_grad
+    out.sum().backward()
+    for name, param in layer.named_parameters():
+        assert param.grad is not None and not bool(param.grad.any()), name
+
+
 def test_the_selection_bias_selects_but_takes_no_gradient() -> None:
     # DeepSeek's e_score_correction_bias only decides which experts are picked (a piecewise-constant
     # function): it is a buffer, and a bias tensor that requires grad gets none.

@@ -52,9 +52,14 @@ def combine_rows(
     accumulate = accumulation_dtype(rows.dtype)
     out = torch.zeros(tokens, rows.shape[-1], dtype=accumulate, device=rows.device)
     if rows.shape[0] == 0:  # no rows (no tokens here): nothing to gather
-        # Zeros made from the (empty) rows, so that a backward still reaches what made them: an expert-parallel
-        # rank without tokens must join the exchanges of the backward like every other rank.
-        return (out + rows.sum(0).to(accumulate)).to(out_dtype)
+        # Zeros made from the (empty) rows and weights — sums over nothing — so that a backward still reaches
+        # what made them: an expert-parallel rank without tokens must join the backward's exchanges like every
+        # other rank, and a layer's parameters get zero gradients, not none.
+        empty = rows.sum(0).to(accumulate)
+        for given in (copy_weight, row_weight):
+            if given is not None:
+                empty = empty + given.reshape(-1)[:0].sum().to(accumulate)
+        return (out + empty).to(out_dtype)
     present = token_rows >= 0
     index = token_rows.clamp(min=0)
     # Gather in the rows' own dtype (one pass over the copies, not a float copy of every row); each
