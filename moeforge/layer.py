@@ -50,8 +50,9 @@ class MoELayer(nn.Module):
             ``router_logits``.
         backend: ``"auto"`` (triton on CUDA when Triton is installed, else torch), ``"torch"`` or
             ``"triton"``.
-        dtype, device: of the parameters and of the activations the layer takes; as in ``torch.nn``,
-            ``dtype=None`` is ``torch.get_default_dtype()`` and ``device=None`` the CPU. The layer
+        dtype, device: of the parameters and of the activations the layer takes (bf16, fp16, fp32; float64
+            on the torch backend with the unquantized method, for ``torch.autograd.gradcheck``); as in
+            ``torch.nn``, ``dtype=None`` is ``torch.get_default_dtype()`` and ``device=None`` the CPU. The layer
             follows ``.to()``, ``.half()``, ``.cuda()``, ``.to_empty()`` like any module (quantized
             weights keep their format: see :meth:`QuantMethod.keeps_dtype`), and rebuilds its
             pipeline for the new dtype and device.

@@ -110,10 +110,11 @@ def gradcheck(layer: mf.MoELayer, tokens: int = T, *, with_logits: bool = False)
     and the router logits when given) and every parameter."""
     names = [name for name, _ in layer.named_parameters()]
     params = [param.detach().clone().requires_grad_() for _, param in layer.named_parameters()]
-    inputs = [_tokens(tokens).requires_grad_()]
+    inputs = [_tokens(tokens).to(layer.device).requires_grad_()]
     if with_logits:
         gen = torch.Generator().manual_seed(2)
-        inputs.append(torch.randn(tokens, layer.num_experts, generator=gen, dtype=torch.float64).requires_grad_())
+        logits = torch.randn(tokens, layer.num_experts, generator=gen, dtype=torch.float64)
+        inputs.append(logits.to(layer.device).requires_grad_())
 
     def forward(*tensors: torch.Tensor) -> torch.Tensor:
         args, values = tensors[:len(inputs)], tensors[len(inputs):]
@@ -337,3 +338,12 @@ def test_the_triton_stages_refuse_float64_rows() -> None:
     with pytest.raises(mf.ContractError, match="dtype") as info:
         mf.Pipeline([TritonTopK(E, K), mf.SortedDispatch(E)], spec)
     assert "TopK (torch)" in info.value.hint
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_float64_layer_on_a_gpu_runs_and_differentiates_on_the_torch_stages() -> None:
+    layer = mf.MoELayer(E, K, H, I, dtype=torch.float64, device="cuda", environ={}, expert_bias=True)
+    assert layer.backend is mf.Backend.TORCH and "not float64" in layer.describe()
+    x = _tokens(T).cuda()
+    torch.testing.assert_close(layer(x), layer_reference(layer, x), rtol=1e-10, atol=1e-12)
+    gradcheck(_randomised(layer, 0))

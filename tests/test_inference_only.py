@@ -171,3 +171,15 @@ def test_a_method_from_outside_moeforge_trains_only_when_it_says_so() -> None:
     trained = mf.MoELayer(E, K, 32, 16, quant=DifferentiableOutsideMethod(), dtype=torch.float32, environ={})
     trained(x).square().sum().backward()
     assert all(param.grad is not None for param in trained.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["fp8", "int8", "w4a16"])
+def test_a_quantized_triton_layer_refuses_backward(name: str) -> None:
+    method, kwargs = LAYERS[name]
+    torch.manual_seed(0)
+    layer = mf.MoELayer(E, K, H, I, quant=method(), environ={}, dtype=torch.bfloat16, device="cuda", **kwargs)
+    assert layer.backend is mf.Backend.TRITON
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(InferenceOnlyError, match=type(layer.quant).__name__):
+        layer(x).float().square().sum().backward()
