@@ -131,4 +131,13 @@ def gradients_match(rank: int, world: int) -> dict[str, float]:
     errors.update(_compare(rank, world, "low_latency/drop", BASE, logits=crowded, whole_layer=_first_copy_per_expert,
                            dispatcher=lambda ep: LowLatencyDispatch(ep, max_tokens=8, capacity=1,
                                                                     overflow=mf.Overflow.DROP)))
+
+    # float64 (the gradcheck dtype) stays on one process: the wire carries fp32 routing weights.
+    for dispatcher in (None, lambda ep: LowLatencyDispatch(ep, max_tokens=8)):
+        try:
+            _pair({**BASE, "dtype": torch.float64}, **({} if dispatcher is None else {"dispatcher": dispatcher}))
+        except mf.ContractError as error:
+            assert error.field == "dtype" and "float64" in error.hint, error
+        else:
+            raise AssertionError("an expert-parallel float64 layer was built")
     return errors
