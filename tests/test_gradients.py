@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -96,8 +97,6 @@ def make_layer(dtype: torch.dtype = torch.float64, *, seed: int = 0, num_experts
 
 
 def _fields(config: mf.RoutingConfig) -> dict[str, Any]:
-    import attrs
-
     return attrs.asdict(config, recurse=False)
 
 

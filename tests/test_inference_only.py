@@ -113,7 +113,8 @@ def _hand_built(quantizer: mf.stages.Quantizer, w13: torch.Tensor, w2: torch.Ten
     scales = frozenset({mf.ScaleLayout.NONE, quantizer.scale_layout})
     return mf.Pipeline([
         mf.TopK(E, K), mf.QuantizeTokens(quantizer), mf.SortedDispatch(E),
-        mf.GroupedGemm(mf.GemmRole.GATE_UP, w13, accepts_dtypes=accepts, accepts_scales=scales, out_dtype=mf.DType.FP32),
+        mf.GroupedGemm(mf.GemmRole.GATE_UP, w13, accepts_dtypes=accepts, accepts_scales=scales,
+                       out_dtype=mf.DType.FP32),
         mf.Activate(), mf.GroupedGemm(mf.GemmRole.DOWN, w2), mf.Combine(),
     ], mf.input_spec(H, torch.float32, E))
 

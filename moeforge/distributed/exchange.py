@@ -131,7 +131,8 @@ class _Delivered(torch.autograd.Function):
     """Identity on what a transport delivered; the backward runs the reverse transport (``back``)."""
 
     @staticmethod
-    def forward(ctx: Any, back: Reverse, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN401
+    def forward(ctx: Any, back: Reverse, count: int,  # noqa: ANN401
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.back, ctx.count = back, count
         return tuple(tensor.view_as(tensor) for tensor in tensors[:count])
 
@@ -140,12 +141,14 @@ class _Delivered(torch.autograd.Function):
         return (None, None, *(None,) * ctx.count, *ctx.back(*grads))
 
 
-def delivered(outputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], back: Reverse) -> tuple[torch.Tensor, ...]:
+def delivered(outputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+              back: Reverse) -> tuple[torch.Tensor, ...]:
     """``outputs`` — what a byte-level transport (pack, exchange, unpack) delivered from ``sources`` — tied
     to ``sources`` for autograd: the backward hands ``back`` the gradients of ``outputs`` (zeros for an
     unused one) and ``back`` returns those of ``sources``, sent the reverse way. The values are the
     outputs' own (a view): only call it when :func:`records_grad` (the forward pays nothing otherwise)."""
-    tied: tuple[torch.Tensor, ...] = _Delivered.apply(back, len(outputs), *outputs, *sources)  # type: ignore[no-untyped-call]
+    tied: tuple[torch.Tensor, ...] = _Delivered.apply(  # type: ignore[no-untyped-call]
+        back, len(outputs), *outputs, *sources)
     return tied
 
 
