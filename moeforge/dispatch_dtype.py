@@ -36,7 +36,7 @@ import attrs
 import torch
 
 from moeforge.errors import ContractError, DispatchDtypeError
-from moeforge.spec import FLOAT_DTYPES, DType
+from moeforge.spec import REFERENCE_FLOAT_DTYPES, DType
 
 ENV_VAR = "MOEFORGE_DISPATCH_DTYPE"
 
@@ -47,6 +47,7 @@ class DispatchDtype(enum.Enum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP32 = "fp32"
+    FP64 = "fp64"  # a float64 layer's own rows (torch reference only)
     FP8 = "fp8"
     INT8 = "int8"
     NVFP4 = "nvfp4"
@@ -92,6 +93,7 @@ _BYTES = {
     DispatchDtype.BF16: 2.0,
     DispatchDtype.FP16: 2.0,
     DispatchDtype.FP32: 4.0,
+    DispatchDtype.FP64: 8.0,
     DispatchDtype.FP8: 1.0,
     DispatchDtype.INT8: 1.0,
     DispatchDtype.NVFP4: 0.5,
@@ -100,12 +102,13 @@ _AS_DTYPE = {
     DispatchDtype.BF16: DType.BF16,
     DispatchDtype.FP16: DType.FP16,
     DispatchDtype.FP32: DType.FP32,
+    DispatchDtype.FP64: DType.FP64,
     DispatchDtype.FP8: DType.FP8_E4M3,
     DispatchDtype.INT8: DType.INT8,
     DispatchDtype.NVFP4: DType.NVFP4,
 }
 _ALIASES = {"fp8_e4m3": "fp8", "e4m3": "fp8", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
-            "half": "fp16", "float": "fp32"}
+            "half": "fp16", "float": "fp32", "float64": "fp64", "double": "fp64"}
 
 
 class DispatchRule(enum.IntEnum):
@@ -207,11 +210,11 @@ def resolve_dispatch_dtype(
     accept = frozenset(experts_accept)
     environ = os.environ if environ is None else environ
     # Rows scaled by their routing weights before the experts must be float on the wire.
-    wire = accept & FLOAT_DTYPES if weights_on_input else accept
+    wire = accept & REFERENCE_FLOAT_DTYPES if weights_on_input else accept
     if not wire:
         raise ContractError(
             producer="dispatch with the routing weights on the input", consumer=experts_name, field="dtype",
-            have=FLOAT_DTYPES, want=accept,
+            have=REFERENCE_FLOAT_DTYPES, want=accept,
             hint="the dispatch scales float rows by the routing weights (RoutingWeights.ON_INPUT) but these "
             "experts take only quantized rows: apply the weights in the combine "
             "(apply_weights=RoutingWeights.IN_COMBINE), or use a quant method that accepts float rows")
@@ -221,7 +224,7 @@ def resolve_dispatch_dtype(
     if weights_on_input and wire != accept and decision.rule is DispatchRule.LIBRARY_DEFAULT:
         decision = attrs.evolve(decision, reason="routing weights on the input need float rows")
     decision = _validate_on_device(decision, support)
-    if weights_on_input and decision.dtype.activation_dtype not in FLOAT_DTYPES:
+    if weights_on_input and decision.dtype.activation_dtype not in REFERENCE_FLOAT_DTYPES:
         raise ContractError(
             producer=decision.explain(),
             consumer="dispatch with the routing weights on the input",

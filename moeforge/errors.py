@@ -6,7 +6,7 @@ from typing import Any
 
 __all__ = [
     "MoEForgeError", "ContractError", "PayloadError", "InputError", "DispatchDtypeError", "BackendUnavailableError",
-    "CheckpointError", "MissingPackageError", "PresetError", "UnsupportedExpertsError",
+    "CheckpointError", "MissingPackageError", "PresetError", "UnsupportedExpertsError", "InferenceOnlyError",
 ]
 
 
@@ -62,6 +62,12 @@ class DispatchDtypeError(MoEForgeError, ValueError):
 
 class BackendUnavailableError(MoEForgeError, RuntimeError):
     """The requested backend cannot run here (missing package, wrong device, not built)."""
+
+
+class InferenceOnlyError(MoEForgeError, RuntimeError):
+    """A backward pass reached a computation that has none (a quantized method's experts, a decode-only
+    dispatcher). Raised by ``loss.backward()``, never by the forward: the message names what has no
+    backward and what to use instead."""
 
 
 class CheckpointError(MoEForgeError, ValueError):

@@ -20,7 +20,7 @@ from moeforge.quant.unquantized import UnquantizedMethod
 from moeforge.roles.base import LayerConfig
 from moeforge.selector import select
 from moeforge.shared_experts import Linear, SharedExperts, SharedExpertsConfig
-from moeforge.spec import DType, RoutingWeights, input_spec
+from moeforge.spec import DType, RoutingWeights, accumulation_dtype, input_spec
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
 from moeforge.stages.topk import RoutingConfig
@@ -50,8 +50,9 @@ class MoELayer(nn.Module):
             ``router_logits``.
         backend: ``"auto"`` (triton on CUDA when Triton is installed, else torch), ``"torch"`` or
             ``"triton"``.
-        dtype, device: of the parameters and of the activations the layer takes; as in ``torch.nn``,
-            ``dtype=None`` is ``torch.get_default_dtype()`` and ``device=None`` the CPU. The layer
+        dtype, device: of the parameters and of the activations the layer takes (bf16, fp16, fp32; float64
+            on the torch backend with the unquantized method, for ``torch.autograd.gradcheck``); as in
+            ``torch.nn``, ``dtype=None`` is ``torch.get_default_dtype()`` and ``device=None`` the CPU. The layer
             follows ``.to()``, ``.half()``, ``.cuda()``, ``.to_empty()`` like any module (quantized
             weights keep their format: see :meth:`QuantMethod.keeps_dtype`), and rebuilds its
             pipeline for the new dtype and device.
@@ -104,7 +105,6 @@ class MoELayer(nn.Module):
         if top_k > num_experts:
             raise InputError(f"top_k={top_k} exceeds num_experts={num_experts}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
-        self._check_compute_dtype(dtype, "dtype")
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
@@ -115,6 +115,7 @@ class MoELayer(nn.Module):
         self.dispatcher = dispatcher
         self.dispatch_dtype_setting = dispatch_dtype
         self.backend_setting = backend
+        self._check_compute_dtype(dtype, "dtype")
         self.debug = debug
         self._environ = environ
         # The compute dtype and device follow .to() / .half() / .cuda() / .to_empty() (see _apply);
@@ -149,11 +150,22 @@ class MoELayer(nn.Module):
 
     # -- building ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_compute_dtype(dtype: object, what: str) -> None:
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    def _check_compute_dtype(self, dtype: object, what: str) -> None:
+        """The dtypes a layer computes in: bf16, fp16, fp32, and float64 where every stage computes it — the
+        torch backend, with a method whose experts take float64 rows (the unquantized one)."""
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise InputError(f"{what} must be torch.bfloat16, torch.float16 or torch.float32 (the dtypes the "
-                             f"layer computes in), got {dtype}")
+                             f"layer computes in; torch.float64 on the torch backend), got {dtype}")
+        if dtype != torch.float64:
+            return
+        if DType.FP64 not in self.quant.accepts:
+            raise InputError(f"{what} torch.float64 needs experts that compute in float64: {self.quant.name} "
+                             "computes bf16, fp16 or fp32 (float64 layers use the unquantized method, on the torch "
+                             "backend)")
+        setting = self.backend_setting
+        if setting is Backend.TRITON or (isinstance(setting, str) and setting.strip().lower() == "triton"):
+            raise BackendUnavailableError(f"{what} torch.float64: the triton backend computes bf16, fp16 or fp32; "
+                                          "a float64 layer runs on backend='torch' (or 'auto')")
 
     def _backend_preference(self, device: torch.device) -> Optional[Backend]:
         """The backend asked for (``None``: "auto"), checked against ``device``: an explicit one that cannot
@@ -236,7 +248,8 @@ class MoELayer(nn.Module):
         if self.expert_parallel is not None:
             notes.append(self.expert_parallel.summary())
         notes += self.selection.describe()
-        pipeline: Pipeline[MoEInput, MoEOutput] = Pipeline(stages, spec, debug=self.debug, notes=notes)
+        pipeline: Pipeline[MoEInput, MoEOutput] = Pipeline(stages, spec, debug=self.debug, notes=notes,
+                                                           no_backward=self.quant.backward_problem())
         for which, stage in self.replaced_stages:
             pipeline = pipeline.replace(which, stage)
         self.pipeline = pipeline
@@ -284,7 +297,7 @@ class MoELayer(nn.Module):
         else:
             router = (f"router: Linear({self.hidden_size} -> {self.num_experts}"
                       f"{', bias' if self.router.bias is not None else ''}, "
-                      f"logits in {'fp32' if self.routing.router_in_fp32 else DType.from_torch(self.dtype).value})")
+                      f"logits in {DType.from_torch(self._router_dtype()).value})")
         lines = [router, self.pipeline.describe()]
         if self.shared_experts is not None:
             lines.append(f"shared experts: {self.shared_experts.summary()}, added to the output")
@@ -331,11 +344,17 @@ class MoELayer(nn.Module):
         weight: torch.Tensor = self.router.weight
         bias: Optional[torch.Tensor] = self.router.bias
         if self.routing.router_in_fp32:
-            x, weight, bias = x.float(), weight.float(), bias.float() if bias is not None else None
+            dtype = self._router_dtype()
+            x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
         elif not self.batch_invariant:
             logits: torch.Tensor = self.router(x)  # the module itself: its hooks (and wrappers) run
             return logits
         return self._linear()(x, weight, bias)
+
+    def _router_dtype(self) -> torch.dtype:
+        """The router's compute dtype: the layer's, or at least fp32 with ``router_in_fp32`` (a float64
+        layer's router stays in float64)."""
+        return accumulation_dtype(self.dtype) if self.routing.router_in_fp32 else self.dtype
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "

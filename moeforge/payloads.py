@@ -133,9 +133,10 @@ class MoEInput:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TopKOutput:
-    """Routing decision: fp32 ``weights [T, K]`` and int32 global ``ids [T, K]``, each token's ``K`` ids
-    distinct experts (the built-in routers by construction; ``CustomTopK`` checks it on every call; the
-    value checks of debug mode check it after any routing stage)."""
+    """Routing decision: fp32 ``weights [T, K]`` (fp64 in a float64 layer, which routes in fp64) and int32
+    global ``ids [T, K]``, each token's ``K`` ids distinct experts (the built-in routers by construction;
+    ``CustomTopK`` checks it on every call; the value checks of debug mode check it after any routing
+    stage)."""
 
     weights: torch.Tensor
     ids: torch.Tensor
@@ -145,7 +146,8 @@ class TopKOutput:
         weights, ids = _tensor(self.weights, "topk.weights"), _tensor(self.ids, "topk.ids")
         _expect(tuple(weights.shape) == want, "topk.weights shape", tuple(weights.shape), want)
         _expect(tuple(ids.shape) == want, "topk.ids shape", tuple(ids.shape), want)
-        _expect(weights.dtype == torch.float32, "topk.weights dtype", weights.dtype, "float32")
+        _expect(weights.dtype in (torch.float32, torch.float64), "topk.weights dtype", weights.dtype,
+                "float32 (float64 in a float64 layer)")
         _expect(ids.dtype == torch.int32, "topk.ids dtype", ids.dtype, "int32")
         _expect(ids.device == weights.device, "topk.ids device", ids.device, weights.device)
         if not values:

@@ -12,16 +12,24 @@ what an MoE forward is:
   weights exactly once, at the place the router declared, and the routed scaling factor exactly once.
 
 Any disagreement raises :class:`~moeforge.errors.ContractError` before a tensor exists.
+
+A pipeline also knows whether it has a backward: one whose activations are quantized at some boundary
+(a quantizer's rounding has no gradient), or that was told so (``no_backward``: a layer with a quantized
+method says why, naming it), gives its output a backward that raises
+:class:`~moeforge.errors.InferenceOnlyError` (:mod:`moeforge.no_backward`); the forward is unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Generic, TypeVar, Union, cast
+from typing import Any, Generic, Optional, TypeVar, Union, cast
+
+import torch
 
 from moeforge.errors import ContractError, InputError, PayloadError
-from moeforge.payloads import check_payload
-from moeforge.spec import FLOAT_DTYPES, SCALES_OF, PayloadKind, RoutingWeights, ScalingFactor, Spec
+from moeforge.no_backward import no_backward, payload_tensors
+from moeforge.payloads import Activations, ExpertRows, MoEOutput, RoutedTokens, check_payload
+from moeforge.spec import REFERENCE_FLOAT_DTYPES, SCALES_OF, PayloadKind, RoutingWeights, ScalingFactor, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 
 InT = TypeVar("InT")
@@ -132,9 +140,9 @@ def _check_scales(spec: Spec, producer: str, consumer: str) -> None:
 
 
 def _check_output(spec: Spec, producer: str) -> None:
-    if spec.dtype not in FLOAT_DTYPES:
+    if spec.dtype not in REFERENCE_FLOAT_DTYPES:
         _raise(producer, PIPELINE_OUTPUT, Mismatch(
-            "dtype", spec.dtype, FLOAT_DTYPES,
+            "dtype", spec.dtype, REFERENCE_FLOAT_DTYPES,
             "the layer's output is float: give the combine a float out_dtype (or None: the expert outputs' dtype)"))
     if spec.routing_weights is RoutingWeights.PENDING:
         _raise(producer, PIPELINE_OUTPUT, Mismatch(
@@ -156,6 +164,28 @@ def _check_output(spec: Spec, producer: str) -> None:
             + "on the combine, or let the top-k fold it into the weights"))
 
 
+def quantized_boundary(stages: Sequence[Stage[Any, Any]], specs: Sequence[Spec]) -> Optional[str]:
+    """Why a pipeline with these stages and specs (as :func:`validate` returns them) has no backward:
+    the first stage that produces quantized activations (their rounding has no gradient); ``None``
+    when every boundary is float."""
+    for index, (stage, spec) in enumerate(zip(stages, specs)):
+        if spec.dtype.is_quantized:
+            return (f"{_label(index, stage)} quantizes the activations to {spec.dtype.value}: quantized "
+                    "activations have no gradient, so this pipeline is inference-only; run it under torch.no_grad()")
+    return None
+
+
+def _without_backward(reason: str, output: Any, x: Any) -> Any:
+    """``output`` whose tensor has a backward raising ``reason`` (see :func:`moeforge.no_backward.no_backward`),
+    tied to the float tensors of the pipeline's input ``x``."""
+    sources = list(payload_tensors(x))
+    if isinstance(output, MoEOutput):
+        return MoEOutput(no_backward(reason, output.hidden_states, sources))
+    if isinstance(output, (ExpertRows, RoutedTokens)):
+        return output.with_x(Activations(no_backward(reason, output.x.data, sources), output.x.scale))
+    return output
+
+
 class Pipeline(Generic[InT, OutT]):
     """A validated, callable sequence of stages.
 
@@ -167,9 +197,15 @@ class Pipeline(Generic[InT, OutT]):
     against its spec after each stage, values included (off by default: those checks synchronise
     with the device).
     ``notes`` are extra lines for :meth:`describe`, such as the dispatch-dtype decision.
+
+    ``no_backward``: why the computation has no backward (e.g. a quantized method's reason, naming it),
+    ``None`` when it has one. A pipeline whose activations are quantized at some boundary has none
+    either way (see :func:`quantized_boundary`). Without a backward, the output of a call that records
+    gradients gets a backward that raises :class:`~moeforge.errors.InferenceOnlyError` with the reason
+    (:attr:`no_backward` holds it).
     """
 
-    __slots__ = ("stages", "input_spec", "specs", "debug", "notes")
+    __slots__ = ("stages", "input_spec", "specs", "debug", "notes", "declared_no_backward", "no_backward")
 
     def __init__(
         self,
@@ -178,12 +214,15 @@ class Pipeline(Generic[InT, OutT]):
         *,
         debug: bool = False,
         notes: Sequence[str] = (),
+        no_backward: Optional[str] = None,
     ) -> None:
         self.stages: tuple[Stage[Any, Any], ...] = tuple(stages)
         self.input_spec = input_spec
         self.specs: tuple[Spec, ...] = tuple(validate(self.stages, input_spec))
         self.debug = debug
         self.notes: tuple[str, ...] = tuple(notes)
+        self.declared_no_backward = no_backward
+        self.no_backward: Optional[str] = no_backward or quantized_boundary(self.stages, self.specs)
 
     @property
     def output_spec(self) -> Spec:
@@ -203,14 +242,19 @@ class Pipeline(Generic[InT, OutT]):
         payload: Any = x
         for stage in self.stages:
             payload = stage(payload)
+        if self.no_backward is not None and torch.is_grad_enabled():
+            payload = _without_backward(self.no_backward, payload, x)
         return cast(OutT, payload)
 
     def _run_checked(self, x: Any) -> OutT:
         self._check_input(x, values=True)
+        payload: Any = x
         for index, (stage, spec) in enumerate(zip(self.stages, self.specs)):
-            x = stage(x)
-            self._check(x, spec, _label(index, stage))
-        return cast(OutT, x)
+            payload = stage(payload)
+            self._check(payload, spec, _label(index, stage))
+        if self.no_backward is not None and torch.is_grad_enabled():
+            payload = _without_backward(self.no_backward, payload, x)
+        return cast(OutT, payload)
 
     def _check_input(self, payload: Any, values: bool) -> None:
         try:
@@ -231,7 +275,8 @@ class Pipeline(Generic[InT, OutT]):
         index = self.index(which)
         stages = list(self.stages)
         stages[index] = stage
-        return Pipeline(stages, self.input_spec, debug=self.debug, notes=self.notes)
+        return Pipeline(stages, self.input_spec, debug=self.debug, notes=self.notes,
+                        no_backward=self.declared_no_backward)
 
     def index(self, which: Union[int, str]) -> int:
         if isinstance(which, int):
@@ -257,7 +302,10 @@ class Pipeline(Generic[InT, OutT]):
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
                  for row in rows]
         lines.insert(1, "  ".join("-" * width for width in widths))
-        return "\n".join(lines + list(self.notes))
+        notes = list(self.notes)
+        if self.no_backward is not None:
+            notes.append(f"no backward: {self.no_backward}")
+        return "\n".join(lines + notes)
 
     def __repr__(self) -> str:
         return f"Pipeline({', '.join(stage.summary() for stage in self.stages)})"
@@ -278,8 +326,9 @@ class Chain(Generic[InT, OutT]):
     def then(self, stage: Stage[OutT, NewT]) -> Chain[InT, NewT]:
         return Chain(self._stages + (stage,))
 
-    def build(self, input_spec: Spec, *, debug: bool = False, notes: Sequence[str] = ()) -> Pipeline[InT, OutT]:
-        return Pipeline(self._stages, input_spec, debug=debug, notes=notes)
+    def build(self, input_spec: Spec, *, debug: bool = False, notes: Sequence[str] = (),
+              no_backward: Optional[str] = None) -> Pipeline[InT, OutT]:
+        return Pipeline(self._stages, input_spec, debug=debug, notes=notes, no_backward=no_backward)
 
 
 def chain(first: Stage[InT, OutT]) -> Chain[InT, OutT]:

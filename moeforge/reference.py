@@ -1,7 +1,9 @@
 """The dense oracle: every expert applied to every token, masked by the routing, in float64.
 
 It shares only the routing math (:func:`~moeforge.stages.topk.select_experts`) and the activation
-formula with the pipeline; no dispatch, no grouped GEMM, no combine. Tests compare pipelines with it.
+formula with the pipeline; no dispatch, no grouped GEMM, no combine. Tests compare pipelines with it,
+forward and backward: it is differentiable (autograd) in the hidden states, the router logits and every
+weight, so a layer's gradients can be checked against its gradients.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from moeforge.spec import RoutingWeights
+from moeforge.spec import RoutingWeights, accumulation_dtype
 from moeforge.stage import StageKind
 from moeforge.stages.activation import ActivationConfig, apply_activation
 from moeforge.stages.topk import RoutingConfig, select_experts
@@ -33,7 +35,8 @@ def dense_moe(
     x = hidden_states.double()
     tokens = x.shape[0]
     num_experts = w13.shape[0]
-    topk = select_experts(router_logits, top_k, routing, selection_bias)
+    # Routes as the layer does: in fp32, or fp64 for a float64 layer.
+    topk = select_experts(router_logits, top_k, routing, selection_bias, accumulation_dtype(hidden_states.dtype))
     ids = topk.ids.long()
     gates = torch.zeros(tokens, num_experts, dtype=torch.float64, device=x.device)
     gates.scatter_(1, ids, topk.weights.double())

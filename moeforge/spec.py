@@ -16,7 +16,8 @@ import torch
 
 __all__ = [
     "Accepts", "DType", "Exchange", "ExpertIds", "FLOAT_DTYPES", "GroupListType", "Layout", "PayloadKind",
-    "RoutingWeights", "SCALES_OF", "ScaleLayout", "ScalingFactor", "Spec", "input_spec",
+    "REFERENCE_FLOAT_DTYPES", "RoutingWeights", "SCALES_OF", "ScaleLayout", "ScalingFactor", "Spec",
+    "accumulation_dtype", "input_spec",
 ]
 
 
@@ -44,6 +45,7 @@ class DType(enum.Enum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP32 = "fp32"
+    FP64 = "fp64"  # the torch reference only: float64 layers, for gradcheck and oracles
     FP8_E4M3 = "fp8_e4m3"
     INT8 = "int8"
     NVFP4 = "nvfp4"  # two e2m1 values per uint8, 16-element blocks with fp8 scales
@@ -68,12 +70,24 @@ _TORCH_DTYPES: dict[DType, torch.dtype] = {
     DType.BF16: torch.bfloat16,
     DType.FP16: torch.float16,
     DType.FP32: torch.float32,
+    DType.FP64: torch.float64,
     DType.FP8_E4M3: torch.float8_e4m3fn,
     DType.INT8: torch.int8,
     DType.NVFP4: torch.uint8,
 }
 
+# The float formats every backend computes in (the triton kernels, the wire of expert parallelism).
 FLOAT_DTYPES = frozenset({DType.BF16, DType.FP16, DType.FP32})
+# The torch reference stages also compute float64 end to end (routing, GEMMs, activation, combine), so that
+# a float64 layer can be checked with torch.autograd.gradcheck; the stages that cannot accept only
+# FLOAT_DTYPES, and the contract checker refuses float64 there.
+REFERENCE_FLOAT_DTYPES = FLOAT_DTYPES | {DType.FP64}
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the torch reference computes in for tensors of ``dtype``: float32 (the accumulation of
+    bf16 / fp16 / fp32 activations, and of dequantized FP8 / INT8 ones), float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class ScaleLayout(enum.Enum):
@@ -87,7 +101,7 @@ class ScaleLayout(enum.Enum):
 # The scale layouts each element format travels with: a quantized dtype without its scales would be
 # read as the integers it stores, and a float dtype with scales means something else.
 SCALES_OF: dict[DType, frozenset[ScaleLayout]] = {
-    **{dtype: frozenset({ScaleLayout.NONE}) for dtype in FLOAT_DTYPES},
+    **{dtype: frozenset({ScaleLayout.NONE}) for dtype in REFERENCE_FLOAT_DTYPES},
     DType.FP8_E4M3: frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR}),
     DType.INT8: frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR}),
     DType.NVFP4: frozenset({ScaleLayout.NVFP4_BLOCK16}),

@@ -287,7 +287,7 @@ def test_layer_with_quantized_dispatch_and_unquantized_method_fails_to_build(set
 
 def test_params_bytes() -> None:
     assert {d: d.params_bytes for d in DispatchDtype} == {
-        DispatchDtype.BF16: 2.0, DispatchDtype.FP16: 2.0, DispatchDtype.FP32: 4.0,
+        DispatchDtype.BF16: 2.0, DispatchDtype.FP16: 2.0, DispatchDtype.FP32: 4.0, DispatchDtype.FP64: 8.0,
         DispatchDtype.FP8: 1.0, DispatchDtype.INT8: 1.0, DispatchDtype.NVFP4: 0.5,
     }
     # consistent with the element size of the torch dtype that carries it (NVFP4 packs two per byte)

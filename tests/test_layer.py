@@ -623,7 +623,7 @@ def test_non_finite_router_logits_are_not_read_outside_debug_mode() -> None:
     (dict(hidden_size=0), "hidden_size"),
     (dict(intermediate_size=-1), "intermediate_size"),
     (dict(intermediate_size="16"), "intermediate_size"),
-    (dict(dtype=torch.float64), "dtype"),
+    (dict(dtype=torch.float64, quant=mf.Int8W8A8Method()), "dtype"),  # float64: the unquantized method only
     (dict(dtype=torch.int8), "dtype"),
     (dict(dispatcher="nonsense"), "dispatcher"),
 ])

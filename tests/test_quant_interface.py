@@ -36,8 +36,10 @@ def _randomize(layer: mf.MoELayer, seed: int = 0) -> None:
 def test_unquantized_capabilities_are_class_data() -> None:
     assert "accepts" in vars(mf.UnquantizedMethod)
     assert "accepts_scales" in vars(mf.UnquantizedMethod)
-    assert mf.UnquantizedMethod.accepts == frozenset({mf.DType.BF16, mf.DType.FP16, mf.DType.FP32})
-    assert mf.UnquantizedMethod.accepts == FLOAT_DTYPES
+    # float64 too: the torch experts compute it (the triton ones say they cannot serve it)
+    assert mf.UnquantizedMethod.accepts == frozenset({mf.DType.BF16, mf.DType.FP16, mf.DType.FP32, mf.DType.FP64})
+    assert mf.UnquantizedMethod.accepts == FLOAT_DTYPES | {mf.DType.FP64}
+    assert vars(mf.UnquantizedMethod)["differentiable"] is True and mf.QuantMethod.differentiable is False
     assert mf.UnquantizedMethod.accepts_scales == frozenset({mf.ScaleLayout.NONE})
     method = mf.UnquantizedMethod()
     assert method.accepts is mf.UnquantizedMethod.accepts

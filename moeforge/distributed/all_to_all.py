@@ -16,6 +16,11 @@ Dispatch, on every rank:
 The rows' :class:`AllToAllPlan` (which the ordinary :class:`~moeforge.Combine` follows) sends the
 expert outputs back with the reversed splits and sums each token's copies on its own rank in fp32,
 ``k = 0 .. top_k - 1`` in order, by gathering: deterministic.
+
+Backward (a call that records gradients of float rows): each exchange's backward is the other's — the
+gradients of the expert outputs travel to the experts' ranks the way the rows came, those of the
+dispatched rows and their routing weights go home the way the outputs went, where each token's copies
+are summed in the same fixed order (:func:`~moeforge.distributed.exchange.delivered`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ from moeforge.distributed.exchange import (
     ExchangeDispatch,
     combine_on_source,
     count_per_expert,
+    delivered,
     exchange_bytes,
+    exchange_rows,
+    records_grad,
     scaled_rows,
 )
 from moeforge.distributed.group import ExpertParallel
@@ -47,6 +55,7 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage, StageKind
+from moeforge.stages.combine import combine_rows
 
 _COUNT_BYTES = 8  # int64 per expert in the count exchange
 
@@ -74,8 +83,7 @@ class AllToAllPlan(Plan):
                 out_dtype: torch.dtype) -> torch.Tensor:
         # rows: expert-sorted order (block-aligned rows: one copy per row, in row order)
         back = rows.index_select(0, self.return_order)  # receive-buffer order (a gather, not a scatter)
-        returned = rows.new_empty(sum(self.send_splits), rows.shape[-1])
-        exchange_bytes(back, returned, self.ep.group, list(self.send_splits), list(self.recv_splits))
+        returned = exchange_rows(back, self.ep.group, list(self.recv_splits), list(self.send_splits))
         weights = self.copy_weights if weighted else None
         return combine_on_source(returned, self.token_rows, weights, out_dtype, scaling_factor)
 
@@ -145,8 +153,10 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         weight = x.topk.weights.reshape(-1)[order]
         token_of_copy = torch.div(order, top_k, rounding_mode="floor")
         wire = RowFormat.of(x.x)
+        source = x.x.data  # what the rows are made of (for the backward)
         if self.apply_routing_weights:  # every copy has its own data
             rows = scaled_rows(x.x, token_of_copy, weight, True)
+            source = rows.data
             packet = wire.pack(rows.data, rows.scale, weight)
         else:
             # Pack each token once, then gather the copies' rows in one pass and write their weights
@@ -164,8 +174,13 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         expert_counts = recv_counts.view(world, local).sum(0)
         traffic = Traffic(sent=packet.numel() + counts.numel() * _COUNT_BYTES,
                           received=received.numel() + recv_counts.numel() * _COUNT_BYTES)
-        plan = AllToAllPlan(ep, tuple(send_splits), tuple(recv_splits), _inverse(order).view(tokens, top_k),
-                            x.topk.weights, _inverse(regroup), traffic)
+        token_rows, return_order = _inverse(order).view(tokens, top_k), _inverse(regroup)
+        if scale is None and records_grad(source, weight):
+            back = _DispatchBack(ep, send_splits, recv_splits, return_order,
+                                 None if self.apply_routing_weights else token_rows)
+            data, row_weight = delivered((data, row_weight), (source, weight), back)
+        plan = AllToAllPlan(ep, tuple(send_splits), tuple(recv_splits), token_rows, x.topk.weights, return_order,
+                            traffic)
         if self.configs is not None:
             return AlignedRows(Activations(data, scale), self._alignment(expert_counts, row_weight.shape[0]),
                                copy_major=False, copy_weights=row_weight, plan=plan)
@@ -183,6 +198,31 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             row_expert, self.ep.local_experts, config.block_m)
         return BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
                               config=config, copies_per_row=1, num_tokens=rows)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _DispatchBack:
+    """The backward of :class:`AllToAllDispatch`'s exchange: the gradients of the received rows and of their
+    routing weights go back to the ranks and copies they came from (the combine's route), where a token's
+    copies are summed ``k = 0 .. top_k - 1`` in order (``token_rows``; ``None``: the rows sent were the
+    copies themselves, scaled on the input)."""
+
+    ep: ExpertParallel
+    send_splits: list[int]
+    recv_splits: list[int]
+    return_order: torch.Tensor
+    token_rows: Optional[torch.Tensor]
+
+    def __call__(self, grad_rows: torch.Tensor, grad_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = grad_rows.index_select(0, self.return_order)  # back to the receive buffer's order
+        wire = RowFormat(rows.shape[-1], rows.dtype)
+        packet = wire.pack(rows, None, grad_weights.index_select(0, self.return_order))
+        home = packet.new_empty(sum(self.send_splits), wire.row_bytes)
+        exchange_bytes(packet, home, self.ep.group, self.send_splits, self.recv_splits)
+        copies, _, weights = wire.unpack(home)
+        if self.token_rows is None:
+            return copies, weights
+        return combine_rows(copies, self.token_rows, None, copies.dtype), weights
 
 
 def _inverse(permutation: torch.Tensor) -> torch.Tensor:

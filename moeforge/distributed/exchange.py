@@ -1,9 +1,17 @@
-"""What the expert-parallel dispatchers share: the paired-combine interface and small helpers."""
+"""What the expert-parallel dispatchers share: the paired-combine interface and small helpers.
+
+Rows travel as bytes (:mod:`~moeforge.distributed.wire`), which autograd cannot follow. A call that records
+gradients ties what arrived back to what was sent (:func:`delivered`): the backward of a transport is the
+same transport reversed — the dispatch's gradients go home by the combine's exchange, the combine's by the
+dispatch's — so that an expert-parallel layer trains like the whole layer on one process. Every rank of
+the group must then run the backward (as with any collective in a backward pass).
+"""
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,6 +25,9 @@ from moeforge.stages.combine import Combine, combine_rows
 # the exchange, rows of several ranks would share one expert GEMM with different scales.
 WIRE_SCALES = frozenset({ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128,
                          ScaleLayout.NVFP4_BLOCK16})
+
+# Row formats on the wire: every dtype but float64 (the wire carries fp32 routing weights beside the rows).
+WIRE_DTYPES = frozenset(DType) - {DType.FP64}
 
 
 class ExchangeDispatch(abc.ABC):
@@ -45,12 +56,15 @@ class ExchangeDispatch(abc.ABC):
         if self.apply_routing_weights:
             return Accepts(dtype=FLOAT_DTYPES, routing_weights=RoutingWeights.PENDING,
                            weights_at={RoutingWeights.ON_INPUT, None}, **common)
-        return Accepts(**common)
+        return Accepts(dtype=WIRE_DTYPES, **common)
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field == "scale_layout":
             return ("a per-tensor scale cannot travel with its rows to other ranks: quantize per token or per "
                     "128-group before an expert-parallel dispatch")
+        if field == "dtype" and have is DType.FP64:
+            return ("expert-parallel rows travel with fp32 routing weights, in bf16, fp16, fp32 or a quantized "
+                    "format: a float64 layer (the torch reference, for gradcheck) runs on one process")
         if field == "dtype" and self.apply_routing_weights:
             return ("routing weights applied on the input need float activations: quantize after the "
                     "dispatch (QuantizeRows) instead of before it")
@@ -88,9 +102,11 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 def combine_on_source(rows: torch.Tensor, index: torch.Tensor, copy_weight: Optional[torch.Tensor],
                       out_dtype: torch.dtype, scaling_factor: Optional[float]) -> torch.Tensor:
     """``out[t] = scaling_factor * sum_k copy_weight[t, k] * rows[index[t, k]]`` in fp32, ``k`` in
-    order (``index`` -1: the copy adds nothing). On CUDA one Triton pass over the copies; elsewhere
-    the torch reference (:func:`~moeforge.stages.combine.combine_rows`)."""
-    if rows.is_cuda and rows.shape[0] and index.shape[1]:
+    order (``index`` -1: the copy adds nothing). On CUDA one Triton pass over the copies; elsewhere, and
+    in a call that records gradients (the kernel has no backward), the torch reference
+    (:func:`~moeforge.stages.combine.combine_rows`)."""
+    sources = (rows,) if copy_weight is None else (rows, copy_weight)
+    if rows.is_cuda and rows.shape[0] and index.shape[1] and not records_grad(*sources):
         try:
             from moeforge.kernels.combine import combine_copies
         except ImportError:  # no triton: the torch reference below
@@ -101,3 +117,51 @@ def combine_on_source(rows: torch.Tensor, index: torch.Tensor, copy_weight: Opti
             return combine_copies(rows.contiguous(), index.shape[1], out, weights,
                                   1.0 if scaling_factor is None else scaling_factor, index.contiguous())
     return combine_rows(rows, index, None, out_dtype, scaling_factor, copy_weight=copy_weight)
+
+
+def records_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a computation on ``tensors`` (grad mode on, one of them requires grad)."""
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+
+
+Reverse = Callable[..., Sequence[Optional[torch.Tensor]]]
+
+
+class _Delivered(torch.autograd.Function):
+    """Identity on what a transport delivered; the backward runs the reverse transport (``back``)."""
+
+    @staticmethod
+    def forward(ctx: Any, back: Reverse, count: int,  # noqa: ANN401
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.back, ctx.count = back, count
+        return tuple(tensor.view_as(tensor) for tensor in tensors[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # noqa: ANN401
+        return (None, None, *(None,) * ctx.count, *ctx.back(*grads))
+
+
+def delivered(outputs: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
+              back: Reverse) -> tuple[torch.Tensor, ...]:
+    """``outputs`` — what a byte-level transport (pack, exchange, unpack) delivered from ``sources`` — tied
+    to ``sources`` for autograd: the backward hands ``back`` the gradients of ``outputs`` (zeros for an
+    unused one) and ``back`` returns those of ``sources``, sent the reverse way. The values are the
+    outputs' own (a view): only call it when :func:`records_grad` (the forward pays nothing otherwise)."""
+    tied: tuple[torch.Tensor, ...] = _Delivered.apply(  # type: ignore[no-untyped-call]
+        back, len(outputs), *outputs, *sources)
+    return tied
+
+
+def exchange_rows(rows: torch.Tensor, group: Optional[dist.ProcessGroup], send_splits: Optional[list[int]] = None,
+                  recv_splits: Optional[list[int]] = None) -> torch.Tensor:
+    """``rows`` sent to the other ranks (``send_splits[r]`` rows to rank ``r``; ``None``: equal splits) and
+    what they sent here, differentiable: the backward sends the gradients back the way the rows came."""
+    received = rows.new_empty(sum(recv_splits) if recv_splits is not None else rows.shape[0], *rows.shape[1:])
+    exchange_bytes(rows.contiguous(), received, group, recv_splits, send_splits)
+    if not records_grad(rows):
+        return received
+
+    def back(grad: torch.Tensor) -> tuple[torch.Tensor]:
+        return (exchange_rows(grad.contiguous(), group, recv_splits, send_splits),)
+
+    return delivered((received,), (rows,), back)[0]

@@ -16,6 +16,11 @@ default capacity no overflow is possible, so no check runs and nothing syncs wha
 
 On the receiving rank, rows are compacted per expert — source rank 0's rows first, then rank 1's —
 into ``[L, world * capacity, H]`` with ``masked_m[l]`` valid rows (``EXPERT_PADDED``).
+
+Backward (a call that records gradients of float rows): the gradients go back in the same fixed-capacity
+buffers, each exchange's backward being the other's; a dropped copy gets none. Such a call zeroes the
+unused slots of the expert buffers (otherwise whatever bytes they held would reach the weight gradients
+as ``0 * NaN``); inference leaves them as they are.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ from moeforge.distributed.exchange import (
     ExchangeDispatch,
     combine_on_source,
     count_per_expert,
+    delivered,
     exchange_bytes,
+    exchange_rows,
+    records_grad,
     scaled_rows,
 )
 from moeforge.distributed.group import ExpertParallel
@@ -75,13 +83,38 @@ class LowLatencyPlan(Plan):
         # rows [L, W * C, H]: one gather puts every slot back where its source rank sent it from; the
         # rows of empty slots are placeholders that the source never reads (its dropped copies index -1).
         back = rows.reshape(-1, rows.shape[-1]).index_select(0, self.home)
-        returned = torch.empty_like(back)
-        exchange_bytes(back, returned, self.ep.group)
+        returned = exchange_rows(back, self.ep.group)
         weights = self.copy_weights if weighted else None
         return combine_on_source(returned, self.token_slots, weights, out_dtype, scaling_factor)
 
     def kept(self) -> torch.Tensor:
         return self.token_slots >= 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _DispatchBack:
+    """The backward of :class:`LowLatencyDispatch`'s exchange: the gradients of the expert buffers' rows and
+    weights go back, in the same fixed-capacity buffers, to the slots they were sent from (``gather``: the
+    receive-buffer row of each expert-buffer row; ``slot``: each copy's send slot, ``spare`` if dropped)."""
+
+    ep: ExpertParallel
+    gather: torch.Tensor
+    slot: torch.Tensor
+    spare: int
+
+    def __call__(self, grad_rows: torch.Tensor, grad_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        width = grad_rows.shape[-1]
+        rows = grad_rows.new_empty(self.spare, width).index_copy_(0, self.gather, grad_rows.reshape(-1, width))
+        weights = grad_weights.new_empty(self.spare).index_copy_(0, self.gather, grad_weights.reshape(-1))
+        wire = RowFormat(width, rows.dtype)
+        packet = wire.pack(rows, None, weights)
+        home = torch.empty_like(packet)
+        exchange_bytes(packet, home, self.ep.group)
+        sent, _, sent_weights = wire.unpack(home)
+        # A dropped copy's slot is the spare row past the end: its gradient is zero.
+        sent = torch.cat([sent, sent.new_zeros(1, width)])
+        sent_weights = torch.cat([sent_weights, sent_weights.new_zeros(1)])
+        return sent.index_select(0, self.slot), sent_weights.index_select(0, self.slot)
 
 
 @attrs.frozen(eq=False)
@@ -166,6 +199,12 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
         # Where each received slot went (for the way home): its rank among its expert's valid rows.
         position_in_expert = valid.long().cumsum(1) - 1
         home = (expert * (world * cap) + position_in_expert).clamp(min=0)
+
+        if scale is None and records_grad(rows.data, weight):
+            used = torch.arange(world * cap, device=device) < masked_m.unsqueeze(1)  # [L, W * C]
+            data, row_weight = data.masked_fill(~used.unsqueeze(-1), 0), row_weight.masked_fill(~used, 0)
+            back = _DispatchBack(ep, gather.reshape(-1), slot, trash)
+            data, row_weight = delivered((data, row_weight), (rows.data, weight), back)
 
         token_slots = torch.full((tokens * top_k,), -1, dtype=torch.int64, device=device)
         token_slots[order] = torch.where(kept, sorted_expert * cap + position, -1)

@@ -28,6 +28,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.expert_checkpoint import Projection
 from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
+from moeforge.no_backward import no_backward
 from moeforge.payloads import MoEOutput, RoutedTokens
 from moeforge.spec import DType, GroupListType, ScaleLayout
 from moeforge.stage import Stage
@@ -55,6 +56,11 @@ class QuantMethod(abc.ABC):
     * ``compute_dtype_parameters`` — the expert tensors held in the layer's compute dtype (biases,
       unquantized weights, W4A16 scales): they follow ``layer.to(dtype)``, the others keep their
       format's dtype (:meth:`keeps_dtype`).
+    * ``differentiable`` — whether gradients flow through the method's experts. Only the unquantized
+      method's do; a quantized format is inference-only: a layer computing it gives its output a
+      backward that raises :class:`~moeforge.errors.InferenceOnlyError` naming the method
+      (:meth:`backward_problem`), instead of silently wrong or missing gradients. A method written
+      outside moeforge whose stages differentiate sets it to ``True``.
     """
 
     accepts: ClassVar[frozenset[DType]]
@@ -66,10 +72,28 @@ class QuantMethod(abc.ABC):
     # Expert tensors held in the layer's compute dtype, which follow layer.to(dtype); every other expert
     # tensor's dtype is part of the weight format (FP8 weights, fp32 scales) and stays.
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = ("w13_bias", "w2_bias")
+    differentiable: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def backward_problem(self) -> Optional[str]:
+        """Why gradients cannot flow back through this method's experts (``None``: they do, by autograd).
+        The layer's pipeline raises it as an :class:`~moeforge.errors.InferenceOnlyError` in the backward."""
+        if self.differentiable:
+            return None
+        return (f"{self.name} is inference-only: its quantized expert weights and activations have no gradient "
+                "(moeforge trains unquantized layers: train with UnquantizedMethod, then quantize); run it under "
+                "torch.no_grad() or torch.inference_mode()")
+
+    def without_backward(self, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        """``output`` of a computation on this method's experts from ``inputs``, whose backward raises
+        :class:`~moeforge.errors.InferenceOnlyError` with :meth:`backward_problem` (``output`` itself for a
+        differentiable method). The layer's pipeline does this for the forward; the direct entry point
+        :meth:`apply_without_routing_weights` (and an override of it) calls it on its result."""
+        problem = self.backward_problem()
+        return output if problem is None else no_backward(problem, output, inputs)
 
     @abc.abstractmethod
     def create_weights(

@@ -97,7 +97,7 @@ def apply_expert_stages(
                           plan=CallerCombines())
     for stage in stages:
         rows = stage(rows)
-    return rows.x.data.to(out_dtype)
+    return method.without_backward(rows.x.data.to(out_dtype), hidden_states)
 
 
 def _float_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""The unquantized method: bf16 / fp16 / fp32 expert weights and activations."""
+"""The unquantized method: bf16 / fp16 / fp32 expert weights and activations (and float64 on the torch
+backend: the reference, for gradcheck). The one method that trains: its torch experts differentiate."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.kernels.config import ConfigTable
 from moeforge.roles.base import TorchExperts, TritonExperts
-from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
+from moeforge.spec import REFERENCE_FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig
 from moeforge.stages.gemm import GemmRole, GroupedGemm
@@ -23,9 +24,12 @@ class UnquantizedMethod(QuantMethod):
     """Expert weights ``w13_weight [E, 2I, H]`` (gate rows then up rows, or ``[E, I, H]`` when the
     activation is not gated) and ``w2_weight [E, H, I]``; optional ``w13_bias [E, 2I]`` and
     ``w2_bias [E, H]``. Consumes float activations only: FP8/INT8 dispatch into it is a
-    ``ContractError`` at build time."""
+    ``ContractError`` at build time. Float64 rows only on the torch backend (the triton experts say they
+    cannot serve them). Differentiable: its torch stages pass gradients to the rows, the weights, the
+    biases and the routing weights."""
 
-    accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
+    accepts: ClassVar[frozenset[DType]] = REFERENCE_FLOAT_DTYPES
+    differentiable: ClassVar[bool] = True
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)

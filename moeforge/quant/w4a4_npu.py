@@ -370,7 +370,7 @@ class W4A4NpuMethod(QuantMethod):
         activated = apply_activation(hidden, config)
         out = _int4_gemm(activated, counts, getattr(layer, W2), getattr(layer, W2_SCALE),
                          optional_tensor(layer, B2))
-        return out.to(output_dtype)
+        return self.without_backward(out.to(output_dtype), hidden_states)
 
 
 # -- its experts --------------------------------------------------------------------------------------

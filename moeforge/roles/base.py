@@ -84,6 +84,9 @@ class LayerConfig:
         """Why the triton kernels cannot run for this layer (``None`` when they can)."""
         if self.device.type != "cuda":
             return f"the layer is on {self.device}, the triton kernels need a CUDA device"
+        if self.dtype == torch.float64 or self.dispatch.dtype is DispatchDtype.FP64:
+            return ("the triton kernels compute in bf16, fp16 or fp32, not float64 (float64 layers run on the "
+                    "torch backend)")
         from moeforge.backend import triton_installed
 
         if not triton_installed():

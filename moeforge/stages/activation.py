@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moeforge.payloads import Activations, ExpertRows
-from moeforge.spec import FLOAT_DTYPES, Accepts, DType, PayloadKind, ScaleLayout, Spec
+from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, DType, PayloadKind, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 
 
@@ -112,7 +112,7 @@ class Activate(Stage[ExpertRows, ExpertRows]):
         return f"Activate({self.config.summary()})"
 
     def accepts(self) -> Accepts:
-        return Accepts(kind=PayloadKind.EXPERT_HIDDEN, dtype=FLOAT_DTYPES, scale_layout=ScaleLayout.NONE)
+        return Accepts(kind=PayloadKind.EXPERT_HIDDEN, dtype=REFERENCE_FLOAT_DTYPES, scale_layout=ScaleLayout.NONE)
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)

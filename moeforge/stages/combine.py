@@ -16,7 +16,7 @@ import torch
 
 from moeforge.payloads import ExpertRows, MoEOutput
 from moeforge.spec import (
-    FLOAT_DTYPES,
+    REFERENCE_FLOAT_DTYPES,
     Accepts,
     DType,
     Exchange,
@@ -27,6 +27,7 @@ from moeforge.spec import (
     ScaleLayout,
     ScalingFactor,
     Spec,
+    accumulation_dtype,
 )
 from moeforge.stage import Stage, StageKind
 
@@ -40,16 +41,25 @@ def combine_rows(
     *,
     copy_weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``out[t] = sum_k rows[token_rows[t, k]] * row_weight[token_rows[t, k]]`` in fp32, k in order.
+    """``out[t] = sum_k rows[token_rows[t, k]] * row_weight[token_rows[t, k]]`` in fp32 (fp64 for float64
+    rows), k in order.
 
     ``rows`` is ``[R, H]``; ``token_rows [T, K]`` holds -1 for copies that contribute nothing;
     ``row_weight=None`` sums unweighted; ``copy_weight [T, K]``, when given, is each copy's weight
     directly (instead of ``row_weight`` looked up by row).
     """
     tokens, top_k = token_rows.shape
-    out = torch.zeros(tokens, rows.shape[-1], dtype=torch.float32, device=rows.device)
-    if rows.shape[0] == 0:  # no rows here (every copy is on another rank): nothing to gather
-        return out.to(out_dtype)
+    accumulate = accumulation_dtype(rows.dtype)
+    out = torch.zeros(tokens, rows.shape[-1], dtype=accumulate, device=rows.device)
+    if rows.shape[0] == 0:  # no rows (no tokens here): nothing to gather
+        # Zeros made from the (empty) rows and weights — sums over nothing — so that a backward still reaches
+        # what made them: an expert-parallel rank without tokens must join the backward's exchanges like every
+        # other rank, and a layer's parameters get zero gradients, not none.
+        empty = rows.sum(0).to(accumulate)
+        for given in (copy_weight, row_weight):
+            if given is not None:
+                empty = empty + given.reshape(-1)[:0].sum().to(accumulate)
+        return (out + empty).to(out_dtype)
     present = token_rows >= 0
     index = token_rows.clamp(min=0)
     # Gather in the rows' own dtype (one pass over the copies, not a float copy of every row); each
@@ -58,10 +68,10 @@ def combine_rows(
     # An absent copy gathered row 0 as a placeholder: zero it rather than multiply it by 0, so an
     # inf or NaN in that unrelated row cannot leak into this token as NaN.
     gathered.masked_fill_(~present.unsqueeze(-1), 0.0)
-    weight = copy_weight.float() if copy_weight is not None else (
-        row_weight.float()[index] if row_weight is not None else None)
+    weight = copy_weight.to(accumulate) if copy_weight is not None else (
+        row_weight.to(accumulate)[index] if row_weight is not None else None)
     for k in range(top_k):
-        copy = gathered[:, k].float()
+        copy = gathered[:, k].to(accumulate)
         out += copy if weight is None else copy * weight[:, k, None]
     if scaling_factor is not None:
         out *= scaling_factor
@@ -95,7 +105,7 @@ class Combine(Stage[ExpertRows, MoEOutput]):
         return Accepts(
             kind=PayloadKind.EXPERT_OUTPUT,
             layout=self.layouts,
-            dtype=FLOAT_DTYPES,
+            dtype=REFERENCE_FLOAT_DTYPES,
             scale_layout=ScaleLayout.NONE,
             **combine_accepts(self.apply_routing_weights, self.routed_scaling_factor),
         )

@@ -19,7 +19,7 @@ import torch
 from moeforge.errors import InputError
 from moeforge.payloads import Activations, PaddedRows, Plan, RoutedTokens, SortedRows
 from moeforge.spec import (
-    FLOAT_DTYPES,
+    REFERENCE_FLOAT_DTYPES,
     Accepts,
     ExpertIds,
     GroupListType,
@@ -27,6 +27,7 @@ from moeforge.spec import (
     PayloadKind,
     RoutingWeights,
     Spec,
+    accumulation_dtype,
 )
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.combine import combine_rows
@@ -98,7 +99,7 @@ def _rows_of(x: Activations, rows: torch.Tensor) -> Activations:
 
 
 def _scale_rows(data: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return (data.float() * weights.unsqueeze(-1)).to(data.dtype)
+    return (data.to(accumulation_dtype(data.dtype)) * weights.unsqueeze(-1)).to(data.dtype)
 
 
 class _Dispatch:
@@ -112,7 +113,7 @@ class _Dispatch:
     def accepts(self) -> Accepts:
         if self.apply_routing_weights:
             # Scaling quantized values would need a re-quantization: scale first, then quantize.
-            return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=FLOAT_DTYPES,
+            return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=REFERENCE_FLOAT_DTYPES,
                            routing_weights=RoutingWeights.PENDING, weights_at={RoutingWeights.ON_INPUT, None})
         return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts)
 
@@ -237,7 +238,7 @@ class PaddedDispatch(_Dispatch, Stage[RoutedTokens, PaddedRows]):
             scale_buffer = torch.ones(spare + 1, scale.shape[-1], dtype=scale.dtype, device=device)
             scale_buffer[slot] = scale
             scale = scale_buffer[:spare].view(num_experts, capacity, -1)
-        slot_weight = torch.zeros(spare + 1, dtype=torch.float32, device=device)
+        slot_weight = torch.zeros(spare + 1, dtype=row_weight.dtype, device=device)
         slot_weight[slot] = row_weight
         token_slots = torch.full((tokens * k,), -1, dtype=torch.int64, device=device)
         token_slots[order] = torch.where(kept, slot, -1)

@@ -1,8 +1,10 @@
 """Grouped GEMM over expert-grouped rows (torch reference).
 
 Weights are ``[E, N, K]`` (one ``N x K`` matrix per local expert, like ``nn.Linear``), optional biases
-``[E, N]``. The reference dequantizes FP8/INT8 inputs, computes in fp32 and casts the result, and can
-multiply each output row by its routing weight in the epilogue (after the bias, as GPT-OSS does).
+``[E, N]``. The reference dequantizes FP8/INT8 inputs, computes in fp32 (fp64 for float64 rows) and
+casts the result, and can multiply each output row by its routing weight in the epilogue (after the bias,
+as GPT-OSS does). Autograd differentiates it with respect to the rows, the weights, the biases and the
+routing weights (the grouped matmul's formula is registered in :mod:`moeforge.stages.grouped_mm`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from moeforge.payloads import Activations, ExpertRows, PaddedRows, SortedRows
 from moeforge.spec import (
-    FLOAT_DTYPES,
+    REFERENCE_FLOAT_DTYPES,
     Accepts,
     DType,
     ExpertIds,
@@ -25,13 +27,14 @@ from moeforge.spec import (
     RoutingWeights,
     ScaleLayout,
     Spec,
+    accumulation_dtype,
 )
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.grouped_mm import grouped_mm
 from moeforge.stages.quantize import dequantize
 from moeforge.tensor_ref import TensorSource, resolve
 
-REFERENCE_DTYPES = FLOAT_DTYPES | {DType.FP8_E4M3, DType.INT8}
+REFERENCE_DTYPES = REFERENCE_FLOAT_DTYPES | {DType.FP8_E4M3, DType.INT8}
 REFERENCE_SCALES = frozenset(
     {ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR}
 )
@@ -70,11 +73,11 @@ def grouped_gemm_sorted(
     """``y[r] = x[r] @ weight[e(r)].T (+ bias[e(r)]) (* row_scale[r])`` with rows grouped by expert
     ``e`` according to ``counts`` (int64 ``[E]``); ``weight`` is ``[E, N, K]`` (one custom op that
     ``torch.compile`` traces, see :mod:`moeforge.stages.grouped_mm`) or :class:`ExpertWeights`."""
-    values = dequantize(x)
+    values = dequantize(x, accumulation_dtype(x.data.dtype))
     if isinstance(weight, torch.Tensor):
         out = grouped_mm(values, weight, counts)
     else:
-        out = torch.empty(values.shape[0], weight.out_features, dtype=torch.float32, device=values.device)
+        out = torch.empty(values.shape[0], weight.out_features, dtype=values.dtype, device=values.device)
         start = 0
         for expert, count in enumerate(counts.tolist()):
             if count:
@@ -84,7 +87,7 @@ def grouped_gemm_sorted(
         # Each row's bias by its expert: the expert ids of the rows, from the counts (sizes known).
         row_expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
                                              output_size=values.shape[0])
-        out = out + bias.float()[row_expert]
+        out = out + bias.to(out.dtype)[row_expert]
     if row_scale is not None:
         out *= row_scale.unsqueeze(-1)
     return out.to(out_dtype)
@@ -100,15 +103,15 @@ def grouped_gemm_padded(
     """``y[e, c] = x[e, c] @ weight[e].T (+ bias[e]) (* slot_scale[e, c])`` for ``x [E, C, K]``
     (every slot; the combine reads only the valid ones); ``weight`` is ``[E, N, K]`` (one batched
     matmul) or :class:`ExpertWeights` (one expert at a time)."""
-    values = dequantize(x)
+    values = dequantize(x, accumulation_dtype(x.data.dtype))
     if isinstance(weight, torch.Tensor):
-        out = torch.bmm(values, weight.float().transpose(1, 2))
+        out = torch.bmm(values, weight.to(values.dtype).transpose(1, 2))
     else:
-        out = torch.empty(*values.shape[:2], weight.out_features, dtype=torch.float32, device=values.device)
+        out = torch.empty(*values.shape[:2], weight.out_features, dtype=values.dtype, device=values.device)
         for expert in range(weight.num_experts):
             out[expert] = values[expert] @ weight.expert(expert).t()
     if bias is not None:
-        out += bias.float().unsqueeze(1)
+        out += bias.to(out.dtype).unsqueeze(1)
     if slot_scale is not None:
         out *= slot_scale.unsqueeze(-1)
     return out.to(out_dtype)
@@ -231,8 +234,8 @@ class GroupedGemm(Stage[ExpertRows, ExpertRows]):
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)
-        if self.out_dtype is None and spec.dtype not in FLOAT_DTYPES:
-            found.append(Mismatch("dtype", spec.dtype, FLOAT_DTYPES,
+        if self.out_dtype is None and spec.dtype not in REFERENCE_FLOAT_DTYPES:
+            found.append(Mismatch("dtype", spec.dtype, REFERENCE_FLOAT_DTYPES,
                                   "a GEMM consuming quantized rows needs an explicit out_dtype"))
         return found
 

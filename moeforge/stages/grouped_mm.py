@@ -20,10 +20,13 @@ from typing import Any
 
 import torch
 
+from moeforge.spec import accumulation_dtype
+
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``y[r] = x[r] @ weight[e(r)].T`` in fp32 for ``x [R, K]`` with rows grouped by expert,
-    ``counts [E]`` (int64) rows per expert, ``weight [E, N, K]`` (any float dtype) -> ``[R, N]`` fp32.
+    ``counts [E]`` (int64) rows per expert, ``weight [E, N, K]`` (any float dtype) -> ``[R, N]`` fp32
+    (float64 rows: in fp64, for gradcheck).
 
     Under ``torch.compile`` this is the custom op; in eager mode the same loop, called directly."""
     if torch.compiler.is_compiling():
@@ -33,11 +36,17 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
 
 
 def _grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    out = x.new_empty(x.shape[0], weight.shape[1], dtype=torch.float32)
+    dtype = accumulation_dtype(x.dtype)
+    if x.shape[0] == 0 and weight.shape[0]:
+        # No rows: an empty product that still depends on the rows and the weights, so that a backward reaches
+        # them (zero gradients) — an expert-parallel rank whose experts got no rows joins the backward's exchanges.
+        empty: torch.Tensor = x.to(dtype) @ weight[0].to(dtype).t()
+        return empty
+    out = x.new_empty(x.shape[0], weight.shape[1], dtype=dtype)
     start = 0
     for expert, count in enumerate(counts.tolist()):
         if count:
-            out[start:start + count] = x[start:start + count].float() @ weight[expert].float().t()
+            out[start:start + count] = x[start:start + count].to(dtype) @ weight[expert].to(dtype).t()
             start += count
     return out
 
@@ -50,25 +59,27 @@ def reference_grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Te
 
 @reference_grouped_mm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[1], dtype=torch.float32)
+    return x.new_empty(x.shape[0], weight.shape[1], dtype=accumulation_dtype(x.dtype))
 
 
 @torch.library.custom_op("moeforge::reference_grouped_mm_weight_grad", mutates_args=())
 def reference_grouped_mm_weight_grad(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``dW[e] = sum over expert e's rows r of grad[r]^T x[r]`` -> ``[E, N, K]`` fp32 (zero for experts
-    without rows): the weight gradient of :func:`reference_grouped_mm`, in a fixed order."""
-    out = grad.new_zeros(counts.shape[0], grad.shape[1], x.shape[1], dtype=torch.float32)
+    """``dW[e] = sum over expert e's rows r of grad[r]^T x[r]`` -> ``[E, N, K]`` fp32 (fp64 for float64
+    rows; zero for experts without rows): the weight gradient of :func:`reference_grouped_mm`, in a fixed
+    order."""
+    dtype = accumulation_dtype(x.dtype)
+    out = grad.new_zeros(counts.shape[0], grad.shape[1], x.shape[1], dtype=dtype)
     start = 0
     for expert, count in enumerate(counts.tolist()):
         if count:
-            out[expert] = grad[start:start + count].float().t() @ x[start:start + count].float()
+            out[expert] = grad[start:start + count].to(dtype).t() @ x[start:start + count].to(dtype)
             start += count
     return out
 
 
 @reference_grouped_mm_weight_grad.register_fake
 def _(grad: torch.Tensor, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    return grad.new_empty(counts.shape[0], grad.shape[1], x.shape[1], dtype=torch.float32)
+    return grad.new_empty(counts.shape[0], grad.shape[1], x.shape[1], dtype=accumulation_dtype(x.dtype))
 
 
 def _setup_context(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.payloads import GROUP_SIZE, Activations, ExpertRows, RoutedTokens
-from moeforge.spec import FLOAT_DTYPES, Accepts, DType, PayloadKind, ScaleLayout, Spec
+from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, DType, PayloadKind, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -57,7 +57,7 @@ class Cast(Quantizer):
     scale_layout: ScaleLayout = attrs.field(default=ScaleLayout.NONE, init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.dtype not in FLOAT_DTYPES:
+        if self.dtype not in REFERENCE_FLOAT_DTYPES:
             raise ValueError(f"Cast needs a float dtype, got {self.dtype.value}")
 
     def __call__(self, x: torch.Tensor) -> Activations:
@@ -154,7 +154,7 @@ def quantizer_for(dispatch: DispatchDtype, compute: DType, *, per_group: bool = 
     target = dispatch.activation_dtype
     if target is compute:
         return None
-    if target in FLOAT_DTYPES:
+    if target in REFERENCE_FLOAT_DTYPES:
         return Cast(target)
     if target is DType.FP8_E4M3:
         return PerGroupQuantizer() if per_group else PerTokenQuantizer(DType.FP8_E4M3)
@@ -190,7 +190,7 @@ class QuantizeTokens(_QuantizeStage, Stage[RoutedTokens, RoutedTokens]):
         return f"QuantizeTokens({self.quantizer.summary()})"
 
     def accepts(self) -> Accepts:
-        return Accepts(kind=PayloadKind.ROUTED, dtype=FLOAT_DTYPES, scale_layout=ScaleLayout.NONE)
+        return Accepts(kind=PayloadKind.ROUTED, dtype=REFERENCE_FLOAT_DTYPES, scale_layout=ScaleLayout.NONE)
 
     def check(self, spec: Spec) -> list[Mismatch]:
         return Stage.check(self, spec) + self._width_mismatches(spec)
@@ -215,7 +215,7 @@ class QuantizeRows(_QuantizeStage, Stage[ExpertRows, ExpertRows]):
     def accepts(self) -> Accepts:
         return Accepts(
             kind={PayloadKind.DISPATCHED, PayloadKind.EXPERT_HIDDEN},
-            dtype=FLOAT_DTYPES,
+            dtype=REFERENCE_FLOAT_DTYPES,
             scale_layout=ScaleLayout.NONE,
         )
 

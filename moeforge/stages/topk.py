@@ -2,8 +2,13 @@
 
 One configurable stage covers the routing math of the common families: softmax or sigmoid scoring,
 scoring before or after the selection, renormalisation, a per-expert bias used for selection only,
-grouped top-k, PhiMoE's sparsemixer, and the routed scaling factor. Routing always runs in fp32, and
-ties go to the lower expert index (so results do not depend on the sort algorithm of the device).
+grouped top-k, PhiMoE's sparsemixer, and the routed scaling factor. Routing runs in fp32 (in fp64 for a
+float64 layer, whose hidden states are float64), and ties go to the lower expert index (so results do not
+depend on the sort algorithm of the device).
+
+The routing weights are differentiable functions of the router logits (autograd, in every routing
+here): the selection itself (which experts, which groups, the selection-only bias) is piecewise
+constant and passes no gradient, as in every MoE implementation.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.payloads import Activations, MoEInput, RoutedTokens, TopKOutput
-from moeforge.spec import Accepts, PayloadKind, RoutingWeights, ScalingFactor, Spec
+from moeforge.spec import Accepts, PayloadKind, RoutingWeights, ScalingFactor, Spec, accumulation_dtype
 from moeforge.stage import Stage, StageKind
 from moeforge.tensor_ref import TensorSource, resolve
 
@@ -112,15 +117,17 @@ def select_experts(
     top_k: int,
     config: RoutingConfig,
     selection_bias: Optional[torch.Tensor] = None,
+    dtype: torch.dtype = torch.float32,
 ) -> TopKOutput:
-    """The routing math, in fp32: returns weights ``[T, k]`` (fp32) and ids ``[T, k]`` (int32).
+    """The routing math, in ``dtype`` (fp32; fp64 for a float64 layer): returns weights ``[T, k]`` (in
+    ``dtype``) and ids ``[T, k]`` (int32).
 
     Raises :class:`~moeforge.InputError` when ``top_k`` or the grouping does not fit the number of
     experts (``router_logits.shape[-1]``): without the check, a too-large ``top_k`` would silently
     return fewer columns, or pick experts from groups that were masked out.
     """
     _check_sizes(int(router_logits.shape[-1]), top_k, config)
-    return _route(router_logits, top_k, config, selection_bias)
+    return _route(router_logits, top_k, config, selection_bias, dtype)
 
 
 def _route(
@@ -128,15 +135,16 @@ def _route(
     top_k: int,
     config: RoutingConfig,
     selection_bias: Optional[torch.Tensor],
+    dtype: torch.dtype = torch.float32,
 ) -> TopKOutput:
     """:func:`select_experts` without the size checks (the stages check once, when built)."""
-    logits = router_logits.float()
+    logits = router_logits.to(dtype)
     if config.sparsemixer_eps is not None:
         weights, ids = _sparsemixer(logits, top_k, config.sparsemixer_eps)
         if config.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     elif config.order is ScoreOrder.SELECT_THEN_SCORE:
-        choice = logits if selection_bias is None else logits + selection_bias.float()
+        choice = logits if selection_bias is None else logits + selection_bias.to(dtype)
         ids = topk_lowest_index(choice, top_k)
         chosen = logits.gather(-1, ids)
         weights = chosen.softmax(-1) if config.scoring is Scoring.SOFTMAX else chosen.sigmoid()
@@ -144,7 +152,7 @@ def _route(
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     else:
         scores = logits.softmax(-1) if config.scoring is Scoring.SOFTMAX else logits.sigmoid()
-        choice = scores if selection_bias is None else scores + selection_bias.float()
+        choice = scores if selection_bias is None else scores + selection_bias.to(dtype)
         if config.n_group is not None and config.topk_group is not None:
             choice = _mask_unselected_groups(choice, config.n_group, config.topk_group, config.group_score,
                                              config.group_mask_value)
@@ -154,7 +162,7 @@ def _route(
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     if config.routed_scaling_factor != 1.0 and config.scaling_in_weights:
         weights = weights * config.routed_scaling_factor
-    return TopKOutput(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
+    return TopKOutput(weights=weights.to(dtype).contiguous(), ids=ids.to(torch.int32).contiguous())
 
 
 def _mask_unselected_groups(
@@ -276,7 +284,7 @@ class TopK(_RoutingStage):
 
     def __call__(self, x: MoEInput) -> RoutedTokens:
         bias = resolve(self.selection_bias) if self.selection_bias is not None else None
-        topk = _route(x.router_logits, self.top_k, self.config, bias)
+        topk = _route(x.router_logits, self.top_k, self.config, bias, accumulation_dtype(x.hidden_states.dtype))
         return RoutedTokens(x=Activations(x.hidden_states), topk=topk)
 
 
@@ -288,7 +296,7 @@ class CustomTopK(_RoutingStage):
     """Routing by a user function ``fn(hidden_states, router_logits, top_k) -> (weights, ids)``.
 
     The function returns float weights and integer ids of shape ``[T, top_k]``; they are converted to
-    fp32 / int32. ``apply_weights`` declares where the weights are to be applied (as
+    fp32 (fp64 in a float64 layer) / int32. ``apply_weights`` declares where the weights are to be applied (as
     :attr:`RoutingConfig.apply_weights`; the combine by default). ``scaling_factor`` declares whether
     the function already folded a routed scaling factor into its weights (``IN_WEIGHTS``), or leaves
     the factor ``routed_scaling_factor`` to a later stage (``PENDING``).
@@ -338,7 +346,8 @@ class CustomTopK(_RoutingStage):
                              "(weights, ids) pair of tensors")
         weights, ids = result
         self._check_output(weights, ids, x.router_logits)
-        topk = TopKOutput(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
+        dtype = accumulation_dtype(x.hidden_states.dtype)
+        topk = TopKOutput(weights=weights.to(dtype).contiguous(), ids=ids.to(torch.int32).contiguous())
         return RoutedTokens(x=Activations(x.hidden_states), topk=topk)
 
     def _check_output(self, weights: object, ids: object, logits: torch.Tensor) -> None:

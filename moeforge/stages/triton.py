@@ -88,6 +88,15 @@ class TritonTopK(TopK):
     def summary(self) -> str:
         return "Triton" + super().summary()
 
+    def accepts(self) -> Accepts:
+        # The kernel routes in fp32: a float64 layer routes (in fp64) with the torch TopK.
+        return attrs.evolve(super().accepts(), dtype=frozenset(KERNEL_DTYPES))
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if field == "dtype":
+            return "the routing kernel serves bf16, fp16 and fp32 layers: route a float64 layer with TopK (torch)"
+        return None
+
     def __call__(self, x: MoEInput) -> RoutedTokens:
         bias = resolve(self.selection_bias).float() if self.selection_bias is not None else None
         weights, ids = torch.ops.moeforge.route(x.router_logits, bias, self.top_k, **self._flags)
