@@ -86,11 +86,11 @@ def _expert_weight_grad_kernel(
         acc = tl.dot(dy, x, acc, input_precision=PRECISION)
         if HAS_BIAS:
             bias += tl.sum(dy.to(tl.float32), axis=1)
-    tl.store(dw_ptr + expert * stride_dwe + offs_n[:, None] * stride_dwn + offs_k[None, :] * stride_dwk, acc,
-             mask=n_ok[:, None] & k_ok[None, :])
+    tl.store(dw_ptr + expert * stride_dwe + offs_n[:, None] * stride_dwn + offs_k[None, :] * stride_dwk,
+             acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
     if HAS_BIAS:
         if pid_k == 0:
-            tl.store(db_ptr + expert * stride_dbe + offs_n * stride_dbn, bias, mask=n_ok)
+            tl.store(db_ptr + expert * stride_dbe + offs_n * stride_dbn, bias.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
 def expert_first_blocks(block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int,
@@ -105,14 +105,15 @@ def expert_first_blocks(block_expert: torch.Tensor, num_padded: torch.Tensor, bl
 
 def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
                        block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
-                       with_bias: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(dW [E, N, K], db [E, N] or None)`` in fp32: for each expert the sum over its copies ``c`` of
-    ``d_rows[c]^T rows[c // rows_per_a]`` (``d_rows [copies, N]``, ``rows [R, K]`` of one dtype), in the
-    fixed order of the alignment (``sorted_ids`` aligned with ``block_m``)."""
+                       with_bias: bool, dtype: torch.dtype = torch.float32
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(dW [E, N, K], db [E, N] or None)`` in ``dtype`` (summed in fp32): for each expert the sum over its
+    copies ``c`` of ``d_rows[c]^T rows[c // rows_per_a]`` (``d_rows [copies, N]``, ``rows [R, K]`` of one
+    dtype), in the fixed order of the alignment (``sorted_ids`` aligned with ``block_m``)."""
     num_copies, n = d_rows.shape
     k = rows.shape[1]
-    dw = torch.empty(num_experts, n, k, dtype=torch.float32, device=rows.device)
-    db = torch.empty(num_experts, n, dtype=torch.float32, device=rows.device) if with_bias else None
+    dw = torch.empty(num_experts, n, k, dtype=dtype, device=rows.device)
+    db = torch.empty(num_experts, n, dtype=dtype, device=rows.device) if with_bias else None
     first = expert_first_blocks(block_expert, num_padded, block_m, num_experts)
     block_n = block_k = 64 if rows.element_size() < 4 else 32
     grid = (num_experts, triton.cdiv(n, block_n), triton.cdiv(k, block_k))
@@ -178,9 +179,9 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         d_a = (d_rows.view(-1, r, d_rows.shape[1]).sum(1) if r > 1 else d_rows).to(a.dtype)
     if needs[2] or (bias is not None and needs[6]):
         dw, db = expert_weight_grad(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
-                                    weight.shape[0], config[0], bias is not None and needs[6])
-        d_weight = dw.to(weight.dtype) if needs[2] else None
-        d_bias = db.to(bias.dtype) if db is not None else None
+                                    weight.shape[0], config[0], bias is not None and needs[6], weight.dtype)
+        d_weight = dw if needs[2] else None
+        d_bias = db
     grads_out: list[Any] = [None] * len(_MOE_GEMM_INPUTS)
     grads_out[0], grads_out[2], grads_out[6], grads_out[7] = d_a, d_weight, d_bias, d_topk
     return tuple(grads_out)

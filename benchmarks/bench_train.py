@@ -1,0 +1,131 @@
+"""Benchmark forward + backward of the expert computation on the triton path against the same
+computation written with ``torch._grouped_mm`` and autograd (the path torchtitan and transformers train
+with), CUDA only.
+
+    python benchmarks/bench_train.py [--shapes mixtral,qwen3,gptoss,deepseek] [--tokens 1024,4096,16384]
+
+For each shape and token count M, on random (never zero) bf16 data with the routing fixed: the time of
+``forward + backward`` (gradients of the hidden states, both expert weights and the routing weights),
+as the median of CUDA-graph replays with the L2 flushed, for moeforge's experts pipeline (from top-k ids
+and weights to the combined output) and for the ``torch._grouped_mm`` baseline; the speedup; and the
+TFLOP/s of the step counting 3x the forward's flops (forward, row gradient, weight gradient) against
+the bf16 matmul peak measured in the same run. Prints a table and writes JSON (device, commit, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_moe import FLUSH_BYTES, SHAPES, measure_peak, time_graph  # noqa: E402
+
+import moeforge as mf  # noqa: E402
+from moeforge.kernels.config import device_key  # noqa: E402
+from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
+
+
+def moeforge_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor
+                  ) -> Callable[[], Any]:
+    experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
+    params = [layer.w13_weight, layer.w2_weight]
+
+    def run() -> Any:
+        xr = x.detach().requires_grad_()
+        weights = topk.weights.detach().requires_grad_()
+        out = experts_only(RoutedTokens(Activations(xr), TopKOutput(weights, topk.ids))).hidden_states
+        return torch.autograd.grad(out, [xr, weights, *params], grad)
+
+    return run
+
+
+def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor) -> Callable[[], Any]:
+    tokens, top_k = topk.ids.shape
+    w13, w2 = layer.w13_weight, layer.w2_weight
+    ones = torch.ones(tokens * top_k, dtype=torch.int32, device=x.device)
+
+    def run() -> Any:
+        xr = x.detach().requires_grad_()
+        weights = topk.weights.detach().requires_grad_()
+        flat = topk.ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(layer.num_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, ones)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        source = order // top_k
+        hidden = torch._grouped_mm(xr[source], w13.transpose(1, 2), offs=offs)
+        gate, up = hidden.chunk(2, dim=-1)
+        rows = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+        rows = rows * weights.reshape(-1)[order, None].to(rows.dtype)
+        out = torch.zeros_like(xr).index_add(0, source, rows)
+        return torch.autograd.grad(out, [xr, weights, w13, w2], grad)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="mixtral,qwen3,gptoss,deepseek")
+    parser.add_argument("--tokens", default="1024,4096,16384")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_train.py needs a CUDA device")
+    torch.manual_seed(0)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    peak, read_bw = measure_peak()
+    device = torch.cuda.get_device_name()
+    print(f"{device}: bf16 matmul {peak:.0f} TFLOP/s, HBM read {read_bw:.2f} TB/s")
+    records = []
+    for name in args.shapes.split(","):
+        experts, top_k, hidden, inter = SHAPES[name]
+        layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton")
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            logits = torch.randn(tokens, experts, device="cuda")
+            topk = mf.stages.select_experts(logits, top_k, layer.routing)
+            grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            flops = 3 * 2 * tokens * top_k * 3 * hidden * inter
+            timed = {}
+            for what, make in (("moeforge", moeforge_step), ("torch_grouped_mm", grouped_mm_step)):
+                try:
+                    timed[what] = time_graph(make(layer, x, topk, grad), args.reps, flush)
+                except Exception as error:  # e.g. out of memory at the largest shapes
+                    print(f"{name:9s} M={tokens:6d} {what}: {type(error).__name__}: {str(error)[:120]}", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                us = timed[what]
+                records.append(dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=what,
+                                    median_us=round(us, 2), tflops=round(flops / (us * 1e-6) / 1e12, 1),
+                                    pct_peak=round(100 * flops / (us * 1e-6) / 1e12 / peak, 1)))
+                print(f"{name:9s} M={tokens:6d} {what:17s} {us:10.1f} us {flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s "
+                      f"({100 * flops / (us * 1e-6) / 1e12 / peak:4.1f}% of peak)", flush=True)
+            if len(timed) == 2:
+                speedup = timed["torch_grouped_mm"] / timed["moeforge"]
+                records[-2]["speedup_vs_grouped_mm"] = round(speedup, 2)
+                print(f"{'':9s} moeforge is {speedup:.2f}x the speed of torch._grouped_mm", flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
+    result = dict(device=device, commit=commit or "unknown", date=datetime.date.today().isoformat(),
+                  torch=torch.__version__, peak_tflops=round(peak, 1), records=records)
+    out = Path(args.out) if args.out else (
+        Path(__file__).parent / "results" / f"bench_train-{device_key(device)}-{result['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
