@@ -147,6 +147,7 @@ def test_the_weight_gradient_kernel_sums_each_experts_copies_in_order() -> None:
     d_rows = torch.randn(tokens * k, 40, generator=gen).to(DEVICE)
     sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, 16)
     dw, db = expert_weight_grad(d_rows, rows, k, sorted_ids, block_expert, num_padded, experts, 16, True)
+    assert dw.dtype == torch.float32
     flat = ids.reshape(-1).long().to(DEVICE)
     for e in range(experts):
         chosen = (flat == e).nonzero().flatten()
@@ -178,7 +179,7 @@ def test_quantized_grouped_gemms_refuse_a_backward() -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("family", ["mixtral", "qwen3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_triton_layer_gradients_equal_the_torch_backend_in_bf16(family: str) -> None:
     torch.manual_seed(0)
     sizes = dict(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256)
@@ -220,3 +221,26 @@ def test_a_compiled_training_step() -> None:
     for g, w in zip(got, eager):
         assert float((g.float() - w.float()).norm() / w.float().norm().clamp(min=1e-12)) < 1e-2
     optimizer.step()
+
+
+def test_a_training_step_compiles_with_the_backward_ops() -> None:
+    """AOT autograd traces the registered backward (the custom ops' fakes, the weight-gradient op)."""
+    gen = torch.Generator().manual_seed(85)
+    t = _tensors(4, 32, 48, True, torch.float32, gen)
+    pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32)
+    x = torch.randn(9, 32, generator=gen).to(DEVICE)
+    logits = torch.randn(9, 4, generator=gen).to(DEVICE).requires_grad_()
+
+    def step(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        loss = pipeline(mf.MoEInput(x, logits)).hidden_states.square().mean()
+        loss.backward()
+        return loss
+
+    eager = step(x, logits).detach()
+    want = [p.grad.clone() for p in t.values() if p.grad is not None]
+    for p in t.values():
+        p.grad = None
+    got_loss = torch.compile(step, backend="aot_eager")(x, logits).detach()
+    torch.testing.assert_close(got_loss, eager)
+    for g, w in zip([p.grad for p in t.values() if p.grad is not None], want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

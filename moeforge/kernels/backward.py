@@ -63,7 +63,7 @@ def _expert_weight_grad_kernel(
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    expert = tl.program_id(0)
+    expert = tl.program_id(0).to(tl.int64)  # expert * stride_dwe passes 2**31 on DeepSeek-sized layers
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -178,10 +178,10 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         r = p["rows_per_a"]
         d_a = (d_rows.view(-1, r, d_rows.shape[1]).sum(1) if r > 1 else d_rows).to(a.dtype)
     if needs[2] or (bias is not None and needs[6]):
-        dw, db = expert_weight_grad(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
-                                    weight.shape[0], config[0], bias is not None and needs[6], weight.dtype)
+        dw, db = ops.expert_weight_grad(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
+                                        weight.shape[0], config[0], bias is not None and needs[6], weight.dtype)
         d_weight = dw if needs[2] else None
-        d_bias = db
+        d_bias = db if bias is not None and needs[6] else None
     grads_out: list[Any] = [None] * len(_MOE_GEMM_INPUTS)
     grads_out[0], grads_out[2], grads_out[6], grads_out[7] = d_a, d_weight, d_bias, d_topk
     return tuple(grads_out)

@@ -164,6 +164,35 @@ def _(router_logits: torch.Tensor, selection_bias: Optional[torch.Tensor], top_k
             router_logits.new_empty(tokens, top_k, dtype=torch.int32))
 
 
+@torch.library.custom_op("moeforge::expert_weight_grad", mutates_args=())
+def expert_weight_grad(
+    d_rows: torch.Tensor,
+    rows: torch.Tensor,
+    rows_per_a: int,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    with_bias: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dW [E, N, K], db [E, N])`` of the grouped GEMM (``db`` empty without a bias): see
+    :func:`moeforge.kernels.backward.expert_weight_grad`."""
+    dw, db = backward.expert_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded, num_experts,
+                                         block_m, with_bias, dtype)
+    return dw, db if db is not None else d_rows.new_empty(0, dtype=dtype)
+
+
+@expert_weight_grad.register_fake
+def _(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
+      block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int, with_bias: bool,
+      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = d_rows.shape[1], rows.shape[1]
+    return (d_rows.new_empty(num_experts, n, k, dtype=dtype),
+            d_rows.new_empty(num_experts, n, dtype=dtype) if with_bias else d_rows.new_empty(0, dtype=dtype))
+
+
 # Backward formulas (moeforge/kernels/backward.py): the float grouped GEMM, the combine and the routing
 # weights differentiate; the quantized GEMMs and the quantization kernels are inference-only.
 moe_gemm.register_autograd(backward.moe_gemm_backward, setup_context=backward.moe_gemm_setup_context)
