@@ -115,7 +115,8 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     dw = torch.empty(num_experts, n, k, dtype=dtype, device=rows.device)
     db = torch.empty(num_experts, n, dtype=dtype, device=rows.device) if with_bias else None
     first = expert_first_blocks(block_expert, num_padded, block_m, num_experts)
-    block_n = block_k = 64 if rows.element_size() < 4 else 32
+    wide = rows.element_size() < 4 and rows.is_cuda
+    block_n, block_k = (128, 128) if wide else (32, 32)
     grid = (num_experts, triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     dbias = db if db is not None else dw
     _expert_weight_grad_kernel[grid](
@@ -124,7 +125,7 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         d_rows.stride(0), d_rows.stride(1), rows.stride(0), rows.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
         dbias.stride(0), dbias.stride(1),
         HAS_BIAS=with_bias, PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if wide else 4, num_stages=3 if wide else 2,
     )
     return dw, db
 
