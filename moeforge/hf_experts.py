@@ -107,7 +107,7 @@ _COMPUTED = ("SiLU, GELU (erf or tanh), ReLU\u00b2 and the identity; with a gate
              "clamped SwiGLU")
 
 
-class WeightFormat(enum.Enum):
+class ExpertsWeights(enum.Enum):
     """The expert weight formats moeforge computes for a ``transformers`` experts module."""
 
     FLOAT = "float"  # bf16 / fp16 / fp32 weights
@@ -134,7 +134,7 @@ class ExpertsLayout:
     weight_dtype: torch.dtype
     device: torch.device
     activation: ActivationConfig
-    weight_format: WeightFormat = WeightFormat.FLOAT
+    weight_format: ExpertsWeights = ExpertsWeights.FLOAT
 
     @property
     def up_name(self) -> str:
@@ -143,7 +143,7 @@ class ExpertsLayout:
 
     def quant_method(self) -> QuantMethod:
         """moeforge's quant method for this format."""
-        if self.weight_format is WeightFormat.FP8_BLOCK128:
+        if self.weight_format is ExpertsWeights.FP8_BLOCK128:
             return Fp8W8A8Method(weight_scales="block", activation_scales="group")
         return UnquantizedMethod()
 
@@ -200,10 +200,10 @@ def read_layout(module: nn.Module, hidden_states: torch.Tensor) -> ExpertsLayout
                                       "runs one process's experts; use moeforge.distributed for expert parallelism")
     up_name = "gate_up_proj" if has_gate else "up_proj"
     up, down = _parameter(module, up_name), _parameter(module, "down_proj")
-    weight_format = WeightFormat.FP8_BLOCK128 if up.dtype == torch.float8_e4m3fn else WeightFormat.FLOAT
+    weight_format = ExpertsWeights.FP8_BLOCK128 if up.dtype == torch.float8_e4m3fn else ExpertsWeights.FLOAT
     for name, weight in ((up_name, up), ("down_proj", down)):
         if weight.dim() != 3 or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32, up.dtype) or (
-                weight_format is WeightFormat.FLOAT and weight.dtype == torch.float8_e4m3fn):
+                weight_format is ExpertsWeights.FLOAT and weight.dtype == torch.float8_e4m3fn):
             raise UnsupportedExpertsError(
                 f"{cls}.{name} is a {weight.dtype} tensor of shape {tuple(weight.shape)}: moeforge's experts "
                 "implementation takes [num_experts, out, in] (or [num_experts, in, out] when is_transposed) "
@@ -229,7 +229,7 @@ def read_layout(module: nn.Module, hidden_states: torch.Tensor) -> ExpertsLayout
     if hidden_states.device != up.device:
         raise InputError(f"{cls} (experts_implementation='moeforge'): hidden_states on {hidden_states.device}, "
                          f"the expert weights on {up.device}")
-    if weight_format is WeightFormat.FP8_BLOCK128:
+    if weight_format is ExpertsWeights.FP8_BLOCK128:
         _check_fp8(module, up_name, has_bias, is_transposed)
     return ExpertsLayout(
         module_class=cls, has_gate=has_gate, has_bias=has_bias, is_transposed=is_transposed,
