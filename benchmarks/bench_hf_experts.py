@@ -35,7 +35,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_moe import time_graph  # noqa: E402
 
 from moeforge import hf_experts  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
@@ -82,19 +85,10 @@ def median_us(fn: Callable[[], Any], reps: int) -> float:
 def graph_us(fn: Callable[[], Any], reps: int) -> Optional[float]:
     """Median microseconds of a CUDA-graph replay of ``fn`` (``None`` if it cannot be captured)."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        return time_graph(fn, reps, None)
     except Exception:  # noqa: BLE001 - any capture failure means "not capturable"
         torch.cuda.synchronize()
         return None
-    return median_us(graph.replay, reps)
 
 
 def _commit() -> str:

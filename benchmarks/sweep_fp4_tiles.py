@@ -3,24 +3,28 @@ shape (E=128, k=4, H=I=2880), CUDA only.
 
     python benchmarks/sweep_fp4_tiles.py [--formats mxfp4,nvfp4,int4] [--tokens 1,64,1024]
 
-Prints one line per (format, M, GEMM, configuration): the median of CUDA-event-timed runs after
-warm-up on random data, and the fraction of the HBM read bandwidth the weights' bytes would need. The
-4-bit defaults of ``moeforge.stages.triton_quant.default_quant_config`` come from its output. A
-development tool: it writes no JSON.
+Prints one line per (format, M, GEMM, configuration): the median of CUDA-graph replays with the L2
+flushed (``bench_moe.time_graph``) on random data, and the fraction of the HBM read bandwidth the
+weights' bytes would need. The committed log (2026-11-24) was timed with CUDA events around eager launches
+instead, whose launch overhead swamps the M = 1 cells; the 4-bit defaults of
+``moeforge.stages.triton_quant.default_quant_config`` come from its M = 64 / 1024 cells and from
+``bench_moe.py``. A development tool: it writes no JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_moe import FLUSH_BYTES, time_graph  # noqa: E402
 
 from moeforge.kernels import align, moe_gemm  # noqa: E402
 from moeforge.kernels.activations import ACT_GPT_OSS  # noqa: E402
@@ -28,21 +32,6 @@ from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 
 E, TOP_K, H, I = 128, 4, 2880, 2880
-
-
-def timeit(fn: Callable[[], Any], reps: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def weight(fmt: str, n: int, k: int) -> dict[str, Any]:
@@ -65,6 +54,7 @@ def main() -> None:
     parser.add_argument("--roles", default="gate_up,down")
     args = parser.parse_args()
     read_bw = 2.95e12  # bytes/s, the H100 read bandwidth bench_moe.py measures
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for fmt in args.formats.split(","):
         operands = {"gate_up": weight(fmt, 2 * I, H), "down": weight(fmt, H, I)}
         for tokens in (int(t) for t in args.tokens.split(",")):
@@ -86,10 +76,10 @@ def main() -> None:
                                                                          (4, 8), (3,)):
                         config = GemmConfig(bm, bn, bk, 8 if bm >= 32 else 1, warps, stages)
                         try:
-                            us = timeit(lambda: moe_gemm.moe_gemm(
+                            us = time_graph(lambda: moe_gemm.moe_gemm(
                                 a, out=out, sorted_ids=plan[0], block_expert=plan[1], num_padded=plan[2],
                                 rows_per_a=TOP_K if glu else 1, config=config, act=ACT_GPT_OSS if glu else 0,
-                                glu=glu, interleaved=True, swap=swap, **op))
+                                glu=glu, interleaved=True, swap=swap, **op), 10, flush)
                         except Exception as error:  # e.g. out of shared memory or registers
                             print(f"{fmt} M={tokens} {role} {config} failed: {type(error).__name__}", flush=True)
                             continue

@@ -4,7 +4,9 @@ Triton: the stages name them when they are built."""
 from __future__ import annotations
 
 import enum
+from typing import Optional
 
+import attrs
 import torch
 
 SCALE_BLOCK = 128  # the K (and N) extent of one FP8 group / block scale
@@ -44,3 +46,77 @@ class RowFormat(enum.IntEnum):
         if dtype not in formats:
             raise ValueError(f"rows must be bf16/fp16/fp32, float8_e4m3fn, int8 or uint8 (NVFP4), got {dtype}")
         return formats[dtype]
+
+
+@attrs.frozen
+class WeightOperand:
+    """A checked weight operand: its K extent, scale group and the kernel's scale / zero-point strides."""
+
+    k_dim: int
+    group: int  # K-elements per scale of a 4-bit format (1 otherwise)
+    blocked: bool  # 8-bit weights with 128x128 block scales
+    scale_strides: tuple[int, int, int]
+    zero_strides: tuple[int, int, int]
+
+
+def _stride3(t: Optional[torch.Tensor]) -> tuple[int, int, int]:
+    if t is None:
+        return 0, 0, 0
+    return t.stride(0), t.stride(1), t.stride(2) if t.dim() > 2 else 0
+
+
+def weight_operand(fmt: WeightFormat, weight: torch.Tensor, scale: Optional[torch.Tensor],
+                   zero: Optional[torch.Tensor], global_scale: Optional[torch.Tensor], *,
+                   rows_dtype: torch.dtype) -> WeightOperand:
+    """Check a weight operand of the grouped GEMM (``rows_dtype``: the float rows' dtype, or the 8-bit
+    rows' for FP8 / INT8) and describe it; raises ``ValueError`` saying what is wrong. The stages call it
+    when they are built, the launcher on every call."""
+    if zero is not None and fmt is not WeightFormat.INT4:
+        raise ValueError("zero points are for INT4 (W4A16) weights")
+    if global_scale is not None and fmt is not WeightFormat.NVFP4:
+        raise ValueError("weight_global is NVFP4's global scale")
+    if weight.dim() != 3:
+        raise ValueError(f"weight must be [E, N, K] (or [E, N, K / 2] packed), got {tuple(weight.shape)}")
+    experts, n_w = int(weight.shape[0]), int(weight.shape[1])
+    if fmt is WeightFormat.FLOAT:
+        if weight.dtype != rows_dtype:
+            raise ValueError(f"float weights must be in the rows' dtype {rows_dtype}, got {weight.dtype}")
+        return WeightOperand(int(weight.shape[2]), 1, False, (0, 0, 0), (0, 0, 0))
+    if scale is None:
+        raise ValueError(f"{fmt.name} weights need their scales")
+    if fmt in (WeightFormat.FP8, WeightFormat.INT8):
+        want = torch.float8_e4m3fn if fmt is WeightFormat.FP8 else torch.int8
+        if weight.dtype != want or rows_dtype != want:
+            raise ValueError(f"{fmt.name} needs {want} rows and weights, got {rows_dtype} and {weight.dtype}")
+        k_dim = int(weight.shape[2])
+        block = (experts, -(-n_w // SCALE_BLOCK), -(-k_dim // SCALE_BLOCK))
+        if scale.dtype != torch.float32 or tuple(scale.shape) not in ((experts, n_w), block):
+            raise ValueError(f"weight_scale must be fp32 [{experts}, {n_w}] (per channel) or {list(block)} "
+                             f"(128x128 blocks), got {scale.dtype} {tuple(scale.shape)}")
+        return WeightOperand(k_dim, 1, scale.dim() == 3, _stride3(scale), (0, 0, 0))
+    if weight.dtype != torch.uint8:
+        raise ValueError(f"{fmt.name} weights are packed uint8 [E, N, K / 2], got {weight.dtype}")
+    k_dim = 2 * int(weight.shape[2])
+    groups = int(scale.shape[2]) if scale.dim() == 3 else 0
+    if scale.dim() != 3 or tuple(scale.shape[:2]) != (experts, n_w) or not groups or k_dim % groups:
+        raise ValueError(f"weight_scale must be [{experts}, {n_w}, K / G] for K={k_dim}, got {tuple(scale.shape)}")
+    group = k_dim // groups
+    if fmt is WeightFormat.INT4:
+        if group < 16 or group & (group - 1):
+            raise ValueError(f"scales [E, N, K / G] must give a power-of-two group size G >= 16 for K={k_dim}, "
+                             f"got {groups} groups")
+        if scale.dtype != rows_dtype:
+            raise ValueError(f"INT4 scales must be in the rows' dtype {rows_dtype}, got {scale.dtype}")
+        if zero is not None and (zero.dtype != torch.uint8 or zero.shape != scale.shape):
+            raise ValueError(f"zero points must be uint8 {tuple(scale.shape)}, got {zero.dtype} {tuple(zero.shape)}")
+    elif fmt is WeightFormat.MXFP4:
+        if group != MXFP4_GROUP or scale.dtype != torch.uint8:
+            raise ValueError(f"MXFP4 scales must be uint8 E8M0 [E, N, K / 32], got {scale.dtype} "
+                             f"{tuple(scale.shape)} for K={k_dim}")
+    else:
+        if group != NVFP4_GROUP or scale.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"NVFP4 scales must be float8_e4m3fn [E, N, K / 16], got {scale.dtype} "
+                             f"{tuple(scale.shape)} for K={k_dim}")
+        if global_scale is None or global_scale.dtype != torch.float32 or tuple(global_scale.shape) != (experts,):
+            raise ValueError(f"NVFP4 weights need fp32 global scales [{experts}]")
+    return WeightOperand(k_dim, group, False, _stride3(scale), _stride3(zero))

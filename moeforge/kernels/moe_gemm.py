@@ -44,7 +44,7 @@ import triton.language as tl
 
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
-from moeforge.kernels.formats import MXFP4_GROUP, NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat
+from moeforge.kernels.formats import NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat, weight_operand
 from moeforge.kernels.quantize import quantize_values, scale_of
 
 # Row scale modes (A_SCALE): none, one per row (per token; per tensor with stride 0), per 128-group
@@ -292,19 +292,20 @@ def moe_gemm_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
+        # -- the rows' tile [BLOCK_M, BLOCK_K] (NVFP4 rows dequantized to the compute dtype)
+        if A_FMT == 3:
+            packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
+            sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_M, BLOCK_K)
+            a = (_e2m1(packed, BLOCK_M, BLOCK_K) * _e4m3(sa)).to(DTYPE)
+            a_ptrs += (BLOCK_K // 2) * stride_ak
+        else:
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a_ptrs += BLOCK_K * stride_ak
         if B_FMT >= 3:
             # -- 4-bit weights, dequantized in registers
-            if A_FMT == 3:
-                packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
-                sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_M, BLOCK_K)
-                a = (_e2m1(packed, BLOCK_M, BLOCK_K) * _e4m3(sa)).to(DTYPE)
-                a_ptrs += (BLOCK_K // 2) * stride_ak
-            else:
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                a_ptrs += BLOCK_K * stride_ak
             b = _packed_weight_tile(b_gate, s_gate, z_gate, k, n_ok, K, stride_bsk, stride_bzk, DTYPE,
                                     B_FMT, GROUP, HAS_ZEROS, EVEN_K, BLOCK_N, BLOCK_K)
             if GLU:
@@ -322,18 +323,6 @@ def moe_gemm_kernel(
                 if GLU:
                     acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=PRECISION)
         else:
-            # -- the rows' tile [BLOCK_M, BLOCK_K]
-            if A_FMT == 3:
-                packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
-                sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_M, BLOCK_K)
-                a = (_e2m1(packed, BLOCK_M, BLOCK_K) * _e4m3(sa)).to(DTYPE)
-                a_ptrs += (BLOCK_K // 2) * stride_ak
-            else:
-                if EVEN_K:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                a_ptrs += BLOCK_K * stride_ak
             # -- the weight tiles [BLOCK_K, BLOCK_N]
             if EVEN_K:
                 b = tl.load(b_gate, mask=n_ok[None, :], other=0.0)
@@ -414,74 +403,6 @@ def moe_gemm_kernel(
 
 
 # -- the launcher ----------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class _Weights:
-    """The checked weight operand: its K extent, scale group and the kernel's strides."""
-
-    k_dim: int
-    group: int  # K-elements per scale of a 4-bit format (1 otherwise)
-    blocked: bool  # 8-bit weights with 128x128 block scales
-    scale_strides: tuple[int, int, int]
-    zero_strides: tuple[int, int, int]
-
-
-def _stride3(t: Optional[torch.Tensor]) -> tuple[int, int, int]:
-    if t is None:
-        return 0, 0, 0
-    return t.stride(0), t.stride(1), t.stride(2) if t.dim() > 2 else 0
-
-
-def _check_weights(fmt: WeightFormat, a: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor],
-                   zero: Optional[torch.Tensor], global_scale: Optional[torch.Tensor]) -> _Weights:
-    experts, n_w = int(weight.shape[0]), int(weight.shape[1])
-    if weight.dim() != 3:
-        raise ValueError(f"weight must be [E, N, K] (or [E, N, K / 2] packed), got {tuple(weight.shape)}")
-    if fmt is WeightFormat.FLOAT:
-        if weight.dtype != a.dtype:
-            raise ValueError(f"float weights must be in the rows' dtype {a.dtype}, got {weight.dtype}")
-        return _Weights(int(weight.shape[2]), 1, False, (0, 0, 0), (0, 0, 0))
-    if scale is None:
-        raise ValueError(f"{fmt.name} weights need their scales")
-    if fmt in (WeightFormat.FP8, WeightFormat.INT8):
-        want = torch.float8_e4m3fn if fmt is WeightFormat.FP8 else torch.int8
-        if weight.dtype != want or a.dtype != want:
-            raise ValueError(f"{fmt.name} needs {want} rows and weights, got {a.dtype} and {weight.dtype}")
-        k_dim = int(weight.shape[2])
-        block = (experts, triton.cdiv(n_w, SCALE_BLOCK), triton.cdiv(k_dim, SCALE_BLOCK))
-        if scale.dtype != torch.float32 or tuple(scale.shape) not in ((experts, n_w), block):
-            raise ValueError(f"weight_scale must be fp32 [{experts}, {n_w}] (per channel) or {list(block)} "
-                             f"(128x128 blocks), got {scale.dtype} {tuple(scale.shape)}")
-        return _Weights(k_dim, 1, scale.dim() == 3, _stride3(scale), (0, 0, 0))
-    if weight.dtype != torch.uint8:
-        raise ValueError(f"{fmt.name} weights are packed uint8 [E, N, K / 2], got {weight.dtype}")
-    k_dim = 2 * int(weight.shape[2])
-    groups = int(scale.shape[2]) if scale.dim() == 3 else 0
-    if scale.dim() != 3 or tuple(scale.shape[:2]) != (experts, n_w) or not groups or k_dim % groups:
-        raise ValueError(f"weight_scale must be [{experts}, {n_w}, K / G] for K={k_dim}, got {tuple(scale.shape)}")
-    group = k_dim // groups
-    if fmt is WeightFormat.INT4:
-        if group < 16 or group & (group - 1):
-            raise ValueError(f"scales [E, N, K / G] must give a power-of-two group size G >= 16 for K={k_dim}, "
-                             f"got {groups} groups")
-        if scale.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"INT4 scales must be in the compute dtype, got {scale.dtype}")
-        if zero is not None and (zero.dtype != torch.uint8 or zero.shape != scale.shape):
-            raise ValueError(f"zero points must be uint8 {tuple(scale.shape)}, got {zero.dtype} {tuple(zero.shape)}")
-    elif fmt is WeightFormat.MXFP4:
-        if group != MXFP4_GROUP or scale.dtype != torch.uint8:
-            raise ValueError(f"MXFP4 scales must be uint8 E8M0 [E, N, K / 32], got {scale.dtype} "
-                             f"{tuple(scale.shape)} for K={k_dim}")
-    else:
-        if group != NVFP4_GROUP or scale.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"NVFP4 scales must be float8_e4m3fn [E, N, K / 16], got {scale.dtype} "
-                             f"{tuple(scale.shape)} for K={k_dim}")
-        if global_scale is None or global_scale.dtype != torch.float32 or tuple(global_scale.shape) != (experts,):
-            raise ValueError(f"NVFP4 weights need fp32 global scales [{experts}]")
-    if fmt is not WeightFormat.INT4 and zero is not None:
-        raise ValueError("zero points are for INT4 weights")
-    return _Weights(k_dim, group, False, _stride3(scale), _stride3(zero))
 
 
 def _row_scale_mode(fmt: RowFormat, a: torch.Tensor, a_scale: Optional[torch.Tensor], k_dim: int
@@ -581,10 +502,8 @@ def moe_gemm(
         raise ValueError("NVFP4 rows meet float or 4-bit weights, not 8-bit ones")
     if row_format in (RowFormat.FP8, RowFormat.INT8) and weight_format not in (WeightFormat.FP8, WeightFormat.INT8):
         raise ValueError(f"{row_format.name} rows need 8-bit weights of their dtype, got {weight_format.name}")
-    if weight_format is not WeightFormat.NVFP4 and weight_global is not None:
-        raise ValueError("weight_global is NVFP4's global scale")
-    w = _check_weights(weight_format, a if row_format is not RowFormat.NVFP4 else out, weight, weight_scale,
-                       weight_zero, weight_global)
+    w = weight_operand(weight_format, weight, weight_scale, weight_zero, weight_global,
+                       rows_dtype=a.dtype if row_format is not RowFormat.NVFP4 else out.dtype)
     k_dim = w.k_dim
     a_k = a.shape[1] * (2 if row_format is RowFormat.NVFP4 else 1)
     if a_k != k_dim:

@@ -27,7 +27,7 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.kernels.config import ConfigTable, GemmConfig
-from moeforge.kernels.formats import MXFP4_GROUP, NVFP4_GROUP, WeightFormat
+from moeforge.kernels.formats import WeightFormat, weight_operand
 from moeforge.payloads import GROUP_SIZE, Activations, AlignedRows, BlockAlignment, ExpertRows, RoutedTokens
 from moeforge.spec import (
     FLOAT_DTYPES,
@@ -45,6 +45,8 @@ from moeforge.stages.triton import activation_args, kernel_ops
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts, expert_gemm_output_spec
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, QuantizeTokens, Quantizer
 from moeforge.tensor_ref import TensorSource, resolve
+
+FLOAT_TORCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class QuantScheme(enum.Enum):
@@ -162,10 +164,20 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     use_table_tiles: bool = False
     weight_global: Optional[TensorSource] = None
     input_global_scale: Optional[float] = None
+    # Fixed when built (shapes and settings do not change), not worked out again in every forward.
+    _act: tuple[int, bool, bool, float, float] = attrs.field(init=False, repr=False)
+    _fp8_epilogue: bool = attrs.field(init=False, repr=False)
+    _sms: int = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._validate()
         kernel_ops()
+        object.__setattr__(self, "_act", activation_args(self.activation))
+        object.__setattr__(self, "_fp8_epilogue", not self.scheme.four_bit and isinstance(
+            self.output_quantizer, PerGroupQuantizer) and self.out_features % GROUP_SIZE == 0)
+        weight = self._weight()
+        object.__setattr__(self, "_sms", torch.cuda.get_device_properties(weight.device).multi_processor_count
+                           if weight.is_cuda else 132)
 
     # -- build-time checks ------------------------------------------------------------------------
 
@@ -176,30 +188,25 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     def _validate(self) -> None:
         weight = self._weight()
         where = f"FusedQuantGroupedGemm({self.scheme.value}, {self.role.value})"
-        if weight.dim() != 3:
-            raise InputError(f"{where}: weight must be [E, N, K], got shape {tuple(weight.shape)}")
-        if weight.dtype != self.scheme.weight_dtype:
-            raise InputError(f"{where}: weight must be {self.scheme.weight_dtype}, got {weight.dtype}")
         if self.out_dtype not in FLOAT_DTYPES:
             raise InputError(f"{where}: out_dtype must be bf16/fp16/fp32, got {self.out_dtype.value}")
-        experts, n_w = int(weight.shape[0]), int(weight.shape[1])
-        if self.weight_zero is not None and self.scheme is not QuantScheme.W4A16:
-            raise InputError(f"{where}: weight_zero is for W4A16 only")
-        if (self.weight_global is not None) != (self.scheme is QuantScheme.NVFP4):
-            raise InputError(f"{where}: weight_global (the per-expert global scales) is NVFP4's, and NVFP4 needs it")
+        if (self.weight_global is None) == (self.scheme is QuantScheme.NVFP4):
+            raise InputError(f"{where}: NVFP4 weights need weight_global (their per-expert global scales)")
         if self.input_global_scale is not None and self.scheme is not QuantScheme.NVFP4:
             raise InputError(f"{where}: input_global_scale is for NVFP4 rows")
-        if self.scheme is QuantScheme.W4A16:
-            self._validate_w4a16(where)
-        elif self.scheme.four_bit:
-            self._validate_fp4(where)
-        else:
-            scale = resolve(self.weight_scale)
-            k = self.in_features
-            block = (experts, -(-n_w // 128), -(-k // 128))
-            if scale.dtype != torch.float32 or tuple(scale.shape) not in ((experts, n_w), block):
-                raise InputError(f"{where}: weight_scale must be fp32 [{experts}, {n_w}] (per channel) or "
-                                 f"{list(block)} (128x128 blocks), got {scale.dtype} {tuple(scale.shape)}")
+        # The rows' dtype: 8-bit for W8A8, the scales' for W4A16 (a float dtype), else the layer's.
+        scale_dtype = resolve(self.weight_scale).dtype
+        rows = (self.scheme.weight_dtype if self.scheme in (QuantScheme.FP8_W8A8, QuantScheme.INT8_W8A8)
+                else scale_dtype if self.scheme is QuantScheme.W4A16 and scale_dtype in FLOAT_TORCH_DTYPES
+                else self.out_dtype.torch_dtype)
+        try:  # the kernel's own check of its weight operand
+            weight_operand(self.scheme.weight_format, weight, resolve(self.weight_scale),
+                           resolve(self.weight_zero) if self.weight_zero is not None else None,
+                           resolve(self.weight_global) if self.weight_global is not None else None,
+                           rows_dtype=rows)
+        except ValueError as error:
+            raise InputError(f"{where}: {error}") from None
+        experts, n_w = int(weight.shape[0]), int(weight.shape[1])
         if self.bias is not None and tuple(resolve(self.bias).shape) != (experts, n_w):
             raise InputError(f"{where}: bias must be [{experts}, {n_w}], got {tuple(resolve(self.bias).shape)}")
         if self.activation is not None and self.role is not GemmRole.GATE_UP:
@@ -214,39 +221,6 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             problem = self.output_quantizer.check_width(self.out_features)
             if problem is not None:
                 raise InputError(f"{where}: output_quantizer: {problem}")
-
-    def _validate_w4a16(self, where: str) -> None:
-        weight, scales = self._weight(), resolve(self.weight_scale)
-        experts, n_w, k = int(weight.shape[0]), int(weight.shape[1]), self.in_features
-        if scales.dim() != 3 or tuple(scales.shape[:2]) != (experts, n_w) or scales.dtype not in (
-                torch.bfloat16, torch.float16, torch.float32):
-            raise InputError(f"{where}: weight_scale must be [{experts}, {n_w}, K / G] in the activation "
-                             f"dtype, got {scales.dtype} {tuple(scales.shape)}")
-        groups = int(scales.shape[2])
-        group = k // groups if groups else 0
-        if not groups or k % groups or group < 16 or group & (group - 1):
-            raise InputError(f"{where}: weight_scale has {groups} groups for K={k}: the group size must be a "
-                             "power of two >= 16 (32, 64, 128)")
-        if self.weight_zero is not None:
-            zeros = resolve(self.weight_zero)
-            if zeros.dtype != torch.uint8 or zeros.shape != scales.shape:
-                raise InputError(f"{where}: weight_zero must be uint8 {tuple(scales.shape)}, got {zeros.dtype} "
-                                 f"{tuple(zeros.shape)}")
-
-    def _validate_fp4(self, where: str) -> None:
-        weight, scales = self._weight(), resolve(self.weight_scale)
-        experts, n_w, k = int(weight.shape[0]), int(weight.shape[1]), self.in_features
-        mx = self.scheme is QuantScheme.MXFP4
-        group, dtype = (MXFP4_GROUP, torch.uint8) if mx else (NVFP4_GROUP, torch.float8_e4m3fn)
-        want = (experts, n_w, k // group)
-        if k % group or tuple(scales.shape) != want or scales.dtype != dtype:
-            raise InputError(f"{where}: weight_scale must be {dtype} {list(want)} (one per {group} K-elements), "
-                             f"got {scales.dtype} {tuple(scales.shape)}")
-        if self.weight_global is not None:
-            global_scale = resolve(self.weight_global)
-            if global_scale.dtype != torch.float32 or tuple(global_scale.shape) != (experts,):
-                raise InputError(f"{where}: weight_global must be fp32 [{experts}], got {global_scale.dtype} "
-                                 f"{tuple(global_scale.shape)}")
 
     # -- contract -----------------------------------------------------------------------------------
 
@@ -306,16 +280,6 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
                                    apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED,
                                    alignment=self.configs.alignment())
 
-    def check(self, spec: Spec) -> list[Mismatch]:
-        found = super().check(spec)
-        # Each row dtype travels with its own scale layout (NVFP4 rows with block-16 scales).
-        if spec.dtype is DType.NVFP4 and spec.scale_layout is not ScaleLayout.NVFP4_BLOCK16:
-            found.append(Mismatch("scale_layout", spec.scale_layout, ScaleLayout.NVFP4_BLOCK16,
-                                  "NVFP4 rows carry e4m3 scales per 16 elements"))
-        if spec.dtype in FLOAT_DTYPES and spec.scale_layout is not ScaleLayout.NONE:
-            found.append(Mismatch("scale_layout", spec.scale_layout, ScaleLayout.NONE, "float rows carry no scales"))
-        return found
-
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):
             want = "/".join(sorted(d.value for d in self._activation_dtypes()))
@@ -335,11 +299,6 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     # -- run ----------------------------------------------------------------------------------------
 
-    def _fp8_group_epilogue(self) -> bool:
-        """Whether the epilogue itself quantizes to FP8 per 128-group (else a kernel runs after)."""
-        return (not self.scheme.four_bit and isinstance(self.output_quantizer, PerGroupQuantizer)
-                and self.out_features % GROUP_SIZE == 0)
-
     def gemm_config(self, alignment: BlockAlignment) -> GemmConfig:
         """The launch configuration for rows aligned by ``alignment`` (before the kernel's own fitting)."""
         gate_up, down = alignment.config.gate_up, alignment.config.down
@@ -351,17 +310,17 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             # dequantizing K-loop; narrow, deep tiles make 2x the programs with half the K-steps
             # (GPT-OSS MXFP4 at M=1: 85.7 us against 117.5; at M=8, 64 it is the other way round).
             busy = min(alignment.num_tokens * alignment.copies_per_row, self.configs.num_experts)
-            if busy * -(-self.out_features // 64) < 4 * 132:  # programs of 64-column tiles vs 4 per SM
+            if busy * -(-self.out_features // 64) < 4 * self._sms:  # programs of 64-column tiles vs 4 per SM
                 return GemmConfig(alignment.block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
-        return default_quant_config(self.scheme, alignment.block_m, wide_n=self._fp8_group_epilogue(),
+        # wide_n: the epilogue itself quantizes to FP8 per 128-group (else a kernel runs after the GEMM).
+        return default_quant_config(self.scheme, alignment.block_m, wide_n=self._fp8_epilogue,
                                     two_accumulators=glu)
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
         alignment = x.alignment
         config = self.gemm_config(alignment)
-        act, glu, interleaved, alpha, limit = activation_args(self.activation)
         nvfp4_rows = x.x.data.dtype == torch.uint8
-        fp8_out = self._fp8_group_epilogue() and config.block_n % GROUP_SIZE == 0
+        fp8_out = self._fp8_epilogue and config.block_n % GROUP_SIZE == 0
         out, out_scale = torch.ops.moeforge.moe_gemm(
             x.x.data, x.x.scale, self._weight(), resolve(self.weight_scale),
             resolve(self.weight_zero) if self.weight_zero is not None else None,
@@ -372,7 +331,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             1 if x.copy_major else alignment.copies_per_row,
             int(self.scheme.weight_format),
             self.input_global_scale if nvfp4_rows and self.input_global_scale is not None else 1.0,
-            act, glu, interleaved, alpha, limit, config.as_list(), self.out_dtype.torch_dtype, fp8_out)
+            *self._act, config.as_list(), self.out_dtype.torch_dtype, fp8_out)
         if fp8_out:
             return dataclasses.replace(x, x=Activations(out, out_scale), copy_major=True)
         if self.output_quantizer is not None:
