@@ -244,3 +244,18 @@ def test_a_training_step_compiles_with_the_backward_ops() -> None:
     torch.testing.assert_close(got_loss, eager)
     for g, w in zip([p.grad for p in t.values() if p.grad is not None], want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(mf.ActivationKind))
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_the_backward_reads_back_the_activation_the_forward_ran(kind: mf.ActivationKind, approximate: str) -> None:
+    """The backward rebuilds the activation from the kernels' arguments: every kind, layout and GELU form
+    comes back as it went in (the identity of an ungated GEMM as no activation)."""
+    from moeforge.kernels.activations import code_of, config_of
+
+    for layout in mf.GateUpLayout:
+        config = mf.ActivationConfig(kind, layout if kind.gated else mf.GateUpLayout.CONCATENATED, 1.5, 6.0,
+                                     approximate if kind in (mf.ActivationKind.GELU, mf.ActivationKind.GEGLU)
+                                     else "none")
+        back = config_of(code_of(config), config.gated, config.gate_up is mf.GateUpLayout.INTERLEAVED, 1.5, 6.0)
+        assert back == (None if kind is mf.ActivationKind.IDENTITY else config)

@@ -8,10 +8,37 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import triton
 import triton.language as tl
 
+from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout
+
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_GPT_OSS = 0, 1, 2, 3, 4, 5
+
+# Each kind's code; whether it is gated travels beside it (``glu``), and GELU's tanh form has its own code.
+_CODES = {ActivationKind.SWIGLU: ACT_SILU, ActivationKind.SILU: ACT_SILU, ActivationKind.GEGLU: ACT_GELU,
+          ActivationKind.GELU: ACT_GELU, ActivationKind.RELU2: ACT_RELU2, ActivationKind.GPT_OSS_SWIGLU: ACT_GPT_OSS,
+          ActivationKind.IDENTITY: ACT_NONE}
+
+
+def code_of(config: ActivationConfig) -> int:
+    """The kernels' code of an activation (``config.gated`` is passed beside it as ``glu``)."""
+    code = _CODES[config.kind]
+    return ACT_GELU_TANH if code == ACT_GELU and config.gelu_approximate == "tanh" else code
+
+
+def config_of(code: int, glu: bool, interleaved: bool, alpha: float, limit: float) -> Optional[ActivationConfig]:
+    """The activation the kernels' arguments describe (``None``: the identity of an ungated GEMM): the
+    inverse of :func:`code_of`."""
+    tanh = code == ACT_GELU_TANH
+    base = ACT_GELU if tanh else code
+    kind = next(kind for kind, kind_code in _CODES.items() if kind_code == base and kind.gated == glu)
+    if kind is ActivationKind.IDENTITY:
+        return None
+    layout = GateUpLayout.INTERLEAVED if interleaved else GateUpLayout.CONCATENATED
+    return ActivationConfig(kind, layout, alpha, limit, "tanh" if tanh else "none")
 
 
 @triton.jit

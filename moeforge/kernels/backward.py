@@ -33,23 +33,7 @@ import triton.language as tl
 from moeforge.errors import InputError
 from moeforge.kernels import activations as codes
 from moeforge.kernels.formats import WeightFormat
-from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout, apply_activation
-
-
-def activation_config(act: int, glu: bool, interleaved: bool, alpha: float, limit: float) -> Optional[ActivationConfig]:
-    """The :class:`ActivationConfig` of the kernels' activation arguments (``None``: no activation)."""
-    layout = GateUpLayout.INTERLEAVED if interleaved else GateUpLayout.CONCATENATED
-    if glu:
-        kinds = {codes.ACT_SILU: (ActivationKind.SWIGLU, "none"), codes.ACT_GELU: (ActivationKind.GEGLU, "none"),
-                 codes.ACT_GELU_TANH: (ActivationKind.GEGLU, "tanh"),
-                 codes.ACT_GPT_OSS: (ActivationKind.GPT_OSS_SWIGLU, "none")}
-    else:
-        if act == codes.ACT_NONE:
-            return None
-        kinds = {codes.ACT_SILU: (ActivationKind.SILU, "none"), codes.ACT_GELU: (ActivationKind.GELU, "none"),
-                 codes.ACT_GELU_TANH: (ActivationKind.GELU, "tanh"), codes.ACT_RELU2: (ActivationKind.RELU2, "none")}
-    kind, approximate = kinds[act]
-    return ActivationConfig(kind, layout, alpha, limit, approximate)
+from moeforge.stages.activation import apply_activation
 
 
 # -- expert weight gradient ---------------------------------------------------------------------------
@@ -159,7 +143,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     # The pre-activation rows, recomputed in fp32 ([copies, N_w], in the weight's row order).
     pre, _ = ops.moe_gemm(a, None, weight, None, None, None, bias, None, *route, p["rows_per_a"], 0, 1.0, 0, False,
                           False, 1.0, 0.0, config, torch.float32, False)
-    activation = activation_config(p["act"], p["glu"], p["interleaved"], p["alpha"], p["limit"])
+    activation = codes.config_of(p["act"], p["glu"], p["interleaved"], p["alpha"], p["limit"])
     with torch.enable_grad():
         pre_leaf = pre.detach().requires_grad_()
         weights_leaf = topk_weights.detach().float().requires_grad_() if topk_weights is not None else None

@@ -30,7 +30,7 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Mismatch, Stage, StageKind
-from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout
+from moeforge.stages.activation import ActivationConfig, GateUpLayout
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
 from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import TensorSource, resolve
@@ -48,17 +48,9 @@ def kernel_ops() -> ModuleType:
 
 
 def act_code(config: ActivationConfig) -> int:
-    from moeforge.kernels import activations as g
+    from moeforge.kernels.activations import code_of
 
-    if config.kind is ActivationKind.GPT_OSS_SWIGLU:
-        return g.ACT_GPT_OSS
-    if config.kind in (ActivationKind.SWIGLU, ActivationKind.SILU):
-        return g.ACT_SILU
-    if config.kind is ActivationKind.RELU2:
-        return g.ACT_RELU2
-    if config.kind is ActivationKind.IDENTITY:
-        return g.ACT_NONE
-    return g.ACT_GELU_TANH if config.gelu_approximate == "tanh" else g.ACT_GELU
+    return code_of(config)
 
 
 @attrs.frozen(eq=False)
