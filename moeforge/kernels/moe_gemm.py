@@ -44,6 +44,8 @@ import triton.language as tl
 
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
+from moeforge.kernels.dequant import (e2m1, e2m1_packed, e4m3, e8m0, e8m0_bf16, int4_offset, int4_packed,
+                                      interleave, nibbles)
 from moeforge.kernels.formats import NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat, weight_operand
 from moeforge.kernels.quantize import quantize_values, scale_of
 
@@ -81,21 +83,6 @@ def _load_packed(ptrs, ok, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _nibbles(packed, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The 4-bit codes ``[ROWS, BLOCK_K]`` of ``packed [ROWS, BLOCK_K // 2]``: byte j holds element
-    2j in its low nibble and 2j + 1 in its high nibble (join on a new last axis, flatten into K)."""
-    return tl.reshape(tl.join(packed & 0xF, packed >> 4), (ROWS, BLOCK_K))
-
-
-@triton.jit
-def _e2m1(packed, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The e2m1 values (fp32 ``[ROWS, BLOCK_K]``) of packed codes. Code bits ``s e e m`` placed at
-    fp32 bits 31 and 24..22 give ``value * 2**-126`` for normal and subnormal codes alike (e2m1's
-    exponent bias is 1, fp32's 127); one exact multiplication by ``2**126`` restores it."""
-    return _e2m1_codes(_nibbles(packed, ROWS, BLOCK_K))
-
-
-@triton.jit
 def _group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The raw scales of K-step ``k`` for ``ROWS`` rows whose scale pointers are ``s_ptrs``: ``[ROWS, 1]``
     when the step lies within one group (``GROUP`` a multiple of ``BLOCK_K``), else ``[ROWS, BLOCK_K]``
@@ -110,57 +97,43 @@ def _group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, ROWS: tl.con
 
 
 @triton.jit
-def _e8m0(s):
-    """E8M0 codes as fp32 powers of two ``2**(s - 127)``; code 0 is the subnormal ``2**-127``, 255 NaN."""
-    e = s.to(tl.uint32)
-    bits = tl.where(e == 0, e + 0x00400000, e << 23)
-    bits = tl.where(e == 255, e * 0 + 0x7FC00000, bits)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3(s):
-    """float8_e4m3fn codes (read as uint8) as fp32: bits ``s eeee mmm`` placed at fp32 bits 31 and
-    26..20 give ``value * 2**-120`` for normal and subnormal codes alike (bias 7 against 127); one
-    exact multiplication restores it; ``0x7F`` / ``0xFF`` are NaN. (Decoded by hand: one code path on
-    the GPU and in the interpreter, which cannot load fp8 with a masked default.)"""
-    e = s.to(tl.uint32)
-    bits = ((e & 0x80) << 24) | ((e & 0x7F) << 20)
-    value = bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
-    return tl.where((e & 0x7F) == 0x7F, float("nan"), value)
-
-
-@triton.jit
-def _e2m1_codes(codes):
-    """e2m1 codes (any int dtype, 0..15) as fp32 values (see :func:`_e2m1`)."""
-    c = codes.to(tl.uint32)
-    bits = ((c & 8) << 28) | ((c & 7) << 22)
-    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
-
-
-@triton.jit
 def _packed_weight_tile(b_ptrs, s_ptrs, z_ptrs, k, n_ok, K, stride_sg, stride_zg, DTYPE: tl.constexpr,
                         B_FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                        EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K]`` tile of K-step ``k`` of a 4-bit weight, dequantized to ``DTYPE``.
+                        EVEN_K: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` tile of K-step ``k`` of a 4-bit weight, dequantized to ``DTYPE``
+    (:mod:`moeforge.kernels.dequant`; ``PTX``: the packed decoding).
 
     ``b_ptrs [BLOCK_N, BLOCK_K // 2]`` point at the step's packed bytes (K contiguous: wide loads),
     ``s_ptrs`` / ``z_ptrs [BLOCK_N]`` at the columns' first scale / zero point."""
     packed = _load_packed(b_ptrs, n_ok, k, K, BLOCK_K, EVEN_K)
+    if PTX:
+        # one scale (and offset) per byte: the groups counted in bytes
+        s = _group_scales(s_ptrs, n_ok, k, K // 2, stride_sg, GROUP // 2, BLOCK_N, BLOCK_K // 2)
+        if B_FMT == 3:
+            if HAS_ZEROS:
+                z = _group_scales(z_ptrs, n_ok, k, K // 2, stride_zg, GROUP // 2, BLOCK_N, BLOCK_K // 2)
+            else:
+                z = tl.full([BLOCK_N, 1], 8, tl.uint8)
+            lo, hi = int4_packed(packed, s, int4_offset(z, DTYPE), DTYPE)
+        elif B_FMT == 4:
+            lo, hi = e2m1_packed(packed, e8m0_bf16(s), DTYPE)
+        else:
+            lo, hi = e2m1_packed(packed, e4m3(s).to(DTYPE), DTYPE)
+        return interleave(lo, hi, BLOCK_N, BLOCK_K)
     s = _group_scales(s_ptrs, n_ok, k, K, stride_sg, GROUP, BLOCK_N, BLOCK_K)
     if B_FMT == 3:
         # INT4: (q - z) is an integer in [-15, 15], exact in every float dtype; one rounding in the
         # product with the scale (stored in the rows' dtype).
-        q = _nibbles(packed, BLOCK_N, BLOCK_K).to(s.dtype)
+        q = nibbles(packed, BLOCK_N, BLOCK_K).to(s.dtype)
         if HAS_ZEROS:
             z = _group_scales(z_ptrs, n_ok, k, K, stride_zg, GROUP, BLOCK_N, BLOCK_K)
             w = (q - z.to(s.dtype)) * s
         else:
             w = (q - 8.0) * s
     elif B_FMT == 4:
-        w = (_e2m1(packed, BLOCK_N, BLOCK_K) * _e8m0(s)).to(DTYPE)
+        w = (e2m1(packed, BLOCK_N, BLOCK_K) * e8m0(s)).to(DTYPE)
     else:
-        w = (_e2m1(packed, BLOCK_N, BLOCK_K) * _e4m3(s)).to(DTYPE)
+        w = (e2m1(packed, BLOCK_N, BLOCK_K) * e4m3(s)).to(DTYPE)
     return w
 
 
@@ -230,7 +203,7 @@ def moe_gemm_kernel(
     A_FMT: tl.constexpr, A_SCALE: tl.constexpr, B_FMT: tl.constexpr, B_BLOCKED: tl.constexpr,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile(N, BLOCK_N, GROUP_M)
@@ -295,8 +268,13 @@ def moe_gemm_kernel(
         # -- the rows' tile [BLOCK_M, BLOCK_K] (NVFP4 rows dequantized to the compute dtype)
         if A_FMT == 3:
             packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
-            sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_M, BLOCK_K)
-            a = (_e2m1(packed, BLOCK_M, BLOCK_K) * _e4m3(sa)).to(DTYPE)
+            if PTX:
+                sa = _group_scales(a_scale_rows, row_ok, k, K // 2, stride_ask, 8, BLOCK_M, BLOCK_K // 2)
+                lo, hi = e2m1_packed(packed, e4m3(sa).to(DTYPE), DTYPE)
+                a = interleave(lo, hi, BLOCK_M, BLOCK_K)
+            else:
+                sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_M, BLOCK_K)
+                a = (e2m1(packed, BLOCK_M, BLOCK_K) * e4m3(sa)).to(DTYPE)
             a_ptrs += (BLOCK_K // 2) * stride_ak
         else:
             if EVEN_K:
@@ -307,10 +285,10 @@ def moe_gemm_kernel(
         if B_FMT >= 3:
             # -- 4-bit weights, dequantized in registers
             b = _packed_weight_tile(b_gate, s_gate, z_gate, k, n_ok, K, stride_bsk, stride_bzk, DTYPE,
-                                    B_FMT, GROUP, HAS_ZEROS, EVEN_K, BLOCK_N, BLOCK_K)
+                                    B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, BLOCK_N, BLOCK_K)
             if GLU:
                 bu = _packed_weight_tile(b_up, s_up, z_up, k, n_ok, K, stride_bsk, stride_bzk, DTYPE,
-                                         B_FMT, GROUP, HAS_ZEROS, EVEN_K, BLOCK_N, BLOCK_K)
+                                         B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, BLOCK_N, BLOCK_K)
             b_gate += b_step
             b_up += b_step
             if SWAP:
@@ -447,6 +425,16 @@ def fit_config(config: GemmConfig, compute_bytes: int, *, packed: bool, per_k_sc
     return fitted
 
 
+def packed_decoding(device: torch.device, compute_dtype: torch.dtype, weight_format: WeightFormat) -> bool:
+    """Whether 4-bit operands computed in ``compute_dtype`` on ``device`` can use the packed inline-PTX
+    decoding: NVIDIA GPUs, bf16 or fp16 (MXFP4's E8M0 scales need bf16's range)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if compute_dtype == torch.bfloat16:
+        return True
+    return compute_dtype == torch.float16 and weight_format is not WeightFormat.MXFP4
+
+
 def glu_strides(glu: bool, interleaved: bool, n_out: int) -> tuple[int, int]:
     """``(gate_stride, up_offset)``: the weight row of output column n's gate is ``n * gate_stride``,
     its up row ``n * gate_stride + up_offset`` ([gate | up] or interleaved g0 u0 g1 u1 ...)."""
@@ -480,6 +468,7 @@ def moe_gemm(
     limit: float = 7.0,
     out_scale: Optional[torch.Tensor] = None,
     swap: Optional[bool] = None,
+    ptx: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
     copy of ``sorted_ids`` (see the module docstring for the formats).
@@ -495,6 +484,8 @@ def moe_gemm(
     warpgroup MMA along N): on an H100 it takes the MXFP4 down GEMM of GPT-OSS at M=64 from 561 to
     478 us, and slows the gate/up GEMM (two weight tiles per step) at M=1 and M=1024
     (``benchmarks/sweep_fp4_tiles.py``).
+    ``ptx`` (4-bit operands): decode them with the packed inline-PTX conversion
+    (:mod:`moeforge.kernels.dequant`); by default wherever it applies (:func:`packed_decoding`).
     """
     weight_format = WeightFormat(weight_format)
     row_format = RowFormat.of(a.dtype)
@@ -522,6 +513,11 @@ def moe_gemm(
                       or n_out % SCALE_BLOCK):
         raise ValueError(f"FP8 output quantization in the epilogue is for 8-bit GEMMs with block_n and N "
                          f"multiples of 128, got {weight_format.name}, {config.block_n} and {n_out}")
+    compute_dtype = out.dtype if row_format is RowFormat.NVFP4 else a.dtype
+    can_ptx = packed_decoding(a.device, compute_dtype, weight_format)
+    if ptx and not can_ptx:
+        raise ValueError(f"the packed 4-bit decoding runs on NVIDIA GPUs in bf16/fp16 (MXFP4 in bf16), got "
+                         f"{a.device.type} {compute_dtype} {weight_format.name}")
     if num_copies == 0 or n_out == 0:
         return out
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
@@ -556,6 +552,7 @@ def moe_gemm(
         # fp32 operands: full-precision products, so fp32 layers match the reference to ~1e-6.
         PRECISION="ieee" if compute_bytes == 4 else "tf32",
         SWAP=weight_format.packed and (swap if swap is not None else not glu and config.block_n >= 64),
+        PTX=can_ptx if ptx is None else ptx,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
