@@ -47,11 +47,21 @@ def weight(fmt: str, n: int, k: int) -> dict[str, Any]:
     return dict(weight=packed, weight_format=WeightFormat.INT4, weight_scale=scale)
 
 
+def ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", default="mxfp4")
     parser.add_argument("--tokens", default="1,64,1024")
     parser.add_argument("--roles", default="gate_up,down")
+    parser.add_argument("--block-m", default="", help="row blocks to try (default: 16, or 16,32,64 past 4 rows "
+                        "per expert)")
+    parser.add_argument("--block-n", default="16,32,64,128")
+    parser.add_argument("--block-k", default="64,128")
+    parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--swap", default="0,1")
     args = parser.parse_args()
     read_bw = 2.95e12  # bytes/s, the H100 read bandwidth bench_moe.py measures
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
@@ -63,6 +73,8 @@ def main() -> None:
             used = int(torch.unique(ids).numel())
             rows_per_expert = tokens * TOP_K / E
             block_ms = (16,) if rows_per_expert <= 4 else (16, 32, 64)
+            if args.block_m:
+                block_ms = tuple(int(b) for b in args.block_m.split(","))
             for role in args.roles.split(","):
                 op = operands[role]
                 glu = role == "gate_up"
@@ -72,8 +84,9 @@ def main() -> None:
                 bytes_used = used * op["weight"][0].numel() * (1 + (1 / 16 if fmt == "mxfp4" else 1 / 8))
                 for bm in block_ms:
                     plan = align.align_block_size(ids, E, bm)
-                    for bn, swap, bk, warps, stages in itertools.product((16, 32, 64, 128), (False, True), (64, 128),
-                                                                         (4, 8), (3,)):
+                    for bn, swap, bk, warps, stages in itertools.product(
+                            ints(args.block_n), (bool(s) for s in ints(args.swap)), ints(args.block_k),
+                            ints(args.warps), (3,)):
                         config = GemmConfig(bm, bn, bk, 8 if bm >= 32 else 1, warps, stages)
                         try:
                             us = time_graph(lambda: moe_gemm.moe_gemm(
