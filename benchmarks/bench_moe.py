@@ -15,7 +15,7 @@ graph replays with the L2 flushed before every replay, on random (never zero) bf
 
 With ``--quant fp8,w4a16,mxfp4,nvfp4`` it also times the ``experts`` span of quantized layers on the
 same shapes and M grid — FP8 W8A8 (128x128 block weights, per-128-group activations quantized before
-the dispatch, DeepSeek-V3 style), W4A16 (int4, group 128, zero points), MXFP4 (GPT-OSS's format) and
+the dispatch, DeepSeek-V3 style), W4A16 (int4, group 128 or the largest of 64 / 32 dividing the sizes, zero points), MXFP4 (GPT-OSS's format) and
 NVFP4 (weights only, bf16 activations) — records ``experts_<quant>`` with the speedup over the bf16
 ``experts`` of the same run, against a roofline computed from the quantized weight bytes (scales and
 zero points included) and, for FP8, the fp8 matmul peak.
@@ -216,11 +216,16 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, read_bw: f
     return records
 
 
-QUANT_METHODS: dict[str, Callable[[], mf.QuantMethod]] = {
-    "fp8": lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
-    "w4a16": lambda: mf.W4A16Method(group_size=128, zero_points=True),
-    "mxfp4": lambda: mf.Mxfp4Method(),
-    "nvfp4": lambda: mf.Nvfp4Method(),
+def w4a16_group(hidden: int, inter: int) -> int:
+    """128, or the largest of 64 / 32 that divides both sizes (GPT-OSS's 2880 takes 64)."""
+    return next(g for g in (128, 64, 32) if hidden % g == 0 and inter % g == 0)
+
+
+QUANT_METHODS: dict[str, Callable[[int, int], mf.QuantMethod]] = {
+    "fp8": lambda h, i: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
+    "w4a16": lambda h, i: mf.W4A16Method(group_size=w4a16_group(h, i), zero_points=True),
+    "mxfp4": lambda h, i: mf.Mxfp4Method(),
+    "nvfp4": lambda h, i: mf.Nvfp4Method(),
 }
 
 
@@ -250,7 +255,8 @@ def quant_weight_bytes(quant: str, hidden: int, inter: int) -> float:
 def bench_quant(name: str, quant: str, tokens_list: tuple[int, ...], bf16_us: dict[int, float], peak: float,
                 bw: float, flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
     experts, top_k, hidden, inter = SHAPES[name]
-    layer = mf.MoELayer(experts, top_k, hidden, inter, quant=QUANT_METHODS[quant](), dtype=torch.bfloat16,
+    layer = mf.MoELayer(experts, top_k, hidden, inter, quant=QUANT_METHODS[quant](hidden, inter),
+                        dtype=torch.bfloat16,
                         device="cuda", backend="triton")
     experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
     records = []

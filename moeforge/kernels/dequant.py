@@ -10,21 +10,24 @@ Two decodings of the same values, chosen by a compile-time flag of the GEMM:
   dtype. About a dozen 32-bit instructions per element; on an H100 this, not HBM, bounds the FP4
   GEMMs (``docs/kernels.md``).
 * **packed** (NVIDIA, ``tl.inline_asm_elementwise``): one instruction sequence turns a 32-bit word of
-  8 nibbles into 8 values held as four ``bf16x2`` / ``f16x2`` registers. Each 16-bit lane receives one
-  byte (``prmt``); the nibble's bits are moved to their place in the 16-bit pattern with a mask, one
-  integer multiply (two non-overlapping shifts added) and a mask, and the scale is applied with
-  packed half-precision FMAs. About 2.75 instructions per element for e2m1, 2 for INT4.
+  8 nibbles into 8 values held as four ``bf16x2`` / ``f16x2`` registers, each the pair of K-adjacent
+  elements of one byte (the pairing of the MMA's operand registers). The low and high nibbles are
+  split with two masks and a shift, each byte's two nibbles go to the two 16-bit lanes with one
+  ``prmt``, their bits move to their place in the 16-bit pattern with one integer multiply (two
+  non-overlapping shifts added) and a mask, and the scale is applied with packed half-precision FMAs.
+  About 2.9 instructions per e2m1 element, 2.1 per INT4 element.
 
 Both are exact where the portable one is: an e2m1 value times an E8M0 scale (bf16) or an e4m3 scale
 (bf16 or fp16) is representable, so the only rounding is the MMA's accumulation; an INT4 ``(q - z)``
 is a small integer, times a scale in the compute dtype rounded once. The packed e2m1 decoding
 writes the bit pattern of ``value * 2**-126`` (bf16) or ``value * 2**-14`` (fp16) and multiplies by
-the power of two exactly (subnormal halves included), as the portable one does in fp32. MXFP4 with
+the power of two exactly (subnormal halves included), as the portable one does in fp32. Scales are
+decoded once per group, then broadcast. MXFP4 with
 an fp16 compute dtype stays portable: E8M0 scales span beyond fp16's range.
 
 Elements: byte ``j`` of a packed row holds element ``2j`` in its low nibble and ``2j + 1`` in its
-high nibble. The packed decoders return the low-nibble and high-nibble values as two tensors of the
-packed shape; :func:`interleave` puts them back in K order.
+high nibble. The packed decoders return one int32 pair per byte; :func:`unpair` splits them in K
+order.
 """
 
 from __future__ import annotations
@@ -40,13 +43,6 @@ def nibbles(packed, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The 4-bit codes ``[ROWS, BLOCK_K]`` of ``packed [ROWS, BLOCK_K // 2]`` (join on a new last
     axis, flatten into K)."""
     return tl.reshape(tl.join(packed & 0xF, packed >> 4), (ROWS, BLOCK_K))
-
-
-@triton.jit
-def interleave(lo, hi, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``[ROWS, BLOCK_K]`` in K order from the values of the low and the high nibbles
-    ``[ROWS, BLOCK_K // 2]``."""
-    return tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K))
 
 
 @triton.jit
@@ -98,60 +94,61 @@ def e8m0_bf16(s):
 
 # -- packed decoding (inline PTX) ------------------------------------------------------------------
 #
-# Operands of one invocation (pack=4): $4 holds 4 packed bytes b0..b3; $5, $6 the scales of bytes
-# (0, 1) and (2, 3) as half2; INT4 also $7, $8 the offsets -(128 + z) or -(1024 + z) the same way.
-# Results: $0, $1 the low nibbles' values of bytes (0, 1), (2, 3); $2, $3 the high nibbles'.
-# prmt 0x4140 / 0x4342 put bytes (0, 1) / (2, 3) into the low byte of each 16-bit lane.
+# One invocation (pack=4) reads 4 packed bytes b0..b3 in $4 and writes, for each byte j, the half2 pair
+# (value of its low nibble, value of its high nibble) in $j: the two elements 2j, 2j + 1 in K order, as
+# one 32-bit register -- the pairing the MMA's operand registers hold. $5..$8 are the bytes' scales as
+# half2 pairs (s, s); INT4 also $9..$12 its offsets -(bias + z) the same way.
+# a = the low nibbles (bytes' bits 0-3), b = the high nibbles moved there; prmt with selector
+# (0x8480 | j * 0x0101) puts a's byte j in the low lane and b's byte j in the high lane (selector 8
+# copies the sign of a's byte 0, which is 0: a zero byte).
 
-_SPREAD = """
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
+_SPLIT = """
+and.b32 a, $4, 0x0F0F0F0F;
+shr.u32 b, $4, 4;
+and.b32 b, b, 0x0F0F0F0F;
 """
 
-# e2m1 to bf16: the low nibble's magnitude bits 0-2 go to bits 6-8 and its sign bit 3 to bit 15, i.e.
-# (u << 6) + (u << 12) masked (the two shifted copies do not overlap); the high nibble (bits 4-7) the
-# same with shifts 2 and 8. The pattern is value * 2**-126: times 2**126 (0x7E80), then the scale.
-_E2M1_BF16 = "{\n.reg .b32 t0, t1, u, x, k, nz;\nmov.b32 k, 0x7E807E80;\nmov.b32 nz, 0x80008000;\n" + _SPREAD + "".join(
-    f"""
-and.b32 u, {t}, {mask};
-mul.lo.u32 x, u, {mul};
+
+def _per_byte(body: str) -> str:
+    """``body`` for each of the 4 bytes, with ``{sel}``, ``{out}``, ``{scale}``, ``{offset}`` filled in."""
+    return "".join(body.format(sel=hex(0x8480 + j * 0x0101), out=f"$${j}", scale=f"$${5 + j}",
+                               offset=f"$${9 + j}").replace("$$", "$") for j in range(4))
+
+
+# e2m1 to bf16: the magnitude bits 0-2 of each lane go to bits 6-8 and the sign bit 3 to bit 15, i.e.
+# (x << 6) + (x << 12) masked (the two shifted copies do not overlap): the pattern of value * 2**-126;
+# times 2**126 (0x7E80), then the scale.
+_E2M1_BF16 = "{\n.reg .b32 a, b, x, k, nz;\nmov.b32 k, 0x7E807E80;\nmov.b32 nz, 0x80008000;\n" + _SPLIT + _per_byte("""
+prmt.b32 x, a, b, {sel};
+mul.lo.u32 x, x, 0x1040;
 and.b32 x, x, 0x81C081C0;
 fma.rn.bf16x2 x, x, k, nz;
 fma.rn.bf16x2 {out}, x, {scale}, nz;
-""" for out, t, mask, mul, scale in (("$0", "t0", "0x000F000F", "0x1040", "$5"), ("$1", "t1", "0x000F000F", "0x1040", "$6"),
-                                     ("$2", "t0", "0x00F000F0", "0x104", "$5"), ("$3", "t1", "0x00F000F0", "0x104", "$6"))
-) + "}"
+""") + "}"
 
 # e2m1 to fp16: magnitude to bits 9-11, sign to bit 15 (shifts 9 and 12 overlap at bit 12, so
-# (a | b) & mask, one lop3); the pattern is value * 2**-14: times 2**14 (0x7400), then the scale.
-_E2M1_F16 = "{\n.reg .b32 t0, t1, u, a, b, x, k, nz;\nmov.b32 k, 0x74007400;\nmov.b32 nz, 0x80008000;\n" + _SPREAD + "".join(
-    f"""
-and.b32 u, {t}, {mask};
-shl.b32 a, u, {sa};
-shl.b32 b, u, {sb};
-or.b32 x, a, b;
+# (x << 9 | x << 12) & mask); the pattern of value * 2**-14: times 2**14 (0x7400), then the scale.
+_E2M1_F16 = "{\n.reg .b32 a, b, x, y, k, nz;\nmov.b32 k, 0x74007400;\nmov.b32 nz, 0x80008000;\n" + _SPLIT + _per_byte("""
+prmt.b32 x, a, b, {sel};
+shl.b32 y, x, 12;
+shl.b32 x, x, 9;
+or.b32 x, x, y;
 and.b32 x, x, 0x8E008E00;
 fma.rn.f16x2 x, x, k, nz;
 fma.rn.f16x2 {out}, x, {scale}, nz;
-""" for out, t, mask, sa, sb, scale in (("$0", "t0", "0x000F000F", 9, 12, "$5"), ("$1", "t1", "0x000F000F", 9, 12, "$6"),
-                                        ("$2", "t0", "0x00F000F0", 5, 8, "$5"), ("$3", "t1", "0x00F000F0", 5, 8, "$6"))
-) + "}"
+""") + "}"
 
 
 def _int4(bias: str, one: str, kind: str) -> str:
     """INT4 to bf16 / fp16: the nibble ORed into the mantissa of ``bias`` (128.0 in bf16, 1024.0 in
     fp16) is ``bias + q`` exactly; plus the offset ``-(bias + z)`` (exact), times the scale."""
-    return "{\n.reg .b32 t0, t1, x, k, nz;\n" + f"mov.b32 k, {one};\nmov.b32 nz, 0x80008000;\n" + _SPREAD + "".join(
-        f"""
-{pre}
-and.b32 x, {src}, 0x000F000F;
+    return ("{\n.reg .b32 a, b, x, k, nz;\n" + f"mov.b32 k, {one};\nmov.b32 nz, 0x80008000;\n" + _SPLIT
+            + _per_byte(f"""
+prmt.b32 x, a, b, {{sel}};
 or.b32 x, x, {bias};
-fma.rn.{kind} x, x, k, {off};
-fma.rn.{kind} {out}, x, {scale}, nz;
-""" for out, pre, src, off, scale in (("$0", "", "t0", "$7", "$5"), ("$1", "", "t1", "$8", "$6"),
-                                      ("$2", "shr.u32 x, t0, 4;", "x", "$7", "$5"),
-                                      ("$3", "shr.u32 x, t1, 4;", "x", "$8", "$6"))
-    ) + "}"
+fma.rn.{kind} x, x, k, {{offset}};
+fma.rn.{kind} {{out}}, x, {{scale}}, nz;
+""") + "}")
 
 
 # (tl.constexpr: the only kind of global a jitted function may read)
@@ -162,33 +159,50 @@ INT4_F16 = tl.constexpr(_int4("0x64006400", "0x3C003C00", "f16x2"))
 
 
 @triton.jit
-def e2m1_packed(packed, scale, DTYPE: tl.constexpr):
-    """``(lo, hi)``: the values of the low and high nibbles of ``packed`` (uint8) times ``scale``
-    (``DTYPE``, broadcast to ``packed``'s shape: one scale per byte), in ``DTYPE`` (bf16 / fp16)."""
-    if DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise(E2M1_BF16, "=r,=r,=r,=r,r,r,r", [packed, scale],
-                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        return tl.inline_asm_elementwise(E2M1_F16, "=r,=r,=r,=r,r,r,r", [packed, scale],
-                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+def half_pairs(x):
+    """16-bit values ``x`` as int32 pairs ``(x, x)``: the scale and offset operands of the decoders."""
+    bits = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+    return (bits | (bits << 16)).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def int4_packed(packed, scale, offset, DTYPE: tl.constexpr):
-    """``(lo, hi)``: ``(q - z) * scale`` of the low and high nibbles of ``packed`` (uint8), in ``DTYPE``
-    (bf16 / fp16); ``offset`` is ``-(INT4_BIAS + z)`` in ``DTYPE`` (see :func:`int4_offset`), ``scale``
-    and ``offset`` broadcast to ``packed``'s shape."""
+def e2m1_pairs(packed, scale_pairs, DTYPE: tl.constexpr):
+    """int32 ``[R, KB]``: for each byte of ``packed [R, KB]`` (uint8) the ``DTYPE`` (bf16 / fp16) pair
+    of its low and high nibbles' e2m1 values times the byte's scale (``scale_pairs``: :func:`half_pairs`
+    of ``DTYPE`` scales, broadcast to ``packed``'s shape)."""
     if DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise(INT4_BF16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale, offset],
-                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(E2M1_BF16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
+                                         dtype=tl.int32, is_pure=True, pack=4)
     else:
-        return tl.inline_asm_elementwise(INT4_F16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale, offset],
-                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(E2M1_F16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
+                                         dtype=tl.int32, is_pure=True, pack=4)
+
+
+@triton.jit
+def int4_pairs(packed, scale_pairs, offset_pairs, DTYPE: tl.constexpr):
+    """int32 ``[R, KB]``: for each byte the ``DTYPE`` pair of ``(q - z) * scale`` of its two nibbles;
+    ``offset_pairs`` are :func:`half_pairs` of :func:`int4_offset`."""
+    if DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(INT4_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                         [packed, scale_pairs, offset_pairs], dtype=tl.int32, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(INT4_F16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                         [packed, scale_pairs, offset_pairs], dtype=tl.int32, is_pure=True, pack=4)
+
+
+@triton.jit
+def unpair(pairs, DTYPE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[ROWS, BLOCK_K]`` ``DTYPE`` values in K order from the pairs ``[ROWS, BLOCK_K // 2]`` (low
+    half first)."""
+    bits = pairs.to(tl.uint32, bitcast=True)
+    lo = (bits & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True)
+    hi = (bits >> 16).to(tl.uint16).to(DTYPE, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (ROWS, BLOCK_K))
 
 
 @triton.jit
 def int4_offset(z, DTYPE: tl.constexpr):
-    """The offset :func:`int4_packed` adds for zero points ``z`` (any int dtype): ``-(128 + z)`` in
+    """The offset :func:`int4_pairs` adds for zero points ``z`` (any int dtype): ``-(128 + z)`` in
     bf16, ``-(1024 + z)`` in fp16 (exact)."""
     if DTYPE == tl.bfloat16:
         return -(z.to(DTYPE) + 128.0)

@@ -44,8 +44,8 @@ import triton.language as tl
 
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
-from moeforge.kernels.dequant import (e2m1, e2m1_packed, e4m3, e8m0, e8m0_bf16, int4_offset, int4_packed,
-                                      interleave, nibbles)
+from moeforge.kernels.dequant import (e2m1, e2m1_pairs, e4m3, e8m0, e8m0_bf16, half_pairs, int4_offset, int4_pairs,
+                                      nibbles, unpair)
 from moeforge.kernels.formats import NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat, weight_operand
 from moeforge.kernels.quantize import quantize_values, scale_of
 
@@ -83,16 +83,26 @@ def _load_packed(ptrs, ok, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The raw scales of K-step ``k`` for ``ROWS`` rows whose scale pointers are ``s_ptrs``: ``[ROWS, 1]``
-    when the step lies within one group (``GROUP`` a multiple of ``BLOCK_K``), else ``[ROWS, BLOCK_K]``
-    (``BLOCK_K // GROUP`` groups loaded side by side, each repeated ``GROUP`` times)."""
+def _group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The raw scales of K-step ``k`` for the rows whose scale pointers are ``s_ptrs`` (``ok``: the rows
+    that exist): ``[ROWS, 1]`` when the step lies within one group (``GROUP`` a multiple of
+    ``BLOCK_K``), else ``[ROWS, BLOCK_K // GROUP]`` (see :func:`_spread`)."""
     if BLOCK_K <= GROUP:
         g = (k * BLOCK_K) // GROUP
         return tl.load(s_ptrs + g * stride_sg, mask=ok, other=0)[:, None]
     else:
         g = k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
-        s = tl.load(s_ptrs[:, None] + g[None, :] * stride_sg, mask=ok[:, None] & (g < K // GROUP)[None, :], other=0)
+        return tl.load(s_ptrs[:, None] + g[None, :] * stride_sg, mask=ok[:, None] & (g < K // GROUP)[None, :],
+                       other=0)
+
+
+@triton.jit
+def _spread(s, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per-group values ``s`` of :func:`_group_scales` (decoded once per group) for every element:
+    ``[ROWS, 1]`` stays (it broadcasts), ``[ROWS, BLOCK_K // GROUP]`` repeats each ``GROUP`` times."""
+    if BLOCK_K <= GROUP:
+        return s
+    else:
         return tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, BLOCK_K // GROUP, GROUP)), (ROWS, BLOCK_K))
 
 
@@ -107,33 +117,36 @@ def _packed_weight_tile(b_ptrs, s_ptrs, z_ptrs, k, n_ok, K, stride_sg, stride_zg
     ``s_ptrs`` / ``z_ptrs [BLOCK_N]`` at the columns' first scale / zero point."""
     packed = _load_packed(b_ptrs, n_ok, k, K, BLOCK_K, EVEN_K)
     if PTX:
-        # one scale (and offset) per byte: the groups counted in bytes
-        s = _group_scales(s_ptrs, n_ok, k, K // 2, stride_sg, GROUP // 2, BLOCK_N, BLOCK_K // 2)
+        # one scale (and offset) pair per byte: the groups counted in bytes
+        s = _group_scales(s_ptrs, n_ok, k, K // 2, stride_sg, GROUP // 2, BLOCK_K // 2)
         if B_FMT == 3:
             if HAS_ZEROS:
-                z = _group_scales(z_ptrs, n_ok, k, K // 2, stride_zg, GROUP // 2, BLOCK_N, BLOCK_K // 2)
+                z = _group_scales(z_ptrs, n_ok, k, K // 2, stride_zg, GROUP // 2, BLOCK_K // 2)
             else:
                 z = tl.full([BLOCK_N, 1], 8, tl.uint8)
-            lo, hi = int4_packed(packed, s, int4_offset(z, DTYPE), DTYPE)
+            pairs = int4_pairs(packed, _spread(half_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2),
+                               _spread(half_pairs(int4_offset(z, DTYPE)), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         elif B_FMT == 4:
-            lo, hi = e2m1_packed(packed, e8m0_bf16(s), DTYPE)
+            pairs = e2m1_pairs(packed, _spread(half_pairs(e8m0_bf16(s)), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         else:
-            lo, hi = e2m1_packed(packed, e4m3(s).to(DTYPE), DTYPE)
-        return interleave(lo, hi, BLOCK_N, BLOCK_K)
-    s = _group_scales(s_ptrs, n_ok, k, K, stride_sg, GROUP, BLOCK_N, BLOCK_K)
+            pairs = e2m1_pairs(packed, _spread(half_pairs(e4m3(s).to(DTYPE)), GROUP // 2, BLOCK_N, BLOCK_K // 2),
+                               DTYPE)
+        return unpair(pairs, DTYPE, BLOCK_N, BLOCK_K)
+    s = _group_scales(s_ptrs, n_ok, k, K, stride_sg, GROUP, BLOCK_K)
     if B_FMT == 3:
         # INT4: (q - z) is an integer in [-15, 15], exact in every float dtype; one rounding in the
         # product with the scale (stored in the rows' dtype).
         q = nibbles(packed, BLOCK_N, BLOCK_K).to(s.dtype)
         if HAS_ZEROS:
-            z = _group_scales(z_ptrs, n_ok, k, K, stride_zg, GROUP, BLOCK_N, BLOCK_K)
-            w = (q - z.to(s.dtype)) * s
+            z = _group_scales(z_ptrs, n_ok, k, K, stride_zg, GROUP, BLOCK_K)
+            q = q - _spread(z.to(s.dtype), GROUP, BLOCK_N, BLOCK_K)
         else:
-            w = (q - 8.0) * s
+            q = q - 8.0
+        w = q * _spread(s, GROUP, BLOCK_N, BLOCK_K)
     elif B_FMT == 4:
-        w = (e2m1(packed, BLOCK_N, BLOCK_K) * e8m0(s)).to(DTYPE)
+        w = (e2m1(packed, BLOCK_N, BLOCK_K) * _spread(e8m0(s), GROUP, BLOCK_N, BLOCK_K)).to(DTYPE)
     else:
-        w = (e2m1(packed, BLOCK_N, BLOCK_K) * e4m3(s)).to(DTYPE)
+        w = (e2m1(packed, BLOCK_N, BLOCK_K) * _spread(e4m3(s), GROUP, BLOCK_N, BLOCK_K)).to(DTYPE)
     return w
 
 
@@ -269,12 +282,12 @@ def moe_gemm_kernel(
         if A_FMT == 3:
             packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
             if PTX:
-                sa = _group_scales(a_scale_rows, row_ok, k, K // 2, stride_ask, 8, BLOCK_M, BLOCK_K // 2)
-                lo, hi = e2m1_packed(packed, e4m3(sa).to(DTYPE), DTYPE)
-                a = interleave(lo, hi, BLOCK_M, BLOCK_K)
+                sa = _group_scales(a_scale_rows, row_ok, k, K // 2, stride_ask, 8, BLOCK_K // 2)
+                pairs = e2m1_pairs(packed, _spread(half_pairs(e4m3(sa).to(DTYPE)), 8, BLOCK_M, BLOCK_K // 2), DTYPE)
+                a = unpair(pairs, DTYPE, BLOCK_M, BLOCK_K)
             else:
-                sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_M, BLOCK_K)
-                a = (e2m1(packed, BLOCK_M, BLOCK_K) * e4m3(sa)).to(DTYPE)
+                sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_K)
+                a = (e2m1(packed, BLOCK_M, BLOCK_K) * _spread(e4m3(sa), 16, BLOCK_M, BLOCK_K)).to(DTYPE)
             a_ptrs += (BLOCK_K // 2) * stride_ak
         else:
             if EVEN_K:
