@@ -14,14 +14,16 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import attrs
 import pytest
 import torch
 
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import moeforge as mf  # noqa: E402
 from moeforge.kernels import align, moe_gemm  # noqa: E402
-from moeforge.kernels.config import GemmConfig  # noqa: E402
+from moeforge.kernels.config import ConfigTable, GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.quant.fp4 import dequantize_mxfp4, dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
 from moeforge.stages.triton import act_code  # noqa: E402
@@ -188,3 +190,24 @@ def test_asking_for_the_packed_decoding_where_it_cannot_run_is_a_value_error() -
     with pytest.raises(ValueError, match="packed 4-bit decoding"):
         moe_gemm.moe_gemm(x, packed, out, *align.align_block_size(ids, 2, 16), rows_per_a=1,
                           config=TILES["16x32x64"], weight_format=WeightFormat.MXFP4, weight_scale=scales, ptx=True)
+
+
+def test_four_bit_methods_align_to_64_row_blocks_once_a_batch_fills_half_of_one() -> None:
+    """``ConfigTable.dequant_block_m``: a batch with >= 32 rows per expert aligns to 64-row blocks even
+    where the (bf16-tuned or default) table says 32; smaller batches keep the table's blocks; a fixed
+    (batch-invariant) table never changes; the alignment key tells the rule apart."""
+    table = ConfigTable(128, 4, max_block_m=64, dequant_block_m=64)
+    assert table.lookup(1).block_m == 16 and table.lookup(1000).block_m == 32  # 31 rows per expert
+    assert table.lookup(1024).block_m == 64 and table.lookup(100_000).block_m == 64
+    assert ConfigTable(128, 4, max_block_m=64).lookup(1024).block_m == 32
+    assert table.alignment() != ConfigTable(128, 4, max_block_m=64).alignment()
+    tuned = ConfigTable.from_json(128, 4, {"1024": {"gate_up": dict(block_m=32, block_n=64, block_k=128, group_m=8,
+                                                                   num_warps=4, num_stages=4),
+                                                    "down": dict(block_m=32, block_n=128, block_k=128, group_m=8,
+                                                                 num_warps=4, num_stages=3)}})
+    assert attrs.evolve(tuned, dequant_block_m=64).lookup(1024).down.block_m == 64
+    assert attrs.evolve(tuned, dequant_block_m=64).lookup(1024).down.block_n == 128  # tiles kept
+    fixed = attrs.evolve(tuned, dequant_block_m=64, fixed=True)
+    assert fixed.lookup(1024).block_m == 32
+    for method in (mf.Mxfp4Method, mf.Nvfp4Method, mf.W4A16Method):
+        assert method.dequant_block_m == 64 and method.max_block_m == 64

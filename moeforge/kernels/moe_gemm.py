@@ -480,7 +480,7 @@ def moe_gemm(
     alpha: float = 1.702,
     limit: float = 7.0,
     out_scale: Optional[torch.Tensor] = None,
-    swap: Optional[bool] = None,
+    swap: bool = False,
     ptx: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
@@ -493,10 +493,8 @@ def moe_gemm(
     128-group in the epilogue (needs ``config.block_n`` and ``N`` multiples of 128). ``config.block_m``
     must be the one ``sorted_ids`` was aligned with; the rest is fitted by :func:`fit_config`.
     ``swap`` (4-bit weights): multiply ``W @ rows^T`` (the dequantized weight as the MMA's left operand);
-    by default for a GEMM without a gated activation and ``config.block_n >= 64`` (a whole Hopper
-    warpgroup MMA along N): on an H100 it takes the MXFP4 down GEMM of GPT-OSS at M=64 from 561 to
-    478 us, and slows the gate/up GEMM (two weight tiles per step) at M=1 and M=1024
-    (``benchmarks/sweep_fp4_tiles.py``).
+    off by default: with the packed decoding it is slower in every cell of
+    ``benchmarks/sweep_fp4_tiles.py`` on an H100 (it helped the portable decoding's down GEMM).
     ``ptx`` (4-bit operands): decode them with the packed inline-PTX conversion
     (:mod:`moeforge.kernels.dequant`); by default wherever it applies (:func:`packed_decoding`).
     """
@@ -564,7 +562,7 @@ def moe_gemm(
         EVEN_K=k_dim % config.block_k == 0,
         # fp32 operands: full-precision products, so fp32 layers match the reference to ~1e-6.
         PRECISION="ieee" if compute_bytes == 4 else "tf32",
-        SWAP=weight_format.packed and (swap if swap is not None else not glu and config.block_n >= 64),
+        SWAP=weight_format.packed and swap,
         PTX=can_ptx if ptx is None else ptx,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,

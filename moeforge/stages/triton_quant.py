@@ -101,10 +101,14 @@ def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = Fa
         # (620 us against 800 at 128 columns, M=8).
         return GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
     if scheme.four_bit:
-        # W4A16 beyond 16-row blocks, and FP4 (benchmarks/sweep_fp4_tiles.py on an H100, GPT-OSS-120B shape,
-        # MXFP4, 2026-11-24): 64 x 64 tiles on 4 warps (M=64 gate/up 893-907 us against 973+ for 128
-        # columns or 128-deep K-steps; M=1024 1268 us at 64-row blocks); more warps only add stalls.
-        return GemmConfig(block_m, 64, 64, group_m=1 if block_m <= 16 else 8, num_warps=4, num_stages=3)
+        # W4A16 beyond 16-row blocks, and FP4, with the packed decoding (benchmarks/sweep_fp4_tiles.py on an
+        # H100, GPT-OSS-120B shape, MXFP4, 2026-11-24, sweep_fp4-...-packed.log): 16-row blocks take 128
+        # columns (M=64: gate/up 550 us, down 285, against 560 / 302 at 64); 64-row blocks take 64 columns
+        # for the gate/up GEMM (two weight tiles per step) and 128 for the down GEMM (M=1024: 865 / 430 us;
+        # M=4096: 1947 / 930 us); 4 warps throughout (8 add stalls).
+        wide = block_m <= 16 or not two_accumulators
+        return GemmConfig(block_m, 128 if wide else 64, 64, group_m=1 if block_m <= 16 else 8, num_warps=4,
+                          num_stages=3)
     block_k = 128  # one 128-group per K-step for FP8 group/block scales
     wide = 128 if wide_n else 64
     if block_m <= 32:
