@@ -106,8 +106,8 @@ def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = Fa
         # columns (M=64: gate/up 550 us, down 285, against 560 / 302 at 64); 64-row blocks take 64 columns
         # for the gate/up GEMM (two weight tiles per step) and 128 for the down GEMM (M=1024: 865 / 430 us;
         # M=4096: 1947 / 930 us); 4 warps throughout (8 add stalls).
-        wide = block_m <= 16 or not two_accumulators
-        return GemmConfig(block_m, 128 if wide else 64, 64, group_m=1 if block_m <= 16 else 8, num_warps=4,
+        four_bit_n = 128 if block_m <= 16 or not two_accumulators else 64
+        return GemmConfig(block_m, four_bit_n, 64, group_m=1 if block_m <= 16 else 8, num_warps=4,
                           num_stages=3)
     block_k = 128  # one 128-group per K-step for FP8 group/block scales
     wide = 128 if wide_n else 64
