@@ -31,7 +31,8 @@ from moeforge.kernels.activations import ACT_GPT_OSS  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 
-E, TOP_K, H, I = 128, 4, 2880, 2880
+SHAPES = {"gptoss": (128, 4, 2880, 2880), "mixtral": (8, 2, 4096, 14336)}  # (E, top_k, H, I)
+E, TOP_K, H, I = SHAPES["gptoss"]
 
 
 def weight(fmt: str, n: int, k: int) -> dict[str, Any]:
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--formats", default="mxfp4")
     parser.add_argument("--tokens", default="1,64,1024")
     parser.add_argument("--roles", default="gate_up,down")
+    parser.add_argument("--shape", default="gptoss", choices=sorted(SHAPES))
     parser.add_argument("--block-m", default="", help="row blocks to try (default: 16, or 16,32,64 past 4 rows "
                         "per expert)")
     parser.add_argument("--block-n", default="16,32,64,128")
@@ -63,6 +65,8 @@ def main() -> None:
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--swap", default="0,1")
     args = parser.parse_args()
+    global E, TOP_K, H, I
+    E, TOP_K, H, I = SHAPES[args.shape]
     read_bw = 2.95e12  # bytes/s, the H100 read bandwidth bench_moe.py measures
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for fmt in args.formats.split(","):
@@ -94,9 +98,9 @@ def main() -> None:
                                 rows_per_a=TOP_K if glu else 1, config=config, act=ACT_GPT_OSS if glu else 0,
                                 glu=glu, interleaved=True, swap=swap, **op), 10, flush)
                         except Exception as error:  # e.g. out of shared memory or registers
-                            print(f"{fmt} M={tokens} {role} {config} failed: {type(error).__name__}", flush=True)
+                            print(f"{args.shape} {fmt} M={tokens} {role} {config} failed: {type(error).__name__}", flush=True)
                             continue
-                        print(f"{fmt} M={tokens:5d} {role:7s} bm={bm:3d} bn={bn:3d} bk={bk:3d} w={warps} s={stages} "
+                        print(f"{args.shape} {fmt} M={tokens:5d} {role:7s} bm={bm:3d} bn={bn:3d} bk={bk:3d} w={warps} s={stages} "
                               f"swap={int(swap)} "
                               f"{us:9.1f} us  {100 * bytes_used / read_bw / (us * 1e-6):5.1f}% of read bw", flush=True)
 

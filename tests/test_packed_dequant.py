@@ -192,22 +192,22 @@ def test_asking_for_the_packed_decoding_where_it_cannot_run_is_a_value_error() -
                           config=TILES["16x32x64"], weight_format=WeightFormat.MXFP4, weight_scale=scales, ptx=True)
 
 
-def test_four_bit_methods_align_to_64_row_blocks_once_a_batch_fills_half_of_one() -> None:
-    """``ConfigTable.dequant_block_m``: a batch with >= 32 rows per expert aligns to 64-row blocks even
-    where the (bf16-tuned or default) table says 32; smaller batches keep the table's blocks; a fixed
+def test_four_bit_methods_align_by_rows_per_expert() -> None:
+    """``ConfigTable.dequant_blocks``: 64-row blocks from 32 rows per expert and 128-row blocks from 256,
+    whatever the (bf16-tuned or default) table says; smaller batches keep the table's blocks; a fixed
     (batch-invariant) table never changes; the alignment key tells the rule apart."""
-    table = ConfigTable(128, 4, max_block_m=64, dequant_block_m=64)
+    steps = ((32.0, 64), (256.0, 128))
+    table = ConfigTable(128, 4, dequant_blocks=steps)
     assert table.lookup(1).block_m == 16 and table.lookup(1000).block_m == 32  # 31 rows per expert
-    assert table.lookup(1024).block_m == 64 and table.lookup(100_000).block_m == 64
-    assert ConfigTable(128, 4, max_block_m=64).lookup(1024).block_m == 32
-    assert table.alignment() != ConfigTable(128, 4, max_block_m=64).alignment()
-    tuned = ConfigTable.from_json(128, 4, {"1024": {"gate_up": dict(block_m=32, block_n=64, block_k=128, group_m=8,
-                                                                   num_warps=4, num_stages=4),
-                                                    "down": dict(block_m=32, block_n=128, block_k=128, group_m=8,
-                                                                 num_warps=4, num_stages=3)}})
-    assert attrs.evolve(tuned, dequant_block_m=64).lookup(1024).down.block_m == 64
-    assert attrs.evolve(tuned, dequant_block_m=64).lookup(1024).down.block_n == 128  # tiles kept
-    fixed = attrs.evolve(tuned, dequant_block_m=64, fixed=True)
-    assert fixed.lookup(1024).block_m == 32
+    assert table.lookup(1024).block_m == 64 and table.lookup(4096).block_m == 64
+    assert table.lookup(8192).block_m == 128
+    assert ConfigTable(128, 4).lookup(1024).block_m == 32
+    assert table.alignment() != ConfigTable(128, 4).alignment()
+    entry = {"gate_up": dict(block_m=128, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4),
+             "down": dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=4, num_stages=3)}
+    tuned = attrs.evolve(ConfigTable.from_json(128, 4, {"4096": entry}), dequant_blocks=steps)
+    assert tuned.lookup(4096).down.block_m == 64 and tuned.lookup(4096).down.block_n == 128  # tiles kept
+    assert tuned.lookup(16).block_m == 128  # few rows: the table's
+    assert attrs.evolve(tuned, fixed=True).lookup(4096).block_m == 128
     for method in (mf.Mxfp4Method, mf.Nvfp4Method, mf.W4A16Method):
-        assert method.dequant_block_m == 64 and method.max_block_m == 64
+        assert method.dequant_blocks == steps

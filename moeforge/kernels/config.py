@@ -106,22 +106,24 @@ class ConfigTable:
     tokens: tuple[int, ...] = ()
     configs: tuple[MoEConfig, ...] = ()
     max_block_m: Optional[int] = None  # a kernel whose tiles spill beyond it (quantized GEMMs: 64)
-    # A kernel that decodes its weights in every program (4-bit): once the batch has half a block of
-    # rows per expert, align to blocks of this many rows even where the table's are smaller (one decoded
-    # weight tile serves more rows; GPT-OSS MXFP4 on an H100 at M=1024: 865 us for the gate/up GEMM at
-    # 64-row blocks against 1130 at 32).
-    dequant_block_m: Optional[int] = None
+    # A kernel that decodes its weights in every program (4-bit): ``(rows per expert, block_m)`` in
+    # ascending order; a batch with at least that many rows per expert aligns to that block whatever the
+    # table says (one decoded weight tile serves more rows; on an H100 the GPT-OSS MXFP4 gate/up GEMM at
+    # M=1024 takes 865 us at 64-row blocks against 1130 at 32, Mixtral's at M=4096 5330 at 128 against
+    # 6087 at 64: benchmarks/results/sweep_fp4-*-packed*.log).
+    dequant_blocks: tuple[tuple[float, int], ...] = ()
     # One configuration for every token count (batch invariance): no stage may pick tiles by token count.
     fixed: bool = False
     # The entries (or the fallbacks) with max_block_m applied, made once: lookup() runs in every forward.
     _capped_configs: tuple[MoEConfig, ...] = attrs.field(init=False, eq=False, repr=False)
-    _dequant_configs: tuple[MoEConfig, ...] = attrs.field(init=False, eq=False, repr=False)
+    _dequant_configs: tuple[tuple[MoEConfig, ...], ...] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         entries = self.configs if self.tokens else tuple(config for _, config in _DEFAULTS)
         capped = tuple(self._capped(config) for config in entries)
         object.__setattr__(self, "_capped_configs", capped)
-        object.__setattr__(self, "_dequant_configs", tuple(self._dequant(config) for config in capped))
+        object.__setattr__(self, "_dequant_configs", tuple(
+            tuple(self._with_block_m(config, block_m) for config in capped) for _, block_m in self.dequant_blocks))
 
     def lookup(self, num_tokens: int) -> MoEConfig:
         if not self.tokens:
@@ -132,17 +134,19 @@ class ConfigTable:
                 index -= 1
             elif index > 0 and num_tokens - self.tokens[index - 1] < self.tokens[index] - num_tokens:
                 index -= 1
-        if self.dequant_block_m is not None and not self.fixed and (
-                2 * num_tokens * self.top_k >= self.dequant_block_m * self.num_experts):
-            return self._dequant_configs[index]
+        if self.dequant_blocks and not self.fixed:
+            rows_per_expert = num_tokens * self.top_k / max(self.num_experts, 1)
+            for level in range(len(self.dequant_blocks) - 1, -1, -1):
+                if rows_per_expert >= self.dequant_blocks[level][0]:
+                    return self._dequant_configs[level][index]
         return self._capped_configs[index]
 
     def alignment(self) -> tuple[object, ...]:
         """What decides ``block_m`` for a token count: two tables with equal alignments align every batch
         alike, which a block-aligned dispatch and the GEMMs reading its rows must (``Spec.alignment``)."""
         if not self.tokens:
-            return ("default", self.num_experts, self.top_k, self.max_block_m, self.dequant_block_m)
-        return ("tuned", self.tokens, tuple(config.block_m for config in self._capped_configs), self.dequant_block_m)
+            return ("default", self.num_experts, self.top_k, self.max_block_m, self.dequant_blocks)
+        return ("tuned", self.tokens, tuple(config.block_m for config in self._capped_configs), self.dequant_blocks)
 
     def _capped(self, config: MoEConfig) -> MoEConfig:
         if self.max_block_m is None or config.block_m <= self.max_block_m:
@@ -150,11 +154,9 @@ class ConfigTable:
         return MoEConfig(attrs.evolve(config.gate_up, block_m=self.max_block_m),
                          attrs.evolve(config.down, block_m=self.max_block_m))
 
-    def _dequant(self, config: MoEConfig) -> MoEConfig:
-        if self.dequant_block_m is None or config.block_m >= self.dequant_block_m:
-            return config
-        return MoEConfig(attrs.evolve(config.gate_up, block_m=self.dequant_block_m),
-                         attrs.evolve(config.down, block_m=self.dequant_block_m))
+    @staticmethod
+    def _with_block_m(config: MoEConfig, block_m: int) -> MoEConfig:
+        return MoEConfig(attrs.evolve(config.gate_up, block_m=block_m), attrs.evolve(config.down, block_m=block_m))
 
     @classmethod
     def from_json(cls, num_experts: int, top_k: int, entries: dict[str, Any]) -> ConfigTable:
@@ -165,11 +167,11 @@ class ConfigTable:
     @classmethod
     def load(cls, device_name: Optional[str], num_experts: int, top_k: int, hidden: int,
              intermediate: int, dtype: str, max_block_m: Optional[int] = None,
-             dequant_block_m: Optional[int] = None) -> ConfigTable:
+             dequant_blocks: tuple[tuple[float, int], ...] = ()) -> ConfigTable:
         """The tuned table for this device and shape, or an empty table (heuristic fallback);
-        ``max_block_m`` caps the alignment block of every entry, ``dequant_block_m`` raises it for
-        batches with many rows per expert."""
-        empty = cls(num_experts, top_k, max_block_m=max_block_m, dequant_block_m=dequant_block_m)
+        ``max_block_m`` caps the alignment block of every entry, ``dequant_blocks`` set it by rows
+        per expert."""
+        empty = cls(num_experts, top_k, max_block_m=max_block_m, dequant_blocks=dequant_blocks)
         if device_name is None:
             return empty
         try:
@@ -181,4 +183,4 @@ class ConfigTable:
         if not entries:
             return empty
         return attrs.evolve(cls.from_json(num_experts, top_k, entries), max_block_m=max_block_m,
-                            dequant_block_m=dequant_block_m)
+                            dequant_blocks=dequant_blocks)

@@ -53,9 +53,9 @@ class QuantMethod(abc.ABC):
       :class:`~moeforge.roles.Experts` candidates that compute it;
     * ``max_block_m`` — caps the rows per block of the block-aligned dispatch for this method's
       triton GEMMs (``None``: the tuned tables decide);
-    * ``dequant_block_m`` — the alignment block of batches with at least half as many rows per
-      expert, for triton GEMMs that decode their weights in every program (4-bit formats: one decoded
-      tile serves more rows); ``None``: the tables decide.
+    * ``dequant_blocks`` — ``(rows per expert, block_m)`` steps that set the alignment block of
+      batches with that many rows per expert, for triton GEMMs that decode their weights in every
+      program (4-bit formats: one decoded tile serves more rows); empty: the tables decide.
     * ``compute_dtype_parameters`` — the expert tensors held in the layer's compute dtype (biases,
       unquantized weights, W4A16 scales): they follow ``layer.to(dtype)``, the others keep their
       format's dtype (:meth:`keeps_dtype`).
@@ -72,7 +72,7 @@ class QuantMethod(abc.ABC):
     expert_parameters: ClassVar[tuple[str, ...]] = ()
     offers_fused_ep: ClassVar[bool] = False
     max_block_m: ClassVar[Optional[int]] = None  # the triton GEMMs' largest useful alignment block
-    dequant_block_m: ClassVar[Optional[int]] = None  # their alignment block once a batch fills half of it
+    dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = ()  # (rows per expert, block_m) steps
     # Expert tensors held in the layer's compute dtype, which follow layer.to(dtype); every other expert
     # tensor's dtype is part of the weight format (FP8 weights, fp32 scales) and stays.
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = ("w13_bias", "w2_bias")

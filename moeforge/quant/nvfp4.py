@@ -250,10 +250,9 @@ class Nvfp4Method(QuantMethod):
 
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES | {DType.NVFP4}
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
-    # The triton GEMMs decode 4-bit weights in every program: 64-row blocks once a batch fills half of
-    # one, never larger (benchmarks/results/sweep_fp4-...-packed.log).
-    max_block_m: ClassVar[Optional[int]] = 64
-    dequant_block_m: ClassVar[Optional[int]] = 64
+    # The triton GEMMs decode 4-bit weights in every program: 64-row blocks from 32 rows per expert,
+    # 128-row blocks from 256 (benchmarks/results/sweep_fp4-...-packed*.log).
+    dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = ((32.0, 64), (256.0, 128))
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W13_SCALE, W13_GLOBAL, W2, W2_SCALE, W2_GLOBAL, B13, B2)
 
     def __init__(self, input_global_scale: Optional[float] = None) -> None:

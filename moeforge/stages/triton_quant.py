@@ -102,12 +102,14 @@ def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = Fa
         return GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
     if scheme.four_bit:
         # W4A16 beyond 16-row blocks, and FP4, with the packed decoding (benchmarks/sweep_fp4_tiles.py on an
-        # H100, GPT-OSS-120B shape, MXFP4, 2026-11-24, sweep_fp4-...-packed.log): 16-row blocks take 128
-        # columns (M=64: gate/up 550 us, down 285, against 560 / 302 at 64); 64-row blocks take 64 columns
-        # for the gate/up GEMM (two weight tiles per step) and 128 for the down GEMM (M=1024: 865 / 430 us;
-        # M=4096: 1947 / 930 us); 4 warps throughout (8 add stalls).
+        # H100, MXFP4, 2026-11-24, results/sweep_fp4-...-packed*.log): 16-row blocks take 128 columns
+        # (GPT-OSS M=64: gate/up 550 us, down 285, against 560 / 302 at 64); larger blocks take 64
+        # columns for the gate/up GEMM (two weight tiles per step) and 128 for the down GEMM (GPT-OSS
+        # M=1024: 865 / 430 us), 4 warps, except the 128-row down GEMM, 8 (Mixtral M=4096: 2427 us
+        # against 2736 on 4).
         four_bit_n = 128 if block_m <= 16 or not two_accumulators else 64
-        return GemmConfig(block_m, four_bit_n, 64, group_m=1 if block_m <= 16 else 8, num_warps=4,
+        warps = 8 if block_m >= 128 and not two_accumulators else 4
+        return GemmConfig(block_m, four_bit_n, 64, group_m=1 if block_m <= 16 else 8, num_warps=warps,
                           num_stages=3)
     block_k = 128  # one 128-group per K-step for FP8 group/block scales
     wide = 128 if wide_n else 64
