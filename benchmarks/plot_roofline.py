@@ -20,6 +20,8 @@ RESULTS = Path(__file__).parent / "results"
 DEFAULT_FILES = (
     RESULTS / "bench_moe-nvidia_h100_80gb_hbm3-2026-11-21.json",
     RESULTS / "bench_moe_fp4-nvidia_h100_80gb_hbm3-2026-11-24.json",
+    RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24.json",  # packed 4-bit decoding: later wins
+    RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24.json",
 )
 FORMATS = {"experts": "bf16", "experts_batch_invariant": "bf16 batch-invariant"}
 
@@ -62,12 +64,13 @@ def plot(data: dict[str, list[tuple[int, float]]], out: Path, title: str) -> Non
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(9, 6.5), dpi=100)
-    styles = {"bf16": "-", "bf16 batch-invariant": ":", "mxfp4": "--", "nvfp4": "-."}
+    styles: dict[str, Any] = {"bf16": "-", "bf16 batch-invariant": ":", "mxfp4": "--", "nvfp4": "-.",
+                              "w4a16": (0, (5, 1, 1, 1, 1, 1)), "fp8": (0, (8, 2, 2, 2))}
     colours: dict[str, Any] = {}
     for label, points in data.items():
         shape, fmt = label.split(" ", 1)[0], label.split(" ", 1)[1].rsplit(" (", 1)[0]
         colour = colours.setdefault(shape, f"C{len(colours)}")
-        axes.plot([m for m, _ in points], [p for _, p in points], styles.get(fmt, "-"), marker="o", markersize=3,
+        axes.plot([m for m, _ in points], [p for _, p in points], linestyle=styles.get(fmt, "-"), marker="o", markersize=3,
                   color=colour, label=label)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("tokens M")
