@@ -33,7 +33,13 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.expert_checkpoint import held_experts
-from moeforge.quant.base import QuantMethod, expert_shapes, layer_compute_dtype, register_expert_biases
+from moeforge.quant.base import (
+    FOUR_BIT_BLOCKS,
+    QuantMethod,
+    expert_shapes,
+    layer_compute_dtype,
+    register_expert_biases,
+)
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import (
     EmulatedGroupedGemm,
@@ -93,9 +99,7 @@ class Mxfp4Method(QuantMethod):
 
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
-    # The triton GEMMs decode 4-bit weights in every program: 64-row blocks from 32 rows per expert,
-    # 128-row blocks from 256 (benchmarks/results/sweep_fp4-...-packed*.log).
-    dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = ((32.0, 64), (256.0, 128))
+    dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = FOUR_BIT_BLOCKS
     expert_parameters: ClassVar[tuple[str, ...]] = (W13_BLOCKS, W13_SCALES, W2_BLOCKS, W2_SCALES, B13, B2)
 
     def __repr__(self) -> str:

@@ -56,7 +56,13 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
-from moeforge.quant.base import QuantMethod, expert_shapes, layer_compute_dtype, register_expert_biases
+from moeforge.quant.base import (
+    FOUR_BIT_BLOCKS,
+    QuantMethod,
+    expert_shapes,
+    layer_compute_dtype,
+    register_expert_biases,
+)
 from moeforge.quant.fp4 import (
     NVFP4_BLOCK,
     dequantize_nvfp4,
@@ -250,9 +256,7 @@ class Nvfp4Method(QuantMethod):
 
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES | {DType.NVFP4}
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
-    # The triton GEMMs decode 4-bit weights in every program: 64-row blocks from 32 rows per expert,
-    # 128-row blocks from 256 (benchmarks/results/sweep_fp4-...-packed*.log).
-    dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = ((32.0, 64), (256.0, 128))
+    dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = FOUR_BIT_BLOCKS
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W13_SCALE, W13_GLOBAL, W2, W2_SCALE, W2_GLOBAL, B13, B2)
 
     def __init__(self, input_global_scale: Optional[float] = None) -> None:

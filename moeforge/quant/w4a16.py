@@ -34,7 +34,7 @@ from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows
 from moeforge.expert_checkpoint import Projection
-from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
+from moeforge.quant.base import FOUR_BIT_BLOCKS, QuantMethod, expert_shapes, register_expert_biases
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
     CheckpointFormat,
@@ -208,9 +208,7 @@ class W4A16Method(QuantMethod):
 
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
-    # The triton GEMMs decode 4-bit weights in every program: 64-row blocks from 32 rows per expert,
-    # 128-row blocks from 256 (benchmarks/results/sweep_fp4-...-packed*.log).
-    dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = ((32.0, 64), (256.0, 128))
+    dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = FOUR_BIT_BLOCKS
     prefers: ClassVar[Optional[DispatchDtype]] = None  # no activation quantization: the layer's dtype
     expert_parameters: ClassVar[tuple[str, ...]] = (W13_Q, W13_S, W13_Z, W2_Q, W2_S, W2_Z, B13, B2)
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = (W13_S, W2_S, B13, B2)  # scales in the compute dtype
