@@ -1,40 +1,83 @@
-"""Tune the grouped-GEMM launch configurations for this GPU (CUDA only).
+"""Tune the grouped-GEMM launch configurations for this GPU, in any weight format (CUDA only).
 
-    python benchmarks/tune_moe.py --shapes qwen3,mixtral [--tokens 1,8,...] [--out FILE]
+    python benchmarks/tune_moe.py --shapes qwen3,mixtral [--formats bf16,fp8,w4a16,mxfp4,nvfp4]
+                                  [--tokens 1,8,...] [--jobs 8] [--out FILE]
 
-For each shape and token count it times both GEMMs of the triton path (the gate/up GEMM with the
-fused SwiGLU, and the down GEMM) for every candidate configuration, as CUDA-graph replays with the
-L2 flushed, on random bf16 data and random softmax routing. Both GEMMs must share ``block_m`` (the
-alignment is computed once), so it keeps the ``block_m`` whose best pair is fastest. The result is
-merged into ``moeforge/kernels/configs/<device>.json``, which ``MoELayer`` reads for that device;
-to support a new GPU, run this script on it and commit the file.
+For each shape, format and token count it times both expert GEMMs of a triton ``MoELayer`` in that
+format (the gate/up GEMM with its fused activation, and the down GEMM), exactly as the layer runs
+them: the layer's own stages, re-aligned and re-tiled for every candidate configuration, as CUDA-graph
+replays with the L2 flushed, on the layer's random weights, random activations and random softmax
+routing. The candidates are a search space pruned by rows per expert and by the format (``8-bit``:
+128-deep K-steps for the per-128 scales; ``4-bit``: the dequantizing kernels' tiles, up to 256-row
+blocks), plus the configuration the layer picks today, so a tuned entry is never slower than the rules
+it replaces (up to timing noise). Both GEMMs must share ``block_m`` (the alignment is computed once),
+so it keeps the ``block_m`` whose best pair is fastest.
+
+The result is merged into ``moeforge/kernels/configs/<device>.json`` under the shape's key, with the
+format's ``QuantMethod.table_key`` appended for a quantized format (``E=8,k=2,H=4096,I=14336,bf16,mxfp4``);
+``MoELayer`` reads it for that device, shape and format. To support a new GPU, run this script on it
+and commit the file. ``--jobs`` compiles the candidates in that many processes first (Triton's cache on
+disk keeps them), so the timing loop does not wait on the compiler.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import itertools
 import json
+import multiprocessing
+import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
+import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import FLUSH_BYTES, SHAPES, TOKENS, time_graph  # noqa: E402
+from bench_moe import FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, time_graph  # noqa: E402
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, moe_gemm  # noqa: E402
-from moeforge.kernels.activations import ACT_SILU  # noqa: E402
-from moeforge.kernels.config import GemmConfig, device_key, fit_shared_memory, shape_key  # noqa: E402
+from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, shape_key  # noqa: E402
+from moeforge.payloads import Activations, AlignedRows, RoutedTokens, TopKOutput  # noqa: E402
+from moeforge.stages.gemm import GemmRole  # noqa: E402
+
+FORMATS = ("bf16", *QUANT_METHODS)
 
 
-def candidates(rows_per_expert: float) -> Iterator[GemmConfig]:
-    """The search space, pruned by how many rows an expert gets on average."""
-    if rows_per_expert <= 4:  # weight-streaming: many narrow tiles, deep pipelines
+def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
+    """The search space of one format, pruned by how many rows an expert gets on average."""
+    if fmt in ("mxfp4", "nvfp4", "w4a16"):  # the weights are decoded in every program
+        if rows_per_expert <= 4:
+            space = dict(block_m=[16], block_n=[32, 64, 128], block_k=[64, 128], group_m=[1], num_warps=[4],
+                         num_stages=[3, 4])
+        elif rows_per_expert <= 48:
+            space = dict(block_m=[16, 32, 64], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4],
+                         num_stages=[3])
+        elif rows_per_expert <= 256:
+            space = dict(block_m=[64, 128], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4, 8],
+                         num_stages=[3])
+        else:  # one decoded tile for as many rows as the registers allow
+            space = dict(block_m=[128, 256], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[8],
+                         num_stages=[3])
+    elif fmt == "fp8":  # 128-deep K-steps: one scale group each
+        if rows_per_expert <= 4:
+            space = dict(block_m=[16], block_n=[32, 64, 128], block_k=[128], group_m=[1], num_warps=[4],
+                         num_stages=[3, 4, 5])
+        elif rows_per_expert <= 48:
+            space = dict(block_m=[16, 32], block_n=[64, 128], block_k=[128], group_m=[8], num_warps=[4],
+                         num_stages=[3, 4])
+        elif rows_per_expert <= 256:
+            space = dict(block_m=[32, 64], block_n=[64, 128], block_k=[128], group_m=[8], num_warps=[4, 8],
+                         num_stages=[3, 4])
+        else:
+            space = dict(block_m=[64, 128], block_n=[128, 256], block_k=[128], group_m=[8], num_warps=[8],
+                         num_stages=[3, 4])
+    elif rows_per_expert <= 4:  # bf16, weight-streaming: many narrow tiles, deep pipelines
         space = dict(block_m=[16], block_n=[32, 64], block_k=[128, 256], group_m=[1], num_warps=[4],
                      num_stages=[4, 5])
     elif rows_per_expert <= 48:
@@ -50,39 +93,181 @@ def candidates(rows_per_expert: float) -> Iterator[GemmConfig]:
         yield GemmConfig(**dict(zip(space.keys(), values)))
 
 
-def tune_cell(shape: tuple[int, int, int, int], tokens: int, flush: torch.Tensor, reps: int) -> dict[str, Any]:
+# -- the layer's own stages, re-tiled ----------------------------------------------------------------
+
+
+def build_layer(shape: tuple[int, int, int, int], fmt: str) -> mf.MoELayer:
     experts, top_k, hidden, inter = shape
+    quant = QUANT_METHODS[fmt](hidden, inter) if fmt != "bf16" else None
+    layer = mf.MoELayer(experts, top_k, hidden, inter, quant=quant, dtype=torch.bfloat16, device="cuda",
+                        backend="triton")
+    if fmt != "bf16" and layer.quant.table_key is None:
+        raise SystemExit(f"{layer.quant.name} has no table_key: its GEMMs cannot take tuned tiles")
+    return layer
+
+
+def table_key(layer: mf.MoELayer, shape: tuple[int, int, int, int]) -> str:
+    return shape_key(*shape, "bf16", layer.quant.table_key)
+
+
+def routed_tokens(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int) -> RoutedTokens:
+    experts, top_k, hidden, _ = shape
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     logits = torch.randn(tokens, experts, device="cuda", generator=gen)
-    topk = mf.stages.select_experts(logits, top_k, mf.RoutingConfig())
-    hidden_rows = torch.randn(tokens * top_k, inter, device="cuda", dtype=torch.bfloat16, generator=gen)
-    out1 = torch.empty(tokens * top_k, inter, device="cuda", dtype=torch.bfloat16)
-    out2 = torch.empty(tokens * top_k, hidden, device="cuda", dtype=torch.bfloat16)
+    topk = mf.stages.select_experts(logits, top_k, layer.routing)
+    return RoutedTokens(Activations(x), TopKOutput(topk.weights, topk.ids))
+
+
+@dataclasses.dataclass
+class Gemms:
+    """A layer's expert stages split around its two GEMMs (everything after the top-k)."""
+
+    before: list[Any]  # to the gate/up GEMM's input (quantization, dispatch)
+    gate_up: Any
+    between: list[Any]  # to the down GEMM's input
+    down: Any
+
+    @classmethod
+    def of(cls, layer: mf.MoELayer) -> Gemms:
+        stages = list(layer.pipeline.stages[1:])
+        roles = [getattr(stage, "role", None) for stage in stages]
+        if GemmRole.GATE_UP not in roles or GemmRole.DOWN not in roles:
+            raise SystemExit(f"no triton GEMM stages to tune in {layer.pipeline.describe()}")
+        g, d = roles.index(GemmRole.GATE_UP), roles.index(GemmRole.DOWN)
+        return cls(stages[:g], stages[g], stages[g + 1:d], stages[d])
+
+    def retabled(self, table: ConfigTable) -> Gemms:
+        """The stages reading ``table`` (the dispatch for ``block_m``, the GEMMs for their tiles)."""
+        def one(stage: Any) -> Any:
+            return attrs.evolve(stage, configs=table) if hasattr(stage, "configs") else stage
+        return Gemms([one(s) for s in self.before], one(self.gate_up), [one(s) for s in self.between], one(self.down))
+
+    def inputs(self, routed: RoutedTokens) -> tuple[AlignedRows, AlignedRows]:
+        x: Any = routed
+        for stage in self.before:
+            x = stage(x)
+        gate_up_in = x
+        x = self.gate_up(x)
+        for stage in self.between:
+            x = stage(x)
+        return gate_up_in, x
+
+    def chosen(self, routed: RoutedTokens) -> tuple[GemmConfig, GemmConfig]:
+        """The configurations the layer launches for these tokens today."""
+        gate_up_in, down_in = self.inputs(routed)
+        return tuple(  # type: ignore[return-value]
+            stage.gemm_config(x.alignment) if hasattr(stage, "gemm_config")
+            else (x.alignment.config.gate_up if stage.role is GemmRole.GATE_UP else x.alignment.config.down)
+            for stage, x in ((self.gate_up, gate_up_in), (self.down, down_in)))
+
+
+def one_entry_table(layer: mf.MoELayer, tokens: int, block_m: int) -> ConfigTable:
+    config = GemmConfig(block_m, 64, 64)
+    # A weight format tells the quantized GEMMs to take the tiles they are given (here: the alignment's).
+    return ConfigTable(layer.num_experts, layer.top_k, tokens=(tokens,), configs=(MoEConfig(config, config),),
+                       weight_format=layer.quant.table_key)
+
+
+def retiled(x: AlignedRows, config: GemmConfig) -> AlignedRows:
+    """``x`` with ``config`` as the launch configuration of both GEMMs (they read it from the alignment)."""
+    return dataclasses.replace(x, alignment=dataclasses.replace(x.alignment, config=MoEConfig(config, config)))
+
+
+def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int
+         ) -> dict[int, dict[str, list[GemmConfig]]]:
+    """The candidates by ``block_m`` and GEMM for one token count (the layer's own choice included)."""
+    gemms = Gemms.of(layer)
+    chosen = gemms.chosen(routed_tokens(layer, shape, tokens))
+    by_block: dict[int, dict[str, list[GemmConfig]]] = {}
+    for config in [*candidates(fmt, tokens * layer.top_k / layer.num_experts), chosen[0]]:
+        by_block.setdefault(config.block_m, {"gate_up": [], "down": []})["gate_up"].append(config)
+    for config in [*candidates(fmt, tokens * layer.top_k / layer.num_experts), chosen[1]]:
+        by_block.setdefault(config.block_m, {"gate_up": [], "down": []})["down"].append(config)
+    return {m: {role: list(dict.fromkeys(configs)) for role, configs in v.items()} for m, v in by_block.items()}
+
+
+def runners(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, block_m: int
+            ) -> dict[str, Callable[[GemmConfig], Callable[[], Any]]]:
+    """For each GEMM: config -> a function launching it on this token count's rows."""
+    gemms = Gemms.of(layer).retabled(one_entry_table(layer, tokens, block_m))
+    gate_up_in, down_in = gemms.inputs(routed_tokens(layer, shape, tokens))
+
+    def make(stage: Any, x: AlignedRows) -> Callable[[GemmConfig], Callable[[], Any]]:
+        def launcher(config: GemmConfig) -> Callable[[], Any]:
+            rows = retiled(x, config)
+            return lambda: stage(rows)
+        return launcher
+
+    return {"gate_up": make(gemms.gate_up, gate_up_in), "down": make(gemms.down, down_in)}
+
+
+# -- compiling ahead, in parallel ------------------------------------------------------------------
+
+
+def _compile(job: tuple[str, str, list[int], int, int]) -> int:
+    """Launch (and so compile into Triton's cache) every ``index % count == worker`` candidate."""
+    shape_name, fmt, tokens_list, worker, count = job
+    shape = SHAPES[shape_name]
+    torch.manual_seed(0)
+    layer = build_layer(shape, fmt)
+    done = 0
+    index = 0
+    with torch.no_grad():
+        for tokens in tokens_list:
+            for block_m, roles in plan(layer, shape, fmt, tokens).items():
+                run = runners(layer, shape, tokens, block_m)
+                for role, configs in roles.items():
+                    for config in configs:
+                        index += 1
+                        if index % count != worker:
+                            continue
+                        try:
+                            run[role](config)()
+                            done += 1
+                        except Exception:  # the timing loop reports it
+                            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int) -> None:
+    if jobs <= 1:
+        return
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        done = sum(pool.map(_compile, [(shape_name, fmt, tokens_list, w, jobs) for w in range(jobs)]))
+    print(f"  compiled {done} launches in {jobs} processes", flush=True)
+
+
+def affordable_jobs(shape: tuple[int, int, int, int], fmt: str, jobs: int) -> int:
+    """``jobs``, fewer when that many copies of the layer's weights would not fit beside this one."""
+    experts, _, hidden, inter = shape
+    bytes_per_weight = 2.0 if fmt == "bf16" else 1.1 if fmt == "fp8" else 0.6
+    layer_bytes = 3 * experts * hidden * inter * bytes_per_weight + (1 << 30)  # + inputs and a context
+    free, _ = torch.cuda.mem_get_info()
+    return max(1, min(jobs, int(0.7 * free // layer_bytes) - 1))
+
+
+# -- timing -----------------------------------------------------------------------------------------
+
+
+def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int,
+              flush: torch.Tensor, reps: int) -> dict[str, Any]:
     best: dict[int, dict[str, tuple[float, GemmConfig]]] = {}
-    seen: set[tuple[str, GemmConfig]] = set()
-    for config in candidates(tokens * top_k / experts):
-        plan = align.align_block_size(topk.ids, experts, config.block_m)
-        for role, run in (
-            ("gate_up", lambda c: moe_gemm.moe_gemm(
-                x, w13, out1, *plan, rows_per_a=top_k, config=c, act=ACT_SILU, glu=True)),
-            ("down", lambda c: moe_gemm.moe_gemm(
-                hidden_rows, w2, out2, *plan, rows_per_a=1, config=c, topk_weights=topk.weights.view(-1))),
-        ):
-            fitted = fit_shared_memory(config, 2, 2 if role == "gate_up" else 1)
-            if (role, fitted) in seen:
-                continue
-            seen.add((role, fitted))
-            try:
-                us = time_graph(lambda: run(fitted), reps, flush)
-            except Exception as error:  # a configuration the compiler rejects is skipped
-                print(f"  skip {role} {fitted}: {type(error).__name__}", flush=True)
-                continue
-            slot = best.setdefault(config.block_m, {})
-            if role not in slot or us < slot[role][0]:
-                slot[role] = (us, fitted)
+    with torch.no_grad():
+        for block_m, roles in plan(layer, shape, fmt, tokens).items():
+            run = runners(layer, shape, tokens, block_m)
+            for role, configs in roles.items():
+                for config in configs:
+                    try:
+                        us = time_graph(run[role](config), reps, flush)
+                    except Exception as error:  # a configuration the compiler rejects is skipped
+                        print(f"  skip {role} {config}: {type(error).__name__}", flush=True)
+                        continue
+                    slot = best.setdefault(block_m, {})
+                    if role not in slot or us < slot[role][0]:
+                        slot[role] = (us, config)
     pairs = {m: v for m, v in best.items() if len(v) == 2}
     block_m = min(pairs, key=lambda m: pairs[m]["gate_up"][0] + pairs[m]["down"][0])
     chosen = pairs[block_m]
@@ -97,10 +282,17 @@ def tune_cell(shape: tuple[int, int, int, int], tokens: int, flush: torch.Tensor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--formats", default="bf16", help=f"comma-separated, of {', '.join(FORMATS)}")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                        help="processes compiling the candidates ahead of the timing (1: compile as it goes)")
     parser.add_argument("--out", default=None, help="default: moeforge/kernels/configs/<device>.json")
     args = parser.parse_args()
+    formats = args.formats.split(",")
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        sys.exit(f"unknown formats {unknown}: choose from {', '.join(FORMATS)}")
     if not torch.cuda.is_available():
         sys.exit("tune_moe.py needs a CUDA device")
     device = torch.cuda.get_device_name()
@@ -108,15 +300,22 @@ def main() -> None:
         Path(__file__).resolve().parents[1] / "moeforge" / "kernels" / "configs" / f"{device_key(device)}.json")
     table = json.loads(out.read_text()) if out.exists() else {}
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    tokens_list = [int(t) for t in args.tokens.split(",")]
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        key = shape_key(*shape, "bf16")
-        print(f"{name} {key}", flush=True)
-        entries = table.setdefault(key, {})
-        for tokens in (int(t) for t in args.tokens.split(",")):
-            entries[str(tokens)] = tune_cell(shape, tokens, flush, args.reps)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(table, indent=1, sort_keys=True))  # progress survives a time-out
+        for fmt in formats:
+            torch.manual_seed(0)
+            compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, args.jobs))
+            layer = build_layer(shape, fmt)
+            key = table_key(layer, shape)
+            print(f"{name} {key}", flush=True)
+            entries = table.setdefault(key, {})
+            for tokens in tokens_list:
+                entries[str(tokens)] = tune_cell(layer, shape, fmt, tokens, flush, args.reps)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(table, indent=1, sort_keys=True))  # progress survives a time-out
+            del layer
+            torch.cuda.empty_cache()
     print(f"wrote {out}")
 
 

@@ -2,8 +2,9 @@
 
 A :class:`ConfigTable` maps a token count to the configurations of both GEMMs of one layer shape
 (they must share ``block_m``: the alignment is computed once for both). Tables tuned on a device
-live in ``moeforge/kernels/configs/<device>.json`` (written by ``benchmarks/tune_moe.py``); shapes
-or devices without a table use :func:`default_config`.
+live in ``moeforge/kernels/configs/<device>.json`` (written by ``benchmarks/tune_moe.py``), one per
+layer shape and compute dtype, and one per quantized weight format that was tuned (its
+``QuantMethod.table_key``); shapes or devices without a table use :func:`default_config`.
 """
 
 from __future__ import annotations
@@ -93,8 +94,12 @@ def device_key(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def shape_key(num_experts: int, top_k: int, hidden: int, intermediate: int, dtype: str) -> str:
-    return f"E={num_experts},k={top_k},H={hidden},I={intermediate},{dtype}"
+def shape_key(num_experts: int, top_k: int, hidden: int, intermediate: int, dtype: str,
+              weight_format: Optional[str] = None) -> str:
+    """The key of a layer shape's table: ``E=8,k=2,H=4096,I=14336,bf16``, with the quantized weight
+    format appended when the table was tuned for one (``...,bf16,mxfp4``)."""
+    key = f"E={num_experts},k={top_k},H={hidden},I={intermediate},{dtype}"
+    return key if weight_format is None else f"{key},{weight_format}"
 
 
 @attrs.frozen
@@ -114,6 +119,9 @@ class ConfigTable:
     dequant_blocks: tuple[tuple[float, int], ...] = ()
     # One configuration for every token count (batch invariance): no stage may pick tiles by token count.
     fixed: bool = False
+    # The quantized weight format this table was tuned for (``QuantMethod.table_key``): its GEMMs take the
+    # table's tiles as they are, instead of their format's rules on the table's block_m.
+    weight_format: Optional[str] = None
     # The entries (or the fallbacks) with max_block_m applied, made once: lookup() runs in every forward.
     _capped_configs: tuple[MoEConfig, ...] = attrs.field(init=False, eq=False, repr=False)
     _dequant_configs: tuple[tuple[MoEConfig, ...], ...] = attrs.field(init=False, eq=False, repr=False)
@@ -146,7 +154,8 @@ class ConfigTable:
         alike, which a block-aligned dispatch and the GEMMs reading its rows must (``Spec.alignment``)."""
         if not self.tokens:
             return ("default", self.num_experts, self.top_k, self.max_block_m, self.dequant_blocks)
-        return ("tuned", self.tokens, tuple(config.block_m for config in self._capped_configs), self.dequant_blocks)
+        return ("tuned", self.tokens, tuple(config.block_m for config in self._capped_configs), self.dequant_blocks,
+                self.weight_format)
 
     def _capped(self, config: MoEConfig) -> MoEConfig:
         if self.max_block_m is None or config.block_m <= self.max_block_m:
@@ -167,10 +176,14 @@ class ConfigTable:
     @classmethod
     def load(cls, device_name: Optional[str], num_experts: int, top_k: int, hidden: int,
              intermediate: int, dtype: str, max_block_m: Optional[int] = None,
-             dequant_blocks: tuple[tuple[float, int], ...] = ()) -> ConfigTable:
-        """The tuned table for this device and shape, or an empty table (heuristic fallback);
-        ``max_block_m`` caps the alignment block of every entry, ``dequant_blocks`` set it by rows
-        per expert."""
+             dequant_blocks: tuple[tuple[float, int], ...] = (), weight_format: Optional[str] = None
+             ) -> ConfigTable:
+        """The tuned table for this device and shape, or an empty table (heuristic fallback).
+
+        With ``weight_format`` (a quant method's ``table_key``), a table tuned for that format wins: it
+        is used as tuned (``max_block_m`` and ``dequant_blocks`` were the tuner's to decide). Otherwise
+        the compute dtype's table, with ``max_block_m`` capping the alignment block of every entry and
+        ``dequant_blocks`` setting it by rows per expert."""
         empty = cls(num_experts, top_k, max_block_m=max_block_m, dequant_blocks=dequant_blocks)
         if device_name is None:
             return empty
@@ -179,7 +192,12 @@ class ConfigTable:
                 f"configs/{device_key(device_name)}.json").read_text()
         except (FileNotFoundError, OSError):
             return empty
-        entries = json.loads(text).get(shape_key(num_experts, top_k, hidden, intermediate, dtype))
+        tables = json.loads(text)
+        if weight_format is not None:
+            tuned = tables.get(shape_key(num_experts, top_k, hidden, intermediate, dtype, weight_format))
+            if tuned:
+                return attrs.evolve(cls.from_json(num_experts, top_k, tuned), weight_format=weight_format)
+        entries = tables.get(shape_key(num_experts, top_k, hidden, intermediate, dtype))
         if not entries:
             return empty
         return attrs.evolve(cls.from_json(num_experts, top_k, entries), max_block_m=max_block_m,

@@ -62,6 +62,10 @@ class QuantMethod(abc.ABC):
     * ``dequant_blocks`` — ``(rows per expert, block_m)`` steps that set the alignment block of
       batches with that many rows per expert, for triton GEMMs that decode their weights in every
       program (4-bit formats: one decoded tile serves more rows); empty: the tables decide.
+    * ``table_key`` — (a property) the name of the method's weight format in the tuned launch tables
+      (``benchmarks/tune_moe.py --quant``): a table tuned for it gives its triton GEMMs their tiles and
+      alignment; ``None`` (unquantized, or not tuned separately): the compute dtype's table and the
+      GEMMs' own rules.
     * ``compute_dtype_parameters`` — the expert tensors held in the layer's compute dtype (biases,
       unquantized weights, W4A16 scales): they follow ``layer.to(dtype)``, the others keep their
       format's dtype (:meth:`keeps_dtype`).
@@ -87,6 +91,10 @@ class QuantMethod(abc.ABC):
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    @property
+    def table_key(self) -> Optional[str]:
+        return None
 
     def backward_problem(self) -> Optional[str]:
         """Why gradients cannot flow back through this method's experts (``None``: they do, by autograd).

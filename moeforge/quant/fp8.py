@@ -80,6 +80,10 @@ class Fp8W8A8Method(W8A8Method):
         return f"Fp8W8A8Method(weights={self.weight_scales.value}, activations={self.activation_scales.value})"
 
     @property
+    def table_key(self) -> str:
+        return f"fp8-{self.weight_scales.value}-{self.activation_scales.value}"
+
+    @property
     def block_weights(self) -> bool:
         return self.weight_scales is WeightScales.BLOCK
 

@@ -26,6 +26,10 @@ class Int8W8A8Method(W8A8Method):
     weight_dtype: ClassVar[DType] = DType.INT8
 
     @property
+    def table_key(self) -> str:
+        return "int8-channel-token"
+
+    @property
     def block_weights(self) -> bool:
         return False
 

@@ -105,6 +105,10 @@ class Mxfp4Method(QuantMethod):
     def __repr__(self) -> str:
         return "Mxfp4Method()"
 
+    @property
+    def table_key(self) -> str:
+        return "mxfp4"
+
     # -- weights ------------------------------------------------------------------------------------------
 
     def create_weights(

@@ -266,6 +266,10 @@ class Nvfp4Method(QuantMethod):
     def __repr__(self) -> str:
         return f"Nvfp4Method(input_global_scale={self.input_global_scale!r})"
 
+    @property
+    def table_key(self) -> str:
+        return "nvfp4" if self.input_global_scale is None else "nvfp4-nvfp4rows"
+
     def required_dispatch_dtype(self) -> Optional[DispatchDtype]:
         # A quant config carrying a static input global scale means NVFP4 on the wire (rule 3).
         return DispatchDtype.NVFP4 if self.input_global_scale is not None else None

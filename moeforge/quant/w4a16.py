@@ -227,6 +227,10 @@ class W4A16Method(QuantMethod):
         return (f"W4A16Method(group_size={self.group_size}, zero_points={self.zero_points}, "
                 f"checkpoint_format={self.checkpoint_format.value!r})")
 
+    @property
+    def table_key(self) -> str:
+        return f"w4a16-g{self.group_size}" + ("-zeros" if self.zero_points else "")
+
     # -- weights ------------------------------------------------------------------------------------
 
     def _check_sizes(self, hidden_size: int, intermediate_size: int) -> None:

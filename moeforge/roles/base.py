@@ -103,7 +103,7 @@ class LayerConfig:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         return ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
                                 self.compute_dtype.value, max_block_m=self.quant.max_block_m,
-                                dequant_blocks=self.quant.dequant_blocks)
+                                dequant_blocks=self.quant.dequant_blocks, weight_format=self.quant.table_key)
 
 
 def on_the_device(stage: Optional[Stage[RoutedTokens, RoutedTokens]]) -> Optional[Stage[RoutedTokens, RoutedTokens]]:

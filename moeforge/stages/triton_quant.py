@@ -153,7 +153,8 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     fused ``activation``) the activated rows come out quantized for the down GEMM: FP8 per 128-group in
     the epilogue when the tile is a multiple of 128 wide, else by the quantization kernel after the
     GEMM (from rows rounded to ``out_dtype``). ``configs`` is the table shared with the dispatch (for
-    ``block_m``); the tiles are :func:`default_quant_config`'s unless ``use_table_tiles``.
+    ``block_m``); the tiles are :func:`default_quant_config`'s unless ``use_table_tiles`` or the table
+    was tuned for this weight format (``ConfigTable.weight_format``).
     """
 
     role: GemmRole
@@ -308,7 +309,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     def gemm_config(self, alignment: BlockAlignment) -> GemmConfig:
         """The launch configuration for rows aligned by ``alignment`` (before the kernel's own fitting)."""
         gate_up, down = alignment.config.gate_up, alignment.config.down
-        if self.use_table_tiles:
+        if self.use_table_tiles or self.configs.weight_format is not None:
             return gate_up if self.role is GemmRole.GATE_UP else down
         glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
         if self.scheme.four_bit and not self.configs.fixed and alignment.block_m <= 16:

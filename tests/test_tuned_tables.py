@@ -1,0 +1,124 @@
+"""Launch tables tuned for a quantized weight format (``benchmarks/tune_moe.py --formats``).
+
+A quant method names its format (``QuantMethod.table_key``); a table tuned for that format, shape and
+device gives its triton GEMMs their tiles and the dispatch its ``block_m`` as tuned (no cap, no
+4-bit alignment rule); without one, the compute dtype's table and the format's rules apply as before.
+On the GPU, a layer reading a format table (a fake device file) still equals its torch reference.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+import moeforge as mf
+from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, shape_key
+from moeforge.payloads import BlockAlignment
+from moeforge.spec import DType
+from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme, default_quant_config
+
+ENTRY: dict[str, Any] = {"gate_up": dict(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3),
+         "down": dict(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3), "us": 1.0}
+SMALL: dict[str, Any] = {"gate_up": dict(block_m=16, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=4),
+         "down": dict(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=5), "us": 1.0}
+
+
+def _device_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, tables: dict[str, Any]) -> None:
+    """Make ``ConfigTable.load`` read ``tables`` as the tuned file of ``device``."""
+    (tmp_path / "configs").mkdir(exist_ok=True)
+    (tmp_path / "configs" / f"{device_key(device)}.json").write_text(json.dumps(tables))
+    monkeypatch.setattr(importlib.resources, "files", lambda package: tmp_path)
+
+
+def test_every_quant_method_names_its_format_and_the_names_differ() -> None:
+    methods = [mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
+               mf.Fp8W8A8Method(weight_scales="channel", activation_scales="token"), mf.Int8W8A8Method(),
+               mf.W4A16Method(group_size=64), mf.W4A16Method(group_size=128, zero_points=False),
+               mf.Mxfp4Method(), mf.Nvfp4Method(), mf.Nvfp4Method(input_global_scale=1e-3)]
+    keys = [method.table_key for method in methods]
+    assert all(isinstance(key, str) and key and "," not in key for key in keys)
+    assert len(set(keys)) == len(keys)
+    assert mf.MoELayer(4, 2, 32, 64).quant.table_key is None  # unquantized: the dtype's own table
+    assert shape_key(8, 2, 4096, 14336, "bf16", "mxfp4") == "E=8,k=2,H=4096,I=14336,bf16,mxfp4"
+    assert shape_key(8, 2, 4096, 14336, "bf16") == "E=8,k=2,H=4096,I=14336,bf16"
+
+
+def test_a_format_table_wins_and_is_used_as_tuned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = {"1": SMALL, "4096": ENTRY}
+    _device_file(tmp_path, monkeypatch, "Test GPU", {shape_key(8, 2, 256, 128, "bf16"): plain,
+                                                      shape_key(8, 2, 256, 128, "bf16", "fp8-block-group"): plain})
+    steps = ((32.0, 64), (256.0, 128))
+    tuned = ConfigTable.load("Test GPU", 8, 2, 256, 128, "bf16", max_block_m=64, dequant_blocks=steps,
+                             weight_format="fp8-block-group")
+    assert tuned.weight_format == "fp8-block-group"
+    assert tuned.lookup(4096) == MoEConfig(GemmConfig(**ENTRY["gate_up"]),
+                                           GemmConfig(**ENTRY["down"]))  # no cap to 64, tiles as tuned
+    assert tuned.lookup(1).down == GemmConfig(**SMALL["down"])
+    # another format (or none) falls back to the dtype's table, capped, with the alignment rule
+    for other in ("mxfp4", None):
+        fallback = ConfigTable.load("Test GPU", 8, 2, 256, 128, "bf16", max_block_m=64, weight_format=other)
+        assert fallback.weight_format is None and fallback.lookup(4096).block_m == 64
+        assert fallback.lookup(4096).down.block_n == 128  # the table's tiles, capped rows
+        assert fallback.alignment() != tuned.alignment()
+        stepped = ConfigTable.load("Test GPU", 8, 2, 256, 128, "bf16", dequant_blocks=steps, weight_format=other)
+        assert stepped.lookup(1024).block_m == 128 and stepped.lookup(128).block_m == 64  # 256 / 32 rows per expert
+    # no table for the shape: the defaults
+    assert ConfigTable.load("Test GPU", 8, 2, 512, 128, "bf16", weight_format="fp8-block-group").tokens == ()
+    assert ConfigTable.load("Other GPU", 8, 2, 256, 128, "bf16", weight_format="fp8-block-group").tokens == ()
+
+
+def _fp8_gemm(table: ConfigTable, role: mf.GemmRole) -> FusedQuantGroupedGemm:
+    weight = torch.randn(4, 256, 128).to(torch.float8_e4m3fn)
+    scale = torch.rand(4, 2, 1) + 0.5
+    return FusedQuantGroupedGemm(role, QuantScheme.FP8_W8A8, weight, scale, table, out_dtype=DType.BF16)
+
+
+@pytest.mark.parametrize("role", [mf.GemmRole.GATE_UP, mf.GemmRole.DOWN])
+def test_quantized_gemms_take_a_format_tables_tiles(role: mf.GemmRole) -> None:
+    gate_up, down = GemmConfig(64, 32, 128, group_m=4, num_warps=8, num_stages=5), GemmConfig(64, 256, 128)
+    ids = torch.zeros(64, dtype=torch.int32)
+    alignment = BlockAlignment(ids, ids[:1], ids[:1], MoEConfig(gate_up, down), copies_per_row=2, num_tokens=3)
+    want = gate_up if role is mf.GemmRole.GATE_UP else down
+    tuned = ConfigTable(4, 2, tokens=(3,), configs=(MoEConfig(gate_up, down),), weight_format="fp8-block-channel")
+    assert _fp8_gemm(tuned, role).gemm_config(alignment) == want
+    # a table that was not tuned for the format: the format's rules on the table's block_m
+    plain = attrs.evolve(tuned, weight_format=None)
+    assert _fp8_gemm(plain, role).gemm_config(alignment) == default_quant_config(QuantScheme.FP8_W8A8, 64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("make", [lambda: mf.Mxfp4Method(), lambda: mf.W4A16Method(group_size=64),
+                                  lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group")],
+                         ids=["mxfp4", "w4a16", "fp8"])
+def test_a_layer_reading_a_format_table_equals_its_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             make: Any) -> None:
+    experts, top_k, hidden, inter = 8, 2, 256, 128
+    method = make()
+    wide = {"gate_up": dict(block_m=256, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3),
+            "down": dict(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3), "us": 1.0}
+    if method.table_key.startswith("fp8"):
+        wide = {"gate_up": dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3),
+                "down": dict(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=3), "us": 1.0}
+    _device_file(tmp_path, monkeypatch, torch.cuda.get_device_name(),
+                 {shape_key(experts, top_k, hidden, inter, "bf16", method.table_key): {"1": SMALL, "1024": wide}})
+    torch.manual_seed(0)
+    layer = mf.MoELayer(experts, top_k, hidden, inter, quant=method, dtype=torch.bfloat16, device="cuda",
+                        backend="triton", environ={})
+    tables = {stage.configs for stage in layer.pipeline.stages if hasattr(stage, "configs")}
+    assert len(tables) == 1 and next(iter(tables)).weight_format == method.table_key
+    reference = mf.MoELayer(experts, top_k, hidden, inter, quant=make(), dtype=torch.bfloat16, device="cuda",
+                            backend="torch", environ={})
+    reference.load_state_dict(layer.state_dict())
+    for tokens in (1, 7, 1024, 0):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            got, want = layer(x), reference(x)
+        assert torch.isfinite(got).all()
+        scale = want.float().norm().clamp(min=1e-6)
+        assert float((got.float() - want.float()).norm() / scale) < 2e-2, tokens
