@@ -205,12 +205,15 @@ def runners(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, b
 # -- compiling ahead, in parallel ------------------------------------------------------------------
 
 
-def _compile(job: tuple[str, str, list[int], int, int]) -> int:
-    """Launch (and so compile into Triton's cache) every ``index % count == worker`` candidate."""
-    shape_name, fmt, tokens_list, worker, count = job
+def _compile(job: tuple[str, str, list[int], int, int, Any]) -> int:
+    """Launch (and so compile into Triton's cache) every ``index % count == worker`` candidate;
+    ``creating``: a lock, one layer created at a time (quantizing one takes many times its size)."""
+    shape_name, fmt, tokens_list, worker, count, creating = job
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
-    layer = build_layer(shape, fmt)
+    with creating:
+        layer = build_layer(shape, fmt)
+        torch.cuda.empty_cache()  # the float weights it was quantized from
     done = 0
     index = 0
     with torch.no_grad():
@@ -235,8 +238,9 @@ def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int) 
     if jobs <= 1:
         return
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        done = sum(pool.map(_compile, [(shape_name, fmt, tokens_list, w, jobs) for w in range(jobs)]))
+    with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        lock = manager.Lock()
+        done = sum(pool.map(_compile, [(shape_name, fmt, tokens_list, w, jobs, lock) for w in range(jobs)]))
     print(f"  compiled {done} launches in {jobs} processes", flush=True)
 
 
@@ -245,8 +249,9 @@ def affordable_jobs(shape: tuple[int, int, int, int], fmt: str, jobs: int) -> in
     experts, _, hidden, inter = shape
     bytes_per_weight = 2.0 if fmt == "bf16" else 1.1 if fmt == "fp8" else 0.6
     layer_bytes = 3 * experts * hidden * inter * bytes_per_weight + (1 << 30)  # + inputs and a context
+    creating = 3 * experts * hidden * inter * 12  # fp32 weights, and their quantization's temporaries
     free, _ = torch.cuda.mem_get_info()
-    return max(1, min(jobs, int(0.7 * free // layer_bytes) - 1))
+    return max(1, min(jobs, int((0.8 * free - creating) // layer_bytes) - 1))
 
 
 # -- timing -----------------------------------------------------------------------------------------
