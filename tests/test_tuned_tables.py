@@ -100,7 +100,8 @@ def test_a_layer_reading_a_format_table_equals_its_reference(tmp_path: Path, mon
                                                              make: Any) -> None:
     experts, top_k, hidden, inter = 8, 2, 256, 128
     method = make()
-    tolerance = 6e-2 if method.table_key.startswith("fp8") else 2e-2  # as tests/test_quant_methods_gpu.py    wide = {"gate_up": dict(block_m=256, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    tolerance = 6e-2 if method.table_key.startswith("fp8") else 2e-2  # as tests/test_quant_methods_gpu.py
+    wide = {"gate_up": dict(block_m=256, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3),
             "down": dict(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3), "us": 1.0}
     if method.table_key.startswith("fp8"):
         wide = {"gate_up": dict(block_m=128, block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=3),
