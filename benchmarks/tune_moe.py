@@ -6,8 +6,8 @@
 For each shape, format and token count it times both expert GEMMs of a triton ``MoELayer`` in that
 format (the gate/up GEMM with its fused activation, and the down GEMM), exactly as the layer runs
 them: the layer's own stages, re-aligned and re-tiled for every candidate configuration, as CUDA-graph
-replays with the L2 flushed, on the layer's random weights, random activations and random softmax
-routing. The candidates are a search space pruned by rows per expert and by the format (``8-bit``:
+replays with the L2 flushed, on the layer's random weights, random activations and three random
+softmax routings (the mean: which experts a small batch reaches varies). The candidates are a search space pruned by rows per expert and by the format (``8-bit``:
 128-deep K-steps for the per-128 scales; ``4-bit``: the dequantizing kernels' tiles, up to 256-row
 blocks), plus the configuration the layer picks today, so a tuned entry is never slower than the rules
 it replaces (up to timing noise). Both GEMMs must share ``block_m`` (the alignment is computed once),
@@ -110,9 +110,13 @@ def table_key(layer: mf.MoELayer, shape: tuple[int, int, int, int]) -> str:
     return shape_key(*shape, "bf16", layer.quant.table_key)
 
 
-def routed_tokens(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int) -> RoutedTokens:
+ROUTINGS = 3  # random routings each candidate is timed on: which experts a small batch reaches varies
+
+
+def routed_tokens(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, seed: int = 0
+                  ) -> RoutedTokens:
     experts, top_k, hidden, _ = shape
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    gen = torch.Generator(device="cuda").manual_seed(tokens + 1_000_003 * seed)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     logits = torch.randn(tokens, experts, device="cuda", generator=gen)
     topk = mf.stages.select_experts(logits, top_k, layer.routing)
@@ -189,17 +193,18 @@ def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens:
 
 def runners(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, block_m: int
             ) -> dict[str, Callable[[GemmConfig], Callable[[], Any]]]:
-    """For each GEMM: config -> a function launching it on this token count's rows."""
+    """For each GEMM: config -> a function launching it on this token count's rows, once for each of
+    :data:`ROUTINGS` routings."""
     gemms = Gemms.of(layer).retabled(one_entry_table(layer, tokens, block_m))
-    gate_up_in, down_in = gemms.inputs(routed_tokens(layer, shape, tokens))
+    inputs = [gemms.inputs(routed_tokens(layer, shape, tokens, seed)) for seed in range(ROUTINGS)]
 
-    def make(stage: Any, x: AlignedRows) -> Callable[[GemmConfig], Callable[[], Any]]:
+    def make(stage: Any, xs: list[AlignedRows]) -> Callable[[GemmConfig], Callable[[], Any]]:
         def launcher(config: GemmConfig) -> Callable[[], Any]:
-            rows = retiled(x, config)
-            return lambda: stage(rows)
+            rows = [retiled(x, config) for x in xs]
+            return lambda: [stage(x) for x in rows]
         return launcher
 
-    return {"gate_up": make(gemms.gate_up, gate_up_in), "down": make(gemms.down, down_in)}
+    return {"gate_up": make(gemms.gate_up, [x for x, _ in inputs]), "down": make(gemms.down, [x for _, x in inputs])}
 
 
 # -- compiling ahead, in parallel ------------------------------------------------------------------
@@ -266,7 +271,7 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
             for role, configs in roles.items():
                 for config in configs:
                     try:
-                        us = time_graph(run[role](config), reps, flush)
+                        us = time_graph(run[role](config), reps, flush) / ROUTINGS
                     except Exception as error:  # a configuration the compiler rejects is skipped
                         print(f"  skip {role} {config}: {type(error).__name__}", flush=True)
                         continue
