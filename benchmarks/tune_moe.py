@@ -249,14 +249,16 @@ def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int) 
     print(f"  compiled {done} launches in {jobs} processes", flush=True)
 
 
-def affordable_jobs(shape: tuple[int, int, int, int], fmt: str, jobs: int) -> int:
-    """``jobs``, fewer when that many copies of the layer's weights would not fit beside this one."""
-    experts, _, hidden, inter = shape
+def affordable_jobs(shape: tuple[int, int, int, int], fmt: str, tokens: int, jobs: int) -> int:
+    """``jobs``, fewer when that many copies of the layer's weights and of the rows of ``tokens`` tokens
+    (:data:`ROUTINGS` of them) would not fit beside the one layer being created at a time."""
+    experts, top_k, hidden, inter = shape
     bytes_per_weight = 2.0 if fmt == "bf16" else 1.1 if fmt == "fp8" else 0.6
-    layer_bytes = 3 * experts * hidden * inter * bytes_per_weight + (1 << 30)  # + inputs and a context
+    layer_bytes = 3 * experts * hidden * inter * bytes_per_weight + (1 << 30)  # + a context
+    rows_bytes = ROUTINGS * tokens * (2 * hidden + top_k * (2 * 2 * inter + 2 * hidden))  # bf16 upper bounds
     creating = 3 * experts * hidden * inter * 12  # fp32 weights, and their quantization's temporaries
     free, _ = torch.cuda.mem_get_info()
-    return max(1, min(jobs, int((0.8 * free - creating) // layer_bytes) - 1))
+    return max(1, min(jobs, int((0.8 * free - creating) // (layer_bytes + rows_bytes)) - 1))
 
 
 # -- timing -----------------------------------------------------------------------------------------
@@ -315,7 +317,7 @@ def main() -> None:
         shape = SHAPES[name]
         for fmt in formats:
             torch.manual_seed(0)
-            compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, args.jobs))
+            compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs))
             layer = build_layer(shape, fmt)
             key = table_key(layer, shape)
             print(f"{name} {key}", flush=True)
