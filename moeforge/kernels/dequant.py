@@ -151,11 +151,35 @@ fma.rn.{kind} {{out}}, x, {{scale}}, nz;
 """) + "}")
 
 
+# An e4m3 scale (the low byte of $1) to the pair (s, s): the byte doubled into two e4m3 codes, which one
+# hardware conversion (sm_89+) turns into f16x2; bf16 through fp32. Every e4m3 value is exact in fp16,
+# fp32 and bf16; NaN codes stay NaN.
+_E4M3_F16 = """{
+.reg .b32 d;
+.reg .b16 lo, hi;
+prmt.b32 d, $1, 0, 0x0000;
+mov.b32 {lo, hi}, d;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+}"""
+_E4M3_BF16 = """{
+.reg .b32 d;
+.reg .b16 lo, hi;
+.reg .f32 f;
+prmt.b32 d, $1, 0, 0x0000;
+mov.b32 {lo, hi}, d;
+cvt.rn.f16x2.e4m3x2 d, lo;
+mov.b32 {lo, hi}, d;
+cvt.f32.f16 f, lo;
+cvt.rn.bf16x2.f32 $0, f, f;
+}"""
+
 # (tl.constexpr: the only kind of global a jitted function may read)
 E2M1_BF16 = tl.constexpr(_E2M1_BF16)
 E2M1_F16 = tl.constexpr(_E2M1_F16)
 INT4_BF16 = tl.constexpr(_int4("0x43004300", "0x3F803F80", "bf16x2"))
 INT4_F16 = tl.constexpr(_int4("0x64006400", "0x3C003C00", "f16x2"))
+E4M3_F16 = tl.constexpr(_E4M3_F16)
+E4M3_BF16 = tl.constexpr(_E4M3_BF16)
 
 
 @triton.jit
@@ -163,6 +187,22 @@ def half_pairs(x):
     """16-bit values ``x`` as int32 pairs ``(x, x)``: the scale and offset operands of the decoders."""
     bits = x.to(tl.uint16, bitcast=True).to(tl.uint32)
     return (bits | (bits << 16)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def e4m3_pairs(s, DTYPE: tl.constexpr, CVT: tl.constexpr):
+    """float8_e4m3fn scales ``s`` (read as uint8) as int32 pairs ``(s, s)`` of ``DTYPE`` (bf16 / fp16):
+    by the hardware conversion where ``CVT`` (sm_89+: a few instructions per scale), else decoded by
+    hand (:func:`e4m3`); the same values either way."""
+    if CVT:
+        if DTYPE == tl.bfloat16:
+            return tl.inline_asm_elementwise(E4M3_BF16, "=r,r", [s.to(tl.uint32)], dtype=tl.int32, is_pure=True,
+                                             pack=1)
+        else:
+            return tl.inline_asm_elementwise(E4M3_F16, "=r,r", [s.to(tl.uint32)], dtype=tl.int32, is_pure=True,
+                                             pack=1)
+    else:
+        return half_pairs(e4m3(s).to(DTYPE))
 
 
 @triton.jit

@@ -44,8 +44,8 @@ import triton.language as tl
 
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
-from moeforge.kernels.dequant import (e2m1, e2m1_pairs, e4m3, e8m0, e8m0_bf16, half_pairs, int4_offset, int4_pairs,
-                                      nibbles, unpair)
+from moeforge.kernels.dequant import (e2m1, e2m1_pairs, e4m3, e4m3_pairs, e8m0, e8m0_bf16, half_pairs, int4_offset,
+                                      int4_pairs, nibbles, unpair)
 from moeforge.kernels.formats import NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat, weight_operand
 from moeforge.kernels.quantize import quantize_values, scale_of
 
@@ -109,9 +109,11 @@ def _spread(s, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _packed_weight_tile(b_ptrs, s_ptrs, z_ptrs, k, n_ok, K, stride_sg, stride_zg, DTYPE: tl.constexpr,
                         B_FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                        EVEN_K: tl.constexpr, PTX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        EVEN_K: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     """The ``[BLOCK_N, BLOCK_K]`` tile of K-step ``k`` of a 4-bit weight, dequantized to ``DTYPE``
-    (:mod:`moeforge.kernels.dequant`; ``PTX``: the packed decoding).
+    (:mod:`moeforge.kernels.dequant`; ``PTX``: the packed decoding, ``FP8_CVT``: with e4m3 scales
+    converted by the hardware).
 
     ``b_ptrs [BLOCK_N, BLOCK_K // 2]`` point at the step's packed bytes (K contiguous: wide loads),
     ``s_ptrs`` / ``z_ptrs [BLOCK_N]`` at the columns' first scale / zero point."""
@@ -129,8 +131,7 @@ def _packed_weight_tile(b_ptrs, s_ptrs, z_ptrs, k, n_ok, K, stride_sg, stride_zg
         elif B_FMT == 4:
             pairs = e2m1_pairs(packed, _spread(half_pairs(e8m0_bf16(s)), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         else:
-            pairs = e2m1_pairs(packed, _spread(half_pairs(e4m3(s).to(DTYPE)), GROUP // 2, BLOCK_N, BLOCK_K // 2),
-                               DTYPE)
+            pairs = e2m1_pairs(packed, _spread(e4m3_pairs(s, DTYPE, FP8_CVT), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         return unpair(pairs, DTYPE, BLOCK_N, BLOCK_K)
     s = _group_scales(s_ptrs, n_ok, k, K, stride_sg, GROUP, BLOCK_K)
     if B_FMT == 3:
@@ -216,7 +217,7 @@ def moe_gemm_kernel(
     A_FMT: tl.constexpr, A_SCALE: tl.constexpr, B_FMT: tl.constexpr, B_BLOCKED: tl.constexpr,
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile(N, BLOCK_N, GROUP_M)
@@ -283,7 +284,7 @@ def moe_gemm_kernel(
             packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
             if PTX:
                 sa = _group_scales(a_scale_rows, row_ok, k, K // 2, stride_ask, 8, BLOCK_K // 2)
-                pairs = e2m1_pairs(packed, _spread(half_pairs(e4m3(sa).to(DTYPE)), 8, BLOCK_M, BLOCK_K // 2), DTYPE)
+                pairs = e2m1_pairs(packed, _spread(e4m3_pairs(sa, DTYPE, FP8_CVT), 8, BLOCK_M, BLOCK_K // 2), DTYPE)
                 a = unpair(pairs, DTYPE, BLOCK_M, BLOCK_K)
             else:
                 sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_K)
@@ -298,10 +299,10 @@ def moe_gemm_kernel(
         if B_FMT >= 3:
             # -- 4-bit weights, dequantized in registers
             b = _packed_weight_tile(b_gate, s_gate, z_gate, k, n_ok, K, stride_bsk, stride_bzk, DTYPE,
-                                    B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, BLOCK_N, BLOCK_K)
+                                    B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, FP8_CVT, BLOCK_N, BLOCK_K)
             if GLU:
                 bu = _packed_weight_tile(b_up, s_up, z_up, k, n_ok, K, stride_bsk, stride_bzk, DTYPE,
-                                         B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, BLOCK_N, BLOCK_K)
+                                         B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, FP8_CVT, BLOCK_N, BLOCK_K)
             b_gate += b_step
             b_up += b_step
             if SWAP:
@@ -529,6 +530,7 @@ def moe_gemm(
     if ptx and not can_ptx:
         raise ValueError(f"the packed 4-bit decoding runs on NVIDIA GPUs in bf16/fp16 (MXFP4 in bf16), got "
                          f"{a.device.type} {compute_dtype} {weight_format.name}")
+    use_ptx = can_ptx if ptx is None else ptx
     if num_copies == 0 or n_out == 0:
         return out
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
@@ -563,7 +565,8 @@ def moe_gemm(
         # fp32 operands: full-precision products, so fp32 layers match the reference to ~1e-6.
         PRECISION="ieee" if compute_bytes == 4 else "tf32",
         SWAP=weight_format.packed and swap,
-        PTX=can_ptx if ptx is None else ptx,
+        PTX=use_ptx,
+        FP8_CVT=use_ptx and torch.cuda.get_device_capability(a.device) >= (8, 9),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
