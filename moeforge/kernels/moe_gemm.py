@@ -86,9 +86,10 @@ def _load_packed(ptrs, ok, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 def _group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
     """The raw scales of K-step ``k`` for the rows whose scale pointers are ``s_ptrs`` (``ok``: the rows
     that exist): ``[ROWS, 1]`` when the step lies within one group (``GROUP`` a multiple of
-    ``BLOCK_K``), else ``[ROWS, BLOCK_K // GROUP]`` (see :func:`_spread`)."""
+    ``BLOCK_K``), else ``[ROWS, BLOCK_K // GROUP]`` (see :func:`_spread`); past the last step, the last
+    group's or zeros (the K-loop loads each step's scales one step ahead, the last one unused)."""
     if BLOCK_K <= GROUP:
-        g = (k * BLOCK_K) // GROUP
+        g = tl.minimum((k * BLOCK_K) // GROUP, tl.cdiv(K, GROUP) - 1)
         return tl.load(s_ptrs + g * stride_sg, mask=ok, other=0)[:, None]
     else:
         g = k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
@@ -107,24 +108,20 @@ def _spread(s, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _packed_weight_tile(b_ptrs, s_ptrs, z_ptrs, k, n_ok, K, stride_sg, stride_zg, DTYPE: tl.constexpr,
-                        B_FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                        EVEN_K: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+def _packed_weight_tile(b_ptrs, s, z, k, n_ok, K, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl.constexpr,
+                        HAS_ZEROS: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The ``[BLOCK_N, BLOCK_K]`` tile of K-step ``k`` of a 4-bit weight, dequantized to ``DTYPE``
     (:mod:`moeforge.kernels.dequant`; ``PTX``: the packed decoding, ``FP8_CVT``: with e4m3 scales
     converted by the hardware).
 
-    ``b_ptrs [BLOCK_N, BLOCK_K // 2]`` point at the step's packed bytes (K contiguous: wide loads),
-    ``s_ptrs`` / ``z_ptrs [BLOCK_N]`` at the columns' first scale / zero point."""
+    ``b_ptrs [BLOCK_N, BLOCK_K // 2]`` point at the step's packed bytes (K contiguous: wide loads);
+    ``s`` / ``z`` are the step's raw scales / zero points (:func:`_group_scales`, loaded a step ahead)."""
     packed = _load_packed(b_ptrs, n_ok, k, K, BLOCK_K, EVEN_K)
     if PTX:
         # one scale (and offset) pair per byte: the groups counted in bytes
-        s = _group_scales(s_ptrs, n_ok, k, K // 2, stride_sg, GROUP // 2, BLOCK_K // 2)
         if B_FMT == 3:
-            if HAS_ZEROS:
-                z = _group_scales(z_ptrs, n_ok, k, K // 2, stride_zg, GROUP // 2, BLOCK_K // 2)
-            else:
+            if not HAS_ZEROS:
                 z = tl.full([BLOCK_N, 1], 8, tl.uint8)
             pairs = int4_pairs(packed, _spread(half_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2),
                                _spread(half_pairs(int4_offset(z, DTYPE)), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
@@ -133,13 +130,11 @@ def _packed_weight_tile(b_ptrs, s_ptrs, z_ptrs, k, n_ok, K, stride_sg, stride_zg
         else:
             pairs = e2m1_pairs(packed, _spread(e4m3_pairs(s, DTYPE, FP8_CVT), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         return unpair(pairs, DTYPE, BLOCK_N, BLOCK_K)
-    s = _group_scales(s_ptrs, n_ok, k, K, stride_sg, GROUP, BLOCK_K)
     if B_FMT == 3:
         # INT4: (q - z) is an integer in [-15, 15], exact in every float dtype; one rounding in the
         # product with the scale (stored in the rows' dtype).
         q = nibbles(packed, BLOCK_N, BLOCK_K).to(s.dtype)
         if HAS_ZEROS:
-            z = _group_scales(z_ptrs, n_ok, k, K, stride_zg, GROUP, BLOCK_K)
             q = q - _spread(z.to(s.dtype), GROUP, BLOCK_N, BLOCK_K)
         else:
             q = q - 8.0
@@ -149,6 +144,27 @@ def _packed_weight_tile(b_ptrs, s_ptrs, z_ptrs, k, n_ok, K, stride_sg, stride_zg
     else:
         w = (e2m1(packed, BLOCK_N, BLOCK_K) * _spread(e4m3(s), GROUP, BLOCK_N, BLOCK_K)).to(DTYPE)
     return w
+
+
+@triton.jit
+def _block_scales(a_scale_rows, row_ok, s_expert, gate_rows, up_rows, n_ok, kb, K, stride_ask, stride_bsn,
+                  stride_bsk, A_SCALE: tl.constexpr, B_BLOCKED: tl.constexpr, GLU: tl.constexpr):
+    """The 8-bit scales of 128-group ``kb`` (the last group's past it): the rows' ``[BLOCK_M]`` (per-group
+    rows, ``A_SCALE == 2``) and the gate and up columns' ``[BLOCK_N]`` (128 x 128 weight blocks)."""
+    kb = tl.minimum(kb, tl.cdiv(K, 128) - 1)  # past the last group: the last again (never used)
+    if A_SCALE == 2:
+        sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)
+    else:
+        sa = tl.where(row_ok, 0.0, 0.0)
+    if B_BLOCKED:
+        sb = tl.load(s_expert + (gate_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
+    else:
+        sb = tl.where(n_ok, 0.0, 0.0)
+    if GLU and B_BLOCKED:
+        sbu = tl.load(s_expert + (up_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
+    else:
+        sbu = sb
+    return sa, sb, sbu
 
 
 @triton.jit
@@ -277,6 +293,22 @@ def moe_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The scales of each K-step are loaded one step ahead (single-byte / single-word loads the pipeliner
+    # leaves in the loop: loaded in the step that uses them, their latency would stall it).
+    if B_FMT >= 3:
+        sg_next = _group_scales(s_gate, n_ok, 0, K, stride_bsk, GROUP, BLOCK_K)
+        zg_next = sg_next  # (read only with zero points)
+        if HAS_ZEROS:
+            zg_next = _group_scales(z_gate, n_ok, 0, K, stride_bzk, GROUP, BLOCK_K)
+        su_next = sg_next  # (read only by the gated GEMM)
+        zu_next = zg_next
+        if GLU:
+            su_next = _group_scales(s_up, n_ok, 0, K, stride_bsk, GROUP, BLOCK_K)
+            if HAS_ZEROS:
+                zu_next = _group_scales(z_up, n_ok, 0, K, stride_bzk, GROUP, BLOCK_K)
+    if PER_K:
+        sa_next, sb_next, sbu_next = _block_scales(a_scale_rows, row_ok, s_expert, gate_rows, up_rows, n_ok, 0, K,
+                                                   stride_ask, stride_bsn, stride_bsk, A_SCALE, B_BLOCKED, GLU)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
         # -- the rows' tile [BLOCK_M, BLOCK_K] (NVFP4 rows dequantized to the compute dtype)
@@ -298,11 +330,19 @@ def moe_gemm_kernel(
             a_ptrs += BLOCK_K * stride_ak
         if B_FMT >= 3:
             # -- 4-bit weights, dequantized in registers
-            b = _packed_weight_tile(b_gate, s_gate, z_gate, k, n_ok, K, stride_bsk, stride_bzk, DTYPE,
-                                    B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, FP8_CVT, BLOCK_N, BLOCK_K)
+            sg, zg, su, zu = sg_next, zg_next, su_next, zu_next
+            sg_next = _group_scales(s_gate, n_ok, k + 1, K, stride_bsk, GROUP, BLOCK_K)
+            if HAS_ZEROS:
+                zg_next = _group_scales(z_gate, n_ok, k + 1, K, stride_bzk, GROUP, BLOCK_K)
             if GLU:
-                bu = _packed_weight_tile(b_up, s_up, z_up, k, n_ok, K, stride_bsk, stride_bzk, DTYPE,
-                                         B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, FP8_CVT, BLOCK_N, BLOCK_K)
+                su_next = _group_scales(s_up, n_ok, k + 1, K, stride_bsk, GROUP, BLOCK_K)
+                if HAS_ZEROS:
+                    zu_next = _group_scales(z_up, n_ok, k + 1, K, stride_bzk, GROUP, BLOCK_K)
+            b = _packed_weight_tile(b_gate, sg, zg, k, n_ok, K, DTYPE, B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, FP8_CVT,
+                                    BLOCK_N, BLOCK_K)
+            if GLU:
+                bu = _packed_weight_tile(b_up, su, zu, k, n_ok, K, DTYPE, B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX,
+                                         FP8_CVT, BLOCK_N, BLOCK_K)
             b_gate += b_step
             b_up += b_step
             if SWAP:
@@ -329,22 +369,22 @@ def moe_gemm_kernel(
             # -- multiply-accumulate
             if B_FMT == 1 or B_FMT == 2:
                 if PER_K:
-                    kb = (k * BLOCK_K) // 128
+                    # BLOCK_K divides 128: the next step's group is this one's until a group boundary
+                    sa, sb, sbu = sa_next, sb_next, sbu_next
+                    kb_next = ((k + 1) * BLOCK_K) // 128
+                    sa_next, sb_next, sbu_next = _block_scales(a_scale_rows, row_ok, s_expert, gate_rows, up_rows,
+                                                               n_ok, kb_next, K, stride_ask, stride_bsn, stride_bsk,
+                                                               A_SCALE, B_BLOCKED, GLU)
                     part = _dot8(a, b, B_FMT == 2)
                     if GLU:
                         part_up = _dot8(a, bu, B_FMT == 2)
                     if A_SCALE == 2:
-                        sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)[:, None]
-                        part = part * sa
+                        part = part * sa[:, None]
                         if GLU:
-                            part_up = part_up * sa
+                            part_up = part_up * sa[:, None]
                     if B_BLOCKED:
-                        sb = tl.load(s_expert + (gate_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok,
-                                     other=0.0)
                         part = part * sb[None, :]
                         if GLU:
-                            sbu = tl.load(s_expert + (up_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok,
-                                          other=0.0)
                             part_up = part_up * sbu[None, :]
                     acc += part
                     if GLU:
