@@ -147,27 +147,6 @@ def _packed_weight_tile(b_ptrs, s, z, k, n_ok, K, DTYPE: tl.constexpr, B_FMT: tl
 
 
 @triton.jit
-def _block_scales(a_scale_rows, row_ok, s_expert, gate_rows, up_rows, n_ok, kb, K, stride_ask, stride_bsn,
-                  stride_bsk, A_SCALE: tl.constexpr, B_BLOCKED: tl.constexpr, GLU: tl.constexpr):
-    """The 8-bit scales of 128-group ``kb`` (the last group's past it): the rows' ``[BLOCK_M]`` (per-group
-    rows, ``A_SCALE == 2``) and the gate and up columns' ``[BLOCK_N]`` (128 x 128 weight blocks)."""
-    kb = tl.minimum(kb, tl.cdiv(K, 128) - 1)  # past the last group: the last again (never used)
-    if A_SCALE == 2:
-        sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)
-    else:
-        sa = tl.where(row_ok, 0.0, 0.0)
-    if B_BLOCKED:
-        sb = tl.load(s_expert + (gate_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
-    else:
-        sb = tl.where(n_ok, 0.0, 0.0)
-    if GLU and B_BLOCKED:
-        sbu = tl.load(s_expert + (up_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
-    else:
-        sbu = sb
-    return sa, sb, sbu
-
-
-@triton.jit
 def _dot8(a, b, INT8: tl.constexpr):
     """``a @ b`` of 8-bit operands as fp32 (INT8 sums exactly in int32, FP8 in fp32)."""
     if INT8:
@@ -234,7 +213,7 @@ def moe_gemm_kernel(
     GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile(N, BLOCK_N, GROUP_M)
     num_padded = tl.load(num_padded_ptr)
@@ -293,9 +272,11 @@ def moe_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # The scales of each K-step are loaded one step ahead (single-byte / single-word loads the pipeliner
-    # leaves in the loop: loaded in the step that uses them, their latency would stall it).
-    if B_FMT >= 3:
+    # PREFETCH (4-bit weights): each K-step's scales are loaded one step ahead (single-byte loads the
+    # pipeliner leaves in the loop stall the step that uses them). Measured on an H100 in one process
+    # (results/ab_prefetch_scales-...log): 10-12 % faster with 64- and 128-row blocks, 1.3-1.6x slower
+    # with 16- and 32-row blocks (the mma.sync tiles), so the launcher asks for it from 64 rows.
+    if B_FMT >= 3 and PREFETCH:
         sg_next = _group_scales(s_gate, n_ok, 0, K, stride_bsk, GROUP, BLOCK_K)
         zg_next = sg_next  # (read only with zero points)
         if HAS_ZEROS:
@@ -306,9 +287,6 @@ def moe_gemm_kernel(
             su_next = _group_scales(s_up, n_ok, 0, K, stride_bsk, GROUP, BLOCK_K)
             if HAS_ZEROS:
                 zu_next = _group_scales(z_up, n_ok, 0, K, stride_bzk, GROUP, BLOCK_K)
-    if PER_K:
-        sa_next, sb_next, sbu_next = _block_scales(a_scale_rows, row_ok, s_expert, gate_rows, up_rows, n_ok, 0, K,
-                                                   stride_ask, stride_bsn, stride_bsk, A_SCALE, B_BLOCKED, GLU)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
         # -- the rows' tile [BLOCK_M, BLOCK_K] (NVFP4 rows dequantized to the compute dtype)
@@ -330,14 +308,25 @@ def moe_gemm_kernel(
             a_ptrs += BLOCK_K * stride_ak
         if B_FMT >= 3:
             # -- 4-bit weights, dequantized in registers
-            sg, zg, su, zu = sg_next, zg_next, su_next, zu_next
-            sg_next = _group_scales(s_gate, n_ok, k + 1, K, stride_bsk, GROUP, BLOCK_K)
-            if HAS_ZEROS:
-                zg_next = _group_scales(z_gate, n_ok, k + 1, K, stride_bzk, GROUP, BLOCK_K)
-            if GLU:
-                su_next = _group_scales(s_up, n_ok, k + 1, K, stride_bsk, GROUP, BLOCK_K)
+            if PREFETCH:
+                sg, zg, su, zu = sg_next, zg_next, su_next, zu_next
+                sg_next = _group_scales(s_gate, n_ok, k + 1, K, stride_bsk, GROUP, BLOCK_K)
                 if HAS_ZEROS:
-                    zu_next = _group_scales(z_up, n_ok, k + 1, K, stride_bzk, GROUP, BLOCK_K)
+                    zg_next = _group_scales(z_gate, n_ok, k + 1, K, stride_bzk, GROUP, BLOCK_K)
+                if GLU:
+                    su_next = _group_scales(s_up, n_ok, k + 1, K, stride_bsk, GROUP, BLOCK_K)
+                    if HAS_ZEROS:
+                        zu_next = _group_scales(z_up, n_ok, k + 1, K, stride_bzk, GROUP, BLOCK_K)
+            else:
+                sg = _group_scales(s_gate, n_ok, k, K, stride_bsk, GROUP, BLOCK_K)
+                zg = sg  # (read only with zero points)
+                if HAS_ZEROS:
+                    zg = _group_scales(z_gate, n_ok, k, K, stride_bzk, GROUP, BLOCK_K)
+                su, zu = sg, zg  # (read only by the gated GEMM)
+                if GLU:
+                    su = _group_scales(s_up, n_ok, k, K, stride_bsk, GROUP, BLOCK_K)
+                    if HAS_ZEROS:
+                        zu = _group_scales(z_up, n_ok, k, K, stride_bzk, GROUP, BLOCK_K)
             b = _packed_weight_tile(b_gate, sg, zg, k, n_ok, K, DTYPE, B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, FP8_CVT,
                                     BLOCK_N, BLOCK_K)
             if GLU:
@@ -369,22 +358,22 @@ def moe_gemm_kernel(
             # -- multiply-accumulate
             if B_FMT == 1 or B_FMT == 2:
                 if PER_K:
-                    # BLOCK_K divides 128: the next step's group is this one's until a group boundary
-                    sa, sb, sbu = sa_next, sb_next, sbu_next
-                    kb_next = ((k + 1) * BLOCK_K) // 128
-                    sa_next, sb_next, sbu_next = _block_scales(a_scale_rows, row_ok, s_expert, gate_rows, up_rows,
-                                                               n_ok, kb_next, K, stride_ask, stride_bsn, stride_bsk,
-                                                               A_SCALE, B_BLOCKED, GLU)
+                    kb = (k * BLOCK_K) // 128
                     part = _dot8(a, b, B_FMT == 2)
                     if GLU:
                         part_up = _dot8(a, bu, B_FMT == 2)
                     if A_SCALE == 2:
-                        part = part * sa[:, None]
+                        sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)[:, None]
+                        part = part * sa
                         if GLU:
-                            part_up = part_up * sa[:, None]
+                            part_up = part_up * sa
                     if B_BLOCKED:
+                        sb = tl.load(s_expert + (gate_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok,
+                                     other=0.0)
                         part = part * sb[None, :]
                         if GLU:
+                            sbu = tl.load(s_expert + (up_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok,
+                                          other=0.0)
                             part_up = part_up * sbu[None, :]
                     acc += part
                     if GLU:
@@ -607,6 +596,7 @@ def moe_gemm(
         SWAP=weight_format.packed and swap,
         PTX=use_ptx,
         FP8_CVT=use_ptx and torch.cuda.get_device_capability(a.device) >= (8, 9),
+        PREFETCH=weight_format.packed and config.block_m >= 64,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
