@@ -24,6 +24,8 @@ DEFAULT_FILES = (
     RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24.json",
     RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-tuned.json",  # tables tuned per format
     RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24-tuned.json",
+    RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-final.json",  # + e4m3 cvt, scale prefetch
+    RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24-final.json",
 )
 FORMATS = {"experts": "bf16", "experts_batch_invariant": "bf16 batch-invariant"}
 
