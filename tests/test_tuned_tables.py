@@ -4,6 +4,7 @@ A quant method names its format (``QuantMethod.table_key``); a table tuned for t
 device gives its triton GEMMs their tiles and the dispatch its ``block_m`` as tuned (no cap, no
 4-bit alignment rule); without one, the compute dtype's table and the format's rules apply as before.
 On the GPU, a layer reading a format table (a fake device file) still equals its torch reference.
+The committed device files load and name known formats; the tuner's search space fits each format.
 """
 
 from __future__ import annotations
@@ -123,3 +124,51 @@ def test_a_layer_reading_a_format_table_equals_its_reference(tmp_path: Path, mon
         assert torch.isfinite(got).all()
         error = float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-6))
         assert error < tolerance, (tokens, error)
+
+
+def test_every_committed_table_loads_and_names_a_known_format() -> None:
+    """Each entry of the committed device files is a valid pair of configurations sharing ``block_m``,
+    under a key ``E=..,k=..,H=..,I=..,<dtype>[,<format>]`` whose format a built-in method names."""
+    formats = {method.table_key for method in (
+        mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
+        mf.Fp8W8A8Method(weight_scales="channel", activation_scales="token"), mf.Int8W8A8Method(),
+        *(mf.W4A16Method(group_size=g, zero_points=z) for g in (32, 64, 128) for z in (True, False)),
+        mf.Mxfp4Method(), mf.Nvfp4Method(), mf.Nvfp4Method(input_global_scale=1e-3))}
+    files = sorted((Path(mf.__file__).parent / "kernels" / "configs").glob("*.json"))
+    assert {f.name for f in files} >= {"nvidia_h100_80gb_hbm3.json", "nvidia_h200.json"}
+    for path in files:
+        for key, entries in json.loads(path.read_text()).items():
+            parts = key.split(",")
+            assert [p.split("=")[0] for p in parts[:4]] == ["E", "k", "H", "I"], key
+            assert parts[4] in ("bf16", "fp16", "fp32") and len(parts) <= 6, key
+            if len(parts) == 6:
+                assert parts[5] in formats, key
+            experts, top_k = int(parts[0][2:]), int(parts[1][2:])
+            table = ConfigTable.from_json(experts, top_k, entries)  # raises if the GEMMs' block_m differ
+            assert table.tokens == tuple(sorted(int(m) for m in entries)), key
+            for config in table.configs:
+                for gemm in (config.gate_up, config.down):
+                    assert gemm.block_m in (16, 32, 64, 128, 256) and gemm.num_warps in (4, 8), (key, gemm)
+                    assert gemm.block_k % 16 == 0 and gemm.block_n % 16 == 0, (key, gemm)
+
+
+def test_the_tuners_search_space_fits_each_format() -> None:
+    """``benchmarks/tune_moe.py``: every format has candidates in every regime, FP8 steps are 128 deep
+    (one scale group each), 4-bit steps at least 64 (whole scale groups), and a regime's ``block_m``
+    values serve both GEMMs (they must share it)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tune_moe
+
+    assert set(tune_moe.FORMATS) == {"bf16", "fp8", "w4a16", "mxfp4", "nvfp4"}
+    for fmt in tune_moe.FORMATS:
+        for rows_per_expert in (0.03, 1.0, 4.0, 5.0, 48.0, 100.0, 256.0, 1000.0):
+            found = list(tune_moe.candidates(fmt, rows_per_expert))
+            assert found and len(set(found)) == len(found), (fmt, rows_per_expert)
+            for config in found:
+                if fmt == "fp8":
+                    assert config.block_k == 128
+                if fmt in ("w4a16", "mxfp4", "nvfp4"):
+                    assert config.block_k >= 64
+                assert config.block_m <= 32 or rows_per_expert > 4  # decode: no padding-only blocks
