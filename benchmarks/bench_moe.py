@@ -15,7 +15,8 @@ graph replays with the L2 flushed before every replay, on random (never zero) bf
 
 With ``--quant fp8,w4a16,mxfp4,nvfp4`` it also times the ``experts`` span of quantized layers on the
 same shapes and M grid — FP8 W8A8 (128x128 block weights, per-128-group activations quantized before
-the dispatch, DeepSeek-V3 style), W4A16 (int4, group 128 or the largest of 64 / 32 dividing the sizes, zero points), MXFP4 (GPT-OSS's format) and
+the dispatch, DeepSeek-V3 style; ``fp8-channel``: per-channel weights, per-token activations;
+``int8``: INT8 per-channel / per-token, against the fp8 peak, which the H100's int8 peak equals), W4A16 (int4, group 128 or the largest of 64 / 32 dividing the sizes, zero points), MXFP4 (GPT-OSS's format) and
 NVFP4 (weights only, bf16 activations) — records ``experts_<quant>`` with the speedup over the bf16
 ``experts`` of the same run, against a roofline computed from the quantized weight bytes (scales and
 zero points included) and, for FP8, the fp8 matmul peak.
@@ -223,6 +224,8 @@ def w4a16_group(hidden: int, inter: int) -> int:
 
 QUANT_METHODS: dict[str, Callable[[int, int], mf.QuantMethod]] = {
     "fp8": lambda h, i: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
+    "fp8-channel": lambda h, i: mf.Fp8W8A8Method(weight_scales="channel", activation_scales="token"),
+    "int8": lambda h, i: mf.Int8W8A8Method(),
     "w4a16": lambda h, i: mf.W4A16Method(group_size=w4a16_group(h, i), zero_points=True),
     "mxfp4": lambda h, i: mf.Mxfp4Method(),
     "nvfp4": lambda h, i: mf.Nvfp4Method(),
@@ -244,6 +247,8 @@ def quant_weight_bytes(quant: str, hidden: int, inter: int) -> float:
     elements = 3 * hidden * inter
     if quant == "fp8":  # 1 byte each + one fp32 scale per 128x128 block
         return elements + 4 * elements / (128 * 128)
+    if quant in ("fp8-channel", "int8"):  # 1 byte each + one fp32 scale per output channel
+        return elements + 4 * (2 * inter + hidden)
     if quant == "mxfp4":  # 4 bits each + one E8M0 byte per 32
         return elements / 2 + elements / 32
     if quant == "nvfp4":  # 4 bits each + one e4m3 byte per 16 (+ two fp32 global scales)
@@ -293,7 +298,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<date>.json)")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
-    parser.add_argument("--quant", default="", help="quantized layers to time too: fp8,w4a16,mxfp4,nvfp4")
+    parser.add_argument("--quant", default="",
+                        help=f"quantized layers to time too, of {','.join(QUANT_METHODS)}")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="also time the bf16 experts span with MoELayer(batch_invariant=True)")
     parser.add_argument("--skip-bf16-extras", action="store_true",
@@ -306,7 +312,8 @@ def main() -> None:
     peak, read_bw = measure_peak()
     device = torch.cuda.get_device_name()
     print(f"{device}: bf16 matmul {peak:.0f} TFLOP/s, HBM read {read_bw:.2f} TB/s")
-    fp8_peak = measure_fp8_peak() if "fp8" in args.quant else None
+    eight_bit = ("fp8", "fp8-channel", "int8")
+    fp8_peak = measure_fp8_peak() if any(q in eight_bit for q in args.quant.split(",")) else None
     if fp8_peak is not None:
         print(f"fp8 matmul {fp8_peak:.0f} TFLOP/s")
     records = []
@@ -323,7 +330,7 @@ def main() -> None:
         torch.cuda.empty_cache()  # the layer of this shape is gone: free its weights for the next
         bf16_us = {r["M"]: r["median_us"] for r in records if r["shape"] == name and r["what"] == "experts"}
         for quant in filter(None, args.quant.split(",")):
-            quant_peak = fp8_peak if quant == "fp8" and fp8_peak is not None else peak
+            quant_peak = fp8_peak if quant in eight_bit and fp8_peak is not None else peak
             records += bench_quant(name, quant, tokens, bf16_us, quant_peak, read_bw, flush, args.reps)
             torch.cuda.empty_cache()
     def geomean(key: str) -> tuple[float, float]:

@@ -161,13 +161,13 @@ def test_the_tuners_search_space_fits_each_format() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import tune_moe
 
-    assert set(tune_moe.FORMATS) == {"bf16", "fp8", "w4a16", "mxfp4", "nvfp4"}
+    assert set(tune_moe.FORMATS) == {"bf16", "fp8", "fp8-channel", "int8", "w4a16", "mxfp4", "nvfp4"}
     for fmt in tune_moe.FORMATS:
         for rows_per_expert in (0.03, 1.0, 4.0, 5.0, 48.0, 100.0, 256.0, 1000.0):
             found = list(tune_moe.candidates(fmt, rows_per_expert))
             assert found and len(set(found)) == len(found), (fmt, rows_per_expert)
             for config in found:
-                if fmt == "fp8":
+                if fmt in ("fp8", "fp8-channel", "int8"):
                     assert config.block_k == 128
                 if fmt in ("w4a16", "mxfp4", "nvfp4"):
                     assert config.block_k >= 64
