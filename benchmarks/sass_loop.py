@@ -1,0 +1,135 @@
+"""Count the SASS instructions of the grouped GEMM's K-loop for one operand format and tile, without a GPU.
+
+    python benchmarks/sass_loop.py --weights mxfp4 --glu --block 16,128,64 [--warps 4] [--stages 3]
+                                   [--dtype bf16] [--swap] [--portable] [--prefetch] [--dump FILE]
+
+It compiles ``moe_gemm_kernel`` for sm_90 with the ptxas and nvdisasm that ship inside the ``triton``
+wheel (no CUDA device or driver needed), finds the K-loop (the longest backward branch) and prints its
+instructions by opcode, with the kernel's registers, spills and shared memory. A development tool: the
+instruction counts quoted in ``docs/kernels.md`` come from it. They are the local Triton's code, which
+may differ from the GPU machines' Triton (measure there before trusting a difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from moeforge.kernels.formats import WeightFormat  # noqa: E402
+from moeforge.kernels.moe_gemm import moe_gemm_kernel  # noqa: E402
+
+FORMATS = {"float": WeightFormat.FLOAT, "int4": WeightFormat.INT4, "mxfp4": WeightFormat.MXFP4,
+           "nvfp4": WeightFormat.NVFP4}
+GROUPS = {WeightFormat.INT4: 128, WeightFormat.MXFP4: 32, WeightFormat.NVFP4: 16, WeightFormat.FLOAT: 1}
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, int], warps: int, stages: int,
+                   dtype: str, swap: bool, ptx: bool, prefetch: bool) -> Any:
+    """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights``, compiled for sm_90 (the compiled kernel)."""
+    names = moe_gemm_kernel.arg_names
+    packed = weights.packed
+    pointers = dict(a_ptr=f"*{dtype}", a_scale_ptr="*fp32", b_ptr="*u8" if packed else f"*{dtype}",
+                    b_scale_ptr="*u8" if weights in (WeightFormat.MXFP4, WeightFormat.NVFP4) else f"*{dtype}",
+                    b_zero_ptr="*u8", b_global_ptr="*fp32", bias_ptr=f"*{dtype}", c_ptr=f"*{dtype}",
+                    c_scale_ptr="*fp32", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
+                    num_padded_ptr="*i32")
+    constexprs: dict[str, Any] = dict(
+        A_FMT=0, A_SCALE=0, B_FMT=int(weights), B_BLOCKED=False, GROUP=GROUPS[weights], HAS_ZEROS=False,
+        QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=True,
+        PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed, PREFETCH=prefetch and packed,
+        BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
+        # unit strides, as the launcher's contiguous operands have them
+        stride_ak=1, stride_bk=1, stride_bsk=1, stride_bzk=1, stride_cn=1, stride_bias_n=1, gate_stride=1,
+        stride_csg=1, stride_ask=1)
+    missing = {p.name for p in moe_gemm_kernel.params if p.is_constexpr} - set(constexprs)
+    if missing:
+        raise SystemExit(f"sass_loop.py does not set the kernel's constexprs {sorted(missing)}: update it")
+    multiple_of_16 = {"N", "K", "stride_am", "stride_be", "stride_bn", "stride_bse", "stride_bsn", "stride_cm",
+                      "up_offset", "stride_bias_e", "stride_csm", "stride_bze", "stride_bzn", "stride_asm"}
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in ("a_global", "alpha", "limit")
+                                                                   else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n not in constexprs and (n.endswith("_ptr") or n in multiple_of_16)}
+    source = ASTSource(moe_gemm_kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True))
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def disassemble(kernel: Any) -> tuple[str, str]:
+    """``(sass, resource usage)`` of a compiled kernel, by the wheel's nvdisasm and cuobjdump."""
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = os.path.join(folder, "kernel.cubin")
+        Path(cubin).write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", cubin], capture_output=True,
+                               text=True, check=True).stdout
+    return sass, usage
+
+
+def k_loop(sass: str) -> collections.Counter[str]:
+    """Opcodes of the longest loop (from a label to the last backward branch to it): the K-loop."""
+    lines = sass.splitlines()
+    labels = {line.strip()[:-1]: i for i, line in enumerate(lines) if re.match(r"\.L_x_\d+:", line.strip())}
+    best = (0, -1)
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and target.group(1) in labels and labels[target.group(1)] < i:
+            if i - labels[target.group(1)] > best[1] - best[0]:
+                best = (labels[target.group(1)], i)
+    found: collections.Counter[str] = collections.Counter()
+    for line in lines[best[0]:best[1] + 1]:
+        match = _INSTRUCTION.match(line)
+        if match:
+            found[match.group(1).split(".")[0]] += 1
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", default="mxfp4", choices=sorted(FORMATS))
+    parser.add_argument("--glu", action="store_true", help="the gate/up GEMM (two weight tiles per step)")
+    parser.add_argument("--block", default="16,128,64", help="BLOCK_M,BLOCK_N,BLOCK_K")
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    parser.add_argument("--swap", action="store_true")
+    parser.add_argument("--portable", action="store_true", help="the portable decoding instead of the packed one")
+    parser.add_argument("--prefetch", action="store_true", help="4-bit scales loaded one K-step ahead")
+    parser.add_argument("--dump", default=None, help="write the SASS here")
+    args = parser.parse_args()
+    block = tuple(int(v) for v in args.block.split(","))
+    if len(block) != 3:
+        raise SystemExit("--block takes BLOCK_M,BLOCK_N,BLOCK_K")
+    kernel = compile_kernel(FORMATS[args.weights], glu=args.glu, block=block, warps=args.warps,  # type: ignore[arg-type]
+                            stages=args.stages, dtype=args.dtype, swap=args.swap, ptx=not args.portable,
+                            prefetch=args.prefetch)
+    sass, usage = disassemble(kernel)
+    if args.dump:
+        Path(args.dump).write_text(sass)
+    loop = k_loop(sass)
+    print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|LOCAL:\d+)", usage)), f"shared {kernel.metadata.shared} B")
+    print(f"K-loop: {sum(loop.values())} instructions")
+    print(", ".join(f"{op} {n}" for op, n in loop.most_common()))
+
+
+if __name__ == "__main__":
+    main()
