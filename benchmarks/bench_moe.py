@@ -222,6 +222,7 @@ def w4a16_group(hidden: int, inter: int) -> int:
     return next(g for g in (128, 64, 32) if hidden % g == 0 and inter % g == 0)
 
 
+EIGHT_BIT = ("fp8", "fp8-channel", "int8")  # the formats timed against the fp8 matmul peak
 QUANT_METHODS: dict[str, Callable[[int, int], mf.QuantMethod]] = {
     "fp8": lambda h, i: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
     "fp8-channel": lambda h, i: mf.Fp8W8A8Method(weight_scales="channel", activation_scales="token"),
@@ -247,7 +248,7 @@ def quant_weight_bytes(quant: str, hidden: int, inter: int) -> float:
     elements = 3 * hidden * inter
     if quant == "fp8":  # 1 byte each + one fp32 scale per 128x128 block
         return elements + 4 * elements / (128 * 128)
-    if quant in ("fp8-channel", "int8"):  # 1 byte each + one fp32 scale per output channel
+    if quant in EIGHT_BIT:  # per channel (fp8 blocks above): 1 byte each + one fp32 scale per channel
         return elements + 4 * (2 * inter + hidden)
     if quant == "mxfp4":  # 4 bits each + one E8M0 byte per 32
         return elements / 2 + elements / 32
@@ -312,8 +313,7 @@ def main() -> None:
     peak, read_bw = measure_peak()
     device = torch.cuda.get_device_name()
     print(f"{device}: bf16 matmul {peak:.0f} TFLOP/s, HBM read {read_bw:.2f} TB/s")
-    eight_bit = ("fp8", "fp8-channel", "int8")
-    fp8_peak = measure_fp8_peak() if any(q in eight_bit for q in args.quant.split(",")) else None
+    fp8_peak = measure_fp8_peak() if any(q in EIGHT_BIT for q in args.quant.split(",")) else None
     if fp8_peak is not None:
         print(f"fp8 matmul {fp8_peak:.0f} TFLOP/s")
     records = []
@@ -330,7 +330,7 @@ def main() -> None:
         torch.cuda.empty_cache()  # the layer of this shape is gone: free its weights for the next
         bf16_us = {r["M"]: r["median_us"] for r in records if r["shape"] == name and r["what"] == "experts"}
         for quant in filter(None, args.quant.split(",")):
-            quant_peak = fp8_peak if quant in eight_bit and fp8_peak is not None else peak
+            quant_peak = fp8_peak if quant in EIGHT_BIT and fp8_peak is not None else peak
             records += bench_quant(name, quant, tokens, bf16_us, quant_peak, read_bw, flush, args.reps)
             torch.cuda.empty_cache()
     def geomean(key: str) -> tuple[float, float]:

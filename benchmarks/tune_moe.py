@@ -31,7 +31,7 @@ import multiprocessing
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import attrs
 import torch
@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, time_graph  # noqa: E402
+from bench_moe import EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, time_graph  # noqa: E402
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, shape_key  # noqa: E402
@@ -64,7 +64,7 @@ def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
         else:  # one decoded tile for as many rows as the registers allow
             space = dict(block_m=[128, 256], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[8],
                          num_stages=[3])
-    elif fmt in ("fp8", "fp8-channel", "int8"):  # 8-bit: 128-deep K-steps (one scale group each for fp8)
+    elif fmt in EIGHT_BIT:  # 128-deep K-steps (one scale group each for fp8 blocks)
         if rows_per_expert <= 4:
             space = dict(block_m=[16], block_n=[32, 64, 128], block_k=[128], group_m=[1], num_warps=[4],
                          num_stages=[3, 4, 5])
@@ -253,7 +253,7 @@ def affordable_jobs(shape: tuple[int, int, int, int], fmt: str, tokens: int, job
     """``jobs``, fewer when that many copies of the layer's weights and of the rows of ``tokens`` tokens
     (:data:`ROUTINGS` of them) would not fit beside the one layer being created at a time."""
     experts, top_k, hidden, inter = shape
-    bytes_per_weight = 2.0 if fmt == "bf16" else 1.1 if fmt in ("fp8", "fp8-channel", "int8") else 0.6
+    bytes_per_weight = 2.0 if fmt == "bf16" else 1.1 if fmt in EIGHT_BIT else 0.6
     layer_bytes = 3 * experts * hidden * inter * bytes_per_weight + (1 << 30)  # + a context
     rows_bytes = ROUTINGS * tokens * (2 * hidden + top_k * (2 * 2 * inter + 2 * hidden))  # bf16 upper bounds
     creating = 3 * experts * hidden * inter * 12  # fp32 weights, and their quantization's temporaries

@@ -37,12 +37,16 @@ def _device_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, t
     monkeypatch.setattr(importlib.resources, "files", lambda package: tmp_path)
 
 
+def _methods() -> list[mf.QuantMethod]:
+    """One of every built-in quantized configuration with a weight format of its own."""
+    return [mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
+            mf.Fp8W8A8Method(weight_scales="channel", activation_scales="token"), mf.Int8W8A8Method(),
+            *(mf.W4A16Method(group_size=g, zero_points=z) for g in (32, 64, 128) for z in (True, False)),
+            mf.Mxfp4Method(), mf.Nvfp4Method(), mf.Nvfp4Method(input_global_scale=1e-3)]
+
+
 def test_every_quant_method_names_its_format_and_the_names_differ() -> None:
-    methods = [mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
-               mf.Fp8W8A8Method(weight_scales="channel", activation_scales="token"), mf.Int8W8A8Method(),
-               mf.W4A16Method(group_size=64), mf.W4A16Method(group_size=128, zero_points=False),
-               mf.Mxfp4Method(), mf.Nvfp4Method(), mf.Nvfp4Method(input_global_scale=1e-3)]
-    keys = [method.table_key for method in methods]
+    keys = [method.table_key for method in _methods()]
     assert all(isinstance(key, str) and key and "," not in key for key in keys)
     assert len(set(keys)) == len(keys)
     assert mf.MoELayer(4, 2, 32, 64).quant.table_key is None  # unquantized: the dtype's own table
@@ -129,11 +133,7 @@ def test_a_layer_reading_a_format_table_equals_its_reference(tmp_path: Path, mon
 def test_every_committed_table_loads_and_names_a_known_format() -> None:
     """Each entry of the committed device files is a valid pair of configurations sharing ``block_m``,
     under a key ``E=..,k=..,H=..,I=..,<dtype>[,<format>]`` whose format a built-in method names."""
-    formats = {method.table_key for method in (
-        mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
-        mf.Fp8W8A8Method(weight_scales="channel", activation_scales="token"), mf.Int8W8A8Method(),
-        *(mf.W4A16Method(group_size=g, zero_points=z) for g in (32, 64, 128) for z in (True, False)),
-        mf.Mxfp4Method(), mf.Nvfp4Method(), mf.Nvfp4Method(input_global_scale=1e-3))}
+    formats = {method.table_key for method in _methods()}
     files = sorted((Path(mf.__file__).parent / "kernels" / "configs").glob("*.json"))
     assert {f.name for f in files} >= {"nvidia_h100_80gb_hbm3.json", "nvidia_h200.json"}
     for path in files:

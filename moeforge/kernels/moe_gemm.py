@@ -98,6 +98,23 @@ def _group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
+def _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k, K, stride_sg, stride_zg, GROUP: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, GLU: tl.constexpr):
+    """``(gate scales, gate zero points, up scales, up zero points)`` of K-step ``k`` (:func:`_group_scales`);
+    an absent one (no zero points, no up tile) is the gate scales again, never read."""
+    sg = _group_scales(s_gate, n_ok, k, K, stride_sg, GROUP, BLOCK_K)
+    zg = sg
+    if HAS_ZEROS:
+        zg = _group_scales(z_gate, n_ok, k, K, stride_zg, GROUP, BLOCK_K)
+    su, zu = sg, zg
+    if GLU:
+        su = _group_scales(s_up, n_ok, k, K, stride_sg, GROUP, BLOCK_K)
+        if HAS_ZEROS:
+            zu = _group_scales(z_up, n_ok, k, K, stride_zg, GROUP, BLOCK_K)
+    return sg, zg, su, zu
+
+
+@triton.jit
 def _spread(s, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """Per-group values ``s`` of :func:`_group_scales` (decoded once per group) for every element:
     ``[ROWS, 1]`` stays (it broadcasts), ``[ROWS, BLOCK_K // GROUP]`` repeats each ``GROUP`` times."""
@@ -277,16 +294,8 @@ def moe_gemm_kernel(
     # (results/ab_prefetch_scales-...log): 10-12 % faster with 64- and 128-row blocks, 1.3-1.6x slower
     # with 16- and 32-row blocks (the mma.sync tiles), so the launcher asks for it from 64 rows.
     if B_FMT >= 3 and PREFETCH:
-        sg_next = _group_scales(s_gate, n_ok, 0, K, stride_bsk, GROUP, BLOCK_K)
-        zg_next = sg_next  # (read only with zero points)
-        if HAS_ZEROS:
-            zg_next = _group_scales(z_gate, n_ok, 0, K, stride_bzk, GROUP, BLOCK_K)
-        su_next = sg_next  # (read only by the gated GEMM)
-        zu_next = zg_next
-        if GLU:
-            su_next = _group_scales(s_up, n_ok, 0, K, stride_bsk, GROUP, BLOCK_K)
-            if HAS_ZEROS:
-                zu_next = _group_scales(z_up, n_ok, 0, K, stride_bzk, GROUP, BLOCK_K)
+        sg_next, zg_next, su_next, zu_next = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, 0, K, stride_bsk,
+                                                          stride_bzk, GROUP, BLOCK_K, HAS_ZEROS, GLU)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
         # -- the rows' tile [BLOCK_M, BLOCK_K] (NVFP4 rows dequantized to the compute dtype)
@@ -310,23 +319,12 @@ def moe_gemm_kernel(
             # -- 4-bit weights, dequantized in registers
             if PREFETCH:
                 sg, zg, su, zu = sg_next, zg_next, su_next, zu_next
-                sg_next = _group_scales(s_gate, n_ok, k + 1, K, stride_bsk, GROUP, BLOCK_K)
-                if HAS_ZEROS:
-                    zg_next = _group_scales(z_gate, n_ok, k + 1, K, stride_bzk, GROUP, BLOCK_K)
-                if GLU:
-                    su_next = _group_scales(s_up, n_ok, k + 1, K, stride_bsk, GROUP, BLOCK_K)
-                    if HAS_ZEROS:
-                        zu_next = _group_scales(z_up, n_ok, k + 1, K, stride_bzk, GROUP, BLOCK_K)
+                sg_next, zg_next, su_next, zu_next = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k + 1, K,
+                                                                  stride_bsk, stride_bzk, GROUP, BLOCK_K, HAS_ZEROS,
+                                                                  GLU)
             else:
-                sg = _group_scales(s_gate, n_ok, k, K, stride_bsk, GROUP, BLOCK_K)
-                zg = sg  # (read only with zero points)
-                if HAS_ZEROS:
-                    zg = _group_scales(z_gate, n_ok, k, K, stride_bzk, GROUP, BLOCK_K)
-                su, zu = sg, zg  # (read only by the gated GEMM)
-                if GLU:
-                    su = _group_scales(s_up, n_ok, k, K, stride_bsk, GROUP, BLOCK_K)
-                    if HAS_ZEROS:
-                        zu = _group_scales(z_up, n_ok, k, K, stride_bzk, GROUP, BLOCK_K)
+                sg, zg, su, zu = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k, K, stride_bsk, stride_bzk, GROUP,
+                                              BLOCK_K, HAS_ZEROS, GLU)
             b = _packed_weight_tile(b_gate, sg, zg, k, n_ok, K, DTYPE, B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, FP8_CVT,
                                     BLOCK_N, BLOCK_K)
             if GLU:
@@ -560,6 +558,7 @@ def moe_gemm(
         raise ValueError(f"the packed 4-bit decoding runs on NVIDIA GPUs in bf16/fp16 (MXFP4 in bf16), got "
                          f"{a.device.type} {compute_dtype} {weight_format.name}")
     use_ptx = can_ptx if ptx is None else ptx
+    e4m3_scales = weight_format is WeightFormat.NVFP4 or row_format is RowFormat.NVFP4
     if num_copies == 0 or n_out == 0:
         return out
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
@@ -595,7 +594,7 @@ def moe_gemm(
         PRECISION="ieee" if compute_bytes == 4 else "tf32",
         SWAP=weight_format.packed and swap,
         PTX=use_ptx,
-        FP8_CVT=use_ptx and torch.cuda.get_device_capability(a.device) >= (8, 9),
+        FP8_CVT=use_ptx and e4m3_scales and torch.cuda.get_device_capability(a.device) >= (8, 9),
         PREFETCH=weight_format.packed and config.block_m >= 64,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
