@@ -171,6 +171,16 @@ def grouped_mm_baseline(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput) -
     return run
 
 
+def random_batch(tokens: int, hidden: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows and router logits, the same for a token count in every layer of a shape: a quantized
+    layer is compared with bf16 on the same routing (at small M the number of experts a random routing
+    touches moves the time by up to 1/E)."""
+    gen = torch.Generator(device="cuda").manual_seed(1_000_003 * tokens + hidden)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(tokens, experts, device="cuda", dtype=torch.float32, generator=gen)
+    return x, logits
+
+
 def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, read_bw: float,
                 flush: torch.Tensor, reps: int, experts_only_timing: bool = False,
                 batch_invariant: bool = False) -> list[dict[str, Any]]:
@@ -180,8 +190,7 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, read_bw: f
     experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
     records = []
     for tokens in tokens_list:
-        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        logits = torch.randn(tokens, experts, device="cuda", dtype=torch.float32)
+        x, logits = random_batch(tokens, hidden, experts)
         topk = mf.stages.select_experts(logits, top_k, layer.routing)
         routed = RoutedTokens(Activations(x), TopKOutput(topk.weights, topk.ids))
         roof, flops = roofline_us(SHAPES[name], tokens, topk.ids, peak, read_bw)
@@ -267,8 +276,7 @@ def bench_quant(name: str, quant: str, tokens_list: tuple[int, ...], bf16_us: di
     experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
     records = []
     for tokens in tokens_list:
-        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-        logits = torch.randn(tokens, experts, device="cuda", dtype=torch.float32)
+        x, logits = random_batch(tokens, hidden, experts)
         topk = mf.stages.select_experts(logits, top_k, layer.routing)
         routed = RoutedTokens(Activations(x), TopKOutput(topk.weights, topk.ids))
         used = int(torch.unique(topk.ids).numel())

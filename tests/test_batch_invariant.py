@@ -14,13 +14,17 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import attrs
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 import moeforge as mf  # noqa: E402
-from moeforge.batch_invariant import INVARIANT_CONFIG, invariant_table, linear  # noqa: E402
+from moeforge.batch_invariant import (INVARIANT_BLOCK_K, INVARIANT_CONFIG, in_family, invariant_table,  # noqa: E402
+                                      linear)
+from moeforge.kernels.config import TOKEN_BUCKETS, ConfigTable, GemmConfig, MoEConfig  # noqa: E402
+from moeforge.kernels.moe_gemm import fit_config  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
 from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK  # noqa: E402
 
@@ -28,10 +32,39 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-def test_the_invariant_table_answers_one_config_for_every_token_count() -> None:
-    table = invariant_table(8, 2, max_block_m=64)
-    assert {table.lookup(m) for m in (1, 7, 64, 513, 4096, 10 ** 6)} == {INVARIANT_CONFIG}
-    assert invariant_table(8, 2, max_block_m=32).lookup(5).block_m == 32
+def test_the_invariant_table_keeps_the_tuned_tiles_inside_the_family() -> None:
+    tuned = ConfigTable(8, 2, tokens=(1, 64, 4096), configs=(
+        MoEConfig(GemmConfig(16, 32, 256, 1, 4, 5), GemmConfig(16, 64, 128, 1, 4, 4)),
+        MoEConfig(GemmConfig(32, 128, 128, 8, 4, 4), GemmConfig(32, 64, 128, 8, 4, 4)),
+        MoEConfig(GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 3))))
+    table = invariant_table(8, 2, tuned=tuned)
+    entries = [table.lookup(m) for m in (1, 7, 64, 513, 4096, 10 ** 6)]
+    for entry in entries:
+        for config in (entry.gate_up, entry.down):
+            assert in_family(config), config
+            # the launcher never halves the K-step to fit shared memory (the fused gate/up GEMM: two B tiles)
+            assert fit_config(config, 2, packed=False, per_k_scales=False, glu=True).block_k == INVARIANT_BLOCK_K
+    # columns, warps and group order follow the tuned table; rows and K-step are the family's
+    assert entries[0].gate_up == GemmConfig(64, 32, 64, 1, 4, 5)
+    assert entries[0].down == GemmConfig(64, 64, 64, 1, 4, 4)
+    assert entries[-1] == tuned.lookup(4096)  # already in the family: the tuned tiles as they are
+    assert table.batch_invariant and table.alignment() != invariant_table(8, 2).alignment()
+    # no device table: the fallback rules' tiles, moved into the family, for every bucket
+    fallback = invariant_table(8, 2, tuned=ConfigTable(8, 2))
+    assert all(in_family(fallback.lookup(m).gate_up) for m in TOKEN_BUCKETS)
+    assert {fallback.lookup(m).block_m for m in TOKEN_BUCKETS} == {64, 128}
+
+
+def test_the_invariant_table_is_one_config_where_the_family_cannot_follow() -> None:
+    tuned = ConfigTable(8, 2)
+    for table in (invariant_table(8, 2), invariant_table(8, 2, tuned=tuned, element_bytes=4)):
+        assert {table.lookup(m) for m in (1, 7, 64, 513, 4096, 10 ** 6)} == {INVARIANT_CONFIG}
+    capped = invariant_table(8, 2, max_block_m=32, tuned=tuned)
+    assert {capped.lookup(m).block_m for m in (1, 5, 4096)} == {32}
+    assert len({capped.lookup(m) for m in (1, 5, 4096)}) == 1
+    # W8A8's cap (64 rows): every entry aligns to 64 rows, so its GEMMs take one tile for every count
+    w8a8 = invariant_table(8, 2, max_block_m=64, tuned=tuned)
+    assert {w8a8.lookup(m).block_m for m in TOKEN_BUCKETS} == {64}
 
 
 def assert_same_rows(part: torch.Tensor, whole: torch.Tensor) -> None:
@@ -41,13 +74,18 @@ def assert_same_rows(part: torch.Tensor, whole: torch.Tensor) -> None:
         torch.testing.assert_close(part, whole, rtol=2e-3, atol=1e-5)
 
 
-def test_triton_experts_with_the_invariant_table_are_batch_invariant() -> None:
+@pytest.mark.parametrize("tiles", ["one config", "family by token count"])
+def test_triton_experts_with_the_invariant_table_are_batch_invariant(tiles: str) -> None:
     experts, k, hidden, inter = 4, 2, 64, 48
     gen = torch.Generator().manual_seed(71)
     dtype = torch.float16
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(DEVICE, dtype)
-    table = invariant_table(experts, k)
+    small, large = GemmConfig(16, 32, 128, 1, 4, 3), GemmConfig(128, 64, 64, 8, 8, 2)
+    tuned = ConfigTable(experts, k, (1, 64), (MoEConfig(small, small), MoEConfig(large, large)))
+    table = invariant_table(experts, k, tuned=None if tiles == "one config" else tuned)
+    if tiles != "one config":  # the slices below align to 64 and 128 rows
+        assert {table.lookup(m).block_m for m in (1, 7, 65, 70)} == {64, 128}
     pipeline = mf.Pipeline([TritonTopK(experts, k, mf.RoutingConfig()), AlignDispatch(experts, table),
                             FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=mf.ActivationConfig()),
                             FusedGroupedGemm(mf.GemmRole.DOWN, w2, table), Combine()],
@@ -55,7 +93,7 @@ def test_triton_experts_with_the_invariant_table_are_batch_invariant() -> None:
     x = torch.randn(70, hidden, generator=gen).to(DEVICE, dtype)
     logits = torch.randn(70, experts, generator=gen).to(DEVICE)
     whole = pipeline(mf.MoEInput(x, logits)).hidden_states
-    for rows in (slice(0, 1), slice(3, 10), slice(69, 70), slice(5, 70)):
+    for rows in (slice(0, 1), slice(3, 10), slice(69, 70), slice(5, 70)):  # 1, 7, 1, 65 tokens
         part = pipeline(mf.MoEInput(x[rows].contiguous(), logits[rows].contiguous())).hidden_states
         assert_same_rows(part, whole[rows])
 
@@ -109,3 +147,37 @@ def test_layer_output_of_a_token_is_bitwise_the_same_in_every_batch(name: str) -
                 batch[position] = probe[0]
                 got = layer(batch)[position:position + 1]
                 assert torch.equal(got, want), (m, position)
+
+
+FAMILY = [GemmConfig(64, 32, 64, 1, 4, 5), GemmConfig(64, 128, 64, 8, 4, 3), GemmConfig(64, 128, 64, 8, 8, 3),
+          GemmConfig(128, 64, 64, 8, 4, 3), GemmConfig(128, 128, 64, 8, 8, 3), GemmConfig(128, 256, 64, 8, 8, 2)]
+
+
+def with_tiles(layer: mf.MoELayer, config: GemmConfig) -> mf.Pipeline:
+    """The layer's pipeline with every triton stage on one launch configuration, tiles included."""
+    table = ConfigTable(layer.num_experts, layer.top_k, (1,), (MoEConfig(config, config),), batch_invariant=True)
+    stages = []
+    for stage in layer.pipeline.stages:
+        if hasattr(stage, "configs"):
+            stage = attrs.evolve(stage, configs=table)
+        if hasattr(stage, "use_table_tiles"):
+            stage = attrs.evolve(stage, use_table_tiles=True)
+        stages.append(stage)
+    return mf.Pipeline(stages, layer.pipeline.input_spec)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["bf16 mixtral-like", "fp16", "w4a16", "mxfp4", "nvfp4"])
+def test_every_tile_of_the_family_gives_bitwise_the_same_rows(name: str) -> None:
+    """What lets the invariant table pick tiles by token count: rows, columns, warps and pipeline depth
+    change which elements a program computes, not the order in which it reduces them."""
+    torch.manual_seed(1)
+    dtype = torch.float16 if name == "fp16" else torch.bfloat16
+    settings = LAYERS["bf16 mixtral-like" if name == "fp16" else name]()
+    layer = mf.MoELayer(16, 4, 1024, 512, dtype=dtype, device="cuda", backend="triton", **settings)
+    x = torch.randn(300, 1024, device="cuda", dtype=dtype)
+    logits = torch.randn(300, 16, device="cuda")
+    with torch.no_grad():
+        outs = [with_tiles(layer, config)(mf.MoEInput(x, logits)).hidden_states for config in FAMILY]
+    for config, out in zip(FAMILY[1:], outs[1:]):
+        assert torch.equal(out, outs[0]), config

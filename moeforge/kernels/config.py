@@ -117,8 +117,9 @@ class ConfigTable:
     # M=1024 takes 865 us at 64-row blocks against 1130 at 32, Mixtral's at M=4096 5330 at 128 against
     # 6087 at 64: benchmarks/results/sweep_fp4-*-packed*.log).
     dequant_blocks: tuple[tuple[float, int], ...] = ()
-    # One configuration for every token count (batch invariance): no stage may pick tiles by token count.
-    fixed: bool = False
+    # Batch invariance (moeforge.batch_invariant): every entry reduces in the same order, and no stage may
+    # pick tiles by token count beyond the table's block_m (no dequant_blocks, no decode-time tiles).
+    batch_invariant: bool = False
     # The quantized weight format this table was tuned for (``QuantMethod.table_key``): its GEMMs take the
     # table's tiles as they are, instead of their format's rules on the table's block_m.
     weight_format: Optional[str] = None
@@ -142,7 +143,7 @@ class ConfigTable:
                 index -= 1
             elif index > 0 and num_tokens - self.tokens[index - 1] < self.tokens[index] - num_tokens:
                 index -= 1
-        if self.dequant_blocks and not self.fixed:
+        if self.dequant_blocks and not self.batch_invariant:
             rows_per_expert = num_tokens * self.top_k / max(self.num_experts, 1)
             for level in range(len(self.dequant_blocks) - 1, -1, -1):
                 if rows_per_expert >= self.dequant_blocks[level][0]:

@@ -96,11 +96,14 @@ class LayerConfig:
     def kernel_configs(self) -> ConfigTable:
         """The triton GEMMs' launch table for this shape and device, shared by the block-aligned dispatch
         and the GEMMs (they must align alike)."""
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         if self.batch_invariant:
             from moeforge.batch_invariant import invariant_table
 
-            return invariant_table(self.num_experts, self.top_k, self.quant.max_block_m)
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+            tuned = ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
+                                     self.compute_dtype.value)
+            return invariant_table(self.num_experts, self.top_k, self.quant.max_block_m, tuned,
+                                   self.dtype.itemsize)
         return ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
                                 self.compute_dtype.value, max_block_m=self.quant.max_block_m,
                                 dequant_blocks=self.quant.dequant_blocks, weight_format=self.quant.table_key)

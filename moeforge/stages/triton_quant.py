@@ -312,7 +312,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         if self.use_table_tiles or self.configs.weight_format is not None:
             return gate_up if self.role is GemmRole.GATE_UP else down
         glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
-        if self.scheme.four_bit and not self.configs.fixed and alignment.block_m <= 16:
+        if self.scheme.four_bit and not self.configs.batch_invariant and alignment.block_m <= 16:
             # Few experts busy (decode): 64-column tiles leave most SMs idle through a long, latency-bound
             # dequantizing K-loop; narrow, deep tiles make 2x the programs with half the K-steps
             # (GPT-OSS MXFP4 at M=1: 85.7 us against 117.5; at M=8, 64 it is the other way round).
