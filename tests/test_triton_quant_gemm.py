@@ -280,6 +280,34 @@ def test_w8a8_first_gemm_with_activation_bias_and_weights(case: str) -> None:
     assert rel(out, ref) < (1e-5 if out_dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize("scales", ["group", "token"])
+@pytest.mark.parametrize("layout", ["concatenated", "interleaved"])
+@pytest.mark.parametrize("block_n", [32, 256])
+def test_fp8_block_scales_one_per_tile_or_per_column(scales: str, layout: str, block_n: int) -> None:
+    """Where a tile's gate rows (and its up rows) lie in one 128-row scale block, the step's weight scale is
+    one load per tile (``B_TILE_SCALE``); else one per column. Both against the dequantized reference,
+    gate/up concatenated and interleaved, I = 192 (up rows start mid-block when concatenated)."""
+    tokens, k, experts, hidden, inter = 9, 2, 4, 256, 192
+    interleaved = layout == "interleaved"
+    gate_stride, up_offset = moe_gemm.glu_strides(True, interleaved, inter)
+    assert moe_gemm.tile_in_one_scale_block(block_n, gate_stride, up_offset, True) == (block_n == 32)
+    gen = torch.Generator().manual_seed(27)
+    act = ACTIVATIONS["swiglu-interleaved" if interleaved else "swiglu"]
+    x = quantize_activations(torch.randn(tokens, hidden, generator=gen).to(DEVICE), FP8, scales)
+    w13, w13_scale, w13_deq = quantize_weight_w8(torch.randn(experts, 2 * inter, hidden, generator=gen).to(DEVICE)
+                                                 * hidden ** -0.5 * torch.logspace(-2, 2, 2 * inter)[None, :, None]
+                                                 .to(DEVICE), FP8, True)  # scale blocks 4 decades apart
+    ids = route(tokens, experts, k, gen)
+    config = GemmConfig(16, block_n, 128, group_m=2, num_warps=4, num_stages=2)
+    plan = align.align_block_size(ids, experts, config.block_m)
+    out = torch.full((tokens * k, inter), float("nan"), dtype=torch.float32, device=DEVICE)
+    assert x.scale is not None
+    w8a8_gemm(x.data, x.scale, w13, w13_scale, out, *plan, rows_per_a=k, config=config, act=act_code(act), glu=True,
+              interleaved=interleaved)
+    ref = reference_gemm(dequantize(x), k, ids, w13_deq, None, act, None)
+    assert rel(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("case", ["fp8 group/block", "fp8 token/channel", "int8 token/channel"])
 @pytest.mark.parametrize("block_k", [32, 128])
 def test_w8a8_second_gemm_reads_copy_rows(case: str, block_k: int) -> None:

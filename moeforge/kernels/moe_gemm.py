@@ -227,7 +227,7 @@ def moe_gemm_kernel(
     gate_stride, up_offset,
     alpha, limit,
     A_FMT: tl.constexpr, A_SCALE: tl.constexpr, B_FMT: tl.constexpr, B_BLOCKED: tl.constexpr,
-    GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
+    B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -272,6 +272,9 @@ def moe_gemm_kernel(
     s_up = s_expert + up_rows * stride_bsn
     z_gate = b_zero_ptr + expert * stride_bze + gate_rows * stride_bzn
     z_up = b_zero_ptr + expert * stride_bze + up_rows * stride_bzn
+    # B_TILE_SCALE: the 128x128 weight-scale blocks of the tile's gate rows and of its up rows
+    gate_block = (pid_n * BLOCK_N * gate_stride) // 128
+    up_block = (pid_n * BLOCK_N * gate_stride + up_offset) // 128
 
     # 8-bit scales that change every 128 K-elements (PER_K) scale each step's partial product
     # (BLOCK_K divides 128, so a step never straddles two scales); INT8 otherwise sums exactly in int32.
@@ -355,7 +358,26 @@ def moe_gemm_kernel(
             b_up += b_step
             # -- multiply-accumulate
             if B_FMT == 1 or B_FMT == 2:
-                if PER_K:
+                if PER_K and B_TILE_SCALE:
+                    # the tile's gate (and up) weight rows lie in one 128-row scale block: the step's scale
+                    # is one per row (the rows' group scale times the block's), one multiply-add per element
+                    kb = (k * BLOCK_K) // 128
+                    part = _dot8(a, b, B_FMT == 2)
+                    if GLU:
+                        part_up = _dot8(a, bu, B_FMT == 2)
+                    sb = tl.load(s_expert + gate_block * stride_bsn + kb * stride_bsk)
+                    if GLU:
+                        sbu = tl.load(s_expert + up_block * stride_bsn + kb * stride_bsk)
+                    if A_SCALE == 2:
+                        sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)
+                        acc += part * (sa * sb)[:, None]
+                        if GLU:
+                            acc_up += part_up * (sa * sbu)[:, None]
+                    else:
+                        acc += part * sb
+                        if GLU:
+                            acc_up += part_up * sbu
+                elif PER_K:
                     kb = (k * BLOCK_K) // 128
                     part = _dot8(a, b, B_FMT == 2)
                     if GLU:
@@ -484,6 +506,15 @@ def glu_strides(glu: bool, interleaved: bool, n_out: int) -> tuple[int, int]:
     return (2, 1) if interleaved else (1, n_out)
 
 
+def tile_in_one_scale_block(block_n: int, gate_stride: int, up_offset: int, glu: bool) -> bool:
+    """Whether every tile's gate rows (``n * gate_stride``) lie in one 128-row weight-scale block, and its
+    up rows (``+ up_offset``) in one: the tile's rows start at multiples of ``block_n * gate_stride``,
+    which divides 128; interleaved up rows sit beside their gate rows, concatenated ones start
+    ``up_offset`` further, a multiple of the span."""
+    span = block_n * gate_stride
+    return SCALE_BLOCK % span == 0 and (not glu or up_offset % span < gate_stride)
+
+
 def moe_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -587,6 +618,7 @@ def moe_gemm(
         gate_stride, up_offset,
         alpha, limit,
         A_FMT=int(row_format), A_SCALE=a_mode, B_FMT=int(weight_format), B_BLOCKED=w.blocked,
+        B_TILE_SCALE=w.blocked and tile_in_one_scale_block(config.block_n, gate_stride, up_offset, glu),
         GROUP=w.group, HAS_ZEROS=weight_zero is not None, QUANT_OUT=quant_out,
         ACT=act, GLU=glu, HAS_BIAS=bias is not None, MUL_WEIGHTS=topk_weights is not None,
         EVEN_K=k_dim % config.block_k == 0,
