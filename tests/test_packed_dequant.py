@@ -194,8 +194,8 @@ def test_asking_for_the_packed_decoding_where_it_cannot_run_is_a_value_error() -
 
 def test_four_bit_methods_align_by_rows_per_expert() -> None:
     """``ConfigTable.dequant_blocks``: 64-row blocks from 32 rows per expert and 128-row blocks from 256,
-    whatever the (bf16-tuned or default) table says; smaller batches keep the table's blocks; a fixed
-    (batch-invariant) table never changes; the alignment key tells the rule apart."""
+    whatever the (bf16-tuned or default) table says; smaller batches keep the table's blocks; a batch-invariant
+    table never changes; the alignment key tells the rule apart."""
     steps = ((32.0, 64), (256.0, 128))
     table = ConfigTable(128, 4, dequant_blocks=steps)
     assert table.lookup(1).block_m == 16 and table.lookup(1000).block_m == 32  # 31 rows per expert
@@ -208,6 +208,6 @@ def test_four_bit_methods_align_by_rows_per_expert() -> None:
     tuned = attrs.evolve(ConfigTable.from_json(128, 4, {"4096": entry}), dequant_blocks=steps)
     assert tuned.lookup(4096).down.block_m == 64 and tuned.lookup(4096).down.block_n == 128  # tiles kept
     assert tuned.lookup(16).block_m == 128  # few rows: the table's
-    assert attrs.evolve(tuned, fixed=True).lookup(4096).block_m == 128
+    assert attrs.evolve(tuned, batch_invariant=True).lookup(4096).block_m == 128
     for method in (mf.Mxfp4Method, mf.Nvfp4Method, mf.W4A16Method):
         assert method.dequant_blocks == steps
