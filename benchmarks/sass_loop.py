@@ -50,7 +50,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                     c_scale_ptr="*fp32", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                     num_padded_ptr="*i32")
     constexprs: dict[str, Any] = dict(
-        A_FMT=0, A_SCALE=0, B_FMT=int(weights), B_BLOCKED=False, GROUP=GROUPS[weights], HAS_ZEROS=False,
+        A_FMT=0, A_SCALE=0, B_FMT=int(weights), B_BLOCKED=False, B_TILE_SCALE=False, GROUP=GROUPS[weights], HAS_ZEROS=False,
         QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=True,
         PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed, PREFETCH=prefetch and packed,
         BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,

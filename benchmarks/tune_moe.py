@@ -74,8 +74,8 @@ def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
         elif rows_per_expert <= 256:
             space = dict(block_m=[32, 64], block_n=[64, 128], block_k=[128], group_m=[8], num_warps=[4, 8],
                          num_stages=[3, 4])
-        else:
-            space = dict(block_m=[64, 128], block_n=[128, 256], block_k=[128], group_m=[8], num_warps=[8],
+        else:  # 64 columns: two accumulators (gate, up) of 128 rows on 8 warps without spilling
+            space = dict(block_m=[64, 128], block_n=[64, 128, 256], block_k=[128], group_m=[8], num_warps=[8],
                          num_stages=[3, 4])
     elif rows_per_expert <= 4:  # bf16, weight-streaming: many narrow tiles, deep pipelines
         space = dict(block_m=[16], block_n=[32, 64], block_k=[128, 256], group_m=[1], num_warps=[4],
