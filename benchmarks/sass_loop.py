@@ -34,23 +34,29 @@ from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.kernels.moe_gemm import moe_gemm_kernel  # noqa: E402
 
 FORMATS = {"float": WeightFormat.FLOAT, "int4": WeightFormat.INT4, "mxfp4": WeightFormat.MXFP4,
-           "nvfp4": WeightFormat.NVFP4}
-GROUPS = {WeightFormat.INT4: 128, WeightFormat.MXFP4: 32, WeightFormat.NVFP4: 16, WeightFormat.FLOAT: 1}
+           "nvfp4": WeightFormat.NVFP4, "fp8-block": WeightFormat.FP8}  # fp8-block: FP8 rows per 128-group
+GROUPS = {WeightFormat.INT4: 128, WeightFormat.MXFP4: 32, WeightFormat.NVFP4: 16, WeightFormat.FLOAT: 1,
+          WeightFormat.FP8: 1}
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
 def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, int], warps: int, stages: int,
-                   dtype: str, swap: bool, ptx: bool, prefetch: bool) -> Any:
-    """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights``, compiled for sm_90 (the compiled kernel)."""
+                   dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False) -> Any:
+    """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
+    128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel)."""
     names = moe_gemm_kernel.arg_names
     packed = weights.packed
-    pointers = dict(a_ptr=f"*{dtype}", a_scale_ptr="*fp32", b_ptr="*u8" if packed else f"*{dtype}",
-                    b_scale_ptr="*u8" if weights in (WeightFormat.MXFP4, WeightFormat.NVFP4) else f"*{dtype}",
+    fp8 = weights is WeightFormat.FP8
+    operand = "fp8e4nv" if fp8 else dtype
+    pointers = dict(a_ptr=f"*{operand}", a_scale_ptr="*fp32", b_ptr="*u8" if packed else f"*{operand}",
+                    b_scale_ptr="*u8" if weights in (WeightFormat.MXFP4, WeightFormat.NVFP4) else
+                    ("*fp32" if fp8 else f"*{dtype}"),
                     b_zero_ptr="*u8", b_global_ptr="*fp32", bias_ptr=f"*{dtype}", c_ptr=f"*{dtype}",
                     c_scale_ptr="*fp32", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                     num_padded_ptr="*i32")
     constexprs: dict[str, Any] = dict(
-        A_FMT=0, A_SCALE=0, B_FMT=int(weights), B_BLOCKED=False, B_TILE_SCALE=False, GROUP=GROUPS[weights], HAS_ZEROS=False,
+        A_FMT=1 if fp8 else 0, A_SCALE=2 if fp8 else 0, B_FMT=int(weights), B_BLOCKED=fp8, B_TILE_SCALE=tile_scale,
+        GROUP=GROUPS[weights], HAS_ZEROS=False,
         QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=True,
         PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed, PREFETCH=prefetch and packed,
         BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
@@ -116,6 +122,7 @@ def main() -> None:
     parser.add_argument("--swap", action="store_true")
     parser.add_argument("--portable", action="store_true", help="the portable decoding instead of the packed one")
     parser.add_argument("--prefetch", action="store_true", help="4-bit scales loaded one K-step ahead")
+    parser.add_argument("--tile-scale", action="store_true", help="fp8-block: one weight scale per tile and step")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -123,7 +130,7 @@ def main() -> None:
         raise SystemExit("--block takes BLOCK_M,BLOCK_N,BLOCK_K")
     kernel = compile_kernel(FORMATS[args.weights], glu=args.glu, block=block, warps=args.warps,  # type: ignore[arg-type]
                             stages=args.stages, dtype=args.dtype, swap=args.swap, ptx=not args.portable,
-                            prefetch=args.prefetch)
+                            prefetch=args.prefetch, tile_scale=args.tile_scale)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)

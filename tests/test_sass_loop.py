@@ -40,3 +40,18 @@ def test_the_k_loop_of_a_packed_and_a_portable_mxfp4_tile() -> None:
         assert sum(counts.values()) > 0
     assert packed.get("HMUL2", 0) > 0 and packed.get("PRMT", 0) > 0 and portable.get("HMUL2", 0) == 0
     assert packed_total < portable_total  # the point of the packed decoding
+
+
+@pytest.mark.skipif(not (TOOLS / "nvdisasm").exists(), reason="this triton wheel ships no nvdisasm")
+def test_fp8_block_scales_one_per_tile_promote_with_one_multiply_add_per_element() -> None:
+    """The 128 x 64 gate/up tile on 8 warps (two accumulators of 32 elements per thread each): with one
+    weight scale per tile and step the promotion is one FFMA per accumulator element and no FMUL per
+    element; with a scale per column it also multiplies each element."""
+    common = ("--weights", "fp8-block", "--glu", "--block", "128,64,128", "--warps", "8")
+    usage, tile_total, tile = _k_loop(*common, "--tile-scale")
+    assert "LOCAL:0" in usage
+    _, column_total, column = _k_loop(*common)
+    assert tile["QGMMA"] == column["QGMMA"] == 8  # 2 dots x 4 K-steps of 32 per warpgroup
+    assert tile["FFMA"] == 64 and tile.get("FMUL", 0) < 16
+    assert column.get("FMUL", 0) >= 64
+    assert tile_total < column_total
