@@ -173,6 +173,19 @@ cvt.f32.f16 f, lo;
 cvt.rn.bf16x2.f32 $0, f, f;
 }"""
 
+# E8M0 scales (the low byte of $1) to the bf16 pair (s, s): the code times 0x00800080 puts it at bits 7-14
+# of both lanes, the pattern of 2**(s - 127) for codes 1..254; code 0 gives +0, raised to 2**-127 by a
+# max; code 255 gives +inf, turned into NaN by x * 0 + x (exactly x for every finite x >= 0). Three
+# instructions against six for the integer selects of e8m0_bf16.
+_E8M0_BF16 = """{
+.reg .b32 p, tiny, zero;
+mov.b32 tiny, 0x00400040;
+mov.b32 zero, 0;
+mul.lo.u32 p, $1, 0x00800080;
+max.bf16x2 p, p, tiny;
+fma.rn.bf16x2 $0, p, zero, p;
+}"""
+
 # (tl.constexpr: the only kind of global a jitted function may read)
 E2M1_BF16 = tl.constexpr(_E2M1_BF16)
 E2M1_F16 = tl.constexpr(_E2M1_F16)
@@ -180,6 +193,7 @@ INT4_BF16 = tl.constexpr(_int4("0x43004300", "0x3F803F80", "bf16x2"))
 INT4_F16 = tl.constexpr(_int4("0x64006400", "0x3C003C00", "f16x2"))
 E4M3_F16 = tl.constexpr(_E4M3_F16)
 E4M3_BF16 = tl.constexpr(_E4M3_BF16)
+E8M0_BF16 = tl.constexpr(_E8M0_BF16)
 
 
 @triton.jit
@@ -187,6 +201,13 @@ def half_pairs(x):
     """16-bit values ``x`` as int32 pairs ``(x, x)``: the scale and offset operands of the decoders."""
     bits = x.to(tl.uint16, bitcast=True).to(tl.uint32)
     return (bits | (bits << 16)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def e8m0_pairs(s):
+    """E8M0 scale codes ``s`` (uint8) as int32 bf16 pairs ``(2**(s - 127), 2**(s - 127))`` by the packed
+    decoding (NVIDIA, sm_90+: bf16x2 arithmetic); the values of :func:`half_pairs` of :func:`e8m0_bf16`."""
+    return tl.inline_asm_elementwise(E8M0_BF16, "=r,r", [s.to(tl.uint32)], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit

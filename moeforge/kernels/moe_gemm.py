@@ -44,7 +44,7 @@ import triton.language as tl
 
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
-from moeforge.kernels.dequant import (e2m1, e2m1_pairs, e4m3, e4m3_pairs, e8m0, e8m0_bf16, half_pairs, int4_offset,
+from moeforge.kernels.dequant import (e2m1, e2m1_pairs, e4m3, e4m3_pairs, e8m0, e8m0_pairs, half_pairs, int4_offset,
                                       int4_pairs, nibbles, unpair)
 from moeforge.kernels.formats import NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat, weight_operand
 from moeforge.kernels.quantize import quantize_values, scale_of
@@ -143,7 +143,7 @@ def _packed_weight_tile(b_ptrs, s, z, k, n_ok, K, DTYPE: tl.constexpr, B_FMT: tl
             pairs = int4_pairs(packed, _spread(half_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2),
                                _spread(half_pairs(int4_offset(z, DTYPE)), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         elif B_FMT == 4:
-            pairs = e2m1_pairs(packed, _spread(half_pairs(e8m0_bf16(s)), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
+            pairs = e2m1_pairs(packed, _spread(e8m0_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         else:
             pairs = e2m1_pairs(packed, _spread(e4m3_pairs(s, DTYPE, FP8_CVT), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         return unpair(pairs, DTYPE, BLOCK_N, BLOCK_K)
