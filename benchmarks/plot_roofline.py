@@ -26,6 +26,11 @@ DEFAULT_FILES = (
     RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24-tuned.json",
     RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-final.json",  # + e4m3 cvt, scale prefetch
     RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24-final.json",
+    RESULTS / "bench_moe_invariant-nvidia_h100_80gb_hbm3-2026-11-24.json",  # the 28 bf16 cells + invariant mode
+    RESULTS / "bench_moe_8bit-nvidia_h100_80gb_hbm3-2026-11-24.json",  # fp8-channel, int8; bf16's routing
+    RESULTS / "bench_moe_w4a16_dsv3-nvidia_h100_80gb_hbm3-2026-11-24.json",
+    RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-f1df33f.json",  # re-tuned tables, E8M0 decode
+    RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24-f1df33f.json",  # FP8 scales per tile
 )
 FORMATS = {"experts": "bf16", "experts_batch_invariant": "bf16 batch-invariant"}
 
@@ -69,7 +74,8 @@ def plot(data: dict[str, list[tuple[int, float]]], out: Path, title: str) -> Non
 
     figure, axes = plt.subplots(figsize=(9, 6.5), dpi=100)
     styles: dict[str, Any] = {"bf16": "-", "bf16 batch-invariant": ":", "mxfp4": "--", "nvfp4": "-.",
-                              "w4a16": (0, (5, 1, 1, 1, 1, 1)), "fp8": (0, (8, 2, 2, 2))}
+                              "w4a16": (0, (5, 1, 1, 1, 1, 1)), "fp8": (0, (8, 2, 2, 2)), "fp8-channel": (0, (1, 2)),
+                              "int8": (0, (3, 3))}
     colours: dict[str, Any] = {}
     for label, points in data.items():
         shape, fmt = label.split(" ", 1)[0], label.split(" ", 1)[1].rsplit(" (", 1)[0]
