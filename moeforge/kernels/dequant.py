@@ -173,6 +173,39 @@ cvt.f32.f16 f, lo;
 cvt.rn.bf16x2.f32 $0, f, f;
 }"""
 
+# Four e4m3 scales (the bytes of $4, in order) to four pairs (s, s) in $0..$3: one hardware conversion per
+# two scales (bytes 0-1, then 2-3; the low byte to the low half), then each half doubled (f16: one prmt;
+# bf16: through fp32).
+_E4M3X4_F16 = """{
+.reg .b32 p;
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 p, lo;
+prmt.b32 $0, p, 0, 0x1010;
+prmt.b32 $1, p, 0, 0x3232;
+cvt.rn.f16x2.e4m3x2 p, hi;
+prmt.b32 $2, p, 0, 0x1010;
+prmt.b32 $3, p, 0, 0x3232;
+}"""
+_E4M3X4_BF16 = """{
+.reg .b32 p;
+.reg .b16 lo, hi, h0, h1;
+.reg .f32 f;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 p, lo;
+mov.b32 {h0, h1}, p;
+cvt.f32.f16 f, h0;
+cvt.rn.bf16x2.f32 $0, f, f;
+cvt.f32.f16 f, h1;
+cvt.rn.bf16x2.f32 $1, f, f;
+cvt.rn.f16x2.e4m3x2 p, hi;
+mov.b32 {h0, h1}, p;
+cvt.f32.f16 f, h0;
+cvt.rn.bf16x2.f32 $2, f, f;
+cvt.f32.f16 f, h1;
+cvt.rn.bf16x2.f32 $3, f, f;
+}"""
+
 # E8M0 scales (the low byte of $1) to the bf16 pair (s, s): the code times 0x00800080 puts it at bits 7-14
 # of both lanes, the pattern of 2**(s - 127) for codes 1..254; code 0 gives +0, raised to 2**-127 by a
 # max; code 255 gives +inf, turned into NaN by x * 0 + x (exactly x for every finite x >= 0). Three
@@ -194,6 +227,8 @@ INT4_F16 = tl.constexpr(_int4("0x64006400", "0x3C003C00", "f16x2"))
 E4M3_F16 = tl.constexpr(_E4M3_F16)
 E4M3_BF16 = tl.constexpr(_E4M3_BF16)
 E8M0_BF16 = tl.constexpr(_E8M0_BF16)
+E4M3X4_F16 = tl.constexpr(_E4M3X4_F16)
+E4M3X4_BF16 = tl.constexpr(_E4M3X4_BF16)
 
 
 @triton.jit
@@ -211,11 +246,17 @@ def e8m0_pairs(s):
 
 
 @triton.jit
-def e4m3_pairs(s, DTYPE: tl.constexpr, CVT: tl.constexpr):
+def e4m3_pairs(s, DTYPE: tl.constexpr, CVT: tl.constexpr, BY_FOUR: tl.constexpr = False):
     """float8_e4m3fn scales ``s`` (read as uint8) as int32 pairs ``(s, s)`` of ``DTYPE`` (bf16 / fp16):
-    by the hardware conversion where ``CVT`` (sm_89+: a few instructions per scale), else decoded by
-    hand (:func:`e4m3`); the same values either way."""
-    if CVT:
+    by the hardware conversion where ``CVT`` (sm_89+: a few instructions per scale; ``BY_FOUR``: two
+    conversions per four scales adjacent along the last axis, which must hold a multiple of four), else
+    decoded by hand (:func:`e4m3`); the same values either way."""
+    if CVT and BY_FOUR:
+        if DTYPE == tl.bfloat16:
+            return tl.inline_asm_elementwise(E4M3X4_BF16, "=r,=r,=r,=r,r", [s], dtype=tl.int32, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(E4M3X4_F16, "=r,=r,=r,=r,r", [s], dtype=tl.int32, is_pure=True, pack=4)
+    elif CVT:
         if DTYPE == tl.bfloat16:
             return tl.inline_asm_elementwise(E4M3_BF16, "=r,r", [s.to(tl.uint32)], dtype=tl.int32, is_pure=True,
                                              pack=1)

@@ -145,7 +145,8 @@ def _packed_weight_tile(b_ptrs, s, z, k, n_ok, K, DTYPE: tl.constexpr, B_FMT: tl
         elif B_FMT == 4:
             pairs = e2m1_pairs(packed, _spread(e8m0_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         else:
-            pairs = e2m1_pairs(packed, _spread(e4m3_pairs(s, DTYPE, FP8_CVT), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
+            pairs = e2m1_pairs(packed, _spread(e4m3_pairs(s, DTYPE, FP8_CVT, BLOCK_K // GROUP >= 4), GROUP // 2,
+                                               BLOCK_N, BLOCK_K // 2), DTYPE)
         return unpair(pairs, DTYPE, BLOCK_N, BLOCK_K)
     if B_FMT == 3:
         # INT4: (q - z) is an integer in [-15, 15], exact in every float dtype; one rounding in the
@@ -306,7 +307,8 @@ def moe_gemm_kernel(
             packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
             if PTX:
                 sa = _group_scales(a_scale_rows, row_ok, k, K // 2, stride_ask, 8, BLOCK_K // 2)
-                pairs = e2m1_pairs(packed, _spread(e4m3_pairs(sa, DTYPE, FP8_CVT), 8, BLOCK_M, BLOCK_K // 2), DTYPE)
+                pairs = e2m1_pairs(packed, _spread(e4m3_pairs(sa, DTYPE, FP8_CVT, BLOCK_K // 16 >= 4), 8, BLOCK_M,
+                                                   BLOCK_K // 2), DTYPE)
                 a = unpair(pairs, DTYPE, BLOCK_M, BLOCK_K)
             else:
                 sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_K)
