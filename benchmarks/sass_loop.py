@@ -31,7 +31,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
-from moeforge.kernels.moe_gemm import moe_gemm_kernel  # noqa: E402
+from moeforge.kernels.config import GemmConfig  # noqa: E402
+from moeforge.kernels.moe_gemm import cvt_by_four, moe_gemm_kernel  # noqa: E402
 
 FORMATS = {"float": WeightFormat.FLOAT, "int4": WeightFormat.INT4, "mxfp4": WeightFormat.MXFP4,
            "nvfp4": WeightFormat.NVFP4, "fp8-block": WeightFormat.FP8}  # fp8-block: FP8 rows per 128-group
@@ -58,7 +59,8 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         A_FMT=1 if fp8 else 0, A_SCALE=2 if fp8 else 0, B_FMT=int(weights), B_BLOCKED=fp8, B_TILE_SCALE=tile_scale,
         GROUP=GROUPS[weights], HAS_ZEROS=False,
         QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=True,
-        PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed, PREFETCH=prefetch and packed,
+        PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed,
+        CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
         BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         # unit strides, as the launcher's contiguous operands have them
         stride_ak=1, stride_bk=1, stride_bsk=1, stride_bzk=1, stride_cn=1, stride_bias_n=1, gate_stride=1,

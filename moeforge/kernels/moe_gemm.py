@@ -127,6 +127,7 @@ def _spread(s, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _packed_weight_tile(b_ptrs, s, z, k, n_ok, K, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl.constexpr,
                         HAS_ZEROS: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
+                        CVT_BY_FOUR: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The ``[BLOCK_N, BLOCK_K]`` tile of K-step ``k`` of a 4-bit weight, dequantized to ``DTYPE``
     (:mod:`moeforge.kernels.dequant`; ``PTX``: the packed decoding, ``FP8_CVT``: with e4m3 scales
@@ -145,8 +146,8 @@ def _packed_weight_tile(b_ptrs, s, z, k, n_ok, K, DTYPE: tl.constexpr, B_FMT: tl
         elif B_FMT == 4:
             pairs = e2m1_pairs(packed, _spread(e8m0_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         else:
-            pairs = e2m1_pairs(packed, _spread(e4m3_pairs(s, DTYPE, FP8_CVT, BLOCK_K // GROUP >= 4), GROUP // 2,
-                                               BLOCK_N, BLOCK_K // 2), DTYPE)
+            scales = e4m3_pairs(s, DTYPE, FP8_CVT, CVT_BY_FOUR and BLOCK_K // GROUP >= 4)
+            pairs = e2m1_pairs(packed, _spread(scales, GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         return unpair(pairs, DTYPE, BLOCK_N, BLOCK_K)
     if B_FMT == 3:
         # INT4: (q - z) is an integer in [-15, 15], exact in every float dtype; one rounding in the
@@ -231,6 +232,7 @@ def moe_gemm_kernel(
     B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
+    CVT_BY_FOUR: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile(N, BLOCK_N, GROUP_M)
@@ -307,8 +309,8 @@ def moe_gemm_kernel(
             packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
             if PTX:
                 sa = _group_scales(a_scale_rows, row_ok, k, K // 2, stride_ask, 8, BLOCK_K // 2)
-                pairs = e2m1_pairs(packed, _spread(e4m3_pairs(sa, DTYPE, FP8_CVT, BLOCK_K // 16 >= 4), 8, BLOCK_M,
-                                                   BLOCK_K // 2), DTYPE)
+                row_scales = e4m3_pairs(sa, DTYPE, FP8_CVT, CVT_BY_FOUR and BLOCK_K // 16 >= 4)
+                pairs = e2m1_pairs(packed, _spread(row_scales, 8, BLOCK_M, BLOCK_K // 2), DTYPE)
                 a = unpair(pairs, DTYPE, BLOCK_M, BLOCK_K)
             else:
                 sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_K)
@@ -331,10 +333,10 @@ def moe_gemm_kernel(
                 sg, zg, su, zu = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k, K, stride_bsk, stride_bzk, GROUP,
                                               BLOCK_K, HAS_ZEROS, GLU)
             b = _packed_weight_tile(b_gate, sg, zg, k, n_ok, K, DTYPE, B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, FP8_CVT,
-                                    BLOCK_N, BLOCK_K)
+                                    CVT_BY_FOUR, BLOCK_N, BLOCK_K)
             if GLU:
                 bu = _packed_weight_tile(b_up, su, zu, k, n_ok, K, DTYPE, B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX,
-                                         FP8_CVT, BLOCK_N, BLOCK_K)
+                                         FP8_CVT, CVT_BY_FOUR, BLOCK_N, BLOCK_K)
             b_gate += b_step
             b_up += b_step
             if SWAP:
@@ -508,6 +510,14 @@ def glu_strides(glu: bool, interleaved: bool, n_out: int) -> tuple[int, int]:
     return (2, 1) if interleaved else (1, n_out)
 
 
+def cvt_by_four(config: GemmConfig) -> bool:
+    """Whether e4m3 scales are converted four at a time (``dequant.e4m3_pairs``): a one-process A/B on an
+    H100 (results/ab_e4m3x4-...log) found it 1.5-2 % faster with 64-column tiles of up to 64 rows (GPT-OSS
+    NVFP4 M = 8, 64, 1024), 9 % slower with the 32-column decode tiles (M = 1) and 2.5 % slower with
+    128-row tiles (Mixtral M = 1024), where the SASS is no shorter."""
+    return config.block_n >= 64 and config.block_m <= 64
+
+
 def tile_in_one_scale_block(block_n: int, gate_stride: int, up_offset: int, glu: bool) -> bool:
     """Whether every tile's gate rows (``n * gate_stride``) lie in one 128-row weight-scale block, and its
     up rows (``+ up_offset``) in one: the tile's rows start at multiples of ``block_n * gate_stride``,
@@ -595,6 +605,7 @@ def moe_gemm(
     if num_copies == 0 or n_out == 0:
         return out
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
+    fp8_cvt = use_ptx and e4m3_scales and torch.cuda.get_device_capability(a.device) >= (8, 9)
     grid = (sorted_ids.numel() // config.block_m * triton.cdiv(n_out, config.block_n),)
     dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
     # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
@@ -628,7 +639,8 @@ def moe_gemm(
         PRECISION="ieee" if compute_bytes == 4 else "tf32",
         SWAP=weight_format.packed and swap,
         PTX=use_ptx,
-        FP8_CVT=use_ptx and e4m3_scales and torch.cuda.get_device_capability(a.device) >= (8, 9),
+        FP8_CVT=fp8_cvt,
+        CVT_BY_FOUR=fp8_cvt and cvt_by_four(config),
         PREFETCH=weight_format.packed and config.block_m >= 64,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
