@@ -173,38 +173,23 @@ cvt.f32.f16 f, lo;
 cvt.rn.bf16x2.f32 $0, f, f;
 }"""
 
+
 # Four e4m3 scales (the bytes of $4, in order) to four pairs (s, s) in $0..$3: one hardware conversion per
 # two scales (bytes 0-1, then 2-3; the low byte to the low half), then each half doubled (f16: one prmt;
 # bf16: through fp32).
-_E4M3X4_F16 = """{
-.reg .b32 p;
-.reg .b16 lo, hi;
-mov.b32 {lo, hi}, $4;
-cvt.rn.f16x2.e4m3x2 p, lo;
-prmt.b32 $0, p, 0, 0x1010;
-prmt.b32 $1, p, 0, 0x3232;
-cvt.rn.f16x2.e4m3x2 p, hi;
-prmt.b32 $2, p, 0, 0x1010;
-prmt.b32 $3, p, 0, 0x3232;
-}"""
-_E4M3X4_BF16 = """{
-.reg .b32 p;
-.reg .b16 lo, hi, h0, h1;
-.reg .f32 f;
-mov.b32 {lo, hi}, $4;
-cvt.rn.f16x2.e4m3x2 p, lo;
-mov.b32 {h0, h1}, p;
-cvt.f32.f16 f, h0;
-cvt.rn.bf16x2.f32 $0, f, f;
-cvt.f32.f16 f, h1;
-cvt.rn.bf16x2.f32 $1, f, f;
-cvt.rn.f16x2.e4m3x2 p, hi;
-mov.b32 {h0, h1}, p;
-cvt.f32.f16 f, h0;
-cvt.rn.bf16x2.f32 $2, f, f;
-cvt.f32.f16 f, h1;
-cvt.rn.bf16x2.f32 $3, f, f;
-}"""
+def _e4m3_by_four(regs: str, double: str) -> str:
+    """Four e4m3 scales to four pairs: ``double`` turns the f16 pair ``p`` = (s_a, s_b) of one conversion
+    into the pairs ``{a}`` = (s_a, s_a) and ``{b}`` = (s_b, s_b)."""
+    body = "".join(f"cvt.rn.f16x2.e4m3x2 p, {half};\n" + double.format(a=f"${2 * i}", b=f"${2 * i + 1}")
+                   for i, half in enumerate(("lo", "hi")))
+    return "{\n" + regs + "mov.b32 {lo, hi}, $4;\n" + body + "}"
+
+
+_E4M3X4_F16 = _e4m3_by_four(".reg .b32 p;\n.reg .b16 lo, hi;\n",
+                            "prmt.b32 {a}, p, 0, 0x1010;\nprmt.b32 {b}, p, 0, 0x3232;\n")
+_E4M3X4_BF16 = _e4m3_by_four(".reg .b32 p;\n.reg .b16 lo, hi, h0, h1;\n.reg .f32 f;\n",
+                             "mov.b32 {{h0, h1}}, p;\ncvt.f32.f16 f, h0;\ncvt.rn.bf16x2.f32 {a}, f, f;\n"
+                             "cvt.f32.f16 f, h1;\ncvt.rn.bf16x2.f32 {b}, f, f;\n")
 
 # E8M0 scales (the low byte of $1) to the bf16 pair (s, s): the code times 0x00800080 puts it at bits 7-14
 # of both lanes, the pattern of 2**(s - 127) for codes 1..254; code 0 gives +0, raised to 2**-127 by a
