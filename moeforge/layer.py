@@ -65,8 +65,9 @@ class MoELayer(nn.Module):
         debug: check every payload against its spec (values included) and reject non-finite hidden
             states, router logits and routing weights (these checks synchronise with the device).
         batch_invariant: each token's output bitwise independent of the rest of the batch and of its
-            size (one launch configuration for every token count, the router and shared experts
-            through the same kernel; needs the triton backend). See :mod:`moeforge.batch_invariant`.
+            size (tiles picked by token count only among those that reduce in the same order, the router
+            and shared experts through the same kernel; needs the triton backend). See
+            :mod:`moeforge.batch_invariant`.
         environ: where the process default ``MOEFORGE_DISPATCH_DTYPE`` is read (default
             ``os.environ``; only read, never written).
     """

@@ -53,7 +53,7 @@ class LayerConfig:
     expert_parallel: Optional[ExpertParallel] = None
     backend: Optional[Backend] = None
     dispatcher: Union[str, Stage[Any, Any]] = "auto"
-    batch_invariant: bool = False  # one launch configuration for every token count
+    batch_invariant: bool = False  # tiles that reduce alike for every token count (moeforge.batch_invariant)
 
     @property
     def local_experts(self) -> int:
