@@ -14,9 +14,10 @@ router and the shared experts). In this mode:
   and the pipeline depth change which elements a program computes, not how: on an H100 every tile of
   the family gives bitwise the same rows in bf16, W4A16, MXFP4 and NVFP4, while ``mma.sync`` tiles
   differ from them in 0.01–0.1 % of the W4A16 / NVFP4 elements (``tests/test_batch_invariant.py``).
-  Quantized GEMMs keep their format's tiles for the table's ``block_m`` (W8A8: always 64 rows, so one
-  tile: its block-scaled result depends on ``block_n``); fp32 layers, and a ``max_block_m`` below 64,
-  take one configuration (:data:`INVARIANT_CONFIG`) for every count;
+  The family is used on Hopper (compute capability 9.x), where it was checked; other GPUs take one
+  configuration, :data:`INVARIANT_CONFIG`. Quantized GEMMs keep their format's tiles for the table's
+  ``block_m`` (W8A8: always 64 rows, so one tile: its block-scaled result depends on ``block_n``); fp32
+  layers, and a ``max_block_m`` below 64, take one configuration (:data:`INVARIANT_CONFIG`) for every count;
 * the router and the shared experts' projections run through the same kernel as a one-expert grouped
   GEMM (:func:`linear`) instead of ``torch.nn.functional.linear``;
 * routing, activation quantization (per token or per group: never per tensor, whose scale would read the
@@ -69,9 +70,9 @@ def invariant_table(num_experts: int, top_k: int, max_block_m: Optional[int] = N
                     tuned: Optional[ConfigTable] = None, element_bytes: int = 2) -> ConfigTable:
     """The batch-invariant launch table: for each token bucket, ``tuned``'s configuration (a device's
     table for the shape, or the fallback rules when it has none) moved into the family
-    (:func:`family_member`). With ``element_bytes`` other than 2 (fp32 rows: FMA products, not
-    probed for tile independence) or a ``max_block_m`` below the family's 64 rows, one configuration,
-    :data:`INVARIANT_CONFIG`, for every count."""
+    (:func:`family_member`). Without ``tuned`` (a GPU other than Hopper), with ``element_bytes`` other
+    than 2 (fp32 rows: FMA products, not probed for tile independence) or with a ``max_block_m`` below
+    the family's 64 rows, one configuration, :data:`INVARIANT_CONFIG`, for every count."""
     if element_bytes != 2 or (max_block_m is not None and max_block_m < INVARIANT_MIN_BLOCK_M) or tuned is None:
         return ConfigTable(num_experts, top_k, tokens=(1,), configs=(INVARIANT_CONFIG,), max_block_m=max_block_m,
                            batch_invariant=True)

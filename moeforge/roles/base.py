@@ -100,8 +100,10 @@ class LayerConfig:
         if self.batch_invariant:
             from moeforge.batch_invariant import invariant_table
 
+            # The tile family was checked on Hopper's warpgroup MMA; other GPUs take one configuration.
+            hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] == 9
             tuned = ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
-                                     self.compute_dtype.value)
+                                     self.compute_dtype.value) if hopper else None
             return invariant_table(self.num_experts, self.top_k, self.quant.max_block_m, tuned,
                                    self.dtype.itemsize)
         return ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
