@@ -181,3 +181,26 @@ def test_every_tile_of_the_family_gives_bitwise_the_same_rows(name: str) -> None
         outs = [with_tiles(layer, config)(mf.MoEInput(x, logits)).hidden_states for config in FAMILY]
     for config, out in zip(FAMILY[1:], outs[1:]):
         assert torch.equal(out, outs[0]), config
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0)])
+def test_the_tile_family_is_used_on_hopper_only(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]
+                                                ) -> None:
+    """The family was checked on Hopper's warpgroup MMA: elsewhere the layer takes one configuration."""
+    from moeforge.dispatch_dtype import DispatchDecision, DispatchRule
+    from moeforge.roles.base import LayerConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    config = LayerConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336,
+                         routing=mf.RoutingConfig(), activation=mf.ActivationConfig(), quant=mf.UnquantizedMethod(),
+                         dtype=torch.bfloat16, device=torch.device("cuda"),
+                         dispatch=DispatchDecision(mf.DispatchDtype.BF16, DispatchRule.LIBRARY_DEFAULT),
+                         batch_invariant=True)
+    table = config.kernel_configs()
+    entries = {table.lookup(m) for m in TOKEN_BUCKETS}
+    assert table.batch_invariant
+    if capability[0] == 9:  # the H100's Mixtral table, moved into the family: several tiles
+        assert len(entries) > 1 and all(in_family(e.gate_up) and in_family(e.down) for e in entries)
+    else:
+        assert entries == {INVARIANT_CONFIG}
