@@ -82,16 +82,6 @@ def e4m3(s):
     return tl.where((e & 0x7F) == 0x7F, float("nan"), value)
 
 
-@triton.jit
-def e8m0_bf16(s):
-    """E8M0 codes as bf16 (exact: a bf16 has fp32's exponent): code ``s`` is the pattern ``s << 7``,
-    code 0 the subnormal ``0x0040``, 255 NaN."""
-    e = s.to(tl.uint16)
-    bits = tl.where(e == 0, e + 0x0040, e << 7)
-    bits = tl.where(e == 255, e * 0 + 0x7FC0, bits)
-    return bits.to(tl.bfloat16, bitcast=True)
-
-
 # -- packed decoding (inline PTX) ------------------------------------------------------------------
 #
 # One invocation (pack=4) reads 4 packed bytes b0..b3 in $4 and writes, for each byte j, the half2 pair
@@ -194,7 +184,7 @@ _E4M3X4_BF16 = _e4m3_by_four(".reg .b32 p;\n.reg .b16 lo, hi, h0, h1;\n.reg .f32
 # E8M0 scales (the low byte of $1) to the bf16 pair (s, s): the code times 0x00800080 puts it at bits 7-14
 # of both lanes, the pattern of 2**(s - 127) for codes 1..254; code 0 gives +0, raised to 2**-127 by a
 # max; code 255 gives +inf, turned into NaN by x * 0 + x (exactly x for every finite x >= 0). Three
-# instructions against six for the integer selects of e8m0_bf16.
+# instructions against six for integer compares and selects.
 _E8M0_BF16 = """{
 .reg .b32 p, tiny, zero;
 mov.b32 tiny, 0x00400040;
@@ -226,7 +216,8 @@ def half_pairs(x):
 @triton.jit
 def e8m0_pairs(s):
     """E8M0 scale codes ``s`` (uint8) as int32 bf16 pairs ``(2**(s - 127), 2**(s - 127))`` by the packed
-    decoding (NVIDIA, sm_90+: bf16x2 arithmetic); the values of :func:`half_pairs` of :func:`e8m0_bf16`."""
+    decoding (NVIDIA, sm_80+: bf16x2 arithmetic): exact, code 0 the subnormal ``2**-127``, 255 NaN (the
+    values of :func:`e8m0`, all representable in bf16)."""
     return tl.inline_asm_elementwise(E8M0_BF16, "=r,r", [s.to(tl.uint32)], dtype=tl.int32, is_pure=True, pack=1)
 
 
