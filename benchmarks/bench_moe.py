@@ -171,11 +171,11 @@ def grouped_mm_baseline(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput) -
     return run
 
 
-def random_batch(tokens: int, hidden: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random rows and router logits, the same for a token count in every layer of a shape: a quantized
-    layer is compared with bf16 on the same routing (at small M the number of experts a random routing
-    touches moves the time by up to 1/E)."""
-    gen = torch.Generator(device="cuda").manual_seed(1_000_003 * tokens + hidden)
+def random_batch(tokens: int, hidden: int, experts: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows and router logits, the same for a token count (and ``seed``) in every layer of a shape:
+    a quantized layer is compared with bf16 on the same routing (at small M the number of experts a random
+    routing touches moves the time by up to 1/E)."""
+    gen = torch.Generator(device="cuda").manual_seed(1_000_003 * tokens + hidden + 7_919 * seed)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     logits = torch.randn(tokens, experts, device="cuda", dtype=torch.float32, generator=gen)
     return x, logits

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, time_graph  # noqa: E402
+from bench_moe import EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, random_batch, time_graph  # noqa: E402
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, shape_key  # noqa: E402
@@ -116,9 +116,7 @@ ROUTINGS = 3  # random routings each candidate is timed on: which experts a smal
 def routed_tokens(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, seed: int = 0
                   ) -> RoutedTokens:
     experts, top_k, hidden, _ = shape
-    gen = torch.Generator(device="cuda").manual_seed(tokens + 1_000_003 * seed)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    x, logits = random_batch(tokens, hidden, experts, seed)
     topk = mf.stages.select_experts(logits, top_k, layer.routing)
     return RoutedTokens(Activations(x), TopKOutput(topk.weights, topk.ids))
 

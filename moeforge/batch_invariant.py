@@ -48,6 +48,12 @@ INVARIANT_GEMM = GemmConfig(64, 128, INVARIANT_BLOCK_K, group_m=8, num_warps=4, 
 INVARIANT_CONFIG = MoEConfig(INVARIANT_GEMM, INVARIANT_GEMM)
 
 
+def family_checked_on(device: torch.device) -> bool:
+    """Whether the tile family was checked on ``device``'s tensor cores (Hopper's warpgroup MMA,
+    compute capability 9.x); elsewhere :func:`invariant_table` gets no tuned table: one configuration."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def in_family(config: GemmConfig) -> bool:
     """Whether ``config`` reduces like every other member of the batch-invariant family."""
     return (config.block_k == INVARIANT_BLOCK_K

@@ -362,46 +362,44 @@ def moe_gemm_kernel(
             b_up += b_step
             # -- multiply-accumulate
             if B_FMT == 1 or B_FMT == 2:
-                if PER_K and B_TILE_SCALE:
-                    # the tile's gate (and up) weight rows lie in one 128-row scale block: the step's scale
-                    # is one per row (the rows' group scale times the block's), one multiply-add per element
+                if PER_K:
                     kb = (k * BLOCK_K) // 128
                     part = _dot8(a, b, B_FMT == 2)
                     if GLU:
                         part_up = _dot8(a, bu, B_FMT == 2)
-                    sb = tl.load(s_expert + gate_block * stride_bsn + kb * stride_bsk)
-                    if GLU:
-                        sbu = tl.load(s_expert + up_block * stride_bsn + kb * stride_bsk)
-                    if A_SCALE == 2:
-                        sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)
-                        acc += part * (sa * sb)[:, None]
+                    if B_TILE_SCALE:
+                        # the tile's gate (and up) weight rows lie in one 128-row scale block: the step's
+                        # scale is one per row (the rows' group scale times the block's), one multiply-add
+                        # per element
+                        sb = tl.load(s_expert + gate_block * stride_bsn + kb * stride_bsk)
                         if GLU:
-                            acc_up += part_up * (sa * sbu)[:, None]
+                            sbu = tl.load(s_expert + up_block * stride_bsn + kb * stride_bsk)
+                        if A_SCALE == 2:
+                            sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)
+                            acc += part * (sa * sb)[:, None]
+                            if GLU:
+                                acc_up += part_up * (sa * sbu)[:, None]
+                        else:
+                            acc += part * sb
+                            if GLU:
+                                acc_up += part_up * sbu
                     else:
-                        acc += part * sb
+                        if A_SCALE == 2:
+                            sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)[:, None]
+                            part = part * sa
+                            if GLU:
+                                part_up = part_up * sa
+                        if B_BLOCKED:
+                            sb = tl.load(s_expert + (gate_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok,
+                                         other=0.0)
+                            part = part * sb[None, :]
+                            if GLU:
+                                sbu = tl.load(s_expert + (up_rows // 128) * stride_bsn + kb * stride_bsk,
+                                              mask=n_ok, other=0.0)
+                                part_up = part_up * sbu[None, :]
+                        acc += part
                         if GLU:
-                            acc_up += part_up * sbu
-                elif PER_K:
-                    kb = (k * BLOCK_K) // 128
-                    part = _dot8(a, b, B_FMT == 2)
-                    if GLU:
-                        part_up = _dot8(a, bu, B_FMT == 2)
-                    if A_SCALE == 2:
-                        sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)[:, None]
-                        part = part * sa
-                        if GLU:
-                            part_up = part_up * sa
-                    if B_BLOCKED:
-                        sb = tl.load(s_expert + (gate_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok,
-                                     other=0.0)
-                        part = part * sb[None, :]
-                        if GLU:
-                            sbu = tl.load(s_expert + (up_rows // 128) * stride_bsn + kb * stride_bsk, mask=n_ok,
-                                          other=0.0)
-                            part_up = part_up * sbu[None, :]
-                    acc += part
-                    if GLU:
-                        acc_up += part_up
+                            acc_up += part_up
                 elif B_FMT == 2:
                     acc = tl.dot(a, b, acc, out_dtype=tl.int32)
                     if GLU:

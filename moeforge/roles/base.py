@@ -98,12 +98,10 @@ class LayerConfig:
         and the GEMMs (they must align alike)."""
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         if self.batch_invariant:
-            from moeforge.batch_invariant import invariant_table
+            from moeforge.batch_invariant import family_checked_on, invariant_table
 
-            # The tile family was checked on Hopper's warpgroup MMA; other GPUs take one configuration.
-            hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] == 9
             tuned = ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
-                                     self.compute_dtype.value) if hopper else None
+                                     self.compute_dtype.value) if family_checked_on(self.device) else None
             return invariant_table(self.num_experts, self.top_k, self.quant.max_block_m, tuned,
                                    self.dtype.itemsize)
         return ConfigTable.load(name, self.num_experts, self.top_k, self.hidden_size, self.intermediate_size,
