@@ -112,11 +112,14 @@ def test_every_format_against_the_dequantized_product(data: Any) -> None:
     a = moved.pop("a")
     weight = moved.pop("weight")
     swap: Optional[bool] = draw(st.sampled_from([None, False, True]), label="swap")
+    glu = act is not None and act.gated
+    interleaved = act is not None and act.gate_up is mf.GateUpLayout.INTERLEAVED
+    # the weight tiles by TMA descriptor where they can be (a request that cannot be met is refused)
+    tma = draw(st.booleans(), label="tma") and moe_gemm.weight_tma_applies(weight, config, glu, interleaved)
     moe_gemm.moe_gemm(a, weight, out, *plan, rows_per_a=rows_per_a, config=config, bias=bias, topk_weights=weights,
-                      act=act_code(act) if act is not None else 0, glu=act is not None and act.gated,
-                      interleaved=act is not None and act.gate_up is mf.GateUpLayout.INTERLEAVED,
+                      act=act_code(act) if act is not None else 0, glu=glu, interleaved=interleaved,
                       alpha=act.alpha if act is not None else 1.702, limit=act.limit if act is not None else 7.0,
-                      swap=swap, **moved)
+                      swap=swap, tma=tma or None, **moved)
     if tokens == 0:
         return
     ref = reference_gemm(rows_deq.to(DEVICE), rows_per_a, ids.to(DEVICE), w_deq.to(DEVICE), bias, act, weights)

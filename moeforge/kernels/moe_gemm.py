@@ -35,7 +35,7 @@ with one launch configuration a row's result does not depend on the other rows (
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import attrs
 import torch
@@ -48,6 +48,11 @@ from moeforge.kernels.dequant import (e2m1, e2m1_pairs, e4m3, e4m3_pairs, e8m0, 
                                       int4_pairs, nibbles, unpair)
 from moeforge.kernels.formats import NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat, weight_operand
 from moeforge.kernels.quantize import quantize_values, scale_of
+
+try:  # host-side tensor descriptors (Triton >= 3.3): the weight tiles through Hopper's TMA
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
 
 # Row scale modes (A_SCALE): none, one per row (per token; per tensor with stride 0), per 128-group
 # (FP8), per 16-block e4m3 (NVFP4).
@@ -125,17 +130,15 @@ def _spread(s, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _packed_weight_tile(b_ptrs, s, z, k, n_ok, K, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl.constexpr,
-                        HAS_ZEROS: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
-                        CVT_BY_FOUR: tl.constexpr,
+def _packed_weight_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl.constexpr,
+                        HAS_ZEROS: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr, CVT_BY_FOUR: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K]`` tile of K-step ``k`` of a 4-bit weight, dequantized to ``DTYPE``
+    """The ``[BLOCK_N, BLOCK_K]`` tile of a K-step of a 4-bit weight, dequantized to ``DTYPE``
     (:mod:`moeforge.kernels.dequant`; ``PTX``: the packed decoding, ``FP8_CVT``: with e4m3 scales
     converted by the hardware).
 
-    ``b_ptrs [BLOCK_N, BLOCK_K // 2]`` point at the step's packed bytes (K contiguous: wide loads);
-    ``s`` / ``z`` are the step's raw scales / zero points (:func:`_group_scales`, loaded a step ahead)."""
-    packed = _load_packed(b_ptrs, n_ok, k, K, BLOCK_K, EVEN_K)
+    ``packed [BLOCK_N, BLOCK_K // 2]`` are the step's bytes (K contiguous); ``s`` / ``z`` its raw scales /
+    zero points (:func:`_group_scales`, loaded a step ahead)."""
     if PTX:
         # one scale (and offset) pair per byte: the groups counted in bytes
         if B_FMT == 3:
@@ -217,7 +220,7 @@ def _store_fp8_groups(acc, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride
 
 @triton.jit
 def moe_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     N, K, num_copies, rows_per_a, a_global,
     stride_am, stride_ak, stride_asm, stride_ask,
@@ -232,7 +235,7 @@ def moe_gemm_kernel(
     B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
-    CVT_BY_FOUR: tl.constexpr,
+    CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile(N, BLOCK_N, GROUP_M)
@@ -275,6 +278,12 @@ def moe_gemm_kernel(
     s_up = s_expert + up_rows * stride_bsn
     z_gate = b_zero_ptr + expert * stride_bze + gate_rows * stride_bzn
     z_up = b_zero_ptr + expert * stride_bze + up_rows * stride_bzn
+    # B_TMA: the weight tiles are copied by Hopper's tensor memory accelerator through ``b_desc``, a
+    # descriptor of the weight viewed as ``[E * N_w, K]`` (packed: ``K / 2`` bytes) rows; the tile's gate
+    # rows start at ``b_row``, its up rows ``up_offset`` further (the gate rows are contiguous: not
+    # interleaved). A tile's rows past N read the next rows (the next expert's, or zeros past the last
+    # expert): they only reach the columns past N, which are never stored (and never scale an FP8 group).
+    b_row = (expert * (stride_be // stride_bn) + pid_n * BLOCK_N).to(tl.int32)
     # B_TILE_SCALE: the 128x128 weight-scale blocks of the tile's gate rows and of its up rows
     gate_block = (pid_n * BLOCK_N * gate_stride) // 128
     up_block = (pid_n * BLOCK_N * gate_stride + up_offset) // 128
@@ -332,13 +341,21 @@ def moe_gemm_kernel(
             else:
                 sg, zg, su, zu = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k, K, stride_bsk, stride_bzk, GROUP,
                                               BLOCK_K, HAS_ZEROS, GLU)
-            b = _packed_weight_tile(b_gate, sg, zg, k, n_ok, K, DTYPE, B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX, FP8_CVT,
-                                    CVT_BY_FOUR, BLOCK_N, BLOCK_K)
+            if B_TMA:
+                packed = b_desc.load([b_row, k * (BLOCK_K // 2)])
+                if GLU:
+                    packed_up = b_desc.load([b_row + up_offset, k * (BLOCK_K // 2)])
+            else:
+                packed = _load_packed(b_gate, n_ok, k, K, BLOCK_K, EVEN_K)
+                if GLU:
+                    packed_up = _load_packed(b_up, n_ok, k, K, BLOCK_K, EVEN_K)
+                b_gate += b_step
+                b_up += b_step
+            b = _packed_weight_tile(packed, sg, zg, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
+                                    BLOCK_N, BLOCK_K)
             if GLU:
-                bu = _packed_weight_tile(b_up, su, zu, k, n_ok, K, DTYPE, B_FMT, GROUP, HAS_ZEROS, EVEN_K, PTX,
-                                         FP8_CVT, CVT_BY_FOUR, BLOCK_N, BLOCK_K)
-            b_gate += b_step
-            b_up += b_step
+                bu = _packed_weight_tile(packed_up, su, zu, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
+                                         BLOCK_N, BLOCK_K)
             if SWAP:
                 a_t = tl.trans(a)
                 acc = tl.dot(b, a_t, acc, input_precision=PRECISION)
@@ -350,16 +367,21 @@ def moe_gemm_kernel(
                     acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=PRECISION)
         else:
             # -- the weight tiles [BLOCK_K, BLOCK_N]
-            if EVEN_K:
-                b = tl.load(b_gate, mask=n_ok[None, :], other=0.0)
+            if B_TMA:
+                b = tl.trans(b_desc.load([b_row, k * BLOCK_K]))
                 if GLU:
-                    bu = tl.load(b_up, mask=n_ok[None, :], other=0.0)
+                    bu = tl.trans(b_desc.load([b_row + up_offset, k * BLOCK_K]))
             else:
-                b = tl.load(b_gate, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                if GLU:
-                    bu = tl.load(b_up, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            b_gate += b_step
-            b_up += b_step
+                if EVEN_K:
+                    b = tl.load(b_gate, mask=n_ok[None, :], other=0.0)
+                    if GLU:
+                        bu = tl.load(b_up, mask=n_ok[None, :], other=0.0)
+                else:
+                    b = tl.load(b_gate, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    if GLU:
+                        bu = tl.load(b_up, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                b_gate += b_step
+                b_up += b_step
             # -- multiply-accumulate
             if B_FMT == 1 or B_FMT == 2:
                 if PER_K:
@@ -525,6 +547,41 @@ def tile_in_one_scale_block(block_n: int, gate_stride: int, up_offset: int, glu:
     return SCALE_BLOCK % span == 0 and (not glu or up_offset % span < gate_stride)
 
 
+def weight_tma_applies(weight: torch.Tensor, config: GemmConfig, glu: bool, interleaved: bool) -> bool:
+    """Whether the weight tiles of ``config`` can be copied by the tensor memory accelerator: a descriptor
+    over the weight viewed as ``[E * N_w, K]`` rows (``weight [E, N_w, K]``, K contiguous, experts one after
+    the other, rows and base 16-byte aligned), tiles of at most 256 by 256 elements whose rows span a
+    multiple of 16 bytes, and gate rows that are contiguous (not interleaved with the up rows)."""
+    if TensorDescriptor is None or (glu and interleaved) or weight.dim() != 3:
+        return False
+    experts, n_w, k_elems = weight.shape
+    row_bytes = (config.block_k // 2 if weight.dtype == torch.uint8 else config.block_k) * weight.element_size()
+    return (weight.stride(2) == 1 and (weight.stride(0) == n_w * weight.stride(1) or experts == 1)
+            and weight.stride(1) * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and row_bytes % 16 == 0 and config.block_k <= 256 and config.block_n <= 256
+            and experts * n_w < 2 ** 31 and k_elems > 0)
+
+
+def weight_tma_pays(device: torch.device, weight_format: WeightFormat, config: GemmConfig) -> bool:
+    """Whether :func:`moe_gemm` copies the weight tiles by TMA by default (where it applies): on Hopper
+    (compute capability 9.x), with the wgmma tiles where a one-process A/B on an H100 found it faster
+    (results/ab_weight_tma-...log): float and 8-bit weights from 64 rows (bf16 3-8 % faster from M = 1024,
+    e.g. Mixtral 0.92x at M = 16384; neutral with 16- and 32-row tiles; FP8 block 1.19x slower with Mixtral's
+    16x32x128 decode tile), 4-bit weights from 128 rows (2-5 % faster; mixed below: GPT-OSS MXFP4 7 %
+    faster with 16-row tiles and 10 % slower with 64x64 tiles, W4A16 and NVFP4 4 % slower with 16- and
+    32-row tiles)."""
+    if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    return config.block_m >= (128 if weight_format.packed else 64)
+
+
+def _weight_descriptor(weight: torch.Tensor, config: GemmConfig) -> Any:
+    """The TMA descriptor of :func:`weight_tma_applies`."""
+    experts, n_w, k_elems = weight.shape
+    inner = config.block_k // 2 if weight.dtype == torch.uint8 else config.block_k
+    return TensorDescriptor(weight, [experts * n_w, k_elems], [weight.stride(1), 1], [config.block_n, inner])
+
+
 def moe_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -551,6 +608,7 @@ def moe_gemm(
     out_scale: Optional[torch.Tensor] = None,
     swap: bool = False,
     ptx: Optional[bool] = None,
+    tma: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
     copy of ``sorted_ids`` (see the module docstring for the formats).
@@ -566,6 +624,8 @@ def moe_gemm(
     ``benchmarks/sweep_fp4_tiles.py`` on an H100 (it helped the portable decoding's down GEMM).
     ``ptx`` (4-bit operands): decode them with the packed inline-PTX conversion
     (:mod:`moeforge.kernels.dequant`); by default wherever it applies (:func:`packed_decoding`).
+    ``tma``: copy the weight tiles with the tensor memory accelerator (:func:`weight_tma_applies`; it
+    runs under Triton's interpreter too); by default where it applies and pays (:func:`weight_tma_pays`).
     """
     weight_format = WeightFormat(weight_format)
     row_format = RowFormat.of(a.dtype)
@@ -602,6 +662,12 @@ def moe_gemm(
     e4m3_scales = weight_format is WeightFormat.NVFP4 or row_format is RowFormat.NVFP4
     if num_copies == 0 or n_out == 0:
         return out
+    can_tma = weight_tma_applies(weight, config, glu, interleaved)
+    if tma and not can_tma:
+        raise ValueError(f"the weight tiles cannot be copied by TMA: weight {weight.dtype} {tuple(weight.shape)} "
+                         f"strides {weight.stride()}, tile {config.block_n}x{config.block_k}, "
+                         f"{'interleaved gate/up' if glu and interleaved else 'layout'} (see weight_tma_applies)")
+    use_tma = can_tma and (tma if tma is not None else weight_tma_pays(a.device, weight_format, config))
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
     fp8_cvt = use_ptx and e4m3_scales and torch.cuda.get_device_capability(a.device) >= (8, 9)
     grid = (sorted_ids.numel() // config.block_m * triton.cdiv(n_out, config.block_n),)
@@ -613,6 +679,7 @@ def moe_gemm(
         weight_scale = weight_scale.view(torch.uint8)
     moe_gemm_kernel[grid](
         a, a_scale if a_scale is not None else dummy, weight,
+        _weight_descriptor(weight, config) if use_tma else dummy,
         weight_scale if weight_scale is not None else dummy,
         weight_zero if weight_zero is not None else dummy,
         weight_global if weight_global is not None else dummy,
@@ -639,6 +706,7 @@ def moe_gemm(
         PTX=use_ptx,
         FP8_CVT=fp8_cvt,
         CVT_BY_FOUR=fp8_cvt and cvt_by_four(config),
+        B_TMA=use_tma,
         PREFETCH=weight_format.packed and config.block_m >= 64,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
