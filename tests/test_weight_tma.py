@@ -73,8 +73,10 @@ def operands(fmt: str, rows: torch.Tensor, w: torch.Tensor) -> dict[str, Any]:
 
 
 def run_both(fmt: str, *, glu: bool, tokens: int, experts: int, top_k: int, hidden: int, n_out: int,
-             config: GemmConfig, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(pointer loads' output, TMA's output, float64 reference of the float operands)``."""
+             config: GemmConfig, seed: int = 0, option: str = "tma", baseline: Any = False, value: Any = True,
+             **options: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(output with option=baseline, with option=value, float64 reference of the float operands)``:
+    ``option`` one of ``moe_gemm``'s schedule keywords (``tma``, ``grid``), ``options`` the others."""
     gen = torch.Generator().manual_seed(seed)
     n_w = 2 * n_out if glu else n_out
     rows = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
@@ -87,10 +89,10 @@ def run_both(fmt: str, *, glu: bool, tokens: int, experts: int, top_k: int, hidd
     args = operands(fmt, rows, w)
     a, weight = args.pop("a"), args.pop("weight")
     outs = []
-    for tma in (False, True):
+    for choice in (baseline, value):
         out = torch.full((tokens * top_k, n_out), float("nan"), dtype=DTYPE, device=DEVICE)
         moe_gemm.moe_gemm(a, weight, out, *plan, rows_per_a=top_k, config=config, act=act_code(act) if act else 0,
-                          glu=glu, tma=tma, **args)
+                          glu=glu, **{option: choice}, **options, **args)
         outs.append(out)
     return outs[0], outs[1], reference_gemm(rows, top_k, ids, w, None, act)
 

@@ -1,0 +1,79 @@
+"""The persistent grids (``moe_gemm(..., grid="persistent")``: one program per SM, taking the tiles of the
+aligned blocks that exist grid-stride; ``"flattened"``: the tile loop flattened with the K-loop) against
+one program per tile, in every weight format: the same tiles reduce in the same order, so the outputs
+are bitwise equal (on CPU under Triton's interpreter, on a GPU compiled). More programs than tiles (a
+small batch) and fewer are both covered; outputs are poisoned with NaN.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels.config import GemmConfig  # noqa: E402
+from moeforge.kernels.formats import WeightFormat  # noqa: E402
+from test_triton_quant_gemm import rel  # noqa: E402
+from test_weight_tma import FORMATS, HOPPER, run_both  # noqa: E402
+
+
+@pytest.mark.parametrize("grid", ["persistent", "flattened"])
+@pytest.mark.parametrize("tokens", [1, 23], ids=["fewer-tiles-than-programs", "more-tiles-than-programs"])
+@pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_persistent_grid_is_bitwise_one_program_per_tile(fmt: str, glu: bool, tokens: int, grid: str) -> None:
+    config = GemmConfig(16, 32, 64, group_m=2, num_warps=4, num_stages=2)
+    # under the interpreter the grid has 4 programs: 1 token has 2 tiles, 23 tokens x 2 copies over 4
+    # experts at least 8
+    one_per_tile, persistent, ref = run_both(fmt, glu=glu, tokens=tokens, experts=4, top_k=2,
+                                             hidden=160 if fmt != "fp8-block" else 256, n_out=40, config=config,
+                                             option="grid", baseline="tiles", value=grid)
+    assert not torch.isnan(persistent.float()).any()
+    assert torch.equal(one_per_tile, persistent)
+    assert rel(persistent, ref) < 0.2
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("grid", ["persistent", "flattened"])
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("fmt", ["float", "fp8-block", "int4", "mxfp4"])
+def test_persistent_grid_on_hopper_tiles(fmt: str, tma: bool, grid: str) -> None:
+    config = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
+    one_per_tile, persistent, ref = run_both(fmt, glu=True, tokens=700, experts=8, top_k=2, hidden=1024,
+                                             n_out=704, config=config, seed=5, option="grid", baseline="tiles",
+                                             value=grid, tma=tma)
+    assert not torch.isnan(persistent.float()).any()
+    assert torch.equal(one_per_tile, persistent)
+    assert rel(persistent, ref) < 0.2
+
+
+
+def test_default_grid() -> None:
+    cuda = torch.device("cuda")
+    glu_tile, down_tile = GemmConfig(128, 128, 64, num_warps=8), GemmConfig(128, 256, 64, num_warps=8)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, glu=True) == "persistent"
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, down_tile, glu=False) == "flattened"
+        # two programs fit on an SM: one per tile
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, glu=False) == "tiles"
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, GemmConfig(64, 128, 64), glu=True) == "tiles"
+        for fmt in (WeightFormat.FP8, WeightFormat.INT8, WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
+            assert moe_gemm.default_grid(cuda, fmt, glu_tile, glu=True) == "tiles"
+    with mock.patch("torch.cuda.get_device_capability", return_value=(10, 0)):
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, glu=True) == "tiles"
+    assert moe_gemm.default_grid(torch.device("cpu"), WeightFormat.FLOAT, glu_tile, glu=True) == "tiles"
+
+
+def test_unknown_grid_is_refused() -> None:
+    a = torch.randn(1, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="grid must be one of"):
+        moe_gemm.moe_gemm(a, torch.randn(2, 16, 32, dtype=torch.float16), torch.empty(1, 16, dtype=torch.float16),
+                          *align.align_block_size(torch.zeros(1, 1, dtype=torch.int32), 2, 16), rows_per_a=1,
+                          config=GemmConfig(16, 32, 32), grid="stream-k")
