@@ -21,7 +21,7 @@ from moeforge.kernels import align, moe_gemm  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from test_triton_quant_gemm import rel  # noqa: E402
-from test_weight_tma import FORMATS, HOPPER, run_both  # noqa: E402
+from test_weight_tma import DEVICE, FORMATS, HOPPER, run_both  # noqa: E402
 
 
 @pytest.mark.parametrize("grid", ["persistent", "flattened"])
@@ -58,22 +58,27 @@ def test_persistent_grid_on_hopper_tiles(fmt: str, tma: bool, grid: str) -> None
 def test_default_grid() -> None:
     cuda = torch.device("cuda")
     glu_tile, down_tile = GemmConfig(128, 128, 64, num_warps=8), GemmConfig(128, 256, 64, num_warps=8)
+    many = 256.0  # rows per expert: two 128-row blocks
     with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, glu=True) == "persistent"
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, down_tile, glu=False) == "flattened"
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, True, many) == "persistent"
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, down_tile, False, many) == "flattened"
+        # about one block per expert: one program per tile
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, True, 200.0) == "tiles"
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, down_tile, False, 128.0) == "tiles"
         # two programs fit on an SM: one per tile
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, glu=False) == "tiles"
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, GemmConfig(64, 128, 64), glu=True) == "tiles"
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, False, many) == "tiles"
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, GemmConfig(64, 128, 64), True, many) == "tiles"
         for fmt in (WeightFormat.FP8, WeightFormat.INT8, WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
-            assert moe_gemm.default_grid(cuda, fmt, glu_tile, glu=True) == "tiles"
+            assert moe_gemm.default_grid(cuda, fmt, glu_tile, True, many) == "tiles"
     with mock.patch("torch.cuda.get_device_capability", return_value=(10, 0)):
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, glu=True) == "tiles"
-    assert moe_gemm.default_grid(torch.device("cpu"), WeightFormat.FLOAT, glu_tile, glu=True) == "tiles"
+        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, True, many) == "tiles"
+    assert moe_gemm.default_grid(torch.device("cpu"), WeightFormat.FLOAT, glu_tile, True, many) == "tiles"
 
 
 def test_unknown_grid_is_refused() -> None:
-    a = torch.randn(1, 32, dtype=torch.float16)
+    a = torch.randn(1, 32, dtype=torch.float16, device=DEVICE)
+    plan = align.align_block_size(torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), 2, 16)
     with pytest.raises(ValueError, match="grid must be one of"):
-        moe_gemm.moe_gemm(a, torch.randn(2, 16, 32, dtype=torch.float16), torch.empty(1, 16, dtype=torch.float16),
-                          *align.align_block_size(torch.zeros(1, 1, dtype=torch.int32), 2, 16), rows_per_a=1,
+        moe_gemm.moe_gemm(a, torch.randn(2, 16, 32, dtype=torch.float16, device=DEVICE),
+                          torch.empty(1, 16, dtype=torch.float16, device=DEVICE), *plan, rows_per_a=1,
                           config=GemmConfig(16, 32, 32), grid="stream-k")

@@ -625,7 +625,8 @@ def weight_tma_pays(device: torch.device, weight_format: WeightFormat, config: G
 GRIDS = ("tiles", "persistent", "flattened")
 
 
-def default_grid(device: torch.device, weight_format: WeightFormat, config: GemmConfig, glu: bool) -> str:
+def default_grid(device: torch.device, weight_format: WeightFormat, config: GemmConfig, glu: bool,
+                 rows_per_expert: float) -> str:
     """The grid :func:`moe_gemm` launches by default (see ``GRIDS``): ``tiles``, one program per tile
     (the programs past the aligned blocks that exist return at once); ``persistent``, one program per SM
     taking the tiles that exist grid-stride; ``flattened``, persistent with the tile loop and the K-loop
@@ -636,9 +637,13 @@ def default_grid(device: torch.device, weight_format: WeightFormat, config: Gemm
     per SM either way): the fused gate/up GEMM's 128x128 tiles on 8 warps 2-4 % faster persistent (11-13 %
     slower flattened), the down GEMM's 128x256 tiles 7-9 % faster flattened. Where two programs fit on an
     SM, one program per SM lost (Qwen3's 128x128 down tiles 1.24x); 8-bit and 4-bit tiles were 3-40 %
-    slower persistent (their K-loops already hold more registers)."""
+    slower persistent (their K-loops already hold more registers). With about one block per expert
+    (``rows_per_expert``, the copies over the experts, below two blocks) the persistent gate/up GEMM lost
+    too: DeepSeek-V3 at M = 4096 (128 rows per expert) 1.18x with TMA, against 0.90x at M = 16384
+    (results/ab_grid_tma-...log)."""
     if (weight_format is not WeightFormat.FLOAT or device.type != "cuda" or torch.version.hip is not None
-            or torch.cuda.get_device_capability(device)[0] != 9 or config.block_m < 128):
+            or torch.cuda.get_device_capability(device)[0] != 9 or config.block_m < 128
+            or rows_per_expert < 2 * config.block_m):
         return "tiles"
     accumulators = config.block_m * config.block_n * (2 if glu else 1) // (config.num_warps * 32)
     if accumulators < 128:
@@ -746,7 +751,8 @@ def moe_gemm(
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
     fp8_cvt = use_ptx and e4m3_scales and torch.cuda.get_device_capability(a.device) >= (8, 9)
     tiles = sorted_ids.numel() // config.block_m * triton.cdiv(n_out, config.block_n)
-    grid_kind = default_grid(a.device, weight_format, config, glu) if grid is None else grid
+    grid_kind = default_grid(a.device, weight_format, config, glu, num_copies / weight.shape[0]) if grid is None \
+        else grid
     if grid_kind == "tiles":
         launch = (tiles,)
     else:  # one program per SM (4 under the interpreter)
