@@ -158,6 +158,9 @@ def test_tma_is_the_default_for_hopper_wgmma_tiles_only() -> None:
         for fmt in (WeightFormat.FLOAT, WeightFormat.FP8, WeightFormat.INT8):
             assert moe_gemm.weight_tma_pays(cuda, fmt, wide) and moe_gemm.weight_tma_pays(cuda, fmt, mid)
             assert not moe_gemm.weight_tma_pays(cuda, fmt, narrow)
+        assert moe_gemm.weight_tma_pays(cuda, WeightFormat.FLOAT, GemmConfig(128, 64, 64))
+        for fmt in (WeightFormat.FP8, WeightFormat.INT8):  # 8-bit: not the 64-column tiles
+            assert not moe_gemm.weight_tma_pays(cuda, fmt, GemmConfig(128, 64, 128))
         for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
             assert moe_gemm.weight_tma_pays(cuda, fmt, wide)
             assert not moe_gemm.weight_tma_pays(cuda, fmt, mid) and not moe_gemm.weight_tma_pays(cuda, fmt, narrow)

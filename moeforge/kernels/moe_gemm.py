@@ -611,15 +611,22 @@ def weight_tma_applies(weight: torch.Tensor, config: GemmConfig, glu: bool, inte
 
 def weight_tma_pays(device: torch.device, weight_format: WeightFormat, config: GemmConfig) -> bool:
     """Whether :func:`moe_gemm` copies the weight tiles by TMA by default (where it applies): on Hopper
-    (compute capability 9.x), with the wgmma tiles where a one-process A/B on an H100 found it faster
-    (results/ab_weight_tma-...log): float and 8-bit weights from 64 rows (bf16 3-8 % faster from M = 1024,
-    e.g. Mixtral 0.92x at M = 16384; neutral with 16- and 32-row tiles; FP8 block 1.19x slower with Mixtral's
-    16x32x128 decode tile), 4-bit weights from 128 rows (2-5 % faster; mixed below: GPT-OSS MXFP4 7 %
-    faster with 16-row tiles and 10 % slower with 64x64 tiles, W4A16 and NVFP4 4 % slower with 16- and
-    32-row tiles)."""
+    (compute capability 9.x), with the wgmma tiles where one-process A/Bs on an H100 and an H200 found it
+    faster (results/ab_weight_tma-...log, results/ab_grid_tma-nvidia_h200-...log):
+
+    * float weights from 64 rows: 3-8 % faster from M = 1024 (e.g. Mixtral 0.92x at M = 16384), neutral
+      with 16- and 32-row tiles;
+    * 8-bit weights from 64 rows and 128 columns: neutral to 4 % faster (FP8 down GEMMs 0.92-0.99x); the
+      64-column 128x64 FP8 gate/up tile was 1-4 % slower, and Mixtral's 16x32 decode tile 1.19x slower;
+    * 4-bit weights from 128 rows: 2-6 % faster; mixed below (GPT-OSS MXFP4 7 % faster with 16-row tiles,
+      10 % slower with 64x64 tiles; W4A16 and NVFP4 4 % slower with 16- and 32-row tiles)."""
     if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    return config.block_m >= (128 if weight_format.packed else 64)
+    if weight_format.packed:
+        return config.block_m >= 128
+    if weight_format in (WeightFormat.FP8, WeightFormat.INT8):
+        return config.block_m >= 64 and config.block_n >= 128
+    return config.block_m >= 64
 
 
 GRIDS = ("tiles", "persistent", "flattened")
