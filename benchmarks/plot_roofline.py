@@ -31,6 +31,10 @@ DEFAULT_FILES = (
     RESULTS / "bench_moe_w4a16_dsv3-nvidia_h100_80gb_hbm3-2026-11-24.json",
     RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-f1df33f.json",  # re-tuned tables, E8M0 decode
     RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24-f1df33f.json",  # FP8 scales per tile
+    RESULTS / "bench_moe_invariant-nvidia_h100_80gb_hbm3-2026-11-24-b17c440.json",  # TMA weights, persistent grids
+    RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-b17c440.json",
+    RESULTS / "bench_moe_8bit-nvidia_h100_80gb_hbm3-2026-11-24-60cbaa2.json",  # FP8 block, per-channel, INT8
+    RESULTS / "bench_moe_w4a16_dsv3-nvidia_h100_80gb_hbm3-2026-11-24-60cbaa2.json",
 )
 FORMATS = {"experts": "bf16", "experts_batch_invariant": "bf16 batch-invariant"}
 
