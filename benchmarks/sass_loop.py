@@ -44,12 +44,14 @@ _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, int], warps: int, stages: int,
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
-    128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel)."""
+    128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
+    the weight tiles loaded by pointer (the TMA path takes a descriptor argument, not compiled here) and one
+    program per tile (a persistent grid's tile loop would be the longest loop)."""
     names = moe_gemm_kernel.arg_names
     packed = weights.packed
     fp8 = weights is WeightFormat.FP8
     operand = "fp8e4nv" if fp8 else dtype
-    pointers = dict(a_ptr=f"*{operand}", a_scale_ptr="*fp32", b_ptr="*u8" if packed else f"*{operand}",
+    pointers = dict(a_ptr=f"*{operand}", a_scale_ptr="*fp32", b_ptr="*u8" if packed else f"*{operand}", b_desc="*u8",
                     b_scale_ptr="*u8" if weights in (WeightFormat.MXFP4, WeightFormat.NVFP4) else
                     ("*fp32" if fp8 else f"*{dtype}"),
                     b_zero_ptr="*u8", b_global_ptr="*fp32", bias_ptr=f"*{dtype}", c_ptr=f"*{dtype}",
@@ -61,7 +63,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=True,
         PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed,
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
-        BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
+        B_TMA=0, PERSISTENT=0, BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         # unit strides, as the launcher's contiguous operands have them
         stride_ak=1, stride_bk=1, stride_bsk=1, stride_bzk=1, stride_cn=1, stride_bias_n=1, gate_stride=1,
         stride_csg=1, stride_ask=1)

@@ -72,7 +72,7 @@ def operands(fmt: str, rows: torch.Tensor, w: torch.Tensor) -> dict[str, Any]:
     return dict(a=qa.data, a_scale=qa.scale, a_global=a_global, **args)
 
 
-def run_both(fmt: str, *, glu: bool, tokens: int, experts: int, top_k: int, hidden: int, n_out: int,
+def run_both(fmt: str, *, glu: bool, tokens: int, interleaved: bool = False, experts: int, top_k: int, hidden: int, n_out: int,
              config: GemmConfig, seed: int = 0, option: str = "tma", baseline: Any = False, value: Any = True,
              **options: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(output with option=baseline, with option=value, float64 reference of the float operands)``:
@@ -85,52 +85,53 @@ def run_both(fmt: str, *, glu: bool, tokens: int, experts: int, top_k: int, hidd
     ids = torch.stack([torch.randperm(max(experts - 1, 1), generator=gen)[:top_k] for _ in range(tokens)]
                       ).to(torch.int32).to(DEVICE)
     plan = align.align_block_size(ids, experts, config.block_m)
-    act = ACTIVATIONS["swiglu"] if glu else None
+    act = (ACTIVATIONS["swiglu-interleaved"] if interleaved else ACTIVATIONS["swiglu"]) if glu else None
     args = operands(fmt, rows, w)
     a, weight = args.pop("a"), args.pop("weight")
     outs = []
     for choice in (baseline, value):
         out = torch.full((tokens * top_k, n_out), float("nan"), dtype=DTYPE, device=DEVICE)
         moe_gemm.moe_gemm(a, weight, out, *plan, rows_per_a=top_k, config=config, act=act_code(act) if act else 0,
-                          glu=glu, **{option: choice}, **options, **args)
+                          glu=glu, interleaved=interleaved, **{option: choice}, **options, **args)
         outs.append(out)
     return outs[0], outs[1], reference_gemm(rows, top_k, ids, w, None, act)
 
 
 @pytest.mark.skipif(CUDA and not HOPPER, reason="the TMA path is built for Hopper (compute capability 9.x)")
-@pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
+@pytest.mark.parametrize("layout", ["down", "gate_up", "gate_up_interleaved"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_tma_weight_tiles_are_bitwise_the_pointer_loads(fmt: str, glu: bool) -> None:
+def test_tma_weight_tiles_are_bitwise_the_pointer_loads(fmt: str, layout: str) -> None:
     # K = 160: two full 64-wide steps and a partial one (NVFP4: 80 bytes, 16-byte rows); N = 40 of 32-wide
     # tiles; 4 experts, the last one without rows.
     config = GemmConfig(16, 32, 64, group_m=1, num_warps=4, num_stages=2)
-    pointer, tma, ref = run_both(fmt, glu=glu, tokens=5, experts=4, top_k=2, hidden=160 if fmt != "fp8-block" else 256,
-                                 n_out=40, config=config)
+    pointer, tma, ref = run_both(fmt, glu=layout != "down", interleaved=layout == "gate_up_interleaved", tokens=5,
+                                 experts=4, top_k=2, hidden=160 if fmt != "fp8-block" else 256, n_out=40, config=config)
     assert not torch.isnan(pointer.float()).any() and not torch.isnan(tma.float()).any()
     assert torch.equal(pointer, tma)
-    # and both are the product (loose: the formats' quantization error; this guards a zero-filled tile)
-    assert rel(tma, ref) < 0.2
+    # and both are the product (loose: 4-bit quantization errors reach 0.2; a zero-filled or misplaced tile is near 1)
+    assert rel(tma, ref) < 0.5
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["concatenated", "interleaved"])
 @pytest.mark.parametrize("fmt", ["float", "fp8-block", "int4", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("block", [(64, 128, 64, 4), (128, 128, 64, 8), (64, 64, 128, 4)])
-def test_tma_on_hopper_tiles(fmt: str, block: tuple[int, int, int, int]) -> None:
+def test_tma_on_hopper_tiles(fmt: str, block: tuple[int, int, int, int], interleaved: bool) -> None:
     """The wgmma tiles of the tuned tables, at a real width, on a Hopper GPU."""
     block_m, block_n, block_k, warps = block
     config = GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=warps, num_stages=3)
-    pointer, tma, ref = run_both(fmt, glu=True, tokens=300, experts=8, top_k=2, hidden=1024, n_out=704,
-                                 config=config, seed=3)
+    pointer, tma, ref = run_both(fmt, glu=True, interleaved=interleaved, tokens=300, experts=8, top_k=2, hidden=1024,
+                                 n_out=704, config=config, seed=3)
     assert not torch.isnan(tma.float()).any()
     assert torch.equal(pointer, tma)
-    assert rel(tma, ref) < 0.2
+    assert rel(tma, ref) < 0.5
 
 
 def test_tma_refuses_what_it_cannot_copy() -> None:
     config = GemmConfig(16, 32, 64, group_m=1, num_warps=4, num_stages=2)
     w = torch.randn(3, 64, 96, dtype=torch.float16, device=DEVICE)
     assert moe_gemm.weight_tma_applies(w, config, glu=True, interleaved=False)
-    assert not moe_gemm.weight_tma_applies(w, config, glu=True, interleaved=True)  # gate rows not contiguous
+    assert moe_gemm.weight_tma_applies(w, config, glu=True, interleaved=True)  # viewed as [E * N, 2, K]
     assert not moe_gemm.weight_tma_applies(w.transpose(1, 2), config, glu=False, interleaved=False)  # N contiguous
     assert moe_gemm.weight_tma_applies(w[:, :, :90], config, glu=False, interleaved=False)  # K cut: rows still
     assert not moe_gemm.weight_tma_applies(w[:, :32], config, glu=False, interleaved=False)  # experts not [E * N_w]
@@ -146,9 +147,8 @@ def test_tma_refuses_what_it_cannot_copy() -> None:
     a = torch.randn(2, 96, dtype=torch.float16, device=DEVICE)
     out = torch.empty(2, 64, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="TMA"):
-        moe_gemm.moe_gemm(a, w, out, *plan, rows_per_a=1, config=config, glu=True,
-                          interleaved=True, act=act_code(mf.ActivationConfig(gate_up=mf.GateUpLayout.INTERLEAVED)),
-                          tma=True)
+        moe_gemm.moe_gemm(a, w.transpose(1, 2).contiguous().transpose(1, 2), out, *plan, rows_per_a=1, config=config,
+                          glu=True, act=act_code(mf.ActivationConfig()), tma=True)
 
 
 def test_tma_is_the_default_for_hopper_wgmma_tiles_only() -> None:
@@ -164,6 +164,10 @@ def test_tma_is_the_default_for_hopper_wgmma_tiles_only() -> None:
         for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
             assert moe_gemm.weight_tma_pays(cuda, fmt, wide)
             assert not moe_gemm.weight_tma_pays(cuda, fmt, mid) and not moe_gemm.weight_tma_pays(cuda, fmt, narrow)
+        # interleaved gate/up rows: float and 8-bit weights as before, 4-bit ones by pointer
+        assert moe_gemm.weight_tma_pays(cuda, WeightFormat.FLOAT, wide, interleaved=True)
+        for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
+            assert not moe_gemm.weight_tma_pays(cuda, fmt, wide, interleaved=True)
     for capability in ((8, 0), (8, 9), (10, 0)):
         with mock.patch("torch.cuda.get_device_capability", return_value=capability):
             assert not moe_gemm.weight_tma_pays(cuda, WeightFormat.FLOAT, wide)

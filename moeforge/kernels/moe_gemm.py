@@ -165,6 +165,19 @@ def _packed_weight_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, 
 
 
 @triton.jit
+def _weight_rows_tma(b_desc, row, col, UP: tl.constexpr, up_offset, B_TMA: tl.constexpr, ROWS: tl.constexpr,
+                     COLS: tl.constexpr):
+    """The ``[ROWS, COLS]`` weight tile at tile row ``row`` and column ``col`` copied by TMA: the gate rows
+    (``UP`` false) or the up rows. ``B_TMA`` 1: ``b_desc`` views the weight as ``[E * N_w, K]`` rows, the up
+    rows ``up_offset`` below the gate rows; 2 (interleaved gate/up rows g0 u0 g1 u1 ...): as
+    ``[E * N, 2, K]`` (row, gate or up, K): one box ``[ROWS, 1, COLS]`` takes every other row."""
+    if B_TMA == 2:
+        return tl.reshape(b_desc.load([row, UP, col]), (ROWS, COLS))
+    else:
+        return b_desc.load([row + UP * up_offset, col])
+
+
+@triton.jit
 def _dot8(a, b, INT8: tl.constexpr):
     """``a @ b`` of 8-bit operands as fp32 (INT8 sums exactly in int32, FP8 in fp32)."""
     if INT8:
@@ -273,11 +286,14 @@ def _gemm_tile(
     z_gate = b_zero_ptr + expert * stride_bze + gate_rows * stride_bzn
     z_up = b_zero_ptr + expert * stride_bze + up_rows * stride_bzn
     # B_TMA: the weight tiles are copied by Hopper's tensor memory accelerator through ``b_desc``, a
-    # descriptor of the weight viewed as ``[E * N_w, K]`` (packed: ``K / 2`` bytes) rows; the tile's gate
-    # rows start at ``b_row``, its up rows ``up_offset`` further (the gate rows are contiguous: not
-    # interleaved). A tile's rows past N read the next rows (the next expert's, or zeros past the last
-    # expert): they only reach the columns past N, which are never stored (and never scale an FP8 group).
-    b_row = (expert * (stride_be // stride_bn) + pid_n * BLOCK_N).to(tl.int32)
+    # descriptor of the weight viewed as ``[E * N_w, K]`` (packed: ``K / 2`` bytes) rows, or for interleaved
+    # gate/up rows as ``[E * N, 2, K]`` (:func:`_weight_rows_tma`); the tile's rows start at ``b_row``. A
+    # tile's rows past N read the next rows (the next expert's, or zeros past the last expert): they only
+    # reach the columns past N, which are never stored (and never scale an FP8 group).
+    if B_TMA >= 2:
+        b_row = (expert * N + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        b_row = (expert * (stride_be // stride_bn) + pid_n * BLOCK_N).to(tl.int32)
     # B_TILE_SCALE: the 128x128 weight-scale blocks of the tile's gate rows and of its up rows
     gate_block = (pid_n * BLOCK_N * gate_stride) // 128
     up_block = (pid_n * BLOCK_N * gate_stride + up_offset) // 128
@@ -336,9 +352,11 @@ def _gemm_tile(
                 sg, zg, su, zu = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k, K, stride_bsk, stride_bzk, GROUP,
                                               BLOCK_K, HAS_ZEROS, GLU)
             if B_TMA:
-                packed = b_desc.load([b_row, k * (BLOCK_K // 2)])
+                packed = _weight_rows_tma(b_desc, b_row, k * (BLOCK_K // 2), 0, up_offset, B_TMA, BLOCK_N,
+                                          BLOCK_K // 2)
                 if GLU:
-                    packed_up = b_desc.load([b_row + up_offset, k * (BLOCK_K // 2)])
+                    packed_up = _weight_rows_tma(b_desc, b_row, k * (BLOCK_K // 2), 1, up_offset, B_TMA, BLOCK_N,
+                                                 BLOCK_K // 2)
             else:
                 packed = _load_packed(b_gate, n_ok, k, K, BLOCK_K, EVEN_K)
                 if GLU:
@@ -362,9 +380,9 @@ def _gemm_tile(
         else:
             # -- the weight tiles [BLOCK_K, BLOCK_N]
             if B_TMA:
-                b = tl.trans(b_desc.load([b_row, k * BLOCK_K]))
+                b = tl.trans(_weight_rows_tma(b_desc, b_row, k * BLOCK_K, 0, up_offset, B_TMA, BLOCK_N, BLOCK_K))
                 if GLU:
-                    bu = tl.trans(b_desc.load([b_row + up_offset, k * BLOCK_K]))
+                    bu = tl.trans(_weight_rows_tma(b_desc, b_row, k * BLOCK_K, 1, up_offset, B_TMA, BLOCK_N, BLOCK_K))
             else:
                 if EVEN_K:
                     b = tl.load(b_gate, mask=n_ok[None, :], other=0.0)
@@ -598,8 +616,8 @@ def weight_tma_applies(weight: torch.Tensor, config: GemmConfig, glu: bool, inte
     """Whether the weight tiles of ``config`` can be copied by the tensor memory accelerator: a descriptor
     over the weight viewed as ``[E * N_w, K]`` rows (``weight [E, N_w, K]``, K contiguous, experts one after
     the other, rows and base 16-byte aligned), tiles of at most 256 by 256 elements whose rows span a
-    multiple of 16 bytes, and gate rows that are contiguous (not interleaved with the up rows)."""
-    if TensorDescriptor is None or (glu and interleaved) or weight.dim() != 3:
+    multiple of 16 bytes; interleaved gate/up rows are viewed as ``[E * N, 2, K]``."""
+    if TensorDescriptor is None or weight.dim() != 3 or (glu and interleaved and weight.shape[1] % 2):
         return False
     experts, n_w, k_elems = weight.shape
     row_bytes = (config.block_k // 2 if weight.dtype == torch.uint8 else config.block_k) * weight.element_size()
@@ -609,7 +627,8 @@ def weight_tma_applies(weight: torch.Tensor, config: GemmConfig, glu: bool, inte
             and experts * n_w < 2 ** 31 and k_elems > 0)
 
 
-def weight_tma_pays(device: torch.device, weight_format: WeightFormat, config: GemmConfig) -> bool:
+def weight_tma_pays(device: torch.device, weight_format: WeightFormat, config: GemmConfig,
+                    interleaved: bool = False) -> bool:
     """Whether :func:`moe_gemm` copies the weight tiles by TMA by default (where it applies): on Hopper
     (compute capability 9.x), with the wgmma tiles where one-process A/Bs on an H100 and an H200 found it
     faster (results/ab_weight_tma-...log, results/ab_grid_tma-nvidia_h200-...log):
@@ -619,11 +638,14 @@ def weight_tma_pays(device: torch.device, weight_format: WeightFormat, config: G
     * 8-bit weights from 64 rows and 128 columns: neutral to 4 % faster (FP8 down GEMMs 0.92-0.99x); the
       64-column 128x64 FP8 gate/up tile was 1-4 % slower, and Mixtral's 16x32 decode tile 1.19x slower;
     * 4-bit weights from 128 rows: 2-6 % faster; mixed below (GPT-OSS MXFP4 7 % faster with 16-row tiles,
-      10 % slower with 64x64 tiles; W4A16 and NVFP4 4 % slower with 16- and 32-row tiles)."""
+      10 % slower with 64x64 tiles; W4A16 and NVFP4 4 % slower with 16- and 32-row tiles);
+    * ``interleaved`` gate/up rows (every other row, ``_weight_rows_tma``; results/ab_tma_interleaved-...log):
+      float weights 4 % faster at GPT-OSS M = 16384, neutral at 4096; the W4A16 128x64 tile 1.7 % slower, so
+      4-bit interleaved weights keep pointer loads."""
     if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] != 9:
         return False
     if weight_format.packed:
-        return config.block_m >= 128
+        return config.block_m >= 128 and not interleaved
     if weight_format in (WeightFormat.FP8, WeightFormat.INT8):
         return config.block_m >= 64 and config.block_n >= 128
     return config.block_m >= 64
@@ -658,11 +680,16 @@ def default_grid(device: torch.device, weight_format: WeightFormat, config: Gemm
     return "persistent" if glu else "flattened"
 
 
-def _weight_descriptor(weight: torch.Tensor, config: GemmConfig) -> Any:
-    """The TMA descriptor of :func:`weight_tma_applies`."""
+def _weight_descriptor(weight: torch.Tensor, config: GemmConfig, paired: bool) -> Any:
+    """The TMA descriptor of :func:`weight_tma_applies`: ``[E * N_w, K]`` rows with a ``[BLOCK_N, BLOCK_K]``
+    box, or for interleaved gate/up rows (``paired``) ``[E * N, 2, K]`` with a ``[BLOCK_N, 1, BLOCK_K]`` box
+    (a ``[2, E * N, K]`` view with a leading unit box, tried too, compiled and measured the same)."""
     experts, n_w, k_elems = weight.shape
     inner = config.block_k // 2 if weight.dtype == torch.uint8 else config.block_k
-    return TensorDescriptor(weight, [experts * n_w, k_elems], [weight.stride(1), 1], [config.block_n, inner])
+    row = weight.stride(1)
+    if paired:
+        return TensorDescriptor(weight, [experts * n_w // 2, 2, k_elems], [2 * row, row, 1], [config.block_n, 1, inner])
+    return TensorDescriptor(weight, [experts * n_w, k_elems], [row, 1], [config.block_n, inner])
 
 
 def moe_gemm(
@@ -752,9 +779,10 @@ def moe_gemm(
     can_tma = weight_tma_applies(weight, config, glu, interleaved)
     if tma and not can_tma:
         raise ValueError(f"the weight tiles cannot be copied by TMA: weight {weight.dtype} {tuple(weight.shape)} "
-                         f"strides {weight.stride()}, tile {config.block_n}x{config.block_k}, "
-                         f"{'interleaved gate/up' if glu and interleaved else 'layout'} (see weight_tma_applies)")
-    use_tma = can_tma and (tma if tma is not None else weight_tma_pays(a.device, weight_format, config))
+                         f"strides {weight.stride()}, tile {config.block_n}x{config.block_k} (see weight_tma_applies)")
+    paired = glu and interleaved
+    use_tma = can_tma and (tma if tma is not None else weight_tma_pays(a.device, weight_format, config, paired))
+    tma_kind = 2 if paired else 1
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
     fp8_cvt = use_ptx and e4m3_scales and torch.cuda.get_device_capability(a.device) >= (8, 9)
     tiles = sorted_ids.numel() // config.block_m * triton.cdiv(n_out, config.block_n)
@@ -773,7 +801,7 @@ def moe_gemm(
         weight_scale = weight_scale.view(torch.uint8)
     moe_gemm_kernel[launch](
         a, a_scale if a_scale is not None else dummy, weight,
-        _weight_descriptor(weight, config) if use_tma else dummy,
+        _weight_descriptor(weight, config, paired) if use_tma else dummy,
         weight_scale if weight_scale is not None else dummy,
         weight_zero if weight_zero is not None else dummy,
         weight_global if weight_global is not None else dummy,
@@ -800,7 +828,7 @@ def moe_gemm(
         PTX=use_ptx,
         FP8_CVT=fp8_cvt,
         CVT_BY_FOUR=fp8_cvt and cvt_by_four(config),
-        B_TMA=use_tma,
+        B_TMA=tma_kind if use_tma else 0,
         PERSISTENT=GRIDS.index(grid_kind),
         PREFETCH=weight_format.packed and config.block_m >= 64,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
