@@ -31,6 +31,10 @@ the output dtype for NVFP4 rows) and meet in a 16-bit ``tl.dot``: an e2m1 value 
 scale is exact in bf16 and fp16, so the only rounding is the accumulation's; NVFP4's global scales
 multiply the finished accumulator. The K-loop has no split and a fixed order for every row count, so
 with one launch configuration a row's result does not depend on the other rows (batch invariance).
+
+On Hopper the launcher also picks, where one-process A/Bs found them faster, weight tiles copied by the
+tensor memory accelerator (a host-side descriptor, :func:`weight_tma_pays`) and a persistent grid
+(:func:`default_grid`); both read the same values in the same order, so the output is bitwise the same.
 """
 
 from __future__ import annotations
@@ -479,8 +483,6 @@ def _gemm_tile(
         tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-
-
 @triton.jit
 def moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
@@ -502,6 +504,9 @@ def moe_gemm_kernel(
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
+    """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
+    tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile` (a jitted function
+    takes no ``*args``: both branches pass the kernel's arguments through by name)."""
     num_padded = tl.load(num_padded_ptr)
     if PERSISTENT:
         # a persistent grid (1; 2: flattened): each program takes tiles grid-stride over the aligned
