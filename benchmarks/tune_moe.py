@@ -176,15 +176,19 @@ def retiled(x: AlignedRows, config: GemmConfig) -> AlignedRows:
     return dataclasses.replace(x, alignment=dataclasses.replace(x.alignment, config=MoEConfig(config, config)))
 
 
-def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int
+def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int, tma: bool = False
          ) -> dict[int, dict[str, list[GemmConfig]]]:
-    """The candidates by ``block_m`` and GEMM for one token count (the layer's own choice included)."""
+    """The candidates by ``block_m`` and GEMM for one token count (the layer's own choice included);
+    ``tma``: each with the weight tiles by pointer and by TMA (else the launcher's rule decides)."""
     gemms = Gemms.of(layer)
     chosen = gemms.chosen(routed_tokens(layer, shape, tokens))
+    space = list(candidates(fmt, tokens * layer.top_k / layer.num_experts))
+    if tma:
+        space = [attrs.evolve(config, tma=choice) for config in space for choice in (False, True)]
     by_block: dict[int, dict[str, list[GemmConfig]]] = {}
-    for config in [*candidates(fmt, tokens * layer.top_k / layer.num_experts), chosen[0]]:
+    for config in [*space, chosen[0]]:
         by_block.setdefault(config.block_m, {"gate_up": [], "down": []})["gate_up"].append(config)
-    for config in [*candidates(fmt, tokens * layer.top_k / layer.num_experts), chosen[1]]:
+    for config in [*space, chosen[1]]:
         by_block.setdefault(config.block_m, {"gate_up": [], "down": []})["down"].append(config)
     return {m: {role: list(dict.fromkeys(configs)) for role, configs in v.items()} for m, v in by_block.items()}
 
@@ -211,7 +215,7 @@ def runners(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, b
 def _compile(job: tuple[str, str, list[int], int, int, Any]) -> int:
     """Launch (and so compile into Triton's cache) every ``index % count == worker`` candidate;
     ``creating``: a lock, one layer created at a time (quantizing one takes many times its size)."""
-    shape_name, fmt, tokens_list, worker, count, creating = job
+    shape_name, fmt, tokens_list, worker, count, creating, tma = job
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
     with creating:
@@ -221,7 +225,7 @@ def _compile(job: tuple[str, str, list[int], int, int, Any]) -> int:
     index = 0
     with torch.no_grad():
         for tokens in tokens_list:
-            for block_m, roles in plan(layer, shape, fmt, tokens).items():
+            for block_m, roles in plan(layer, shape, fmt, tokens, tma).items():
                 run = runners(layer, shape, tokens, block_m)
                 for role, configs in roles.items():
                     for config in configs:
@@ -237,13 +241,13 @@ def _compile(job: tuple[str, str, list[int], int, int, Any]) -> int:
     return done
 
 
-def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int) -> None:
+def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int, tma: bool = False) -> None:
     if jobs <= 1:
         return
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         lock = manager.Lock()
-        done = sum(pool.map(_compile, [(shape_name, fmt, tokens_list, w, jobs, lock) for w in range(jobs)]))
+        done = sum(pool.map(_compile, [(shape_name, fmt, tokens_list, w, jobs, lock, tma) for w in range(jobs)]))
     print(f"  compiled {done} launches in {jobs} processes", flush=True)
 
 
@@ -263,10 +267,10 @@ def affordable_jobs(shape: tuple[int, int, int, int], fmt: str, tokens: int, job
 
 
 def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int,
-              flush: torch.Tensor, reps: int) -> dict[str, Any]:
+              flush: torch.Tensor, reps: int, tma: bool = False) -> dict[str, Any]:
     best: dict[int, dict[str, tuple[float, GemmConfig]]] = {}
     with torch.no_grad():
-        for block_m, roles in plan(layer, shape, fmt, tokens).items():
+        for block_m, roles in plan(layer, shape, fmt, tokens, tma).items():
             run = runners(layer, shape, tokens, block_m)
             for role, configs in roles.items():
                 for config in configs:
@@ -285,7 +289,8 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
     print(f"  M={tokens:6d}: block_m={block_m} gate_up {chosen['gate_up'][0]:.1f} us {chosen['gate_up'][1]}, "
           f"down {chosen['down'][0]:.1f} us {chosen['down'][1]} (total {total:.1f} us)", flush=True)
     as_dict = lambda c: dict(block_m=c.block_m, block_n=c.block_n, block_k=c.block_k, group_m=c.group_m,  # noqa: E731
-                             num_warps=c.num_warps, num_stages=c.num_stages)
+                             num_warps=c.num_warps, num_stages=c.num_stages,
+                             **({} if c.tma is None else dict(tma=c.tma)))
     return dict(gate_up=as_dict(chosen["gate_up"][1]), down=as_dict(chosen["down"][1]), us=round(total, 2))
 
 
@@ -298,6 +303,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                         help="processes compiling the candidates ahead of the timing (1: compile as it goes)")
     parser.add_argument("--out", default=None, help="default: moeforge/kernels/configs/<device>.json")
+    parser.add_argument("--tma", action="store_true",
+                        help="time each candidate with the weight tiles by pointer and by TMA (Hopper), and write "
+                             "the choice into the table (else the launcher's rule decides)")
     args = parser.parse_args()
     formats = args.formats.split(",")
     unknown = [f for f in formats if f not in FORMATS]
@@ -315,13 +323,13 @@ def main() -> None:
         shape = SHAPES[name]
         for fmt in formats:
             torch.manual_seed(0)
-            compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs))
+            compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs), args.tma)
             layer = build_layer(shape, fmt)
             key = table_key(layer, shape)
             print(f"{name} {key}", flush=True)
             entries = table.setdefault(key, {})
             for tokens in tokens_list:
-                entries[str(tokens)] = tune_cell(layer, shape, fmt, tokens, flush, args.reps)
+                entries[str(tokens)] = tune_cell(layer, shape, fmt, tokens, flush, args.reps, args.tma)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(table, indent=1, sort_keys=True))  # progress survives a time-out
             del layer

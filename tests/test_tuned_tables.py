@@ -172,3 +172,20 @@ def test_the_tuners_search_space_fits_each_format() -> None:
                 if fmt in ("w4a16", "mxfp4", "nvfp4"):
                     assert config.block_k >= 64
                 assert config.block_m <= 32 or rows_per_expert > 4  # decode: no padding-only blocks
+
+
+def test_a_table_entry_may_choose_tma_and_the_choice_survives_the_custom_op(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tune_moe.py --tma`` writes ``"tma"`` into an entry; entries without it leave the choice to the
+    launcher's rule (None). The custom op carries the configuration as integers: the choice survives."""
+    chosen = {"gate_up": dict(SMALL["gate_up"], tma=True), "down": dict(SMALL["down"], tma=False), "us": 1.0}
+    _device_file(tmp_path, monkeypatch, "Test GPU", {shape_key(8, 2, 256, 128, "bf16", "mxfp4"): {"1": chosen},
+                                                      shape_key(8, 2, 256, 128, "bf16"): {"1": SMALL}})
+    tuned = ConfigTable.load("Test GPU", 8, 2, 256, 128, "bf16", weight_format="mxfp4").lookup(1)
+    assert tuned.gate_up.tma is True and tuned.down.tma is False
+    assert ConfigTable.load("Test GPU", 8, 2, 256, 128, "bf16").lookup(1).gate_up.tma is None
+    for config in (tuned.gate_up, tuned.down, GemmConfig(16, 32, 128)):
+        assert GemmConfig.from_list(config.as_list()) == config
+    assert GemmConfig.from_list([16, 32, 128, 1, 4, 4]) == GemmConfig(16, 32, 128, 1, 4, 4)  # six integers: None
+    with pytest.raises(ValueError, match="6 or 7"):
+        GemmConfig.from_list([16, 32])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import attrs
 import pytest
 import torch
 
@@ -172,3 +173,28 @@ def test_tma_is_the_default_for_hopper_wgmma_tiles_only() -> None:
         with mock.patch("torch.cuda.get_device_capability", return_value=capability):
             assert not moe_gemm.weight_tma_pays(cuda, WeightFormat.FLOAT, wide)
     assert not moe_gemm.weight_tma_pays(torch.device("cpu"), WeightFormat.FLOAT, wide)
+
+
+def test_a_configuration_choice_is_taken_where_tma_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GemmConfig.tma`` (a tuned table's choice) decides when the call does not; where TMA cannot copy the
+    weight, a configuration's True falls back to pointer loads (it is a hint, not a request)."""
+    made = []
+    real = moe_gemm._weight_descriptor
+    monkeypatch.setattr(moe_gemm, "_weight_descriptor", lambda *args: made.append(args) or real(*args))
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(3, 96, generator=gen).to(DEVICE, torch.float16)
+    w = (torch.randn(4, 48, 96, generator=gen) * 0.1).to(DEVICE, torch.float16)
+    plan = align.align_block_size(torch.tensor([[0], [2], [2]], dtype=torch.int32, device=DEVICE), 4, 16)
+
+    def run(weight: torch.Tensor, config: GemmConfig, **kwargs: Any) -> torch.Tensor:
+        out = torch.full((3, 48), float("nan"), dtype=torch.float16, device=DEVICE)
+        return moe_gemm.moe_gemm(a, weight, out, *plan, rows_per_a=1, config=config, **kwargs)
+
+    base = GemmConfig(16, 32, 32, group_m=1, num_warps=4, num_stages=2)
+    pointer = run(w, attrs.evolve(base, tma=False))
+    assert not made
+    assert torch.equal(run(w, attrs.evolve(base, tma=True)), pointer) and len(made) == 1
+    run(w, attrs.evolve(base, tma=True), tma=False)  # the call's choice wins
+    assert len(made) == 1
+    strided = w.transpose(1, 2).contiguous().transpose(1, 2)  # N contiguous: TMA cannot copy it
+    assert torch.equal(run(strided, attrs.evolve(base, tma=True)), pointer) and len(made) == 1

@@ -28,9 +28,23 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    # Copy the weight tiles by TMA (Hopper): None leaves it to the launcher's rule
+    # (``moe_gemm.weight_tma_pays``); a tuned table may decide per entry (``tune_moe.py --tma``).
+    tma: Optional[bool] = None
 
     def as_list(self) -> list[int]:
-        return [self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps, self.num_stages]
+        """The configuration as integers (a custom op's argument): ``tma`` as -1 (None), 0 or 1."""
+        return [self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps, self.num_stages,
+                -1 if self.tma is None else int(self.tma)]
+
+    @classmethod
+    def from_list(cls, values: list[int]) -> GemmConfig:
+        """The inverse of :meth:`as_list` (six integers: ``tma`` None)."""
+        if len(values) not in (6, 7):
+            raise ValueError(f"a GemmConfig list has 6 or 7 integers, got {values}")
+        tma = None if len(values) == 6 or values[6] < 0 else bool(values[6])
+        block_m, block_n, block_k, group_m, num_warps, num_stages = values[:6]
+        return cls(block_m, block_n, block_k, group_m, num_warps, num_stages, tma)
 
 
 @attrs.frozen

@@ -741,7 +741,8 @@ def moe_gemm(
     ``ptx`` (4-bit operands): decode them with the packed inline-PTX conversion
     (:mod:`moeforge.kernels.dequant`); by default wherever it applies (:func:`packed_decoding`).
     ``tma``: copy the weight tiles with the tensor memory accelerator (:func:`weight_tma_applies`; it
-    runs under Triton's interpreter too); by default where it applies and pays (:func:`weight_tma_pays`).
+    runs under Triton's interpreter too); by default as ``config.tma`` says (a tuned table's choice) where
+    it applies, else where it applies and pays (:func:`weight_tma_pays`).
     ``grid``: ``tiles``, ``persistent`` or ``flattened`` (:func:`default_grid`, which picks by default).
     """
     weight_format = WeightFormat(weight_format)
@@ -786,7 +787,9 @@ def moe_gemm(
         raise ValueError(f"the weight tiles cannot be copied by TMA: weight {weight.dtype} {tuple(weight.shape)} "
                          f"strides {weight.stride()}, tile {config.block_n}x{config.block_k} (see weight_tma_applies)")
     paired = glu and interleaved
-    use_tma = can_tma and (tma if tma is not None else weight_tma_pays(a.device, weight_format, config, paired))
+    if tma is None:  # the configuration's choice (a tuned table's), else the rule; where TMA applies
+        tma = config.tma if config.tma is not None else weight_tma_pays(a.device, weight_format, config, paired)
+    use_tma = can_tma and tma
     tma_kind = 2 if paired else 1
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
     fp8_cvt = use_ptx and e4m3_scales and torch.cuda.get_device_capability(a.device) >= (8, 9)

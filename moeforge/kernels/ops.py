@@ -72,7 +72,7 @@ def moe_gemm(
     ``out_scale`` is the per-128-group FP8 scale when ``fp8_out`` (else empty)."""
     out, out_scale = _moe_gemm_outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
     kernel.moe_gemm(
-        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=GemmConfig(*config),
+        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=GemmConfig.from_list(config),
         weight_format=WeightFormat(weight_format), a_scale=a_scale, a_global=a_global,
         weight_scale=weight_scale, weight_zero=weight_zero, weight_global=weight_global, bias=bias,
         topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit,
