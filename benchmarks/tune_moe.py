@@ -212,7 +212,7 @@ def runners(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, b
 # -- compiling ahead, in parallel ------------------------------------------------------------------
 
 
-def _compile(job: tuple[str, str, list[int], int, int, Any]) -> int:
+def _compile(job: tuple[str, str, list[int], int, int, Any, bool]) -> int:
     """Launch (and so compile into Triton's cache) every ``index % count == worker`` candidate;
     ``creating``: a lock, one layer created at a time (quantizing one takes many times its size)."""
     shape_name, fmt, tokens_list, worker, count, creating, tma = job

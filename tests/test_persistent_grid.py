@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -56,23 +55,21 @@ def test_persistent_grid_on_hopper_tiles(fmt: str, tma: bool, grid: str) -> None
 
 
 def test_default_grid() -> None:
-    cuda = torch.device("cuda")
+    hopper = (9, 0)
     glu_tile, down_tile = GemmConfig(128, 128, 64, num_warps=8), GemmConfig(128, 256, 64, num_warps=8)
     many = 256.0  # rows per expert: two 128-row blocks
-    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, True, many) == "persistent"
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, down_tile, False, many) == "flattened"
-        # about one block per expert: one program per tile
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, True, 200.0) == "tiles"
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, down_tile, False, 128.0) == "tiles"
-        # two programs fit on an SM: one per tile
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, False, many) == "tiles"
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, GemmConfig(64, 128, 64), True, many) == "tiles"
-        for fmt in (WeightFormat.FP8, WeightFormat.INT8, WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
-            assert moe_gemm.default_grid(cuda, fmt, glu_tile, True, many) == "tiles"
-    with mock.patch("torch.cuda.get_device_capability", return_value=(10, 0)):
-        assert moe_gemm.default_grid(cuda, WeightFormat.FLOAT, glu_tile, True, many) == "tiles"
-    assert moe_gemm.default_grid(torch.device("cpu"), WeightFormat.FLOAT, glu_tile, True, many) == "tiles"
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, True, many) == "persistent"
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, many) == "flattened"
+    # about one block per expert: one program per tile
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, True, 200.0) == "tiles"
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, 128.0) == "tiles"
+    # two programs fit on an SM: one per tile
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, False, many) == "tiles"
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, GemmConfig(64, 128, 64), True, many) == "tiles"
+    for fmt in (WeightFormat.FP8, WeightFormat.INT8, WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
+        assert moe_gemm.default_grid(hopper, fmt, glu_tile, True, many) == "tiles"
+    assert moe_gemm.default_grid((10, 0), WeightFormat.FLOAT, glu_tile, True, many) == "tiles"
+    assert moe_gemm.default_grid(None, WeightFormat.FLOAT, glu_tile, True, many) == "tiles"
 
 
 def test_unknown_grid_is_refused() -> None:

@@ -153,26 +153,32 @@ def test_tma_refuses_what_it_cannot_copy() -> None:
 
 
 def test_tma_is_the_default_for_hopper_wgmma_tiles_only() -> None:
-    cuda = torch.device("cuda")
+    hopper = (9, 0)
     wide, mid, narrow = GemmConfig(128, 128, 64), GemmConfig(64, 128, 64), GemmConfig(16, 64, 128)
-    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-        for fmt in (WeightFormat.FLOAT, WeightFormat.FP8, WeightFormat.INT8):
-            assert moe_gemm.weight_tma_pays(cuda, fmt, wide) and moe_gemm.weight_tma_pays(cuda, fmt, mid)
-            assert not moe_gemm.weight_tma_pays(cuda, fmt, narrow)
-        assert moe_gemm.weight_tma_pays(cuda, WeightFormat.FLOAT, GemmConfig(128, 64, 64))
-        for fmt in (WeightFormat.FP8, WeightFormat.INT8):  # 8-bit: not the 64-column tiles
-            assert not moe_gemm.weight_tma_pays(cuda, fmt, GemmConfig(128, 64, 128))
-        for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
-            assert moe_gemm.weight_tma_pays(cuda, fmt, wide)
-            assert not moe_gemm.weight_tma_pays(cuda, fmt, mid) and not moe_gemm.weight_tma_pays(cuda, fmt, narrow)
-        # interleaved gate/up rows: float and 8-bit weights as before, 4-bit ones by pointer
-        assert moe_gemm.weight_tma_pays(cuda, WeightFormat.FLOAT, wide, interleaved=True)
-        for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
-            assert not moe_gemm.weight_tma_pays(cuda, fmt, wide, interleaved=True)
+    for fmt in (WeightFormat.FLOAT, WeightFormat.FP8, WeightFormat.INT8):
+        assert moe_gemm.weight_tma_pays(hopper, fmt, wide) and moe_gemm.weight_tma_pays(hopper, fmt, mid)
+        assert not moe_gemm.weight_tma_pays(hopper, fmt, narrow)
+    assert moe_gemm.weight_tma_pays(hopper, WeightFormat.FLOAT, GemmConfig(128, 64, 64))
+    for fmt in (WeightFormat.FP8, WeightFormat.INT8):  # 8-bit: not the 64-column tiles
+        assert not moe_gemm.weight_tma_pays(hopper, fmt, GemmConfig(128, 64, 128))
+    for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
+        assert moe_gemm.weight_tma_pays(hopper, fmt, wide)
+        assert not moe_gemm.weight_tma_pays(hopper, fmt, mid) and not moe_gemm.weight_tma_pays(hopper, fmt, narrow)
+    # interleaved gate/up rows: float and 8-bit weights as before, 4-bit ones by pointer
+    assert moe_gemm.weight_tma_pays(hopper, WeightFormat.FLOAT, wide, interleaved=True)
+    for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
+        assert not moe_gemm.weight_tma_pays(hopper, fmt, wide, interleaved=True)
     for capability in ((8, 0), (8, 9), (10, 0)):
-        with mock.patch("torch.cuda.get_device_capability", return_value=capability):
-            assert not moe_gemm.weight_tma_pays(cuda, WeightFormat.FLOAT, wide)
-    assert not moe_gemm.weight_tma_pays(torch.device("cpu"), WeightFormat.FLOAT, wide)
+        assert not moe_gemm.weight_tma_pays(capability, WeightFormat.FLOAT, wide)
+    assert not moe_gemm.weight_tma_pays(None, WeightFormat.FLOAT, wide)
+
+
+def test_device_capability_is_none_off_nvidia_gpus() -> None:
+    assert moe_gemm.device_capability(torch.device("cpu")) is None
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+        assert moe_gemm.device_capability(torch.device("cuda")) == (9, 0)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), mock.patch("torch.version.hip", "6.0"):
+        assert moe_gemm.device_capability(torch.device("cuda")) is None
 
 
 def test_a_configuration_choice_is_taken_where_tma_applies(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -632,10 +632,18 @@ def weight_tma_applies(weight: torch.Tensor, config: GemmConfig, glu: bool, inte
             and experts * n_w < 2 ** 31 and k_elems > 0)
 
 
-def weight_tma_pays(device: torch.device, weight_format: WeightFormat, config: GemmConfig,
+def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """``device``'s compute capability, or None off NVIDIA GPUs: the launcher asks once per launch and hands
+    it to the rules below."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def weight_tma_pays(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig,
                     interleaved: bool = False) -> bool:
     """Whether :func:`moe_gemm` copies the weight tiles by TMA by default (where it applies): on Hopper
-    (compute capability 9.x), with the wgmma tiles where one-process A/Bs on an H100 and an H200 found it
+    (``capability`` 9.x, see :func:`device_capability`), with the wgmma tiles where one-process A/Bs on an H100 and an H200 found it
     faster (results/ab_weight_tma-...log, results/ab_grid_tma-nvidia_h200-...log):
 
     * float weights from 64 rows: 3-8 % faster from M = 1024 (e.g. Mixtral 0.92x at M = 16384), neutral
@@ -647,7 +655,7 @@ def weight_tma_pays(device: torch.device, weight_format: WeightFormat, config: G
     * ``interleaved`` gate/up rows (every other row, ``_weight_rows_tma``; results/ab_tma_interleaved-...log):
       float weights 4 % faster at GPT-OSS M = 16384, neutral at 4096; the W4A16 128x64 tile 1.7 % slower, so
       4-bit interleaved weights keep pointer loads."""
-    if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] != 9:
+    if capability is None or capability[0] != 9:
         return False
     if weight_format.packed:
         return config.block_m >= 128 and not interleaved
@@ -659,7 +667,7 @@ def weight_tma_pays(device: torch.device, weight_format: WeightFormat, config: G
 GRIDS = ("tiles", "persistent", "flattened")
 
 
-def default_grid(device: torch.device, weight_format: WeightFormat, config: GemmConfig, glu: bool,
+def default_grid(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig, glu: bool,
                  rows_per_expert: float) -> str:
     """The grid :func:`moe_gemm` launches by default (see ``GRIDS``): ``tiles``, one program per tile
     (the programs past the aligned blocks that exist return at once); ``persistent``, one program per SM
@@ -675,9 +683,8 @@ def default_grid(device: torch.device, weight_format: WeightFormat, config: Gemm
     (``rows_per_expert``, the copies over the experts, below two blocks) the persistent gate/up GEMM lost
     too: DeepSeek-V3 at M = 4096 (128 rows per expert) 1.18x with TMA, against 0.90x at M = 16384
     (results/ab_grid_tma-...log)."""
-    if (weight_format is not WeightFormat.FLOAT or device.type != "cuda" or torch.version.hip is not None
-            or torch.cuda.get_device_capability(device)[0] != 9 or config.block_m < 128
-            or rows_per_expert < 2 * config.block_m):
+    if (weight_format is not WeightFormat.FLOAT or capability is None or capability[0] != 9
+            or config.block_m < 128 or rows_per_expert < 2 * config.block_m):
         return "tiles"
     accumulators = config.block_m * config.block_n * (2 if glu else 1) // (config.num_warps * 32)
     if accumulators < 128:
@@ -782,19 +789,21 @@ def moe_gemm(
     e4m3_scales = weight_format is WeightFormat.NVFP4 or row_format is RowFormat.NVFP4
     if num_copies == 0 or n_out == 0:
         return out
-    can_tma = weight_tma_applies(weight, config, glu, interleaved)
-    if tma and not can_tma:
-        raise ValueError(f"the weight tiles cannot be copied by TMA: weight {weight.dtype} {tuple(weight.shape)} "
-                         f"strides {weight.stride()}, tile {config.block_n}x{config.block_k} (see weight_tma_applies)")
     paired = glu and interleaved
+    capability = device_capability(a.device)
     if tma is None:  # the configuration's choice (a tuned table's), else the rule; where TMA applies
-        tma = config.tma if config.tma is not None else weight_tma_pays(a.device, weight_format, config, paired)
-    use_tma = can_tma and tma
-    tma_kind = 2 if paired else 1
+        wanted = config.tma if config.tma is not None else weight_tma_pays(capability, weight_format, config, paired)
+        use_tma = wanted and weight_tma_applies(weight, config, glu, interleaved)
+    else:
+        use_tma = tma
+        if tma and not weight_tma_applies(weight, config, glu, interleaved):
+            raise ValueError(f"the weight tiles cannot be copied by TMA: weight {weight.dtype} {tuple(weight.shape)} "
+                             f"strides {weight.stride()}, tile {config.block_n}x{config.block_k} "
+                             "(see weight_tma_applies)")
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
-    fp8_cvt = use_ptx and e4m3_scales and torch.cuda.get_device_capability(a.device) >= (8, 9)
+    fp8_cvt = use_ptx and e4m3_scales and capability is not None and capability >= (8, 9)
     tiles = sorted_ids.numel() // config.block_m * triton.cdiv(n_out, config.block_n)
-    grid_kind = default_grid(a.device, weight_format, config, glu, num_copies / weight.shape[0]) if grid is None \
+    grid_kind = default_grid(capability, weight_format, config, glu, num_copies / weight.shape[0]) if grid is None \
         else grid
     if grid_kind == "tiles":
         launch = (tiles,)
@@ -836,7 +845,7 @@ def moe_gemm(
         PTX=use_ptx,
         FP8_CVT=fp8_cvt,
         CVT_BY_FOUR=fp8_cvt and cvt_by_four(config),
-        B_TMA=tma_kind if use_tma else 0,
+        B_TMA=(2 if paired else 1) if use_tma else 0,
         PERSISTENT=GRIDS.index(grid_kind),
         PREFETCH=weight_format.packed and config.block_m >= 64,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
