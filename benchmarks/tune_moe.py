@@ -1,7 +1,7 @@
 """Tune the grouped-GEMM launch configurations for this GPU, in any weight format (CUDA only).
 
     python benchmarks/tune_moe.py --shapes qwen3,mixtral [--formats bf16,fp8,fp8-channel,int8,w4a16,mxfp4,nvfp4]
-                                  [--tokens 1,8,...] [--jobs 8] [--out FILE]
+                                  [--tokens 1,8,...] [--jobs 8] [--tma] [--split-k] [--out FILE]
 
 For each shape, format and token count it times both expert GEMMs of a triton ``MoELayer`` in that
 format (the gate/up GEMM with its fused activation, and the down GEMM), exactly as the layer runs
@@ -176,15 +176,22 @@ def retiled(x: AlignedRows, config: GemmConfig) -> AlignedRows:
     return dataclasses.replace(x, alignment=dataclasses.replace(x.alignment, config=MoEConfig(config, config)))
 
 
-def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int, tma: bool = False
-         ) -> dict[int, dict[str, list[GemmConfig]]]:
+SPLITS = (1, 2, 4)  # --split-k: the K-loop splits timed at decode (a few rows per expert)
+
+
+def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int, tma: bool = False,
+         split_k: bool = False) -> dict[int, dict[str, list[GemmConfig]]]:
     """The candidates by ``block_m`` and GEMM for one token count (the layer's own choice included);
-    ``tma``: each with the weight tiles by pointer and by TMA (else the launcher's rule decides)."""
+    ``tma``: each with the weight tiles by pointer and by TMA (else the launcher's rule decides);
+    ``split_k``: at decode (at most 4 rows per expert), each with the K-loop in 1, 2 and 4 ranges (else the
+    launcher's rule decides)."""
     gemms = Gemms.of(layer)
     chosen = gemms.chosen(routed_tokens(layer, shape, tokens))
     space = list(candidates(fmt, tokens * layer.top_k / layer.num_experts))
     if tma:
         space = [attrs.evolve(config, tma=choice) for config in space for choice in (False, True)]
+    if split_k and tokens * layer.top_k / layer.num_experts <= 4:
+        space = [attrs.evolve(config, split_k=splits) for config in space for splits in SPLITS]
     by_block: dict[int, dict[str, list[GemmConfig]]] = {}
     for config in [*space, chosen[0]]:
         by_block.setdefault(config.block_m, {"gate_up": [], "down": []})["gate_up"].append(config)
@@ -215,7 +222,7 @@ def runners(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, b
 def _compile(job: tuple[str, str, list[int], int, int, Any, bool]) -> int:
     """Launch (and so compile into Triton's cache) every ``index % count == worker`` candidate;
     ``creating``: a lock, one layer created at a time (quantizing one takes many times its size)."""
-    shape_name, fmt, tokens_list, worker, count, creating, tma = job
+    shape_name, fmt, tokens_list, worker, count, creating, tma, split_k = job
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
     with creating:
@@ -225,7 +232,7 @@ def _compile(job: tuple[str, str, list[int], int, int, Any, bool]) -> int:
     index = 0
     with torch.no_grad():
         for tokens in tokens_list:
-            for block_m, roles in plan(layer, shape, fmt, tokens, tma).items():
+            for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k).items():
                 run = runners(layer, shape, tokens, block_m)
                 for role, configs in roles.items():
                     for config in configs:
@@ -241,13 +248,14 @@ def _compile(job: tuple[str, str, list[int], int, int, Any, bool]) -> int:
     return done
 
 
-def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int, tma: bool = False) -> None:
+def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int, tma: bool = False,
+                  split_k: bool = False) -> None:
     if jobs <= 1:
         return
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         lock = manager.Lock()
-        done = sum(pool.map(_compile, [(shape_name, fmt, tokens_list, w, jobs, lock, tma) for w in range(jobs)]))
+        done = sum(pool.map(_compile, [(shape_name, fmt, tokens_list, w, jobs, lock, tma, split_k) for w in range(jobs)]))
     print(f"  compiled {done} launches in {jobs} processes", flush=True)
 
 
@@ -267,10 +275,10 @@ def affordable_jobs(shape: tuple[int, int, int, int], fmt: str, tokens: int, job
 
 
 def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int,
-              flush: torch.Tensor, reps: int, tma: bool = False) -> dict[str, Any]:
+              flush: torch.Tensor, reps: int, tma: bool = False, split_k: bool = False) -> dict[str, Any]:
     best: dict[int, dict[str, tuple[float, GemmConfig]]] = {}
     with torch.no_grad():
-        for block_m, roles in plan(layer, shape, fmt, tokens, tma).items():
+        for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k).items():
             run = runners(layer, shape, tokens, block_m)
             for role, configs in roles.items():
                 for config in configs:
@@ -290,7 +298,8 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
           f"down {chosen['down'][0]:.1f} us {chosen['down'][1]} (total {total:.1f} us)", flush=True)
     as_dict = lambda c: dict(block_m=c.block_m, block_n=c.block_n, block_k=c.block_k, group_m=c.group_m,  # noqa: E731
                              num_warps=c.num_warps, num_stages=c.num_stages,
-                             **({} if c.tma is None else dict(tma=c.tma)))
+                             **({} if c.tma is None else dict(tma=c.tma)),
+                             **({} if c.split_k is None else dict(split_k=c.split_k)))
     return dict(gate_up=as_dict(chosen["gate_up"][1]), down=as_dict(chosen["down"][1]), us=round(total, 2))
 
 
@@ -306,6 +315,10 @@ def main() -> None:
     parser.add_argument("--tma", action="store_true",
                         help="time each candidate with the weight tiles by pointer and by TMA (Hopper), and write "
                              "the choice into the table (else the launcher's rule decides)")
+    parser.add_argument("--split-k", action="store_true",
+                        help="at decode (at most 4 rows per expert), time each candidate with the K-loop split into "
+                             f"{', '.join(map(str, SPLITS))} ranges, and write the choice into the table (else the "
+                             "launcher's rule decides)")
     args = parser.parse_args()
     formats = args.formats.split(",")
     unknown = [f for f in formats if f not in FORMATS]
@@ -323,13 +336,15 @@ def main() -> None:
         shape = SHAPES[name]
         for fmt in formats:
             torch.manual_seed(0)
-            compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs), args.tma)
+            compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs), args.tma,
+                          args.split_k)
             layer = build_layer(shape, fmt)
             key = table_key(layer, shape)
             print(f"{name} {key}", flush=True)
             entries = table.setdefault(key, {})
             for tokens in tokens_list:
-                entries[str(tokens)] = tune_cell(layer, shape, fmt, tokens, flush, args.reps, args.tma)
+                entries[str(tokens)] = tune_cell(layer, shape, fmt, tokens, flush, args.reps, args.tma,
+                                                    args.split_k)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(table, indent=1, sort_keys=True))  # progress survives a time-out
             del layer

@@ -7,7 +7,8 @@ follows the tile shape), a split of K, a library GEMM that picks its algorithm b
 router and the shared experts). In this mode:
 
 * every GEMM reduces each output element in the same order for every token count. The K-loop of
-  :mod:`moeforge.kernels.moe_gemm` never splits K, so the order is fixed by the K-step (``block_k``) and
+  :mod:`moeforge.kernels.moe_gemm` is never split here (every entry has ``split_k=1``, which a batch-size
+  rule would otherwise choose for small batches), so the order is fixed by the K-step (``block_k``) and
   by the tensor-core instruction. The launch table (:func:`invariant_table`) therefore picks tiles by
   token count only within one family: ``block_k = 64`` and at least 64 rows per block (Hopper's
   warpgroup MMA; 16- and 32-row blocks take ``mma.sync``). Within it ``block_m``, ``block_n``, the warps
@@ -44,7 +45,7 @@ INVARIANT_MIN_BLOCK_M = 64
 INVARIANT_MAX_BLOCK_M = 128  # the largest block checked on a GPU (the tuned tables use no larger)
 # The one configuration where the family cannot follow the tuned table (fp32 rows, a cap below 64 rows),
 # and the router's and shared experts' GEMMs (:func:`linear`).
-INVARIANT_GEMM = GemmConfig(64, 128, INVARIANT_BLOCK_K, group_m=8, num_warps=4, num_stages=4)
+INVARIANT_GEMM = GemmConfig(64, 128, INVARIANT_BLOCK_K, group_m=8, num_warps=4, num_stages=4, split_k=1)
 INVARIANT_CONFIG = MoEConfig(INVARIANT_GEMM, INVARIANT_GEMM)
 
 
@@ -56,7 +57,7 @@ def family_checked_on(device: torch.device) -> bool:
 
 def in_family(config: GemmConfig) -> bool:
     """Whether ``config`` reduces like every other member of the batch-invariant family."""
-    return (config.block_k == INVARIANT_BLOCK_K
+    return (config.block_k == INVARIANT_BLOCK_K and config.split_k == 1
             and INVARIANT_MIN_BLOCK_M <= config.block_m <= INVARIANT_MAX_BLOCK_M and config.num_warps % 4 == 0)
 
 
@@ -67,7 +68,7 @@ def family_member(config: GemmConfig, element_bytes: int, b_tiles: int) -> GemmC
     :data:`INVARIANT_GEMM` where even two stages do not fit."""
     block_m = min(max(config.block_m, INVARIANT_MIN_BLOCK_M), INVARIANT_MAX_BLOCK_M)
     member = attrs.evolve(config, block_m=block_m, block_k=INVARIANT_BLOCK_K,
-                          num_warps=max(4 * (config.num_warps // 4), 4))
+                          num_warps=max(4 * (config.num_warps // 4), 4), split_k=1)
     fitted = fit_shared_memory(member, element_bytes, b_tiles)
     return fitted if fitted.block_k == INVARIANT_BLOCK_K else INVARIANT_GEMM
 

@@ -45,9 +45,11 @@ def test_the_invariant_table_keeps_the_tuned_tiles_inside_the_family() -> None:
             # the launcher never halves the K-step to fit shared memory (the fused gate/up GEMM: two B tiles)
             assert fit_config(config, 2, packed=False, per_k_scales=False, glu=True).block_k == INVARIANT_BLOCK_K
     # columns, warps and group order follow the tuned table; rows and K-step are the family's
-    assert entries[0].gate_up == GemmConfig(64, 32, 64, 1, 4, 5)
-    assert entries[0].down == GemmConfig(64, 64, 64, 1, 4, 4)
-    assert entries[-1] == tuned.lookup(4096)  # already in the family: the tuned tiles as they are
+    assert entries[0].gate_up == GemmConfig(64, 32, 64, 1, 4, 5, split_k=1)
+    assert entries[0].down == GemmConfig(64, 64, 64, 1, 4, 4, split_k=1)
+    # already in the family: the tuned tiles as they are, the K-loop never split
+    assert entries[-1] == MoEConfig(*(attrs.evolve(c, split_k=1) for c in (tuned.lookup(4096).gate_up,
+                                                                           tuned.lookup(4096).down)))
     assert table.batch_invariant and table.alignment() != invariant_table(8, 2).alignment()
     # no device table: the fallback rules' tiles, moved into the family, for every bucket
     fallback = invariant_table(8, 2, tuned=ConfigTable(8, 2))

@@ -191,16 +191,25 @@ def _dot8(a, b, INT8: tl.constexpr):
 
 
 @triton.jit
+def _add_bias(acc, acc_up, expert, gate_rows, up_offset, ok, bias_ptr, stride_bias_e, stride_bias_n,
+              GLU: tl.constexpr):
+    """``(acc, acc_up)`` plus the expert's bias of the gate (and up) columns where ``ok``."""
+    bias_base = bias_ptr + expert * stride_bias_e
+    acc += tl.load(bias_base + gate_rows * stride_bias_n, mask=ok, other=0.0).to(tl.float32)[None, :]
+    if GLU:
+        up_bias = tl.load(bias_base + (gate_rows + up_offset) * stride_bias_n, mask=ok, other=0.0)
+        acc_up += up_bias.to(tl.float32)[None, :]
+    return acc, acc_up
+
+
+@triton.jit
 def _epilogue(acc, acc_up, expert, gate_rows, up_offset, n_ok, copies, row_ok,
               bias_ptr, stride_bias_e, stride_bias_n, weights_ptr, alpha, limit,
               ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr):
     """Bias, activation and routing weight on the fp32 (fully scaled) accumulators."""
     if HAS_BIAS:
-        bias_base = bias_ptr + expert * stride_bias_e
-        acc += tl.load(bias_base + gate_rows * stride_bias_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GLU:
-            up_bias = tl.load(bias_base + (gate_rows + up_offset) * stride_bias_n, mask=n_ok, other=0.0)
-            acc_up += up_bias.to(tl.float32)[None, :]
+        acc, acc_up = _add_bias(acc, acc_up, expert, gate_rows, up_offset, n_ok, bias_ptr, stride_bias_e,
+                                stride_bias_n, GLU)
     if GLU:
         acc = gated(acc, acc_up, ACT, alpha, limit)
     else:
@@ -228,12 +237,24 @@ def _store_fp8_groups(acc, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride
              mask=row_ok[:, None] & (group_ids * 128 < N)[None, :])
 
 
+@triton.jit
+def _store(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn, c_scale_ptr, stride_csm,
+           stride_csg, QUANT_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write the finished tile at its rows' copy indices: FP8 with per-128-group scales, or ``c``'s dtype."""
+    if QUANT_OUT:
+        _store_fp8_groups(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn,
+                          c_scale_ptr, stride_csm, stride_csg, BLOCK_M, BLOCK_N)
+    else:
+        c_ptrs = c_ptr + copies.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
 # -- the kernel ------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _gemm_tile(
-    pid_m, pid_n,
+    pid_m, pid_n, k_first, k_last, p_ptr, stride_pm,
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
     sorted_ids_ptr, block_expert_ptr,
     N, K, num_copies, rows_per_a, a_global,
@@ -249,10 +270,11 @@ def _gemm_tile(
     B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
-    CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr,
+    CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Tile ``(pid_m, pid_n)``: ``BLOCK_M`` aligned rows of one expert times ``BLOCK_N`` output columns."""
+    """Tile ``(pid_m, pid_n)``: ``BLOCK_M`` aligned rows of one expert times ``BLOCK_N`` output columns, over the
+    K-steps ``k_first .. k_last - 1``; with ``SPLIT``, one range of a split K-loop (:func:`moe_gemm_reduce_kernel`)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
     row_ok = copies < num_copies
@@ -274,6 +296,10 @@ def _gemm_tile(
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_kb[None, :] * stride_ak
     else:
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    if A_FMT == 3:
+        a_ptrs += k_first * (BLOCK_K // 2) * stride_ak
+    else:
+        a_ptrs += k_first * BLOCK_K * stride_ak
     a_scale_rows = a_scale_ptr + a_rows * stride_asm
     b_expert = b_ptr + expert * stride_be
     if B_FMT >= 3:  # packed [N, K / 2]: K-contiguous byte tiles
@@ -284,6 +310,8 @@ def _gemm_tile(
         b_gate = b_expert + offs_k[:, None] * stride_bk + gate_rows[None, :] * stride_bn
         b_up = b_expert + offs_k[:, None] * stride_bk + up_rows[None, :] * stride_bn
         b_step = BLOCK_K * stride_bk
+    b_gate += k_first * b_step
+    b_up += k_first * b_step
     s_expert = b_scale_ptr + expert * stride_bse
     s_gate = s_expert + gate_rows * stride_bsn
     s_up = s_expert + up_rows * stride_bsn
@@ -323,9 +351,9 @@ def _gemm_tile(
     # (results/ab_prefetch_scales-...log): 10-12 % faster with 64- and 128-row blocks, 1.3-1.6x slower
     # with 16- and 32-row blocks (the mma.sync tiles), so the launcher asks for it from 64 rows.
     if B_FMT >= 3 and PREFETCH:
-        sg_next, zg_next, su_next, zu_next = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, 0, K, stride_bsk,
+        sg_next, zg_next, su_next, zu_next = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k_first, K, stride_bsk,
                                                           stride_bzk, GROUP, BLOCK_K, HAS_ZEROS, GLU)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(k_first, k_last):
         k_ok = offs_k < K - k * BLOCK_K
         # -- the rows' tile [BLOCK_M, BLOCK_K] (NVFP4 rows dequantized to the compute dtype)
         if A_FMT == 3:
@@ -472,22 +500,30 @@ def _gemm_tile(
             g = g * tl.load(b_global_ptr + expert)
         out = out * g
         out_up = out_up * g
-    out = _epilogue(out, out_up, expert, gate_rows, up_offset, n_ok, copies, row_ok,
-                    bias_ptr, stride_bias_e, stride_bias_n, weights_ptr, alpha, limit,
-                    ACT, GLU, HAS_BIAS, MUL_WEIGHTS)
-    if QUANT_OUT:
-        _store_fp8_groups(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn,
-                          c_scale_ptr, stride_csm, stride_csg, BLOCK_M, BLOCK_N)
+    if SPLIT:
+        # one range of a split K-loop: its partial sums, with everything linear that is constant along K
+        # (the bias with the first range), go to the fp32 partials [splits, copies, N (gate) | N (up)];
+        # moe_gemm_reduce_kernel adds them in order and applies the rest of the epilogue.
+        if HAS_BIAS:
+            out, out_up = _add_bias(out, out_up, expert, gate_rows, up_offset, n_ok & (offs_n * 0 + k_first == 0), bias_ptr,
+                                    stride_bias_e, stride_bias_n, GLU)
+        p_rows = p_ptr + copies.to(tl.int64)[:, None] * stride_pm
+        tl.store(p_rows + offs_n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
+        if GLU:
+            tl.store(p_rows + (N + offs_n)[None, :], out_up, mask=row_ok[:, None] & n_ok[None, :])
     else:
-        c_ptrs = c_ptr + copies.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+        out = _epilogue(out, out_up, expert, gate_rows, up_offset, n_ok, copies, row_ok,
+                        bias_ptr, stride_bias_e, stride_bias_n, weights_ptr, alpha, limit,
+                        ACT, GLU, HAS_BIAS, MUL_WEIGHTS)
+        _store(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn, c_scale_ptr, stride_csm,
+               stride_csg, QUANT_OUT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
-    sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-    N, K, num_copies, rows_per_a, a_global,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, p_ptr,
+    N, K, num_copies, rows_per_a, a_global, k_steps_split, stride_ps, stride_pm,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk,
     stride_bse, stride_bsn, stride_bsk,
@@ -500,14 +536,23 @@ def moe_gemm_kernel(
     B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
-    CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr,
+    CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile` (a jitted function
-    takes no ``*args``: both branches pass the kernel's arguments through by name)."""
+    takes no ``*args``: both branches pass the kernel's arguments through by name). ``SPLIT`` (one program
+    per tile): the grid's second axis splits the K-loop into ranges of ``k_steps_split`` steps, each writing
+    its partial sums to ``p_ptr`` (``[splits, copies, N]``, or ``2 N`` wide with the up columns after the
+    gate ones; :func:`moe_gemm_reduce_kernel` finishes them)."""
     num_padded = tl.load(num_padded_ptr)
+    k_first = 0
+    k_last = tl.cdiv(K, BLOCK_K)
+    if SPLIT:
+        k_first = tl.program_id(1) * k_steps_split
+        k_last = tl.minimum(k_first + k_steps_split, k_last)
+        p_ptr += tl.program_id(1).to(tl.int64) * stride_ps
     if PERSISTENT:
         # a persistent grid (1; 2: flattened): each program takes tiles grid-stride over the aligned
         # blocks that exist
@@ -515,26 +560,58 @@ def moe_gemm_kernel(
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=PERSISTENT == 2):
             pid_m, pid_n = _grouped(tile, num_pid_m, num_pid_n, GROUP_M)
-            _gemm_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr,
+            _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr,
                        bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, N, K, num_copies,
                        rows_per_a, a_global, stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn,
                        stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze, stride_bzn, stride_bzk,
                        stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm, stride_csg, gate_stride,
                        up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS,
                        QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
-                       CVT_BY_FOUR, B_TMA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                       CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
         if pid_m * BLOCK_M < num_padded:
-            _gemm_tile(pid_m, pid_n, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr,
+            _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr,
                        bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, N, K, num_copies,
                        rows_per_a, a_global, stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn,
                        stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze, stride_bzn, stride_bzk,
                        stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm, stride_csg, gate_stride,
                        up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS,
                        QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
-                       CVT_BY_FOUR, B_TMA, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                       CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def moe_gemm_reduce_kernel(
+    p_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
+    N, num_copies, splits, stride_ps, stride_pm, stride_cm, stride_cn, stride_csm, stride_csg, alpha, limit,
+    ACT: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHTS: tl.constexpr, QUANT_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The end of a split K-loop: over the same aligned blocks as the GEMM, each row's ``splits`` partial
+    sums (``p_ptr [splits, copies, N | 2 N]``, scaled and with the bias) added in order, then the activation,
+    the routing weight and the store of :func:`_gemm_tile`'s epilogue (a fixed order: deterministic)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M < tl.load(num_padded_ptr):
+        copies = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = copies < num_copies
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        ok = row_ok[:, None] & n_ok[None, :]
+        rows = p_ptr + copies.to(tl.int64)[:, None] * stride_pm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, splits):
+            acc += tl.load(rows + offs_n[None, :], mask=ok, other=0.0)
+            if GLU:
+                acc_up += tl.load(rows + (N + offs_n)[None, :], mask=ok, other=0.0)
+            rows += stride_ps
+        out = _epilogue(acc, acc_up, 0, offs_n, 0, n_ok, copies, row_ok, p_ptr, 0, 0, weights_ptr, alpha, limit,
+                        ACT, GLU, False, MUL_WEIGHTS)
+        _store(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn, c_scale_ptr, stride_csm,
+               stride_csg, QUANT_OUT, BLOCK_M, BLOCK_N)
 
 
 # -- the launcher ----------------------------------------------------------------------------------
@@ -692,6 +769,27 @@ def default_grid(capability: Optional[tuple[int, int]], weight_format: WeightFor
     return "persistent" if glu else "flattened"
 
 
+def default_split_k(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig,
+                    programs: int, k_steps: int, sms: int) -> int:
+    """How many ranges :func:`moe_gemm` splits the K-loop into by default. ``programs``: the tiles of the busy
+    experts (``min(aligned blocks, E) * column tiles``, an upper bound known on the host), ``k_steps``: the
+    K-loop's length, ``sms``: the device's multiprocessors.
+
+    One-process A/Bs on an H100 of every GEMM of the tuned decode tables at M = 1 and 8 (bf16, FP8, W4A16,
+    MXFP4, NVFP4; results/ab_split_k-...log) found a split faster only for quantized weights with fewer than two
+    programs per SM, where the long dequantizing K-loops of a few programs set the time: Mixtral's MXFP4 down
+    GEMM at M = 1 (128 programs of 112 steps) 0.71x with 4 ranges, its W4A16 one (256) 0.85x, its FP8 one
+    0.96x with 2, Qwen3's MXFP4 gate/up GEMM (192 programs of 16 steps) 0.95x with 2. Everywhere else the
+    second launch and the partial sums cost more than they gave (GPT-OSS's 4-bit decode GEMMs, 360 programs:
+    1.00-1.11x; bf16 lost even with 96 programs: Qwen3 1.21x). So: quantized weights, fewer than 2 programs
+    per SM, about 4 programs per SM after the split, at least 8 K-steps per range, at most 4 ranges (8-bit: 2,
+    the most measured faster)."""
+    if capability is None or weight_format is WeightFormat.FLOAT or programs >= 2 * sms or programs < 1:
+        return 1
+    most = 4 if weight_format.packed else 2
+    return max(1, min(most, k_steps // 8, -(-4 * sms // programs)))
+
+
 def _weight_descriptor(weight: torch.Tensor, config: GemmConfig, paired: bool) -> Any:
     """The TMA descriptor of :func:`weight_tma_applies`: ``[E * N_w, K]`` rows with a ``[BLOCK_N, BLOCK_K]``
     box, or for interleaved gate/up rows (``paired``) ``[E * N, 2, K]`` with a ``[BLOCK_N, 1, BLOCK_K]`` box
@@ -732,6 +830,7 @@ def moe_gemm(
     ptx: Optional[bool] = None,
     tma: Optional[bool] = None,
     grid: Optional[str] = None,
+    split_k: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
     copy of ``sorted_ids`` (see the module docstring for the formats).
@@ -751,6 +850,10 @@ def moe_gemm(
     runs under Triton's interpreter too); by default as ``config.tma`` says (a tuned table's choice) where
     it applies, else where it applies and pays (:func:`weight_tma_pays`).
     ``grid``: ``tiles``, ``persistent`` or ``flattened`` (:func:`default_grid`, which picks by default).
+    ``split_k``: split the K-loop into that many ranges of whole K-steps (at most one per step), each program
+    writing fp32 partial sums that a second kernel adds in a fixed order before the epilogue (deterministic,
+    but the rounding differs from one K-loop, and with it batch invariance); by default as ``config.split_k``
+    says, else :func:`default_split_k`. A split runs one program per tile (``grid="tiles"``).
     """
     weight_format = WeightFormat(weight_format)
     if grid is not None and grid not in GRIDS:
@@ -802,14 +905,28 @@ def moe_gemm(
                              "(see weight_tma_applies)")
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
     fp8_cvt = use_ptx and e4m3_scales and capability is not None and capability >= (8, 9)
-    tiles = sorted_ids.numel() // config.block_m * triton.cdiv(n_out, config.block_n)
-    grid_kind = default_grid(capability, weight_format, config, glu, num_copies / weight.shape[0]) if grid is None \
-        else grid
+    blocks = sorted_ids.numel() // config.block_m
+    tiles = blocks * triton.cdiv(n_out, config.block_n)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.device.type == "cuda" else 4
+    k_steps = triton.cdiv(k_dim, config.block_k)
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    splits = split_k if split_k is not None else config.split_k if config.split_k is not None else default_split_k(
+        capability, weight_format, config, min(blocks, weight.shape[0]) * triton.cdiv(n_out, config.block_n),
+        k_steps, sms)
+    steps_per_split = triton.cdiv(k_steps, min(splits, k_steps))
+    splits = triton.cdiv(k_steps, steps_per_split)  # every range has at least one step
+    if splits > 1 and grid not in (None, "tiles"):
+        raise ValueError(f"a split K-loop runs one program per tile, not grid={grid!r}")
+    grid_kind = "tiles" if splits > 1 else grid if grid is not None else default_grid(
+        capability, weight_format, config, glu, num_copies / weight.shape[0])
     if grid_kind == "tiles":
-        launch = (tiles,)
+        launch: tuple[int, ...] = (tiles, splits) if splits > 1 else (tiles,)
     else:  # one program per SM (4 under the interpreter)
-        launch = (min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count
-                      if a.device.type == "cuda" else 4),)
+        launch = (min(tiles, sms),)
+    # a split K-loop's partial sums: gate columns, then up columns
+    partials = torch.empty((splits, num_copies, n_out * (2 if glu else 1)), dtype=torch.float32, device=a.device) \
+        if splits > 1 else None
     dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
     # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
     if a_scale is not None and a_scale.dtype == torch.float8_e4m3fn:
@@ -824,8 +941,9 @@ def moe_gemm(
         weight_global if weight_global is not None else dummy,
         bias if bias is not None else dummy, out, out_scale if out_scale is not None else dummy,
         topk_weights if topk_weights is not None else dummy,
-        sorted_ids, block_expert, num_padded,
-        n_out, k_dim, num_copies, rows_per_a, float(a_global),
+        sorted_ids, block_expert, num_padded, partials if partials is not None else dummy,
+        n_out, k_dim, num_copies, rows_per_a, float(a_global), steps_per_split,
+        partials.stride(0) if partials is not None else 0, partials.stride(1) if partials is not None else 0,
         a.stride(0), a.stride(1), stride_asm, stride_ask,
         weight.stride(0), weight.stride(1), weight.stride(2),
         *w.scale_strides, *w.zero_strides,
@@ -846,9 +964,21 @@ def moe_gemm(
         FP8_CVT=fp8_cvt,
         CVT_BY_FOUR=fp8_cvt and cvt_by_four(config),
         B_TMA=(2 if paired else 1) if use_tma else 0,
+        SPLIT=splits > 1,
         PERSISTENT=GRIDS.index(grid_kind),
         PREFETCH=weight_format.packed and config.block_m >= 64,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if partials is not None:
+        block_n = 128 if quant_out else max(16, min(128, 4096 // config.block_m, triton.next_power_of_2(n_out)))
+        moe_gemm_reduce_kernel[(blocks, triton.cdiv(n_out, block_n))](
+            partials, out, out_scale if out_scale is not None else dummy,
+            topk_weights if topk_weights is not None else dummy, sorted_ids, num_padded,
+            n_out, num_copies, splits, partials.stride(0), partials.stride(1), out.stride(0), out.stride(1),
+            out_scale.stride(0) if out_scale is not None else 0, out_scale.stride(1) if out_scale is not None else 0,
+            alpha, limit,
+            ACT=act, GLU=glu, MUL_WEIGHTS=topk_weights is not None, QUANT_OUT=quant_out,
+            BLOCK_M=config.block_m, BLOCK_N=block_n, num_warps=4,
+        )
     return out

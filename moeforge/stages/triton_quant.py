@@ -307,7 +307,12 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     # -- run ----------------------------------------------------------------------------------------
 
     def gemm_config(self, alignment: BlockAlignment) -> GemmConfig:
-        """The launch configuration for rows aligned by ``alignment`` (before the kernel's own fitting)."""
+        """The launch configuration for rows aligned by ``alignment`` (before the kernel's own fitting); a
+        batch-invariant table's never splits K."""
+        config = self._gemm_config(alignment)
+        return attrs.evolve(config, split_k=1) if self.configs.batch_invariant else config
+
+    def _gemm_config(self, alignment: BlockAlignment) -> GemmConfig:
         gate_up, down = alignment.config.gate_up, alignment.config.down
         if self.use_table_tiles or self.configs.weight_format is not None:
             return gate_up if self.role is GemmRole.GATE_UP else down
