@@ -125,6 +125,8 @@ def test_split_k_from_the_configuration_and_its_errors() -> None:
         moe_gemm.moe_gemm(a, w, out, *plan, rows_per_a=1, config=config, split_k=0)
     with pytest.raises(ValueError, match="one program per tile"):
         moe_gemm.moe_gemm(a, w, out, *plan, rows_per_a=1, config=config, split_k=2, grid="persistent")
+    with pytest.raises(ValueError, match="one program per tile"):
+        moe_gemm.moe_gemm(a, w, out, *plan, rows_per_a=1, config=attrs.evolve(config, split_k=2), grid="flattened")
     # the configuration's choice is taken when the call makes none
     made: list[Any] = []
     real = moe_gemm.moe_gemm_reduce_kernel
@@ -180,6 +182,7 @@ def test_default_split_k_only_for_few_long_quantized_programs() -> None:
     assert rule(hopper, WeightFormat.FLOAT, config, 96, 112, sms) == 1
     assert rule(None, WeightFormat.MXFP4, config, 128, 112, sms) == 1
     assert rule(hopper, WeightFormat.MXFP4, config, 0, 112, sms) == 1
+    assert rule(hopper, WeightFormat.MXFP4, GemmConfig(64, 64, 128), 128, 112, sms) == 1  # beyond decode tiles
 
 
 def test_a_tuned_tables_split_choice_is_read() -> None:
@@ -188,3 +191,21 @@ def test_a_tuned_tables_split_choice_is_read() -> None:
     entry = dict(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
     table = ConfigTable.from_json(8, 2, {"1": dict(gate_up=entry, down=dict(entry, split_k=4))})
     assert table.lookup(1).down.split_k == 4 and table.lookup(1).gate_up.split_k is None
+
+
+def test_the_rule_gives_way_to_an_explicit_persistent_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default split is the rule's; asking for a persistent grid (which cannot split) takes precedence."""
+    asked: list[Any] = []
+    monkeypatch.setattr(moe_gemm, "default_split_k", lambda *args: asked.append(args) or 3)
+    ids, *plan = _plan(4, 3, 1, 16)
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(4, 96, generator=gen).to(DEVICE, DTYPE)
+    w = (torch.randn(3, 32, 96, generator=gen) * 0.1).to(DEVICE, DTYPE)
+    config = GemmConfig(16, 32, 32, group_m=1, num_warps=4, num_stages=2)
+    outs = {}
+    for grid in ("tiles", "persistent"):
+        out = torch.full((4, 32), float("nan"), dtype=DTYPE, device=DEVICE)
+        outs[grid] = moe_gemm.moe_gemm(a, w, out, *plan, rows_per_a=1, config=config, grid=grid)
+    assert len(asked) == 1  # only the one-program-per-tile launch asked the rule (and split 3 ways)
+    assert not torch.isnan(outs["persistent"].float()).any()
+    assert rel(outs["persistent"], outs["tiles"]) < 0.01

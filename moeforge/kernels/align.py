@@ -3,8 +3,8 @@
 Produces the ``BLOCK_ALIGNED`` layout the fused grouped GEMM reads: ``sorted_ids`` lists copy
 indices ``t * top_k + k`` grouped by expert, each expert's run padded with the sentinel
 ``T * top_k`` to a multiple of ``block_m``; ``block_expert[b]`` is the expert of block ``b``;
-``num_padded`` (on the device) is the used length. One launch (up to ``CHUNK`` copies; beyond, a
-second one scatters), no host synchronisation, fixed output sizes: CUDA-graph capturable.
+``num_padded`` (on the device) is the used length. Two launches, no host synchronisation, fixed
+output sizes: CUDA-graph capturable.
 
 Within an expert the order of copies is not fixed (the scatter uses atomics). That does not make
 results vary: every row of a grouped GEMM is computed independently of its neighbours, and the
@@ -16,9 +16,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-CHUNK = 1024  # copies per step of the plan's histogram, and per program of the scatter
 
 
 @triton.jit
@@ -34,10 +31,8 @@ def _count_and_plan_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     CHUNK_B: tl.constexpr,
-    SCATTER: tl.constexpr,
 ):
-    # One program: histogram of expert ids, padded offsets, block -> expert table, sentinel fill; with
-    # SCATTER (all copies in one chunk), the scatter too (one launch instead of two for small batches).
+    # One program: histogram of expert ids, padded offsets, block -> expert table, sentinel fill.
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for start in range(0, num_copies, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -65,25 +60,15 @@ def _count_and_plan_kernel(
     for first in range(0, total, CHUNK):
         slots = first + tl.arange(0, CHUNK)
         tl.store(sorted_ids_ptr + slots, num_copies, mask=slots < total)
-    if SCATTER:
-        # the program's sentinel and cursor stores are visible to all its threads after the barrier
-        tl.debug_barrier()
-        _scatter(ids_ptr, cursor_ptr, sorted_ids_ptr, num_copies, 0, CHUNK)
-
-
-@triton.jit
-def _scatter(ids_ptr, cursor_ptr, sorted_ids_ptr, num_copies, first, BLOCK: tl.constexpr):
-    """Copies ``first .. first + BLOCK - 1`` to their expert's next free slot (``cursor``)."""
-    offs = first + tl.arange(0, BLOCK)
-    mask = offs < num_copies
-    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
-    position = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
-    tl.store(sorted_ids_ptr + position, offs, mask=mask)
 
 
 @triton.jit
 def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_copies, BLOCK: tl.constexpr):
-    _scatter(ids_ptr, cursor_ptr, sorted_ids_ptr, num_copies, tl.program_id(0) * BLOCK, BLOCK)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_copies
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    position = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+    tl.store(sorted_ids_ptr + position, offs, mask=mask)
 
 
 def max_padded_rows(num_copies: int, num_experts: int, block_m: int) -> int:
@@ -105,9 +90,9 @@ def align_block_size(
     block_e = max(triton.next_power_of_2(num_experts), 2)
     _count_and_plan_kernel[(1,)](
         ids, cursor, block_expert, sorted_ids, num_padded, num_copies, num_experts,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=CHUNK, CHUNK_B=max(16, 4096 // block_e),
-        SCATTER=num_copies <= CHUNK,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=max(16, 4096 // block_e),
     )
-    if num_copies > CHUNK:
-        _scatter_kernel[(triton.cdiv(num_copies, CHUNK),)](ids, cursor, sorted_ids, num_copies, BLOCK=CHUNK)
+    if num_copies:
+        grid = (triton.cdiv(num_copies, 1024),)
+        _scatter_kernel[grid](ids, cursor, sorted_ids, num_copies, BLOCK=1024)
     return sorted_ids, block_expert, num_padded

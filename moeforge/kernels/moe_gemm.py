@@ -783,8 +783,9 @@ def default_split_k(capability: Optional[tuple[int, int]], weight_format: Weight
     second launch and the partial sums cost more than they gave (GPT-OSS's 4-bit decode GEMMs, 360 programs:
     1.00-1.11x; bf16 lost even with 96 programs: Qwen3 1.21x). So: quantized weights, fewer than 2 programs
     per SM, about 4 programs per SM after the split, at least 8 K-steps per range, at most 4 ranges (8-bit: 2,
-    the most measured faster)."""
-    if capability is None or weight_format is WeightFormat.FLOAT or programs >= 2 * sms or programs < 1:
+    the most measured faster), with the decode tiles measured (16 and 32 rows)."""
+    if (capability is None or weight_format is WeightFormat.FLOAT or config.block_m > 32 or programs >= 2 * sms
+            or programs < 1):
         return 1
     most = 4 if weight_format.packed else 2
     return max(1, min(most, k_steps // 8, -(-4 * sms // programs)))
@@ -911,9 +912,13 @@ def moe_gemm(
     k_steps = triton.cdiv(k_dim, config.block_k)
     if split_k is not None and split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
-    splits = split_k if split_k is not None else config.split_k if config.split_k is not None else default_split_k(
-        capability, weight_format, config, min(blocks, weight.shape[0]) * triton.cdiv(n_out, config.block_n),
-        k_steps, sms)
+    if split_k is not None or config.split_k is not None:  # asked for (a persistent grid cannot have it)
+        splits = split_k if split_k is not None else config.split_k
+    elif grid in (None, "tiles"):
+        splits = default_split_k(capability, weight_format, config,
+                                 min(blocks, weight.shape[0]) * triton.cdiv(n_out, config.block_n), k_steps, sms)
+    else:
+        splits = 1
     steps_per_split = triton.cdiv(k_steps, min(splits, k_steps))
     splits = triton.cdiv(k_steps, steps_per_split)  # every range has at least one step
     if splits > 1 and grid not in (None, "tiles"):
