@@ -353,6 +353,8 @@ def _gemm_tile(
     if B_FMT >= 3 and PREFETCH:
         sg_next, zg_next, su_next, zu_next = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k_first, K, stride_bsk,
                                                           stride_bzk, GROUP, BLOCK_K, HAS_ZEROS, GLU)
+    if not SPLIT:  # the whole K-loop, its bound computed here (as before the split existed: same code)
+        k_last = tl.cdiv(K, BLOCK_K)
     for k in range(k_first, k_last):
         k_ok = offs_k < K - k * BLOCK_K
         # -- the rows' tile [BLOCK_M, BLOCK_K] (NVFP4 rows dequantized to the compute dtype)
@@ -548,10 +550,10 @@ def moe_gemm_kernel(
     gate ones; :func:`moe_gemm_reduce_kernel` finishes them)."""
     num_padded = tl.load(num_padded_ptr)
     k_first = 0
-    k_last = tl.cdiv(K, BLOCK_K)
+    k_last = 0  # without SPLIT, _gemm_tile runs the whole K-loop
     if SPLIT:
         k_first = tl.program_id(1) * k_steps_split
-        k_last = tl.minimum(k_first + k_steps_split, k_last)
+        k_last = tl.minimum(k_first + k_steps_split, tl.cdiv(K, BLOCK_K))
         p_ptr += tl.program_id(1).to(tl.int64) * stride_ps
     if PERSISTENT:
         # a persistent grid (1; 2: flattened): each program takes tiles grid-stride over the aligned
