@@ -175,6 +175,7 @@ def test_default_split_k_only_for_few_long_quantized_programs() -> None:
     assert rule(hopper, WeightFormat.INT4, config, 256, 112, sms) == 3
     # 8-bit weights: at most 2; Qwen3's MXFP4 gate/up (16 steps): 2 ranges of 8
     assert rule(hopper, WeightFormat.FP8, config, 256, 112, sms) == 2
+    assert rule(hopper, WeightFormat.INT8, config, 256, 56, sms) == 1  # 8-bit: only K-loops of >= 96 steps
     assert rule(hopper, WeightFormat.MXFP4, config, 192, 16, sms) == 2
     # enough programs, short K-loops, float weights, no GPU: no split
     assert rule(hopper, WeightFormat.MXFP4, config, 360, 23, sms) == 1

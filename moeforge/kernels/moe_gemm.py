@@ -783,11 +783,13 @@ def default_split_k(capability: Optional[tuple[int, int]], weight_format: Weight
     GEMM at M = 1 (128 programs of 112 steps) 0.71x with 4 ranges, its W4A16 one (256) 0.85x, its FP8 one
     0.96x with 2, Qwen3's MXFP4 gate/up GEMM (192 programs of 16 steps) 0.95x with 2. Everywhere else the
     second launch and the partial sums cost more than they gave (GPT-OSS's 4-bit decode GEMMs, 360 programs:
-    1.00-1.11x; bf16 lost even with 96 programs: Qwen3 1.21x). So: quantized weights, fewer than 2 programs
-    per SM, about 4 programs per SM after the split, at least 8 K-steps per range, at most 4 ranges (8-bit: 2,
-    the most measured faster), with the decode tiles measured (16 and 32 rows)."""
+    1.00-1.11x; bf16 lost even with 96 programs: Qwen3 1.21x; DeepSeek-V3's INT8 gate/up GEMM at M = 1, 256
+    programs of 56 steps, 1.06x, results/ab_split_k_default_path_8bit-...log). So: 4-bit weights, or 8-bit ones
+    with K-loops of at least 96 steps; fewer than 2 programs per SM; about 4 programs per SM after the split, at
+    least 8 K-steps per range, at most 4 ranges (8-bit: 2, the most measured faster); the decode tiles measured
+    (16 and 32 rows)."""
     if (capability is None or weight_format is WeightFormat.FLOAT or config.block_m > 32 or programs >= 2 * sms
-            or programs < 1):
+            or programs < 1 or (not weight_format.packed and k_steps < 96)):
         return 1
     most = 4 if weight_format.packed else 2
     return max(1, min(most, k_steps // 8, -(-4 * sms // programs)))
