@@ -38,6 +38,8 @@ DEFAULT_FILES = (
     RESULTS / "bench_moe_4bit_gptoss_tma-nvidia_h100_80gb_hbm3-2026-11-24-0c010d8.json",  # GPT-OSS M <= 64, --tma
     RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-5a8317a.json",  # split K at decode
     RESULTS / "bench_moe_8bit-nvidia_h100_80gb_hbm3-2026-11-24-6e03eb3.json",
+    RESULTS / "bench_moe_split_tables_mixtral-nvidia_h100_80gb_hbm3-2026-11-24-006fcf7.json",  # --split-k tables
+    RESULTS / "bench_moe_split_tables_dsv3-nvidia_h100_80gb_hbm3-2026-11-24-006fcf7.json",
 )
 FORMATS = {"experts": "bf16", "experts_batch_invariant": "bf16 batch-invariant"}
 
