@@ -255,7 +255,8 @@ def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int, 
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         lock = manager.Lock()
-        done = sum(pool.map(_compile, [(shape_name, fmt, tokens_list, w, jobs, lock, tma, split_k) for w in range(jobs)]))
+        jobs_list = [(shape_name, fmt, tokens_list, w, jobs, lock, tma, split_k) for w in range(jobs)]
+        done = sum(pool.map(_compile, jobs_list))
     print(f"  compiled {done} launches in {jobs} processes", flush=True)
 
 

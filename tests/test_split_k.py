@@ -64,7 +64,8 @@ def _plan(tokens: int, experts: int, top_k: int, block_m: int, seed: int = 0) ->
 
 
 def test_split_k_bias_routing_weights_and_activation() -> None:
-    """The bias is added by the first range only; the routing weight and a non-gated activation (relu²) after the sum."""
+    """The bias is added by the first range only; the routing weight and a non-gated activation (relu²) after
+    the sum."""
     gen = torch.Generator().manual_seed(1)
     tokens, experts, top_k, hidden, n_out = 6, 4, 2, 192, 48
     ids, *plan = _plan(tokens, experts, top_k, 16)

@@ -29,8 +29,11 @@ every 128 K-elements (FP8 groups / blocks) scale each K-step's partial product b
 K-step). 4-bit operands are dequantized in registers to the compute dtype (the rows' float dtype, or
 the output dtype for NVFP4 rows) and meet in a 16-bit ``tl.dot``: an e2m1 value times an E8M0 or e4m3
 scale is exact in bf16 and fp16, so the only rounding is the accumulation's; NVFP4's global scales
-multiply the finished accumulator. The K-loop has no split and a fixed order for every row count, so
-with one launch configuration a row's result does not depend on the other rows (batch invariance).
+multiply the finished accumulator. The K-loop runs in a fixed order for every row count, so with one launch
+configuration a row's result does not depend on the other rows (batch invariance). At decode it may be split
+into ranges of K-steps (``split_k``, :func:`default_split_k`): fp32 partial sums that
+:func:`moe_gemm_reduce_kernel` adds in a fixed order before the epilogue (deterministic, but not the same
+rounding, so batch-invariant tables never split).
 
 On Hopper the launcher also picks, where one-process A/Bs found them faster, weight tiles copied by the
 tensor memory accelerator (a host-side descriptor, :func:`weight_tma_pays`) and a persistent grid
@@ -506,9 +509,10 @@ def _gemm_tile(
         # one range of a split K-loop: its partial sums, with everything linear that is constant along K
         # (the bias with the first range), go to the fp32 partials [splits, copies, N (gate) | N (up)];
         # moe_gemm_reduce_kernel adds them in order and applies the rest of the epilogue.
-        if HAS_BIAS:
-            out, out_up = _add_bias(out, out_up, expert, gate_rows, up_offset, n_ok & (offs_n * 0 + k_first == 0), bias_ptr,
-                                    stride_bias_e, stride_bias_n, GLU)
+        if HAS_BIAS:  # (the first range's test as a block: the interpreter takes no scalar in a mask)
+            first = n_ok & (offs_n * 0 + k_first == 0)
+            out, out_up = _add_bias(out, out_up, expert, gate_rows, up_offset, first, bias_ptr, stride_bias_e,
+                                    stride_bias_n, GLU)
         p_rows = p_ptr + copies.to(tl.int64)[:, None] * stride_pm
         tl.store(p_rows + offs_n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
         if GLU:
@@ -562,26 +566,26 @@ def moe_gemm_kernel(
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=PERSISTENT == 2):
             pid_m, pid_n = _grouped(tile, num_pid_m, num_pid_n, GROUP_M)
-            _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr,
-                       bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, N, K, num_copies,
-                       rows_per_a, a_global, stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn,
-                       stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze, stride_bzn, stride_bzk,
-                       stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm, stride_csg, gate_stride,
-                       up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS,
-                       QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
-                       CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
+                       b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
+                       block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
+                       stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
+                       stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
+                       stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
+                       GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
+                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
         if pid_m * BLOCK_M < num_padded:
-            _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr,
-                       bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, N, K, num_copies,
-                       rows_per_a, a_global, stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn,
-                       stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze, stride_bzn, stride_bzk,
-                       stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm, stride_csg, gate_stride,
-                       up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS,
-                       QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
-                       CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
+                       b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
+                       block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
+                       stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
+                       stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
+                       stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
+                       GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
+                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 @triton.jit
