@@ -15,8 +15,9 @@ so it keeps the ``block_m`` whose best pair is fastest.
 
 The result is merged into ``moeforge/kernels/configs/<device>.json`` under the shape's key, with the
 format's ``QuantMethod.table_key`` appended for a quantized format (``E=8,k=2,H=4096,I=14336,bf16,mxfp4``);
-``MoELayer`` reads it for that device, shape and format. To support a new GPU, run this script on it
-and commit the file. ``--jobs`` compiles the candidates in that many processes first (Triton's cache on
+``MoELayer`` reads it for that device, shape and format, by the nearest token count: a new table must
+cover every default token count (the script refuses a partial one), after which ``--tokens`` may re-tune
+some entries. To support a new GPU, run this script on it and commit the file. ``--jobs`` compiles the candidates in that many processes first (Triton's cache on
 disk keeps them), so the timing loop does not wait on the compiler.
 """
 
@@ -108,6 +109,12 @@ def build_layer(shape: tuple[int, int, int, int], fmt: str) -> mf.MoELayer:
 
 def table_key(layer: mf.MoELayer, shape: tuple[int, int, int, int]) -> str:
     return shape_key(*shape, "bf16", layer.quant.table_key)
+
+
+def new_table_key(shape: tuple[int, int, int, int], fmt: str) -> str:
+    """The key :func:`table_key` gives a layer of ``shape`` in ``fmt``, without building it."""
+    _, _, hidden, inter = shape
+    return shape_key(*shape, "bf16", QUANT_METHODS[fmt](hidden, inter).table_key if fmt != "bf16" else None)
 
 
 ROUTINGS = 3  # random routings each candidate is timed on: which experts a small batch reaches varies
@@ -333,6 +340,15 @@ def main() -> None:
     table = json.loads(out.read_text()) if out.exists() else {}
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     tokens_list = [int(t) for t in args.tokens.split(",")]
+    partial = [t for t in TOKENS if t not in tokens_list]
+    for name in args.shapes.split(","):
+        for fmt in formats:
+            key = new_table_key(SHAPES[name], fmt)
+            if partial and key not in table:
+                # a table serves every batch by its nearest entry: one tuned only for small batches would run
+                # large ones on decode tiles
+                sys.exit(f"{key} has no table on {device} yet: a new table needs every token count of the default "
+                         f"--tokens (missing {partial}); tune those first, then refine some with --tokens")
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         for fmt in formats:

@@ -189,3 +189,19 @@ def test_a_table_entry_may_choose_tma_and_the_choice_survives_the_custom_op(
     assert GemmConfig.from_list([16, 32, 128, 1, 4, 4]) == GemmConfig(16, 32, 128, 1, 4, 4)  # six integers: None
     with pytest.raises(ValueError, match="6, 7 or 8"):
         GemmConfig.from_list([16, 32])
+
+
+def test_the_tuner_names_a_new_table_as_the_layer_will_look_it_up() -> None:
+    """``tune_moe.new_table_key`` (checked before tuning: a new table must cover every default token count)
+    is the key the tuner writes and the layer reads."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tune_moe
+
+    shape = (4, 2, 128, 256)
+    for fmt in tune_moe.FORMATS:
+        quant = tune_moe.QUANT_METHODS[fmt](128, 256) if fmt != "bf16" else None
+        layer = mf.MoELayer(*shape, quant=quant, backend="torch")
+        want = shape_key(*shape, "bf16", layer.quant.table_key if quant is not None else None)
+        assert tune_moe.new_table_key(shape, fmt) == want
