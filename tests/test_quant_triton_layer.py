@@ -34,10 +34,10 @@ METHODS: dict[str, Callable[[], mf.QuantMethod]] = {
 FIXED_DISPATCH = ("w4a16", "mxfp4", "nvfp4")
 
 
-def _reference(make: Callable[[], mf.QuantMethod], dispatch: str) -> mf.MoELayer:
+def _reference(make: Callable[[], mf.QuantMethod], dispatch: str, hidden: int = H, inter: int = I) -> mf.MoELayer:
     torch.manual_seed(0)
-    return mf.MoELayer(E, K, H, I, quant=make(), backend="torch", dtype=torch.float16, device=DEVICE, environ={},
-                       dispatch_dtype=dispatch)
+    return mf.MoELayer(E, K, hidden, inter, quant=make(), backend="torch", dtype=torch.float16, device=DEVICE,
+                       environ={}, dispatch_dtype=dispatch)
 
 
 def _triton_pipeline(layer: mf.MoELayer) -> mf.Pipeline:  # type: ignore[type-arg]
@@ -59,7 +59,7 @@ def _triton_pipeline(layer: mf.MoELayer) -> mf.Pipeline:  # type: ignore[type-ar
     stages += layer.quant.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
                                         backend=mf.Backend.TRITON, configs=table, dispatch=dispatch)
     stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.FP16))
-    return mf.Pipeline(stages, mf.input_spec(H, torch.float16, E), debug=True)
+    return mf.Pipeline(stages, mf.input_spec(layer.hidden_size, torch.float16, E), debug=True)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -92,6 +92,33 @@ def test_quantized_triton_stages_equal_the_torch_layer(name: str, dispatch: str)
             fast.process_weights_after_loading()
             assert "backend triton" in fast.describe()
             assert _rel(fast(x), reference(x)) < 1e-2
+
+
+@pytest.mark.parametrize("name", ["fp8 block/group", "int8", "w4a16 g32 zeros", "mxfp4", "nvfp4 rows"])
+def test_quantized_triton_stages_with_split_k_loops_equal_the_torch_layer(name: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both expert GEMMs with their K-loops split in two (``moe_gemm.default_split_k`` forced: on a GPU it splits
+    only long decode K-loops), through the stages, the custom ops and the FP8 re-quantization between the GEMMs."""
+    from moeforge.kernels import moe_gemm
+
+    reductions = []
+    real = moe_gemm.moe_gemm_reduce_kernel
+
+    class Counted:
+        def __getitem__(self, grid: Any) -> Any:
+            reductions.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(moe_gemm, "default_split_k", lambda *args: 2)
+    monkeypatch.setattr(moe_gemm, "moe_gemm_reduce_kernel", Counted())
+    reference = _reference(METHODS[name], "auto", hidden=256, inter=256)  # K-loops of at least two steps
+    pipeline = _triton_pipeline(reference)
+    x = torch.randn(5, 256, device=DEVICE, dtype=torch.float16)
+    with torch.no_grad():
+        for tokens in (x, x[:1]):
+            got = pipeline(mf.MoEInput(tokens, reference.router_logits(tokens))).hidden_states
+            assert _rel(got, reference(tokens)) < 1e-2
+    assert len(reductions) == 4  # both GEMMs, both batches
 
 
 def test_auto_backend_picks_triton_for_quant_methods_with_kernels_and_torch_otherwise() -> None:

@@ -49,6 +49,15 @@ def test_split_k_matches_one_k_loop(fmt: str, glu: bool, splits: int) -> None:
     _close(split, whole, ref, fmt)
 
 
+@pytest.mark.parametrize("fmt", ["int4-zeros", "mxfp4", "nvfp4"])
+def test_split_k_with_the_swapped_4bit_product(fmt: str) -> None:
+    """``swap=True`` (``W @ rows^T``): the partial sums are stored after the accumulator's transpose."""
+    config = GemmConfig(16, 32, 32, group_m=1, num_warps=4, num_stages=2)
+    whole, split, ref = run_both(fmt, glu=True, tokens=4, experts=3, top_k=2, hidden=128, n_out=40, config=config,
+                                 option="split_k", baseline=1, value=3, swap=True)
+    _close(split, whole, ref, fmt)
+
+
 @pytest.mark.parametrize("fmt", ["float", "int4", "mxfp4"])
 def test_split_k_interleaved_gate_up_and_tma(fmt: str) -> None:
     config = GemmConfig(16, 32, 32, group_m=1, num_warps=4, num_stages=2)
