@@ -17,8 +17,9 @@ The result is merged into ``moeforge/kernels/configs/<device>.json`` under the s
 format's ``QuantMethod.table_key`` appended for a quantized format (``E=8,k=2,H=4096,I=14336,bf16,mxfp4``);
 ``MoELayer`` reads it for that device, shape and format, by the nearest token count: a new table must
 cover every default token count (the script refuses a partial one), after which ``--tokens`` may re-tune
-some entries. To support a new GPU, run this script on it and commit the file. ``--jobs`` compiles the candidates in that many processes first (Triton's cache on
-disk keeps them), so the timing loop does not wait on the compiler.
+some entries. To support a new GPU, run this script on it and commit the file. ``--jobs`` compiles the
+candidates in that many processes first (Triton's cache on disk keeps them), so the timing loop does not wait
+on the compiler.
 """
 
 from __future__ import annotations
@@ -109,6 +110,15 @@ def build_layer(shape: tuple[int, int, int, int], fmt: str) -> mf.MoELayer:
 
 def table_key(layer: mf.MoELayer, shape: tuple[int, int, int, int]) -> str:
     return shape_key(*shape, "bf16", layer.quant.table_key)
+
+
+def partial_new_tables(table: dict[str, Any], shapes: list[str], formats: list[str], tokens: list[int]) -> list[str]:
+    """The keys this run would create (absent from ``table``) without every default token count: a table
+    serves every batch by its nearest entry, so one tuned only for small batches would run large ones on
+    decode tiles."""
+    if all(t in tokens for t in TOKENS):
+        return []
+    return [key for key in (new_table_key(SHAPES[name], fmt) for name in shapes for fmt in formats) if key not in table]
 
 
 def new_table_key(shape: tuple[int, int, int, int], fmt: str) -> str:
@@ -340,15 +350,10 @@ def main() -> None:
     table = json.loads(out.read_text()) if out.exists() else {}
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     tokens_list = [int(t) for t in args.tokens.split(",")]
-    partial = [t for t in TOKENS if t not in tokens_list]
-    for name in args.shapes.split(","):
-        for fmt in formats:
-            key = new_table_key(SHAPES[name], fmt)
-            if partial and key not in table:
-                # a table serves every batch by its nearest entry: one tuned only for small batches would run
-                # large ones on decode tiles
-                sys.exit(f"{key} has no table on {device} yet: a new table needs every token count of the default "
-                         f"--tokens (missing {partial}); tune those first, then refine some with --tokens")
+    refused = partial_new_tables(table, args.shapes.split(","), formats, tokens_list)
+    if refused:
+        sys.exit(f"{', '.join(refused)}: no table on {device} yet, and a new table needs every token count of the "
+                 f"default --tokens ({','.join(map(str, TOKENS))}); tune those first, then refine some with --tokens")
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         for fmt in formats:
