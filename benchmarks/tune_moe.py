@@ -348,12 +348,12 @@ def main() -> None:
     out = Path(args.out) if args.out else (
         Path(__file__).resolve().parents[1] / "moeforge" / "kernels" / "configs" / f"{device_key(device)}.json")
     table = json.loads(out.read_text()) if out.exists() else {}
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     tokens_list = [int(t) for t in args.tokens.split(",")]
     refused = partial_new_tables(table, args.shapes.split(","), formats, tokens_list)
     if refused:
         sys.exit(f"{', '.join(refused)}: no table on {device} yet, and a new table needs every token count of the "
                  f"default --tokens ({','.join(map(str, TOKENS))}); tune those first, then refine some with --tokens")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         for fmt in formats:
