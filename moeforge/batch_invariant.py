@@ -7,8 +7,8 @@ follows the tile shape), a split of K, a library GEMM that picks its algorithm b
 router and the shared experts). In this mode:
 
 * every GEMM reduces each output element in the same order for every token count. The K-loop of
-  :mod:`moeforge.kernels.moe_gemm` is never split here (every entry has ``split_k=1``, which a batch-size
-  rule would otherwise choose for small batches), so the order is fixed by the K-step (``block_k``) and
+  :mod:`moeforge.kernels.moe_gemm` is never split here (every entry has ``split_k=1``; the launcher's rule
+  would otherwise split long K-loops of small batches), so the order is fixed by the K-step (``block_k``) and
   by the tensor-core instruction. The launch table (:func:`invariant_table`) therefore picks tiles by
   token count only within one family: ``block_k = 64`` and at least 64 rows per block (Hopper's
   warpgroup MMA; 16- and 32-row blocks take ``mma.sync``). Within it ``block_m``, ``block_n``, the warps
