@@ -108,21 +108,17 @@ def build_layer(shape: tuple[int, int, int, int], fmt: str) -> mf.MoELayer:
     return layer
 
 
-def table_key(layer: mf.MoELayer, shape: tuple[int, int, int, int]) -> str:
-    return shape_key(*shape, "bf16", layer.quant.table_key)
-
-
 def partial_new_tables(table: dict[str, Any], shapes: list[str], formats: list[str], tokens: list[int]) -> list[str]:
     """The keys this run would create (absent from ``table``) without every default token count: a table
     serves every batch by its nearest entry, so one tuned only for small batches would run large ones on
     decode tiles."""
     if all(t in tokens for t in TOKENS):
         return []
-    return [key for key in (new_table_key(SHAPES[name], fmt) for name in shapes for fmt in formats) if key not in table]
+    return [key for key in (table_key(SHAPES[name], fmt) for name in shapes for fmt in formats) if key not in table]
 
 
-def new_table_key(shape: tuple[int, int, int, int], fmt: str) -> str:
-    """The key :func:`table_key` gives a layer of ``shape`` in ``fmt``, without building it."""
+def table_key(shape: tuple[int, int, int, int], fmt: str) -> str:
+    """The key of the table of ``shape`` in ``fmt`` (the one the layer looks up), without building a layer."""
     _, _, hidden, inter = shape
     return shape_key(*shape, "bf16", QUANT_METHODS[fmt](hidden, inter).table_key if fmt != "bf16" else None)
 
@@ -361,7 +357,7 @@ def main() -> None:
             compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs), args.tma,
                           args.split_k)
             layer = build_layer(shape, fmt)
-            key = table_key(layer, shape)
+            key = table_key(shape, fmt)
             print(f"{name} {key}", flush=True)
             entries = table.setdefault(key, {})
             for tokens in tokens_list:

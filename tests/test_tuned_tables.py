@@ -192,7 +192,7 @@ def test_a_table_entry_may_choose_tma_and_the_choice_survives_the_custom_op(
 
 
 def test_the_tuner_names_a_new_table_as_the_layer_will_look_it_up() -> None:
-    """``tune_moe.new_table_key`` (checked before tuning: a new table must cover every default token count)
+    """``tune_moe.table_key`` (checked before tuning: a new table must cover every default token count)
     is the key the tuner writes and the layer reads."""
     import sys
 
@@ -204,7 +204,7 @@ def test_the_tuner_names_a_new_table_as_the_layer_will_look_it_up() -> None:
         quant = tune_moe.QUANT_METHODS[fmt](128, 256) if fmt != "bf16" else None
         layer = mf.MoELayer(*shape, quant=quant, backend="torch")
         want = shape_key(*shape, "bf16", layer.quant.table_key if quant is not None else None)
-        assert tune_moe.new_table_key(shape, fmt) == want
+        assert tune_moe.table_key(shape, fmt) == want
 
 
 def test_the_tuner_refuses_to_create_a_table_from_a_few_token_counts() -> None:
@@ -213,7 +213,7 @@ def test_the_tuner_refuses_to_create_a_table_from_a_few_token_counts() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import tune_moe
 
-    key = tune_moe.new_table_key(tune_moe.SHAPES["qwen3"], "mxfp4")
+    key = tune_moe.table_key(tune_moe.SHAPES["qwen3"], "mxfp4")
     assert tune_moe.partial_new_tables({}, ["qwen3"], ["mxfp4"], [1, 8]) == [key]
     assert tune_moe.partial_new_tables({key: {}}, ["qwen3"], ["mxfp4"], [1, 8]) == []  # refining a table: fine
     assert tune_moe.partial_new_tables({}, ["qwen3"], ["mxfp4"], list(tune_moe.TOKENS)) == []

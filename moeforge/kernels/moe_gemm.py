@@ -715,6 +715,11 @@ def weight_tma_applies(weight: torch.Tensor, config: GemmConfig, glu: bool, inte
             and experts * n_w < 2 ** 31 and k_elems > 0)
 
 
+def _multiprocessors(device: torch.device) -> int:
+    """The SMs of ``device`` (4 off CUDA: Triton's interpreter runs a persistent grid of 4 programs)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
     """``device``'s compute capability, or None off NVIDIA GPUs: the launcher asks once per launch and hands
     it to the rules below."""
@@ -916,7 +921,6 @@ def moe_gemm(
     fp8_cvt = use_ptx and e4m3_scales and capability is not None and capability >= (8, 9)
     blocks = sorted_ids.numel() // config.block_m
     tiles = blocks * triton.cdiv(n_out, config.block_n)
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.device.type == "cuda" else 4
     k_steps = triton.cdiv(k_dim, config.block_k)
     if split_k is not None and split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
@@ -924,7 +928,8 @@ def moe_gemm(
         splits = split_k if split_k is not None else config.split_k
     elif grid in (None, "tiles"):
         splits = default_split_k(capability, weight_format, config,
-                                 min(blocks, weight.shape[0]) * triton.cdiv(n_out, config.block_n), k_steps, sms)
+                                 min(blocks, weight.shape[0]) * triton.cdiv(n_out, config.block_n), k_steps,
+                                 _multiprocessors(a.device))
     else:
         splits = 1
     steps_per_split = triton.cdiv(k_steps, min(splits, k_steps))
@@ -935,8 +940,8 @@ def moe_gemm(
         capability, weight_format, config, glu, num_copies / weight.shape[0])
     if grid_kind == "tiles":
         launch: tuple[int, ...] = (tiles, splits) if splits > 1 else (tiles,)
-    else:  # one program per SM (4 under the interpreter)
-        launch = (min(tiles, sms),)
+    else:  # one program per SM
+        launch = (min(tiles, _multiprocessors(a.device)),)
     # a split K-loop's partial sums: gate columns, then up columns
     partials = torch.empty((splits, num_copies, n_out * (2 if glu else 1)), dtype=torch.float32, device=a.device) \
         if splits > 1 else None
