@@ -33,7 +33,7 @@ import multiprocessing
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import attrs
 import torch
@@ -106,6 +106,20 @@ def build_layer(shape: tuple[int, int, int, int], fmt: str) -> mf.MoELayer:
     if fmt != "bf16" and layer.quant.table_key is None:
         raise SystemExit(f"{layer.quant.name} has no table_key: its GEMMs cannot take tuned tiles")
     return layer
+
+
+def format_problem(shape: tuple[int, int, int, int], fmt: str) -> Optional[str]:
+    """Why ``fmt`` cannot hold a layer of ``shape`` (e.g. FP8 per-128-group activations need a hidden size that 128
+    divides: not GPT-OSS's 2880), or None: a one-expert layer of the shape's sizes is built on the CPU."""
+    if fmt == "bf16":
+        return None
+    _, _, hidden, inter = shape
+    try:
+        mf.MoELayer(1, 1, hidden, inter, quant=QUANT_METHODS[fmt](hidden, inter), dtype=torch.bfloat16,
+                    device="cpu", backend="torch")
+    except mf.InputError as error:
+        return str(error)
+    return None
 
 
 def partial_new_tables(table: dict[str, Any], shapes: list[str], formats: list[str], tokens: list[int]) -> list[str]:
@@ -353,6 +367,10 @@ def main() -> None:
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         for fmt in formats:
+            problem = format_problem(shape, fmt)
+            if problem is not None:
+                print(f"{name} {fmt}: skipped, {problem}", flush=True)
+                continue
             torch.manual_seed(0)
             compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs), args.tma,
                           args.split_k)

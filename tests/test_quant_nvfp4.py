@@ -23,7 +23,7 @@ import moeforge as mf
 from moeforge.dispatch_dtype import DeviceDispatchSupport
 from moeforge.errors import BackendUnavailableError, CheckpointError, DispatchDtypeError
 from moeforge.payloads import ExpertRows, PaddedRows, SortedRows
-from moeforge.quant.fp4 import dequantize_nvfp4, quantize_nvfp4
+from moeforge.quant.fp4 import dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
 from moeforge.quant.nvfp4 import EmulatedGroupedGemm, Nvfp4Method, Nvfp4Quantizer, Nvfp4WeightRef
 from moeforge.reference import dense_moe
 from moeforge.spec import FLOAT_DTYPES, Layout, PayloadKind, Spec
@@ -165,6 +165,33 @@ def test_quantize_weights_per_expert_global_scale() -> None:
         layer.quant.quantize_weights(layer, w13[:, :-1], w2)  # type: ignore[attr-defined]
     with pytest.raises(mf.InputError, match="w2 must be"):
         layer.quant.quantize_weights(layer, w13, w2.transpose(1, 2))  # type: ignore[attr-defined]
+
+
+def test_quantize_weights_equals_quantizing_the_whole_tensor() -> None:
+    """Expert by expert (small temporaries) gives what one call over ``[E, N, K]`` gives."""
+    layer = _layer()
+    w13, w2 = _fill(layer, seed=2)
+    for prefix, weight in (("w13", w13), ("w2", w2)):
+        whole = quantize_nvfp4(weight, nvfp4_global_scale(weight, leading_dims=1))
+        assert torch.equal(getattr(layer, f"{prefix}_weight"), whole.data)
+        assert torch.equal(getattr(layer, f"{prefix}_weight_scale").view(torch.uint8), whole.scale.view(torch.uint8))
+        assert torch.equal(getattr(layer, f"{prefix}_weight_global_scale"), whole.global_scale)
+
+
+def test_create_weights_quantizes_one_expert_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The random initial weights are drawn and quantized per expert: a DeepSeek-V3-size layer's float weights
+    would take 45 GB at once (an MXFP4 one ran out of memory on an 80 GB H100 that way)."""
+    import moeforge.quant.nvfp4 as nvfp4
+
+    shapes: list[tuple[int, ...]] = []
+
+    def recording(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        shapes.append(tuple(x.shape))
+        return quantize_nvfp4(x, *args, **kwargs)
+
+    monkeypatch.setattr(nvfp4, "quantize_nvfp4", recording)
+    _layer()
+    assert sorted(set(shapes)) == [(H, I), (2 * I, H)] and len(shapes) == 2 * E
 
 
 def test_process_weights_after_loading_checks_the_tensors() -> None:

@@ -217,3 +217,17 @@ def test_the_tuner_refuses_to_create_a_table_from_a_few_token_counts() -> None:
     assert tune_moe.partial_new_tables({}, ["qwen3"], ["mxfp4"], [1, 8]) == [key]
     assert tune_moe.partial_new_tables({key: {}}, ["qwen3"], ["mxfp4"], [1, 8]) == []  # refining a table: fine
     assert tune_moe.partial_new_tables({}, ["qwen3"], ["mxfp4"], list(tune_moe.TOKENS)) == []
+
+
+def test_the_tuner_skips_a_format_the_shape_cannot_take() -> None:
+    """FP8 per-128-group activations need a hidden size that 128 divides: GPT-OSS's 2880 is not (the tuner said
+    so in a traceback from its compiling processes before it checked)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tune_moe
+
+    problem = tune_moe.format_problem(tune_moe.SHAPES["gptoss"], "fp8")
+    assert problem is not None and "divisible by 128" in problem
+    assert tune_moe.format_problem(tune_moe.SHAPES["gptoss"], "fp8-channel") is None
+    assert tune_moe.format_problem(tune_moe.SHAPES["qwen3"], "bf16") is None

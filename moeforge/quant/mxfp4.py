@@ -135,15 +135,17 @@ class Mxfp4Method(QuantMethod):
                 tensor = torch.zeros(shape, dtype=torch.uint8, device=device)
                 layer.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
         register_expert_biases(layer, shapes, bias, dtype, device)
-        # Usable before loading: random N(0, 1/fan_in) weights, quantized.
-        w13 = torch.empty(shapes["w13"], device=device).normal_(std=hidden_size ** -0.5)
-        w2 = torch.empty(shapes["w2"], device=device).normal_(std=intermediate_size ** -0.5)
-        self.quantize_weights(layer, w13, w2)
+        # Usable before loading: random N(0, 1/fan_in) weights, quantized. One expert at a time: the float
+        # weights of a DeepSeek-V3-size layer would take 45 GB in fp32, and the quantizer's temporaries more.
+        for prefix, (experts, rows, width) in shapes.items():
+            for expert in range(experts):
+                weight = torch.empty((rows, width), device=device).normal_(std=width ** -0.5)
+                self._quantize_expert(layer, prefix, expert, weight, MxScaleRounding.FLOOR)
 
     def quantize_weights(self, layer: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, *,
                          rounding: MxScaleRounding = MxScaleRounding.FLOOR) -> None:
         """Fill ``layer``'s MXFP4 weights from float ``w13 [E, N13, H]`` and ``w2 [E, H, I]``
-        (``rounding``: the shared-exponent rule, OCP's ``FLOOR`` by default)."""
+        (``rounding``: the shared-exponent rule, OCP's ``FLOOR`` by default), one expert at a time."""
         for prefix, weight in (("w13", w13), ("w2", w2)):
             target = getattr(layer, f"{prefix}_blocks", None)
             if not isinstance(target, torch.Tensor):
@@ -153,10 +155,18 @@ class Mxfp4Method(QuantMethod):
             if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != want:
                 have = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
                 raise InputError(f"{prefix} must be a float tensor of shape {list(want)}, got {have}")
-            q = quantize_mxfp4(weight, rounding)
-            with torch.no_grad():
-                target.copy_(q.data.reshape(target.shape))
-                getattr(layer, f"{prefix}_scales").copy_(q.scale)
+            for expert in range(experts):
+                self._quantize_expert(layer, prefix, expert, weight[expert], rounding)
+
+    @staticmethod
+    def _quantize_expert(layer: torch.nn.Module, prefix: str, expert: int, weight: torch.Tensor,
+                         rounding: MxScaleRounding) -> None:
+        """Quantize one expert's float ``weight [N, K]`` into ``{prefix}_blocks`` / ``{prefix}_scales``."""
+        q = quantize_mxfp4(weight, rounding)
+        blocks = getattr(layer, f"{prefix}_blocks")
+        with torch.no_grad():
+            blocks[expert].copy_(q.data.reshape(blocks.shape[1:]))
+            getattr(layer, f"{prefix}_scales")[expert].copy_(q.scale)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Check the loaded tensors (the stored layout is the one the emulated GEMMs read)."""

@@ -302,14 +302,16 @@ class Nvfp4Method(QuantMethod):
             ):
                 layer.register_parameter(f"{prefix}_{suffix}", torch.nn.Parameter(tensor, requires_grad=False))
         register_expert_biases(layer, shapes, bias, dtype, device)
-        # Usable before loading: random N(0, 1/fan_in) weights, quantized.
-        w13 = torch.empty(shapes["w13"], device=device).normal_(std=hidden_size ** -0.5)
-        w2 = torch.empty(shapes["w2"], device=device).normal_(std=intermediate_size ** -0.5)
-        self.quantize_weights(layer, w13, w2)
+        # Usable before loading: random N(0, 1/fan_in) weights, quantized. One expert at a time: the float
+        # weights of a DeepSeek-V3-size layer would take 45 GB in fp32, and the quantizer's temporaries more.
+        for prefix, (experts, rows, width) in shapes.items():
+            for expert in range(experts):
+                weight = torch.empty((rows, width), device=device).normal_(std=width ** -0.5)
+                self._quantize_expert(layer, prefix, expert, weight)
 
     def quantize_weights(self, layer: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Fill ``layer``'s NVFP4 weights from float ``w13 [E, N13, H]`` and ``w2 [E, H, I]`` (one
-        global scale per expert and GEMM: its ``amax / (6 * 448)``)."""
+        global scale per expert and GEMM: its ``amax / (6 * 448)``), one expert at a time."""
         for prefix, weight in (("w13", w13), ("w2", w2)):
             target = getattr(layer, f"{prefix}_weight", None)
             if not isinstance(target, torch.Tensor):
@@ -318,11 +320,17 @@ class Nvfp4Method(QuantMethod):
             if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != want:
                 have = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
                 raise InputError(f"{prefix} must be a float tensor of shape {list(want)}, got {have}")
-            q = quantize_nvfp4(weight, nvfp4_global_scale(weight, leading_dims=1))
-            with torch.no_grad():
-                for suffix, value in (("weight", q.data), ("weight_scale", q.scale),
-                                      ("weight_global_scale", q.global_scale)):
-                    getattr(layer, f"{prefix}_{suffix}").copy_(value)
+            for expert in range(int(target.shape[0])):
+                self._quantize_expert(layer, prefix, expert, weight[expert])
+
+    @staticmethod
+    def _quantize_expert(layer: torch.nn.Module, prefix: str, expert: int, weight: torch.Tensor) -> None:
+        """Quantize one expert's float ``weight [N, K]`` (its own global scale) into ``layer``'s tensors."""
+        q = quantize_nvfp4(weight, nvfp4_global_scale(weight))
+        with torch.no_grad():
+            for suffix, value in (("weight", q.data), ("weight_scale", q.scale),
+                                  ("weight_global_scale", q.global_scale)):
+                getattr(layer, f"{prefix}_{suffix}")[expert].copy_(value)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Check the loaded tensors (the stored layout is the one the emulated GEMMs read)."""
