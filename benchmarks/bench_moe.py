@@ -22,7 +22,8 @@ NVFP4 (weights only, bf16 activations) — records ``experts_<quant>`` with the 
 zero points included) and, for FP8, the fp8 matmul peak.
 
 One roofline everywhere, measured in the same run: the bf16 (or fp8) matmul peak (8192^3) and the HBM
-*read* bandwidth (a large reduction; a copy's bandwidth is lower and would put cells above 100 %).
+*read* bandwidth (the fastest of a torch reduction and Triton streaming reads, ``read_bandwidth.py``; a copy's
+bandwidth is lower and would put cells above 100 %).
 roofline time = max(flops / peak, bytes / read bandwidth) with flops = 2 M k (H 2I + I H) and bytes =
 the weights of the experts actually used, in their stored format + input + output. It prints a table
 and writes JSON (device, commit, date, peak_tflops, read_bandwidth_tbps, records).
@@ -49,6 +50,9 @@ from moeforge.kernels.config import device_key  # noqa: E402
 from moeforge.kernels.activations import ACT_SILU  # noqa: E402
 from moeforge.kernels.topk import routing_flags  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from read_bandwidth import measure_read_bandwidth  # noqa: E402
 
 SHAPES = {
     "mixtral": (8, 2, 4096, 14336),
@@ -98,8 +102,8 @@ def time_graph(fn: Callable[[], Any], reps: int, flush: Optional[torch.Tensor]) 
 
 
 def measure_peak() -> tuple[float, float]:
-    """(bf16 matmul TFLOP/s on 8192^3 random data, read-only TB/s of a large reduction). The MoE
-    kernels mostly *read* weights, which runs faster than a copy: the read bandwidth is the roofline's.
+    """(bf16 matmul TFLOP/s on 8192^3 random data, read-only TB/s of 1 GiB, :func:`measure_read_bandwidth`). The
+    MoE kernels mostly *read* weights, which runs faster than a copy: the read bandwidth is the roofline's.
 
     Both operands far exceed the L2, so no flush is needed."""
     n = 8192
@@ -108,11 +112,7 @@ def measure_peak() -> tuple[float, float]:
     out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
     us = time_graph(lambda: torch.mm(a, b, out=out), 20, None)
     tflops = 2 * n**3 / (us * 1e-6) / 1e12
-    src = torch.randn(1024 * 1024 * 1024 // 2, device="cuda", dtype=torch.bfloat16)
-    total = torch.empty((), device="cuda", dtype=torch.float32)
-    us = time_graph(lambda: torch.sum(src, dim=0, dtype=torch.float32, out=total), 20, None)
-    read_tbps = src.numel() * 2 / (us * 1e-6) / 1e12
-    return tflops, read_tbps
+    return tflops, measure_read_bandwidth(lambda fn: time_graph(fn, 20, None))
 
 
 def roofline_us(shape: tuple[int, int, int, int], tokens: int, ids: torch.Tensor, peak: float,
