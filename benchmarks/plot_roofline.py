@@ -41,6 +41,8 @@ DEFAULT_FILES = (
     RESULTS / "bench_moe_split_tables_mixtral-nvidia_h100_80gb_hbm3-2026-11-24-006fcf7.json",  # --split-k tables
     RESULTS / "bench_moe_split_tables_dsv3-nvidia_h100_80gb_hbm3-2026-11-24-006fcf7.json",
     RESULTS / "bench_moe_qwen3_w4a16_table-nvidia_h100_80gb_hbm3-2026-11-24-84f2d60.json",
+    RESULTS / "bench_moe_8bit_channel_tables-nvidia_h100_80gb_hbm3-2026-11-24-811a25a.json",  # per-channel tables
+    RESULTS / "bench_moe-nvidia_h100_80gb_hbm3-2026-11-24-14e1512.json",  # bf16 against the 16 GiB read probe
 )
 FORMATS = {"experts": "bf16", "experts_batch_invariant": "bf16 batch-invariant"}
 
