@@ -48,8 +48,12 @@ class UnquantizedMethod(QuantMethod):
     ) -> None:
         shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
         for name, shape in zip((W13, W2), shapes.values()):  # weights ~ N(0, 1/fan_in): usable before loading
-            weight = torch.empty(shape, dtype=torch.float32, device=device).normal_(std=shape[-1] ** -0.5)
-            layer.register_parameter(name, torch.nn.Parameter(weight.to(dtype)))
+            # drawn in fp32 one expert at a time: a DeepSeek-V3-size layer's fp32 copy would take 45 GB at once
+            weight = torch.empty(shape, dtype=dtype, device=device)
+            for expert in range(shape[0]):
+                weight[expert] = torch.empty(shape[1:], dtype=torch.float32, device=device).normal_(
+                    std=shape[-1] ** -0.5)
+            layer.register_parameter(name, torch.nn.Parameter(weight))
         register_expert_biases(layer, shapes, bias, dtype, device)
 
 # -- its experts -------------------------------------------------------------------------------------
