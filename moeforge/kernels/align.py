@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeforge.kernels import pdl
+
 
 @triton.jit
 def _count_and_plan_kernel(
@@ -31,8 +33,10 @@ def _count_and_plan_kernel(
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
     CHUNK_B: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program: histogram of expert ids, padded offsets, block -> expert table, sentinel fill.
+    pdl.wait_for_the_kernel_before(PDL)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for start in range(0, num_copies, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -63,7 +67,8 @@ def _count_and_plan_kernel(
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_copies, BLOCK: tl.constexpr):
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_copies, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_the_kernel_before(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_copies
     ids = tl.load(ids_ptr + offs, mask=mask, other=0)
@@ -88,11 +93,14 @@ def align_block_size(
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block_e = max(triton.next_power_of_2(num_experts), 2)
+    dependent = pdl.pdl_applies(ids.device)
     _count_and_plan_kernel[(1,)](
         ids, cursor, block_expert, sorted_ids, num_padded, num_copies, num_experts,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=max(16, 4096 // block_e),
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=max(16, 4096 // block_e), PDL=dependent,
+        **pdl.launch_options(dependent),
     )
     if num_copies:
         grid = (triton.cdiv(num_copies, 1024),)
-        _scatter_kernel[grid](ids, cursor, sorted_ids, num_copies, BLOCK=1024)
+        _scatter_kernel[grid](ids, cursor, sorted_ids, num_copies, BLOCK=1024, PDL=dependent,
+                              **pdl.launch_options(dependent))
     return sorted_ids, block_expert, num_padded

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeforge.kernels import pdl
+
 
 @triton.jit
 def _combine_kernel(
@@ -21,7 +23,9 @@ def _combine_kernel(
     H, scale,
     stride_row, stride_out,
     TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait_for_the_kernel_before(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -56,10 +60,11 @@ def combine_copies(
         return out
     block_h = min(triton.next_power_of_2(hidden), 1024)
     grid = (tokens, triton.cdiv(hidden, block_h))
+    dependent = pdl.pdl_applies(out.device)
     _combine_kernel[grid](
         rows, weights if weights is not None else rows, index if index is not None else rows, out,
         hidden, scale, rows.stride(0), out.stride(0),
-        TOP_K=top_k, HAS_WEIGHTS=weights is not None, HAS_INDEX=index is not None, BLOCK_H=block_h,
-        num_warps=4 if block_h >= 512 else 2,
+        TOP_K=top_k, HAS_WEIGHTS=weights is not None, HAS_INDEX=index is not None, BLOCK_H=block_h, PDL=dependent,
+        num_warps=4 if block_h >= 512 else 2, **pdl.launch_options(dependent),
     )
     return out

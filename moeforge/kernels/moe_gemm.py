@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeforge.kernels import pdl
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
 from moeforge.kernels.dequant import (e2m1, e2m1_pairs, e4m3, e4m3_pairs, e8m0, e8m0_pairs, half_pairs, int4_offset,
@@ -544,14 +545,16 @@ def moe_gemm_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile` (a jitted function
     takes no ``*args``: both branches pass the kernel's arguments through by name). ``SPLIT`` (one program
     per tile): the grid's second axis splits the K-loop into ranges of ``k_steps_split`` steps, each writing
     its partial sums to ``p_ptr`` (``[splits, copies, N]``, or ``2 N`` wide with the up columns after the
-    gate ones; :func:`moe_gemm_reduce_kernel` finishes them)."""
+    gate ones; :func:`moe_gemm_reduce_kernel` finishes them). ``PDL``: launched as a programmatic dependent
+    (:mod:`moeforge.kernels.pdl`), it first waits for the kernel before it."""
+    pdl.wait_for_the_kernel_before(PDL)
     num_padded = tl.load(num_padded_ptr)
     k_first = 0
     k_last = 0  # without SPLIT, _gemm_tile runs the whole K-loop
@@ -593,11 +596,12 @@ def moe_gemm_reduce_kernel(
     p_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
     N, num_copies, splits, stride_ps, stride_pm, stride_cm, stride_cn, stride_csm, stride_csg, alpha, limit,
     ACT: tl.constexpr, GLU: tl.constexpr, MUL_WEIGHTS: tl.constexpr, QUANT_OUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """The end of a split K-loop: over the same aligned blocks as the GEMM, each row's ``splits`` partial
     sums (``p_ptr [splits, copies, N | 2 N]``, scaled and with the bias) added in order, then the activation,
     the routing weight and the store of :func:`_gemm_tile`'s epilogue (a fixed order: deterministic)."""
+    pdl.wait_for_the_kernel_before(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M < tl.load(num_padded_ptr):
@@ -946,6 +950,7 @@ def moe_gemm(
     partials = torch.empty((splits, num_copies, n_out * (2 if glu else 1)), dtype=torch.float32, device=a.device) \
         if splits > 1 else None
     dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
+    dependent = pdl.pdl_applies(a.device)
     # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
     if a_scale is not None and a_scale.dtype == torch.float8_e4m3fn:
         a_scale = a_scale.view(torch.uint8)
@@ -985,8 +990,8 @@ def moe_gemm(
         SPLIT=splits > 1,
         PERSISTENT=GRIDS.index(grid_kind),
         PREFETCH=weight_format.packed and config.block_m >= 64,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, PDL=dependent,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent),
     )
     if partials is not None:
         block_n = 128 if quant_out else max(16, min(128, 4096 // config.block_m, triton.next_power_of_2(n_out)))
@@ -997,6 +1002,6 @@ def moe_gemm(
             out_scale.stride(0) if out_scale is not None else 0, out_scale.stride(1) if out_scale is not None else 0,
             alpha, limit,
             ACT=act, GLU=glu, MUL_WEIGHTS=topk_weights is not None, QUANT_OUT=quant_out,
-            BLOCK_M=config.block_m, BLOCK_N=block_n, num_warps=4,
+            BLOCK_M=config.block_m, BLOCK_N=block_n, PDL=dependent, num_warps=4, **pdl.launch_options(dependent),
         )
     return out

@@ -1,0 +1,36 @@
+# Triton kernels (@triton.jit bodies) are not annotatable.
+# mypy: disallow-untyped-defs=False, disallow-untyped-decorators=False, disallow-untyped-calls=False
+"""Programmatic dependent launch (Hopper and later): a kernel of the triton path is launched while the kernel before
+it in the stream is still finishing, and waits (``griddepcontrol.wait``) before it touches memory, so the launch
+latency of each step overlaps the tail of the one before. Every kernel that opts in waits first thing, so nothing it
+reads or writes can race the kernel before it, whatever that kernel is; none signals its dependents early (they
+start when it has exited). CUDA graphs keep the dependency as a programmatic edge."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+
+def pdl_applies(device: torch.device) -> bool:
+    """Whether launches on ``device`` use programmatic dependent launch: NVIDIA GPUs of compute capability 9.0 or
+    more (not ROCm, not Triton's interpreter on the CPU)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict[str, Any]:
+    """The launch keyword of a kernel launched with (``pdl``) or without programmatic dependent launch."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def wait_for_the_kernel_before(PDL: tl.constexpr):
+    """With ``PDL``: block until the kernel before this one in the stream has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
