@@ -1,5 +1,6 @@
 # Triton kernels (@triton.jit bodies) are not annotatable.
-# mypy: disallow-untyped-defs=False, disallow-untyped-decorators=False, disallow-untyped-calls=False
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False
+# mypy: disallow-untyped-decorators=False, disallow-untyped-calls=False
 """Programmatic dependent launch (Hopper and later): a kernel of the triton path is launched while the kernel before
 it in the stream is still finishing, and waits (``griddepcontrol.wait``) before it touches memory, so the launch
 latency of each step overlaps the tail of the one before. Every kernel that opts in waits first thing, so nothing it
@@ -13,13 +14,22 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+try:  # Triton >= 3.3 on NVIDIA
+    from triton.language.extra.cuda import gdc_wait
+
+    GDC = True
+except ImportError:  # pragma: no cover - a Triton without it: never launched as a dependent
+    GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
 
 
 def pdl_applies(device: torch.device) -> bool:
     """Whether launches on ``device`` use programmatic dependent launch: NVIDIA GPUs of compute capability 9.0 or
-    more (not ROCm, not Triton's interpreter on the CPU)."""
-    if device.type != "cuda" or torch.version.hip is not None:
+    more (not ROCm, not Triton's interpreter on the CPU), with a Triton that has it."""
+    if not GDC or device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
