@@ -13,6 +13,8 @@ from moeforge.kernels import pdl
 
 def test_not_on_the_cpu_and_no_launch_keyword_without_it() -> None:
     assert not pdl.pdl_applies(torch.device("cpu"))
+    assert not pdl.applies(None) and not pdl.applies((8, 9))
+    assert pdl.applies((9, 0)) == pdl.applies((10, 0)) == pdl.GDC
     assert pdl.launch_options(False) == {}
     assert pdl.launch_options(True) == {"launch_pdl": True}
 
@@ -27,6 +29,6 @@ def test_a_layer_gives_the_same_bits_with_and_without_it(monkeypatch: pytest.Mon
     assert pdl.pdl_applies(x.device)
     with torch.no_grad():
         with_pdl = layer(x, logits)
-        monkeypatch.setattr(pdl, "pdl_applies", lambda device: False)
+        monkeypatch.setattr(pdl, "applies", lambda capability: False)  # every launcher's rule
         without = layer(x, logits)
     assert torch.equal(with_pdl, without)

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from moeforge.kernels import pdl
+from moeforge.kernels.pdl import device_capability
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
 from moeforge.kernels.dequant import (e2m1, e2m1_pairs, e4m3, e4m3_pairs, e8m0, e8m0_pairs, half_pairs, int4_offset,
@@ -724,14 +725,6 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
-    """``device``'s compute capability, or None off NVIDIA GPUs: the launcher asks once per launch and hands
-    it to the rules below."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return None
-    return torch.cuda.get_device_capability(device)
-
-
 def weight_tma_pays(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig,
                     interleaved: bool = False) -> bool:
     """Whether :func:`moe_gemm` copies the weight tiles by TMA by default (where it applies): on Hopper
@@ -950,7 +943,7 @@ def moe_gemm(
     partials = torch.empty((splits, num_copies, n_out * (2 if glu else 1)), dtype=torch.float32, device=a.device) \
         if splits > 1 else None
     dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
-    dependent = pdl.pdl_applies(a.device)
+    dependent = pdl.applies(capability)
     # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
     if a_scale is not None and a_scale.dtype == torch.float8_e4m3fn:
         a_scale = a_scale.view(torch.uint8)

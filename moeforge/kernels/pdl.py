@@ -9,7 +9,7 @@ start when it has exited). CUDA graphs keep the dependency as a programmatic edg
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import triton
@@ -26,12 +26,23 @@ except ImportError:  # pragma: no cover - a Triton without it: never launched as
         pass
 
 
+def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    """``device``'s compute capability, or None off NVIDIA GPUs (ROCm, Triton's interpreter on the CPU): a launcher
+    asks once per launch and hands it to its rules (:func:`applies`, and the GEMM's TMA, grid and split rules)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def applies(capability: Optional[tuple[int, int]]) -> bool:
+    """Whether launches on a device of ``capability`` (:func:`device_capability`) use programmatic dependent launch:
+    NVIDIA GPUs of compute capability 9.0 or more, with a Triton that has it."""
+    return GDC and capability is not None and capability[0] >= 9
+
+
 def pdl_applies(device: torch.device) -> bool:
-    """Whether launches on ``device`` use programmatic dependent launch: NVIDIA GPUs of compute capability 9.0 or
-    more (not ROCm, not Triton's interpreter on the CPU), with a Triton that has it."""
-    if not GDC or device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """:func:`applies` to ``device``."""
+    return applies(device_capability(device))
 
 
 def launch_options(pdl: bool) -> dict[str, Any]:
