@@ -105,6 +105,39 @@ def test_routing_kernel_breaks_ties_toward_the_lower_expert() -> None:
     logits = torch.zeros(3, 8, device=DEVICE)
     _, ids = topk.route(logits, None, 3, **topk.routing_flags(mf.RoutingConfig()))
     assert ids.tolist() == [[0, 1, 2]] * 3
+    # -0.0 and +0.0 are equal: still the lower expert first (the kernel ranks by integer keys)
+    logits = torch.tensor([[-0.0, 0.0, -0.0, 0.0, -1.0, -2.0]], device=DEVICE)
+    for config in (mf.RoutingConfig(), mf.RoutingConfig(order=mf.ScoreOrder.SELECT_THEN_SCORE)):
+        _, ids = topk.route(logits, None, 4, **topk.routing_flags(config))
+        assert ids.tolist() == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+def test_routing_kernel_gives_a_token_the_same_bits_in_any_batch(name: str) -> None:
+    """The kernel's tile follows the token count (1 token: one row per program, more: up to 16), and its
+    sums do not depend on the tile: a token's weights and ids are bitwise the same in every batch."""
+    config, experts, k, has_bias = ROUTINGS[name]
+    gen = torch.Generator().manual_seed(11)
+    pool = torch.randn(300, experts, generator=gen).to(DEVICE)
+    bias = (torch.randn(experts, generator=gen) * 0.1).to(DEVICE) if has_bias else None
+    flags = topk.routing_flags(config)
+    alone_w, alone_ids = topk.route(pool[:1], bias, k, **flags)
+    for tokens, at in ((3, 2), (40, 17), (300, 299)):
+        batch = pool[:tokens].clone()
+        batch[at] = pool[0]
+        weights, ids = topk.route(batch, bias, k, **flags)
+        assert torch.equal(ids[at], alone_ids[0]) and torch.equal(weights[at], alone_w[0]), (tokens, at)
+
+
+@pytest.mark.parametrize("experts,k,renormalize", [(512, 8, False), (1000, 6, True), (160, 160, False)])
+def test_routing_kernel_with_many_experts(experts: int, k: int, renormalize: bool) -> None:
+    """The softmax's fixed-point denominator over many experts (and every expert chosen)."""
+    config = mf.RoutingConfig(renormalize=renormalize)
+    logits = (torch.randn(5, experts, generator=torch.Generator().manual_seed(3)) * 4).to(DEVICE)
+    weights, ids = topk.route(logits, None, k, **topk.routing_flags(config))
+    ref = mf.stages.select_experts(logits, k, config)
+    assert torch.equal(ids, ref.ids)
+    torch.testing.assert_close(weights, ref.weights, atol=1e-6, rtol=1e-5)
 
 
 # -- grouped GEMM ------------------------------------------------------------------------------------

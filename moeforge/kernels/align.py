@@ -96,11 +96,11 @@ def align_block_size(
     dependent = pdl.pdl_applies(ids.device)
     _count_and_plan_kernel[(1,)](
         ids, cursor, block_expert, sorted_ids, num_padded, num_copies, num_experts,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=max(16, 4096 // block_e), PDL=dependent,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=max(16, 4096 // block_e), PDL=pdl.flag(dependent),
         **pdl.launch_options(dependent),
     )
     if num_copies:
         grid = (triton.cdiv(num_copies, 1024),)
-        _scatter_kernel[grid](ids, cursor, sorted_ids, num_copies, BLOCK=1024, PDL=dependent,
+        _scatter_kernel[grid](ids, cursor, sorted_ids, num_copies, BLOCK=1024, PDL=pdl.flag(dependent),
                               **pdl.launch_options(dependent))
     return sorted_ids, block_expert, num_padded

@@ -64,7 +64,8 @@ def combine_copies(
     _combine_kernel[grid](
         rows, weights if weights is not None else rows, index if index is not None else rows, out,
         hidden, scale, rows.stride(0), out.stride(0),
-        TOP_K=top_k, HAS_WEIGHTS=weights is not None, HAS_INDEX=index is not None, BLOCK_H=block_h, PDL=dependent,
+        TOP_K=top_k, HAS_WEIGHTS=weights is not None, HAS_INDEX=index is not None, BLOCK_H=block_h,
+        PDL=pdl.flag(dependent),
         num_warps=4 if block_h >= 512 else 2, **pdl.launch_options(dependent),
     )
     return out

@@ -983,7 +983,8 @@ def moe_gemm(
         SPLIT=splits > 1,
         PERSISTENT=GRIDS.index(grid_kind),
         PREFETCH=weight_format.packed and config.block_m >= 64,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, PDL=dependent,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        PDL=pdl.flag(dependent, release=False),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent),
     )
     if partials is not None:
@@ -995,6 +996,7 @@ def moe_gemm(
             out_scale.stride(0) if out_scale is not None else 0, out_scale.stride(1) if out_scale is not None else 0,
             alpha, limit,
             ACT=act, GLU=glu, MUL_WEIGHTS=topk_weights is not None, QUANT_OUT=quant_out,
-            BLOCK_M=config.block_m, BLOCK_N=block_n, PDL=dependent, num_warps=4, **pdl.launch_options(dependent),
+            BLOCK_M=config.block_m, BLOCK_N=block_n, PDL=pdl.flag(dependent), num_warps=4,
+            **pdl.launch_options(dependent),
         )
     return out

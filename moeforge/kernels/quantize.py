@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeforge.kernels import pdl
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -96,9 +97,11 @@ def _quantize_per_token_kernel(
     W, stride_xm, stride_qm, stride_sm,
     gate_stride, up_offset, alpha, limit,
     QMAX: tl.constexpr, INT8: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr, BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per row: a first pass finds the row's amax, the second quantizes (its reads hit
     # the cache; a row is at most a few tens of KiB).
+    pdl.wait_for_the_kernel_before(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     amax = tl.zeros((BLOCK_W,), dtype=tl.float32)
@@ -120,9 +123,10 @@ def _quantize_per_group_kernel(
     x_ptr, q_ptr, s_ptr,
     W, stride_xm, stride_qm, stride_sm, stride_sg,
     gate_stride, up_offset, alpha, limit,
-    QMAX: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr, GROUPS: tl.constexpr,
+    QMAX: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per (row, GROUPS consecutive 128-groups): a single pass, the groups side by side.
+    pdl.wait_for_the_kernel_before(PDL)
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * GROUPS
     cols = first * 128 + tl.arange(0, GROUPS * 128)
@@ -167,21 +171,23 @@ def quantize_rows(
         gate_stride, up_offset = (2, 1) if interleaved else (1, width)
     else:
         gate_stride, up_offset = 1, 0
+    dependent = pdl.pdl_applies(x.device)
     if per_group:
         groups = min(triton.next_power_of_2(width // GROUP), 8)
         grid = (rows, triton.cdiv(width // GROUP, groups))
         _quantize_per_group_kernel[grid](
             x, q, scale, width, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
             gate_stride, up_offset, alpha, limit,
-            QMAX=FP8_MAX, ACT=act, GLU=glu, GROUPS=groups, num_warps=4 if groups >= 4 else 2,
+            QMAX=FP8_MAX, ACT=act, GLU=glu, GROUPS=groups, PDL=pdl.flag(dependent),
+            num_warps=4 if groups >= 4 else 2, **pdl.launch_options(dependent),
         )
         return
     block_w = min(triton.next_power_of_2(width), 4096)
     _quantize_per_token_kernel[(rows,)](
         x, q, scale, width, x.stride(0), q.stride(0), scale.stride(0),
         gate_stride, up_offset, alpha, limit,
-        QMAX=INT8_MAX if int8 else FP8_MAX, INT8=int8, ACT=act, GLU=glu, BLOCK_W=block_w,
-        num_warps=8 if block_w >= 4096 else 4,
+        QMAX=INT8_MAX if int8 else FP8_MAX, INT8=int8, ACT=act, GLU=glu, BLOCK_W=block_w, PDL=pdl.flag(dependent),
+        num_warps=8 if block_w >= 4096 else 4, **pdl.launch_options(dependent),
     )
 
 
