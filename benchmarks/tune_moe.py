@@ -83,14 +83,14 @@ def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
     elif rows_per_expert <= 4:  # bf16, weight-streaming: many narrow tiles, deep pipelines
         space = dict(block_m=[16], block_n=[32, 64], block_k=[128, 256], group_m=[1], num_warps=[4],
                      num_stages=[4, 5])
-    elif rows_per_expert <= 48:
-        space = dict(block_m=[16, 32], block_n=[64, 128], block_k=[128], group_m=[8], num_warps=[4],
+    elif rows_per_expert <= 48:  # 64-row (wgmma) tiles too, as for the 8-bit formats
+        space = dict(block_m=[16, 32, 64], block_n=[64, 128], block_k=[128], group_m=[8], num_warps=[4],
                      num_stages=[3, 4])
-    elif rows_per_expert <= 256:
-        space = dict(block_m=[64, 128], block_n=[128], block_k=[64], group_m=[8], num_warps=[4, 8],
+    elif rows_per_expert <= 256:  # 64 x 256 tiles too: the padding of an expert's last block is at most 63 rows
+        space = dict(block_m=[64, 128], block_n=[128, 256], block_k=[64], group_m=[8], num_warps=[4, 8],
                      num_stages=[3, 4])
     else:  # arithmetic-bound: big tiles
-        space = dict(block_m=[128], block_n=[128, 256], block_k=[64], group_m=[8], num_warps=[8],
+        space = dict(block_m=[64, 128], block_n=[128, 256], block_k=[64], group_m=[8], num_warps=[8],
                      num_stages=[3, 4])
     for values in itertools.product(*space.values()):
         yield GemmConfig(**dict(zip(space.keys(), values)))
