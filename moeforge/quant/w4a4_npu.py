@@ -292,14 +292,16 @@ class W4A4NpuMethod(QuantMethod):
             ):
                 layer.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
         register_expert_biases(layer, shapes, bias, dtype, device)
-        # Usable before loading: random N(0, 1/fan_in) weights, quantized.
-        w13 = torch.empty(shapes["w13"], device=device).normal_(std=hidden_size ** -0.5)
-        w2 = torch.empty(shapes["w2"], device=device).normal_(std=intermediate_size ** -0.5)
-        self.quantize_weights(layer, w13, w2)
+        # Usable before loading: random N(0, 1/fan_in) weights, quantized. One expert at a time: the float
+        # weights of a DeepSeek-V3-size layer would take 45 GB in fp32.
+        for prefix, (experts, rows, width) in shapes.items():
+            for expert in range(experts):
+                weight = torch.empty((rows, width), device=device).normal_(std=width ** -0.5)
+                self._quantize_expert(layer, prefix, expert, weight)
 
     def quantize_weights(self, layer: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Fill ``layer``'s int4 weights from float ``w13 [E, N13, H]`` and ``w2 [E, H, I]`` (one
-        symmetric scale per output channel)."""
+        symmetric scale per output channel), one expert at a time."""
         for prefix, weight in (("w13", w13), ("w2", w2)):
             target = getattr(layer, f"{prefix}_weight", None)
             if not isinstance(target, torch.Tensor):
@@ -309,10 +311,16 @@ class W4A4NpuMethod(QuantMethod):
                     or tuple(weight.shape) != want):
                 have = (tuple(weight.shape), weight.dtype) if isinstance(weight, torch.Tensor) else weight
                 raise InputError(f"{prefix} must be a float tensor of shape {list(want)}, got {have}")
-            codes, scale = quantize_int4(weight)
-            with torch.no_grad():
-                target.copy_(pack_int4(codes))
-                getattr(layer, f"{prefix}_weight_scale").copy_(scale.squeeze(-1))
+            for expert in range(target.shape[0]):
+                self._quantize_expert(layer, prefix, expert, weight[expert])
+
+    @staticmethod
+    def _quantize_expert(layer: torch.nn.Module, prefix: str, expert: int, weight: torch.Tensor) -> None:
+        """Quantize one expert's float ``weight [N, K]`` into ``{prefix}_weight`` / ``{prefix}_weight_scale``."""
+        codes, scale = quantize_int4(weight)
+        with torch.no_grad():
+            getattr(layer, f"{prefix}_weight")[expert].copy_(pack_int4(codes))
+            getattr(layer, f"{prefix}_weight_scale")[expert].copy_(scale.squeeze(-1))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Check the loaded tensors; the layout is already the one the emulation reads."""
