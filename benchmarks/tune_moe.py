@@ -86,7 +86,7 @@ def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
     elif rows_per_expert <= 48:  # 64-row (wgmma) tiles too, as for the 8-bit formats
         space = dict(block_m=[16, 32, 64], block_n=[64, 128], block_k=[128], group_m=[8], num_warps=[4],
                      num_stages=[3, 4])
-    elif rows_per_expert <= 256:  # 64 x 256 tiles too: the padding of an expert's last block is at most 63 rows
+    elif rows_per_expert <= 256:  # 256-wide tiles too: on an H200 a 128 x 256 down GEMM won at 128-256 rows per expert
         space = dict(block_m=[64, 128], block_n=[128, 256], block_k=[64], group_m=[8], num_warps=[4, 8],
                      num_stages=[3, 4])
     else:  # arithmetic-bound: big tiles
