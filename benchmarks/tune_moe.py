@@ -57,15 +57,18 @@ def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
         if rows_per_expert <= 4:
             space = dict(block_m=[16], block_n=[32, 64, 128], block_k=[64, 128], group_m=[1], num_warps=[4],
                          num_stages=[3, 4])
+        # From 64-row blocks both orientations (swap: W @ rows^T, the decoded tile as the wgmma's register
+        # operand): on an H200 swapping made some tiles 0.67-0.89x faster and others up to 5x slower
+        # (results/swap_sweep-...log); 16- and 32-row tiles are not swapped (slower on an H100).
         elif rows_per_expert <= 48:
             space = dict(block_m=[16, 32, 64], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4],
-                         num_stages=[3])
+                         num_stages=[3], swap=[None, True])
         elif rows_per_expert <= 256:
             space = dict(block_m=[64, 128], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4, 8],
-                         num_stages=[3])
+                         num_stages=[3], swap=[None, True])
         else:  # one decoded tile for as many rows as the registers allow
-            space = dict(block_m=[128, 256], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[8],
-                         num_stages=[3])
+            space = dict(block_m=[128, 256], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4, 8],
+                         num_stages=[3], swap=[None, True])
     elif fmt in EIGHT_BIT:  # 128-deep K-steps (one scale group each for fp8 blocks)
         if rows_per_expert <= 4:
             space = dict(block_m=[16], block_n=[32, 64, 128], block_k=[128], group_m=[1], num_warps=[4],
@@ -93,7 +96,9 @@ def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
         space = dict(block_m=[64, 128], block_n=[128, 256], block_k=[64], group_m=[8], num_warps=[8],
                      num_stages=[3, 4])
     for values in itertools.product(*space.values()):
-        yield GemmConfig(**dict(zip(space.keys(), values)))
+        config = GemmConfig(**dict(zip(space.keys(), values)))
+        if not (config.swap and config.block_m < 64):
+            yield config
 
 
 # -- the layer's own stages, re-tiled ----------------------------------------------------------------
@@ -328,7 +333,8 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
     as_dict = lambda c: dict(block_m=c.block_m, block_n=c.block_n, block_k=c.block_k, group_m=c.group_m,  # noqa: E731
                              num_warps=c.num_warps, num_stages=c.num_stages,
                              **({} if c.tma is None else dict(tma=c.tma)),
-                             **({} if c.split_k is None else dict(split_k=c.split_k)))
+                             **({} if c.split_k is None else dict(split_k=c.split_k)),
+                             **({} if not c.swap else dict(swap=True)))
     return dict(gate_up=as_dict(chosen["gate_up"][1]), down=as_dict(chosen["down"][1]), us=round(total, 2))
 
 

@@ -36,7 +36,7 @@ def test_the_invariant_table_keeps_the_tuned_tiles_inside_the_family() -> None:
     tuned = ConfigTable(8, 2, tokens=(1, 64, 4096), configs=(
         MoEConfig(GemmConfig(16, 32, 256, 1, 4, 5), GemmConfig(16, 64, 128, 1, 4, 4)),
         MoEConfig(GemmConfig(32, 128, 128, 8, 4, 4), GemmConfig(32, 64, 128, 8, 4, 4)),
-        MoEConfig(GemmConfig(128, 128, 64, 8, 8, 4), GemmConfig(128, 256, 64, 8, 8, 3))))
+        MoEConfig(GemmConfig(128, 128, 64, 8, 8, 4, swap=True), GemmConfig(128, 256, 64, 8, 8, 3))))
     table = invariant_table(8, 2, tuned=tuned)
     entries = [table.lookup(m) for m in (1, 7, 64, 513, 4096, 10 ** 6)]
     for entry in entries:
@@ -45,11 +45,12 @@ def test_the_invariant_table_keeps_the_tuned_tiles_inside_the_family() -> None:
             # the launcher never halves the K-step to fit shared memory (the fused gate/up GEMM: two B tiles)
             assert fit_config(config, 2, packed=False, per_k_scales=False, glu=True).block_k == INVARIANT_BLOCK_K
     # columns, warps and group order follow the tuned table; rows and K-step are the family's
-    assert entries[0].gate_up == GemmConfig(64, 32, 64, 1, 4, 5, split_k=1)
-    assert entries[0].down == GemmConfig(64, 64, 64, 1, 4, 4, split_k=1)
-    # already in the family: the tuned tiles as they are, the K-loop never split
-    assert entries[-1] == MoEConfig(*(attrs.evolve(c, split_k=1) for c in (tuned.lookup(4096).gate_up,
-                                                                           tuned.lookup(4096).down)))
+    assert entries[0].gate_up == GemmConfig(64, 32, 64, 1, 4, 5, split_k=1, swap=False)
+    assert entries[0].down == GemmConfig(64, 64, 64, 1, 4, 4, split_k=1, swap=False)
+    # already in the family: the tuned tiles as they are, the K-loop never split, never swapped (a 4-bit
+    # table's choice: one orientation for every token count)
+    assert entries[-1] == MoEConfig(*(attrs.evolve(c, split_k=1, swap=False) for c in (
+        tuned.lookup(4096).gate_up, tuned.lookup(4096).down)))
     assert table.batch_invariant and table.alignment() != invariant_table(8, 2).alignment()
     # no device table: the fallback rules' tiles, moved into the family, for every bucket
     fallback = invariant_table(8, 2, tuned=ConfigTable(8, 2))

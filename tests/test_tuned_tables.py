@@ -172,6 +172,10 @@ def test_the_tuners_search_space_fits_each_format() -> None:
                 if fmt in ("w4a16", "mxfp4", "nvfp4"):
                     assert config.block_k >= 64
                 assert config.block_m <= 32 or rows_per_expert > 4  # decode: no padding-only blocks
+                # both orientations of the 4-bit product from 64-row blocks, none below or for other formats
+                assert not config.swap or (fmt in ("w4a16", "mxfp4", "nvfp4") and config.block_m >= 64)
+            if fmt in ("w4a16", "mxfp4", "nvfp4") and rows_per_expert > 48:
+                assert {c.swap for c in found} == {None, True}
 
 
 def test_a_table_entry_may_choose_tma_and_the_choice_survives_the_custom_op(
@@ -187,8 +191,62 @@ def test_a_table_entry_may_choose_tma_and_the_choice_survives_the_custom_op(
     for config in (tuned.gate_up, tuned.down, GemmConfig(16, 32, 128)):
         assert GemmConfig.from_list(config.as_list()) == config
     assert GemmConfig.from_list([16, 32, 128, 1, 4, 4]) == GemmConfig(16, 32, 128, 1, 4, 4)  # six integers: None
-    with pytest.raises(ValueError, match="6, 7 or 8"):
+    with pytest.raises(ValueError, match="6 to 9"):
         GemmConfig.from_list([16, 32])
+
+
+class _LaunchSpy:
+    """Stands for ``moe_gemm_kernel``: records the ``SWAP`` flag of each launch instead of running it."""
+
+    def __init__(self) -> None:
+        self.swaps: list[bool] = []
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **flags: Any) -> None:
+            self.swaps.append(flags["SWAP"])
+        return launch
+
+
+def test_a_table_entry_may_choose_swap_and_the_launch_follows_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"swap": true`` in a 4-bit entry (``tune_moe.py`` times both orientations from 64-row blocks) reaches
+    the kernel through the table, the custom op's integers and the launcher; None and False launch
+    ``rows @ W^T``; the ``swap`` argument overrides the entry; non-4-bit weights are never swapped; the
+    batch-invariant family never swaps (one orientation for every token count)."""
+    from moeforge.batch_invariant import family_member, in_family
+    from moeforge.kernels import moe_gemm as kernels
+    from moeforge.kernels.formats import WeightFormat
+
+    chosen = {"gate_up": dict(ENTRY["gate_up"], swap=True), "down": ENTRY["down"], "us": 1.0}
+    _device_file(tmp_path, monkeypatch, "Test GPU", {shape_key(8, 2, 256, 128, "bf16", "mxfp4"): {"4096": chosen}})
+    tuned = ConfigTable.load("Test GPU", 8, 2, 256, 128, "bf16", weight_format="mxfp4").lookup(4096)
+    assert tuned.gate_up.swap is True and tuned.down.swap is None
+    for config in (tuned.gate_up, tuned.down, attrs.evolve(tuned.down, swap=False)):
+        assert GemmConfig.from_list(config.as_list()) == config
+    assert GemmConfig.from_list([16, 32, 128, 1, 4, 4, -1, 0]).swap is None  # eight integers: before swap
+
+    spy = _LaunchSpy()
+    monkeypatch.setattr(kernels, "moe_gemm_kernel", spy)
+    # two rows, one per expert, in 16-row blocks (padding slots hold the copy count, 2): no Triton launch
+    # but the spied one, so the test runs on the CPU of a machine with a GPU as well
+    plan = (torch.tensor([0] + [2] * 15 + [1] + [2] * 15, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([32], dtype=torch.int32))
+    rows = torch.randn(2, 64, dtype=torch.float16)
+    packed = dict(weight=torch.zeros(2, 32, 32, dtype=torch.uint8), weight_format=WeightFormat.MXFP4,
+                  weight_scale=torch.full((2, 32, 2), 127, dtype=torch.uint8))
+    plain = dict(weight=torch.zeros(2, 32, 64, dtype=torch.float16))
+    for weights, config_swap, argument, want in [
+            (packed, True, None, True), (packed, None, None, False), (packed, False, None, False),
+            (packed, True, False, False), (packed, None, True, True), (plain, True, None, False)]:
+        config = GemmConfig(16, 32, 64, group_m=1, swap=config_swap)
+        kernels.moe_gemm(rows, out=torch.empty(2, 32, dtype=torch.float16), sorted_ids=plan[0],
+                         block_expert=plan[1], num_padded=plan[2], rows_per_a=1, config=config, swap=argument,
+                         **weights)
+        assert spy.swaps.pop() is want, (config_swap, argument)
+
+    member = family_member(attrs.evolve(tuned.gate_up, block_m=128), 2, 2)
+    assert member.swap is False and in_family(member)
+    assert not in_family(attrs.evolve(member, swap=True))
 
 
 def test_the_tuner_names_a_new_table_as_the_layer_will_look_it_up() -> None:
