@@ -332,3 +332,21 @@ def test_dispatch_and_gemms_from_tables_that_align_differently_are_rejected_at_b
     x = torch.randn(5, 16, device=DEVICE)
     assert pipeline(mf.MoEInput(x, torch.randn(5, 4, device=DEVICE))).hidden_states.shape == (5, 16)
     assert table16.alignment() != ConfigTable(4, 2).alignment() != ConfigTable(8, 2).alignment()
+
+
+@pytest.mark.parametrize("plan_block_m,config_block_m", [(32, 16), (16, 32)])
+def test_a_plan_aligned_by_another_block_m_is_an_error(plan_block_m: int, config_block_m: int) -> None:
+    """The kernel takes each tile's expert from ``block_expert[tile row block]``: a configuration whose
+    ``block_m`` differs from the plan's would read the wrong expert for most tiles (a silent wrong answer), so
+    the launcher refuses it; the matching configuration runs."""
+    gen = torch.Generator().manual_seed(70)
+    ids = _ids(40, 4, 2, gen)
+    x = torch.randn(40, 32, generator=gen).to(DEVICE)
+    weight = torch.randn(4, 16, 32, generator=gen).to(DEVICE)
+    out = torch.empty(80, 16, device=DEVICE)
+    plan = align.align_block_size(ids, 4, plan_block_m)
+    with pytest.raises(ValueError, match="align the rows with the configuration's block_m"):
+        moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=2, config=GemmConfig(config_block_m, 16, 32))
+    moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=2, config=GemmConfig(plan_block_m, 16, 32))
+    want = torch.einsum("ck,cnk->cn", x.repeat_interleave(2, 0), weight[ids.reshape(-1).long()])
+    assert _rel(out, want) < 1e-5

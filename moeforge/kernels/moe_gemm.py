@@ -869,6 +869,11 @@ def moe_gemm(
     says, else :func:`default_split_k`. A split runs one program per tile (``grid="tiles"``).
     """
     weight_format = WeightFormat(weight_format)
+    if block_expert.numel() != triton.cdiv(sorted_ids.numel(), config.block_m):
+        # a plan aligned by another block_m: the kernel would read the wrong expert for most tiles
+        raise ValueError(f"block_expert has {block_expert.numel()} entries, but {sorted_ids.numel()} sorted_ids in "
+                         f"blocks of config.block_m={config.block_m} need {triton.cdiv(sorted_ids.numel(), config.block_m)}"
+                         ": align the rows with the configuration's block_m")
     if grid is not None and grid not in GRIDS:
         raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
     row_format = RowFormat.of(a.dtype)
