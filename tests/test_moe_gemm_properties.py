@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import attrs
 import pytest
 import torch
 
@@ -112,6 +113,10 @@ def test_every_format_against_the_dequantized_product(data: Any) -> None:
     a = moved.pop("a")
     weight = moved.pop("weight")
     swap: Optional[bool] = draw(st.sampled_from([None, False, True]), label="swap")
+    if draw(st.booleans(), label="swap in the configuration"):  # as a tuned table entry gives it
+        config, swap = attrs.evolve(config, swap=swap), None
+    # every grid (a persistent or flattened one runs unsplit K-loops)
+    grid: Optional[str] = draw(st.sampled_from([None, "tiles", "persistent", "flattened"]), label="grid")
     glu = act is not None and act.gated
     interleaved = act is not None and act.gate_up is mf.GateUpLayout.INTERLEAVED
     # the weight tiles by TMA descriptor where they can be (a request that cannot be met is refused)
@@ -119,7 +124,8 @@ def test_every_format_against_the_dequantized_product(data: Any) -> None:
     moe_gemm.moe_gemm(a, weight, out, *plan, rows_per_a=rows_per_a, config=config, bias=bias, topk_weights=weights,
                       act=act_code(act) if act is not None else 0, glu=glu, interleaved=interleaved,
                       alpha=act.alpha if act is not None else 1.702, limit=act.limit if act is not None else 7.0,
-                      swap=swap, tma=tma or None, **moved)
+                      swap=swap, tma=tma or None, grid=grid, split_k=1 if grid in ("persistent", "flattened") else None,
+                      **moved)
     if tokens == 0:
         return
     ref = reference_gemm(rows_deq.to(DEVICE), rows_per_a, ids.to(DEVICE), w_deq.to(DEVICE), bias, act, weights)

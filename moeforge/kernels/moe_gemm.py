@@ -851,7 +851,8 @@ def moe_gemm(
     ``weight_scale`` / ``weight_zero`` / ``weight_global``; ``out [num_copies, N]`` (``N = N_w // 2`` when
     ``glu``) in bf16/fp16/fp32, or float8_e4m3fn with ``out_scale [num_copies, N / 128]`` to quantize per
     128-group in the epilogue (needs ``config.block_n`` and ``N`` multiples of 128). ``config.block_m``
-    must be the one ``sorted_ids`` was aligned with; the rest is fitted by :func:`fit_config`.
+    must be the one ``sorted_ids`` was aligned with (a ``block_expert`` of another length is a ValueError); the
+    rest is fitted by :func:`fit_config`.
     ``swap`` (4-bit weights; ignored for others): multiply ``W @ rows^T`` (the dequantized weight as the MMA's
     left operand, in registers); by default as ``config.swap`` says (a tuned table's choice), else off. Which
     orientation wins depends on the tile: on an H200 (``results/swap_sweep-...log``) swapping made 128 x 64
