@@ -62,13 +62,13 @@ def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
         # (results/swap_sweep-...log); 16- and 32-row tiles are not swapped (slower on an H100).
         elif rows_per_expert <= 48:
             space = dict(block_m=[16, 32, 64], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4],
-                         num_stages=[3], swap=[None, True])
+                         num_stages=[3], swap=[False, True])
         elif rows_per_expert <= 256:
             space = dict(block_m=[64, 128], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4, 8],
-                         num_stages=[3], swap=[None, True])
+                         num_stages=[3], swap=[False, True])
         else:  # one decoded tile for as many rows as the registers allow
             space = dict(block_m=[128, 256], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4, 8],
-                         num_stages=[3], swap=[None, True])
+                         num_stages=[3], swap=[False, True])
     elif fmt in EIGHT_BIT:  # 128-deep K-steps (one scale group each for fp8 blocks)
         if rows_per_expert <= 4:
             space = dict(block_m=[16], block_n=[32, 64, 128], block_k=[128], group_m=[1], num_warps=[4],

@@ -114,7 +114,7 @@ def test_every_format_against_the_dequantized_product(data: Any) -> None:
     weight = moved.pop("weight")
     swap: Optional[bool] = draw(st.sampled_from([None, False, True]), label="swap")
     if draw(st.booleans(), label="swap in the configuration"):  # as a tuned table entry gives it
-        config, swap = attrs.evolve(config, swap=swap), None
+        config, swap = attrs.evolve(config, swap=bool(swap)), None
     # every grid (a persistent or flattened one runs unsplit K-loops)
     grid: Optional[str] = draw(st.sampled_from([None, "tiles", "persistent", "flattened"]), label="grid")
     glu = act is not None and act.gated

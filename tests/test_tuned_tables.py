@@ -175,7 +175,7 @@ def test_the_tuners_search_space_fits_each_format() -> None:
                 # both orientations of the 4-bit product from 64-row blocks, none below or for other formats
                 assert not config.swap or (fmt in ("w4a16", "mxfp4", "nvfp4") and config.block_m >= 64)
             if fmt in ("w4a16", "mxfp4", "nvfp4") and rows_per_expert > 48:
-                assert {c.swap for c in found} == {None, True}
+                assert {c.swap for c in found} == {False, True}
 
 
 def test_a_table_entry_may_choose_tma_and_the_choice_survives_the_custom_op(
@@ -210,7 +210,7 @@ class _LaunchSpy:
 def test_a_table_entry_may_choose_swap_and_the_launch_follows_it(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """``"swap": true`` in a 4-bit entry (``tune_moe.py`` times both orientations from 64-row blocks) reaches
-    the kernel through the table, the custom op's integers and the launcher; None and False launch
+    the kernel through the table, the custom op's integers and the launcher; an entry without it launches
     ``rows @ W^T``; the ``swap`` argument overrides the entry; non-4-bit weights are never swapped; the
     batch-invariant family never swaps (one orientation for every token count)."""
     from moeforge.batch_invariant import family_member, in_family
@@ -220,10 +220,10 @@ def test_a_table_entry_may_choose_swap_and_the_launch_follows_it(tmp_path: Path,
     chosen = {"gate_up": dict(ENTRY["gate_up"], swap=True), "down": ENTRY["down"], "us": 1.0}
     _device_file(tmp_path, monkeypatch, "Test GPU", {shape_key(8, 2, 256, 128, "bf16", "mxfp4"): {"4096": chosen}})
     tuned = ConfigTable.load("Test GPU", 8, 2, 256, 128, "bf16", weight_format="mxfp4").lookup(4096)
-    assert tuned.gate_up.swap is True and tuned.down.swap is None
-    for config in (tuned.gate_up, tuned.down, attrs.evolve(tuned.down, swap=False)):
+    assert tuned.gate_up.swap is True and tuned.down.swap is False
+    for config in (tuned.gate_up, tuned.down):
         assert GemmConfig.from_list(config.as_list()) == config
-    assert GemmConfig.from_list([16, 32, 128, 1, 4, 4, -1, 0]).swap is None  # eight integers: before swap
+    assert GemmConfig.from_list([16, 32, 128, 1, 4, 4, -1, 0]).swap is False  # eight integers: before swap
 
     spy = _LaunchSpy()
     monkeypatch.setattr(kernels, "moe_gemm_kernel", spy)
@@ -236,8 +236,8 @@ def test_a_table_entry_may_choose_swap_and_the_launch_follows_it(tmp_path: Path,
                   weight_scale=torch.full((2, 32, 2), 127, dtype=torch.uint8))
     plain = dict(weight=torch.zeros(2, 32, 64, dtype=torch.float16))
     for weights, config_swap, argument, want in [
-            (packed, True, None, True), (packed, None, None, False), (packed, False, None, False),
-            (packed, True, False, False), (packed, None, True, True), (plain, True, None, False)]:
+            (packed, True, None, True), (packed, False, None, False), (packed, True, False, False),
+            (packed, False, True, True), (plain, True, None, False)]:
         config = GemmConfig(16, 32, 64, group_m=1, swap=config_swap)
         kernels.moe_gemm(rows, out=torch.empty(2, 32, dtype=torch.float16), sorted_ids=plan[0],
                          block_expert=plan[1], num_padded=plan[2], rows_per_a=1, config=config, swap=argument,

@@ -35,9 +35,9 @@ class GemmConfig:
     # None leaves it to the launcher's rule (``moe_gemm.default_split_k``), 1 never splits.
     split_k: Optional[int] = attrs.field(default=None)
     # 4-bit weights: multiply ``W @ rows^T`` (the decoded weight tile as the warpgroup MMA's register operand,
-    # whose MMAs then stay in flight across K-steps; ``moe_gemm.moe_gemm``). None or False: ``rows @ W^T``.
-    # Which wins depends on the tile (H200: ``results/swap_sweep-...log``), so only a tuned table sets it.
-    swap: Optional[bool] = None
+    # whose MMAs then stay in flight across K-steps; ``moe_gemm.moe_gemm``). False: ``rows @ W^T``. Which wins
+    # depends on the tile (docs/kernels.md, "The swapped 4-bit product"), so only a tuned table sets it.
+    swap: bool = False
 
     @split_k.validator
     def _check_split_k(self, attribute: Any, value: Optional[int]) -> None:
@@ -45,21 +45,21 @@ class GemmConfig:
             raise ValueError(f"split_k must be None or >= 1, got {value}")
 
     def as_list(self) -> list[int]:
-        """The configuration as integers (a custom op's argument): ``tma`` and ``swap`` as -1 (None), 0 or 1,
-        ``split_k`` as 0 (None) or itself."""
+        """The configuration as integers (a custom op's argument): ``tma`` as -1 (None), 0 or 1, ``split_k`` as
+        0 (None) or itself, ``swap`` as 0 or 1."""
         return [self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps, self.num_stages,
                 -1 if self.tma is None else int(self.tma), 0 if self.split_k is None else self.split_k,
-                -1 if self.swap is None else int(self.swap)]
+                int(self.swap)]
 
     @classmethod
     def from_list(cls, values: list[int]) -> GemmConfig:
         """The inverse of :meth:`as_list` (six integers: ``tma`` None; seven: ``split_k`` None; eight: ``swap``
-        None)."""
+        False)."""
         if len(values) not in (6, 7, 8, 9):
             raise ValueError(f"a GemmConfig list has 6 to 9 integers, got {values}")
         tma = None if len(values) == 6 or values[6] < 0 else bool(values[6])
         split_k = None if len(values) < 8 or values[7] == 0 else values[7]
-        swap = None if len(values) < 9 or values[8] < 0 else bool(values[8])
+        swap = len(values) == 9 and bool(values[8])
         block_m, block_n, block_k, group_m, num_warps, num_stages = values[:6]
         return cls(block_m, block_n, block_k, group_m, num_warps, num_stages, tma, split_k, swap)
 

@@ -854,10 +854,8 @@ def moe_gemm(
     must be the one ``sorted_ids`` was aligned with (a ``block_expert`` of another length is a ValueError); the
     rest is fitted by :func:`fit_config`.
     ``swap`` (4-bit weights; ignored for others): multiply ``W @ rows^T`` (the dequantized weight as the MMA's
-    left operand, in registers); by default as ``config.swap`` says (a tuned table's choice), else off. Which
-    orientation wins depends on the tile: on an H200 (``results/swap_sweep-...log``) swapping made 128 x 64
-    (4 warps) and 128 x 128 (8 warps) gate/up tiles and 256 x 128 (8 warps) down tiles 0.67-0.89x faster, and
-    other tiles up to 5x slower; with 16-row tiles it was slower in every cell swept on an H100.
+    left operand, in registers); by default as ``config.swap`` says (a tuned table's choice: which orientation
+    wins depends on the tile, see docs/kernels.md, "The swapped 4-bit product in the tuned tables").
     ``ptx`` (4-bit operands): decode them with the packed inline-PTX conversion
     (:mod:`moeforge.kernels.dequant`); by default wherever it applies (:func:`packed_decoding`).
     ``tma``: copy the weight tiles with the tensor memory accelerator (:func:`weight_tma_applies`; it
@@ -983,7 +981,7 @@ def moe_gemm(
         EVEN_K=k_dim % config.block_k == 0,
         # fp32 operands: full-precision products, so fp32 layers match the reference to ~1e-6.
         PRECISION="ieee" if compute_bytes == 4 else "tf32",
-        SWAP=weight_format.packed and (swap if swap is not None else bool(config.swap)),
+        SWAP=weight_format.packed and (swap if swap is not None else config.swap),
         PTX=use_ptx,
         FP8_CVT=fp8_cvt,
         CVT_BY_FOUR=fp8_cvt and cvt_by_four(config),
