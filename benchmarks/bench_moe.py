@@ -140,10 +140,10 @@ def kernels_by_hand(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -
         sorted_ids, block_expert, num_padded = ops.align_block_size(ids, experts, config.block_m)
         hidden, _ = ops.moe_gemm(x, None, w13, None, None, None, None, None, sorted_ids, block_expert, num_padded,
                                  tokens * top_k, top_k, 0, 1.0, ACT_SILU, True, False, 1.0, 0.0,
-                                 config.gate_up.as_list(), x.dtype, False)
+                                 config.gate_up.as_list(), x.dtype, False, config.block_m)
         out, _ = ops.moe_gemm(hidden, None, w2, None, None, None, None, None, sorted_ids, block_expert, num_padded,
                               tokens * top_k, 1, 0, 1.0, 0, False, False, 1.0, 0.0, config.down.as_list(), x.dtype,
-                              False)
+                              False, config.block_m)
         return ops.combine(out, weights, top_k, 1.0, x.dtype)
 
     return run

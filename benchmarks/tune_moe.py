@@ -10,8 +10,10 @@ replays with the L2 flushed, on the layer's random weights, random activations a
 softmax routings (the mean: which experts a small batch reaches varies). The candidates are a search space pruned by rows per expert and by the format (``8-bit``:
 128-deep K-steps for the per-128 scales; ``4-bit``: the dequantizing kernels' tiles, up to 256-row
 blocks), plus the configuration the layer picks today, so a tuned entry is never slower than the rules
-it replaces (up to timing noise). Both GEMMs must share ``block_m`` (the alignment is computed once),
-so it keeps the ``block_m`` whose best pair is fastest.
+it replaces (up to timing noise). The rows are aligned once, by the larger of the two GEMMs' ``block_m``
+(the smaller must divide it): each GEMM is timed on rows aligned by its own ``block_m``, then each GEMM's
+best at a smaller block is timed again on rows aligned by the other's larger block (more padding), and the
+fastest pair is kept.
 
 The result is merged into ``moeforge/kernels/configs/<device>.json`` under the shape's key, with the
 format's ``QuantMethod.table_key`` appended for a quantized format (``E=8,k=2,H=4096,I=14336,bf16,mxfp4``);
@@ -204,9 +206,13 @@ def one_entry_table(layer: mf.MoELayer, tokens: int, block_m: int) -> ConfigTabl
                        weight_format=layer.quant.table_key)
 
 
-def retiled(x: AlignedRows, config: GemmConfig) -> AlignedRows:
-    """``x`` with ``config`` as the launch configuration of both GEMMs (they read it from the alignment)."""
-    return dataclasses.replace(x, alignment=dataclasses.replace(x.alignment, config=MoEConfig(config, config)))
+def retiled(x: AlignedRows, role: str, config: GemmConfig) -> AlignedRows:
+    """``x`` with ``config`` as the launch configuration of the ``role`` GEMM (the GEMMs read it from the
+    alignment); the other GEMM's entry keeps the alignment's ``block_m``, so a smaller ``config.block_m``
+    runs on rows aligned by the larger block."""
+    old = x.alignment.config
+    config_pair = MoEConfig(config, old.down) if role == "gate_up" else MoEConfig(old.gate_up, config)
+    return dataclasses.replace(x, alignment=dataclasses.replace(x.alignment, config=config_pair))
 
 
 SPLITS = (1, 2, 4)  # --split-k: the K-loop splits timed at decode (a few rows per expert)
@@ -240,13 +246,14 @@ def runners(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, b
     gemms = Gemms.of(layer).retabled(one_entry_table(layer, tokens, block_m))
     inputs = [gemms.inputs(routed_tokens(layer, shape, tokens, seed)) for seed in range(ROUTINGS)]
 
-    def make(stage: Any, xs: list[AlignedRows]) -> Callable[[GemmConfig], Callable[[], Any]]:
+    def make(role: str, stage: Any, xs: list[AlignedRows]) -> Callable[[GemmConfig], Callable[[], Any]]:
         def launcher(config: GemmConfig) -> Callable[[], Any]:
-            rows = [retiled(x, config) for x in xs]
+            rows = [retiled(x, role, config) for x in xs]
             return lambda: [stage(x) for x in rows]
         return launcher
 
-    return {"gate_up": make(gemms.gate_up, [x for x, _ in inputs]), "down": make(gemms.down, [x for _, x in inputs])}
+    return {"gate_up": make("gate_up", gemms.gate_up, [x for x, _ in inputs]),
+            "down": make("down", gemms.down, [x for _, x in inputs])}
 
 
 # -- compiling ahead, in parallel ------------------------------------------------------------------
@@ -308,28 +315,62 @@ def affordable_jobs(shape: tuple[int, int, int, int], fmt: str, tokens: int, job
 # -- timing -----------------------------------------------------------------------------------------
 
 
+Timed = tuple[float, GemmConfig]  # microseconds, configuration
+
+
+def mixed_pairs(best: dict[int, dict[str, Timed]]) -> Iterator[tuple[int, int]]:
+    """``(gate_up block_m, down block_m)`` of the pairs with different blocks, one dividing the other."""
+    for gate_up_m, down_m in itertools.permutations(best, 2):
+        small, large = sorted((gate_up_m, down_m))
+        if "gate_up" in best[gate_up_m] and "down" in best[down_m] and large % small == 0:
+            yield gate_up_m, down_m
+
+
+def best_pair(best: dict[int, dict[str, Timed]], on_larger: dict[tuple[int, int], Timed]
+              ) -> tuple[Timed, Timed]:
+    """The fastest ``(gate_up, down)``: each GEMM's best on its own block where both blocks are equal, or,
+    for a pair of different blocks (``on_larger``, keyed ``(gate_up block_m, down block_m)``), the GEMM of the
+    smaller block as timed again on rows aligned by the larger."""
+    options: list[tuple[Timed, Timed]] = [(v["gate_up"], v["down"]) for v in best.values() if len(v) == 2]
+    for (gate_up_m, down_m), timed in on_larger.items():
+        options.append((timed, best[down_m]["down"]) if gate_up_m < down_m else (best[gate_up_m]["gate_up"], timed))
+    return min(options, key=lambda pair: pair[0][0] + pair[1][0])
+
+
 def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int,
               flush: torch.Tensor, reps: int, tma: bool = False, split_k: bool = False) -> dict[str, Any]:
-    best: dict[int, dict[str, tuple[float, GemmConfig]]] = {}
+    best: dict[int, dict[str, Timed]] = {}
+    runs: dict[int, dict[str, Callable[[GemmConfig], Callable[[], Any]]]] = {}
+
+    def timed(block_m: int, role: str, config: GemmConfig) -> Optional[float]:
+        try:
+            return time_graph(runs[block_m][role](config), reps, flush) / ROUTINGS
+        except Exception as error:  # a configuration the compiler rejects is skipped
+            print(f"  skip {role} {config}: {type(error).__name__}", flush=True)
+            return None
+
     with torch.no_grad():
         for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k).items():
-            run = runners(layer, shape, tokens, block_m)
+            runs[block_m] = runners(layer, shape, tokens, block_m)
             for role, configs in roles.items():
                 for config in configs:
-                    try:
-                        us = time_graph(run[role](config), reps, flush) / ROUTINGS
-                    except Exception as error:  # a configuration the compiler rejects is skipped
-                        print(f"  skip {role} {config}: {type(error).__name__}", flush=True)
-                        continue
+                    us = timed(block_m, role, config)
                     slot = best.setdefault(block_m, {})
-                    if role not in slot or us < slot[role][0]:
+                    if us is not None and (role not in slot or us < slot[role][0]):
                         slot[role] = (us, config)
-    pairs = {m: v for m, v in best.items() if len(v) == 2}
-    block_m = min(pairs, key=lambda m: pairs[m]["gate_up"][0] + pairs[m]["down"][0])
-    chosen = pairs[block_m]
-    total = chosen["gate_up"][0] + chosen["down"][0]
-    print(f"  M={tokens:6d}: block_m={block_m} gate_up {chosen['gate_up'][0]:.1f} us {chosen['gate_up'][1]}, "
-          f"down {chosen['down'][0]:.1f} us {chosen['down'][1]} (total {total:.1f} us)", flush=True)
+        # The smaller block's GEMM again, on rows aligned by the larger block (its padding-only blocks skipped).
+        on_larger: dict[tuple[int, int], Timed] = {}
+        for gate_up_m, down_m in mixed_pairs(best):
+            role, small, large = ("gate_up", gate_up_m, down_m) if gate_up_m < down_m else ("down", down_m, gate_up_m)
+            config = best[small][role][1]
+            us = timed(large, role, config)
+            if us is not None:
+                on_larger[gate_up_m, down_m] = (us, config)
+    gate_up, down = best_pair(best, on_larger)
+    total = gate_up[0] + down[0]
+    print(f"  M={tokens:6d}: gate_up {gate_up[0]:.1f} us {gate_up[1]}, down {down[0]:.1f} us {down[1]} "
+          f"(total {total:.1f} us)", flush=True)
+    chosen = {"gate_up": gate_up, "down": down}
     as_dict = lambda c: dict(block_m=c.block_m, block_n=c.block_n, block_k=c.block_k, group_m=c.group_m,  # noqa: E731
                              num_warps=c.num_warps, num_stages=c.num_stages,
                              **({} if c.tma is None else dict(tma=c.tma)),

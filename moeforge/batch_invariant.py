@@ -87,10 +87,8 @@ def invariant_table(num_experts: int, top_k: int, max_block_m: Optional[int] = N
     configs = []
     for count in tokens:
         entry = tuned.lookup(count)
-        gate_up, down = family_member(entry.gate_up, element_bytes, 2), family_member(entry.down, element_bytes, 1)
-        if gate_up.block_m != down.block_m:
-            gate_up = down = INVARIANT_GEMM
-        configs.append(MoEConfig(gate_up, down))
+        # 64- and 128-row members may pair (one divides the other: MoEConfig)
+        configs.append(MoEConfig(family_member(entry.gate_up, element_bytes, 2), family_member(entry.down, element_bytes, 1)))
     return ConfigTable(num_experts, top_k, tokens=tuple(tokens), configs=tuple(configs), max_block_m=max_block_m,
                        batch_invariant=True)
 

@@ -1,7 +1,7 @@
 """Hypothesis over the one grouped GEMM (``moeforge.kernels.moe_gemm``): every weight format with random
 sizes (K and N not multiples of the tile), routing (empty experts, repeated experts across tokens, zero
-tokens), launch tiles, scale layouts, activations, bias and routing-weight epilogue, against the float64
-product of the dequantized operands. Under Triton's interpreter on CPU (fp16 / fp32 rows), on a GPU
+tokens), launch tiles (on rows aligned by their block or by a multiple of it), scale layouts, activations,
+bias and routing-weight epilogue, against the float64 product of the dequantized operands. Under Triton's interpreter on CPU (fp16 / fp32 rows), on a GPU
 compiled. Outputs are poisoned with NaN: every element is proven written.
 """
 
@@ -104,7 +104,9 @@ def test_every_format_against_the_dequantized_product(data: Any) -> None:
     kwargs, rows_deq, w_deq = _operands(fmt, rows, w, dtype, draw)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32) \
         if tokens else torch.empty(0, top_k, dtype=torch.int32)
-    plan = align.align_block_size(ids.to(DEVICE), experts, block_m)
+    # rows aligned by the tile's block_m, or by a multiple of it (the other GEMM's larger block: MoEConfig)
+    aligned = block_m * draw(st.sampled_from([1, 1, 2, 4]), label="alignment block / block_m")
+    plan = align.align_block_size(ids.to(DEVICE), experts, aligned)
     bias = torch.randn(experts, n_w, generator=gen).to(DEVICE, dtype) if draw(st.booleans(), label="bias") else None
     weights = torch.rand(tokens * top_k, generator=gen).to(DEVICE) if draw(st.booleans(), label="weights") else None
     out_dtype = dtype
@@ -125,7 +127,7 @@ def test_every_format_against_the_dequantized_product(data: Any) -> None:
                       act=act_code(act) if act is not None else 0, glu=glu, interleaved=interleaved,
                       alpha=act.alpha if act is not None else 1.702, limit=act.limit if act is not None else 7.0,
                       swap=swap, tma=tma or None, grid=grid, split_k=1 if grid in ("persistent", "flattened") else None,
-                      **moved)
+                      aligned_block_m=aligned, **moved)
     if tokens == 0:
         return
     ref = reference_gemm(rows_deq.to(DEVICE), rows_per_a, ids.to(DEVICE), w_deq.to(DEVICE), bias, act, weights)

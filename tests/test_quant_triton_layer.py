@@ -40,15 +40,16 @@ def _reference(make: Callable[[], mf.QuantMethod], dispatch: str, hidden: int = 
                        environ={}, dispatch_dtype=dispatch)
 
 
-def _triton_pipeline(layer: mf.MoELayer) -> mf.Pipeline:  # type: ignore[type-arg]
+def _triton_pipeline(layer: mf.MoELayer, table: Any = None) -> mf.Pipeline:  # type: ignore[type-arg]
     """The triton pipeline MoELayer builds, from ``layer``'s method and weights: the method's
-    quantizer (by the kernel), the block-aligned dispatch, its triton expert stages, the combine."""
+    quantizer (by the kernel), the block-aligned dispatch, its triton expert stages, the combine;
+    ``table``: their launch table (by default the fallback rules')."""
     from moeforge.kernels.config import ConfigTable
     from moeforge.stages.combine import Combine
     from moeforge.stages.triton import AlignDispatch
     from moeforge.stages.triton_quant import TritonQuantizeTokens
 
-    table = ConfigTable(E, K)
+    table = ConfigTable(E, K) if table is None else table
     dispatch = layer.dispatch_decision.dtype
     stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, K, layer.routing)]
     quantize = layer.quant.quantize_stage(dispatch, mf.DType.FP16)

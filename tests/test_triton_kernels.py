@@ -345,7 +345,7 @@ def test_a_plan_aligned_by_another_block_m_is_an_error(plan_block_m: int, config
     weight = torch.randn(4, 16, 32, generator=gen).to(DEVICE)
     out = torch.empty(80, 16, device=DEVICE)
     plan = align.align_block_size(ids, 4, plan_block_m)
-    with pytest.raises(ValueError, match="align the rows with the configuration's block_m"):
+    with pytest.raises(ValueError, match="pass the block the rows were aligned with"):
         moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=2, config=GemmConfig(config_block_m, 16, 32))
     moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=2, config=GemmConfig(plan_block_m, 16, 32))
     want = torch.einsum("ck,cnk->cn", x.repeat_interleave(2, 0), weight[ids.reshape(-1).long()])

@@ -119,7 +119,7 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
 _MOE_GEMM_INPUTS = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "weight_global", "bias",
                     "topk_weights", "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a",
                     "weight_format", "a_global", "act", "glu", "interleaved", "alpha", "limit", "config",
-                    "out_dtype", "fp8_out")
+                    "out_dtype", "fp8_out", "aligned_block_m")
 
 
 def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -140,9 +140,10 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     ops = torch.ops.moeforge
     route = (sorted_ids, block_expert, num_padded, p["num_copies"])
     config = p["config"]
+    aligned = p.get("aligned_block_m", 0) or config[0]  # the block sorted_ids was aligned with
     # The pre-activation rows, recomputed in fp32 ([copies, N_w], in the weight's row order).
     pre, _ = ops.moe_gemm(a, None, weight, None, None, None, bias, None, *route, p["rows_per_a"], 0, 1.0, 0, False,
-                          False, 1.0, 0.0, config, torch.float32, False)
+                          False, 1.0, 0.0, config, torch.float32, False, aligned)
     activation = codes.config_of(p["act"], p["glu"], p["interleaved"], p["alpha"], p["limit"])
     with torch.enable_grad():
         pre_leaf = pre.detach().requires_grad_()
@@ -159,12 +160,12 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     if needs[0]:
         # d_rows[c] = d_pre[c] @ W[e]: the same kernel on the transposed weight, one copy per row.
         d_rows, _ = ops.moe_gemm(d_pre, None, weight.transpose(1, 2), None, None, None, None, None, *route, 1, 0, 1.0, 0,
-                                 False, False, 1.0, 0.0, config, torch.float32, False)
+                                 False, False, 1.0, 0.0, config, torch.float32, False, aligned)
         r = p["rows_per_a"]
         d_a = (d_rows.view(-1, r, d_rows.shape[1]).sum(1) if r > 1 else d_rows).to(a.dtype)
     if needs[2] or (bias is not None and needs[6]):
         dw, db = ops.expert_weight_grad(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
-                                        weight.shape[0], config[0], bias is not None and needs[6], weight.dtype)
+                                        weight.shape[0], aligned, bias is not None and needs[6], weight.dtype)
         d_weight = dw if needs[2] else None
         d_bias = db if bias is not None and needs[6] else None
     grads_out: list[Any] = [None] * len(_MOE_GEMM_INPUTS)

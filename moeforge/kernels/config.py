@@ -1,7 +1,8 @@
 """Launch configurations of the grouped GEMMs: records, tuned tables per device, a fallback.
 
-A :class:`ConfigTable` maps a token count to the configurations of both GEMMs of one layer shape
-(they must share ``block_m``: the alignment is computed once for both). Tables tuned on a device
+A :class:`ConfigTable` maps a token count to the configurations of both GEMMs of one layer shape.
+The alignment is computed once for both, by the larger of their ``block_m``; the other GEMM's ``block_m``
+must divide it (each of its blocks lies in one aligned block, so in one expert's rows). Tables tuned on a device
 live in ``moeforge/kernels/configs/<device>.json`` (written by ``benchmarks/tune_moe.py``), one per
 layer shape and compute dtype, and one per quantized weight format that was tuned (its
 ``QuantMethod.table_key``); shapes or devices without a table use :func:`default_config`.
@@ -66,18 +67,25 @@ class GemmConfig:
 
 @attrs.frozen
 class MoEConfig:
-    """Both GEMMs' configurations for one token count; they share ``block_m``."""
+    """Both GEMMs' configurations for one token count. The rows are aligned once, by :attr:`block_m` (the
+    larger of the two); the smaller ``block_m`` must divide it, so that each of that GEMM's row blocks lies in
+    one aligned block and so in one expert's rows (the kernel reads its expert at ``block // ratio``). The
+    two may differ because the GEMMs' best tiles do: on the H200 the swapped 4-bit product's best gate/up
+    tile has 128 rows and its best down tile 256 (docs/kernels.md)."""
 
     gate_up: GemmConfig
     down: GemmConfig
 
     def __attrs_post_init__(self) -> None:
-        if self.gate_up.block_m != self.down.block_m:
-            raise ValueError(f"both GEMMs must share block_m, got {self.gate_up.block_m} and {self.down.block_m}")
+        small, large = sorted((self.gate_up.block_m, self.down.block_m))
+        if small < 1 or large % small:
+            raise ValueError(f"one GEMM's block_m must divide the other's (the rows are aligned once, by the "
+                             f"larger), got gate_up {self.gate_up.block_m} and down {self.down.block_m}")
 
     @property
     def block_m(self) -> int:
-        return self.gate_up.block_m
+        """The alignment's block: the larger of the two GEMMs' ``block_m``."""
+        return max(self.gate_up.block_m, self.down.block_m)
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; the H100/H200 limit is 227 KiB per block
@@ -192,8 +200,9 @@ class ConfigTable:
     def _capped(self, config: MoEConfig) -> MoEConfig:
         if self.max_block_m is None or config.block_m <= self.max_block_m:
             return config
-        return MoEConfig(attrs.evolve(config.gate_up, block_m=self.max_block_m),
-                         attrs.evolve(config.down, block_m=self.max_block_m))
+        cap = self.max_block_m
+        return MoEConfig(attrs.evolve(config.gate_up, block_m=min(config.gate_up.block_m, cap)),
+                         attrs.evolve(config.down, block_m=min(config.down.block_m, cap)))
 
     @staticmethod
     def _with_block_m(config: MoEConfig, block_m: int) -> MoEConfig:

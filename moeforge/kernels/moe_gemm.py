@@ -277,13 +277,15 @@ def _gemm_tile(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ALIGN_RATIO: tl.constexpr,
 ):
     """Tile ``(pid_m, pid_n)``: ``BLOCK_M`` aligned rows of one expert times ``BLOCK_N`` output columns, over the
-    K-steps ``k_first .. k_last - 1``; with ``SPLIT``, one range of a split K-loop (:func:`moe_gemm_reduce_kernel`)."""
+    K-steps ``k_first .. k_last - 1``; with ``SPLIT``, one range of a split K-loop (:func:`moe_gemm_reduce_kernel`).
+    The rows were aligned by blocks of ``ALIGN_RATIO * BLOCK_M``: ``block_expert`` has one entry per aligned block."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
     row_ok = copies < num_copies
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m // ALIGN_RATIO).to(tl.int64)
     a_rows = (copies // rows_per_a).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -546,7 +548,7 @@ def moe_gemm_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr, PDL: tl.constexpr,
+    ALIGN_RATIO: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile` (a jitted function
@@ -577,11 +579,15 @@ def moe_gemm_kernel(
                        stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
                        stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
                        GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
-                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                       ALIGN_RATIO)
     else:
         pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
-        if pid_m * BLOCK_M < num_padded:
+        live = pid_m * BLOCK_M < num_padded
+        if ALIGN_RATIO > 1:  # a block of only padding rows (aligned by a larger block) has nothing to compute
+            live = live & (tl.load(sorted_ids_ptr + pid_m * BLOCK_M) < num_copies)
+        if live:
             _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
                        b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
                        block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
@@ -589,7 +595,8 @@ def moe_gemm_kernel(
                        stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
                        stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
                        GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
-                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                       ALIGN_RATIO)
 
 
 @triton.jit
@@ -842,6 +849,7 @@ def moe_gemm(
     tma: Optional[bool] = None,
     grid: Optional[str] = None,
     split_k: Optional[int] = None,
+    aligned_block_m: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
     copy of ``sorted_ids`` (see the module docstring for the formats).
@@ -850,9 +858,11 @@ def moe_gemm(
     ``a_global``); ``weight [E, N_w, K]`` or packed ``[E, N_w, K / 2]`` in ``weight_format`` with its
     ``weight_scale`` / ``weight_zero`` / ``weight_global``; ``out [num_copies, N]`` (``N = N_w // 2`` when
     ``glu``) in bf16/fp16/fp32, or float8_e4m3fn with ``out_scale [num_copies, N / 128]`` to quantize per
-    128-group in the epilogue (needs ``config.block_n`` and ``N`` multiples of 128). ``config.block_m``
-    must be the one ``sorted_ids`` was aligned with (a ``block_expert`` of another length is a ValueError); the
-    rest is fitted by :func:`fit_config`.
+    128-group in the epilogue (needs ``config.block_n`` and ``N`` multiples of 128). ``aligned_block_m``: the
+    block ``sorted_ids`` was aligned with (``block_expert`` has one entry per such block; a length that does
+    not match is a ValueError); by default ``config.block_m``. ``config.block_m`` must divide it: each tile's
+    rows then lie in one aligned block, and a tile of padding rows only is skipped. The rest of ``config`` is
+    fitted by :func:`fit_config`.
     ``swap`` (4-bit weights; ignored for others): multiply ``W @ rows^T`` (the dequantized weight as the MMA's
     left operand, in registers); by default as ``config.swap`` says (a tuned table's choice: which orientation
     wins depends on the tile, see docs/kernels.md, "The swapped 4-bit product in the tuned tables").
@@ -868,11 +878,14 @@ def moe_gemm(
     says, else :func:`default_split_k`. A split runs one program per tile (``grid="tiles"``).
     """
     weight_format = WeightFormat(weight_format)
-    if block_expert.numel() != triton.cdiv(sorted_ids.numel(), config.block_m):
-        # a plan aligned by another block_m: the kernel would read the wrong expert for most tiles
+    aligned = config.block_m if aligned_block_m is None else aligned_block_m
+    if aligned < 1 or aligned % config.block_m:
+        raise ValueError(f"config.block_m={config.block_m} must divide the alignment's block, got {aligned}")
+    if block_expert.numel() != triton.cdiv(sorted_ids.numel(), aligned):
+        # a plan aligned by another block: the kernel would read the wrong expert for most tiles
         raise ValueError(f"block_expert has {block_expert.numel()} entries, but {sorted_ids.numel()} sorted_ids in "
-                         f"blocks of config.block_m={config.block_m} need {triton.cdiv(sorted_ids.numel(), config.block_m)}"
-                         ": align the rows with the configuration's block_m")
+                         f"blocks of {aligned} need {triton.cdiv(sorted_ids.numel(), aligned)}: pass the block the "
+                         "rows were aligned with (aligned_block_m, by default config.block_m)")
     if grid is not None and grid not in GRIDS:
         raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
     row_format = RowFormat.of(a.dtype)
@@ -990,6 +1003,7 @@ def moe_gemm(
         PERSISTENT=GRIDS.index(grid_kind),
         PREFETCH=weight_format.packed and config.block_m >= 64,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        ALIGN_RATIO=aligned // config.block_m,
         PDL=pdl.flag(dependent, release=False),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent),
     )

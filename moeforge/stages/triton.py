@@ -241,6 +241,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
             gemm.as_list(),
             x.x.data.dtype,
             False,
+            alignment.block_m,
         )
         return dataclasses.replace(x, x=Activations(out), copy_major=True)
 

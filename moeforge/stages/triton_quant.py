@@ -343,7 +343,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             1 if x.copy_major else alignment.copies_per_row,
             int(self.scheme.weight_format),
             self.input_global_scale if nvfp4_rows and self.input_global_scale is not None else 1.0,
-            *self._act, config.as_list(), self.out_dtype.torch_dtype, fp8_out)
+            *self._act, config.as_list(), self.out_dtype.torch_dtype, fp8_out, alignment.block_m)
         if fp8_out:
             return dataclasses.replace(x, x=Activations(out, out_scale), copy_major=True)
         if self.output_quantizer is not None:
