@@ -131,8 +131,8 @@ def test_a_layer_reading_a_format_table_equals_its_reference(tmp_path: Path, mon
 
 
 def test_every_committed_table_loads_and_names_a_known_format() -> None:
-    """Each entry of the committed device files is a valid pair of configurations sharing ``block_m``,
-    under a key ``E=..,k=..,H=..,I=..,<dtype>[,<format>]`` whose format a built-in method names."""
+    """Each entry of the committed device files is a valid pair of configurations (one GEMM's ``block_m``
+    divides the other's), under a key ``E=..,k=..,H=..,I=..,<dtype>[,<format>]`` whose format a built-in method names."""
     formats = {method.table_key for method in _methods()}
     files = sorted((Path(mf.__file__).parent / "kernels" / "configs").glob("*.json"))
     assert {f.name for f in files} >= {"nvidia_h100_80gb_hbm3.json", "nvidia_h200.json"}
@@ -144,7 +144,7 @@ def test_every_committed_table_loads_and_names_a_known_format() -> None:
             if len(parts) == 6:
                 assert parts[5] in formats, key
             experts, top_k = int(parts[0][2:]), int(parts[1][2:])
-            table = ConfigTable.from_json(experts, top_k, entries)  # raises if the GEMMs' block_m differ
+            table = ConfigTable.from_json(experts, top_k, entries)  # raises unless one block_m divides the other
             assert table.tokens == tuple(sorted(int(m) for m in entries)), key
             for config in table.configs:
                 for gemm in (config.gate_up, config.down):
