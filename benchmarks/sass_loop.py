@@ -64,6 +64,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed,
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
         B_TMA=0, SPLIT=False, PERSISTENT=0, PDL=False, BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
+        ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         # unit strides, as the launcher's contiguous operands have them
         stride_ak=1, stride_bk=1, stride_bsk=1, stride_bzk=1, stride_cn=1, stride_bias_n=1, gate_stride=1,
         stride_csg=1, stride_ask=1)
