@@ -88,7 +88,8 @@ def invariant_table(num_experts: int, top_k: int, max_block_m: Optional[int] = N
     for count in tokens:
         entry = tuned.lookup(count)
         # 64- and 128-row members may pair (one divides the other: MoEConfig)
-        configs.append(MoEConfig(family_member(entry.gate_up, element_bytes, 2), family_member(entry.down, element_bytes, 1)))
+        configs.append(MoEConfig(family_member(entry.gate_up, element_bytes, 2),
+                                 family_member(entry.down, element_bytes, 1)))
     return ConfigTable(num_experts, top_k, tokens=tuple(tokens), configs=tuple(configs), max_block_m=max_block_m,
                        batch_invariant=True)
 

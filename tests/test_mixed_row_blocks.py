@@ -211,9 +211,20 @@ def test_the_tuner_times_a_cell_and_keeps_a_pair_of_two_blocks(monkeypatch: pyte
 
     monkeypatch.setattr(tune_moe, "retiled", retiled)
     monkeypatch.setattr(tune_moe, "time_graph", time_graph)
-    entry = tune_moe.tune_cell(layer, (experts, k, hidden, 40), "bf16", 20, flush=None, reps=1)  # type: ignore[arg-type]
+    entry = tune_moe.tune_cell(layer, (experts, k, hidden, 40), "bf16", 20,  # type: ignore[arg-type]
+                               flush=None, reps=1)
     assert "skip" not in capsys.readouterr().out  # every launch ran, the re-timed one on the larger alignment
     assert ("gate_up", 16, 32) in launched
     assert (entry["gate_up"]["block_m"], entry["down"]["block_m"], entry["us"]) == (16, 32, 32.0)
     loaded = ConfigTable.from_json(experts, k, {"20": entry})
     assert loaded.lookup(20).block_m == 32
+
+
+def test_the_batch_invariant_table_keeps_a_pair_of_two_blocks() -> None:
+    """A 64/128-row pair of the family stays a pair (the row block does not change the reduction order)."""
+    from moeforge.batch_invariant import in_family, invariant_table
+
+    tuned = ConfigTable(8, 2, (1,), (MoEConfig(GemmConfig(128, 128, 64, num_warps=8), GemmConfig(64, 128, 64)),))
+    entry = invariant_table(8, 2, tuned=tuned).lookup(1)
+    assert (entry.gate_up.block_m, entry.down.block_m, entry.block_m) == (128, 64, 128)
+    assert in_family(entry.gate_up) and in_family(entry.down)

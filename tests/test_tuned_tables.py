@@ -132,7 +132,8 @@ def test_a_layer_reading_a_format_table_equals_its_reference(tmp_path: Path, mon
 
 def test_every_committed_table_loads_and_names_a_known_format() -> None:
     """Each entry of the committed device files is a valid pair of configurations (one GEMM's ``block_m``
-    divides the other's), under a key ``E=..,k=..,H=..,I=..,<dtype>[,<format>]`` whose format a built-in method names."""
+    divides the other's), under a key ``E=..,k=..,H=..,I=..,<dtype>[,<format>]`` whose format a built-in
+    method names."""
     formats = {method.table_key for method in _methods()}
     files = sorted((Path(mf.__file__).parent / "kernels" / "configs").glob("*.json"))
     assert {f.name for f in files} >= {"nvidia_h100_80gb_hbm3.json", "nvidia_h200.json"}
