@@ -1,7 +1,7 @@
 """Count the SASS instructions of the grouped GEMM's K-loop for one operand format and tile, without a GPU.
 
     python benchmarks/sass_loop.py --weights mxfp4 --glu --block 16,128,64 [--warps 4] [--stages 3]
-                                   [--dtype bf16] [--swap] [--portable] [--prefetch] [--dump FILE]
+                                   [--dtype bf16] [--swap] [--portable] [--prefetch] [--fold] [--dump FILE]
 
 It compiles ``moe_gemm_kernel`` for sm_90 with the ptxas and nvdisasm that ship inside the ``triton``
 wheel (no CUDA device or driver needed), finds the K-loop (the longest backward branch) and prints its
@@ -42,11 +42,13 @@ _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 
 
 def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, int], warps: int, stages: int,
-                   dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False) -> Any:
+                   dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
+                   fold: bool = False) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
     the weight tiles loaded by pointer (the TMA path takes a descriptor argument, not compiled here) and one
-    program per tile (a persistent grid's tile loop would be the longest loop)."""
+    program per tile (a persistent grid's tile loop would be the longest loop). ``fold``: MXFP4 in bf16 with the
+    ``x 2**126`` folded into the scales (weights whose E8M0 codes are all at most 128)."""
     names = moe_gemm_kernel.arg_names
     packed = weights.packed
     fp8 = weights is WeightFormat.FP8
@@ -65,6 +67,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
         B_TMA=0, SPLIT=False, PERSISTENT=0, PDL=False, BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
+        SCALE_FOLD=fold and ptx and weights is WeightFormat.MXFP4 and dtype == "bf16",
         # unit strides, as the launcher's contiguous operands have them
         stride_ak=1, stride_bk=1, stride_bsk=1, stride_bzk=1, stride_cn=1, stride_bias_n=1, gate_stride=1,
         stride_csg=1, stride_ask=1)
@@ -128,6 +131,8 @@ def main() -> None:
     parser.add_argument("--portable", action="store_true", help="the portable decoding instead of the packed one")
     parser.add_argument("--prefetch", action="store_true", help="4-bit scales loaded one K-step ahead")
     parser.add_argument("--tile-scale", action="store_true", help="fp8-block: one weight scale per tile and step")
+    parser.add_argument("--fold", action="store_true",
+                        help="mxfp4, bf16: the x 2**126 folded into the scales (E8M0 codes all <= 128)")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -135,7 +140,7 @@ def main() -> None:
         raise SystemExit("--block takes BLOCK_M,BLOCK_N,BLOCK_K")
     kernel = compile_kernel(FORMATS[args.weights], glu=args.glu, block=block, warps=args.warps,  # type: ignore[arg-type]
                             stages=args.stages, dtype=args.dtype, swap=args.swap, ptx=not args.portable,
-                            prefetch=args.prefetch, tile_scale=args.tile_scale)
+                            prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)

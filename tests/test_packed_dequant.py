@@ -41,7 +41,7 @@ TILES = {  # narrow (mma.sync, weights as registers) and 64-row (wgmma) programs
 
 def _one_hot_decode(fmt: WeightFormat, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                     config: GemmConfig, swap: bool, zero: Optional[torch.Tensor] = None,
-                    global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    global_scale: Optional[torch.Tensor] = None, scale_max: Optional[int] = None) -> torch.Tensor:
     """The weight ``[N, K]`` as the kernel decodes it: one-hot rows in ``dtype`` read single weights
     (one product per output, exact in the fp32 accumulator), written as fp32."""
     n, kdim = packed.shape[1], packed.shape[2] * 2
@@ -50,7 +50,7 @@ def _one_hot_decode(fmt: WeightFormat, packed: torch.Tensor, scale: torch.Tensor
     out = torch.full((kdim, n), float("nan"), device="cuda")
     moe_gemm.moe_gemm(rows, packed, out, *align.align_block_size(ids, 1, config.block_m), rows_per_a=1,
                       config=config, weight_format=fmt, weight_scale=scale, weight_zero=zero,
-                      weight_global=global_scale, swap=swap, ptx=True)
+                      weight_global=global_scale, swap=swap, ptx=True, weight_scale_max=scale_max)
     return out.t()
 
 
@@ -66,6 +66,37 @@ def test_every_e2m1_code_under_every_e8m0_scale(tile: str, swap: bool) -> None:
     got = _one_hot_decode(WeightFormat.MXFP4, packed.cuda(), e8m0.cuda(), torch.bfloat16, TILES[tile], swap)
     want = dequantize_mxfp4(packed, e8m0)[0].float()
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("tile", sorted(TILES))
+@pytest.mark.parametrize("swap", [False, True])
+def test_every_e2m1_code_under_every_foldable_e8m0_scale(tile: str, swap: bool) -> None:
+    """With a bound of 128 the x 2**126 is folded into the scales: every code 0..128 still decodes exactly."""
+    n, kdim = 64, 512
+    codes = torch.arange(n * kdim) % 16
+    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(1, n, kdim // 2)
+    e8m0 = (torch.arange(n * kdim // 32) % 129).to(torch.uint8).view(1, n, kdim // 32)
+    got = _one_hot_decode(WeightFormat.MXFP4, packed.cuda(), e8m0.cuda(), torch.bfloat16, TILES[tile], swap,
+                          scale_max=128)
+    torch.testing.assert_close(got.cpu(), dequantize_mxfp4(packed, e8m0)[0].float(), rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_code_above_a_wrong_bound_decodes_as_inf_never_finite(swap: bool) -> None:
+    """A caller that claims every code is at most 128 when one is not gets inf / NaN weights in that code's
+    groups (a loud failure), and exact ones elsewhere."""
+    n, kdim = 64, 256
+    codes = torch.arange(n * kdim) % 16
+    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(1, n, kdim // 2)
+    e8m0 = torch.full((1, n, kdim // 32), 127, dtype=torch.uint8)
+    e8m0[0, 3, 1], e8m0[0, 10, 0], e8m0[0, 40, 7] = 129, 200, 255
+    got = _one_hot_decode(WeightFormat.MXFP4, packed.cuda(), e8m0.cuda(), torch.bfloat16, TILES["16x32x64"], swap,
+                          scale_max=128).cpu()
+    bad = (e8m0 > 128)[0].repeat_interleave(32, -1)
+    assert not torch.isfinite(got[bad]).any()
+    torch.testing.assert_close(got[~bad], dequantize_mxfp4(packed, e8m0)[0].float()[~bad], rtol=0, atol=0)
 
 
 @gpu
@@ -101,7 +132,8 @@ def test_every_int4_code_and_zero_point(dtype: torch.dtype, zero_points: bool) -
 
 
 def _gemm(fmt: WeightFormat, dtype: torch.dtype, config: GemmConfig, swap: bool, glu: bool, ptx: bool,
-          gen_seed: int) -> torch.Tensor:
+          gen_seed: int, scale_max: Optional[int] = None, fold: bool = False) -> torch.Tensor:
+    """``scale_max``: MXFP4 E8M0 codes up to it (else up to 134); ``fold``: the launcher told so."""
     gen = torch.Generator().manual_seed(gen_seed)
     tokens, k, experts, hidden, inter = 37, 2, 4, 224, 96  # K = 224: a partial 64-step
     n_w = 2 * inter if glu else inter
@@ -110,8 +142,10 @@ def _gemm(fmt: WeightFormat, dtype: torch.dtype, config: GemmConfig, swap: bool,
     kwargs: dict[str, object] = {}
     if fmt is WeightFormat.MXFP4:
         packed = torch.randint(0, 256, (experts, n_w, hidden // 2), generator=gen, dtype=torch.uint8)
-        kwargs["weight_scale"] = torch.randint(110, 135, (experts, n_w, hidden // 32), generator=gen,
+        high = 135 if scale_max is None else scale_max + 1
+        kwargs["weight_scale"] = torch.randint(110, high, (experts, n_w, hidden // 32), generator=gen,
                                                dtype=torch.uint8).cuda()
+        kwargs["weight_scale_max"] = scale_max if fold else None
     elif fmt is WeightFormat.NVFP4:
         q = quantize_nvfp4(w, nvfp4_global_scale(w, leading_dims=1))
         packed = q.data
@@ -141,6 +175,16 @@ def test_packed_and_portable_decodings_give_bitwise_equal_gemms(fmt: WeightForma
     fast = _gemm(fmt, dtype, TILES[tile], swap, glu, True, 7)
     slow = _gemm(fmt, dtype, TILES[tile], swap, glu, False, 7)
     assert torch.equal(fast, slow)
+
+
+@gpu
+@pytest.mark.parametrize("tile", sorted(TILES))
+@pytest.mark.parametrize("swap,glu", [(False, True), (True, False), (True, True)])
+def test_folded_mxfp4_gemms_equal_the_unfolded_and_portable_ones(tile: str, swap: bool, glu: bool) -> None:
+    folded = _gemm(WeightFormat.MXFP4, torch.bfloat16, TILES[tile], swap, glu, True, 11, scale_max=128, fold=True)
+    unfolded = _gemm(WeightFormat.MXFP4, torch.bfloat16, TILES[tile], swap, glu, True, 11, scale_max=128)
+    portable = _gemm(WeightFormat.MXFP4, torch.bfloat16, TILES[tile], swap, glu, False, 11, scale_max=128, fold=True)
+    assert torch.equal(folded, unfolded) and torch.equal(folded, portable)
 
 
 @gpu

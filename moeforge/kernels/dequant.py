@@ -21,7 +21,9 @@ Both are exact where the portable one is: an e2m1 value times an E8M0 scale (bf1
 (bf16 or fp16) is representable, so the only rounding is the MMA's accumulation; an INT4 ``(q - z)``
 is a small integer, times a scale in the compute dtype rounded once. The packed e2m1 decoding
 writes the bit pattern of ``value * 2**-126`` (bf16) or ``value * 2**-14`` (fp16) and multiplies by
-the power of two exactly (subnormal halves included), as the portable one does in fp32. Scales are
+the power of two exactly (subnormal halves included), as the portable one does in fp32; where every E8M0
+code of an MXFP4 weight is at most 128 (``FOLDED``, known from the weight), that power of two is folded
+into the scale instead, one multiply per pair fewer, same values. Scales are
 decoded once per group, then broadcast. MXFP4 with
 an fp16 compute dtype stays portable: E8M0 scales span beyond fp16's range.
 
@@ -116,6 +118,10 @@ fma.rn.bf16x2 x, x, k, nz;
 fma.rn.bf16x2 {out}, x, {scale}, nz;
 """) + "}"
 
+# The same with the x 2**126 folded into the scale (the caller's scale pairs are 2**126 times larger: see
+# E8M0_BF16_FOLDED): one packed multiply per pair fewer.
+_E2M1_BF16_FOLDED = _E2M1_BF16.replace("fma.rn.bf16x2 x, x, k, nz;\n", "").replace("mov.b32 k, 0x7E807E80;\n", "")
+
 # e2m1 to fp16: magnitude to bits 9-11, sign to bit 15 (shifts 9 and 12 overlap at bit 12, so
 # (x << 9 | x << 12) & mask); the pattern of value * 2**-14: times 2**14 (0x7400), then the scale.
 _E2M1_F16 = "{\n.reg .b32 a, b, x, y, k, nz;\nmov.b32 k, 0x74007400;\nmov.b32 nz, 0x80008000;\n" + _SPLIT + _per_byte("""
@@ -194,6 +200,17 @@ max.bf16x2 p, p, tiny;
 fma.rn.bf16x2 $0, p, zero, p;
 }"""
 
+# E8M0 scales times 2**126 for E2M1_BF16_FOLDED: 2**(s - 1), the bf16 pattern (s + 126) << 7 in both lanes, one
+# multiply-add. Exact and finite for codes 0..128 (0 -> 2**-1, 128 -> 2**127); the caller must know that every code
+# is at most 128. A larger code is clamped to 129, whose pattern is +inf: the products come out inf / NaN, never a
+# finite wrong value.
+_E8M0_BF16_FOLDED = """{
+.reg .b32 p;
+min.u32 p, $1, 129;
+mad.lo.u32 $0, p, 0x00800080, 0x3F003F00;
+}"""
+FOLDED_SCALE_MAX = 128  # the largest E8M0 code the folded decoding takes
+
 # (tl.constexpr: the only kind of global a jitted function may read)
 E2M1_BF16 = tl.constexpr(_E2M1_BF16)
 E2M1_F16 = tl.constexpr(_E2M1_F16)
@@ -202,6 +219,8 @@ INT4_F16 = tl.constexpr(_int4("0x64006400", "0x3C003C00", "f16x2"))
 E4M3_F16 = tl.constexpr(_E4M3_F16)
 E4M3_BF16 = tl.constexpr(_E4M3_BF16)
 E8M0_BF16 = tl.constexpr(_E8M0_BF16)
+E2M1_BF16_FOLDED = tl.constexpr(_E2M1_BF16_FOLDED)
+E8M0_BF16_FOLDED = tl.constexpr(_E8M0_BF16_FOLDED)
 E4M3X4_F16 = tl.constexpr(_E4M3X4_F16)
 E4M3X4_BF16 = tl.constexpr(_E4M3X4_BF16)
 
@@ -214,11 +233,18 @@ def half_pairs(x):
 
 
 @triton.jit
-def e8m0_pairs(s):
+def e8m0_pairs(s, FOLDED: tl.constexpr = False):
     """E8M0 scale codes ``s`` (uint8) as int32 bf16 pairs ``(2**(s - 127), 2**(s - 127))`` by the packed
     decoding (NVIDIA, sm_80+: bf16x2 arithmetic): exact, code 0 the subnormal ``2**-127``, 255 NaN (the
-    values of :func:`e8m0`, all representable in bf16)."""
-    return tl.inline_asm_elementwise(E8M0_BF16, "=r,r", [s.to(tl.uint32)], dtype=tl.int32, is_pure=True, pack=1)
+    values of :func:`e8m0`, all representable in bf16). ``FOLDED``: ``2**(s - 1)``, the scale times
+    ``2**126`` for :func:`e2m1_pairs`'s folded decoding, for codes up to ``FOLDED_SCALE_MAX`` (128;
+    a larger one gives +inf)."""
+    if FOLDED:
+        return tl.inline_asm_elementwise(E8M0_BF16_FOLDED, "=r,r", [s.to(tl.uint32)], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(E8M0_BF16, "=r,r", [s.to(tl.uint32)], dtype=tl.int32, is_pure=True,
+                                         pack=1)
 
 
 @triton.jit
@@ -244,11 +270,16 @@ def e4m3_pairs(s, DTYPE: tl.constexpr, CVT: tl.constexpr, BY_FOUR: tl.constexpr 
 
 
 @triton.jit
-def e2m1_pairs(packed, scale_pairs, DTYPE: tl.constexpr):
+def e2m1_pairs(packed, scale_pairs, DTYPE: tl.constexpr, FOLDED: tl.constexpr = False):
     """int32 ``[R, KB]``: for each byte of ``packed [R, KB]`` (uint8) the ``DTYPE`` (bf16 / fp16) pair
     of its low and high nibbles' e2m1 values times the byte's scale (``scale_pairs``: :func:`half_pairs`
-    of ``DTYPE`` scales, broadcast to ``packed``'s shape)."""
-    if DTYPE == tl.bfloat16:
+    of ``DTYPE`` scales, broadcast to ``packed``'s shape). ``FOLDED`` (bf16): ``scale_pairs`` are the scales
+    times ``2**126`` (``e8m0_pairs(s, FOLDED=True)``), which saves the multiplication by ``2**126``; the
+    values are the same."""
+    if DTYPE == tl.bfloat16 and FOLDED:
+        return tl.inline_asm_elementwise(E2M1_BF16_FOLDED, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
+                                         dtype=tl.int32, is_pure=True, pack=4)
+    elif DTYPE == tl.bfloat16:
         return tl.inline_asm_elementwise(E2M1_BF16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
                                          dtype=tl.int32, is_pure=True, pack=4)
     else:

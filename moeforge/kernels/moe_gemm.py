@@ -53,8 +53,8 @@ from moeforge.kernels import pdl
 from moeforge.kernels.pdl import device_capability
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
-from moeforge.kernels.dequant import (e2m1, e2m1_pairs, e4m3, e4m3_pairs, e8m0, e8m0_pairs, half_pairs, int4_offset,
-                                      int4_pairs, nibbles, unpair)
+from moeforge.kernels.dequant import (FOLDED_SCALE_MAX, e2m1, e2m1_pairs, e4m3, e4m3_pairs, e8m0, e8m0_pairs,
+                                      half_pairs, int4_offset, int4_pairs, nibbles, unpair)
 from moeforge.kernels.formats import NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat, weight_operand
 from moeforge.kernels.quantize import quantize_values, scale_of
 
@@ -137,10 +137,11 @@ def _spread(s, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _packed_weight_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl.constexpr,
                         HAS_ZEROS: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr, CVT_BY_FOUR: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SCALE_FOLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The ``[BLOCK_N, BLOCK_K]`` tile of a K-step of a 4-bit weight, dequantized to ``DTYPE``
     (:mod:`moeforge.kernels.dequant`; ``PTX``: the packed decoding, ``FP8_CVT``: with e4m3 scales
-    converted by the hardware).
+    converted by the hardware; ``SCALE_FOLD``: MXFP4 in bf16 whose E8M0 codes are all at most 128, the
+    e2m1 decoding's ``x 2**126`` folded into the scale).
 
     ``packed [BLOCK_N, BLOCK_K // 2]`` are the step's bytes (K contiguous); ``s`` / ``z`` its raw scales /
     zero points (:func:`_group_scales`, loaded a step ahead)."""
@@ -152,7 +153,8 @@ def _packed_weight_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, 
             pairs = int4_pairs(packed, _spread(half_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2),
                                _spread(half_pairs(int4_offset(z, DTYPE)), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         elif B_FMT == 4:
-            pairs = e2m1_pairs(packed, _spread(e8m0_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
+            pairs = e2m1_pairs(packed, _spread(e8m0_pairs(s, SCALE_FOLD), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE,
+                               SCALE_FOLD)
         else:
             scales = e4m3_pairs(s, DTYPE, FP8_CVT, CVT_BY_FOUR and BLOCK_K // GROUP >= 4)
             pairs = e2m1_pairs(packed, _spread(scales, GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
@@ -277,7 +279,7 @@ def _gemm_tile(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ALIGN_RATIO: tl.constexpr,
+    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr,
 ):
     """Tile ``(pid_m, pid_n)``: ``BLOCK_M`` aligned rows of one expert times ``BLOCK_N`` output columns, over the
     K-steps ``k_first .. k_last - 1``; with ``SPLIT``, one range of a split K-loop (:func:`moe_gemm_reduce_kernel`).
@@ -405,10 +407,10 @@ def _gemm_tile(
                 b_gate += b_step
                 b_up += b_step
             b = _packed_weight_tile(packed, sg, zg, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
-                                    BLOCK_N, BLOCK_K)
+                                    SCALE_FOLD, BLOCK_N, BLOCK_K)
             if GLU:
                 bu = _packed_weight_tile(packed_up, su, zu, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
-                                         BLOCK_N, BLOCK_K)
+                                         SCALE_FOLD, BLOCK_N, BLOCK_K)
             if SWAP:
                 a_t = tl.trans(a)
                 acc = tl.dot(b, a_t, acc, input_precision=PRECISION)
@@ -548,7 +550,7 @@ def moe_gemm_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ALIGN_RATIO: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
+    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile` (a jitted function
@@ -580,7 +582,7 @@ def moe_gemm_kernel(
                        stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
                        GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
                        FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                       ALIGN_RATIO)
+                       ALIGN_RATIO, SCALE_FOLD)
     else:
         pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
@@ -596,7 +598,7 @@ def moe_gemm_kernel(
                        stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
                        GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
                        FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                       ALIGN_RATIO)
+                       ALIGN_RATIO, SCALE_FOLD)
 
 
 @triton.jit
@@ -850,6 +852,7 @@ def moe_gemm(
     grid: Optional[str] = None,
     split_k: Optional[int] = None,
     aligned_block_m: Optional[int] = None,
+    weight_scale_max: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
     copy of ``sorted_ids`` (see the module docstring for the formats).
@@ -876,8 +879,15 @@ def moe_gemm(
     writing fp32 partial sums that a second kernel adds in a fixed order before the epilogue (deterministic,
     but the rounding differs from one K-loop, and with it batch invariance); by default as ``config.split_k``
     says, else :func:`default_split_k`. A split runs one program per tile (``grid="tiles"``).
+    ``weight_scale_max`` (MXFP4): a bound on the E8M0 codes of ``weight_scale``, if the caller knows one (from
+    the tensor: :class:`moeforge.kernels.scale_bound.ScaleCodeBound`). At most 128 (``FOLDED_SCALE_MAX``), the
+    packed bf16 decoding folds its ``x 2**126`` into the scales (one multiply per pair of weights fewer, the
+    same values); a code above a bound given wrongly decodes as inf, so the output is inf / NaN, never finite
+    and wrong. Ignored for other formats and by the portable decoding.
     """
     weight_format = WeightFormat(weight_format)
+    if weight_scale_max is not None and not 0 <= weight_scale_max <= 255:
+        raise ValueError(f"weight_scale_max bounds uint8 E8M0 codes (0..255), got {weight_scale_max}")
     aligned = config.block_m if aligned_block_m is None else aligned_block_m
     if aligned < 1 or aligned % config.block_m:
         raise ValueError(f"config.block_m={config.block_m} must divide the alignment's block, got {aligned}")
@@ -1004,6 +1014,8 @@ def moe_gemm(
         PREFETCH=weight_format.packed and config.block_m >= 64,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_RATIO=aligned // config.block_m,
+        SCALE_FOLD=(use_ptx and weight_format is WeightFormat.MXFP4 and compute_dtype == torch.bfloat16
+                    and weight_scale_max is not None and weight_scale_max <= FOLDED_SCALE_MAX),
         PDL=pdl.flag(dependent, release=False),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent),
     )

@@ -28,6 +28,7 @@ import torch
 from moeforge.errors import InputError
 from moeforge.kernels.config import ConfigTable, GemmConfig
 from moeforge.kernels.formats import WeightFormat, weight_operand
+from moeforge.kernels.scale_bound import ScaleCodeBound
 from moeforge.payloads import GROUP_SIZE, Activations, AlignedRows, BlockAlignment, ExpertRows, RoutedTokens
 from moeforge.spec import (
     FLOAT_DTYPES,
@@ -175,6 +176,8 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     _act: tuple[int, bool, bool, float, float] = attrs.field(init=False, repr=False)
     _fp8_epilogue: bool = attrs.field(init=False, repr=False)
     _sms: int = attrs.field(init=False, repr=False)
+    # MXFP4: the largest E8M0 code of the weight's scales, taken again whenever they change (see scale_bound)
+    _scale_bound: Optional[ScaleCodeBound] = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._validate()
@@ -182,6 +185,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         object.__setattr__(self, "_act", activation_args(self.activation))
         object.__setattr__(self, "_fp8_epilogue", not self.scheme.four_bit and isinstance(
             self.output_quantizer, PerGroupQuantizer) and self.out_features % GROUP_SIZE == 0)
+        object.__setattr__(self, "_scale_bound", ScaleCodeBound() if self.scheme is QuantScheme.MXFP4 else None)
         weight = self._weight()
         object.__setattr__(self, "_sms", torch.cuda.get_device_properties(weight.device).multi_processor_count
                            if weight.is_cuda else 132)
@@ -333,8 +337,10 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         config = self.gemm_config(alignment)
         nvfp4_rows = x.x.data.dtype == torch.uint8
         fp8_out = self._fp8_epilogue and config.block_n % GROUP_SIZE == 0
+        weight_scale = resolve(self.weight_scale)
+        scale_max = self._scale_bound.max_code(weight_scale) if self._scale_bound is not None else None
         out, out_scale = torch.ops.moeforge.moe_gemm(
-            x.x.data, x.x.scale, self._weight(), resolve(self.weight_scale),
+            x.x.data, x.x.scale, self._weight(), weight_scale,
             resolve(self.weight_zero) if self.weight_zero is not None else None,
             resolve(self.weight_global) if self.weight_global is not None else None,
             resolve(self.bias) if self.bias is not None else None,
@@ -343,7 +349,8 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             1 if x.copy_major else alignment.copies_per_row,
             int(self.scheme.weight_format),
             self.input_global_scale if nvfp4_rows and self.input_global_scale is not None else 1.0,
-            *self._act, config.as_list(), self.out_dtype.torch_dtype, fp8_out, alignment.block_m)
+            *self._act, config.as_list(), self.out_dtype.torch_dtype, fp8_out, alignment.block_m,
+            255 if scale_max is None else scale_max)
         if fp8_out:
             return dataclasses.replace(x, x=Activations(out, out_scale), copy_major=True)
         if self.output_quantizer is not None:
