@@ -54,13 +54,18 @@ def _one_hot_decode(fmt: WeightFormat, packed: torch.Tensor, scale: torch.Tensor
     return out.t()
 
 
+def _every_e2m1_code(n: int, kdim: int) -> torch.Tensor:
+    """Packed ``[1, n, kdim / 2]`` bytes cycling through the 16 codes along each row."""
+    codes = torch.arange(n * kdim) % 16
+    return (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(1, n, kdim // 2)
+
+
 @gpu
 @pytest.mark.parametrize("tile", sorted(TILES))
 @pytest.mark.parametrize("swap", [False, True])
 def test_every_e2m1_code_under_every_e8m0_scale(tile: str, swap: bool) -> None:
     n, kdim = 64, 512
-    codes = torch.arange(n * kdim) % 16
-    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(1, n, kdim // 2)
+    packed = _every_e2m1_code(n, kdim)
     # every E8M0 code from 0 (2**-127, a subnormal product) to 252; 6 * 2**126 is bf16's largest
     e8m0 = (torch.arange(n * kdim // 32) % 253).to(torch.uint8).view(1, n, kdim // 32)
     got = _one_hot_decode(WeightFormat.MXFP4, packed.cuda(), e8m0.cuda(), torch.bfloat16, TILES[tile], swap)
@@ -74,8 +79,7 @@ def test_every_e2m1_code_under_every_e8m0_scale(tile: str, swap: bool) -> None:
 def test_every_e2m1_code_under_every_foldable_e8m0_scale(tile: str, swap: bool) -> None:
     """With a bound of 128 the x 2**126 is folded into the scales: every code 0..128 still decodes exactly."""
     n, kdim = 64, 512
-    codes = torch.arange(n * kdim) % 16
-    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(1, n, kdim // 2)
+    packed = _every_e2m1_code(n, kdim)
     e8m0 = (torch.arange(n * kdim // 32) % 129).to(torch.uint8).view(1, n, kdim // 32)
     got = _one_hot_decode(WeightFormat.MXFP4, packed.cuda(), e8m0.cuda(), torch.bfloat16, TILES[tile], swap,
                           scale_max=128)
@@ -89,8 +93,7 @@ def test_a_code_above_a_wrong_bound_decodes_as_inf_never_finite(swap: bool) -> N
     every output of the weight rows that hold one is inf / NaN (a loud failure; in this one-hot product the
     zeros times inf make NaN of the whole row), the other rows are exact."""
     n, kdim = 64, 256
-    codes = torch.arange(n * kdim) % 16
-    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(1, n, kdim // 2)
+    packed = _every_e2m1_code(n, kdim)
     e8m0 = torch.full((1, n, kdim // 32), 127, dtype=torch.uint8)
     e8m0[0, 3, 1], e8m0[0, 10, 0], e8m0[0, 40, 7] = 129, 200, 255
     got = _one_hot_decode(WeightFormat.MXFP4, packed.cuda(), e8m0.cuda(), torch.bfloat16, TILES["16x32x64"], swap,
@@ -105,8 +108,7 @@ def test_a_code_above_a_wrong_bound_decodes_as_inf_never_finite(swap: bool) -> N
 @pytest.mark.parametrize("swap", [False, True])
 def test_every_e2m1_code_under_every_e4m3_scale(dtype: torch.dtype, swap: bool) -> None:
     n, kdim = 64, 256
-    codes = torch.arange(n * kdim) % 16
-    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(1, n, kdim // 2)
+    packed = _every_e2m1_code(n, kdim)
     e4m3 = ((torch.arange(n * kdim // 16) % 127) | ((torch.arange(n * kdim // 16) // 127 % 2) << 7))
     e4m3 = e4m3.to(torch.uint8).view(1, n, kdim // 16).view(torch.float8_e4m3fn)  # both signs, no NaN
     ones = torch.ones(1)
@@ -120,8 +122,8 @@ def test_every_e2m1_code_under_every_e4m3_scale(dtype: torch.dtype, swap: bool) 
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_every_int4_code_and_zero_point(dtype: torch.dtype, zero_points: bool) -> None:
     n, kdim, group = 64, 256, 32
+    packed = _every_e2m1_code(n, kdim)  # (every INT4 code)
     codes = torch.arange(n * kdim) % 16
-    packed = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(1, n, kdim // 2)
     scale = (torch.rand(1, n, kdim // group, generator=torch.Generator().manual_seed(5)) + 0.1).to(dtype)
     zero = (torch.arange(n * kdim // group) * 7 % 16).to(torch.uint8).view(1, n, kdim // group)
     got = _one_hot_decode(WeightFormat.INT4, packed.cuda(), scale.cuda(), dtype, TILES["16x64x32"], False,
