@@ -63,26 +63,16 @@ def _every_e2m1_code(n: int, kdim: int) -> torch.Tensor:
 @gpu
 @pytest.mark.parametrize("tile", sorted(TILES))
 @pytest.mark.parametrize("swap", [False, True])
-def test_every_e2m1_code_under_every_e8m0_scale(tile: str, swap: bool) -> None:
+@pytest.mark.parametrize("folded", [False, True])
+def test_every_e2m1_code_under_every_e8m0_scale(tile: str, swap: bool, folded: bool) -> None:
+    """Every E8M0 code from 0 (2**-127, a subnormal product) to 252 (6 * 2**126 is bf16's largest) decodes
+    exactly; ``folded``: with a bound of 128 the x 2**126 is folded into the scales, every code 0..128."""
     n, kdim = 64, 512
     packed = _every_e2m1_code(n, kdim)
-    # every E8M0 code from 0 (2**-127, a subnormal product) to 252; 6 * 2**126 is bf16's largest
-    e8m0 = (torch.arange(n * kdim // 32) % 253).to(torch.uint8).view(1, n, kdim // 32)
-    got = _one_hot_decode(WeightFormat.MXFP4, packed.cuda(), e8m0.cuda(), torch.bfloat16, TILES[tile], swap)
-    want = dequantize_mxfp4(packed, e8m0)[0].float()
-    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
-
-
-@gpu
-@pytest.mark.parametrize("tile", sorted(TILES))
-@pytest.mark.parametrize("swap", [False, True])
-def test_every_e2m1_code_under_every_foldable_e8m0_scale(tile: str, swap: bool) -> None:
-    """With a bound of 128 the x 2**126 is folded into the scales: every code 0..128 still decodes exactly."""
-    n, kdim = 64, 512
-    packed = _every_e2m1_code(n, kdim)
-    e8m0 = (torch.arange(n * kdim // 32) % 129).to(torch.uint8).view(1, n, kdim // 32)
+    largest = 128 if folded else 252
+    e8m0 = (torch.arange(n * kdim // 32) % (largest + 1)).to(torch.uint8).view(1, n, kdim // 32)
     got = _one_hot_decode(WeightFormat.MXFP4, packed.cuda(), e8m0.cuda(), torch.bfloat16, TILES[tile], swap,
-                          scale_max=128)
+                          scale_max=largest if folded else None)
     torch.testing.assert_close(got.cpu(), dequantize_mxfp4(packed, e8m0)[0].float(), rtol=0, atol=0)
 
 
