@@ -43,12 +43,14 @@ _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 
 def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, int], warps: int, stages: int,
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
-                   fold: bool = False) -> Any:
+                   fold: bool = False, half_tail: bool = False, persistent: int = 0) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
     the weight tiles loaded by pointer (the TMA path takes a descriptor argument, not compiled here) and one
     program per tile (a persistent grid's tile loop would be the longest loop). ``fold``: MXFP4 in bf16 with the
-    ``x 2**126`` folded into the scales (weights whose E8M0 codes are all at most 128)."""
+    ``x 2**126`` folded into the scales (weights whose E8M0 codes are all at most 128). ``half_tail``: with the
+    half-height variant of the tile for the experts' last blocks (the loop counted is the full tile's);
+    ``persistent``: the grid (0 one program per tile, 1 persistent, 2 flattened)."""
     names = moe_gemm_kernel.arg_names
     packed = weights.packed
     fp8 = weights is WeightFormat.FP8
@@ -65,7 +67,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=True,
         PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed,
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
-        B_TMA=0, SPLIT=False, PERSISTENT=0, PDL=False, BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
+        B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, PDL=False, BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and weights is WeightFormat.MXFP4 and dtype == "bf16",
         # unit strides, as the launcher's contiguous operands have them
@@ -133,6 +135,10 @@ def main() -> None:
     parser.add_argument("--tile-scale", action="store_true", help="fp8-block: one weight scale per tile and step")
     parser.add_argument("--fold", action="store_true",
                         help="mxfp4, bf16: the x 2**126 folded into the scales (E8M0 codes all <= 128)")
+    parser.add_argument("--half-tail", action="store_true",
+                        help="with the half-height tile for the experts' last blocks (GemmConfig.half_tail)")
+    parser.add_argument("--grid", type=int, default=0, choices=(0, 1, 2),
+                        help="0 one program per tile, 1 persistent, 2 flattened")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -140,7 +146,8 @@ def main() -> None:
         raise SystemExit("--block takes BLOCK_M,BLOCK_N,BLOCK_K")
     kernel = compile_kernel(FORMATS[args.weights], glu=args.glu, block=block, warps=args.warps,  # type: ignore[arg-type]
                             stages=args.stages, dtype=args.dtype, swap=args.swap, ptx=not args.portable,
-                            prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold)
+                            prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold,
+                            half_tail=args.half_tail, persistent=args.grid)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)

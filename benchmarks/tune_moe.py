@@ -1,7 +1,7 @@
 """Tune the grouped-GEMM launch configurations for this GPU, in any weight format (CUDA only).
 
     python benchmarks/tune_moe.py --shapes qwen3,mixtral [--formats bf16,fp8,fp8-channel,int8,w4a16,mxfp4,nvfp4]
-                                  [--tokens 1,8,...] [--jobs 8] [--tma] [--split-k] [--out FILE]
+                                  [--tokens 1,8,...] [--jobs 8] [--tma] [--split-k] [--half-tail] [--out FILE]
 
 For each shape, format and token count it times both expert GEMMs of a triton ``MoELayer`` in that
 format (the gate/up GEMM with its fused activation, and the down GEMM), exactly as the layer runs
@@ -219,11 +219,12 @@ SPLITS = (1, 2, 4)  # --split-k: the K-loop splits timed at decode (a few rows p
 
 
 def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int, tma: bool = False,
-         split_k: bool = False) -> dict[int, dict[str, list[GemmConfig]]]:
+         split_k: bool = False, half_tail: bool = False) -> dict[int, dict[str, list[GemmConfig]]]:
     """The candidates by ``block_m`` and GEMM for one token count (the layer's own choice included);
     ``tma``: each with the weight tiles by pointer and by TMA (else the launcher's rule decides);
     ``split_k``: at decode (at most 4 rows per expert), each with the K-loop in 1, 2 and 4 ranges (else the
-    launcher's rule decides)."""
+    launcher's rule decides); ``half_tail``: each of at least 32 rows (the layer's own choice too) also with
+    half-height tiles for the experts' last blocks (``GemmConfig.half_tail``)."""
     gemms = Gemms.of(layer)
     chosen = gemms.chosen(routed_tokens(layer, shape, tokens))
     space = list(candidates(fmt, tokens * layer.top_k / layer.num_experts))
@@ -231,10 +232,15 @@ def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens:
         space = [attrs.evolve(config, tma=choice) for config in space for choice in (False, True)]
     if split_k and tokens * layer.top_k / layer.num_experts <= 4:
         space = [attrs.evolve(config, split_k=splits) for config in space for splits in SPLITS]
+    gate_up_space, down_space = [*space, chosen[0]], [*space, chosen[1]]
+    if half_tail:
+        gate_up_space, down_space = ([c for config in configs for c in (
+            (config, attrs.evolve(config, half_tail=True)) if config.block_m >= 32 else (config,))]
+            for configs in (gate_up_space, down_space))
     by_block: dict[int, dict[str, list[GemmConfig]]] = {}
-    for config in [*space, chosen[0]]:
+    for config in gate_up_space:
         by_block.setdefault(config.block_m, {"gate_up": [], "down": []})["gate_up"].append(config)
-    for config in [*space, chosen[1]]:
+    for config in down_space:
         by_block.setdefault(config.block_m, {"gate_up": [], "down": []})["down"].append(config)
     return {m: {role: list(dict.fromkeys(configs)) for role, configs in v.items()} for m, v in by_block.items()}
 
@@ -259,10 +265,10 @@ def runners(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, b
 # -- compiling ahead, in parallel ------------------------------------------------------------------
 
 
-def _compile(job: tuple[str, str, list[int], int, int, Any, bool]) -> int:
+def _compile(job: tuple[str, str, list[int], int, int, Any, bool, bool, bool]) -> int:
     """Launch (and so compile into Triton's cache) every ``index % count == worker`` candidate;
     ``creating``: a lock, one layer created at a time (quantizing one takes many times its size)."""
-    shape_name, fmt, tokens_list, worker, count, creating, tma, split_k = job
+    shape_name, fmt, tokens_list, worker, count, creating, tma, split_k, half_tail = job
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
     with creating:
@@ -272,7 +278,7 @@ def _compile(job: tuple[str, str, list[int], int, int, Any, bool]) -> int:
     index = 0
     with torch.no_grad():
         for tokens in tokens_list:
-            for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k).items():
+            for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k, half_tail).items():
                 run = runners(layer, shape, tokens, block_m)
                 for role, configs in roles.items():
                     for config in configs:
@@ -289,13 +295,13 @@ def _compile(job: tuple[str, str, list[int], int, int, Any, bool]) -> int:
 
 
 def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int, tma: bool = False,
-                  split_k: bool = False) -> None:
+                  split_k: bool = False, half_tail: bool = False) -> None:
     if jobs <= 1:
         return
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         lock = manager.Lock()
-        jobs_list = [(shape_name, fmt, tokens_list, w, jobs, lock, tma, split_k) for w in range(jobs)]
+        jobs_list = [(shape_name, fmt, tokens_list, w, jobs, lock, tma, split_k, half_tail) for w in range(jobs)]
         done = sum(pool.map(_compile, jobs_list))
     print(f"  compiled {done} launches in {jobs} processes", flush=True)
 
@@ -338,7 +344,8 @@ def best_pair(best: dict[int, dict[str, Timed]], on_larger: dict[tuple[int, int]
 
 
 def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int,
-              flush: torch.Tensor, reps: int, tma: bool = False, split_k: bool = False) -> dict[str, Any]:
+              flush: torch.Tensor, reps: int, tma: bool = False, split_k: bool = False,
+              half_tail: bool = False) -> dict[str, Any]:
     best: dict[int, dict[str, Timed]] = {}
     runs: dict[int, dict[str, Callable[[GemmConfig], Callable[[], Any]]]] = {}
 
@@ -350,7 +357,7 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
             return None
 
     with torch.no_grad():
-        for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k).items():
+        for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k, half_tail).items():
             runs[block_m] = runners(layer, shape, tokens, block_m)
             for role, configs in roles.items():
                 for config in configs:
@@ -375,7 +382,8 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
                              num_warps=c.num_warps, num_stages=c.num_stages,
                              **({} if c.tma is None else dict(tma=c.tma)),
                              **({} if c.split_k is None else dict(split_k=c.split_k)),
-                             **({} if not c.swap else dict(swap=True)))
+                             **({} if not c.swap else dict(swap=True)),
+                             **({} if not c.half_tail else dict(half_tail=True)))
     return dict(gate_up=as_dict(chosen["gate_up"][1]), down=as_dict(chosen["down"][1]), us=round(total, 2))
 
 
@@ -395,6 +403,9 @@ def main() -> None:
                         help="at decode (at most 4 rows per expert), time each candidate with the K-loop split into "
                              f"{', '.join(map(str, SPLITS))} ranges, and write the choice into the table (else the "
                              "launcher's rule decides)")
+    parser.add_argument("--half-tail", action="store_true",
+                        help="time each candidate of at least 32 rows also with half-height tiles for the experts' "
+                             "last blocks, and write the choice into the table")
     args = parser.parse_args()
     formats = args.formats.split(",")
     unknown = [f for f in formats if f not in FORMATS]
@@ -421,14 +432,14 @@ def main() -> None:
                 continue
             torch.manual_seed(0)
             compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs), args.tma,
-                          args.split_k)
+                          args.split_k, args.half_tail)
             layer = build_layer(shape, fmt)
             key = table_key(shape, fmt)
             print(f"{name} {key}", flush=True)
             entries = table.setdefault(key, {})
             for tokens in tokens_list:
                 entries[str(tokens)] = tune_cell(layer, shape, fmt, tokens, flush, args.reps, args.tma,
-                                                    args.split_k)
+                                                    args.split_k, args.half_tail)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(table, indent=1, sort_keys=True))  # progress survives a time-out
             del layer

@@ -57,7 +57,7 @@ def family_checked_on(device: torch.device) -> bool:
 
 def in_family(config: GemmConfig) -> bool:
     """Whether ``config`` reduces like every other member of the batch-invariant family."""
-    return (config.block_k == INVARIANT_BLOCK_K and config.split_k == 1 and not config.swap
+    return (config.block_k == INVARIANT_BLOCK_K and config.split_k == 1 and not config.swap and not config.half_tail
             and INVARIANT_MIN_BLOCK_M <= config.block_m <= INVARIANT_MAX_BLOCK_M and config.num_warps % 4 == 0)
 
 
@@ -68,7 +68,8 @@ def family_member(config: GemmConfig, element_bytes: int, b_tiles: int) -> GemmC
     :data:`INVARIANT_GEMM` where even two stages do not fit."""
     block_m = min(max(config.block_m, INVARIANT_MIN_BLOCK_M), INVARIANT_MAX_BLOCK_M)
     member = attrs.evolve(config, block_m=block_m, block_k=INVARIANT_BLOCK_K,
-                          num_warps=max(4 * (config.num_warps // 4), 4), split_k=1, swap=False)
+                          num_warps=max(4 * (config.num_warps // 4), 4), split_k=1, swap=False,
+                          half_tail=False)
     fitted = fit_shared_memory(member, element_bytes, b_tiles)
     return fitted if fitted.block_k == INVARIANT_BLOCK_K else INVARIANT_GEMM
 

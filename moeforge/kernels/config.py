@@ -39,6 +39,21 @@ class GemmConfig:
     # whose MMAs then stay in flight across K-steps; ``moe_gemm.moe_gemm``). False: ``rows @ W^T``. Which wins
     # depends on the tile (docs/kernels.md, "The swapped 4-bit product"), so only a tuned table sets it.
     swap: bool = False
+    # A row block whose second half is only padding (an expert's last block holding at most ``block_m / 2``
+    # rows) runs as a ``block_m / 2``-row tile: half the MMA work on it (``moe_gemm.moe_gemm``). Pays in some
+    # cells and loses in others (docs/kernels.md, "Half-height tiles for the experts' last blocks"), so only a
+    # tuned table sets it. Needs ``block_m >= 32`` (the half tile's dot has 16 rows at least).
+    half_tail: bool = attrs.field(default=False)
+
+    @half_tail.validator
+    def _check_half_tail(self, attribute: Any, value: bool) -> None:
+        if value and self.block_m < 32:
+            raise ValueError(f"half_tail needs block_m >= 32 (its half tiles have block_m / 2 rows), "
+                             f"got {self.block_m}")
+
+    def with_block_m(self, block_m: int) -> GemmConfig:
+        """The configuration with another ``block_m`` (``half_tail`` dropped below 32 rows)."""
+        return attrs.evolve(self, block_m=block_m, half_tail=self.half_tail and block_m >= 32)
 
     @split_k.validator
     def _check_split_k(self, attribute: Any, value: Optional[int]) -> None:
@@ -47,22 +62,23 @@ class GemmConfig:
 
     def as_list(self) -> list[int]:
         """The configuration as integers (a custom op's argument): ``tma`` as -1 (None), 0 or 1, ``split_k`` as
-        0 (None) or itself, ``swap`` as 0 or 1."""
+        0 (None) or itself, ``swap`` and ``half_tail`` as 0 or 1."""
         return [self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps, self.num_stages,
                 -1 if self.tma is None else int(self.tma), 0 if self.split_k is None else self.split_k,
-                int(self.swap)]
+                int(self.swap), int(self.half_tail)]
 
     @classmethod
     def from_list(cls, values: list[int]) -> GemmConfig:
         """The inverse of :meth:`as_list` (six integers: ``tma`` None; seven: ``split_k`` None; eight: ``swap``
-        False)."""
-        if len(values) not in (6, 7, 8, 9):
-            raise ValueError(f"a GemmConfig list has 6 to 9 integers, got {values}")
+        False; nine: ``half_tail`` False)."""
+        if len(values) not in (6, 7, 8, 9, 10):
+            raise ValueError(f"a GemmConfig list has 6 to 10 integers, got {values}")
         tma = None if len(values) == 6 or values[6] < 0 else bool(values[6])
         split_k = None if len(values) < 8 or values[7] == 0 else values[7]
-        swap = len(values) == 9 and bool(values[8])
+        swap = len(values) >= 9 and bool(values[8])
+        half_tail = len(values) == 10 and bool(values[9])
         block_m, block_n, block_k, group_m, num_warps, num_stages = values[:6]
-        return cls(block_m, block_n, block_k, group_m, num_warps, num_stages, tma, split_k, swap)
+        return cls(block_m, block_n, block_k, group_m, num_warps, num_stages, tma, split_k, swap, half_tail)
 
 
 @attrs.frozen
@@ -201,12 +217,12 @@ class ConfigTable:
         if self.max_block_m is None or config.block_m <= self.max_block_m:
             return config
         cap = self.max_block_m
-        return MoEConfig(attrs.evolve(config.gate_up, block_m=min(config.gate_up.block_m, cap)),
-                         attrs.evolve(config.down, block_m=min(config.down.block_m, cap)))
+        return MoEConfig(config.gate_up.with_block_m(min(config.gate_up.block_m, cap)),
+                         config.down.with_block_m(min(config.down.block_m, cap)))
 
     @staticmethod
     def _with_block_m(config: MoEConfig, block_m: int) -> MoEConfig:
-        return MoEConfig(attrs.evolve(config.gate_up, block_m=block_m), attrs.evolve(config.down, block_m=block_m))
+        return MoEConfig(config.gate_up.with_block_m(block_m), config.down.with_block_m(block_m))
 
     @classmethod
     def from_json(cls, num_experts: int, top_k: int, entries: dict[str, Any]) -> ConfigTable:

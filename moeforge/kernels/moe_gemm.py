@@ -532,6 +532,64 @@ def _gemm_tile(
 
 
 @triton.jit
+def _gemm_block(
+    pid_m, pid_n, k_first, k_last, p_ptr, stride_pm,
+    a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
+    sorted_ids_ptr, block_expert_ptr,
+    N, K, num_copies, rows_per_a, a_global,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_be, stride_bn, stride_bk,
+    stride_bse, stride_bsn, stride_bsk,
+    stride_bze, stride_bzn, stride_bzk,
+    stride_bias_e, stride_bias_n,
+    stride_cm, stride_cn, stride_csm, stride_csg,
+    gate_stride, up_offset,
+    alpha, limit,
+    A_FMT: tl.constexpr, A_SCALE: tl.constexpr, B_FMT: tl.constexpr, B_BLOCKED: tl.constexpr,
+    B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
+    ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
+    CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr,
+):
+    """:func:`_gemm_tile` of row block ``pid_m``; with ``HALF_TAIL``, a block whose second half is only padding
+    (an expert's last block, at most ``BLOCK_M / 2`` rows: the rows are sorted by expert, each expert's padding
+    after its rows) as its first half alone, a ``BLOCK_M / 2``-row tile: half the MMA work on the same rows (bitwise
+    the same where both tiles take the same MMA instruction: see :func:`moe_gemm`)."""
+    if HALF_TAIL:
+        if tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_copies:
+            _gemm_tile(2 * pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc,
+                       b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
+                       block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
+                       stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
+                       stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
+                       stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
+                       GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
+                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, 2 *
+                       ALIGN_RATIO, SCALE_FOLD)
+        else:
+            _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
+                       b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
+                       block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
+                       stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
+                       stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
+                       stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
+                       GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
+                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN_RATIO,
+                       SCALE_FOLD)
+    else:
+        _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
+                   b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
+                   block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
+                   stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
+                   stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm, stride_csg,
+                   gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP,
+                   HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
+                   CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN_RATIO, SCALE_FOLD)
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, p_ptr,
@@ -550,7 +608,8 @@ def moe_gemm_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr,
+    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, PERSISTENT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile` (a jitted function
@@ -574,15 +633,15 @@ def moe_gemm_kernel(
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=PERSISTENT == 2):
             pid_m, pid_n = _grouped(tile, num_pid_m, num_pid_n, GROUP_M)
-            _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
-                       b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                       block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
-                       stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
-                       stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
-                       stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
-                       GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
-                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                       ALIGN_RATIO, SCALE_FOLD)
+            _gemm_block(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
+                        b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
+                        block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
+                        stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
+                        stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
+                        stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
+                        B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION,
+                        SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL)
     else:
         pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
@@ -590,15 +649,15 @@ def moe_gemm_kernel(
         if ALIGN_RATIO > 1:  # a block of only padding rows (aligned by a larger block) has nothing to compute
             live = live & (tl.load(sorted_ids_ptr + pid_m * BLOCK_M) < num_copies)
         if live:
-            _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
-                       b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                       block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
-                       stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
-                       stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
-                       stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
-                       GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
-                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                       ALIGN_RATIO, SCALE_FOLD)
+            _gemm_block(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
+                        b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
+                        block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
+                        stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
+                        stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
+                        stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
+                        B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION,
+                        SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL)
 
 
 @triton.jit
@@ -853,6 +912,7 @@ def moe_gemm(
     split_k: Optional[int] = None,
     aligned_block_m: Optional[int] = None,
     weight_scale_max: Optional[int] = None,
+    half_tail: Optional[bool] = None,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
     copy of ``sorted_ids`` (see the module docstring for the formats).
@@ -884,6 +944,13 @@ def moe_gemm(
     packed bf16 decoding folds its ``x 2**126`` into the scales (one multiply per pair of weights fewer, the
     same values); a code above a bound given wrongly decodes as inf, so the output is inf / NaN, never finite
     and wrong. Ignored for other formats and by the portable decoding.
+    ``half_tail``: run a row block whose second half is only padding (an expert's last block with at most
+    ``config.block_m / 2`` rows) as a ``block_m / 2``-row tile, half the MMA work. Bitwise the same output where
+    both tiles take the same MMA instruction (Hopper: wgmma for 128 and 64 rows, ``mma.sync`` for 32 and 16);
+    a 64-row block's 32-row half leaves wgmma for ``mma.sync``, which rounds the sums differently. Unless given,
+    as ``config.half_tail`` says (a tuned table's choice). Needs ``config.block_m >= 32``. Its default grid is one
+    program per tile: on an H200 the branch made the persistent grids' tiles 4-22 % slower
+    (results/ab_half_tail_gemms_persistent-...log); the flattened grid cannot take it.
     """
     weight_format = WeightFormat(weight_format)
     if weight_scale_max is not None and not 0 <= weight_scale_max <= 255:
@@ -898,6 +965,12 @@ def moe_gemm(
                          "rows were aligned with (aligned_block_m, by default config.block_m)")
     if grid is not None and grid not in GRIDS:
         raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
+    use_half_tail = config.half_tail if half_tail is None else half_tail
+    if use_half_tail and config.block_m < 32:
+        raise ValueError(f"half_tail needs block_m >= 32 (its half tiles have block_m / 2 rows), got {config.block_m}")
+    if use_half_tail and grid == "flattened":
+        raise ValueError("half_tail branches per tile, which the flattened grid cannot: use grid='persistent' or "
+                         "'tiles'")
     row_format = RowFormat.of(a.dtype)
     if row_format is RowFormat.NVFP4 and weight_format in (WeightFormat.FP8, WeightFormat.INT8):
         raise ValueError("NVFP4 rows meet float or 4-bit weights, not 8-bit ones")
@@ -964,6 +1037,8 @@ def moe_gemm(
         raise ValueError(f"a split K-loop runs one program per tile, not grid={grid!r}")
     grid_kind = "tiles" if splits > 1 else grid if grid is not None else default_grid(
         capability, weight_format, config, glu, num_copies / weight.shape[0])
+    if use_half_tail and grid is None:
+        grid_kind = "tiles"
     if grid_kind == "tiles":
         launch: tuple[int, ...] = (tiles, splits) if splits > 1 else (tiles,)
     else:  # one program per SM
@@ -1014,6 +1089,7 @@ def moe_gemm(
         PREFETCH=weight_format.packed and config.block_m >= 64,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_RATIO=aligned // config.block_m,
+        HALF_TAIL=use_half_tail,
         SCALE_FOLD=(use_ptx and weight_format is WeightFormat.MXFP4 and compute_dtype == torch.bfloat16
                     and weight_scale_max is not None and weight_scale_max <= FOLDED_SCALE_MAX),
         PDL=pdl.flag(dependent, release=False),

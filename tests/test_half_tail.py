@@ -1,0 +1,271 @@
+"""Half-height tiles for the experts' last blocks (``GemmConfig.half_tail``, ``moe_gemm(..., half_tail=True)``).
+
+A row block whose second half is only padding (an expert's last block, at most ``block_m / 2`` rows) runs as a
+``block_m / 2``-row tile. Its rows are computed by the same MMA instructions when both tiles use the same kind
+(``mma.sync`` for 32 and 16 rows, Hopper's wgmma for 128 and 64), so on the GPU the outputs are then bitwise those
+of the full blocks; a 64-row block's 32-row half moves from wgmma to ``mma.sync`` and rounds its sums differently
+(compared closely). Under Triton's interpreter on CPU (numpy products of other shapes) they are compared closely. Every format and epilogue, the swapped 4-bit product, split K-loops,
+the persistent grid, rows aligned by a larger block, FP8 output quantized per 128-group, and a whole layer from
+a table whose entries ask for it. The routing gives experts a last block above half (full tile), at most half
+(half tile: 8, 16 and 1 rows) and no rows. Outputs are poisoned with NaN: every element is proven written.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import attrs
+import pytest
+import torch
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import moeforge as mf  # noqa: E402
+from moeforge.batch_invariant import family_member, in_family  # noqa: E402
+from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
+from moeforge.kernels.formats import WeightFormat  # noqa: E402
+from moeforge.stages.triton import act_code  # noqa: E402
+from test_triton_quant_gemm import ACTIVATIONS, quantize_activations, quantize_weight_w8, reference_gemm, rel  # noqa: E402
+from test_weight_tma import CUDA, DEVICE, DTYPE, FORMATS, HOPPER, operands  # noqa: E402
+
+# rows per expert: 40 (a full block of 32, then 8: a half tile), 20 (one block above half: a full tile),
+# 16 (exactly half: a half tile), none, 1 (a half tile)
+COUNTS = (40, 20, 16, 0, 1)
+
+
+def _ids(counts: tuple[int, ...] = COUNTS, seed: int = 0) -> torch.Tensor:
+    """``[tokens, 1]`` expert ids with ``counts[e]`` rows on expert ``e``, in a shuffled order."""
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
+    return ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(seed))][:, None]
+
+
+def _same(full: torch.Tensor, half: torch.Tensor, bitwise: bool = CUDA) -> None:
+    assert not torch.isnan(full.float()).any() and not torch.isnan(half.float()).any()
+    if bitwise:
+        assert torch.equal(full, half)
+    else:  # numpy's products of 16 and 32 rows may sum in other orders; so do wgmma and mma.sync
+        assert rel(half, full) < 1e-2
+
+
+def _run(fmt: str, *, glu: bool, config: GemmConfig, hidden: int = 64, n_out: int = 40, aligned: int | None = None,
+         seed: int = 0, counts: tuple[int, ...] = COUNTS, **options: Any
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(output with full tiles, with half tails, float64 reference of the float operands)``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = _ids(counts, seed=seed).to(DEVICE)
+    tokens, experts = ids.shape[0], len(counts)
+    rows = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    w = (torch.randn(experts, 2 * n_out if glu else n_out, hidden, generator=gen) * hidden ** -0.5).to(DEVICE)
+    plan = align.align_block_size(ids, experts, aligned or config.block_m)
+    act = ACTIVATIONS["swiglu"] if glu else None
+    args = operands(fmt, rows, w)
+    a, weight = args.pop("a"), args.pop("weight")
+    outs = []
+    for half_tail in (False, True):
+        out = torch.full((tokens, n_out), float("nan"), dtype=DTYPE, device=DEVICE)
+        moe_gemm.moe_gemm(a, weight, out, *plan, rows_per_a=1, config=config, act=act_code(act) if act else 0,
+                          glu=glu, half_tail=half_tail, aligned_block_m=aligned, **options, **args)
+        outs.append(out)
+    return outs[0], outs[1], reference_gemm(rows, 1, ids, w, None, act)
+
+
+@pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_half_tiles_compute_the_rows_of_full_blocks(fmt: str, glu: bool) -> None:
+    config = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=2)
+    full, half, ref = _run(fmt, glu=glu, config=config, hidden=64 if fmt != "fp8-block" else 256)
+    _same(full, half)
+    assert rel(half, ref) < 0.5  # loose: 4-bit quantization errors reach 0.2; a wrong expert or row is near 1
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (wgmma tiles)")
+@pytest.mark.parametrize("swap", [False, True], ids=["rows@W", "W@rows"])
+@pytest.mark.parametrize("fmt", ["float", "fp8-block", "int4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("block", [(128, 128, 64, 8), (64, 64, 64, 4)], ids=["128-rows", "64-rows"])
+def test_half_tiles_on_hopper_tiles(block: tuple[int, int, int, int], fmt: str, swap: bool) -> None:
+    """The tables' wgmma tiles at a real width: 128-row blocks' 64-row halves bitwise (wgmma both), 64-row blocks'
+    32-row halves close (mma.sync). Rows per expert 300 (two blocks and a half tail), 200 (a full last block), 64,
+    none, 1."""
+    if swap and fmt in ("float", "fp8-block"):
+        pytest.skip("the swapped product is for 4-bit weights")
+    block_m, block_n, block_k, warps = block
+    config = GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=warps, num_stages=3, swap=swap)
+    full, half, ref = _run(fmt, glu=True, config=config, hidden=1024, n_out=704, seed=3, counts=(300, 200, 64, 0, 1))
+    _same(full, half, bitwise=block_m == 128)
+    assert rel(half, ref) < 0.5
+
+
+@pytest.mark.parametrize("fmt", ["int4-zeros", "mxfp4", "nvfp4"])
+def test_half_tiles_with_the_swapped_4bit_product(fmt: str) -> None:
+    config = GemmConfig(32, 32, 32, group_m=1, num_warps=4, num_stages=2, swap=True)
+    full, half, ref = _run(fmt, glu=True, config=config)
+    _same(full, half)
+    assert rel(half, ref) < 0.5
+
+
+@pytest.mark.parametrize("schedule", ["split_k", "persistent", "aligned by 64", "tma"])
+def test_half_tiles_with_the_other_schedules(schedule: str) -> None:
+    config = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=2)
+    options: dict[str, Any] = {"split_k": dict(split_k=2), "persistent": dict(grid="persistent"),
+                               "aligned by 64": dict(aligned=64), "tma": dict(tma=True)}[schedule]
+    for fmt in ("float", "mxfp4"):
+        full, half, ref = _run(fmt, glu=True, config=config, **options)
+        _same(full, half)
+        assert rel(half, ref) < 0.5
+
+
+def test_half_tiles_with_fp8_output_quantized_in_the_epilogue() -> None:
+    gen = torch.Generator().manual_seed(3)
+    ids = _ids(seed=3).to(DEVICE)
+    tokens, experts, hidden, n_out = ids.shape[0], len(COUNTS), 256, 128
+    rows = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    w = (torch.randn(experts, 2 * n_out, hidden, generator=gen) * hidden ** -0.5).to(DEVICE)
+    x = quantize_activations(rows, torch.float8_e4m3fn, "group")
+    q, scale, _ = quantize_weight_w8(w, torch.float8_e4m3fn, True)
+    plan = align.align_block_size(ids, experts, 32)
+    config = GemmConfig(32, 128, 64, group_m=1, num_warps=4, num_stages=2)
+    outs = []
+    for half_tail in (False, True):
+        out = torch.empty(tokens, n_out, dtype=torch.float8_e4m3fn, device=DEVICE)
+        out_scale = torch.full((tokens, 1), float("nan"), device=DEVICE)
+        moe_gemm.moe_gemm(x.data, q, out, *plan, rows_per_a=1, config=config, a_scale=x.scale, weight_scale=scale,
+                          weight_format=WeightFormat.FP8, act=act_code(mf.ActivationConfig()), glu=True,
+                          out_scale=out_scale, half_tail=half_tail)
+        outs.append(out.float() * out_scale)
+    _same(outs[0], outs[1])
+
+
+def test_the_configuration_carries_half_tail_and_refuses_small_blocks() -> None:
+    config = GemmConfig(64, 128, 64, half_tail=True)
+    assert GemmConfig.from_list(config.as_list()) == config
+    assert not GemmConfig.from_list([64, 128, 64, 8, 4, 3, -1, 0, 0]).half_tail  # nine integers: before half_tail
+    with pytest.raises(ValueError, match="half_tail needs block_m >= 32"):
+        GemmConfig(16, 32, 64, half_tail=True)
+    # a block lowered below 32 (a table's cap, a decode level) drops it; 32 keeps it
+    assert not config.with_block_m(16).half_tail and config.with_block_m(32).half_tail
+    capped = ConfigTable(4, 2, (1,), (MoEConfig(config, config),), max_block_m=16)
+    assert capped.lookup(1) == MoEConfig(GemmConfig(16, 128, 64), GemmConfig(16, 128, 64))
+    # the batch-invariant family has no half tiles (not probed for invariance)
+    assert not in_family(attrs.evolve(config, block_k=64, split_k=1))
+    assert not family_member(config, 2, 2).half_tail
+
+
+def test_half_tail_errors_and_the_flattened_grid() -> None:
+    ids = _ids().to(DEVICE)
+    tokens, experts = ids.shape[0], len(COUNTS)
+    x = torch.randn(tokens, 64, device=DEVICE, dtype=DTYPE)
+    weight = torch.randn(experts, 48, 64, device=DEVICE, dtype=DTYPE) / 8
+    plan = align.align_block_size(ids, experts, 32)
+    out = torch.full((tokens, 48), float("nan"), device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="half_tail needs block_m >= 32"):
+        small = align.align_block_size(ids, experts, 16)
+        moe_gemm.moe_gemm(x, weight, out, *small, rows_per_a=1, config=GemmConfig(16, 16, 32), half_tail=True)
+    config = GemmConfig(32, 16, 32, num_warps=4, num_stages=2, half_tail=True)
+    with pytest.raises(ValueError, match="flattened grid cannot"):
+        moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=1, config=config, grid="flattened")
+    # a default grid that would be flattened (or persistent) runs one program per tile instead
+    grids: list[int] = []
+    real = moe_gemm.moe_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, launch: Any) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                grids.append(kwargs["PERSISTENT"])
+                return real[launch](*args, **kwargs)
+            return run
+
+    with mock.patch.object(moe_gemm, "default_grid", return_value="flattened"), \
+            mock.patch.object(moe_gemm, "moe_gemm_kernel", Spy()):
+        moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=1, config=config)
+        moe_gemm.moe_gemm(x, weight, torch.empty_like(out), *plan, rows_per_a=1, config=config, grid="persistent")
+    assert grids == [moe_gemm.GRIDS.index("tiles"), moe_gemm.GRIDS.index("persistent")]  # an explicit grid is kept
+    want = torch.einsum("ck,cnk->cn", x.double(), weight.double()[ids[:, 0].long()])
+    assert rel(out, want) < 1e-2
+    # the call's choice wins over the configuration's
+    again = torch.full_like(out, float("nan"))
+    moe_gemm.moe_gemm(x, weight, again, *plan, rows_per_a=1, config=config, half_tail=False)
+    _same(again, out)
+
+
+def test_a_layer_whose_table_asks_for_half_tiles_equals_the_reference() -> None:
+    """The float pipeline with a table whose entries ask for half tiles: empty batch, one token, an idle
+    expert, every token on one expert, top-k = number of experts; against the dense torch reference."""
+    from moeforge.reference import dense_moe
+    from moeforge.stages.combine import Combine
+    from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK
+
+    gen = torch.Generator().manual_seed(5)
+    hidden, inter = 48, 40
+    dtype = torch.float16 if not CUDA else torch.bfloat16
+    for experts, k in ((6, 2), (4, 4)):
+        gemm = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=2, half_tail=True)
+        table = ConfigTable(experts, k, (1,), (MoEConfig(gemm, attrs.evolve(gemm, block_n=16)),))
+        w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, dtype)
+        w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(DEVICE, dtype)
+        stages = [TritonTopK(experts, k), AlignDispatch(experts, table),
+                  FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=mf.ActivationConfig()),
+                  FusedGroupedGemm(mf.GemmRole.DOWN, w2, table), Combine()]
+        pipeline = mf.Pipeline(stages, mf.input_spec(hidden, dtype, experts), debug=True)
+        one_expert = torch.full((37, experts), -5.0)
+        one_expert[:, 3] = 5.0
+        for tokens, logits in ((0, None), (1, None), (37, None), (37, one_expert)):
+            x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+            logits = (torch.randn(tokens, experts, generator=gen) if logits is None else logits).to(DEVICE)
+            out = pipeline(mf.MoEInput(x, logits)).hidden_states
+            assert out.shape == (tokens, hidden)
+            if tokens:
+                assert not torch.isnan(out.float()).any()
+                assert rel(out, dense_moe(x, logits, top_k=k, w13=w13, w2=w2)) < 1e-2, (experts, k, tokens)
+
+
+def test_the_tuner_times_half_tiles_and_writes_the_choice(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``tune_moe.tune_cell(..., half_tail=True)`` on a small triton pipeline (the GEMMs run, under the
+    interpreter on CPU) with made-up times: each candidate of at least 32 rows is timed with and without half
+    tiles, the 16-row one only without; the faster choice is written and read back."""
+    import types
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tune_moe
+    from test_mixed_row_blocks import _float_pipeline
+
+    experts, k, hidden = 4, 2, 48
+    gen = torch.Generator().manual_seed(4)
+    pipeline, _ = _float_pipeline(ConfigTable(experts, k), experts, k, torch.float16, gen)
+    layer = types.SimpleNamespace(pipeline=pipeline, num_experts=experts, top_k=k, routing=mf.RoutingConfig(),
+                                  quant=types.SimpleNamespace(table_key=None))
+    monkeypatch.setattr(tune_moe, "random_batch", lambda tokens, h, e, seed=0: (
+        torch.randn(tokens, h, generator=gen).to(DEVICE, torch.float16),
+        torch.randn(tokens, e, generator=gen).to(DEVICE)))
+    tiles = [GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(32, 32, 32, 1, 4, 2)]
+    monkeypatch.setattr(tune_moe, "candidates", lambda fmt, rows: iter(tiles))
+    launched: list[tuple[str, int, bool]] = []
+    real_retiled = tune_moe.retiled
+
+    def retiled(x: object, role: str, config: GemmConfig) -> object:
+        launched.append((role, config.block_m, config.half_tail))
+        return real_retiled(x, role, config)  # type: ignore[arg-type]
+
+    # gate/up: 32 rows with half tiles fastest; down: 32 rows without
+    times = {("gate_up", 16, False): 30.0, ("gate_up", 32, False): 20.0, ("gate_up", 32, True): 15.0,
+             ("down", 16, False): 30.0, ("down", 32, False): 10.0, ("down", 32, True): 11.0}
+
+    def time_graph(fn: Any, reps: int, flush: Any) -> float:
+        outputs = fn()
+        assert all(torch.isfinite(out.x.data.float()).all() for out in outputs)
+        return times[launched[-1]] * tune_moe.ROUTINGS
+
+    monkeypatch.setattr(tune_moe, "retiled", retiled)
+    monkeypatch.setattr(tune_moe, "time_graph", time_graph)
+    entry = tune_moe.tune_cell(layer, (experts, k, hidden, 40), "bf16", 20,  # type: ignore[arg-type]
+                               flush=None, reps=1, half_tail=True)
+    assert "skip" not in capsys.readouterr().out
+    assert ("gate_up", 16, True) not in launched and ("down", 32, True) in launched
+    assert entry["gate_up"]["half_tail"] is True and "half_tail" not in entry["down"]
+    loaded = ConfigTable.from_json(experts, k, {"20": entry}).lookup(20)
+    assert loaded.gate_up.half_tail and not loaded.down.half_tail
