@@ -67,7 +67,8 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=True,
         PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed,
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
-        B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, PDL=False, BLOCK_M=block[0], BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
+        B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, PDL=False, BLOCK_M=block[0],
+        BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and weights is WeightFormat.MXFP4 and dtype == "bf16",
         # unit strides, as the launcher's contiguous operands have them

@@ -4,9 +4,10 @@ A row block whose second half is only padding (an expert's last block, at most `
 ``block_m / 2``-row tile. Its rows are computed by the same MMA instructions when both tiles use the same kind
 (``mma.sync`` for 32 and 16 rows, Hopper's wgmma for 128 and 64), so on the GPU the outputs are then bitwise those
 of the full blocks; a 64-row block's 32-row half moves from wgmma to ``mma.sync`` and rounds its sums differently
-(compared closely). Under Triton's interpreter on CPU (numpy products of other shapes) they are compared closely. Every format and epilogue, the swapped 4-bit product, split K-loops,
-the persistent grid, rows aligned by a larger block, FP8 output quantized per 128-group, and a whole layer from
-a table whose entries ask for it. The routing gives experts a last block above half (full tile), at most half
+(compared closely). Under Triton's interpreter on CPU (numpy products of other shapes) they are compared closely.
+Every format and epilogue, the swapped 4-bit product, split K-loops, the persistent grid, rows aligned by a larger
+block, FP8 output quantized per 128-group, the tables' wgmma tiles on a Hopper GPU, the tuner, and a whole layer
+from a table whose entries ask for it. The routing gives experts a last block above half (full tile), at most half
 (half tile: 8, 16 and 1 rows) and no rows. Outputs are poisoned with NaN: every element is proven written.
 """
 
@@ -30,7 +31,13 @@ from moeforge.kernels import align, moe_gemm  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.stages.triton import act_code  # noqa: E402
-from test_triton_quant_gemm import ACTIVATIONS, quantize_activations, quantize_weight_w8, reference_gemm, rel  # noqa: E402
+from test_triton_quant_gemm import (  # noqa: E402
+    ACTIVATIONS,
+    quantize_activations,
+    quantize_weight_w8,
+    reference_gemm,
+    rel,
+)
 from test_weight_tma import CUDA, DEVICE, DTYPE, FORMATS, HOPPER, operands  # noqa: E402
 
 # rows per expert: 40 (a full block of 32, then 8: a half tile), 20 (one block above half: a full tile),
@@ -48,8 +55,10 @@ def _same(full: torch.Tensor, half: torch.Tensor, bitwise: bool = CUDA) -> None:
     assert not torch.isnan(full.float()).any() and not torch.isnan(half.float()).any()
     if bitwise:
         assert torch.equal(full, half)
-    else:  # numpy's products of 16 and 32 rows may sum in other orders; so do wgmma and mma.sync
+    elif CUDA:  # wgmma (full) and mma.sync (half) sum in other orders: bf16 outputs a rounding apart
         assert rel(half, full) < 1e-2
+    else:  # numpy's products of 16 and 32 rows may sum in other orders (fp32)
+        assert rel(half, full) < 1e-4
 
 
 def _run(fmt: str, *, glu: bool, config: GemmConfig, hidden: int = 64, n_out: int = 40, aligned: int | None = None,

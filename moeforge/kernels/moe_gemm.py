@@ -566,8 +566,8 @@ def _gemm_block(
                        stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
                        stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
                        GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
-                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, 2 *
-                       ALIGN_RATIO, SCALE_FOLD)
+                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M,
+                       2 * ALIGN_RATIO, SCALE_FOLD)
         else:
             _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
                        b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
