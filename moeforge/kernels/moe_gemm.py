@@ -557,27 +557,20 @@ def _gemm_block(
     (an expert's last block, at most ``BLOCK_M / 2`` rows: the rows are sorted by expert, each expert's padding
     after its rows) as its first half alone, a ``BLOCK_M / 2``-row tile: half the MMA work on the same rows (bitwise
     the same where both tiles take the same MMA instruction: see :func:`moe_gemm`)."""
+    # a Python False unless HALF_TAIL: the branch below then compiles to the full tile alone
+    half = False
     if HALF_TAIL:
-        if tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_copies:
-            _gemm_tile(2 * pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc,
-                       b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                       block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
-                       stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
-                       stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
-                       stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
-                       GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
-                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M,
-                       2 * ALIGN_RATIO, SCALE_FOLD)
-        else:
-            _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
-                       b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                       block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
-                       stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
-                       stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
-                       stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
-                       GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
-                       FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN_RATIO,
-                       SCALE_FOLD)
+        half = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_copies
+    if half:
+        _gemm_tile(2 * pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc,
+                   b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
+                   block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
+                   stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
+                   stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
+                   stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
+                   GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
+                   FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M,
+                   2 * ALIGN_RATIO, SCALE_FOLD)
     else:
         _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
                    b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
