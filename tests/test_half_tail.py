@@ -237,22 +237,10 @@ def test_the_tuner_times_half_tiles_and_writes_the_choice(monkeypatch: pytest.Mo
     """``tune_moe.tune_cell(..., half_tail=True)`` on a small triton pipeline (the GEMMs run, under the
     interpreter on CPU) with made-up times: each candidate of at least 32 rows is timed with and without half
     tiles, the 16-row one only without; the faster choice is written and read back."""
-    import types
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import tune_moe
-    from test_mixed_row_blocks import _float_pipeline
+    from test_mixed_row_blocks import tuner_on_a_small_pipeline  # (puts benchmarks/ on the path)
 
     experts, k, hidden = 4, 2, 48
-    gen = torch.Generator().manual_seed(4)
-    pipeline, _ = _float_pipeline(ConfigTable(experts, k), experts, k, torch.float16, gen)
-    layer = types.SimpleNamespace(pipeline=pipeline, num_experts=experts, top_k=k, routing=mf.RoutingConfig(),
-                                  quant=types.SimpleNamespace(table_key=None))
-    monkeypatch.setattr(tune_moe, "random_batch", lambda tokens, h, e, seed=0: (
-        torch.randn(tokens, h, generator=gen).to(DEVICE, torch.float16),
-        torch.randn(tokens, e, generator=gen).to(DEVICE)))
-    tiles = [GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(32, 32, 32, 1, 4, 2)]
-    monkeypatch.setattr(tune_moe, "candidates", lambda fmt, rows: iter(tiles))
+    tune_moe, layer = tuner_on_a_small_pipeline(monkeypatch, experts, k, seed=4)
     launched: list[tuple[str, int, bool]] = []
     real_retiled = tune_moe.retiled
 

@@ -175,17 +175,15 @@ def test_the_tuner_pairs_blocks_that_divide_and_times_the_smaller_on_the_larger_
     assert sum(t for t, _ in tune_moe.best_pair(best, slow)) == 60.0
 
 
-def test_the_tuner_times_a_cell_and_keeps_a_pair_of_two_blocks(monkeypatch: pytest.MonkeyPatch,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """``tune_moe.tune_cell`` end to end on a small triton pipeline (the GEMMs run, under the interpreter on
-    CPU), with made-up times: the gate/up GEMM fastest on 16-row blocks, the down GEMM on 32; the gate/up
-    GEMM is timed again on rows aligned by 32, runs there, and the pair of two blocks is written."""
+def tuner_on_a_small_pipeline(monkeypatch: pytest.MonkeyPatch, experts: int, k: int, seed: int) -> tuple[Any, Any]:
+    """``(tune_moe, layer)``: the tuner module with its random batches drawn from a seeded generator and its
+    candidates two 16- and 32-row tiles, and a stand-in layer around a small float triton pipeline
+    (:func:`_float_pipeline`, hidden size 48)."""
     import types
 
     import tune_moe
 
-    experts, k, hidden = 4, 2, 48  # _float_pipeline's hidden size
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     pipeline, _ = _float_pipeline(ConfigTable(experts, k), experts, k, torch.float16, gen)
     layer = types.SimpleNamespace(pipeline=pipeline, num_experts=experts, top_k=k, routing=mf.RoutingConfig(),
                                   quant=types.SimpleNamespace(table_key=None))
@@ -194,6 +192,16 @@ def test_the_tuner_times_a_cell_and_keeps_a_pair_of_two_blocks(monkeypatch: pyte
         torch.randn(tokens, e, generator=gen).to(DEVICE)))
     tiles = [GemmConfig(16, 32, 32, 1, 4, 2), GemmConfig(32, 32, 32, 1, 4, 2)]
     monkeypatch.setattr(tune_moe, "candidates", lambda fmt, rows: iter(tiles))
+    return tune_moe, layer
+
+
+def test_the_tuner_times_a_cell_and_keeps_a_pair_of_two_blocks(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``tune_moe.tune_cell`` end to end on a small triton pipeline (the GEMMs run, under the interpreter on
+    CPU), with made-up times: the gate/up GEMM fastest on 16-row blocks, the down GEMM on 32; the gate/up
+    GEMM is timed again on rows aligned by 32, runs there, and the pair of two blocks is written."""
+    experts, k, hidden = 4, 2, 48  # _float_pipeline's hidden size
+    tune_moe, layer = tuner_on_a_small_pipeline(monkeypatch, experts, k, seed=3)
     launched: list[tuple[str, int, int]] = []  # (role, block_m, the alignment's block) of the launch being timed
     real_retiled = tune_moe.retiled
 
