@@ -6,8 +6,8 @@ A row block whose second half is only padding (an expert's last block, at most `
 of the full blocks; a 64-row block's 32-row half moves from wgmma to ``mma.sync`` and rounds its sums differently
 (compared closely). Under Triton's interpreter on CPU (numpy products of other shapes) they are compared closely.
 Every format and epilogue, the swapped 4-bit product, split K-loops, the persistent grid, rows aligned by a larger
-block, FP8 output quantized per 128-group, the tables' wgmma tiles on a Hopper GPU, the tuner, and a whole layer
-from a table whose entries ask for it. The routing gives experts a last block above half (full tile), at most half
+block, FP8 output quantized per 128-group, the tables' wgmma tiles on a Hopper GPU, the tuner, the backward, and a
+whole layer from a table whose entries ask for it. The routing gives experts a last block above half (full tile), at most half
 (half tile: 8, 16 and 1 rows) and no rows. Outputs are poisoned with NaN: every element is proven written.
 """
 
@@ -266,3 +266,33 @@ def test_the_tuner_times_half_tiles_and_writes_the_choice(monkeypatch: pytest.Mo
     assert entry["gate_up"]["half_tail"] is True and "half_tail" not in entry["down"]
     loaded = ConfigTable.from_json(experts, k, {"20": entry}).lookup(20)
     assert loaded.gate_up.half_tail and not loaded.down.half_tail
+
+
+def test_the_backward_through_half_tiles_equals_full_blocks() -> None:
+    """Training through a table that asks for half tiles: the backward recomputes the forward's GEMMs with the
+    same configuration, so every gradient (rows, router logits, both weights) equals the full blocks' one."""
+    from test_mixed_row_blocks import _float_pipeline
+
+    gen = torch.Generator().manual_seed(11)
+    experts, k = 4, 2
+    full = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=2)
+    tables = [ConfigTable(experts, k, (1,), (MoEConfig(c, attrs.evolve(c, block_n=16)),))
+              for c in (full, attrs.evolve(full, half_tail=True))]
+    pipeline, _ = _float_pipeline(tables[0], experts, k, torch.float32, gen)
+    twin = mf.Pipeline([attrs.evolve(stage, configs=tables[1]) if hasattr(stage, "configs") else stage
+                        for stage in pipeline.stages], mf.input_spec(48, torch.float32, experts))
+    x = torch.randn(27, 48, generator=gen).to(DEVICE)  # about 14 rows per expert: most blocks at most half full
+    logits = torch.randn(27, experts, generator=gen).to(DEVICE)
+    grads = []
+    for run in (pipeline, twin):
+        leaves = [x.clone().requires_grad_(), logits.clone().requires_grad_()]
+        params = [s.weight for s in run.stages if hasattr(s, "weight")]
+        for p in params:
+            p.requires_grad_(True)
+            p.grad = None
+        run(mf.MoEInput(*leaves)).hidden_states.square().sum().backward()
+        grads.append([leaf.grad.clone() for leaf in leaves] + [p.grad.clone() for p in params])
+    assert len(grads[0]) == 4
+    for got, want in zip(*grads):
+        assert not torch.isnan(got).any()
+        assert rel(got, want) < 1e-5
