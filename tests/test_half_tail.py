@@ -7,8 +7,9 @@ of the full blocks; a 64-row block's 32-row half moves from wgmma to ``mma.sync`
 (compared closely). Under Triton's interpreter on CPU (numpy products of other shapes) they are compared closely.
 Every format and epilogue, the swapped 4-bit product, split K-loops, the persistent grid, rows aligned by a larger
 block, FP8 output quantized per 128-group, the tables' wgmma tiles on a Hopper GPU, the tuner, the backward, and a
-whole layer from a table whose entries ask for it. The routing gives experts a last block above half (full tile), at most half
-(half tile: 8, 16 and 1 rows) and no rows. Outputs are poisoned with NaN: every element is proven written.
+whole layer from a table whose entries ask for it. The routing gives experts a last block above half (full
+tile), at most half (half tile: 8, 16 and 1 rows) and no rows. Outputs are poisoned with NaN: every element is
+proven written.
 """
 
 from __future__ import annotations
