@@ -44,6 +44,17 @@ class GemmConfig:
     # cells and loses in others (docs/kernels.md, "Half-height tiles for the experts' last blocks"), so only a
     # tuned table sets it. Needs ``block_m >= 32`` (the half tile's dot has 16 rows at least).
     half_tail: bool = attrs.field(default=False)
+    # 4-bit weights (INT4, MXFP4, NVFP4): decode this many experts' weights at a time into a scratch in the compute
+    # dtype, then run the float GEMM on them over those experts' row blocks (``moe_gemm.moe_gemm``,
+    # ``moeforge.kernels.decode_first``). 0: decode in the GEMM's K-loop, in every program. Pays where each expert
+    # has many rows (the decoding's cost, once per weight, then weighs less than the K-loop's, once per row block:
+    # docs/kernels.md, "Decoding the weights first"), so only a tuned table sets it. Ignored for other formats.
+    decode_chunk: int = attrs.field(default=0)
+
+    @decode_chunk.validator
+    def _check_decode_chunk(self, attribute: Any, value: int) -> None:
+        if value < 0:
+            raise ValueError(f"decode_chunk must be >= 0 (experts decoded at a time; 0: in the K-loop), got {value}")
 
     @half_tail.validator
     def _check_half_tail(self, attribute: Any, value: bool) -> None:
@@ -62,23 +73,25 @@ class GemmConfig:
 
     def as_list(self) -> list[int]:
         """The configuration as integers (a custom op's argument): ``tma`` as -1 (None), 0 or 1, ``split_k`` as
-        0 (None) or itself, ``swap`` and ``half_tail`` as 0 or 1."""
+        0 (None) or itself, ``swap`` and ``half_tail`` as 0 or 1, ``decode_chunk`` as itself."""
         return [self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps, self.num_stages,
                 -1 if self.tma is None else int(self.tma), 0 if self.split_k is None else self.split_k,
-                int(self.swap), int(self.half_tail)]
+                int(self.swap), int(self.half_tail), self.decode_chunk]
 
     @classmethod
     def from_list(cls, values: list[int]) -> GemmConfig:
         """The inverse of :meth:`as_list` (six integers: ``tma`` None; seven: ``split_k`` None; eight: ``swap``
-        False; nine: ``half_tail`` False)."""
-        if len(values) not in (6, 7, 8, 9, 10):
-            raise ValueError(f"a GemmConfig list has 6 to 10 integers, got {values}")
+        False; nine: ``half_tail`` False; ten: ``decode_chunk`` 0)."""
+        if not 6 <= len(values) <= 11:
+            raise ValueError(f"a GemmConfig list has 6 to 11 integers, got {values}")
         tma = None if len(values) == 6 or values[6] < 0 else bool(values[6])
         split_k = None if len(values) < 8 or values[7] == 0 else values[7]
         swap = len(values) >= 9 and bool(values[8])
-        half_tail = len(values) == 10 and bool(values[9])
+        half_tail = len(values) >= 10 and bool(values[9])
+        decode_chunk = values[10] if len(values) == 11 else 0
         block_m, block_n, block_k, group_m, num_warps, num_stages = values[:6]
-        return cls(block_m, block_n, block_k, group_m, num_warps, num_stages, tma, split_k, swap, half_tail)
+        return cls(block_m, block_n, block_k, group_m, num_warps, num_stages, tma, split_k, swap, half_tail,
+                   decode_chunk)
 
 
 @attrs.frozen

@@ -317,3 +317,73 @@ def int4_offset(z, DTYPE: tl.constexpr):
         return -(z.to(DTYPE) + 128.0)
     else:
         return -(z.to(DTYPE) + 1024.0)
+
+
+# -- a weight tile ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The raw scales of K-step ``k`` for the rows whose scale pointers are ``s_ptrs`` (``ok``: the rows
+    that exist): ``[ROWS, 1]`` when the step lies within one group (``GROUP`` a multiple of
+    ``BLOCK_K``), else ``[ROWS, BLOCK_K // GROUP]`` (see :func:`spread`); past the last step, the last group's or
+    zeros (the K-loop loads each step's scales one step ahead, the last one unused)."""
+    if BLOCK_K <= GROUP:
+        g = tl.minimum((k * BLOCK_K) // GROUP, tl.cdiv(K, GROUP) - 1)
+        return tl.load(s_ptrs + g * stride_sg, mask=ok, other=0)[:, None]
+    else:
+        g = k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+        return tl.load(s_ptrs[:, None] + g[None, :] * stride_sg, mask=ok[:, None] & (g < K // GROUP)[None, :],
+                       other=0)
+
+
+@triton.jit
+def spread(s, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per-group values ``s`` (decoded once per group) for every element of a ``[ROWS, BLOCK_K]`` step:
+    ``[ROWS, 1]`` (a step within one group) stays (it broadcasts), ``[ROWS, BLOCK_K // GROUP]`` repeats each
+    ``GROUP`` times."""
+    if BLOCK_K <= GROUP:
+        return s
+    else:
+        return tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, BLOCK_K // GROUP, GROUP)), (ROWS, BLOCK_K))
+
+
+@triton.jit
+def weight_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                PTX: tl.constexpr, FP8_CVT: tl.constexpr, CVT_BY_FOUR: tl.constexpr, SCALE_FOLD: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` tile of a K-step of a 4-bit weight, dequantized to ``DTYPE``
+    (``PTX``: the packed decoding, ``FP8_CVT``: with e4m3 scales
+    converted by the hardware; ``SCALE_FOLD``: MXFP4 in bf16 whose E8M0 codes are all at most 128, the
+    e2m1 decoding's ``x 2**126`` folded into the scale).
+
+    ``packed [BLOCK_N, BLOCK_K // 2]`` are the step's bytes (K contiguous); ``s`` / ``z`` its raw scales /
+    zero points: ``[BLOCK_N, 1]`` when the step lies in one group, else ``[BLOCK_N, BLOCK_K // GROUP]``."""
+    if PTX:
+        # one scale (and offset) pair per byte: the groups counted in bytes
+        if B_FMT == 3:
+            if not HAS_ZEROS:
+                z = tl.full([BLOCK_N, 1], 8, tl.uint8)
+            pairs = int4_pairs(packed, spread(half_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2),
+                               spread(half_pairs(int4_offset(z, DTYPE)), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
+        elif B_FMT == 4:
+            pairs = e2m1_pairs(packed, spread(e8m0_pairs(s, SCALE_FOLD), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE,
+                               SCALE_FOLD)
+        else:
+            scales = e4m3_pairs(s, DTYPE, FP8_CVT, CVT_BY_FOUR and BLOCK_K // GROUP >= 4)
+            pairs = e2m1_pairs(packed, spread(scales, GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
+        return unpair(pairs, DTYPE, BLOCK_N, BLOCK_K)
+    if B_FMT == 3:
+        # INT4: (q - z) is an integer in [-15, 15], exact in every float dtype; one rounding in the
+        # product with the scale (stored in the rows' dtype).
+        q = nibbles(packed, BLOCK_N, BLOCK_K).to(s.dtype)
+        if HAS_ZEROS:
+            q = q - spread(z.to(s.dtype), GROUP, BLOCK_N, BLOCK_K)
+        else:
+            q = q - 8.0
+        w = q * spread(s, GROUP, BLOCK_N, BLOCK_K)
+    elif B_FMT == 4:
+        w = (e2m1(packed, BLOCK_N, BLOCK_K) * spread(e8m0(s), GROUP, BLOCK_N, BLOCK_K)).to(DTYPE)
+    else:
+        w = (e2m1(packed, BLOCK_N, BLOCK_K) * spread(e4m3(s), GROUP, BLOCK_N, BLOCK_K)).to(DTYPE)
+    return w

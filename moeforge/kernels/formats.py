@@ -67,17 +67,21 @@ def _stride3(t: Optional[torch.Tensor]) -> tuple[int, int, int]:
 
 def weight_operand(fmt: WeightFormat, weight: torch.Tensor, scale: Optional[torch.Tensor],
                    zero: Optional[torch.Tensor], global_scale: Optional[torch.Tensor], *,
-                   rows_dtype: torch.dtype) -> WeightOperand:
+                   rows_dtype: torch.dtype, global_required: bool = True) -> WeightOperand:
     """Check a weight operand of the grouped GEMM (``rows_dtype``: the float rows' dtype, or the 8-bit
     rows' for FP8 / INT8) and describe it; raises ``ValueError`` saying what is wrong. The stages call it
-    when they are built, the launcher on every call."""
+    when they are built, the launcher on every call. ``global_scale``: NVFP4's per-expert global scales
+    (``global_required``: NVFP4 needs them), or for float weights those of decoded NVFP4 weights."""
     if zero is not None and fmt is not WeightFormat.INT4:
         raise ValueError("zero points are for INT4 (W4A16) weights")
-    if global_scale is not None and fmt is not WeightFormat.NVFP4:
-        raise ValueError("weight_global is NVFP4's global scale")
+    if global_scale is not None and fmt not in (WeightFormat.NVFP4, WeightFormat.FLOAT):
+        raise ValueError("weight_global is NVFP4's global scale (or float weights decoded from NVFP4)")
     if weight.dim() != 3:
         raise ValueError(f"weight must be [E, N, K] (or [E, N, K / 2] packed), got {tuple(weight.shape)}")
     experts, n_w = int(weight.shape[0]), int(weight.shape[1])
+    if global_scale is not None and (global_scale.dtype != torch.float32 or tuple(global_scale.shape) != (experts,)):
+        raise ValueError(f"weight_global must be fp32 [{experts}] (one per expert), got {global_scale.dtype} "
+                         f"{tuple(global_scale.shape)}")
     if fmt is WeightFormat.FLOAT:
         if weight.dtype != rows_dtype:
             raise ValueError(f"float weights must be in the rows' dtype {rows_dtype}, got {weight.dtype}")
@@ -117,6 +121,6 @@ def weight_operand(fmt: WeightFormat, weight: torch.Tensor, scale: Optional[torc
         if group != NVFP4_GROUP or scale.dtype != torch.float8_e4m3fn:
             raise ValueError(f"NVFP4 scales must be float8_e4m3fn [E, N, K / 16], got {scale.dtype} "
                              f"{tuple(scale.shape)} for K={k_dim}")
-        if global_scale is None or global_scale.dtype != torch.float32 or tuple(global_scale.shape) != (experts,):
+        if global_scale is None and global_required:
             raise ValueError(f"NVFP4 weights need fp32 global scales [{experts}]")
     return WeightOperand(k_dim, group, False, _stride3(scale), _stride3(zero))

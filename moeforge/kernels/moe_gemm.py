@@ -49,12 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moeforge.kernels import pdl
+from moeforge.kernels import decode_first, pdl
 from moeforge.kernels.pdl import device_capability
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
-from moeforge.kernels.dequant import (FOLDED_SCALE_MAX, e2m1, e2m1_pairs, e4m3, e4m3_pairs, e8m0, e8m0_pairs,
-                                      half_pairs, int4_offset, int4_pairs, nibbles, unpair)
+from moeforge.kernels.dequant import (FOLDED_SCALE_MAX, e2m1, e2m1_pairs, e4m3, e4m3_pairs, group_scales, spread,
+                                      unpair, weight_tile)
 from moeforge.kernels.formats import NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat, weight_operand
 from moeforge.kernels.quantize import quantize_values, scale_of
 
@@ -93,86 +93,20 @@ def _load_packed(ptrs, ok, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The raw scales of K-step ``k`` for the rows whose scale pointers are ``s_ptrs`` (``ok``: the rows
-    that exist): ``[ROWS, 1]`` when the step lies within one group (``GROUP`` a multiple of
-    ``BLOCK_K``), else ``[ROWS, BLOCK_K // GROUP]`` (see :func:`_spread`); past the last step, the last
-    group's or zeros (the K-loop loads each step's scales one step ahead, the last one unused)."""
-    if BLOCK_K <= GROUP:
-        g = tl.minimum((k * BLOCK_K) // GROUP, tl.cdiv(K, GROUP) - 1)
-        return tl.load(s_ptrs + g * stride_sg, mask=ok, other=0)[:, None]
-    else:
-        g = k * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
-        return tl.load(s_ptrs[:, None] + g[None, :] * stride_sg, mask=ok[:, None] & (g < K // GROUP)[None, :],
-                       other=0)
-
-
-@triton.jit
 def _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k, K, stride_sg, stride_zg, GROUP: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, GLU: tl.constexpr):
-    """``(gate scales, gate zero points, up scales, up zero points)`` of K-step ``k`` (:func:`_group_scales`);
+    """``(gate scales, gate zero points, up scales, up zero points)`` of K-step ``k`` (:func:`group_scales`);
     an absent one (no zero points, no up tile) is the gate scales again, never read."""
-    sg = _group_scales(s_gate, n_ok, k, K, stride_sg, GROUP, BLOCK_K)
+    sg = group_scales(s_gate, n_ok, k, K, stride_sg, GROUP, BLOCK_K)
     zg = sg
     if HAS_ZEROS:
-        zg = _group_scales(z_gate, n_ok, k, K, stride_zg, GROUP, BLOCK_K)
+        zg = group_scales(z_gate, n_ok, k, K, stride_zg, GROUP, BLOCK_K)
     su, zu = sg, zg
     if GLU:
-        su = _group_scales(s_up, n_ok, k, K, stride_sg, GROUP, BLOCK_K)
+        su = group_scales(s_up, n_ok, k, K, stride_sg, GROUP, BLOCK_K)
         if HAS_ZEROS:
-            zu = _group_scales(z_up, n_ok, k, K, stride_zg, GROUP, BLOCK_K)
+            zu = group_scales(z_up, n_ok, k, K, stride_zg, GROUP, BLOCK_K)
     return sg, zg, su, zu
-
-
-@triton.jit
-def _spread(s, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Per-group values ``s`` of :func:`_group_scales` (decoded once per group) for every element:
-    ``[ROWS, 1]`` stays (it broadcasts), ``[ROWS, BLOCK_K // GROUP]`` repeats each ``GROUP`` times."""
-    if BLOCK_K <= GROUP:
-        return s
-    else:
-        return tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, BLOCK_K // GROUP, GROUP)), (ROWS, BLOCK_K))
-
-
-@triton.jit
-def _packed_weight_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl.constexpr,
-                        HAS_ZEROS: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr, CVT_BY_FOUR: tl.constexpr,
-                        SCALE_FOLD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_K]`` tile of a K-step of a 4-bit weight, dequantized to ``DTYPE``
-    (:mod:`moeforge.kernels.dequant`; ``PTX``: the packed decoding, ``FP8_CVT``: with e4m3 scales
-    converted by the hardware; ``SCALE_FOLD``: MXFP4 in bf16 whose E8M0 codes are all at most 128, the
-    e2m1 decoding's ``x 2**126`` folded into the scale).
-
-    ``packed [BLOCK_N, BLOCK_K // 2]`` are the step's bytes (K contiguous); ``s`` / ``z`` its raw scales /
-    zero points (:func:`_group_scales`, loaded a step ahead)."""
-    if PTX:
-        # one scale (and offset) pair per byte: the groups counted in bytes
-        if B_FMT == 3:
-            if not HAS_ZEROS:
-                z = tl.full([BLOCK_N, 1], 8, tl.uint8)
-            pairs = int4_pairs(packed, _spread(half_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2),
-                               _spread(half_pairs(int4_offset(z, DTYPE)), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
-        elif B_FMT == 4:
-            pairs = e2m1_pairs(packed, _spread(e8m0_pairs(s, SCALE_FOLD), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE,
-                               SCALE_FOLD)
-        else:
-            scales = e4m3_pairs(s, DTYPE, FP8_CVT, CVT_BY_FOUR and BLOCK_K // GROUP >= 4)
-            pairs = e2m1_pairs(packed, _spread(scales, GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
-        return unpair(pairs, DTYPE, BLOCK_N, BLOCK_K)
-    if B_FMT == 3:
-        # INT4: (q - z) is an integer in [-15, 15], exact in every float dtype; one rounding in the
-        # product with the scale (stored in the rows' dtype).
-        q = nibbles(packed, BLOCK_N, BLOCK_K).to(s.dtype)
-        if HAS_ZEROS:
-            q = q - _spread(z.to(s.dtype), GROUP, BLOCK_N, BLOCK_K)
-        else:
-            q = q - 8.0
-        w = q * _spread(s, GROUP, BLOCK_N, BLOCK_K)
-    elif B_FMT == 4:
-        w = (e2m1(packed, BLOCK_N, BLOCK_K) * _spread(e8m0(s), GROUP, BLOCK_N, BLOCK_K)).to(DTYPE)
-    else:
-        w = (e2m1(packed, BLOCK_N, BLOCK_K) * _spread(e4m3(s), GROUP, BLOCK_N, BLOCK_K)).to(DTYPE)
-    return w
 
 
 @triton.jit
@@ -264,7 +198,7 @@ def _gemm_tile(
     pid_m, pid_n, k_first, k_last, p_ptr, stride_pm,
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
     sorted_ids_ptr, block_expert_ptr,
-    N, K, num_copies, rows_per_a, a_global,
+    N, K, num_copies, rows_per_a, a_global, expert_first,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk,
     stride_bse, stride_bsn, stride_bsk,
@@ -279,7 +213,7 @@ def _gemm_tile(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr,
+    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr,
 ):
     """Tile ``(pid_m, pid_n)``: ``BLOCK_M`` aligned rows of one expert times ``BLOCK_N`` output columns, over the
     K-steps ``k_first .. k_last - 1``; with ``SPLIT``, one range of a split K-loop (:func:`moe_gemm_reduce_kernel`).
@@ -288,6 +222,8 @@ def _gemm_tile(
     copies = tl.load(sorted_ids_ptr + offs_m)
     row_ok = copies < num_copies
     expert = tl.load(block_expert_ptr + pid_m // ALIGN_RATIO).to(tl.int64)
+    if EXPERT_RANGE:  # the per-expert operands hold experts expert_first, expert_first + 1, ... only
+        expert -= expert_first
     a_rows = (copies // rows_per_a).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -370,13 +306,13 @@ def _gemm_tile(
         if A_FMT == 3:
             packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
             if PTX:
-                sa = _group_scales(a_scale_rows, row_ok, k, K // 2, stride_ask, 8, BLOCK_K // 2)
+                sa = group_scales(a_scale_rows, row_ok, k, K // 2, stride_ask, 8, BLOCK_K // 2)
                 row_scales = e4m3_pairs(sa, DTYPE, FP8_CVT, CVT_BY_FOUR and BLOCK_K // 16 >= 4)
-                pairs = e2m1_pairs(packed, _spread(row_scales, 8, BLOCK_M, BLOCK_K // 2), DTYPE)
+                pairs = e2m1_pairs(packed, spread(row_scales, 8, BLOCK_M, BLOCK_K // 2), DTYPE)
                 a = unpair(pairs, DTYPE, BLOCK_M, BLOCK_K)
             else:
-                sa = _group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_K)
-                a = (e2m1(packed, BLOCK_M, BLOCK_K) * _spread(e4m3(sa), 16, BLOCK_M, BLOCK_K)).to(DTYPE)
+                sa = group_scales(a_scale_rows, row_ok, k, K, stride_ask, 16, BLOCK_K)
+                a = (e2m1(packed, BLOCK_M, BLOCK_K) * spread(e4m3(sa), 16, BLOCK_M, BLOCK_K)).to(DTYPE)
             a_ptrs += (BLOCK_K // 2) * stride_ak
         else:
             if EVEN_K:
@@ -406,10 +342,10 @@ def _gemm_tile(
                     packed_up = _load_packed(b_up, n_ok, k, K, BLOCK_K, EVEN_K)
                 b_gate += b_step
                 b_up += b_step
-            b = _packed_weight_tile(packed, sg, zg, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
+            b = weight_tile(packed, sg, zg, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
                                     SCALE_FOLD, BLOCK_N, BLOCK_K)
             if GLU:
-                bu = _packed_weight_tile(packed_up, su, zu, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
+                bu = weight_tile(packed_up, su, zu, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
                                          SCALE_FOLD, BLOCK_N, BLOCK_K)
             if SWAP:
                 a_t = tl.trans(a)
@@ -505,9 +441,9 @@ def _gemm_tile(
         out = out * tl.load(s_gate, mask=n_ok, other=0.0)[None, :]
         if GLU:
             out_up = out_up * tl.load(s_up, mask=n_ok, other=0.0)[None, :]
-    if B_FMT == 5 or A_FMT == 3:
+    if B_GLOBAL or A_FMT == 3:
         g = a_global
-        if B_FMT == 5:
+        if B_GLOBAL:
             g = g * tl.load(b_global_ptr + expert)
         out = out * g
         out_up = out_up * g
@@ -536,7 +472,7 @@ def _gemm_block(
     pid_m, pid_n, k_first, k_last, p_ptr, stride_pm,
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
     sorted_ids_ptr, block_expert_ptr,
-    N, K, num_copies, rows_per_a, a_global,
+    N, K, num_copies, rows_per_a, a_global, expert_first,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk,
     stride_bse, stride_bsn, stride_bsk,
@@ -551,7 +487,8 @@ def _gemm_block(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr,
+    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, B_GLOBAL: tl.constexpr,
+    EXPERT_RANGE: tl.constexpr,
 ):
     """:func:`_gemm_tile` of row block ``pid_m``; with ``HALF_TAIL``, a block whose second half is only padding
     (an expert's last block, at most ``BLOCK_M / 2`` rows: the rows are sorted by expert, each expert's padding
@@ -562,31 +499,32 @@ def _gemm_block(
     if HALF_TAIL:
         half = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_copies
     if half:
-        _gemm_tile(2 * pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc,
-                   b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                   block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
-                   stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
-                   stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
+        _gemm_tile(2 * pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
+                   b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
+                   block_expert_ptr, N, K, num_copies, rows_per_a, a_global, expert_first, stride_am, stride_ak,
+                   stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+                   stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
                    stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
-                   GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX,
-                   FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M,
-                   2 * ALIGN_RATIO, SCALE_FOLD)
+                   GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
+                   CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, 2 * ALIGN_RATIO,
+                   SCALE_FOLD, B_GLOBAL, EXPERT_RANGE)
     else:
         _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
                    b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                   block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
-                   stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
-                   stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm, stride_csg,
-                   gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP,
-                   HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
-                   CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN_RATIO, SCALE_FOLD)
+                   block_expert_ptr, N, K, num_copies, rows_per_a, a_global, expert_first, stride_am, stride_ak,
+                   stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+                   stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
+                   stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
+                   GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
+                   CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN_RATIO, SCALE_FOLD,
+                   B_GLOBAL, EXPERT_RANGE)
 
 
 @triton.jit
 def moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, p_ptr,
-    N, K, num_copies, rows_per_a, a_global, k_steps_split, stride_ps, stride_pm,
+    N, K, num_copies, rows_per_a, a_global, expert_first, block_range_ptr, k_steps_split, stride_ps, stride_pm,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk,
     stride_bse, stride_bsn, stride_bsk,
@@ -602,7 +540,7 @@ def moe_gemm_kernel(
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, PERSISTENT: tl.constexpr,
-    PDL: tl.constexpr,
+    B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile` (a jitted function
@@ -621,20 +559,26 @@ def moe_gemm_kernel(
         p_ptr += tl.program_id(1).to(tl.int64) * stride_ps
     if PERSISTENT:
         # a persistent grid (1; 2: flattened): each program takes tiles grid-stride over the aligned
-        # blocks that exist
+        # blocks that exist; with EXPERT_RANGE, over the aligned blocks block_range_ptr[0] .. [1] - 1 only
         num_pid_m = num_padded // BLOCK_M
+        m_first = 0
+        if EXPERT_RANGE:
+            m_first = tl.load(block_range_ptr) * ALIGN_RATIO
+            num_pid_m = tl.load(block_range_ptr + 1) * ALIGN_RATIO - m_first
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=PERSISTENT == 2):
             pid_m, pid_n = _grouped(tile, num_pid_m, num_pid_n, GROUP_M)
+            if EXPERT_RANGE:
+                pid_m += m_first
             _gemm_block(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
                         b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                        block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
-                        stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
-                        stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
-                        stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
+                        block_expert_ptr, N, K, num_copies, rows_per_a, a_global, expert_first, stride_am, stride_ak,
+                        stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+                        stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn,
+                        stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
                         B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION,
                         SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL)
+                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE)
     else:
         pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
@@ -644,13 +588,13 @@ def moe_gemm_kernel(
         if live:
             _gemm_block(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
                         b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                        block_expert_ptr, N, K, num_copies, rows_per_a, a_global, stride_am, stride_ak, stride_asm,
-                        stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, stride_bze,
-                        stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
-                        stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
+                        block_expert_ptr, N, K, num_copies, rows_per_a, a_global, expert_first, stride_am, stride_ak,
+                        stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+                        stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn,
+                        stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
                         B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION,
                         SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL)
+                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE)
 
 
 @triton.jit
@@ -874,6 +818,38 @@ def _weight_descriptor(weight: torch.Tensor, config: GemmConfig, paired: bool) -
     return TensorDescriptor(weight, [experts * n_w, k_elems], [row, 1], [config.block_n, inner])
 
 
+def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+                  block_expert: torch.Tensor, num_padded: torch.Tensor, *, chunk: int, config: GemmConfig,
+                  aligned: int, weight_format: WeightFormat, weight_scale: Optional[torch.Tensor],
+                  weight_zero: Optional[torch.Tensor], weight_global: Optional[torch.Tensor],
+                  bias: Optional[torch.Tensor], ptx: Optional[bool], grid: Optional[str], split_k: Optional[int],
+                  half_tail: bool, compute_dtype: torch.dtype, options: dict[str, Any]) -> torch.Tensor:
+    """:func:`moe_gemm` with ``decode_chunk``: for each run of ``chunk`` experts, their 4-bit weights decoded into
+    one scratch (:func:`moeforge.kernels.decode_first.decode_weights`), then the float GEMM over their row blocks
+    (:func:`moeforge.kernels.decode_first.block_ranges`) with their slices of the per-expert operands. One stream:
+    each decoding starts after the GEMM before it has read the scratch."""
+    assert weight_scale is not None  # (checked by weight_operand)
+    experts, n_w = weight.shape[0], weight.shape[1]
+    scratch = torch.empty((min(chunk, experts), n_w, 2 * weight.shape[2]), dtype=compute_dtype, device=weight.device)
+    starts = list(range(0, experts, chunk))
+    ranges = decode_first.block_ranges(block_expert, num_padded, aligned, starts + [experts])
+    float_config = attrs.evolve(config, decode_chunk=0, swap=False, split_k=None)
+    if grid is None:
+        grid = default_grid(device_capability(a.device), WeightFormat.FLOAT, float_config, options["glu"],
+                            out.shape[0] / experts)
+        grid = grid if grid != "tiles" and not (half_tail and grid == "flattened") else "persistent"
+    for index, first in enumerate(starts):
+        last = min(first + chunk, experts)
+        decoded = decode_first.decode_weights(weight[first:last], weight_format, weight_scale[first:last],
+                                              weight_zero[first:last] if weight_zero is not None else None,
+                                              out=scratch[:last - first], ptx=ptx)
+        moe_gemm(a, decoded, out, sorted_ids, block_expert, num_padded, config=float_config,
+                 weight_global=weight_global[first:last] if weight_global is not None else None,
+                 bias=bias[first:last] if bias is not None else None, grid=grid, split_k=1, aligned_block_m=aligned,
+                 half_tail=half_tail, expert_first=first, block_range=ranges[index:index + 2], **options)
+    return out
+
+
 def moe_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -906,6 +882,9 @@ def moe_gemm(
     aligned_block_m: Optional[int] = None,
     weight_scale_max: Optional[int] = None,
     half_tail: Optional[bool] = None,
+    decode_chunk: Optional[int] = None,
+    expert_first: int = 0,
+    block_range: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
     copy of ``sorted_ids`` (see the module docstring for the formats).
@@ -944,6 +923,14 @@ def moe_gemm(
     as ``config.half_tail`` says (a tuned table's choice). Needs ``config.block_m >= 32``. Its default grid is one
     program per tile: on an H200 the branch made the persistent grids' tiles 4-22 % slower
     (results/ab_half_tail_gemms_persistent-...log); the flattened grid cannot take it.
+    ``decode_chunk`` (4-bit weights; ignored for others): decode that many experts' weights at a time into a
+    scratch in the compute dtype (:mod:`moeforge.kernels.decode_first`), then run the float GEMM on it over those
+    experts' row blocks, on a persistent grid (``grid`` ``persistent`` or ``flattened``; no split K-loop); the
+    scratch holds ``min(decode_chunk, E)`` experts. 0 decodes in the K-loop. Unless given, as
+    ``config.decode_chunk`` says (a tuned table's choice); ``swap`` and ``weight_scale_max`` then do not apply.
+    ``expert_first`` and ``block_range`` (what the decoding path launches): the per-expert operands (weight,
+    scales, bias, global scales) hold experts ``expert_first ..`` only, and a persistent grid runs the aligned
+    blocks ``block_range[0] .. block_range[1] - 1`` (int32 on the device), which must be those experts'.
     """
     weight_format = WeightFormat(weight_format)
     if weight_scale_max is not None and not 0 <= weight_scale_max <= 255:
@@ -964,6 +951,19 @@ def moe_gemm(
     if use_half_tail and grid == "flattened":
         raise ValueError("half_tail branches per tile, which the flattened grid cannot: use grid='persistent' or "
                          "'tiles'")
+    chunk = config.decode_chunk if decode_chunk is None else decode_chunk
+    if chunk < 0:
+        raise ValueError(f"decode_chunk must be >= 0 (experts decoded at a time; 0: in the K-loop), got {chunk}")
+    decoding_first = bool(chunk) and weight_format.packed
+    if decoding_first and (grid == "tiles" or (split_k if split_k is not None else config.split_k or 1) > 1):
+        raise ValueError("decoding the weights first runs the float GEMM on a persistent grid, without a split "
+                         f"K-loop: got grid={grid!r}, split_k={split_k if split_k is not None else config.split_k}")
+    if expert_first and block_range is None:
+        raise ValueError("expert_first names the first expert of a block range: pass block_range too")
+    if block_range is not None and (grid not in ("persistent", "flattened") or (split_k or 1) > 1):
+        raise ValueError(f"a block range runs on a persistent grid (grid='persistent' or 'flattened', no split), "
+                         f"got grid={grid!r}, split_k={split_k}")
+    asked = config
     row_format = RowFormat.of(a.dtype)
     if row_format is RowFormat.NVFP4 and weight_format in (WeightFormat.FP8, WeightFormat.INT8):
         raise ValueError("NVFP4 rows meet float or 4-bit weights, not 8-bit ones")
@@ -998,6 +998,14 @@ def moe_gemm(
     e4m3_scales = weight_format is WeightFormat.NVFP4 or row_format is RowFormat.NVFP4
     if num_copies == 0 or n_out == 0:
         return out
+    if decoding_first:
+        return _decode_first(a, weight, out, sorted_ids, block_expert, num_padded, chunk=chunk, config=asked,
+                             aligned=aligned, weight_format=weight_format, weight_scale=weight_scale,
+                             weight_zero=weight_zero, weight_global=weight_global, bias=bias, ptx=ptx, grid=grid,
+                             split_k=split_k, half_tail=use_half_tail, compute_dtype=compute_dtype,
+                             options=dict(rows_per_a=rows_per_a, a_scale=a_scale, a_global=a_global,
+                                          topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved,
+                                          alpha=alpha, limit=limit, tma=tma))
     paired = glu and interleaved
     capability = device_capability(a.device)
     if tma is None:  # the configuration's choice (a tuned table's), else the rule; where TMA applies
@@ -1055,7 +1063,8 @@ def moe_gemm(
         bias if bias is not None else dummy, out, out_scale if out_scale is not None else dummy,
         topk_weights if topk_weights is not None else dummy,
         sorted_ids, block_expert, num_padded, partials if partials is not None else dummy,
-        n_out, k_dim, num_copies, rows_per_a, float(a_global), steps_per_split,
+        n_out, k_dim, num_copies, rows_per_a, float(a_global), expert_first,
+        block_range if block_range is not None else num_padded, steps_per_split,
         partials.stride(0) if partials is not None else 0, partials.stride(1) if partials is not None else 0,
         a.stride(0), a.stride(1), stride_asm, stride_ask,
         weight.stride(0), weight.stride(1), weight.stride(2),
@@ -1083,6 +1092,8 @@ def moe_gemm(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_RATIO=aligned // config.block_m,
         HALF_TAIL=use_half_tail,
+        B_GLOBAL=weight_global is not None,
+        EXPERT_RANGE=block_range is not None,
         SCALE_FOLD=(use_ptx and weight_format is WeightFormat.MXFP4 and compute_dtype == torch.bfloat16
                     and weight_scale_max is not None and weight_scale_max <= FOLDED_SCALE_MAX),
         PDL=pdl.flag(dependent, release=False),
