@@ -21,7 +21,7 @@ chunk's row blocks on the device (no host synchronisation: CUDA-graph capturable
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import triton
@@ -108,12 +108,15 @@ def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_sca
     return out
 
 
-def block_ranges(block_expert: torch.Tensor, num_padded: torch.Tensor, aligned_block_m: int,
-                 bounds: Sequence[int]) -> torch.Tensor:
-    """``[len(bounds)]`` int32 on the device: for each expert bound ``b``, the first aligned row block whose expert
-    is at least ``b`` (the blocks of experts ``bounds[i] .. bounds[i + 1] - 1`` are ``out[i] .. out[i + 1] - 1``:
-    the rows are sorted by expert). Only the blocks that exist (``num_padded / aligned_block_m``) count."""
-    blocks = torch.arange(block_expert.numel(), device=block_expert.device)
+def block_ranges(block_expert: torch.Tensor, num_padded: torch.Tensor, aligned_block_m: int, chunk: int,
+                 num_experts: int) -> torch.Tensor:
+    """``[ceil(num_experts / chunk) + 1]`` int32 on the device: entry ``i`` is the first aligned row block whose
+    expert is at least ``min(i * chunk, num_experts)``, so the blocks of chunk ``i`` (experts ``i * chunk`` ..
+    ``(i + 1) * chunk - 1``) are ``out[i] .. out[i + 1] - 1`` (the rows are sorted by expert). Only the blocks that
+    exist (``num_padded / aligned_block_m``) count. Device work only (CUDA-graph capturable)."""
+    device = block_expert.device
+    blocks = torch.arange(block_expert.numel(), device=device)
     exists = blocks < num_padded.to(blocks.dtype) // aligned_block_m
-    limits = torch.tensor(list(bounds), dtype=block_expert.dtype, device=block_expert.device)
-    return ((block_expert[None, :] < limits[:, None]) & exists[None, :]).sum(1, dtype=torch.int32)
+    chunks = -(-num_experts // chunk)
+    limits = (torch.arange(chunks + 1, device=device) * chunk).clamp_(max=num_experts)
+    return ((block_expert[None, :].to(limits.dtype) < limits[:, None]) & exists[None, :]).sum(1, dtype=torch.int32)

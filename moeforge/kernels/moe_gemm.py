@@ -832,7 +832,7 @@ def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sort
     experts, n_w = weight.shape[0], weight.shape[1]
     scratch = torch.empty((min(chunk, experts), n_w, 2 * weight.shape[2]), dtype=compute_dtype, device=weight.device)
     starts = list(range(0, experts, chunk))
-    ranges = decode_first.block_ranges(block_expert, num_padded, aligned, starts + [experts])
+    ranges = decode_first.block_ranges(block_expert, num_padded, aligned, chunk, experts)
     float_config = attrs.evolve(config, decode_chunk=0, swap=False, split_k=None)
     if grid is None:
         grid = default_grid(device_capability(a.device), WeightFormat.FLOAT, float_config, options["glu"],
