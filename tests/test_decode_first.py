@@ -265,7 +265,7 @@ def test_decoding_first_on_hopper_tiles(block: tuple[int, int, int, int], fmt: s
     1; chunks of 2 (uneven) and all five."""
     block_m, block_n, block_k, warps = block
     config = GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=warps, num_stages=3)
-    for options in (dict(), dict(tma=True, half_tail=True)):
+    for options in (dict(), dict(tma=True, half_tail=True)):  # (half tiles: asked for, left out by the decoding path)
         for glu in (True, False):
             if glu and block_n == 256:
                 continue

@@ -5,9 +5,9 @@ A row block whose second half is only padding (an expert's last block, at most `
 (``mma.sync`` for 32 and 16 rows, Hopper's wgmma for 128 and 64), so on the GPU the outputs are then bitwise those
 of the full blocks; a 64-row block's 32-row half moves from wgmma to ``mma.sync`` and rounds its sums differently
 (compared closely). Under Triton's interpreter on CPU (numpy products of other shapes) they are compared closely.
-Every format and epilogue, the swapped 4-bit product, split K-loops, the persistent grid, rows aligned by a larger
-block, FP8 output quantized per 128-group, the tables' wgmma tiles on a Hopper GPU, the tuner, the backward, and a
-whole layer from a table whose entries ask for it. The routing gives experts a last block above half (full
+Every format and epilogue, the swapped 4-bit product, split K-loops, rows aligned by a larger block, FP8 output
+quantized per 128-group, the tables' wgmma tiles on a Hopper GPU, the tuner, the backward, and a whole layer from a
+table whose entries ask for it; the persistent grids refuse half tiles. The routing gives experts a last block above half (full
 tile), at most half (half tile: 8, 16 and 1 rows) and no rows. Outputs are poisoned with NaN: every element is
 proven written.
 """
@@ -118,11 +118,11 @@ def test_half_tiles_with_the_swapped_4bit_product(fmt: str) -> None:
     assert rel(half, ref) < 0.5
 
 
-@pytest.mark.parametrize("schedule", ["split_k", "persistent", "aligned by 64", "tma"])
+@pytest.mark.parametrize("schedule", ["split_k", "aligned by 64", "tma"])
 def test_half_tiles_with_the_other_schedules(schedule: str) -> None:
     config = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=2)
-    options: dict[str, Any] = {"split_k": dict(split_k=2), "persistent": dict(grid="persistent"),
-                               "aligned by 64": dict(aligned=64), "tma": dict(tma=True)}[schedule]
+    options: dict[str, Any] = {"split_k": dict(split_k=2), "aligned by 64": dict(aligned=64),
+                               "tma": dict(tma=True)}[schedule]
     for fmt in ("float", "mxfp4"):
         full, half, ref = _run(fmt, glu=True, config=config, **options)
         _same(full, half)
@@ -165,7 +165,7 @@ def test_the_configuration_carries_half_tail_and_refuses_small_blocks() -> None:
     assert not family_member(config, 2, 2).half_tail
 
 
-def test_half_tail_errors_and_the_flattened_grid() -> None:
+def test_half_tail_errors_and_the_persistent_grids() -> None:
     ids = _ids().to(DEVICE)
     tokens, experts = ids.shape[0], len(COUNTS)
     x = torch.randn(tokens, 64, device=DEVICE, dtype=DTYPE)
@@ -176,8 +176,9 @@ def test_half_tail_errors_and_the_flattened_grid() -> None:
         small = align.align_block_size(ids, experts, 16)
         moe_gemm.moe_gemm(x, weight, out, *small, rows_per_a=1, config=GemmConfig(16, 16, 32), half_tail=True)
     config = GemmConfig(32, 16, 32, num_warps=4, num_stages=2, half_tail=True)
-    with pytest.raises(ValueError, match="flattened grid cannot"):
-        moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=1, config=config, grid="flattened")
+    for grid in ("persistent", "flattened"):
+        with pytest.raises(ValueError, match="half_tail runs one program per tile"):
+            moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=1, config=config, grid=grid)
     # a default grid that would be flattened (or persistent) runs one program per tile instead
     grids: list[int] = []
     real = moe_gemm.moe_gemm_kernel
@@ -192,8 +193,7 @@ def test_half_tail_errors_and_the_flattened_grid() -> None:
     with mock.patch.object(moe_gemm, "default_grid", return_value="flattened"), \
             mock.patch.object(moe_gemm, "moe_gemm_kernel", Spy()):
         moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=1, config=config)
-        moe_gemm.moe_gemm(x, weight, torch.empty_like(out), *plan, rows_per_a=1, config=config, grid="persistent")
-    assert grids == [moe_gemm.GRIDS.index("tiles"), moe_gemm.GRIDS.index("persistent")]  # an explicit grid is kept
+    assert grids == [moe_gemm.GRIDS.index("tiles")]
     want = torch.einsum("ck,cnk->cn", x.double(), weight.double()[ids[:, 0].long()])
     assert rel(out, want) < 1e-2
     # the call's choice wins over the configuration's

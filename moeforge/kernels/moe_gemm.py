@@ -822,8 +822,8 @@ def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sort
                   block_expert: torch.Tensor, num_padded: torch.Tensor, *, chunk: int, config: GemmConfig,
                   aligned: int, weight_format: WeightFormat, weight_scale: Optional[torch.Tensor],
                   weight_zero: Optional[torch.Tensor], weight_global: Optional[torch.Tensor],
-                  bias: Optional[torch.Tensor], ptx: Optional[bool], grid: Optional[str], split_k: Optional[int],
-                  half_tail: bool, compute_dtype: torch.dtype, options: dict[str, Any]) -> torch.Tensor:
+                  bias: Optional[torch.Tensor], ptx: Optional[bool], grid: Optional[str], compute_dtype: torch.dtype,
+                  options: dict[str, Any]) -> torch.Tensor:
     """:func:`moe_gemm` with ``decode_chunk``: for each run of ``chunk`` experts, their 4-bit weights decoded into
     one scratch (:func:`moeforge.kernels.decode_first.decode_weights`), then the float GEMM over their row blocks
     (:func:`moeforge.kernels.decode_first.block_ranges`) with their slices of the per-expert operands. One stream:
@@ -833,11 +833,12 @@ def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sort
     scratch = torch.empty((min(chunk, experts), n_w, 2 * weight.shape[2]), dtype=compute_dtype, device=weight.device)
     starts = list(range(0, experts, chunk))
     ranges = decode_first.block_ranges(block_expert, num_padded, aligned, chunk, experts)
-    float_config = attrs.evolve(config, decode_chunk=0, swap=False, split_k=None)
+    # (no half tiles: the persistent grids refuse them, see moe_gemm)
+    float_config = attrs.evolve(config, decode_chunk=0, swap=False, split_k=None, half_tail=False)
     if grid is None:
         grid = default_grid(device_capability(a.device), WeightFormat.FLOAT, float_config, options["glu"],
                             out.shape[0] / experts)
-        grid = grid if grid != "tiles" and not (half_tail and grid == "flattened") else "persistent"
+        grid = grid if grid != "tiles" else "persistent"
     for index, first in enumerate(starts):
         last = min(first + chunk, experts)
         decoded = decode_first.decode_weights(weight[first:last], weight_format, weight_scale[first:last],
@@ -846,7 +847,7 @@ def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sort
         moe_gemm(a, decoded, out, sorted_ids, block_expert, num_padded, config=float_config,
                  weight_global=weight_global[first:last] if weight_global is not None else None,
                  bias=bias[first:last] if bias is not None else None, grid=grid, split_k=1, aligned_block_m=aligned,
-                 half_tail=half_tail, expert_first=first, block_range=ranges[index:index + 2], **options)
+                 expert_first=first, block_range=ranges[index:index + 2], **options)
     return out
 
 
@@ -920,9 +921,11 @@ def moe_gemm(
     ``config.block_m / 2`` rows) as a ``block_m / 2``-row tile, half the MMA work. Bitwise the same output where
     both tiles take the same MMA instruction (Hopper: wgmma for 128 and 64 rows, ``mma.sync`` for 32 and 16);
     a 64-row block's 32-row half leaves wgmma for ``mma.sync``, which rounds the sums differently. Unless given,
-    as ``config.half_tail`` says (a tuned table's choice). Needs ``config.block_m >= 32``. Its default grid is one
-    program per tile: on an H200 the branch made the persistent grids' tiles 4-22 % slower
-    (results/ab_half_tail_gemms_persistent-...log); the flattened grid cannot take it.
+    as ``config.half_tail`` says (a tuned table's choice). Needs ``config.block_m >= 32``. It runs one program per
+    tile: on an H200 the branch made the persistent grids' tiles 4-22 % slower
+    (results/ab_half_tail_gemms_persistent-...log), and a persistent grid with half tiles wrote wrong rows for NVFP4
+    rows against float weights (results/dbg_half_tail_persistent_nvfp4_rows-...log), so the persistent grids refuse
+    it (and the decoding path below leaves it out).
     ``decode_chunk`` (4-bit weights; ignored for others): decode that many experts' weights at a time into a
     scratch in the compute dtype (:mod:`moeforge.kernels.decode_first`), then run the float GEMM on it over those
     experts' row blocks, on a persistent grid (``grid`` ``persistent`` or ``flattened``; no split K-loop); the
@@ -948,9 +951,9 @@ def moe_gemm(
     use_half_tail = config.half_tail if half_tail is None else half_tail
     if use_half_tail and config.block_m < 32:
         raise ValueError(f"half_tail needs block_m >= 32 (its half tiles have block_m / 2 rows), got {config.block_m}")
-    if use_half_tail and grid == "flattened":
-        raise ValueError("half_tail branches per tile, which the flattened grid cannot: use grid='persistent' or "
-                         "'tiles'")
+    if use_half_tail and grid in ("persistent", "flattened"):
+        raise ValueError(f"half_tail runs one program per tile (grid='tiles'), not grid={grid!r}: the persistent grids "
+                         "lost 4-22 % with it, and on an H200 one wrote wrong rows with it (NVFP4 rows, float weights)")
     chunk = config.decode_chunk if decode_chunk is None else decode_chunk
     if chunk < 0:
         raise ValueError(f"decode_chunk must be >= 0 (experts decoded at a time; 0: in the K-loop), got {chunk}")
@@ -1002,7 +1005,7 @@ def moe_gemm(
         return _decode_first(a, weight, out, sorted_ids, block_expert, num_padded, chunk=chunk, config=asked,
                              aligned=aligned, weight_format=weight_format, weight_scale=weight_scale,
                              weight_zero=weight_zero, weight_global=weight_global, bias=bias, ptx=ptx, grid=grid,
-                             split_k=split_k, half_tail=use_half_tail, compute_dtype=compute_dtype,
+                             compute_dtype=compute_dtype,
                              options=dict(rows_per_a=rows_per_a, a_scale=a_scale, a_global=a_global,
                                           topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved,
                                           alpha=alpha, limit=limit, tma=tma))
