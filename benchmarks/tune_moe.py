@@ -1,7 +1,8 @@
 """Tune the grouped-GEMM launch configurations for this GPU, in any weight format (CUDA only).
 
     python benchmarks/tune_moe.py --shapes qwen3,mixtral [--formats bf16,fp8,fp8-channel,int8,w4a16,mxfp4,nvfp4]
-                                  [--tokens 1,8,...] [--jobs 8] [--tma] [--split-k] [--half-tail] [--out FILE]
+                                  [--tokens 1,8,...] [--jobs 8] [--tma] [--split-k] [--half-tail] [--decode-first]
+                                  [--out FILE]
 
 For each shape, format and token count it times both expert GEMMs of a triton ``MoELayer`` in that
 format (the gate/up GEMM with its fused activation, and the down GEMM), exactly as the layer runs
@@ -216,15 +217,30 @@ def retiled(x: AlignedRows, role: str, config: GemmConfig) -> AlignedRows:
 
 
 SPLITS = (1, 2, 4)  # --split-k: the K-loop splits timed at decode (a few rows per expert)
+# --decode-first: the scratch sizes (GiB) whose experts per chunk are timed, above this many rows per expert (on an
+# H200 decoding first lost at 256 rows per expert and below: Mixtral M = 1024, Qwen3 M = 4096, GPT-OSS M = 4096)
+DECODE_BUDGETS_GIB = (0.5, 2.0)
+DECODE_MIN_ROWS = 256
+
+
+def decode_chunks(shape: tuple[int, int, int, int]) -> list[int]:
+    """The experts per chunk timed with ``--decode-first``: as many as a scratch of each of
+    :data:`DECODE_BUDGETS_GIB` holds of the larger (gate/up) weight in bf16, at least one, at most all."""
+    experts, _, hidden, inter = shape
+    per_expert = 2 * inter * hidden * 2
+    return sorted({max(1, min(experts, int(gib * 2**30) // per_expert)) for gib in DECODE_BUDGETS_GIB})
 
 
 def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int, tma: bool = False,
-         split_k: bool = False, half_tail: bool = False) -> dict[int, dict[str, list[GemmConfig]]]:
+         split_k: bool = False, half_tail: bool = False, decode_first: bool = False
+         ) -> dict[int, dict[str, list[GemmConfig]]]:
     """The candidates by ``block_m`` and GEMM for one token count (the layer's own choice included);
     ``tma``: each with the weight tiles by pointer and by TMA (else the launcher's rule decides);
     ``split_k``: at decode (at most 4 rows per expert), each with the K-loop in 1, 2 and 4 ranges (else the
     launcher's rule decides); ``half_tail``: each of at least 32 rows (the layer's own choice too) also with
-    half-height tiles for the experts' last blocks (``GemmConfig.half_tail``)."""
+    half-height tiles for the experts' last blocks (``GemmConfig.half_tail``); ``decode_first``: 4-bit formats above
+    :data:`DECODE_MIN_ROWS` rows per expert, also the bf16 candidates with the weights decoded first
+    (``GemmConfig.decode_chunk``), in chunks of each of :func:`decode_chunks` experts."""
     gemms = Gemms.of(layer)
     chosen = gemms.chosen(routed_tokens(layer, shape, tokens))
     space = list(candidates(fmt, tokens * layer.top_k / layer.num_experts))
@@ -233,6 +249,11 @@ def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens:
     if split_k and tokens * layer.top_k / layer.num_experts <= 4:
         space = [attrs.evolve(config, split_k=splits) for config in space for splits in SPLITS]
     gate_up_space, down_space = [*space, chosen[0]], [*space, chosen[1]]
+    rows = tokens * layer.top_k / layer.num_experts
+    if decode_first and fmt in ("mxfp4", "nvfp4", "w4a16") and rows > DECODE_MIN_ROWS:
+        decoded = [attrs.evolve(config, decode_chunk=chunk) for config in candidates("bf16", rows)
+                   for chunk in decode_chunks(shape)]
+        gate_up_space, down_space = gate_up_space + decoded, down_space + decoded
     if half_tail:
         gate_up_space, down_space = ([c for config in configs for c in (
             (config, attrs.evolve(config, half_tail=True)) if config.block_m >= 32 else (config,))]
@@ -265,10 +286,10 @@ def runners(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, b
 # -- compiling ahead, in parallel ------------------------------------------------------------------
 
 
-def _compile(job: tuple[str, str, list[int], int, int, Any, bool, bool, bool]) -> int:
+def _compile(job: tuple[str, str, list[int], int, int, Any, bool, bool, bool, bool]) -> int:
     """Launch (and so compile into Triton's cache) every ``index % count == worker`` candidate;
     ``creating``: a lock, one layer created at a time (quantizing one takes many times its size)."""
-    shape_name, fmt, tokens_list, worker, count, creating, tma, split_k, half_tail = job
+    shape_name, fmt, tokens_list, worker, count, creating, tma, split_k, half_tail, decode_first = job
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
     with creating:
@@ -278,7 +299,7 @@ def _compile(job: tuple[str, str, list[int], int, int, Any, bool, bool, bool]) -
     index = 0
     with torch.no_grad():
         for tokens in tokens_list:
-            for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k, half_tail).items():
+            for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k, half_tail, decode_first).items():
                 run = runners(layer, shape, tokens, block_m)
                 for role, configs in roles.items():
                     for config in configs:
@@ -295,13 +316,14 @@ def _compile(job: tuple[str, str, list[int], int, int, Any, bool, bool, bool]) -
 
 
 def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int, tma: bool = False,
-                  split_k: bool = False, half_tail: bool = False) -> None:
+                  split_k: bool = False, half_tail: bool = False, decode_first: bool = False) -> None:
     if jobs <= 1:
         return
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         lock = manager.Lock()
-        jobs_list = [(shape_name, fmt, tokens_list, w, jobs, lock, tma, split_k, half_tail) for w in range(jobs)]
+        jobs_list = [(shape_name, fmt, tokens_list, w, jobs, lock, tma, split_k, half_tail, decode_first)
+                     for w in range(jobs)]
         done = sum(pool.map(_compile, jobs_list))
     print(f"  compiled {done} launches in {jobs} processes", flush=True)
 
@@ -345,7 +367,7 @@ def best_pair(best: dict[int, dict[str, Timed]], on_larger: dict[tuple[int, int]
 
 def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int,
               flush: torch.Tensor, reps: int, tma: bool = False, split_k: bool = False,
-              half_tail: bool = False) -> dict[str, Any]:
+              half_tail: bool = False, decode_first: bool = False) -> dict[str, Any]:
     best: dict[int, dict[str, Timed]] = {}
     runs: dict[int, dict[str, Callable[[GemmConfig], Callable[[], Any]]]] = {}
 
@@ -357,7 +379,7 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
             return None
 
     with torch.no_grad():
-        for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k, half_tail).items():
+        for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k, half_tail, decode_first).items():
             runs[block_m] = runners(layer, shape, tokens, block_m)
             for role, configs in roles.items():
                 for config in configs:
@@ -383,7 +405,8 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
                              **({} if c.tma is None else dict(tma=c.tma)),
                              **({} if c.split_k is None else dict(split_k=c.split_k)),
                              **({} if not c.swap else dict(swap=True)),
-                             **({} if not c.half_tail else dict(half_tail=True)))
+                             **({} if not c.half_tail else dict(half_tail=True)),
+                             **({} if not c.decode_chunk else dict(decode_chunk=c.decode_chunk)))
     return dict(gate_up=as_dict(chosen["gate_up"][1]), down=as_dict(chosen["down"][1]), us=round(total, 2))
 
 
@@ -406,6 +429,10 @@ def main() -> None:
     parser.add_argument("--half-tail", action="store_true",
                         help="time each candidate of at least 32 rows also with half-height tiles for the experts' "
                              "last blocks, and write the choice into the table")
+    parser.add_argument("--decode-first", action="store_true",
+                        help=f"4-bit formats above {DECODE_MIN_ROWS} rows per expert: also time the bf16 candidates "
+                             "with the weights decoded first, a chunk of experts at a time (GemmConfig.decode_chunk), "
+                             "and write the choice into the table")
     args = parser.parse_args()
     formats = args.formats.split(",")
     unknown = [f for f in formats if f not in FORMATS]
@@ -432,14 +459,14 @@ def main() -> None:
                 continue
             torch.manual_seed(0)
             compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs), args.tma,
-                          args.split_k, args.half_tail)
+                          args.split_k, args.half_tail, args.decode_first)
             layer = build_layer(shape, fmt)
             key = table_key(shape, fmt)
             print(f"{name} {key}", flush=True)
             entries = table.setdefault(key, {})
             for tokens in tokens_list:
                 entries[str(tokens)] = tune_cell(layer, shape, fmt, tokens, flush, args.reps, args.tma,
-                                                    args.split_k, args.half_tail)
+                                                    args.split_k, args.half_tail, args.decode_first)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(table, indent=1, sort_keys=True))  # progress survives a time-out
             del layer

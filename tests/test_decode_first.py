@@ -310,3 +310,64 @@ def test_decoding_first_is_captured_in_a_cuda_graph() -> None:
         want = torch.full_like(out, float("nan"))
         moe_gemm.moe_gemm(a, weight, want, *plan, rows_per_a=1, config=config, decode_chunk=0, **args)
         _close(out, want)
+
+
+def test_the_tuner_times_decoding_first_and_writes_the_choice(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``tune_moe.tune_cell(..., decode_first=True)`` on a small W4A16 triton pipeline (the GEMMs run, under the
+    interpreter on CPU) with made-up times: the bf16 candidates are timed again with the weights decoded first, in
+    chunks of 1 and 3 experts; the gate/up GEMM's fastest is chunks of 3, the down GEMM's the in-register decoding;
+    the choice is written and read back. Float layers get no such candidates."""
+    import types
+
+    from test_mixed_row_blocks import tuner_on_a_small_pipeline  # (puts benchmarks/ on the path)
+    from test_quant_triton_layer import METHODS, _reference, _triton_pipeline
+
+    tune_moe, float_layer = tuner_on_a_small_pipeline(monkeypatch, 4, 2, seed=5)
+    reference = _reference(METHODS["w4a16 g32 zeros"], "auto")
+    experts, k, hidden, inter = reference.num_experts, reference.top_k, reference.hidden_size, 128
+    layer = types.SimpleNamespace(pipeline=_triton_pipeline(reference, ConfigTable(experts, k)), num_experts=experts,
+                                  top_k=k, routing=reference.routing,
+                                  quant=types.SimpleNamespace(table_key=reference.quant.table_key))
+    gen = torch.Generator().manual_seed(6)
+    monkeypatch.setattr(tune_moe, "random_batch", lambda tokens, h, e, seed=0: (
+        torch.randn(tokens, h, generator=gen).to(DEVICE, torch.float16),
+        torch.randn(tokens, e, generator=gen).to(DEVICE)))
+    monkeypatch.setattr(tune_moe, "candidates", lambda fmt, rows: iter([GemmConfig(16, 32, 32, 1, 4, 2)]))
+    per_expert = 2 * inter * hidden * 2  # bytes of one expert's gate/up weight in bf16
+    monkeypatch.setattr(tune_moe, "DECODE_BUDGETS_GIB", (per_expert / 2**30, 3.5 * per_expert / 2**30))
+    monkeypatch.setattr(tune_moe, "DECODE_MIN_ROWS", 4)
+    shape = (experts, k, hidden, inter)
+    assert tune_moe.decode_chunks(shape) == [1, 3]
+    launched: list[tuple[str, int]] = []
+    real_retiled = tune_moe.retiled
+
+    def retiled(x: object, role: str, config: GemmConfig) -> object:
+        launched.append((role, config.decode_chunk))
+        return real_retiled(x, role, config)  # type: ignore[arg-type]
+
+    times = {("gate_up", 0): 20.0, ("gate_up", 1): 30.0, ("gate_up", 3): 10.0,
+             ("down", 0): 10.0, ("down", 1): 15.0, ("down", 3): 12.0}
+
+    def time_graph(fn: Any, reps: int, flush: Any) -> float:
+        outputs = fn()
+        assert all(torch.isfinite(out.x.data.float()).all() for out in outputs)
+        return times[launched[-1]] * tune_moe.ROUTINGS
+
+    monkeypatch.setattr(tune_moe, "retiled", retiled)
+    monkeypatch.setattr(tune_moe, "time_graph", time_graph)
+    entry = tune_moe.tune_cell(layer, shape, "w4a16", 20, flush=None, reps=1,  # type: ignore[arg-type]
+                               decode_first=True)
+    assert "skip" not in capsys.readouterr().out
+    assert {("gate_up", 1), ("gate_up", 3), ("down", 1), ("down", 3)} <= set(launched)
+    assert entry["gate_up"]["decode_chunk"] == 3 and "decode_chunk" not in entry["down"]
+    loaded = ConfigTable.from_json(experts, k, {"20": entry}).lookup(20)
+    assert loaded.gate_up.decode_chunk == 3 and loaded.down.decode_chunk == 0
+    # below the rows per expert, or for float weights: no decoding candidates
+    monkeypatch.setattr(tune_moe, "DECODE_MIN_ROWS", 256)
+    assert all(not c.decode_chunk for roles in tune_moe.plan(layer, shape, "w4a16", 20, decode_first=True).values()
+               for configs in roles.values() for c in configs)
+    monkeypatch.setattr(tune_moe, "DECODE_MIN_ROWS", 4)
+    assert all(not c.decode_chunk for roles in tune_moe.plan(float_layer, (4, 2, 48, 40), "bf16", 20,
+                                                             decode_first=True).values()
+               for configs in roles.values() for c in configs)
