@@ -60,14 +60,15 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                     ("*fp32" if fp8 else f"*{dtype}"),
                     b_zero_ptr="*u8", b_global_ptr="*fp32", bias_ptr=f"*{dtype}", c_ptr=f"*{dtype}",
                     c_scale_ptr="*fp32", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
-                    num_padded_ptr="*i32", p_ptr="*fp32")
+                    num_padded_ptr="*i32", block_range_ptr="*i32", p_ptr="*fp32")
     constexprs: dict[str, Any] = dict(
         A_FMT=1 if fp8 else 0, A_SCALE=2 if fp8 else 0, B_FMT=int(weights), B_BLOCKED=fp8, B_TILE_SCALE=tile_scale,
         GROUP=GROUPS[weights], HAS_ZEROS=False,
         QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=True,
         PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed,
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
-        B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, PDL=False, BLOCK_M=block[0],
+        B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, B_GLOBAL=weights is WeightFormat.NVFP4,
+        EXPERT_RANGE=False, PDL=False, BLOCK_M=block[0],
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and weights is WeightFormat.MXFP4 and dtype == "bf16",
