@@ -320,7 +320,7 @@ def test_the_tuner_times_decoding_first_and_writes_the_choice(monkeypatch: pytes
     the choice is written and read back. Float layers get no such candidates."""
     import types
 
-    from test_mixed_row_blocks import tuner_on_a_small_pipeline  # (puts benchmarks/ on the path)
+    from test_mixed_row_blocks import made_up_times, tuner_on_a_small_pipeline  # (puts benchmarks/ on the path)
     from test_quant_triton_layer import METHODS, _reference, _triton_pipeline
 
     tune_moe, float_layer = tuner_on_a_small_pipeline(monkeypatch, 4, 2, seed=5)
@@ -339,23 +339,9 @@ def test_the_tuner_times_decoding_first_and_writes_the_choice(monkeypatch: pytes
     monkeypatch.setattr(tune_moe, "DECODE_MIN_ROWS", 4)
     shape = (experts, k, hidden, inter)
     assert tune_moe.decode_chunks(shape) == [1, 3]
-    launched: list[tuple[str, int]] = []
-    real_retiled = tune_moe.retiled
-
-    def retiled(x: object, role: str, config: GemmConfig) -> object:
-        launched.append((role, config.decode_chunk))
-        return real_retiled(x, role, config)  # type: ignore[arg-type]
-
     times = {("gate_up", 0): 20.0, ("gate_up", 1): 30.0, ("gate_up", 3): 10.0,
              ("down", 0): 10.0, ("down", 1): 15.0, ("down", 3): 12.0}
-
-    def time_graph(fn: Any, reps: int, flush: Any) -> float:
-        outputs = fn()
-        assert all(torch.isfinite(out.x.data.float()).all() for out in outputs)
-        return times[launched[-1]] * tune_moe.ROUTINGS
-
-    monkeypatch.setattr(tune_moe, "retiled", retiled)
-    monkeypatch.setattr(tune_moe, "time_graph", time_graph)
+    launched = made_up_times(monkeypatch, tune_moe, lambda x, role, c: (role, c.decode_chunk), times)
     entry = tune_moe.tune_cell(layer, shape, "w4a16", 20, flush=None, reps=1,  # type: ignore[arg-type]
                                decode_first=True)
     assert "skip" not in capsys.readouterr().out

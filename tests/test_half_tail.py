@@ -238,28 +238,14 @@ def test_the_tuner_times_half_tiles_and_writes_the_choice(monkeypatch: pytest.Mo
     """``tune_moe.tune_cell(..., half_tail=True)`` on a small triton pipeline (the GEMMs run, under the
     interpreter on CPU) with made-up times: each candidate of at least 32 rows is timed with and without half
     tiles, the 16-row one only without; the faster choice is written and read back."""
-    from test_mixed_row_blocks import tuner_on_a_small_pipeline  # (puts benchmarks/ on the path)
+    from test_mixed_row_blocks import made_up_times, tuner_on_a_small_pipeline  # (puts benchmarks/ on the path)
 
     experts, k, hidden = 4, 2, 48
     tune_moe, layer = tuner_on_a_small_pipeline(monkeypatch, experts, k, seed=4)
-    launched: list[tuple[str, int, bool]] = []
-    real_retiled = tune_moe.retiled
-
-    def retiled(x: object, role: str, config: GemmConfig) -> object:
-        launched.append((role, config.block_m, config.half_tail))
-        return real_retiled(x, role, config)  # type: ignore[arg-type]
-
     # gate/up: 32 rows with half tiles fastest; down: 32 rows without
     times = {("gate_up", 16, False): 30.0, ("gate_up", 32, False): 20.0, ("gate_up", 32, True): 15.0,
              ("down", 16, False): 30.0, ("down", 32, False): 10.0, ("down", 32, True): 11.0}
-
-    def time_graph(fn: Any, reps: int, flush: Any) -> float:
-        outputs = fn()
-        assert all(torch.isfinite(out.x.data.float()).all() for out in outputs)
-        return times[launched[-1]] * tune_moe.ROUTINGS
-
-    monkeypatch.setattr(tune_moe, "retiled", retiled)
-    monkeypatch.setattr(tune_moe, "time_graph", time_graph)
+    launched = made_up_times(monkeypatch, tune_moe, lambda x, role, c: (role, c.block_m, c.half_tail), times)
     entry = tune_moe.tune_cell(layer, (experts, k, hidden, 40), "bf16", 20,  # type: ignore[arg-type]
                                flush=None, reps=1, half_tail=True)
     assert "skip" not in capsys.readouterr().out

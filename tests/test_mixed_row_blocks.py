@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import pytest
@@ -195,22 +195,16 @@ def tuner_on_a_small_pipeline(monkeypatch: pytest.MonkeyPatch, experts: int, k: 
     return tune_moe, layer
 
 
-def test_the_tuner_times_a_cell_and_keeps_a_pair_of_two_blocks(monkeypatch: pytest.MonkeyPatch,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    """``tune_moe.tune_cell`` end to end on a small triton pipeline (the GEMMs run, under the interpreter on
-    CPU), with made-up times: the gate/up GEMM fastest on 16-row blocks, the down GEMM on 32; the gate/up
-    GEMM is timed again on rows aligned by 32, runs there, and the pair of two blocks is written."""
-    experts, k, hidden = 4, 2, 48  # _float_pipeline's hidden size
-    tune_moe, layer = tuner_on_a_small_pipeline(monkeypatch, experts, k, seed=3)
-    launched: list[tuple[str, int, int]] = []  # (role, block_m, the alignment's block) of the launch being timed
+def made_up_times(monkeypatch: pytest.MonkeyPatch, tune_moe: Any, key: Callable[[Any, str, GemmConfig], Any],
+                  times: dict[Any, float]) -> list[Any]:
+    """Time ``tune_moe``'s launches by ``times[key(rows, role, config)]`` of the launch being timed (it still runs,
+    and its outputs must be finite); returns the list of the keys launched, in order."""
+    launched: list[Any] = []
     real_retiled = tune_moe.retiled
 
-    def retiled(x: object, role: str, config: GemmConfig) -> object:
-        launched.append((role, config.block_m, x.alignment.block_m))  # type: ignore[attr-defined]
-        return real_retiled(x, role, config)  # type: ignore[arg-type]
-
-    times = {("gate_up", 16, 16): 10.0, ("gate_up", 16, 32): 12.0, ("gate_up", 32, 32): 30.0,
-             ("down", 16, 16): 50.0, ("down", 32, 32): 20.0, ("down", 16, 32): 55.0}
+    def retiled(x: Any, role: str, config: GemmConfig) -> Any:
+        launched.append(key(x, role, config))
+        return real_retiled(x, role, config)
 
     def time_graph(fn: Any, reps: int, flush: Any) -> float:
         outputs = fn()  # the GEMM runs, on the rows it was given
@@ -219,6 +213,20 @@ def test_the_tuner_times_a_cell_and_keeps_a_pair_of_two_blocks(monkeypatch: pyte
 
     monkeypatch.setattr(tune_moe, "retiled", retiled)
     monkeypatch.setattr(tune_moe, "time_graph", time_graph)
+    return launched
+
+
+def test_the_tuner_times_a_cell_and_keeps_a_pair_of_two_blocks(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``tune_moe.tune_cell`` end to end on a small triton pipeline (the GEMMs run, under the interpreter on
+    CPU), with made-up times: the gate/up GEMM fastest on 16-row blocks, the down GEMM on 32; the gate/up
+    GEMM is timed again on rows aligned by 32, runs there, and the pair of two blocks is written."""
+    experts, k, hidden = 4, 2, 48  # _float_pipeline's hidden size
+    tune_moe, layer = tuner_on_a_small_pipeline(monkeypatch, experts, k, seed=3)
+    times = {("gate_up", 16, 16): 10.0, ("gate_up", 16, 32): 12.0, ("gate_up", 32, 32): 30.0,
+             ("down", 16, 16): 50.0, ("down", 32, 32): 20.0, ("down", 16, 32): 55.0}
+    # (role, block_m, the alignment's block) of the launch being timed
+    launched = made_up_times(monkeypatch, tune_moe, lambda x, role, c: (role, c.block_m, x.alignment.block_m), times)
     entry = tune_moe.tune_cell(layer, (experts, k, hidden, 40), "bf16", 20,  # type: ignore[arg-type]
                                flush=None, reps=1)
     assert "skip" not in capsys.readouterr().out  # every launch ran, the re-timed one on the larger alignment
