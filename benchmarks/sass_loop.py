@@ -43,14 +43,15 @@ _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 
 def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, int], warps: int, stages: int,
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
-                   fold: bool = False, half_tail: bool = False, persistent: int = 0) -> Any:
+                   fold: bool = False, half_tail: bool = False, persistent: int = 0, shuffled: bool = False) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
     the weight tiles loaded by pointer (the TMA path takes a descriptor argument, not compiled here) and one
     program per tile (a persistent grid's tile loop would be the longest loop). ``fold``: MXFP4 in bf16 with the
     ``x 2**126`` folded into the scales (weights whose E8M0 codes are all at most 128). ``half_tail``: with the
     half-height variant of the tile for the experts' last blocks (the loop counted is the full tile's);
-    ``persistent``: the grid (0 one program per tile, 1 persistent, 2 flattened)."""
+    ``persistent``: the grid (0 one program per tile, 1 persistent, 2 flattened); ``shuffled``: the 4-bit weight in the
+    pre-shuffled layout (``moeforge.kernels.shuffle``)."""
     names = moe_gemm_kernel.arg_names
     packed = weights.packed
     fp8 = weights is WeightFormat.FP8
@@ -68,7 +69,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed,
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
         B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, B_GLOBAL=weights is WeightFormat.NVFP4,
-        EXPERT_RANGE=False, PDL=False, BLOCK_M=block[0],
+        EXPERT_RANGE=False, B_SHUFFLED=shuffled and packed, PDL=False, BLOCK_M=block[0],
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and weights is WeightFormat.MXFP4 and dtype == "bf16",
@@ -141,6 +142,7 @@ def main() -> None:
                         help="with the half-height tile for the experts' last blocks (GemmConfig.half_tail)")
     parser.add_argument("--grid", type=int, default=0, choices=(0, 1, 2),
                         help="0 one program per tile, 1 persistent, 2 flattened")
+    parser.add_argument("--shuffled", action="store_true", help="4-bit weights in the pre-shuffled layout")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -149,7 +151,7 @@ def main() -> None:
     kernel = compile_kernel(FORMATS[args.weights], glu=args.glu, block=block, warps=args.warps,  # type: ignore[arg-type]
                             stages=args.stages, dtype=args.dtype, swap=args.swap, ptx=not args.portable,
                             prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold,
-                            half_tail=args.half_tail, persistent=args.grid)
+                            half_tail=args.half_tail, persistent=args.grid, shuffled=args.shuffled)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeforge.kernels import shuffle
 from moeforge.kernels.dequant import group_scales, weight_tile
 from moeforge.kernels.formats import WeightFormat, weight_operand
 
@@ -45,10 +46,11 @@ def decode_weight_kernel(
     stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
     stride_oe, stride_on, stride_ok,
     B_FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SHUFFLED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program ``(k, n, e)``: the ``[BLOCK_N, BLOCK_K]`` tile of expert ``e``'s weight ``[N, K]`` (packed
-    ``[N, K / 2]`` bytes with their scales ``[N, K / GROUP]``, zero points alike) decoded to ``out``'s dtype."""
+    ``[N, K / 2]`` bytes, ``SHUFFLED``: in the pre-shuffled layout, with their scales ``[N, K / GROUP]``, zero points
+    alike) decoded to ``out``'s dtype."""
     k = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.program_id(2).to(tl.int64)
@@ -62,7 +64,7 @@ def decode_weight_kernel(
     if HAS_ZEROS:
         z = group_scales(z_ptr + expert * stride_ze + offs_n * stride_zn, n_ok, k, K, stride_zg, GROUP, BLOCK_K)
     w = weight_tile(packed, s, z, out_ptr.dtype.element_ty, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, FP8_CVT, False,
-                    BLOCK_N, BLOCK_K)
+                    BLOCK_N, BLOCK_K, SHUFFLED)
     offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + expert * stride_oe + offs_n[:, None] * stride_on + offs_k[None, :] * stride_ok, w,
              mask=n_ok[:, None] & (offs_k < K)[None, :])
@@ -70,11 +72,12 @@ def decode_weight_kernel(
 
 def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_scale: torch.Tensor,
                    weight_zero: Optional[torch.Tensor] = None, *, out: torch.Tensor,
-                   ptx: Optional[bool] = None) -> torch.Tensor:
+                   ptx: Optional[bool] = None, shuffled: bool = False) -> torch.Tensor:
     """Decode the 4-bit ``weight [E, N, K / 2]`` (INT4 with ``weight_scale`` and optional ``weight_zero``, MXFP4,
     NVFP4 without its global scale) into ``out [E, N, K]`` (bf16 / fp16, or fp32; INT4 scales in ``out``'s dtype)
     and return it. ``ptx``: the packed inline-PTX decoding (NVIDIA, bf16 / fp16; MXFP4 bf16 only), by default
-    wherever it applies; the values are the same either way."""
+    wherever it applies; the values are the same either way. ``shuffled``: ``weight`` is in the pre-shuffled layout
+    (:mod:`moeforge.kernels.shuffle`); ``out`` is in K order either way."""
     from moeforge.kernels.moe_gemm import packed_decoding  # (moe_gemm imports this module)
 
     weight_format = WeightFormat(weight_format)
@@ -92,6 +95,8 @@ def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_sca
         raise ValueError(f"the packed 4-bit decoding runs on NVIDIA GPUs in bf16/fp16 (MXFP4 in bf16), got "
                          f"{weight.device.type} {out.dtype} {weight_format.name}")
     use_ptx = can_ptx if ptx is None else ptx
+    if shuffled:
+        shuffle.check_shape(weight)
     if out.numel() == 0:
         return out
     if weight_scale.dtype == torch.float8_e4m3fn:
@@ -105,7 +110,7 @@ def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_sca
         *out.stride(),
         B_FMT=int(weight_format), GROUP=operand.group, HAS_ZEROS=weight_zero is not None, PTX=use_ptx,
         FP8_CVT=use_ptx and weight_format is WeightFormat.NVFP4 and capability is not None and capability >= (8, 9),
-        BLOCK_N=DECODE_BLOCK_N, BLOCK_K=DECODE_BLOCK_K,
+        SHUFFLED=shuffled, BLOCK_N=DECODE_BLOCK_N, BLOCK_K=DECODE_BLOCK_K,
         num_warps=DECODE_WARPS,
     )
     return out

@@ -135,14 +135,17 @@ fma.rn.f16x2 {out}, x, {scale}, nz;
 """) + "}"
 
 
-def _int4(bias: str, one: str, kind: str) -> str:
+def _int4(bias: str, one: str, kind: str, offset: str = "") -> str:
     """INT4 to bf16 / fp16: the nibble ORed into the mantissa of ``bias`` (128.0 in bf16, 1024.0 in
-    fp16) is ``bias + q`` exactly; plus the offset ``-(bias + z)`` (exact), times the scale."""
-    return ("{\n.reg .b32 a, b, x, k, nz;\n" + f"mov.b32 k, {one};\nmov.b32 nz, 0x80008000;\n" + _SPLIT
-            + _per_byte(f"""
+    fp16) is ``bias + q`` exactly; plus the offset ``-(bias + z)`` (exact), times the scale. ``offset``: the
+    pair ``-(bias + 8)`` for every byte (no zero points: one operand per byte fewer), else the operands."""
+    registers = "{\n.reg .b32 a, b, x, k, nz, off;\n" + f"mov.b32 k, {one};\nmov.b32 nz, 0x80008000;\n"
+    if offset:
+        registers += f"mov.b32 off, {offset};\n"
+    return (registers + _SPLIT + _per_byte(f"""
 prmt.b32 x, a, b, {{sel}};
 or.b32 x, x, {bias};
-fma.rn.{kind} x, x, k, {{offset}};
+fma.rn.{kind} x, x, k, {"off" if offset else "{offset}"};
 fma.rn.{kind} {{out}}, x, {{scale}}, nz;
 """) + "}")
 
@@ -216,6 +219,9 @@ E2M1_BF16 = tl.constexpr(_E2M1_BF16)
 E2M1_F16 = tl.constexpr(_E2M1_F16)
 INT4_BF16 = tl.constexpr(_int4("0x43004300", "0x3F803F80", "bf16x2"))
 INT4_F16 = tl.constexpr(_int4("0x64006400", "0x3C003C00", "f16x2"))
+# without zero points (z = 8): -136.0 in bf16, -1032.0 in fp16, in both lanes
+INT4_BF16_Z8 = tl.constexpr(_int4("0x43004300", "0x3F803F80", "bf16x2", "0xC308C308"))
+INT4_F16_Z8 = tl.constexpr(_int4("0x64006400", "0x3C003C00", "f16x2", "0xE408E408"))
 E4M3_F16 = tl.constexpr(_E4M3_F16)
 E4M3_BF16 = tl.constexpr(_E4M3_BF16)
 E8M0_BF16 = tl.constexpr(_E8M0_BF16)
@@ -290,8 +296,16 @@ def e2m1_pairs(packed, scale_pairs, DTYPE: tl.constexpr, FOLDED: tl.constexpr = 
 @triton.jit
 def int4_pairs(packed, scale_pairs, offset_pairs, DTYPE: tl.constexpr):
     """int32 ``[R, KB]``: for each byte the ``DTYPE`` pair of ``(q - z) * scale`` of its two nibbles;
-    ``offset_pairs`` are :func:`half_pairs` of :func:`int4_offset`."""
-    if DTYPE == tl.bfloat16:
+    ``offset_pairs`` are :func:`half_pairs` of :func:`int4_offset`, or None for zero points of 8 (no zero
+    points: the offset is an immediate of the decoding)."""
+    if offset_pairs is None:
+        if DTYPE == tl.bfloat16:
+            return tl.inline_asm_elementwise(INT4_BF16_Z8, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
+                                             dtype=tl.int32, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(INT4_F16_Z8, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
+                                             dtype=tl.int32, is_pure=True, pack=4)
+    elif DTYPE == tl.bfloat16:
         return tl.inline_asm_elementwise(INT4_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
                                          [packed, scale_pairs, offset_pairs], dtype=tl.int32, is_pure=True, pack=4)
     else:
@@ -349,23 +363,42 @@ def spread(s, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def unshuffle(stored, ROWS: tl.constexpr, BYTES: tl.constexpr):
+    """The bytes ``[ROWS, BYTES]`` of a weight tile in K order, from ``stored`` (the same tile of a weight in the
+    pre-shuffled layout of :mod:`moeforge.kernels.shuffle`; ``ROWS`` and ``BYTES`` multiples of 16). A reshape and a
+    permutation, no arithmetic: the compiler lays the loaded bytes out so that each thread reads its own."""
+    x = tl.reshape(stored, (ROWS // 16, 8, 2, BYTES // 16, 2, 4, 2))
+    x = tl.permute(x, (0, 6, 1, 3, 5, 2, 4))
+    return tl.reshape(x, (ROWS, BYTES))
+
+
+@triton.jit
 def weight_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                 PTX: tl.constexpr, FP8_CVT: tl.constexpr, CVT_BY_FOUR: tl.constexpr, SCALE_FOLD: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHUFFLED: tl.constexpr = False):
     """The ``[BLOCK_N, BLOCK_K]`` tile of a K-step of a 4-bit weight, dequantized to ``DTYPE``
     (``PTX``: the packed decoding, ``FP8_CVT``: with e4m3 scales
     converted by the hardware; ``SCALE_FOLD``: MXFP4 in bf16 whose E8M0 codes are all at most 128, the
     e2m1 decoding's ``x 2**126`` folded into the scale).
 
-    ``packed [BLOCK_N, BLOCK_K // 2]`` are the step's bytes (K contiguous); ``s`` / ``z`` its raw scales /
-    zero points: ``[BLOCK_N, 1]`` when the step lies in one group, else ``[BLOCK_N, BLOCK_K // GROUP]``."""
+    ``packed [BLOCK_N, BLOCK_K // 2]`` are the step's bytes (K contiguous; ``SHUFFLED``: as the pre-shuffled
+    layout stores them, see :func:`unshuffle`); ``s`` / ``z`` its raw scales / zero points: ``[BLOCK_N, 1]``
+    when the step lies in one group, else ``[BLOCK_N, BLOCK_K // GROUP]``."""
+    if SHUFFLED:
+        packed = unshuffle(packed, BLOCK_N, BLOCK_K // 2)
     if PTX:
         # one scale (and offset) pair per byte: the groups counted in bytes
         if B_FMT == 3:
-            if not HAS_ZEROS:
-                z = tl.full([BLOCK_N, 1], 8, tl.uint8)
-            pairs = int4_pairs(packed, spread(half_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2),
-                               spread(half_pairs(int4_offset(z, DTYPE)), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
+            # Without zero points, a shuffled tile takes the decoding with the offset as an immediate: with an
+            # operand of constants the compiler does not lay the loaded bytes out in the MMA's register order
+            # (the shuffle's gain). On plain tiles that decoding measured no faster (results/ab_shuffle_1-...log).
+            if HAS_ZEROS or not SHUFFLED:
+                if not HAS_ZEROS:
+                    z = tl.full([BLOCK_N, 1], 8, tl.uint8)
+                offsets = spread(half_pairs(int4_offset(z, DTYPE)), GROUP // 2, BLOCK_N, BLOCK_K // 2)
+            else:
+                offsets = None
+            pairs = int4_pairs(packed, spread(half_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2), offsets, DTYPE)
         elif B_FMT == 4:
             pairs = e2m1_pairs(packed, spread(e8m0_pairs(s, SCALE_FOLD), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE,
                                SCALE_FOLD)

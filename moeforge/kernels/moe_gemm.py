@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeforge.kernels import decode_first, pdl
+from moeforge.kernels import decode_first, pdl, shuffle
 from moeforge.kernels.pdl import device_capability
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
@@ -214,6 +214,7 @@ def _gemm_tile(
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr,
+    B_SHUFFLED: tl.constexpr,
 ):
     """Tile ``(pid_m, pid_n)``: ``BLOCK_M`` aligned rows of one expert times ``BLOCK_N`` output columns, over the
     K-steps ``k_first .. k_last - 1``; with ``SPLIT``, one range of a split K-loop (:func:`moe_gemm_reduce_kernel`).
@@ -343,10 +344,10 @@ def _gemm_tile(
                 b_gate += b_step
                 b_up += b_step
             b = weight_tile(packed, sg, zg, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
-                                    SCALE_FOLD, BLOCK_N, BLOCK_K)
+                            SCALE_FOLD, BLOCK_N, BLOCK_K, B_SHUFFLED)
             if GLU:
                 bu = weight_tile(packed_up, su, zu, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
-                                         SCALE_FOLD, BLOCK_N, BLOCK_K)
+                                 SCALE_FOLD, BLOCK_N, BLOCK_K, B_SHUFFLED)
             if SWAP:
                 a_t = tl.trans(a)
                 acc = tl.dot(b, a_t, acc, input_precision=PRECISION)
@@ -488,7 +489,7 @@ def _gemm_block(
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, B_GLOBAL: tl.constexpr,
-    EXPERT_RANGE: tl.constexpr,
+    EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr,
 ):
     """:func:`_gemm_tile` of row block ``pid_m``; with ``HALF_TAIL``, a block whose second half is only padding
     (an expert's last block, at most ``BLOCK_M / 2`` rows: the rows are sorted by expert, each expert's padding
@@ -507,7 +508,7 @@ def _gemm_block(
                    stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
                    GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
                    CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, 2 * ALIGN_RATIO,
-                   SCALE_FOLD, B_GLOBAL, EXPERT_RANGE)
+                   SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED)
     else:
         _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
                    b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
@@ -517,7 +518,7 @@ def _gemm_block(
                    stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
                    GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
                    CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN_RATIO, SCALE_FOLD,
-                   B_GLOBAL, EXPERT_RANGE)
+                   B_GLOBAL, EXPERT_RANGE, B_SHUFFLED)
 
 
 @triton.jit
@@ -540,7 +541,7 @@ def moe_gemm_kernel(
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, PERSISTENT: tl.constexpr,
-    B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, PDL: tl.constexpr,
+    B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile` (a jitted function
@@ -578,7 +579,7 @@ def moe_gemm_kernel(
                         stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
                         B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION,
                         SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE)
+                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED)
     else:
         pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
@@ -594,7 +595,7 @@ def moe_gemm_kernel(
                         stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
                         B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION,
                         SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE)
+                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED)
 
 
 @triton.jit
@@ -823,7 +824,7 @@ def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sort
                   aligned: int, weight_format: WeightFormat, weight_scale: Optional[torch.Tensor],
                   weight_zero: Optional[torch.Tensor], weight_global: Optional[torch.Tensor],
                   bias: Optional[torch.Tensor], ptx: Optional[bool], grid: Optional[str], compute_dtype: torch.dtype,
-                  options: dict[str, Any]) -> torch.Tensor:
+                  shuffled: bool, options: dict[str, Any]) -> torch.Tensor:
     """:func:`moe_gemm` with ``decode_chunk``: for each run of ``chunk`` experts, their 4-bit weights decoded into
     one scratch (:func:`moeforge.kernels.decode_first.decode_weights`), then the float GEMM over their row blocks
     (:func:`moeforge.kernels.decode_first.block_ranges`) with their slices of the per-expert operands. One stream:
@@ -843,7 +844,7 @@ def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sort
         last = min(first + chunk, experts)
         decoded = decode_first.decode_weights(weight[first:last], weight_format, weight_scale[first:last],
                                               weight_zero[first:last] if weight_zero is not None else None,
-                                              out=scratch[:last - first], ptx=ptx)
+                                              out=scratch[:last - first], ptx=ptx, shuffled=shuffled)
         moe_gemm(a, decoded, out, sorted_ids, block_expert, num_padded, config=float_config,
                  weight_global=weight_global[first:last] if weight_global is not None else None,
                  bias=bias[first:last] if bias is not None else None, grid=grid, split_k=1, aligned_block_m=aligned,
@@ -886,6 +887,7 @@ def moe_gemm(
     decode_chunk: Optional[int] = None,
     expert_first: int = 0,
     block_range: Optional[torch.Tensor] = None,
+    weight_shuffled: bool = False,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
     copy of ``sorted_ids`` (see the module docstring for the formats).
@@ -934,6 +936,9 @@ def moe_gemm(
     ``expert_first`` and ``block_range`` (what the decoding path launches): the per-expert operands (weight,
     scales, bias, global scales) hold experts ``expert_first ..`` only, and a persistent grid runs the aligned
     blocks ``block_range[0] .. block_range[1] - 1`` (int32 on the device), which must be those experts'.
+    ``weight_shuffled`` (4-bit weights): ``weight`` is in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`;
+    its scales and zero points are not shuffled); the tiles must cover whole shuffled blocks, and interleaved gate/up
+    rows are refused (a tile's gate rows are then every other row).
     """
     weight_format = WeightFormat(weight_format)
     if weight_scale_max is not None and not 0 <= weight_scale_max <= 255:
@@ -961,6 +966,16 @@ def moe_gemm(
     if decoding_first and (grid == "tiles" or (split_k if split_k is not None else config.split_k or 1) > 1):
         raise ValueError("decoding the weights first runs the float GEMM on a persistent grid, without a split "
                          f"K-loop: got grid={grid!r}, split_k={split_k if split_k is not None else config.split_k}")
+    if weight_shuffled:
+        if not weight_format.packed:
+            raise ValueError(f"weight_shuffled is a layout of packed 4-bit weights, got {weight_format.name}")
+        if glu and interleaved:
+            raise ValueError("a shuffled weight's tiles take 16 consecutive rows: interleaved gate/up rows cannot be "
+                             "shuffled")
+        shuffle.check_shape(weight)
+        if glu and (weight.shape[1] // 2) % shuffle.BLOCK:
+            raise ValueError(f"a shuffled gate/up weight needs N a multiple of {shuffle.BLOCK} (its up rows start "
+                             f"at N), got N={weight.shape[1] // 2}")
     if expert_first and block_range is None:
         raise ValueError("expert_first names the first expert of a block range: pass block_range too")
     if block_range is not None and (grid not in ("persistent", "flattened") or (split_k or 1) > 1):
@@ -988,6 +1003,8 @@ def moe_gemm(
         a.element_size() if row_format is RowFormat.FLOAT else out.element_size())
     config = fit_config(config, compute_bytes, packed=weight_format.packed or row_format is RowFormat.NVFP4,
                         per_k_scales=a_mode == _GROUP_SCALE or w.blocked, glu=glu)
+    if weight_shuffled and not (chunk and weight_format.packed):  # (decoding first reads it with its own tiles)
+        shuffle.check_tile(config)
     if quant_out and (weight_format not in (WeightFormat.FP8, WeightFormat.INT8) or config.block_n % SCALE_BLOCK
                       or n_out % SCALE_BLOCK):
         raise ValueError(f"FP8 output quantization in the epilogue is for 8-bit GEMMs with block_n and N "
@@ -1005,7 +1022,7 @@ def moe_gemm(
         return _decode_first(a, weight, out, sorted_ids, block_expert, num_padded, chunk=chunk, config=asked,
                              aligned=aligned, weight_format=weight_format, weight_scale=weight_scale,
                              weight_zero=weight_zero, weight_global=weight_global, bias=bias, ptx=ptx, grid=grid,
-                             compute_dtype=compute_dtype,
+                             compute_dtype=compute_dtype, shuffled=weight_shuffled,
                              options=dict(rows_per_a=rows_per_a, a_scale=a_scale, a_global=a_global,
                                           topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved,
                                           alpha=alpha, limit=limit, tma=tma))
@@ -1097,6 +1114,7 @@ def moe_gemm(
         HALF_TAIL=use_half_tail,
         B_GLOBAL=weight_global is not None,
         EXPERT_RANGE=block_range is not None,
+        B_SHUFFLED=weight_shuffled,
         SCALE_FOLD=(use_ptx and weight_format is WeightFormat.MXFP4 and compute_dtype == torch.bfloat16
                     and weight_scale_max is not None and weight_scale_max <= FOLDED_SCALE_MAX),
         PDL=pdl.flag(dependent, release=False),

@@ -1,0 +1,197 @@
+"""Packed 4-bit weights in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`,
+``moe_gemm(weight_shuffled=True)``).
+
+The layout is a permutation of the bytes inside blocks of 16 rows by 16 bytes; the kernel reads the stored tile and
+undoes it with a reshape and a transpose. So the GEMM on a shuffled weight computes with the same values in the same
+K order as on the plain one: bitwise equal under the interpreter (CPU), and on a GPU equal to the plain weight's
+output too where both compile the same MMA operand order (the test allows the last bits to differ there: the
+register layouts of the two compilations may split K differently). Every 4-bit format (INT4 with and without zero
+points, MXFP4, NVFP4 with float and NVFP4 rows), down and fused gate/up, both operand orders, TMA copies, a split
+K-loop, the persistent grids, decoding first; routings with an idle expert, one row, an empty batch. Outputs are
+poisoned with NaN: every element is proven written. The layout itself: the formula in the module's docstring, the
+round trip, the errors.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moeforge.kernels import align, decode_first, moe_gemm, shuffle  # noqa: E402
+from moeforge.kernels.config import GemmConfig  # noqa: E402
+from moeforge.kernels.formats import WeightFormat  # noqa: E402
+from moeforge.stages.triton import act_code  # noqa: E402
+from test_triton_quant_gemm import ACTIVATIONS, reference_gemm, rel  # noqa: E402
+from test_weight_tma import CUDA, DEVICE, DTYPE, HOPPER, operands  # noqa: E402
+
+FOUR_BIT = ["int4", "int4-zeros", "mxfp4", "nvfp4", "nvfp4-rows"]
+
+
+# -- the layout -------------------------------------------------------------------------------------
+
+
+def test_the_stored_bytes_follow_the_documented_formula() -> None:
+    logical = torch.randint(0, 256, (2, 32, 48), dtype=torch.uint8)
+    stored = shuffle.shuffle(logical)
+    for a in range(2):
+        for g in range(8):
+            for th in range(2):
+                for c in range(3):
+                    for tl in range(2):
+                        for jh in range(4):
+                            for jl in range(2):
+                                row, col = 16 * a + 2 * g + th, 16 * c + 8 * tl + 2 * jh + jl
+                                want = logical[:, 16 * a + 8 * jl + g, 16 * c + 4 * jh + 2 * th + tl]
+                                assert torch.equal(stored[:, row, col], want)
+
+
+def test_each_threads_bytes_are_eight_consecutive_stored_bytes() -> None:
+    """Lane ``4 g + t`` of a 16-row slab holds bytes ``t + 4 i`` of rows ``g`` and ``g + 8`` (the swapped MMA's
+    register operand): stored, 8 consecutive bytes of one row, in register order (row g, row g + 8, next 4 bytes)."""
+    logical = torch.arange(256, dtype=torch.uint8).reshape(1, 16, 16)  # entry = 16 * row + byte
+    stored = shuffle.shuffle(logical)[0].to(torch.int32)
+    for g in range(8):
+        for t in range(4):
+            want = [16 * (g + 8 * (i % 2)) + t + 4 * (i // 2) for i in range(8)]
+            assert stored[2 * g + t // 2, 8 * (t % 2): 8 * (t % 2) + 8].tolist() == want
+
+
+@pytest.mark.parametrize("shape", [(32, 16), (3, 48, 64), (2, 2, 16, 32)])
+def test_shuffle_and_unshuffle_are_inverse(shape: tuple[int, ...]) -> None:
+    x = torch.randint(0, 256, shape, dtype=torch.uint8)
+    stored = shuffle.shuffle(x)
+    assert stored.shape == x.shape and stored.is_contiguous()
+    assert not torch.equal(stored, x)
+    assert torch.equal(shuffle.unshuffle(stored), x)
+    assert torch.equal(shuffle.shuffle(shuffle.unshuffle(x)), x)
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 24, 32), torch.uint8), ((2, 32, 40), torch.uint8),
+                                         ((2, 32, 32), torch.int8), ((16,), torch.uint8)])
+def test_shapes_that_are_not_whole_blocks_are_refused(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    with pytest.raises(ValueError, match="shuffled layout"):
+        shuffle.shuffle(torch.zeros(shape, dtype=dtype))
+    with pytest.raises(ValueError, match="shuffled layout"):
+        shuffle.unshuffle(torch.zeros(shape, dtype=dtype))
+
+
+# -- the GEMM ---------------------------------------------------------------------------------------
+
+
+def _run(fmt: str, *, glu: bool, config: GemmConfig, counts: tuple[int, ...], hidden: int = 64, n_out: int = 48,
+         seed: int = 0, **options: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(output on the plain weight, on the shuffled weight, float64 reference)`` of one routing: ``counts[e]``
+    rows on expert ``e``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)][:, None].to(DEVICE)
+    tokens, experts = ids.shape[0], len(counts)
+    rows = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    w = (torch.randn(experts, 2 * n_out if glu else n_out, hidden, generator=gen) * hidden ** -0.5).to(DEVICE)
+    plan = align.align_block_size(ids, experts, config.block_m)
+    act = ACTIVATIONS["swiglu"] if glu else None
+    args = operands(fmt, rows, w)
+    a, weight = args.pop("a"), args.pop("weight")
+    outs = []
+    for shuffled in (False, True):
+        out = torch.full((tokens, n_out), float("nan"), dtype=DTYPE, device=DEVICE)
+        moe_gemm.moe_gemm(a, shuffle.shuffle(weight) if shuffled else weight, out, *plan, rows_per_a=1,
+                          config=config, act=act_code(act) if act else 0, glu=glu, weight_shuffled=shuffled,
+                          **options, **args)
+        outs.append(out)
+    return outs[0], outs[1], reference_gemm(rows, 1, ids, w, None, act)
+
+
+def _check(plain: torch.Tensor, shuffled: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not torch.isnan(shuffled).any()
+    if CUDA:
+        assert rel(shuffled, plain) < 2e-3
+    else:
+        assert torch.equal(shuffled, plain)
+    assert rel(shuffled, ref) < 0.25  # the 4-bit quantization's own error
+
+
+# rows per expert: 40 (a full block of 32 and 8 more), 20, none, 1
+COUNTS = (40, 20, 0, 1)
+
+
+@pytest.mark.parametrize("fmt", FOUR_BIT)
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_shuffled_weight_gives_the_plain_weights_output(fmt: str, glu: bool, swap: bool) -> None:
+    config = GemmConfig(32, 32, 32, num_warps=4, num_stages=2)
+    _check(*_run(fmt, glu=glu, config=config, counts=COUNTS, swap=swap))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("options", [dict(tma=True), dict(split_k=2), dict(grid="persistent"),
+                                     dict(grid="flattened"), dict(ptx=False)],
+                         ids=["tma", "split", "persistent", "flattened", "portable"])
+def test_schedules_read_the_shuffled_weight(fmt: str, options: dict[str, Any]) -> None:
+    if options.get("ptx") is False and not CUDA:
+        pytest.skip("the interpreter decodes portably anyway")
+    config = GemmConfig(16, 32, 64, num_warps=4, num_stages=2)
+    _check(*_run(fmt, glu=True, config=config, counts=COUNTS, hidden=128, **options))
+
+
+@pytest.mark.parametrize("fmt", ["int4-zeros", "mxfp4", "nvfp4"])
+def test_decoding_first_reads_the_shuffled_weight(fmt: str) -> None:
+    config = GemmConfig(32, 32, 32, num_warps=4, num_stages=2)
+    _check(*_run(fmt, glu=True, config=config, counts=COUNTS, decode_chunk=2, grid="persistent"))
+
+
+@pytest.mark.parametrize("counts", [(1,), (0, 0, 3), (0, 0)], ids=["one-row", "one-expert", "empty"])
+def test_edge_routings(counts: tuple[int, ...]) -> None:
+    config = GemmConfig(16, 32, 32, num_warps=4, num_stages=2)
+    plain, shuffled, ref = _run("mxfp4", glu=True, config=config, counts=counts, swap=True)
+    if ref.numel():
+        _check(plain, shuffled, ref)
+
+
+def test_decode_weights_of_a_shuffled_weight_are_the_plain_ones() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(2, 64, 1024, generator=gen) * 0.03).to(DEVICE)
+    for fmt in ("int4", "mxfp4", "nvfp4"):
+        args = operands(fmt, w[0], w)
+        outs = []
+        for shuffled in (False, True):
+            out = torch.full((2, 64, 1024), float("nan"), dtype=DTYPE, device=DEVICE)
+            weight = shuffle.shuffle(args["weight"]) if shuffled else args["weight"]
+            decode_first.decode_weights(weight, args["weight_format"], args["weight_scale"], args.get("weight_zero"),
+                                        out=out, shuffled=shuffled)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_refusals() -> None:
+    config = GemmConfig(16, 32, 32, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="interleaved"):
+        _run("mxfp4", glu=True, config=config, counts=(3, 1), interleaved=True)
+    with pytest.raises(ValueError, match="block_n must be a multiple of 16"):
+        _run("mxfp4", glu=False, config=GemmConfig(16, 8, 32, num_warps=4, num_stages=2), counts=(3, 1))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        _run("mxfp4", glu=False, config=config, counts=(3, 1), n_out=40)
+    with pytest.raises(ValueError, match="packed 4-bit"):
+        rows = torch.randn(4, 64, device=DEVICE, dtype=DTYPE)
+        ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
+        plan = align.align_block_size(ids, 1, 16)
+        moe_gemm.moe_gemm(rows, torch.zeros(1, 32, 64, dtype=DTYPE, device=DEVICE),
+                          torch.empty(4, 32, dtype=DTYPE, device=DEVICE), *plan, rows_per_a=1, config=config,
+                          weight_format=WeightFormat.FLOAT, weight_shuffled=True)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the wgmma tiles the layout is for (Hopper)")
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("tile", [(16, 64, 128, 4), (64, 128, 64, 4), (128, 128, 64, 8), (128, 256, 64, 8)])
+def test_hopper_tiles(fmt: str, tile: tuple[int, int, int, int]) -> None:
+    block_m, block_n, block_k, warps = tile
+    config = GemmConfig(block_m, block_n, block_k, num_warps=warps, num_stages=3)
+    for glu in (False, True):
+        _check(*_run(fmt, glu=glu, config=config, counts=(300, 0, 17, 129), hidden=512, n_out=512, swap=True))
