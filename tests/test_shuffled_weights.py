@@ -73,6 +73,24 @@ def test_shuffle_and_unshuffle_are_inverse(shape: tuple[int, ...]) -> None:
     assert torch.equal(shuffle.shuffle(shuffle.unshuffle(x)), x)
 
 
+def test_paired_rows_put_each_chunks_gate_rows_first() -> None:
+    rows = torch.arange(2 * 64 * 3).reshape(2, 64, 3)
+    paired = shuffle.pair_rows(rows)
+    for chunk in range(2):
+        for i in range(16):
+            assert torch.equal(paired[:, 32 * chunk + i], rows[:, 32 * chunk + 2 * i])  # gate row 16 chunk + i
+            assert torch.equal(paired[:, 32 * chunk + 16 + i], rows[:, 32 * chunk + 2 * i + 1])  # its up row
+    assert torch.equal(shuffle.unpair_rows(paired), rows)
+    weight = torch.randint(0, 256, (3, 64, 32), dtype=torch.uint8)
+    stored = shuffle.shuffle(weight, paired=True)
+    assert torch.equal(stored, shuffle.shuffle(shuffle.pair_rows(weight)))
+    assert torch.equal(shuffle.unshuffle(stored, paired=True), weight)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        shuffle.pair_rows(torch.zeros(48, 4))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        shuffle.shuffle(torch.zeros(2, 48, 32, dtype=torch.uint8), paired=True)
+
+
 @pytest.mark.parametrize("shape,dtype", [((2, 24, 32), torch.uint8), ((2, 32, 40), torch.uint8),
                                          ((2, 32, 32), torch.int8), ((16,), torch.uint8)])
 def test_shapes_that_are_not_whole_blocks_are_refused(shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -86,27 +104,38 @@ def test_shapes_that_are_not_whole_blocks_are_refused(shape: tuple[int, ...], dt
 
 
 def _run(fmt: str, *, glu: bool, config: GemmConfig, counts: tuple[int, ...], hidden: int = 64, n_out: int = 48,
-         seed: int = 0, **options: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         seed: int = 0, interleaved: bool = False, bias: bool = False, **options: Any
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(output on the plain weight, on the shuffled weight, float64 reference)`` of one routing: ``counts[e]``
-    rows on expert ``e``."""
+    rows on expert ``e``. ``interleaved`` (with ``glu``): gate/up rows ``g0 u0 g1 u1 ...``, shuffled paired with the
+    scales' and zero points' rows paired; ``bias``: a bias (interleaved like the rows, never paired)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
     ids = ids[torch.randperm(ids.numel(), generator=gen)][:, None].to(DEVICE)
     tokens, experts = ids.shape[0], len(counts)
+    n_w = 2 * n_out if glu else n_out
     rows = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
-    w = (torch.randn(experts, 2 * n_out if glu else n_out, hidden, generator=gen) * hidden ** -0.5).to(DEVICE)
+    w = (torch.randn(experts, n_w, hidden, generator=gen) * hidden ** -0.5).to(DEVICE)
+    b = torch.randn(experts, n_w, generator=gen).to(DEVICE) if bias else None
     plan = align.align_block_size(ids, experts, config.block_m)
-    act = ACTIVATIONS["swiglu"] if glu else None
+    act = ACTIVATIONS["swiglu-interleaved" if interleaved else "swiglu"] if glu else None
     args = operands(fmt, rows, w)
     a, weight = args.pop("a"), args.pop("weight")
+    paired = glu and interleaved
     outs = []
     for shuffled in (False, True):
+        run_args = dict(args)
+        if shuffled and paired:
+            for key in ("weight_scale", "weight_zero"):
+                if run_args.get(key) is not None:
+                    run_args[key] = shuffle.pair_rows(run_args[key])
         out = torch.full((tokens, n_out), float("nan"), dtype=DTYPE, device=DEVICE)
-        moe_gemm.moe_gemm(a, shuffle.shuffle(weight) if shuffled else weight, out, *plan, rows_per_a=1,
-                          config=config, act=act_code(act) if act else 0, glu=glu, weight_shuffled=shuffled,
-                          **options, **args)
+        moe_gemm.moe_gemm(a, shuffle.shuffle(weight, paired=paired) if shuffled else weight, out, *plan,
+                          rows_per_a=1, config=config, act=act_code(act) if act else 0, glu=glu,
+                          interleaved=interleaved, bias=b.to(DTYPE) if b is not None else None,
+                          weight_shuffled=shuffled, **options, **run_args)
         outs.append(out)
-    return outs[0], outs[1], reference_gemm(rows, 1, ids, w, None, act)
+    return outs[0], outs[1], reference_gemm(rows, 1, ids, w, b.to(DTYPE) if b is not None else None, act)
 
 
 def _check(plain: torch.Tensor, shuffled: torch.Tensor, ref: torch.Tensor) -> None:
@@ -130,6 +159,16 @@ def test_a_shuffled_weight_gives_the_plain_weights_output(fmt: str, glu: bool, s
     _check(*_run(fmt, glu=glu, config=config, counts=COUNTS, swap=swap))
 
 
+@pytest.mark.parametrize("fmt", FOUR_BIT)
+@pytest.mark.parametrize("swap", [False, True])
+def test_interleaved_gate_up_rows_shuffled_paired(fmt: str, swap: bool) -> None:
+    """GPT-OSS's row order: the weight shuffled paired, its scales' rows paired, the bias interleaved."""
+    config = GemmConfig(32, 32, 32, num_warps=4, num_stages=2)
+    _check(*_run(fmt, glu=True, config=config, counts=COUNTS, interleaved=True, bias=True, swap=swap))
+    _check(*_run(fmt, glu=True, config=GemmConfig(16, 16, 64, num_warps=4, num_stages=2), counts=COUNTS,
+                 interleaved=True, bias=True, hidden=128, swap=swap, split_k=2))
+
+
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("options", [dict(tma=True), dict(split_k=2), dict(grid="persistent"),
                                      dict(grid="flattened"), dict(ptx=False)],
@@ -142,9 +181,11 @@ def test_schedules_read_the_shuffled_weight(fmt: str, options: dict[str, Any]) -
 
 
 @pytest.mark.parametrize("fmt", ["int4-zeros", "mxfp4", "nvfp4"])
-def test_decoding_first_reads_the_shuffled_weight(fmt: str) -> None:
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_decoding_first_reads_the_shuffled_weight(fmt: str, interleaved: bool) -> None:
     config = GemmConfig(32, 32, 32, num_warps=4, num_stages=2)
-    _check(*_run(fmt, glu=True, config=config, counts=COUNTS, decode_chunk=2, grid="persistent"))
+    _check(*_run(fmt, glu=True, config=config, counts=COUNTS, decode_chunk=2, grid="persistent",
+                 interleaved=interleaved, bias=interleaved))
 
 
 @pytest.mark.parametrize("counts", [(1,), (0, 0, 3), (0, 0)], ids=["one-row", "one-expert", "empty"])
@@ -158,25 +199,35 @@ def test_edge_routings(counts: tuple[int, ...]) -> None:
 def test_decode_weights_of_a_shuffled_weight_are_the_plain_ones() -> None:
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(2, 64, 1024, generator=gen) * 0.03).to(DEVICE)
-    for fmt in ("int4", "mxfp4", "nvfp4"):
+    for fmt in ("int4", "int4-zeros", "mxfp4", "nvfp4"):
         args = operands(fmt, w[0], w)
-        outs = []
-        for shuffled in (False, True):
-            out = torch.full((2, 64, 1024), float("nan"), dtype=DTYPE, device=DEVICE)
-            weight = shuffle.shuffle(args["weight"]) if shuffled else args["weight"]
-            decode_first.decode_weights(weight, args["weight_format"], args["weight_scale"], args.get("weight_zero"),
-                                        out=out, shuffled=shuffled)
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1])
+        zero = args.get("weight_zero")
+        for paired in (False, True):
+            outs = []
+            for shuffled in (False, True):
+                out = torch.full((2, 64, 1024), float("nan"), dtype=DTYPE, device=DEVICE)
+                weight, scale = args["weight"], args["weight_scale"]
+                if shuffled:
+                    weight = shuffle.shuffle(weight, paired=paired)
+                    scale, z = (shuffle.pair_rows(scale), shuffle.pair_rows(zero) if zero is not None else None) \
+                        if paired else (scale, zero)
+                else:
+                    z = zero
+                decode_first.decode_weights(weight, args["weight_format"], scale, z, out=out, shuffled=shuffled,
+                                            paired_rows=paired and shuffled)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1])
 
 
 def test_refusals() -> None:
     config = GemmConfig(16, 32, 32, num_warps=4, num_stages=2)
-    with pytest.raises(ValueError, match="interleaved"):
-        _run("mxfp4", glu=True, config=config, counts=(3, 1), interleaved=True)
+    with pytest.raises(ValueError, match="by pointer"):
+        _run("mxfp4", glu=True, config=config, counts=(3, 1), interleaved=True, tma=True)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _run("mxfp4", glu=True, config=config, counts=(3, 1), interleaved=True, n_out=24)
     with pytest.raises(ValueError, match="block_n must be a multiple of 16"):
         _run("mxfp4", glu=False, config=GemmConfig(16, 8, 32, num_warps=4, num_stages=2), counts=(3, 1))
-    with pytest.raises(ValueError, match="multiples of 16"):
+    with pytest.raises(ValueError, match="N must be a multiple of 16"):
         _run("mxfp4", glu=False, config=config, counts=(3, 1), n_out=40)
     with pytest.raises(ValueError, match="packed 4-bit"):
         rows = torch.randn(4, 64, device=DEVICE, dtype=DTYPE)
@@ -193,5 +244,6 @@ def test_refusals() -> None:
 def test_hopper_tiles(fmt: str, tile: tuple[int, int, int, int]) -> None:
     block_m, block_n, block_k, warps = tile
     config = GemmConfig(block_m, block_n, block_k, num_warps=warps, num_stages=3)
-    for glu in (False, True):
-        _check(*_run(fmt, glu=glu, config=config, counts=(300, 0, 17, 129), hidden=512, n_out=512, swap=True))
+    for glu, interleaved in ((False, False), (True, False), (True, True)):
+        _check(*_run(fmt, glu=glu, config=config, counts=(300, 0, 17, 129), hidden=512, n_out=512, swap=True,
+                     interleaved=interleaved, bias=interleaved))

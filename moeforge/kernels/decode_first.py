@@ -49,13 +49,16 @@ def decode_weight_kernel(
     SHUFFLED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program ``(k, n, e)``: the ``[BLOCK_N, BLOCK_K]`` tile of expert ``e``'s weight ``[N, K]`` (packed
-    ``[N, K / 2]`` bytes, ``SHUFFLED``: in the pre-shuffled layout, with their scales ``[N, K / GROUP]``, zero points
-    alike) decoded to ``out``'s dtype."""
+    ``[N, K / 2]`` bytes, ``SHUFFLED``: in the pre-shuffled layout, 2 with paired gate/up rows, with their scales
+    ``[N, K / GROUP]``, zero points alike) decoded to ``out``'s dtype (in K order, rows interleaved)."""
     k = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.program_id(2).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    out_rows = offs_n
+    if SHUFFLED == 2:  # paired gate/up rows (see kernels/shuffle.py): decoded back into their interleaved rows
+        out_rows = (offs_n // 32) * 32 + (offs_n % 16) * 2 + (offs_n % 32) // 16
     offs_kb = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     packed = tl.load(w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_kb[None, :] * stride_wk,
                      mask=n_ok[:, None] & (offs_kb < K // 2)[None, :], other=0)
@@ -66,18 +69,19 @@ def decode_weight_kernel(
     w = weight_tile(packed, s, z, out_ptr.dtype.element_ty, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, FP8_CVT, False,
                     BLOCK_N, BLOCK_K, SHUFFLED)
     offs_k = k * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + expert * stride_oe + offs_n[:, None] * stride_on + offs_k[None, :] * stride_ok, w,
+    tl.store(out_ptr + expert * stride_oe + out_rows[:, None] * stride_on + offs_k[None, :] * stride_ok, w,
              mask=n_ok[:, None] & (offs_k < K)[None, :])
 
 
 def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_scale: torch.Tensor,
                    weight_zero: Optional[torch.Tensor] = None, *, out: torch.Tensor,
-                   ptx: Optional[bool] = None, shuffled: bool = False) -> torch.Tensor:
+                   ptx: Optional[bool] = None, shuffled: bool = False, paired_rows: bool = False) -> torch.Tensor:
     """Decode the 4-bit ``weight [E, N, K / 2]`` (INT4 with ``weight_scale`` and optional ``weight_zero``, MXFP4,
     NVFP4 without its global scale) into ``out [E, N, K]`` (bf16 / fp16, or fp32; INT4 scales in ``out``'s dtype)
     and return it. ``ptx``: the packed inline-PTX decoding (NVIDIA, bf16 / fp16; MXFP4 bf16 only), by default
     wherever it applies; the values are the same either way. ``shuffled``: ``weight`` is in the pre-shuffled layout
-    (:mod:`moeforge.kernels.shuffle`); ``out`` is in K order either way."""
+    (:mod:`moeforge.kernels.shuffle`; ``paired_rows``: shuffled paired, scales and zero points paired too); ``out``
+    is in K order either way, its rows interleaved for paired ones."""
     from moeforge.kernels.moe_gemm import packed_decoding  # (moe_gemm imports this module)
 
     weight_format = WeightFormat(weight_format)
@@ -95,8 +99,10 @@ def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_sca
         raise ValueError(f"the packed 4-bit decoding runs on NVIDIA GPUs in bf16/fp16 (MXFP4 in bf16), got "
                          f"{weight.device.type} {out.dtype} {weight_format.name}")
     use_ptx = can_ptx if ptx is None else ptx
+    if paired_rows and not shuffled:
+        raise ValueError("paired_rows is a layout of shuffled weights (shuffled=True)")
     if shuffled:
-        shuffle.check_shape(weight)
+        shuffle.check_shape(weight, paired=paired_rows)
     if out.numel() == 0:
         return out
     if weight_scale.dtype == torch.float8_e4m3fn:
@@ -110,7 +116,7 @@ def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_sca
         *out.stride(),
         B_FMT=int(weight_format), GROUP=operand.group, HAS_ZEROS=weight_zero is not None, PTX=use_ptx,
         FP8_CVT=use_ptx and weight_format is WeightFormat.NVFP4 and capability is not None and capability >= (8, 9),
-        SHUFFLED=shuffled, BLOCK_N=DECODE_BLOCK_N, BLOCK_K=DECODE_BLOCK_K,
+        SHUFFLED=(2 if paired_rows else 1) if shuffled else 0, BLOCK_N=DECODE_BLOCK_N, BLOCK_K=DECODE_BLOCK_K,
         num_warps=DECODE_WARPS,
     )
     return out

@@ -232,6 +232,14 @@ def _gemm_tile(
     offs_kb = tl.arange(0, BLOCK_K // 2)
     gate_rows = offs_n * gate_stride
     up_rows = gate_rows + up_offset
+    # the weight's rows (and its scales' and zero points'); the bias keeps gate_rows / up_rows. B_SHUFFLED 2: interleaved
+    # gate/up rows stored by 32-row chunks of 16 gate rows then their 16 up rows (kernels/shuffle.py, paired rows)
+    if B_SHUFFLED == 2:
+        w_gate_rows = (offs_n // 16) * 32 + offs_n % 16
+        w_up_rows = w_gate_rows + 16
+    else:
+        w_gate_rows = gate_rows
+        w_up_rows = up_rows
 
     # The compute dtype of a dequantized 4-bit operand: the rows' float dtype, or the output's.
     if A_FMT == 0:
@@ -249,8 +257,8 @@ def _gemm_tile(
     a_scale_rows = a_scale_ptr + a_rows * stride_asm
     b_expert = b_ptr + expert * stride_be
     if B_FMT >= 3:  # packed [N, K / 2]: K-contiguous byte tiles
-        b_gate = b_expert + gate_rows[:, None] * stride_bn + offs_kb[None, :] * stride_bk
-        b_up = b_expert + up_rows[:, None] * stride_bn + offs_kb[None, :] * stride_bk
+        b_gate = b_expert + w_gate_rows[:, None] * stride_bn + offs_kb[None, :] * stride_bk
+        b_up = b_expert + w_up_rows[:, None] * stride_bn + offs_kb[None, :] * stride_bk
         b_step = (BLOCK_K // 2) * stride_bk
     else:
         b_gate = b_expert + offs_k[:, None] * stride_bk + gate_rows[None, :] * stride_bn
@@ -259,10 +267,10 @@ def _gemm_tile(
     b_gate += k_first * b_step
     b_up += k_first * b_step
     s_expert = b_scale_ptr + expert * stride_bse
-    s_gate = s_expert + gate_rows * stride_bsn
-    s_up = s_expert + up_rows * stride_bsn
-    z_gate = b_zero_ptr + expert * stride_bze + gate_rows * stride_bzn
-    z_up = b_zero_ptr + expert * stride_bze + up_rows * stride_bzn
+    s_gate = s_expert + w_gate_rows * stride_bsn
+    s_up = s_expert + w_up_rows * stride_bsn
+    z_gate = b_zero_ptr + expert * stride_bze + w_gate_rows * stride_bzn
+    z_up = b_zero_ptr + expert * stride_bze + w_up_rows * stride_bzn
     # B_TMA: the weight tiles are copied by Hopper's tensor memory accelerator through ``b_desc``, a
     # descriptor of the weight viewed as ``[E * N_w, K]`` (packed: ``K / 2`` bytes) rows, or for interleaved
     # gate/up rows as ``[E * N, 2, K]`` (:func:`_weight_rows_tma`); the tile's rows start at ``b_row``. A
@@ -844,7 +852,8 @@ def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sort
         last = min(first + chunk, experts)
         decoded = decode_first.decode_weights(weight[first:last], weight_format, weight_scale[first:last],
                                               weight_zero[first:last] if weight_zero is not None else None,
-                                              out=scratch[:last - first], ptx=ptx, shuffled=shuffled)
+                                              out=scratch[:last - first], ptx=ptx, shuffled=shuffled,
+                                              paired_rows=shuffled and options["glu"] and options["interleaved"])
         moe_gemm(a, decoded, out, sorted_ids, block_expert, num_padded, config=float_config,
                  weight_global=weight_global[first:last] if weight_global is not None else None,
                  bias=bias[first:last] if bias is not None else None, grid=grid, split_k=1, aligned_block_m=aligned,
@@ -937,8 +946,9 @@ def moe_gemm(
     scales, bias, global scales) hold experts ``expert_first ..`` only, and a persistent grid runs the aligned
     blocks ``block_range[0] .. block_range[1] - 1`` (int32 on the device), which must be those experts'.
     ``weight_shuffled`` (4-bit weights): ``weight`` is in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`;
-    its scales and zero points are not shuffled); the tiles must cover whole shuffled blocks, and interleaved gate/up
-    rows are refused (a tile's gate rows are then every other row).
+    its scales and zero points are not shuffled); the tiles must cover whole shuffled blocks. Interleaved gate/up
+    rows (``glu`` and ``interleaved``) must be shuffled paired, with the scales' and zero points' rows paired too
+    (``shuffle.pair_rows``; the bias stays interleaved); they are read by pointer, not by TMA.
     """
     weight_format = WeightFormat(weight_format)
     if weight_scale_max is not None and not 0 <= weight_scale_max <= 255:
@@ -966,14 +976,14 @@ def moe_gemm(
     if decoding_first and (grid == "tiles" or (split_k if split_k is not None else config.split_k or 1) > 1):
         raise ValueError("decoding the weights first runs the float GEMM on a persistent grid, without a split "
                          f"K-loop: got grid={grid!r}, split_k={split_k if split_k is not None else config.split_k}")
+    paired_rows = weight_shuffled and glu and interleaved
     if weight_shuffled:
         if not weight_format.packed:
             raise ValueError(f"weight_shuffled is a layout of packed 4-bit weights, got {weight_format.name}")
-        if glu and interleaved:
-            raise ValueError("a shuffled weight's tiles take 16 consecutive rows: interleaved gate/up rows cannot be "
-                             "shuffled")
-        shuffle.check_shape(weight)
-        if glu and (weight.shape[1] // 2) % shuffle.BLOCK:
+        if paired_rows and tma:
+            raise ValueError("a shuffled weight of paired gate/up rows is read by pointer (tma=True is refused)")
+        shuffle.check_shape(weight, paired=paired_rows)
+        if glu and not paired_rows and (weight.shape[1] // 2) % shuffle.BLOCK:
             raise ValueError(f"a shuffled gate/up weight needs N a multiple of {shuffle.BLOCK} (its up rows start "
                              f"at N), got N={weight.shape[1] // 2}")
     if expert_first and block_range is None:
@@ -1030,7 +1040,7 @@ def moe_gemm(
     capability = device_capability(a.device)
     if tma is None:  # the configuration's choice (a tuned table's), else the rule; where TMA applies
         wanted = config.tma if config.tma is not None else weight_tma_pays(capability, weight_format, config, paired)
-        use_tma = wanted and weight_tma_applies(weight, config, glu, interleaved)
+        use_tma = wanted and weight_tma_applies(weight, config, glu, interleaved) and not paired_rows
     else:
         use_tma = tma
         if tma and not weight_tma_applies(weight, config, glu, interleaved):
@@ -1114,7 +1124,7 @@ def moe_gemm(
         HALF_TAIL=use_half_tail,
         B_GLOBAL=weight_global is not None,
         EXPERT_RANGE=block_range is not None,
-        B_SHUFFLED=weight_shuffled,
+        B_SHUFFLED=(2 if paired_rows else 1) if weight_shuffled else 0,
         SCALE_FOLD=(use_ptx and weight_format is WeightFormat.MXFP4 and compute_dtype == torch.bfloat16
                     and weight_scale_max is not None and weight_scale_max <= FOLDED_SCALE_MAX),
         PDL=pdl.flag(dependent, release=False),

@@ -16,6 +16,12 @@ register layout, no arithmetic. Compiled for sm_90, the swapped K-loops hold 13-
 (docs/kernels.md, "The pre-shuffled 4-bit layout"). Blocks stay inside a row and a K-range of 16 bytes, so
 the scales, the experts, the tiles' rows and K-steps index a shuffled weight as they index the plain one;
 ``N`` and ``K / 2`` must be multiples of 16 and a tile's ``block_n`` of 16 and ``block_k`` of 32.
+
+A fused gate/up weight of interleaved rows (``g0 u0 g1 u1 ...``, GPT-OSS) is shuffled **paired**: each chunk of 32
+rows first reordered to its 16 gate rows, then their 16 up rows (:func:`pair_rows`), so that a tile's gate rows are
+whole 16-row blocks again (output column ``n``'s gate row is ``32 (n // 16) + n % 16``, its up row 16 further). The
+weight's scales and zero points take the paired row order too (:func:`pair_rows`, without the byte shuffle); the
+bias keeps its interleaved rows.
 """
 
 from __future__ import annotations
@@ -25,18 +31,39 @@ import torch
 from moeforge.kernels.config import GemmConfig
 
 BLOCK = 16  # rows, and bytes along K, of one shuffled block
+PAIRED = 2 * BLOCK  # rows of one chunk of paired gate/up rows
 
 
-def check_shape(weight: torch.Tensor) -> None:
+def check_shape(weight: torch.Tensor, *, paired: bool = False) -> None:
     """Raise ValueError unless ``weight`` is packed uint8 ``[..., N, K / 2]`` with ``N`` and ``K / 2`` multiples
-    of 16 (whole shuffled blocks)."""
+    of 16 (whole shuffled blocks; ``paired``: ``N`` a multiple of 32, whole chunks of paired rows)."""
     if weight.dtype != torch.uint8 or weight.dim() < 2:
         raise ValueError(f"the shuffled layout holds packed uint8 weights [..., N, K / 2], got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     rows, width = weight.shape[-2], weight.shape[-1]
-    if rows % BLOCK or width % BLOCK:
-        raise ValueError(f"the shuffled layout stores blocks of {BLOCK} rows by {BLOCK} bytes: N and K / 2 must be "
-                         f"multiples of {BLOCK}, got N={rows}, K/2={width}")
+    if rows % (PAIRED if paired else BLOCK) or width % BLOCK:
+        raise ValueError(f"the shuffled layout stores blocks of {BLOCK} rows by {BLOCK} bytes"
+                         + (f" in chunks of {PAIRED} paired gate/up rows" if paired else "")
+                         + f": N must be a multiple of {PAIRED if paired else BLOCK} and K / 2 of {BLOCK}, got "
+                         f"N={rows}, K/2={width}")
+
+
+def pair_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Interleaved gate/up rows ``[..., N, X]`` (``g0 u0 g1 u1 ...``, ``N`` a multiple of 32) as paired rows: each
+    chunk of 32 rows holds its 16 gate rows, then their 16 up rows (a new contiguous tensor). A fused gate/up weight
+    of interleaved rows is shuffled paired (:func:`shuffle`), and its scales and zero points take this order too."""
+    *lead, n, width = rows.shape
+    if n % PAIRED:
+        raise ValueError(f"paired gate/up rows come in chunks of {PAIRED}: N must be a multiple of {PAIRED}, got {n}")
+    return rows.reshape(*lead, n // PAIRED, BLOCK, 2, width).transpose(-3, -2).reshape(rows.shape).contiguous()
+
+
+def unpair_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pair_rows`: paired rows back interleaved."""
+    *lead, n, width = rows.shape
+    if n % PAIRED:
+        raise ValueError(f"paired gate/up rows come in chunks of {PAIRED}: N must be a multiple of {PAIRED}, got {n}")
+    return rows.reshape(*lead, n // PAIRED, 2, BLOCK, width).transpose(-3, -2).reshape(rows.shape).contiguous()
 
 
 def check_tile(config: GemmConfig) -> None:
@@ -48,9 +75,12 @@ def check_tile(config: GemmConfig) -> None:
                          f"{config.block_n} x {config.block_k}")
 
 
-def shuffle(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [..., N, K / 2]`` (packed, in K order) in the shuffled layout: a new contiguous tensor."""
-    check_shape(weight)
+def shuffle(weight: torch.Tensor, *, paired: bool = False) -> torch.Tensor:
+    """``weight [..., N, K / 2]`` (packed, in K order) in the shuffled layout: a new contiguous tensor. ``paired``: a
+    fused gate/up weight of interleaved rows, whose rows are paired first (:func:`pair_rows`)."""
+    check_shape(weight, paired=paired)
+    if paired:
+        weight = pair_rows(weight)
     *lead, rows, width = weight.shape
     blocks = weight.reshape(*lead, rows // BLOCK, 2, 8, width // BLOCK, 4, 2, 2)  # a, jl, g, c, jh, th, tl
     n = len(lead)
@@ -58,11 +88,13 @@ def shuffle(weight: torch.Tensor) -> torch.Tensor:
     return blocks.permute(order).reshape(weight.shape).contiguous()
 
 
-def unshuffle(weight: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`shuffle`: a shuffled ``weight`` back in K order (a new contiguous tensor)."""
-    check_shape(weight)
+def unshuffle(weight: torch.Tensor, *, paired: bool = False) -> torch.Tensor:
+    """The inverse of :func:`shuffle`: a shuffled ``weight`` back in K order (a new contiguous tensor; ``paired``:
+    its rows interleaved again)."""
+    check_shape(weight, paired=paired)
     *lead, rows, width = weight.shape
     blocks = weight.reshape(*lead, rows // BLOCK, 8, 2, width // BLOCK, 2, 4, 2)  # a, g, th, c, tl, jh, jl
     n = len(lead)
     order = [*range(n), *(n + i for i in (0, 6, 1, 3, 5, 2, 4))]  # a, jl, g, c, jh, th, tl
-    return blocks.permute(order).reshape(weight.shape).contiguous()
+    plain = blocks.permute(order).reshape(weight.shape).contiguous()
+    return unpair_rows(plain) if paired else plain
