@@ -238,6 +238,8 @@ QUANT_METHODS: dict[str, Callable[[int, int], mf.QuantMethod]] = {
     "int8": lambda h, i: mf.Int8W8A8Method(),
     "w4a16": lambda h, i: mf.W4A16Method(group_size=w4a16_group(h, i), zero_points=True),
     "mxfp4": lambda h, i: mf.Mxfp4Method(),
+    # the blocks in the pre-shuffled layout of the triton GEMMs (swapped tiles; its own tuned tables)
+    "mxfp4-shuffled": lambda h, i: mf.Mxfp4Method(shuffled=True),
     "nvfp4": lambda h, i: mf.Nvfp4Method(),
 }
 
@@ -259,7 +261,7 @@ def quant_weight_bytes(quant: str, hidden: int, inter: int) -> float:
         return elements + 4 * elements / (128 * 128)
     if quant in EIGHT_BIT:  # per channel (fp8 blocks above): 1 byte each + one fp32 scale per channel
         return elements + 4 * (2 * inter + hidden)
-    if quant == "mxfp4":  # 4 bits each + one E8M0 byte per 32
+    if quant in ("mxfp4", "mxfp4-shuffled"):  # 4 bits each + one E8M0 byte per 32
         return elements / 2 + elements / 32
     if quant == "nvfp4":  # 4 bits each + one e4m3 byte per 16 (+ two fp32 global scales)
         return elements / 2 + elements / 16 + 8

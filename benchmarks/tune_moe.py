@@ -54,9 +54,29 @@ from moeforge.stages.gemm import GemmRole  # noqa: E402
 FORMATS = ("bf16", *QUANT_METHODS)
 
 
+FOUR_BIT = ("mxfp4", "mxfp4-shuffled", "nvfp4", "w4a16")
+SHUFFLED = ("mxfp4-shuffled",)  # 4-bit weights in the pre-shuffled layout: swapped tiles at every size
+
+
 def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
     """The search space of one format, pruned by how many rows an expert gets on average."""
-    if fmt in ("mxfp4", "nvfp4", "w4a16"):  # the weights are decoded in every program
+    if fmt in SHUFFLED:  # swapped tiles only (the plain product reads a shuffled tile slower), 64 or 128 weight rows
+        if rows_per_expert <= 4:
+            space = dict(block_m=[16], block_n=[64, 128], block_k=[64, 128], group_m=[1], num_warps=[4, 8],
+                         num_stages=[3, 4], swap=[True])
+        elif rows_per_expert <= 48:
+            space = dict(block_m=[16, 32, 64], block_n=[64, 128], block_k=[64, 128], group_m=[8], num_warps=[4],
+                         num_stages=[3], swap=[True])
+        elif rows_per_expert <= 256:
+            space = dict(block_m=[64, 128], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4, 8],
+                         num_stages=[3], swap=[True])
+        else:
+            space = dict(block_m=[128, 256], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4, 8],
+                         num_stages=[3], swap=[True])
+        for values in itertools.product(*space.values()):
+            yield GemmConfig(**dict(zip(space.keys(), values)))
+        return
+    if fmt in FOUR_BIT:  # the weights are decoded in every program
         if rows_per_expert <= 4:
             space = dict(block_m=[16], block_n=[32, 64, 128], block_k=[64, 128], group_m=[1], num_warps=[4],
                          num_stages=[3, 4])
@@ -250,7 +270,7 @@ def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens:
         space = [attrs.evolve(config, split_k=splits) for config in space for splits in SPLITS]
     gate_up_space, down_space = [*space, chosen[0]], [*space, chosen[1]]
     rows = tokens * layer.top_k / layer.num_experts
-    if decode_first and fmt in ("mxfp4", "nvfp4", "w4a16") and rows > DECODE_MIN_ROWS:
+    if decode_first and fmt in FOUR_BIT and rows > DECODE_MIN_ROWS:
         decoded = [attrs.evolve(config, decode_chunk=chunk) for config in candidates("bf16", rows)
                    for chunk in decode_chunks(shape)]
         gate_up_space, down_space = gate_up_space + decoded, down_space + decoded

@@ -119,7 +119,7 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
 _MOE_GEMM_INPUTS = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "weight_global", "bias",
                     "topk_weights", "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a",
                     "weight_format", "a_global", "act", "glu", "interleaved", "alpha", "limit", "config",
-                    "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max")
+                    "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max", "weight_shuffled")
 
 
 def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

@@ -69,11 +69,13 @@ def moe_gemm(
     fp8_out: bool,
     aligned_block_m: int = 0,
     weight_scale_max: int = 255,
+    weight_shuffled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`): ``(out, out_scale)``, where
     ``out_scale`` is the per-128-group FP8 scale when ``fp8_out`` (else empty); ``aligned_block_m``: the block
     the rows were aligned with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0
-    codes (255: none known)."""
+    codes (255: none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout
+    (:mod:`moeforge.kernels.shuffle`)."""
     out, out_scale = _moe_gemm_outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
     kernel.moe_gemm(
         a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=GemmConfig.from_list(config),
@@ -81,7 +83,7 @@ def moe_gemm(
         weight_scale=weight_scale, weight_zero=weight_zero, weight_global=weight_global, bias=bias,
         topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit,
         out_scale=out_scale if fp8_out else None, aligned_block_m=aligned_block_m or None,
-        weight_scale_max=weight_scale_max if weight_scale_max < 255 else None)
+        weight_scale_max=weight_scale_max if weight_scale_max < 255 else None, weight_shuffled=weight_shuffled)
     return out, out_scale
 
 
@@ -91,7 +93,8 @@ def _(a: torch.Tensor, a_scale: Optional[torch.Tensor], weight: torch.Tensor, we
       topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor, block_expert: torch.Tensor,
       num_padded: torch.Tensor, num_copies: int, rows_per_a: int, weight_format: int, a_global: float, act: int,
       glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int], out_dtype: torch.dtype,
-      fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255) -> tuple[torch.Tensor, torch.Tensor]:
+      fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255,
+      weight_shuffled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return _moe_gemm_outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
 
 

@@ -28,6 +28,7 @@ import torch
 from moeforge.errors import InputError
 from moeforge.kernels.config import ConfigTable, GemmConfig
 from moeforge.kernels.formats import WeightFormat, weight_operand
+from moeforge.kernels import shuffle
 from moeforge.kernels.scale_bound import ScaleCodeBound
 from moeforge.payloads import GROUP_SIZE, Activations, AlignedRows, BlockAlignment, ExpertRows, RoutedTokens
 from moeforge.spec import (
@@ -40,7 +41,7 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Mismatch, Stage, StageKind
-from moeforge.stages.activation import ActivationConfig
+from moeforge.stages.activation import ActivationConfig, GateUpLayout
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.triton import activation_args, kernel_ops
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts, expert_gemm_output_spec
@@ -86,7 +87,7 @@ class QuantScheme(enum.Enum):
 
 
 def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = False,
-                         two_accumulators: bool = False) -> GemmConfig:
+                         two_accumulators: bool = False, shuffled: bool = False) -> GemmConfig:
     """A launch configuration for ``scheme`` keeping the dispatch's ``block_m``.
 
     Few rows per block are bound by reading the weights: narrow tiles, a deep pipeline. Many rows:
@@ -96,7 +97,16 @@ def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = Fa
     64 x 64), so it stays at 64 x 64, or 64 x 128 on 8 warps when ``wide_n`` (a ``block_n``
     multiple of 128 for FP8 per-group quantization in the epilogue) asks for it; a single
     accumulator (the down GEMM) takes 64 x 256 tiles on 8 warps (433 TFLOP/s at M=4096, 555 at
-    16384)."""
+    16384). ``shuffled`` (4-bit weights in the pre-shuffled layout): swapped tiles of 64 or 128 weight rows,
+    the ones that paid in an H200 A/B (docs/kernels.md, "The pre-shuffled 4-bit layout")."""
+    if shuffled:
+        if block_m <= 32:
+            return GemmConfig(block_m, 64, 128, group_m=1 if block_m <= 16 else 8, num_warps=4, num_stages=3,
+                              swap=True)
+        if two_accumulators:
+            return GemmConfig(block_m, 64 if block_m >= 128 else 128, 64, group_m=8, num_warps=4, num_stages=3,
+                              swap=True)
+        return GemmConfig(block_m, 128, 64, group_m=8, num_warps=8 if block_m >= 128 else 4, num_stages=3, swap=True)
     if scheme is QuantScheme.W4A16 and block_m <= 16:
         # Sweep on an H100 (DeepSeek-V3 gate/up, group 128): narrow 32-column tiles for 16-row blocks
         # (620 us against 800 at 128 columns, M=8).
@@ -172,6 +182,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     use_table_tiles: bool = False
     weight_global: Optional[TensorSource] = None
     input_global_scale: Optional[float] = None
+    weight_shuffled: bool = False
     # Fixed when built (shapes and settings do not change), not worked out again in every forward.
     _act: tuple[int, bool, bool, float, float] = attrs.field(init=False, repr=False)
     _fp8_epilogue: bool = attrs.field(init=False, repr=False)
@@ -217,6 +228,15 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
                            rows_dtype=rows)
         except ValueError as error:
             raise InputError(f"{where}: {error}") from None
+        if self.weight_shuffled:
+            paired = self.activation is not None and self.activation.gated and \
+                self.activation.gate_up is GateUpLayout.INTERLEAVED
+            try:
+                if not self.scheme.four_bit:
+                    raise ValueError(f"the shuffled layout is for 4-bit weights, not {self.scheme.value}")
+                shuffle.check_shape(weight, paired=paired)
+            except ValueError as error:
+                raise InputError(f"{where}: {error}") from None
         experts, n_w = int(weight.shape[0]), int(weight.shape[1])
         if self.bias is not None and tuple(resolve(self.bias).shape) != (experts, n_w):
             raise InputError(f"{where}: bias must be [{experts}, {n_w}], got {tuple(resolve(self.bias).shape)}")
@@ -283,6 +303,8 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             text += ", bias"
         if self.apply_routing_weights:
             text += ", weights in epilogue"
+        if self.weight_shuffled:
+            text += ", shuffled weight"
         return text + ")"
 
     def accepts(self) -> Accepts:
@@ -321,7 +343,8 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         if self.use_table_tiles or self.configs.weight_format is not None:
             return gate_up if self.role is GemmRole.GATE_UP else down
         glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
-        if self.scheme.four_bit and not self.configs.batch_invariant and alignment.block_m <= 16:
+        if (self.scheme.four_bit and not self.weight_shuffled and not self.configs.batch_invariant
+                and alignment.block_m <= 16):
             # Few experts busy (decode): 64-column tiles leave most SMs idle through a long, latency-bound
             # dequantizing K-loop; narrow, deep tiles make 2x the programs with half the K-steps
             # (GPT-OSS MXFP4 at M=1: 85.7 us against 117.5; at M=8, 64 it is the other way round).
@@ -330,7 +353,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
                 return GemmConfig(alignment.block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
         # wide_n: the epilogue itself quantizes to FP8 per 128-group (else a kernel runs after the GEMM).
         return default_quant_config(self.scheme, alignment.block_m, wide_n=self._fp8_epilogue,
-                                    two_accumulators=glu)
+                                    two_accumulators=glu, shuffled=self.weight_shuffled)
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
         alignment = x.alignment
@@ -350,7 +373,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             int(self.scheme.weight_format),
             self.input_global_scale if nvfp4_rows and self.input_global_scale is not None else 1.0,
             *self._act, config.as_list(), self.out_dtype.torch_dtype, fp8_out, alignment.block_m,
-            255 if scale_max is None else scale_max)
+            255 if scale_max is None else scale_max, self.weight_shuffled)
         if fp8_out:
             return dataclasses.replace(x, x=Activations(out, out_scale), copy_major=True)
         if self.output_quantizer is not None:
