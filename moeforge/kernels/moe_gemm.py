@@ -694,6 +694,10 @@ def packed_decoding(device: torch.device, compute_dtype: torch.dtype, weight_for
     return compute_dtype == torch.float16 and weight_format is not WeightFormat.MXFP4
 
 
+# the smallest block of a shuffled weight's tiles that runs only on the persistent grids (see moe_gemm)
+SHUFFLED_PERSISTENT_BLOCK_M = 128
+
+
 def glu_strides(glu: bool, interleaved: bool, n_out: int) -> tuple[int, int]:
     """``(gate_stride, up_offset)``: the weight row of output column n's gate is ``n * gate_stride``,
     its up row ``n * gate_stride + up_offset`` ([gate | up] or interleaved g0 u0 g1 u1 ...)."""
@@ -948,7 +952,9 @@ def moe_gemm(
     ``weight_shuffled`` (4-bit weights): ``weight`` is in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`;
     its scales and zero points are not shuffled); the tiles must cover whole shuffled blocks. Interleaved gate/up
     rows (``glu`` and ``interleaved``) must be shuffled paired, with the scales' and zero points' rows paired too
-    (``shuffle.pair_rows``; the bias stays interleaved); they are read by pointer, not by TMA.
+    (``shuffle.pair_rows``; the bias stays interleaved); they are read by pointer, not by TMA. Tiles of 128 rows
+    or more on a shuffled weight run on a persistent grid (``grid="tiles"``, a split K-loop and half tiles are
+    refused there): one program per tile computed wrong outputs for them on an H200, cause not found.
     """
     weight_format = WeightFormat(weight_format)
     if weight_scale_max is not None and not 0 <= weight_scale_max <= 255:
@@ -1054,8 +1060,20 @@ def moe_gemm(
     k_steps = triton.cdiv(k_dim, config.block_k)
     if split_k is not None and split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
+    # A shuffled weight's blocks of 128 rows or more wrote wrong outputs (inf, NaN, or finite and wrong) on one program
+    # per tile on an H200, every run for Mixtral's GEMMs at M = 256 / 1024, never on the persistent grids
+    # (results/stress_shuffled_grids-nvidia_h200-2026-11-26-3d9aaf4.log; cause not found): they run persistent.
+    persistent_only = weight_shuffled and config.block_m >= SHUFFLED_PERSISTENT_BLOCK_M
+    if persistent_only:
+        asked_split = split_k if split_k is not None else config.split_k
+        if grid == "tiles" or (asked_split or 1) > 1 or use_half_tail:
+            raise ValueError(f"a shuffled weight's {config.block_m}-row tiles run on a persistent grid (one program "
+                             f"per tile computed wrong outputs on an H200): got grid={grid!r}, split_k={asked_split}, "
+                             f"half_tail={use_half_tail}")
     if split_k is not None or config.split_k is not None:  # asked for (a persistent grid cannot have it)
         splits = split_k if split_k is not None else config.split_k
+    elif persistent_only:
+        splits = 1
     elif grid in (None, "tiles"):
         splits = default_split_k(capability, weight_format, config,
                                  min(blocks, weight.shape[0]) * triton.cdiv(n_out, config.block_n), k_steps,
@@ -1068,6 +1086,8 @@ def moe_gemm(
         raise ValueError(f"a split K-loop runs one program per tile, not grid={grid!r}")
     grid_kind = "tiles" if splits > 1 else grid if grid is not None else default_grid(
         capability, weight_format, config, glu, num_copies / weight.shape[0])
+    if persistent_only and grid_kind == "tiles":
+        grid_kind = "persistent"
     if use_half_tail and grid is None:
         grid_kind = "tiles"
     if grid_kind == "tiles":
