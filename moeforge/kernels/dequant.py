@@ -276,6 +276,13 @@ def e4m3_pairs(s, DTYPE: tl.constexpr, CVT: tl.constexpr, BY_FOUR: tl.constexpr 
 
 
 @triton.jit
+def _scaled_bytes(ASM: tl.constexpr, packed, scale_pairs):
+    """One of the packed decodings ``ASM`` taking each byte of ``packed`` (uint8) and its scale pair: int32 pairs."""
+    return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs], dtype=tl.int32, is_pure=True,
+                                     pack=4)
+
+
+@triton.jit
 def e2m1_pairs(packed, scale_pairs, DTYPE: tl.constexpr, FOLDED: tl.constexpr = False):
     """int32 ``[R, KB]``: for each byte of ``packed [R, KB]`` (uint8) the ``DTYPE`` (bf16 / fp16) pair
     of its low and high nibbles' e2m1 values times the byte's scale (``scale_pairs``: :func:`half_pairs`
@@ -283,14 +290,11 @@ def e2m1_pairs(packed, scale_pairs, DTYPE: tl.constexpr, FOLDED: tl.constexpr = 
     times ``2**126`` (``e8m0_pairs(s, FOLDED=True)``), which saves the multiplication by ``2**126``; the
     values are the same."""
     if DTYPE == tl.bfloat16 and FOLDED:
-        return tl.inline_asm_elementwise(E2M1_BF16_FOLDED, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
-                                         dtype=tl.int32, is_pure=True, pack=4)
+        return _scaled_bytes(E2M1_BF16_FOLDED, packed, scale_pairs)
     elif DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise(E2M1_BF16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
-                                         dtype=tl.int32, is_pure=True, pack=4)
+        return _scaled_bytes(E2M1_BF16, packed, scale_pairs)
     else:
-        return tl.inline_asm_elementwise(E2M1_F16, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
-                                         dtype=tl.int32, is_pure=True, pack=4)
+        return _scaled_bytes(E2M1_F16, packed, scale_pairs)
 
 
 @triton.jit
@@ -300,11 +304,9 @@ def int4_pairs(packed, scale_pairs, offset_pairs, DTYPE: tl.constexpr):
     points: the offset is an immediate of the decoding)."""
     if offset_pairs is None:
         if DTYPE == tl.bfloat16:
-            return tl.inline_asm_elementwise(INT4_BF16_Z8, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
-                                             dtype=tl.int32, is_pure=True, pack=4)
+            return _scaled_bytes(INT4_BF16_Z8, packed, scale_pairs)
         else:
-            return tl.inline_asm_elementwise(INT4_F16_Z8, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pairs],
-                                             dtype=tl.int32, is_pure=True, pack=4)
+            return _scaled_bytes(INT4_F16_Z8, packed, scale_pairs)
     elif DTYPE == tl.bfloat16:
         return tl.inline_asm_elementwise(INT4_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
                                          [packed, scale_pairs, offset_pairs], dtype=tl.int32, is_pure=True, pack=4)
