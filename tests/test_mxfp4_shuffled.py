@@ -115,6 +115,18 @@ def test_a_gpt_oss_checkpoint_loads_into_a_shuffled_layer(activation: str) -> No
     assert torch.equal(target(_x(6)), source(_x(6)))
 
 
+@torch.no_grad()
+def test_weights_created_again_keep_one_pair_of_hooks() -> None:
+    layer = _layer(True, "concatenated", seed=1)
+    quant = layer.quant
+    assert isinstance(quant, Mxfp4Method)
+    quant.create_weights(layer, num_experts=E, hidden_size=H, intermediate_size=I, gated=True, bias=True,
+                         dtype=torch.float32, device="cpu")
+    plain = _layer(False, "concatenated", seed=2)
+    layer.load_state_dict(plain.state_dict())
+    _assert_same_state(layer.state_dict(), plain.state_dict())  # converted once each way, not twice
+
+
 def test_stages_for_the_other_gate_up_layout_are_refused() -> None:
     pytest.importorskip("triton")
     from moeforge.kernels.config import ConfigTable

@@ -24,7 +24,8 @@ and ``I % 32 == 0``), exactly as GPT-OSS stores them, so checkpoint tensors copy
 (:mod:`moeforge.kernels.shuffle`: each thread's bytes of a swapped tile next to each other; interleaved gate/up
 rows paired, their scales' rows too), prepared as the weights are written (initialised, quantized, read from a
 checkpoint or a state dict), so the GEMMs run swapped tiles with fewer instructions (docs/kernels.md, "The
-pre-shuffled 4-bit layout": 0.78-0.90x the GEMM time from M = 1024 on an H200, 1.10x at M = 1). ``state_dict()``
+pre-shuffled 4-bit layout": on an H200 the layers took 0.83-0.96x the plain layers' time at M = 8-1024 on
+GPT-OSS's sizes, 0.82-0.92x on Mixtral's, 1.00-1.02x at M = 1). ``state_dict()``
 still gives (and ``load_state_dict`` takes) the plain layout, so checkpoints are GPT-OSS's either way; the
 parameters themselves hold the shuffled bytes. Its tuned tables are its own (``table_key`` ``"mxfp4-shuffled"``).
 """
@@ -104,6 +105,7 @@ class StoredLayout:
 
 
 LAYOUT_ATTRIBUTE = "mxfp4_layout"  # the layer's StoredLayout, set by Mxfp4Method.create_weights
+HOOKS_ATTRIBUTE = "_mxfp4_layout_hooks"  # the handles of its state-dict hooks
 
 
 def stored_layout(layer: torch.nn.Module) -> StoredLayout:
@@ -210,12 +212,16 @@ class Mxfp4Method(QuantMethod):
         interleaved = isinstance(activation, ActivationConfig) and activation.gate_up is GateUpLayout.INTERLEAVED
         layout = StoredLayout(self.shuffled, self.shuffled and gated and interleaved)
         setattr(layer, LAYOUT_ATTRIBUTE, layout)
+        for handle in getattr(layer, HOOKS_ATTRIBUTE, ()):  # weights created again: one pair of hooks, this layout's
+            handle.remove()
+        hooks = []
         if self.shuffled:
             # (torch's hook registration is untyped)
-            layer.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_plain_state_dict, layout))
-            layer.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_stored_state_dict, layout))
+            hooks.append(layer.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
+                functools.partial(_plain_state_dict, layout)))
+            hooks.append(layer.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
+                functools.partial(_stored_state_dict, layout)))
+        setattr(layer, HOOKS_ATTRIBUTE, tuple(hooks))
         for prefix, (experts, rows, width) in shapes.items():
             groups = width // MXFP4_BLOCK
             for name, shape in ((f"{prefix}_blocks", (experts, rows, groups, BYTES_PER_BLOCK)),
