@@ -124,7 +124,11 @@ def test_weights_created_again_keep_one_pair_of_hooks() -> None:
                          dtype=torch.float32, device="cpu")
     plain = _layer(False, "concatenated", seed=2)
     layer.load_state_dict(plain.state_dict())
-    _assert_same_state(layer.state_dict(), plain.state_dict())  # converted once each way, not twice
+    _assert_same_state(layer.state_dict(), plain.state_dict())
+    # the parameters hold the bytes shuffled once (two pairs of hooks would shuffle them twice, and unshuffle twice)
+    want = shuffle.shuffle(plain.w13_blocks.flatten(2)).reshape(plain.w13_blocks.shape)
+    assert torch.equal(layer.w13_blocks, want)
+    assert torch.equal(layer(_x(5)), plain(_x(5)))
 
 
 def test_stages_for_the_other_gate_up_layout_are_refused() -> None:
