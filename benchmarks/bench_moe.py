@@ -17,7 +17,8 @@ With ``--quant fp8,w4a16,mxfp4,nvfp4`` it also times the ``experts`` span of qua
 same shapes and M grid — FP8 W8A8 (128x128 block weights, per-128-group activations quantized before
 the dispatch, DeepSeek-V3 style; ``fp8-channel``: per-channel weights, per-token activations;
 ``int8``: INT8 per-channel / per-token, against the fp8 peak, which the H100's int8 peak equals), W4A16 (int4, group 128 or the largest of 64 / 32 dividing the sizes, zero points), MXFP4 (GPT-OSS's format) and
-NVFP4 (weights only, bf16 activations) — records ``experts_<quant>`` with the speedup over the bf16
+NVFP4 (weights only, bf16 activations; ``mxfp4-shuffled`` / ``nvfp4-shuffled``: the weights held in the triton
+GEMMs' pre-shuffled layout) — records ``experts_<quant>`` with the speedup over the bf16
 ``experts`` of the same run, against a roofline computed from the quantized weight bytes (scales and
 zero points included) and, for FP8, the fp8 matmul peak.
 
@@ -241,6 +242,7 @@ QUANT_METHODS: dict[str, Callable[[int, int], mf.QuantMethod]] = {
     # the blocks in the pre-shuffled layout of the triton GEMMs (swapped tiles; its own tuned tables)
     "mxfp4-shuffled": lambda h, i: mf.Mxfp4Method(shuffled=True),
     "nvfp4": lambda h, i: mf.Nvfp4Method(),
+    "nvfp4-shuffled": lambda h, i: mf.Nvfp4Method(shuffled=True),
 }
 
 
@@ -263,7 +265,7 @@ def quant_weight_bytes(quant: str, hidden: int, inter: int) -> float:
         return elements + 4 * (2 * inter + hidden)
     if quant in ("mxfp4", "mxfp4-shuffled"):  # 4 bits each + one E8M0 byte per 32
         return elements / 2 + elements / 32
-    if quant == "nvfp4":  # 4 bits each + one e4m3 byte per 16 (+ two fp32 global scales)
+    if quant in ("nvfp4", "nvfp4-shuffled"):  # 4 bits each + one e4m3 byte per 16 (+ two fp32 global scales)
         return elements / 2 + elements / 16 + 8
     # 4 bits each + a bf16 scale and a uint8 zero point per 128 elements of a row
     return elements / 2 + 3 * elements / 128

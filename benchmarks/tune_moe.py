@@ -54,8 +54,9 @@ from moeforge.stages.gemm import GemmRole  # noqa: E402
 FORMATS = ("bf16", *QUANT_METHODS)
 
 
-FOUR_BIT = ("mxfp4", "mxfp4-shuffled", "nvfp4", "w4a16")
-SHUFFLED = ("mxfp4-shuffled",)  # 4-bit weights in the pre-shuffled layout: swapped tiles at every size
+FOUR_BIT = ("mxfp4", "mxfp4-shuffled", "nvfp4", "nvfp4-shuffled", "w4a16")
+# 4-bit weights in the pre-shuffled layout: swapped tiles at every size
+SHUFFLED = ("mxfp4-shuffled", "nvfp4-shuffled")
 
 
 def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:

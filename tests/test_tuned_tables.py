@@ -42,7 +42,8 @@ def _methods() -> list[mf.QuantMethod]:
     return [mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
             mf.Fp8W8A8Method(weight_scales="channel", activation_scales="token"), mf.Int8W8A8Method(),
             *(mf.W4A16Method(group_size=g, zero_points=z) for g in (32, 64, 128) for z in (True, False)),
-            mf.Mxfp4Method(), mf.Mxfp4Method(shuffled=True), mf.Nvfp4Method(), mf.Nvfp4Method(input_global_scale=1e-3)]
+            mf.Mxfp4Method(), mf.Mxfp4Method(shuffled=True), mf.Nvfp4Method(), mf.Nvfp4Method(input_global_scale=1e-3),
+            mf.Nvfp4Method(shuffled=True), mf.Nvfp4Method(input_global_scale=1e-3, shuffled=True)]
 
 
 def test_every_quant_method_names_its_format_and_the_names_differ() -> None:
@@ -162,7 +163,8 @@ def test_the_tuners_search_space_fits_each_format() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import tune_moe
 
-    assert set(tune_moe.FORMATS) == {"bf16", "fp8", "fp8-channel", "int8", "w4a16", "mxfp4", "mxfp4-shuffled", "nvfp4"}
+    shuffled = {"mxfp4-shuffled", "nvfp4-shuffled"}
+    assert set(tune_moe.FORMATS) == {"bf16", "fp8", "fp8-channel", "int8", "w4a16", "mxfp4", "nvfp4", *shuffled}
     for fmt in tune_moe.FORMATS:
         for rows_per_expert in (0.03, 1.0, 4.0, 5.0, 48.0, 100.0, 256.0, 1000.0):
             found = list(tune_moe.candidates(fmt, rows_per_expert))
@@ -170,10 +172,10 @@ def test_the_tuners_search_space_fits_each_format() -> None:
             for config in found:
                 if fmt in ("fp8", "fp8-channel", "int8"):
                     assert config.block_k == 128
-                if fmt in ("w4a16", "mxfp4", "nvfp4", "mxfp4-shuffled"):
+                if fmt in ("w4a16", "mxfp4", "nvfp4", *shuffled):
                     assert config.block_k >= 64
                 assert config.block_m <= 32 or rows_per_expert > 4  # decode: no padding-only blocks
-                if fmt == "mxfp4-shuffled":  # swapped tiles only, whole shuffled blocks of 64 or 128 weight rows
+                if fmt in shuffled:  # swapped tiles only, whole shuffled blocks of 64 or 128 weight rows
                     assert config.swap and config.block_n in (64, 128)
                     continue
                 # both orientations of the 4-bit product from 64-row blocks, none below or for other formats

@@ -32,7 +32,6 @@ parameters themselves hold the shuffled bytes. Its tuned tables are its own (``t
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar, Optional, Union
 
@@ -41,7 +40,6 @@ import torch
 
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
-from moeforge.kernels import shuffle
 from moeforge.kernels.config import ConfigTable
 from moeforge.expert_checkpoint import held_experts
 from moeforge.quant.base import (
@@ -52,13 +50,20 @@ from moeforge.quant.base import (
     register_expert_biases,
 )
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
-from moeforge.quant.nvfp4 import (
-    EmulatedGroupedGemm,
+from moeforge.quant.nvfp4 import EmulatedGroupedGemm
+from moeforge.quant.stored_layout import (
+    PackedNames,
+    StoredLayout,
+    check_gate_up_rows,
+    layout_for,
+    record_layout,
+    store_expert,
+    stored_layout,
 )
 from moeforge.roles.base import TorchExperts, TritonExperts
 from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stage import Stage
-from moeforge.stages.activation import Activate, ActivationConfig, GateUpLayout
+from moeforge.stages.activation import Activate, ActivationConfig
 from moeforge.stages.gemm import GemmRole
 from moeforge.tensor_ref import ParamRef, optional_ref
 
@@ -77,65 +82,7 @@ CHECKPOINT_KEYS: dict[str, str] = {
 }
 
 
-@attrs.frozen
-class StoredLayout:
-    """How a layer holds its MXFP4 blocks: plain (GPT-OSS's bytes), or ``shuffled`` for the triton GEMMs, the
-    gate/up weight's rows ``paired`` when they are interleaved (see :mod:`moeforge.kernels.shuffle`)."""
-
-    shuffled: bool = False
-    paired: bool = False  # (the gate/up weight only)
-
-    def of(self, prefix: str) -> StoredLayout:
-        """The layout of ``prefix``'s weight (the down weight is never paired)."""
-        return StoredLayout(self.shuffled, self.paired and prefix == "w13")
-
-    def stored(self, blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Plain ``blocks [..., N, K / 32, 16]`` and ``scales [..., N, K / 32]`` as this layout holds them."""
-        if not self.shuffled:
-            return blocks, scales
-        flat = shuffle.shuffle(blocks.flatten(-2), paired=self.paired)
-        return flat.reshape(blocks.shape), shuffle.pair_rows(scales) if self.paired else scales
-
-    def plain(self, blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The inverse of :meth:`stored`."""
-        if not self.shuffled:
-            return blocks, scales
-        flat = shuffle.unshuffle(blocks.flatten(-2), paired=self.paired)
-        return flat.reshape(blocks.shape), shuffle.unpair_rows(scales) if self.paired else scales
-
-
-LAYOUT_ATTRIBUTE = "mxfp4_layout"  # the layer's StoredLayout, set by Mxfp4Method.create_weights
-HOOKS_ATTRIBUTE = "_mxfp4_layout_hooks"  # the handles of its state-dict hooks
-
-
-def stored_layout(layer: torch.nn.Module) -> StoredLayout:
-    """The layout ``layer`` holds its MXFP4 blocks in (plain for a layer created before it was recorded)."""
-    layout = getattr(layer, LAYOUT_ATTRIBUTE, None)
-    return layout if isinstance(layout, StoredLayout) else StoredLayout()
-
-
-def _plain_state_dict(layout: StoredLayout, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
-                      local_metadata: Any) -> None:
-    """A ``state_dict`` post-hook: the blocks and scales in GPT-OSS's plain layout."""
-    for name in ("w13", "w2"):
-        blocks, scales = prefix + f"{name}_blocks", prefix + f"{name}_scales"
-        if blocks in state_dict and scales in state_dict:
-            state_dict[blocks], state_dict[scales] = layout.of(name).plain(state_dict[blocks], state_dict[scales])
-
-
-def _stored_state_dict(layout: StoredLayout, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
-                       *args: Any) -> None:
-    """A ``load_state_dict`` pre-hook: plain blocks and scales into ``layout`` (tensors of another shape are left
-    for ``load_state_dict`` to report)."""
-    for name in ("w13", "w2"):
-        blocks, scales = prefix + f"{name}_blocks", prefix + f"{name}_scales"
-        if blocks not in state_dict or scales not in state_dict:
-            continue
-        target = getattr(module, f"{name}_blocks", None)
-        value = state_dict[blocks]
-        if isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor) and value.shape == target.shape \
-                and value.dtype == torch.uint8:
-            state_dict[blocks], state_dict[scales] = layout.of(name).stored(value, state_dict[scales])
+MXFP4_NAMES = PackedNames("{}_blocks", "{}_scales")
 
 
 @attrs.frozen(eq=False, init=False)
@@ -208,20 +155,7 @@ class Mxfp4Method(QuantMethod):
                 raise InputError(f"Mxfp4Method needs {name} divisible by {MXFP4_BLOCK} (its block size), "
                                  f"got {size}")
         shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
-        activation = getattr(layer, "activation", None)
-        interleaved = isinstance(activation, ActivationConfig) and activation.gate_up is GateUpLayout.INTERLEAVED
-        layout = StoredLayout(self.shuffled, self.shuffled and gated and interleaved)
-        setattr(layer, LAYOUT_ATTRIBUTE, layout)
-        for handle in getattr(layer, HOOKS_ATTRIBUTE, ()):  # weights created again: one pair of hooks, this layout's
-            handle.remove()
-        hooks = []
-        if self.shuffled:
-            # (torch's hook registration is untyped)
-            hooks.append(layer.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_plain_state_dict, layout)))
-            hooks.append(layer.register_load_state_dict_pre_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_stored_state_dict, layout)))
-        setattr(layer, HOOKS_ATTRIBUTE, tuple(hooks))
+        record_layout(layer, layout_for(self.shuffled, gated, getattr(layer, "activation", None)), MXFP4_NAMES)
         for prefix, (experts, rows, width) in shapes.items():
             groups = width // MXFP4_BLOCK
             for name, shape in ((f"{prefix}_blocks", (experts, rows, groups, BYTES_PER_BLOCK)),
@@ -258,11 +192,7 @@ class Mxfp4Method(QuantMethod):
         """Quantize one expert's float ``weight [N, K]`` into ``{prefix}_blocks`` / ``{prefix}_scales`` (in the
         layer's layout)."""
         q = quantize_mxfp4(weight, rounding)
-        blocks = getattr(layer, f"{prefix}_blocks")
-        stored, scales = stored_layout(layer).of(prefix).stored(q.data.reshape(blocks.shape[1:]), q.scale)
-        with torch.no_grad():
-            blocks[expert].copy_(stored)
-            getattr(layer, f"{prefix}_scales")[expert].copy_(scales)
+        store_expert(layer, MXFP4_NAMES, prefix, expert, q.data, q.scale)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Check the loaded tensors (the stored layout is the one the emulated GEMMs read)."""
@@ -351,11 +281,7 @@ class TritonMxfp4Experts(TritonExperts):
         configs = cls.launch_table(configs)
         out = layer_compute_dtype(layer)
         layout = stored_layout(layer)
-        interleaved = activation.gated and activation.gate_up is GateUpLayout.INTERLEAVED
-        if layout.shuffled and layout.paired != interleaved:
-            rows = "interleaved" if layout.paired else "concatenated"
-            raise InputError(f"the layer's MXFP4 blocks were shuffled for {rows} gate/up rows, but the experts run "
-                             f"{activation.summary()}: build the layer with the activation it runs")
+        check_gate_up_rows(layout, activation, "MXFP4")
         return [
             FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.MXFP4, ParamRef(layer, W13_BLOCKS),
                                   ParamRef(layer, W13_SCALES), configs, bias=optional_ref(layer, B13),

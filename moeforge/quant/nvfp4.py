@@ -40,6 +40,14 @@ Activations after dispatch: float (bf16/fp16/fp32), or NVFP4 (``DType.NVFP4``,
 * The second GEMM's input (the activation output) stays in the layer's dtype: there is no static
   scale for it in this config.
 
+``Nvfp4Method(shuffled=True)`` holds the packed weights in the triton GEMMs' pre-shuffled layout, as
+``Mxfp4Method(shuffled=True)`` does (:mod:`moeforge.quant.stored_layout`, :mod:`moeforge.kernels.shuffle`;
+interleaved gate/up rows paired, their block scales' rows too; the global scales do not move). It needs ``H`` and
+``I`` divisible by 32. The initial weights, ``quantize_weights`` and ``load_state_dict`` store that layout and
+``state_dict()`` gives the plain one; tensors written straight into the parameters must be shuffled first
+(``StoredLayout.stored``). Its tuned tables are its own (``table_key`` ``"nvfp4-shuffled"``, or
+``"nvfp4-nvfp4rows-shuffled"``).
+
 The GEMM stage (:class:`EmulatedGroupedGemm`) is shared with :mod:`moeforge.quant.mxfp4`.
 """
 
@@ -71,6 +79,15 @@ from moeforge.quant.fp4 import (
     quantize_nvfp4,
 )
 from moeforge.roles.base import TorchExperts, TritonExperts
+from moeforge.quant.stored_layout import (
+    PackedNames,
+    StoredLayout,
+    check_gate_up_rows,
+    layout_for,
+    record_layout,
+    store_expert,
+    stored_layout,
+)
 from moeforge.spec import FLOAT_DTYPES, Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig
@@ -81,6 +98,8 @@ from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
 W13, W13_SCALE, W13_GLOBAL = "w13_weight", "w13_weight_scale", "w13_weight_global_scale"
 W2, W2_SCALE, W2_GLOBAL = "w2_weight", "w2_weight_scale", "w2_weight_global_scale"
 B13, B2 = "w13_bias", "w2_bias"
+NVFP4_NAMES = PackedNames("{}_weight", "{}_weight_scale")
+SHUFFLED_MULTIPLE = 32  # H and I of a shuffled layer: whole 16-byte blocks along K (kernels/shuffle.py)
 
 
 # -- shared by the emulated FP4 methods -------------------------------------------------------------------
@@ -223,21 +242,24 @@ class Nvfp4Quantizer(Quantizer):
 @attrs.frozen(eq=False, init=False)
 class Nvfp4WeightRef:
     """The NVFP4 weight ``{prefix}_weight`` / ``_weight_scale`` / ``_weight_global_scale`` of a module,
-    read at call time (so loading or ``layer.to`` is seen without rebuilding). Holds
-    :class:`~moeforge.ParamRef` s, not the module (no reference cycle through the layer's pipeline)."""
+    read at call time (so loading or ``layer.to`` is seen without rebuilding; ``layout``: as the module holds
+    them, undone by :meth:`tensors`). Holds :class:`~moeforge.ParamRef` s, not the module (no reference cycle
+    through the layer's pipeline)."""
 
     prefix: str
     refs: tuple[ParamRef, ParamRef, ParamRef]
+    layout: StoredLayout
     format: str = "nvfp4"
 
-    def __init__(self, owner: torch.nn.Module, prefix: str) -> None:
+    def __init__(self, owner: torch.nn.Module, prefix: str, layout: StoredLayout = StoredLayout()) -> None:
         refs = (ParamRef(owner, f"{prefix}_weight"), ParamRef(owner, f"{prefix}_weight_scale"),
                 ParamRef(owner, f"{prefix}_weight_global_scale"))
-        self.__attrs_init__(prefix, refs)  # type: ignore[attr-defined]
+        self.__attrs_init__(prefix, refs, layout.of(prefix))  # type: ignore[attr-defined]
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The packed weight, its block scales (in the plain layout) and its global scales."""
         weight, scale, global_scale = self.refs
-        return weight.get(), scale.get(), global_scale.get()
+        return (*self.layout.plain(weight.get(), scale.get()), global_scale.get())
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -252,23 +274,29 @@ class Nvfp4WeightRef:
 class Nvfp4Method(QuantMethod):
     """NVFP4 expert weights (see the module docstring for the layout); float activations, or NVFP4
     activations quantized before the dispatch with the static ``input_global_scale``. Triton experts on
-    CUDA (:class:`TritonNvfp4Experts`), the emulated torch reference elsewhere."""
+    CUDA (:class:`TritonNvfp4Experts`), the emulated torch reference elsewhere. ``shuffled``: the layers hold
+    the packed weights in the triton GEMMs' pre-shuffled layout (module docstring)."""
 
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES | {DType.NVFP4}
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
     dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = FOUR_BIT_BLOCKS
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W13_SCALE, W13_GLOBAL, W2, W2_SCALE, W2_GLOBAL, B13, B2)
 
-    def __init__(self, input_global_scale: Optional[float] = None) -> None:
+    def __init__(self, input_global_scale: Optional[float] = None, *, shuffled: bool = False) -> None:
         self.input_global_scale = (None if input_global_scale is None
                                    else _positive_scale(input_global_scale, "input_global_scale"))
+        if not isinstance(shuffled, bool):
+            raise InputError(f"shuffled must be a bool, got {shuffled!r}")
+        self.shuffled = shuffled
 
     def __repr__(self) -> str:
-        return f"Nvfp4Method(input_global_scale={self.input_global_scale!r})"
+        extra = ", shuffled=True" if self.shuffled else ""
+        return f"Nvfp4Method(input_global_scale={self.input_global_scale!r}{extra})"
 
     @property
     def table_key(self) -> str:
-        return "nvfp4" if self.input_global_scale is None else "nvfp4-nvfp4rows"
+        key = "nvfp4" if self.input_global_scale is None else "nvfp4-nvfp4rows"
+        return key + "-shuffled" if self.shuffled else key
 
     def required_dispatch_dtype(self) -> Optional[DispatchDtype]:
         # A quant config carrying a static input global scale means NVFP4 on the wire (rule 3).
@@ -292,7 +320,11 @@ class Nvfp4Method(QuantMethod):
             if size % NVFP4_BLOCK:
                 raise InputError(f"Nvfp4Method needs {name} divisible by {NVFP4_BLOCK} (its block size), "
                                  f"got {size}")
+            if self.shuffled and size % SHUFFLED_MULTIPLE:
+                raise InputError(f"Nvfp4Method(shuffled=True) needs {name} divisible by {SHUFFLED_MULTIPLE} (whole "
+                                 f"shuffled blocks), got {size}: use Nvfp4Method() for this layer")
         shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
+        record_layout(layer, layout_for(self.shuffled, gated, getattr(layer, "activation", None)), NVFP4_NAMES)
         for prefix, shape in shapes.items():
             data_shape, scale_shape = fp4_storage(shape, NVFP4_BLOCK)
             for suffix, tensor in (
@@ -327,10 +359,9 @@ class Nvfp4Method(QuantMethod):
     def _quantize_expert(layer: torch.nn.Module, prefix: str, expert: int, weight: torch.Tensor) -> None:
         """Quantize one expert's float ``weight [N, K]`` (its own global scale) into ``layer``'s tensors."""
         q = quantize_nvfp4(weight, nvfp4_global_scale(weight))
+        store_expert(layer, NVFP4_NAMES, prefix, expert, q.data, q.scale)
         with torch.no_grad():
-            for suffix, value in (("weight", q.data), ("weight_scale", q.scale),
-                                  ("weight_global_scale", q.global_scale)):
-                getattr(layer, f"{prefix}_{suffix}")[expert].copy_(value)
+            getattr(layer, f"{prefix}_weight_global_scale")[expert].copy_(q.global_scale)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Check the loaded tensors (the stored layout is the one the emulated GEMMs read)."""
@@ -400,12 +431,13 @@ class EmulatedNvfp4Experts(TorchExperts):
         nvfp4_rows = dispatch is DispatchDtype.NVFP4
         if nvfp4_rows:
             method._require_scale()
+        layout = stored_layout(layer)
         return [
-            EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"), optional_ref(layer, B13),
+            EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13", layout), optional_ref(layer, B13),
                                 input_global_scale=method.input_global_scale,
                                 out_dtype=layer_compute_dtype(layer) if nvfp4_rows else None),
             Activate(activation),
-            EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(layer, "w2"), optional_ref(layer, B2),
+            EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(layer, "w2", layout), optional_ref(layer, B2),
                                 apply_routing_weights=routing_weights_in_epilogue),
         ]
 
@@ -426,12 +458,16 @@ class TritonNvfp4Experts(TritonExperts):
         configs = cls.launch_table(configs)
         nvfp4_rows = dispatch is DispatchDtype.NVFP4
         out = layer_compute_dtype(layer)
+        layout = stored_layout(layer)
+        check_gate_up_rows(layout, activation, "NVFP4")
         return [
             FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.NVFP4, ParamRef(layer, W13), ParamRef(layer, W13_SCALE),
                                   configs, weight_global=ParamRef(layer, W13_GLOBAL),
                                   input_global_scale=method._require_scale() if nvfp4_rows else None,
-                                  bias=optional_ref(layer, B13), activation=activation, out_dtype=out),
+                                  bias=optional_ref(layer, B13), activation=activation, out_dtype=out,
+                                  weight_shuffled=layout.shuffled),
             FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.NVFP4, ParamRef(layer, W2), ParamRef(layer, W2_SCALE),
                                   configs, weight_global=ParamRef(layer, W2_GLOBAL), bias=optional_ref(layer, B2),
-                                  apply_routing_weights=routing_weights_in_epilogue, out_dtype=out),
+                                  apply_routing_weights=routing_weights_in_epilogue, out_dtype=out,
+                                  weight_shuffled=layout.shuffled),
         ]
