@@ -694,10 +694,13 @@ def packed_decoding(device: torch.device, compute_dtype: torch.dtype, weight_for
     return compute_dtype == torch.float16 and weight_format is not WeightFormat.MXFP4
 
 
-def prefetch_scales(weight_format: WeightFormat, config: GemmConfig) -> bool:
+def prefetch_scales(weight_format: WeightFormat, config: GemmConfig, swapped: bool) -> bool:
     """Whether a 4-bit weight's K-steps load their scales one step ahead (the kernel's ``PREFETCH``): from 64-row
-    blocks (H100, results/ab_prefetch_scales-...log: 10-12 % faster there, 1.3-1.6x slower on mma.sync tiles)."""
-    return weight_format.packed and config.block_m >= 64
+    blocks (H100, results/ab_prefetch_scales-...log: 10-12 % faster there, 1.3-1.6x slower on the 16- and 32-row
+    mma.sync tiles), and on swapped tiles of any height, whose MMA is a wgmma over 64 weight rows (H200, the
+    shuffled layers' experts: 0.83-0.94x the time for NVFP4 on GPT-OSS at M = 1-256, 0.95-0.97x for MXFP4, Mixtral
+    NVFP4 0.92-1.02x; results/ab_prefetch_swapped-nvidia_h200-2026-11-26-3f5f7aa.log)."""
+    return weight_format.packed and (config.block_m >= 64 or swapped)
 
 
 # the smallest block of a shuffled weight's tiles that runs only on the persistent grids (see moe_gemm)
@@ -1105,6 +1108,7 @@ def moe_gemm(
         if splits > 1 else None
     dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
     dependent = pdl.applies(capability)
+    swapped = weight_format.packed and bool(swap if swap is not None else config.swap)
     # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
     if a_scale is not None and a_scale.dtype == torch.float8_e4m3fn:
         a_scale = a_scale.view(torch.uint8)
@@ -1137,14 +1141,14 @@ def moe_gemm(
         EVEN_K=k_dim % config.block_k == 0,
         # fp32 operands: full-precision products, so fp32 layers match the reference to ~1e-6.
         PRECISION="ieee" if compute_bytes == 4 else "tf32",
-        SWAP=weight_format.packed and (swap if swap is not None else config.swap),
+        SWAP=swapped,
         PTX=use_ptx,
         FP8_CVT=fp8_cvt,
         CVT_BY_FOUR=fp8_cvt and cvt_by_four(config),
         B_TMA=(2 if paired else 1) if use_tma else 0,
         SPLIT=splits > 1,
         PERSISTENT=GRIDS.index(grid_kind),
-        PREFETCH=prefetch_scales(weight_format, config),
+        PREFETCH=prefetch_scales(weight_format, config, swapped),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_RATIO=aligned // config.block_m,
         HALF_TAIL=use_half_tail,
