@@ -51,15 +51,7 @@ from moeforge.quant.base import (
 )
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import EmulatedGroupedGemm
-from moeforge.quant.stored_layout import (
-    PackedNames,
-    StoredLayout,
-    check_gate_up_rows,
-    layout_for,
-    record_layout,
-    store_expert,
-    stored_layout,
-)
+from moeforge.quant import stored_layout as layouts
 from moeforge.roles.base import TorchExperts, TritonExperts
 from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stage import Stage
@@ -82,7 +74,7 @@ CHECKPOINT_KEYS: dict[str, str] = {
 }
 
 
-MXFP4_NAMES = PackedNames("{}_blocks", "{}_scales")
+MXFP4_NAMES = layouts.PackedNames("{}_blocks", "{}_scales")
 
 
 @attrs.frozen(eq=False, init=False)
@@ -93,10 +85,11 @@ class Mxfp4WeightRef:
 
     prefix: str
     refs: tuple[ParamRef, ParamRef]
-    layout: StoredLayout
+    layout: layouts.StoredLayout
     format: str = "mxfp4"
 
-    def __init__(self, owner: torch.nn.Module, prefix: str, layout: StoredLayout = StoredLayout()) -> None:
+    def __init__(self, owner: torch.nn.Module, prefix: str,
+                 layout: layouts.StoredLayout = layouts.StoredLayout()) -> None:
         refs = (ParamRef(owner, f"{prefix}_blocks"), ParamRef(owner, f"{prefix}_scales"))
         self.__attrs_init__(prefix, refs, layout.of(prefix))  # type: ignore[attr-defined]
 
@@ -155,7 +148,7 @@ class Mxfp4Method(QuantMethod):
                 raise InputError(f"Mxfp4Method needs {name} divisible by {MXFP4_BLOCK} (its block size), "
                                  f"got {size}")
         shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
-        record_layout(layer, layout_for(self.shuffled, gated, getattr(layer, "activation", None)), MXFP4_NAMES)
+        layouts.record_layout(layer, MXFP4_NAMES, shuffled=self.shuffled, gated=gated)
         for prefix, (experts, rows, width) in shapes.items():
             groups = width // MXFP4_BLOCK
             for name, shape in ((f"{prefix}_blocks", (experts, rows, groups, BYTES_PER_BLOCK)),
@@ -192,7 +185,7 @@ class Mxfp4Method(QuantMethod):
         """Quantize one expert's float ``weight [N, K]`` into ``{prefix}_blocks`` / ``{prefix}_scales`` (in the
         layer's layout)."""
         q = quantize_mxfp4(weight, rounding)
-        store_expert(layer, MXFP4_NAMES, prefix, expert, q.data, q.scale)
+        layouts.store_expert(layer, MXFP4_NAMES, prefix, expert, q.data, q.scale)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Check the loaded tensors (the stored layout is the one the emulated GEMMs read)."""
@@ -237,7 +230,7 @@ class Mxfp4Method(QuantMethod):
             elif not value.dtype.is_floating_point:
                 raise CheckpointError(f"checkpoint tensor '{key}' is {value.dtype}; a bias must be float")
             found[name] = value.to(device=target.device, dtype=target.dtype)
-        layout = stored_layout(layer)
+        layout = layouts.stored_layout(layer)
         for prefix, (blocks, scales) in (("w13", (W13_BLOCKS, W13_SCALES)), ("w2", (W2_BLOCKS, W2_SCALES))):
             if blocks in found and scales in found:
                 found[blocks], found[scales] = layout.of(prefix).stored(found[blocks], found[scales])
@@ -256,7 +249,7 @@ class EmulatedMxfp4Experts(TorchExperts):
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
-        layout = stored_layout(layer)
+        layout = layouts.stored_layout(layer)
         return [
             EmulatedGroupedGemm(GemmRole.GATE_UP, Mxfp4WeightRef(layer, "w13", layout), optional_ref(layer, B13)),
             Activate(activation),
@@ -280,8 +273,8 @@ class TritonMxfp4Experts(TritonExperts):
 
         configs = cls.launch_table(configs)
         out = layer_compute_dtype(layer)
-        layout = stored_layout(layer)
-        check_gate_up_rows(layout, activation, "MXFP4")
+        layout = layouts.stored_layout(layer)
+        layouts.check_gate_up_rows(layout, activation, "MXFP4")
         return [
             FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.MXFP4, ParamRef(layer, W13_BLOCKS),
                                   ParamRef(layer, W13_SCALES), configs, bias=optional_ref(layer, B13),

@@ -78,16 +78,8 @@ from moeforge.quant.fp4 import (
     nvfp4_global_scale,
     quantize_nvfp4,
 )
+from moeforge.quant import stored_layout as layouts
 from moeforge.roles.base import TorchExperts, TritonExperts
-from moeforge.quant.stored_layout import (
-    PackedNames,
-    StoredLayout,
-    check_gate_up_rows,
-    layout_for,
-    record_layout,
-    store_expert,
-    stored_layout,
-)
 from moeforge.spec import FLOAT_DTYPES, Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig
@@ -98,7 +90,7 @@ from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
 W13, W13_SCALE, W13_GLOBAL = "w13_weight", "w13_weight_scale", "w13_weight_global_scale"
 W2, W2_SCALE, W2_GLOBAL = "w2_weight", "w2_weight_scale", "w2_weight_global_scale"
 B13, B2 = "w13_bias", "w2_bias"
-NVFP4_NAMES = PackedNames("{}_weight", "{}_weight_scale")
+NVFP4_NAMES = layouts.PackedNames("{}_weight", "{}_weight_scale")
 SHUFFLED_MULTIPLE = 32  # H and I of a shuffled layer: whole 16-byte blocks along K (kernels/shuffle.py)
 
 
@@ -248,10 +240,11 @@ class Nvfp4WeightRef:
 
     prefix: str
     refs: tuple[ParamRef, ParamRef, ParamRef]
-    layout: StoredLayout
+    layout: layouts.StoredLayout
     format: str = "nvfp4"
 
-    def __init__(self, owner: torch.nn.Module, prefix: str, layout: StoredLayout = StoredLayout()) -> None:
+    def __init__(self, owner: torch.nn.Module, prefix: str,
+                 layout: layouts.StoredLayout = layouts.StoredLayout()) -> None:
         refs = (ParamRef(owner, f"{prefix}_weight"), ParamRef(owner, f"{prefix}_weight_scale"),
                 ParamRef(owner, f"{prefix}_weight_global_scale"))
         self.__attrs_init__(prefix, refs, layout.of(prefix))  # type: ignore[attr-defined]
@@ -324,7 +317,7 @@ class Nvfp4Method(QuantMethod):
                 raise InputError(f"Nvfp4Method(shuffled=True) needs {name} divisible by {SHUFFLED_MULTIPLE} (whole "
                                  f"shuffled blocks), got {size}: use Nvfp4Method() for this layer")
         shapes = expert_shapes(num_experts, hidden_size, intermediate_size, gated)
-        record_layout(layer, layout_for(self.shuffled, gated, getattr(layer, "activation", None)), NVFP4_NAMES)
+        layouts.record_layout(layer, NVFP4_NAMES, shuffled=self.shuffled, gated=gated)
         for prefix, shape in shapes.items():
             data_shape, scale_shape = fp4_storage(shape, NVFP4_BLOCK)
             for suffix, tensor in (
@@ -359,7 +352,7 @@ class Nvfp4Method(QuantMethod):
     def _quantize_expert(layer: torch.nn.Module, prefix: str, expert: int, weight: torch.Tensor) -> None:
         """Quantize one expert's float ``weight [N, K]`` (its own global scale) into ``layer``'s tensors."""
         q = quantize_nvfp4(weight, nvfp4_global_scale(weight))
-        store_expert(layer, NVFP4_NAMES, prefix, expert, q.data, q.scale)
+        layouts.store_expert(layer, NVFP4_NAMES, prefix, expert, q.data, q.scale)
         with torch.no_grad():
             getattr(layer, f"{prefix}_weight_global_scale")[expert].copy_(q.global_scale)
 
@@ -431,7 +424,7 @@ class EmulatedNvfp4Experts(TorchExperts):
         nvfp4_rows = dispatch is DispatchDtype.NVFP4
         if nvfp4_rows:
             method._require_scale()
-        layout = stored_layout(layer)
+        layout = layouts.stored_layout(layer)
         return [
             EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13", layout), optional_ref(layer, B13),
                                 input_global_scale=method.input_global_scale,
@@ -458,8 +451,8 @@ class TritonNvfp4Experts(TritonExperts):
         configs = cls.launch_table(configs)
         nvfp4_rows = dispatch is DispatchDtype.NVFP4
         out = layer_compute_dtype(layer)
-        layout = stored_layout(layer)
-        check_gate_up_rows(layout, activation, "NVFP4")
+        layout = layouts.stored_layout(layer)
+        layouts.check_gate_up_rows(layout, activation, "NVFP4")
         return [
             FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.NVFP4, ParamRef(layer, W13), ParamRef(layer, W13_SCALE),
                                   configs, weight_global=ParamRef(layer, W13_GLOBAL),

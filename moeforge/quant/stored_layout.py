@@ -64,21 +64,20 @@ class PackedNames:
         return self.data.format(prefix), self.scales.format(prefix)
 
 
-def layout_for(shuffled: bool, gated: bool, activation: object) -> StoredLayout:
-    """The layout of a layer built with ``shuffled`` and ``activation`` (gate/up rows paired when interleaved)."""
-    interleaved = isinstance(activation, ActivationConfig) and activation.gate_up is GateUpLayout.INTERLEAVED
-    return StoredLayout(shuffled, shuffled and gated and interleaved)
-
-
 def stored_layout(layer: torch.nn.Module) -> StoredLayout:
     """The layout ``layer`` holds its packed weights in (plain for a layer that recorded none)."""
     layout = getattr(layer, LAYOUT_ATTRIBUTE, None)
     return layout if isinstance(layout, StoredLayout) else StoredLayout()
 
 
-def record_layout(layer: torch.nn.Module, layout: StoredLayout, names: PackedNames) -> None:
-    """Record ``layout`` on ``layer`` and, for a shuffled one, the state-dict hooks that give and take the tensors
-    ``names`` in the plain layout. Weights created again keep one pair of hooks, the new layout's."""
+def record_layout(layer: torch.nn.Module, names: PackedNames, *, shuffled: bool, gated: bool) -> None:
+    """Record on ``layer`` the layout its packed weights ``names`` are held in (``shuffled``: gate/up rows paired
+    when ``gated`` and the layer's activation interleaves them) and, for a shuffled one, the state-dict hooks that
+    give and take those tensors in the plain layout. Weights created again keep one pair of hooks, the new
+    layout's."""
+    activation = getattr(layer, "activation", None)
+    interleaved = isinstance(activation, ActivationConfig) and activation.gate_up is GateUpLayout.INTERLEAVED
+    layout = StoredLayout(shuffled, shuffled and gated and interleaved)
     setattr(layer, LAYOUT_ATTRIBUTE, layout)
     for handle in getattr(layer, HOOKS_ATTRIBUTE, ()):
         handle.remove()
