@@ -39,7 +39,7 @@ FOUR_BIT = ["int4", "int4-zeros", "mxfp4", "nvfp4", "nvfp4-rows"]
 
 def test_the_stored_bytes_follow_the_documented_formula() -> None:
     logical = torch.randint(0, 256, (2, 32, 48), dtype=torch.uint8)
-    stored = shuffle.shuffle(logical)
+    stored = shuffle.shuffle(logical, e2m1=False)
     for a in range(2):
         for g in range(8):
             for th in range(2):
@@ -56,7 +56,7 @@ def test_each_threads_bytes_are_eight_consecutive_stored_bytes() -> None:
     """Lane ``4 g + t`` of a 16-row slab holds bytes ``t + 4 i`` of rows ``g`` and ``g + 8`` (the swapped MMA's
     register operand): stored, 8 consecutive bytes of one row, in register order (row g, row g + 8, next 4 bytes)."""
     logical = torch.arange(256, dtype=torch.uint8).reshape(1, 16, 16)  # entry = 16 * row + byte
-    stored = shuffle.shuffle(logical)[0].to(torch.int32)
+    stored = shuffle.shuffle(logical, e2m1=False)[0].to(torch.int32)
     for g in range(8):
         for t in range(4):
             want = [16 * (g + 8 * (i % 2)) + t + 4 * (i // 2) for i in range(8)]
@@ -66,11 +66,12 @@ def test_each_threads_bytes_are_eight_consecutive_stored_bytes() -> None:
 @pytest.mark.parametrize("shape", [(32, 16), (3, 48, 64), (2, 2, 16, 32)])
 def test_shuffle_and_unshuffle_are_inverse(shape: tuple[int, ...]) -> None:
     x = torch.randint(0, 256, shape, dtype=torch.uint8)
-    stored = shuffle.shuffle(x)
-    assert stored.shape == x.shape and stored.is_contiguous()
-    assert not torch.equal(stored, x)
-    assert torch.equal(shuffle.unshuffle(stored), x)
-    assert torch.equal(shuffle.shuffle(shuffle.unshuffle(x)), x)
+    for e2m1 in (False, True):
+        stored = shuffle.shuffle(x, e2m1=e2m1)
+        assert stored.shape == x.shape and stored.is_contiguous()
+        assert not torch.equal(stored, x)
+        assert torch.equal(shuffle.unshuffle(stored, e2m1=e2m1), x)
+        assert torch.equal(shuffle.shuffle(shuffle.unshuffle(x, e2m1=e2m1), e2m1=e2m1), x)
 
 
 def test_paired_rows_put_each_chunks_gate_rows_first() -> None:
@@ -82,22 +83,24 @@ def test_paired_rows_put_each_chunks_gate_rows_first() -> None:
             assert torch.equal(paired[:, 32 * chunk + 16 + i], rows[:, 32 * chunk + 2 * i + 1])  # its up row
     assert torch.equal(shuffle.unpair_rows(paired), rows)
     weight = torch.randint(0, 256, (3, 64, 32), dtype=torch.uint8)
-    stored = shuffle.shuffle(weight, paired=True)
-    assert torch.equal(stored, shuffle.shuffle(shuffle.pair_rows(weight)))
-    assert torch.equal(shuffle.unshuffle(stored, paired=True), weight)
+    for e2m1 in (False, True):
+        stored = shuffle.shuffle(weight, e2m1=e2m1, paired=True)
+        assert torch.equal(stored, shuffle.shuffle(shuffle.pair_rows(weight), e2m1=e2m1))
+        assert torch.equal(shuffle.unshuffle(stored, e2m1=e2m1, paired=True), weight)
     with pytest.raises(ValueError, match="multiple of 32"):
         shuffle.pair_rows(torch.zeros(48, 4))
     with pytest.raises(ValueError, match="multiple of 32"):
-        shuffle.shuffle(torch.zeros(2, 48, 32, dtype=torch.uint8), paired=True)
+        shuffle.shuffle(torch.zeros(2, 48, 32, dtype=torch.uint8), e2m1=True, paired=True)
 
 
 @pytest.mark.parametrize("shape,dtype", [((2, 24, 32), torch.uint8), ((2, 32, 40), torch.uint8),
                                          ((2, 32, 32), torch.int8), ((16,), torch.uint8)])
 def test_shapes_that_are_not_whole_blocks_are_refused(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    with pytest.raises(ValueError, match="shuffled layout"):
-        shuffle.shuffle(torch.zeros(shape, dtype=dtype))
-    with pytest.raises(ValueError, match="shuffled layout"):
-        shuffle.unshuffle(torch.zeros(shape, dtype=dtype))
+    for e2m1 in (False, True):
+        with pytest.raises(ValueError, match="shuffled layout"):
+            shuffle.shuffle(torch.zeros(shape, dtype=dtype), e2m1=e2m1)
+        with pytest.raises(ValueError, match="shuffled layout"):
+            shuffle.unshuffle(torch.zeros(shape, dtype=dtype), e2m1=e2m1)
 
 
 # -- the GEMM ---------------------------------------------------------------------------------------
@@ -130,7 +133,8 @@ def _run(fmt: str, *, glu: bool, config: GemmConfig, counts: tuple[int, ...], hi
                 if run_args.get(key) is not None:
                     run_args[key] = shuffle.pair_rows(run_args[key])
         out = torch.full((tokens, n_out), float("nan"), dtype=DTYPE, device=DEVICE)
-        moe_gemm.moe_gemm(a, shuffle.shuffle(weight, paired=paired) if shuffled else weight, out, *plan,
+        stored = shuffle.shuffle(weight, e2m1=fmt.startswith(("mxfp4", "nvfp4")), paired=paired)
+        moe_gemm.moe_gemm(a, stored if shuffled else weight, out, *plan,
                           rows_per_a=1, config=config, act=act_code(act) if act else 0, glu=glu,
                           interleaved=interleaved, bias=b.to(DTYPE) if b is not None else None,
                           weight_shuffled=shuffled, **options, **run_args)
@@ -228,7 +232,7 @@ def test_decode_weights_of_a_shuffled_weight_are_the_plain_ones() -> None:
                 out = torch.full((2, 64, 1024), float("nan"), dtype=DTYPE, device=DEVICE)
                 weight, scale = args["weight"], args["weight_scale"]
                 if shuffled:
-                    weight = shuffle.shuffle(weight, paired=paired)
+                    weight = shuffle.shuffle(weight, e2m1=fmt in ("mxfp4", "nvfp4"), paired=paired)
                     scale, z = (shuffle.pair_rows(scale), shuffle.pair_rows(zero) if zero is not None else None) \
                         if paired else (scale, zero)
                 else:

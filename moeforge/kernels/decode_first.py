@@ -59,9 +59,14 @@ def decode_weight_kernel(
     out_rows = offs_n
     if SHUFFLED == 2:  # paired gate/up rows (see kernels/shuffle.py): decoded back into their interleaved rows
         out_rows = (offs_n // 32) * 32 + (offs_n % 16) * 2 + (offs_n % 32) // 16
-    offs_kb = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_kb[None, :] * stride_wk,
-                     mask=n_ok[:, None] & (offs_kb < K // 2)[None, :], other=0)
+    if SHUFFLED and B_FMT >= 4:  # a shuffled e2m1 weight: its 32-bit words (contiguous bytes, see kernels/shuffle.py)
+        offs_kw = k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        rows = (w_ptr + expert * stride_we + offs_n[:, None] * stride_wn).to(tl.pointer_type(tl.int32))
+        packed = tl.load(rows + offs_kw[None, :], mask=n_ok[:, None] & (offs_kw < K // 8)[None, :], other=0)
+    else:
+        offs_kb = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + offs_kb[None, :] * stride_wk,
+                         mask=n_ok[:, None] & (offs_kb < K // 2)[None, :], other=0)
     s = group_scales(s_ptr + expert * stride_se + offs_n * stride_sn, n_ok, k, K, stride_sg, GROUP, BLOCK_K)
     z = s
     if HAS_ZEROS:
@@ -103,6 +108,8 @@ def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_sca
         raise ValueError("paired_rows is a layout of shuffled weights (shuffled=True)")
     if shuffled:
         shuffle.check_shape(weight, paired=paired_rows)
+        if weight_format.e2m1:
+            shuffle.check_words(weight, weight_format.name)
     if out.numel() == 0:
         return out
     if weight_scale.dtype == torch.float8_e4m3fn:

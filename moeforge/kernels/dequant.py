@@ -37,6 +37,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moeforge.kernels.shuffle import E2M1_PATTERN_MASK, E2M1_ROTATIONS, E2M1_SPREAD
+
 # -- portable decoding -----------------------------------------------------------------------------
 
 
@@ -214,6 +216,31 @@ mad.lo.u32 $0, p, 0x00800080, 0x3F003F00;
 }"""
 FOLDED_SCALE_MAX = 128  # the largest E8M0 code the folded decoding takes
 
+# A shuffled e2m1 weight's 32-bit word (the word's bits placed by kernels/shuffle.py; $4) to its four pairs $0..$3, the
+# bf16 patterns of value * 2**-126 taken out of it by masks, rotations and one multiply (e2m1_pattern_pairs there),
+# then scaled: pairs 0 and 2 hold row g's values ($5: their scale pair), pairs 1 and 3 row g + 8's ($6). Eight integer
+# instructions per word against 15 for bytes in K order. FOLDED: the scale pairs carry the x 2**126 (as above).
+# fp16: each pattern's magnitude bits move up by 3 (x * 9 adds the copy shifted by 3, which overlaps no set bit;
+# masked) into the fp16 pattern of value * 2**-14.
+def _e2m1_words(kind: str) -> str:
+    mask = hex(E2M1_PATTERN_MASK)
+    spread_mask, factor = E2M1_SPREAD
+    take = [f"and.b32 x, $4, {mask};\n"]
+    take += [f"shf.l.wrap.b32 x, $4, $4, {r};\nand.b32 x, x, {mask};\n" for r in E2M1_ROTATIONS[1:]]
+    take += [f"and.b32 x, $4, {hex(spread_mask)};\nmul.lo.u32 x, x, {factor};\nand.b32 x, x, {mask};\n"]
+    assert len(take) == 4
+    if kind == "bf16-folded":
+        head, scale = "", "fma.rn.bf16x2 $$0, x, {s}, nz;\n"
+    elif kind == "bf16":
+        head, scale = "mov.b32 k, 0x7E807E80;\n", "fma.rn.bf16x2 x, x, k, nz;\nfma.rn.bf16x2 $$0, x, {s}, nz;\n"
+    else:
+        head = "mov.b32 k, 0x74007400;\n"
+        scale = ("mul.lo.u32 x, x, 9;\nand.b32 x, x, 0x8E008E00;\nfma.rn.f16x2 x, x, k, nz;\n"
+                 "fma.rn.f16x2 $$0, x, {s}, nz;\n")
+    body = "".join(t + scale.format(s="$6" if j % 2 else "$5").replace("$$0", f"${j}") for j, t in enumerate(take))
+    return "{\n.reg .b32 x, k, nz;\nmov.b32 nz, 0x80008000;\n" + head + body + "}"
+
+
 # (tl.constexpr: the only kind of global a jitted function may read)
 E2M1_BF16 = tl.constexpr(_E2M1_BF16)
 E2M1_F16 = tl.constexpr(_E2M1_F16)
@@ -229,6 +256,13 @@ E2M1_BF16_FOLDED = tl.constexpr(_E2M1_BF16_FOLDED)
 E8M0_BF16_FOLDED = tl.constexpr(_E8M0_BF16_FOLDED)
 E4M3X4_F16 = tl.constexpr(_E4M3X4_F16)
 E4M3X4_BF16 = tl.constexpr(_E4M3X4_BF16)
+E2M1_WORDS_BF16_FOLDED = tl.constexpr(_e2m1_words("bf16-folded"))
+E2M1_WORDS_BF16 = tl.constexpr(_e2m1_words("bf16"))
+E2M1_WORDS_F16 = tl.constexpr(_e2m1_words("f16"))
+WORD_MASK = tl.constexpr(E2M1_PATTERN_MASK)
+WORD_ROTATIONS = tl.constexpr(E2M1_ROTATIONS)
+WORD_SPREAD_MASK = tl.constexpr(E2M1_SPREAD[0])
+WORD_SPREAD_FACTOR = tl.constexpr(E2M1_SPREAD[1])
 
 
 @triton.jit
@@ -375,6 +409,94 @@ def unshuffle(stored, ROWS: tl.constexpr, BYTES: tl.constexpr):
 
 
 @triton.jit
+def _rotate_left(x, R: tl.constexpr):
+    if R == 0:
+        return x
+    else:
+        return (x << R) | (x >> (32 - R))
+
+
+@triton.jit
+def _word_patterns(words):
+    """The four bf16x2 patterns (uint32) of shuffled e2m1 ``words`` (the portable form of ``E2M1_WORDS_*``)."""
+    w = words.to(tl.uint32, bitcast=True)
+    return (_rotate_left(w, WORD_ROTATIONS[0]) & WORD_MASK, _rotate_left(w, WORD_ROTATIONS[1]) & WORD_MASK,
+            _rotate_left(w, WORD_ROTATIONS[2]) & WORD_MASK, ((w & WORD_SPREAD_MASK) * WORD_SPREAD_FACTOR) & WORD_MASK)
+
+
+@triton.jit
+def _word_grid(x, ROWS: tl.constexpr, BYTES: tl.constexpr):
+    """Per-word values ``[ROWS, BYTES // 4]`` (a shuffled tile's words as stored) on the grid ``(a, g, th, c, tl, jh // 2)``
+    of :mod:`moeforge.kernels.shuffle`'s formula."""
+    return tl.reshape(x, (ROWS // 16, 8, 2, BYTES // 16, 2, 2))
+
+
+@triton.jit
+def _word_scales(chunks, ROWS: tl.constexpr, BYTES: tl.constexpr):
+    """``(row g's, row g + 8's)`` values of ``chunks [ROWS, BYTES // 8]`` (one per row and 8 bytes: a word's bytes lie
+    in one such chunk of each of its two rows) for every word of the grid of :func:`_word_grid`."""
+    x = tl.permute(tl.reshape(chunks, (ROWS // 16, 2, 8, BYTES // 16, 2)), (0, 2, 3, 4, 1))  # a, g, c, jh // 2, jl
+    first, second = tl.split(x)
+    first = tl.broadcast_to(tl.reshape(first, (ROWS // 16, 8, 1, BYTES // 16, 1, 2)), (ROWS // 16, 8, 2, BYTES // 16, 2, 2))
+    second = tl.broadcast_to(tl.reshape(second, (ROWS // 16, 8, 1, BYTES // 16, 1, 2)),
+                             (ROWS // 16, 8, 2, BYTES // 16, 2, 2))
+    return first, second
+
+
+@triton.jit
+def _pairs_in_k_order(p0, p1, p2, p3, ROWS: tl.constexpr, BYTES: tl.constexpr):
+    """The pairs ``[ROWS, BYTES]`` in K order (one per logical byte) from the four pairs of each word on the grid of
+    :func:`_word_grid` (pair ``j``: the word's byte ``j = 2 (jh % 2) + jl``)."""
+    x = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # a, g, th, c, tl, jh // 2, jl, jh % 2
+    return tl.reshape(tl.permute(x, (0, 6, 1, 3, 5, 7, 2, 4)), (ROWS, BYTES))
+
+
+@triton.jit
+def _decode_words(ASM: tl.constexpr, words, first, second):
+    """One of the ``E2M1_WORDS_*`` decodings: the four scaled pairs of each word."""
+    return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r", [words, first, second],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def e2m1_word_tile(words, s, DTYPE: tl.constexpr, MX: tl.constexpr, GROUP: tl.constexpr, PTX: tl.constexpr,
+                   FP8_CVT: tl.constexpr, CVT_BY_FOUR: tl.constexpr, SCALE_FOLD: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """The ``[ROWS, BLOCK_K]`` tile (``DTYPE``) of a K-step of a shuffled e2m1 weight (``MX``: MXFP4, else NVFP4
+    without its global scale) from its stored 32-bit ``words [ROWS, BLOCK_K // 8]`` and raw scales ``s`` (as
+    :func:`weight_tile` takes them). ``PTX``: the packed decoding (``E2M1_WORDS_*``), else the same operations in
+    plain Triton (any backend, the interpreter), the values in fp32 times the scales; the same values either way."""
+    BYTES: tl.constexpr = BLOCK_K // 2
+    if PTX:
+        if MX:
+            pairs = e8m0_pairs(s, SCALE_FOLD)
+        else:
+            pairs = e4m3_pairs(s, DTYPE, FP8_CVT, CVT_BY_FOUR and BLOCK_K // GROUP >= 4)
+        chunks = tl.broadcast_to(spread(pairs, GROUP // 16, ROWS, BLOCK_K // 16), (ROWS, BLOCK_K // 16))
+        first, second = _word_scales(chunks, ROWS, BYTES)
+        grid = _word_grid(words, ROWS, BYTES)
+        if DTYPE == tl.bfloat16 and SCALE_FOLD:
+            p0, p1, p2, p3 = _decode_words(E2M1_WORDS_BF16_FOLDED, grid, first, second)
+        elif DTYPE == tl.bfloat16:
+            p0, p1, p2, p3 = _decode_words(E2M1_WORDS_BF16, grid, first, second)
+        else:
+            p0, p1, p2, p3 = _decode_words(E2M1_WORDS_F16, grid, first, second)
+        return unpair(_pairs_in_k_order(p0, p1, p2, p3, ROWS, BYTES), DTYPE, ROWS, BLOCK_K)
+    else:
+        p0, p1, p2, p3 = _word_patterns(_word_grid(words, ROWS, BYTES))
+        patterns = _pairs_in_k_order(p0, p1, p2, p3, ROWS, BYTES)
+        # each half, a bf16 pattern, is the fp32 pattern of the same value in the upper 16 bits
+        low = (patterns << 16).to(tl.float32, bitcast=True)
+        high = (patterns & 0xFFFF0000).to(tl.float32, bitcast=True)
+        values = tl.reshape(tl.join(low, high), (ROWS, BLOCK_K)) * 8.507059173023462e37
+        if MX:
+            scales = e8m0(s)
+        else:
+            scales = e4m3(s)
+        return (values * spread(scales, GROUP, ROWS, BLOCK_K)).to(DTYPE)
+
+
+@triton.jit
 def weight_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                 PTX: tl.constexpr, FP8_CVT: tl.constexpr, CVT_BY_FOUR: tl.constexpr, SCALE_FOLD: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHUFFLED: tl.constexpr = False):
@@ -384,8 +506,22 @@ def weight_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: t
     e2m1 decoding's ``x 2**126`` folded into the scale).
 
     ``packed [BLOCK_N, BLOCK_K // 2]`` are the step's bytes (K contiguous; ``SHUFFLED``: as the pre-shuffled
-    layout stores them, see :func:`unshuffle`); ``s`` / ``z`` its raw scales / zero points: ``[BLOCK_N, 1]``
+    layout stores them, see :func:`unshuffle`; a shuffled e2m1 weight's are its 32-bit words ``[BLOCK_N, BLOCK_K // 8]``,
+    see :func:`e2m1_word_tile`); ``s`` / ``z`` its raw scales / zero points: ``[BLOCK_N, 1]``
     when the step lies in one group, else ``[BLOCK_N, BLOCK_K // GROUP]``."""
+    if SHUFFLED and B_FMT >= 4:  # e2m1 (MXFP4, NVFP4): 32-bit words
+        return e2m1_word_tile(packed, s, DTYPE, B_FMT == 4, GROUP, PTX, FP8_CVT, CVT_BY_FOUR, SCALE_FOLD, BLOCK_N,
+                              BLOCK_K)
+    else:
+        return _byte_tile(packed, s, z, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR, SCALE_FOLD,
+                          BLOCK_N, BLOCK_K, SHUFFLED)
+
+
+@triton.jit
+def _byte_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+               PTX: tl.constexpr, FP8_CVT: tl.constexpr, CVT_BY_FOUR: tl.constexpr, SCALE_FOLD: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHUFFLED: tl.constexpr):
+    """:func:`weight_tile` from bytes (every 4-bit weight but a shuffled e2m1 one)."""
     if SHUFFLED:
         packed = unshuffle(packed, BLOCK_N, BLOCK_K // 2)
     if PTX:

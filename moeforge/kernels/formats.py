@@ -29,6 +29,11 @@ class WeightFormat(enum.IntEnum):
         """Two 4-bit values per byte along K (dequantized in registers)."""
         return self >= WeightFormat.INT4
 
+    @property
+    def e2m1(self) -> bool:
+        """Packed e2m1 codes (MXFP4, NVFP4): shuffled, their words' bits are rearranged too (kernels/shuffle.py)."""
+        return self in (WeightFormat.MXFP4, WeightFormat.NVFP4)
+
 
 class RowFormat(enum.IntEnum):
     """The rows' format (a ``tl.constexpr`` of the kernel), known from their dtype."""

@@ -83,13 +83,14 @@ def _grouped(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _load_packed(ptrs, ok, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The packed bytes ``[ROWS, BLOCK_K // 2]`` of K-step ``k`` (``ok``: the rows that exist)."""
+def _load_packed(ptrs, ok, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PER: tl.constexpr = 2):
+    """The packed bytes ``[ROWS, BLOCK_K // 2]`` of K-step ``k`` (``ok``: the rows that exist); ``PER`` 8: the 32-bit
+    words ``[ROWS, BLOCK_K // 8]`` of a shuffled e2m1 weight (``K`` a multiple of 8)."""
     if EVEN_K:
         return tl.load(ptrs, mask=ok[:, None], other=0)
     else:
-        byte_ok = k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2) < K // 2
-        return tl.load(ptrs, mask=ok[:, None] & byte_ok[None, :], other=0)
+        unit_ok = k * (BLOCK_K // PER) + tl.arange(0, BLOCK_K // PER) < K // PER
+        return tl.load(ptrs, mask=ok[:, None] & unit_ok[None, :], other=0)
 
 
 @triton.jit
@@ -256,7 +257,15 @@ def _gemm_tile(
         a_ptrs += k_first * BLOCK_K * stride_ak
     a_scale_rows = a_scale_ptr + a_rows * stride_asm
     b_expert = b_ptr + expert * stride_be
-    if B_FMT >= 3:  # packed [N, K / 2]: K-contiguous byte tiles
+    # a shuffled e2m1 weight is read as 32-bit words (its decoding takes each word apart: kernels/shuffle.py)
+    WORDS: tl.constexpr = B_SHUFFLED > 0 and B_FMT >= 4
+    PER: tl.constexpr = 8 if WORDS else 2  # K-elements per loaded element of a packed weight
+    if WORDS:  # [N, K / 8] words (the bytes contiguous: stride_bk 1)
+        offs_kw = tl.arange(0, BLOCK_K // 8)
+        b_gate = (b_expert + w_gate_rows[:, None] * stride_bn).to(tl.pointer_type(tl.int32)) + offs_kw[None, :]
+        b_up = (b_expert + w_up_rows[:, None] * stride_bn).to(tl.pointer_type(tl.int32)) + offs_kw[None, :]
+        b_step = BLOCK_K // 8
+    elif B_FMT >= 3:  # packed [N, K / 2]: K-contiguous byte tiles
         b_gate = b_expert + w_gate_rows[:, None] * stride_bn + offs_kb[None, :] * stride_bk
         b_up = b_expert + w_up_rows[:, None] * stride_bn + offs_kb[None, :] * stride_bk
         b_step = (BLOCK_K // 2) * stride_bk
@@ -340,15 +349,15 @@ def _gemm_tile(
                 sg, zg, su, zu = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k, K, stride_bsk, stride_bzk, GROUP,
                                               BLOCK_K, HAS_ZEROS, GLU)
             if B_TMA:
-                packed = _weight_rows_tma(b_desc, b_row, k * (BLOCK_K // 2), 0, up_offset, B_TMA, BLOCK_N,
-                                          BLOCK_K // 2)
+                packed = _weight_rows_tma(b_desc, b_row, k * (BLOCK_K // PER), 0, up_offset, B_TMA, BLOCK_N,
+                                          BLOCK_K // PER)
                 if GLU:
-                    packed_up = _weight_rows_tma(b_desc, b_row, k * (BLOCK_K // 2), 1, up_offset, B_TMA, BLOCK_N,
-                                                 BLOCK_K // 2)
+                    packed_up = _weight_rows_tma(b_desc, b_row, k * (BLOCK_K // PER), 1, up_offset, B_TMA, BLOCK_N,
+                                                 BLOCK_K // PER)
             else:
-                packed = _load_packed(b_gate, n_ok, k, K, BLOCK_K, EVEN_K)
+                packed = _load_packed(b_gate, n_ok, k, K, BLOCK_K, EVEN_K, PER)
                 if GLU:
-                    packed_up = _load_packed(b_up, n_ok, k, K, BLOCK_K, EVEN_K)
+                    packed_up = _load_packed(b_up, n_ok, k, K, BLOCK_K, EVEN_K, PER)
                 b_gate += b_step
                 b_up += b_step
             b = weight_tile(packed, sg, zg, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR,
@@ -828,12 +837,15 @@ def default_split_k(capability: Optional[tuple[int, int]], weight_format: Weight
     return max(1, min(most, k_steps // 8, -(-4 * sms // programs)))
 
 
-def _weight_descriptor(weight: torch.Tensor, config: GemmConfig, paired: bool) -> Any:
+def _weight_descriptor(weight: torch.Tensor, config: GemmConfig, paired: bool, words: bool = False) -> Any:
     """The TMA descriptor of :func:`weight_tma_applies`: ``[E * N_w, K]`` rows with a ``[BLOCK_N, BLOCK_K]``
     box, or for interleaved gate/up rows (``paired``) ``[E * N, 2, K]`` with a ``[BLOCK_N, 1, BLOCK_K]`` box
-    (a ``[2, E * N, K]`` view with a leading unit box, tried too, compiled and measured the same)."""
+    (a ``[2, E * N, K]`` view with a leading unit box, tried too, compiled and measured the same). ``words``: a
+    shuffled e2m1 weight, whose tiles the kernel reads as 32-bit words (the same bytes)."""
+    if words:
+        weight = weight.view(torch.int32)
     experts, n_w, k_elems = weight.shape
-    inner = config.block_k // 2 if weight.dtype == torch.uint8 else config.block_k
+    inner = {torch.uint8: config.block_k // 2, torch.int32: config.block_k // 8}.get(weight.dtype, config.block_k)
     row = weight.stride(1)
     if paired:
         return TensorDescriptor(weight, [experts * n_w // 2, 2, k_elems], [2 * row, row, 1], [config.block_n, 1, inner])
@@ -998,6 +1010,8 @@ def moe_gemm(
         if paired_rows and tma:
             raise ValueError("a shuffled weight of paired gate/up rows is read by pointer (tma=True is refused)")
         shuffle.check_shape(weight, paired=paired_rows)
+        if weight_format.e2m1:
+            shuffle.check_words(weight, weight_format.name)
         if glu and not paired_rows and (weight.shape[1] // 2) % shuffle.BLOCK:
             raise ValueError(f"a shuffled gate/up weight needs N a multiple of {shuffle.BLOCK} (its up rows start "
                              f"at N), got N={weight.shape[1] // 2}")
@@ -1116,7 +1130,7 @@ def moe_gemm(
         weight_scale = weight_scale.view(torch.uint8)
     moe_gemm_kernel[launch](
         a, a_scale if a_scale is not None else dummy, weight,
-        _weight_descriptor(weight, config, paired) if use_tma else dummy,
+        _weight_descriptor(weight, config, paired, weight_shuffled and weight_format.e2m1) if use_tma else dummy,
         weight_scale if weight_scale is not None else dummy,
         weight_zero if weight_zero is not None else dummy,
         weight_global if weight_global is not None else dummy,

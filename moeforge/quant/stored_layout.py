@@ -42,14 +42,14 @@ class StoredLayout:
         MXFP4's ``[K / 32, 16]``) and its ``scales [..., N, groups]`` as this layout holds them."""
         if not self.shuffled:
             return data, scales
-        flat = shuffle.shuffle(data.reshape(*scales.shape[:-1], -1), paired=self.paired)
+        flat = shuffle.shuffle(data.reshape(*scales.shape[:-1], -1), e2m1=True, paired=self.paired)
         return flat.reshape(data.shape), shuffle.pair_rows(scales) if self.paired else scales
 
     def plain(self, data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of :meth:`stored`."""
         if not self.shuffled:
             return data, scales
-        flat = shuffle.unshuffle(data.reshape(*scales.shape[:-1], -1), paired=self.paired)
+        flat = shuffle.unshuffle(data.reshape(*scales.shape[:-1], -1), e2m1=True, paired=self.paired)
         return flat.reshape(data.shape), shuffle.unpair_rows(scales) if self.paired else scales
 
 
