@@ -72,7 +72,8 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         EXPERT_RANGE=False, B_SHUFFLED=shuffled and packed, PDL=False, BLOCK_M=block[0],
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
-        SCALE_FOLD=fold and ptx and weights is WeightFormat.MXFP4 and dtype == "bf16",
+        SCALE_FOLD=fold and ptx and dtype == "bf16" and (weights is WeightFormat.MXFP4 or (
+            weights is WeightFormat.NVFP4 and shuffled)),
         # unit strides, as the launcher's contiguous operands have them
         stride_ak=1, stride_bk=1, stride_bsk=1, stride_bzk=1, stride_cn=1, stride_bias_n=1, gate_stride=1,
         stride_csg=1, stride_ask=1)
@@ -137,7 +138,8 @@ def main() -> None:
     parser.add_argument("--prefetch", action="store_true", help="4-bit scales loaded one K-step ahead")
     parser.add_argument("--tile-scale", action="store_true", help="fp8-block: one weight scale per tile and step")
     parser.add_argument("--fold", action="store_true",
-                        help="mxfp4, bf16: the x 2**126 folded into the scales (E8M0 codes all <= 128)")
+                        help="bf16: the x 2**126 folded into the scales (mxfp4: E8M0 codes all <= 128; nvfp4: shuffled "
+                             "only, as the launcher folds)")
     parser.add_argument("--half-tail", action="store_true",
                         help="with the half-height tile for the experts' last blocks (GemmConfig.half_tail)")
     parser.add_argument("--grid", type=int, default=0, choices=(0, 1, 2),

@@ -4,7 +4,8 @@ portable decoding and the torch dequantizers.
 On a CUDA GPU: every e2m1 code under every E8M0 scale that does not overflow (MXFP4, bf16) and every
 finite e4m3 scale (NVFP4, bf16 and fp16) decodes exactly; every INT4 code with and without zero
 points too; and whole GEMMs (both orientations, narrow and 64-row tiles, partial K-steps, NVFP4 rows)
-are bitwise equal with the packed and the portable decoding, which compute the same weights. On CPU:
+are bitwise equal with the packed and the portable decoding, which compute the same weights; all of it also from
+weights in the pre-shuffled layout (MXFP4 / NVFP4: 32-bit words, NVFP4 in bf16 folded). On CPU:
 the packed decoding is refused with a clear error, and the rule that picks it is checked.
 """
 
@@ -22,7 +23,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels import align, moe_gemm, shuffle  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.quant.fp4 import dequantize_mxfp4, dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4  # noqa: E402
@@ -41,16 +42,21 @@ TILES = {  # narrow (mma.sync, weights as registers) and 64-row (wgmma) programs
 
 def _one_hot_decode(fmt: WeightFormat, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                     config: GemmConfig, swap: bool, zero: Optional[torch.Tensor] = None,
-                    global_scale: Optional[torch.Tensor] = None, scale_max: Optional[int] = None) -> torch.Tensor:
+                    global_scale: Optional[torch.Tensor] = None, scale_max: Optional[int] = None,
+                    shuffled: bool = False) -> torch.Tensor:
     """The weight ``[N, K]`` as the kernel decodes it: one-hot rows in ``dtype`` read single weights
-    (one product per output, exact in the fp32 accumulator), written as fp32."""
+    (one product per output, exact in the fp32 accumulator), written as fp32. ``shuffled``: from the weight in the
+    pre-shuffled layout (e2m1: 32-bit words, NVFP4 in bf16 with its folded scales)."""
     n, kdim = packed.shape[1], packed.shape[2] * 2
+    if shuffled:
+        packed = shuffle.shuffle(packed, e2m1=fmt in (WeightFormat.MXFP4, WeightFormat.NVFP4))
     rows = torch.eye(kdim, device="cuda", dtype=dtype)
     ids = torch.zeros(kdim, 1, dtype=torch.int32, device="cuda")
     out = torch.full((kdim, n), float("nan"), device="cuda")
     moe_gemm.moe_gemm(rows, packed, out, *align.align_block_size(ids, 1, config.block_m), rows_per_a=1,
                       config=config, weight_format=fmt, weight_scale=scale, weight_zero=zero,
-                      weight_global=global_scale, swap=swap, ptx=True, weight_scale_max=scale_max)
+                      weight_global=global_scale, swap=swap, ptx=True, weight_scale_max=scale_max,
+                      weight_shuffled=shuffled)
     return out.t()
 
 
@@ -64,7 +70,8 @@ def _every_e2m1_code(n: int, kdim: int) -> torch.Tensor:
 @pytest.mark.parametrize("tile", sorted(TILES))
 @pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("folded", [False, True])
-def test_every_e2m1_code_under_every_e8m0_scale(tile: str, swap: bool, folded: bool) -> None:
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_every_e2m1_code_under_every_e8m0_scale(tile: str, swap: bool, folded: bool, shuffled: bool) -> None:
     """Every E8M0 code from 0 (2**-127, a subnormal product) to 252 (6 * 2**126 is bf16's largest) decodes
     exactly; ``folded``: with a bound of 128 the x 2**126 is folded into the scales, every code 0..128."""
     n, kdim = 64, 512
@@ -72,7 +79,7 @@ def test_every_e2m1_code_under_every_e8m0_scale(tile: str, swap: bool, folded: b
     largest = 128 if folded else 252
     e8m0 = (torch.arange(n * kdim // 32) % (largest + 1)).to(torch.uint8).view(1, n, kdim // 32)
     got = _one_hot_decode(WeightFormat.MXFP4, packed.cuda(), e8m0.cuda(), torch.bfloat16, TILES[tile], swap,
-                          scale_max=largest if folded else None)
+                          scale_max=largest if folded else None, shuffled=shuffled)
     torch.testing.assert_close(got.cpu(), dequantize_mxfp4(packed, e8m0)[0].float(), rtol=0, atol=0)
 
 
@@ -96,14 +103,15 @@ def test_a_code_above_a_wrong_bound_decodes_as_inf_never_finite(swap: bool) -> N
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("swap", [False, True])
-def test_every_e2m1_code_under_every_e4m3_scale(dtype: torch.dtype, swap: bool) -> None:
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_every_e2m1_code_under_every_e4m3_scale(dtype: torch.dtype, swap: bool, shuffled: bool) -> None:
     n, kdim = 64, 256
     packed = _every_e2m1_code(n, kdim)
     e4m3 = ((torch.arange(n * kdim // 16) % 127) | ((torch.arange(n * kdim // 16) // 127 % 2) << 7))
     e4m3 = e4m3.to(torch.uint8).view(1, n, kdim // 16).view(torch.float8_e4m3fn)  # both signs, no NaN
     ones = torch.ones(1)
     got = _one_hot_decode(WeightFormat.NVFP4, packed.cuda(), e4m3.cuda(), dtype, TILES["16x32x64"], swap,
-                          global_scale=ones.cuda())
+                          global_scale=ones.cuda(), shuffled=shuffled)
     torch.testing.assert_close(got.cpu(), dequantize_nvfp4(packed, e4m3, ones)[0].float(), rtol=0, atol=0)
 
 
@@ -125,8 +133,9 @@ def test_every_int4_code_and_zero_point(dtype: torch.dtype, zero_points: bool) -
 
 
 def _gemm(fmt: WeightFormat, dtype: torch.dtype, config: GemmConfig, swap: bool, glu: bool, ptx: bool,
-          gen_seed: int, scale_max: Optional[int] = None, fold: bool = False) -> torch.Tensor:
-    """``scale_max``: MXFP4 E8M0 codes up to it (else up to 134); ``fold``: the launcher told so."""
+          gen_seed: int, scale_max: Optional[int] = None, fold: bool = False, shuffled: bool = False) -> torch.Tensor:
+    """``scale_max``: MXFP4 E8M0 codes up to it (else up to 134); ``fold``: the launcher told so; ``shuffled``: the
+    weight in the pre-shuffled layout."""
     gen = torch.Generator().manual_seed(gen_seed)
     tokens, k, experts, hidden, inter = 37, 2, 4, 224, 96  # K = 224: a partial 64-step
     n_w = 2 * inter if glu else inter
@@ -149,9 +158,11 @@ def _gemm(fmt: WeightFormat, dtype: torch.dtype, config: GemmConfig, swap: bool,
     ids = route(tokens, experts, k, gen, device="cuda")
     out = torch.full((tokens * k, inter), float("nan"), dtype=dtype, device="cuda")
     act = ACTIVATIONS["swiglu"] if glu else None
+    if shuffled:
+        packed = shuffle.shuffle(packed, e2m1=fmt in (WeightFormat.MXFP4, WeightFormat.NVFP4))
     moe_gemm.moe_gemm(x, packed.cuda(), out, *align.align_block_size(ids, experts, config.block_m), rows_per_a=k,
                       config=config, weight_format=fmt, glu=glu, act=act_code(act) if act else 0, swap=swap,
-                      ptx=ptx, **kwargs)  # type: ignore[arg-type]
+                      ptx=ptx, weight_shuffled=shuffled, **kwargs)  # type: ignore[arg-type]
     assert not torch.isnan(out).any()
     return out
 
@@ -161,22 +172,27 @@ def _gemm(fmt: WeightFormat, dtype: torch.dtype, config: GemmConfig, swap: bool,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tile", sorted(TILES))
 @pytest.mark.parametrize("swap,glu", [(False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("shuffled", [False, True])
 def test_packed_and_portable_decodings_give_bitwise_equal_gemms(fmt: WeightFormat, dtype: torch.dtype, tile: str,
-                                                                swap: bool, glu: bool) -> None:
+                                                                swap: bool, glu: bool, shuffled: bool) -> None:
+    """(Shuffled NVFP4 in bf16: the packed decoding folded, 2**7 of the scales restored in the epilogue.)"""
     if fmt is WeightFormat.MXFP4 and dtype == torch.float16:
         pytest.skip("MXFP4 in fp16 keeps the portable decoding")
-    fast = _gemm(fmt, dtype, TILES[tile], swap, glu, True, 7)
-    slow = _gemm(fmt, dtype, TILES[tile], swap, glu, False, 7)
+    fast = _gemm(fmt, dtype, TILES[tile], swap, glu, True, 7, shuffled=shuffled)
+    slow = _gemm(fmt, dtype, TILES[tile], swap, glu, False, 7, shuffled=shuffled)
     assert torch.equal(fast, slow)
 
 
 @gpu
 @pytest.mark.parametrize("tile", sorted(TILES))
 @pytest.mark.parametrize("swap,glu", [(False, True), (True, False), (True, True)])
-def test_folded_mxfp4_gemms_equal_the_unfolded_and_portable_ones(tile: str, swap: bool, glu: bool) -> None:
-    folded = _gemm(WeightFormat.MXFP4, torch.bfloat16, TILES[tile], swap, glu, True, 11, scale_max=128, fold=True)
-    unfolded = _gemm(WeightFormat.MXFP4, torch.bfloat16, TILES[tile], swap, glu, True, 11, scale_max=128)
-    portable = _gemm(WeightFormat.MXFP4, torch.bfloat16, TILES[tile], swap, glu, False, 11, scale_max=128, fold=True)
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_folded_mxfp4_gemms_equal_the_unfolded_and_portable_ones(tile: str, swap: bool, glu: bool,
+                                                                 shuffled: bool) -> None:
+    config, bf16 = TILES[tile], torch.bfloat16
+    folded = _gemm(WeightFormat.MXFP4, bf16, config, swap, glu, True, 11, 128, fold=True, shuffled=shuffled)
+    unfolded = _gemm(WeightFormat.MXFP4, bf16, config, swap, glu, True, 11, 128, shuffled=shuffled)
+    portable = _gemm(WeightFormat.MXFP4, bf16, config, swap, glu, False, 11, 128, fold=True, shuffled=shuffled)
     assert torch.equal(folded, unfolded) and torch.equal(folded, portable)
 
 

@@ -175,6 +175,17 @@ cvt.rn.bf16x2.f32 $0, f, f;
 }"""
 
 
+# NVFP4's fold (bf16, the shuffled words' decoding): the e4m3 scales times 2**119 (in fp32, one multiply per scale;
+# at most 448 * 2**119 < 2**128: finite; NaN stays NaN), so E2M1_WORDS_BF16_FOLDED gives value * scale * 2**-7
+# exactly (at least 2**-17 in magnitude: never subnormal); the GEMM multiplies its fp32 sums by the remaining 2**7
+# (NVFP4_FOLD_REST) with the global scale: bitwise the unfolded result (powers of two; the sums never near fp32's
+# smallest normal in practice).
+_TIMES_2_119 = "mul.f32 f, f, 0f7B000000;\n"
+_E4M3_BF16_FOLDED = _E4M3_BF16.replace("cvt.f32.f16 f, lo;\n", "cvt.f32.f16 f, lo;\n" + _TIMES_2_119)
+E4M3_FOLD = 2.0 ** 119  # the e4m3 scales' factor in the folded decoding
+NVFP4_FOLD_REST = tl.constexpr(2.0 ** 7)  # 2**126 / E4M3_FOLD, applied to the fp32 sums
+
+
 # Four e4m3 scales (the bytes of $4, in order) to four pairs (s, s) in $0..$3: one hardware conversion per
 # two scales (bytes 0-1, then 2-3; the low byte to the low half), then each half doubled (f16: one prmt;
 # bf16: through fp32).
@@ -191,6 +202,8 @@ _E4M3X4_F16 = _e4m3_by_four(".reg .b32 p;\n.reg .b16 lo, hi;\n",
 _E4M3X4_BF16 = _e4m3_by_four(".reg .b32 p;\n.reg .b16 lo, hi, h0, h1;\n.reg .f32 f;\n",
                              "mov.b32 {{h0, h1}}, p;\ncvt.f32.f16 f, h0;\ncvt.rn.bf16x2.f32 {a}, f, f;\n"
                              "cvt.f32.f16 f, h1;\ncvt.rn.bf16x2.f32 {b}, f, f;\n")
+_E4M3X4_BF16_FOLDED = _E4M3X4_BF16.replace("cvt.f32.f16 f, h0;\n", "cvt.f32.f16 f, h0;\n" + _TIMES_2_119).replace(
+    "cvt.f32.f16 f, h1;\n", "cvt.f32.f16 f, h1;\n" + _TIMES_2_119)
 
 # E8M0 scales (the low byte of $1) to the bf16 pair (s, s): the code times 0x00800080 puts it at bits 7-14
 # of both lanes, the pattern of 2**(s - 127) for codes 1..254; code 0 gives +0, raised to 2**-127 by a
@@ -256,6 +269,9 @@ E2M1_BF16_FOLDED = tl.constexpr(_E2M1_BF16_FOLDED)
 E8M0_BF16_FOLDED = tl.constexpr(_E8M0_BF16_FOLDED)
 E4M3X4_F16 = tl.constexpr(_E4M3X4_F16)
 E4M3X4_BF16 = tl.constexpr(_E4M3X4_BF16)
+E4M3_BF16_FOLDED = tl.constexpr(_E4M3_BF16_FOLDED)
+E4M3X4_BF16_FOLDED = tl.constexpr(_E4M3X4_BF16_FOLDED)
+E4M3_FOLD_FACTOR = tl.constexpr(E4M3_FOLD)
 E2M1_WORDS_BF16_FOLDED = tl.constexpr(_e2m1_words("bf16-folded"))
 E2M1_WORDS_BF16 = tl.constexpr(_e2m1_words("bf16"))
 E2M1_WORDS_F16 = tl.constexpr(_e2m1_words("f16"))
@@ -288,12 +304,23 @@ def e8m0_pairs(s, FOLDED: tl.constexpr = False):
 
 
 @triton.jit
-def e4m3_pairs(s, DTYPE: tl.constexpr, CVT: tl.constexpr, BY_FOUR: tl.constexpr = False):
+def e4m3_pairs(s, DTYPE: tl.constexpr, CVT: tl.constexpr, BY_FOUR: tl.constexpr = False,
+               FOLDED: tl.constexpr = False):
     """float8_e4m3fn scales ``s`` (read as uint8) as int32 pairs ``(s, s)`` of ``DTYPE`` (bf16 / fp16):
     by the hardware conversion where ``CVT`` (sm_89+: a few instructions per scale; ``BY_FOUR``: two
     conversions per four scales adjacent along the last axis, which must hold a multiple of four), else
-    decoded by hand (:func:`e4m3`); the same values either way."""
-    if CVT and BY_FOUR:
+    decoded by hand (:func:`e4m3`); the same values either way. ``FOLDED`` (bf16): ``s * 2**119``, for the folded
+    decoding of shuffled NVFP4 words (``E4M3_FOLD``)."""
+    if FOLDED:
+        if CVT and BY_FOUR:
+            return tl.inline_asm_elementwise(E4M3X4_BF16_FOLDED, "=r,=r,=r,=r,r", [s], dtype=tl.int32, is_pure=True,
+                                             pack=4)
+        elif CVT:
+            return tl.inline_asm_elementwise(E4M3_BF16_FOLDED, "=r,r", [s.to(tl.uint32)], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            return half_pairs((e4m3(s) * E4M3_FOLD_FACTOR).to(tl.bfloat16))
+    elif CVT and BY_FOUR:
         if DTYPE == tl.bfloat16:
             return tl.inline_asm_elementwise(E4M3X4_BF16, "=r,=r,=r,=r,r", [s], dtype=tl.int32, is_pure=True, pack=4)
         else:
@@ -465,13 +492,17 @@ def e2m1_word_tile(words, s, DTYPE: tl.constexpr, MX: tl.constexpr, GROUP: tl.co
     """The ``[ROWS, BLOCK_K]`` tile (``DTYPE``) of a K-step of a shuffled e2m1 weight (``MX``: MXFP4, else NVFP4
     without its global scale) from its stored 32-bit ``words [ROWS, BLOCK_K // 8]`` and raw scales ``s`` (as
     :func:`weight_tile` takes them). ``PTX``: the packed decoding (``E2M1_WORDS_*``), else the same operations in
-    plain Triton (any backend, the interpreter), the values in fp32 times the scales; the same values either way."""
+    plain Triton (any backend, the interpreter), the values in fp32 times the scales; the same values either way.
+    ``SCALE_FOLD`` (bf16, packed): the ``x 2**126`` folded into the scales, all of it for MXFP4 (E8M0 codes at most
+    128), ``2**119`` of it for NVFP4, whose tile then holds ``2**-7`` times its values (``NVFP4_FOLD_REST``: the
+    caller's to restore)."""
     BYTES: tl.constexpr = BLOCK_K // 2
     if PTX:
         if MX:
             pairs = e8m0_pairs(s, SCALE_FOLD)
         else:
-            pairs = e4m3_pairs(s, DTYPE, FP8_CVT, CVT_BY_FOUR and BLOCK_K // GROUP >= 4)
+            pairs = e4m3_pairs(s, DTYPE, FP8_CVT, CVT_BY_FOUR and BLOCK_K // GROUP >= 4,
+                               SCALE_FOLD and DTYPE == tl.bfloat16)
         chunks = tl.broadcast_to(spread(pairs, GROUP // 16, ROWS, BLOCK_K // 16), (ROWS, BLOCK_K // 16))
         first, second = _word_scales(chunks, ROWS, BYTES)
         grid = _word_grid(words, ROWS, BYTES)

@@ -53,8 +53,8 @@ from moeforge.kernels import decode_first, pdl, shuffle
 from moeforge.kernels.pdl import device_capability
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
-from moeforge.kernels.dequant import (FOLDED_SCALE_MAX, e2m1, e2m1_pairs, e4m3, e4m3_pairs, group_scales, spread,
-                                      unpair, weight_tile)
+from moeforge.kernels.dequant import (FOLDED_SCALE_MAX, NVFP4_FOLD_REST, e2m1, e2m1_pairs, e4m3, e4m3_pairs,
+                                      group_scales, spread, unpair, weight_tile)
 from moeforge.kernels.formats import NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat, weight_operand
 from moeforge.kernels.quantize import quantize_values, scale_of
 
@@ -459,10 +459,13 @@ def _gemm_tile(
         out = out * tl.load(s_gate, mask=n_ok, other=0.0)[None, :]
         if GLU:
             out_up = out_up * tl.load(s_up, mask=n_ok, other=0.0)[None, :]
-    if B_GLOBAL or A_FMT == 3:
+    NVFP4_FOLD: tl.constexpr = SCALE_FOLD and B_FMT == 5  # the tiles held 2**-7 times the values (dequant.py)
+    if B_GLOBAL or A_FMT == 3 or NVFP4_FOLD:
         g = a_global
         if B_GLOBAL:
             g = g * tl.load(b_global_ptr + expert)
+        if NVFP4_FOLD:  # (exact: a power of two)
+            g = g * NVFP4_FOLD_REST
         out = out * g
         out_up = out_up * g
     if SPLIT:
@@ -701,6 +704,19 @@ def packed_decoding(device: torch.device, compute_dtype: torch.dtype, weight_for
     if compute_dtype == torch.bfloat16:
         return True
     return compute_dtype == torch.float16 and weight_format is not WeightFormat.MXFP4
+
+
+def scale_fold(weight_format: WeightFormat, compute_dtype: torch.dtype, packed: bool, weight_scale_max: Optional[int],
+               shuffled: bool) -> bool:
+    """Whether the packed bf16 e2m1 decoding (``packed``) folds its ``x 2**126`` into the scales
+    (:mod:`moeforge.kernels.dequant`): MXFP4 whose E8M0 codes are all at most ``FOLDED_SCALE_MAX`` (known:
+    ``weight_scale_max``), and shuffled NVFP4 (``2**119`` of it; the epilogue multiplies by the rest). Plain NVFP4 does
+    not: on its byte decoding the fold measured 0.97-1.06x (results/ab_nvfp4_fold-nvidia_h200-2026-11-26-6eeb73c.log)."""
+    if not packed or compute_dtype != torch.bfloat16:
+        return False
+    if weight_format is WeightFormat.MXFP4:
+        return weight_scale_max is not None and weight_scale_max <= FOLDED_SCALE_MAX
+    return weight_format is WeightFormat.NVFP4 and shuffled
 
 
 def prefetch_scales(weight_format: WeightFormat, config: GemmConfig, swapped: bool) -> bool:
@@ -1169,8 +1185,7 @@ def moe_gemm(
         B_GLOBAL=weight_global is not None,
         EXPERT_RANGE=block_range is not None,
         B_SHUFFLED=(2 if paired_rows else 1) if weight_shuffled else 0,
-        SCALE_FOLD=(use_ptx and weight_format is WeightFormat.MXFP4 and compute_dtype == torch.bfloat16
-                    and weight_scale_max is not None and weight_scale_max <= FOLDED_SCALE_MAX),
+        SCALE_FOLD=scale_fold(weight_format, compute_dtype, use_ptx, weight_scale_max, weight_shuffled),
         PDL=pdl.flag(dependent, release=False),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent),
     )
