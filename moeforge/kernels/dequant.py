@@ -15,7 +15,9 @@ Two decodings of the same values, chosen by a compile-time flag of the GEMM:
   split with two masks and a shift, each byte's two nibbles go to the two 16-bit lanes with one
   ``prmt``, their bits move to their place in the 16-bit pattern with one integer multiply (two
   non-overlapping shifts added) and a mask, and the scale is applied with packed half-precision FMAs.
-  About 2.9 instructions per e2m1 element, 2.1 per INT4 element.
+  About 2.9 instructions per e2m1 element, 2.1 per INT4 element. A shuffled e2m1 weight has the bits of each
+  32-bit word placed for its decoding (:mod:`moeforge.kernels.shuffle`): 8 integer instructions per word of 8
+  values, plus the scales' multiplies (:func:`e2m1_word_tile`).
 
 Both are exact where the portable one is: an e2m1 value times an E8M0 scale (bf16) or an e4m3 scale
 (bf16 or fp16) is representable, so the only rounding is the MMA's accumulation; an INT4 ``(q - z)``
