@@ -968,7 +968,8 @@ def moe_gemm(
     the tensor: :class:`moeforge.kernels.scale_bound.ScaleCodeBound`). At most 128 (``FOLDED_SCALE_MAX``), the
     packed bf16 decoding folds its ``x 2**126`` into the scales (one multiply per pair of weights fewer, the
     same values); a code above a bound given wrongly decodes as inf, so the output is inf / NaN, never finite
-    and wrong. Ignored for other formats and by the portable decoding.
+    and wrong. Ignored for other formats and by the portable decoding. (Shuffled NVFP4's packed bf16 decoding always
+    folds part of it: its e4m3 scales are bounded; :func:`scale_fold`.)
     ``half_tail``: run a row block whose second half is only padding (an expert's last block with at most
     ``config.block_m / 2`` rows) as a ``block_m / 2``-row tile, half the MMA work. Bitwise the same output where
     both tiles take the same MMA instruction (Hopper: wgmma for 128 and 64 rows, ``mma.sync`` for 32 and 16);
@@ -986,8 +987,10 @@ def moe_gemm(
     ``expert_first`` and ``block_range`` (what the decoding path launches): the per-expert operands (weight,
     scales, bias, global scales) hold experts ``expert_first ..`` only, and a persistent grid runs the aligned
     blocks ``block_range[0] .. block_range[1] - 1`` (int32 on the device), which must be those experts'.
-    ``weight_shuffled`` (4-bit weights): ``weight`` is in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`;
-    its scales and zero points are not shuffled); the tiles must cover whole shuffled blocks. Interleaved gate/up
+    ``weight_shuffled`` (4-bit weights): ``weight`` is in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`,
+    ``shuffle.shuffle(w, e2m1=weight_format.e2m1)``: MXFP4 / NVFP4 with their words' bits placed for the decoding,
+    read as 32-bit words, so K-contiguous and 4-byte aligned; its scales and zero points are not shuffled); the tiles
+    must cover whole shuffled blocks. Interleaved gate/up
     rows (``glu`` and ``interleaved``) must be shuffled paired, with the scales' and zero points' rows paired too
     (``shuffle.pair_rows``; the bias stays interleaved); they are read by pointer, not by TMA. Tiles of 128 rows
     or more on a shuffled weight run on a persistent grid (``grid="tiles"``, a split K-loop and half tiles are

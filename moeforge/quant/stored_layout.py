@@ -28,7 +28,8 @@ HOOKS_ATTRIBUTE = "_packed_weight_layout_hooks"  # the handles of its state-dict
 @attrs.frozen
 class StoredLayout:
     """How a layer holds its packed 4-bit weights: plain, or ``shuffled`` for the triton GEMMs, the gate/up
-    weight's rows ``paired`` when they are interleaved (see :mod:`moeforge.kernels.shuffle`)."""
+    weight's rows ``paired`` when they are interleaved (see :mod:`moeforge.kernels.shuffle`). The weights are e2m1
+    codes (the methods with the option: MXFP4, NVFP4), shuffled with their words' bits placed for the decoding."""
 
     shuffled: bool = False
     paired: bool = False  # (the gate/up weight only)
