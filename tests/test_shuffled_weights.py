@@ -14,6 +14,8 @@ round trip, the errors.
 
 from __future__ import annotations
 
+import functools
+import operator
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,37 @@ def test_each_threads_bytes_are_eight_consecutive_stored_bytes() -> None:
         for t in range(4):
             want = [16 * (g + 8 * (i % 2)) + t + 4 * (i // 2) for i in range(8)]
             assert stored[2 * g + t // 2, 8 * (t % 2): 8 * (t % 2) + 8].tolist() == want
+
+
+def test_e2m1_words_hold_the_bits_where_the_decoding_reads_them() -> None:
+    """Each stored word of a shuffled e2m1 weight, taken apart as the kernel does (``e2m1_pattern_pairs``), gives for
+    its byte ``j`` (of the byte-shuffled layout) the bf16 patterns of ``value * 2**-126`` of the byte's two codes."""
+    logical = torch.randint(0, 256, (2, 32, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    plain_words = shuffle.shuffle(logical, e2m1=False).view(torch.int32).flatten().tolist()
+    e2m1_words = shuffle.shuffle(logical, e2m1=True).view(torch.int32).flatten().tolist()
+    for plain, word in zip(plain_words, e2m1_words):
+        patterns = shuffle.e2m1_pattern_pairs(word & 0xFFFFFFFF)
+        for j in range(4):
+            byte = (plain >> (8 * j)) & 0xFF
+            for half in range(2):
+                code = (byte >> (4 * half)) & 0xF
+                assert (patterns[j] >> (16 * half)) & 0xFFFF == ((code & 8) << 12) | ((code & 7) << 6)
+
+
+def test_the_bit_moves_cover_every_bit_once() -> None:
+    masks = [mask for mask, _ in shuffle.E2M1_BIT_MOVES]
+    assert sum(bin(m).count("1") for m in masks) == 32 and functools.reduce(operator.or_, masks) == 0xFFFFFFFF
+    targets = [mask << shift if shift >= 0 else mask >> -shift for mask, shift in shuffle.E2M1_BIT_MOVES]
+    assert functools.reduce(operator.or_, targets) == 0xFFFFFFFF and sum(bin(t).count("1") for t in targets) == 32
+
+
+def test_shuffled_e2m1_weights_must_be_readable_as_words() -> None:
+    weight = shuffle.shuffle(torch.zeros(2, 32, 64, dtype=torch.uint8), e2m1=True)
+    shuffle.check_words(weight, "MXFP4")
+    with pytest.raises(ValueError, match="32-bit words"):
+        shuffle.check_words(weight.transpose(1, 2), "MXFP4")
+    with pytest.raises(ValueError, match="32-bit words"):
+        shuffle.check_words(torch.zeros(2 * 32 * 64 + 1, dtype=torch.uint8)[1:].view(2, 32, 64), "NVFP4")
 
 
 @pytest.mark.parametrize("shape", [(32, 16), (3, 48, 64), (2, 2, 16, 32)])
