@@ -1,8 +1,9 @@
 """Packed 4-bit weights in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`,
 ``moe_gemm(weight_shuffled=True)``).
 
-The layout is a permutation of the bytes inside blocks of 16 rows by 16 bytes; the kernel reads the stored tile and
-undoes it with a reshape and a transpose. So the GEMM on a shuffled weight computes with the same values in the same
+The layout is a permutation of the bytes inside blocks of 16 rows by 16 bytes (for e2m1 codes, MXFP4 and NVFP4, also
+of the bits inside each 32-bit word, placed where the decoding reads them); the kernel reads the stored tile and
+undoes it with a reshape and a transpose (e2m1: with its decoding of each word). So the GEMM on a shuffled weight computes with the same values in the same
 K order as on the plain one: bitwise equal under the interpreter (CPU), and on a GPU equal to the plain weight's
 output too where both compile the same MMA operand order (the test allows the last bits to differ there: the
 register layouts of the two compilations may split K differently). Every 4-bit format (INT4 with and without zero
