@@ -184,7 +184,7 @@ cvt.rn.bf16x2.f32 $0, f, f;
 # smallest normal in practice).
 _TIMES_2_119 = "mul.f32 f, f, 0f7B000000;\n"
 _E4M3_BF16_FOLDED = _E4M3_BF16.replace("cvt.f32.f16 f, lo;\n", "cvt.f32.f16 f, lo;\n" + _TIMES_2_119)
-E4M3_FOLD = 2.0 ** 119  # the e4m3 scales' factor in the folded decoding
+E4M3_FOLD = tl.constexpr(2.0 ** 119)  # the e4m3 scales' factor in the folded decoding
 NVFP4_FOLD_REST = tl.constexpr(2.0 ** 7)  # 2**126 / E4M3_FOLD, applied to the fp32 sums
 
 
@@ -273,7 +273,6 @@ E4M3X4_F16 = tl.constexpr(_E4M3X4_F16)
 E4M3X4_BF16 = tl.constexpr(_E4M3X4_BF16)
 E4M3_BF16_FOLDED = tl.constexpr(_E4M3_BF16_FOLDED)
 E4M3X4_BF16_FOLDED = tl.constexpr(_E4M3X4_BF16_FOLDED)
-E4M3_FOLD_FACTOR = tl.constexpr(E4M3_FOLD)
 E2M1_WORDS_BF16_FOLDED = tl.constexpr(_e2m1_words("bf16-folded"))
 E2M1_WORDS_BF16 = tl.constexpr(_e2m1_words("bf16"))
 E2M1_WORDS_F16 = tl.constexpr(_e2m1_words("f16"))
@@ -321,7 +320,7 @@ def e4m3_pairs(s, DTYPE: tl.constexpr, CVT: tl.constexpr, BY_FOUR: tl.constexpr 
             return tl.inline_asm_elementwise(E4M3_BF16_FOLDED, "=r,r", [s.to(tl.uint32)], dtype=tl.int32,
                                              is_pure=True, pack=1)
         else:
-            return half_pairs((e4m3(s) * E4M3_FOLD_FACTOR).to(tl.bfloat16))
+            return half_pairs((e4m3(s) * E4M3_FOLD).to(tl.bfloat16))
     elif CVT and BY_FOUR:
         if DTYPE == tl.bfloat16:
             return tl.inline_asm_elementwise(E4M3X4_BF16, "=r,=r,=r,=r,r", [s], dtype=tl.int32, is_pure=True, pack=4)

@@ -78,6 +78,8 @@ def _bit_moves() -> tuple[tuple[int, int], ...]:
 
 
 E2M1_BIT_MOVES = _bit_moves()
+_E2M1_BIT_MOVES_BACK = tuple((mask << shift if shift >= 0 else mask >> -shift, -shift)
+                             for mask, shift in E2M1_BIT_MOVES)  # (unshuffle's)
 
 
 def check_shape(weight: torch.Tensor, *, paired: bool = False) -> None:
@@ -176,8 +178,7 @@ def unshuffle(weight: torch.Tensor, *, e2m1: bool, paired: bool = False) -> torc
     its rows interleaved again)."""
     check_shape(weight, paired=paired)
     if e2m1:
-        inverse = tuple((mask << shift if shift >= 0 else mask >> -shift, -shift) for mask, shift in E2M1_BIT_MOVES)
-        weight = _rearrange_e2m1_words(weight, inverse)
+        weight = _rearrange_e2m1_words(weight, _E2M1_BIT_MOVES_BACK)
     *lead, rows, width = weight.shape
     blocks = weight.reshape(*lead, rows // BLOCK, 8, 2, width // BLOCK, 2, 4, 2)  # a, g, th, c, tl, jh, jl
     n = len(lead)
