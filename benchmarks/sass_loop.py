@@ -65,7 +65,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
     constexprs: dict[str, Any] = dict(
         A_FMT=1 if fp8 else 0, A_SCALE=2 if fp8 else 0, B_FMT=int(weights), B_BLOCKED=fp8, B_TILE_SCALE=tile_scale,
         GROUP=GROUPS[weights], HAS_ZEROS=False,
-        QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=True,
+        QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=2 if packed else 1,
         PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed,
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
         B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, B_GLOBAL=weights is WeightFormat.NVFP4,

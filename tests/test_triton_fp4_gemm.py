@@ -188,6 +188,54 @@ def test_empty_batch_and_an_expert_with_every_token() -> None:
     assert rel(out, reference_gemm(x, 1, ids, deq)) < 2e-3
 
 
+def _unaligned_copy(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` in rows one element wider than they are (a view): strides Triton cannot see 16-aligned."""
+    wide = torch.zeros(*scales.shape[:-1], scales.shape[-1] + 1, dtype=scales.dtype, device=scales.device)
+    wide[..., :-1] = scales
+    return wide[..., :-1]
+
+
+@pytest.mark.parametrize("fmt,block_k", [(WeightFormat.MXFP4, 128), (WeightFormat.NVFP4, 64),
+                                         (WeightFormat.NVFP4, 128)])  # 4, 4, 8 groups per step
+@pytest.mark.parametrize("swap", [False, True])  # swapped tiles load each step's scales one step ahead
+def test_aligned_scale_rows_clamp_the_step_and_give_the_masked_result(fmt: WeightFormat, block_k: int,
+                                                                      swap: bool) -> None:
+    """With K a multiple of the step and scale rows 16-aligned, a step of 4 or more groups loads them with the
+    step clamped (``group_scales``' ``CLAMP``, vectorized on the GPU), else group by group masked: the same
+    output, bitwise, and the reference's."""
+    tokens, k, experts, n, kdim = 5, 2, 3, 48, 512  # 16 or 32 groups per row: rows 16-aligned
+    config = GemmConfig(16, 64, block_k, group_m=1, num_warps=4, num_stages=2)
+    gen = torch.Generator().manual_seed(67)
+    x = torch.randn(tokens, kdim, generator=gen).to(DEVICE, torch.float16)
+    if fmt is WeightFormat.MXFP4:
+        packed, scales, deq = mxfp4_weight(experts, n, kdim, gen)
+        global_scale = None
+    else:
+        packed, scales, global_scale, deq = nvfp4_weight(experts, n, kdim, gen)
+    ids = route(tokens, experts, k, gen)
+    unaligned = _unaligned_copy(scales)
+    assert moe_gemm.vector_scales(scales, None) and not moe_gemm.vector_scales(unaligned, None)
+    outs = []
+    for scale in (scales, unaligned):
+        out = torch.full((tokens * k, n), float("nan"), dtype=torch.float16, device=DEVICE)
+        moe_gemm.moe_gemm(x, packed, out, *_plan(ids, experts, 16), rows_per_a=k, config=config,
+                          weight_format=fmt, weight_scale=scale, weight_global=global_scale, swap=swap)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert rel(outs[0], reference_gemm(x, k, ids, deq)) < TOLERANCE[torch.float16]
+
+
+def test_vector_scales_needs_contiguous_groups_and_aligned_rows() -> None:
+    scales = torch.zeros(2, 8, 32, dtype=torch.uint8)
+    assert moe_gemm.vector_scales(scales, None) and moe_gemm.vector_scales(scales, scales)
+    assert not moe_gemm.vector_scales(None, None)
+    assert not moe_gemm.vector_scales(scales.transpose(1, 2), None)  # groups not contiguous
+    assert moe_gemm.vector_scales(scales[..., :24], None)  # rows of 32 (a view): aligned
+    assert not moe_gemm.vector_scales(torch.zeros(2, 8, 24, dtype=torch.uint8), None)  # rows of 24
+    assert not moe_gemm.vector_scales(scales.flatten()[1:].as_strided((2, 8, 16), (256, 32, 1)), None)  # start
+    assert not moe_gemm.vector_scales(scales, torch.zeros(2, 8, 24, dtype=torch.uint8))  # zero points unaligned
+
+
 @pytest.mark.parametrize("change,match", [
     ({"weight_scale": None}, "need their scales"),
     ({"weight_global": "bad"}, "global scale"),
