@@ -407,10 +407,10 @@ def group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.c
     that exist): ``[ROWS, 1]`` when the step lies within one group (``GROUP`` a multiple of
     ``BLOCK_K``), else ``[ROWS, BLOCK_K // GROUP]`` (see :func:`spread`); past the last step, the last group's or
     zeros (the K-loop loads each step's scales one step ahead, the last one unused). ``CLAMP`` (``K`` a multiple
-    of ``BLOCK_K``, the rows aligned): a step of at least 4 groups is read with the step clamped to the last one
-    instead of masked group by group, so that its groups load as vectors (NVFP4's 8 scales of a 128-wide step in
-    32-bit loads instead of byte loads). Not for 2 groups (16-bit loads): measured slower than the masked bytes
-    (MXFP4 64-wide steps: Mixtral 1.02-1.09x the time at M = 64-256)."""
+    of ``BLOCK_K``, the rows 16-aligned; the GEMM asks for it for e2m1 weights): a step of at least 4 groups is
+    read with the step clamped to the last one instead of masked group by group, so that its groups load as vectors
+    (NVFP4's 8 scales of a 128-wide step in 32-bit loads instead of byte loads). Not for 2 groups (16-bit loads):
+    measured slower than the masked bytes (MXFP4 64-wide steps: Mixtral 1.02-1.09x the time at M = 64-256)."""
     if BLOCK_K <= GROUP:
         g = tl.minimum((k * BLOCK_K) // GROUP, tl.cdiv(K, GROUP) - 1)
         return tl.load(s_ptrs + g * stride_sg, mask=ok, other=0)[:, None]

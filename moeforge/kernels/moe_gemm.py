@@ -731,9 +731,9 @@ def prefetch_scales(weight_format: WeightFormat, config: GemmConfig, swapped: bo
 def vector_scales(scale: Optional[torch.Tensor], zero: Optional[torch.Tensor]) -> bool:
     """Whether a 4-bit weight's ``scale`` (and ``zero`` points) rows are aligned so that Triton can load a K-step's
     groups as one vector: contiguous groups, 16-byte aligned start, other strides multiples of 16 (its divisibility
-    hints). Where they are, even-K tiles clamp the step instead of masking each group (``group_scales``' ``CLAMP``,
-    the kernel's ``EVEN_K == 2``): NVFP4 0.77-0.98x the time on Mixtral, Qwen3 and DeepSeek-V3 at M = 1-1024 (H200),
-    MXFP4 0.91-1.05x (docs/kernels.md, "A step's scales loaded as vectors")."""
+    hints). Where they are, even-K tiles of e2m1 weights clamp the step instead of masking each group
+    (``group_scales``' ``CLAMP``, the kernel's ``EVEN_K == 2``): NVFP4 0.77-0.98x the time on Mixtral, Qwen3 and
+    DeepSeek-V3 at M = 1-1024 (H200), MXFP4 0.91-1.05x (docs/kernels.md, "A step's scales loaded as vectors")."""
     present = [t for t in (scale, zero) if t is not None]
     return bool(present) and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                                  and all(step % 16 == 0 for step in t.stride()[:-1]) for t in present)
@@ -1182,10 +1182,10 @@ def moe_gemm(
         B_TILE_SCALE=w.blocked and tile_in_one_scale_block(config.block_n, gate_stride, up_offset, glu),
         GROUP=w.group, HAS_ZEROS=weight_zero is not None, QUANT_OUT=quant_out,
         ACT=act, GLU=glu, HAS_BIAS=bias is not None, MUL_WEIGHTS=topk_weights is not None,
-        # 0: K not a multiple of the step; 2: it is, and a 4-bit weight's scales (zero points) of a multi-group step
-        # load as one vector (group_scales' CLAMP: vector_scales); 1: otherwise (with rows Triton cannot see aligned,
-        # the clamp measured up to 9 % slower than the per-group mask: GPT-OSS, K = 2880)
-        EVEN_K=0 if k_dim % config.block_k else 2 if weight_format.packed and vector_scales(weight_scale, weight_zero)
+        # 0: K not a multiple of the step; 2: it is, and an e2m1 weight's scales of a multi-group step load as
+        # vectors (group_scales' CLAMP: vector_scales; INT4 keeps the mask: not measured); 1: otherwise (with rows
+        # Triton cannot see 16-aligned the clamp measured slower than the per-group mask: GPT-OSS, K = 2880)
+        EVEN_K=0 if k_dim % config.block_k else 2 if weight_format.e2m1 and vector_scales(weight_scale, weight_zero)
         else 1,
         # fp32 operands: full-precision products, so fp32 layers match the reference to ~1e-6.
         PRECISION="ieee" if compute_bytes == 4 else "tf32",
