@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moeforge as mf  # noqa: E402
 from moeforge.distributed import (  # noqa: E402
@@ -44,6 +44,7 @@ from moeforge.distributed import (  # noqa: E402
     shard_state_dict,
 )
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
+from provenance import measured_commit  # noqa: E402
 
 E, K, H = 256, 8, 7168
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
@@ -146,9 +147,8 @@ def main() -> None:
                 r["fp8_speedup_vs_bf16"] = by[(r["tokens"], r["dispatcher"], "bf16")] / r["us"]
                 if "dispatch_us" in r:
                     r["fp8_dispatch_speedup_vs_bf16"] = dispatch_only[(r["tokens"], "bf16")] / r["dispatch_us"]
-        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                               text=True).stdout.strip()
-        result = dict(device=torch.cuda.get_device_name(), world_size=world, commit=commit or "unknown",
+        result = dict(device=torch.cuda.get_device_name(), world_size=world,
+                      commit=args.commit or measured_commit(),
                       date=datetime.date.today().isoformat(), shape=dict(experts=E, top_k=K, hidden=H),
                       correctness=errors, records=records)
         out = Path(args.out or f"benchmarks/results/bench_ep-x{world}.json")

@@ -28,7 +28,6 @@ import datetime
 import json
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_moe import time_graph  # noqa: E402
+from provenance import measured_commit  # noqa: E402
 
 from moeforge import hf_experts  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
@@ -89,14 +89,6 @@ def graph_us(fn: Callable[[], Any], reps: int) -> Optional[float]:
     except Exception:  # noqa: BLE001 - any capture failure means "not capturable"
         torch.cuda.synchronize()
         return None
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1], timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _us(value: Optional[float]) -> str:
@@ -161,7 +153,8 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     device = torch.cuda.get_device_name()
-    result = dict(device=device, torch=torch.__version__, transformers=transformers.__version__, commit=args.commit or _commit(),
+    result = dict(device=device, torch=torch.__version__, transformers=transformers.__version__,
+                  commit=args.commit or measured_commit(),
                   date=datetime.date.today().isoformat(), records=records)
     out = args.out or (Path(__file__).resolve().parent / "results" /
                        f"bench_hf_experts-{re.sub(r'[^a-z0-9]+', '_', device.lower()).strip('_')}-"

@@ -37,7 +37,6 @@ import datetime
 import json
 import math
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -53,6 +52,7 @@ from moeforge.kernels.topk import routing_flags  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import measured_commit  # noqa: E402
 from read_bandwidth import measure_read_bandwidth  # noqa: E402
 
 SHAPES = {
@@ -310,7 +310,8 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<date>.json)")
-    parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: HEAD's, "
+                        "+changes when the tracked files differ from it: provenance.py)")
     parser.add_argument("--quant", default="",
                         help=f"quantized layers to time too, of {','.join(QUANT_METHODS)}")
     parser.add_argument("--batch-invariant", action="store_true",
@@ -365,9 +366,8 @@ def main() -> None:
                                     max_speedup=max(r["speedup_vs_bf16"] for r in cells))
         print(f"{quant}: geometric mean {gm_q:.1f}% of the quantized roofline; speedup vs bf16 "
               f"{quant_summary[quant]['min_speedup']:.2f}x .. {quant_summary[quant]['max_speedup']:.2f}x")
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip()
-    result = dict(device=device, commit=commit or "unknown", date=datetime.date.today().isoformat(),
+    result = dict(device=device, commit=args.commit or measured_commit(),
+                  date=datetime.date.today().isoformat(),
                   torch=torch.__version__, triton=_triton_version(), peak_tflops=round(peak, 1),
                   read_bandwidth_tbps=round(read_bw, 3), geomean_pct_roofline_experts=round(gm, 1),
                   batch_invariant_geomean_cost=round(invariant_cost, 3) if invariant_cost is not None else None,

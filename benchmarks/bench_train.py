@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_moe import FLUSH_BYTES, SHAPES, measure_peak, time_graph  # noqa: E402
+from provenance import measured_commit  # noqa: E402
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import device_key  # noqa: E402
@@ -116,9 +116,8 @@ def main() -> None:
                 print(f"{'':9s} moeforge is {speedup:.2f}x the speed of torch._grouped_mm", flush=True)
         del layer
         torch.cuda.empty_cache()
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip()
-    result = dict(device=device, commit=commit or "unknown", date=datetime.date.today().isoformat(),
+    result = dict(device=device, commit=args.commit or measured_commit(),
+                  date=datetime.date.today().isoformat(),
                   torch=torch.__version__, peak_tflops=round(peak, 1), records=records)
     out = Path(args.out) if args.out else (
         Path(__file__).parent / "results" / f"bench_train-{device_key(device)}-{result['date']}.json")
