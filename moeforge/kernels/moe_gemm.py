@@ -260,6 +260,7 @@ def _gemm_tile(
     # a shuffled e2m1 weight is read as 32-bit words (its decoding takes each word apart: kernels/shuffle.py)
     WORDS: tl.constexpr = B_SHUFFLED > 0 and B_FMT >= 4
     PER: tl.constexpr = 8 if WORDS else 2  # K-elements per loaded element of a packed weight
+    CLAMP: tl.constexpr = EVEN_K == 2  # a step's 4-bit scale groups read as vectors (group_scales, vector_scales)
     if WORDS:  # [N, K / 8] words (the bytes contiguous: stride_bk 1)
         offs_kw = tl.arange(0, BLOCK_K // 8)
         b_gate = (b_expert + w_gate_rows[:, None] * stride_bn).to(tl.pointer_type(tl.int32)) + offs_kw[None, :]
@@ -315,7 +316,7 @@ def _gemm_tile(
     # with 16- and 32-row blocks (the mma.sync tiles), so the launcher asks for it from 64 rows.
     if B_FMT >= 3 and PREFETCH:
         sg_next, zg_next, su_next, zu_next = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k_first, K, stride_bsk,
-                                                          stride_bzk, GROUP, BLOCK_K, HAS_ZEROS, GLU, EVEN_K == 2)
+                                                          stride_bzk, GROUP, BLOCK_K, HAS_ZEROS, GLU, CLAMP)
     if not SPLIT:  # the whole K-loop, its bound computed here (as before the split existed: same code)
         k_last = tl.cdiv(K, BLOCK_K)
     for k in range(k_first, k_last):
@@ -344,10 +345,10 @@ def _gemm_tile(
                 sg, zg, su, zu = sg_next, zg_next, su_next, zu_next
                 sg_next, zg_next, su_next, zu_next = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k + 1, K,
                                                                   stride_bsk, stride_bzk, GROUP, BLOCK_K, HAS_ZEROS,
-                                                                  GLU, EVEN_K == 2)
+                                                                  GLU, CLAMP)
             else:
                 sg, zg, su, zu = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k, K, stride_bsk, stride_bzk, GROUP,
-                                              BLOCK_K, HAS_ZEROS, GLU, EVEN_K == 2)
+                                              BLOCK_K, HAS_ZEROS, GLU, CLAMP)
             if B_TMA:
                 packed = _weight_rows_tma(b_desc, b_row, k * (BLOCK_K // PER), 0, up_offset, B_TMA, BLOCK_N,
                                           BLOCK_K // PER)
