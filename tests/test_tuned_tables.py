@@ -79,6 +79,22 @@ def test_a_format_table_wins_and_is_used_as_tuned(tmp_path: Path, monkeypatch: p
     assert ConfigTable.load("Other GPU", 8, 2, 256, 128, "bf16", weight_format="fp8-block-group").tokens == ()
 
 
+def test_a_tables_dict_gives_what_the_device_file_gives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``from_tables`` is ``load`` on a file's contents (``benchmarks/ab_tables.py`` compares two files with it)."""
+    tables = {shape_key(8, 2, 256, 128, "bf16"): {"1": SMALL, "4096": ENTRY},
+              shape_key(8, 2, 256, 128, "bf16", "mxfp4"): {"1": ENTRY, "4096": SMALL}}
+    _device_file(tmp_path, monkeypatch, "Test GPU", tables)
+    steps = ((32.0, 64),)
+    for hidden, fmt in ((256, "mxfp4"), (256, "nvfp4"), (256, None), (512, "mxfp4")):
+        loaded = ConfigTable.load("Test GPU", 8, 2, hidden, 128, "bf16", 64, steps, fmt)
+        assert ConfigTable.from_tables(tables, 8, 2, hidden, 128, "bf16", 64, steps, fmt) == loaded
+        assert ConfigTable.from_tables({}, 8, 2, hidden, 128, "bf16", 64, steps, fmt) == \
+            ConfigTable.load("Other GPU", 8, 2, hidden, 128, "bf16", 64, steps, fmt)
+    assert ConfigTable.from_tables(tables, 8, 2, 256, 128, "bf16", weight_format="mxfp4").lookup(1).gate_up == \
+        GemmConfig(**ENTRY["gate_up"])
+    assert ConfigTable.from_tables(tables, 8, 2, 512, 128, "bf16").tokens == ()
+
+
 def _fp8_gemm(table: ConfigTable, role: mf.GemmRole) -> FusedQuantGroupedGemm:
     weight = torch.randn(4, 256, 128).to(torch.float8_e4m3fn)
     scale = torch.rand(4, 2, 1) + 0.5

@@ -248,27 +248,36 @@ class ConfigTable:
              intermediate: int, dtype: str, max_block_m: Optional[int] = None,
              dequant_blocks: tuple[tuple[float, int], ...] = (), weight_format: Optional[str] = None
              ) -> ConfigTable:
-        """The tuned table for this device and shape, or an empty table (heuristic fallback).
+        """The tuned table for this device and shape (:meth:`from_tables` on the device's file), or an empty table
+        (heuristic fallback)."""
+        text = None
+        if device_name is not None:
+            try:
+                text = resources.files("moeforge.kernels").joinpath(
+                    f"configs/{device_key(device_name)}.json").read_text()
+            except (FileNotFoundError, OSError):
+                pass
+        return cls.from_tables({} if text is None else json.loads(text), num_experts, top_k, hidden, intermediate,
+                               dtype, max_block_m, dequant_blocks, weight_format)
+
+    @classmethod
+    def from_tables(cls, tables: dict[str, Any], num_experts: int, top_k: int, hidden: int, intermediate: int,
+                    dtype: str, max_block_m: Optional[int] = None,
+                    dequant_blocks: tuple[tuple[float, int], ...] = (), weight_format: Optional[str] = None
+                    ) -> ConfigTable:
+        """The table for this shape among ``tables`` (a device file's contents: tables by :func:`shape_key`), or an
+        empty table (heuristic fallback).
 
         With ``weight_format`` (a quant method's ``table_key``), a table tuned for that format wins: it
         is used as tuned (``max_block_m`` and ``dequant_blocks`` were the tuner's to decide). Otherwise
         the compute dtype's table, with ``max_block_m`` capping the alignment block of every entry and
         ``dequant_blocks`` setting it by rows per expert."""
-        empty = cls(num_experts, top_k, max_block_m=max_block_m, dequant_blocks=dequant_blocks)
-        if device_name is None:
-            return empty
-        try:
-            text = resources.files("moeforge.kernels").joinpath(
-                f"configs/{device_key(device_name)}.json").read_text()
-        except (FileNotFoundError, OSError):
-            return empty
-        tables = json.loads(text)
         if weight_format is not None:
             tuned = tables.get(shape_key(num_experts, top_k, hidden, intermediate, dtype, weight_format))
             if tuned:
                 return attrs.evolve(cls.from_json(num_experts, top_k, tuned), weight_format=weight_format)
         entries = tables.get(shape_key(num_experts, top_k, hidden, intermediate, dtype))
         if not entries:
-            return empty
+            return cls(num_experts, top_k, max_block_m=max_block_m, dequant_blocks=dequant_blocks)
         return attrs.evolve(cls.from_json(num_experts, top_k, entries), max_block_m=max_block_m,
                             dequant_blocks=dequant_blocks)
