@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="4096,16384")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--commit", default=None, help="the commit measured (default: HEAD's, "
+                        "+changes when the tracked files differ from it: provenance.py)")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ab_tables-<device>-<date>.json)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -119,7 +121,7 @@ def main() -> None:
                       f"{times['after']:10.1f} us  after/before {ratio:6.3f}", flush=True)
             del layer, spans, launch
             torch.cuda.empty_cache()
-    result = dict(device=device, commit=measured_commit(), date=datetime.date.today().isoformat(),
+    result = dict(device=device, commit=args.commit or measured_commit(), date=datetime.date.today().isoformat(),
                   before=str(args.before), after=str(args.after), rounds=args.rounds, reps=args.reps, records=records)
     out = Path(args.out) if args.out else (
         Path(__file__).parent / "results" / f"ab_tables-{device_key(device)}-{result['date']}.json")
