@@ -1,4 +1,4 @@
-"""Time layers under two launch tables in one process, in alternating rounds: an A/B of table entries (CUDA only).
+"""Time layers under two launch tables in one process, in rounds of alternating order (CUDA only).
 
     python benchmarks/ab_tables.py BEFORE.json AFTER.json [--shapes mixtral,qwen3] [--formats bf16,w4a16,mxfp4]
                                    [--tokens 4096,16384] [--rounds 3] [--reps 20] [--out FILE]
@@ -7,9 +7,10 @@ BEFORE and AFTER are launch-table files in the format of ``moeforge/kernels/conf
 committed file and an edited or re-tuned copy). Each layer (shape, format) is built once, so both tables run on
 the same weights; for each token count the expert computation (top-k ids to the combined output, as
 ``bench_moe.py``'s ``experts``) runs under each table's entry on the same routing, as CUDA-graph replays with the
-L2 flushed, in ``--rounds`` alternating rounds (before, after, before, after, ...) so that a drift of the clocks
-falls on both. Consecutive processes with one table each (the A/Bs in docs/kernels.md before this script) moved
-some cells by a few per cent between runs of the same code.
+L2 flushed, in ``--rounds`` rounds of alternating order (before, after, after, before, ...) so that a steady drift
+of the clocks falls on both alike (the second of two identical tables measured up to 7 % slower at Mixtral
+M = 16384 on an H100 in before-after rounds). Consecutive processes with one table each (the A/Bs in
+docs/kernels.md before this script) moved some cells by a few per cent between runs of the same code.
 
 It prints, per cell, each table's median over its rounds (of medians of ``--reps`` replays) and after / before,
 and writes JSON (device, commit, date, records with both times, every round's and the ratio). A format whose
@@ -107,8 +108,8 @@ def main() -> None:
                 routed = RoutedTokens(Activations(x), TopKOutput(topk.weights, topk.ids))
                 rounds: dict[str, list[float]] = {side: [] for side in spans}
                 with torch.no_grad():
-                    for _ in range(args.rounds):
-                        for side, span in spans.items():
+                    for index in range(args.rounds):  # before, after, after, before, ...: a steady drift cancels
+                        for side, span in (spans.items() if index % 2 == 0 else reversed(spans.items())):
                             rounds[side].append(time_graph(lambda: span(routed), args.reps, flush))
                 times = {side: statistics.median(values) for side, values in rounds.items()}
                 ratio = times["after"] / times["before"]
