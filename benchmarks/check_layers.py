@@ -1,0 +1,88 @@
+"""Check triton layers at real shapes against the torch backend, as their launch tables run them (CUDA only).
+
+    python benchmarks/check_layers.py --shapes gptoss,mixtral --formats mxfp4-shuffled,w4a16 --tokens 1,8,4096
+                                      [--tolerance 1e-2]
+
+The GPU tests check every kernel at small shapes; the tables in ``moeforge/kernels/configs`` pick other tiles,
+splits and paths (decoding first, swapped products) at the real shapes and token counts. For each shape and
+format this builds the triton layer (bf16, this device's table) and a torch-backend layer of the same format
+holding the same state (for ``*-shuffled`` formats the torch layer holds the plain layout: the state dict is
+the plain bytes), runs both on random tokens, and prints ‖triton − torch‖ / ‖torch‖ for each token count, with
+the entry the table chose; a non-finite output or an error above ``--tolerance`` fails the run (exit code 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_moe import QUANT_METHODS, SHAPES  # noqa: E402
+
+import moeforge as mf  # noqa: E402
+from moeforge.kernels.config import ConfigTable  # noqa: E402
+
+
+def reference_format(fmt: str) -> str:
+    """The format of the torch layer: the plain layout for a shuffled one (the torch backend emulates either)."""
+    return fmt.removesuffix("-shuffled")
+
+
+def build(shape: tuple[int, int, int, int], fmt: str, backend: str) -> mf.MoELayer:
+    experts, top_k, hidden, inter = shape
+    quant = QUANT_METHODS[fmt](hidden, inter) if fmt != "bf16" else None
+    return mf.MoELayer(experts, top_k, hidden, inter, quant=quant, dtype=torch.bfloat16, device="cuda",
+                       backend=backend, environ={})
+
+
+def entry(table: ConfigTable, fmt: str, tokens: int) -> str:
+    """What decided the launch: the table's entry, or (a quantized format without a table of its own) the format's
+    rules on the entry's ``block_m``."""
+    if not table.tokens:
+        return f"no table: default rules, block_m {table.lookup(tokens).block_m}"
+    if fmt != "bf16" and table.weight_format is None:
+        return f"no {fmt} table: the format's rules on block_m {table.lookup(tokens).block_m}"
+    return str(table.lookup(tokens))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--formats", default="bf16", help=f"comma-separated, of bf16, {', '.join(QUANT_METHODS)}")
+    parser.add_argument("--tokens", default="1,8,64,256,1024,4096,16384")
+    parser.add_argument("--tolerance", type=float, default=1e-2)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("check_layers.py needs a CUDA device")
+    failed = 0
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        for fmt in args.formats.split(","):
+            torch.manual_seed(0)
+            fast = build(shape, fmt, "triton")
+            slow = build(shape, reference_format(fmt), "torch")
+            slow.load_state_dict(fast.state_dict())
+            table = next(stage.configs for stage in fast.pipeline.stages if hasattr(stage, "configs"))
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                x = torch.randn(tokens, shape[2], device="cuda", dtype=torch.bfloat16)
+                with torch.no_grad():
+                    got, want = fast(x).float(), slow(x).float()
+                finite = bool(torch.isfinite(got).all())
+                error = float((got - want).norm() / want.norm().clamp(min=1e-30)) if finite else float("inf")
+                ok = finite and error < args.tolerance
+                failed += not ok
+                print(f"{name:9s} {fmt:15s} M={tokens:6d} rel {error:.2e} {'ok' if ok else 'FAIL'}  "
+                      f"{entry(table, fmt, tokens)}", flush=True)
+            del fast, slow
+            torch.cuda.empty_cache()
+    print(f"{failed} failed" if failed else "all ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
