@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import FLUSH_BYTES, QUANT_METHODS, SHAPES, random_batch, time_graph  # noqa: E402
+from bench_moe import FLUSH_BYTES, QUANT_METHODS, SHAPES, format_problem, random_batch, time_graph  # noqa: E402
 from provenance import measured_commit  # noqa: E402
 
 import moeforge as mf  # noqa: E402
@@ -79,7 +79,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--commit", default=None, help="the commit measured (default: HEAD's, "
                         "+changes when the tracked files differ from it: provenance.py)")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ab_tables-<device>-<date>.json)")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/ab_tables-<device>-<date>.json)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ab_tables.py needs a CUDA device")
@@ -92,6 +93,10 @@ def main() -> None:
         shape = SHAPES[name]
         experts, top_k, hidden, _ = shape
         for fmt in args.formats.split(","):
+            problem = format_problem(shape, fmt)
+            if problem is not None:
+                print(f"{name} {fmt}: skipped, {problem}", flush=True)
+                continue
             torch.manual_seed(0)
             layer = build_layer(shape, fmt)
             torch.cuda.empty_cache()

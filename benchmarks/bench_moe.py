@@ -246,6 +246,20 @@ QUANT_METHODS: dict[str, Callable[[int, int], mf.QuantMethod]] = {
 }
 
 
+def format_problem(shape: tuple[int, int, int, int], fmt: str) -> Optional[str]:
+    """Why ``fmt`` cannot hold a layer of ``shape`` (e.g. FP8 per-128-group activations need a hidden size that 128
+    divides: not GPT-OSS's 2880), or None: a one-expert layer of the shape's sizes is built on the CPU."""
+    if fmt == "bf16":
+        return None
+    _, _, hidden, inter = shape
+    try:
+        mf.MoELayer(1, 1, hidden, inter, quant=QUANT_METHODS[fmt](hidden, inter), dtype=torch.bfloat16,
+                    device="cpu", backend="torch")
+    except mf.InputError as error:
+        return str(error)
+    return None
+
+
 def measure_fp8_peak() -> float:
     """fp8 e4m3 matmul TFLOP/s on 8192^3 (``torch._scaled_mm``); 2x the bf16 peak if unavailable."""
     n = 8192
@@ -343,6 +357,10 @@ def main() -> None:
         torch.cuda.empty_cache()  # the layer of this shape is gone: free its weights for the next
         bf16_us = {r["M"]: r["median_us"] for r in records if r["shape"] == name and r["what"] == "experts"}
         for quant in filter(None, args.quant.split(",")):
+            problem = format_problem(SHAPES[name], quant)
+            if problem is not None:
+                print(f"{name} {quant}: skipped, {problem}", flush=True)
+                continue
             quant_peak = fp8_peak if quant in EIGHT_BIT and fp8_peak is not None else peak
             records += bench_quant(name, quant, tokens, bf16_us, quant_peak, read_bw, flush, args.reps)
             torch.cuda.empty_cache()
@@ -360,6 +378,8 @@ def main() -> None:
     quant_summary = {}
     for quant in filter(None, args.quant.split(",")):
         cells = [r for r in records if r["what"] == f"experts_{quant}"]
+        if not cells:  # no shape asked for could hold the format (format_problem)
+            continue
         gm_q = math.exp(sum(math.log(r["pct_roofline"]) for r in cells) / len(cells))
         quant_summary[quant] = dict(geomean_pct_quant_roofline=round(gm_q, 1),
                                     min_speedup=min(r["speedup_vs_bf16"] for r in cells),

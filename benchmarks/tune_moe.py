@@ -44,7 +44,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, random_batch, time_graph  # noqa: E402
+from bench_moe import (  # noqa: E402
+    EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, format_problem, random_batch, time_graph)
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, shape_key  # noqa: E402
@@ -136,20 +137,6 @@ def build_layer(shape: tuple[int, int, int, int], fmt: str) -> mf.MoELayer:
     if fmt != "bf16" and layer.quant.table_key is None:
         raise SystemExit(f"{layer.quant.name} has no table_key: its GEMMs cannot take tuned tiles")
     return layer
-
-
-def format_problem(shape: tuple[int, int, int, int], fmt: str) -> Optional[str]:
-    """Why ``fmt`` cannot hold a layer of ``shape`` (e.g. FP8 per-128-group activations need a hidden size that 128
-    divides: not GPT-OSS's 2880), or None: a one-expert layer of the shape's sizes is built on the CPU."""
-    if fmt == "bf16":
-        return None
-    _, _, hidden, inter = shape
-    try:
-        mf.MoELayer(1, 1, hidden, inter, quant=QUANT_METHODS[fmt](hidden, inter), dtype=torch.bfloat16,
-                    device="cpu", backend="torch")
-    except mf.InputError as error:
-        return str(error)
-    return None
 
 
 def partial_new_tables(table: dict[str, Any], shapes: list[str], formats: list[str], tokens: list[int]) -> list[str]:
