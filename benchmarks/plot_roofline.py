@@ -43,6 +43,9 @@ DEFAULT_FILES = (
     RESULTS / "bench_moe_qwen3_w4a16_table-nvidia_h100_80gb_hbm3-2026-11-24-84f2d60.json",
     RESULTS / "bench_moe_8bit_channel_tables-nvidia_h100_80gb_hbm3-2026-11-24-811a25a.json",  # per-channel tables
     RESULTS / "bench_moe-nvidia_h100_80gb_hbm3-2026-11-24-14e1512.json",  # bf16 against the 16 GiB read probe
+    # every format of each shape at one commit, the H100 tables brought up to date (shuffled 4-bit, decoding first)
+    *(RESULTS / f"bench_moe_all_formats_{shape}-nvidia_h100_80gb_hbm3-2026-11-27-7c50a09.json"
+      for shape in ("mixtral", "qwen3", "deepseek", "gptoss")),
 )
 FORMATS = {"experts": "bf16", "experts_batch_invariant": "bf16 batch-invariant"}
 
@@ -84,10 +87,10 @@ def plot(data: dict[str, list[tuple[int, float]]], out: Path, title: str) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(9, 6.5), dpi=100)
+    figure, axes = plt.subplots(figsize=(10, 8.5), dpi=100)
     styles: dict[str, Any] = {"bf16": "-", "bf16 batch-invariant": ":", "mxfp4": "--", "nvfp4": "-.",
                               "w4a16": (0, (5, 1, 1, 1, 1, 1)), "fp8": (0, (8, 2, 2, 2)), "fp8-channel": (0, (1, 2)),
-                              "int8": (0, (3, 3))}
+                              "int8": (0, (3, 3)), "mxfp4-shuffled": (0, (6, 2)), "nvfp4-shuffled": (0, (6, 2, 1, 2))}
     colours: dict[str, Any] = {}
     for label, points in data.items():
         shape, fmt = label.split(" ", 1)[0], label.split(" ", 1)[1].rsplit(" (", 1)[0]
@@ -100,7 +103,7 @@ def plot(data: dict[str, list[tuple[int, float]]], out: Path, title: str) -> Non
     axes.axhline(100, color="grey", linewidth=0.5)
     axes.set_title(title)
     figure.legend(fontsize=7, ncol=3, loc="lower center")
-    figure.tight_layout(rect=(0, 0.14, 1, 1))
+    figure.tight_layout(rect=(0, 0.24, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out)
 
