@@ -33,19 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import FLUSH_BYTES, QUANT_METHODS, SHAPES, format_problem, random_batch, time_graph  # noqa: E402
+from bench_moe import FLUSH_BYTES, QUANT_METHODS, SHAPES, build_layer, held_formats, random_batch, time_graph  # noqa: E402
 from provenance import measured_commit  # noqa: E402
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import ConfigTable, device_key  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
-
-
-def build_layer(shape: tuple[int, int, int, int], fmt: str) -> mf.MoELayer:
-    experts, top_k, hidden, inter = shape
-    quant = QUANT_METHODS[fmt](hidden, inter) if fmt != "bf16" else None
-    return mf.MoELayer(experts, top_k, hidden, inter, quant=quant, dtype=torch.bfloat16, device="cuda",
-                       backend="triton")
 
 
 def layer_table(layer: mf.MoELayer, tables: dict[str, Any]) -> ConfigTable:
@@ -92,11 +85,7 @@ def main() -> None:
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         experts, top_k, hidden, _ = shape
-        for fmt in args.formats.split(","):
-            problem = format_problem(shape, fmt)
-            if problem is not None:
-                print(f"{name} {fmt}: skipped, {problem}", flush=True)
-                continue
+        for fmt in held_formats(name, args.formats.split(",")):
             torch.manual_seed(0)
             layer = build_layer(shape, fmt)
             torch.cuda.empty_cache()

@@ -39,7 +39,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -260,6 +260,25 @@ def format_problem(shape: tuple[int, int, int, int], fmt: str) -> Optional[str]:
     return None
 
 
+def held_formats(name: str, formats: Iterable[str]) -> Iterator[str]:
+    """The formats of ``formats`` a layer of shape ``name`` can hold (:func:`format_problem`); each other one is
+    reported and skipped."""
+    for fmt in formats:
+        problem = format_problem(SHAPES[name], fmt)
+        if problem is None:
+            yield fmt
+        else:
+            print(f"{name} {fmt}: skipped, {problem}", flush=True)
+
+
+def build_layer(shape: tuple[int, int, int, int], fmt: str, backend: str = "triton") -> mf.MoELayer:
+    """A bf16 layer of ``shape`` on the GPU in ``fmt`` (``bf16`` or one of :data:`QUANT_METHODS`), random weights."""
+    experts, top_k, hidden, inter = shape
+    quant = QUANT_METHODS[fmt](hidden, inter) if fmt != "bf16" else None
+    return mf.MoELayer(experts, top_k, hidden, inter, quant=quant, dtype=torch.bfloat16, device="cuda",
+                       backend=backend, environ={})
+
+
 def measure_fp8_peak() -> float:
     """fp8 e4m3 matmul TFLOP/s on 8192^3 (``torch._scaled_mm``); 2x the bf16 peak if unavailable."""
     n = 8192
@@ -288,9 +307,7 @@ def quant_weight_bytes(quant: str, hidden: int, inter: int) -> float:
 def bench_quant(name: str, quant: str, tokens_list: tuple[int, ...], bf16_us: dict[int, float], peak: float,
                 bw: float, flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
     experts, top_k, hidden, inter = SHAPES[name]
-    layer = mf.MoELayer(experts, top_k, hidden, inter, quant=QUANT_METHODS[quant](hidden, inter),
-                        dtype=torch.bfloat16,
-                        device="cuda", backend="triton")
+    layer = build_layer(SHAPES[name], quant)
     experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
     records = []
     for tokens in tokens_list:
@@ -356,11 +373,7 @@ def main() -> None:
             records += invariant
         torch.cuda.empty_cache()  # the layer of this shape is gone: free its weights for the next
         bf16_us = {r["M"]: r["median_us"] for r in records if r["shape"] == name and r["what"] == "experts"}
-        for quant in filter(None, args.quant.split(",")):
-            problem = format_problem(SHAPES[name], quant)
-            if problem is not None:
-                print(f"{name} {quant}: skipped, {problem}", flush=True)
-                continue
+        for quant in held_formats(name, filter(None, args.quant.split(","))):
             quant_peak = fp8_peak if quant in EIGHT_BIT and fp8_peak is not None else peak
             records += bench_quant(name, quant, tokens, bf16_us, quant_peak, read_bw, flush, args.reps)
             torch.cuda.empty_cache()

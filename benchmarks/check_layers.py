@@ -22,22 +22,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import QUANT_METHODS, SHAPES, format_problem  # noqa: E402
+from bench_moe import QUANT_METHODS, SHAPES, build_layer, held_formats  # noqa: E402
 
-import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import ConfigTable  # noqa: E402
 
 
 def reference_format(fmt: str) -> str:
     """The format of the torch layer: the plain layout for a shuffled one (the torch backend emulates either)."""
     return fmt.removesuffix("-shuffled")
-
-
-def build(shape: tuple[int, int, int, int], fmt: str, backend: str) -> mf.MoELayer:
-    experts, top_k, hidden, inter = shape
-    quant = QUANT_METHODS[fmt](hidden, inter) if fmt != "bf16" else None
-    return mf.MoELayer(experts, top_k, hidden, inter, quant=quant, dtype=torch.bfloat16, device="cuda",
-                       backend=backend, environ={})
 
 
 def entry(table: ConfigTable, fmt: str, tokens: int) -> str:
@@ -66,14 +58,10 @@ def main() -> int:
     failed = 0
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        for fmt in args.formats.split(","):
-            problem = format_problem(shape, fmt)
-            if problem is not None:
-                print(f"{name} {fmt}: skipped, {problem}", flush=True)
-                continue
+        for fmt in held_formats(name, args.formats.split(",")):
             torch.manual_seed(0)
-            fast = build(shape, fmt, "triton")
-            slow = build(shape, reference_format(fmt), args.reference)
+            fast = build_layer(shape, fmt)
+            slow = build_layer(shape, reference_format(fmt), args.reference)
             slow.load_state_dict(fast.state_dict())
             table = next(stage.configs for stage in fast.pipeline.stages if hasattr(stage, "configs"))
             for tokens in (int(t) for t in args.tokens.split(",")):

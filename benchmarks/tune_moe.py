@@ -44,8 +44,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_moe  # noqa: E402
 from bench_moe import (  # noqa: E402
-    EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, format_problem, random_batch, time_graph)
+    EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, held_formats, random_batch, time_graph)
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, shape_key  # noqa: E402
@@ -130,10 +131,7 @@ def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
 
 
 def build_layer(shape: tuple[int, int, int, int], fmt: str) -> mf.MoELayer:
-    experts, top_k, hidden, inter = shape
-    quant = QUANT_METHODS[fmt](hidden, inter) if fmt != "bf16" else None
-    layer = mf.MoELayer(experts, top_k, hidden, inter, quant=quant, dtype=torch.bfloat16, device="cuda",
-                        backend="triton")
+    layer = bench_moe.build_layer(shape, fmt)
     if fmt != "bf16" and layer.quant.table_key is None:
         raise SystemExit(f"{layer.quant.name} has no table_key: its GEMMs cannot take tuned tiles")
     return layer
@@ -460,11 +458,7 @@ def main() -> None:
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        for fmt in formats:
-            problem = format_problem(shape, fmt)
-            if problem is not None:
-                print(f"{name} {fmt}: skipped, {problem}", flush=True)
-                continue
+        for fmt in held_formats(name, formats):
             torch.manual_seed(0)
             compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs), args.tma,
                           args.split_k, args.half_tail, args.decode_first)

@@ -299,19 +299,19 @@ def test_the_tuner_refuses_to_create_a_table_from_a_few_token_counts() -> None:
     assert tune_moe.partial_new_tables({}, ["qwen3"], ["mxfp4"], list(tune_moe.TOKENS)) == []
 
 
-def test_the_tuner_and_the_benchmark_skip_a_format_the_shape_cannot_take() -> None:
+def test_the_benchmark_scripts_skip_a_format_the_shape_cannot_take(capsys: pytest.CaptureFixture[str]) -> None:
     """FP8 per-128-group activations need a hidden size that 128 divides: GPT-OSS's 2880 is not (the tuner said
     so in a traceback from its compiling processes before it checked; ``bench_moe.py --quant fp8`` on every shape,
-    the README's command, stopped at GPT-OSS). Both scripts skip it with this reason."""
+    the README's command, stopped at GPT-OSS). The scripts skip it with this reason (``held_formats``)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_moe
-    import tune_moe
 
-    assert tune_moe.format_problem is bench_moe.format_problem
     problem = bench_moe.format_problem(bench_moe.SHAPES["gptoss"], "fp8")
     assert problem is not None and "divisible by 128" in problem
     assert bench_moe.format_problem(bench_moe.SHAPES["gptoss"], "fp8-channel") is None
     assert bench_moe.format_problem(bench_moe.SHAPES["gptoss"], "mxfp4-shuffled") is None
     assert bench_moe.format_problem(bench_moe.SHAPES["qwen3"], "bf16") is None
+    assert list(bench_moe.held_formats("gptoss", ["fp8", "bf16", "mxfp4-shuffled"])) == ["bf16", "mxfp4-shuffled"]
+    assert "gptoss fp8: skipped, " in capsys.readouterr().out
