@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_moe  # noqa: E402
 from bench_moe import (  # noqa: E402
-    EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, held_formats, random_batch, time_graph)
+    EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, format_problem, held_formats, random_batch, time_graph)
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, shape_key  # noqa: E402
@@ -140,10 +140,12 @@ def build_layer(shape: tuple[int, int, int, int], fmt: str) -> mf.MoELayer:
 def partial_new_tables(table: dict[str, Any], shapes: list[str], formats: list[str], tokens: list[int]) -> list[str]:
     """The keys this run would create (absent from ``table``) without every default token count: a table
     serves every batch by its nearest entry, so one tuned only for small batches would run large ones on
-    decode tiles."""
+    decode tiles. A format the shape cannot hold (:func:`format_problem`) creates no table: it is skipped."""
     if all(t in tokens for t in TOKENS):
         return []
-    return [key for key in (table_key(SHAPES[name], fmt) for name in shapes for fmt in formats) if key not in table]
+    keys = (table_key(SHAPES[name], fmt) for name in shapes for fmt in formats
+            if format_problem(SHAPES[name], fmt) is None)
+    return [key for key in keys if key not in table]
 
 
 def table_key(shape: tuple[int, int, int, int], fmt: str) -> str:
