@@ -33,11 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import FLUSH_BYTES, QUANT_METHODS, SHAPES, build_layer, held_formats, random_batch, time_graph  # noqa: E402
+from bench_moe import (  # noqa: E402
+    FLUSH_BYTES, QUANT_METHODS, SHAPES, build_layer, held_formats, launch_entry, random_batch, time_graph)
 from provenance import measured_commit  # noqa: E402
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels.config import ConfigTable, device_key  # noqa: E402
+from moeforge.kernels.config import ConfigTable, device_key, device_tables  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
 
 
@@ -89,10 +90,8 @@ def main() -> None:
             torch.manual_seed(0)
             layer = build_layer(shape, fmt)
             torch.cuda.empty_cache()
-            # The same arguments as the layer's own lookup: on the committed file the table is the layer's.
-            ours = ConfigTable.load(device, layer.num_experts, layer.top_k, layer.hidden_size, layer.intermediate_size,
-                                    "bf16", layer.quant.max_block_m, layer.quant.dequant_blocks, layer.quant.table_key)
-            if ours != own_table(layer):
+            # On the committed file layer_table() must give the layer's own table (the same lookup arguments).
+            if layer_table(layer, device_tables(device)) != own_table(layer):
                 sys.exit(f"{name} {fmt}: layer_table() does not reproduce the layer's own launch table")
             launch = {side: layer_table(layer, tables) for side, tables in files.items()}
             spans = {side: experts_span(layer, table) for side, table in launch.items()}
@@ -107,7 +106,7 @@ def main() -> None:
                             rounds[side].append(time_graph(lambda: span(routed), args.reps, flush))
                 times = {side: statistics.median(values) for side, values in rounds.items()}
                 ratio = times["after"] / times["before"]
-                entries = {side: str(table.lookup(tokens)) for side, table in launch.items()}
+                entries = {side: launch_entry(table, fmt, tokens) for side, table in launch.items()}
                 records.append(dict(shape=name, M=tokens, format=fmt, before_us=round(times["before"], 2),
                                     after_us=round(times["after"], 2), ratio=round(ratio, 3),
                                     rounds_us={s: [round(v, 2) for v in r] for s, r in rounds.items()},

@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels.config import device_key  # noqa: E402
+from moeforge.kernels.config import ConfigTable, device_key  # noqa: E402
 from moeforge.kernels.activations import ACT_SILU  # noqa: E402
 from moeforge.kernels.topk import routing_flags  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
@@ -277,6 +277,16 @@ def build_layer(shape: tuple[int, int, int, int], fmt: str, backend: str = "trit
     quant = QUANT_METHODS[fmt](hidden, inter) if fmt != "bf16" else None
     return mf.MoELayer(experts, top_k, hidden, inter, quant=quant, dtype=torch.bfloat16, device="cuda",
                        backend=backend, environ={})
+
+
+def launch_entry(table: ConfigTable, fmt: str, tokens: int) -> str:
+    """What decides the launch of ``tokens`` tokens in ``fmt`` under ``table``: its entry, or (a quantized format
+    without a table of its own) the format's rules on the entry's ``block_m``, which a printed entry would hide."""
+    if not table.tokens:
+        return f"no table: default rules, block_m {table.lookup(tokens).block_m}"
+    if fmt != "bf16" and table.weight_format is None:
+        return f"no {fmt} table: the format's rules on block_m {table.lookup(tokens).block_m}"
+    return str(table.lookup(tokens))
 
 
 def measure_fp8_peak() -> float:

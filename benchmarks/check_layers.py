@@ -25,9 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import QUANT_METHODS, SHAPES, build_layer, held_formats  # noqa: E402
+from bench_moe import QUANT_METHODS, SHAPES, build_layer, held_formats, launch_entry  # noqa: E402
 
-from moeforge.kernels.config import ConfigTable  # noqa: E402
 
 
 def reference_format(fmt: str) -> str:
@@ -38,16 +37,6 @@ def reference_format(fmt: str) -> str:
 def tolerance(fmt: str) -> float:
     """The GPU tests' tolerance for ``fmt`` against the torch backend (``tests/test_quant_methods_gpu.py``)."""
     return {"fp8": 6e-2, "fp8-channel": 6e-2, "int8": 3e-2}.get(fmt, 1e-2)
-
-
-def entry(table: ConfigTable, fmt: str, tokens: int) -> str:
-    """What decided the launch: the table's entry, or (a quantized format without a table of its own) the format's
-    rules on the entry's ``block_m``."""
-    if not table.tokens:
-        return f"no table: default rules, block_m {table.lookup(tokens).block_m}"
-    if fmt != "bf16" and table.weight_format is None:
-        return f"no {fmt} table: the format's rules on block_m {table.lookup(tokens).block_m}"
-    return str(table.lookup(tokens))
 
 
 def main() -> int:
@@ -82,7 +71,7 @@ def main() -> int:
                 ok = finite and error < (args.tolerance or tolerance(fmt))
                 failed += not ok
                 print(f"{name:9s} {fmt:15s} M={tokens:6d} rel {error:.2e} {'ok' if ok else 'FAIL'}  "
-                      f"{entry(table, fmt, tokens)}", flush=True)
+                      f"{launch_entry(table, fmt, tokens)}", flush=True)
             del fast, slow
             torch.cuda.empty_cache()
     print(f"{failed} failed" if failed else "all ok")

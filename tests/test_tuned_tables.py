@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import moeforge as mf
-from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, shape_key
+from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, device_tables, shape_key
 from moeforge.payloads import BlockAlignment
 from moeforge.spec import DType
 from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme, default_quant_config
@@ -84,6 +84,7 @@ def test_a_tables_dict_gives_what_the_device_file_gives(tmp_path: Path, monkeypa
     tables = {shape_key(8, 2, 256, 128, "bf16"): {"1": SMALL, "4096": ENTRY},
               shape_key(8, 2, 256, 128, "bf16", "mxfp4"): {"1": ENTRY, "4096": SMALL}}
     _device_file(tmp_path, monkeypatch, "Test GPU", tables)
+    assert device_tables("Test GPU") == tables and device_tables("Other GPU") == {} and device_tables(None) == {}
     steps = ((32.0, 64),)
     for hidden, fmt in ((256, "mxfp4"), (256, "nvfp4"), (256, None), (512, "mxfp4")):
         loaded = ConfigTable.load("Test GPU", 8, 2, hidden, 128, "bf16", 64, steps, fmt)
@@ -315,3 +316,22 @@ def test_the_benchmark_scripts_skip_a_format_the_shape_cannot_take(capsys: pytes
     assert bench_moe.format_problem(bench_moe.SHAPES["qwen3"], "bf16") is None
     assert list(bench_moe.held_formats("gptoss", ["fp8", "bf16", "mxfp4-shuffled"])) == ["bf16", "mxfp4-shuffled"]
     assert "gptoss fp8: skipped, " in capsys.readouterr().out
+
+
+def test_the_benchmarks_name_what_decides_a_launch() -> None:
+    """A quantized format without a table of its own runs its rules on the entry's ``block_m``, not the entry's
+    tiles: ``launch_entry`` says so instead of printing tiles that do not run (an H100 table entry copied from such a
+    printout ran 1.36-1.47x slower than the rules it was meant to write down)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_moe
+
+    entry = MoEConfig(GemmConfig(**ENTRY["gate_up"]), GemmConfig(**ENTRY["down"]))
+    plain = ConfigTable(8, 2, tokens=(4096,), configs=(entry,))
+    assert bench_moe.launch_entry(plain, "bf16", 4096) == str(entry)
+    assert bench_moe.launch_entry(plain, "mxfp4-shuffled", 4096) == \
+        "no mxfp4-shuffled table: the format's rules on block_m 128"
+    tuned = attrs.evolve(plain, weight_format="mxfp4-shuffled")
+    assert bench_moe.launch_entry(tuned, "mxfp4-shuffled", 4096) == str(entry)
+    assert bench_moe.launch_entry(ConfigTable(8, 2), "w4a16", 1).startswith("no table: default rules")

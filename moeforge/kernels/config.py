@@ -162,6 +162,18 @@ def device_key(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
+def device_tables(device_name: Optional[str]) -> dict[str, Any]:
+    """The tuned tables committed for a device (``configs/<device_key>.json``, tables by :func:`shape_key`), or
+    ``{}``: no device, or none tuned for it."""
+    if device_name is None:
+        return {}
+    try:
+        text = resources.files("moeforge.kernels").joinpath(f"configs/{device_key(device_name)}.json").read_text()
+    except (FileNotFoundError, OSError):
+        return {}
+    return dict(json.loads(text))
+
+
 def shape_key(num_experts: int, top_k: int, hidden: int, intermediate: int, dtype: str,
               weight_format: Optional[str] = None) -> str:
     """The key of a layer shape's table: ``E=8,k=2,H=4096,I=14336,bf16``, with the quantized weight
@@ -248,17 +260,10 @@ class ConfigTable:
              intermediate: int, dtype: str, max_block_m: Optional[int] = None,
              dequant_blocks: tuple[tuple[float, int], ...] = (), weight_format: Optional[str] = None
              ) -> ConfigTable:
-        """The tuned table for this device and shape (:meth:`from_tables` on the device's file), or an empty table
-        (heuristic fallback)."""
-        text = None
-        if device_name is not None:
-            try:
-                text = resources.files("moeforge.kernels").joinpath(
-                    f"configs/{device_key(device_name)}.json").read_text()
-            except (FileNotFoundError, OSError):
-                pass
-        return cls.from_tables({} if text is None else json.loads(text), num_experts, top_k, hidden, intermediate,
-                               dtype, max_block_m, dequant_blocks, weight_format)
+        """The tuned table for this device and shape (:meth:`from_tables` on :func:`device_tables`), or an empty
+        table (heuristic fallback)."""
+        return cls.from_tables(device_tables(device_name), num_experts, top_k, hidden, intermediate, dtype,
+                               max_block_m, dequant_blocks, weight_format)
 
     @classmethod
     def from_tables(cls, tables: dict[str, Any], num_experts: int, top_k: int, hidden: int, intermediate: int,
