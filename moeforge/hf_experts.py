@@ -41,9 +41,11 @@ It runs DeepSeek-V3's format — e4m3 weights with one fp32 multiplier per 128 x
 other formats (another block size, static activation scales, UE8M0 scales, FP4 weights) by name.
 
 The registered function builds one pipeline per experts module, dtype, device, top-k and layout, and
-keeps it keyed weakly by the module: a pipeline refers to the module's parameter table, not to the module,
-so ``del model`` frees the weights at once. Nothing here imports ``transformers`` until :func:`register`
-is called.
+keeps it on the module itself (:class:`ModulePipelines`): a pipeline refers to the module's parameter table,
+not to the module, so ``del model`` frees the weights at once, and a compiled model's guards never read
+another model's pipelines. Under ``torch.compile`` the pipeline is built before the traced code runs
+(``fullgraph=True`` works before any eager call). Nothing here imports ``transformers`` until
+:func:`register` is called.
 """
 
 from __future__ import annotations
@@ -510,22 +512,62 @@ def pipeline_key(module: nn.Module, hidden_states: torch.Tensor, top_k: int) -> 
             tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors))
 
 
+class ModulePipelines:
+    """The pipelines built for one experts module, keyed by :func:`pipeline_key`; kept on the module itself
+    (attribute ``_moeforge_pipelines``), so they live and die with it and a compiled model's guards read
+    only its own modules' pipelines, never another model's.
+
+    A copy of the module (``copy.deepcopy``, pickling) starts with none: a pipeline reads the tensors of the
+    module it was built for."""
+
+    __slots__ = ("by_key",)
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[object, ...], Pipeline[RoutedTokens, MoEOutput]] = {}
+
+    def __deepcopy__(self, memo: dict[int, object]) -> ModulePipelines:
+        return ModulePipelines()
+
+    def __reduce__(self) -> tuple[type[ModulePipelines], tuple[()]]:
+        return ModulePipelines, ()
+
+    def __repr__(self) -> str:
+        return f"ModulePipelines({len(self.by_key)})"
+
+
+_ATTRIBUTE = "_moeforge_pipelines"
+
+
+def module_pipelines(module: nn.Module) -> Optional[ModulePipelines]:
+    """The pipelines kept on ``module`` (``None``: none was built for it)."""
+    found = module.__dict__.get(_ATTRIBUTE)
+    return found if isinstance(found, ModulePipelines) else None
+
+
 class ExpertsFunction:
     """The experts implementation :func:`register` gives ``transformers``: called as
     ``fn(experts_module, hidden_states, top_k_index, top_k_weights)``, returns ``[T, H]`` in the hidden
     states' dtype.
 
-    It keeps the pipelines it built, keyed weakly by the experts module (see the module notes); a
-    function of its own (``ExpertsFunction()``) keeps its own."""
+    The pipelines it builds are kept on each experts module (:class:`ModulePipelines`); the function
+    itself remembers, weakly, which modules it ran (:meth:`cached_modules`).
+
+    Under ``torch.compile`` the pipeline is built outside the traced code (a pipeline's build reads the
+    module and checks its activation on probe values, which is no graph), before the traced code looks it
+    up on the module: a model compiles with ``fullgraph=True`` before its first eager call, and its guards
+    depend on its own modules only."""
 
     def __init__(self) -> None:
-        self._pipelines: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], Pipeline[RoutedTokens, MoEOutput]]] \
-            = weakref.WeakKeyDictionary()
+        self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def __call__(self, module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         topk = _routing(module, hidden_states, top_k_index, top_k_weights)
-        pipeline = self.pipeline(module, hidden_states, int(top_k_index.shape[1]))
+        top_k = int(top_k_index.shape[1])
+        if torch.compiler.is_compiling():
+            _build_before_tracing(self, module, hidden_states.dtype, hidden_states.device, hidden_states.dim(),
+                                  int(hidden_states.shape[-1]), top_k)
+        pipeline = self.pipeline(module, hidden_states, top_k)
         out: torch.Tensor = pipeline.run(RoutedTokens(x=Activations(hidden_states), topk=topk)).hidden_states
         return out
 
@@ -534,25 +576,47 @@ class ExpertsFunction:
         """The pipeline that runs ``module``'s experts on ``hidden_states`` routed to ``top_k`` experts each
         (built on first use; ``describe()`` tells what it runs and why)."""
         key = pipeline_key(module, hidden_states, top_k)
-        built = self._pipelines.get(module)
-        if built is None:
-            built = self._pipelines[module] = {}
-        pipeline = built.get(key)
-        if pipeline is None:  # the layout is read (and checked, with the errors' words) only here
-            pipeline = built[key] = build_pipeline(module, read_layout(module, hidden_states), hidden_states.dtype,
-                                                   top_k)
+        kept = module_pipelines(module)
+        pipeline = None if kept is None else kept.by_key.get(key)
+        if pipeline is None:
+            pipeline = self._build(module, hidden_states, top_k, key)
+        return pipeline
+
+    def _build(self, module: nn.Module, hidden_states: torch.Tensor, top_k: int,
+               key: tuple[object, ...]) -> Pipeline[RoutedTokens, MoEOutput]:
+        # the layout is read (and checked, with the errors' words) only here
+        pipeline = build_pipeline(module, read_layout(module, hidden_states), hidden_states.dtype, top_k)
+        kept = module_pipelines(module)
+        if kept is None:
+            kept = ModulePipelines()
+            module.__dict__[_ATTRIBUTE] = kept  # not nn.Module.__setattr__: no hooks, no submodule
+        kept.by_key[key] = pipeline
+        self._modules.add(module)
         return pipeline
 
     def pipelines_for(self, module: nn.Module) -> tuple[Pipeline[RoutedTokens, MoEOutput], ...]:
-        """The pipelines this function built for ``module`` (none: it never ran ``module``'s experts)."""
-        return tuple(self._pipelines.get(module, {}).values())
+        """The pipelines built for ``module`` (none: its experts never ran through moeforge)."""
+        kept = module_pipelines(module)
+        return () if kept is None else tuple(kept.by_key.values())
 
     def cached_modules(self) -> int:
-        """How many experts modules this function keeps pipelines for (modules that were deleted are gone)."""
-        return len(self._pipelines)
+        """How many live experts modules this function built pipelines for (deleted modules are gone)."""
+        return len(self._modules)
 
     def __repr__(self) -> str:
         return f"moeforge.hf_experts.ExpertsFunction({self.cached_modules()} experts modules)"
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator,misc]
+def _build_before_tracing(function: ExpertsFunction, module: nn.Module, dtype: torch.dtype, device: torch.device,
+                          dims: int, width: int, top_k: int) -> bool:
+    """Build (if it is not kept yet) the pipeline for ``module`` and hidden states of this dtype, device,
+    rank and width, routed to ``top_k`` experts. ``torch.compile`` runs it as plain Python while it traces
+    (a function whose result is a constant), so the build never enters the graph; the traced code then
+    finds the pipeline on the module. Returns ``True`` (the constant)."""
+    shape = (0,) * (dims - 1) + (width,)
+    function.pipeline(module, torch.empty(shape, dtype=dtype, device=device), top_k)
+    return True
 
 
 # -- registration -------------------------------------------------------------------------------------
