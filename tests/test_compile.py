@@ -74,11 +74,22 @@ def test_unquantized_layer_compiles_in_one_graph(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(QUANTIZED))
-def test_quantized_layer_compiles(name: str) -> None:
-    # The torch reference dequantizes FP8/INT8/int4 weights one expert at a time in a loop over the
-    # experts that have rows: those methods compile with graph breaks there (fullgraph=False).
+def test_quantized_layer_compiles_in_one_graph(name: str) -> None:
+    # The torch reference decodes FP8/INT8/int4 weights one expert at a time in a loop over the counts
+    # read on the host: one custom op (moeforge.quant.decoded_gemm), so the graph does not break there.
     layer = _layer(quant=QUANTIZED[name]())
-    _compare(layer, torch.compile(layer, backend="aot_eager"))
+    _compare(layer, torch.compile(layer, fullgraph=True, backend="aot_eager"))
+
+
+@pytest.mark.parametrize("name", ["fp8", "w4a16"])
+def test_a_compiled_quantized_layer_refuses_a_backward_as_the_eager_one_does(name: str) -> None:
+    layer = _layer(quant=QUANTIZED[name]())
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with pytest.raises(mf.errors.InferenceOnlyError, match="inference-only"):
+        layer(torch.randn(6, H, requires_grad=True)).sum().backward()
+    # AOT autograd traces the backward while compiling: the error comes then, wrapped by Dynamo, same reason.
+    with pytest.raises((mf.errors.InferenceOnlyError, torch._dynamo.exc.Unsupported), match="inference-only"):
+        compiled(torch.randn(6, H, requires_grad=True)).sum().backward()
 
 
 def test_compiled_layer_with_the_default_backend_matches_eager_values_and_gradients(

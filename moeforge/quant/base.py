@@ -340,6 +340,11 @@ def check_expert_groups(
         return None
     counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
         group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
+    if torch.compiler.is_compiling():
+        # The counts are data: the compiled graph checks them when it runs (reading them here would break it).
+        torch._assert_async((counts >= 0).all() & (counts.sum() == hidden_states.shape[0]),
+                            "group_list does not cover hidden_states' rows with non-negative counts")
+        return counts
     if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
         raise InputError(
             f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "

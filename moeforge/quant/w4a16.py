@@ -35,6 +35,7 @@ from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows
 from moeforge.expert_checkpoint import Projection
 from moeforge.quant.base import FOUR_BIT_BLOCKS, QuantMethod, expert_shapes, register_expert_biases
+from moeforge.quant.decoded_gemm import decoded_experts
 from moeforge.quant.int4_packing import (
     SYMMETRIC_ZERO,
     CheckpointFormat,
@@ -98,15 +99,11 @@ def quantize_int4(weight: torch.Tensor, group_size: int, *, zero_points: bool = 
 # -- the grouped GEMM (torch reference) ------------------------------------------------------------------
 
 
-def _expert(weight: Int4Weight, expert: int) -> torch.Tensor:
-    zeros = weight.qzeros[expert] if weight.qzeros is not None else None
-    return dequantize_int4(weight.qweight[expert], weight.scales[expert], zeros)
-
-
 def int4_experts(weight: Int4Weight) -> ExpertWeights:
     """The experts of ``weight`` for the reference GEMMs, dequantized one at a time (experts without
     rows never are)."""
-    return ExpertWeights(int(weight.qweight.shape[0]), weight.out_features, lambda expert: _expert(weight, expert))
+    tensors = (weight.qweight, weight.scales) + ((weight.qzeros,) if weight.qzeros is not None else ())
+    return decoded_experts("int4", tensors)
 
 
 def int4_gemm_sorted(x: torch.Tensor, counts: torch.Tensor, weight: Int4Weight,

@@ -117,7 +117,8 @@ def _int4_gemm(
         row_bias = bias.float().unsqueeze(1) if bias is not None else None
     else:
         acc = grouped_gemm_sorted(Activations(codes.float()), counts, wq, None, None, torch.float32)
-        row_expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
+        row_expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts,
+                                             output_size=x.shape[0])
         w_scale = weight_scale.float()[row_expert]
         row_bias = bias.float()[row_expert] if bias is not None else None
     out = acc * x_scale * w_scale

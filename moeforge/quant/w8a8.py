@@ -28,6 +28,7 @@ from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.expert_checkpoint import Projection
+from moeforge.quant.decoded_gemm import BLOCK, decoded_experts, dequantize_weight
 from moeforge.quant.base import QuantMethod, expert_shapes, layer_compute_dtype, register_expert_biases
 from moeforge.roles.base import TorchExperts, TritonExperts
 from moeforge.spec import Accepts, DType, ScaleLayout, Spec
@@ -41,7 +42,6 @@ from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
 if TYPE_CHECKING:
     from moeforge.layer import MoELayer
 
-BLOCK = 128  # weight block edge (rows and columns) of block-scaled weights
 W13, W2 = "w13_weight", "w2_weight"
 S13, S2 = "w13_weight_scale", "w2_weight_scale"
 B13, B2 = "w13_bias", "w2_bias"
@@ -76,17 +76,6 @@ def quantize_weight_blockwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return data[..., :rows, :cols].contiguous(), quantized.scale.reshape(*lead, nb, kb)
 
 
-def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The fp32 value of a quantized ``weight [..., N, K]``: ``scale [..., N]`` per channel, or
-    ``[..., ceil(N/128), ceil(K/128)]`` per 128 x 128 block."""
-    values = weight.float()
-    if scale.dim() == weight.dim() - 1:
-        return values * scale.float().unsqueeze(-1)
-    rows, cols = weight.shape[-2:]
-    full = scale.float().repeat_interleave(BLOCK, dim=-2)[..., :rows, :]
-    return values * full.repeat_interleave(BLOCK, dim=-1)[..., :cols]
-
-
 def scale_shape(rows: int, cols: int, block: bool) -> tuple[int, ...]:
     """The scale shape of one ``[rows, cols]`` weight matrix."""
     return (_blocks(rows), _blocks(cols)) if block else (rows,)
@@ -97,8 +86,7 @@ def scale_shape(rows: int, cols: int, block: bool) -> tuple[int, ...]:
 def dequantized_experts(weight: torch.Tensor, weight_scale: torch.Tensor) -> ExpertWeights:
     """The experts of a quantized ``weight [E, N, K]`` for the reference GEMMs, dequantized one at a
     time."""
-    return ExpertWeights(int(weight.shape[0]), int(weight.shape[1]),
-                         lambda expert: dequantize_weight(weight[expert], weight_scale[expert]))
+    return decoded_experts("scaled", (weight, weight_scale))
 
 
 def w8a8_gemm_sorted(

@@ -52,11 +52,14 @@ class GemmRole(enum.Enum):
 class ExpertWeights:
     """Expert weights made one expert at a time: ``expert(e)`` is expert ``e``'s fp32 ``[N, K]``
     weight (a quantized method dequantizes it on demand, so at most one expert's fp32 copy lives at
-    a time and experts without rows are never dequantized)."""
+    a time and experts without rows are never dequantized); ``sorted_mm(x, counts)`` is the product of
+    rows grouped by expert (fp32 ``[R, N]``), one op that ``torch.compile`` traces (see
+    :mod:`moeforge.quant.decoded_gemm`)."""
 
     num_experts: int
     out_features: int
     expert: Callable[[int], torch.Tensor]
+    sorted_mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 WeightsArg = Union[torch.Tensor, ExpertWeights]
@@ -71,18 +74,10 @@ def grouped_gemm_sorted(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``y[r] = x[r] @ weight[e(r)].T (+ bias[e(r)]) (* row_scale[r])`` with rows grouped by expert
-    ``e`` according to ``counts`` (int64 ``[E]``); ``weight`` is ``[E, N, K]`` (one custom op that
-    ``torch.compile`` traces, see :mod:`moeforge.stages.grouped_mm`) or :class:`ExpertWeights`."""
+    ``e`` according to ``counts`` (int64 ``[E]``); ``weight`` is ``[E, N, K]`` or :class:`ExpertWeights`
+    (either way one custom op that ``torch.compile`` traces, see :mod:`moeforge.stages.grouped_mm`)."""
     values = dequantize(x, accumulation_dtype(x.data.dtype))
-    if isinstance(weight, torch.Tensor):
-        out = grouped_mm(values, weight, counts)
-    else:
-        out = torch.empty(values.shape[0], weight.out_features, dtype=values.dtype, device=values.device)
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                out[start:start + count] = values[start:start + count] @ weight.expert(expert).t()
-                start += count
+    out = grouped_mm(values, weight, counts) if isinstance(weight, torch.Tensor) else weight.sorted_mm(values, counts)
     if bias is not None:
         # Each row's bias by its expert: the expert ids of the rows, from the counts (sizes known).
         row_expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts,
