@@ -57,17 +57,25 @@ def test_exchanged_rows_need_their_own_combine() -> None:
 def test_a_failing_rank_does_not_hang_the_others() -> None:
     start = time.monotonic()
     with pytest.raises(RankFailed) as failure:
-        run_ranks(ep_workers.fail_on_rank_one, 2, timeout=120)
+        run_ranks(ep_workers.fail_on_rank_one, 2, timeout=3600, collective_timeout=3600)
     assert "rank 1 gives up" in failure.value.failures[1]
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 600  # rank 0 was terminated, not left to its hour-long collective
 
 
 def test_a_hanging_rank_is_terminated_at_the_deadline() -> None:
+    # The deadline counts from when both ranks joined (rank 0 then returns at once), not from the spawn:
+    # a loaded machine's slow start does not make rank 0 miss it.
     start = time.monotonic()
     with pytest.raises(RanksTimedOut) as timed_out:
-        run_ranks(ep_workers.hang_on_rank_one, 2, timeout=8)
+        run_ranks(ep_workers.hang_on_rank_one, 2, timeout=2)
     assert timed_out.value.ranks == [1]
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 600  # not the hour rank 1 sleeps
+
+
+def test_a_rank_that_never_joins_is_terminated_at_the_startup_deadline() -> None:
+    with pytest.raises(RanksTimedOut) as timed_out:
+        run_ranks(ep_workers.hang_on_rank_one, 2, timeout=2, startup_timeout=0)
+    assert timed_out.value.ranks == [0, 1]
 
 
 def test_quantized_experts_behind_both_dispatchers() -> None:
