@@ -317,7 +317,21 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``hidden_states [T, H]`` or ``[B, S, H]`` -> same shape. ``router_logits`` (``[T, E]`` or
-        ``[B, S, E]``) are computed by the layer's router when not given."""
+        ``[B, S, E]``) are computed by the layer's router when not given.
+
+        Under ``torch.autocast`` for the layer's device type the layer computes in its own dtype, as
+        autocast's float32 ops do: float hidden states are cast to it, autocast is off inside (so the
+        router, the experts and the shared experts compute as they do without it, on every backend), and
+        the output is in the layer's dtype. An fp32 layer between autocast layers (fp32 master weights)
+        trains; a bf16 layer computes its experts in bf16."""
+        if self._device.type in ("cpu", "cuda") and torch.is_autocast_enabled(self._device.type):
+            if isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point():
+                hidden_states = hidden_states.to(self._dtype)
+            with torch.autocast(self._device.type, enabled=False):
+                return self._forward(hidden_states, router_logits)
+        return self._forward(hidden_states, router_logits)
+
+    def _forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor]) -> torch.Tensor:
         device = self._device
         check_hidden_states(hidden_states, self.hidden_size, self.dtype, device, self.debug)
         x = hidden_states.reshape(-1, self.hidden_size)

@@ -236,7 +236,7 @@ def test_quantized_pipeline_cuda_graph_and_compile(name: str) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, run()) and not torch.equal(out, eager)
-    torch.testing.assert_close(torch.compile(run)(), run(), rtol=0, atol=0)
+    torch.testing.assert_close(torch.compile(run, fullgraph=True)(), run(), rtol=0, atol=0)
 
 
 # -- timing (not a test) -------------------------------------------------------------------------------------
