@@ -1,0 +1,198 @@
+"""Run the test suite in shards, several at a time, and write one summary per shard.
+
+The whole suite on a GPU (real Triton kernels, each specialisation compiled on first use) takes longer
+than one call of the device machine allows; its compilation is CPU-bound, so shards running side by side
+on the machine's cores share the GPU well. Usage, from the repository root::
+
+    python3 tests/gpu_shards.py --shards 8 --jobs 8 --out "$OUT/shards"           # everything
+    python3 tests/gpu_shards.py --shards 8 --only 0,1 --jobs 2 --out "$OUT/shards"  # two shards of eight
+    python3 tests/gpu_shards.py --shards 8 --list                                   # which tests, where
+
+The collected tests (``pytest --collect-only``, in pytest's order) are cut into ``--shards`` contiguous
+pieces of about equal estimated time: the seconds each test took in earlier summaries given with
+``--durations`` (files or folders of ``shard-*.json``), else one second a test. Each shard runs as its own
+``pytest`` process and records every test's outcome as it finishes (``shard-K.jsonl``), so a shard
+stopped by ``--timeout`` still says what ran; then ``shard-K.json`` (counts, failures with their
+messages, skips with their reasons, each test's seconds, the tests that never ran) and ``shard-K.txt``,
+and ``summary.txt`` for the shards of this run. The exit status is 0 when no test failed or went
+unrun in the shards run.
+
+Passing ``-p gpu_shards`` to pytest (with ``tests`` on ``PYTHONPATH``) loads this file as the plugin
+that writes the per-test lines to ``$GPU_SHARDS_LOG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_VARIABLE = "GPU_SHARDS_LOG"
+
+
+# -- the pytest plugin (loaded in each shard's process with -p gpu_shards) -----------------------------
+
+def pytest_runtest_logreport(report: Any) -> None:
+    """Append one line per test outcome: the call's, or the setup's when it failed or skipped."""
+    path = os.environ.get(LOG_VARIABLE)
+    if not path or not (report.when == "call" or (report.when == "setup" and report.outcome != "passed")
+                        or (report.when == "teardown" and report.outcome == "failed")):
+        return
+    if report.skipped:
+        outcome = "skipped"
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    else:
+        outcome = "failed" if report.failed else "passed"
+        reason = report.longreprtext[-4000:] if report.failed else ""
+    line = {"test": report.nodeid, "when": report.when, "outcome": outcome, "seconds": round(report.duration, 3),
+            "reason": reason}
+    with open(path, "a", encoding="utf-8") as log:
+        log.write(json.dumps(line) + "\n")
+
+
+# -- the runner ---------------------------------------------------------------------------------------
+
+def collect(extra: list[str]) -> list[str]:
+    """The node ids pytest would run, in its order."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *extra],
+                          cwd=ROOT, capture_output=True, text=True, check=False)
+    tests = [line for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    if not tests:
+        raise SystemExit(f"pytest collected nothing:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return tests
+
+
+def known_durations(paths: list[str]) -> dict[str, float]:
+    """Seconds per test from earlier ``shard-*.json`` summaries (files, or folders holding them)."""
+    found: dict[str, float] = {}
+    for given in paths:
+        path = Path(given)
+        for summary in sorted(path.glob("shard-*.json")) if path.is_dir() else [path]:
+            found.update(json.loads(summary.read_text())["seconds"])
+    return found
+
+
+def split(tests: list[str], shards: int, durations: dict[str, float]) -> list[list[str]]:
+    """``tests`` cut into ``shards`` contiguous pieces of about equal estimated seconds (a test without a
+    recorded time counts as the median recorded time, one second when none is recorded)."""
+    default = statistics.median(durations.values()) if durations else 1.0
+    weights = [durations.get(test, default) for test in tests]
+    total = sum(weights)
+    pieces: list[list[str]] = [[] for _ in range(shards)]
+    spent = 0.0
+    for test, weight in zip(tests, weights):
+        index = min(int(spent / total * shards), shards - 1) if total else 0
+        pieces[index].append(test)
+        spent += weight
+    return pieces
+
+
+def outcomes(log: Path) -> dict[str, dict[str, Any]]:
+    """The last recorded outcome of each test in a shard's log."""
+    found: dict[str, dict[str, Any]] = {}
+    if log.exists():
+        for line in log.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if record["test"] in found and found[record["test"]]["outcome"] == "failed":
+                continue  # a failing teardown after a passing call: keep the failure
+            found[record["test"]] = record
+    return found
+
+
+def summarize(index: int, tests: list[str], log: Path, seconds: float, returncode: Optional[int],
+              out: Path) -> dict[str, Any]:
+    """Write ``shard-K.json`` and ``shard-K.txt`` and return the summary."""
+    results = outcomes(log)
+    by = {kind: sorted(test for test, record in results.items() if record["outcome"] == kind)
+          for kind in ("passed", "failed", "skipped")}
+    summary = {
+        "shard": index, "tests": len(tests), "passed": len(by["passed"]), "failed": by["failed"],
+        "skipped": {test: results[test]["reason"] for test in by["skipped"]},
+        "not_run": [test for test in tests if test not in results],
+        "wall_seconds": round(seconds, 1), "pytest_exit": returncode,
+        "failures": {test: results[test]["reason"] for test in by["failed"]},
+        "seconds": {test: record["seconds"] for test, record in results.items()},
+        "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    (out / f"shard-{index}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    lines = [f"shard {index}: {len(tests)} tests, {summary['passed']} passed, {len(by['failed'])} failed, "
+             f"{len(by['skipped'])} skipped, {len(summary['not_run'])} not run, {seconds:.0f} s "
+             f"(pytest exit {returncode})"]
+    lines += [f"  FAILED {test}" for test in by["failed"]]
+    lines += [f"  NOT RUN {test}" for test in summary["not_run"]]
+    (out / f"shard-{index}.txt").write_text("\n".join(lines) + "\n")
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", type=int, required=True, help="how many pieces the suite is cut into")
+    parser.add_argument("--only", default="", help="comma-separated shard numbers to run (default: all)")
+    parser.add_argument("--jobs", type=int, default=1, help="shards run side by side")
+    parser.add_argument("--out", default="shards", help="folder for the summaries")
+    parser.add_argument("--timeout", type=float, default=0, help="seconds before a shard is stopped (0: never)")
+    parser.add_argument("--durations", action="append", default=[],
+                        help="earlier summaries (files or folders) whose seconds balance the shards")
+    parser.add_argument("--list", action="store_true", help="print each shard's tests and stop")
+    parser.add_argument("pytest_args", nargs="*", help="after --: what to collect (default: the tests folder)")
+    args = parser.parse_args(argv)
+    if args.shards < 1 or args.jobs < 1:
+        parser.error("--shards and --jobs must be at least 1")
+    chosen = sorted({int(part) for part in args.only.split(",") if part.strip()}) or list(range(args.shards))
+    if any(not 0 <= index < args.shards for index in chosen):
+        parser.error(f"--only takes shard numbers 0..{args.shards - 1}, got {args.only}")
+
+    pieces = split(collect(args.pytest_args), args.shards, known_durations(args.durations))
+    if args.list:
+        for index, piece in enumerate(pieces):
+            print(f"# shard {index}: {len(piece)} tests")
+            print("\n".join(piece))
+        return 0
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, LOG_VARIABLE: "", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    waiting = list(chosen)
+    running: dict[int, tuple[subprocess.Popen[bytes], float]] = {}
+    summaries: list[dict[str, Any]] = []
+    while waiting or running:
+        while waiting and len(running) < args.jobs:
+            index = waiting.pop(0)
+            log = out / f"shard-{index}.jsonl"
+            log.unlink(missing_ok=True)
+            with open(out / f"shard-{index}.log", "wb") as output:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_shards",
+                     *pieces[index]], cwd=ROOT, env={**env, LOG_VARIABLE: str(log.resolve())},
+                    stdout=output, stderr=subprocess.STDOUT)
+            running[index] = (process, time.monotonic())
+        time.sleep(1)
+        for index, (process, started) in list(running.items()):
+            elapsed = time.monotonic() - started
+            if process.poll() is None and args.timeout and elapsed > args.timeout:
+                process.kill()
+                process.wait()
+            if process.poll() is not None:
+                del running[index]
+                summary = summarize(index, pieces[index], out / f"shard-{index}.jsonl", elapsed,
+                                    process.returncode, out)
+                summaries.append(summary)
+                print((out / f"shard-{index}.txt").read_text(), end="", flush=True)
+    summaries.sort(key=lambda summary: summary["shard"])
+    text = "".join((out / f"shard-{summary['shard']}.txt").read_text() for summary in summaries)
+    (out / "summary.txt").write_text(text)
+    return 0 if all(not summary["failed"] and not summary["not_run"] for summary in summaries) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""``tests/gpu_shards.py``, the runner of the suite in shards: the cut balances recorded seconds, every
+test lands in exactly one shard, and a shard's summary names what failed, what was skipped and what never
+ran (a shard stopped by its timeout)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gpu_shards
+
+
+def test_shards_cover_every_test_once_in_order() -> None:
+    tests = [f"tests/test_{i // 7}.py::test_{i}" for i in range(50)]
+    for shards in (1, 3, 8, 60):
+        pieces = gpu_shards.split(tests, shards, {})
+        assert len(pieces) == shards and [test for piece in pieces for test in piece] == tests
+
+
+def test_recorded_seconds_balance_the_shards() -> None:
+    tests = [f"t::{i}" for i in range(10)]
+    seconds = {"t::0": 90.0, **{f"t::{i}": 10.0 for i in range(1, 10)}}
+    pieces = gpu_shards.split(tests, 2, seconds)
+    assert pieces[0] == ["t::0"]  # the slow test alone, the nine others together
+    assert len(pieces[1]) == 9
+
+
+def test_a_summary_names_failures_skips_and_tests_that_never_ran(tmp_path: Path) -> None:
+    log = tmp_path / "shard-0.jsonl"
+    lines = [
+        {"test": "a", "when": "call", "outcome": "passed", "seconds": 1.0, "reason": ""},
+        {"test": "b", "when": "call", "outcome": "failed", "seconds": 2.0, "reason": "AssertionError: 1 != 2"},
+        {"test": "c", "when": "setup", "outcome": "skipped", "seconds": 0.0, "reason": "needs a CUDA device"},
+        {"test": "a", "when": "teardown", "outcome": "failed", "seconds": 0.1, "reason": "leaked"},
+    ]
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = gpu_shards.summarize(0, ["a", "b", "c", "d"], log, 12.0, -9, tmp_path)
+    assert summary["failed"] == ["a", "b"] and summary["passed"] == 0
+    assert summary["skipped"] == {"c": "needs a CUDA device"}
+    assert summary["not_run"] == ["d"]
+    assert summary["failures"]["b"] == "AssertionError: 1 != 2"
+    text = (tmp_path / "shard-0.txt").read_text()
+    assert "FAILED b" in text and "NOT RUN d" in text and "pytest exit -9" in text
+    assert gpu_shards.known_durations([str(tmp_path)]) == {"a": 0.1, "b": 2.0, "c": 0.0}
