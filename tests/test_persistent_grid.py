@@ -58,18 +58,20 @@ def test_default_grid() -> None:
     hopper = (9, 0)
     glu_tile, down_tile = GemmConfig(128, 128, 64, num_warps=8), GemmConfig(128, 256, 64, num_warps=8)
     many = 256.0  # rows per expert: two 128-row blocks
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, True, many) == "persistent"
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, many) == "flattened"
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, True, many, 2) == "persistent"
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, many, 2) == "flattened"
+    # fp32 outputs (the backward's): the flattened loop's staged output tile does not fit beside the ring
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, many, 4) == "persistent"
     # about one block per expert: one program per tile
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, True, 200.0) == "tiles"
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, 128.0) == "tiles"
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, True, 200.0, 2) == "tiles"
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, 128.0, 2) == "tiles"
     # two programs fit on an SM: one per tile
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, False, many) == "tiles"
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, GemmConfig(64, 128, 64), True, many) == "tiles"
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, False, many, 2) == "tiles"
+    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, GemmConfig(64, 128, 64), True, many, 2) == "tiles"
     for fmt in (WeightFormat.FP8, WeightFormat.INT8, WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
-        assert moe_gemm.default_grid(hopper, fmt, glu_tile, True, many) == "tiles"
-    assert moe_gemm.default_grid((10, 0), WeightFormat.FLOAT, glu_tile, True, many) == "tiles"
-    assert moe_gemm.default_grid(None, WeightFormat.FLOAT, glu_tile, True, many) == "tiles"
+        assert moe_gemm.default_grid(hopper, fmt, glu_tile, True, many, 2) == "tiles"
+    assert moe_gemm.default_grid((10, 0), WeightFormat.FLOAT, glu_tile, True, many, 2) == "tiles"
+    assert moe_gemm.default_grid(None, WeightFormat.FLOAT, glu_tile, True, many, 2) == "tiles"
 
 
 def test_unknown_grid_is_refused() -> None:

@@ -335,3 +335,36 @@ def test_the_benchmarks_name_what_decides_a_launch() -> None:
     tuned = attrs.evolve(plain, weight_format="mxfp4-shuffled")
     assert bench_moe.launch_entry(tuned, "mxfp4-shuffled", 4096) == str(entry)
     assert bench_moe.launch_entry(ConfigTable(8, 2), "w4a16", 1).startswith("no table: default rules")
+
+
+def test_every_committed_float_entry_fits_shared_memory_forward_and_backward() -> None:
+    # The backward runs each GEMM's tile again with fp32 outputs (the recomputed pre-activation, the input
+    # gradient): the flattened grid stages that output tile beside the operand ring, which a 128x256 tile at
+    # 4 stages could not hold on an H100 (327712 bytes asked, the training crash). Walk every entry: the
+    # operand ring fits the budget after fitting, and only 2-byte outputs take the flattened grid, the one
+    # measured to fit beside a 4-stage bf16 ring (229408 bytes of 232448; tests/test_launch_fit_gpu.py
+    # launches them all on a Hopper GPU).
+    from moeforge.kernels import moe_gemm
+    from moeforge.kernels.config import SHARED_MEMORY_BUDGET
+    from moeforge.kernels.formats import WeightFormat
+
+    walked = 0
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        for key, entries in device_tables(name).items():
+            if not key.endswith(",bf16"):
+                continue
+            fields = dict(part.split("=") for part in key.split(",") if "=" in part)
+            for tokens, entry in entries.items():
+                rows_per_expert = int(tokens) * int(fields["k"]) / int(fields["E"])
+                for gemm in ("gate_up", "down"):
+                    for glu, out_bytes in ((gemm == "gate_up", 2), (False, 4)):
+                        config = moe_gemm.fit_config(GemmConfig(**entry[gemm]), 2, packed=False,
+                                                     per_k_scales=False, glu=glu)
+                        ring = (config.block_m + (2 if glu else 1) * config.block_n) * config.block_k * 2
+                        assert ring * config.num_stages <= SHARED_MEMORY_BUDGET, (name, key, tokens, gemm)
+                        grid = moe_gemm.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert,
+                                                     out_bytes)
+                        assert grid != "flattened" or (out_bytes == 2 and ring * config.num_stages <= 4 * 49152), \
+                            (name, key, tokens, gemm, config)
+                        walked += 1
+    assert walked > 100

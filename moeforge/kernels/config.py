@@ -120,12 +120,13 @@ class MoEConfig:
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; the H100/H200 limit is 227 KiB per block
 
 
-def fit_shared_memory(config: GemmConfig, element_bytes: int, b_tiles: int) -> GemmConfig:
+def fit_shared_memory(config: GemmConfig, element_bytes: int, b_tiles: int, staged_bytes: int = 0) -> GemmConfig:
     """``config`` with fewer pipeline stages (then a smaller ``block_k``) until its operand tiles fit
-    in shared memory: fp32 operands and the fused gate+up GEMM (``b_tiles=2``) need more."""
+    in shared memory: fp32 operands and the fused gate+up GEMM (``b_tiles=2``) need more. ``staged_bytes``:
+    shared memory the kernel takes besides the operand ring (an output tile the epilogue stages there)."""
     while True:
         tile = (config.block_m + b_tiles * config.block_n) * config.block_k * element_bytes
-        if tile * config.num_stages <= SHARED_MEMORY_BUDGET:
+        if tile * config.num_stages + staged_bytes <= SHARED_MEMORY_BUDGET:
             return config
         if config.num_stages > 2:
             config = attrs.evolve(config, num_stages=config.num_stages - 1)

@@ -817,7 +817,7 @@ GRIDS = ("tiles", "persistent", "flattened")
 
 
 def default_grid(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig, glu: bool,
-                 rows_per_expert: float) -> str:
+                 rows_per_expert: float, out_bytes: int) -> str:
     """The grid :func:`moe_gemm` launches by default (see ``GRIDS``): ``tiles``, one program per tile
     (the programs past the aligned blocks that exist return at once); ``persistent``, one program per SM
     taking the tiles that exist grid-stride; ``flattened``, persistent with the tile loop and the K-loop
@@ -831,14 +831,20 @@ def default_grid(capability: Optional[tuple[int, int]], weight_format: WeightFor
     slower persistent (their K-loops already hold more registers). With about one block per expert
     (``rows_per_expert``, the copies over the experts, below two blocks) the persistent gate/up GEMM lost
     too: DeepSeek-V3 at M = 4096 (128 rows per expert) 1.18x with TMA, against 0.90x at M = 16384
-    (results/ab_grid_tma-...log)."""
+    (results/ab_grid_tma-...log).
+
+    The flattened loop stages the output tile in shared memory beside the operand ring (Triton 3.6 and 3.9,
+    compiled for sm_90): for ``out_bytes`` 4 (fp32 outputs: the backward's, an fp32 layer's) the whole
+    ``block_m x block_n`` tile, 128 KiB for 128x256, which with a 4-stage bf16 ring asked for 327712 bytes of
+    the 232448 an H100 has (the training crash); for 2-byte outputs at most half of it, which fits (229408
+    bytes). So fp32 outputs take the persistent grid instead."""
     if (weight_format is not WeightFormat.FLOAT or capability is None or capability[0] != 9
             or config.block_m < 128 or rows_per_expert < 2 * config.block_m):
         return "tiles"
     accumulators = config.block_m * config.block_n * (2 if glu else 1) // (config.num_warps * 32)
     if accumulators < 128:
         return "tiles"
-    return "persistent" if glu else "flattened"
+    return "persistent" if glu or out_bytes > 2 else "flattened"
 
 
 def default_split_k(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig,
@@ -899,7 +905,7 @@ def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sort
     float_config = attrs.evolve(config, decode_chunk=0, swap=False, split_k=None, half_tail=False)
     if grid is None:
         grid = default_grid(device_capability(a.device), WeightFormat.FLOAT, float_config, options["glu"],
-                            out.shape[0] / experts)
+                            out.shape[0] / experts, out.element_size())
         grid = grid if grid != "tiles" else "persistent"
     for index, first in enumerate(starts):
         last = min(first + chunk, experts)
@@ -1073,6 +1079,9 @@ def moe_gemm(
         a.element_size() if row_format is RowFormat.FLOAT else out.element_size())
     config = fit_config(config, compute_bytes, packed=weight_format.packed or row_format is RowFormat.NVFP4,
                         per_k_scales=a_mode == _GROUP_SCALE or w.blocked, glu=glu)
+    if grid == "flattened" and out.element_size() > 2:  # asked for: its epilogue stages the output tile (default_grid)
+        config = fit_shared_memory(config, compute_bytes, 2 if glu else 1,
+                                   staged_bytes=config.block_m * config.block_n * out.element_size())
     if weight_shuffled and not (chunk and weight_format.packed):  # (decoding first reads it with its own tiles)
         shuffle.check_tile(config)
     if quant_out and (weight_format not in (WeightFormat.FP8, WeightFormat.INT8) or config.block_n % SCALE_BLOCK
@@ -1139,7 +1148,7 @@ def moe_gemm(
     if splits > 1 and grid not in (None, "tiles"):
         raise ValueError(f"a split K-loop runs one program per tile, not grid={grid!r}")
     grid_kind = "tiles" if splits > 1 else grid if grid is not None else default_grid(
-        capability, weight_format, config, glu, num_copies / weight.shape[0])
+        capability, weight_format, config, glu, num_copies / weight.shape[0], out.element_size())
     if persistent_only and grid_kind == "tiles":
         grid_kind = "persistent"
     if use_half_tail and grid is None:
