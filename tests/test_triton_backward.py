@@ -178,6 +178,67 @@ def test_quantized_grouped_gemms_refuse_a_backward() -> None:
         out.sum().backward()
 
 
+def test_the_weight_gradient_does_not_depend_on_the_order_the_alignment_placed_copies() -> None:
+    # The alignment's scatter places an expert's copies in the order its atomics run: any order within an
+    # expert's slots. The weight gradient must give the same bits for every such order.
+    gen = torch.Generator().manual_seed(91)
+    tokens, k, experts, block = 40, 2, 3, 16
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32)
+    rows = torch.randn(tokens, 24, generator=gen).to(DEVICE)
+    d_rows = torch.randn(tokens * k, 40, generator=gen).to(DEVICE)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, block)
+    shuffled = sorted_ids.clone()
+    used = int(num_padded)
+    owner = block_expert.long().repeat_interleave(block)[:used].cpu()
+    for e in range(experts):  # permute each expert's slots (copies and padding together)
+        slots = (owner == e).nonzero().flatten()
+        shuffled[slots.to(DEVICE)] = sorted_ids[slots[torch.randperm(slots.numel(), generator=gen)].to(DEVICE)]
+    assert not torch.equal(shuffled, sorted_ids)
+    first = expert_weight_grad(d_rows, rows, k, sorted_ids, block_expert, num_padded, experts, block, True)
+    again = expert_weight_grad(d_rows, rows, k, shuffled, block_expert, num_padded, experts, block, True)
+    assert torch.equal(first[0], again[0]) and first[1] is not None and again[1] is not None
+    assert torch.equal(first[1], again[1])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_every_gradient_is_bitwise_the_same_from_run_to_run_and_in_a_cuda_graph(family: str) -> None:
+    # Thousands of copies per expert: the alignment's atomics order them differently from run to run.
+    torch.manual_seed(0)
+    layer = mf.MoELayer.from_preset(family, num_experts=8, top_k=2, hidden_size=512, intermediate_size=256,
+                                    dtype=torch.bfloat16, device="cuda", backend="triton")
+    x = torch.randn(8192, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(8192, 512, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> list[torch.Tensor]:
+        x.grad = None
+        layer.zero_grad(set_to_none=False)
+        layer(x).backward(grad)
+        return [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]  # type: ignore[union-attr]
+
+    first = step()
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(step(), first))
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    x.grad = torch.zeros_like(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x).backward(grad)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for p in [x, *layer.parameters()]:
+            p.grad.zero_()  # type: ignore[union-attr]
+        layer(x).backward(grad)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [x.grad] + [p.grad for p in layer.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(replayed, first))  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_triton_layer_gradients_equal_the_torch_backend_in_bf16(family: str) -> None:

@@ -7,8 +7,9 @@ indices ``t * top_k + k`` grouped by expert, each expert's run padded with the s
 output sizes: CUDA-graph capturable.
 
 Within an expert the order of copies is not fixed (the scatter uses atomics). That does not make
-results vary: every row of a grouped GEMM is computed independently of its neighbours, and the
-combine reads rows by copy index, not by position.
+results vary: every row of a grouped GEMM is computed independently of its neighbours, the combine
+reads rows by copy index, not by position, and the weight gradient, a sum over an expert's rows, puts
+them in ascending order first (:func:`moeforge.kernels.backward.canonical_order`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ backend), then:
   ``top_k`` copies in a fixed order;
 * weights and biases: :func:`expert_weight_grad`, one program per (expert, N-block, K-block) walking that
   expert's row blocks in order: ``dW[e] = sum_c d_pre[c]^T rows[c // r]`` and ``db[e] = sum_c d_pre[c]``,
-  deterministic (no atomics, one fixed reduction order);
+  deterministic (no atomics; each expert's copies summed in ascending order, :func:`canonical_order`, not in
+  the order the alignment's atomics placed them);
 * routing weights: ``<d_out[c], epilogue input[c]>`` from the autograd step.
 
 Only float weights differentiate: the quantized formats are inference-only and their backward raises.
@@ -87,18 +88,35 @@ def expert_first_blocks(block_expert: torch.Tensor, num_padded: torch.Tensor, bl
     return torch.searchsorted(owners, torch.arange(num_experts + 1, device=owners.device)).to(torch.int32)
 
 
+def canonical_order(sorted_ids: torch.Tensor, block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int,
+                    num_copies: int, num_experts: int) -> torch.Tensor:
+    """``sorted_ids`` with each expert's copies in ascending order, its padding after them, in the same
+    slots (every expert keeps its blocks), on the device. The alignment's scatter places an expert's
+    copies in the order its atomics happened to run, which changes from run to run; a sum over an
+    expert's rows in slot order (the weight gradient) would change in its last bits with it."""
+    slots = torch.arange(sorted_ids.numel(), device=sorted_ids.device)
+    used = slots < num_padded.to(torch.int64)
+    owner = block_expert.to(torch.int64).repeat_interleave(block_m)[:sorted_ids.numel()]
+    stride = num_copies + 1  # the padding sentinel is num_copies: last of its expert
+    keys = torch.where(used, owner * stride + sorted_ids.to(torch.int64), num_experts * stride + slots)
+    ordered = torch.sort(keys).values  # the used keys, in expert order, fill exactly the used slots
+    return torch.where(used, ordered % stride, sorted_ids.to(torch.int64)).to(sorted_ids.dtype)
+
+
 def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
                        block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
                        with_bias: bool, dtype: torch.dtype = torch.float32
                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(dW [E, N, K], db [E, N] or None)`` in ``dtype`` (summed in fp32): for each expert the sum over its
     copies ``c`` of ``d_rows[c]^T rows[c // rows_per_a]`` (``d_rows [copies, N]``, ``rows [R, K]`` of one
-    dtype), in the fixed order of the alignment (``sorted_ids`` aligned with ``block_m``)."""
+    dtype), each expert's copies summed in ascending order (:func:`canonical_order` of ``sorted_ids``, aligned
+    with ``block_m``): the same bits from run to run, whatever order the alignment's atomics gave."""
     num_copies, n = d_rows.shape
     k = rows.shape[1]
     dw = torch.empty(num_experts, n, k, dtype=dtype, device=rows.device)
     db = torch.empty(num_experts, n, dtype=dtype, device=rows.device) if with_bias else None
     first = expert_first_blocks(block_expert, num_padded, block_m, num_experts)
+    sorted_ids = canonical_order(sorted_ids, block_expert, num_padded, block_m, num_copies, num_experts)
     wide = rows.element_size() < 4 and rows.is_cuda
     block_n, block_k = (128, 128) if wide else (32, 32)
     grid = (num_experts, triton.cdiv(n, block_n), triton.cdiv(k, block_k))
