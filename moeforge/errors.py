@@ -7,6 +7,7 @@ from typing import Any
 __all__ = [
     "MoEForgeError", "ContractError", "PayloadError", "InputError", "DispatchDtypeError", "BackendUnavailableError",
     "CheckpointError", "MissingPackageError", "PresetError", "UnsupportedExpertsError", "InferenceOnlyError",
+    "ReplacedStageError",
 ]
 
 
@@ -43,6 +44,20 @@ class ContractError(MoEForgeError):
             f"  {consumer} accepts:  {_show(want)}\n"
             f"  hint: {hint}"
         )
+
+
+class ReplacedStageError(ContractError):
+    """A stage swapped into a layer with ``replace_stage`` does not fit the pipeline the layer rebuilds for
+    new settings (another quant method, as ``quantize_layer`` gives it; a new dtype or device): the new
+    pipeline has no stage of the replaced one's kinds at its place (``field="kinds"``), or the custom stage
+    disagrees with a neighbour there (that boundary's field). The message names the custom stage and what
+    to do; ``stage`` is its name."""
+
+    def __init__(self, summary: str, *, stage: str, producer: str, consumer: str, field: str, have: Any, want: Any,
+                 hint: str) -> None:
+        super().__init__(producer=producer, consumer=consumer, field=field, have=have, want=want, hint=hint)
+        self.stage = stage
+        self.args = (f"{summary}\n{self.args[0]}",)  # what happened first, then the mismatch as usual
 
 
 class PayloadError(MoEForgeError):

@@ -17,6 +17,7 @@ from moeforge.payloads import ExpertRows, MoEInput, MoEOutput, RoutedTokens
 from moeforge.pipeline import Pipeline
 from moeforge.quant.base import QuantMethod
 from moeforge.quant.unquantized import UnquantizedMethod
+from moeforge.replaced_stages import ReplacedStage, record
 from moeforge.roles.base import LayerConfig
 from moeforge.selector import select
 from moeforge.shared_experts import Linear, SharedExperts, SharedExpertsConfig
@@ -144,7 +145,7 @@ class MoELayer(nn.Module):
         self.shared_experts: Optional[SharedExperts] = None
         if shared_experts is not None:
             self.shared_experts = SharedExperts(hidden_size, shared_experts, dtype=dtype, device=device)
-        self.replaced_stages: list[tuple[Union[int, str], Stage[Any, Any]]] = []
+        self.replaced_stages: list[ReplacedStage] = []
         self.dispatch_decision: DispatchDecision
         self.pipeline: Pipeline[MoEInput, MoEOutput]
         self.rebuild_pipeline()
@@ -222,8 +223,10 @@ class MoELayer(nn.Module):
     def rebuild_pipeline(self) -> None:
         """Resolve the dispatch dtype and build + validate the pipeline from the current settings.
 
-        Stages swapped in with :meth:`replace_stage` are applied again, in order, to the rebuilt
-        pipeline (and validated again)."""
+        Stages swapped in with :meth:`replace_stage` are put back, in order, at the same place of the
+        forward (what the replaced stage read and produced, and its kinds: the index or name may differ
+        now) and validated again; one that no longer fits raises
+        :class:`~moeforge.errors.ReplacedStageError` naming it."""
         self.dispatch_decision = resolve_dispatch_dtype(
             self.dispatch_dtype_setting,
             experts_accept=self.quant.accepts,
@@ -251,8 +254,9 @@ class MoELayer(nn.Module):
         notes += self.selection.describe()
         pipeline: Pipeline[MoEInput, MoEOutput] = Pipeline(stages, spec, debug=self.debug, notes=notes,
                                                            no_backward=self.quant.backward_problem())
-        for which, stage in self.replaced_stages:
-            pipeline = pipeline.replace(which, stage)
+        built_for = f"{self.quant.name}, backend {self.backend.value}, {DType.from_torch(self.dtype).value}"
+        for replaced in self.replaced_stages:
+            pipeline = replaced.put_back(pipeline, built_for)
         self.pipeline = pipeline
 
     @property
@@ -280,10 +284,12 @@ class MoELayer(nn.Module):
     def replace_stage(self, which: Union[int, str], stage: Stage[Any, Any]) -> None:
         """Swap one stage of this layer's pipeline (validated again) — e.g. a custom activation.
 
-        The replacement is remembered: :meth:`rebuild_pipeline` (and so
-        :meth:`process_weights_after_loading`) applies it again."""
-        self.pipeline = self.pipeline.replace(which, stage)
-        self.replaced_stages.append((which, stage))
+        The replacement is remembered (:attr:`replaced_stages`): :meth:`rebuild_pipeline` (and so
+        :meth:`process_weights_after_loading`, a conversion, ``quantize_layer``) puts it back at the same
+        place of the forward."""
+        pipeline = self.pipeline.replace(which, stage)
+        self.replaced_stages = record(self.pipeline, self.replaced_stages, which, stage)
+        self.pipeline = pipeline
 
     def process_weights_after_loading(self) -> None:
         """Let the quant method repack loaded weights, then rebuild the pipeline."""

@@ -8,8 +8,9 @@ what an MoE forward is:
   without): anything else would be read as the integers it stores;
 * the expert computation holds exactly one activation between its two GEMMs (counted from the stages'
   ``kinds``; a fused GEMM + activation counts as that one; a model without one uses the identity);
-* a pipeline that ends in an ``OUTPUT`` payload produces a float dtype and has applied the routing
-  weights exactly once, at the place the router declared, and the routed scaling factor exactly once.
+* an ``OUTPUT`` payload has a float dtype (checked before its scales: an int8 output is not fixed by
+  giving it scales), and a pipeline that ends in one has applied the routing weights exactly once, at the
+  place the router declared, and the routed scaling factor exactly once.
 
 Any disagreement raises :class:`~moeforge.errors.ContractError` before a tensor exists.
 
@@ -102,6 +103,10 @@ def validate(stages: Sequence[Stage[Any, Any]], input_spec: Spec) -> list[Spec]:
             _raise(producer, label, mismatches[0])
         spec = _count_activations(spec, stage.output_spec(spec), stage, producer, label)
         consumer = _label(index + 1, stages[index + 1]) if index + 1 < len(stages) else PIPELINE_OUTPUT
+        if spec.kind is PayloadKind.OUTPUT:
+            # Before the scales: a quantized layer output is wrong with or without them, and the scales'
+            # hint (produce them with a quantizer) would lead nowhere.
+            _check_output_dtype(spec, label, consumer)
         _check_scales(spec, label, consumer)
         specs.append(spec)
         producer = label
@@ -139,11 +144,15 @@ def _check_scales(spec: Spec, producer: str, consumer: str) -> None:
         _raise(producer, consumer, Mismatch("scale_layout", spec.scale_layout, allowed, hint))
 
 
-def _check_output(spec: Spec, producer: str) -> None:
+def _check_output_dtype(spec: Spec, producer: str, consumer: str) -> None:
     if spec.dtype not in REFERENCE_FLOAT_DTYPES:
-        _raise(producer, PIPELINE_OUTPUT, Mismatch(
+        _raise(producer, consumer, Mismatch(
             "dtype", spec.dtype, REFERENCE_FLOAT_DTYPES,
             "the layer's output is float: give the combine a float out_dtype (or None: the expert outputs' dtype)"))
+
+
+def _check_output(spec: Spec, producer: str) -> None:
+    """The rules of a layer's output beyond its dtype (checked with the stage that produced it)."""
     if spec.routing_weights is RoutingWeights.PENDING:
         _raise(producer, PIPELINE_OUTPUT, Mismatch(
             "routing_weights", spec.routing_weights, "applied exactly once",

@@ -71,7 +71,7 @@ def layer_reference(
     # A replaced dispatch or quantize stage moves or rounds rows without changing the math; any other
     # replacement (routing, GEMM, activation, combine) would make this reference wrong.
     neutral = {StageKind.DISPATCH, StageKind.QUANTIZE}
-    if any(set(stage.kinds) - neutral for _, stage in layer.replaced_stages):
+    if any(set(replaced.stage.kinds) - neutral for replaced in layer.replaced_stages):
         raise TypeError("layer_reference computes the built-in stages' math; this layer has custom stages "
                         "(replace_stage), so it would give a wrong reference")
     x = hidden_states.reshape(-1, layer.hidden_size)

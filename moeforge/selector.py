@@ -134,9 +134,12 @@ def select(config: LayerConfig) -> Selection:
         skipped.append((experts.name(), "no dispatcher delivers its rows: " + "; ".join(
             f"{name}: {reason}" for name, reason in problems)))
         problems.clear()
-    raise InputError(f"no implementation can run this layer ({config.quant.name}, backend="
-                     f"{config.backend.value if config.backend else 'auto'}, dispatcher={_asked(config)!r} on "
-                     f"{config.device}):\n" + "\n".join(f"  {name}: {reason}" for name, reason in skipped))
+    backend = config.backend.value if config.backend else "auto"
+    if config.batch_invariant:
+        backend += " (batch_invariant=True runs on the triton backend)"
+    raise InputError(f"no implementation can run this layer ({config.quant.name}, backend={backend}, "
+                     f"dispatcher={_asked(config)!r} on {config.device}):\n"
+                     + "\n".join(f"  {name}: {reason}" for name, reason in skipped))
 
 
 def _router(config: LayerConfig, skipped: list[tuple[str, str]]) -> type[Router]:
@@ -154,7 +157,8 @@ def _router(config: LayerConfig, skipped: list[tuple[str, str]]) -> type[Router]
 def _experts_problem(experts: type[Experts], config: LayerConfig) -> Optional[str]:
     reason = experts.supports(config)
     if reason is None and config.backend is not None and experts.backend is not config.backend:
-        reason = f"backend={config.backend.value!r} was asked for"
+        reason = ("batch_invariant=True runs on the triton backend" if config.batch_invariant
+                  else f"backend={config.backend.value!r} was asked for")
     return reason
 
 

@@ -52,7 +52,7 @@ from moeforge.quant.base import (
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
 from moeforge.quant.nvfp4 import EmulatedGroupedGemm
 from moeforge.quant import stored_layout as layouts
-from moeforge.roles.base import TorchExperts, TritonExperts
+from moeforge.roles.base import FloatRows, TorchExperts, TritonExperts
 from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig
@@ -264,6 +264,7 @@ class TritonMxfp4Experts(TritonExperts):
     down GEMM's."""
 
     method: ClassVar[type[Any]] = Mxfp4Method
+    float_rows: ClassVar[FloatRows] = FloatRows.LAYER_DTYPE  # float rows in the compute dtype (out_dtype)
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,

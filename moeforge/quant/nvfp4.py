@@ -79,7 +79,7 @@ from moeforge.quant.fp4 import (
     quantize_nvfp4,
 )
 from moeforge.quant import stored_layout as layouts
-from moeforge.roles.base import TorchExperts, TritonExperts
+from moeforge.roles.base import FloatRows, TorchExperts, TritonExperts
 from moeforge.spec import FLOAT_DTYPES, Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig
@@ -441,6 +441,7 @@ class TritonNvfp4Experts(TritonExperts):
     routing weights."""
 
     method: ClassVar[type[Any]] = Nvfp4Method
+    float_rows: ClassVar[FloatRows] = FloatRows.LAYER_DTYPE  # float rows in the compute dtype (out_dtype)
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,

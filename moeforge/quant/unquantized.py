@@ -9,7 +9,7 @@ import torch
 
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.kernels.config import ConfigTable
-from moeforge.roles.base import TorchExperts, TritonExperts
+from moeforge.roles.base import FloatRows, TorchExperts, TritonExperts
 from moeforge.spec import REFERENCE_FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig
@@ -65,6 +65,7 @@ class TritonUnquantizedExperts(TritonExperts):
     with the routing weights in its epilogue when the router puts them there."""
 
     method: ClassVar[type[Any]] = UnquantizedMethod
+    float_rows: ClassVar[FloatRows] = FloatRows.LAYER_DTYPE  # the GEMMs read rows in the weights' dtype
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,

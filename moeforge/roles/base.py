@@ -15,6 +15,7 @@ candidate lists (fastest first), that can serve the layer; the layer itself know
 from __future__ import annotations
 
 import abc
+import enum
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
 import attrs
@@ -122,6 +123,14 @@ def on_the_device(stage: Optional[Stage[RoutedTokens, RoutedTokens]]) -> Optiona
     return stage
 
 
+class FloatRows(enum.Enum):
+    """Which float rows an :class:`Experts` implementation reads from the dispatch (the quantized ones are
+    its method's ``accepts``)."""
+
+    ANY = "any"  # every float dtype its method accepts: computed in the accumulation dtype, or quantized first
+    LAYER_DTYPE = "layer_dtype"  # the layer's own only: GEMMs that read rows in their weights' dtype
+
+
 class Role(abc.ABC):
     """Base of the implementations of every role: what they serve, as class data."""
 
@@ -152,6 +161,7 @@ class Experts(Role):
 
     method: ClassVar[type[Any]]  # the weight format it computes: its quant method (a QuantMethod subclass)
     layouts: ClassVar[frozenset[Layout]]  # the rows its GEMMs read
+    float_rows: ClassVar[FloatRows] = FloatRows.ANY  # the float dispatch dtypes it reads
 
     @classmethod
     def supports(cls, config: LayerConfig) -> Optional[str]:
@@ -162,8 +172,20 @@ class Experts(Role):
         if type(config.quant).expert_stages is not QuantMethod.expert_stages:
             return "the quant method builds its own expert stages (it overrides expert_stages)"
         if cls.backend is Backend.TRITON:
-            return config.triton_problem()
-        return None
+            problem = config.triton_problem()
+            if problem is not None:
+                return problem
+        return cls.rows_problem(config)
+
+    @classmethod
+    def rows_problem(cls, config: LayerConfig) -> Optional[str]:
+        """Why it cannot read the rows the layer's dispatch dtype delivers (``float_rows``), or ``None``."""
+        rows = config.dispatch.dtype.activation_dtype
+        if cls.float_rows is FloatRows.ANY or rows.is_quantized or rows is config.compute_dtype:
+            return None
+        own = config.compute_dtype.value
+        return (f"its GEMMs read {own} rows (the layer's dtype), not {rows.value}: {config.dispatch.explain()}; "
+                f"dispatch_dtype={own!r} lets them run")
 
     @classmethod
     def quantize_stage(cls, config: LayerConfig) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
