@@ -32,6 +32,7 @@ LAYER_DTYPE_ROWS: dict[str, tuple[Callable[[], mf.QuantMethod], tuple[int, int, 
     "unquantized": (mf.UnquantizedMethod, (4, 2, 32, 16)),
     "mxfp4": (mf.Mxfp4Method, (4, 2, 128, 64)),
     "nvfp4": (mf.Nvfp4Method, (4, 2, 128, 64)),
+    "w4a16": (lambda: mf.W4A16Method(group_size=64), (4, 2, 128, 64)),
 }
 QUANTIZING: dict[str, Callable[[], mf.QuantMethod]] = {"fp8": mf.Fp8W8A8Method, "int8": mf.Int8W8A8Method}
 

@@ -26,6 +26,7 @@ LAYER_DTYPE_ROWS: dict[str, tuple[Callable[[], mf.QuantMethod], str, str]] = {
     "unquantized": (mf.UnquantizedMethod, "TritonUnquantizedExperts", "TorchUnquantizedExperts"),
     "mxfp4": (mf.Mxfp4Method, "TritonMxfp4Experts", "EmulatedMxfp4Experts"),
     "nvfp4": (mf.Nvfp4Method, "TritonNvfp4Experts", "EmulatedNvfp4Experts"),
+    "w4a16": (lambda: mf.W4A16Method(group_size=64), "TritonW4A16Experts", "TorchW4A16Experts"),
 }
 
 

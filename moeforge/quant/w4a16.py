@@ -45,7 +45,7 @@ from moeforge.quant.int4_packing import (
     gptq_to_int4,
     pack_int4,
 )
-from moeforge.roles.base import TorchExperts, TritonExperts
+from moeforge.roles.base import FloatRows, TorchExperts, TritonExperts
 from moeforge.spec import FLOAT_DTYPES, Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig
@@ -401,6 +401,7 @@ class TritonW4A16Experts(TritonExperts):
     gate/up GEMM's epilogue."""
 
     method: ClassVar[type[Any]] = W4A16Method
+    float_rows: ClassVar[FloatRows] = FloatRows.LAYER_DTYPE  # the GEMMs read rows in the layer's dtype
 
     @classmethod
     def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
