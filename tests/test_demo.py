@@ -15,7 +15,9 @@ from moeforge.__main__ import main
 from moeforge.backend import Backend
 from moeforge.layer import MoELayer
 
-TINY = ["demo", "--dtype", "fp32", "--hidden", "32", "--intermediate", "16", "--tokens", "5", "--repeats", "3"]
+# On the CPU wherever the tests run (on a GPU machine the demo's default device is the GPU, its backend triton).
+TINY = ["demo", "--dtype", "fp32", "--hidden", "32", "--intermediate", "16", "--tokens", "5", "--repeats", "3",
+        "--device", "cpu"]
 
 
 def _exit_status(argv: list[str]) -> int:
@@ -38,6 +40,14 @@ def test_tiny_demo_runs_and_reports_the_spread(capsys: pytest.CaptureFixture[str
     assert "(5 tokens, torch backend)" in timing
     for part in ("median", "p25-p75", "min", "max", "(3 repeats)"):
         assert part in timing, timing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tiny_demo_on_the_gpu_runs_the_triton_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(TINY[:-2] + ["--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "check vs dense float64 reference" in out and ": ok" in out
+    assert "(5 tokens, triton backend)" in out
 
 
 def test_timing_line_names_the_backend_of_the_built_layer(monkeypatch: pytest.MonkeyPatch,
