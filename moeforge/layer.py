@@ -47,7 +47,8 @@ class MoELayer(nn.Module):
         shared_experts: a :class:`~moeforge.SharedExpertsConfig`, or ``None``.
         expert_bias: whether the experts' two GEMMs have biases (GPT-OSS).
         router: whether the layer owns the router linear; without it, ``forward`` needs
-            ``router_logits``.
+            ``router_logits``: ``[T, E]`` for hidden states ``[T, H]``; ``[B, S, E]`` or ``[B * S, E]`` (a router
+            applied to the flattened tokens) for ``[B, S, H]``; any other shape is an ``InputError``.
         backend: ``"auto"`` (triton on CUDA when Triton is installed, else torch), ``"torch"`` or
             ``"triton"``.
         dtype, device: of the parameters and of the activations the layer takes (bf16, fp16, fp32; float64
@@ -323,7 +324,7 @@ class MoELayer(nn.Module):
         x = hidden_states.reshape(-1, self.hidden_size)
         if router_logits is None:
             router_logits = self.router_logits(x)
-        logits = check_router_logits(router_logits, x.shape[0], self.num_experts, device, self.debug)
+        logits = check_router_logits(router_logits, hidden_states.shape, self.num_experts, device, self.debug)
         # The checks above cover what the pipeline would check of its input, with the layer's words.
         out = self.pipeline.run(MoEInput(x, logits), input_checked=True).hidden_states
         if self.shared_experts is not None:
