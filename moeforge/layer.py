@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from moeforge.arguments import flag, positive_int
 from moeforge.backend import Backend, resolve_backend
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
 from moeforge.distributed.group import ExpertParallel
@@ -102,8 +103,9 @@ class MoELayer(nn.Module):
         self.batch_invariant = batch_invariant
         for name, value in (("num_experts", num_experts), ("top_k", top_k),
                             ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, value)
+        for name, setting in (("expert_bias", expert_bias), ("router", router), ("debug", debug)):
+            flag(name, setting)
         if top_k > num_experts:
             raise InputError(f"top_k={top_k} exceeds num_experts={num_experts}")
         dtype = torch.get_default_dtype() if dtype is None else dtype

@@ -12,6 +12,7 @@ import attrs
 import torch
 from torch import nn
 
+from moeforge.arguments import flag, positive_int
 from moeforge.stages.activation import ActivationConfig, apply_activation
 
 Linear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -32,8 +33,8 @@ class SharedExpertsConfig:
     bias: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if self.intermediate_size < 1:
-            raise ValueError(f"shared intermediate_size must be >= 1, got {self.intermediate_size}")
+        positive_int("SharedExpertsConfig.intermediate_size", self.intermediate_size)
+        flag("SharedExpertsConfig.bias", self.bias)
 
 
 class SharedExperts(nn.Module):

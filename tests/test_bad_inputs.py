@@ -58,3 +58,116 @@ def test_router_logits_whose_leading_shape_differs_are_refused_naming_both_shape
     with pytest.raises(mf.InputError, match="router_logits") as info:
         layer(x, logits)
     assert str(tuple(logits.shape)) in str(info.value) and str(tuple(x.shape)) in str(info.value)
+
+
+# -- item 9: bad configuration values, refused at construction naming the argument -------------------
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(routed_scaling_factor=NAN), "routed_scaling_factor"),
+    (dict(routed_scaling_factor=-2.5), "routed_scaling_factor"),
+    (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+    (dict(routed_scaling_factor=INF), "routed_scaling_factor"),
+    (dict(routed_scaling_factor=True), "routed_scaling_factor"),
+    (dict(routed_scaling_factor="2.5"), "routed_scaling_factor"),
+    (dict(n_group=True, topk_group=1), "n_group"),
+    (dict(n_group=4, topk_group=2.0), "topk_group"),
+    (dict(renormalize="no"), "renormalize"),
+    (dict(selection_bias=1), "selection_bias"),
+    (dict(scaling_in_weights=None), "scaling_in_weights"),
+    (dict(router_bias="false"), "router_bias"),
+    (dict(router_in_fp32=0), "router_in_fp32"),
+    (dict(group_mask_value=True), "group_mask_value"),
+    (dict(group_mask_value="-inf"), "group_mask_value"),
+    (dict(sparsemixer_eps=True), "sparsemixer_eps"),
+    (dict(sparsemixer_eps=NAN), "sparsemixer_eps"),
+], ids=lambda value: repr(value) if isinstance(value, dict) else None)
+def test_bad_routing_config_values_are_named(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(mf.InputError, match=name):
+        mf.RoutingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(routed_scaling_factor=2.5), dict(routed_scaling_factor=1.0), dict(routed_scaling_factor=16),
+    dict(routed_scaling_factor=0.125), dict(n_group=4, topk_group=4), dict(group_mask_value=0.0),
+    dict(sparsemixer_eps=0.0), dict(sparsemixer_eps=0.01),
+])
+def test_values_real_models_use_are_accepted(kwargs: dict[str, Any]) -> None:
+    routing = mf.RoutingConfig(**kwargs)
+    layer = mf.MoELayer(E, E, H, I, routing=routing, environ={}, router=False)  # top_k == num_experts too
+    assert layer(torch.randn(3, H), torch.randn(3, E)).shape == (3, H)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(num_experts=True), "num_experts"),
+    (dict(top_k=True), "top_k"),
+    (dict(hidden_size=True), "hidden_size"),
+    (dict(intermediate_size=False), "intermediate_size"),
+    (dict(expert_bias="yes"), "expert_bias"),
+    (dict(router=1), "router"),
+    (dict(debug="no"), "debug"),
+])
+def test_bad_layer_sizes_and_flags_are_named(kwargs: dict[str, Any], name: str) -> None:
+    args: dict[str, Any] = dict(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, environ={})
+    args.update(kwargs)
+    with pytest.raises(mf.InputError, match=name):
+        mf.MoELayer(**args)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(intermediate_size=0), "intermediate_size"),
+    (dict(intermediate_size=True), "intermediate_size"),
+    (dict(intermediate_size=16.0), "intermediate_size"),
+    (dict(intermediate_size=16, bias="no"), "bias"),
+])
+def test_bad_shared_experts_config_values_are_named(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(mf.InputError, match=name):
+        mf.SharedExpertsConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(alpha=NAN), "alpha"), (dict(alpha=0.0), "alpha"), (dict(alpha=-1.702), "alpha"),
+    (dict(alpha=INF), "alpha"), (dict(alpha=True), "alpha"),
+    (dict(limit=NAN), "limit"), (dict(limit=0.0), "limit"), (dict(limit=-7.0), "limit"),
+    (dict(limit=-INF), "limit"), (dict(limit=None), "limit"),
+    (dict(gelu_approximate="fast"), "gelu_approximate"),
+])
+def test_bad_activation_config_values_are_named(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(mf.InputError, match=name):
+        mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, **kwargs)
+
+
+def test_gpt_oss_activation_values_and_an_unbounded_limit_are_accepted() -> None:
+    # limit=inf: the clamp does nothing, a well-defined SwiGLU with alpha.
+    for kwargs in (dict(alpha=1.702, limit=7.0), dict(alpha=1, limit=INF), dict(alpha=0.5, limit=0.25)):
+        config = mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, **kwargs)  # type: ignore[arg-type]
+        x = torch.randn(3, 2 * I)
+        assert torch.isfinite(mf.stages.activation.apply_activation(x, config)).all()
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(hidden_size=0), "hidden_size"), (dict(hidden_size=True), "hidden_size"),
+    (dict(hidden_size=16.0), "hidden_size"), (dict(num_experts=0), "num_experts"),
+    (dict(num_experts=True), "num_experts"), (dict(dtype=torch.int8), "dtype"),
+    (dict(dtype=torch.float8_e4m3fn), "dtype"), (dict(dtype=torch.complex64), "dtype"),
+    (dict(dtype="float32"), "dtype"),
+])
+def test_bad_input_spec_values_are_named(kwargs: dict[str, Any], name: str) -> None:
+    args: dict[str, Any] = dict(hidden_size=H, dtype=torch.float32, num_experts=E)
+    args.update(kwargs)
+    with pytest.raises(mf.InputError, match=name):
+        mf.input_spec(**args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_input_spec_takes_the_compute_dtypes(dtype: torch.dtype) -> None:
+    assert mf.input_spec(H, dtype, E).dtype is mf.DType.from_torch(dtype)
+
+
+@pytest.mark.parametrize("num_experts, top_k, name", [
+    (True, 1, "num_experts"), (4, True, "top_k"), (4.0, 2, "num_experts"), (4, 2.0, "top_k")])
+def test_routing_stage_sizes_must_be_ints(num_experts: Any, top_k: Any, name: str) -> None:
+    with pytest.raises(mf.InputError, match=name):
+        mf.TopK(num_experts, top_k)

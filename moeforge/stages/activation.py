@@ -14,6 +14,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from moeforge.arguments import positive_finite, real
+from moeforge.errors import InputError
 from moeforge.payloads import Activations, ExpertRows
 from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, DType, PayloadKind, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
@@ -49,12 +51,15 @@ class ActivationConfig:
     gate_up: GateUpLayout = GateUpLayout.CONCATENATED
     alpha: float = 1.702
     limit: float = 7.0
-    gelu_approximate: str = attrs.field(default="none")
+    gelu_approximate: str = "none"
 
-    @gelu_approximate.validator
-    def _check_approximate(self, _: object, value: str) -> None:
-        if value not in ("none", "tanh"):
-            raise ValueError(f"gelu_approximate must be 'none' or 'tanh', got {value!r}")
+    def __attrs_post_init__(self) -> None:
+        positive_finite("ActivationConfig.alpha", self.alpha)
+        # limit=inf is a clamp that never bites; zero or a negative limit would clamp every gate to <= 0.
+        if not real("ActivationConfig.limit", self.limit) > 0.0:
+            raise InputError(f"ActivationConfig.limit must be > 0 (inf: no clamp), got {self.limit!r}")
+        if self.gelu_approximate not in ("none", "tanh"):
+            raise InputError(f"ActivationConfig.gelu_approximate must be 'none' or 'tanh', got {self.gelu_approximate!r}")
 
     @property
     def gated(self) -> bool:

@@ -19,6 +19,7 @@ from typing import Callable, ClassVar, Optional, Union
 import attrs
 import torch
 
+from moeforge.arguments import flag, positive_finite, positive_int, real
 from moeforge.errors import InputError
 from moeforge.payloads import Activations, MoEInput, RoutedTokens, TopKOutput
 from moeforge.spec import Accepts, PayloadKind, RoutingWeights, ScalingFactor, Spec, accumulation_dtype
@@ -42,8 +43,8 @@ class GroupScore(enum.Enum):
 
 
 def _positive(_: object, attribute: "attrs.Attribute[Optional[int]]", value: Optional[int]) -> None:
-    if value is not None and value < 1:
-        raise InputError(f"{attribute.name} must be >= 1, got {value}")
+    if value is not None:
+        positive_int(f"RoutingConfig.{attribute.name}", value)
 
 
 @attrs.frozen
@@ -84,17 +85,21 @@ class RoutingConfig:
     sparsemixer_eps: Optional[float] = None
 
     def __attrs_post_init__(self) -> None:
+        for name in ("renormalize", "selection_bias", "scaling_in_weights", "router_bias", "router_in_fp32"):
+            flag(f"RoutingConfig.{name}", getattr(self, name))
+        # 1.0 is "no factor"; zero, a negative or a non-finite factor would zero, flip or poison every output.
+        positive_finite("RoutingConfig.routed_scaling_factor", self.routed_scaling_factor)
         if (self.n_group is None) != (self.topk_group is None):
             raise InputError("n_group and topk_group must be given together")
         if self.n_group is not None and self.order is ScoreOrder.SELECT_THEN_SCORE:
             raise InputError("grouped top-k needs order=SCORE_THEN_SELECT")
         if self.apply_weights is RoutingWeights.PENDING:
             raise InputError("apply_weights must say where the weights are applied, not PENDING")
-        if self.group_mask_value != self.group_mask_value or self.group_mask_value == float("inf"):
-            raise InputError(f"group_mask_value must be -inf or finite, got {self.group_mask_value}")
+        if real("RoutingConfig.group_mask_value", self.group_mask_value) == float("inf"):
+            raise InputError(f"RoutingConfig.group_mask_value must be -inf or finite, got {self.group_mask_value}")
         if self.sparsemixer_eps is not None:
-            if not 0.0 <= self.sparsemixer_eps < float("inf"):
-                raise InputError(f"sparsemixer_eps must be finite and >= 0, got {self.sparsemixer_eps}")
+            if not 0.0 <= real("RoutingConfig.sparsemixer_eps", self.sparsemixer_eps) < float("inf"):
+                raise InputError(f"RoutingConfig.sparsemixer_eps must be finite and >= 0, got {self.sparsemixer_eps}")
             if (self.scoring is not Scoring.SOFTMAX or self.order is not ScoreOrder.SCORE_THEN_SELECT
                     or self.n_group is not None or self.selection_bias):
                 raise InputError("sparsemixer routing replaces scoring and selection: it takes "
@@ -198,8 +203,8 @@ def _sparsemixer(logits: torch.Tensor, top_k: int, eps: float) -> tuple[torch.Te
 
 
 def _check_sizes(num_experts: int, top_k: int, config: RoutingConfig) -> None:
-    if num_experts < 1:
-        raise InputError(f"num_experts must be >= 1, got {num_experts}")
+    positive_int("num_experts", num_experts)
+    positive_int("top_k", top_k)
     if not 1 <= top_k <= num_experts:
         raise InputError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
     if config.n_group is not None and config.topk_group is not None:
