@@ -12,7 +12,7 @@ import attrs
 import torch
 from torch import nn
 
-from moeforge.arguments import flag, positive_int
+from moeforge.arguments import enum_member, flag, positive_int
 from moeforge.stages.activation import ActivationConfig, apply_activation
 
 Linear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -23,12 +23,16 @@ class SharedGate(enum.Enum):
     SIGMOID = "sigmoid"  # output * sigmoid(x @ gate_weight.T), one scalar per token
 
 
+def _gate(value: Union[SharedGate, str]) -> SharedGate:
+    return enum_member(SharedGate, "SharedExpertsConfig.gate", value)
+
+
 @attrs.frozen
 class SharedExpertsConfig:
     """``intermediate_size`` is the shared MLP's total width (all shared experts fused into one)."""
 
     intermediate_size: int
-    gate: SharedGate = SharedGate.NONE
+    gate: SharedGate = attrs.field(default=SharedGate.NONE, converter=_gate)
     activation: ActivationConfig = ActivationConfig()
     bias: bool = False
 

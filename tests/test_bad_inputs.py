@@ -171,3 +171,56 @@ def test_input_spec_takes_the_compute_dtypes(dtype: torch.dtype) -> None:
 def test_routing_stage_sizes_must_be_ints(num_experts: Any, top_k: Any, name: str) -> None:
     with pytest.raises(mf.InputError, match=name):
         mf.TopK(num_experts, top_k)
+
+
+# -- item 11: enum-typed arguments take the member or its value string, and name the enum otherwise ------
+
+
+def _custom_topk(**kwargs: Any) -> mf.CustomTopK:
+    return mf.CustomTopK(E, K, lambda x, logits, k: logits.topk(k), **kwargs)
+
+
+# (builder, argument, enum, a member the default is not): every user-facing enum-typed argument.
+ENUM_ARGUMENTS: list[tuple[Any, str, type[Any], Any]] = [
+    (mf.RoutingConfig, "scoring", mf.Scoring, mf.Scoring.SIGMOID),
+    (mf.RoutingConfig, "order", mf.ScoreOrder, mf.ScoreOrder.SELECT_THEN_SCORE),
+    (mf.RoutingConfig, "group_score", mf.GroupScore, mf.GroupScore.MAX),
+    (mf.RoutingConfig, "apply_weights", mf.RoutingWeights, mf.RoutingWeights.ON_INPUT),
+    (mf.ActivationConfig, "kind", mf.ActivationKind, mf.ActivationKind.GPT_OSS_SWIGLU),
+    (mf.ActivationConfig, "gate_up", mf.GateUpLayout, mf.GateUpLayout.INTERLEAVED),
+    (lambda **kw: mf.SharedExpertsConfig(I, **kw), "gate", mf.SharedGate, mf.SharedGate.SIGMOID),
+    (_custom_topk, "apply_weights", mf.RoutingWeights, mf.RoutingWeights.IN_GEMM_EPILOGUE),
+    (lambda **kw: mf.PaddedDispatch(E, **kw), "overflow", mf.Overflow, mf.Overflow.DROP),
+    (mf.Fp8W8A8Method, "weight_scales", mf.WeightScales, mf.WeightScales.BLOCK),
+]
+ENUM_IDS = [f"{kind.__name__}-{argument}" for _, argument, kind, _ in ENUM_ARGUMENTS]
+
+
+@pytest.mark.parametrize("build, argument, kind, member", ENUM_ARGUMENTS, ids=ENUM_IDS)
+def test_an_enum_argument_takes_its_value_string(build: Any, argument: str, kind: type[Any], member: Any) -> None:
+    for spelling in (member.value, member.value.upper(), f" {member.value} "):
+        assert getattr(build(**{argument: spelling}), argument) is member
+    assert getattr(build(**{argument: member}), argument) is member
+
+
+@pytest.mark.parametrize("build, argument, kind, member", ENUM_ARGUMENTS, ids=ENUM_IDS)
+@pytest.mark.parametrize("bad", ["nonsense", 1, None, mf.DType.BF16], ids=["string", "int", "none", "other-enum"])
+def test_anything_else_for_an_enum_argument_names_the_enum_and_its_values(
+        build: Any, argument: str, kind: type[Any], member: Any, bad: Any) -> None:
+    with pytest.raises(mf.InputError, match=argument) as info:
+        build(**{argument: bad})
+    message = str(info.value)
+    assert kind.__name__ in message and all(repr(other.value) in message for other in kind)
+
+
+def test_activation_config_takes_the_kind_positionally_as_a_string() -> None:
+    assert mf.ActivationConfig("swiglu") == mf.ActivationConfig(mf.ActivationKind.SWIGLU)
+    assert mf.ActivationConfig("gpt_oss_swiglu", "interleaved").gated
+
+
+def test_a_routing_config_from_strings_routes_like_the_enums() -> None:
+    strings = mf.RoutingConfig(scoring="sigmoid", order="select_then_score", apply_weights="on_input")
+    enums = mf.RoutingConfig(scoring=mf.Scoring.SIGMOID, order=mf.ScoreOrder.SELECT_THEN_SCORE,
+                             apply_weights=mf.RoutingWeights.ON_INPUT)
+    assert strings == enums
+

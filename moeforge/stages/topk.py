@@ -19,7 +19,7 @@ from typing import Callable, ClassVar, Optional, Union
 import attrs
 import torch
 
-from moeforge.arguments import flag, positive_finite, positive_int, real
+from moeforge.arguments import enum_member, flag, positive_finite, positive_int, real
 from moeforge.errors import InputError
 from moeforge.payloads import Activations, MoEInput, RoutedTokens, TopKOutput
 from moeforge.spec import Accepts, PayloadKind, RoutingWeights, ScalingFactor, Spec, accumulation_dtype
@@ -40,6 +40,26 @@ class ScoreOrder(enum.Enum):
 class GroupScore(enum.Enum):
     SUM_TOP2 = "sum_top2"  # DeepSeek-V3: a group's score is the sum of its two best experts
     MAX = "max"  # DeepSeek-V2: a group's score is its best expert
+
+
+def _scoring(value: Union[Scoring, str]) -> Scoring:
+    return enum_member(Scoring, "RoutingConfig.scoring", value)
+
+
+def _order(value: Union[ScoreOrder, str]) -> ScoreOrder:
+    return enum_member(ScoreOrder, "RoutingConfig.order", value)
+
+
+def _group_score(value: Union[GroupScore, str]) -> GroupScore:
+    return enum_member(GroupScore, "RoutingConfig.group_score", value)
+
+
+def _apply_weights(value: Union[RoutingWeights, str]) -> RoutingWeights:
+    return enum_member(RoutingWeights, "apply_weights", value)
+
+
+def _scaling_factor(value: Union[ScalingFactor, str]) -> ScalingFactor:
+    return enum_member(ScalingFactor, "scaling_factor", value)
 
 
 def _positive(_: object, attribute: "attrs.Attribute[Optional[int]]", value: Optional[int]) -> None:
@@ -69,16 +89,16 @@ class RoutingConfig:
     ``renormalize`` and the scaling factor apply to its weights as usual.
     """
 
-    scoring: Scoring = Scoring.SOFTMAX
-    order: ScoreOrder = ScoreOrder.SCORE_THEN_SELECT
+    scoring: Scoring = attrs.field(default=Scoring.SOFTMAX, converter=_scoring)
+    order: ScoreOrder = attrs.field(default=ScoreOrder.SCORE_THEN_SELECT, converter=_order)
     renormalize: bool = True
     selection_bias: bool = False
     n_group: Optional[int] = attrs.field(default=None, validator=_positive)  # type: ignore[misc]
     topk_group: Optional[int] = attrs.field(default=None, validator=_positive)  # type: ignore[misc]
-    group_score: GroupScore = GroupScore.SUM_TOP2
+    group_score: GroupScore = attrs.field(default=GroupScore.SUM_TOP2, converter=_group_score)
     routed_scaling_factor: float = 1.0
     scaling_in_weights: bool = True
-    apply_weights: RoutingWeights = RoutingWeights.IN_COMBINE
+    apply_weights: RoutingWeights = attrs.field(default=RoutingWeights.IN_COMBINE, converter=_apply_weights)
     router_bias: bool = False
     router_in_fp32: bool = False
     group_mask_value: float = float("-inf")
@@ -318,8 +338,8 @@ class CustomTopK(_RoutingStage):
     top_k: int
     fn: RoutingFunction
     label: str = "custom"
-    scaling_factor: ScalingFactor = ScalingFactor.NONE
-    apply_weights: RoutingWeights = RoutingWeights.IN_COMBINE
+    scaling_factor: ScalingFactor = attrs.field(default=ScalingFactor.NONE, converter=_scaling_factor)
+    apply_weights: RoutingWeights = attrs.field(default=RoutingWeights.IN_COMBINE, converter=_apply_weights)
     routed_scaling_factor: Optional[float] = None
 
     def __attrs_post_init__(self) -> None:
