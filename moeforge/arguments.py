@@ -58,3 +58,15 @@ def positive_finite(argument: str, value: object) -> float:
     if not 0.0 < number < math.inf:
         raise InputError(f"{argument} must be finite and > 0, got {value!r}")
     return number
+
+
+def instance_of(argument: str, value: object, kind: type, example: str) -> None:
+    """Refuses a ``value`` that is not a ``kind`` saying what to pass (``example``: a call that builds one),
+    and a ``kind`` class given instead of an instance saying to pass an instance."""
+    if isinstance(value, kind):
+        return
+    if isinstance(value, type) and issubclass(value, kind):
+        raise InputError(f"{argument}={value.__name__} is the class: pass an instance, {argument}={value.__name__}()")
+    article = "an" if kind.__name__[0] in "AEIOU" else "a"
+    raise InputError(f"{argument} must be {article} {kind.__name__} (e.g. {example}), got {type(value).__name__} "
+                     f"{value!r}")

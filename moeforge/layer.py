@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from moeforge.arguments import flag, positive_int
+from moeforge.arguments import flag, instance_of, positive_int
 from moeforge.backend import Backend, resolve_backend
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
 from moeforge.distributed.group import ExpertParallel
@@ -106,6 +106,16 @@ class MoELayer(nn.Module):
             positive_int(name, value)
         for name, setting in (("expert_bias", expert_bias), ("router", router), ("debug", debug)):
             flag(name, setting)
+        instance_of("routing", routing, RoutingConfig, "RoutingConfig(scoring='sigmoid')")
+        instance_of("activation", activation, ActivationConfig, "ActivationConfig('swiglu')")
+        if quant is not None:
+            instance_of("quant", quant, QuantMethod, "Fp8W8A8Method()")
+        if shared_experts is not None and not isinstance(shared_experts, SharedExpertsConfig):
+            # A bare width is the common slip: say it goes into the config.
+            width = shared_experts if isinstance(shared_experts, int) and not isinstance(shared_experts, bool) else 1024
+            example = f"SharedExpertsConfig({width})"
+            raise InputError(f"shared_experts must be a SharedExpertsConfig (e.g. {example}) or None, got "
+                             f"{type(shared_experts).__name__} {shared_experts!r}")
         if top_k > num_experts:
             raise InputError(f"top_k={top_k} exceeds num_experts={num_experts}")
         dtype = torch.get_default_dtype() if dtype is None else dtype

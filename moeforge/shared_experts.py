@@ -12,7 +12,7 @@ import attrs
 import torch
 from torch import nn
 
-from moeforge.arguments import enum_member, flag, positive_int
+from moeforge.arguments import enum_member, flag, instance_of, positive_int
 from moeforge.stages.activation import ActivationConfig, apply_activation
 
 Linear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -39,6 +39,7 @@ class SharedExpertsConfig:
     def __attrs_post_init__(self) -> None:
         positive_int("SharedExpertsConfig.intermediate_size", self.intermediate_size)
         flag("SharedExpertsConfig.bias", self.bias)
+        instance_of("SharedExpertsConfig.activation", self.activation, ActivationConfig, "ActivationConfig('swiglu')")
 
 
 class SharedExperts(nn.Module):

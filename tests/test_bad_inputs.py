@@ -224,3 +224,33 @@ def test_a_routing_config_from_strings_routes_like_the_enums() -> None:
                              apply_weights=mf.RoutingWeights.ON_INPUT)
     assert strings == enums
 
+
+# -- item 11: a class, a string or a config of the wrong kind where an instance is meant -----------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(quant=mf.Fp8W8A8Method),
+     r"quant=Fp8W8A8Method is the class: pass an instance, quant=Fp8W8A8Method\(\)"),
+    (dict(quant="fp8"), r"quant must be a QuantMethod"),
+    (dict(routing=mf.RoutingConfig),
+     r"routing=RoutingConfig is the class: pass an instance, routing=RoutingConfig\(\)"),
+    (dict(routing="softmax"), r"routing must be a RoutingConfig"),
+    (dict(activation="swiglu"), r"activation must be an ActivationConfig \(e.g. ActivationConfig\('swiglu'\)\)"),
+    (dict(activation=mf.ActivationKind.GEGLU), r"activation must be an ActivationConfig"),
+    (dict(shared_experts=64),
+     r"shared_experts must be a SharedExpertsConfig \(e.g. SharedExpertsConfig\(64\)\) or None"),
+])
+def test_a_layer_argument_of_the_wrong_kind_says_what_to_pass(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(mf.InputError, match=match):
+        make_layer(**kwargs)
+
+
+def test_shared_experts_config_activation_of_the_wrong_kind_says_what_to_pass() -> None:
+    with pytest.raises(mf.InputError, match=r"SharedExpertsConfig.activation must be an ActivationConfig"):
+        mf.SharedExpertsConfig(32, activation="swiglu")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", [torch.float32, None, mf.DispatchDtype.BF16])
+def test_a_backend_of_the_wrong_type_is_named(backend: Any) -> None:
+    with pytest.raises(mf.BackendUnavailableError, match="backend must be a Backend or 'auto', 'torch' or 'triton'"):
+        make_layer(backend=backend)
