@@ -20,6 +20,12 @@ LOGIT_TYPES = FLOAT_TYPES + (torch.float64,)  # routing runs in fp32 whatever th
 def check_hidden_states(
     x: object, hidden_size: int, dtype: torch.dtype, device: torch.device, debug: bool = False
 ) -> torch.Tensor:
+    if device.type == "meta":
+        # The only meta output would be an empty tensor of the input's shape, standing in for a computation
+        # (routing, dispatch sizes) that reads values meta tensors do not have: an error says so instead.
+        raise InputError("the layer is on the meta device: its weights hold no data, so it cannot run; "
+                         "materialise it first with layer.to_empty(device=...) (e.g. 'cuda' or 'cpu'), then fill "
+                         "its weights (moeforge.checkpoint.load_weights, or load_state_dict)")
     if not isinstance(x, torch.Tensor):
         raise InputError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in (2, 3) or x.shape[-1] != hidden_size:

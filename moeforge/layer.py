@@ -57,7 +57,8 @@ class MoELayer(nn.Module):
             ``torch.nn``, ``dtype=None`` is ``torch.get_default_dtype()`` and ``device=None`` the CPU. The layer
             follows ``.to()``, ``.half()``, ``.cuda()``, ``.to_empty()`` like any module (quantized
             weights keep their format: see :meth:`QuantMethod.keeps_dtype`), and rebuilds its
-            pipeline for the new dtype and device.
+            pipeline for the new dtype and device. A layer built on ``device="meta"`` holds no data: calling
+            it is an :class:`~moeforge.InputError` until ``to_empty`` and loading have given it weights.
         expert_parallel: an :class:`~moeforge.distributed.ExpertParallel`: this rank holds only its
             experts' weights and the dispatcher exchanges rows with the other ranks (``dispatcher``
             ``"auto"`` / ``"all_to_all"``: :class:`~moeforge.distributed.AllToAllDispatch`; or a

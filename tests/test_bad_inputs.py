@@ -254,3 +254,18 @@ def test_shared_experts_config_activation_of_the_wrong_kind_says_what_to_pass() 
 def test_a_backend_of_the_wrong_type_is_named(backend: Any) -> None:
     with pytest.raises(mf.BackendUnavailableError, match="backend must be a Backend or 'auto', 'torch' or 'triton'"):
         make_layer(backend=backend)
+
+
+# -- item 12: our errors where torch's would say nothing a user can act on ----------------------------
+
+
+def test_a_layer_can_be_built_on_the_meta_device() -> None:
+    layer = make_layer(device="meta")
+    assert layer.device == torch.device("meta") and layer.w13_weight.is_meta
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_calling_a_meta_layer_says_to_materialise_it(device: str) -> None:
+    layer = make_layer(device="meta")
+    with pytest.raises(mf.InputError, match=r"meta device.*to_empty\(device=.*load_weights"):
+        layer(torch.randn(3, H, device=device))
