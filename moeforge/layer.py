@@ -170,7 +170,9 @@ class MoELayer(nn.Module):
         torch backend, with a method whose experts take float64 rows (the unquantized one)."""
         if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise InputError(f"{what} must be torch.bfloat16, torch.float16 or torch.float32 (the dtypes the "
-                             f"layer computes in; torch.float64 on the torch backend), got {dtype}")
+                             f"layer computes in; torch.float64 on the torch backend), got {dtype}; weights in "
+                             "an integer or fp8 format are a quant method's (e.g. quant=mf.Int8W8A8Method(), or "
+                             "moeforge.quant.w8a8.quantize_layer(layer, mf.Int8W8A8Method()))")
         if dtype != torch.float64:
             return
         if DType.FP64 not in self.quant.accepts:
@@ -199,6 +201,16 @@ class MoELayer(nn.Module):
         if auto:
             return None
         return resolve_backend(setting, device)
+
+    def to(self, *args: Any, **kwargs: Any) -> MoELayer:
+        """``nn.Module.to``; a dtype the layer cannot compute in (an integer dtype, fp8) is refused by
+        :meth:`_apply` naming the float dtypes, before ``nn.Module.to`` would refuse an integer dtype with
+        a ``TypeError`` that says neither."""
+        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]  # the parser of nn.Module.to: the same arguments
+        if dtype is not None and not dtype.is_floating_point:
+            self._check_compute_dtype(dtype, f"{type(self).__name__}'s new dtype")
+        super().to(*args, **kwargs)
+        return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> MoELayer:
         """``nn.Module``'s conversion hook (``.to``, ``.half``, ``.cuda``, ``.to_empty``, ...): converts

@@ -269,3 +269,23 @@ def test_calling_a_meta_layer_says_to_materialise_it(device: str) -> None:
     layer = make_layer(device="meta")
     with pytest.raises(mf.InputError, match=r"meta device.*to_empty\(device=.*load_weights"):
         layer(torch.randn(3, H, device=device))
+
+
+@pytest.mark.parametrize("call", [
+    lambda layer: layer.to(torch.int8), lambda layer: layer.to(dtype=torch.int64),
+    lambda layer: layer.to("cpu", torch.bool), lambda layer: layer.to(torch.empty(0, dtype=torch.uint8)),
+], ids=["to(int8)", "to(dtype=int64)", "to(cpu, bool)", "to(tensor)"])
+def test_an_integer_dtype_conversion_is_refused_naming_the_float_dtypes(call: Any) -> None:
+    layer = make_layer()
+    with pytest.raises(mf.InputError, match=r"new dtype must be torch.bfloat16, torch.float16 or torch.float32.*"
+                                            r"got torch\.(int8|int64|bool|uint8).*quant method"):
+        call(layer)
+    assert layer.dtype == torch.float32 and layer.w13_weight.dtype == torch.float32
+    assert layer(torch.randn(2, H)).shape == (2, H)
+
+
+def test_conversions_to_float_dtypes_and_devices_still_work() -> None:
+    layer = make_layer()
+    assert layer.to("cpu") is layer and layer.to(torch.device("cpu"), non_blocking=True) is layer
+    assert layer.to(torch.float16).dtype == torch.float16
+    assert layer.to(torch.empty(0, dtype=torch.bfloat16)).dtype == torch.bfloat16
