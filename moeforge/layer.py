@@ -12,7 +12,8 @@ from moeforge.arguments import flag, instance_of, positive_int
 from moeforge.backend import Backend, resolve_backend
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
 from moeforge.distributed.group import ExpertParallel
-from moeforge.errors import BackendUnavailableError, InputError
+from moeforge.errors import BackendUnavailableError, CheckpointNamesError, InputError
+from moeforge.expert_naming import checkpoint_names
 from moeforge.inputs import check_hidden_states, check_router_logits
 from moeforge.payloads import ExpertRows, MoEInput, MoEOutput, RoutedTokens
 from moeforge.pipeline import Pipeline
@@ -310,6 +311,24 @@ class MoELayer(nn.Module):
         :meth:`process_weights_after_loading`) applies it again."""
         self.pipeline = self.pipeline.replace(which, stage)
         self.replaced_stages.append((which, stage))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, which takes the layer's own names (``layer.state_dict()``). With
+        ``strict``, a state dict holding a Hugging Face checkpoint's names for an MoE block
+        (``experts.0.w1.weight``, ``experts.gate_up_proj``, ``gate.weight``, ...) raises
+        :class:`~moeforge.errors.CheckpointNamesError` before anything is copied, pointing to
+        :func:`moeforge.checkpoint.load_weights`, which reads them; ``strict=False`` behaves as in torch."""
+        if strict:
+            own = self.state_dict().keys()
+            names, prefix = checkpoint_names(key for key in state_dict if key not in own)
+            if names:
+                more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+                raise CheckpointNamesError(
+                    f"{type(self).__name__}.load_state_dict: '{names[0]}'{more} is a checkpoint's name for an MoE "
+                    f"block's tensors, not one of this layer's ({', '.join(repr(key) for key in list(own)[:3])}, ...): "
+                    f"read the checkpoint with moeforge.checkpoint.load_weights(layer, state_dict, prefix={prefix!r}), "
+                    "which maps its names (and fuses per-expert tensors) to the layer's")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def process_weights_after_loading(self) -> None:
         """Let the quant method repack loaded weights, then rebuild the pipeline."""

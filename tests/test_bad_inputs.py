@@ -289,3 +289,43 @@ def test_conversions_to_float_dtypes_and_devices_still_work() -> None:
     assert layer.to("cpu") is layer and layer.to(torch.device("cpu"), non_blocking=True) is layer
     assert layer.to(torch.float16).dtype == torch.float16
     assert layer.to(torch.empty(0, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+HF_KEYS = {
+    "per-expert w1/w3/w2": ["experts.0.w1.weight", "experts.0.w3.weight", "experts.0.w2.weight", "gate.weight"],
+    "per-expert proj": ["experts.3.gate_proj.weight", "experts.3.up_proj.weight", "experts.3.down_proj.weight"],
+    "fused": ["experts.gate_up_proj", "experts.down_proj"],
+    "router": ["gate.weight"],
+    "shared experts": ["shared_expert.gate_proj.weight", "shared_expert_gate.weight"],
+}
+
+
+@pytest.mark.parametrize("prefix", ["", "model.layers.3.mlp."])
+@pytest.mark.parametrize("keys", list(HF_KEYS.values()), ids=list(HF_KEYS))
+def test_load_state_dict_with_checkpoint_names_points_to_load_weights(keys: list[str], prefix: str) -> None:
+    layer = make_layer()
+    state = {prefix + key: torch.zeros(1) for key in keys}
+    before = layer.w13_weight.clone()
+    with pytest.raises(mf.CheckpointError, match=r"moeforge\.checkpoint\.load_weights") as info:
+        layer.load_state_dict(state)
+    message = str(info.value)
+    assert f"'{prefix}{keys[0]}'" in message and f"prefix={prefix!r}" in message
+    assert isinstance(info.value, RuntimeError)  # what nn.Module.load_state_dict raises: callers keep working
+    assert torch.equal(layer.w13_weight, before)
+
+
+def test_load_state_dict_with_checkpoint_names_and_strict_false_works_as_in_torch() -> None:
+    layer = make_layer()
+    result = layer.load_state_dict({"experts.0.w1.weight": torch.zeros(1)}, strict=False)
+    assert result.unexpected_keys == ["experts.0.w1.weight"] and "w13_weight" in result.missing_keys
+
+
+def test_load_state_dict_with_the_layers_own_names_works() -> None:
+    layer, other = make_layer(), make_layer(shared_experts=None)
+    with torch.no_grad():
+        other.w13_weight.mul_(2)
+    layer.load_state_dict(other.state_dict())
+    assert torch.equal(layer.w13_weight, other.w13_weight)
+    with pytest.raises(RuntimeError, match="Unexpected key") as info:  # not a checkpoint's names: torch's error
+        layer.load_state_dict({**other.state_dict(), "something_else": torch.zeros(1)})
+    assert not isinstance(info.value, mf.CheckpointError)
