@@ -2,7 +2,11 @@
 
 ``y = scale[e] * silu(gate) * up`` for rows of expert ``e``. The scale is a parameter the layer
 owns; the stage refers to it by name (``ParamRef``), so ``layer.to(...)`` or
-``load_state_dict`` are seen by the next call. The stage works on both expert-grouped layouts.
+``load_state_dict`` are seen by the next call. The stage works on both expert-grouped layouts, and in
+every float dtype a layer computes in — float64 included, so that ``torch.autograd.gradcheck`` can check
+a float64 layer that uses it: it accepts ``REFERENCE_FLOAT_DTYPES`` (``FLOAT_DTYPES`` would refuse a
+float64 layer) and computes in ``accumulation_dtype`` of its input (``.float()`` would round a float64
+layer's rows to fp32, and gradcheck would fail).
 
 Run it: ``python examples/custom_activation.py``.
 """
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import moeforge as mf
-from moeforge.spec import FLOAT_DTYPES, Accepts, PayloadKind, ScaleLayout, Spec
+from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, PayloadKind, ScaleLayout, Spec, accumulation_dtype
 from moeforge.stages import (
     Activations,
     ExpertRows,
@@ -38,8 +42,9 @@ class ScaledSwiGLU(Stage[ExpertRows, ExpertRows]):
         self.scale = scale
 
     def accepts(self) -> Accepts:
-        # After the first GEMM, unquantized, for exactly as many experts as we have scales.
-        return Accepts(kind=PayloadKind.EXPERT_HIDDEN, dtype=FLOAT_DTYPES,
+        # After the first GEMM, unquantized (bf16, fp16, fp32, or float64 in a float64 layer), for exactly
+        # as many experts as we have scales.
+        return Accepts(kind=PayloadKind.EXPERT_HIDDEN, dtype=REFERENCE_FLOAT_DTYPES,
                           scale_layout=ScaleLayout.NONE, num_experts=self.scale.get().shape[0])
 
     def check(self, spec: Spec) -> list[Mismatch]:
@@ -54,9 +59,11 @@ class ScaledSwiGLU(Stage[ExpertRows, ExpertRows]):
         return spec.evolve(width=spec.width // 2)  # same kind, layout and dtype, half the width
 
     def __call__(self, x: ExpertRows) -> ExpertRows:
-        data = x.x.data.float()
+        # fp32 for bf16 / fp16 / fp32 rows, float64 for float64 rows (not .float(): see the module docstring).
+        dtype = accumulation_dtype(x.x.data.dtype)
+        data = x.x.data.to(dtype)
         gate, up = data.chunk(2, dim=-1)
-        scale = self.scale.get().float()
+        scale = self.scale.get().to(dtype)
         if isinstance(x, SortedRows):  # rows grouped by expert: repeat each scale per row
             row_scale = scale.repeat_interleave(x.counts(), output_size=data.shape[0])[:, None]
         else:  # padded [E, C, W]: one scale per expert buffer
@@ -106,6 +113,14 @@ def main() -> None:
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
         print(f"{dispatcher}: matches the hand-written reference "
               f"(max error {(out.double() - expected).abs().max():.1e})")
+
+    # In a float64 layer the stage computes in float64, so autograd's numerical check holds for the layer.
+    layer64 = mf.MoELayer(num_experts, top_k, 8, 6, dtype=torch.float64, environ={})
+    layer64.register_parameter("act_scale", torch.nn.Parameter(torch.rand(num_experts, dtype=torch.float64) + 0.5))
+    layer64.replace_stage("Activate", ScaledSwiGLU(ParamRef(layer64, "act_scale")))
+    x64 = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer64, (x64,))
+    print("float64: torch.autograd.gradcheck passes")
 
     # A mismatch is caught when the stage is plugged in, not at the first forward call: a plain
     # (ungated) layer's first GEMM produces I values, not 2 * I, and I is odd here.

@@ -25,6 +25,9 @@ def resolve_backend(requested: Union[Backend, str], device: torch.device) -> Bac
     backend that cannot run on ``device`` raises :class:`BackendUnavailableError` saying why."""
     if isinstance(requested, Backend):
         choice = requested
+    elif not isinstance(requested, str):
+        raise BackendUnavailableError(f"backend must be a Backend or 'auto', 'torch' or 'triton', got "
+                                      f"{type(requested).__name__} {requested!r}")
     elif requested.lower() == "auto":
         return Backend.TRITON if device.type == "cuda" and triton_installed() else Backend.TORCH
     else:

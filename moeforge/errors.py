@@ -6,8 +6,8 @@ from typing import Any
 
 __all__ = [
     "MoEForgeError", "ContractError", "PayloadError", "InputError", "DispatchDtypeError", "BackendUnavailableError",
-    "CheckpointError", "MissingPackageError", "PresetError", "UnsupportedExpertsError", "InferenceOnlyError",
-    "ReplacedStageError",
+    "CheckpointError", "CheckpointNamesError", "MissingPackageError", "PresetError", "UnsupportedExpertsError",
+    "InferenceOnlyError", "ReplacedStageError",
 ]
 
 
@@ -87,6 +87,12 @@ class InferenceOnlyError(MoEForgeError, RuntimeError):
 
 class CheckpointError(MoEForgeError, ValueError):
     """A checkpoint cannot fill this layer (missing or misshapen tensor, unsupported format)."""
+
+
+class CheckpointNamesError(CheckpointError, RuntimeError):
+    """``MoELayer.load_state_dict`` was given a checkpoint's names (a Hugging Face MoE block's, which
+    :func:`moeforge.checkpoint.load_weights` reads). A ``RuntimeError`` too, as the errors of
+    ``nn.Module.load_state_dict`` are."""
 
 
 class MissingPackageError(MoEForgeError, ImportError):

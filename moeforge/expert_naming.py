@@ -57,6 +57,30 @@ def detect_naming(names: Iterable[str], prefix: str = "") -> Optional[ExpertNami
     return next(iter(found), None)
 
 
+# A name of one MoE block of a Hugging Face checkpoint, after the block's prefix (whole dotted components):
+# per-expert or fused experts, the router ``gate`` (not a MoELayer's ``shared_experts.gate``), and shared
+# experts named as checkpoints name them (a MoELayer's are ``shared_experts.gate_up_proj`` / ``down_proj``).
+_CHECKPOINT_NAME = re.compile(
+    r"(?P<prefix>(?:[^.]*\.)*?)"
+    r"(?:experts\.\d+\.[^.]+\.|experts\.(?:gate_up_proj|up_proj|down_proj)(?:$|\.)"
+    r"|(?<!shared_experts\.)gate\.(?:weight|bias|e_score_correction_bias)$"
+    r"|shared_experts?\.(?:gate_proj|up_proj)\.|shared_expert\.down_proj\.|shared_expert_gate\.)")
+
+
+def checkpoint_names(names: Iterable[str]) -> tuple[list[str], str]:
+    """Those of ``names`` that a Hugging Face checkpoint gives one MoE block's tensors (the names
+    :func:`moeforge.checkpoint.load_weights` reads), in their order, and the block prefix of the first."""
+    found: list[str] = []
+    prefix = ""
+    for name in names:
+        match = _CHECKPOINT_NAME.match(name)
+        if match is not None:
+            if not found:
+                prefix = match.group("prefix")
+            found.append(name)
+    return found, prefix
+
+
 def projection_names(naming: ExpertNaming, gated: bool) -> tuple[str, str, str]:
     """``(gate, up, down)`` projection names of a per-expert ``naming`` for a layer whose activation
     is ``gated`` (or not: then only ``up`` and ``down`` are read)."""

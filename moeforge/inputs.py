@@ -6,6 +6,7 @@ non-finite check reads values and runs only in debug mode.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -19,6 +20,12 @@ LOGIT_TYPES = FLOAT_TYPES + (torch.float64,)  # routing runs in fp32 whatever th
 def check_hidden_states(
     x: object, hidden_size: int, dtype: torch.dtype, device: torch.device, debug: bool = False
 ) -> torch.Tensor:
+    if device.type == "meta":
+        # The only meta output would be an empty tensor of the input's shape, standing in for a computation
+        # (routing, dispatch sizes) that reads values meta tensors do not have: an error says so instead.
+        raise InputError("the layer is on the meta device: its weights hold no data, so it cannot run; "
+                         "materialise it first with layer.to_empty(device=...) (e.g. 'cuda' or 'cpu'), then fill "
+                         "its weights (moeforge.checkpoint.load_weights, or load_state_dict)")
     if not isinstance(x, torch.Tensor):
         raise InputError(f"hidden_states must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in (2, 3) or x.shape[-1] != hidden_size:
@@ -42,14 +49,24 @@ def _check_finite(tensor: torch.Tensor, name: str) -> None:
 
 
 def check_router_logits(
-    logits: object, tokens: int, num_experts: int, device: torch.device, debug: bool
+    logits: object, hidden_shape: torch.Size, num_experts: int, device: torch.device, debug: bool
 ) -> torch.Tensor:
+    """``logits`` as ``[T, E]``, row ``t`` routing token ``t`` of the hidden states flattened to ``[T, H]``.
+
+    Accepted: ``[T, E]`` for hidden states ``[T, H]``; ``[B, S, E]`` or ``[B * S, E]`` (what a router
+    applied to the flattened tokens returns) for ``[B, S, H]``. Any other shape with the same number of
+    elements (batch and sequence swapped, an extra dimension) would pair tokens with another token's
+    logits, so it is refused."""
     if not isinstance(logits, torch.Tensor):
         raise InputError(f"router_logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.shape[-1] != num_experts or logits.numel() != tokens * num_experts:
+    lead = tuple(hidden_shape[:-1])
+    tokens = math.prod(lead)
+    accepted = [lead] if len(lead) == 1 else [lead, (tokens,)]
+    if logits.shape[-1:] != (num_experts,) or tuple(logits.shape[:-1]) not in accepted:
+        wanted = " or ".join(str(list(shape + (num_experts,))) for shape in accepted)
         raise InputError(
-            f"router_logits must be [{tokens}, {num_experts}] (tokens x experts), got shape "
-            f"{tuple(logits.shape)}")
+            f"router_logits must be {wanted} (the hidden states' tokens x {num_experts} experts) for "
+            f"hidden_states of shape {tuple(hidden_shape)}, got router_logits of shape {tuple(logits.shape)}")
     if logits.dtype not in LOGIT_TYPES:
         raise InputError(f"router_logits must be a float tensor (bf16, fp16, fp32, fp64), got {logits.dtype}")
     if logits.device != device:

@@ -8,10 +8,12 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from moeforge.arguments import flag, instance_of, positive_int
 from moeforge.backend import Backend, resolve_backend
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
 from moeforge.distributed.group import ExpertParallel
-from moeforge.errors import BackendUnavailableError, InputError
+from moeforge.errors import BackendUnavailableError, CheckpointNamesError, InputError
+from moeforge.expert_naming import checkpoint_names
 from moeforge.inputs import check_hidden_states, check_router_logits
 from moeforge.payloads import ExpertRows, MoEInput, MoEOutput, RoutedTokens
 from moeforge.pipeline import Pipeline
@@ -48,7 +50,8 @@ class MoELayer(nn.Module):
         shared_experts: a :class:`~moeforge.SharedExpertsConfig`, or ``None``.
         expert_bias: whether the experts' two GEMMs have biases (GPT-OSS).
         router: whether the layer owns the router linear; without it, ``forward`` needs
-            ``router_logits``.
+            ``router_logits``: ``[T, E]`` for hidden states ``[T, H]``; ``[B, S, E]`` or ``[B * S, E]`` (a router
+            applied to the flattened tokens) for ``[B, S, H]``; any other shape is an ``InputError``.
         backend: ``"auto"`` (triton on CUDA when Triton is installed, else torch), ``"torch"`` or
             ``"triton"``.
         dtype, device: of the parameters and of the activations the layer takes (bf16, fp16, fp32; float64
@@ -56,7 +59,8 @@ class MoELayer(nn.Module):
             ``torch.nn``, ``dtype=None`` is ``torch.get_default_dtype()`` and ``device=None`` the CPU. The layer
             follows ``.to()``, ``.half()``, ``.cuda()``, ``.to_empty()`` like any module (quantized
             weights keep their format: see :meth:`QuantMethod.keeps_dtype`), and rebuilds its
-            pipeline for the new dtype and device.
+            pipeline for the new dtype and device. A layer built on ``device="meta"`` holds no data: calling
+            it is an :class:`~moeforge.InputError` until ``to_empty`` and loading have given it weights.
         expert_parallel: an :class:`~moeforge.distributed.ExpertParallel`: this rank holds only its
             experts' weights and the dispatcher exchanges rows with the other ranks (``dispatcher``
             ``"auto"`` / ``"all_to_all"``: :class:`~moeforge.distributed.AllToAllDispatch`; or a
@@ -102,8 +106,19 @@ class MoELayer(nn.Module):
         self.batch_invariant = batch_invariant
         for name, value in (("num_experts", num_experts), ("top_k", top_k),
                             ("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be a positive int, got {value!r}")
+            positive_int(name, value)
+        for name, setting in (("expert_bias", expert_bias), ("router", router), ("debug", debug)):
+            flag(name, setting)
+        instance_of("routing", routing, RoutingConfig, "RoutingConfig(scoring='sigmoid')")
+        instance_of("activation", activation, ActivationConfig, "ActivationConfig('swiglu')")
+        if quant is not None:
+            instance_of("quant", quant, QuantMethod, "Fp8W8A8Method()")
+        if shared_experts is not None and not isinstance(shared_experts, SharedExpertsConfig):
+            # A bare width is the common slip: say it goes into the config.
+            width = shared_experts if isinstance(shared_experts, int) and not isinstance(shared_experts, bool) else 1024
+            example = f"SharedExpertsConfig({width})"
+            raise InputError(f"shared_experts must be a SharedExpertsConfig (e.g. {example}) or None, got "
+                             f"{type(shared_experts).__name__} {shared_experts!r}")
         if top_k > num_experts:
             raise InputError(f"top_k={top_k} exceeds num_experts={num_experts}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
@@ -157,7 +172,9 @@ class MoELayer(nn.Module):
         torch backend, with a method whose experts take float64 rows (the unquantized one)."""
         if dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
             raise InputError(f"{what} must be torch.bfloat16, torch.float16 or torch.float32 (the dtypes the "
-                             f"layer computes in; torch.float64 on the torch backend), got {dtype}")
+                             f"layer computes in; torch.float64 on the torch backend), got {dtype}; weights in "
+                             "an integer or fp8 format are a quant method's (e.g. quant=mf.Int8W8A8Method(), or "
+                             "moeforge.quant.w8a8.quantize_layer(layer, mf.Int8W8A8Method()))")
         if dtype != torch.float64:
             return
         if DType.FP64 not in self.quant.accepts:
@@ -186,6 +203,16 @@ class MoELayer(nn.Module):
         if auto:
             return None
         return resolve_backend(setting, device)
+
+    def to(self, *args: Any, **kwargs: Any) -> MoELayer:
+        """``nn.Module.to``; a dtype the layer cannot compute in (an integer dtype, fp8) is refused by
+        :meth:`_apply` naming the float dtypes, before ``nn.Module.to`` would refuse an integer dtype with
+        a ``TypeError`` that says neither."""
+        dtype = torch._C._nn._parse_to(*args, **kwargs)[1]  # the parser of nn.Module.to: the same arguments
+        if dtype is not None and not dtype.is_floating_point:
+            self._check_compute_dtype(dtype, f"{type(self).__name__}'s new dtype")
+        super().to(*args, **kwargs)
+        return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> MoELayer:
         """``nn.Module``'s conversion hook (``.to``, ``.half``, ``.cuda``, ``.to_empty``, ...): converts
@@ -291,6 +318,24 @@ class MoELayer(nn.Module):
         self.replaced_stages = record(self.pipeline, self.replaced_stages, which, stage)
         self.pipeline = pipeline
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, which takes the layer's own names (``layer.state_dict()``). With
+        ``strict``, a state dict holding a Hugging Face checkpoint's names for an MoE block
+        (``experts.0.w1.weight``, ``experts.gate_up_proj``, ``gate.weight``, ...) raises
+        :class:`~moeforge.errors.CheckpointNamesError` before anything is copied, pointing to
+        :func:`moeforge.checkpoint.load_weights`, which reads them; ``strict=False`` behaves as in torch."""
+        if strict:
+            own = self.state_dict().keys()
+            names, prefix = checkpoint_names(key for key in state_dict if key not in own)
+            if names:
+                more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+                raise CheckpointNamesError(
+                    f"{type(self).__name__}.load_state_dict: '{names[0]}'{more} is a checkpoint's name for an MoE "
+                    f"block's tensors, not one of this layer's ({', '.join(repr(key) for key in list(own)[:3])}, ...): "
+                    f"read the checkpoint with moeforge.checkpoint.load_weights(layer, state_dict, prefix={prefix!r}), "
+                    "which maps its names (and fuses per-expert tensors) to the layer's")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def process_weights_after_loading(self) -> None:
         """Let the quant method repack loaded weights, then rebuild the pipeline."""
         self.quant.process_weights_after_loading(self)
@@ -343,7 +388,7 @@ class MoELayer(nn.Module):
         x = hidden_states.reshape(-1, self.hidden_size)
         if router_logits is None:
             router_logits = self.router_logits(x)
-        logits = check_router_logits(router_logits, x.shape[0], self.num_experts, device, self.debug)
+        logits = check_router_logits(router_logits, hidden_states.shape, self.num_experts, device, self.debug)
         # The checks above cover what the pipeline would check of its input, with the layer's words.
         out = self.pipeline.run(MoEInput(x, logits), input_checked=True).hidden_states
         if self.shared_experts is not None:

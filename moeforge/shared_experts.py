@@ -12,6 +12,7 @@ import attrs
 import torch
 from torch import nn
 
+from moeforge.arguments import enum_member, flag, instance_of, positive_int
 from moeforge.stages.activation import ActivationConfig, apply_activation
 
 Linear = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -22,18 +23,23 @@ class SharedGate(enum.Enum):
     SIGMOID = "sigmoid"  # output * sigmoid(x @ gate_weight.T), one scalar per token
 
 
+def _gate(value: Union[SharedGate, str]) -> SharedGate:
+    return enum_member(SharedGate, "SharedExpertsConfig.gate", value)
+
+
 @attrs.frozen
 class SharedExpertsConfig:
     """``intermediate_size`` is the shared MLP's total width (all shared experts fused into one)."""
 
     intermediate_size: int
-    gate: SharedGate = SharedGate.NONE
+    gate: SharedGate = attrs.field(default=SharedGate.NONE, converter=_gate)
     activation: ActivationConfig = ActivationConfig()
     bias: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if self.intermediate_size < 1:
-            raise ValueError(f"shared intermediate_size must be >= 1, got {self.intermediate_size}")
+        positive_int("SharedExpertsConfig.intermediate_size", self.intermediate_size)
+        flag("SharedExpertsConfig.bias", self.bias)
+        instance_of("SharedExpertsConfig.activation", self.activation, ActivationConfig, "ActivationConfig('swiglu')")
 
 
 class SharedExperts(nn.Module):

@@ -13,6 +13,9 @@ from typing import Any, Optional
 import attrs
 import torch
 
+from moeforge.arguments import positive_int
+from moeforge.errors import InputError
+
 
 __all__ = [
     "Accepts", "DType", "Exchange", "ExpertIds", "FLOAT_DTYPES", "GroupListType", "Layout", "PayloadKind",
@@ -277,7 +280,13 @@ class Accepts:
 
 
 def input_spec(hidden_size: int, dtype: torch.dtype, num_experts: int) -> Spec:
-    """The spec of a pipeline's input: token-major hidden states plus router logits."""
+    """The spec of a pipeline's input: token-major hidden states plus router logits. ``dtype`` is the
+    hidden states' (bf16, fp16, fp32, or float64 for the torch reference)."""
+    positive_int("hidden_size", hidden_size)
+    positive_int("num_experts", num_experts)
+    if not isinstance(dtype, torch.dtype) or dtype not in _INPUT_DTYPES:
+        raise InputError(f"dtype must be one of {', '.join(map(str, _INPUT_DTYPES))} (the dtypes a pipeline "
+                         f"takes its hidden states in), got {dtype!r}")
     return Spec(
         kind=PayloadKind.TOKENS,
         layout=Layout.TOKEN_MAJOR,
@@ -285,3 +294,6 @@ def input_spec(hidden_size: int, dtype: torch.dtype, num_experts: int) -> Spec:
         width=hidden_size,
         num_experts=num_experts,
     )
+
+
+_INPUT_DTYPES = tuple(_TORCH_DTYPES[dtype] for dtype in (DType.BF16, DType.FP16, DType.FP32, DType.FP64))

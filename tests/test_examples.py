@@ -33,6 +33,7 @@ def test_custom_activation(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "sorted: matches the hand-written reference" in out
     assert "padded: matches the hand-written reference" in out
+    assert "float64: torch.autograd.gradcheck passes" in out
     assert "stage 3 (ScaledSwiGLU): field 'width' does not match" in out
 
 
@@ -47,3 +48,19 @@ def test_contract_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert "use Combine(apply_routing_weights=False)" in out
     assert "pipeline output: field 'scaling_factor'" in out
     assert "field 'group_list_type'" in out
+
+
+def test_the_custom_activation_stage_gradchecks_in_a_float64_layer() -> None:
+    # What the example teaches must hold for a float64 layer too: accepted there, and computed in float64
+    # (a stage computing in fp32 fails gradcheck).
+    import torch
+
+    import moeforge as mf
+
+    example = _load("custom_activation")
+    torch.manual_seed(0)
+    layer = mf.MoELayer(4, 2, 8, 6, dtype=torch.float64, environ={})
+    layer.register_parameter("act_scale", torch.nn.Parameter(torch.rand(4, dtype=torch.float64) + 0.5))
+    layer.replace_stage("Activate", example.ScaledSwiGLU(mf.stages.ParamRef(layer, "act_scale")))
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: layer(x), (x,))

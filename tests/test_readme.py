@@ -58,6 +58,12 @@ def test_the_snippets_are_found() -> None:
     assert {"Using it", "Quantization", "Expert parallelism"} <= set(SECTIONS)
 
 
+def test_the_quantization_section_shows_the_way_from_a_float_layer_to_a_quantized_one() -> None:
+    # Run by test_readme_section_runs like every snippet: the conversion works as shown.
+    code = "".join(snippet for _, snippet in SECTIONS["Quantization"])
+    assert "quantize_layer(" in code and ".quantize_weights(" in code
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -359,3 +359,19 @@ def test_debug_mode_rejects_non_finite_routing_weights() -> None:
     mf.Pipeline(stages, tokens())(x)  # outside debug mode nothing reads the values
     with pytest.raises(mf.errors.PayloadError, match=r"stage 0 \(CustomTopK\).*topk.weights: 6 non-finite"):
         mf.Pipeline(stages, tokens(), debug=True)(x)
+
+
+# -- float64: what a user checks with torch.autograd.gradcheck ----------------------------------------
+
+
+def test_float64_routed_payloads_carry_float64_routing_weights() -> None:
+    # As a float64 layer's top-k gives them: a float64 stage tested on these sees what it will run on.
+    payload = find(routed_tokens(routed(dtype=mf.DType.FP64)), lambda p: p.x.data.shape[0] >= 1)
+    assert payload.x.data.dtype == torch.float64 and payload.topk.weights.dtype == torch.float64
+
+
+@pytest.mark.parametrize("dispatch", [mf.SortedDispatch(E), mf.PaddedDispatch(E, apply_routing_weights=True)],
+                         ids=lambda stage: stage.summary())
+def test_dispatch_then_combine_is_the_identity_in_float64(dispatch: mf.Stage[Any, Any]) -> None:
+    payload = find(routed_tokens(routed(dtype=mf.DType.FP64)), lambda p: p.x.data.shape[0] >= 3)
+    check_dispatch_combine_identity(dispatch, payload, E, rtol=1e-12, atol=1e-12)

@@ -57,7 +57,7 @@ from moeforge.spec import (
     Spec,
 )
 from moeforge.stage import Stage, StageKind
-from moeforge.stages.dispatch import Overflow
+from moeforge.stages.dispatch import Overflow, overflow_choice
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
@@ -127,7 +127,7 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
     ep: ExpertParallel
     max_tokens: int
     capacity: Optional[int] = None
-    overflow: Overflow = Overflow.ERROR
+    overflow: Overflow = attrs.field(default=Overflow.ERROR, converter=overflow_choice)
     apply_routing_weights: bool = False
 
     def __attrs_post_init__(self) -> None:

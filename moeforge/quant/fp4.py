@@ -43,6 +43,7 @@ from typing import Union
 import attrs
 import torch
 
+from moeforge.arguments import enum_member
 from moeforge.errors import InputError
 
 E2M1_MAX = 6.0
@@ -246,8 +247,10 @@ def e8m0_decode(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == E8M0_NAN, torch.full_like(value, float("nan")), value)
 
 
-def quantize_mxfp4(x: torch.Tensor, rounding: MxScaleRounding = MxScaleRounding.FLOOR) -> Mxfp4Tensor:
-    """MXFP4 of ``x [..., K]`` (``K % 32 == 0``). Rounding: see the module docstring."""
+def quantize_mxfp4(x: torch.Tensor, rounding: Union[MxScaleRounding, str] = MxScaleRounding.FLOOR) -> Mxfp4Tensor:
+    """MXFP4 of ``x [..., K]`` (``K % 32 == 0``). Rounding (a :class:`MxScaleRounding` or its value): see the
+    module docstring."""
+    rounding = enum_member(MxScaleRounding, "rounding", rounding)
     blocks = _blocks(x, MXFP4_BLOCK, "x")
     amax = blocks.abs().amax(dim=-1)
     _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, m in [0.5, 1): floor(log2 amax) = exponent - 1

@@ -5,12 +5,12 @@ store them. The shared machinery is in :mod:`moeforge.quant.w8a8`."""
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Optional, TypeVar, Union
+from typing import ClassVar, Optional, Union
 
 import attrs
 
+from moeforge.arguments import enum_member
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.errors import InputError
 from moeforge.quant.w8a8 import W8A8Method
 from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, Quantizer
@@ -26,25 +26,12 @@ class ActivationScales(enum.Enum):
     GROUP = "group"  # one fp32 scale per 128 elements of a row: [R, K // 128] (DeepSeek-V3)
 
 
-E = TypeVar("E", WeightScales, ActivationScales)
-
-
-def _member(kind: type[E], argument: str, value: Union[E, str]) -> E:
-    if isinstance(value, kind):
-        return value
-    for member in kind:
-        if isinstance(value, str) and member.value == value.strip().lower():
-            return member
-    choices = " or ".join(repr(member.value) for member in kind)
-    raise InputError(f"{argument} must be {choices}, got {value!r}")
-
-
 def _weight_scales(value: Union[WeightScales, str]) -> WeightScales:
-    return _member(WeightScales, "weight_scales", value)
+    return enum_member(WeightScales, "weight_scales", value)
 
 
 def _activation_scales(value: Union[ActivationScales, str]) -> ActivationScales:
-    return _member(ActivationScales, "activation_scales", value)
+    return enum_member(ActivationScales, "activation_scales", value)
 
 
 @attrs.frozen

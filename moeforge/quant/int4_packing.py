@@ -38,6 +38,7 @@ from typing import Optional, Union
 
 import torch
 
+from moeforge.arguments import enum_member
 from moeforge.errors import CheckpointError, InputError
 
 NIBBLES = 8  # 4-bit values per int32
@@ -57,14 +58,7 @@ class CheckpointFormat(enum.Enum):
 
     @classmethod
     def parse(cls, value: Union[CheckpointFormat, str]) -> CheckpointFormat:
-        if isinstance(value, CheckpointFormat):
-            return value
-        if isinstance(value, str):
-            for member in cls:
-                if member.value == value.strip().lower():
-                    return member
-        names = ", ".join(repr(m.value) for m in cls)
-        raise InputError(f"checkpoint_format must be one of {names}, got {value!r}")
+        return enum_member(cls, "checkpoint_format", value)
 
 
 # -- moeforge's layout --------------------------------------------------------------------------------

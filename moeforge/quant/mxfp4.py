@@ -164,7 +164,7 @@ class Mxfp4Method(QuantMethod):
                 self._quantize_expert(layer, prefix, expert, weight, MxScaleRounding.FLOOR)
 
     def quantize_weights(self, layer: torch.nn.Module, w13: torch.Tensor, w2: torch.Tensor, *,
-                         rounding: MxScaleRounding = MxScaleRounding.FLOOR) -> None:
+                         rounding: Union[MxScaleRounding, str] = MxScaleRounding.FLOOR) -> None:
         """Fill ``layer``'s MXFP4 weights from float ``w13 [E, N13, H]`` and ``w2 [E, H, I]``
         (``rounding``: the shared-exponent rule, OCP's ``FLOOR`` by default), one expert at a time."""
         for prefix, weight in (("w13", w13), ("w2", w2)):
@@ -181,7 +181,7 @@ class Mxfp4Method(QuantMethod):
 
     @staticmethod
     def _quantize_expert(layer: torch.nn.Module, prefix: str, expert: int, weight: torch.Tensor,
-                         rounding: MxScaleRounding) -> None:
+                         rounding: Union[MxScaleRounding, str]) -> None:
         """Quantize one expert's float ``weight [N, K]`` into ``{prefix}_blocks`` / ``{prefix}_scales`` (in the
         layer's layout)."""
         q = quantize_mxfp4(weight, rounding)

@@ -8,12 +8,14 @@ A gated activation reads a ``2 * I`` wide row holding gate and up — either as 
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 import attrs
 import torch
 import torch.nn.functional as F
 
+from moeforge.arguments import enum_member, positive_finite, real
+from moeforge.errors import InputError
 from moeforge.payloads import Activations, ExpertRows
 from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, DType, PayloadKind, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
@@ -40,21 +42,33 @@ class GateUpLayout(enum.Enum):
     INTERLEAVED = "interleaved"  # gate at even columns, up at odd columns
 
 
+def _kind(value: Union[ActivationKind, str]) -> ActivationKind:
+    return enum_member(ActivationKind, "ActivationConfig.kind", value)
+
+
+def _gate_up(value: Union[GateUpLayout, str]) -> GateUpLayout:
+    return enum_member(GateUpLayout, "ActivationConfig.gate_up", value)
+
+
 @attrs.frozen
 class ActivationConfig:
     """Which activation the experts use. ``alpha`` and ``limit`` are GPT-OSS's (1.702 and 7.0);
     ``gelu_approximate`` is passed to ``torch.nn.functional.gelu`` ("none" or "tanh")."""
 
-    kind: ActivationKind = ActivationKind.SWIGLU
-    gate_up: GateUpLayout = GateUpLayout.CONCATENATED
+    kind: ActivationKind = attrs.field(default=ActivationKind.SWIGLU, converter=_kind)
+    gate_up: GateUpLayout = attrs.field(default=GateUpLayout.CONCATENATED, converter=_gate_up)
     alpha: float = 1.702
     limit: float = 7.0
-    gelu_approximate: str = attrs.field(default="none")
+    gelu_approximate: str = "none"
 
-    @gelu_approximate.validator
-    def _check_approximate(self, _: object, value: str) -> None:
-        if value not in ("none", "tanh"):
-            raise ValueError(f"gelu_approximate must be 'none' or 'tanh', got {value!r}")
+    def __attrs_post_init__(self) -> None:
+        positive_finite("ActivationConfig.alpha", self.alpha)
+        # limit=inf is a clamp that never bites; zero or a negative limit would clamp every gate to <= 0.
+        if not real("ActivationConfig.limit", self.limit) > 0.0:
+            raise InputError(f"ActivationConfig.limit must be > 0 (inf: no clamp), got {self.limit!r}")
+        if self.gelu_approximate not in ("none", "tanh"):
+            raise InputError(f"ActivationConfig.gelu_approximate must be 'none' or 'tanh', got "
+                             f"{self.gelu_approximate!r}")
 
     @property
     def gated(self) -> bool:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 import attrs
 import torch
 
+from moeforge.arguments import enum_member
 from moeforge.errors import InputError
 from moeforge.payloads import Activations, PaddedRows, Plan, RoutedTokens, SortedRows
 from moeforge.spec import (
@@ -38,6 +39,11 @@ class Overflow(enum.Enum):
 
     ERROR = "error"  # raise, naming the expert and its row count
     DROP = "drop"  # keep the first `capacity` rows (in token order); the plan counts the dropped copies
+
+
+def overflow_choice(value: Union[Overflow, str]) -> Overflow:
+    """The ``overflow`` argument of the fixed-capacity dispatchers as an :class:`Overflow`."""
+    return enum_member(Overflow, "overflow", value)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
@@ -187,7 +193,7 @@ class PaddedDispatch(_Dispatch, Stage[RoutedTokens, PaddedRows]):
     kinds: ClassVar = (StageKind.DISPATCH,)
     num_experts: int
     capacity: Optional[int] = None
-    overflow: Overflow = Overflow.ERROR
+    overflow: Overflow = attrs.field(default=Overflow.ERROR, converter=overflow_choice)
     apply_routing_weights: bool = False
 
     def __attrs_post_init__(self) -> None:

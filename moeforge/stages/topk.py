@@ -19,6 +19,7 @@ from typing import Callable, ClassVar, Optional, Union
 import attrs
 import torch
 
+from moeforge.arguments import enum_member, flag, positive_finite, positive_int, real
 from moeforge.errors import InputError
 from moeforge.payloads import Activations, MoEInput, RoutedTokens, TopKOutput
 from moeforge.spec import Accepts, PayloadKind, RoutingWeights, ScalingFactor, Spec, accumulation_dtype
@@ -41,9 +42,29 @@ class GroupScore(enum.Enum):
     MAX = "max"  # DeepSeek-V2: a group's score is its best expert
 
 
+def _scoring(value: Union[Scoring, str]) -> Scoring:
+    return enum_member(Scoring, "RoutingConfig.scoring", value)
+
+
+def _order(value: Union[ScoreOrder, str]) -> ScoreOrder:
+    return enum_member(ScoreOrder, "RoutingConfig.order", value)
+
+
+def _group_score(value: Union[GroupScore, str]) -> GroupScore:
+    return enum_member(GroupScore, "RoutingConfig.group_score", value)
+
+
+def _apply_weights(value: Union[RoutingWeights, str]) -> RoutingWeights:
+    return enum_member(RoutingWeights, "apply_weights", value)
+
+
+def _scaling_factor(value: Union[ScalingFactor, str]) -> ScalingFactor:
+    return enum_member(ScalingFactor, "scaling_factor", value)
+
+
 def _positive(_: object, attribute: "attrs.Attribute[Optional[int]]", value: Optional[int]) -> None:
-    if value is not None and value < 1:
-        raise InputError(f"{attribute.name} must be >= 1, got {value}")
+    if value is not None:
+        positive_int(f"RoutingConfig.{attribute.name}", value)
 
 
 @attrs.frozen
@@ -68,33 +89,37 @@ class RoutingConfig:
     ``renormalize`` and the scaling factor apply to its weights as usual.
     """
 
-    scoring: Scoring = Scoring.SOFTMAX
-    order: ScoreOrder = ScoreOrder.SCORE_THEN_SELECT
+    scoring: Scoring = attrs.field(default=Scoring.SOFTMAX, converter=_scoring)
+    order: ScoreOrder = attrs.field(default=ScoreOrder.SCORE_THEN_SELECT, converter=_order)
     renormalize: bool = True
     selection_bias: bool = False
     n_group: Optional[int] = attrs.field(default=None, validator=_positive)  # type: ignore[misc]
     topk_group: Optional[int] = attrs.field(default=None, validator=_positive)  # type: ignore[misc]
-    group_score: GroupScore = GroupScore.SUM_TOP2
+    group_score: GroupScore = attrs.field(default=GroupScore.SUM_TOP2, converter=_group_score)
     routed_scaling_factor: float = 1.0
     scaling_in_weights: bool = True
-    apply_weights: RoutingWeights = RoutingWeights.IN_COMBINE
+    apply_weights: RoutingWeights = attrs.field(default=RoutingWeights.IN_COMBINE, converter=_apply_weights)
     router_bias: bool = False
     router_in_fp32: bool = False
     group_mask_value: float = float("-inf")
     sparsemixer_eps: Optional[float] = None
 
     def __attrs_post_init__(self) -> None:
+        for name in ("renormalize", "selection_bias", "scaling_in_weights", "router_bias", "router_in_fp32"):
+            flag(f"RoutingConfig.{name}", getattr(self, name))
+        # 1.0 is "no factor"; zero, a negative or a non-finite factor would zero, flip or poison every output.
+        positive_finite("RoutingConfig.routed_scaling_factor", self.routed_scaling_factor)
         if (self.n_group is None) != (self.topk_group is None):
             raise InputError("n_group and topk_group must be given together")
         if self.n_group is not None and self.order is ScoreOrder.SELECT_THEN_SCORE:
             raise InputError("grouped top-k needs order=SCORE_THEN_SELECT")
         if self.apply_weights is RoutingWeights.PENDING:
             raise InputError("apply_weights must say where the weights are applied, not PENDING")
-        if self.group_mask_value != self.group_mask_value or self.group_mask_value == float("inf"):
-            raise InputError(f"group_mask_value must be -inf or finite, got {self.group_mask_value}")
+        if real("RoutingConfig.group_mask_value", self.group_mask_value) == float("inf"):
+            raise InputError(f"RoutingConfig.group_mask_value must be -inf or finite, got {self.group_mask_value}")
         if self.sparsemixer_eps is not None:
-            if not 0.0 <= self.sparsemixer_eps < float("inf"):
-                raise InputError(f"sparsemixer_eps must be finite and >= 0, got {self.sparsemixer_eps}")
+            if not 0.0 <= real("RoutingConfig.sparsemixer_eps", self.sparsemixer_eps) < float("inf"):
+                raise InputError(f"RoutingConfig.sparsemixer_eps must be finite and >= 0, got {self.sparsemixer_eps}")
             if (self.scoring is not Scoring.SOFTMAX or self.order is not ScoreOrder.SCORE_THEN_SELECT
                     or self.n_group is not None or self.selection_bias):
                 raise InputError("sparsemixer routing replaces scoring and selection: it takes "
@@ -198,8 +223,8 @@ def _sparsemixer(logits: torch.Tensor, top_k: int, eps: float) -> tuple[torch.Te
 
 
 def _check_sizes(num_experts: int, top_k: int, config: RoutingConfig) -> None:
-    if num_experts < 1:
-        raise InputError(f"num_experts must be >= 1, got {num_experts}")
+    positive_int("num_experts", num_experts)
+    positive_int("top_k", top_k)
     if not 1 <= top_k <= num_experts:
         raise InputError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
     if config.n_group is not None and config.topk_group is not None:
@@ -313,8 +338,8 @@ class CustomTopK(_RoutingStage):
     top_k: int
     fn: RoutingFunction
     label: str = "custom"
-    scaling_factor: ScalingFactor = ScalingFactor.NONE
-    apply_weights: RoutingWeights = RoutingWeights.IN_COMBINE
+    scaling_factor: ScalingFactor = attrs.field(default=ScalingFactor.NONE, converter=_scaling_factor)
+    apply_weights: RoutingWeights = attrs.field(default=RoutingWeights.IN_COMBINE, converter=_apply_weights)
     routed_scaling_factor: Optional[float] = None
 
     def __attrs_post_init__(self) -> None:

@@ -25,6 +25,13 @@ Compose the strategies in your own hypothesis tests::
         layer = config.build()
         x, logits = config.inputs(num_tokens=3, seed=0)
         check_matches_dense_reference(layer, x, rtol=1e-4, logits=logits)
+
+A stage meant to run in float64 layers too (so that ``torch.autograd.gradcheck`` can check a layer that
+uses it) accepts ``moeforge.spec.REFERENCE_FLOAT_DTYPES`` (``FLOAT_DTYPES`` leaves float64 out, and the
+contract checker refuses it in a float64 layer) and computes in ``accumulation_dtype(rows.dtype)`` (fp32,
+float64 for float64 rows), not ``.float()``, which would round a float64 layer to fp32 and fail
+gradcheck; check it here on a float64 spec, e.g. ``mf.input_spec(16, torch.float64, 4)``.
+``examples/custom_activation.py`` is such a stage, gradcheck included.
 """
 
 try:

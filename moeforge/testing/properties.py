@@ -13,7 +13,7 @@ import torch
 from moeforge.payloads import ExpertRows, MoEInput, RoutedTokens, TopKOutput
 from moeforge.pipeline import Pipeline
 from moeforge.reference import layer_reference
-from moeforge.spec import DType, Layout, PayloadKind, RoutingWeights, Spec
+from moeforge.spec import DType, Layout, PayloadKind, RoutingWeights, Spec, accumulation_dtype
 from moeforge.stage import Stage
 from moeforge.stages.combine import Combine
 from moeforge.testing.contracts import check_stage
@@ -35,11 +35,15 @@ def check_dispatch_combine_identity(
     makes the round trip an identity). The combine applies them unless the dispatch declares it
     already did (``ON_INPUT``). Copies that the dispatch dropped (capacity) or that are not on this
     rank contribute nothing, so a token comes back scaled by the weight of its kept copies. The
-    dispatch's own contract is checked on the way.
+    dispatch's own contract is checked on the way. Rows may be bf16, fp16, fp32 or float64 (compared in
+    fp32, float64 rows in float64).
     """
     x = routed.x
-    if x.scale is not None or x.data.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if x.scale is not None or x.data.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         raise ValueError("the identity round trip needs float (unquantized) routed tokens")
+    # Compared in the dtype the combine sums in: fp32, or float64 for float64 rows (a float64 dispatcher
+    # checked in fp32 would hide its rounding behind fp32's).
+    dtype = accumulation_dtype(x.data.dtype)
     weights = routed.topk.weights
     weights = weights / weights.sum(-1, keepdim=True)
     routed = RoutedTokens(x, TopKOutput(weights=weights, ids=routed.topk.ids))
@@ -49,9 +53,9 @@ def check_dispatch_combine_identity(
     if not isinstance(rows, ExpertRows):
         raise TypeError(f"{dispatch_stage.name} produced {type(rows).__name__}, not expert-grouped rows")
     applied = dispatch_stage.output_spec(spec).routing_weights is RoutingWeights.ON_INPUT
-    out = Combine(apply_routing_weights=not applied, out_dtype=DType.FP32)(rows).hidden_states
+    out = Combine(apply_routing_weights=not applied, out_dtype=DType.from_torch(dtype))(rows).hidden_states
     kept_weight = (weights * rows.plan.kept()).sum(-1, keepdim=True)
-    expected = x.data.float() * kept_weight
+    expected = x.data.to(dtype) * kept_weight.to(dtype)
     torch.testing.assert_close(out, expected, rtol=rtol, atol=atol,
                                msg=lambda m: f"{dispatch_stage.name} dispatch -> combine is not the "
                                f"identity:\n{m}")

@@ -94,10 +94,11 @@ SKEWS = ("random", "one_expert", "few_experts")
 
 @st.composite
 def topk_outputs(
-    draw: st.DrawFn, num_tokens: int, num_experts: int, top_k: int, *, normalized: bool = True
+    draw: st.DrawFn, num_tokens: int, num_experts: int, top_k: int, *, normalized: bool = True,
+    dtype: torch.dtype = torch.float32,
 ) -> TopKOutput:
-    """A routing decision: distinct int32 ids per token and positive fp32 weights (summing to 1 per
-    token when ``normalized``).
+    """A routing decision: distinct int32 ids per token and positive weights in ``dtype`` (fp32; float64
+    as a float64 layer's top-k gives them), summing to 1 per token when ``normalized``.
 
     Skew is drawn: ``random`` (each token an independent random choice), ``one_expert`` (every token
     picks the same first expert; with top_k=1 all tokens land on one expert) and ``few_experts``
@@ -126,7 +127,7 @@ def topk_outputs(
         weights = torch.rand(num_tokens, top_k, generator=gen) + 0.05
         if normalized:
             weights = weights / weights.sum(-1, keepdim=True)
-    return TopKOutput(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
+    return TopKOutput(weights=weights.to(dtype).contiguous(), ids=ids.to(torch.int32).contiguous())
 
 
 @st.composite
@@ -161,12 +162,14 @@ def moe_inputs(draw: st.DrawFn, spec: Spec, num_tokens: Optional[int] = None) ->
 
 @st.composite
 def routed_tokens(draw: st.DrawFn, spec: Spec, num_tokens: Optional[int] = None) -> RoutedTokens:
-    """Routed tokens matching a ``ROUTED`` spec: float, or quantized by the library's quantizers."""
+    """Routed tokens matching a ``ROUTED`` spec: float, or quantized by the library's quantizers; with
+    the routing weights in the dtype the top-k computes for such tokens (fp32, float64 for float64)."""
     if spec.num_experts is None or spec.top_k is None:
         raise ValueError("a ROUTED spec needs num_experts and top_k")
     tokens = draw(_tokens_arg(num_tokens))
     x = activations_like(_randn((tokens, spec.width), draw(seeds())), spec)
-    return RoutedTokens(x=x, topk=draw(topk_outputs(tokens, spec.num_experts, spec.top_k)))
+    weights_dtype = torch.float64 if spec.dtype is DType.FP64 else torch.float32
+    return RoutedTokens(x=x, topk=draw(topk_outputs(tokens, spec.num_experts, spec.top_k, dtype=weights_dtype)))
 
 
 @st.composite
@@ -174,16 +177,16 @@ def dispatch_outputs(draw: st.DrawFn, spec: Spec, num_tokens: Optional[int] = No
     """Expert-grouped rows matching ``spec`` (``DISPATCHED``, ``EXPERT_HIDDEN`` or ``EXPERT_OUTPUT``
     in the ``EXPERT_SORTED`` or ``EXPERT_PADDED`` layout), built by the library's dispatch stages.
 
-    The rows are dispatched in fp32 (scaled by their weights when the spec says ``ON_INPUT``), then
-    converted to the spec's format. A padded dispatch sometimes gets a small capacity that drops
+    The rows are dispatched in fp32, float64 for a float64 spec (scaled by their weights when the spec says
+    ``ON_INPUT``), then converted to the spec's format. A padded dispatch sometimes gets a small capacity that drops
     copies, as a capacity-bounded low-latency buffer would.
     """
     if spec.num_experts is None:
         raise ValueError("an expert-grouped spec needs num_experts")
     num_experts = spec.num_experts
     top_k = spec.top_k if spec.top_k is not None else draw(st.integers(1, num_experts))
-    float_spec = Spec(PayloadKind.ROUTED, Layout.TOKEN_MAJOR, DType.FP32, spec.width,
-                      num_experts=num_experts, top_k=top_k)
+    float_spec = Spec(PayloadKind.ROUTED, Layout.TOKEN_MAJOR, DType.FP64 if spec.dtype is DType.FP64 else DType.FP32,
+                      spec.width, num_experts=num_experts, top_k=top_k)
     routed = draw(routed_tokens(float_spec, num_tokens))
     on_input = spec.routing_weights is RoutingWeights.ON_INPUT
     rows: ExpertRows
