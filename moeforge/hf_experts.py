@@ -554,8 +554,9 @@ class ExpertsFunction:
 
     Under ``torch.compile`` the pipeline is built outside the traced code (a pipeline's build reads the
     module and checks its activation on probe values, which is no graph), before the traced code looks it
-    up on the module: a model compiles with ``fullgraph=True`` before its first eager call, and its guards
-    depend on its own modules only."""
+    up on the module: a model compiles with ``fullgraph=True`` before its first eager call (torch 2.13; on
+    torch 2.11 after one eager call, an error saying so otherwise), and its guards depend on its own
+    modules only."""
 
     def __init__(self) -> None:
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -565,8 +566,17 @@ class ExpertsFunction:
         topk = _routing(module, hidden_states, top_k_index, top_k_weights)
         top_k = int(top_k_index.shape[1])
         if torch.compiler.is_compiling():
-            _build_before_tracing(self, module, hidden_states.dtype, hidden_states.device, hidden_states.dim(),
-                                  int(hidden_states.shape[-1]), top_k)
+            # (Dynamo must not read the module's pipelines before the build adds one: it would keep what it read.)
+            if not _DYNAMO_PASSES_OBJECTS and self.kept(module, hidden_states, top_k) is None:
+                raise UnsupportedExpertsError(
+                    f"{type(module).__name__} (experts_implementation='moeforge'): torch.compile reached these "
+                    f"experts before their pipeline was built, and torch {torch.__version__}'s Dynamo cannot build "
+                    "it outside the traced code (it passes a constant-result function no objects; torch 2.13 "
+                    "does): run the model once without compiling (a forward on a few tokens) before "
+                    "torch.compile, or use torch >= 2.13")
+            if _DYNAMO_PASSES_OBJECTS:
+                _build_before_tracing(self, module, hidden_states.dtype, hidden_states.device, hidden_states.dim(),
+                                      int(hidden_states.shape[-1]), top_k)
         pipeline = self.pipeline(module, hidden_states, top_k)
         out: torch.Tensor = pipeline.run(RoutedTokens(x=Activations(hidden_states), topk=topk)).hidden_states
         return out
@@ -575,12 +585,16 @@ class ExpertsFunction:
                  top_k: int) -> Pipeline[RoutedTokens, MoEOutput]:
         """The pipeline that runs ``module``'s experts on ``hidden_states`` routed to ``top_k`` experts each
         (built on first use; ``describe()`` tells what it runs and why)."""
-        key = pipeline_key(module, hidden_states, top_k)
-        kept = module_pipelines(module)
-        pipeline = None if kept is None else kept.by_key.get(key)
+        pipeline = self.kept(module, hidden_states, top_k)
         if pipeline is None:
-            pipeline = self._build(module, hidden_states, top_k, key)
+            pipeline = self._build(module, hidden_states, top_k, pipeline_key(module, hidden_states, top_k))
         return pipeline
+
+    @staticmethod
+    def kept(module: nn.Module, hidden_states: torch.Tensor, top_k: int) -> Optional[Pipeline[RoutedTokens, MoEOutput]]:
+        """The pipeline already built for these arguments, or ``None``."""
+        kept = module_pipelines(module)
+        return None if kept is None else kept.by_key.get(pipeline_key(module, hidden_states, top_k))
 
     def _build(self, module: nn.Module, hidden_states: torch.Tensor, top_k: int,
                key: tuple[object, ...]) -> Pipeline[RoutedTokens, MoEOutput]:
@@ -605,6 +619,11 @@ class ExpertsFunction:
 
     def __repr__(self) -> str:
         return f"moeforge.hf_experts.ExpertsFunction({self.cached_modules()} experts modules)"
+
+
+# Dynamo calls a constant-result function with the objects it is given (the experts module) from torch 2.13 on;
+# torch 2.11's converts every argument to a Python constant or a tensor, and refuses a module.
+_DYNAMO_PASSES_OBJECTS = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 @torch.compiler.assume_constant_result  # type: ignore[untyped-decorator,misc]

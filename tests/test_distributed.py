@@ -83,6 +83,8 @@ def test_quantized_experts_behind_both_dispatchers() -> None:
     assert all(len(rank_errors) == 8 for rank_errors in errors)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the triton kernels in the interpreter on CPU ranks (gloo): "
+                    "on a GPU machine they need CUDA tensors, and NCCL ranks need a GPU each")
 def test_triton_expert_gemms_behind_the_all_to_all_dispatcher() -> None:
     pytest.importorskip("triton")
     errors = run_ranks(ep_workers.triton_experts_match, 2, timeout=300)

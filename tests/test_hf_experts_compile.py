@@ -47,6 +47,11 @@ def test_a_model_compiles_in_one_graph_before_its_first_eager_call(name: str,
     ids = tokens()
     assert not any(function.pipelines_for(module) for module in experts_modules(model))
     compiled = torch.compile(model, fullgraph=True, backend=BACKEND)
+    if not hf_experts._DYNAMO_PASSES_OBJECTS:  # torch 2.11: one eager call first, as the error says
+        with pytest.raises(Exception, match="before their pipeline was built"):
+            compiled(ids)
+        torch._dynamo.reset()
+        logits(model, ids)
     with torch.no_grad():
         out = compiled(ids).logits
     # The pipelines were built (outside the traced code) and kept on the experts modules.
@@ -81,6 +86,8 @@ def test_a_compiled_static_cache_generate_gives_the_eager_tokens(name: str,
     with torch.no_grad():
         expected = build(name).generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static")
         model = build(name, implementation="moeforge")
+        if not hf_experts._DYNAMO_PASSES_OBJECTS:  # torch 2.11: one eager call first
+            model(ids)
         model.forward = torch.compile(model.forward, fullgraph=True, backend=BACKEND)
         got = model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static")
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -97,3 +104,19 @@ def test_copies_of_a_module_build_their_own_pipelines(function: hf_experts.Exper
         changed = logits(copied, ids)
         assert not torch.allclose(changed, expected)
         torch.testing.assert_close(logits(model, ids), expected)
+
+
+def test_where_dynamo_cannot_build_outside_the_trace_the_error_says_what_to_do(
+        monkeypatch: pytest.MonkeyPatch, function: hf_experts.ExpertsFunction) -> None:
+    # torch 2.11's Dynamo hands a constant-result function no objects: there, compiling before the first
+    # eager call is refused with what to do; after one eager call the compiled model runs.
+    monkeypatch.setattr(hf_experts, "_DYNAMO_PASSES_OBJECTS", False)
+    model = build("qwen3_moe", implementation="moeforge")
+    ids = tokens()
+    compiled = torch.compile(model, fullgraph=True, backend=BACKEND)
+    with pytest.raises(Exception, match="run the model once without compiling"):
+        compiled(ids)
+    torch._dynamo.reset()
+    expected = logits(model, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, expected, rtol=1e-4, atol=1e-5)

@@ -210,6 +210,9 @@ class ConfigTable:
 
     def __attrs_post_init__(self) -> None:
         entries = self.configs if self.tokens else tuple(config for _, config in _DEFAULTS)
+        if self.batch_invariant:  # a split K-loop rounds differently from one: never split
+            entries = tuple(MoEConfig(attrs.evolve(config.gate_up, split_k=1), attrs.evolve(config.down, split_k=1))
+                            for config in entries)
         capped = tuple(self._capped(config) for config in entries)
         object.__setattr__(self, "_capped_configs", capped)
         object.__setattr__(self, "_dequant_configs", tuple(
@@ -230,6 +233,11 @@ class ConfigTable:
                 if rows_per_expert >= self.dequant_blocks[level][0]:
                     return self._dequant_configs[level][index]
         return self._capped_configs[index]
+
+    def block_ms(self) -> frozenset[int]:
+        """Every ``block_m`` :meth:`lookup` can return (an entry's, capped, or a ``dequant_blocks`` level's)."""
+        return frozenset(config.block_m for configs in (self._capped_configs, *self._dequant_configs)
+                         for config in configs)
 
     def alignment(self) -> tuple[object, ...]:
         """What decides ``block_m`` for a token count: two tables with equal alignments align every batch

@@ -189,6 +189,9 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     _sms: int = attrs.field(init=False, repr=False)
     # MXFP4: the largest E8M0 code of the weight's scales, taken again whenever they change (see scale_bound)
     _scale_bound: Optional[ScaleCodeBound] = attrs.field(init=False, repr=False)
+    # The format's launch configurations by (aligned block_m, narrow decode tiles), made once for every block_m the
+    # table can align by: a forward creates no record (and torch.compile traces a lookup, not a constructor).
+    _planned: dict[tuple[int, bool], GemmConfig] = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._validate()
@@ -200,6 +203,8 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         weight = self._weight()
         object.__setattr__(self, "_sms", torch.cuda.get_device_properties(weight.device).multi_processor_count
                            if weight.is_cuda else 132)
+        object.__setattr__(self, "_planned", {(block_m, narrow): self._rule_config(block_m, narrow)
+                                              for block_m in self.configs.block_ms() for narrow in (False, True)})
 
     # -- build-time checks ------------------------------------------------------------------------
 
@@ -333,27 +338,31 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     # -- run ----------------------------------------------------------------------------------------
 
     def gemm_config(self, alignment: BlockAlignment) -> GemmConfig:
-        """The launch configuration for rows aligned by ``alignment`` (before the kernel's own fitting); a
-        batch-invariant table's never splits K."""
-        config = self._gemm_config(alignment)
-        return attrs.evolve(config, split_k=1) if self.configs.batch_invariant else config
-
-    def _gemm_config(self, alignment: BlockAlignment) -> GemmConfig:
-        gate_up, down = alignment.config.gate_up, alignment.config.down
+        """The launch configuration for rows aligned by ``alignment`` (before the kernel's own fitting): the
+        table's tiles where it was tuned for the format, else the format's rules on the table's block_m (a
+        batch-invariant table's never split K)."""
         if self.use_table_tiles or self.configs.weight_format is not None:
-            return gate_up if self.role is GemmRole.GATE_UP else down
-        glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
-        if (self.scheme.four_bit and not self.weight_shuffled and not self.configs.batch_invariant
-                and alignment.block_m <= 16):
-            # Few experts busy (decode): 64-column tiles leave most SMs idle through a long, latency-bound
-            # dequantizing K-loop; narrow, deep tiles make 2x the programs with half the K-steps
-            # (GPT-OSS MXFP4 at M=1: 85.7 us against 117.5; at M=8, 64 it is the other way round).
+            return alignment.config.gate_up if self.role is GemmRole.GATE_UP else alignment.config.down
+        narrow = False
+        if self.scheme.four_bit and not self.weight_shuffled and alignment.block_m <= 16:
             busy = min(alignment.num_tokens * alignment.copies_per_row, self.configs.num_experts)
-            if busy * -(-self.out_features // 64) < 4 * self._sms:  # programs of 64-column tiles vs 4 per SM
-                return GemmConfig(alignment.block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
-        # wide_n: the epilogue itself quantizes to FP8 per 128-group (else a kernel runs after the GEMM).
-        return default_quant_config(self.scheme, alignment.block_m, wide_n=self._fp8_epilogue,
-                                    two_accumulators=glu, shuffled=self.weight_shuffled)
+            narrow = busy * -(-self.out_features // 64) < 4 * self._sms  # programs of 64-column tiles vs 4 per SM
+        planned = self._planned.get((alignment.block_m, narrow))
+        return planned if planned is not None else self._rule_config(alignment.block_m, narrow)
+
+    def _rule_config(self, block_m: int, narrow: bool) -> GemmConfig:
+        """The format's configuration for ``block_m``-row blocks; ``narrow``: few experts busy at decode, where
+        64-column tiles leave most SMs idle through a long, latency-bound dequantizing K-loop and narrow, deep
+        tiles make 2x the programs with half the K-steps (GPT-OSS MXFP4 at M=1: 85.7 us against 117.5; at M=8,
+        64 it is the other way round)."""
+        glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
+        if narrow and not self.configs.batch_invariant:
+            config = GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
+        else:
+            # wide_n: the epilogue itself quantizes to FP8 per 128-group (else a kernel runs after the GEMM).
+            config = default_quant_config(self.scheme, block_m, wide_n=self._fp8_epilogue, two_accumulators=glu,
+                                          shuffled=self.weight_shuffled)
+        return attrs.evolve(config, split_k=1) if self.configs.batch_invariant else config
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
         alignment = x.alignment
