@@ -7,6 +7,7 @@ on the machine's cores share the GPU well. Usage, from the repository root::
     python3 tests/gpu_shards.py --shards 8 --jobs 8 --out "$OUT/shards"           # everything
     python3 tests/gpu_shards.py --shards 8 --only 0,1 --jobs 2 --out "$OUT/shards"  # two shards of eight
     python3 tests/gpu_shards.py --shards 8 --list                                   # which tests, where
+    python3 tests/gpu_shards.py --shards 4 --jobs 4 --out "$OUT/again" -- @unfinished.txt  # node ids from a file
 
 The collected tests (``pytest --collect-only``, in pytest's order) are cut into ``--shards`` contiguous
 pieces of about equal estimated time: the seconds each test took in earlier summaries given with
@@ -61,7 +62,10 @@ def pytest_runtest_logreport(report: Any) -> None:
 # -- the runner ---------------------------------------------------------------------------------------
 
 def collect(extra: list[str]) -> list[str]:
-    """The node ids pytest would run, in its order."""
+    """The node ids pytest would run, in its order (``@FILE`` stands for the node ids listed in FILE, one a
+    line: the tests an earlier run did not finish, say)."""
+    extra = [line for arg in extra for line in (Path(arg[1:]).read_text().splitlines() if arg.startswith("@")
+                                                 else [arg]) if line.strip()]
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *extra],
                           cwd=ROOT, capture_output=True, text=True, check=False)
     tests = [line for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
