@@ -507,7 +507,8 @@ def pipeline_key(module: nn.Module, hidden_states: torch.Tensor, top_k: int) -> 
     # A plain function as act_fn is keyed by identity: only torch's own functions are mapped, and they live on.
     return (hidden_states.dtype, hidden_states.device, hidden_states.shape[-1], hidden_states.dim(), top_k,
             tuple(setting(name) for name in _KEY_FLAGS), tuple(block) if isinstance(block, (tuple, list)) else block,
-            type(act_fn), getattr(act_fn, "approximate", None), None if isinstance(act_fn, nn.Module) else id(act_fn),
+            type(act_fn), getattr(act_fn, "approximate", None),
+            None if act_fn is None or isinstance(act_fn, nn.Module) else id(act_fn),
             _code(setting("_apply_gate")),
             tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors))
 

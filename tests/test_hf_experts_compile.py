@@ -66,7 +66,8 @@ def test_a_compiled_model_does_not_recompile_when_other_models_come_and_go(
     first, second = build(name, 0, "moeforge"), build(name, 1, "moeforge")
     compiled = torch.compile(second, fullgraph=True, backend=BACKEND)
     with torch.no_grad():
-        first(ids)
+        first(ids)   # model A runs, model B runs, then B is compiled (the order)
+        second(ids)
         expected = compiled(ids).logits
         with torch.compiler.set_stance("fail_on_recompile"):
             third = build(name, 2, "moeforge")
