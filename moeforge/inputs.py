@@ -59,10 +59,11 @@ def check_router_logits(
     logits, so it is refused."""
     if not isinstance(logits, torch.Tensor):
         raise InputError(f"router_logits must be a torch.Tensor, got {type(logits).__name__}")
-    lead = tuple(hidden_shape[:-1])
+    lead = hidden_shape[:-1]
     tokens = math.prod(lead)
-    accepted = [lead] if len(lead) == 1 else [lead, (tokens,)]
-    if logits.shape[-1:] != (num_experts,) or tuple(logits.shape[:-1]) not in accepted:
+    paired = logits.shape[:-1] == lead or (len(lead) > 1 and logits.dim() == 2 and logits.shape[0] == tokens)
+    if logits.shape[-1:] != (num_experts,) or not paired:
+        accepted = [tuple(lead)] if len(lead) == 1 else [tuple(lead), (tokens,)]
         wanted = " or ".join(str(list(shape + (num_experts,))) for shape in accepted)
         raise InputError(
             f"router_logits must be {wanted} (the hidden states' tokens x {num_experts} experts) for "

@@ -69,7 +69,7 @@ def _loop(x: torch.Tensor, counts: torch.Tensor, tensors: Sequence[torch.Tensor]
     decode, shape = FORMATS[form]
     rows, cols = shape(tensors)
     dtype = accumulation_dtype(x.dtype)
-    out = x.new_zeros(x.shape[0], cols if transposed else rows, dtype=dtype)
+    out = x.new_empty(x.shape[0], cols if transposed else rows, dtype=dtype)  # the counts cover every row
     start = 0
     for expert, count in enumerate(counts.tolist()):
         if count:
