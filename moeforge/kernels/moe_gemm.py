@@ -833,11 +833,10 @@ def default_grid(capability: Optional[tuple[int, int]], weight_format: WeightFor
     too: DeepSeek-V3 at M = 4096 (128 rows per expert) 1.18x with TMA, against 0.90x at M = 16384
     (results/ab_grid_tma-...log).
 
-    The flattened loop stages the output tile in shared memory beside the operand ring (Triton 3.6 and 3.9,
-    compiled for sm_90): for ``out_bytes`` 4 (fp32 outputs: the backward's, an fp32 layer's) the whole
-    ``block_m x block_n`` tile, 128 KiB for 128x256, which with a 4-stage bf16 ring asked for 327712 bytes of
-    the 232448 an H100 has (the training crash); for 2-byte outputs at most half of it, which fits (229408
-    bytes). So fp32 outputs take the persistent grid instead."""
+    The flattened loop stages the output tile in shared memory beside the operand ring: for ``out_bytes`` 4
+    (fp32 outputs: the backward's, an fp32 layer's) the whole ``block_m x block_n`` tile, which does not fit beside
+    a 4-stage ring of 128x256 tiles; 2-byte outputs stage less and fit. So fp32 outputs take the persistent grid
+    (measurements: docs/kernels.md, "The flattened grid and fp32 outputs")."""
     if (weight_format is not WeightFormat.FLOAT or capability is None or capability[0] != 9
             or config.block_m < 128 or rows_per_expert < 2 * config.block_m):
         return "tiles"
