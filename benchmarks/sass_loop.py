@@ -30,7 +30,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moeforge.kernels.formats import WeightFormat  # noqa: E402
+from moeforge.kernels.formats import KTail, RowFormat, RowScales, WeightFormat  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.moe_gemm import cvt_by_four, moe_gemm_kernel  # noqa: E402
 
@@ -63,9 +63,11 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                     c_scale_ptr="*fp32", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                     num_padded_ptr="*i32", block_range_ptr="*i32", p_ptr="*fp32")
     constexprs: dict[str, Any] = dict(
-        A_FMT=1 if fp8 else 0, A_SCALE=2 if fp8 else 0, B_FMT=int(weights), B_BLOCKED=fp8, B_TILE_SCALE=tile_scale,
+        A_FMT=int(RowFormat.FP8 if fp8 else RowFormat.FLOAT), A_SCALE=int(RowScales.GROUP if fp8 else RowScales.NONE),
+        B_FMT=int(weights), B_BLOCKED=fp8, B_TILE_SCALE=tile_scale,
         GROUP=GROUPS[weights], HAS_ZEROS=False,
-        QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu, EVEN_K=2 if packed else 1,
+        QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu,
+        EVEN_K=int(KTail.EVEN_VECTOR_SCALES if packed else KTail.EVEN),
         PRECISION="tf32", SWAP=swap, PTX=ptx and packed, FP8_CVT=ptx and packed,
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
         B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, B_GLOBAL=weights is WeightFormat.NVFP4,

@@ -90,6 +90,7 @@ from moeforge.stages import (
     TopK,
 )
 from moeforge.tensor_ref import ParamRef
+from moeforge.expert_weights import ExpertNames, ExpertWeights, ProjectionNames, ProjectionWeights
 
 # Submodules reachable as attributes after `import moeforge` (moeforge.hf is not: it needs transformers).
 from moeforge import checkpoint as checkpoint, families as families
@@ -107,7 +108,7 @@ __all__ = [
     "ActivationKind", "GateUpLayout", "SharedExpertsConfig", "SharedGate", "Backend", "DispatchDtype", "DType",
     # weight formats
     "QuantMethod", "UnquantizedMethod", "Fp8W8A8Method", "Int8W8A8Method", "W4A16Method", "Mxfp4Method",
-    "Nvfp4Method", "W4A4NpuMethod",
+    "Nvfp4Method", "W4A4NpuMethod", "ExpertWeights", "ProjectionWeights", "ExpertNames", "ProjectionNames",
     # pipelines composed by hand
     "Pipeline", "chain", "input_spec", "MoEInput", "MoEOutput", "TopK", "CustomTopK", "SortedDispatch",
     "PaddedDispatch", "GroupedGemm", "GemmRole", "Activate", "Combine", "QuantizeTokens",

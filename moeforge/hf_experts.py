@@ -62,23 +62,17 @@ from torch import nn
 
 from moeforge.dispatch_dtype import resolve_dispatch_dtype
 from moeforge.errors import BackendUnavailableError, InputError, MissingPackageError, UnsupportedExpertsError
-from moeforge.kernels.config import ConfigTable
+from moeforge.expert_weights import ExpertNames, ProjectionNames
 from moeforge.payloads import Activations, MoEOutput, RoutedTokens, TopKOutput
 from moeforge.pipeline import Pipeline
 from moeforge.quant.base import QuantMethod
 from moeforge.quant.fp8 import Fp8W8A8Method
-from moeforge.quant.unquantized import TorchUnquantizedExperts, TritonUnquantizedExperts, UnquantizedMethod
-from moeforge.quant.w8a8 import TorchW8A8Experts, TritonW8A8Experts, W8A8GroupedGemm
-from moeforge.roles.base import Experts, LayerConfig
+from moeforge.quant.unquantized import UnquantizedMethod
+from moeforge.roles.base import LayerConfig
 from moeforge.selector import ROUTERS, select
-from moeforge.spec import DType, Layout, PayloadKind, RoutingWeights, Spec, input_spec
-from moeforge.stage import Stage
-from moeforge.stages.activate_quantize import ActivateQuantize
-from moeforge.stages.activation import Activate, ActivationConfig, ActivationKind, GateUpLayout, apply_activation
-from moeforge.stages.gemm import GemmRole, GroupedGemm
-from moeforge.stages.quantize import QuantizeRows
+from moeforge.spec import PayloadKind, RoutingWeights, Spec, input_spec
+from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout, apply_activation
 from moeforge.stages.topk import RoutingConfig
-from moeforge.tensor_ref import ParamRef, TensorSource
 
 NAME = "moeforge"  # the experts_implementation name
 
@@ -148,19 +142,6 @@ class ExpertsLayout:
         if self.weight_format is ExpertsWeights.FP8_BLOCK128:
             return Fp8W8A8Method(weight_scales="block", activation_scales="group")
         return UnquantizedMethod()
-
-
-@attrs.frozen(eq=False, init=False)
-class TransposedParamRef(ParamRef):
-    """A :class:`~moeforge.tensor_ref.ParamRef` read with its last two dimensions swapped (a view, taken
-    when the stage runs, so autograd and ``.to()`` see the parameter itself): an ``[E, K, N]`` parameter
-    read as the ``[E, N, K]`` weight the GEMM stages take."""
-
-    def get(self) -> torch.Tensor:
-        return super().get().transpose(-2, -1)
-
-    def __repr__(self) -> str:
-        return f"TransposedParamRef({self.owner_type}.{self.name})"
 
 
 def _flag(module: nn.Module, name: str, default: Optional[bool] = None) -> bool:
@@ -362,61 +343,21 @@ def routed_spec(layout: ExpertsLayout, dtype: torch.dtype, top_k: int) -> Spec:
         weights_at=RoutingWeights.IN_COMBINE)
 
 
-def _weight(module: nn.Module, name: str, transposed: bool) -> TensorSource:
-    return TransposedParamRef(module, name) if transposed else ParamRef(module, name)
+def expert_names(module: nn.Module, layout: ExpertsLayout) -> ExpertNames:
+    """Where a transformers experts module keeps its tensors, for its quant method to read
+    (:meth:`~moeforge.QuantMethod.expert_weights`): ``gate_up_proj`` (or ``up_proj``) and ``down_proj``, held
+    ``[E, K, N]`` when the module is transposed; their FP8 scales ``*_scale_inv`` where the module has them;
+    biases ``*_bias`` ``[E, N]`` (in every layout) where its flags say it has them."""
 
+    def projection(name: str) -> ProjectionNames:
+        scale = f"{name}_scale_inv"
+        bias = f"{name}_bias" if layout.has_bias else None
+        if bias is not None:
+            _parameter(module, bias)
+        has_scale = scale in module._parameters or scale in module._buffers
+        return ProjectionNames(name, scale=scale if has_scale else None, bias=bias, transposed=layout.is_transposed)
 
-def _bias(module: nn.Module, name: str, layout: ExpertsLayout) -> Optional[TensorSource]:
-    if not layout.has_bias:
-        return None
-    _parameter(module, name)
-    return ParamRef(module, name)  # biases are [E, N] in every layout
-
-
-def expert_stages(experts: type[Experts], module: nn.Module, layout: ExpertsLayout, config: LayerConfig,
-                  configs: Optional[ConfigTable]) -> list[Stage[Any, Any]]:
-    """The stages of the experts the selector chose, on the module's own tensors: for float weights the
-    torch reference (GEMM, activation, GEMM) or the triton GEMMs (activation fused into the first); for FP8
-    weights the same with the W8A8 GEMMs and the activations quantized per 128-group (after the dispatch
-    unless the dispatch already carries FP8). They mirror the stages those ``Experts`` classes build on a
-    :class:`~moeforge.MoELayer`, whose parameters they read by moeforge's names."""
-    up = _weight(module, layout.up_name, layout.is_transposed)
-    down = _weight(module, "down_proj", layout.is_transposed)
-    up_bias, down_bias = _bias(module, f"{layout.up_name}_bias", layout), _bias(module, "down_proj_bias", layout)
-    out = DType.from_torch(config.dtype)
-    if experts is TorchUnquantizedExperts:
-        dtypes, scales = UnquantizedMethod.accepts, UnquantizedMethod.accepts_scales
-        return [GroupedGemm(GemmRole.GATE_UP, up, up_bias, dtypes, scales), Activate(layout.activation),
-                GroupedGemm(GemmRole.DOWN, down, down_bias, dtypes, scales)]
-    if experts is TritonUnquantizedExperts:
-        from moeforge.stages.triton import FusedGroupedGemm
-
-        table = TritonUnquantizedExperts.launch_table(configs)
-        return [FusedGroupedGemm(GemmRole.GATE_UP, up, table, up_bias, layout.activation),
-                FusedGroupedGemm(GemmRole.DOWN, down, table, down_bias)]
-    if experts in (TorchW8A8Experts, TritonW8A8Experts) and isinstance(config.quant, Fp8W8A8Method):
-        quantizer = config.quant.activation_quantizer
-        up_scale, down_scale = ParamRef(module, f"{layout.up_name}_scale_inv"), ParamRef(module, "down_proj_scale_inv")
-        quantize_after_dispatch = not config.dispatch.dtype.is_quantized
-        stages: list[Stage[Any, Any]] = []
-        if experts is TorchW8A8Experts:
-            if quantize_after_dispatch:
-                stages.append(QuantizeRows(quantizer))
-            return stages + [
-                W8A8GroupedGemm(GemmRole.GATE_UP, up, up_scale, quantizer.dtype, quantizer.scale_layout, out),
-                ActivateQuantize(layout.activation, quantizer),
-                W8A8GroupedGemm(GemmRole.DOWN, down, down_scale, quantizer.dtype, quantizer.scale_layout, out)]
-        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantizeAligned, QuantScheme
-
-        table = TritonW8A8Experts.launch_table(configs)
-        if quantize_after_dispatch:
-            stages.append(QuantizeAligned(quantizer))
-        return stages + [
-            FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.FP8_W8A8, up, up_scale, table,
-                                  activation=layout.activation, out_dtype=out, output_quantizer=quantizer),
-            FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.FP8_W8A8, down, down_scale, table, out_dtype=out)]
-    raise UnsupportedExpertsError(f"moeforge's selector chose {experts.name()} for {layout.module_class}, whose stages "
-                                  "moeforge.hf_experts does not build on a transformers module")
+    return ExpertNames(projection(layout.up_name), projection("down_proj"))
 
 
 def build_pipeline(module: nn.Module, layout: ExpertsLayout, dtype: torch.dtype,
@@ -438,16 +379,8 @@ def build_pipeline(module: nn.Module, layout: ExpertsLayout, dtype: torch.dtype,
                          dispatch=dispatch)
     selection = select(config)
     assert selection.experts is not None and selection.layout is not None, "dispatcher='auto' spans no experts"
-    configs = config.kernel_configs() if selection.layout is Layout.BLOCK_ALIGNED else None
-    dispatch_stage, combine = selection.dispatcher.stages(module, config, selection.layout, configs)
-    stages: list[Stage[Any, Any]] = []
-    quantize = selection.experts.quantize_stage(config)
-    if quantize is not None:
-        stages.append(quantize)
-    stages.append(dispatch_stage)
-    stages += expert_stages(selection.experts, module, layout, config, configs)
-    if combine is not None:
-        stages.append(combine)
+    weights = method.expert_weights(module, expert_names(module, layout), dtype=config.compute_dtype)
+    stages = selection.routed_stages(module, config, weights)
     routers = {router.name() for router in ROUTERS}
     notes = [f"routing: given by transformers (the router of {layout.module_class}'s block)",
              dispatch.explain(), f"backend {selection.backend.value}",

@@ -20,7 +20,8 @@ import attrs
 import torch
 
 from moeforge.backend import Backend
-from moeforge.errors import InputError
+from moeforge.errors import BackendUnavailableError, InputError
+from moeforge.expert_weights import ExpertWeights
 from moeforge.quant.mxfp4 import EmulatedMxfp4Experts, TritonMxfp4Experts
 from moeforge.quant.nvfp4 import EmulatedNvfp4Experts, TritonNvfp4Experts
 from moeforge.quant.unquantized import TorchUnquantizedExperts, TritonUnquantizedExperts
@@ -87,8 +88,15 @@ class Selection:
         return self.experts.backend if self.experts is not None else self.dispatcher.backend
 
     def stages(self, layer: torch.nn.Module, config: LayerConfig) -> list[Stage[Any, Any]]:
-        """The layer's stages: route, quantize (if the format needs it), dispatch, experts, combine."""
-        stages: list[Stage[Any, Any]] = [self.router.stage(layer, config)]
+        """A layer's stages: route, then :meth:`routed_stages` on the expert tensors its quant method reads."""
+        return [self.router.stage(layer, config)] + self.routed_stages(layer, config)
+
+    def routed_stages(self, layer: torch.nn.Module, config: LayerConfig,
+                      weights: Optional[ExpertWeights] = None) -> list[Stage[Any, Any]]:
+        """The stages from routed tokens to the output: quantize (if the format needs it), dispatch, experts,
+        combine. The experts are built from ``weights`` (default: what ``config.quant`` reads from ``layer``,
+        :meth:`~moeforge.QuantMethod.expert_weights`); ``layer`` is what the dispatcher and a fused stage read."""
+        stages: list[Stage[Any, Any]] = []
         quantize = self.experts.quantize_stage(config) if self.experts is not None else \
             config.quant.quantize_stage(config.dispatch.dtype, config.compute_dtype)
         if quantize is not None:
@@ -97,9 +105,9 @@ class Selection:
         dispatch, combine = self.dispatcher.stages(layer, config, self.layout or Layout.TOKEN_MAJOR, configs)
         stages.append(dispatch)
         if self.experts is not None:
-            stages += self.experts.stages(config.quant, layer, activation=config.activation,
-                                          routing_weights_in_epilogue=config.weights_in_epilogue, configs=configs,
-                                          dispatch=config.dispatch.dtype)
+            stages += self.experts.stages_for(config.quant, layer, weights, activation=config.activation,
+                                              routing_weights_in_epilogue=config.weights_in_epilogue,
+                                              configs=configs, dispatch=config.dispatch.dtype)
         if combine is not None:
             stages.append(combine)
         return stages
@@ -119,12 +127,18 @@ def select(config: LayerConfig) -> Selection:
     router = _router(config, skipped)
     dispatchers = _asked_dispatchers(config)
     if dispatchers and dispatchers[0].spans_experts:
-        return Selection(router, dispatchers[0], None, None, tuple(skipped))
+        spanning = dispatchers[0]
+        reason = _backend_problem(spanning.backend, config)
+        if reason is None:
+            return Selection(router, spanning, None, None, tuple(skipped))
+        skipped.append((spanning.name(), reason))
+        dispatchers = []
+    outside = not any(isinstance(config.quant, experts.method) for experts in EXPERTS if experts is not MethodOwnExperts)
     problems: list[tuple[str, str]] = []
-    for experts in EXPERTS:
+    for experts in EXPERTS if dispatchers else ():
         reason = _experts_problem(experts, config)
         if reason is not None:
-            if isinstance(config.quant, experts.method) and experts is not MethodOwnExperts:
+            if isinstance(config.quant, experts.method) and (experts is not MethodOwnExperts or outside):
                 skipped.append((experts.name(), reason))  # the other formats' experts are no news
             continue
         found = _dispatcher_for(experts, dispatchers, config, problems)
@@ -142,6 +156,21 @@ def select(config: LayerConfig) -> Selection:
                      + "\n".join(f"  {name}: {reason}" for name, reason in skipped))
 
 
+def experts_for(method: Any, backend: Backend, layout: Optional[Layout] = None) -> type[Experts]:
+    """The first Experts candidate that computes ``method`` (a quant method) on ``backend`` and reads ``layout``
+    rows (``None``: any), for a caller that holds rows already grouped by expert
+    (:meth:`~moeforge.QuantMethod.expert_stages`). Raises :class:`BackendUnavailableError` when none does."""
+    found = [experts for experts in EXPERTS if experts is not MethodOwnExperts and isinstance(method, experts.method)]
+    for experts in found:
+        if experts.backend is backend and (layout is None or layout in experts.layouts):
+            return experts
+    runs = sorted({f"backend={e.backend.value!r} ({', '.join(sorted(x.value for x in e.layouts))} rows)"
+                   for e in found})
+    rows = f" on {layout.value} rows" if layout is not None else ""
+    raise BackendUnavailableError(f"{type(method).__name__} has no {backend.value} experts{rows}: "
+                                  + (f"use {' or '.join(runs)}" if runs else "no experts moeforge ships compute it"))
+
+
 def _router(config: LayerConfig, skipped: list[tuple[str, str]]) -> type[Router]:
     for router in ROUTERS:
         reason = router.supports(config)
@@ -156,10 +185,16 @@ def _router(config: LayerConfig, skipped: list[tuple[str, str]]) -> type[Router]
 
 def _experts_problem(experts: type[Experts], config: LayerConfig) -> Optional[str]:
     reason = experts.supports(config)
-    if reason is None and config.backend is not None and experts.backend is not config.backend:
-        reason = ("batch_invariant=True runs on the triton backend" if config.batch_invariant
-                  else f"backend={config.backend.value!r} was asked for")
-    return reason
+    return reason if reason is not None else _backend_problem(experts.backend, config)
+
+
+def _backend_problem(backend: Backend, config: LayerConfig) -> Optional[str]:
+    """Why an implementation on ``backend`` is not what the layer asked for (``None``: it is)."""
+    if config.batch_invariant and backend is not Backend.TRITON:
+        return "batch_invariant=True runs on the triton backend"
+    if config.backend is not None and backend is not config.backend:
+        return f"backend={config.backend.value!r} was asked for"
+    return None
 
 
 def _asked(config: LayerConfig) -> str:
@@ -190,7 +225,8 @@ def _dispatcher_for(experts: type[Experts], dispatchers: list[type[Dispatcher]],
             for layout in layouts:
                 if dispatcher.layout_problem(config, layout) is None:
                     return dispatcher, layout
-            reason = "; ".join(filter(None, (dispatcher.layout_problem(config, layout) for layout in layouts)))
+            reason = "; ".join(dict.fromkeys(filter(None, (dispatcher.layout_problem(config, layout)
+                                                           for layout in layouts))))
             reason += f" ({experts.name()} reads {', '.join(layout.value for layout in layouts)} rows"
             reason += ": use dispatcher='auto' or another backend)" if config.dispatcher != "auto" else ")"
         problems.append((dispatcher.name(), reason))

@@ -54,6 +54,19 @@ class ParamRef:
 
 
 @attrs.frozen(eq=False, init=False)
+class TransposedParamRef(ParamRef):
+    """A :class:`ParamRef` read with its last two dimensions swapped (a view, taken when the stage runs, so
+    autograd and ``.to()`` see the parameter itself): an ``[E, K, N]`` parameter (transformers' layout) read
+    as the ``[E, N, K]`` weight the GEMM stages take."""
+
+    def get(self) -> torch.Tensor:
+        return super().get().transpose(-2, -1)
+
+    def __repr__(self) -> str:
+        return f"TransposedParamRef({self.owner_type}.{self.name})"
+
+
+@attrs.frozen(eq=False, init=False)
 class LayerRef:
     """A stage's weak reference to the layer whose quant method it calls with the whole layer
     (``apply_without_routing_weights(layer, ...)``): a strong one would make the cycle layer ->

@@ -188,13 +188,14 @@ def test_the_triton_experts_are_the_mxfp4_kernel() -> None:
     checks its numbers); without a CUDA device the layer cannot pick them."""
     pytest.importorskip("triton")
     from moeforge.kernels.config import ConfigTable
-    from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
+    from moeforge.kernels.formats import WeightFormat
+    from moeforge.stages.triton_quant import FusedQuantGroupedGemm
 
     layer = _layer()
     stages = Mxfp4Method().expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=True,
                                          backend=mf.Backend.TRITON, configs=ConfigTable(E, K))
     assert [type(s) for s in stages] == [FusedQuantGroupedGemm, FusedQuantGroupedGemm]
-    assert all(isinstance(s, FusedQuantGroupedGemm) and s.scheme is QuantScheme.MXFP4 for s in stages)
+    assert all(isinstance(s, FusedQuantGroupedGemm) and s.weight_format is WeightFormat.MXFP4 for s in stages)
     assert "mxfp4" in stages[0].summary() and "weights in epilogue" in stages[1].summary()
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailableError, match="CUDA"):

@@ -298,13 +298,14 @@ def test_the_triton_experts_are_the_nvfp4_kernel() -> None:
     pytest.importorskip("triton")
     from moeforge.dispatch_dtype import DispatchDtype
     from moeforge.kernels.config import ConfigTable
-    from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
+    from moeforge.kernels.formats import WeightFormat
+    from moeforge.stages.triton_quant import FusedQuantGroupedGemm
 
     layer = _layer()
     for method, dispatch in ((Nvfp4Method(), None), (Nvfp4Method(G), DispatchDtype.NVFP4)):
         stages = method.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
                                       backend=mf.Backend.TRITON, configs=ConfigTable(E, K), dispatch=dispatch)
-        assert all(isinstance(s, FusedQuantGroupedGemm) and s.scheme is QuantScheme.NVFP4 for s in stages)
+        assert all(isinstance(s, FusedQuantGroupedGemm) and s.weight_format is WeightFormat.NVFP4 for s in stages)
         first = stages[0]
         assert isinstance(first, FusedQuantGroupedGemm)
         assert first.input_global_scale == (G if dispatch is not None else None)
@@ -491,9 +492,9 @@ def _spec(layout: Layout, dtype: mf.DType, scale: mf.ScaleLayout = mf.ScaleLayou
 @pytest.mark.parametrize("layout", [Layout.EXPERT_SORTED, Layout.EXPERT_PADDED])
 def test_emulated_gemm_honours_its_contract(layout: Layout) -> None:
     layer = _layer()
-    float_stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"))
+    float_stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer.quant.expert_weights(layer).gate_up))
     assert_stage_honours_contract(float_stage, _spec(layout, mf.DType.FP32), max_examples=8)
-    nvfp4_stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"), input_global_scale=G,
+    nvfp4_stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer.quant.expert_weights(layer).gate_up), input_global_scale=G,
                                       out_dtype=mf.DType.BF16)
     float_rows = dispatch_outputs(_spec(layout, mf.DType.FP32))
     nvfp4_rows = float_rows.map(lambda rows: rows.with_x(Nvfp4Quantizer(G)(rows.x.data)))
@@ -503,10 +504,10 @@ def test_emulated_gemm_honours_its_contract(layout: Layout) -> None:
 
 def test_emulated_gemm_rejects_formats_it_cannot_read() -> None:
     layer = _layer()
-    stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"))
+    stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer.quant.expert_weights(layer).gate_up))
     nvfp4 = _spec(Layout.EXPERT_SORTED, mf.DType.NVFP4, mf.ScaleLayout.NVFP4_BLOCK16)
     assert [m.field for m in stage.check(nvfp4)] == ["dtype", "scale_layout"]
-    with_scale = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13"), input_global_scale=G)
+    with_scale = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer.quant.expert_weights(layer).gate_up), input_global_scale=G)
     assert [m.field for m in with_scale.check(nvfp4)] == ["dtype"]  # needs an explicit out_dtype
     mixed = _spec(Layout.EXPERT_SORTED, mf.DType.FP32, mf.ScaleLayout.NVFP4_BLOCK16)
     assert [m.field for m in with_scale.check(mixed)] == ["scale_layout"]

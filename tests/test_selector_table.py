@@ -9,8 +9,9 @@ layer's choice is asked on any machine; whether Triton is installed is the row's
 monkeypatches ``moeforge.backend.triton_installed``). The dispatch dtype is decided as ``MoELayer`` decides
 it (:func:`resolve_dispatch_dtype`), for an H100 on ``"cuda"``.
 
-Where the selector's behaviour looks wrong, the test states the right behaviour and is marked
-``xfail(strict=True)`` with the reason.
+The last tests hold behaviours the table first found wrong: a spanning dispatcher chosen against the backend
+asked for, torch experts for a batch-invariant layer, an error listing no candidate for a method from outside
+moeforge, a reason said twice.
 """
 
 from __future__ import annotations
@@ -487,15 +488,9 @@ ERRORS = [
           "expert_parallel: pass the same one"),
     # quant methods from outside moeforge: MethodOwnExperts is their only candidate
     error("cuda-own-backend-triton", L("own", CUDA, backend="triton"),
-          "OwnStages, backend=triton, dispatcher='auto' on cuda", f"MethodOwnExperts: {ASKED_TRITON}",
-          marks=pytest.mark.xfail(strict=True, reason=(
-              "select() records no skip reason for MethodOwnExperts (`experts is not MethodOwnExperts` keeps it out "
-              "of `skipped`), so for a method that only it computes the error lists no candidate at all"))),
+          "OwnStages, backend=triton, dispatcher='auto' on cuda", f"MethodOwnExperts: {ASKED_TRITON}"),
     error("cuda-no-stages", L("no-stages", CUDA), "NoStages, backend=auto, dispatcher='auto' on cuda",
-          "MethodOwnExperts: the quant method builds no expert stages of its own",
-          marks=pytest.mark.xfail(strict=True, reason=(
-              "a method no Experts computes gets an error that lists no candidate: MethodOwnExperts' reason is "
-              "dropped like the other formats' experts"))),
+          "MethodOwnExperts: the quant method builds no expert stages of its own"),
 ]
 
 
@@ -602,11 +597,8 @@ def test_the_table_covers_every_candidate_and_method(triton_installed: Callable[
     assert KEYWORDS == ("auto", "fused_ep", "all_to_all", "aligned", "sorted", "padded")
 
 
-# -- what looks wrong: the right behaviour, expected to fail until the selector does it ----------------------
+# -- behaviours the table found wrong (fixed) -----------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dispatcher='fused_ep' is returned before any backend check: FusedEpDispatcher (backend torch) is chosen "
-    "although backend='triton' (or batch_invariant=True) was asked for, and Selection.backend is torch"))
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["backend-triton", "batch-invariant"])
 def test_fused_ep_honours_the_triton_backend(batch_invariant: bool, triton_installed: Callable[[bool], None]) -> None:
     triton_installed(True)
@@ -616,10 +608,6 @@ def test_fused_ep_honours_the_triton_backend(batch_invariant: bool, triton_insta
     assert "FusedEpDispatcher" in str(info.value) and "triton" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "select() trusts its caller to pair batch_invariant=True with backend=TRITON (MoELayer does): with "
-    "backend=None or TORCH it silently picks torch experts, which are not batch-invariant, and with TORCH it "
-    "skips the triton experts with the reason 'batch_invariant=True runs on the triton backend'"))
 @pytest.mark.parametrize("layer", [
     L(backend=None, batch_invariant=True),
     L(device=CUDA, dtype="fp32", wire="bf16", backend=None, batch_invariant=True),
@@ -635,9 +623,6 @@ def test_batch_invariant_never_gets_torch_experts(layer: Layer, triton_installed
     assert selection.backend is mf.Backend.TRITON, selection.describe()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a dispatcher that cannot deliver either layout of the torch experts gives the same reason once per "
-    "layout: 'it delivers block_aligned rows; it delivers block_aligned rows (...)'"))
 def test_a_wrong_layout_is_said_once(triton_installed: Callable[[bool], None]) -> None:
     triton_installed(True)
     with pytest.raises(mf.InputError) as info:

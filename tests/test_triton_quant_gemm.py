@@ -37,7 +37,6 @@ from moeforge.stages.triton_quant import (  # noqa: E402
     ActivateQuantizeAligned,
     FusedQuantGroupedGemm,
     QuantizeAligned,
-    QuantScheme,
     TritonQuantizeTokens,
 )
 from moeforge.stages.quantize import PerGroupQuantizer, PerTensorQuantizer, PerTokenQuantizer, dequantize  # noqa: E402
@@ -396,7 +395,7 @@ def test_w4a16_second_gemm_in_fp32() -> None:
 # -- the stages in a whole triton pipeline ---------------------------------------------------------------
 
 def build_quant_experts(
-    scheme: QuantScheme, experts: int, hidden: int, inter: int, dtype: torch.dtype, gen: torch.Generator,
+    scheme: WeightFormat, experts: int, hidden: int, inter: int, dtype: torch.dtype, gen: torch.Generator,
     *, block: bool = False, group: int = 64, zero_points: bool = False, bias: bool = False,
     device: str = DEVICE,
 ) -> dict[str, Optional[torch.Tensor]]:
@@ -405,11 +404,11 @@ def build_quant_experts(
     w2 = torch.randn(experts, hidden, inter, generator=gen).to(device) * inter ** -0.5
     found: dict[str, Optional[torch.Tensor]] = {}
     for name, w in (("w13", w13), ("w2", w2)):
-        if scheme is QuantScheme.W4A16:
+        if scheme is WeightFormat.INT4:
             q, s, z, deq = pack_int4(w, group, zero_points, dtype)
             found.update({name: q, f"{name}_scale": s, f"{name}_zero": z, f"{name}_deq": deq})
         else:
-            q, s, deq = quantize_weight_w8(w, scheme.weight_dtype, block)
+            q, s, deq = quantize_weight_w8(w, scheme.storage_dtype, block)
             found.update({name: q, f"{name}_scale": s, f"{name}_zero": None, f"{name}_deq": deq})
     found["w13_bias"] = torch.randn(experts, 2 * inter, generator=gen).to(device, dtype) if bias else None
     found["w2_bias"] = torch.randn(experts, hidden, generator=gen).to(device, dtype) if bias else None
@@ -417,7 +416,7 @@ def build_quant_experts(
 
 
 def quant_pipeline(
-    scheme: QuantScheme, tensors: dict[str, Optional[torch.Tensor]], experts: int, k: int, hidden: int,
+    scheme: WeightFormat, tensors: dict[str, Optional[torch.Tensor]], experts: int, k: int, hidden: int,
     dtype: torch.dtype, act: mf.ActivationConfig, quantizer: Optional[mf.stages.Quantizer], *,
     quantize_before_dispatch: bool = False, weights_in_epilogue: bool = False, mid_quantizer_fused: bool = True,
     debug: bool = True,
@@ -469,12 +468,12 @@ def reference_moe(x: torch.Tensor, logits: torch.Tensor, k: int, tensors: dict[s
 
 PIPELINES = {
     # name: (scheme, activation dtype, quantizer, weight blocks, quantize before dispatch, fused mid quantization)
-    "fp8 group/block": (QuantScheme.FP8_W8A8, torch.float16, PerGroupQuantizer(), True, False, True),
-    "fp8 token/channel, before dispatch": (QuantScheme.FP8_W8A8, torch.float32, PerTokenQuantizer(), False, True, True),
-    "fp8 group, activate-quantize stage": (QuantScheme.FP8_W8A8, torch.float16, PerGroupQuantizer(), True, True,
+    "fp8 group/block": (WeightFormat.FP8, torch.float16, PerGroupQuantizer(), True, False, True),
+    "fp8 token/channel, before dispatch": (WeightFormat.FP8, torch.float32, PerTokenQuantizer(), False, True, True),
+    "fp8 group, activate-quantize stage": (WeightFormat.FP8, torch.float16, PerGroupQuantizer(), True, True,
                                            False),
-    "int8 token/channel": (QuantScheme.INT8_W8A8, torch.float16, PerTokenQuantizer(DType.INT8), False, False, True),
-    "w4a16": (QuantScheme.W4A16, torch.float16, None, False, False, True),
+    "int8 token/channel": (WeightFormat.INT8, torch.float16, PerTokenQuantizer(DType.INT8), False, False, True),
+    "w4a16": (WeightFormat.INT4, torch.float16, None, False, False, True),
 }
 
 
@@ -490,7 +489,7 @@ def test_quantized_triton_pipeline_matches_the_dequantized_reference(name: str, 
     gen = torch.Generator().manual_seed(41)
     act = ACTIVATIONS["swiglu"]
     tensors = build_quant_experts(scheme, experts, hidden, inter, dtype, gen, block=block, zero_points=True,
-                                  bias=scheme is QuantScheme.INT8_W8A8)
+                                  bias=scheme is WeightFormat.INT8)
     pipeline = quant_pipeline(scheme, tensors, experts, k, hidden, dtype, act, quantizer,
                               quantize_before_dispatch=before, mid_quantizer_fused=fused)
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
@@ -507,8 +506,8 @@ def test_quantized_pipeline_with_every_token_on_one_expert_and_weights_in_epilog
     experts, k, hidden, inter, tokens = 4, 1, 128, 128, 20
     gen = torch.Generator().manual_seed(42)
     act = ACTIVATIONS["swiglu"]
-    tensors = build_quant_experts(QuantScheme.FP8_W8A8, experts, hidden, inter, torch.float16, gen, block=True)
-    pipeline = quant_pipeline(QuantScheme.FP8_W8A8, tensors, experts, k, hidden, torch.float16, act,
+    tensors = build_quant_experts(WeightFormat.FP8, experts, hidden, inter, torch.float16, gen, block=True)
+    pipeline = quant_pipeline(WeightFormat.FP8, tensors, experts, k, hidden, torch.float16, act,
                               PerGroupQuantizer(), weights_in_epilogue=True)
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, torch.float16)
     logits = torch.full((tokens, experts), -4.0, device=DEVICE)
@@ -522,9 +521,9 @@ def test_quantized_pipeline_with_top_k_equal_to_experts() -> None:
     hidden, inter, tokens = 128, 128, 4
     gen = torch.Generator().manual_seed(43)
     act = ACTIVATIONS["swiglu"]
-    tensors = build_quant_experts(QuantScheme.INT8_W8A8, experts, hidden, inter, torch.float32, gen)
+    tensors = build_quant_experts(WeightFormat.INT8, experts, hidden, inter, torch.float32, gen)
     quantizer = PerTokenQuantizer(DType.INT8)
-    pipeline = quant_pipeline(QuantScheme.INT8_W8A8, tensors, experts, k, hidden, torch.float32, act, quantizer,
+    pipeline = quant_pipeline(WeightFormat.INT8, tensors, experts, k, hidden, torch.float32, act, quantizer,
                               quantize_before_dispatch=True)
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
     logits = torch.randn(tokens, experts, generator=gen).to(DEVICE)
@@ -535,7 +534,7 @@ def test_quantized_pipeline_with_top_k_equal_to_experts() -> None:
 # -- contracts and arguments -------------------------------------------------------------------------------
 
 def _fp8_tensors(experts: int = 4, hidden: int = 128, inter: int = 128) -> dict[str, Optional[torch.Tensor]]:
-    return build_quant_experts(QuantScheme.FP8_W8A8, experts, hidden, inter, torch.float16,
+    return build_quant_experts(WeightFormat.FP8, experts, hidden, inter, torch.float16,
                                torch.Generator().manual_seed(0), block=True)
 
 
@@ -543,7 +542,7 @@ def test_fp8_gemm_rejects_float_rows_at_build_time() -> None:
     t = _fp8_tensors()
     table = ConfigTable(4, 2)
     assert t["w13"] is not None and t["w13_scale"] is not None
-    gemm = FusedQuantGroupedGemm(mf.GemmRole.GATE_UP, QuantScheme.FP8_W8A8, t["w13"], t["w13_scale"], table,
+    gemm = FusedQuantGroupedGemm(mf.GemmRole.GATE_UP, WeightFormat.FP8, t["w13"], t["w13_scale"], table,
                                  activation=mf.ActivationConfig(), out_dtype=DType.FP16)
     with pytest.raises(mf.ContractError, match="dtype") as error:
         mf.Pipeline([TritonTopK(4, 2), AlignDispatch(4, table), gemm], mf.input_spec(128, torch.float16, 4))
@@ -568,7 +567,7 @@ def test_down_gemm_rejects_rows_with_the_wrong_scale_layout() -> None:
     assert t["w13"] is not None and t["w13_scale"] is not None and t["w2"] is not None and t["w2_scale"] is not None
     with pytest.raises(mf.ContractError, match="dtype"):  # int8 rows into an fp8 GEMM
         mf.Pipeline([TritonTopK(4, 2), AlignDispatch(4, table), QuantizeAligned(PerTokenQuantizer(DType.INT8)),
-                     FusedQuantGroupedGemm(mf.GemmRole.GATE_UP, QuantScheme.FP8_W8A8, t["w13"], t["w13_scale"],
+                     FusedQuantGroupedGemm(mf.GemmRole.GATE_UP, WeightFormat.FP8, t["w13"], t["w13_scale"],
                                            table, activation=mf.ActivationConfig(), out_dtype=DType.FP16)],
                     mf.input_spec(128, torch.float16, 4))
 
@@ -584,7 +583,7 @@ def test_down_gemm_rejects_rows_with_the_wrong_scale_layout() -> None:
 ])
 def test_bad_gemm_arguments_are_input_errors(change: dict[str, object], match: str) -> None:
     t = _fp8_tensors()
-    args: dict[str, object] = dict(role=mf.GemmRole.GATE_UP, scheme=QuantScheme.FP8_W8A8, weight=t["w13"],
+    args: dict[str, object] = dict(role=mf.GemmRole.GATE_UP, weight_format=WeightFormat.FP8, weight=t["w13"],
                                    weight_scale=t["w13_scale"], configs=ConfigTable(4, 2),
                                    activation=mf.ActivationConfig(), out_dtype=DType.FP16)
     args.update(change)
@@ -595,14 +594,14 @@ def test_bad_gemm_arguments_are_input_errors(change: dict[str, object], match: s
 def test_w4a16_group_size_must_be_a_power_of_two() -> None:
     packed = torch.zeros(2, 8, 48, dtype=torch.uint8)
     with pytest.raises(mf.InputError, match="group size"):
-        FusedQuantGroupedGemm(mf.GemmRole.DOWN, QuantScheme.W4A16, packed, torch.ones(2, 8, 2, dtype=torch.float16),
+        FusedQuantGroupedGemm(mf.GemmRole.DOWN, WeightFormat.INT4, packed, torch.ones(2, 8, 2, dtype=torch.float16),
                               ConfigTable(2, 1), out_dtype=DType.FP16)  # K = 96, G = 48
 
 
 def test_stage_kinds_and_description() -> None:
     t = _fp8_tensors()
     assert t["w13"] is not None and t["w13_scale"] is not None
-    gemm = FusedQuantGroupedGemm(mf.GemmRole.GATE_UP, QuantScheme.FP8_W8A8, t["w13"], t["w13_scale"],
+    gemm = FusedQuantGroupedGemm(mf.GemmRole.GATE_UP, WeightFormat.FP8, t["w13"], t["w13_scale"],
                                  ConfigTable(4, 2), activation=mf.ActivationConfig(), out_dtype=DType.FP16,
                                  output_quantizer=PerGroupQuantizer())
     assert gemm.kinds == (mf.StageKind.GEMM, mf.StageKind.ACTIVATION, mf.StageKind.QUANTIZE)

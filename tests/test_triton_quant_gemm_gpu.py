@@ -35,7 +35,8 @@ from moeforge.kernels.config import ConfigTable, GemmConfig, default_config  # n
 from moeforge.spec import DType  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
 from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK, act_code  # noqa: E402
-from moeforge.stages.triton_quant import QuantScheme, default_quant_config  # noqa: E402
+from moeforge.kernels.formats import WeightFormat  # noqa: E402
+from moeforge.stages.triton_quant import default_quant_config  # noqa: E402
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, dequantize  # noqa: E402
 from test_triton_quant_gemm import (  # noqa: E402
     ACTIVATIONS,
@@ -104,7 +105,7 @@ def test_w8a8_gemms_at_scale(case: str, shape: tuple[int, int, int, int, int]) -
     ids = route(tokens, experts, k, gen, DEVICE)
     weights = torch.rand(tokens, k, device=DEVICE)
     block_m, plan = _plan(ids, experts, tokens, k)
-    scheme = QuantScheme.FP8_W8A8 if dtype == torch.float8_e4m3fn else QuantScheme.INT8_W8A8
+    scheme = WeightFormat.FP8 if dtype == torch.float8_e4m3fn else WeightFormat.INT8
     config = default_quant_config(scheme, block_m)
     assert x.scale is not None
     hidden_rows = torch.full((tokens * k, inter), float("nan"), device=DEVICE, dtype=BF16)
@@ -132,7 +133,7 @@ def test_w4a16_gemms_at_scale(group: int, zero_points: bool, shape: tuple[int, i
     ids = route(tokens, experts, k, gen, DEVICE)
     weights = torch.rand(tokens, k, device=DEVICE)
     block_m, plan = _plan(ids, experts, tokens, k)
-    config = default_quant_config(QuantScheme.W4A16, block_m)
+    config = default_quant_config(WeightFormat.INT4, block_m)
     hidden_rows = torch.full((tokens * k, inter), float("nan"), device=DEVICE, dtype=BF16)
     w4a16_gemm(x, w13, s13, hidden_rows, *plan, rows_per_a=k, config=config, zeros=z13,
                               topk_weights=weights.reshape(-1), act=act_code(act), glu=True, interleaved=True)
@@ -170,11 +171,11 @@ def test_fp8_epilogue_quantization_at_scale(block_n: int) -> None:
 # -- whole pipelines ---------------------------------------------------------------------------------------
 
 GPU_PIPELINES = {
-    "fp8 group/block": (QuantScheme.FP8_W8A8, PerGroupQuantizer(), True, False, True),
-    "fp8 token/channel, before dispatch": (QuantScheme.FP8_W8A8, PerTokenQuantizer(), False, True, True),
-    "fp8 group, activate-quantize stage": (QuantScheme.FP8_W8A8, PerGroupQuantizer(), True, True, False),
-    "int8 token/channel": (QuantScheme.INT8_W8A8, PerTokenQuantizer(DType.INT8), False, False, True),
-    "w4a16": (QuantScheme.W4A16, None, False, False, True),
+    "fp8 group/block": (WeightFormat.FP8, PerGroupQuantizer(), True, False, True),
+    "fp8 token/channel, before dispatch": (WeightFormat.FP8, PerTokenQuantizer(), False, True, True),
+    "fp8 group, activate-quantize stage": (WeightFormat.FP8, PerGroupQuantizer(), True, True, False),
+    "int8 token/channel": (WeightFormat.INT8, PerTokenQuantizer(DType.INT8), False, False, True),
+    "w4a16": (WeightFormat.INT4, None, False, False, True),
 }
 
 
@@ -242,7 +243,7 @@ def test_quantized_pipeline_cuda_graph_and_compile(name: str) -> None:
 # -- timing (not a test) -------------------------------------------------------------------------------------
 
 def time_quant_experts(
-    scheme: QuantScheme = QuantScheme.FP8_W8A8, tokens: int = 64, experts: int = 8, top_k: int = 2,
+    scheme: WeightFormat = WeightFormat.FP8, tokens: int = 64, experts: int = 8, top_k: int = 2,
     hidden: int = 4096, inter: int = 1536, *, block: bool = True, group: int = 128, iters: int = 50,
 ) -> dict[str, float]:
     """Microseconds per forward of the quantized triton pipeline (routing, plan, quantization, both
@@ -250,9 +251,9 @@ def time_quant_experts(
     lower bound at small batches), plus the weight bytes each reads per call."""
     gen = torch.Generator().manual_seed(0)
     quantizer: Optional[mf.stages.Quantizer]
-    if scheme is QuantScheme.W4A16:
+    if scheme is WeightFormat.INT4:
         quantizer = None
-    elif scheme is QuantScheme.INT8_W8A8:
+    elif scheme is WeightFormat.INT8:
         quantizer = PerTokenQuantizer(DType.INT8)
     else:
         quantizer = PerGroupQuantizer() if block else PerTokenQuantizer()
@@ -290,7 +291,7 @@ def time_quant_experts(
         torch.cuda.synchronize()
         result[label] = start.elapsed_time(end) * 1000 / iters
     used = min(experts, tokens * top_k)
-    bits = 4 if scheme is QuantScheme.W4A16 else 8
+    bits = 4 if scheme is WeightFormat.INT4 else 8
     result["quantized_weight_mb"] = used * 3 * hidden * inter * bits / 8 / 1e6
     result["bf16_weight_mb"] = used * 3 * hidden * inter * 2 / 1e6
     return result
@@ -298,8 +299,8 @@ def time_quant_experts(
 
 if __name__ == "__main__":
     print(f"{'scheme':10} {'tokens':>6} {'quantized us':>13} {'bf16 us':>9} {'speed-up':>8}")
-    for scheme in QuantScheme:
+    for scheme in (WeightFormat.FP8, WeightFormat.INT8, WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
         for tokens in (1, 16, 256, 2048):
             r = time_quant_experts(scheme, tokens)
-            print(f"{scheme.value:10} {tokens:6d} {r['quantized_us']:13.1f} {r['bf16_us']:9.1f} "
+            print(f"{scheme.label:10} {tokens:6d} {r['quantized_us']:13.1f} {r['bf16_us']:9.1f} "
                   f"{r['bf16_us'] / r['quantized_us']:8.2f}")

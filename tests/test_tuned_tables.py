@@ -22,7 +22,8 @@ import moeforge as mf
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, device_tables, shape_key
 from moeforge.payloads import BlockAlignment
 from moeforge.spec import DType
-from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme, default_quant_config
+from moeforge.kernels.formats import WeightFormat
+from moeforge.stages.triton_quant import FusedQuantGroupedGemm, default_quant_config
 
 ENTRY: dict[str, Any] = {"gate_up": dict(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3),
          "down": dict(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3), "us": 1.0}
@@ -99,7 +100,7 @@ def test_a_tables_dict_gives_what_the_device_file_gives(tmp_path: Path, monkeypa
 def _fp8_gemm(table: ConfigTable, role: mf.GemmRole) -> FusedQuantGroupedGemm:
     weight = torch.randn(4, 256, 128).to(torch.float8_e4m3fn)
     scale = torch.rand(4, 2, 1) + 0.5
-    return FusedQuantGroupedGemm(role, QuantScheme.FP8_W8A8, weight, scale, table, out_dtype=DType.BF16)
+    return FusedQuantGroupedGemm(role, WeightFormat.FP8, weight, scale, table, out_dtype=DType.BF16)
 
 
 @pytest.mark.parametrize("role", [mf.GemmRole.GATE_UP, mf.GemmRole.DOWN])
@@ -112,7 +113,7 @@ def test_quantized_gemms_take_a_format_tables_tiles(role: mf.GemmRole) -> None:
     assert _fp8_gemm(tuned, role).gemm_config(alignment) == want
     # a table that was not tuned for the format: the format's rules on the table's block_m
     plain = attrs.evolve(tuned, weight_format=None)
-    assert _fp8_gemm(plain, role).gemm_config(alignment) == default_quant_config(QuantScheme.FP8_W8A8, 64)
+    assert _fp8_gemm(plain, role).gemm_config(alignment) == default_quant_config(WeightFormat.FP8, 64)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

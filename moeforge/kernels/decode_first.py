@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeforge.kernels.format_codes import W_FIRST_E2M1
+
 from moeforge.kernels import shuffle
 from moeforge.kernels.dequant import group_scales, weight_tile
 from moeforge.kernels.formats import WeightFormat, weight_operand
@@ -59,7 +61,7 @@ def decode_weight_kernel(
     out_rows = offs_n
     if SHUFFLED == 2:  # paired gate/up rows (see kernels/shuffle.py): decoded back into their interleaved rows
         out_rows = (offs_n // 32) * 32 + (offs_n % 16) * 2 + (offs_n % 32) // 16
-    if SHUFFLED and B_FMT >= 4:  # a shuffled e2m1 weight: its 32-bit words (contiguous bytes, see kernels/shuffle.py)
+    if SHUFFLED and B_FMT >= W_FIRST_E2M1:  # a shuffled e2m1 weight: its 32-bit words (contiguous bytes, see kernels/shuffle.py)
         offs_kw = k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         rows = (w_ptr + expert * stride_we + offs_n[:, None] * stride_wn).to(tl.pointer_type(tl.int32))
         packed = tl.load(rows + offs_kw[None, :], mask=n_ok[:, None] & (offs_kw < K // 8)[None, :], other=0)

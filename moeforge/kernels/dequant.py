@@ -39,6 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moeforge.kernels.format_codes import W_FIRST_E2M1, W_INT4, W_MXFP4
+
 from moeforge.kernels.shuffle import E2M1_PATTERN_MASK, E2M1_ROTATIONS, E2M1_SPREAD
 
 # -- portable decoding -----------------------------------------------------------------------------
@@ -549,8 +551,8 @@ def weight_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: t
     layout stores them, see :func:`unshuffle`; a shuffled e2m1 weight's are its 32-bit words ``[BLOCK_N, BLOCK_K // 8]``,
     see :func:`e2m1_word_tile`); ``s`` / ``z`` its raw scales / zero points: ``[BLOCK_N, 1]``
     when the step lies in one group, else ``[BLOCK_N, BLOCK_K // GROUP]``."""
-    if SHUFFLED and B_FMT >= 4:  # e2m1 (MXFP4, NVFP4): 32-bit words
-        return e2m1_word_tile(packed, s, DTYPE, B_FMT == 4, GROUP, PTX, FP8_CVT, CVT_BY_FOUR, SCALE_FOLD, BLOCK_N,
+    if SHUFFLED and B_FMT >= W_FIRST_E2M1:  # e2m1 (MXFP4, NVFP4): 32-bit words
+        return e2m1_word_tile(packed, s, DTYPE, B_FMT == W_MXFP4, GROUP, PTX, FP8_CVT, CVT_BY_FOUR, SCALE_FOLD, BLOCK_N,
                               BLOCK_K)
     else:
         return _byte_tile(packed, s, z, DTYPE, B_FMT, GROUP, HAS_ZEROS, PTX, FP8_CVT, CVT_BY_FOUR, SCALE_FOLD,
@@ -566,7 +568,7 @@ def _byte_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl
         packed = unshuffle(packed, BLOCK_N, BLOCK_K // 2)
     if PTX:
         # one scale (and offset) pair per byte: the groups counted in bytes
-        if B_FMT == 3:
+        if B_FMT == W_INT4:
             # Without zero points, a shuffled tile takes the decoding with the offset as an immediate: with an
             # operand of constants the compiler does not lay the loaded bytes out in the MMA's register order
             # (the shuffle's gain). On plain tiles that decoding measured no faster (results/ab_shuffle_1-...log).
@@ -577,14 +579,14 @@ def _byte_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl
             else:
                 offsets = None
             pairs = int4_pairs(packed, spread(half_pairs(s), GROUP // 2, BLOCK_N, BLOCK_K // 2), offsets, DTYPE)
-        elif B_FMT == 4:
+        elif B_FMT == W_MXFP4:
             pairs = e2m1_pairs(packed, spread(e8m0_pairs(s, SCALE_FOLD), GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE,
                                SCALE_FOLD)
         else:
             scales = e4m3_pairs(s, DTYPE, FP8_CVT, CVT_BY_FOUR and BLOCK_K // GROUP >= 4)
             pairs = e2m1_pairs(packed, spread(scales, GROUP // 2, BLOCK_N, BLOCK_K // 2), DTYPE)
         return unpair(pairs, DTYPE, BLOCK_N, BLOCK_K)
-    if B_FMT == 3:
+    if B_FMT == W_INT4:
         # INT4: (q - z) is an integer in [-15, 15], exact in every float dtype; one rounding in the
         # product with the scale (stored in the rows' dtype).
         q = nibbles(packed, BLOCK_N, BLOCK_K).to(s.dtype)
@@ -593,7 +595,7 @@ def _byte_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl
         else:
             q = q - 8.0
         w = q * spread(s, GROUP, BLOCK_N, BLOCK_K)
-    elif B_FMT == 4:
+    elif B_FMT == W_MXFP4:
         w = (e2m1(packed, BLOCK_N, BLOCK_K) * spread(e8m0(s), GROUP, BLOCK_N, BLOCK_K)).to(DTYPE)
     else:
         w = (e2m1(packed, BLOCK_N, BLOCK_K) * spread(e4m3(s), GROUP, BLOCK_N, BLOCK_K)).to(DTYPE)

@@ -1,5 +1,7 @@
 """The operand formats of the grouped GEMM (:mod:`moeforge.kernels.moe_gemm`), importable without
-Triton: the stages name them when they are built."""
+Triton: the one vocabulary of weight formats that the quant methods declare (``QuantMethod.weight_format``),
+the stages build their GEMMs for, the launcher checks and the kernels branch on (as the named constants of
+:mod:`moeforge.kernels.format_codes`)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,27 @@ from typing import Optional
 import attrs
 import torch
 
+from moeforge.spec import ScaleLayout
+
 SCALE_BLOCK = 128  # the K (and N) extent of one FP8 group / block scale
 MXFP4_GROUP = 32  # K-elements per E8M0 scale
 NVFP4_GROUP = 16  # K-elements per e4m3 scale
 
 
 class WeightFormat(enum.IntEnum):
-    """The weight operand's format (a ``tl.constexpr`` of the kernel)."""
+    """A weight format: its element type, packing and scales (the value is the kernel's ``B_FMT`` code).
+
+    ======  =====================  ==========================================  ===========================
+    format  stored elements        scales                                      rows it meets
+    ======  =====================  ==========================================  ===========================
+    FLOAT   the rows' float dtype  none                                        float rows of its dtype
+    FP8     float8_e4m3fn          fp32, per channel or per 128x128 block      fp8 rows (token/group/tensor)
+    INT8    int8                   fp32, per channel or per 128x128 block      int8 rows (token/tensor)
+    INT4    two per byte (uint8)   compute dtype per K-group, uint8 zero pts   float rows
+    MXFP4   two e2m1 per byte      E8M0 (uint8) per 32                         float rows
+    NVFP4   two e2m1 per byte      e4m3 per 16, fp32 global per expert         float or NVFP4 rows
+    ======  =====================  ==========================================  ===========================
+    """
 
     FLOAT = 0  # the rows' dtype
     FP8 = 1
@@ -34,6 +50,43 @@ class WeightFormat(enum.IntEnum):
         """Packed e2m1 codes (MXFP4, NVFP4): shuffled, their words' bits are rearranged too (kernels/shuffle.py)."""
         return self in (WeightFormat.MXFP4, WeightFormat.NVFP4)
 
+    @property
+    def eight_bit(self) -> bool:
+        """FP8 or INT8 weights, which meet rows of their own dtype (W8A8)."""
+        return self in (WeightFormat.FP8, WeightFormat.INT8)
+
+    @property
+    def label(self) -> str:
+        """The format's name in descriptions (``describe()``, errors)."""
+        return _LABELS[self]
+
+    @property
+    def storage_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the weight is stored in (``None``: the float rows' own)."""
+        return {WeightFormat.FP8: torch.float8_e4m3fn, WeightFormat.INT8: torch.int8}.get(
+            self, torch.uint8 if self.packed else None)
+
+    @property
+    def scale_group(self) -> Optional[int]:
+        """K-elements per scale where the format fixes it (MXFP4 32, NVFP4 16); ``None``: per channel or block
+        (8-bit) or chosen by the weights (INT4's group size)."""
+        return {WeightFormat.MXFP4: MXFP4_GROUP, WeightFormat.NVFP4: NVFP4_GROUP}.get(self)
+
+    @property
+    def input_scales(self) -> frozenset[ScaleLayout]:
+        """The row-scale layouts a GEMM of this weight format reads."""
+        if self is WeightFormat.FP8:
+            return frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR})
+        if self is WeightFormat.INT8:
+            return frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_TENSOR})
+        if self is WeightFormat.NVFP4:
+            return frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
+        return frozenset({ScaleLayout.NONE})
+
+
+_LABELS = {WeightFormat.FLOAT: "float", WeightFormat.FP8: "fp8_w8a8", WeightFormat.INT8: "int8_w8a8",
+           WeightFormat.INT4: "w4a16", WeightFormat.MXFP4: "mxfp4", WeightFormat.NVFP4: "nvfp4"}
+
 
 class RowFormat(enum.IntEnum):
     """The rows' format (a ``tl.constexpr`` of the kernel), known from their dtype."""
@@ -51,6 +104,23 @@ class RowFormat(enum.IntEnum):
         if dtype not in formats:
             raise ValueError(f"rows must be bf16/fp16/fp32, float8_e4m3fn, int8 or uint8 (NVFP4), got {dtype}")
         return formats[dtype]
+
+
+class RowScales(enum.IntEnum):
+    """How the rows' scales are read (the kernel's ``A_SCALE``)."""
+
+    NONE = 0  # float rows
+    ROW = 1  # one scale per row (per token; per tensor: every row reads the one scale)
+    GROUP = 2  # one per row and 128-wide K-group (FP8 per group)
+    NVFP4 = 3  # NVFP4 rows' e4m3 scales per 16
+
+
+class KTail(enum.IntEnum):
+    """What the K-loop knows of its last step (the kernel's ``EVEN_K``)."""
+
+    RAGGED = 0  # K is not a multiple of the step: the last one is masked
+    EVEN = 1  # whole steps
+    EVEN_VECTOR_SCALES = 2  # whole steps, and an e2m1 weight's scales of a multi-group step load as vectors
 
 
 @attrs.frozen

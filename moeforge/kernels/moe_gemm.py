@@ -55,7 +55,10 @@ from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
 from moeforge.kernels.dequant import (FOLDED_SCALE_MAX, NVFP4_FOLD_REST, e2m1, e2m1_pairs, e4m3, e4m3_pairs,
                                       group_scales, spread, unpair, weight_tile)
-from moeforge.kernels.formats import NVFP4_GROUP, SCALE_BLOCK, RowFormat, WeightFormat, weight_operand
+from moeforge.kernels.format_codes import (K_EVEN_VECTOR_SCALES, K_RAGGED, ROWS_FLOAT, ROWS_NVFP4, SCALES_GROUP,
+                                           SCALES_ROW, W_FIRST_E2M1, W_FIRST_PACKED, W_FP8, W_INT8, W_NVFP4)
+from moeforge.kernels.formats import (NVFP4_GROUP, SCALE_BLOCK, KTail, RowFormat, RowScales, WeightFormat,
+                                      weight_operand)
 from moeforge.kernels.quantize import quantize_values, scale_of
 
 try:  # host-side tensor descriptors (Triton >= 3.3): the weight tiles through Hopper's TMA
@@ -65,7 +68,6 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 
 # Row scale modes (A_SCALE): none, one per row (per token; per tensor with stride 0), per 128-group
 # (FP8), per 16-block e4m3 (NVFP4).
-_NO_SCALE, _ROW_SCALE, _GROUP_SCALE, _NVFP4_SCALE = 0, 1, 2, 3
 
 
 # -- shared pieces ---------------------------------------------------------------------------------
@@ -86,7 +88,7 @@ def _grouped(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def _load_packed(ptrs, ok, k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PER: tl.constexpr = 2):
     """The packed bytes ``[ROWS, BLOCK_K // 2]`` of K-step ``k`` (``ok``: the rows that exist); ``PER`` 8: the 32-bit
     words ``[ROWS, BLOCK_K // 8]`` of a shuffled e2m1 weight (``K`` a multiple of 8)."""
-    if EVEN_K:
+    if EVEN_K != K_RAGGED:
         return tl.load(ptrs, mask=ok[:, None], other=0)
     else:
         unit_ok = k * (BLOCK_K // PER) + tl.arange(0, BLOCK_K // PER) < K // PER
@@ -243,30 +245,30 @@ def _gemm_tile(
         w_up_rows = up_rows
 
     # The compute dtype of a dequantized 4-bit operand: the rows' float dtype, or the output's.
-    if A_FMT == 0:
+    if A_FMT == ROWS_FLOAT:
         DTYPE = a_ptr.dtype.element_ty
     else:
         DTYPE = c_ptr.dtype.element_ty
-    if A_FMT == 3:
+    if A_FMT == ROWS_NVFP4:
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_kb[None, :] * stride_ak
     else:
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    if A_FMT == 3:
+    if A_FMT == ROWS_NVFP4:
         a_ptrs += k_first * (BLOCK_K // 2) * stride_ak
     else:
         a_ptrs += k_first * BLOCK_K * stride_ak
     a_scale_rows = a_scale_ptr + a_rows * stride_asm
     b_expert = b_ptr + expert * stride_be
     # a shuffled e2m1 weight is read as 32-bit words (its decoding takes each word apart: kernels/shuffle.py)
-    WORDS: tl.constexpr = B_SHUFFLED > 0 and B_FMT >= 4
+    WORDS: tl.constexpr = B_SHUFFLED > 0 and B_FMT >= W_FIRST_E2M1
     PER: tl.constexpr = 8 if WORDS else 2  # K-elements per loaded element of a packed weight
-    CLAMP: tl.constexpr = EVEN_K == 2  # a step's 4-bit scale groups read as vectors (group_scales, vector_scales)
+    CLAMP: tl.constexpr = EVEN_K == K_EVEN_VECTOR_SCALES  # a step's 4-bit scale groups read as vectors (group_scales, vector_scales)
     if WORDS:  # [N, K / 8] words (the bytes contiguous: stride_bk 1)
         offs_kw = tl.arange(0, BLOCK_K // 8)
         b_gate = (b_expert + w_gate_rows[:, None] * stride_bn).to(tl.pointer_type(tl.int32)) + offs_kw[None, :]
         b_up = (b_expert + w_up_rows[:, None] * stride_bn).to(tl.pointer_type(tl.int32)) + offs_kw[None, :]
         b_step = BLOCK_K // 8
-    elif B_FMT >= 3:  # packed [N, K / 2]: K-contiguous byte tiles
+    elif B_FMT >= W_FIRST_PACKED:  # packed [N, K / 2]: K-contiguous byte tiles
         b_gate = b_expert + w_gate_rows[:, None] * stride_bn + offs_kb[None, :] * stride_bk
         b_up = b_expert + w_up_rows[:, None] * stride_bn + offs_kb[None, :] * stride_bk
         b_step = (BLOCK_K // 2) * stride_bk
@@ -296,7 +298,7 @@ def _gemm_tile(
 
     # 8-bit scales that change every 128 K-elements (PER_K) scale each step's partial product
     # (BLOCK_K divides 128, so a step never straddles two scales); INT8 otherwise sums exactly in int32.
-    PER_K: tl.constexpr = A_SCALE == 2 or B_BLOCKED
+    PER_K: tl.constexpr = A_SCALE == SCALES_GROUP or B_BLOCKED
     # SWAP (4-bit weights): the dequantized weight tile is the MMA's left operand, which may live in
     # registers (Hopper's wgmma reads only its right operand from shared memory): out^T = W @ rows^T,
     # and the token rows are the MMA's narrow N side (a few rows per expert waste no MMA work). The
@@ -304,7 +306,7 @@ def _gemm_tile(
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    elif B_FMT == 2 and not PER_K:
+    elif B_FMT == W_INT8 and not PER_K:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
@@ -314,7 +316,7 @@ def _gemm_tile(
     # pipeliner leaves in the loop stall the step that uses them). Measured on an H100 in one process
     # (results/ab_prefetch_scales-...log): 10-12 % faster with 64- and 128-row blocks, 1.3-1.6x slower
     # with 16- and 32-row blocks (the mma.sync tiles), so the launcher asks for it from 64 rows.
-    if B_FMT >= 3 and PREFETCH:
+    if B_FMT >= W_FIRST_PACKED and PREFETCH:
         sg_next, zg_next, su_next, zu_next = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k_first, K, stride_bsk,
                                                           stride_bzk, GROUP, BLOCK_K, HAS_ZEROS, GLU, CLAMP)
     if not SPLIT:  # the whole K-loop, its bound computed here (as before the split existed: same code)
@@ -322,7 +324,7 @@ def _gemm_tile(
     for k in range(k_first, k_last):
         k_ok = offs_k < K - k * BLOCK_K
         # -- the rows' tile [BLOCK_M, BLOCK_K] (NVFP4 rows dequantized to the compute dtype)
-        if A_FMT == 3:
+        if A_FMT == ROWS_NVFP4:
             packed = _load_packed(a_ptrs, row_ok, k, K, BLOCK_K, EVEN_K)
             if PTX:
                 sa = group_scales(a_scale_rows, row_ok, k, K // 2, stride_ask, 8, BLOCK_K // 2)
@@ -334,12 +336,12 @@ def _gemm_tile(
                 a = (e2m1(packed, BLOCK_M, BLOCK_K) * spread(e4m3(sa), 16, BLOCK_M, BLOCK_K)).to(DTYPE)
             a_ptrs += (BLOCK_K // 2) * stride_ak
         else:
-            if EVEN_K:
+            if EVEN_K != K_RAGGED:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             a_ptrs += BLOCK_K * stride_ak
-        if B_FMT >= 3:
+        if B_FMT >= W_FIRST_PACKED:
             # -- 4-bit weights, dequantized in registers
             if PREFETCH:
                 sg, zg, su, zu = sg_next, zg_next, su_next, zu_next
@@ -382,7 +384,7 @@ def _gemm_tile(
                 if GLU:
                     bu = tl.trans(_weight_rows_tma(b_desc, b_row, k * BLOCK_K, 1, up_offset, B_TMA, BLOCK_N, BLOCK_K))
             else:
-                if EVEN_K:
+                if EVEN_K != K_RAGGED:
                     b = tl.load(b_gate, mask=n_ok[None, :], other=0.0)
                     if GLU:
                         bu = tl.load(b_up, mask=n_ok[None, :], other=0.0)
@@ -393,12 +395,12 @@ def _gemm_tile(
                 b_gate += b_step
                 b_up += b_step
             # -- multiply-accumulate
-            if B_FMT == 1 or B_FMT == 2:
+            if B_FMT == W_FP8 or B_FMT == W_INT8:
                 if PER_K:
                     kb = (k * BLOCK_K) // 128
-                    part = _dot8(a, b, B_FMT == 2)
+                    part = _dot8(a, b, B_FMT == W_INT8)
                     if GLU:
-                        part_up = _dot8(a, bu, B_FMT == 2)
+                        part_up = _dot8(a, bu, B_FMT == W_INT8)
                     if B_TILE_SCALE:
                         # the tile's gate (and up) weight rows lie in one 128-row scale block: the step's
                         # scale is one per row (the rows' group scale times the block's), one multiply-add
@@ -406,7 +408,7 @@ def _gemm_tile(
                         sb = tl.load(s_expert + gate_block * stride_bsn + kb * stride_bsk)
                         if GLU:
                             sbu = tl.load(s_expert + up_block * stride_bsn + kb * stride_bsk)
-                        if A_SCALE == 2:
+                        if A_SCALE == SCALES_GROUP:
                             sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)
                             acc += part * (sa * sb)[:, None]
                             if GLU:
@@ -416,7 +418,7 @@ def _gemm_tile(
                             if GLU:
                                 acc_up += part_up * sbu
                     else:
-                        if A_SCALE == 2:
+                        if A_SCALE == SCALES_GROUP:
                             sa = tl.load(a_scale_rows + kb * stride_ask, mask=row_ok, other=0.0)[:, None]
                             part = part * sa
                             if GLU:
@@ -432,7 +434,7 @@ def _gemm_tile(
                         acc += part
                         if GLU:
                             acc_up += part_up
-                elif B_FMT == 2:
+                elif B_FMT == W_INT8:
                     acc = tl.dot(a, b, acc, out_dtype=tl.int32)
                     if GLU:
                         acc_up = tl.dot(a, bu, acc_up, out_dtype=tl.int32)
@@ -452,16 +454,16 @@ def _gemm_tile(
     else:
         out = acc.to(tl.float32)
         out_up = acc_up.to(tl.float32)
-    if A_SCALE == 1:
+    if A_SCALE == SCALES_ROW:
         sa = tl.load(a_scale_rows, mask=row_ok, other=0.0)[:, None]
         out = out * sa
         out_up = out_up * sa
-    if (B_FMT == 1 or B_FMT == 2) and not B_BLOCKED:
+    if (B_FMT == W_FP8 or B_FMT == W_INT8) and not B_BLOCKED:
         out = out * tl.load(s_gate, mask=n_ok, other=0.0)[None, :]
         if GLU:
             out_up = out_up * tl.load(s_up, mask=n_ok, other=0.0)[None, :]
-    NVFP4_FOLD: tl.constexpr = SCALE_FOLD and B_FMT == 5  # the tiles held 2**-7 times the values (dequant.py)
-    if B_GLOBAL or A_FMT == 3 or NVFP4_FOLD:
+    NVFP4_FOLD: tl.constexpr = SCALE_FOLD and B_FMT == W_NVFP4  # the tiles held 2**-7 times the values (dequant.py)
+    if B_GLOBAL or A_FMT == ROWS_NVFP4 or NVFP4_FOLD:
         g = a_global
         if B_GLOBAL:
             g = g * tl.load(b_global_ptr + expert)
@@ -656,27 +658,27 @@ def moe_gemm_reduce_kernel(
 
 
 def _row_scale_mode(fmt: RowFormat, a: torch.Tensor, a_scale: Optional[torch.Tensor], k_dim: int
-                    ) -> tuple[int, int, int]:
+                    ) -> tuple[RowScales, int, int]:
     """``(mode, stride_row, stride_k)`` of the rows' scales."""
     rows = a.shape[0]
     if fmt is RowFormat.FLOAT:
-        return _NO_SCALE, 0, 0
+        return RowScales.NONE, 0, 0
     if a_scale is None:
         raise ValueError(f"{fmt.name} rows need their scales")
     if fmt is RowFormat.NVFP4:
         if a_scale.dtype != torch.float8_e4m3fn or tuple(a_scale.shape) != (rows, k_dim // NVFP4_GROUP):
             raise ValueError(f"NVFP4 rows need float8_e4m3fn scales [{rows}, {k_dim // NVFP4_GROUP}], got "
                              f"{a_scale.dtype} {tuple(a_scale.shape)}")
-        return _NVFP4_SCALE, a_scale.stride(0), a_scale.stride(1)
+        return RowScales.NVFP4, a_scale.stride(0), a_scale.stride(1)
     if a_scale.dtype != torch.float32:
         raise ValueError(f"row scales must be fp32, got {a_scale.dtype}")
     if a_scale.numel() == 1 and a_scale.dim() <= 1:
-        return _ROW_SCALE, 0, 0  # per tensor: every row reads the one scale
+        return RowScales.ROW, 0, 0  # per tensor: every row reads the one scale
     if a_scale.dim() == 2 and a_scale.shape[0] == rows and a_scale.shape[1] == 1 and k_dim > SCALE_BLOCK:
-        return _ROW_SCALE, a_scale.stride(0), 0
+        return RowScales.ROW, a_scale.stride(0), 0
     if a_scale.dim() == 2 and a_scale.shape[0] == rows and a_scale.shape[1] == triton.cdiv(k_dim, SCALE_BLOCK):
         # (with K <= 128 one group is the whole row: per token and per group coincide)
-        return _GROUP_SCALE, a_scale.stride(0), a_scale.stride(1)
+        return RowScales.GROUP, a_scale.stride(0), a_scale.stride(1)
     raise ValueError(f"a_scale must be [1], [{rows}, 1] or [{rows}, {k_dim // SCALE_BLOCK}], "
                      f"got {tuple(a_scale.shape)}")
 
@@ -733,7 +735,7 @@ def vector_scales(scale: Optional[torch.Tensor], zero: Optional[torch.Tensor]) -
     """Whether a 4-bit weight's ``scale`` (and ``zero`` points) rows are aligned so that Triton can load a K-step's
     groups as one vector: contiguous groups, 16-byte aligned start, other strides multiples of 16 (its divisibility
     hints). Where they are, even-K tiles of e2m1 weights clamp the step instead of masking each group
-    (``group_scales``' ``CLAMP``, the kernel's ``EVEN_K == 2``): NVFP4 0.77-0.98x the time on Mixtral, Qwen3 and
+    (``group_scales``' ``CLAMP``, the kernel's ``EVEN_K == K_EVEN_VECTOR_SCALES``): NVFP4 0.77-0.98x the time on Mixtral, Qwen3 and
     DeepSeek-V3 at M = 1-1024 (H200), MXFP4 0.91-1.05x (docs/kernels.md, "A step's scales loaded as vectors")."""
     present = [t for t in (scale, zero) if t is not None]
     return bool(present) and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
@@ -1077,7 +1079,7 @@ def moe_gemm(
     compute_bytes = 1 if row_format in (RowFormat.FP8, RowFormat.INT8) else (
         a.element_size() if row_format is RowFormat.FLOAT else out.element_size())
     config = fit_config(config, compute_bytes, packed=weight_format.packed or row_format is RowFormat.NVFP4,
-                        per_k_scales=a_mode == _GROUP_SCALE or w.blocked, glu=glu)
+                        per_k_scales=a_mode is RowScales.GROUP or w.blocked, glu=glu)
     if grid == "flattened" and out.element_size() > 2:  # asked for: its epilogue stages the output tile (default_grid)
         config = fit_shared_memory(config, compute_bytes, 2 if glu else 1,
                                    staged_bytes=config.block_m * config.block_n * out.element_size())
@@ -1187,15 +1189,15 @@ def moe_gemm(
         out_scale.stride(0) if out_scale is not None else 0, out_scale.stride(1) if out_scale is not None else 0,
         gate_stride, up_offset,
         alpha, limit,
-        A_FMT=int(row_format), A_SCALE=a_mode, B_FMT=int(weight_format), B_BLOCKED=w.blocked,
+        A_FMT=int(row_format), A_SCALE=int(a_mode), B_FMT=int(weight_format), B_BLOCKED=w.blocked,
         B_TILE_SCALE=w.blocked and tile_in_one_scale_block(config.block_n, gate_stride, up_offset, glu),
         GROUP=w.group, HAS_ZEROS=weight_zero is not None, QUANT_OUT=quant_out,
         ACT=act, GLU=glu, HAS_BIAS=bias is not None, MUL_WEIGHTS=topk_weights is not None,
         # 0: K not a multiple of the step; 2: it is, and an e2m1 weight's scales of a multi-group step load as
         # vectors (group_scales' CLAMP: vector_scales; INT4 keeps the mask: not measured); 1: otherwise (with rows
         # Triton cannot see 16-aligned the clamp measured slower than the per-group mask: GPT-OSS, K = 2880)
-        EVEN_K=0 if k_dim % config.block_k else 2 if weight_format.e2m1 and vector_scales(weight_scale, weight_zero)
-        else 1,
+        EVEN_K=int(KTail.RAGGED if k_dim % config.block_k else KTail.EVEN_VECTOR_SCALES
+                   if weight_format.e2m1 and vector_scales(weight_scale, weight_zero) else KTail.EVEN),
         # fp32 operands: full-precision products, so fp32 layers match the reference to ~1e-6.
         PRECISION="ieee" if compute_bytes == 4 else "tf32",
         SWAP=swapped,

@@ -26,11 +26,13 @@ import torch
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.expert_checkpoint import Projection
+from moeforge.expert_weights import ExpertNames, ExpertWeights, read_expert_weights
 from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
+from moeforge.kernels.formats import WeightFormat
 from moeforge.no_backward import no_backward
 from moeforge.payloads import MoEOutput, RoutedTokens
-from moeforge.spec import DType, GroupListType, ScaleLayout
+from moeforge.spec import DType, GroupListType, Layout, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
 from moeforge.stages.quantize import QuantizeTokens, quantizer_for
@@ -54,6 +56,11 @@ class QuantMethod(abc.ABC):
       preference;
     * ``expert_parameters`` — names of the per-expert tensors ``create_weights`` registers (leading
       dimension = experts): what expert parallelism slices per rank;
+    * ``weight_format`` — the format of its expert weights in the one vocabulary the stages, the launcher and
+      the kernels share (:class:`~moeforge.kernels.formats.WeightFormat`); ``None`` for a format moeforge's
+      GEMMs do not compute (an NPU kernel's);
+    * ``tensor_names`` — where a layer of this method keeps each projection's tensors (weight, scale, zero
+      point, global scale, bias): what :meth:`expert_weights` reads by default;
     * ``offers_fused_ep`` — whether :meth:`fused_ep_stage` builds a fused dispatch -> combine stage;
     * ``backends`` — (a property) the backends its experts run on: the :mod:`moeforge.selector`'s
       :class:`~moeforge.roles.Experts` candidates that compute it;
@@ -87,6 +94,8 @@ class QuantMethod(abc.ABC):
     # tensor's dtype is part of the weight format (FP8 weights, fp32 scales) and stays.
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = ("w13_bias", "w2_bias")
     differentiable: ClassVar[bool] = False
+    tensor_names: ClassVar[ExpertNames] = ExpertNames.of("{}_weight")
+    weight_format: ClassVar[Optional[WeightFormat]] = None
 
     @property
     def name(self) -> str:
@@ -144,6 +153,22 @@ class QuantMethod(abc.ABC):
     def expert_parameter_names(self, layer: torch.nn.Module) -> tuple[str, ...]:
         """The per-expert tensors of ``layer`` (those of ``expert_parameters`` it has, not ``None``)."""
         return tuple(name for name in self.expert_parameters if getattr(layer, name, None) is not None)
+
+    def expert_weights(self, holder: torch.nn.Module, names: Optional[ExpertNames] = None, *,
+                       dtype: Optional[DType] = None) -> ExpertWeights:
+        """The record of ``holder``'s expert tensors that the :class:`~moeforge.roles.Experts` implementations
+        build their stages from: by this method's ``tensor_names`` (a ``MoELayer`` of it), or by ``names`` (what
+        another holder calls them: a transformers experts module's). ``dtype``: the float dtype the experts
+        compute (default :meth:`compute_dtype`). The layout of packed weights is the one the holder recorded
+        (:mod:`moeforge.quant.stored_layout`; plain for a holder that recorded none)."""
+        from moeforge.quant.stored_layout import stored_layout
+
+        return read_expert_weights(holder, names or self.tensor_names,
+                                   dtype if dtype is not None else self.compute_dtype(holder), stored_layout(holder))
+
+    def compute_dtype(self, holder: torch.nn.Module) -> DType:
+        """The float dtype the experts of ``holder`` compute in: its ``dtype`` attribute (``MoELayer.dtype``)."""
+        return layer_compute_dtype(holder)
 
     def load_checkpoint_experts(
         self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
@@ -229,24 +254,24 @@ class QuantMethod(abc.ABC):
         backend: Backend = Backend.TORCH,
         configs: Optional[ConfigTable] = None,
         dispatch: Optional[DispatchDtype] = None,
+        layout: Optional[Layout] = None,
     ) -> list[Stage[Any, Any]]:
-        """The stages from dispatched rows to expert outputs (typically GEMM, activation, GEMM) for
-        ``backend``: those of the first :class:`~moeforge.roles.Experts` candidate of the selector that
-        computes this method on it. ``configs`` are the triton launch configurations shared with the
-        dispatch. ``dispatch`` is the resolved dispatch dtype (``None``: the layer's float dtype): a
-        method that computes in a quantized format but receives float rows starts with its own
-        ``QuantizeRows`` (quantize after dispatch). A method without experts on ``backend`` raises
-        :class:`BackendUnavailableError`."""
-        from moeforge.selector import EXPERTS
+        """The stages from dispatched rows to expert outputs (typically GEMM, activation, GEMM) of ``layer``'s
+        experts on ``backend``: those of the :class:`~moeforge.roles.Experts` implementation the selector
+        picks for this method, backend and row ``layout`` (:func:`moeforge.selector.experts_for`; ``None``: any
+        layout), built from :meth:`expert_weights`. ``configs`` are the triton launch configurations shared with
+        the dispatch. ``dispatch`` is the resolved dispatch dtype (``None``: the layer's float dtype): a method
+        that computes in a quantized format but receives float rows starts with its own ``QuantizeRows``
+        (quantize after dispatch). A method without experts there raises :class:`BackendUnavailableError`.
 
-        for experts in EXPERTS:
-            if isinstance(self, experts.method) and experts.backend is backend:
-                return experts.stages(self, layer, activation=activation,
-                                      routing_weights_in_epilogue=routing_weights_in_epilogue, configs=configs,
-                                      dispatch=dispatch)
-        raise BackendUnavailableError(
-            f"{self.name} has no {backend.value} experts (it runs on "
-            f"{', '.join(sorted(b.value for b in self.backends))}): use backend='torch'")
+        A method written outside moeforge may override this to build its own stages (the selector then
+        runs them on the torch backend, :class:`~moeforge.roles.MethodOwnExperts`)."""
+        from moeforge.selector import experts_for
+
+        experts = experts_for(self, backend, layout)
+        return experts.stages(self, self.expert_weights(layer), activation=activation,
+                              routing_weights_in_epilogue=routing_weights_in_epilogue, configs=configs,
+                              dispatch=dispatch)
 
     def apply_without_routing_weights(
         self,

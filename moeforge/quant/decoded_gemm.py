@@ -31,7 +31,7 @@ import torch
 
 from moeforge.quant.int4_packing import dequantize_int4
 from moeforge.spec import accumulation_dtype
-from moeforge.stages.gemm import ExpertWeights
+from moeforge.stages.gemm import DecodedExperts
 
 BLOCK = 128  # weight block edge (rows and columns) of block-scaled weights
 
@@ -123,10 +123,10 @@ def decoded_grouped_mm(x: torch.Tensor, counts: torch.Tensor, tensors: Sequence[
     return _loop(x, counts, tensors, form, False)
 
 
-def decoded_experts(form: str, tensors: Sequence[torch.Tensor]) -> ExpertWeights:
+def decoded_experts(form: str, tensors: Sequence[torch.Tensor]) -> DecodedExperts:
     """The experts of a quantized weight (format ``form``, one of :data:`FORMATS`) for the reference
     GEMMs: each expert decoded when its rows are multiplied (experts without rows never are)."""
     decode, shape = FORMATS[form]
     held = tuple(tensors)
-    return ExpertWeights(int(held[0].shape[0]), shape(held)[0], lambda expert: decode(held, expert),
+    return DecodedExperts(int(held[0].shape[0]), shape(held)[0], lambda expert: decode(held, expert),
                          lambda x, counts: decoded_grouped_mm(x, counts, held, form))

@@ -11,6 +11,7 @@ import attrs
 
 from moeforge.arguments import enum_member
 from moeforge.dispatch_dtype import DispatchDtype
+from moeforge.kernels.formats import WeightFormat
 from moeforge.quant.w8a8 import W8A8Method
 from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stages.quantize import PerGroupQuantizer, PerTokenQuantizer, Quantizer
@@ -56,6 +57,7 @@ class Fp8W8A8Method(W8A8Method):
         {ScaleLayout.NONE, ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128})
     prefers: ClassVar[Optional[DispatchDtype]] = DispatchDtype.FP8
     weight_dtype: ClassVar[DType] = DType.FP8_E4M3
+    weight_format: ClassVar[Optional[WeightFormat]] = WeightFormat.FP8
 
     weight_scales: WeightScales = attrs.field(default=WeightScales.CHANNEL,
                                               converter=_weight_scales)

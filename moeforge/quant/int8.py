@@ -9,6 +9,7 @@ from typing import ClassVar, Optional
 import attrs
 
 from moeforge.dispatch_dtype import DispatchDtype
+from moeforge.kernels.formats import WeightFormat
 from moeforge.quant.w8a8 import W8A8Method
 from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stages.quantize import PerTokenQuantizer, Quantizer
@@ -24,6 +25,7 @@ class Int8W8A8Method(W8A8Method):
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE, ScaleLayout.PER_TOKEN})
     prefers: ClassVar[Optional[DispatchDtype]] = DispatchDtype.INT8
     weight_dtype: ClassVar[DType] = DType.INT8
+    weight_format: ClassVar[Optional[WeightFormat]] = WeightFormat.INT8
 
     @property
     def table_key(self) -> str:

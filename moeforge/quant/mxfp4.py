@@ -42,6 +42,8 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.expert_checkpoint import held_experts
+from moeforge.expert_weights import ExpertNames, ExpertWeights, ProjectionWeights
+from moeforge.kernels.formats import WeightFormat
 from moeforge.quant.base import (
     FOUR_BIT_BLOCKS,
     QuantMethod,
@@ -57,7 +59,6 @@ from moeforge.spec import FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig
 from moeforge.stages.gemm import GemmRole
-from moeforge.tensor_ref import ParamRef, optional_ref
 
 W13_BLOCKS, W13_SCALES, W2_BLOCKS, W2_SCALES = "w13_blocks", "w13_scales", "w2_blocks", "w2_scales"
 B13, B2 = "w13_bias", "w2_bias"
@@ -77,26 +78,20 @@ CHECKPOINT_KEYS: dict[str, str] = {
 MXFP4_NAMES = layouts.PackedNames("{}_blocks", "{}_scales")
 
 
-@attrs.frozen(eq=False, init=False)
+@attrs.frozen(eq=False)
 class Mxfp4WeightRef:
-    """The MXFP4 weight ``{prefix}_blocks`` / ``{prefix}_scales`` of a module, read at call time (``layout``: as
-    the module holds them; :meth:`dequantize` undoes it). Holds :class:`~moeforge.ParamRef` s, not the module (no
-    reference cycle through the layer's pipeline)."""
+    """An MXFP4 projection of an :class:`~moeforge.expert_weights.ExpertWeights` record (blocks and scales, as
+    its holder keeps them: read at call time, the layout undone by :meth:`tensors`)."""
 
-    prefix: str
-    refs: tuple[ParamRef, ParamRef]
-    layout: layouts.StoredLayout
+    projection: ProjectionWeights
     format: str = "mxfp4"
-
-    def __init__(self, owner: torch.nn.Module, prefix: str,
-                 layout: layouts.StoredLayout = layouts.StoredLayout()) -> None:
-        refs = (ParamRef(owner, f"{prefix}_blocks"), ParamRef(owner, f"{prefix}_scales"))
-        self.__attrs_init__(prefix, refs, layout.of(prefix))  # type: ignore[attr-defined]
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks and scales in the plain layout."""
-        blocks, scales = self.refs
-        return self.layout.plain(blocks.get(), scales.get())
+        blocks, scales = self.projection.plain()
+        if scales is None:
+            raise InputError("MXFP4 expert weights need their scales")
+        return blocks, scales
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -118,6 +113,8 @@ class Mxfp4Method(QuantMethod):
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = FOUR_BIT_BLOCKS
     expert_parameters: ClassVar[tuple[str, ...]] = (W13_BLOCKS, W13_SCALES, W2_BLOCKS, W2_SCALES, B13, B2)
+    tensor_names: ClassVar[ExpertNames] = ExpertNames.of("{}_blocks", scale="{}_scales")
+    weight_format: ClassVar[Optional[WeightFormat]] = WeightFormat.MXFP4
 
     def __init__(self, *, shuffled: bool = False) -> None:
         self.shuffled = shuffled
@@ -246,14 +243,13 @@ class EmulatedMxfp4Experts(TorchExperts):
     method: ClassVar[type[Any]] = Mxfp4Method
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
-        layout = layouts.stored_layout(layer)
         return [
-            EmulatedGroupedGemm(GemmRole.GATE_UP, Mxfp4WeightRef(layer, "w13", layout), optional_ref(layer, B13)),
+            EmulatedGroupedGemm(GemmRole.GATE_UP, Mxfp4WeightRef(weights.gate_up), weights.gate_up.bias),
             Activate(activation),
-            EmulatedGroupedGemm(GemmRole.DOWN, Mxfp4WeightRef(layer, "w2", layout), optional_ref(layer, B2),
+            EmulatedGroupedGemm(GemmRole.DOWN, Mxfp4WeightRef(weights.down), weights.down.bias,
                                 apply_routing_weights=routing_weights_in_epilogue),
         ]
 
@@ -267,21 +263,16 @@ class TritonMxfp4Experts(TritonExperts):
     float_rows: ClassVar[FloatRows] = FloatRows.LAYER_DTYPE  # float rows in the compute dtype (out_dtype)
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
-        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
+        from moeforge.stages.triton_quant import FusedQuantGroupedGemm
 
         configs = cls.launch_table(configs)
-        out = layer_compute_dtype(layer)
-        layout = layouts.stored_layout(layer)
-        layouts.check_gate_up_rows(layout, activation, "MXFP4")
+        layouts.check_gate_up_rows(weights.gate_up.layout, activation, "MXFP4")
         return [
-            FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.MXFP4, ParamRef(layer, W13_BLOCKS),
-                                  ParamRef(layer, W13_SCALES), configs, bias=optional_ref(layer, B13),
-                                  activation=activation, out_dtype=out, weight_shuffled=layout.shuffled),
-            FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.MXFP4, ParamRef(layer, W2_BLOCKS),
-                                  ParamRef(layer, W2_SCALES), configs, bias=optional_ref(layer, B2),
-                                  apply_routing_weights=routing_weights_in_epilogue, out_dtype=out,
-                                  weight_shuffled=layout.shuffled),
+            FusedQuantGroupedGemm.of(GemmRole.GATE_UP, WeightFormat.MXFP4, weights.gate_up, configs,
+                                     activation=activation, out_dtype=weights.dtype),
+            FusedQuantGroupedGemm.of(GemmRole.DOWN, WeightFormat.MXFP4, weights.down, configs,
+                                     apply_routing_weights=routing_weights_in_epilogue, out_dtype=weights.dtype),
         ]

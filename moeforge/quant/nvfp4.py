@@ -63,6 +63,8 @@ from typing_extensions import Protocol
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
+from moeforge.expert_weights import ExpertNames, ExpertWeights, ProjectionWeights
+from moeforge.kernels.formats import WeightFormat
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.quant.base import (
     FOUR_BIT_BLOCKS,
@@ -85,7 +87,7 @@ from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm
 from moeforge.stages.quantize import QuantizeTokens, Quantizer
-from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
+from moeforge.tensor_ref import TensorSource, resolve
 
 W13, W13_SCALE, W13_GLOBAL = "w13_weight", "w13_weight_scale", "w13_weight_global_scale"
 W2, W2_SCALE, W2_GLOBAL = "w2_weight", "w2_weight_scale", "w2_weight_global_scale"
@@ -231,28 +233,20 @@ class Nvfp4Quantizer(Quantizer):
         return Activations(q.data, q.scale)
 
 
-@attrs.frozen(eq=False, init=False)
+@attrs.frozen(eq=False)
 class Nvfp4WeightRef:
-    """The NVFP4 weight ``{prefix}_weight`` / ``_weight_scale`` / ``_weight_global_scale`` of a module,
-    read at call time (so loading or ``layer.to`` is seen without rebuilding; ``layout``: as the module holds
-    them, undone by :meth:`tensors`). Holds :class:`~moeforge.ParamRef` s, not the module (no reference cycle
-    through the layer's pipeline)."""
+    """An NVFP4 projection of an :class:`~moeforge.expert_weights.ExpertWeights` record (packed weight, block
+    scales, global scales, as its holder keeps them: read at call time, the layout undone by :meth:`tensors`)."""
 
-    prefix: str
-    refs: tuple[ParamRef, ParamRef, ParamRef]
-    layout: layouts.StoredLayout
+    projection: ProjectionWeights
     format: str = "nvfp4"
-
-    def __init__(self, owner: torch.nn.Module, prefix: str,
-                 layout: layouts.StoredLayout = layouts.StoredLayout()) -> None:
-        refs = (ParamRef(owner, f"{prefix}_weight"), ParamRef(owner, f"{prefix}_weight_scale"),
-                ParamRef(owner, f"{prefix}_weight_global_scale"))
-        self.__attrs_init__(prefix, refs, layout.of(prefix))  # type: ignore[attr-defined]
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed weight, its block scales (in the plain layout) and its global scales."""
-        weight, scale, global_scale = self.refs
-        return (*self.layout.plain(weight.get(), scale.get()), global_scale.get())
+        weight, scale = self.projection.plain()
+        if scale is None or self.projection.global_scale is None:
+            raise InputError("NVFP4 expert weights need their block scales and global scales")
+        return weight, scale, resolve(self.projection.global_scale)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -274,6 +268,9 @@ class Nvfp4Method(QuantMethod):
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
     dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = FOUR_BIT_BLOCKS
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W13_SCALE, W13_GLOBAL, W2, W2_SCALE, W2_GLOBAL, B13, B2)
+    tensor_names: ClassVar[ExpertNames] = ExpertNames.of("{}_weight", scale="{}_weight_scale",
+                                                         global_scale="{}_weight_global_scale")
+    weight_format: ClassVar[Optional[WeightFormat]] = WeightFormat.NVFP4
 
     def __init__(self, input_global_scale: Optional[float] = None, *, shuffled: bool = False) -> None:
         self.input_global_scale = (None if input_global_scale is None
@@ -418,19 +415,18 @@ class EmulatedNvfp4Experts(TorchExperts):
     method: ClassVar[type[Any]] = Nvfp4Method
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         nvfp4_rows = dispatch is DispatchDtype.NVFP4
         if nvfp4_rows:
             method._require_scale()
-        layout = layouts.stored_layout(layer)
         return [
-            EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(layer, "w13", layout), optional_ref(layer, B13),
+            EmulatedGroupedGemm(GemmRole.GATE_UP, Nvfp4WeightRef(weights.gate_up), weights.gate_up.bias,
                                 input_global_scale=method.input_global_scale,
-                                out_dtype=layer_compute_dtype(layer) if nvfp4_rows else None),
+                                out_dtype=weights.dtype if nvfp4_rows else None),
             Activate(activation),
-            EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(layer, "w2", layout), optional_ref(layer, B2),
+            EmulatedGroupedGemm(GemmRole.DOWN, Nvfp4WeightRef(weights.down), weights.down.bias,
                                 apply_routing_weights=routing_weights_in_epilogue),
         ]
 
@@ -444,24 +440,18 @@ class TritonNvfp4Experts(TritonExperts):
     float_rows: ClassVar[FloatRows] = FloatRows.LAYER_DTYPE  # float rows in the compute dtype (out_dtype)
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
-        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
+        from moeforge.stages.triton_quant import FusedQuantGroupedGemm
 
         configs = cls.launch_table(configs)
         nvfp4_rows = dispatch is DispatchDtype.NVFP4
-        out = layer_compute_dtype(layer)
-        layout = layouts.stored_layout(layer)
-        layouts.check_gate_up_rows(layout, activation, "NVFP4")
+        layouts.check_gate_up_rows(weights.gate_up.layout, activation, "NVFP4")
         return [
-            FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.NVFP4, ParamRef(layer, W13), ParamRef(layer, W13_SCALE),
-                                  configs, weight_global=ParamRef(layer, W13_GLOBAL),
-                                  input_global_scale=method._require_scale() if nvfp4_rows else None,
-                                  bias=optional_ref(layer, B13), activation=activation, out_dtype=out,
-                                  weight_shuffled=layout.shuffled),
-            FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.NVFP4, ParamRef(layer, W2), ParamRef(layer, W2_SCALE),
-                                  configs, weight_global=ParamRef(layer, W2_GLOBAL), bias=optional_ref(layer, B2),
-                                  apply_routing_weights=routing_weights_in_epilogue, out_dtype=out,
-                                  weight_shuffled=layout.shuffled),
+            FusedQuantGroupedGemm.of(GemmRole.GATE_UP, WeightFormat.NVFP4, weights.gate_up, configs,
+                                     input_global_scale=method._require_scale() if nvfp4_rows else None,
+                                     activation=activation, out_dtype=weights.dtype),
+            FusedQuantGroupedGemm.of(GemmRole.DOWN, WeightFormat.NVFP4, weights.down, configs,
+                                     apply_routing_weights=routing_weights_in_epilogue, out_dtype=weights.dtype),
         ]

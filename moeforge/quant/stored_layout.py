@@ -17,41 +17,12 @@ import attrs
 import torch
 
 from moeforge.errors import InputError
-from moeforge.kernels import shuffle
+from moeforge.expert_weights import StoredLayout
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
 
 PREFIXES = ("w13", "w2")  # the gate/up weight, the down weight
 LAYOUT_ATTRIBUTE = "packed_weight_layout"  # the layer's StoredLayout, set by record_layout
 HOOKS_ATTRIBUTE = "_packed_weight_layout_hooks"  # the handles of its state-dict hooks
-
-
-@attrs.frozen
-class StoredLayout:
-    """How a layer holds its packed 4-bit weights: plain, or ``shuffled`` for the triton GEMMs, the gate/up
-    weight's rows ``paired`` when they are interleaved (see :mod:`moeforge.kernels.shuffle`). The weights are e2m1
-    codes (the methods with the option: MXFP4, NVFP4), shuffled with their words' bits placed for the decoding."""
-
-    shuffled: bool = False
-    paired: bool = False  # (the gate/up weight only)
-
-    def of(self, prefix: str) -> StoredLayout:
-        """The layout of ``prefix``'s weight (the down weight is never paired)."""
-        return StoredLayout(self.shuffled, self.paired and prefix == "w13")
-
-    def stored(self, data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Plain packed ``data [..., N, *bytes]`` (one row's bytes in one or more trailing dimensions, e.g.
-        MXFP4's ``[K / 32, 16]``) and its ``scales [..., N, groups]`` as this layout holds them."""
-        if not self.shuffled:
-            return data, scales
-        flat = shuffle.shuffle(data.reshape(*scales.shape[:-1], -1), e2m1=True, paired=self.paired)
-        return flat.reshape(data.shape), shuffle.pair_rows(scales) if self.paired else scales
-
-    def plain(self, data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The inverse of :meth:`stored`."""
-        if not self.shuffled:
-            return data, scales
-        flat = shuffle.unshuffle(data.reshape(*scales.shape[:-1], -1), e2m1=True, paired=self.paired)
-        return flat.reshape(data.shape), shuffle.unpair_rows(scales) if self.paired else scales
 
 
 @attrs.frozen

@@ -9,15 +9,17 @@ import torch
 
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.kernels.config import ConfigTable
+from moeforge.kernels.formats import WeightFormat
 from moeforge.roles.base import FloatRows, TorchExperts, TritonExperts
 from moeforge.spec import REFERENCE_FLOAT_DTYPES, DType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import Activate, ActivationConfig
 from moeforge.stages.gemm import GemmRole, GroupedGemm
 from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
-from moeforge.tensor_ref import ParamRef, optional_ref
+from moeforge.expert_weights import ExpertWeights
 
 W13, W2, B13, B2 = "w13_weight", "w2_weight", "w13_bias", "w2_bias"
+FLOAT_TORCH = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class UnquantizedMethod(QuantMethod):
@@ -33,6 +35,7 @@ class UnquantizedMethod(QuantMethod):
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)
+    weight_format: ClassVar[Optional[WeightFormat]] = WeightFormat.FLOAT
 
     def create_weights(
         self,
@@ -56,6 +59,13 @@ class UnquantizedMethod(QuantMethod):
             layer.register_parameter(name, torch.nn.Parameter(weight))
         register_expert_biases(layer, shapes, bias, dtype, device)
 
+    def compute_dtype(self, holder: torch.nn.Module) -> DType:
+        """The float weights' own dtype (float64 for the reference)."""
+        weight = getattr(holder, W13, None)
+        if isinstance(weight, torch.Tensor) and weight.dtype in (torch.float64, *FLOAT_TORCH):
+            return DType.from_torch(weight.dtype)
+        return super().compute_dtype(holder)
+
 # -- its experts -------------------------------------------------------------------------------------
 
 
@@ -68,15 +78,16 @@ class TritonUnquantizedExperts(TritonExperts):
     float_rows: ClassVar[FloatRows] = FloatRows.LAYER_DTYPE  # the GEMMs read rows in the weights' dtype
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         from moeforge.stages.triton import FusedGroupedGemm
 
         configs = cls.launch_table(configs)
+        up, down = weights.gate_up, weights.down
         return [
-            FusedGroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), configs, optional_ref(layer, B13), activation),
-            FusedGroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), configs, optional_ref(layer, B2),
+            FusedGroupedGemm(GemmRole.GATE_UP, up.weight, configs, up.bias, activation),
+            FusedGroupedGemm(GemmRole.DOWN, down.weight, configs, down.bias,
                              apply_routing_weights=routing_weights_in_epilogue),
         ]
 
@@ -87,13 +98,14 @@ class TorchUnquantizedExperts(TorchExperts):
     method: ClassVar[type[Any]] = UnquantizedMethod
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         dtypes, scales = UnquantizedMethod.accepts, UnquantizedMethod.accepts_scales
+        up, down = weights.gate_up, weights.down
         return [
-            GroupedGemm(GemmRole.GATE_UP, ParamRef(layer, W13), optional_ref(layer, B13), dtypes, scales),
+            GroupedGemm(GemmRole.GATE_UP, up.weight, up.bias, dtypes, scales),
             Activate(activation),
-            GroupedGemm(GemmRole.DOWN, ParamRef(layer, W2), optional_ref(layer, B2), dtypes, scales,
+            GroupedGemm(GemmRole.DOWN, down.weight, down.bias, dtypes, scales,
                         apply_routing_weights=routing_weights_in_epilogue),
         ]

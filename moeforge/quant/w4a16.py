@@ -34,6 +34,8 @@ from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows
 from moeforge.expert_checkpoint import Projection
+from moeforge.expert_weights import ExpertNames, ExpertWeights, ProjectionWeights
+from moeforge.kernels.formats import WeightFormat
 from moeforge.quant.base import FOUR_BIT_BLOCKS, QuantMethod, expert_shapes, register_expert_biases
 from moeforge.quant.decoded_gemm import decoded_experts
 from moeforge.quant.int4_packing import (
@@ -49,8 +51,8 @@ from moeforge.roles.base import FloatRows, TorchExperts, TritonExperts
 from moeforge.spec import FLOAT_DTYPES, Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig
-from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
-from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
+from moeforge.stages.gemm import DecodedExperts, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.tensor_ref import TensorSource, resolve
 
 GROUP_SIZES = (32, 64, 128)
 W13_Q, W13_S, W13_Z = "w13_qweight", "w13_scales", "w13_qzeros"
@@ -99,7 +101,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int, *, zero_points: bool = 
 # -- the grouped GEMM (torch reference) ------------------------------------------------------------------
 
 
-def int4_experts(weight: Int4Weight) -> ExpertWeights:
+def int4_experts(weight: Int4Weight) -> DecodedExperts:
     """The experts of ``weight`` for the reference GEMMs, dequantized one at a time (experts without
     rows never are)."""
     tensors = (weight.qweight, weight.scales) + ((weight.qzeros,) if weight.qzeros is not None else ())
@@ -208,6 +210,8 @@ class W4A16Method(QuantMethod):
     dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = FOUR_BIT_BLOCKS
     prefers: ClassVar[Optional[DispatchDtype]] = None  # no activation quantization: the layer's dtype
     expert_parameters: ClassVar[tuple[str, ...]] = (W13_Q, W13_S, W13_Z, W2_Q, W2_S, W2_Z, B13, B2)
+    tensor_names: ClassVar[ExpertNames] = ExpertNames.of("{}_qweight", scale="{}_scales", zero_point="{}_qzeros")
+    weight_format: ClassVar[Optional[WeightFormat]] = WeightFormat.INT4
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = (W13_S, W2_S, B13, B2)  # scales in the compute dtype
 
     def __init__(self, group_size: int = 128, zero_points: bool = True,
@@ -237,6 +241,13 @@ class W4A16Method(QuantMethod):
             if value % self.group_size:
                 raise InputError(f"{name}={value} is not divisible by group_size={self.group_size}: choose a "
                                  f"group size in {GROUP_SIZES} that divides it")
+
+    def compute_dtype(self, holder: torch.nn.Module) -> DType:
+        """The dtype of the gate/up scales: the float dtype the int4 GEMMs compute and produce."""
+        scales = getattr(holder, W13_S, None)
+        if isinstance(scales, torch.Tensor) and scales.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return DType.from_torch(scales.dtype)
+        return super().compute_dtype(holder)
 
     def create_weights(
         self,
@@ -404,20 +415,17 @@ class TritonW4A16Experts(TritonExperts):
     float_rows: ClassVar[FloatRows] = FloatRows.LAYER_DTYPE  # the GEMMs read rows in the layer's dtype
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
-        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantScheme
+        from moeforge.stages.triton_quant import FusedQuantGroupedGemm
 
         configs = cls.launch_table(configs)
-        out = DType.from_torch(getattr(layer, W13_S).dtype)
         return [
-            FusedQuantGroupedGemm(GemmRole.GATE_UP, QuantScheme.W4A16, ParamRef(layer, W13_Q), ParamRef(layer, W13_S),
-                                  configs, weight_zero=optional_ref(layer, W13_Z), bias=optional_ref(layer, B13),
-                                  activation=activation, out_dtype=out),
-            FusedQuantGroupedGemm(GemmRole.DOWN, QuantScheme.W4A16, ParamRef(layer, W2_Q), ParamRef(layer, W2_S),
-                                  configs, weight_zero=optional_ref(layer, W2_Z), bias=optional_ref(layer, B2),
-                                  apply_routing_weights=routing_weights_in_epilogue, out_dtype=out),
+            FusedQuantGroupedGemm.of(GemmRole.GATE_UP, WeightFormat.INT4, weights.gate_up, configs,
+                                     activation=activation, out_dtype=weights.dtype),
+            FusedQuantGroupedGemm.of(GemmRole.DOWN, WeightFormat.INT4, weights.down, configs,
+                                     apply_routing_weights=routing_weights_in_epilogue, out_dtype=weights.dtype),
         ]
 
 
@@ -427,14 +435,14 @@ class TorchW4A16Experts(TorchExperts):
     method: ClassVar[type[Any]] = W4A16Method
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
-        def gemm(role: GemmRole, prefix: str, epilogue: bool) -> W4A16GroupedGemm:
-            q_name, s_name, z_name = _PARAMS[prefix]
-            return W4A16GroupedGemm(role, ParamRef(layer, q_name), ParamRef(layer, s_name), optional_ref(layer, z_name),
-                                    optional_ref(layer, B13 if prefix == "w13" else B2), apply_routing_weights=epilogue,
-                                    accepts_dtypes=method.accepts)
+        def gemm(role: GemmRole, projection: ProjectionWeights, epilogue: bool) -> W4A16GroupedGemm:
+            if projection.scale is None:
+                raise InputError("W4A16 expert weights need their scales (the record names none)")
+            return W4A16GroupedGemm(role, projection.weight, projection.scale, projection.zero_point,
+                                    projection.bias, apply_routing_weights=epilogue, accepts_dtypes=method.accepts)
 
-        return [gemm(GemmRole.GATE_UP, "w13", False), Activate(activation),
-                gemm(GemmRole.DOWN, "w2", routing_weights_in_epilogue)]
+        return [gemm(GemmRole.GATE_UP, weights.gate_up, False), Activate(activation),
+                gemm(GemmRole.DOWN, weights.down, routing_weights_in_epilogue)]

@@ -58,6 +58,7 @@ from moeforge.stages.activation import ActivationConfig, apply_activation
 from moeforge.stages.combine import combine_accepts, combine_hint, combine_output_spec
 from moeforge.stages.dispatch import SortedDispatch
 from moeforge.stages.gemm import grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.expert_weights import ExpertNames, ExpertWeights
 from moeforge.tensor_ref import LayerRef
 
 INT4_MAX = 7.0
@@ -259,6 +260,7 @@ class W4A4NpuMethod(QuantMethod):
     accepts: ClassVar[frozenset[DType]] = frozenset({DType.BF16})
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W13_SCALE, W2, W2_SCALE, B13, B2)
+    tensor_names: ClassVar[ExpertNames] = ExpertNames.of("{}_weight", scale="{}_weight_scale")
     offers_fused_ep: ClassVar[bool] = True
 
     def __repr__(self) -> str:
@@ -392,7 +394,7 @@ class W4A4NpuExperts(TorchExperts):
     method: ClassVar[type[Any]] = W4A4NpuMethod
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
-        return [W4A4Experts(method, layer, apply_routing_weights=routing_weights_in_epilogue)]
+        return [W4A4Experts(method, weights.layer(), apply_routing_weights=routing_weights_in_epilogue)]

@@ -28,16 +28,17 @@ from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.expert_checkpoint import Projection
+from moeforge.expert_weights import ExpertNames, ExpertWeights, ProjectionWeights
 from moeforge.quant.decoded_gemm import BLOCK, decoded_experts, dequantize_weight
-from moeforge.quant.base import QuantMethod, expert_shapes, layer_compute_dtype, register_expert_biases
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
 from moeforge.roles.base import TorchExperts, TritonExperts
 from moeforge.spec import Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.activation import ActivationConfig
-from moeforge.stages.gemm import ExpertWeights, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.gemm import DecodedExperts, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
 from moeforge.stages.quantize import PerTokenQuantizer, Quantizer, QuantizeRows, QuantizeTokens
-from moeforge.tensor_ref import ParamRef, TensorSource, optional_ref, resolve
+from moeforge.tensor_ref import TensorSource, resolve
 
 if TYPE_CHECKING:
     from moeforge.layer import MoELayer
@@ -83,7 +84,7 @@ def scale_shape(rows: int, cols: int, block: bool) -> tuple[int, ...]:
 
 # -- the grouped GEMM -------------------------------------------------------------------------------
 
-def dequantized_experts(weight: torch.Tensor, weight_scale: torch.Tensor) -> ExpertWeights:
+def dequantized_experts(weight: torch.Tensor, weight_scale: torch.Tensor) -> DecodedExperts:
     """The experts of a quantized ``weight [E, N, K]`` for the reference GEMMs, dequantized one at a
     time."""
     return decoded_experts("scaled", (weight, weight_scale))
@@ -213,6 +214,7 @@ class W8A8Method(QuantMethod):
     """
 
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W2, S13, S2, B13, B2)
+    tensor_names: ClassVar[ExpertNames] = ExpertNames.of("{}_weight", scale="{}_weight_scale")
     # 128-row blocks spill the gate/up kernel's registers (two accumulators, per-K-step scales).
     max_block_m: ClassVar[Optional[int]] = 64
     weight_dtype: ClassVar[DType]
@@ -358,23 +360,22 @@ class TorchW8A8Experts(TorchExperts):
     method: ClassVar[type[Any]] = W8A8Method
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
         quantizer = method.activation_quantizer
-        out = layer_compute_dtype(layer)
 
-        def gemm(role: GemmRole, weight: str, scale: str, bias: str, epilogue: bool = False) -> W8A8GroupedGemm:
-            return W8A8GroupedGemm(role, ParamRef(layer, weight), ParamRef(layer, scale), quantizer.dtype,
-                                   quantizer.scale_layout, out, optional_ref(layer, bias), epilogue)
+        def gemm(role: GemmRole, projection: ProjectionWeights, epilogue: bool = False) -> W8A8GroupedGemm:
+            return W8A8GroupedGemm(role, projection.weight, _scale(projection), quantizer.dtype,
+                                   quantizer.scale_layout, weights.dtype, projection.bias, epilogue)
 
         stages: list[Stage[Any, Any]] = []
         if dispatch is None or not dispatch.is_quantized:
             stages.append(QuantizeRows(quantizer))  # float rows on the wire: quantize after the dispatch
         stages += [
-            gemm(GemmRole.GATE_UP, W13, S13, B13),
+            gemm(GemmRole.GATE_UP, weights.gate_up),
             ActivateQuantize(activation, quantizer),
-            gemm(GemmRole.DOWN, W2, S2, B2, routing_weights_in_epilogue),
+            gemm(GemmRole.DOWN, weights.down, routing_weights_in_epilogue),
         ]
         return stages
 
@@ -386,27 +387,32 @@ class TritonW8A8Experts(TritonExperts):
     method: ClassVar[type[Any]] = W8A8Method
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
-        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantizeAligned, QuantScheme
+        from moeforge.stages.triton_quant import FusedQuantGroupedGemm, QuantizeAligned
 
         configs = cls.launch_table(configs)
         quantizer = method.activation_quantizer
-        out = layer_compute_dtype(layer)
-        scheme = QuantScheme.FP8_W8A8 if quantizer.dtype is DType.FP8_E4M3 else QuantScheme.INT8_W8A8
+        up, down = weights.gate_up, weights.down
         stages: list[Stage[Any, Any]] = []
         if dispatch is None or not dispatch.is_quantized:
             stages.append(QuantizeAligned(quantizer))  # quantizes the T token rows, not the T * k copies
         stages += [
-            FusedQuantGroupedGemm(GemmRole.GATE_UP, scheme, ParamRef(layer, W13), ParamRef(layer, S13), configs,
-                                  bias=optional_ref(layer, B13), activation=activation, out_dtype=out,
+            FusedQuantGroupedGemm(GemmRole.GATE_UP, method.weight_format, up.weight, _scale(up), configs,
+                                  bias=up.bias, activation=activation, out_dtype=weights.dtype,
                                   output_quantizer=quantizer),
-            FusedQuantGroupedGemm(GemmRole.DOWN, scheme, ParamRef(layer, W2), ParamRef(layer, S2), configs,
-                                  bias=optional_ref(layer, B2), apply_routing_weights=routing_weights_in_epilogue,
-                                  out_dtype=out),
+            FusedQuantGroupedGemm(GemmRole.DOWN, method.weight_format, down.weight, _scale(down), configs,
+                                  bias=down.bias, apply_routing_weights=routing_weights_in_epilogue,
+                                  out_dtype=weights.dtype),
         ]
         return stages
+
+
+def _scale(projection: ProjectionWeights) -> TensorSource:
+    if projection.scale is None:
+        raise InputError("W8A8 expert weights need their scales (the record names none)")
+    return projection.scale
 
 
 def quantize_layer(layer: MoELayer, method: W8A8Method) -> MoELayer:

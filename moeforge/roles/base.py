@@ -23,6 +23,7 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype
+from moeforge.expert_weights import ExpertWeights
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import MoEInput, RoutedTokens
 from moeforge.spec import DType, Layout, RoutingWeights
@@ -193,13 +194,23 @@ class Experts(Role):
         return config.quant.quantize_stage(config.dispatch.dtype, config.compute_dtype)
 
     @classmethod
+    def stages_for(cls, method: Any, holder: torch.nn.Module, weights: Optional[ExpertWeights], *,
+                   activation: ActivationConfig, routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+                   dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        """:meth:`stages` on ``weights``, or on what ``method`` reads from ``holder`` when it is ``None``."""
+        return cls.stages(method, weights if weights is not None else method.expert_weights(holder),
+                          activation=activation, routing_weights_in_epilogue=routing_weights_in_epilogue,
+                          configs=configs, dispatch=dispatch)
+
+    @classmethod
     @abc.abstractmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
                routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
                dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
-        """The stages from dispatched rows to expert outputs for ``method`` (an instance of ``cls.method``)
-        and ``layer``'s weights (``configs``: the launch table shared with a block-aligned dispatch;
-        ``dispatch``: the dispatch dtype, ``None`` for the layer's float dtype)."""
+        """The stages from dispatched rows to expert outputs for ``method`` (an instance of ``cls.method``) on
+        the expert tensors ``weights`` (what the method read from their holder: the stages know no parameter
+        name; ``configs``: the launch table shared with a block-aligned dispatch; ``dispatch``: the dispatch
+        dtype, ``None`` for the layer's float dtype)."""
 
 
 class TorchExperts(Experts):
@@ -266,10 +277,19 @@ class MethodOwnExperts(TorchExperts):
         return None
 
     @classmethod
-    def stages(cls, method: Any, layer: torch.nn.Module, *, activation: ActivationConfig,
-               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
-               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+    def stages_for(cls, method: Any, holder: torch.nn.Module, weights: Optional[ExpertWeights], *,
+                   activation: ActivationConfig, routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+                   dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        """The method's own stages for ``holder`` (it reads its tensors itself: no record is made)."""
         stages: list[Stage[Any, Any]] = method.expert_stages(
-            layer, activation=activation, routing_weights_in_epilogue=routing_weights_in_epilogue,
+            holder, activation=activation, routing_weights_in_epilogue=routing_weights_in_epilogue,
             backend=Backend.TORCH, configs=configs, dispatch=dispatch)
         return stages
+
+    @classmethod
+    def stages(cls, method: Any, weights: ExpertWeights, *, activation: ActivationConfig,
+               routing_weights_in_epilogue: bool, configs: Optional[ConfigTable],
+               dispatch: Optional[DispatchDtype]) -> list[Stage[Any, Any]]:
+        return cls.stages_for(method, weights.layer(), None, activation=activation,
+                              routing_weights_in_epilogue=routing_weights_in_epilogue, configs=configs,
+                              dispatch=dispatch)

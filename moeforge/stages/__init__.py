@@ -31,9 +31,9 @@ from moeforge.stages.triton_quant import (
     ActivateQuantizeAligned,
     FusedQuantGroupedGemm,
     QuantizeAligned,
-    QuantScheme,
     TritonQuantizeTokens,
 )
+from moeforge.kernels.formats import WeightFormat
 from moeforge.stages.combine import Combine, combine_rows
 from moeforge.stages.dispatch import Overflow, PaddedDispatch, SortedDispatch
 from moeforge.stages.gemm import GemmRole, GroupedGemm, grouped_gemm_padded, grouped_gemm_sorted
@@ -65,7 +65,7 @@ __all__ = [
     "Activate", "ActivationConfig", "ActivationKind", "GateUpLayout", "apply_activation",
     "ActivateQuantize",
     "AlignDispatch", "FusedGroupedGemm", "TritonTopK",
-    "ActivateQuantizeAligned", "FusedQuantGroupedGemm", "QuantizeAligned", "QuantScheme", "TritonQuantizeTokens",
+    "ActivateQuantizeAligned", "FusedQuantGroupedGemm", "QuantizeAligned", "TritonQuantizeTokens", "WeightFormat",
     "Combine", "combine_rows",
     "Overflow", "PaddedDispatch", "SortedDispatch",
     "GemmRole", "GroupedGemm", "grouped_gemm_padded", "grouped_gemm_sorted",

@@ -49,7 +49,7 @@ class GemmRole(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
-class ExpertWeights:
+class DecodedExperts:
     """Expert weights made one expert at a time: ``expert(e)`` is expert ``e``'s fp32 ``[N, K]``
     weight (a quantized method dequantizes it on demand, so at most one expert's fp32 copy lives at
     a time and experts without rows are never dequantized); ``sorted_mm(x, counts)`` is the product of
@@ -62,7 +62,7 @@ class ExpertWeights:
     sorted_mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-WeightsArg = Union[torch.Tensor, ExpertWeights]
+WeightsArg = Union[torch.Tensor, DecodedExperts]
 
 
 def grouped_gemm_sorted(
@@ -74,7 +74,7 @@ def grouped_gemm_sorted(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``y[r] = x[r] @ weight[e(r)].T (+ bias[e(r)]) (* row_scale[r])`` with rows grouped by expert
-    ``e`` according to ``counts`` (int64 ``[E]``); ``weight`` is ``[E, N, K]`` or :class:`ExpertWeights`
+    ``e`` according to ``counts`` (int64 ``[E]``); ``weight`` is ``[E, N, K]`` or :class:`DecodedExperts`
     (either way one custom op that ``torch.compile`` traces, see :mod:`moeforge.stages.grouped_mm`)."""
     values = dequantize(x, accumulation_dtype(x.data.dtype))
     out = grouped_mm(values, weight, counts) if isinstance(weight, torch.Tensor) else weight.sorted_mm(values, counts)
@@ -97,7 +97,7 @@ def grouped_gemm_padded(
 ) -> torch.Tensor:
     """``y[e, c] = x[e, c] @ weight[e].T (+ bias[e]) (* slot_scale[e, c])`` for ``x [E, C, K]``
     (every slot; the combine reads only the valid ones); ``weight`` is ``[E, N, K]`` (one batched
-    matmul) or :class:`ExpertWeights` (one expert at a time)."""
+    matmul) or :class:`DecodedExperts` (one expert at a time)."""
     values = dequantize(x, accumulation_dtype(x.data.dtype))
     if isinstance(weight, torch.Tensor):
         out = torch.bmm(values, weight.to(values.dtype).transpose(1, 2))

@@ -19,13 +19,13 @@ The kernels produce what the torch quantizers produce (bit-identical for the sam
 from __future__ import annotations
 
 import dataclasses
-import enum
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import attrs
 import torch
 
 from moeforge.errors import InputError
+from moeforge.expert_weights import ProjectionWeights
 from moeforge.kernels.config import ConfigTable, GemmConfig
 from moeforge.kernels.formats import WeightFormat, weight_operand
 from moeforge.kernels import shuffle
@@ -51,44 +51,9 @@ from moeforge.tensor_ref import TensorSource, resolve
 FLOAT_TORCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class QuantScheme(enum.Enum):
-    """The operand formats of a quantized grouped GEMM (``WeightFormat`` of the one kernel)."""
-
-    FP8_W8A8 = "fp8_w8a8"  # fp8 e4m3 activations and weights
-    INT8_W8A8 = "int8_w8a8"  # int8 activations and weights
-    W4A16 = "w4a16"  # float activations, 4-bit integer weights with group scales (and zero points)
-    MXFP4 = "mxfp4"  # float activations, e2m1 weights with E8M0 scales per 32
-    NVFP4 = "nvfp4"  # float or NVFP4 activations, e2m1 weights with e4m3 scales per 16 and global scales
-
-    @property
-    def weight_format(self) -> WeightFormat:
-        return {QuantScheme.FP8_W8A8: WeightFormat.FP8, QuantScheme.INT8_W8A8: WeightFormat.INT8,
-                QuantScheme.W4A16: WeightFormat.INT4, QuantScheme.MXFP4: WeightFormat.MXFP4,
-                QuantScheme.NVFP4: WeightFormat.NVFP4}[self]
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        return {QuantScheme.FP8_W8A8: torch.float8_e4m3fn, QuantScheme.INT8_W8A8: torch.int8}.get(self, torch.uint8)
-
-    @property
-    def four_bit(self) -> bool:
-        return self.weight_format.packed
-
-    @property
-    def input_scales(self) -> frozenset[ScaleLayout]:
-        """The activation scale layouts the kernel reads."""
-        if self is QuantScheme.FP8_W8A8:
-            return frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_GROUP_128, ScaleLayout.PER_TENSOR})
-        if self is QuantScheme.INT8_W8A8:
-            return frozenset({ScaleLayout.PER_TOKEN, ScaleLayout.PER_TENSOR})
-        if self is QuantScheme.NVFP4:
-            return frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
-        return frozenset({ScaleLayout.NONE})
-
-
-def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = False,
+def default_quant_config(weight_format: WeightFormat, block_m: int, *, wide_n: bool = False,
                          two_accumulators: bool = False, shuffled: bool = False) -> GemmConfig:
-    """A launch configuration for ``scheme`` keeping the dispatch's ``block_m``.
+    """A launch configuration for ``weight_format`` keeping the dispatch's ``block_m``.
 
     Few rows per block are bound by reading the weights: narrow tiles, a deep pipeline. Many rows:
     from a sweep on an H100 (DeepSeek-V3 gate/up, fp8 block/group scales, benchmarks/results), a
@@ -107,11 +72,11 @@ def default_quant_config(scheme: QuantScheme, block_m: int, *, wide_n: bool = Fa
             return GemmConfig(block_m, 64 if block_m >= 128 else 128, 64, group_m=8, num_warps=4, num_stages=3,
                               swap=True)
         return GemmConfig(block_m, 128, 64, group_m=8, num_warps=8 if block_m >= 128 else 4, num_stages=3, swap=True)
-    if scheme is QuantScheme.W4A16 and block_m <= 16:
+    if weight_format is WeightFormat.INT4 and block_m <= 16:
         # Sweep on an H100 (DeepSeek-V3 gate/up, group 128): narrow 32-column tiles for 16-row blocks
         # (620 us against 800 at 128 columns, M=8).
         return GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
-    if scheme.four_bit:
+    if weight_format.packed:
         # W4A16 beyond 16-row blocks, and FP4, with the packed decoding (benchmarks/sweep_fp4_tiles.py on an
         # H100, MXFP4, 2026-11-24, results/sweep_fp4-...-packed*.log): 16-row blocks take 128 columns
         # (GPT-OSS M=64: gate/up 550 us, down 285, against 560 / 302 at 64); larger blocks take 64
@@ -169,7 +134,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     """
 
     role: GemmRole
-    scheme: QuantScheme
+    weight_format: WeightFormat
     weight: TensorSource
     weight_scale: TensorSource
     configs: ConfigTable
@@ -193,13 +158,24 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     # table can align by: a forward creates no record (and torch.compile traces a lookup, not a constructor).
     _planned: dict[tuple[int, bool], GemmConfig] = attrs.field(init=False, repr=False)
 
+    @classmethod
+    def of(cls, role: GemmRole, weight_format: WeightFormat, projection: ProjectionWeights, configs: ConfigTable,
+           **options: Any) -> FusedQuantGroupedGemm:
+        """The GEMM of one projection of an :class:`~moeforge.expert_weights.ExpertWeights` record (its weight,
+        scales, zero points, global scales, bias and layout); ``options``: the epilogue's and launch's fields."""
+        if projection.scale is None:
+            raise InputError(f"{weight_format.label} expert weights need their scales (the record names none)")
+        return cls(role, weight_format, projection.weight, projection.scale, configs,
+                   weight_zero=projection.zero_point, bias=projection.bias, weight_global=projection.global_scale,
+                   weight_shuffled=projection.layout.shuffled, **options)
+
     def __attrs_post_init__(self) -> None:
         self._validate()
         kernel_ops()
         object.__setattr__(self, "_act", activation_args(self.activation))
-        object.__setattr__(self, "_fp8_epilogue", not self.scheme.four_bit and isinstance(
+        object.__setattr__(self, "_fp8_epilogue", not self.weight_format.packed and isinstance(
             self.output_quantizer, PerGroupQuantizer) and self.out_features % GROUP_SIZE == 0)
-        object.__setattr__(self, "_scale_bound", ScaleCodeBound() if self.scheme is QuantScheme.MXFP4 else None)
+        object.__setattr__(self, "_scale_bound", ScaleCodeBound() if self.weight_format is WeightFormat.MXFP4 else None)
         weight = self._weight()
         object.__setattr__(self, "_sms", torch.cuda.get_device_properties(weight.device).multi_processor_count
                            if weight.is_cuda else 132)
@@ -210,24 +186,27 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     def _weight(self) -> torch.Tensor:
         weight = resolve(self.weight)
-        return weight.flatten(2) if self.scheme.four_bit and weight.dim() == 4 else weight
+        return weight.flatten(2) if self.weight_format.packed and weight.dim() == 4 else weight
 
     def _validate(self) -> None:
         weight = self._weight()
-        where = f"FusedQuantGroupedGemm({self.scheme.value}, {self.role.value})"
+        where = f"FusedQuantGroupedGemm({self.weight_format.label}, {self.role.value})"
         if self.out_dtype not in FLOAT_DTYPES:
             raise InputError(f"{where}: out_dtype must be bf16/fp16/fp32, got {self.out_dtype.value}")
-        if (self.weight_global is None) == (self.scheme is QuantScheme.NVFP4):
+        if (self.weight_global is None) == (self.weight_format is WeightFormat.NVFP4):
             raise InputError(f"{where}: NVFP4 weights need weight_global (their per-expert global scales)")
-        if self.input_global_scale is not None and self.scheme is not QuantScheme.NVFP4:
+        if self.input_global_scale is not None and self.weight_format is not WeightFormat.NVFP4:
             raise InputError(f"{where}: input_global_scale is for NVFP4 rows")
         # The rows' dtype: 8-bit for W8A8, the scales' for W4A16 (a float dtype), else the layer's.
         scale_dtype = resolve(self.weight_scale).dtype
-        rows = (self.scheme.weight_dtype if self.scheme in (QuantScheme.FP8_W8A8, QuantScheme.INT8_W8A8)
-                else scale_dtype if self.scheme is QuantScheme.W4A16 and scale_dtype in FLOAT_TORCH_DTYPES
+        storage = self.weight_format.storage_dtype
+        if storage is None:
+            raise InputError(f"{where}: float weights are FusedGroupedGemm's (this stage computes quantized formats)")
+        rows = (storage if self.weight_format.eight_bit
+                else scale_dtype if self.weight_format is WeightFormat.INT4 and scale_dtype in FLOAT_TORCH_DTYPES
                 else self.out_dtype.torch_dtype)
         try:  # the kernel's own check of its weight operand
-            weight_operand(self.scheme.weight_format, weight, resolve(self.weight_scale),
+            weight_operand(self.weight_format, weight, resolve(self.weight_scale),
                            resolve(self.weight_zero) if self.weight_zero is not None else None,
                            resolve(self.weight_global) if self.weight_global is not None else None,
                            rows_dtype=rows)
@@ -237,8 +216,8 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             paired = self.activation is not None and self.activation.gated and \
                 self.activation.gate_up is GateUpLayout.INTERLEAVED
             try:
-                if not self.scheme.four_bit:
-                    raise ValueError(f"the shuffled layout is for 4-bit weights, not {self.scheme.value}")
+                if not self.weight_format.packed:
+                    raise ValueError(f"the shuffled layout is for 4-bit weights, not {self.weight_format.label}")
                 shuffle.check_shape(weight, paired=paired)
             except ValueError as error:
                 raise InputError(f"{where}: {error}") from None
@@ -263,7 +242,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     @property
     def in_features(self) -> int:
         k = int(self._weight().shape[2])
-        return 2 * k if self.scheme.four_bit else k
+        return 2 * k if self.weight_format.packed else k
 
     @property
     def out_features(self) -> int:
@@ -280,23 +259,23 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return tuple(kinds)
 
     def _activation_dtypes(self) -> frozenset[DType]:
-        if self.scheme is QuantScheme.FP8_W8A8:
+        if self.weight_format is WeightFormat.FP8:
             return frozenset({DType.FP8_E4M3})
-        if self.scheme is QuantScheme.INT8_W8A8:
+        if self.weight_format is WeightFormat.INT8:
             return frozenset({DType.INT8})
-        if self.scheme is QuantScheme.W4A16:
+        if self.weight_format is WeightFormat.INT4:
             return frozenset({DType.from_torch(resolve(self.weight_scale).dtype)})
         if self.input_global_scale is not None:
             return frozenset({self.out_dtype, DType.NVFP4})
         return frozenset({self.out_dtype})
 
     def summary(self) -> str:
-        text = (f"FusedQuantGroupedGemm(triton, {self.scheme.value}, {self.role.value}, "
+        text = (f"FusedQuantGroupedGemm(triton, {self.weight_format.label}, {self.role.value}, "
                 f"{self.in_features}->{int(self._weight().shape[1])}")
-        if self.scheme is QuantScheme.W4A16:
+        if self.weight_format is WeightFormat.INT4:
             text += f", g{self.in_features // int(resolve(self.weight_scale).shape[2])}"
             text += ", zero points" if self.weight_zero is not None else ""
-        elif not self.scheme.four_bit:
+        elif not self.weight_format.packed:
             text += ", block scales" if resolve(self.weight_scale).dim() == 3 else ", channel scales"
         if self.input_global_scale is not None:
             text += f", nvfp4 rows (global {self.input_global_scale:g})"
@@ -313,7 +292,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return text + ")"
 
     def accepts(self) -> Accepts:
-        return expert_gemm_accepts(self.role, dtypes=self._activation_dtypes(), scales=self.scheme.input_scales,
+        return expert_gemm_accepts(self.role, dtypes=self._activation_dtypes(), scales=self.weight_format.input_scales,
                                    in_features=self.in_features, num_experts=int(self._weight().shape[0]),
                                    apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED,
                                    alignment=self.configs.alignment())
@@ -321,12 +300,12 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):
             want = "/".join(sorted(d.value for d in self._activation_dtypes()))
-            if self.scheme.four_bit:
-                return (f"the {self.scheme.value} GEMM takes {want} rows (the layer's dtype"
+            if self.weight_format.packed:
+                return (f"the {self.weight_format.label} GEMM takes {want} rows (the layer's dtype"
                         + (", or NVFP4 rows quantized with its input global scale)" if self.input_global_scale
                            is not None else ")"))
-            return (f"the {self.scheme.value} GEMM takes {want} rows with "
-                    f"{'/'.join(sorted(s.value for s in self.scheme.input_scales))} scales: quantize them "
+            return (f"the {self.weight_format.label} GEMM takes {want} rows with "
+                    f"{'/'.join(sorted(s.value for s in self.weight_format.input_scales))} scales: quantize them "
                     "before it (QuantizeAligned after the dispatch, or the gate/up GEMM's output_quantizer)")
         return None
 
@@ -344,7 +323,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         if self.use_table_tiles or self.configs.weight_format is not None:
             return alignment.config.gate_up if self.role is GemmRole.GATE_UP else alignment.config.down
         narrow = False
-        if self.scheme.four_bit and not self.weight_shuffled and alignment.block_m <= 16:
+        if self.weight_format.packed and not self.weight_shuffled and alignment.block_m <= 16:
             busy = min(alignment.num_tokens * alignment.copies_per_row, self.configs.num_experts)
             narrow = busy * -(-self.out_features // 64) < 4 * self._sms  # programs of 64-column tiles vs 4 per SM
         planned = self._planned.get((alignment.block_m, narrow))
@@ -360,7 +339,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             config = GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
         else:
             # wide_n: the epilogue itself quantizes to FP8 per 128-group (else a kernel runs after the GEMM).
-            config = default_quant_config(self.scheme, block_m, wide_n=self._fp8_epilogue, two_accumulators=glu,
+            config = default_quant_config(self.weight_format, block_m, wide_n=self._fp8_epilogue, two_accumulators=glu,
                                           shuffled=self.weight_shuffled)
         return attrs.evolve(config, split_k=1) if self.configs.batch_invariant else config
 
@@ -379,7 +358,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             x.copy_weights if self.apply_routing_weights else None,
             alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
             1 if x.copy_major else alignment.copies_per_row,
-            int(self.scheme.weight_format),
+            int(self.weight_format),
             self.input_global_scale if nvfp4_rows and self.input_global_scale is not None else 1.0,
             *self._act, config.as_list(), self.out_dtype.torch_dtype, fp8_out, alignment.block_m,
             255 if scale_max is None else scale_max, self.weight_shuffled)
