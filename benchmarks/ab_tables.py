@@ -10,7 +10,7 @@ the same weights; for each token count the expert computation (top-k ids to the 
 L2 flushed, in ``--rounds`` rounds of alternating order (before, after, after, before, ...) so that a steady drift
 of the clocks falls on both alike (the second of two identical tables measured up to 7 % slower at Mixtral
 M = 16384 on an H100 in before-after rounds). Consecutive processes with one table each (the A/Bs in
-docs/kernels.md before this script) moved some cells by a few per cent between runs of the same code.
+docs/notes/kernels-log.md before this script) moved some cells by a few per cent between runs of the same code.
 
 It prints, per cell, each table's median over its rounds (of medians of ``--reps`` replays) and after / before,
 and writes JSON (device, commit, date, records with both times, every round's and the ratio). A format whose

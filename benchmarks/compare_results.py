@@ -1,5 +1,5 @@
 """Compare two or more ``bench_moe.py`` results files cell by cell: each cell's time in every file and its ratio to
-the first (the A/B tables the notes in docs/kernels.md quote).
+the first (the A/B tables docs/notes/kernels-log.md quotes).
 
     python benchmarks/compare_results.py BEFORE.json AFTER.json [MORE.json ...] [--what experts_nvfp4-shuffled,...]
                                          [--ratio NUMERATOR,DENOMINATOR]

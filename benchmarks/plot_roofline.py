@@ -17,33 +17,11 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+# The current H100 results: every format of each shape at one commit (7c50a09), and the batch-invariant mode's
+# bf16 cells (b17c440). Earlier runs are in git history (benchmarks/results/INDEX.md); where several files are
+# given, later files win.
 DEFAULT_FILES = (
-    RESULTS / "bench_moe-nvidia_h100_80gb_hbm3-2026-11-21.json",
-    RESULTS / "bench_moe_fp4-nvidia_h100_80gb_hbm3-2026-11-24.json",
-    RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24.json",  # packed 4-bit decoding: later wins
-    RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24.json",
-    RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-tuned.json",  # tables tuned per format
-    RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24-tuned.json",
-    RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-final.json",  # + e4m3 cvt, scale prefetch
-    RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24-final.json",
-    RESULTS / "bench_moe_invariant-nvidia_h100_80gb_hbm3-2026-11-24.json",  # the 28 bf16 cells + invariant mode
-    RESULTS / "bench_moe_8bit-nvidia_h100_80gb_hbm3-2026-11-24.json",  # fp8-channel, int8; bf16's routing
-    RESULTS / "bench_moe_w4a16_dsv3-nvidia_h100_80gb_hbm3-2026-11-24.json",
-    RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-f1df33f.json",  # re-tuned tables, E8M0 decode
-    RESULTS / "bench_moe_fp8-nvidia_h100_80gb_hbm3-2026-11-24-f1df33f.json",  # FP8 scales per tile
-    RESULTS / "bench_moe_invariant-nvidia_h100_80gb_hbm3-2026-11-24-b17c440.json",  # TMA weights, persistent grids
-    RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-b17c440.json",
-    RESULTS / "bench_moe_8bit-nvidia_h100_80gb_hbm3-2026-11-24-60cbaa2.json",  # FP8 block, per-channel, INT8
-    RESULTS / "bench_moe_w4a16_dsv3-nvidia_h100_80gb_hbm3-2026-11-24-60cbaa2.json",
-    RESULTS / "bench_moe_4bit_gptoss_tma-nvidia_h100_80gb_hbm3-2026-11-24-0c010d8.json",  # GPT-OSS M <= 64, --tma
-    RESULTS / "bench_moe_4bit-nvidia_h100_80gb_hbm3-2026-11-24-5a8317a.json",  # split K at decode
-    RESULTS / "bench_moe_8bit-nvidia_h100_80gb_hbm3-2026-11-24-6e03eb3.json",
-    RESULTS / "bench_moe_split_tables_mixtral-nvidia_h100_80gb_hbm3-2026-11-24-006fcf7.json",  # --split-k tables
-    RESULTS / "bench_moe_split_tables_dsv3-nvidia_h100_80gb_hbm3-2026-11-24-006fcf7.json",
-    RESULTS / "bench_moe_qwen3_w4a16_table-nvidia_h100_80gb_hbm3-2026-11-24-84f2d60.json",
-    RESULTS / "bench_moe_8bit_channel_tables-nvidia_h100_80gb_hbm3-2026-11-24-811a25a.json",  # per-channel tables
-    RESULTS / "bench_moe-nvidia_h100_80gb_hbm3-2026-11-24-14e1512.json",  # bf16 against the 16 GiB read probe
-    # every format of each shape at one commit, the H100 tables brought up to date (shuffled 4-bit, decoding first)
+    RESULTS / "bench_moe_invariant-nvidia_h100_80gb_hbm3-2026-11-24-b17c440.json",
     *(RESULTS / f"bench_moe_all_formats_{shape}-nvidia_h100_80gb_hbm3-2026-11-27-7c50a09.json"
       for shape in ("mixtral", "qwen3", "deepseek", "gptoss")),
 )

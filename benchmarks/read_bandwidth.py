@@ -2,11 +2,12 @@
 
 A torch reduction (``torch.sum`` of 1 GiB of bf16) was the only probe; on an H200 it read 4.20 TB/s while the MoE
 GEMMs streamed their weights at up to 4.63 (DeepSeek-V3 decode: 101-106 % of the roofline). Two things closed the
-gap (``results/read_bandwidth_probes-...log``): a Triton kernel that only loads (16-byte loads, XOR-accumulated per
-lane so that the loads stay) reads 4.49-4.52 TB/s of the same 1 GiB, and a larger buffer amortises the launch and
-the tail: 4.60 TB/s over 4 GiB, 4.64-4.66 over 16 GiB (torch.sum: 4.31 / 4.32); on an H100 3.03 over 1 GiB, 3.13
-over 16 GiB (torch.sum over 1 GiB: 2.98). The roofline takes the fastest probe over up to 16 GiB (half the free memory
-at most); a GEMM that streams as fast as the probe can still land a fraction of a percent above 100 %.
+gap (docs/notes/kernels-log.md, "The read bandwidth of the roofline"): a Triton kernel that only loads (16-byte
+loads, XOR-accumulated per lane so that the loads stay) reads 4.49-4.52 TB/s of the same 1 GiB, and a larger buffer
+amortises the launch and the tail: 4.60 TB/s over 4 GiB, 4.64-4.66 over 16 GiB (torch.sum: 4.31 / 4.32); on an
+H100 3.03 over 1 GiB, 3.13 over 16 GiB (torch.sum over 1 GiB: 2.98). The roofline takes the fastest probe over up
+to 16 GiB (half the free memory at most); a GEMM that streams as fast as the probe can still land a fraction of a
+percent above 100 %.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 It compiles ``moe_gemm_kernel`` for sm_90 with the ptxas and nvdisasm that ship inside the ``triton``
 wheel (no CUDA device or driver needed), finds the K-loop (the longest backward branch) and prints its
 instructions by opcode, with the kernel's registers, spills and shared memory. A development tool: the
-instruction counts quoted in ``docs/kernels.md`` come from it. They are the local Triton's code, which
+instruction counts quoted in ``docs/notes/kernels-log.md`` come from it. They are the local Triton's code, which
 may differ from the GPU machines' Triton: to compile with another version, put its wheel's files first
 on the path (``pip install --no-deps --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR:.``), and
 measure on a GPU before trusting a difference.

@@ -85,7 +85,8 @@ def candidates(fmt: str, rows_per_expert: float) -> Iterator[GemmConfig]:
                          num_stages=[3, 4])
         # From 64-row blocks both orientations (swap: W @ rows^T, the decoded tile as the wgmma's register
         # operand): on an H200 swapping made some tiles 0.67-0.89x faster and others up to 5x slower
-        # (results/swap_sweep-...log); 16- and 32-row tiles are not swapped (slower on an H100).
+        # (docs/notes/kernels-log.md, "The swapped 4-bit product"); 16- and 32-row tiles are not swapped (slower on
+        # an H100).
         elif rows_per_expert <= 48:
             space = dict(block_m=[16, 32, 64], block_n=[64, 128], block_k=[64], group_m=[8], num_warps=[4],
                          num_stages=[3], swap=[False, True])

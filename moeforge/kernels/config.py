@@ -37,18 +37,18 @@ class GemmConfig:
     split_k: Optional[int] = attrs.field(default=None)
     # 4-bit weights: multiply ``W @ rows^T`` (the decoded weight tile as the warpgroup MMA's register operand,
     # whose MMAs then stay in flight across K-steps; ``moe_gemm.moe_gemm``). False: ``rows @ W^T``. Which wins
-    # depends on the tile (docs/kernels.md, "The swapped 4-bit product"), so only a tuned table sets it.
+    # depends on the tile (docs/notes/kernels-log.md, "The swapped 4-bit product"), so only a tuned table sets it.
     swap: bool = False
     # A row block whose second half is only padding (an expert's last block holding at most ``block_m / 2``
     # rows) runs as a ``block_m / 2``-row tile: half the MMA work on it (``moe_gemm.moe_gemm``). Pays in some
-    # cells and loses in others (docs/kernels.md, "Half-height tiles for the experts' last blocks"), so only a
+    # cells and loses in others (docs/notes/kernels-log.md, "Half-height tiles for the experts' last blocks"), so only a
     # tuned table sets it. Needs ``block_m >= 32`` (the half tile's dot has 16 rows at least).
     half_tail: bool = attrs.field(default=False)
     # 4-bit weights (INT4, MXFP4, NVFP4): decode this many experts' weights at a time into a scratch in the compute
     # dtype, then run the float GEMM on them over those experts' row blocks (``moe_gemm.moe_gemm``,
     # ``moeforge.kernels.decode_first``). 0: decode in the GEMM's K-loop, in every program. Pays where each expert
     # has many rows (the decoding's cost, once per weight, then weighs less than the K-loop's, once per row block:
-    # docs/kernels.md, "Decoding the weights first"), so only a tuned table sets it. Ignored for other formats.
+    # docs/kernels.md, "Decoding first"), so only a tuned table sets it. Ignored for other formats.
     decode_chunk: int = attrs.field(default=0)
 
     @decode_chunk.validator
@@ -99,8 +99,8 @@ class MoEConfig:
     """Both GEMMs' configurations for one token count. The rows are aligned once, by :attr:`block_m` (the
     larger of the two); the smaller ``block_m`` must divide it, so that each of that GEMM's row blocks lies in
     one aligned block and so in one expert's rows (the kernel reads its expert at ``block // ratio``). The
-    two may differ because the GEMMs' best tiles do: on the H200 the swapped 4-bit product's best gate/up
-    tile has 128 rows and its best down tile 256 (docs/kernels.md)."""
+    two may differ because the GEMMs' best tiles do: the swapped 4-bit product's best gate/up tile has 128 rows
+    and its best down tile 256 (docs/notes/kernels-log.md, "Two row blocks on one alignment")."""
 
     gate_up: GemmConfig
     down: GemmConfig
@@ -194,9 +194,8 @@ class ConfigTable:
     max_block_m: Optional[int] = None  # a kernel whose tiles spill beyond it (quantized GEMMs: 64)
     # A kernel that decodes its weights in every program (4-bit): ``(rows per expert, block_m)`` in
     # ascending order; a batch with at least that many rows per expert aligns to that block whatever the
-    # table says (one decoded weight tile serves more rows; on an H100 the GPT-OSS MXFP4 gate/up GEMM at
-    # M=1024 takes 865 us at 64-row blocks against 1130 at 32, Mixtral's at M=4096 5330 at 128 against
-    # 6087 at 64: benchmarks/results/sweep_fp4-*-packed*.log).
+    # table says (one decoded weight tile serves more rows; docs/notes/kernels-log.md, "One grouped GEMM for
+    # every weight format").
     dequant_blocks: tuple[tuple[float, int], ...] = ()
     # Batch invariance (moeforge.batch_invariant): every entry reduces in the same order, and no stage may
     # pick tiles by token count beyond the table's block_m (no dequant_blocks, no decode-time tiles).

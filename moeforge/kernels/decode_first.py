@@ -6,9 +6,8 @@
 The grouped GEMM decodes a 4-bit weight tile in registers in every program that reads it: once per row block
 of the expert. With few rows per expert that is once or twice per weight, and reading 4-bit weights instead of
 16-bit ones is the whole gain. With many rows per expert (a prefill batch) every weight is decoded by many
-programs, and the decoding's integer work sits in the K-loop next to the MMAs that bound it: on an H200 the
-4-bit formats ran at 0.62-0.78x the bf16 layer's speed from M = 4096 (docs/kernels.md, "Decoding the weights
-first"). Decoding a chunk of experts' weights once into a scratch in the compute dtype, then running the
+programs, and the decoding's integer work sits in the K-loop next to the MMAs that bound it (docs/kernels.md,
+"Decoding first"). Decoding a chunk of experts' weights once into a scratch in the compute dtype, then running the
 float GEMM on it over those experts' row blocks, costs one pass over the weights (read 4-bit, write 16-bit)
 and leaves the K-loop the float one.
 
@@ -35,8 +34,8 @@ from moeforge.kernels.formats import WeightFormat, weight_operand
 
 # The decoding's tile: [DECODE_BLOCK_N, DECODE_BLOCK_K] weights per program (32 rows of 1 KiB out in bf16), the
 # programs along K first (neighbouring programs read and write neighbouring bytes of the same rows). Scale groups are
-# powers of two, so a step holds whole groups or lies in one. On an H200 this moved 4.0 TB/s (read plus write)
-# against 3.3-3.9 for 64 x 128 tiles along N first (results/decode_sweep-nvidia_h200-2026-11-26-8ff5e6d.log).
+# powers of two, so a step holds whole groups or lies in one. The fastest tile of a sweep (docs/notes/kernels-log.md,
+# "Decoding the weights first").
 DECODE_BLOCK_N = 32
 DECODE_BLOCK_K = 512
 DECODE_WARPS = 8

@@ -7,8 +7,8 @@ Two decodings of the same values, chosen by a compile-time flag of the GEMM:
 
 * **portable** (every backend, and Triton's CPU interpreter): each nibble is widened to 32 bits and
   placed in an fp32 bit pattern, then multiplied by its scale in fp32 and rounded once to the compute
-  dtype. About a dozen 32-bit instructions per element; on an H100 this, not HBM, bounds the FP4
-  GEMMs (``docs/kernels.md``).
+  dtype. About a dozen 32-bit instructions per element, which would bound the FP4 GEMMs instead of HBM
+  (``docs/notes/kernels-log.md``).
 * **packed** (NVIDIA, ``tl.inline_asm_elementwise``): one instruction sequence turns a 32-bit word of
   8 nibbles into 8 values held as four ``bf16x2`` / ``f16x2`` registers, each the pair of K-adjacent
   elements of one byte (the pairing of the MMA's operand registers). The low and high nibbles are
@@ -411,8 +411,8 @@ def group_scales(s_ptrs, ok, k, K, stride_sg, GROUP: tl.constexpr, BLOCK_K: tl.c
     zeros (the K-loop loads each step's scales one step ahead, the last one unused). ``CLAMP`` (``K`` a multiple
     of ``BLOCK_K``, the rows 16-aligned; the GEMM asks for it for e2m1 weights): a step of at least 4 groups is
     read with the step clamped to the last one instead of masked group by group, so that its groups load as vectors
-    (NVFP4's 8 scales of a 128-wide step in 32-bit loads instead of byte loads). Not for 2 groups (16-bit loads):
-    measured slower than the masked bytes (MXFP4 64-wide steps: Mixtral 1.02-1.09x the time at M = 64-256)."""
+    (NVFP4's 8 scales of a 128-wide step in 32-bit loads instead of byte loads). Not for 2 groups (16-bit loads),
+    which were slower than the masked bytes (docs/notes/kernels-log.md, "A step's scales loaded as vectors")."""
     if BLOCK_K <= GROUP:
         g = tl.minimum((k * BLOCK_K) // GROUP, tl.cdiv(K, GROUP) - 1)
         return tl.load(s_ptrs + g * stride_sg, mask=ok, other=0)[:, None]
@@ -571,7 +571,8 @@ def _byte_tile(packed, s, z, DTYPE: tl.constexpr, B_FMT: tl.constexpr, GROUP: tl
         if B_FMT == W_INT4:
             # Without zero points, a shuffled tile takes the decoding with the offset as an immediate: with an
             # operand of constants the compiler does not lay the loaded bytes out in the MMA's register order
-            # (the shuffle's gain). On plain tiles that decoding measured no faster (results/ab_shuffle_1-...log).
+            # (the shuffle's gain). On plain tiles that decoding is no faster (docs/notes/kernels-log.md, "The
+            # pre-shuffled 4-bit layout"), so they keep the operand.
             if HAS_ZEROS or not SHUFFLED:
                 if not HAS_ZEROS:
                     z = tl.full([BLOCK_N, 1], 8, tl.uint8)

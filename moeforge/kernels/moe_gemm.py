@@ -35,8 +35,8 @@ into ranges of K-steps (``split_k``, :func:`default_split_k`): fp32 partial sums
 :func:`moe_gemm_reduce_kernel` adds in a fixed order before the epilogue (deterministic, but not the same
 rounding, so batch-invariant tables never split).
 
-On Hopper the launcher also picks, where one-process A/Bs found them faster, weight tiles copied by the
-tensor memory accelerator (a host-side descriptor, :func:`weight_tma_pays`) and a persistent grid
+On Hopper the launcher also picks, by its rules (docs/kernels.md, "How a launch is planned today"), weight tiles
+copied by the tensor memory accelerator (a host-side descriptor, :func:`weight_tma_pays`) and a persistent grid
 (:func:`default_grid`); both read the same values in the same order, so the output is bitwise the same.
 """
 
@@ -313,9 +313,8 @@ def _gemm_tile(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # PREFETCH (4-bit weights): each K-step's scales are loaded one step ahead (single-byte loads the
-    # pipeliner leaves in the loop stall the step that uses them). Measured on an H100 in one process
-    # (results/ab_prefetch_scales-...log): 10-12 % faster with 64- and 128-row blocks, 1.3-1.6x slower
-    # with 16- and 32-row blocks (the mma.sync tiles), so the launcher asks for it from 64 rows.
+    # pipeliner leaves in the loop stall the step that uses them); the launcher asks for it where that pays
+    # (prefetch_scales).
     if B_FMT >= W_FIRST_PACKED and PREFETCH:
         sg_next, zg_next, su_next, zu_next = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k_first, K, stride_bsk,
                                                           stride_bzk, GROUP, BLOCK_K, HAS_ZEROS, GLU, CLAMP)
@@ -714,7 +713,7 @@ def scale_fold(weight_format: WeightFormat, compute_dtype: torch.dtype, packed: 
     """Whether the packed bf16 e2m1 decoding (``packed``) folds its ``x 2**126`` into the scales
     (:mod:`moeforge.kernels.dequant`): MXFP4 whose E8M0 codes are all at most ``FOLDED_SCALE_MAX`` (known:
     ``weight_scale_max``), and shuffled NVFP4 (``2**119`` of it; the epilogue multiplies by the rest). Plain NVFP4 does
-    not: on its byte decoding the fold measured 0.97-1.06x (results/ab_nvfp4_fold-nvidia_h200-2026-11-26-6eeb73c.log)."""
+    not: on its byte decoding the fold did not pay (docs/notes/kernels-log.md, "Shuffled NVFP4 folds its ...")."""
     if not packed or compute_dtype != torch.bfloat16:
         return False
     if weight_format is WeightFormat.MXFP4:
@@ -724,10 +723,9 @@ def scale_fold(weight_format: WeightFormat, compute_dtype: torch.dtype, packed: 
 
 def prefetch_scales(weight_format: WeightFormat, config: GemmConfig, swapped: bool) -> bool:
     """Whether a 4-bit weight's K-steps load their scales one step ahead (the kernel's ``PREFETCH``): from 64-row
-    blocks (H100, results/ab_prefetch_scales-...log: 10-12 % faster there, 1.3-1.6x slower on the 16- and 32-row
-    mma.sync tiles), and on swapped tiles of any height, whose MMA is a wgmma over 64 weight rows (H200, the
-    shuffled layers' experts: 0.83-0.94x the time for NVFP4 on GPT-OSS at M = 1-256, 0.95-0.97x for MXFP4, Mixtral
-    NVFP4 0.92-1.02x; results/ab_prefetch_swapped-nvidia_h200-2026-11-26-3f5f7aa.log)."""
+    blocks, and on swapped tiles of any height, whose MMA is a wgmma over 64 weight rows; the 16- and 32-row
+    ``mma.sync`` tiles got slower with it (docs/notes/kernels-log.md, "Scales one K-step ahead" and "Scales one
+    K-step ahead on swapped tiles of any height")."""
     return weight_format.packed and (config.block_m >= 64 or swapped)
 
 
@@ -735,8 +733,8 @@ def vector_scales(scale: Optional[torch.Tensor], zero: Optional[torch.Tensor]) -
     """Whether a 4-bit weight's ``scale`` (and ``zero`` points) rows are aligned so that Triton can load a K-step's
     groups as one vector: contiguous groups, 16-byte aligned start, other strides multiples of 16 (its divisibility
     hints). Where they are, even-K tiles of e2m1 weights clamp the step instead of masking each group
-    (``group_scales``' ``CLAMP``, the kernel's ``EVEN_K == K_EVEN_VECTOR_SCALES``): NVFP4 0.77-0.98x the time on Mixtral, Qwen3 and
-    DeepSeek-V3 at M = 1-1024 (H200), MXFP4 0.91-1.05x (docs/kernels.md, "A step's scales loaded as vectors")."""
+    (``group_scales``' ``CLAMP``, the kernel's ``EVEN_K == K_EVEN_VECTOR_SCALES``), which pays on such rows only
+    (docs/notes/kernels-log.md, "A step's scales loaded as vectors")."""
     present = [t for t in (scale, zero) if t is not None]
     return bool(present) and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                                  and all(step % 16 == 0 for step in t.stride()[:-1]) for t in present)
@@ -755,10 +753,8 @@ def glu_strides(glu: bool, interleaved: bool, n_out: int) -> tuple[int, int]:
 
 
 def cvt_by_four(config: GemmConfig) -> bool:
-    """Whether e4m3 scales are converted four at a time (``dequant.e4m3_pairs``): a one-process A/B on an
-    H100 (results/ab_e4m3x4-...log) found it 1.5-2 % faster with 64-column tiles of up to 64 rows (GPT-OSS
-    NVFP4 M = 8, 64, 1024), 9 % slower with the 32-column decode tiles (M = 1) and 2.5 % slower with
-    128-row tiles (Mixtral M = 1024), where the SASS is no shorter."""
+    """Whether e4m3 scales are converted four at a time (``dequant.e4m3_pairs``): tiles of at least 64 columns and
+    at most 64 rows, where it made the K-loop faster (docs/notes/kernels-log.md, "e4m3 scales four at a time")."""
     return config.block_n >= 64 and config.block_m <= 64
 
 
@@ -794,18 +790,11 @@ def _multiprocessors(device: torch.device) -> int:
 def weight_tma_pays(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig,
                     interleaved: bool = False) -> bool:
     """Whether :func:`moe_gemm` copies the weight tiles by TMA by default (where it applies): on Hopper
-    (``capability`` 9.x, see :func:`device_capability`), with the wgmma tiles where one-process A/Bs on an H100 and an H200 found it
-    faster (results/ab_weight_tma-...log, results/ab_grid_tma-nvidia_h200-...log):
-
-    * float weights from 64 rows: 3-8 % faster from M = 1024 (e.g. Mixtral 0.92x at M = 16384), neutral
-      with 16- and 32-row tiles;
-    * 8-bit weights from 64 rows and 128 columns: neutral to 4 % faster (FP8 down GEMMs 0.92-0.99x); the
-      64-column 128x64 FP8 gate/up tile was 1-4 % slower, and Mixtral's 16x32 decode tile 1.19x slower;
-    * 4-bit weights from 128 rows: 2-6 % faster; mixed below (GPT-OSS MXFP4 7 % faster with 16-row tiles,
-      10 % slower with 64x64 tiles; W4A16 and NVFP4 4 % slower with 16- and 32-row tiles);
-    * ``interleaved`` gate/up rows (every other row, ``_weight_rows_tma``; results/ab_tma_interleaved-...log):
-      float weights 4 % faster at GPT-OSS M = 16384, neutral at 4096; the W4A16 128x64 tile 1.7 % slower, so
-      4-bit interleaved weights keep pointer loads."""
+    (``capability`` 9.x, see :func:`device_capability`), with the wgmma tiles where it measured faster
+    (docs/notes/kernels-log.md, "Hopper: TMA weight tiles and persistent grids"): float weights from 64 rows,
+    8-bit weights from 64 rows and 128 columns, 4-bit weights from 128 rows. With ``interleaved`` gate/up rows
+    (every other row, ``_weight_rows_tma``) 4-bit weights keep pointer loads. Smaller tiles gain or lose by shape,
+    so a tuned table decides for them per entry (``GemmConfig.tma``)."""
     if capability is None or capability[0] != 9:
         return False
     if weight_format.packed:
@@ -825,20 +814,17 @@ def default_grid(capability: Optional[tuple[int, int]], weight_format: WeightFor
     taking the tiles that exist grid-stride; ``flattened``, persistent with the tile loop and the K-loop
     flattened into one pipelined loop, so that the next tile's loads overlap this tile's epilogue.
 
-    A one-process A/B on an H100 (results/ab_grid-...log) found the persistent grids faster for float
-    weights where a tile's accumulators fill the register file (128 fp32 values per thread: one program
-    per SM either way): the fused gate/up GEMM's 128x128 tiles on 8 warps 2-4 % faster persistent (11-13 %
-    slower flattened), the down GEMM's 128x256 tiles 7-9 % faster flattened. Where two programs fit on an
-    SM, one program per SM lost (Qwen3's 128x128 down tiles 1.24x); 8-bit and 4-bit tiles were 3-40 %
-    slower persistent (their K-loops already hold more registers). With about one block per expert
-    (``rows_per_expert``, the copies over the experts, below two blocks) the persistent gate/up GEMM lost
-    too: DeepSeek-V3 at M = 4096 (128 rows per expert) 1.18x with TMA, against 0.90x at M = 16384
-    (results/ab_grid_tma-...log).
+    The persistent grids pay for float weights on Hopper where a tile's accumulators fill the register file (128
+    fp32 values per thread: one program per SM either way) and each expert has at least two row blocks
+    (``rows_per_expert``, the copies over the experts): ``persistent`` for the fused gate/up GEMM, ``flattened``
+    for the down GEMM (whose plain epilogue overlaps the next tile's loads). Where two programs fit on an SM, with
+    8-bit and 4-bit tiles, and with about one block per expert they lost (docs/notes/kernels-log.md, "Hopper: TMA
+    weight tiles and persistent grids").
 
     The flattened loop stages the output tile in shared memory beside the operand ring: for ``out_bytes`` 4
     (fp32 outputs: the backward's, an fp32 layer's) the whole ``block_m x block_n`` tile, which does not fit beside
     a 4-stage ring of 128x256 tiles; 2-byte outputs stage less and fit. So fp32 outputs take the persistent grid
-    (measurements: docs/kernels.md, "The flattened grid and fp32 outputs")."""
+    (measurements: docs/notes/kernels-log.md, "The flattened grid and fp32 outputs")."""
     if (weight_format is not WeightFormat.FLOAT or capability is None or capability[0] != 9
             or config.block_m < 128 or rows_per_expert < 2 * config.block_m):
         return "tiles"
@@ -854,17 +840,10 @@ def default_split_k(capability: Optional[tuple[int, int]], weight_format: Weight
     experts (``min(aligned blocks, E) * column tiles``, an upper bound known on the host), ``k_steps``: the
     K-loop's length, ``sms``: the device's multiprocessors.
 
-    One-process A/Bs on an H100 of every GEMM of the tuned decode tables at M = 1 and 8 (bf16, FP8, W4A16,
-    MXFP4, NVFP4; results/ab_split_k-...log) found a split faster only for quantized weights with fewer than two
-    programs per SM, where the long dequantizing K-loops of a few programs set the time: Mixtral's MXFP4 down
-    GEMM at M = 1 (128 programs of 112 steps) 0.71x with 4 ranges, its W4A16 one (256) 0.85x, its FP8 one
-    0.96x with 2, Qwen3's MXFP4 gate/up GEMM (192 programs of 16 steps) 0.95x with 2. Everywhere else the
-    second launch and the partial sums cost more than they gave (GPT-OSS's 4-bit decode GEMMs, 360 programs:
-    1.00-1.11x; bf16 lost even with 96 programs: Qwen3 1.21x; DeepSeek-V3's INT8 gate/up GEMM at M = 1, 256
-    programs of 56 steps, 1.06x, results/ab_split_k_default_path_8bit-...log). So: 4-bit weights, or 8-bit ones
-    with K-loops of at least 96 steps; fewer than 2 programs per SM; about 4 programs per SM after the split, at
-    least 8 K-steps per range, at most 4 ranges (8-bit: 2, the most measured faster); the decode tiles measured
-    (16 and 32 rows)."""
+    A split pays only where a few programs' long dequantizing K-loops set the time; elsewhere the second launch
+    and the partial sums cost more than they give (docs/notes/kernels-log.md, "Split K for decode"). So: 4-bit
+    weights, or 8-bit ones with K-loops of at least 96 steps; decode tiles (16 and 32 rows); fewer than 2 programs
+    per SM; about 4 programs per SM after the split, at least 8 K-steps per range, at most 4 ranges (8-bit: 2)."""
     if (capability is None or weight_format is WeightFormat.FLOAT or config.block_m > 32 or programs >= 2 * sms
             or programs < 1 or (not weight_format.packed and k_steps < 96)):
         return 1
@@ -972,7 +951,7 @@ def moe_gemm(
     fitted by :func:`fit_config`.
     ``swap`` (4-bit weights; ignored for others): multiply ``W @ rows^T`` (the dequantized weight as the MMA's
     left operand, in registers); by default as ``config.swap`` says (a tuned table's choice: which orientation
-    wins depends on the tile, see docs/kernels.md, "The swapped 4-bit product in the tuned tables").
+    wins depends on the tile, see docs/notes/kernels-log.md, "The swapped 4-bit product in the tuned tables").
     ``ptx`` (4-bit operands): decode them with the packed inline-PTX conversion
     (:mod:`moeforge.kernels.dequant`); by default wherever it applies (:func:`packed_decoding`).
     ``tma``: copy the weight tiles with the tensor memory accelerator (:func:`weight_tma_applies`; it
@@ -994,10 +973,9 @@ def moe_gemm(
     both tiles take the same MMA instruction (Hopper: wgmma for 128 and 64 rows, ``mma.sync`` for 32 and 16);
     a 64-row block's 32-row half leaves wgmma for ``mma.sync``, which rounds the sums differently. Unless given,
     as ``config.half_tail`` says (a tuned table's choice). Needs ``config.block_m >= 32``. It runs one program per
-    tile: on an H200 the branch made the persistent grids' tiles 4-22 % slower
-    (results/ab_half_tail_gemms_persistent-...log), and a persistent grid with half tiles wrote wrong rows for NVFP4
-    rows against float weights (results/dbg_half_tail_persistent_nvfp4_rows-...log), so the persistent grids refuse
-    it (and the decoding path below leaves it out).
+    tile: the branch slowed the persistent grids' tiles down, and a persistent grid with half tiles wrote wrong rows
+    for NVFP4 rows against float weights on an H200 (cause not found; docs/notes/kernels-log.md, "Half-height tiles
+    for the experts' last blocks"), so the persistent grids refuse it (and the decoding path below leaves it out).
     ``decode_chunk`` (4-bit weights; ignored for others): decode that many experts' weights at a time into a
     scratch in the compute dtype (:mod:`moeforge.kernels.decode_first`), then run the float GEMM on it over those
     experts' row blocks, on a persistent grid (``grid`` ``persistent`` or ``flattened``; no split K-loop); the
@@ -1126,7 +1104,7 @@ def moe_gemm(
         raise ValueError(f"split_k must be >= 1, got {split_k}")
     # A shuffled weight's blocks of 128 rows or more wrote wrong outputs (inf, NaN, or finite and wrong) on one program
     # per tile on an H200, every run for Mixtral's GEMMs at M = 256 / 1024, never on the persistent grids
-    # (results/stress_shuffled_grids-nvidia_h200-2026-11-26-3d9aaf4.log; cause not found): they run persistent.
+    # (cause not found; docs/notes/kernels-log.md, "A miscompile fenced off"): they run persistent.
     persistent_only = weight_shuffled and config.block_m >= SHUFFLED_PERSISTENT_BLOCK_M
     if persistent_only:
         asked_split = split_k if split_k is not None else config.split_k

@@ -60,8 +60,8 @@ def pdl_applies(device: torch.device) -> bool:
 def flag(pdl: bool, release: bool = True) -> int:
     """The kernels' ``PDL`` flag for a launch with (``pdl``, :func:`applies`) or without programmatic dependent
     launch: :data:`WAIT_AND_RELEASE` (``release``) or :data:`WAIT`, else :data:`OFF`. The GEMMs do not release: their
-    dependents' programs would wait on the SMs the GEMM's last programs still compute on, and on an H100 that cost
-    up to 8 % (MXFP4 GPT-OSS at one token, ``results/ab_release-….log``)."""
+    dependents' programs would wait on the SMs the GEMM's last programs still compute on (docs/notes/kernels-log.md,
+    "Programmatic dependent launch")."""
     if not pdl:
         return OFF
     return WAIT_AND_RELEASE if release else WAIT

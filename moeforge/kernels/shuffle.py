@@ -12,8 +12,8 @@ and byte permutes to pack them for the decoding; shuffled, they are the 8 bytes 
 
 for ``g < 8`` and ``th, tl, jl < 2``, ``jh < 4``. The GEMM reads the stored tile and undoes the permutation with a
 reshape and a transpose (:func:`moeforge.kernels.dequant.unshuffle`), which the compiler turns into the loads'
-register layout, no arithmetic. Compiled for sm_90, the swapped K-loops hold 13-24 % fewer instructions
-(docs/kernels.md, "The pre-shuffled 4-bit layout"). Blocks stay inside a row and a K-range of 16 bytes, so
+register layout, no arithmetic: the swapped K-loops hold fewer instructions (docs/notes/kernels-log.md, "The
+pre-shuffled 4-bit layout"). Blocks stay inside a row and a K-range of 16 bytes, so
 the scales, the experts, the tiles' rows and K-steps index a shuffled weight as they index the plain one;
 ``N`` and ``K / 2`` must be multiples of 16 and a tile's ``block_n`` of 16 and ``block_k`` of 32.
 

@@ -221,10 +221,10 @@ def route(
 def tile(tokens: int, block_e: int) -> tuple[int, int]:
     """``(tokens per program, warps)`` for ``tokens`` rows of ``block_e`` (a power of two) logits: about a warp's
     worth of logits per warp (128: one 16-byte load per lane), at most 4 warps, and one row in one warp from 256
-    logits up (a wider tile splits rows across warps, whose reductions then go through shared memory). On an H100
-    (``results/ab_topk*-….log``) this is the best or within ~10 % of the best tile measured at every token count
-    up to 1024, 2-11x faster than 16 rows in 4 warps at 1-8 tokens. Any tile gives a token the same bits (the
-    kernel's sums do not depend on it), so it may follow the batch."""
+    logits up (a wider tile splits rows across warps, whose reductions then go through shared memory): the best
+    tile measured, or close to it, at every token count up to 1024 (docs/notes/kernels-log.md, "The routing
+    kernel"). Any tile gives a token the same bits (the kernel's sums do not depend on it), so it may follow the
+    batch."""
     if block_e >= 256:
         return 1, 1
     rows_per_warp = 128 // block_e

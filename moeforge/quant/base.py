@@ -39,8 +39,8 @@ from moeforge.stages.quantize import QuantizeTokens, quantizer_for
 
 
 # The alignment of the 4-bit methods, whose triton GEMMs decode their weights in every program: 64-row
-# blocks from 32 rows per expert, 128-row blocks from 256 (``QuantMethod.dequant_blocks``;
-# benchmarks/results/sweep_fp4-...-packed*.log).
+# blocks from 32 rows per expert, 128-row blocks from 256 (``QuantMethod.dequant_blocks``; one decoded tile
+# serves more rows: docs/kernels.md, "How a launch is planned today").
 FOUR_BIT_BLOCKS: tuple[tuple[float, int], ...] = ((32.0, 64), (256.0, 128))
 
 

@@ -24,8 +24,7 @@ and ``I % 32 == 0``), exactly as GPT-OSS stores them, so checkpoint tensors copy
 (:mod:`moeforge.kernels.shuffle`: each thread's bytes of a swapped tile next to each other; interleaved gate/up
 rows paired, their scales' rows too), prepared as the weights are written (initialised, quantized, read from a
 checkpoint or a state dict), so the GEMMs run swapped tiles with fewer instructions (docs/kernels.md, "The
-pre-shuffled 4-bit layout": on an H200 the layers took 0.83-0.96x the plain layers' time at M = 8-1024 on
-GPT-OSS's sizes, 0.82-0.92x on Mixtral's, 1.00-1.02x at M = 1). ``state_dict()``
+pre-shuffled 4-bit layout"; measured in docs/notes/kernels-log.md). ``state_dict()``
 still gives (and ``load_state_dict`` takes) the plain layout, so checkpoints are GPT-OSS's either way; the
 parameters themselves hold the shuffled bytes. Its tuned tables are its own (``table_key`` ``"mxfp4-shuffled"``).
 """

@@ -13,7 +13,7 @@ The weights are in moeforge's int4 layout (:mod:`moeforge.quant.int4_packing`):
 accepts float rows (bf16/fp16/fp32) after the dispatch and has no preferred dispatch dtype, so a layer
 dispatches in its own dtype. The torch backend's GEMM (:class:`W4A16GroupedGemm`) dequantizes one
 expert at a time to fp32 and multiplies in fp32; the triton backend's fused GEMM
-(:class:`~moeforge.stages.triton_quant.FusedQuantGroupedGemm` with ``QuantScheme.W4A16``, kernel
+(:class:`~moeforge.stages.triton_quant.FusedQuantGroupedGemm` with ``WeightFormat.INT4``, kernel
 :func:`moeforge.kernels.moe_gemm.moe_gemm`, ``WeightFormat.INT4``) unpacks and dequantizes the int4 weights in
 registers.
 

@@ -55,15 +55,13 @@ def default_quant_config(weight_format: WeightFormat, block_m: int, *, wide_n: b
                          two_accumulators: bool = False, shuffled: bool = False) -> GemmConfig:
     """A launch configuration for ``weight_format`` keeping the dispatch's ``block_m``.
 
-    Few rows per block are bound by reading the weights: narrow tiles, a deep pipeline. Many rows:
-    from a sweep on an H100 (DeepSeek-V3 gate/up, fp8 block/group scales, benchmarks/results), a
+    Few rows per block are bound by reading the weights: narrow tiles, a deep pipeline. Many rows: a
     gate/up GEMM (``two_accumulators``: gate and up tiles side by side) with per-128 K-step scales
-    spills registers beyond ``64 x 64`` tiles on 4 warps (16 TFLOP/s at 64 x 128 against 450 at
-    64 x 64), so it stays at 64 x 64, or 64 x 128 on 8 warps when ``wide_n`` (a ``block_n``
-    multiple of 128 for FP8 per-group quantization in the epilogue) asks for it; a single
-    accumulator (the down GEMM) takes 64 x 256 tiles on 8 warps (433 TFLOP/s at M=4096, 555 at
-    16384). ``shuffled`` (4-bit weights in the pre-shuffled layout): swapped tiles of 64 or 128 weight rows,
-    the ones that paid in an H200 A/B (docs/kernels.md, "The pre-shuffled 4-bit layout")."""
+    spills registers beyond ``64 x 64`` tiles on 4 warps, so it stays at 64 x 64, or 64 x 128 on 8 warps
+    when ``wide_n`` (a ``block_n`` multiple of 128 for FP8 per-group quantization in the epilogue) asks for
+    it; a single accumulator (the down GEMM) takes 64 x 256 tiles on 8 warps. ``shuffled`` (4-bit weights in
+    the pre-shuffled layout): swapped tiles of 64 or 128 weight rows. The tiles come from sweeps
+    (docs/notes/kernels-log.md, "One grouped GEMM for every weight format", "The pre-shuffled 4-bit layout")."""
     if shuffled:
         if block_m <= 32:
             return GemmConfig(block_m, 64, 128, group_m=1 if block_m <= 16 else 8, num_warps=4, num_stages=3,
@@ -73,16 +71,12 @@ def default_quant_config(weight_format: WeightFormat, block_m: int, *, wide_n: b
                               swap=True)
         return GemmConfig(block_m, 128, 64, group_m=8, num_warps=8 if block_m >= 128 else 4, num_stages=3, swap=True)
     if weight_format is WeightFormat.INT4 and block_m <= 16:
-        # Sweep on an H100 (DeepSeek-V3 gate/up, group 128): narrow 32-column tiles for 16-row blocks
-        # (620 us against 800 at 128 columns, M=8).
+        # Narrow 32-column tiles for 16-row blocks (the weights' bytes bound them).
         return GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
     if weight_format.packed:
-        # W4A16 beyond 16-row blocks, and FP4, with the packed decoding (benchmarks/sweep_fp4_tiles.py on an
-        # H100, MXFP4, 2026-11-24, results/sweep_fp4-...-packed*.log): 16-row blocks take 128 columns
-        # (GPT-OSS M=64: gate/up 550 us, down 285, against 560 / 302 at 64); larger blocks take 64
-        # columns for the gate/up GEMM (two weight tiles per step) and 128 for the down GEMM (GPT-OSS
-        # M=1024: 865 / 430 us), 4 warps, except the 128-row down GEMM, 8 (Mixtral M=4096: 2427 us
-        # against 2736 on 4).
+        # W4A16 beyond 16-row blocks, and FP4, with the packed decoding (benchmarks/sweep_fp4_tiles.py): 16-row
+        # blocks take 128 columns; larger blocks take 64 columns for the gate/up GEMM (two weight tiles per step)
+        # and 128 for the down GEMM, 4 warps, except the 128-row down GEMM, 8.
         four_bit_n = 128 if block_m <= 16 or not two_accumulators else 64
         warps = 8 if block_m >= 128 and not two_accumulators else 4
         return GemmConfig(block_m, four_bit_n, 64, group_m=1 if block_m <= 16 else 8, num_warps=warps,
@@ -332,8 +326,8 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     def _rule_config(self, block_m: int, narrow: bool) -> GemmConfig:
         """The format's configuration for ``block_m``-row blocks; ``narrow``: few experts busy at decode, where
         64-column tiles leave most SMs idle through a long, latency-bound dequantizing K-loop and narrow, deep
-        tiles make 2x the programs with half the K-steps (GPT-OSS MXFP4 at M=1: 85.7 us against 117.5; at M=8,
-        64 it is the other way round)."""
+        tiles make 2x the programs with half the K-steps (docs/notes/kernels-log.md, "One grouped GEMM for every
+        weight format")."""
         glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
         if narrow and not self.configs.batch_invariant:
             config = GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
