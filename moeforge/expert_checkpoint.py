@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 import torch
@@ -31,9 +31,6 @@ import torch
 from moeforge.errors import CheckpointError
 from moeforge.expert_naming import per_expert_projections
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
-
-if TYPE_CHECKING:
-    from moeforge.quant.base import QuantMethod
 
 
 class Part(enum.Enum):
@@ -73,7 +70,19 @@ def held_experts(layer: torch.nn.Module, local_experts: int) -> range:
     return experts
 
 
-def read_per_expert(method: QuantMethod, layer: torch.nn.Module,
+class ReadsProjections(Protocol):
+    """What :func:`read_per_expert` asks of a quant method (:class:`~moeforge.QuantMethod` has it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def expert_parameter_names(self, layer: torch.nn.Module) -> tuple[str, ...]: ...
+
+    def read_projection(self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+                        projection: Projection) -> dict[str, torch.Tensor]: ...
+
+
+def read_per_expert(method: ReadsProjections, layer: torch.nn.Module,
                     tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``layer``'s expert tensors read from per-expert projections, each through
     ``method.read_projection``; every check runs before anything is returned. Raises
@@ -113,7 +122,7 @@ def _sizes(layer: torch.nn.Module) -> tuple[int, int, ActivationConfig]:
     return hidden, inter, activation
 
 
-def _read(method: QuantMethod, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+def _read(method: ReadsProjections, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
           projection: Projection, bias: object) -> dict[str, torch.Tensor]:
     found = dict(method.read_projection(layer, tensors, projection))
     if "bias" in found:

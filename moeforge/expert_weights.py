@@ -18,6 +18,7 @@ from typing import Optional
 import attrs
 import torch
 
+from moeforge.errors import InputError
 from moeforge.kernels import shuffle
 from moeforge.spec import DType
 from moeforge.tensor_ref import LayerRef, ParamRef, TensorSource, TransposedParamRef, resolve
@@ -158,3 +159,12 @@ def read_expert_weights(holder: torch.nn.Module, names: ExpertNames, dtype: DTyp
                                  required(names.global_scale), optional(names.bias), layout.of(prefix))
 
     return ExpertWeights(projection(names.gate_up, "w13"), projection(names.down, "w2"), dtype, LayerRef(holder))
+
+
+def layer_compute_dtype(layer: torch.nn.Module) -> DType:
+    """The float dtype ``layer`` computes in (``MoELayer.dtype``): what a quantized GEMM produces."""
+    dtype = getattr(layer, "dtype", None)
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise InputError(f"{type(layer).__name__} has no float 'dtype' attribute (bf16, fp16 or fp32, as "
+                         f"MoELayer.dtype): the quantized GEMMs produce the layer's dtype; got {dtype!r}")
+    return DType.from_torch(dtype)  # type: ignore[arg-type]

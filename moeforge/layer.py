@@ -16,6 +16,7 @@ from moeforge.errors import BackendUnavailableError, CheckpointNamesError, Input
 from moeforge.expert_naming import checkpoint_names
 from moeforge.inputs import check_hidden_states, check_router_logits
 from moeforge.payloads import ExpertRows, MoEInput, MoEOutput, RoutedTokens
+from moeforge.presets import layer_arguments, settings
 from moeforge.pipeline import Pipeline
 from moeforge.quant.base import QuantMethod
 from moeforge.quant.unquantized import UnquantizedMethod
@@ -304,9 +305,7 @@ class MoELayer(nn.Module):
         num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048, n_group=8,
         topk_group=4, ...)``. Family options and any ``MoELayer`` argument go in ``kwargs``; see
         :mod:`moeforge.families`."""
-        from moeforge.families import preset
-
-        return cls(**preset(family, **kwargs))
+        return cls(**settings(family, kwargs, layer_arguments(cls)))
 
     def replace_stage(self, which: Union[int, str], stage: Stage[Any, Any]) -> None:
         """Swap one stage of this layer's pipeline (validated again) — e.g. a custom activation.

@@ -21,7 +21,10 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.errors import BackendUnavailableError, InputError
-from moeforge.expert_weights import ExpertWeights
+from moeforge.dispatch_dtype import DispatchDtype
+from moeforge.expert_weights import ExpertNames, ExpertWeights
+from moeforge.kernels.config import ConfigTable
+from moeforge.stages.activation import ActivationConfig
 from moeforge.quant.mxfp4 import EmulatedMxfp4Experts, TritonMxfp4Experts
 from moeforge.quant.nvfp4 import EmulatedNvfp4Experts, TritonNvfp4Experts
 from moeforge.quant.unquantized import TorchUnquantizedExperts, TritonUnquantizedExperts
@@ -158,8 +161,7 @@ def select(config: LayerConfig) -> Selection:
 
 def experts_for(method: Any, backend: Backend, layout: Optional[Layout] = None) -> type[Experts]:
     """The first Experts candidate that computes ``method`` (a quant method) on ``backend`` and reads ``layout``
-    rows (``None``: any), for a caller that holds rows already grouped by expert
-    (:meth:`~moeforge.QuantMethod.expert_stages`). Raises :class:`BackendUnavailableError` when none does."""
+    rows (``None``: any). Raises :class:`BackendUnavailableError` when none does."""
     found = [experts for experts in EXPERTS if experts is not MethodOwnExperts and isinstance(method, experts.method)]
     for experts in found:
         if experts.backend is backend and (layout is None or layout in experts.layouts):
@@ -169,6 +171,25 @@ def experts_for(method: Any, backend: Backend, layout: Optional[Layout] = None) 
     rows = f" on {layout.value} rows" if layout is not None else ""
     raise BackendUnavailableError(f"{type(method).__name__} has no {backend.value} experts{rows}: "
                                   + (f"use {' or '.join(runs)}" if runs else "no experts moeforge ships compute it"))
+
+
+def expert_stages(method: Any, holder: torch.nn.Module, *, backend: Backend, activation: ActivationConfig,
+                  routing_weights_in_epilogue: bool, layout: Optional[Layout] = None,
+                  configs: Optional[ConfigTable] = None, dispatch: Optional[DispatchDtype] = None,
+                  names: Optional[ExpertNames] = None) -> list[Stage[Any, Any]]:
+    """The stages from dispatched rows to expert outputs of ``method``'s experts on ``backend`` (and ``layout``
+    rows: ``None``, any) for the expert tensors ``holder`` keeps (by ``names``, default the method's own), outside a
+    layer: what a hand-built pipeline or a test composes (``configs``: the launch table the triton experts share
+    with the block-aligned dispatch)."""
+    experts = experts_for(method, backend, layout)
+    return experts.stages(method, method.expert_weights(holder, names), activation=activation,
+                          routing_weights_in_epilogue=routing_weights_in_epilogue, configs=configs, dispatch=dispatch)
+
+
+def backends_of(method: Any) -> frozenset[Backend]:
+    """The backends some Experts candidate computes ``method`` on."""
+    return frozenset(experts.backend for experts in EXPERTS
+                     if experts is not MethodOwnExperts and isinstance(method, experts.method))
 
 
 def _router(config: LayerConfig, skipped: list[tuple[str, str]]) -> type[Router]:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 import moeforge as mf
+from moeforge.selector import expert_stages as selected_stages
 from moeforge.distributed import (
     AllToAllDispatch,
     ExpertParallel,
@@ -322,7 +323,7 @@ def triton_experts_match(rank: int, world: int) -> dict[str, float]:
                                         mf.ActivationConfig()),
                        FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table)]
         else:
-            stages += parallel.quant.expert_stages(parallel, activation=parallel.activation,
+            stages += selected_stages(parallel.quant, parallel, activation=parallel.activation,
                                                    routing_weights_in_epilogue=False, backend=mf.Backend.TRITON,
                                                    configs=table, dispatch=decision)
         stages.append(dispatch.combine_stage(out_dtype=mf.DType.FP16))

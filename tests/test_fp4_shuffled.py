@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import moeforge as mf
+from moeforge.selector import expert_stages as selected_stages
 from moeforge.errors import InputError
 from moeforge.kernels import shuffle
 from moeforge.quant.base import QuantMethod
@@ -177,7 +178,7 @@ def test_stages_for_the_other_gate_up_layout_are_refused(fmt: str) -> None:
 
     layer = _layer(True, "concatenated", fmt)
     with pytest.raises(InputError, match="shuffled for concatenated gate/up rows"):
-        layer.quant.expert_stages(layer, activation=INTERLEAVED, routing_weights_in_epilogue=True,
+        selected_stages(layer.quant, layer, activation=INTERLEAVED, routing_weights_in_epilogue=True,
                                   backend=mf.Backend.TRITON, configs=ConfigTable(E, K))
 
 

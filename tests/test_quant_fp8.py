@@ -32,6 +32,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moeforge as mf
+from moeforge.selector import expert_stages as selected_stages
 from moeforge.payloads import ExpertRows, PaddedRows, SortedRows
 from moeforge.quant.fp8 import ActivationScales, Fp8W8A8Method, WeightScales
 from moeforge.quant.int8 import Int8W8A8Method
@@ -512,11 +513,11 @@ def test_expert_stages() -> None:
         assert stages[0].quantizer == mf.PerGroupQuantizer()
     from moeforge.kernels.config import ConfigTable
 
-    triton = method.expert_stages(holder, backend=mf.Backend.TRITON, configs=ConfigTable(4, 2), **kwargs)
+    triton = selected_stages(method, holder, backend=mf.Backend.TRITON, configs=ConfigTable(4, 2), **kwargs)
     assert [type(stage).__name__ for stage in triton] == ["QuantizeAligned", "FusedQuantGroupedGemm",
                                                           "FusedQuantGroupedGemm"]
     with pytest.raises(ValueError, match="ConfigTable"):
-        method.expert_stages(holder, backend=mf.Backend.TRITON, **kwargs)
+        selected_stages(method, holder, backend=mf.Backend.TRITON, **kwargs)
 
 
 def test_gemm_stage_rejects_bad_weights() -> None:

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moeforge as mf
+from moeforge.selector import expert_stages as selected_stages
 from moeforge.payloads import SortedRows
 from moeforge.quant.int8 import Int8W8A8Method
 from moeforge.quant.w8a8 import W8A8GroupedGemm, W8A8Method, dequantize_weight, quantize_weight_per_channel
@@ -139,7 +140,7 @@ def test_stages_and_contracts() -> None:
         method.quantize_stage(mf.DispatchDtype.FP8, mf.DType.BF16)
     from moeforge.kernels.config import ConfigTable
 
-    triton = method.expert_stages(layer, activation=mf.ActivationConfig(), routing_weights_in_epilogue=False,
+    triton = selected_stages(method, layer, activation=mf.ActivationConfig(), routing_weights_in_epilogue=False,
                                   backend=mf.Backend.TRITON, configs=ConfigTable(4, 2),
                                   dispatch=mf.DispatchDtype.INT8)
     assert [type(stage).__name__ for stage in triton] == ["FusedQuantGroupedGemm", "FusedQuantGroupedGemm"]

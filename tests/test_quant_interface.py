@@ -415,3 +415,21 @@ def test_a_quant_method_without_fp8_gemms_cannot_take_fp8_dispatch() -> None:
     assert info.value.field == "dtype"
     assert "rule 3: quant method" in info.value.producer
     assert "Broken" in info.value.consumer
+
+
+def test_a_method_builds_its_reference_stages_and_leaves_other_backends_to_the_selector() -> None:
+    """QuantMethod.expert_stages is the method's reference (torch) computation; a faster backend's stages are the
+    selector's choice (moeforge.selector.expert_stages), not a second selector inside the method."""
+    from moeforge.errors import BackendUnavailableError
+    from moeforge.selector import expert_stages
+
+    layer = mf.MoELayer(4, 2, 32, 16, quant=mf.Fp8W8A8Method(), backend="torch", environ={})
+    stages = layer.quant.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False)
+    assert [type(stage).__name__ for stage in stages] == ["QuantizeRows", "W8A8GroupedGemm", "ActivateQuantize",
+                                                          "W8A8GroupedGemm"]
+    with pytest.raises(BackendUnavailableError, match="moeforge.selector.expert_stages"):
+        layer.quant.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
+                                  backend=mf.Backend.TRITON)
+    same = expert_stages(layer.quant, layer, backend=mf.Backend.TORCH, activation=layer.activation,
+                         routing_weights_in_epilogue=False)
+    assert [type(stage) for stage in same] == [type(stage) for stage in stages]

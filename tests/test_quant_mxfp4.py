@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moeforge as mf
+from moeforge.selector import expert_stages as selected_stages
 from moeforge.errors import BackendUnavailableError, CheckpointError
 from moeforge.payloads import ExpertRows, PaddedRows, SortedRows
 from moeforge.quant.fp4 import MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
@@ -192,7 +193,7 @@ def test_the_triton_experts_are_the_mxfp4_kernel() -> None:
     from moeforge.stages.triton_quant import FusedQuantGroupedGemm
 
     layer = _layer()
-    stages = Mxfp4Method().expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=True,
+    stages = selected_stages(Mxfp4Method(), layer, activation=layer.activation, routing_weights_in_epilogue=True,
                                          backend=mf.Backend.TRITON, configs=ConfigTable(E, K))
     assert [type(s) for s in stages] == [FusedQuantGroupedGemm, FusedQuantGroupedGemm]
     assert all(isinstance(s, FusedQuantGroupedGemm) and s.weight_format is WeightFormat.MXFP4 for s in stages)

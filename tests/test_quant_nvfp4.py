@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moeforge as mf
+from moeforge.selector import expert_stages as selected_stages
 from moeforge.dispatch_dtype import DeviceDispatchSupport
 from moeforge.errors import BackendUnavailableError, CheckpointError, DispatchDtypeError
 from moeforge.payloads import ExpertRows, PaddedRows, SortedRows
@@ -303,14 +304,14 @@ def test_the_triton_experts_are_the_nvfp4_kernel() -> None:
 
     layer = _layer()
     for method, dispatch in ((Nvfp4Method(), None), (Nvfp4Method(G), DispatchDtype.NVFP4)):
-        stages = method.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
+        stages = selected_stages(method, layer, activation=layer.activation, routing_weights_in_epilogue=False,
                                       backend=mf.Backend.TRITON, configs=ConfigTable(E, K), dispatch=dispatch)
         assert all(isinstance(s, FusedQuantGroupedGemm) and s.weight_format is WeightFormat.NVFP4 for s in stages)
         first = stages[0]
         assert isinstance(first, FusedQuantGroupedGemm)
         assert first.input_global_scale == (G if dispatch is not None else None)
     with pytest.raises(mf.ContractError, match="input_global_scale"):
-        Nvfp4Method().expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
+        selected_stages(Nvfp4Method(), layer, activation=layer.activation, routing_weights_in_epilogue=False,
                                     backend=mf.Backend.TRITON, configs=ConfigTable(E, K),
                                     dispatch=DispatchDtype.NVFP4)
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import moeforge as mf
+from moeforge.selector import expert_stages as selected_stages
 
 pytest.importorskip("triton")
 
@@ -57,7 +58,7 @@ def _triton_pipeline(layer: mf.MoELayer, table: Any = None) -> mf.Pipeline:  # t
         quantize = TritonQuantizeTokens(quantize.quantizer)
     stages += [quantize] if quantize is not None else []
     stages.append(AlignDispatch(E, table))
-    stages += layer.quant.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
+    stages += selected_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
                                         backend=mf.Backend.TRITON, configs=table, dispatch=dispatch)
     stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.FP16))
     return mf.Pipeline(stages, mf.input_spec(layer.hidden_size, torch.float16, E), debug=True)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import moeforge as mf
+from moeforge.selector import expert_stages as selected_stages
 from moeforge.payloads import ExpertRows, PaddedRows, SortedRows
 from moeforge.quant.int4_packing import pack_int4
 from moeforge.quant.w4a16 import W4A16GroupedGemm, W4A16Method, quantize_int4
@@ -350,11 +351,11 @@ def test_triton_expert_stages_are_the_fused_int4_kernels() -> None:
     from moeforge.kernels.config import ConfigTable
 
     layer = build(32)
-    stages = layer.quant.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
+    stages = selected_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
                                        backend=mf.Backend.TRITON, configs=ConfigTable(layer.num_experts, layer.top_k))
     assert [type(stage).__name__ for stage in stages] == ["FusedQuantGroupedGemm", "FusedQuantGroupedGemm"]
     with pytest.raises(ValueError, match="ConfigTable"):
-        layer.quant.expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
+        selected_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
                                   backend=mf.Backend.TRITON)
 
 

@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import moeforge as mf
+from moeforge.selector import expert_stages as selected_stages
 from moeforge.errors import BackendUnavailableError, CheckpointError
 from moeforge.payloads import ExpertRows, PaddedRows, SortedRows
 from moeforge.quant.w4a4_npu import (
@@ -247,7 +248,7 @@ def test_the_process_default_is_ignored_for_this_layer() -> None:
 def test_the_triton_backend_is_unavailable() -> None:
     layer = _layer()
     with pytest.raises(BackendUnavailableError, match="backend='torch'"):
-        W4A4NpuMethod().expert_stages(layer, activation=layer.activation, routing_weights_in_epilogue=False,
+        selected_stages(W4A4NpuMethod(), layer, activation=layer.activation, routing_weights_in_epilogue=False,
                                       backend=mf.Backend.TRITON)
 
 

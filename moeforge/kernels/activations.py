@@ -13,7 +13,7 @@ from typing import Optional
 import triton
 import triton.language as tl
 
-from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout
+from moeforge.activation import ActivationConfig, ActivationKind, GateUpLayout
 
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_GPT_OSS = 0, 1, 2, 3, 4, 5
 

@@ -34,7 +34,7 @@ import triton.language as tl
 from moeforge.errors import InputError
 from moeforge.kernels import activations as codes
 from moeforge.kernels.formats import WeightFormat
-from moeforge.stages.activation import apply_activation
+from moeforge.activation import apply_activation
 
 
 # -- expert weight gradient ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from moeforge.errors import InputError
 from moeforge.kernels import pdl
-from moeforge.stages.topk import GroupScore, RoutingConfig, Scoring, ScoreOrder
+from moeforge.routing import GroupScore, RoutingConfig, Scoring, ScoreOrder
 
 
 @triton.jit

@@ -25,8 +25,8 @@ import torch
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.expert_checkpoint import Projection
-from moeforge.expert_weights import ExpertNames, ExpertWeights, read_expert_weights
+from moeforge.expert_checkpoint import Projection, read_per_expert
+from moeforge.expert_weights import ExpertNames, ExpertWeights, layer_compute_dtype, read_expert_weights
 from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.kernels.formats import WeightFormat
@@ -35,6 +35,7 @@ from moeforge.payloads import MoEOutput, RoutedTokens
 from moeforge.spec import DType, GroupListType, Layout, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
+from moeforge.quant.expert_grouped import apply_expert_stages
 from moeforge.stages.quantize import QuantizeTokens, quantizer_for
 
 
@@ -186,8 +187,6 @@ class QuantMethod(abc.ABC):
         :meth:`read_projection` for each projection. A method whose checkpoints store the experts
         otherwise (GPT-OSS's fused MXFP4 tensors) overrides this instead.
         """
-        from moeforge.expert_checkpoint import read_per_expert
-
         return read_per_expert(self, layer, tensors)
 
     def read_projection(self, layer: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
@@ -238,12 +237,16 @@ class QuantMethod(abc.ABC):
         quantizer = quantizer_for(dispatch, compute)
         return QuantizeTokens(quantizer) if quantizer is not None else None
 
-    @property
-    def backends(self) -> frozenset[Backend]:
-        """The backends this method's experts run on (the :mod:`moeforge.selector` candidates for it)."""
-        from moeforge.selector import EXPERTS
+    def reference_experts(self) -> Optional[type[Any]]:
+        """The torch :class:`~moeforge.roles.Experts` implementation that is this method's reference computation
+        (the stages :meth:`expert_stages` builds; ``apply_without_routing_weights`` runs them), or ``None`` for a
+        method without one (it overrides :meth:`expert_stages`, or :meth:`apply_without_routing_weights`)."""
+        return None
 
-        return frozenset(experts.backend for experts in EXPERTS if isinstance(self, experts.method))
+    def builds_own_stages(self) -> bool:
+        """Whether the method overrides :meth:`expert_stages` (a method written outside moeforge that builds its
+        own stages: the selector then runs those, :class:`~moeforge.roles.MethodOwnExperts`)."""
+        return type(self).expert_stages is not QuantMethod.expert_stages
 
     def expert_stages(
         self,
@@ -254,24 +257,29 @@ class QuantMethod(abc.ABC):
         backend: Backend = Backend.TORCH,
         configs: Optional[ConfigTable] = None,
         dispatch: Optional[DispatchDtype] = None,
-        layout: Optional[Layout] = None,
     ) -> list[Stage[Any, Any]]:
-        """The stages from dispatched rows to expert outputs (typically GEMM, activation, GEMM) of ``layer``'s
-        experts on ``backend``: those of the :class:`~moeforge.roles.Experts` implementation the selector
-        picks for this method, backend and row ``layout`` (:func:`moeforge.selector.experts_for`; ``None``: any
-        layout), built from :meth:`expert_weights`. ``configs`` are the triton launch configurations shared with
-        the dispatch. ``dispatch`` is the resolved dispatch dtype (``None``: the layer's float dtype): a method
-        that computes in a quantized format but receives float rows starts with its own ``QuantizeRows``
-        (quantize after dispatch). A method without experts there raises :class:`BackendUnavailableError`.
+        """The method's reference stages from dispatched rows (sorted or padded by expert) to expert outputs
+        (typically GEMM, activation, GEMM) on ``layer``'s expert tensors: those of :meth:`reference_experts`,
+        built from :meth:`expert_weights`. ``dispatch`` is the resolved dispatch dtype (``None``: the layer's
+        float dtype): a method that computes in a quantized format but receives float rows starts with its own
+        ``QuantizeRows`` (quantize after dispatch). ``configs`` is for an override that builds triton stages.
 
-        A method written outside moeforge may override this to build its own stages (the selector then
-        runs them on the torch backend, :class:`~moeforge.roles.MethodOwnExperts`)."""
-        from moeforge.selector import experts_for
-
-        experts = experts_for(self, backend, layout)
-        return experts.stages(self, self.expert_weights(layer), activation=activation,
-                              routing_weights_in_epilogue=routing_weights_in_epilogue, configs=configs,
-                              dispatch=dispatch)
+        The stages of a faster implementation are the selector's choice, not the method's:
+        :func:`moeforge.selector.expert_stages` (``backend=`` other than torch here raises
+        :class:`BackendUnavailableError` saying so). A method written outside moeforge may override this to
+        build its own stages (the selector then runs them on the torch backend)."""
+        if backend is not Backend.TORCH:
+            raise BackendUnavailableError(
+                f"{self.name}.expert_stages builds the method's reference (torch) stages; the {backend.value} "
+                f"experts are the selector's: moeforge.selector.expert_stages(method, layer, backend=...)")
+        experts = self.reference_experts()
+        if experts is None:
+            raise BackendUnavailableError(f"{self.name} has no reference experts: override expert_stages (or "
+                                          "apply_without_routing_weights) to compute it")
+        stages: list[Stage[Any, Any]] = experts.stages(
+            self, self.expert_weights(layer), activation=activation,
+            routing_weights_in_epilogue=routing_weights_in_epilogue, configs=configs, dispatch=dispatch)
+        return stages
 
     def apply_without_routing_weights(
         self,
@@ -298,19 +306,8 @@ class QuantMethod(abc.ABC):
         (:func:`moeforge.quant.expert_grouped.apply_expert_stages`), so it computes what the layer's
         forward computes. Override it only for a fused kernel of the method's own (W4A4 on NPUs).
         """
-        from moeforge.quant.expert_grouped import apply_expert_stages
-
         return apply_expert_stages(self, layer, hidden_states, hidden_states_scale, group_list_type, group_list,
                                    output_dtype)
-
-
-def layer_compute_dtype(layer: torch.nn.Module) -> DType:
-    """The float dtype ``layer`` computes in (``MoELayer.dtype``): what a quantized GEMM produces."""
-    dtype = getattr(layer, "dtype", None)
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise InputError(f"{type(layer).__name__} has no float 'dtype' attribute (bf16, fp16 or fp32, as "
-                         f"MoELayer.dtype): the quantized GEMMs produce the layer's dtype; got {dtype!r}")
-    return DType.from_torch(dtype)  # type: ignore[arg-type]
 
 
 def expert_shapes(num_experts: int, hidden_size: int, intermediate_size: int,
@@ -328,50 +325,3 @@ def register_expert_biases(layer: torch.nn.Module, shapes: dict[str, tuple[int, 
     for prefix, (experts, rows, _) in shapes.items():
         value = torch.nn.Parameter(torch.zeros(experts, rows, dtype=dtype, device=device)) if bias else None
         layer.register_parameter(f"{prefix}_bias", value)
-
-
-def group_list_type_arg(value: object) -> GroupListType:
-    """:meth:`GroupListType.parse`, raising :class:`InputError` (the argument error of the apply paths)."""
-    try:
-        return GroupListType.parse(value)
-    except ValueError as error:
-        raise InputError(str(error)) from None
-
-
-def check_expert_groups(
-    hidden_states: torch.Tensor,
-    group_list_type: Union[GroupListType, int],
-    group_list: torch.Tensor,
-    num_experts: int,
-    width: int,
-) -> Optional[torch.Tensor]:
-    """Check the expert-grouped arguments of ``apply_without_routing_weights`` (``width``: the last
-    dimension ``hidden_states`` must have); return the per-expert row counts (int64) of sorted rows
-    ``[R, width]``, or ``None`` for padded rows ``[E, C, width]``. Raises :class:`InputError`."""
-    kind = group_list_type_arg(group_list_type)
-    if not isinstance(group_list, torch.Tensor) or group_list.dim() != 1 or group_list.shape[0] != num_experts:
-        shape = tuple(group_list.shape) if isinstance(group_list, torch.Tensor) else type(group_list).__name__
-        raise InputError(f"group_list must be [num_experts={num_experts}], got {shape}")
-    if hidden_states.dim() not in (2, 3):
-        raise InputError(f"hidden_states must be [R, W] or [E, C, W], got {tuple(hidden_states.shape)}")
-    # Check against the weights here: a mismatch would otherwise surface as a matmul shape error.
-    if hidden_states.shape[-1] != width or (hidden_states.dim() == 3 and hidden_states.shape[0] != num_experts):
-        want = f"[R, {width}] or [{num_experts}, C, {width}]"
-        raise InputError(f"hidden_states must be {want} to match the expert weights, got "
-                         f"{tuple(hidden_states.shape)}")
-    if hidden_states.dim() == 3:
-        if kind is not GroupListType.COUNT:
-            raise InputError("padded hidden_states [E, C, W] need group_list_type=1 (counts)")
-        return None
-    counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
-        group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
-    if torch.compiler.is_compiling():
-        # The counts are data: the compiled graph checks them when it runs (reading them here would break it).
-        torch._assert_async((counts >= 0).all() & (counts.sum() == hidden_states.shape[0]),
-                            "group_list does not cover hidden_states' rows with non-negative counts")
-        return counts
-    if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
-        raise InputError(
-            f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "
-            f"{counts.tolist()}; hidden_states has {hidden_states.shape[0]} rows")
-    return counts

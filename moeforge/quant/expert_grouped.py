@@ -17,7 +17,7 @@ quantizer produces. Every bad argument is an :class:`~moeforge.errors.InputError
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import attrs
 import torch
@@ -27,7 +27,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import ContractError, InputError
 from moeforge.payloads import Activations, ExpertRows, PaddedRows, Plan, SortedRows, scale_dtype, scale_shape
 from moeforge.pipeline import validate
-from moeforge.quant.base import QuantMethod, check_expert_groups, layer_compute_dtype
+from moeforge.expert_weights import layer_compute_dtype
 from moeforge.spec import (
     DType,
     ExpertIds,
@@ -43,6 +43,24 @@ from moeforge.stage import Stage, StageKind
 _FLOAT_DISPATCH = {DispatchDtype.BF16, DispatchDtype.FP16, DispatchDtype.FP32}
 
 
+class GroupedMethod(Protocol):
+    """What :func:`apply_expert_stages` asks of a quant method (:class:`~moeforge.QuantMethod` has it all)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def accepts(self) -> frozenset[DType]: ...
+
+    def quantize_stage(self, dispatch: DispatchDtype, compute: DType) -> Optional[Stage[Any, Any]]: ...
+
+    def expert_stages(self, layer: torch.nn.Module, *, activation: Any, routing_weights_in_epilogue: bool,
+                      backend: Backend = ..., configs: Any = ..., dispatch: Optional[DispatchDtype] = ...
+                      ) -> list[Stage[Any, Any]]: ...
+
+    def without_backward(self, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor: ...
+
+
 class CallerCombines(Plan):
     """The plan of rows that arrived grouped by expert: their caller holds the way back."""
 
@@ -55,7 +73,7 @@ class CallerCombines(Plan):
 
 
 def apply_expert_stages(
-    method: QuantMethod,
+    method: GroupedMethod,
     layer: torch.nn.Module,
     hidden_states: torch.Tensor,
     hidden_states_scale: Optional[torch.Tensor],
@@ -106,7 +124,7 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _rows_format(method: QuantMethod, layer: torch.nn.Module, hidden_states: torch.Tensor,
+def _rows_format(method: GroupedMethod, layer: torch.nn.Module, hidden_states: torch.Tensor,
                  scale: Optional[torch.Tensor]) -> tuple[DispatchDtype, Spec]:
     """The dispatch format of the rows (what the expert stages are built for) and their spec."""
     floats = {d for d in _FLOAT_DISPATCH if d.activation_dtype in method.accepts}
@@ -161,7 +179,7 @@ def _name(dtype: torch.dtype) -> str:
     return "fp32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
 
 
-def _expert_input(stages: list[Stage[Any, Any]], method: QuantMethod) -> tuple[int, int]:
+def _expert_input(stages: list[Stage[Any, Any]], method: GroupedMethod) -> tuple[int, int]:
     """Local experts and input width of the first GEMM among ``stages``."""
     gemm = next((stage for stage in stages if StageKind.GEMM in stage.kinds), None)
     accepts = gemm.accepts() if gemm is not None else None
@@ -183,3 +201,50 @@ def _with_out_dtype(stage: Stage[Any, Any], dtype: torch.dtype) -> Stage[Any, An
     if attrs.has(kind) and "out_dtype" in attrs.fields_dict(kind):  # type: ignore[arg-type]
         return attrs.evolve(stage, out_dtype=DType.from_torch(dtype))  # type: ignore[misc]
     return stage
+
+
+def group_list_type_arg(value: object) -> GroupListType:
+    """:meth:`GroupListType.parse`, raising :class:`InputError` (the argument error of the apply paths)."""
+    try:
+        return GroupListType.parse(value)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def check_expert_groups(
+    hidden_states: torch.Tensor,
+    group_list_type: Union[GroupListType, int],
+    group_list: torch.Tensor,
+    num_experts: int,
+    width: int,
+) -> Optional[torch.Tensor]:
+    """Check the expert-grouped arguments of ``apply_without_routing_weights`` (``width``: the last
+    dimension ``hidden_states`` must have); return the per-expert row counts (int64) of sorted rows
+    ``[R, width]``, or ``None`` for padded rows ``[E, C, width]``. Raises :class:`InputError`."""
+    kind = group_list_type_arg(group_list_type)
+    if not isinstance(group_list, torch.Tensor) or group_list.dim() != 1 or group_list.shape[0] != num_experts:
+        shape = tuple(group_list.shape) if isinstance(group_list, torch.Tensor) else type(group_list).__name__
+        raise InputError(f"group_list must be [num_experts={num_experts}], got {shape}")
+    if hidden_states.dim() not in (2, 3):
+        raise InputError(f"hidden_states must be [R, W] or [E, C, W], got {tuple(hidden_states.shape)}")
+    # Check against the weights here: a mismatch would otherwise surface as a matmul shape error.
+    if hidden_states.shape[-1] != width or (hidden_states.dim() == 3 and hidden_states.shape[0] != num_experts):
+        want = f"[R, {width}] or [{num_experts}, C, {width}]"
+        raise InputError(f"hidden_states must be {want} to match the expert weights, got "
+                         f"{tuple(hidden_states.shape)}")
+    if hidden_states.dim() == 3:
+        if kind is not GroupListType.COUNT:
+            raise InputError("padded hidden_states [E, C, W] need group_list_type=1 (counts)")
+        return None
+    counts = group_list.long() if kind is GroupListType.COUNT else torch.diff(
+        group_list.long(), prepend=group_list.new_zeros(1, dtype=torch.long))
+    if torch.compiler.is_compiling():
+        # The counts are data: the compiled graph checks them when it runs (reading them here would break it).
+        torch._assert_async((counts >= 0).all() & (counts.sum() == hidden_states.shape[0]),
+                            "group_list does not cover hidden_states' rows with non-negative counts")
+        return counts
+    if bool((counts < 0).any()) or int(counts.sum()) != hidden_states.shape[0]:
+        raise InputError(
+            f"group_list ({kind.name.lower()}) covers {int(counts.sum())} rows with counts "
+            f"{counts.tolist()}; hidden_states has {hidden_states.shape[0]} rows")
+    return counts

@@ -41,13 +41,12 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.expert_checkpoint import held_experts
-from moeforge.expert_weights import ExpertNames, ExpertWeights, ProjectionWeights
+from moeforge.expert_weights import layer_compute_dtype, ExpertNames, ExpertWeights, ProjectionWeights
 from moeforge.kernels.formats import WeightFormat
 from moeforge.quant.base import (
     FOUR_BIT_BLOCKS,
     QuantMethod,
     expert_shapes,
-    layer_compute_dtype,
     register_expert_biases,
 )
 from moeforge.quant.fp4 import MXFP4_BLOCK, MxScaleRounding, dequantize_mxfp4, quantize_mxfp4
@@ -114,6 +113,10 @@ class Mxfp4Method(QuantMethod):
     expert_parameters: ClassVar[tuple[str, ...]] = (W13_BLOCKS, W13_SCALES, W2_BLOCKS, W2_SCALES, B13, B2)
     tensor_names: ClassVar[ExpertNames] = ExpertNames.of("{}_blocks", scale="{}_scales")
     weight_format: ClassVar[Optional[WeightFormat]] = WeightFormat.MXFP4
+
+    def reference_experts(self) -> Optional[type[Any]]:
+        """:class:`EmulatedMxfp4Experts`: the method's reference computation."""
+        return EmulatedMxfp4Experts
 
     def __init__(self, *, shuffled: bool = False) -> None:
         self.shuffled = shuffled

@@ -63,14 +63,13 @@ from typing_extensions import Protocol
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.expert_weights import ExpertNames, ExpertWeights, ProjectionWeights
+from moeforge.expert_weights import layer_compute_dtype, ExpertNames, ExpertWeights, ProjectionWeights
 from moeforge.kernels.formats import WeightFormat
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.quant.base import (
     FOUR_BIT_BLOCKS,
     QuantMethod,
     expert_shapes,
-    layer_compute_dtype,
     register_expert_biases,
 )
 from moeforge.quant.fp4 import (
@@ -271,6 +270,10 @@ class Nvfp4Method(QuantMethod):
     tensor_names: ClassVar[ExpertNames] = ExpertNames.of("{}_weight", scale="{}_weight_scale",
                                                          global_scale="{}_weight_global_scale")
     weight_format: ClassVar[Optional[WeightFormat]] = WeightFormat.NVFP4
+
+    def reference_experts(self) -> Optional[type[Any]]:
+        """:class:`EmulatedNvfp4Experts`: the method's reference computation."""
+        return EmulatedNvfp4Experts
 
     def __init__(self, input_global_scale: Optional[float] = None, *, shuffled: bool = False) -> None:
         self.input_global_scale = (None if input_global_scale is None

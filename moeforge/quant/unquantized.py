@@ -37,6 +37,10 @@ class UnquantizedMethod(QuantMethod):
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = (W13, W2, B13, B2)
     weight_format: ClassVar[Optional[WeightFormat]] = WeightFormat.FLOAT
 
+    def reference_experts(self) -> Optional[type[Any]]:
+        """:class:`TorchUnquantizedExperts`: the method's reference computation."""
+        return TorchUnquantizedExperts
+
     def create_weights(
         self,
         layer: torch.nn.Module,

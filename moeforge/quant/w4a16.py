@@ -214,6 +214,10 @@ class W4A16Method(QuantMethod):
     weight_format: ClassVar[Optional[WeightFormat]] = WeightFormat.INT4
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = (W13_S, W2_S, B13, B2)  # scales in the compute dtype
 
+    def reference_experts(self) -> Optional[type[Any]]:
+        """:class:`TorchW4A16Experts`: the method's reference computation."""
+        return TorchW4A16Experts
+
     def __init__(self, group_size: int = 128, zero_points: bool = True,
                  checkpoint_format: Union[CheckpointFormat, str] = CheckpointFormat.GPTQ) -> None:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in GROUP_SIZES:

@@ -39,7 +39,8 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, ExpertRows, MoEOutput, PaddedRows, RoutedTokens, SortedRows
-from moeforge.quant.base import QuantMethod, check_expert_groups, expert_shapes, register_expert_biases
+from moeforge.quant.base import QuantMethod, expert_shapes, register_expert_biases
+from moeforge.quant.expert_grouped import check_expert_groups
 from moeforge.quant.nvfp4 import optional_tensor
 from moeforge.roles.base import TorchExperts
 from moeforge.spec import (
@@ -262,6 +263,10 @@ class W4A4NpuMethod(QuantMethod):
     expert_parameters: ClassVar[tuple[str, ...]] = (W13, W13_SCALE, W2, W2_SCALE, B13, B2)
     tensor_names: ClassVar[ExpertNames] = ExpertNames.of("{}_weight", scale="{}_weight_scale")
     offers_fused_ep: ClassVar[bool] = True
+
+    def reference_experts(self) -> Optional[type[Any]]:
+        """:class:`W4A4NpuExperts`: the method's reference computation."""
+        return W4A4NpuExperts
 
     def __repr__(self) -> str:
         return "W4A4NpuMethod()"

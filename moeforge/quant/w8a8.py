@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import copy
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Protocol, TypeVar, Union, cast
 
 import attrs
 import torch
@@ -40,8 +40,21 @@ from moeforge.stages.gemm import DecodedExperts, GemmRole, expert_gemm_accepts, 
 from moeforge.stages.quantize import PerTokenQuantizer, Quantizer, QuantizeRows, QuantizeTokens
 from moeforge.tensor_ref import TensorSource, resolve
 
-if TYPE_CHECKING:
-    from moeforge.layer import MoELayer
+class QuantizableLayer(Protocol):
+    """What :func:`quantize_layer` reads of a layer (:class:`~moeforge.MoELayer` has it: the quant methods sit
+    below the layer)."""
+
+    quant: QuantMethod
+    activation: ActivationConfig
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: torch.dtype
+
+    def process_weights_after_loading(self) -> None: ...
+
+
+Layer = TypeVar("Layer", bound=torch.nn.Module)  # a QuantizableLayer
 
 W13, W2 = "w13_weight", "w2_weight"
 S13, S2 = "w13_weight_scale", "w2_weight_scale"
@@ -218,6 +231,10 @@ class W8A8Method(QuantMethod):
     # 128-row blocks spill the gate/up kernel's registers (two accumulators, per-K-step scales).
     max_block_m: ClassVar[Optional[int]] = 64
     weight_dtype: ClassVar[DType]
+
+    def reference_experts(self) -> Optional[type[Any]]:
+        """:class:`TorchW8A8Experts`: the method's reference computation."""
+        return TorchW8A8Experts
 
     @property
     @abc.abstractmethod
@@ -415,31 +432,32 @@ def _scale(projection: ProjectionWeights) -> TensorSource:
     return projection.scale
 
 
-def quantize_layer(layer: MoELayer, method: W8A8Method) -> MoELayer:
+def quantize_layer(layer: Layer, method: W8A8Method) -> Layer:
     """A copy of the unquantized ``layer`` whose experts use ``method``, quantized from its float weights
     (router, selection bias, shared experts and expert biases copied as they are); ``layer`` is left
     unchanged. The copy keeps the layer's settings and replaced stages, and rebuilds its pipeline (the
     dispatch dtype is decided again, now for ``method``)."""
+    source = cast(QuantizableLayer, layer)
     w13, w2 = getattr(layer, W13, None), getattr(layer, W2, None)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or not w13.is_floating_point() \
             or w13.dtype == torch.float8_e4m3fn:
-        raise InputError(f"quantize_layer needs a layer with float expert weights; this one uses {layer.quant.name}")
+        raise InputError(f"quantize_layer needs a layer with float expert weights; this one uses {source.quant.name}")
     quantized = copy.deepcopy(layer)
     biases = {name: getattr(layer, name, None) for name in (B13, B2)}
     for name in (W13, W2, B13, B2):
         if hasattr(quantized, name):
             delattr(quantized, name)
-    quantized.quant = method
-    gated = layer.activation.gated
-    method.create_weights(quantized, num_experts=layer.num_experts, hidden_size=layer.hidden_size,
-                          intermediate_size=layer.intermediate_size, gated=gated,
-                          bias=biases[B13] is not None, dtype=layer.dtype, device=w13.device)
+    cast(QuantizableLayer, quantized).quant = method
+    gated = source.activation.gated
+    method.create_weights(quantized, num_experts=source.num_experts, hidden_size=source.hidden_size,
+                          intermediate_size=source.intermediate_size, gated=gated,
+                          bias=biases[B13] is not None, dtype=source.dtype, device=w13.device)
     method.quantize_weights(quantized, w13, w2)
     with torch.no_grad():
         for name, bias in biases.items():
             if bias is not None:
                 getattr(quantized, name).copy_(bias)
-    quantized.process_weights_after_loading()
+    cast(QuantizableLayer, quantized).process_weights_after_loading()
     return quantized
 
 

@@ -168,9 +168,7 @@ class Experts(Role):
     def supports(cls, config: LayerConfig) -> Optional[str]:
         if not isinstance(config.quant, cls.method):
             return f"it computes {cls.method.__name__}'s weights"
-        from moeforge.quant.base import QuantMethod
-
-        if type(config.quant).expert_stages is not QuantMethod.expert_stages:
+        if config.quant.builds_own_stages():
             return "the quant method builds its own expert stages (it overrides expert_stages)"
         if cls.backend is Backend.TRITON:
             problem = config.triton_problem()
@@ -270,9 +268,7 @@ class MethodOwnExperts(TorchExperts):
 
     @classmethod
     def supports(cls, config: LayerConfig) -> Optional[str]:
-        from moeforge.quant.base import QuantMethod
-
-        if type(config.quant).expert_stages is QuantMethod.expert_stages:
+        if not config.quant.builds_own_stages():
             return "the quant method builds no expert stages of its own"
         return None
 
