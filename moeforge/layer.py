@@ -21,7 +21,7 @@ from moeforge.pipeline import Pipeline
 from moeforge.quant.base import QuantMethod
 from moeforge.quant.unquantized import UnquantizedMethod
 from moeforge.replaced_stages import ReplacedStage, record
-from moeforge.roles.base import LayerConfig
+from moeforge.roles.base import Dispatcher, LayerConfig
 from moeforge.selector import select
 from moeforge.shared_experts import Linear, SharedExperts, SharedExpertsConfig
 from moeforge.spec import DType, RoutingWeights, accumulation_dtype, input_spec
@@ -29,7 +29,7 @@ from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
 from moeforge.stages.topk import RoutingConfig
 
-DispatcherChoice = Union[str, Stage[RoutedTokens, ExpertRows]]
+DispatcherChoice = Union[str, Stage[RoutedTokens, ExpertRows], Dispatcher]
 
 
 class MoELayer(nn.Module):
@@ -45,7 +45,8 @@ class MoELayer(nn.Module):
         dispatcher: ``"auto"`` (block-aligned on the triton backend, expert-sorted on torch),
             ``"sorted"`` (expert-sorted rows), ``"padded"`` (``[E, capacity, H]``), ``"aligned"``
             (triton only), ``"fused_ep"`` (the quant method's fused dispatch -> combine stage; a
-            ``ContractError`` for a method that offers none) or a dispatch stage instance.
+            ``ContractError`` for a method that offers none), a dispatch stage instance, or an instance of a
+            :class:`~moeforge.roles.Dispatcher` with settings of its own (its fields).
         dispatch_dtype: ``"auto"`` or a :class:`~moeforge.DispatchDtype` / name; resolved once by
             :func:`~moeforge.resolve_dispatch_dtype` (see ``describe()`` for the deciding rule).
         shared_experts: a :class:`~moeforge.SharedExpertsConfig`, or ``None``.

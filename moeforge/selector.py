@@ -219,7 +219,8 @@ def _backend_problem(backend: Backend, config: LayerConfig) -> Optional[str]:
 
 
 def _asked(config: LayerConfig) -> str:
-    return config.dispatcher.name if isinstance(config.dispatcher, Stage) else str(config.dispatcher)
+    asked = config.dispatcher
+    return asked.name if isinstance(asked, Stage) else repr(asked) if isinstance(asked, Dispatcher) else str(asked)
 
 
 def _asked_dispatchers(config: LayerConfig) -> list[type[Dispatcher]]:
@@ -227,9 +228,11 @@ def _asked_dispatchers(config: LayerConfig) -> list[type[Dispatcher]]:
     asked = config.dispatcher
     if isinstance(asked, Stage):
         return [GivenDispatcher]
+    if isinstance(asked, Dispatcher):
+        return [type(asked)]  # its class, whose stages read the instance's settings
     if not isinstance(asked, str) or asked not in KEYWORDS:
-        raise InputError(f"dispatcher must be one of {', '.join(repr(k) for k in KEYWORDS)} or a dispatch Stage, "
-                         f"got {asked!r}")
+        raise InputError(f"dispatcher must be one of {', '.join(repr(k) for k in KEYWORDS)}, a dispatch Stage or "
+                         f"a Dispatcher instance, got {asked!r}")
     if asked == "auto":
         return [d for d in DISPATCHERS if d.automatic and d.keyword is not None]
     return [d for d in DISPATCHERS if d.keyword == asked]

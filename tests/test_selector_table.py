@@ -559,7 +559,7 @@ def test_an_unknown_dispatcher_keyword(asked: Any) -> None:
     with pytest.raises(mf.InputError) as info:
         select(config)
     assert str(info.value) == ("dispatcher must be one of 'auto', 'fused_ep', 'all_to_all', 'aligned', 'sorted', "
-                               f"'padded' or a dispatch Stage, got {asked!r}")
+                               f"'padded', a dispatch Stage or a Dispatcher instance, got {asked!r}")
 
 
 def test_describe_lines(triton_installed: Callable[[bool], None]) -> None:

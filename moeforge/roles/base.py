@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 class LayerConfig:
     """Everything the roles are chosen for and built from: the layer's sizes, semantics, weight format,
     device and dispatch dtype, and the user's preferences (``backend``: ``None`` for "auto";
-    ``dispatcher``: a name, or a dispatch stage the user built)."""
+    ``dispatcher``: a name, a dispatch stage the user built, or a :class:`Dispatcher` instance with its
+    settings)."""
 
     num_experts: int
     top_k: int
@@ -54,7 +55,7 @@ class LayerConfig:
     dispatch: DispatchDecision
     expert_parallel: Optional[ExpertParallel] = None
     backend: Optional[Backend] = None
-    dispatcher: Union[str, Stage[Any, Any]] = "auto"
+    dispatcher: Union[str, Stage[Any, Any], Dispatcher] = "auto"
     batch_invariant: bool = False  # tiles that reduce alike for every token count (moeforge.batch_invariant)
 
     @property
@@ -238,7 +239,12 @@ class TritonExperts(Experts):
 
 
 class Dispatcher(Role):
-    """Builds the dispatch stage and the combine that takes its rows home."""
+    """Builds the dispatch stage and the combine that takes its rows home.
+
+    A dispatcher with settings of its own (a capacity, a buffer bound) is a frozen ``attrs`` subclass whose
+    fields are those settings: the user passes an instance (``MoELayer(dispatcher=MyDispatcher(capacity=64))``),
+    the selector tries its class, and its :meth:`stages` read the instance from ``config``
+    (:meth:`settings`). No other module learns the settings' names."""
 
     layouts: ClassVar[frozenset[Layout]]  # the layouts it can deliver
     keyword: ClassVar[Optional[str]] = None  # the dispatcher= name that asks for it
@@ -251,6 +257,12 @@ class Dispatcher(Role):
         if layout not in cls.layouts:
             return f"it delivers {', '.join(sorted(item.value for item in cls.layouts))} rows"
         return None
+
+    @classmethod
+    def settings(cls, config: LayerConfig) -> Optional[Dispatcher]:
+        """The instance of this dispatcher the layer was given (``dispatcher=``), holding its settings;
+        ``None`` when it was asked for by name or chosen automatically."""
+        return config.dispatcher if isinstance(config.dispatcher, cls) else None
 
     @classmethod
     @abc.abstractmethod
