@@ -7,9 +7,9 @@ of the full blocks; a 64-row block's 32-row half moves from wgmma to ``mma.sync`
 (compared closely). Under Triton's interpreter on CPU (numpy products of other shapes) they are compared closely.
 Every format and epilogue, the swapped 4-bit product, split K-loops, rows aligned by a larger block, FP8 output
 quantized per 128-group, the tables' wgmma tiles on a Hopper GPU, the tuner, the backward, and a whole layer from a
-table whose entries ask for it; the persistent grids refuse half tiles. The routing gives experts a last block above half (full
-tile), at most half (half tile: 8, 16 and 1 rows) and no rows. Outputs are poisoned with NaN: every element is
-proven written.
+table whose entries ask for it; both persistent grids when asked for (on a Hopper GPU with NVFP4 rows too). The routing
+gives experts a last block above half (full tile), at most half (half tile: 8, 16 and 1 rows) and no rows. Outputs are
+poisoned with NaN: every element is proven written.
 """
 
 from __future__ import annotations
@@ -110,6 +110,44 @@ def test_half_tiles_on_hopper_tiles(block: tuple[int, int, int, int], fmt: str, 
     assert rel(half, ref) < 0.5
 
 
+@pytest.mark.skipif(not HOPPER, reason="the wgmma tiles take the decoded NVFP4 rows from registers on Hopper")
+@pytest.mark.parametrize("grid", ["persistent", "flattened"])
+@pytest.mark.parametrize("tile", [(64, 128, 64, 4, True), (128, 256, 64, 8, False)], ids=["gate_up-64", "down-128"])
+def test_nvfp4_rows_with_half_tiles_on_the_persistent_grids(tile: tuple[int, int, int, int, bool], grid: str) -> None:
+    """NVFP4 rows against bf16 weights (the GEMMs of decoding the weights first) with half tiles on a persistent grid,
+    three runs, each element against the same GEMM on the decoded rows (bf16, exact: a power-of-two global scale) on
+    one program per tile. Before each K-step waited for its MMAs on Triton before 3.9 (``moe_gemm.drain_mma``), the
+    next step's decoding could overwrite registers those MMAs still read: this schedule wrote a few rows of about
+    4e38 or NaN."""
+    from moeforge.quant.fp4 import dequantize_nvfp4, quantize_nvfp4
+
+    block_m, block_n, block_k, warps, glu = tile
+    config = GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=warps, num_stages=3, half_tail=True)
+    gen = torch.Generator().manual_seed(11)
+    counts = (300, 200, 40, 0, 1, 160, 97, 33)  # last blocks above and below half of both tile heights
+    ids = _ids(counts, seed=11).to(DEVICE)
+    hidden, n_out = 2048, 1024
+    n_w = 2 * n_out if glu else n_out
+    x = torch.randn(ids.shape[0], hidden, generator=gen).to(DEVICE)
+    weight = (torch.randn(len(counts), n_w, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, DTYPE)
+    a_global = 2.0 ** -9  # a power of two: the decoded rows times it are exact in bf16
+    q = quantize_nvfp4(x, a_global)
+    decoded = dequantize_nvfp4(q.data, q.scale, a_global, DTYPE)
+    plan = align.align_block_size(ids, len(counts), block_m)
+    act = act_code(ACTIVATIONS["swiglu"]) if glu else 0
+    want = torch.full((ids.shape[0], n_out), float("nan"), device=DEVICE, dtype=DTYPE)
+    moe_gemm.moe_gemm(decoded, weight, want, *plan, rows_per_a=1, config=config, glu=glu, act=act, grid="tiles",
+                      half_tail=False)
+    for _ in range(3):
+        out = torch.full_like(want, float("nan"))
+        moe_gemm.moe_gemm(q.data, weight, out, *plan, rows_per_a=1, config=config, glu=glu, act=act, grid=grid,
+                          a_scale=q.scale, a_global=a_global)
+        assert torch.isfinite(out.float()).all()
+        diff = (out.float() - want.float()).abs()
+        bound = 0.02 * want.float().abs() + 0.02 * want.float().pow(2).mean().sqrt()
+        assert int((diff > bound).sum()) == 0, f"{int((diff > bound).sum())} elements off by up to {float(diff.max())}"
+
+
 @pytest.mark.parametrize("fmt", ["int4-zeros", "mxfp4", "nvfp4"])
 def test_half_tiles_with_the_swapped_4bit_product(fmt: str) -> None:
     config = GemmConfig(32, 32, 32, group_m=1, num_warps=4, num_stages=2, swap=True)
@@ -165,7 +203,7 @@ def test_the_configuration_carries_half_tail_and_refuses_small_blocks() -> None:
     assert not family_member(config, 2, 2).half_tail
 
 
-def test_half_tail_errors_and_the_persistent_grids() -> None:
+def test_half_tail_errors_and_the_grids() -> None:
     ids = _ids().to(DEVICE)
     tokens, experts = ids.shape[0], len(COUNTS)
     x = torch.randn(tokens, 64, device=DEVICE, dtype=DTYPE)
@@ -176,9 +214,12 @@ def test_half_tail_errors_and_the_persistent_grids() -> None:
         small = align.align_block_size(ids, experts, 16)
         moe_gemm.moe_gemm(x, weight, out, *small, rows_per_a=1, config=GemmConfig(16, 16, 32), half_tail=True)
     config = GemmConfig(32, 16, 32, num_warps=4, num_stages=2, half_tail=True)
-    for grid in ("persistent", "flattened"):
-        with pytest.raises(ValueError, match="half_tail runs one program per tile"):
-            moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=1, config=config, grid=grid)
+    full = torch.full_like(out, float("nan"))
+    moe_gemm.moe_gemm(x, weight, full, *plan, rows_per_a=1, config=config, half_tail=False)
+    for grid in ("persistent", "flattened"):  # asked for, the persistent grids take half tiles too
+        half = torch.full_like(out, float("nan"))
+        moe_gemm.moe_gemm(x, weight, half, *plan, rows_per_a=1, config=config, grid=grid)
+        _same(full, half)
     # a default grid that would be flattened (or persistent) runs one program per tile instead
     grids: list[int] = []
     real = moe_gemm.moe_gemm_kernel

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moeforge.kernels import align, moe_gemm  # noqa: E402
@@ -72,6 +72,27 @@ def test_default_grid() -> None:
         assert moe_gemm.default_grid(hopper, fmt, glu_tile, True, many, 2) == "tiles"
     assert moe_gemm.default_grid((10, 0), WeightFormat.FLOAT, glu_tile, True, many, 2) == "tiles"
     assert moe_gemm.default_grid(None, WeightFormat.FLOAT, glu_tile, True, many, 2) == "tiles"
+    # a shuffled 4-bit weight's tiles of 128 rows or more: persistent on Hopper (whatever the rows per expert)
+    for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
+        assert moe_gemm.default_grid(hopper, fmt, GemmConfig(128, 64, 64), True, 1.0, 2, shuffled=True) == "persistent"
+        assert moe_gemm.default_grid(hopper, fmt, GemmConfig(64, 128, 64), True, many, 2, shuffled=True) == "tiles"
+        assert moe_gemm.default_grid((10, 0), fmt, GemmConfig(128, 64, 64), True, many, 2, shuffled=True) == "tiles"
+
+
+def test_each_k_step_waits_for_its_register_operand_mmas_where_triton_needs_it() -> None:
+    """``drain_mma``: on Hopper with a Triton before 3.9, the swapped 4-bit product (any tile) and NVFP4 rows on
+    wgmma tiles (64 rows or more); never off Hopper, never for operands that the MMA reads from shared memory."""
+    from moeforge.kernels.formats import RowFormat
+
+    hopper, tile, small = (9, 0), GemmConfig(128, 64, 64), GemmConfig(32, 64, 64)
+    for race in (True, False):
+        assert moe_gemm.drain_mma(hopper, True, RowFormat.FLOAT, small, race) is race
+        assert moe_gemm.drain_mma(hopper, False, RowFormat.NVFP4, tile, race) is race
+        assert moe_gemm.drain_mma(hopper, False, RowFormat.NVFP4, small, race) is False  # mma.sync
+        assert moe_gemm.drain_mma(hopper, False, RowFormat.FLOAT, tile, race) is False
+        for capability in ((8, 0), (10, 0), None):
+            assert moe_gemm.drain_mma(capability, True, RowFormat.NVFP4, tile, race) is False
+    assert moe_gemm.RS_WGMMA_RACE is (moe_gemm._version(triton.__version__) < (3, 9))
 
 
 def test_unknown_grid_is_refused() -> None:

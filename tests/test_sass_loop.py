@@ -5,11 +5,13 @@ would replace the kernel it compiles.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,3 +57,73 @@ def test_fp8_block_scales_one_per_tile_promote_with_one_multiply_add_per_element
     assert tile["FFMA"] == 64 and tile.get("FMUL", 0) < 16
     assert column.get("FMUL", 0) >= 64
     assert tile_total < column_total
+
+
+def _sass_loop_module() -> Any:
+    """``benchmarks/sass_loop.py`` as a module (for its pure functions; nothing is compiled in this process)."""
+    spec = importlib.util.spec_from_file_location("sass_loop", ROOT / "benchmarks" / "sass_loop.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_register_hazards_are_writes_under_an_mma_in_flight() -> None:
+    """The analysis on a hand-written loop of two MMAs, each followed by ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (one group
+    left in flight): the second one's left operand R12..R15 is still in flight when the next round writes R13 first
+    thing; waits of ``0x0`` retire every group, and an operand from shared memory (``gdesc``) has no registers to
+    overwrite."""
+    sass_loop = _sass_loop_module()
+
+    def loop(wait: int, operand: str = "R12") -> str:
+        body = ["LOP3.LUT R13, R2, 0x81c081c0, RZ, 0xc0, !PT",
+                "HGMMA.64x128x16.F32.BF16 R24, R8, gdesc[UR4], R24, gsb0",
+                f"WARPGROUP.DEPBAR.LE gsb0, 0x{wait:x}",
+                "IADD3 R2, R2, 0x1, RZ",
+                f"HGMMA.64x128x16.F32.BF16 R56, {operand}, gdesc[UR8], R56, gsb0",
+                f"WARPGROUP.DEPBAR.LE gsb0, 0x{wait:x}",
+                "@P0 BRA `(.L_x_1)"]
+        return ".L_x_1:\n" + "\n".join(f"        /*{16 * i:04x}*/    {ins} ;" for i, ins in enumerate(body))
+
+    hazards = sass_loop.register_hazards(loop(1))
+    assert len(hazards) == 1 and hazards[0].startswith("R13: ") and "LOP3" in hazards[0]
+    assert sass_loop.register_hazards(loop(0)) == []
+    assert sass_loop.register_hazards(loop(1, "gdesc[UR12]")) == []
+
+
+# Tiles whose warpgroup MMA takes its left operand from registers decoded in the K-loop: the swapped product on a
+# shuffled weight (Mixtral's 128-row gate/up and down tiles, on one program per tile and persistent, and a 16-row decode
+# tile), the same 128-row gate/up tile on a plain weight, NVFP4 rows against float weights with half tiles on a
+# persistent grid.
+REGISTER_OPERAND_TILES = {
+    "shuffled-gate_up-128": ("--weights", "mxfp4", "--glu", "--block", "128,64,64", "--swap", "--shuffled", "--fold",
+                             "--prefetch"),
+    "shuffled-down-128-persistent": ("--weights", "mxfp4", "--block", "128,128,64", "--warps", "8", "--swap",
+                                     "--shuffled", "--fold", "--prefetch", "--grid", "1"),
+    "shuffled-gate_up-16": ("--weights", "mxfp4", "--glu", "--block", "16,64,128", "--swap", "--shuffled", "--fold",
+                            "--prefetch"),
+    "plain-gate_up-128": ("--weights", "mxfp4", "--glu", "--block", "128,64,64", "--swap", "--fold", "--prefetch"),
+    "nvfp4-rows-half-tail-persistent": ("--weights", "float", "--rows", "nvfp4", "--glu", "--block", "64,128,64",
+                                        "--grid", "1", "--half-tail"),
+}
+
+
+def _hazards(*options: str) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_loop.py"), *options, "--hazards"], env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+    return int(re.search(r"^hazards: (\d+)$", out, re.M).group(1))  # type: ignore[union-attr]
+
+
+@pytest.mark.skipif(not (TOOLS / "nvdisasm").exists(), reason="this triton wheel ships no nvdisasm")
+@pytest.mark.parametrize("tile", sorted(REGISTER_OPERAND_TILES))
+def test_no_register_is_written_under_an_mma_in_flight(tile: str) -> None:
+    """Compiled for sm_90 as the launcher launches it on Hopper with this Triton (``moe_gemm.drain_mma`` decides the
+    wait after each K-step): no instruction of a K-loop writes a register that a warpgroup MMA still in flight reads.
+    With Triton before 3.9 and without the wait, every one of these tiles has such writes (asserted too): the next
+    K-step's decoding, scale loads and addresses land in the registers of the step's last MMAs, which on an H200
+    wrote inf, NaN and wrong values."""
+    assert _hazards(*REGISTER_OPERAND_TILES[tile]) == 0
+    from moeforge.kernels import moe_gemm
+
+    if moe_gemm.RS_WGMMA_RACE:
+        assert _hazards(*REGISTER_OPERAND_TILES[tile], "--drain", "0") > 0

@@ -141,11 +141,12 @@ def test_shapes_that_are_not_whole_blocks_are_refused(shape: tuple[int, ...], dt
 
 
 def _run(fmt: str, *, glu: bool, config: GemmConfig, counts: tuple[int, ...], hidden: int = 64, n_out: int = 48,
-         seed: int = 0, interleaved: bool = False, bias: bool = False, **options: Any
+         seed: int = 0, interleaved: bool = False, bias: bool = False, shuffled_swap: Any = None, **options: Any
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(output on the plain weight, on the shuffled weight, float64 reference)`` of one routing: ``counts[e]``
     rows on expert ``e``. ``interleaved`` (with ``glu``): gate/up rows ``g0 u0 g1 u1 ...``, shuffled paired with the
-    scales' and zero points' rows paired; ``bias``: a bias (interleaved like the rows, never paired)."""
+    scales' and zero points' rows paired; ``bias``: a bias (interleaved like the rows, never paired);
+    ``shuffled_swap``: the shuffled weight's ``swap`` where it differs from the plain one's (``options``)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
     ids = ids[torch.randperm(ids.numel(), generator=gen)][:, None].to(DEVICE)
@@ -171,7 +172,9 @@ def _run(fmt: str, *, glu: bool, config: GemmConfig, counts: tuple[int, ...], hi
         moe_gemm.moe_gemm(a, stored if shuffled else weight, out, *plan,
                           rows_per_a=1, config=config, act=act_code(act) if act else 0, glu=glu,
                           interleaved=interleaved, bias=b.to(DTYPE) if b is not None else None,
-                          weight_shuffled=shuffled, **options, **run_args)
+                          weight_shuffled=shuffled,
+                          **dict(options, **({"swap": shuffled_swap} if shuffled and shuffled_swap is not None
+                                             else {})), **run_args)
         outs.append(out)
     return outs[0], outs[1], reference_gemm(rows, 1, ids, w, b.to(DTYPE) if b is not None else None, act)
 
@@ -227,23 +230,43 @@ def test_decoding_first_reads_the_shuffled_weight(fmt: str, interleaved: bool) -
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4", "nvfp4"])
-def test_tiles_of_128_rows_run_on_a_persistent_grid(fmt: str) -> None:
+@pytest.mark.parametrize("schedule", [dict(grid="tiles"), dict(grid="persistent"), dict(split_k=2),
+                                      dict(half_tail=True)], ids=["tiles", "persistent", "split", "half-tail"])
+def test_tiles_of_128_rows_on_every_schedule(fmt: str, schedule: dict[str, Any]) -> None:
     config = GemmConfig(128, 32, 32, num_warps=4, num_stages=2)
     for glu in (False, True):
-        _check(*_run(fmt, glu=glu, config=config, counts=(130, 0, 5, 128), swap=True))
+        _check(*_run(fmt, glu=glu, config=config, counts=(130, 0, 5, 128), swap=True, **schedule))
 
 
-@pytest.mark.skipif(not HOPPER, reason="the failure fenced off was seen on an H200")
+def _close_everywhere(out: torch.Tensor, base: torch.Tensor) -> None:
+    """Every element of ``out`` finite and within 2 % of ``base``'s (plus 2 % of its RMS): a few wrong elements among
+    many right ones fail, which a relative norm of the whole output could miss."""
+    assert torch.isfinite(out.float()).all()
+    diff = (out.float() - base.float()).abs()
+    bound = 0.02 * base.float().abs() + 0.02 * base.float().pow(2).mean().sqrt()
+    bad = int((diff > bound).sum())
+    assert bad == 0, f"{bad} of {out.numel()} elements off by up to {float(diff.max()):.3g}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="the swapped product's wgmma takes the weight tile from registers on Hopper")
+@pytest.mark.parametrize("grid", ["tiles", "persistent"])
 @pytest.mark.parametrize("tile", [(128, 64, 64, 4), (128, 128, 64, 8), (256, 128, 64, 8)])
-def test_long_k_loops_of_128_row_tiles_repeatably(tile: tuple[int, int, int, int]) -> None:
-    """Mixtral-like K (4096) with the 128- and 256-row tiles the tables take: five runs each equal to the plain
-    weight's output (on one program per tile these were wrong in every run for Mixtral's own sizes)."""
+def test_long_k_loops_of_wide_swapped_tiles_repeatably(tile: tuple[int, int, int, int], grid: str) -> None:
+    """Mixtral-like K (4096) and many column tiles with the 128- and 256-row tiles the tables take, three runs, each
+    element against the plain weight's ``rows @ W^T`` product (its MMA reads both operands from shared memory).
+    With Triton before 3.9 the swapped MMAs read the decoded weight from registers that the next K-step overwrites
+    unless each step waits for them (``moe_gemm.drain_mma``): without the wait, one program per tile wrote inf, NaN
+    and wrong values here."""
     block_m, block_n, block_k, warps = tile
-    config = GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=warps, num_stages=3, swap=True)
+    config = GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=warps, num_stages=3)
     for glu in (True, False):
-        for _ in range(5):
-            _check(*_run("mxfp4", glu=glu, config=config, counts=(300, 70, 0, 129, 256), hidden=4096, n_out=1024,
-                         weight_scale_max=128))
+        base = None
+        for _ in range(3):
+            plain, shuffled, _ = _run("mxfp4", glu=glu, config=config, counts=(300, 70, 0, 129, 256, 520),
+                                      hidden=4096, n_out=4096, weight_scale_max=128, swap=None, grid=grid,
+                                      shuffled_swap=True)
+            base = plain if base is None else base
+            _close_everywhere(shuffled, base)
 
 
 @pytest.mark.parametrize("counts", [(1,), (0, 0, 3), (0, 0)], ids=["one-row", "one-expert", "empty"])
@@ -287,12 +310,6 @@ def test_refusals() -> None:
         _run("mxfp4", glu=False, config=GemmConfig(16, 8, 32, num_warps=4, num_stages=2), counts=(3, 1))
     with pytest.raises(ValueError, match="N must be a multiple of 16"):
         _run("mxfp4", glu=False, config=config, counts=(3, 1), n_out=40)
-    # 128-row tiles on a shuffled weight run on a persistent grid only (one program per tile computed wrong outputs
-    # on an H200): asked otherwise, refused; by default, persistent (checked against the plain weight above)
-    big = GemmConfig(128, 32, 32, num_warps=4, num_stages=2)
-    for options in (dict(grid="tiles"), dict(split_k=2), dict(half_tail=True)):
-        with pytest.raises(ValueError, match="persistent grid"):
-            _run("mxfp4", glu=True, config=big, counts=(130, 3), **options)
     with pytest.raises(ValueError, match="packed 4-bit"):
         rows = torch.randn(4, 64, device=DEVICE, dtype=DTYPE)
         ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)

@@ -42,6 +42,7 @@ copied by the tensor memory accelerator (a host-side descriptor, :func:`weight_t
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import attrs
@@ -135,6 +136,14 @@ def _dot8(a, b, INT8: tl.constexpr):
 
 
 @triton.jit
+def _drain_mma(x):
+    """Wait until every warpgroup MMA issued so far has finished (``wgmma.wait_group 0``; ``x``, any int32, only gives
+    the instruction an operand)."""
+    return tl.inline_asm_elementwise("wgmma.wait_group.sync.aligned 0;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _add_bias(acc, acc_up, expert, gate_rows, up_offset, ok, bias_ptr, stride_bias_e, stride_bias_n,
               GLU: tl.constexpr):
     """``(acc, acc_up)`` plus the expert's bias of the gate (and up) columns where ``ok``."""
@@ -217,11 +226,12 @@ def _gemm_tile(
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr,
-    B_SHUFFLED: tl.constexpr,
+    B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
 ):
     """Tile ``(pid_m, pid_n)``: ``BLOCK_M`` aligned rows of one expert times ``BLOCK_N`` output columns, over the
     K-steps ``k_first .. k_last - 1``; with ``SPLIT``, one range of a split K-loop (:func:`moe_gemm_reduce_kernel`).
-    The rows were aligned by blocks of ``ALIGN_RATIO * BLOCK_M``: ``block_expert`` has one entry per aligned block."""
+    The rows were aligned by blocks of ``ALIGN_RATIO * BLOCK_M``: ``block_expert`` has one entry per aligned block.
+    ``DRAIN_MMA``: each K-step ends by waiting for its warpgroup MMAs (:func:`drain_mma`)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
     row_ok = copies < num_copies
@@ -445,6 +455,8 @@ def _gemm_tile(
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
                 if GLU:
                     acc_up = tl.dot(a, bu, acc_up, input_precision=PRECISION)
+        if DRAIN_MMA:
+            _drain_mma(k)
 
     # Scales constant along K multiply the finished accumulator once.
     if SWAP:
@@ -511,7 +523,7 @@ def _gemm_block(
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, B_GLOBAL: tl.constexpr,
-    EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr,
+    EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
 ):
     """:func:`_gemm_tile` of row block ``pid_m``; with ``HALF_TAIL``, a block whose second half is only padding
     (an expert's last block, at most ``BLOCK_M / 2`` rows: the rows are sorted by expert, each expert's padding
@@ -530,7 +542,7 @@ def _gemm_block(
                    stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
                    GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
                    CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, 2 * ALIGN_RATIO,
-                   SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED)
+                   SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA)
     else:
         _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
                    b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
@@ -540,7 +552,7 @@ def _gemm_block(
                    stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
                    GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
                    CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN_RATIO, SCALE_FOLD,
-                   B_GLOBAL, EXPERT_RANGE, B_SHUFFLED)
+                   B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA)
 
 
 @triton.jit
@@ -563,7 +575,8 @@ def moe_gemm_kernel(
     CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, PERSISTENT: tl.constexpr,
-    B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, PDL: tl.constexpr,
+    B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile` (a jitted function
@@ -601,7 +614,8 @@ def moe_gemm_kernel(
                         stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
                         B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION,
                         SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED)
+                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED,
+                        DRAIN_MMA)
     else:
         pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
@@ -617,7 +631,8 @@ def moe_gemm_kernel(
                         stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
                         B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION,
                         SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED)
+                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED,
+                        DRAIN_MMA)
 
 
 @triton.jit
@@ -740,8 +755,36 @@ def vector_scales(scale: Optional[torch.Tensor], zero: Optional[torch.Tensor]) -
                                  and all(step % 16 == 0 for step in t.stride()[:-1]) for t in present)
 
 
-# the smallest block of a shuffled weight's tiles that runs only on the persistent grids (see moe_gemm)
+# the smallest block of a shuffled weight's tiles that default_grid puts on the persistent grid
 SHUFFLED_PERSISTENT_BLOCK_M = 128
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``(major, minor)`` of a version string such as ``3.6.0`` or ``3.9.0+git1234``."""
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
+
+
+# Triton before 3.9 lets the next K-step write the registers that a warpgroup MMA of this step still reads (see
+# drain_mma)
+RS_WGMMA_RACE = _version(triton.__version__) < (3, 9)
+
+
+def drain_mma(capability: Optional[tuple[int, int]], swapped: bool, row_format: RowFormat, config: GemmConfig,
+              race: bool = RS_WGMMA_RACE) -> bool:
+    """Whether each K-step waits for all of its warpgroup MMAs before the loop goes on (the kernel's ``DRAIN_MMA``).
+
+    On Hopper the MMA takes its left operand from registers where that operand is decoded in the K-loop: the 4-bit
+    weight tile of a swapped product (``W @ rows^T``), the NVFP4 rows of a wgmma tile (64 rows or more) otherwise.
+    The MMA reads those registers asynchronously, until a ``wgmma.wait_group`` retires it. Triton before 3.9
+    (``race``) splits the dot into k16 MMAs and after each waits only until at most ``n - 1`` of the loop's ``n`` are in
+    flight, so when a step ends most of its MMAs may not have read their operand yet, while ptxas gives those
+    registers to the next step's decoding, scale loads and addresses: compiled for sm_90, Mixtral's swapped 128-row
+    tiles write 14-37 registers per step under an MMA in flight (``benchmarks/sass_loop.py --hazards``). Whether the
+    MMA has read them first depends on how busy the tensor cores are (programs per SM, MMA length), so the output is
+    wrong on some grids and tiles and right on others. Waiting for the step's MMAs at its end closes the window."""
+    if not race or capability is None or capability[0] != 9:
+        return False
+    return swapped or (row_format is RowFormat.NVFP4 and config.block_m >= 64)
 
 
 def glu_strides(glu: bool, interleaved: bool, n_out: int) -> tuple[int, int]:
@@ -808,7 +851,7 @@ GRIDS = ("tiles", "persistent", "flattened")
 
 
 def default_grid(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig, glu: bool,
-                 rows_per_expert: float, out_bytes: int) -> str:
+                 rows_per_expert: float, out_bytes: int, shuffled: bool = False) -> str:
     """The grid :func:`moe_gemm` launches by default (see ``GRIDS``): ``tiles``, one program per tile
     (the programs past the aligned blocks that exist return at once); ``persistent``, one program per SM
     taking the tiles that exist grid-stride; ``flattened``, persistent with the tile loop and the K-loop
@@ -824,7 +867,12 @@ def default_grid(capability: Optional[tuple[int, int]], weight_format: WeightFor
     The flattened loop stages the output tile in shared memory beside the operand ring: for ``out_bytes`` 4
     (fp32 outputs: the backward's, an fp32 layer's) the whole ``block_m x block_n`` tile, which does not fit beside
     a 4-stage ring of 128x256 tiles; 2-byte outputs stage less and fit. So fp32 outputs take the persistent grid
-    (measurements: docs/notes/kernels-log.md, "The flattened grid and fp32 outputs")."""
+    (measurements: docs/notes/kernels-log.md, "The flattened grid and fp32 outputs").
+
+    A pre-shuffled 4-bit weight's tiles of 128 rows or more (``shuffled``, ``SHUFFLED_PERSISTENT_BLOCK_M``) take the
+    persistent grid on Hopper: the H100 and H200 tables' entries for them were tuned on it."""
+    if shuffled and capability is not None and capability[0] == 9 and config.block_m >= SHUFFLED_PERSISTENT_BLOCK_M:
+        return "persistent"
     if (weight_format is not WeightFormat.FLOAT or capability is None or capability[0] != 9
             or config.block_m < 128 or rows_per_expert < 2 * config.block_m):
         return "tiles"
@@ -881,7 +929,7 @@ def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sort
     scratch = torch.empty((min(chunk, experts), n_w, 2 * weight.shape[2]), dtype=compute_dtype, device=weight.device)
     starts = list(range(0, experts, chunk))
     ranges = decode_first.block_ranges(block_expert, num_padded, aligned, chunk, experts)
-    # (no half tiles: the persistent grids refuse them, see moe_gemm)
+    # (no half tiles: they made the persistent grids slower, see moe_gemm)
     float_config = attrs.evolve(config, decode_chunk=0, swap=False, split_k=None, half_tail=False)
     if grid is None:
         grid = default_grid(device_capability(a.device), WeightFormat.FLOAT, float_config, options["glu"],
@@ -951,7 +999,9 @@ def moe_gemm(
     fitted by :func:`fit_config`.
     ``swap`` (4-bit weights; ignored for others): multiply ``W @ rows^T`` (the dequantized weight as the MMA's
     left operand, in registers); by default as ``config.swap`` says (a tuned table's choice: which orientation
-    wins depends on the tile, see docs/notes/kernels-log.md, "The swapped 4-bit product in the tuned tables").
+    wins depends on the tile, see docs/notes/kernels-log.md, "The swapped 4-bit product in the tuned tables"). On
+    Hopper with a Triton before 3.9, each K-step of a swapped product (and of NVFP4 rows on tiles of 64 rows or more)
+    waits for its MMAs before the next one decodes (:func:`drain_mma`).
     ``ptx`` (4-bit operands): decode them with the packed inline-PTX conversion
     (:mod:`moeforge.kernels.dequant`); by default wherever it applies (:func:`packed_decoding`).
     ``tma``: copy the weight tiles with the tensor memory accelerator (:func:`weight_tma_applies`; it
@@ -973,9 +1023,9 @@ def moe_gemm(
     both tiles take the same MMA instruction (Hopper: wgmma for 128 and 64 rows, ``mma.sync`` for 32 and 16);
     a 64-row block's 32-row half leaves wgmma for ``mma.sync``, which rounds the sums differently. Unless given,
     as ``config.half_tail`` says (a tuned table's choice). Needs ``config.block_m >= 32``. It runs one program per
-    tile: the branch slowed the persistent grids' tiles down, and a persistent grid with half tiles wrote wrong rows
-    for NVFP4 rows against float weights on an H200 (cause not found; docs/notes/kernels-log.md, "Half-height tiles
-    for the experts' last blocks"), so the persistent grids refuse it (and the decoding path below leaves it out).
+    tile unless ``grid`` asks for a persistent one: the branch slowed the persistent grids' tiles down
+    (docs/notes/kernels-log.md, "Half-height tiles for the experts' last blocks"), so the default grid is one program
+    per tile (and the decoding path below leaves half tiles out).
     ``decode_chunk`` (4-bit weights; ignored for others): decode that many experts' weights at a time into a
     scratch in the compute dtype (:mod:`moeforge.kernels.decode_first`), then run the float GEMM on it over those
     experts' row blocks, on a persistent grid (``grid`` ``persistent`` or ``flattened``; no split K-loop); the
@@ -989,9 +1039,8 @@ def moe_gemm(
     read as 32-bit words, so K-contiguous and 4-byte aligned; its scales and zero points are not shuffled); the tiles
     must cover whole shuffled blocks. Interleaved gate/up
     rows (``glu`` and ``interleaved``) must be shuffled paired, with the scales' and zero points' rows paired too
-    (``shuffle.pair_rows``; the bias stays interleaved); they are read by pointer, not by TMA. Tiles of 128 rows
-    or more on a shuffled weight run on a persistent grid (``grid="tiles"``, a split K-loop and half tiles are
-    refused there): one program per tile computed wrong outputs for them on an H200, cause not found.
+    (``shuffle.pair_rows``; the bias stays interleaved); they are read by pointer, not by TMA. By default tiles
+    of 128 rows or more on a shuffled weight run on a persistent grid (:func:`default_grid`).
     """
     weight_format = WeightFormat(weight_format)
     if weight_scale_max is not None and not 0 <= weight_scale_max <= 255:
@@ -1009,9 +1058,6 @@ def moe_gemm(
     use_half_tail = config.half_tail if half_tail is None else half_tail
     if use_half_tail and config.block_m < 32:
         raise ValueError(f"half_tail needs block_m >= 32 (its half tiles have block_m / 2 rows), got {config.block_m}")
-    if use_half_tail and grid in ("persistent", "flattened"):
-        raise ValueError(f"half_tail runs one program per tile (grid='tiles'), not grid={grid!r}: the persistent grids "
-                         "lost 4-22 % with it, and on an H200 one wrote wrong rows with it (NVFP4 rows, float weights)")
     chunk = config.decode_chunk if decode_chunk is None else decode_chunk
     if chunk < 0:
         raise ValueError(f"decode_chunk must be >= 0 (experts decoded at a time; 0: in the K-loop), got {chunk}")
@@ -1102,20 +1148,8 @@ def moe_gemm(
     k_steps = triton.cdiv(k_dim, config.block_k)
     if split_k is not None and split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
-    # A shuffled weight's blocks of 128 rows or more wrote wrong outputs (inf, NaN, or finite and wrong) on one program
-    # per tile on an H200, every run for Mixtral's GEMMs at M = 256 / 1024, never on the persistent grids
-    # (cause not found; docs/notes/kernels-log.md, "A miscompile fenced off"): they run persistent.
-    persistent_only = weight_shuffled and config.block_m >= SHUFFLED_PERSISTENT_BLOCK_M
-    if persistent_only:
-        asked_split = split_k if split_k is not None else config.split_k
-        if grid == "tiles" or (asked_split or 1) > 1 or use_half_tail:
-            raise ValueError(f"a shuffled weight's {config.block_m}-row tiles run on a persistent grid (one program "
-                             f"per tile computed wrong outputs on an H200): got grid={grid!r}, split_k={asked_split}, "
-                             f"half_tail={use_half_tail}")
     if split_k is not None or config.split_k is not None:  # asked for (a persistent grid cannot have it)
         splits = split_k if split_k is not None else config.split_k
-    elif persistent_only:
-        splits = 1
     elif grid in (None, "tiles"):
         splits = default_split_k(capability, weight_format, config,
                                  min(blocks, weight.shape[0]) * triton.cdiv(n_out, config.block_n), k_steps,
@@ -1127,9 +1161,7 @@ def moe_gemm(
     if splits > 1 and grid not in (None, "tiles"):
         raise ValueError(f"a split K-loop runs one program per tile, not grid={grid!r}")
     grid_kind = "tiles" if splits > 1 else grid if grid is not None else default_grid(
-        capability, weight_format, config, glu, num_copies / weight.shape[0], out.element_size())
-    if persistent_only and grid_kind == "tiles":
-        grid_kind = "persistent"
+        capability, weight_format, config, glu, num_copies / weight.shape[0], out.element_size(), weight_shuffled)
     if use_half_tail and grid is None:
         grid_kind = "tiles"
     if grid_kind == "tiles":
@@ -1192,6 +1224,7 @@ def moe_gemm(
         B_GLOBAL=weight_global is not None,
         EXPERT_RANGE=block_range is not None,
         B_SHUFFLED=(2 if paired_rows else 1) if weight_shuffled else 0,
+        DRAIN_MMA=drain_mma(capability, swapped, row_format, config),
         SCALE_FOLD=scale_fold(weight_format, compute_dtype, use_ptx, weight_scale_max, weight_shuffled),
         PDL=pdl.flag(dependent, release=False),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent),
