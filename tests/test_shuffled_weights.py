@@ -254,9 +254,8 @@ def _close_everywhere(out: torch.Tensor, base: torch.Tensor) -> None:
 def test_long_k_loops_of_wide_swapped_tiles_repeatably(tile: tuple[int, int, int, int], grid: str) -> None:
     """Mixtral-like K (4096) and many column tiles with the 128- and 256-row tiles the tables take, three runs, each
     element against the plain weight's ``rows @ W^T`` product (its MMA reads both operands from shared memory).
-    With Triton before 3.9 the swapped MMAs read the decoded weight from registers that the next K-step overwrites
-    unless each step waits for them (``moe_gemm.drain_mma``): without the wait, one program per tile wrote inf, NaN
-    and wrong values here."""
+    (The race of the swapped product's register operand, ``moe_gemm.drain_mma``, shows at Mixtral's full sizes:
+    ``tests/test_mma_drain_gpu.py``; these sizes did not show it.)"""
     block_m, block_n, block_k, warps = tile
     config = GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=warps, num_stages=3)
     for glu in (True, False):
