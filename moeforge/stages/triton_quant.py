@@ -345,11 +345,10 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         fp8_out = self._fp8_epilogue and config.block_n % GROUP_SIZE == 0
         weight_scale = resolve(self.weight_scale)
         scale_max = self._scale_bound.max_code(weight_scale) if self._scale_bound is not None else None
+        rows_global = self.input_global_scale if nvfp4_rows and self.input_global_scale is not None else 1.0
         act, glu, interleaved, alpha, limit = self._act
         out, out_scale = grouped_gemm(
-            GemmRows(x.x.data, x.x.scale,
-                     global_scale=self.input_global_scale if nvfp4_rows and self.input_global_scale is not None
-                     else 1.0,
+            GemmRows(x.x.data, x.x.scale, global_scale=rows_global,
                      rows_per_a=1 if x.copy_major else alignment.copies_per_row),
             GemmWeight(self._weight(), self.weight_format, weight_scale,
                        zero=resolve(self.weight_zero) if self.weight_zero is not None else None,
