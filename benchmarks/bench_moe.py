@@ -48,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import moeforge as mf  # noqa: E402
 from moeforge.kernels.config import ConfigTable, device_key  # noqa: E402
 from moeforge.kernels.activations import ACT_SILU  # noqa: E402
+from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmWeight,  # noqa: E402
+                                                grouped_gemm)
 from moeforge.kernels.topk import routing_flags  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
 
@@ -139,12 +141,10 @@ def kernels_by_hand(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -
     def run() -> torch.Tensor:
         weights, ids = ops.route(logits, None, top_k, **flags)
         sorted_ids, block_expert, num_padded = ops.align_block_size(ids, experts, config.block_m)
-        hidden, _ = ops.moe_gemm(x, None, w13, None, None, None, None, None, sorted_ids, block_expert, num_padded,
-                                 tokens * top_k, top_k, 0, 1.0, ACT_SILU, True, False, 1.0, 0.0,
-                                 config.gate_up.as_list(), x.dtype, False, config.block_m)
-        out, _ = ops.moe_gemm(hidden, None, w2, None, None, None, None, None, sorted_ids, block_expert, num_padded,
-                              tokens * top_k, 1, 0, 1.0, 0, False, False, 1.0, 0.0, config.down.as_list(), x.dtype,
-                              False, config.block_m)
+        route = GemmRoute(sorted_ids, block_expert, num_padded, tokens * top_k, aligned_block_m=config.block_m)
+        hidden, _ = grouped_gemm(GemmRows(x, rows_per_a=top_k), GemmWeight(w13), route,
+                                 GemmEpilogue(x.dtype, act=ACT_SILU, glu=True), config.gate_up)
+        out, _ = grouped_gemm(GemmRows(hidden), GemmWeight(w2), route, GemmEpilogue(x.dtype), config.down)
         return ops.combine(out, weights, top_k, 1.0, x.dtype)
 
     return run

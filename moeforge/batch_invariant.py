@@ -38,6 +38,7 @@ import attrs
 import torch
 
 from moeforge.kernels.config import TOKEN_BUCKETS, ConfigTable, GemmConfig, MoEConfig, fit_shared_memory
+from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
 
 # The family's K-step and smallest block (a whole warpgroup MMA on Hopper).
 INVARIANT_BLOCK_K = 64
@@ -102,12 +103,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     from moeforge.stages.triton import kernel_ops
 
     kernel_ops()
-    ops = torch.ops.moeforge
     rows = x.shape[0]
     ids = torch.zeros(rows, 1, dtype=torch.int32, device=x.device)
-    sorted_ids, block_expert, num_padded = ops.align_block_size(ids, 1, INVARIANT_GEMM.block_m)
-    out, _ = ops.moe_gemm(x.contiguous(), None, weight[None], None, None, None,
-                          bias[None] if bias is not None else None, None, sorted_ids, block_expert, num_padded,
-                          rows, 1, 0, 1.0, 0, False, False, 1.0, 0.0, INVARIANT_GEMM.as_list(), x.dtype, False)
-    result: torch.Tensor = out
-    return result
+    sorted_ids, block_expert, num_padded = torch.ops.moeforge.align_block_size(ids, 1, INVARIANT_GEMM.block_m)
+    out, _ = grouped_gemm(GemmRows(x.contiguous()), GemmWeight(weight[None]),
+                          GemmRoute(sorted_ids, block_expert, num_padded, rows),
+                          GemmEpilogue(x.dtype, bias=bias[None] if bias is not None else None), INVARIANT_GEMM)
+    return out

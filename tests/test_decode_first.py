@@ -31,6 +31,7 @@ from moeforge.batch_invariant import family_member, in_family  # noqa: E402
 from moeforge.kernels import align, decode_first, moe_gemm  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
+from moeforge.kernels.grouped_gemm_call import decode_config, encode_config  # noqa: E402
 from moeforge.stages.triton import act_code  # noqa: E402
 from test_triton_quant_gemm import ACTIVATIONS, reference_gemm, rel  # noqa: E402
 from test_weight_tma import CUDA, DEVICE, DTYPE, HOPPER, operands  # noqa: E402
@@ -219,8 +220,7 @@ def test_decoding_first_errors_the_configuration_and_the_family() -> None:
     moe_gemm.moe_gemm(rows.to(DTYPE), torch.randn(experts, 32, 64, device=DEVICE, dtype=DTYPE), float_out, *plan,
                       rows_per_a=1, config=config)
     assert not torch.isnan(float_out.float()).any()
-    assert GemmConfig.from_list(config.as_list()) == config
-    assert GemmConfig.from_list([32, 32, 32, 8, 4, 2, -1, 0, 0, 1]).decode_chunk == 0  # ten integers: before it
+    assert decode_config(encode_config(config)) == config
     assert config.with_block_m(64).decode_chunk == 2
     # the batch-invariant family decodes in the K-loop (one path for every token count)
     member = family_member(attrs.evolve(config, block_m=64), 2, 1)

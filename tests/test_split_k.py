@@ -24,6 +24,7 @@ from moeforge.batch_invariant import INVARIANT_GEMM, family_member, in_family  #
 from moeforge.kernels import align, moe_gemm  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
+from moeforge.kernels.grouped_gemm_call import decode_config, encode_config  # noqa: E402
 from moeforge.stages.triton import act_code  # noqa: E402
 from test_triton_quant_gemm import quantize_activations, quantize_weight_w8, rel  # noqa: E402
 from test_weight_tma import CUDA, DEVICE, DTYPE, FORMATS, run_both  # noqa: E402
@@ -121,9 +122,8 @@ def test_split_k_with_fp8_output_quantized_in_the_epilogue(fmt: str) -> None:
 
 
 def test_split_k_from_the_configuration_and_its_errors() -> None:
-    assert GemmConfig.from_list(GemmConfig(16, 32, 64, split_k=3).as_list()).split_k == 3
-    assert GemmConfig.from_list(GemmConfig(16, 32, 64).as_list()).split_k is None
-    assert GemmConfig.from_list([16, 32, 64, 1, 4, 2, -1]).split_k is None  # seven integers: before split_k
+    assert decode_config(encode_config(GemmConfig(16, 32, 64, split_k=3))).split_k == 3
+    assert decode_config(encode_config(GemmConfig(16, 32, 64))).split_k is None
     with pytest.raises(ValueError, match="split_k"):
         GemmConfig(16, 32, 64, split_k=0)
     ids, *plan = _plan(2, 3, 1, 16)

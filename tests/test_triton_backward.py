@@ -161,8 +161,12 @@ def test_the_weight_gradient_kernel_sums_each_experts_copies_in_order() -> None:
 def test_quantized_grouped_gemms_refuse_a_backward() -> None:
     """The op-level guard (the layer says it first, naming the method): an FP8 GEMM whose rows require
     grad cannot be differentiated silently."""
+    from moeforge.kernels.config import GemmConfig
     from moeforge.kernels.formats import WeightFormat
-    from moeforge.kernels.ops import moe_gemm as moe_gemm_op
+    from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
+    from moeforge.stages.triton import kernel_ops
+
+    kernel_ops()  # registers the op
 
     gen = torch.Generator().manual_seed(84)
     rows = torch.randn(4, 128, generator=gen).to(DEVICE)
@@ -171,9 +175,9 @@ def test_quantized_grouped_gemms_refuse_a_backward() -> None:
     weight = torch.randn(1, 32, 128, generator=gen).to(DEVICE).to(torch.float8_e4m3fn)
     scale = torch.ones(1, 32, device=DEVICE)
     bias = torch.zeros(1, 32, device=DEVICE, requires_grad=True)
-    out, _ = moe_gemm_op(rows.to(torch.float8_e4m3fn), torch.ones(4, 1, device=DEVICE), weight, scale, None, None, bias,
-                         None, *plan, 4, 1, int(WeightFormat.FP8), 1.0, 0, False, False, 1.0, 0.0,
-                         [16, 32, 128, 1, 4, 2], torch.float32, False)
+    out, _ = grouped_gemm(GemmRows(rows.to(torch.float8_e4m3fn), torch.ones(4, 1, device=DEVICE)),
+                          GemmWeight(weight, WeightFormat.FP8, scale), GemmRoute(*plan, 4),
+                          GemmEpilogue(torch.float32, bias=bias), GemmConfig(16, 32, 128, 1, 4, 2))
     with pytest.raises(mf.InputError, match="inference-only"):
         out.sum().backward()
 

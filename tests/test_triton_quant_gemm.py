@@ -28,6 +28,7 @@ import moeforge as mf  # noqa: E402
 from moeforge.kernels import align, moe_gemm, quantize  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig  # noqa: E402
+from moeforge.kernels.grouped_gemm_call import encode_config  # noqa: E402
 from moeforge.payloads import Activations  # noqa: E402
 from moeforge.spec import DType  # noqa: E402
 from moeforge.stages.activation import apply_activation  # noqa: E402
@@ -626,7 +627,7 @@ def test_custom_ops_have_fake_implementations() -> None:
     ops = torch.ops.moeforge
     assert x.scale is not None
     args = (x.data, x.scale, t["w13"], t["w13_scale"], None, None, None, None, *plan, 6, 2, int(WeightFormat.FP8),
-            1.0, 1, True, False, 1.0, 0.0, [16, 128, 128, 1, 4, 2])
+            1.0, 1, True, False, 1.0, 0.0, encode_config(GemmConfig(16, 128, 128, 1, 4, 2)))
     calls = {
         "gemm": lambda *a: ops.moe_gemm(*a, torch.float16, False),
         "fp8_out": lambda *a: ops.moe_gemm(*a, torch.float16, True),

@@ -23,6 +23,7 @@ from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_k
 from moeforge.payloads import BlockAlignment
 from moeforge.spec import DType
 from moeforge.kernels.formats import WeightFormat
+from moeforge.kernels.grouped_gemm_call import decode_config, encode_config
 from moeforge.stages.triton_quant import FusedQuantGroupedGemm, default_quant_config
 
 ENTRY: dict[str, Any] = {"gate_up": dict(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3),
@@ -213,10 +214,7 @@ def test_a_table_entry_may_choose_tma_and_the_choice_survives_the_custom_op(
     assert tuned.gate_up.tma is True and tuned.down.tma is False
     assert ConfigTable.load("Test GPU", 8, 2, 256, 128, "bf16").lookup(1).gate_up.tma is None
     for config in (tuned.gate_up, tuned.down, GemmConfig(16, 32, 128)):
-        assert GemmConfig.from_list(config.as_list()) == config
-    assert GemmConfig.from_list([16, 32, 128, 1, 4, 4]) == GemmConfig(16, 32, 128, 1, 4, 4)  # six integers: None
-    with pytest.raises(ValueError, match="6 to 11"):
-        GemmConfig.from_list([16, 32])
+        assert decode_config(encode_config(config)) == config
 
 
 class _LaunchSpy:
@@ -246,8 +244,7 @@ def test_a_table_entry_may_choose_swap_and_the_launch_follows_it(tmp_path: Path,
     tuned = ConfigTable.load("Test GPU", 8, 2, 256, 128, "bf16", weight_format="mxfp4").lookup(4096)
     assert tuned.gate_up.swap is True and tuned.down.swap is False
     for config in (tuned.gate_up, tuned.down):
-        assert GemmConfig.from_list(config.as_list()) == config
-    assert GemmConfig.from_list([16, 32, 128, 1, 4, 4, -1, 0]).swap is False  # eight integers: before swap
+        assert decode_config(encode_config(config)) == config
 
     spy = _LaunchSpy()
     monkeypatch.setattr(kernels, "moe_gemm_kernel", spy)

@@ -35,6 +35,8 @@ from moeforge.errors import InputError
 from moeforge.kernels import activations as codes
 from moeforge.kernels.formats import WeightFormat
 from moeforge.activation import apply_activation
+from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmWeight, decode_config,
+                                                grouped_gemm)
 
 
 # -- expert weight gradient ---------------------------------------------------------------------------
@@ -155,13 +157,12 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
                          "unquantized layer, then quantize it)")
     a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded = ctx.saved_tensors
     p = ctx.args
-    ops = torch.ops.moeforge
-    route = (sorted_ids, block_expert, num_padded, p["num_copies"])
-    config = p["config"]
-    aligned = p.get("aligned_block_m", 0) or config[0]  # the block sorted_ids was aligned with
+    config = decode_config(p["config"])
+    aligned = p.get("aligned_block_m", 0) or config.block_m  # the block sorted_ids was aligned with
+    route = GemmRoute(sorted_ids, block_expert, num_padded, p["num_copies"], aligned_block_m=aligned)
     # The pre-activation rows, recomputed in fp32 ([copies, N_w], in the weight's row order).
-    pre, _ = ops.moe_gemm(a, None, weight, None, None, None, bias, None, *route, p["rows_per_a"], 0, 1.0, 0, False,
-                          False, 1.0, 0.0, config, torch.float32, False, aligned)
+    pre, _ = grouped_gemm(GemmRows(a, rows_per_a=p["rows_per_a"]), GemmWeight(weight), route,
+                          GemmEpilogue(torch.float32, bias=bias), config)
     activation = codes.config_of(p["act"], p["glu"], p["interleaved"], p["alpha"], p["limit"])
     with torch.enable_grad():
         pre_leaf = pre.detach().requires_grad_()
@@ -177,13 +178,14 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     d_a = d_weight = d_bias = None
     if needs[0]:
         # d_rows[c] = d_pre[c] @ W[e]: the same kernel on the transposed weight, one copy per row.
-        d_rows, _ = ops.moe_gemm(d_pre, None, weight.transpose(1, 2), None, None, None, None, None, *route, 1, 0, 1.0, 0,
-                                 False, False, 1.0, 0.0, config, torch.float32, False, aligned)
+        d_rows, _ = grouped_gemm(GemmRows(d_pre), GemmWeight(weight.transpose(1, 2)), route,
+                                 GemmEpilogue(torch.float32), config)
         r = p["rows_per_a"]
         d_a = (d_rows.view(-1, r, d_rows.shape[1]).sum(1) if r > 1 else d_rows).to(a.dtype)
     if needs[2] or (bias is not None and needs[6]):
-        dw, db = ops.expert_weight_grad(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
-                                        weight.shape[0], aligned, bias is not None and needs[6], weight.dtype)
+        dw, db = torch.ops.moeforge.expert_weight_grad(d_pre, a, p["rows_per_a"], sorted_ids, block_expert,
+                                                       num_padded, weight.shape[0], aligned,
+                                                       bias is not None and needs[6], weight.dtype)
         d_weight = dw if needs[2] else None
         d_bias = db if bias is not None and needs[6] else None
     grads_out: list[Any] = [None] * len(_MOE_GEMM_INPUTS)

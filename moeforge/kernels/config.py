@@ -23,6 +23,10 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 
 @attrs.frozen
 class GemmConfig:
+    """One grouped GEMM's launch configuration. It crosses the ``moeforge::moe_gemm`` custom op as the integer
+    list of :func:`moeforge.kernels.grouped_gemm_call.encode_config`, one integer per field: a new field is added
+    there too (``tests/test_grouped_gemm_call.py`` checks that every field is encoded)."""
+
     block_m: int
     block_n: int
     block_k: int
@@ -70,28 +74,6 @@ class GemmConfig:
     def _check_split_k(self, attribute: Any, value: Optional[int]) -> None:
         if value is not None and value < 1:
             raise ValueError(f"split_k must be None or >= 1, got {value}")
-
-    def as_list(self) -> list[int]:
-        """The configuration as integers (a custom op's argument): ``tma`` as -1 (None), 0 or 1, ``split_k`` as
-        0 (None) or itself, ``swap`` and ``half_tail`` as 0 or 1, ``decode_chunk`` as itself."""
-        return [self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps, self.num_stages,
-                -1 if self.tma is None else int(self.tma), 0 if self.split_k is None else self.split_k,
-                int(self.swap), int(self.half_tail), self.decode_chunk]
-
-    @classmethod
-    def from_list(cls, values: list[int]) -> GemmConfig:
-        """The inverse of :meth:`as_list` (six integers: ``tma`` None; seven: ``split_k`` None; eight: ``swap``
-        False; nine: ``half_tail`` False; ten: ``decode_chunk`` 0)."""
-        if not 6 <= len(values) <= 11:
-            raise ValueError(f"a GemmConfig list has 6 to 11 integers, got {values}")
-        tma = None if len(values) == 6 or values[6] < 0 else bool(values[6])
-        split_k = None if len(values) < 8 or values[7] == 0 else values[7]
-        swap = len(values) >= 9 and bool(values[8])
-        half_tail = len(values) >= 10 and bool(values[9])
-        decode_chunk = values[10] if len(values) == 11 else 0
-        block_m, block_n, block_k, group_m, num_warps, num_stages = values[:6]
-        return cls(block_m, block_n, block_k, group_m, num_warps, num_stages, tma, split_k, swap, half_tail,
-                   decode_chunk)
 
 
 @attrs.frozen

@@ -29,7 +29,7 @@ import triton.language as tl
 from moeforge.kernels.format_codes import W_FIRST_E2M1
 
 from moeforge.kernels import shuffle
-from moeforge.kernels.dequant import group_scales, weight_tile
+from moeforge.kernels.dequant import group_scales, packed_decoding, weight_tile
 from moeforge.kernels.formats import WeightFormat, weight_operand
 
 # The decoding's tile: [DECODE_BLOCK_N, DECODE_BLOCK_K] weights per program (32 rows of 1 KiB out in bf16), the
@@ -88,8 +88,6 @@ def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_sca
     wherever it applies; the values are the same either way. ``shuffled``: ``weight`` is in the pre-shuffled layout
     (:mod:`moeforge.kernels.shuffle`; ``paired_rows``: shuffled paired, scales and zero points paired too); ``out``
     is in K order either way, its rows interleaved for paired ones."""
-    from moeforge.kernels.moe_gemm import packed_decoding  # (moe_gemm imports this module)
-
     weight_format = WeightFormat(weight_format)
     if not weight_format.packed:
         raise ValueError(f"decode_weights decodes 4-bit weights (INT4, MXFP4, NVFP4), got {weight_format.name}")

@@ -36,12 +36,26 @@ order.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from moeforge.kernels.format_codes import W_FIRST_E2M1, W_INT4, W_MXFP4
+from moeforge.kernels.formats import WeightFormat
 
 from moeforge.kernels.shuffle import E2M1_PATTERN_MASK, E2M1_ROTATIONS, E2M1_SPREAD
+
+
+def packed_decoding(device: torch.device, compute_dtype: torch.dtype, weight_format: WeightFormat) -> bool:
+    """Whether 4-bit operands computed in ``compute_dtype`` on ``device`` can use the packed inline-PTX
+    decoding: NVIDIA GPUs, bf16 or fp16 (MXFP4's E8M0 scales need bf16's range). The GEMM
+    (:mod:`moeforge.kernels.moe_gemm`) and the decoding first (:mod:`moeforge.kernels.decode_first`) ask it."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if compute_dtype == torch.bfloat16:
+        return True
+    return compute_dtype == torch.float16 and weight_format is not WeightFormat.MXFP4
+
 
 # -- portable decoding -----------------------------------------------------------------------------
 

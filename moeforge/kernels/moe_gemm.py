@@ -55,7 +55,7 @@ from moeforge.kernels.pdl import device_capability
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
 from moeforge.kernels.dequant import (FOLDED_SCALE_MAX, NVFP4_FOLD_REST, e2m1, e2m1_pairs, e4m3, e4m3_pairs,
-                                      group_scales, spread, unpair, weight_tile)
+                                      group_scales, packed_decoding, spread, unpair, weight_tile)
 from moeforge.kernels.format_codes import (K_EVEN_VECTOR_SCALES, K_RAGGED, ROWS_FLOAT, ROWS_NVFP4, SCALES_GROUP,
                                            SCALES_ROW, W_FIRST_E2M1, W_FIRST_PACKED, W_FP8, W_INT8, W_NVFP4)
 from moeforge.kernels.formats import (NVFP4_GROUP, SCALE_BLOCK, KTail, RowFormat, RowScales, WeightFormat,
@@ -711,16 +711,6 @@ def fit_config(config: GemmConfig, compute_bytes: int, *, packed: bool, per_k_sc
     if packed and fitted.block_k < 32:
         fitted = attrs.evolve(fitted, block_k=32, num_stages=2)
     return fitted
-
-
-def packed_decoding(device: torch.device, compute_dtype: torch.dtype, weight_format: WeightFormat) -> bool:
-    """Whether 4-bit operands computed in ``compute_dtype`` on ``device`` can use the packed inline-PTX
-    decoding: NVIDIA GPUs, bf16 or fp16 (MXFP4's E8M0 scales need bf16's range)."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    if compute_dtype == torch.bfloat16:
-        return True
-    return compute_dtype == torch.float16 and weight_format is not WeightFormat.MXFP4
 
 
 def scale_fold(weight_format: WeightFormat, compute_dtype: torch.dtype, packed: bool, weight_scale_max: Optional[int],

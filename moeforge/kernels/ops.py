@@ -14,8 +14,8 @@ import triton
 
 from moeforge.kernels import align, backward, combine, quantize, topk
 from moeforge.kernels import moe_gemm as kernel
-from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.formats import WeightFormat
+from moeforge.kernels.grouped_gemm_call import NO_SCALE_BOUND, decode_config
 
 
 @torch.library.custom_op("moeforge::align_block_size", mutates_args=())
@@ -72,18 +72,21 @@ def moe_gemm(
     weight_shuffled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`): ``(out, out_scale)``, where
-    ``out_scale`` is the per-128-group FP8 scale when ``fp8_out`` (else empty); ``aligned_block_m``: the block
-    the rows were aligned with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0
-    codes (255: none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout
-    (:mod:`moeforge.kernels.shuffle`)."""
+    ``out_scale`` is the per-128-group FP8 scale when ``fp8_out`` (else empty). Its only caller is
+    :func:`moeforge.kernels.grouped_gemm_call.grouped_gemm`, which fills these positional arguments from operand
+    records. ``config``: the launch configuration as :func:`~moeforge.kernels.grouped_gemm_call.encode_config`
+    writes it (a list of another length is a ``ValueError``); ``aligned_block_m``: the block the rows were aligned
+    with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255: none known);
+    ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`)."""
     out, out_scale = _moe_gemm_outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
     kernel.moe_gemm(
-        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=GemmConfig.from_list(config),
+        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=decode_config(config),
         weight_format=WeightFormat(weight_format), a_scale=a_scale, a_global=a_global,
         weight_scale=weight_scale, weight_zero=weight_zero, weight_global=weight_global, bias=bias,
         topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit,
         out_scale=out_scale if fp8_out else None, aligned_block_m=aligned_block_m or None,
-        weight_scale_max=weight_scale_max if weight_scale_max < 255 else None, weight_shuffled=weight_shuffled)
+        weight_scale_max=weight_scale_max if weight_scale_max < NO_SCALE_BOUND else None,
+        weight_shuffled=weight_shuffled)
     return out, out_scale
 
 

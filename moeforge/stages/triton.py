@@ -4,7 +4,9 @@ These stages speak the same specs as the torch reference stages, so the contract
 alike. The dispatch does not move rows: it computes a ``BLOCK_ALIGNED`` plan and the first GEMM gathers
 its input rows by index. The first GEMM can fuse the activation (then it covers the ``gemm`` and
 ``activation`` kinds). Kernels run through the ``moeforge::`` custom ops (``torch.compile`` and CUDA
-graphs work); the ops module is imported when a stage is built, so ``import moeforge`` needs no Triton.
+graphs work), the grouped GEMMs through the op's one caller,
+:func:`moeforge.kernels.grouped_gemm_call.grouped_gemm`; the ops module is imported when a stage is built, so
+``import moeforge`` needs no Triton.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from moeforge.errors import BackendUnavailableError, InputError
 from moeforge.kernels.config import ConfigTable
+from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
 from moeforge.payloads import Activations, AlignedRows, BlockAlignment, MoEInput, Plan, RoutedTokens, TopKOutput
 from moeforge.spec import (
     Accepts,
@@ -229,19 +232,16 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         alignment = x.alignment
         config = alignment.config  # chosen by the dispatch for this batch; the spec checked the tables agree
         gemm = config.gate_up if self.role is GemmRole.GATE_UP else config.down
-        out, _ = torch.ops.moeforge.moe_gemm(
-            x.x.data, None, resolve(self.weight), None, None, None,
-            resolve(self.bias) if self.bias is not None else None,
-            x.copy_weights if self.apply_routing_weights else None,
-            alignment.sorted_ids, alignment.block_expert, alignment.num_padded,
-            alignment.num_copies,
-            1 if x.copy_major else alignment.copies_per_row,
-            0, 1.0,  # float weights, no global scale
-            *self._act,
-            gemm.as_list(),
-            x.x.data.dtype,
-            False,
-            alignment.block_m,
+        act, glu, interleaved, alpha, limit = self._act
+        out, _ = grouped_gemm(
+            GemmRows(x.x.data, rows_per_a=1 if x.copy_major else alignment.copies_per_row),
+            GemmWeight(resolve(self.weight)),
+            GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
+                      aligned_block_m=alignment.block_m),
+            GemmEpilogue(x.x.data.dtype, bias=resolve(self.bias) if self.bias is not None else None,
+                         routing_weights=x.copy_weights if self.apply_routing_weights else None, act=act, glu=glu,
+                         interleaved=interleaved, alpha=alpha, limit=limit),
+            gemm,
         )
         return dataclasses.replace(x, x=Activations(out), copy_major=True)
 

@@ -28,6 +28,7 @@ from moeforge.errors import InputError
 from moeforge.expert_weights import ProjectionWeights
 from moeforge.kernels.config import ConfigTable, GemmConfig
 from moeforge.kernels.formats import WeightFormat, weight_operand
+from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
 from moeforge.kernels import shuffle
 from moeforge.kernels.scale_bound import ScaleCodeBound
 from moeforge.payloads import GROUP_SIZE, Activations, AlignedRows, BlockAlignment, ExpertRows, RoutedTokens
@@ -344,19 +345,23 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         fp8_out = self._fp8_epilogue and config.block_n % GROUP_SIZE == 0
         weight_scale = resolve(self.weight_scale)
         scale_max = self._scale_bound.max_code(weight_scale) if self._scale_bound is not None else None
-        out, out_scale = torch.ops.moeforge.moe_gemm(
-            x.x.data, x.x.scale, self._weight(), weight_scale,
-            resolve(self.weight_zero) if self.weight_zero is not None else None,
-            resolve(self.weight_global) if self.weight_global is not None else None,
-            resolve(self.bias) if self.bias is not None else None,
-            x.copy_weights if self.apply_routing_weights else None,
-            alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
-            1 if x.copy_major else alignment.copies_per_row,
-            int(self.weight_format),
-            self.input_global_scale if nvfp4_rows and self.input_global_scale is not None else 1.0,
-            *self._act, config.as_list(), self.out_dtype.torch_dtype, fp8_out, alignment.block_m,
-            255 if scale_max is None else scale_max, self.weight_shuffled)
-        if fp8_out:
+        rows_global = self.input_global_scale if nvfp4_rows and self.input_global_scale is not None else 1.0
+        act, glu, interleaved, alpha, limit = self._act
+        out, out_scale = grouped_gemm(
+            GemmRows(x.x.data, x.x.scale, global_scale=rows_global,
+                     rows_per_a=1 if x.copy_major else alignment.copies_per_row),
+            GemmWeight(self._weight(), self.weight_format, weight_scale,
+                       zero=resolve(self.weight_zero) if self.weight_zero is not None else None,
+                       global_scale=resolve(self.weight_global) if self.weight_global is not None else None,
+                       shuffled=self.weight_shuffled, scale_max=scale_max),
+            GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
+                      aligned_block_m=alignment.block_m),
+            GemmEpilogue(self.out_dtype.torch_dtype, bias=resolve(self.bias) if self.bias is not None else None,
+                         routing_weights=x.copy_weights if self.apply_routing_weights else None, act=act, glu=glu,
+                         interleaved=interleaved, alpha=alpha, limit=limit, fp8_out=fp8_out),
+            config,
+        )
+        if out_scale is not None:
             return dataclasses.replace(x, x=Activations(out, out_scale), copy_major=True)
         if self.output_quantizer is not None:
             dtype, per_group = kernel_format(self.output_quantizer)

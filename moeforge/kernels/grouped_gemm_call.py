@@ -1,0 +1,135 @@
+"""The one caller of the ``moeforge::moe_gemm`` custom op: operand records in, the op's arguments out.
+
+A ``torch.library`` custom op takes a flat schema of tensors, scalars and integer lists, so the grouped GEMM's op
+(:mod:`moeforge.kernels.ops`) has 26 positional arguments. Nothing in the package calls it except
+:func:`grouped_gemm`, which takes the operands as four records and the launch configuration and spells the
+positional order out once:
+
+* :class:`GemmRows`: the rows, their scales, NVFP4 rows' global scale, and how many copies read each row;
+* :class:`GemmWeight`: the expert weights, their :class:`~moeforge.kernels.formats.WeightFormat`, scales, zero
+  points, global scales, layout (pre-shuffled) and a known bound on MXFP4's scale codes;
+* :class:`GemmRoute`: the block-aligned plan (:mod:`moeforge.kernels.align`): which copy each row slot holds,
+  each block's expert, the padded row count, the number of copies and the block the rows were aligned with;
+* :class:`GemmEpilogue`: what happens to the accumulators: bias, routing weights, activation, output dtype,
+  FP8 output quantization.
+
+An absent operand is ``None`` in its record; the op's own placeholders (``0`` for "the configuration's
+``block_m``", ``255`` for "no bound known") are written here only. The launch configuration crosses the op as
+the fixed-length integer list of :func:`encode_config`, which the op parses with :func:`decode_config`.
+``tests/test_grouped_gemm_call.py`` fails if another module of the package calls the op.
+
+The records are frozen dataclasses, not ``attrs`` classes: the stages build them in every forward, and Dynamo
+cannot trace a frozen ``attrs`` ``__init__`` (see :mod:`moeforge.payloads`). This module imports neither Triton
+(the stages import it with ``import moeforge``) nor :mod:`moeforge.kernels.ops` (which imports the op's backward,
+:mod:`moeforge.kernels.backward`, which calls :func:`grouped_gemm`): the op exists once
+:mod:`moeforge.kernels.ops` is imported, which the Triton stages do when they are built
+(:func:`moeforge.stages.triton.kernel_ops`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from moeforge.kernels.config import GemmConfig
+from moeforge.kernels.formats import WeightFormat
+
+# The op's ``config`` argument: one integer per field, in this order (:func:`encode_config`).
+CONFIG_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "split_k", "swap",
+                 "half_tail", "decode_chunk")
+
+NO_SCALE_BOUND = 255  # the op's weight_scale_max when no bound on the E8M0 codes is known (every code is <= 255)
+
+
+def encode_config(config: GemmConfig) -> list[int]:
+    """``config`` as the op's ``config`` argument: one integer per field of :data:`CONFIG_FIELDS`, in that
+    order; ``tma`` as -1 (``None``: the launcher's rule), 0 or 1; ``split_k`` as 0 (``None``: the launcher's rule)
+    or itself; ``swap`` and ``half_tail`` as 0 or 1; the others as themselves."""
+    return [config.block_m, config.block_n, config.block_k, config.group_m, config.num_warps, config.num_stages,
+            -1 if config.tma is None else int(config.tma), 0 if config.split_k is None else config.split_k,
+            int(config.swap), int(config.half_tail), config.decode_chunk]
+
+
+def decode_config(values: Sequence[int]) -> GemmConfig:
+    """The inverse of :func:`encode_config`; a list of another length is a ``ValueError``."""
+    if len(values) != len(CONFIG_FIELDS):
+        raise ValueError(f"the moe_gemm op's config is {len(CONFIG_FIELDS)} integers ({', '.join(CONFIG_FIELDS)}; "
+                         f"made by encode_config), got {len(values)}: {list(values)}")
+    block_m, block_n, block_k, group_m, num_warps, num_stages, tma, split_k, swap, half_tail, decode_chunk = values
+    return GemmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
+                      tma=None if tma < 0 else bool(tma), split_k=None if split_k == 0 else split_k, swap=bool(swap),
+                      half_tail=bool(half_tail), decode_chunk=decode_chunk)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GemmRows:
+    """The rows the GEMM reads: copy ``c`` of the route reads row ``c // rows_per_a``."""
+
+    data: torch.Tensor  # [R, K]: float, float8_e4m3fn or int8; or uint8 [R, K / 2]: NVFP4 (packed e2m1)
+    # FP8 / INT8: fp32 [1] (per tensor), [R, 1] (per token) or [R, K / 128] (per group); NVFP4: e4m3 [R, K / 16]
+    scale: Optional[torch.Tensor] = None
+    global_scale: float = 1.0  # NVFP4 rows: the static global scale they were quantized with
+    rows_per_a: int = 1  # copies per row (top_k for token-major rows a first GEMM gathers from; else 1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GemmWeight:
+    """The experts' weights ``[E, N_w, K]`` (packed 4-bit: ``[E, N_w, K / 2]`` uint8) and what decodes them
+    (:func:`moeforge.kernels.formats.weight_operand` says what each format needs)."""
+
+    data: torch.Tensor
+    format: WeightFormat = WeightFormat.FLOAT
+    scale: Optional[torch.Tensor] = None
+    zero: Optional[torch.Tensor] = None  # INT4's zero points
+    global_scale: Optional[torch.Tensor] = None  # NVFP4's fp32 [E] (or float weights decoded from NVFP4)
+    shuffled: bool = False  # 4-bit weights in the pre-shuffled layout (moeforge.kernels.shuffle)
+    # MXFP4: a bound on the E8M0 codes of ``scale`` (moeforge.kernels.scale_bound), None where none is known
+    scale_max: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GemmRoute:
+    """The block-aligned plan of the copies (:func:`moeforge.kernels.align.align_block_size`)."""
+
+    sorted_ids: torch.Tensor  # the copy in each row slot (num_copies: padding)
+    block_expert: torch.Tensor  # each aligned block's expert
+    num_padded: torch.Tensor  # [1]: the row slots in use
+    num_copies: int  # the output's rows
+    aligned_block_m: Optional[int] = None  # the block the rows were aligned with (None: the config's block_m)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GemmEpilogue:
+    """What the GEMM does with its accumulators before it stores them: bias, activation (the codes of
+    :mod:`moeforge.kernels.activations`; 0, the identity), routing weights, then the output's dtype or, with
+    ``fp8_out``, float8_e4m3fn with one fp32 scale per 128 columns."""
+
+    out_dtype: torch.dtype
+    bias: Optional[torch.Tensor] = None  # [E, N_w]
+    routing_weights: Optional[torch.Tensor] = None  # one per copy, multiplied in after the activation
+    act: int = 0
+    glu: bool = False  # a gated activation on [gate | up] (or interleaved) weight rows: N = N_w / 2 columns out
+    interleaved: bool = False
+    alpha: float = 1.0
+    limit: float = 0.0
+    fp8_out: bool = False
+
+
+def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue: GemmEpilogue, config: GemmConfig
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(out, out_scale)`` of the grouped GEMM (``torch.ops.moeforge.moe_gemm``, launching
+    :func:`moeforge.kernels.moe_gemm.moe_gemm`): ``out [num_copies, N]`` where copy ``c``'s row is the epilogue
+    of ``rows[c // rows_per_a] @ weight[expert of c]^T``; ``out_scale [num_copies, N / 128]`` with ``fp8_out``,
+    else ``None``. ``config``: the launch configuration, before the launcher fits it to the operands."""
+    out, out_scale = torch.ops.moeforge.moe_gemm(
+        rows.data, rows.scale, weight.data, weight.scale, weight.zero, weight.global_scale, epilogue.bias,
+        epilogue.routing_weights, route.sorted_ids, route.block_expert, route.num_padded, route.num_copies,
+        rows.rows_per_a, int(weight.format), rows.global_scale, epilogue.act, epilogue.glu, epilogue.interleaved,
+        epilogue.alpha, epilogue.limit, encode_config(config), epilogue.out_dtype, epilogue.fp8_out,
+        0 if route.aligned_block_m is None else route.aligned_block_m,
+        NO_SCALE_BOUND if weight.scale_max is None else weight.scale_max, weight.shuffled)
+    result: torch.Tensor = out
+    return result, out_scale if epilogue.fp8_out else None
