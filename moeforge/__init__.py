@@ -108,7 +108,7 @@ __all__ = [
     "ActivationKind", "GateUpLayout", "SharedExpertsConfig", "SharedGate", "Backend", "DispatchDtype", "DType",
     # weight formats
     "QuantMethod", "UnquantizedMethod", "Fp8W8A8Method", "Int8W8A8Method", "W4A16Method", "Mxfp4Method",
-    "Nvfp4Method", "W4A4NpuMethod", "ExpertWeights", "ProjectionWeights", "ExpertNames", "ProjectionNames",
+    "Nvfp4Method", "W4A4NpuMethod",
     # pipelines composed by hand
     "Pipeline", "chain", "input_spec", "MoEInput", "MoEOutput", "TopK", "CustomTopK", "SortedDispatch",
     "PaddedDispatch", "GroupedGemm", "GemmRole", "Activate", "Combine", "QuantizeTokens",

@@ -33,6 +33,7 @@ from moeforge.stages.triton_quant import (
     QuantizeAligned,
     TritonQuantizeTokens,
 )
+from moeforge.expert_weights import ExpertNames, ExpertWeights, ProjectionNames, ProjectionWeights
 from moeforge.kernels.formats import WeightFormat
 from moeforge.stages.combine import Combine, combine_rows
 from moeforge.stages.dispatch import Overflow, PaddedDispatch, SortedDispatch
@@ -60,6 +61,7 @@ from moeforge.stages.topk import (
 
 __all__ = [
     "Stage", "StageKind", "Mismatch", "ParamRef", "optional_ref",
+    "ExpertWeights", "ProjectionWeights", "ExpertNames", "ProjectionNames",
     "Activations", "AlignedRows", "BlockAlignment", "ExpertRows", "MoEInput", "MoEOutput", "PaddedRows", "Plan",
     "RoutedTokens", "SortedRows", "TopKOutput",
     "Activate", "ActivationConfig", "ActivationKind", "GateUpLayout", "apply_activation",
