@@ -159,12 +159,15 @@ def select(config: LayerConfig) -> Selection:
                      + "\n".join(f"  {name}: {reason}" for name, reason in skipped))
 
 
-def experts_for(method: Any, backend: Backend, layout: Optional[Layout] = None) -> type[Experts]:
-    """The first Experts candidate that computes ``method`` (a quant method) on ``backend`` and reads ``layout``
-    rows (``None``: any). Raises :class:`BackendUnavailableError` when none does."""
+def experts_for(method: Any, backend: Backend, layout: Optional[Layout] = None,
+                weights: Optional[ExpertWeights] = None) -> type[Experts]:
+    """The first Experts candidate that computes ``method`` (a quant method) on ``backend``, reads ``layout`` rows
+    (``None``: any) and can compute ``weights`` (``Experts.weights_problem``; ``None``: not checked). Raises
+    :class:`BackendUnavailableError` when none does."""
     found = [experts for experts in EXPERTS if experts is not MethodOwnExperts and isinstance(method, experts.method)]
     for experts in found:
-        if experts.backend is backend and (layout is None or layout in experts.layouts):
+        if experts.backend is backend and (layout is None or layout in experts.layouts) and (
+                weights is None or experts.weights_problem(weights) is None):
             return experts
     runs = sorted({f"backend={e.backend.value!r} ({', '.join(sorted(x.value for x in e.layouts))} rows)"
                    for e in found})
@@ -181,8 +184,9 @@ def expert_stages(method: Any, holder: torch.nn.Module, *, backend: Backend, act
     rows: ``None``, any) for the expert tensors ``holder`` keeps (by ``names``, default the method's own), outside a
     layer: what a hand-built pipeline or a test composes (``configs``: the launch table the triton experts share
     with the block-aligned dispatch)."""
-    experts = experts_for(method, backend, layout)
-    return experts.stages(method, method.expert_weights(holder, names), activation=activation,
+    weights = method.expert_weights(holder, names)
+    experts = experts_for(method, backend, layout, weights)
+    return experts.stages(method, weights, activation=activation,
                           routing_weights_in_epilogue=routing_weights_in_epilogue, configs=configs, dispatch=dispatch)
 
 

@@ -33,6 +33,9 @@ class WeightFormat(enum.IntEnum):
     ======  =====================  ==========================================  ===========================
     """
 
+    # The codes are grouped — float, 8-bit, packed integer, packed e2m1 — because the kernels test a group by a range
+    # (kernels/format_codes.py: ``B_FMT >= W_FIRST_PACKED``, ``>= W_FIRST_E2M1``): a new format goes into its group
+    # and the codes after it move up (tests/test_format_codes.py checks the ranges against ``packed`` and ``e2m1``).
     FLOAT = 0  # the rows' dtype
     FP8 = 1
     INT8 = 2
@@ -43,7 +46,7 @@ class WeightFormat(enum.IntEnum):
     @property
     def packed(self) -> bool:
         """Two 4-bit values per byte along K (dequantized in registers)."""
-        return self >= WeightFormat.INT4
+        return self in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4)
 
     @property
     def e2m1(self) -> bool:
@@ -52,7 +55,8 @@ class WeightFormat(enum.IntEnum):
 
     @property
     def eight_bit(self) -> bool:
-        """FP8 or INT8 weights, which meet rows of their own dtype (W8A8)."""
+        """FP8 or INT8 weights, which meet rows of their own dtype (W8A8: the kernel pairs no 8-bit weight with
+        float rows yet; a W8A16 format would need that pairing, a code of its own and its own ``input_scales``)."""
         return self in (WeightFormat.FP8, WeightFormat.INT8)
 
     @property

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
 import attrs
 import torch
+from typing_extensions import Self
 
 from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype
@@ -188,6 +189,12 @@ class Experts(Role):
                 f"dispatch_dtype={own!r} lets them run")
 
     @classmethod
+    def weights_problem(cls, weights: ExpertWeights) -> Optional[str]:
+        """Why it cannot compute these expert tensors (their dtypes, sizes or strides), or ``None``: what
+        :func:`moeforge.selector.expert_stages` checks where no :class:`LayerConfig` is at hand. Default: none."""
+        return None
+
+    @classmethod
     def quantize_stage(cls, config: LayerConfig) -> Optional[Stage[RoutedTokens, RoutedTokens]]:
         """The stage that turns the layer's activations into the dispatch format (``None``: none needed)."""
         return config.quant.quantize_stage(config.dispatch.dtype, config.compute_dtype)
@@ -259,7 +266,7 @@ class Dispatcher(Role):
         return None
 
     @classmethod
-    def settings(cls, config: LayerConfig) -> Optional[Dispatcher]:
+    def settings(cls, config: LayerConfig) -> Optional[Self]:
         """The instance of this dispatcher the layer was given (``dispatcher=``), holding its settings;
         ``None`` when it was asked for by name or chosen automatically."""
         return config.dispatcher if isinstance(config.dispatcher, cls) else None
