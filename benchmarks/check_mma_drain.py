@@ -1,11 +1,11 @@
-"""The register-operand wgmma race on one Hopper GPU, reproduced and closed: what ``moe_gemm.drain_mma`` is for.
+"""The register-operand wgmma race on one Hopper GPU, reproduced and closed: what ``launch_plan.drain_mma`` is for.
 
     OUT=/some/folder python benchmarks/check_mma_drain.py
 
 With Triton < 3.9, a wgmma whose left operand comes from registers decoded in the K-loop (the swapped
 4-bit product, the NVFP4 rows) is split into k16 MMAs that each wait only for all but the last n-1; the next K-step's
 decoding / scale loads / addresses are given (by ptxas) the registers of MMAs still in flight -> wrong values, more
-often where the tensor cores are busier (several programs per SM). The launcher's answer: moe_gemm.drain_mma -> the
+often where the tensor cores are busier (several programs per SM). The launcher's answer: launch_plan.drain_mma -> the
 kernel's DRAIN_MMA (wgmma.wait_group 0 after each K-step).
 
 Sections (each prints a VERDICT line; everything also goes to $OUT/fences.txt):
@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from moeforge.kernels import align, shuffle  # noqa: E402
+from moeforge.kernels import launch_plan  # noqa: E402
 from moeforge.kernels import moe_gemm as mg  # noqa: E402
 from moeforge.kernels.activations import ACT_SILU  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig  # noqa: E402
@@ -64,12 +65,12 @@ spec = importlib.util.spec_from_file_location("sass_loop", ROOT / "benchmarks" /
 sass_loop = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sass_loop)
 
-REAL_DRAIN = mg.drain_mma
+REAL_DRAIN = launch_plan.drain_mma
 REAL_SMS = mg._multiprocessors
 
 
 def set_drain(on: bool) -> None:
-    mg.drain_mma = REAL_DRAIN if on else (lambda *a, **k: False)
+    launch_plan.drain_mma = REAL_DRAIN if on else (lambda *a, **k: False)
 
 
 def set_sms(factor: int) -> None:
@@ -308,15 +309,14 @@ torch.cuda.empty_cache()
 
 # -- E --------------------------------------------------------------------------------------------
 say("\nE the new GPU tests with the drain off (expected: FAIL) and on (expected: pass)")
-SELECT = ["tests/test_shuffled_weights.py::test_long_k_loops_of_wide_swapped_tiles_repeatably",
-          "tests/test_half_tail.py::test_nvfp4_rows_with_half_tiles_on_the_persistent_grids"]
+SELECT = ["tests/test_mma_drain_gpu.py"]
 for drain in (False, True):
     if time.time() - START > 225:
         say("E skipped (time)")
         break
-    code = ("import sys, pytest; import moeforge.kernels.moe_gemm as m\n"
+    code = ("import sys, pytest; import moeforge.kernels.launch_plan as m\n"
             + ("" if drain else "m.drain_mma = lambda *a, **k: False\n")
-            + f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', '-k', 'tile0 or gate_up-64', *{SELECT!r}]))")
+            + f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{SELECT!r}]))")
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -2,7 +2,7 @@
 
 With Triton before 3.9, a warpgroup MMA that takes its left operand from registers (the decoded 4-bit weight tile
 of the swapped product; decoded NVFP4 rows) may still be reading them when the next K-step's decoding writes them
-(ptxas reuses the registers; ``moe_gemm.drain_mma``): the output is wrong on some grids and tiles, right on others.
+(ptxas reuses the registers; ``launch_plan.drain_mma``): the output is wrong on some grids and tiles, right on others.
 The launcher makes each K-step wait for its MMAs there. These tests compare every element against a product whose
 MMA reads both operands from shared memory, on the two configurations that were wrong every time without the wait
 (an H200 at a7432f3: Mixtral's shuffled MXFP4 down GEMM on 128-row tiles, one program per tile; NVFP4 rows against

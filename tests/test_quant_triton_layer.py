@@ -101,7 +101,7 @@ def test_quantized_triton_stages_with_split_k_loops_equal_the_torch_layer(name: 
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Both expert GEMMs with their K-loops split in two (``moe_gemm.default_split_k`` forced: on a GPU it splits
     only long decode K-loops), through the stages, the custom ops and the FP8 re-quantization between the GEMMs."""
-    from moeforge.kernels import moe_gemm
+    from moeforge.kernels import launch_plan, moe_gemm
 
     reductions = []
     real = moe_gemm.moe_gemm_reduce_kernel
@@ -111,7 +111,7 @@ def test_quantized_triton_stages_with_split_k_loops_equal_the_torch_layer(name: 
             reductions.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(moe_gemm, "default_split_k", lambda *args: 2)
+    monkeypatch.setattr(launch_plan, "default_split_k", lambda *args: 2)
     monkeypatch.setattr(moe_gemm, "moe_gemm_reduce_kernel", Counted())
     reference = _reference(METHODS[name], "auto", hidden=256, inter=256)  # K-loops of at least two steps
     pipeline = _triton_pipeline(reference)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moeforge as mf  # noqa: E402
 from moeforge.batch_invariant import INVARIANT_GEMM, family_member, in_family  # noqa: E402
-from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels import align, launch_plan, moe_gemm  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.kernels.grouped_gemm_call import decode_config, encode_config  # noqa: E402
@@ -207,7 +207,7 @@ def test_a_tuned_tables_split_choice_is_read() -> None:
 def test_the_rule_gives_way_to_an_explicit_persistent_grid(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default split is the rule's; asking for a persistent grid (which cannot split) takes precedence."""
     asked: list[Any] = []
-    monkeypatch.setattr(moe_gemm, "default_split_k", lambda *args: asked.append(args) or 3)
+    monkeypatch.setattr(launch_plan, "default_split_k", lambda *args: asked.append(args) or 3)
     ids, *plan = _plan(4, 3, 1, 16)
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(4, 96, generator=gen).to(DEVICE, DTYPE)

@@ -42,7 +42,6 @@ copied by the tensor memory accelerator (a host-side descriptor, :func:`weight_t
 
 from __future__ import annotations
 
-import re
 from typing import Any, Optional
 
 import attrs
@@ -53,7 +52,12 @@ import triton.language as tl
 from moeforge.kernels import decode_first, pdl, shuffle
 from moeforge.kernels.pdl import device_capability
 from moeforge.kernels.activations import ACT_NONE, activate, gated
-from moeforge.kernels.config import GemmConfig, fit_shared_memory
+from moeforge.kernels.config import GemmConfig
+from moeforge.kernels.launch_plan import (GRIDS, SHUFFLED_PERSISTENT_BLOCK_M, LaunchFacts, LaunchPlan, TensorDescriptor,
+                                          cvt_by_four,
+                                          default_grid, default_split_k, drain_mma, fit_config, fitted_config,
+                                          glu_strides, plan_launch, prefetch_scales, scale_fold,
+                                          tile_in_one_scale_block, vector_scales, weight_tma_applies, weight_tma_pays)
 from moeforge.kernels.dequant import (FOLDED_SCALE_MAX, NVFP4_FOLD_REST, e2m1, e2m1_pairs, e4m3, e4m3_pairs,
                                       group_scales, packed_decoding, spread, unpair, weight_tile)
 from moeforge.kernels.format_codes import (K_EVEN_VECTOR_SCALES, K_RAGGED, ROWS_FLOAT, ROWS_NVFP4, SCALES_GROUP,
@@ -62,10 +66,6 @@ from moeforge.kernels.formats import (NVFP4_GROUP, SCALE_BLOCK, KTail, RowFormat
                                       weight_operand)
 from moeforge.kernels.quantize import quantize_values, scale_of
 
-try:  # host-side tensor descriptors (Triton >= 3.3): the weight tiles through Hopper's TMA
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: pointer loads only
-    TensorDescriptor = None
 
 # Row scale modes (A_SCALE): none, one per row (per token; per tensor with stride 0), per 128-group
 # (FP8), per 16-block e4m3 (NVFP4).
@@ -697,196 +697,9 @@ def _row_scale_mode(fmt: RowFormat, a: torch.Tensor, a_scale: Optional[torch.Ten
                      f"got {tuple(a_scale.shape)}")
 
 
-def fit_config(config: GemmConfig, compute_bytes: int, *, packed: bool, per_k_scales: bool,
-               glu: bool) -> GemmConfig:
-    """``config`` fitted to the kernel for these operands: a K-step within one 128-wide scale group
-    when 8-bit scales change along K; at least 32 K-elements per step when an operand is 4-bit
-    (``packed``: 16 bytes per row); operand tiles that fit in shared memory (``compute_bytes`` per
-    element: 1 for 8-bit, else the compute dtype's, a dequantized 4-bit tile included)."""
-    if per_k_scales and config.block_k > SCALE_BLOCK:
-        config = attrs.evolve(config, block_k=SCALE_BLOCK)
-    if packed and config.block_k < 32:
-        config = attrs.evolve(config, block_k=32)
-    fitted = fit_shared_memory(config, compute_bytes, 2 if glu else 1)
-    if packed and fitted.block_k < 32:
-        fitted = attrs.evolve(fitted, block_k=32, num_stages=2)
-    return fitted
-
-
-def scale_fold(weight_format: WeightFormat, compute_dtype: torch.dtype, packed: bool, weight_scale_max: Optional[int],
-               shuffled: bool) -> bool:
-    """Whether the packed bf16 e2m1 decoding (``packed``) folds its ``x 2**126`` into the scales
-    (:mod:`moeforge.kernels.dequant`): MXFP4 whose E8M0 codes are all at most ``FOLDED_SCALE_MAX`` (known:
-    ``weight_scale_max``), and shuffled NVFP4 (``2**119`` of it; the epilogue multiplies by the rest). Plain NVFP4 does
-    not: on its byte decoding the fold did not pay (docs/notes/kernels-log.md, "Shuffled NVFP4 folds its ...")."""
-    if not packed or compute_dtype != torch.bfloat16:
-        return False
-    if weight_format is WeightFormat.MXFP4:
-        return weight_scale_max is not None and weight_scale_max <= FOLDED_SCALE_MAX
-    return weight_format is WeightFormat.NVFP4 and shuffled
-
-
-def prefetch_scales(weight_format: WeightFormat, config: GemmConfig, swapped: bool) -> bool:
-    """Whether a 4-bit weight's K-steps load their scales one step ahead (the kernel's ``PREFETCH``): from 64-row
-    blocks, and on swapped tiles of any height, whose MMA is a wgmma over 64 weight rows; the 16- and 32-row
-    ``mma.sync`` tiles got slower with it (docs/notes/kernels-log.md, "Scales one K-step ahead" and "Scales one
-    K-step ahead on swapped tiles of any height")."""
-    return weight_format.packed and (config.block_m >= 64 or swapped)
-
-
-def vector_scales(scale: Optional[torch.Tensor], zero: Optional[torch.Tensor]) -> bool:
-    """Whether a 4-bit weight's ``scale`` (and ``zero`` points) rows are aligned so that Triton can load a K-step's
-    groups as one vector: contiguous groups, 16-byte aligned start, other strides multiples of 16 (its divisibility
-    hints). Where they are, even-K tiles of e2m1 weights clamp the step instead of masking each group
-    (``group_scales``' ``CLAMP``, the kernel's ``EVEN_K == K_EVEN_VECTOR_SCALES``), which pays on such rows only
-    (docs/notes/kernels-log.md, "A step's scales loaded as vectors")."""
-    present = [t for t in (scale, zero) if t is not None]
-    return bool(present) and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-                                 and all(step % 16 == 0 for step in t.stride()[:-1]) for t in present)
-
-
-# the smallest block of a shuffled weight's tiles that default_grid puts on the persistent grid
-SHUFFLED_PERSISTENT_BLOCK_M = 128
-
-
-def _version(text: str) -> tuple[int, ...]:
-    """``(major, minor)`` of a version string such as ``3.6.0`` or ``3.9.0+git1234``."""
-    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
-
-
-# Triton before 3.9 lets the next K-step write the registers that a warpgroup MMA of this step still reads (see
-# drain_mma)
-RS_WGMMA_RACE = _version(triton.__version__) < (3, 9)
-
-
-def drain_mma(capability: Optional[tuple[int, int]], swapped: bool, row_format: RowFormat, config: GemmConfig,
-              race: bool = RS_WGMMA_RACE) -> bool:
-    """Whether each K-step waits for all of its warpgroup MMAs before the loop goes on (the kernel's ``DRAIN_MMA``).
-
-    On Hopper the MMA takes its left operand from registers where that operand is decoded in the K-loop: the 4-bit
-    weight tile of a swapped product (``W @ rows^T``), the NVFP4 rows of a wgmma tile (64 rows or more) otherwise.
-    The MMA reads those registers asynchronously, until a ``wgmma.wait_group`` retires it. Triton before 3.9
-    (``race``) splits the dot into k16 MMAs and after each waits only until at most ``n - 1`` of the loop's ``n`` are in
-    flight, so when a step ends most of its MMAs may not have read their operand yet, while ptxas gives those
-    registers to the next step's decoding, scale loads and addresses: compiled for sm_90, Mixtral's swapped 128-row
-    tiles write 14-37 registers per step under an MMA in flight (``benchmarks/sass_loop.py --hazards``). Whether the
-    MMA has read them first depends on how busy the tensor cores are (programs per SM, MMA length), so the output is
-    wrong on some grids and tiles and right on others. Waiting for the step's MMAs at its end closes the window."""
-    if not race or capability is None or capability[0] != 9:
-        return False
-    return swapped or (row_format is RowFormat.NVFP4 and config.block_m >= 64)
-
-
-def glu_strides(glu: bool, interleaved: bool, n_out: int) -> tuple[int, int]:
-    """``(gate_stride, up_offset)``: the weight row of output column n's gate is ``n * gate_stride``,
-    its up row ``n * gate_stride + up_offset`` ([gate | up] or interleaved g0 u0 g1 u1 ...)."""
-    if not glu:
-        return 1, 0
-    return (2, 1) if interleaved else (1, n_out)
-
-
-def cvt_by_four(config: GemmConfig) -> bool:
-    """Whether e4m3 scales are converted four at a time (``dequant.e4m3_pairs``): tiles of at least 64 columns and
-    at most 64 rows, where it made the K-loop faster (docs/notes/kernels-log.md, "e4m3 scales four at a time")."""
-    return config.block_n >= 64 and config.block_m <= 64
-
-
-def tile_in_one_scale_block(block_n: int, gate_stride: int, up_offset: int, glu: bool) -> bool:
-    """Whether every tile's gate rows (``n * gate_stride``) lie in one 128-row weight-scale block, and its
-    up rows (``+ up_offset``) in one: the tile's rows start at multiples of ``block_n * gate_stride``,
-    which divides 128; interleaved up rows sit beside their gate rows, concatenated ones start
-    ``up_offset`` further, a multiple of the span."""
-    span = block_n * gate_stride
-    return SCALE_BLOCK % span == 0 and (not glu or up_offset % span < gate_stride)
-
-
-def weight_tma_applies(weight: torch.Tensor, config: GemmConfig, glu: bool, interleaved: bool) -> bool:
-    """Whether the weight tiles of ``config`` can be copied by the tensor memory accelerator: a descriptor
-    over the weight viewed as ``[E * N_w, K]`` rows (``weight [E, N_w, K]``, K contiguous, experts one after
-    the other, rows and base 16-byte aligned), tiles of at most 256 by 256 elements whose rows span a
-    multiple of 16 bytes; interleaved gate/up rows are viewed as ``[E * N, 2, K]``."""
-    if TensorDescriptor is None or weight.dim() != 3 or (glu and interleaved and weight.shape[1] % 2):
-        return False
-    experts, n_w, k_elems = weight.shape
-    row_bytes = (config.block_k // 2 if weight.dtype == torch.uint8 else config.block_k) * weight.element_size()
-    return (weight.stride(2) == 1 and (weight.stride(0) == n_w * weight.stride(1) or experts == 1)
-            and weight.stride(1) * weight.element_size() % 16 == 0 and weight.data_ptr() % 16 == 0
-            and row_bytes % 16 == 0 and config.block_k <= 256 and config.block_n <= 256
-            and experts * n_w < 2 ** 31 and k_elems > 0)
-
-
 def _multiprocessors(device: torch.device) -> int:
     """The SMs of ``device`` (4 off CUDA: Triton's interpreter runs a persistent grid of 4 programs)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def weight_tma_pays(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig,
-                    interleaved: bool = False) -> bool:
-    """Whether :func:`moe_gemm` copies the weight tiles by TMA by default (where it applies): on Hopper
-    (``capability`` 9.x, see :func:`device_capability`), with the wgmma tiles where it measured faster
-    (docs/notes/kernels-log.md, "Hopper: TMA weight tiles and persistent grids"): float weights from 64 rows,
-    8-bit weights from 64 rows and 128 columns, 4-bit weights from 128 rows. With ``interleaved`` gate/up rows
-    (every other row, ``_weight_rows_tma``) 4-bit weights keep pointer loads. Smaller tiles gain or lose by shape,
-    so a tuned table decides for them per entry (``GemmConfig.tma``)."""
-    if capability is None or capability[0] != 9:
-        return False
-    if weight_format.packed:
-        return config.block_m >= 128 and not interleaved
-    if weight_format in (WeightFormat.FP8, WeightFormat.INT8):
-        return config.block_m >= 64 and config.block_n >= 128
-    return config.block_m >= 64
-
-
-GRIDS = ("tiles", "persistent", "flattened")
-
-
-def default_grid(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig, glu: bool,
-                 rows_per_expert: float, out_bytes: int, shuffled: bool = False) -> str:
-    """The grid :func:`moe_gemm` launches by default (see ``GRIDS``): ``tiles``, one program per tile
-    (the programs past the aligned blocks that exist return at once); ``persistent``, one program per SM
-    taking the tiles that exist grid-stride; ``flattened``, persistent with the tile loop and the K-loop
-    flattened into one pipelined loop, so that the next tile's loads overlap this tile's epilogue.
-
-    The persistent grids pay for float weights on Hopper where a tile's accumulators fill the register file (128
-    fp32 values per thread: one program per SM either way) and each expert has at least two row blocks
-    (``rows_per_expert``, the copies over the experts): ``persistent`` for the fused gate/up GEMM, ``flattened``
-    for the down GEMM (whose plain epilogue overlaps the next tile's loads). Where two programs fit on an SM, with
-    8-bit and 4-bit tiles, and with about one block per expert they lost (docs/notes/kernels-log.md, "Hopper: TMA
-    weight tiles and persistent grids").
-
-    The flattened loop stages the output tile in shared memory beside the operand ring: for ``out_bytes`` 4
-    (fp32 outputs: the backward's, an fp32 layer's) the whole ``block_m x block_n`` tile, which does not fit beside
-    a 4-stage ring of 128x256 tiles; 2-byte outputs stage less and fit. So fp32 outputs take the persistent grid
-    (measurements: docs/notes/kernels-log.md, "The flattened grid and fp32 outputs").
-
-    A pre-shuffled 4-bit weight's tiles of 128 rows or more (``shuffled``, ``SHUFFLED_PERSISTENT_BLOCK_M``) take the
-    persistent grid on Hopper: the H100 and H200 tables' entries for them were tuned on it."""
-    if shuffled and capability is not None and capability[0] == 9 and config.block_m >= SHUFFLED_PERSISTENT_BLOCK_M:
-        return "persistent"
-    if (weight_format is not WeightFormat.FLOAT or capability is None or capability[0] != 9
-            or config.block_m < 128 or rows_per_expert < 2 * config.block_m):
-        return "tiles"
-    accumulators = config.block_m * config.block_n * (2 if glu else 1) // (config.num_warps * 32)
-    if accumulators < 128:
-        return "tiles"
-    return "persistent" if glu or out_bytes > 2 else "flattened"
-
-
-def default_split_k(capability: Optional[tuple[int, int]], weight_format: WeightFormat, config: GemmConfig,
-                    programs: int, k_steps: int, sms: int) -> int:
-    """How many ranges :func:`moe_gemm` splits the K-loop into by default. ``programs``: the tiles of the busy
-    experts (``min(aligned blocks, E) * column tiles``, an upper bound known on the host), ``k_steps``: the
-    K-loop's length, ``sms``: the device's multiprocessors.
-
-    A split pays only where a few programs' long dequantizing K-loops set the time; elsewhere the second launch
-    and the partial sums cost more than they give (docs/notes/kernels-log.md, "Split K for decode"). So: 4-bit
-    weights, or 8-bit ones with K-loops of at least 96 steps; decode tiles (16 and 32 rows); fewer than 2 programs
-    per SM; about 4 programs per SM after the split, at least 8 K-steps per range, at most 4 ranges (8-bit: 2)."""
-    if (capability is None or weight_format is WeightFormat.FLOAT or config.block_m > 32 or programs >= 2 * sms
-            or programs < 1 or (not weight_format.packed and k_steps < 96)):
-        return 1
-    most = 4 if weight_format.packed else 2
-    return max(1, min(most, k_steps // 8, -(-4 * sms // programs)))
 
 
 def _weight_descriptor(weight: torch.Tensor, config: GemmConfig, paired: bool, words: bool = False) -> Any:
@@ -1090,26 +903,21 @@ def moe_gemm(
         raise ValueError(f"out must be bf16/fp16/fp32, got {out.dtype}")
     num_copies, n_out = out.shape
     quant_out = out_scale is not None
-    compute_bytes = 1 if row_format in (RowFormat.FP8, RowFormat.INT8) else (
-        a.element_size() if row_format is RowFormat.FLOAT else out.element_size())
-    config = fit_config(config, compute_bytes, packed=weight_format.packed or row_format is RowFormat.NVFP4,
-                        per_k_scales=a_mode is RowScales.GROUP or w.blocked, glu=glu)
-    if grid == "flattened" and out.element_size() > 2:  # asked for: its epilogue stages the output tile (default_grid)
-        config = fit_shared_memory(config, compute_bytes, 2 if glu else 1,
-                                   staged_bytes=config.block_m * config.block_n * out.element_size())
+    compute_dtype = out.dtype if row_format is RowFormat.NVFP4 else a.dtype
+    compute_bytes = 1 if row_format in (RowFormat.FP8, RowFormat.INT8) else compute_dtype.itemsize
+    config = fitted_config(config, compute_bytes, packed=weight_format.packed or row_format is RowFormat.NVFP4,
+                           per_k_scales=a_mode is RowScales.GROUP or w.blocked, glu=glu, grid=grid,
+                           out_bytes=out.element_size())
     if weight_shuffled and not (chunk and weight_format.packed):  # (decoding first reads it with its own tiles)
         shuffle.check_tile(config)
     if quant_out and (weight_format not in (WeightFormat.FP8, WeightFormat.INT8) or config.block_n % SCALE_BLOCK
                       or n_out % SCALE_BLOCK):
         raise ValueError(f"FP8 output quantization in the epilogue is for 8-bit GEMMs with block_n and N "
                          f"multiples of 128, got {weight_format.name}, {config.block_n} and {n_out}")
-    compute_dtype = out.dtype if row_format is RowFormat.NVFP4 else a.dtype
     can_ptx = packed_decoding(a.device, compute_dtype, weight_format)
     if ptx and not can_ptx:
         raise ValueError(f"the packed 4-bit decoding runs on NVIDIA GPUs in bf16/fp16 (MXFP4 in bf16), got "
                          f"{a.device.type} {compute_dtype} {weight_format.name}")
-    use_ptx = can_ptx if ptx is None else ptx
-    e4m3_scales = weight_format is WeightFormat.NVFP4 or row_format is RowFormat.NVFP4
     if num_copies == 0 or n_out == 0:
         return out
     if decoding_first:
@@ -1120,58 +928,35 @@ def moe_gemm(
                              options=dict(rows_per_a=rows_per_a, a_scale=a_scale, a_global=a_global,
                                           topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved,
                                           alpha=alpha, limit=limit, tma=tma))
-    paired = glu and interleaved
     capability = device_capability(a.device)
-    if tma is None:  # the configuration's choice (a tuned table's), else the rule; where TMA applies
-        wanted = config.tma if config.tma is not None else weight_tma_pays(capability, weight_format, config, paired)
-        use_tma = wanted and weight_tma_applies(weight, config, glu, interleaved) and not paired_rows
-    else:
-        use_tma = tma
-        if tma and not weight_tma_applies(weight, config, glu, interleaved):
-            raise ValueError(f"the weight tiles cannot be copied by TMA: weight {weight.dtype} {tuple(weight.shape)} "
-                             f"strides {weight.stride()}, tile {config.block_n}x{config.block_k} "
-                             "(see weight_tma_applies)")
+    facts = LaunchFacts(
+        weight_format=weight_format, row_format=row_format, row_scales=a_mode, compute_dtype=compute_dtype,
+        out_bytes=out.element_size(), experts=int(weight.shape[0]), n_out=n_out, k_dim=k_dim, copies=num_copies,
+        padded_rows=sorted_ids.numel(), glu=glu, interleaved=interleaved, shuffled=weight_shuffled,
+        blocked_scales=w.blocked, capability=capability, multiprocessors=_multiprocessors(a.device),
+        packed_decoding=can_ptx, tma_applies=weight_tma_applies(weight, config, glu, interleaved),
+        vector_scales=vector_scales(weight_scale, weight_zero), weight_scale_max=weight_scale_max, config=asked,
+        swap=swap, ptx=ptx, tma=tma, grid=grid, split_k=split_k, half_tail=half_tail)
+    plan = plan_launch(facts)
+    config = plan.config
+    paired = glu and interleaved
+    paired_rows = weight_shuffled and paired
     gate_stride, up_offset = glu_strides(glu, interleaved, n_out)
-    fp8_cvt = use_ptx and e4m3_scales and capability is not None and capability >= (8, 9)
     blocks = sorted_ids.numel() // config.block_m
-    tiles = blocks * triton.cdiv(n_out, config.block_n)
-    k_steps = triton.cdiv(k_dim, config.block_k)
-    if split_k is not None and split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
-    if split_k is not None or config.split_k is not None:  # asked for (a persistent grid cannot have it)
-        splits = split_k if split_k is not None else config.split_k
-    elif grid in (None, "tiles"):
-        splits = default_split_k(capability, weight_format, config,
-                                 min(blocks, weight.shape[0]) * triton.cdiv(n_out, config.block_n), k_steps,
-                                 _multiprocessors(a.device))
-    else:
-        splits = 1
-    steps_per_split = triton.cdiv(k_steps, min(splits, k_steps))
-    splits = triton.cdiv(k_steps, steps_per_split)  # every range has at least one step
-    if splits > 1 and grid not in (None, "tiles"):
-        raise ValueError(f"a split K-loop runs one program per tile, not grid={grid!r}")
-    grid_kind = "tiles" if splits > 1 else grid if grid is not None else default_grid(
-        capability, weight_format, config, glu, num_copies / weight.shape[0], out.element_size(), weight_shuffled)
-    if use_half_tail and grid is None:
-        grid_kind = "tiles"
-    if grid_kind == "tiles":
-        launch: tuple[int, ...] = (tiles, splits) if splits > 1 else (tiles,)
-    else:  # one program per SM
-        launch = (min(tiles, _multiprocessors(a.device)),)
+    splits = plan.splits
     # a split K-loop's partial sums: gate columns, then up columns
     partials = torch.empty((splits, num_copies, n_out * (2 if glu else 1)), dtype=torch.float32, device=a.device) \
         if splits > 1 else None
     dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
     dependent = pdl.applies(capability)
-    swapped = weight_format.packed and bool(swap if swap is not None else config.swap)
     # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
     if a_scale is not None and a_scale.dtype == torch.float8_e4m3fn:
         a_scale = a_scale.view(torch.uint8)
     if weight_scale is not None and weight_scale.dtype == torch.float8_e4m3fn:
         weight_scale = weight_scale.view(torch.uint8)
-    moe_gemm_kernel[launch](
+    moe_gemm_kernel[plan.programs](
         a, a_scale if a_scale is not None else dummy, weight,
-        _weight_descriptor(weight, config, paired, weight_shuffled and weight_format.e2m1) if use_tma else dummy,
+        _weight_descriptor(weight, config, paired, weight_shuffled and weight_format.e2m1) if plan.tma else dummy,
         weight_scale if weight_scale is not None else dummy,
         weight_zero if weight_zero is not None else dummy,
         weight_global if weight_global is not None else dummy,
@@ -1179,7 +964,7 @@ def moe_gemm(
         topk_weights if topk_weights is not None else dummy,
         sorted_ids, block_expert, num_padded, partials if partials is not None else dummy,
         n_out, k_dim, num_copies, rows_per_a, float(a_global), expert_first,
-        block_range if block_range is not None else num_padded, steps_per_split,
+        block_range if block_range is not None else num_padded, plan.steps_per_split,
         partials.stride(0) if partials is not None else 0, partials.stride(1) if partials is not None else 0,
         a.stride(0), a.stride(1), stride_asm, stride_ask,
         weight.stride(0), weight.stride(1), weight.stride(2),
@@ -1190,32 +975,27 @@ def moe_gemm(
         gate_stride, up_offset,
         alpha, limit,
         A_FMT=int(row_format), A_SCALE=int(a_mode), B_FMT=int(weight_format), B_BLOCKED=w.blocked,
-        B_TILE_SCALE=w.blocked and tile_in_one_scale_block(config.block_n, gate_stride, up_offset, glu),
+        B_TILE_SCALE=plan.tile_scale,
         GROUP=w.group, HAS_ZEROS=weight_zero is not None, QUANT_OUT=quant_out,
         ACT=act, GLU=glu, HAS_BIAS=bias is not None, MUL_WEIGHTS=topk_weights is not None,
-        # 0: K not a multiple of the step; 2: it is, and an e2m1 weight's scales of a multi-group step load as
-        # vectors (group_scales' CLAMP: vector_scales; INT4 keeps the mask: not measured); 1: otherwise (with rows
-        # Triton cannot see 16-aligned the clamp measured slower than the per-group mask: GPT-OSS, K = 2880)
-        EVEN_K=int(KTail.RAGGED if k_dim % config.block_k else KTail.EVEN_VECTOR_SCALES
-                   if weight_format.e2m1 and vector_scales(weight_scale, weight_zero) else KTail.EVEN),
-        # fp32 operands: full-precision products, so fp32 layers match the reference to ~1e-6.
-        PRECISION="ieee" if compute_bytes == 4 else "tf32",
-        SWAP=swapped,
-        PTX=use_ptx,
-        FP8_CVT=fp8_cvt,
-        CVT_BY_FOUR=fp8_cvt and cvt_by_four(config),
-        B_TMA=(2 if paired else 1) if use_tma else 0,
+        EVEN_K=int(plan.k_tail),
+        PRECISION=plan.precision,
+        SWAP=plan.swap,
+        PTX=plan.ptx,
+        FP8_CVT=plan.fp8_cvt,
+        CVT_BY_FOUR=plan.cvt_by_four,
+        B_TMA=(2 if paired else 1) if plan.tma else 0,
         SPLIT=splits > 1,
-        PERSISTENT=GRIDS.index(grid_kind),
-        PREFETCH=prefetch_scales(weight_format, config, swapped),
+        PERSISTENT=GRIDS.index(plan.grid),
+        PREFETCH=plan.prefetch,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         ALIGN_RATIO=aligned // config.block_m,
-        HALF_TAIL=use_half_tail,
+        HALF_TAIL=plan.half_tail,
         B_GLOBAL=weight_global is not None,
         EXPERT_RANGE=block_range is not None,
         B_SHUFFLED=(2 if paired_rows else 1) if weight_shuffled else 0,
-        DRAIN_MMA=drain_mma(capability, swapped, row_format, config),
-        SCALE_FOLD=scale_fold(weight_format, compute_dtype, use_ptx, weight_scale_max, weight_shuffled),
+        DRAIN_MMA=plan.drain,
+        SCALE_FOLD=plan.scale_fold,
         PDL=pdl.flag(dependent, release=False),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent),
     )

@@ -1,0 +1,95 @@
+"""The launch plan is a pure function of plain facts: the GPU rules run here, on any machine, for a Hopper GPU that
+is not here, and each choice says what decided it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moeforge.kernels import launch_plan  # noqa: E402
+from moeforge.kernels.config import GemmConfig  # noqa: E402
+from moeforge.kernels.formats import KTail, RowFormat, RowScales, WeightFormat  # noqa: E402
+from moeforge.kernels.launch_plan import LaunchFacts, plan_launch  # noqa: E402
+
+HOPPER = (9, 0)
+
+
+def facts(**changes: Any) -> LaunchFacts:
+    """A Mixtral-like down GEMM of 256 tokens (top-2) on an H100, bf16 weights, 128x128x64 tiles."""
+    base = LaunchFacts(
+        weight_format=WeightFormat.FLOAT, row_format=RowFormat.FLOAT, row_scales=RowScales.NONE,
+        compute_dtype=torch.bfloat16, out_bytes=2, experts=8, n_out=4096, k_dim=14336, copies=512,
+        padded_rows=512 + 8 * 128, glu=False, interleaved=False, shuffled=False, blocked_scales=False,
+        capability=HOPPER, multiprocessors=132, packed_decoding=True, tma_applies=True, vector_scales=True,
+        weight_scale_max=None, config=GemmConfig(128, 128, 64, num_warps=8, num_stages=4))
+    return attrs.evolve(base, **changes)
+
+
+def test_a_plan_says_what_decided_each_choice() -> None:
+    plan = plan_launch(facts())
+    assert plan.tma and plan.grid == "tiles" and plan.splits == 1 and not plan.swap
+    text = plan.explain()
+    assert "tma=True (weight_tma_pays, where it applies)" in text
+    assert "split K-loop: 1 (default_split_k)" in text and "(default_grid)" in text
+    asked = plan_launch(facts(tma=False, grid="persistent"))
+    assert not asked.tma and asked.grid == "persistent" and asked.programs == (132,)
+    assert "tma=False (asked)" in asked.explain() and "grid persistent, (132,) programs (asked)" in asked.explain()
+    table = plan_launch(facts(config=GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=False)))
+    assert not table.tma and "tma=False (the table's entry)" in table.explain()
+
+
+def test_the_programs_cover_the_tiles() -> None:
+    plan = plan_launch(facts())
+    blocks = (512 + 8 * 128) // 128
+    assert plan.programs == (blocks * 4096 // 128,)
+    assert plan_launch(facts(grid="persistent")).programs == (132,)
+    few = plan_launch(facts(padded_rows=128, copies=2, grid="persistent"))
+    assert few.programs == (4096 // 128,)  # fewer tiles than SMs: one program each
+
+
+def test_decode_tiles_of_4bit_weights_split_their_k_loop_on_hopper_only() -> None:
+    decode = dict(weight_format=WeightFormat.MXFP4, config=GemmConfig(16, 64, 128, num_warps=4, num_stages=3),
+                  copies=2, padded_rows=2 * 16)
+    plan = plan_launch(facts(**decode))
+    assert plan.splits == 4 and plan.grid == "tiles" and len(plan.programs) == 2
+    assert plan.steps_per_split * plan.splits >= 14336 // 128
+    assert plan_launch(facts(**decode, capability=None)).splits == 1  # off Hopper's rules: no split
+    assert plan_launch(facts(**decode, grid="persistent")).splits == 1  # a persistent grid runs whole K-loops
+    with pytest.raises(ValueError, match="split K-loop runs one program per tile"):
+        plan_launch(facts(**decode, grid="persistent", split_k=2))
+
+
+def test_a_shuffled_weights_large_tiles_run_persistent_and_wait_for_their_mmas() -> None:
+    shuffled = facts(weight_format=WeightFormat.MXFP4, shuffled=True, weight_scale_max=128,
+                     config=GemmConfig(128, 128, 64, num_warps=8, num_stages=3, swap=True))
+    plan = plan_launch(shuffled)
+    assert plan.grid == "persistent" and plan.swap and plan.ptx and plan.scale_fold
+    assert plan.drain is launch_plan.RS_WGMMA_RACE  # Triton < 3.9 only
+    assert plan.k_tail is KTail.EVEN_VECTOR_SCALES
+    assert not plan_launch(attrs.evolve(shuffled, vector_scales=False)).k_tail is KTail.EVEN_VECTOR_SCALES
+    assert plan_launch(attrs.evolve(shuffled, k_dim=14336 + 32)).k_tail is KTail.RAGGED
+
+
+def test_what_cannot_be_launched_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot be copied by TMA"):
+        plan_launch(facts(tma=True, tma_applies=False))
+    with pytest.raises(ValueError, match="packed 4-bit decoding"):
+        plan_launch(facts(weight_format=WeightFormat.MXFP4, ptx=True, packed_decoding=False))
+    with pytest.raises(ValueError, match="split_k must be >= 1"):
+        plan_launch(facts(split_k=0))
+
+
+def test_fp32_outputs_and_tiles_too_large_for_the_shared_memory_are_fitted() -> None:
+    big = facts(compute_dtype=torch.float32, out_bytes=4, config=GemmConfig(128, 256, 64, num_warps=8, num_stages=4))
+    plan = plan_launch(big)
+    assert plan.config != big.config and "fitted to the shared memory" in plan.explain()
+    assert plan.grid != "flattened" and plan.precision == "ieee"
+
+
+def test_facts_are_hashable_so_a_plan_can_be_kept_per_bucket() -> None:
+    assert hash(facts()) == hash(facts()) and {facts(): 1}[facts()] == 1
