@@ -34,7 +34,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from moeforge.kernels.formats import KTail, RowFormat, RowScales, WeightFormat  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
-from moeforge.kernels.moe_gemm import cvt_by_four, drain_mma, moe_gemm_kernel  # noqa: E402
+from moeforge.kernels.launch_plan import cvt_by_four, drain_mma  # noqa: E402
+from moeforge.kernels.moe_gemm import moe_gemm_kernel  # noqa: E402
 
 FORMATS = {"float": WeightFormat.FLOAT, "int4": WeightFormat.INT4, "mxfp4": WeightFormat.MXFP4,
            "nvfp4": WeightFormat.NVFP4, "fp8-block": WeightFormat.FP8}  # fp8-block: FP8 rows per 128-group
@@ -56,7 +57,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
     ``persistent``: the grid (0 one program per tile, 1 persistent, 2 flattened); ``shuffled``: the 4-bit weight in the
     pre-shuffled layout (``moeforge.kernels.shuffle``); ``nvfp4_rows``: NVFP4 rows (decoded in the K-loop to
     ``dtype``, the output's) instead of ``dtype`` rows; ``drain``: the kernel's ``DRAIN_MMA``, by default the
-    launcher's rule for an sm_90 device and the installed Triton (:func:`moeforge.kernels.moe_gemm.drain_mma`)."""
+    launcher's rule for an sm_90 device and the installed Triton (:func:`moeforge.kernels.launch_plan.drain_mma`)."""
     names = moe_gemm_kernel.arg_names
     packed = weights.packed
     fp8 = weights is WeightFormat.FP8

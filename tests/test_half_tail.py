@@ -117,7 +117,7 @@ def test_half_tiles_on_hopper_tiles(block: tuple[int, int, int, int], fmt: str, 
 def test_nvfp4_rows_with_half_tiles_on_the_persistent_grids(tile: tuple[int, int, int, int, bool], grid: str) -> None:
     """NVFP4 rows against bf16 weights (the GEMMs of decoding the weights first) with half tiles on a persistent grid,
     three runs, each element against the same GEMM on the decoded rows (bf16, exact: a power-of-two global scale) on
-    one program per tile. Before each K-step waited for its MMAs on Triton before 3.9 (``moe_gemm.drain_mma``), the
+    one program per tile. Before each K-step waited for its MMAs on Triton before 3.9 (``launch_plan.drain_mma``), the
     next step's decoding could overwrite registers those MMAs still read: this schedule wrote a few rows of about
     4e38 or NaN."""
     from moeforge.quant.fp4 import dequantize_nvfp4, quantize_nvfp4

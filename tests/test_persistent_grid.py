@@ -16,7 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels import align, launch_plan, moe_gemm  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from test_triton_quant_gemm import rel  # noqa: E402
@@ -86,13 +86,13 @@ def test_each_k_step_waits_for_its_register_operand_mmas_where_triton_needs_it()
 
     hopper, tile, small = (9, 0), GemmConfig(128, 64, 64), GemmConfig(32, 64, 64)
     for race in (True, False):
-        assert moe_gemm.drain_mma(hopper, True, RowFormat.FLOAT, small, race) is race
-        assert moe_gemm.drain_mma(hopper, False, RowFormat.NVFP4, tile, race) is race
-        assert moe_gemm.drain_mma(hopper, False, RowFormat.NVFP4, small, race) is False  # mma.sync
-        assert moe_gemm.drain_mma(hopper, False, RowFormat.FLOAT, tile, race) is False
+        assert launch_plan.drain_mma(hopper, True, RowFormat.FLOAT, small, race) is race
+        assert launch_plan.drain_mma(hopper, False, RowFormat.NVFP4, tile, race) is race
+        assert launch_plan.drain_mma(hopper, False, RowFormat.NVFP4, small, race) is False  # mma.sync
+        assert launch_plan.drain_mma(hopper, False, RowFormat.FLOAT, tile, race) is False
         for capability in ((8, 0), (10, 0), None):
-            assert moe_gemm.drain_mma(capability, True, RowFormat.NVFP4, tile, race) is False
-    assert moe_gemm.RS_WGMMA_RACE is (moe_gemm._version(triton.__version__) < (3, 9))
+            assert launch_plan.drain_mma(capability, True, RowFormat.NVFP4, tile, race) is False
+    assert launch_plan.RS_WGMMA_RACE is (launch_plan._version(triton.__version__) < (3, 9))
 
 
 def test_unknown_grid_is_refused() -> None:

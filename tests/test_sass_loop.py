@@ -117,13 +117,13 @@ def _hazards(*options: str) -> int:
 @pytest.mark.skipif(not (TOOLS / "nvdisasm").exists(), reason="this triton wheel ships no nvdisasm")
 @pytest.mark.parametrize("tile", sorted(REGISTER_OPERAND_TILES))
 def test_no_register_is_written_under_an_mma_in_flight(tile: str) -> None:
-    """Compiled for sm_90 as the launcher launches it on Hopper with this Triton (``moe_gemm.drain_mma`` decides the
+    """Compiled for sm_90 as the launcher launches it on Hopper with this Triton (``launch_plan.drain_mma`` decides the
     wait after each K-step): no instruction of a K-loop writes a register that a warpgroup MMA still in flight reads.
     With Triton before 3.9 and without the wait, every one of these tiles has such writes (asserted too): the next
     K-step's decoding, scale loads and addresses land in the registers of the step's last MMAs, which on an H200
     wrote inf, NaN and wrong values."""
     assert _hazards(*REGISTER_OPERAND_TILES[tile]) == 0
-    from moeforge.kernels import moe_gemm
+    from moeforge.kernels import launch_plan
 
-    if moe_gemm.RS_WGMMA_RACE:
+    if launch_plan.RS_WGMMA_RACE:
         assert _hazards(*REGISTER_OPERAND_TILES[tile], "--drain", "0") > 0

@@ -254,7 +254,7 @@ def _close_everywhere(out: torch.Tensor, base: torch.Tensor) -> None:
 def test_long_k_loops_of_wide_swapped_tiles_repeatably(tile: tuple[int, int, int, int], grid: str) -> None:
     """Mixtral-like K (4096) and many column tiles with the 128- and 256-row tiles the tables take, three runs, each
     element against the plain weight's ``rows @ W^T`` product (its MMA reads both operands from shared memory).
-    (The race of the swapped product's register operand, ``moe_gemm.drain_mma``, shows at Mixtral's full sizes:
+    (The race of the swapped product's register operand, ``launch_plan.drain_mma``, shows at Mixtral's full sizes:
     ``tests/test_mma_drain_gpu.py``; these sizes did not show it.)"""
     block_m, block_n, block_k, warps = tile
     config = GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=warps, num_stages=3)
