@@ -51,7 +51,7 @@ import triton.language as tl
 
 from moeforge.kernels import decode_first, pdl, shuffle
 from moeforge.kernels.pdl import device_capability
-from moeforge.kernels.activations import ACT_NONE, activate, gated
+from moeforge.kernels.activations import ACT_NONE
 from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.launch_plan import (GRIDS, SHUFFLED_PERSISTENT_BLOCK_M, LaunchFacts, LaunchPlan, TensorDescriptor,
                                           cvt_by_four,
@@ -64,7 +64,8 @@ from moeforge.kernels.format_codes import (K_EVEN_VECTOR_SCALES, K_RAGGED, ROWS_
                                            SCALES_ROW, W_FIRST_E2M1, W_FIRST_PACKED, W_FP8, W_INT8, W_NVFP4)
 from moeforge.kernels.formats import (NVFP4_GROUP, SCALE_BLOCK, KTail, RowFormat, RowScales, WeightFormat,
                                       weight_operand)
-from moeforge.kernels.quantize import quantize_values, scale_of
+from moeforge.kernels.gemm_epilogue import add_bias, epilogue, store
+from moeforge.kernels.tile_order import grouped
 
 
 # Row scale modes (A_SCALE): none, one per row (per token; per tensor with stride 0), per 128-group
@@ -72,17 +73,6 @@ from moeforge.kernels.quantize import quantize_values, scale_of
 
 
 # -- shared pieces ---------------------------------------------------------------------------------
-
-
-@triton.jit
-def _grouped(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """``(pid_m, pid_n)`` of tile ``tile`` in grouped order: neighbouring tiles share weight tiles in L2."""
-    group = tile // (GROUP_M * num_pid_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % (GROUP_M * num_pid_n)) % group_size
-    pid_n = (tile % (GROUP_M * num_pid_n)) // group_size
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -141,65 +131,6 @@ def _drain_mma(x):
     the instruction an operand)."""
     return tl.inline_asm_elementwise("wgmma.wait_group.sync.aligned 0;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
                                      is_pure=False, pack=1)
-
-
-@triton.jit
-def _add_bias(acc, acc_up, expert, gate_rows, up_offset, ok, bias_ptr, stride_bias_e, stride_bias_n,
-              GLU: tl.constexpr):
-    """``(acc, acc_up)`` plus the expert's bias of the gate (and up) columns where ``ok``."""
-    bias_base = bias_ptr + expert * stride_bias_e
-    acc += tl.load(bias_base + gate_rows * stride_bias_n, mask=ok, other=0.0).to(tl.float32)[None, :]
-    if GLU:
-        up_bias = tl.load(bias_base + (gate_rows + up_offset) * stride_bias_n, mask=ok, other=0.0)
-        acc_up += up_bias.to(tl.float32)[None, :]
-    return acc, acc_up
-
-
-@triton.jit
-def _epilogue(acc, acc_up, expert, gate_rows, up_offset, n_ok, copies, row_ok,
-              bias_ptr, stride_bias_e, stride_bias_n, weights_ptr, alpha, limit,
-              ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr):
-    """Bias, activation and routing weight on the fp32 (fully scaled) accumulators."""
-    if HAS_BIAS:
-        acc, acc_up = _add_bias(acc, acc_up, expert, gate_rows, up_offset, n_ok, bias_ptr, stride_bias_e,
-                                stride_bias_n, GLU)
-    if GLU:
-        acc = gated(acc, acc_up, ACT, alpha, limit)
-    else:
-        acc = activate(acc, ACT)
-    if MUL_WEIGHTS:
-        w = tl.load(weights_ptr + copies, mask=row_ok, other=0.0)
-        acc = acc * w[:, None]
-    return acc
-
-
-@triton.jit
-def _store_fp8_groups(acc, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn,
-                      c_scale_ptr, stride_csm, stride_csg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Quantize the tile to FP8 with one scale per 128 columns (``PerGroupQuantizer``'s arithmetic)
-    and write data and scales: the activated rows never reach memory in a float dtype."""
-    v = tl.where(n_ok[None, :], acc, 0.0)  # columns past N must not raise a group's amax
-    groups = tl.reshape(v, (BLOCK_M, BLOCK_N // 128, 128))
-    scale = scale_of(tl.max(tl.abs(groups), axis=2), 448.0)
-    q = tl.reshape(quantize_values(groups, scale[:, :, None], 448.0, False), (BLOCK_M, BLOCK_N))
-    rows = copies.to(tl.int64)
-    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn, q,
-             mask=row_ok[:, None] & n_ok[None, :])
-    group_ids = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
-    tl.store(c_scale_ptr + rows[:, None] * stride_csm + group_ids[None, :] * stride_csg, scale,
-             mask=row_ok[:, None] & (group_ids * 128 < N)[None, :])
-
-
-@triton.jit
-def _store(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn, c_scale_ptr, stride_csm,
-           stride_csg, QUANT_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write the finished tile at its rows' copy indices: FP8 with per-128-group scales, or ``c``'s dtype."""
-    if QUANT_OUT:
-        _store_fp8_groups(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn,
-                          c_scale_ptr, stride_csm, stride_csg, BLOCK_M, BLOCK_N)
-    else:
-        c_ptrs = c_ptr + copies.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 # -- the kernel ------------------------------------------------------------------------------------
@@ -488,17 +419,17 @@ def _gemm_tile(
         # moe_gemm_reduce_kernel adds them in order and applies the rest of the epilogue.
         if HAS_BIAS:  # (the first range's test as a block: the interpreter takes no scalar in a mask)
             first = n_ok & (offs_n * 0 + k_first == 0)
-            out, out_up = _add_bias(out, out_up, expert, gate_rows, up_offset, first, bias_ptr, stride_bias_e,
+            out, out_up = add_bias(out, out_up, expert, gate_rows, up_offset, first, bias_ptr, stride_bias_e,
                                     stride_bias_n, GLU)
         p_rows = p_ptr + copies.to(tl.int64)[:, None] * stride_pm
         tl.store(p_rows + offs_n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
         if GLU:
             tl.store(p_rows + (N + offs_n)[None, :], out_up, mask=row_ok[:, None] & n_ok[None, :])
     else:
-        out = _epilogue(out, out_up, expert, gate_rows, up_offset, n_ok, copies, row_ok,
+        out = epilogue(out, out_up, expert, gate_rows, up_offset, n_ok, copies, row_ok,
                         bias_ptr, stride_bias_e, stride_bias_n, weights_ptr, alpha, limit,
                         ACT, GLU, HAS_BIAS, MUL_WEIGHTS)
-        _store(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn, c_scale_ptr, stride_csm,
+        store(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn, c_scale_ptr, stride_csm,
                stride_csg, QUANT_OUT, BLOCK_M, BLOCK_N)
 
 
@@ -603,7 +534,7 @@ def moe_gemm_kernel(
             num_pid_m = tl.load(block_range_ptr + 1) * ALIGN_RATIO - m_first
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=PERSISTENT == 2):
-            pid_m, pid_n = _grouped(tile, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = grouped(tile, num_pid_m, num_pid_n, GROUP_M)
             if EXPERT_RANGE:
                 pid_m += m_first
             _gemm_block(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
@@ -617,7 +548,7 @@ def moe_gemm_kernel(
                         ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED,
                         DRAIN_MMA)
     else:
-        pid_m, pid_n = _grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
+        pid_m, pid_n = grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
         live = pid_m * BLOCK_M < num_padded
         if ALIGN_RATIO > 1:  # a block of only padding rows (aligned by a larger block) has nothing to compute
@@ -662,9 +593,9 @@ def moe_gemm_reduce_kernel(
             if GLU:
                 acc_up += tl.load(rows + (N + offs_n)[None, :], mask=ok, other=0.0)
             rows += stride_ps
-        out = _epilogue(acc, acc_up, 0, offs_n, 0, n_ok, copies, row_ok, p_ptr, 0, 0, weights_ptr, alpha, limit,
+        out = epilogue(acc, acc_up, 0, offs_n, 0, n_ok, copies, row_ok, p_ptr, 0, 0, weights_ptr, alpha, limit,
                         ACT, GLU, False, MUL_WEIGHTS)
-        _store(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn, c_scale_ptr, stride_csm,
+        store(out, copies, row_ok, pid_n, offs_n, n_ok, N, c_ptr, stride_cm, stride_cn, c_scale_ptr, stride_csm,
                stride_csg, QUANT_OUT, BLOCK_M, BLOCK_N)
 
 
