@@ -104,6 +104,23 @@ def bad_count(out: torch.Tensor, ref: torch.Tensor) -> tuple[int, float]:
     return int(bad.sum()), (float("inf") if not torch.isfinite(o).all() else worst)
 
 
+def repeated(run, ref: torch.Tensor, times: int) -> tuple[int, int, float, str]:
+    """``run()`` ``times`` times against ``ref``: (bad runs, bad elements, worst |diff|, SASS hazards of the kernels
+    the first run compiled)."""
+    before = kernels()
+    runs_bad, total, worst, hz = 0, 0, 0.0, None
+    for _ in range(times):
+        out = run()
+        torch.cuda.synchronize()
+        if hz is None:
+            hz = new_hazards(before)
+        n, w = bad_count(out, ref)
+        runs_bad += n > 0
+        total += n
+        worst = max(worst, w)
+    return runs_bad, total, worst, hz
+
+
 # -- A --------------------------------------------------------------------------------------------
 props = torch.cuda.get_device_properties(DEV)
 ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -115,13 +132,20 @@ say(f"A device {props.name} SMs {props.multi_processor_count} torch {torch.__ver
 # -- B --------------------------------------------------------------------------------------------
 say("\nB fence 1: Mixtral shuffled MXFP4 (E=8 H=4096 I=14336 k=2), 3d9aaf4 tiles, pointer loads")
 E, H, I, K_TOP = 8, 4096, 14336, 2
-gen = torch.Generator(device=DEV).manual_seed(0)
-plain_gu = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device=DEV, generator=gen)
-scale_gu = torch.randint(119, 125, (E, 2 * I, H // 32), dtype=torch.uint8, device=DEV, generator=gen)
-plain_dn = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device=DEV, generator=gen)
-scale_dn = torch.randint(119, 125, (E, H, I // 32), dtype=torch.uint8, device=DEV, generator=gen)
-shuf_gu = shuffle.shuffle(plain_gu, e2m1=True)
-shuf_dn = shuffle.shuffle(plain_dn, e2m1=True)
+
+
+def mixtral_weights() -> tuple[torch.Tensor, ...]:
+    """Mixtral's MXFP4 gate/up and down weights (random codes, scales near 1), plain and shuffled, and scales."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    plain_gu = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device=DEV, generator=gen)
+    scale_gu = torch.randint(119, 125, (E, 2 * I, H // 32), dtype=torch.uint8, device=DEV, generator=gen)
+    plain_dn = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device=DEV, generator=gen)
+    scale_dn = torch.randint(119, 125, (E, H, I // 32), dtype=torch.uint8, device=DEV, generator=gen)
+    return (plain_gu, scale_gu, plain_dn, scale_dn, shuffle.shuffle(plain_gu, e2m1=True),
+            shuffle.shuffle(plain_dn, e2m1=True))
+
+
+plain_gu, scale_gu, plain_dn, scale_dn, shuf_gu, shuf_dn = mixtral_weights()
 
 
 def mixtral_case(m: int, which: str, config: GemmConfig):
@@ -160,18 +184,7 @@ for m, which, config in B_CASES:
     for grid, drain, factor in B_VARIANTS:
         set_drain(drain)
         set_sms(factor)
-        before = kernels()
-        runs_bad, total, worst = 0, 0, 0.0
-        hz = None
-        for rep in range(5):
-            out = run(grid=grid, tma=False)
-            torch.cuda.synchronize()
-            if hz is None:
-                hz = new_hazards(before)
-            n, w = bad_count(out, ref)
-            runs_bad += n > 0
-            total += n
-            worst = max(worst, w)
+        runs_bad, total, worst, hz = repeated(lambda: run(grid=grid, tma=False), ref, 5)
         set_drain(True)
         set_sms(1)
         summary_b[(m, which, grid, drain, factor)] = runs_bad
@@ -214,19 +227,13 @@ for tile, glu in (((64, 128, 64, 4), True), ((128, 256, 64, 8), False)):
     mg.moe_gemm(decoded, weight, ref, *plan, config=config, grid="tiles", **common)
     for grid, half, drain in (("persistent", True, False), ("persistent", True, True), ("tiles", True, False)):
         set_drain(drain)
-        before = kernels()
-        runs_bad, total, worst, hz = 0, 0, 0.0, None
-        for rep in range(10):
+
+        def nvfp4_rows(grid: str = grid, half: bool = half) -> torch.Tensor:
             out = torch.full_like(ref, float("nan"))
             mg.moe_gemm(q.data, weight, out, *plan, config=config, grid=grid, half_tail=half, a_scale=q.scale,
                         a_global=a_global, **common)
-            torch.cuda.synchronize()
-            if hz is None:
-                hz = new_hazards(before)
-            n, wst = bad_count(out, ref)
-            runs_bad += n > 0
-            total += n
-            worst = max(worst, wst)
+            return out
+        runs_bad, total, worst, hz = repeated(nvfp4_rows, ref, 10)
         set_drain(True)
         if grid == "persistent":
             if drain:
@@ -245,13 +252,7 @@ say(f"(elapsed {time.time() - START:.0f} s)")
 # -- D --------------------------------------------------------------------------------------------
 say("\nD cost of the drain: this device's Mixtral mxfp4-shuffled table entries (median us, 3 rounds x 20)")
 table = ConfigTable.load(props.name, E, K_TOP, H, I, "bf16", weight_format="mxfp4-shuffled")
-gen = torch.Generator(device=DEV).manual_seed(0)
-plain_gu = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, device=DEV, generator=gen)
-scale_gu = torch.randint(119, 125, (E, 2 * I, H // 32), dtype=torch.uint8, device=DEV, generator=gen)
-plain_dn = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, device=DEV, generator=gen)
-scale_dn = torch.randint(119, 125, (E, H, I // 32), dtype=torch.uint8, device=DEV, generator=gen)
-shuf_gu = shuffle.shuffle(plain_gu, e2m1=True)
-shuf_dn = shuffle.shuffle(plain_dn, e2m1=True)
+plain_gu, scale_gu, plain_dn, scale_dn, shuf_gu, shuf_dn = mixtral_weights()
 del plain_gu, plain_dn
 
 

@@ -58,11 +58,7 @@ class OwnStages(mf.QuantMethod):
 class OwnUnquantizedStages(mf.UnquantizedMethod):
     """moeforge's unquantized format with the stages of a method of its own (-> MethodOwnExperts)."""
 
-    def expert_stages(self, layer: torch.nn.Module, *, activation: mf.ActivationConfig,
-                      routing_weights_in_epilogue: bool, backend: mf.Backend = mf.Backend.TORCH,
-                      configs: Optional[ConfigTable] = None,
-                      dispatch: Optional[mf.DispatchDtype] = None) -> list[Stage[Any, Any]]:
-        return []
+    expert_stages = OwnStages.expert_stages
 
 
 class NoStages(mf.QuantMethod):
