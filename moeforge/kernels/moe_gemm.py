@@ -138,31 +138,49 @@ def _drain_mma(x):
 
 @triton.jit
 def _gemm_tile(
-    pid_m, pid_n, k_first, k_last, p_ptr, stride_pm,
-    a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
-    sorted_ids_ptr, block_expert_ptr,
-    N, K, num_copies, rows_per_a, a_global, expert_first,
-    stride_am, stride_ak, stride_asm, stride_ask,
-    stride_be, stride_bn, stride_bk,
-    stride_bse, stride_bsn, stride_bsk,
-    stride_bze, stride_bzn, stride_bzk,
-    stride_bias_e, stride_bias_n,
-    stride_cm, stride_cn, stride_csm, stride_csg,
-    gate_stride, up_offset,
-    alpha, limit,
-    A_FMT: tl.constexpr, A_SCALE: tl.constexpr, B_FMT: tl.constexpr, B_BLOCKED: tl.constexpr,
-    B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
-    ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
-    CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr,
-    B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
+    pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, ops, b_desc, sizes, strides, FLAGS: tl.constexpr,
+    BLOCK_M: tl.constexpr, ALIGN_RATIO: tl.constexpr,
 ):
     """Tile ``(pid_m, pid_n)``: ``BLOCK_M`` aligned rows of one expert times ``BLOCK_N`` output columns, over the
     K-steps ``k_first .. k_last - 1``; with ``SPLIT``, one range of a split K-loop (:func:`moe_gemm_reduce_kernel`).
     The rows were aligned by blocks of ``ALIGN_RATIO * BLOCK_M``: ``block_expert`` has one entry per aligned block.
     ``DRAIN_MMA``: each K-step ends by waiting for its warpgroup MMAs (:func:`drain_mma`)."""
+    (a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
+     sorted_ids_ptr, block_expert_ptr) = ops
+    N, K, num_copies, rows_per_a, a_global, expert_first = sizes
+    (stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+     stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm, stride_csg,
+     gate_stride, up_offset, alpha, limit) = strides
+    A_FMT: tl.constexpr = FLAGS[0]
+    A_SCALE: tl.constexpr = FLAGS[1]
+    B_FMT: tl.constexpr = FLAGS[2]
+    B_BLOCKED: tl.constexpr = FLAGS[3]
+    B_TILE_SCALE: tl.constexpr = FLAGS[4]
+    GROUP: tl.constexpr = FLAGS[5]
+    HAS_ZEROS: tl.constexpr = FLAGS[6]
+    QUANT_OUT: tl.constexpr = FLAGS[7]
+    ACT: tl.constexpr = FLAGS[8]
+    GLU: tl.constexpr = FLAGS[9]
+    HAS_BIAS: tl.constexpr = FLAGS[10]
+    MUL_WEIGHTS: tl.constexpr = FLAGS[11]
+    EVEN_K: tl.constexpr = FLAGS[12]
+    PRECISION: tl.constexpr = FLAGS[13]
+    SWAP: tl.constexpr = FLAGS[14]
+    PTX: tl.constexpr = FLAGS[15]
+    FP8_CVT: tl.constexpr = FLAGS[16]
+    CVT_BY_FOUR: tl.constexpr = FLAGS[17]
+    B_TMA: tl.constexpr = FLAGS[18]
+    SPLIT: tl.constexpr = FLAGS[19]
+    PREFETCH: tl.constexpr = FLAGS[20]
+    BLOCK_N: tl.constexpr = FLAGS[21]
+    BLOCK_K: tl.constexpr = FLAGS[22]
+    GROUP_M: tl.constexpr = FLAGS[23]
+    SCALE_FOLD: tl.constexpr = FLAGS[24]
+    B_GLOBAL: tl.constexpr = FLAGS[25]
+    EXPERT_RANGE: tl.constexpr = FLAGS[26]
+    B_SHUFFLED: tl.constexpr = FLAGS[27]
+    DRAIN_MMA: tl.constexpr = FLAGS[28]
+
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
     row_ok = copies < num_copies
@@ -435,55 +453,23 @@ def _gemm_tile(
 
 @triton.jit
 def _gemm_block(
-    pid_m, pid_n, k_first, k_last, p_ptr, stride_pm,
-    a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
-    sorted_ids_ptr, block_expert_ptr,
-    N, K, num_copies, rows_per_a, a_global, expert_first,
-    stride_am, stride_ak, stride_asm, stride_ask,
-    stride_be, stride_bn, stride_bk,
-    stride_bse, stride_bsn, stride_bsk,
-    stride_bze, stride_bzn, stride_bzk,
-    stride_bias_e, stride_bias_n,
-    stride_cm, stride_cn, stride_csm, stride_csg,
-    gate_stride, up_offset,
-    alpha, limit,
-    A_FMT: tl.constexpr, A_SCALE: tl.constexpr, B_FMT: tl.constexpr, B_BLOCKED: tl.constexpr,
-    B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
-    ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, PTX: tl.constexpr, FP8_CVT: tl.constexpr,
-    CVT_BY_FOUR: tl.constexpr, B_TMA: tl.constexpr, SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, B_GLOBAL: tl.constexpr,
-    EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
+    pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, ops, b_desc, sizes, strides, FLAGS: tl.constexpr,
+    BLOCK_M: tl.constexpr, ALIGN_RATIO: tl.constexpr, HALF_TAIL: tl.constexpr,
 ):
     """:func:`_gemm_tile` of row block ``pid_m``; with ``HALF_TAIL``, a block whose second half is only padding
     (an expert's last block, at most ``BLOCK_M / 2`` rows: the rows are sorted by expert, each expert's padding
     after its rows) as its first half alone, a ``BLOCK_M / 2``-row tile: half the MMA work on the same rows (bitwise
     the same where both tiles take the same MMA instruction: see :func:`moe_gemm`)."""
+    sorted_ids_ptr = ops[10]
+    num_copies = sizes[2]
     # a Python False unless HALF_TAIL: the branch below then compiles to the full tile alone
     half = False
     if HALF_TAIL:
         half = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= num_copies
     if half:
-        _gemm_tile(2 * pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
-                   b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                   block_expert_ptr, N, K, num_copies, rows_per_a, a_global, expert_first, stride_am, stride_ak,
-                   stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
-                   stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
-                   stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
-                   GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
-                   CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, 2 * ALIGN_RATIO,
-                   SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA)
+        _gemm_tile(2 * pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, ops, b_desc, sizes, strides, FLAGS, BLOCK_M // 2, 2 * ALIGN_RATIO)
     else:
-        _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
-                   b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                   block_expert_ptr, N, K, num_copies, rows_per_a, a_global, expert_first, stride_am, stride_ak,
-                   stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
-                   stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm,
-                   stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE,
-                   GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT,
-                   CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ALIGN_RATIO, SCALE_FOLD,
-                   B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA)
+        _gemm_tile(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, ops, b_desc, sizes, strides, FLAGS, BLOCK_M, ALIGN_RATIO)
 
 
 @triton.jit
@@ -510,13 +496,25 @@ def moe_gemm_kernel(
     PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
-    tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile` (a jitted function
-    takes no ``*args``: both branches pass the kernel's arguments through by name). ``SPLIT`` (one program
+    tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile`. The kernel's arguments are
+    spelled out here only: the tiles receive them as four tuples (operands, sizes, strides, the compile-time
+    flags), which Triton unpacks at compile time (the same machine code as flat arguments). ``SPLIT`` (one program
     per tile): the grid's second axis splits the K-loop into ranges of ``k_steps_split`` steps, each writing
     its partial sums to ``p_ptr`` (``[splits, copies, N]``, or ``2 N`` wide with the up columns after the
     gate ones; :func:`moe_gemm_reduce_kernel` finishes them). ``PDL``: launched as a programmatic dependent
     (:mod:`moeforge.kernels.pdl`), it first waits for the kernel before it."""
     pdl.wait_for_the_kernel_before(PDL)
+    # the operands, sizes, strides and compile-time flags every tile reads, passed down as four tuples
+    ops = (a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
+           sorted_ids_ptr, block_expert_ptr)
+    sizes = (N, K, num_copies, rows_per_a, a_global, expert_first)
+    strides = (stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn,
+               stride_bsk, stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn,
+               stride_csm, stride_csg, gate_stride, up_offset, alpha, limit)
+    FLAGS: tl.constexpr = (A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU,
+                            HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT,
+                            PREFETCH, BLOCK_N, BLOCK_K, GROUP_M, SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED,
+                            DRAIN_MMA)
     num_padded = tl.load(num_padded_ptr)
     k_first = 0
     k_last = 0  # without SPLIT, _gemm_tile runs the whole K-loop
@@ -537,16 +535,8 @@ def moe_gemm_kernel(
             pid_m, pid_n = grouped(tile, num_pid_m, num_pid_n, GROUP_M)
             if EXPERT_RANGE:
                 pid_m += m_first
-            _gemm_block(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
-                        b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                        block_expert_ptr, N, K, num_copies, rows_per_a, a_global, expert_first, stride_am, stride_ak,
-                        stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
-                        stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn,
-                        stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
-                        B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION,
-                        SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED,
-                        DRAIN_MMA)
+            _gemm_block(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, ops, b_desc, sizes, strides, FLAGS, BLOCK_M,
+                        ALIGN_RATIO, HALF_TAIL)
     else:
         pid_m, pid_n = grouped(tl.program_id(0), tl.cdiv(tl.num_programs(0), tl.cdiv(N, BLOCK_N)), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
@@ -554,16 +544,8 @@ def moe_gemm_kernel(
         if ALIGN_RATIO > 1:  # a block of only padding rows (aligned by a larger block) has nothing to compute
             live = live & (tl.load(sorted_ids_ptr + pid_m * BLOCK_M) < num_copies)
         if live:
-            _gemm_block(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr,
-                        b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr, sorted_ids_ptr,
-                        block_expert_ptr, N, K, num_copies, rows_per_a, a_global, expert_first, stride_am, stride_ak,
-                        stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
-                        stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn,
-                        stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, A_FMT, A_SCALE, B_FMT, B_BLOCKED,
-                        B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU, HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION,
-                        SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        ALIGN_RATIO, SCALE_FOLD, HALF_TAIL, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED,
-                        DRAIN_MMA)
+            _gemm_block(pid_m, pid_n, k_first, k_last, p_ptr, stride_pm, ops, b_desc, sizes, strides, FLAGS, BLOCK_M,
+                        ALIGN_RATIO, HALF_TAIL)
 
 
 @triton.jit
