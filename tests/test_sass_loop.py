@@ -6,6 +6,7 @@ would replace the kernel it compiles.)"""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -127,3 +128,16 @@ def test_no_register_is_written_under_an_mma_in_flight(tile: str) -> None:
 
     if launch_plan.RS_WGMMA_RACE:
         assert _hazards(*REGISTER_OPERAND_TILES[tile], "--drain", "0") > 0
+
+
+def test_sass_hashes_compare_names_the_configurations_that_differ(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"mxfp4 glu=True": "aa", "int4 glu=False": "bb"}))
+    second.write_text(json.dumps({"mxfp4 glu=True": "aa", "int4 glu=False": "cc"}))
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "sass_hashes.py"
+    same = subprocess.run([sys.executable, str(script), "--compare", str(first), str(first)], capture_output=True,
+                          text=True)
+    assert same.returncode == 0 and "0 of 2 configurations differ" in same.stdout
+    changed = subprocess.run([sys.executable, str(script), "--compare", str(first), str(second)], capture_output=True,
+                             text=True)
+    assert changed.returncode == 1 and "1 of 2 configurations differ\n  int4 glu=False" in changed.stdout
