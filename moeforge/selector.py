@@ -136,7 +136,8 @@ def select(config: LayerConfig) -> Selection:
             return Selection(router, spanning, None, None, tuple(skipped))
         skipped.append((spanning.name(), reason))
         dispatchers = []
-    outside = not any(isinstance(config.quant, experts.method) for experts in EXPERTS if experts is not MethodOwnExperts)
+    outside = not any(isinstance(config.quant, experts.method) for experts in EXPERTS
+                      if experts is not MethodOwnExperts)  # a method only MethodOwnExperts can compute
     problems: list[tuple[str, str]] = []
     for experts in EXPERTS if dispatchers else ():
         reason = _experts_problem(experts, config)

@@ -50,7 +50,8 @@ def _layers(dispatcher: CapacityDispatcher) -> tuple[mf.MoELayer, mf.MoELayer]:
 
 def test_a_dispatcher_with_its_own_settings_is_chosen_by_instance() -> None:
     plain, capped = _layers(CapacityDispatcher(capacity=64))
-    assert "CapacityDispatcher" in capped.describe() and "PaddedDispatch(capacity=64, overflow=drop" in capped.describe()
+    text = capped.describe()
+    assert "CapacityDispatcher" in text and "PaddedDispatch(capacity=64, overflow=drop" in text
     x = torch.randn(10, H)
     torch.testing.assert_close(capped(x), plain(x))  # room for every copy: the same output
 

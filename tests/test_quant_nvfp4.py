@@ -493,10 +493,10 @@ def _spec(layout: Layout, dtype: mf.DType, scale: mf.ScaleLayout = mf.ScaleLayou
 @pytest.mark.parametrize("layout", [Layout.EXPERT_SORTED, Layout.EXPERT_PADDED])
 def test_emulated_gemm_honours_its_contract(layout: Layout) -> None:
     layer = _layer()
-    float_stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer.quant.expert_weights(layer).gate_up))
+    gate_up = Nvfp4WeightRef(layer.quant.expert_weights(layer).gate_up)
+    float_stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, gate_up)
     assert_stage_honours_contract(float_stage, _spec(layout, mf.DType.FP32), max_examples=8)
-    nvfp4_stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer.quant.expert_weights(layer).gate_up), input_global_scale=G,
-                                      out_dtype=mf.DType.BF16)
+    nvfp4_stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, gate_up, input_global_scale=G, out_dtype=mf.DType.BF16)
     float_rows = dispatch_outputs(_spec(layout, mf.DType.FP32))
     nvfp4_rows = float_rows.map(lambda rows: rows.with_x(Nvfp4Quantizer(G)(rows.x.data)))
     assert_stage_honours_contract(nvfp4_stage, _spec(layout, mf.DType.NVFP4, mf.ScaleLayout.NVFP4_BLOCK16),
@@ -505,10 +505,11 @@ def test_emulated_gemm_honours_its_contract(layout: Layout) -> None:
 
 def test_emulated_gemm_rejects_formats_it_cannot_read() -> None:
     layer = _layer()
-    stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer.quant.expert_weights(layer).gate_up))
+    gate_up = Nvfp4WeightRef(layer.quant.expert_weights(layer).gate_up)
+    stage = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, gate_up)
     nvfp4 = _spec(Layout.EXPERT_SORTED, mf.DType.NVFP4, mf.ScaleLayout.NVFP4_BLOCK16)
     assert [m.field for m in stage.check(nvfp4)] == ["dtype", "scale_layout"]
-    with_scale = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, Nvfp4WeightRef(layer.quant.expert_weights(layer).gate_up), input_global_scale=G)
+    with_scale = EmulatedGroupedGemm(mf.GemmRole.GATE_UP, gate_up, input_global_scale=G)
     assert [m.field for m in with_scale.check(nvfp4)] == ["dtype"]  # needs an explicit out_dtype
     mixed = _spec(Layout.EXPERT_SORTED, mf.DType.FP32, mf.ScaleLayout.NVFP4_BLOCK16)
     assert [m.field for m in with_scale.check(mixed)] == ["scale_layout"]

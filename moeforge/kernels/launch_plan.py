@@ -312,8 +312,9 @@ def plan_launch(facts: LaunchFacts) -> LaunchPlan:
     config = fitted_config(asked, f.compute_bytes, packed=fmt.packed or f.row_format is RowFormat.NVFP4,
                            per_k_scales=f.row_scales is RowScales.GROUP or f.blocked_scales, glu=f.glu, grid=f.grid,
                            out_bytes=f.out_bytes)
+    fitted = "" if config == asked else " (fitted to the shared memory: fit_config)"
     reasons.append(f"tile {config.block_m}x{config.block_n}x{config.block_k}, {config.num_warps} warps, "
-                   f"{config.num_stages} stages" + ("" if config == asked else " (fitted to the shared memory: fit_config)"))
+                   f"{config.num_stages} stages{fitted}")
     if f.ptx and not f.packed_decoding:
         raise ValueError(f"the packed 4-bit decoding runs on NVIDIA GPUs in bf16/fp16 (MXFP4 in bf16), got "
                          f"{f.compute_dtype} {fmt.name}")
@@ -346,8 +347,8 @@ def plan_launch(facts: LaunchFacts) -> LaunchPlan:
         splits = f.split_k if f.split_k is not None else config.split_k
         split_source = _source(f.split_k, config.split_k)
     elif f.grid in (None, "tiles"):
-        splits = default_split_k(f.capability, fmt, config, min(blocks, f.experts) * triton.cdiv(f.n_out, config.block_n),
-                                 k_steps, f.multiprocessors)
+        busy = min(blocks, f.experts) * triton.cdiv(f.n_out, config.block_n)
+        splits = default_split_k(f.capability, fmt, config, busy, k_steps, f.multiprocessors)
         split_source = "default_split_k"
     else:
         splits, split_source = 1, "a persistent grid runs whole K-loops"
@@ -378,10 +379,10 @@ def plan_launch(facts: LaunchFacts) -> LaunchPlan:
     k_tail = (KTail.RAGGED if f.k_dim % config.block_k else
               KTail.EVEN_VECTOR_SCALES if fmt.e2m1 and f.vector_scales else KTail.EVEN)
     gate_stride, up_offset = glu_strides(f.glu, f.interleaved, f.n_out)
-    reasons.append(f"packed decoding={ptx} ({'asked' if f.ptx is not None else 'packed_decoding'}), fp8 cvt={fp8_cvt}, "
-                   f"scale prefetch={prefetch} (prefetch_scales), scale fold={fold} (scale_fold), half tiles={half_tail} "
-                   f"({_source(f.half_tail, config.half_tail if config.half_tail else None)}), K-step wait={drain} "
-                   f"(drain_mma), K tail {k_tail.name.lower()}")
+    reasons.append(f"packed decoding={ptx} ({'asked' if f.ptx is not None else 'packed_decoding'}), "
+                   f"fp8 cvt={fp8_cvt}, scale prefetch={prefetch} (prefetch_scales), scale fold={fold} (scale_fold)")
+    reasons.append(f"half tiles={half_tail} ({_source(f.half_tail, config.half_tail if config.half_tail else None)}), "
+                   f"K-step wait={drain} (drain_mma), K tail {k_tail.name.lower()}")
     return LaunchPlan(config=config, grid=grid, programs=programs, splits=splits, steps_per_split=steps_per_split,
                       tma=tma, swap=swap, ptx=ptx, fp8_cvt=fp8_cvt, cvt_by_four=fp8_cvt and cvt_by_four(config),
                       prefetch=prefetch, half_tail=half_tail, drain=drain, scale_fold=fold, k_tail=k_tail,

@@ -51,7 +51,8 @@ from moeforge.roles.base import FloatRows, TorchExperts, TritonExperts
 from moeforge.spec import FLOAT_DTYPES, Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activation import Activate, ActivationConfig
-from moeforge.stages.gemm import DecodedExperts, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.gemm import (DecodedExperts, GemmRole, expert_gemm_accepts, expert_gemm_output_spec,
+                                  expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted)
 from moeforge.tensor_ref import TensorSource, resolve
 
 GROUP_SIZES = (32, 64, 128)

@@ -36,7 +36,8 @@ from moeforge.spec import Accepts, DType, ScaleLayout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.activate_quantize import ActivateQuantize
 from moeforge.stages.activation import ActivationConfig
-from moeforge.stages.gemm import DecodedExperts, GemmRole, expert_gemm_accepts, expert_gemm_output_spec, expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted
+from moeforge.stages.gemm import (DecodedExperts, GemmRole, expert_gemm_accepts, expert_gemm_output_spec,
+                                  expert_rows_gemm, grouped_gemm_padded, grouped_gemm_sorted)
 from moeforge.stages.quantize import PerTokenQuantizer, Quantizer, QuantizeRows, QuantizeTokens
 from moeforge.tensor_ref import TensorSource, resolve
 
