@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from moeforge.kernels import launch_plan  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import KTail, RowFormat, RowScales, WeightFormat  # noqa: E402
-from moeforge.kernels.launch_plan import LaunchFacts, plan_launch  # noqa: E402
+from moeforge.kernels.launch_plan import LaunchFacts, explain_launch, plan_launch  # noqa: E402
 
 HOPPER = (9, 0)
 
@@ -33,14 +33,17 @@ def facts(**changes: Any) -> LaunchFacts:
 def test_a_plan_says_what_decided_each_choice() -> None:
     plan = plan_launch(facts())
     assert plan.tma and plan.grid == "tiles" and plan.splits == 1 and not plan.swap
-    text = plan.explain()
+    assert plan.explain() == ""  # the launcher's plans record no reasons (no text made on every call)
+    text = explain_launch(facts())
     assert "tma=True (weight_tma_pays, where it applies)" in text
     assert "split K-loop: 1 (default_split_k)" in text and "(default_grid)" in text
-    asked = plan_launch(facts(tma=False, grid="persistent"))
+    asked = plan_launch(facts(tma=False, grid="persistent"), explain=True)
     assert not asked.tma and asked.grid == "persistent" and asked.programs == (132,)
     assert "tma=False (asked)" in asked.explain() and "grid persistent, (132,) programs (asked)" in asked.explain()
-    table = plan_launch(facts(config=GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=False)))
+    table = plan_launch(facts(config=GemmConfig(128, 128, 64, num_warps=8, num_stages=4, tma=False)), explain=True)
     assert not table.tma and "tma=False (the table's entry)" in table.explain()
+    for planned in (facts(), facts(tma=False, grid="persistent"), facts(split_k=2)):
+        assert plan_launch(planned, explain=True) == plan_launch(planned)  # the same plan, explained or not
 
 
 def test_the_programs_cover_the_tiles() -> None:
@@ -86,7 +89,7 @@ def test_what_cannot_be_launched_is_refused() -> None:
 
 def test_fp32_outputs_and_tiles_too_large_for_the_shared_memory_are_fitted() -> None:
     big = facts(compute_dtype=torch.float32, out_bytes=4, config=GemmConfig(128, 256, 64, num_warps=8, num_stages=4))
-    plan = plan_launch(big)
+    plan = plan_launch(big, explain=True)
     assert plan.config != big.config and "fitted to the shared memory" in plan.explain()
     assert plan.grid != "flattened" and plan.precision == "ieee"
 

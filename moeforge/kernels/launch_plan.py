@@ -14,7 +14,7 @@ reference to ``docs/notes/kernels-log.md``.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import attrs
 import torch
@@ -281,10 +281,10 @@ class LaunchPlan:
     k_tail: KTail
     precision: str
     tile_scale: bool  # FP8 block scales: one per tile
-    reasons: tuple[str, ...] = attrs.field(eq=False)
+    reasons: tuple[str, ...] = attrs.field(default=(), eq=False)  # recorded by plan_launch(explain=True) only
 
     def explain(self) -> str:
-        """The plan and why, one choice per line."""
+        """The plan and why, one choice per line (empty unless it was planned with ``explain=True``)."""
         return "\n".join(self.reasons)
 
 
@@ -303,17 +303,36 @@ def _source(asked: object, table: object) -> str:
     return "asked" if asked is not None else "the table's entry" if table is not None else "rule"
 
 
-def plan_launch(facts: LaunchFacts) -> LaunchPlan:
-    """The launch for ``facts`` (see the module docstring). Raises ``ValueError`` for a combination no launch can
-    serve (a split K-loop asked on a persistent grid, TMA asked where it cannot copy the tiles)."""
+class _Reasons:
+    """The reasons a plan records when asked to (each given as a function, so that no text is made otherwise)."""
+
+    def __init__(self, wanted: bool) -> None:
+        self.wanted = wanted
+        self.lines: list[str] = []
+
+    def append(self, reason: Callable[[], str]) -> None:
+        if self.wanted:
+            self.lines.append(reason())
+
+
+def explain_launch(facts: LaunchFacts) -> str:
+    """The plan for ``facts`` and why, one choice per line (:meth:`LaunchPlan.explain`)."""
+    return plan_launch(facts, explain=True).explain()
+
+
+def plan_launch(facts: LaunchFacts, *, explain: bool = False) -> LaunchPlan:
+    """The launch for ``facts`` (see the module docstring); with ``explain``, the reason for each choice in
+    ``plan.reasons`` (the launcher plans on every call and leaves them out: :func:`explain_launch`). Raises
+    ``ValueError`` for a combination no launch can serve (a split K-loop asked on a persistent grid, TMA asked where
+    it cannot copy the tiles)."""
     f = facts
     fmt, asked = f.weight_format, f.config
-    reasons: list[str] = []
+    reasons = _Reasons(explain)
     config = fitted_config(asked, f.compute_bytes, packed=fmt.packed or f.row_format is RowFormat.NVFP4,
                            per_k_scales=f.row_scales is RowScales.GROUP or f.blocked_scales, glu=f.glu, grid=f.grid,
                            out_bytes=f.out_bytes)
     fitted = "" if config == asked else " (fitted to the shared memory: fit_config)"
-    reasons.append(f"tile {config.block_m}x{config.block_n}x{config.block_k}, {config.num_warps} warps, "
+    reasons.append(lambda: f"tile {config.block_m}x{config.block_n}x{config.block_k}, {config.num_warps} warps, "
                    f"{config.num_stages} stages{fitted}")
     if f.ptx and not f.packed_decoding:
         raise ValueError(f"the packed 4-bit decoding runs on NVIDIA GPUs in bf16/fp16 (MXFP4 in bf16), got "
@@ -335,7 +354,7 @@ def plan_launch(facts: LaunchFacts) -> LaunchPlan:
         tma_source = "the table's entry" + (", where it applies" if config.tma else "")
     else:
         tma_source = "weight_tma_pays, where it applies"
-    reasons.append(f"tma={tma} ({tma_source})")
+    reasons.append(lambda: f"tma={tma} ({tma_source})")
     e4m3_scales = fmt is WeightFormat.NVFP4 or f.row_format is RowFormat.NVFP4
     fp8_cvt = ptx and e4m3_scales and f.capability is not None and f.capability >= (8, 9)
     blocks = f.padded_rows // config.block_m
@@ -357,7 +376,7 @@ def plan_launch(facts: LaunchFacts) -> LaunchPlan:
     splits = triton.cdiv(k_steps, steps_per_split)  # every range has at least one step
     if splits > 1 and f.grid not in (None, "tiles"):
         raise ValueError(f"a split K-loop runs one program per tile, not grid={f.grid!r}")
-    reasons.append(f"split K-loop: {splits} ({split_source})")
+    reasons.append(lambda: f"split K-loop: {splits} ({split_source})")
     half_tail = config.half_tail if f.half_tail is None else f.half_tail
     if splits > 1:
         grid, grid_source = "tiles", "a split K-loop"
@@ -370,18 +389,19 @@ def plan_launch(facts: LaunchFacts) -> LaunchPlan:
         grid, grid_source = "tiles", "half tiles run one program per tile unless asked"
     programs: tuple[int, ...] = ((tiles, splits) if splits > 1 else (tiles,)) if grid == "tiles" else (
         min(tiles, f.multiprocessors),)
-    reasons.append(f"grid {grid}, {programs} programs ({grid_source})")
+    reasons.append(lambda: f"grid {grid}, {programs} programs ({grid_source})")
     swap = fmt.packed and bool(f.swap if f.swap is not None else config.swap)
-    reasons.append(f"swap={swap} ({_source(f.swap, config.swap)})")
+    reasons.append(lambda: f"swap={swap} ({_source(f.swap, config.swap)})")
     prefetch = prefetch_scales(fmt, config, swap)
     drain = drain_mma(f.capability, swap, f.row_format, config)
     fold = scale_fold(fmt, f.compute_dtype, ptx, f.weight_scale_max, f.shuffled)
     k_tail = (KTail.RAGGED if f.k_dim % config.block_k else
               KTail.EVEN_VECTOR_SCALES if fmt.e2m1 and f.vector_scales else KTail.EVEN)
     gate_stride, up_offset = glu_strides(f.glu, f.interleaved, f.n_out)
-    reasons.append(f"packed decoding={ptx} ({'asked' if f.ptx is not None else 'packed_decoding'}), "
+    reasons.append(lambda: f"packed decoding={ptx} ({'asked' if f.ptx is not None else 'packed_decoding'}), "
                    f"fp8 cvt={fp8_cvt}, scale prefetch={prefetch} (prefetch_scales), scale fold={fold} (scale_fold)")
-    reasons.append(f"half tiles={half_tail} ({_source(f.half_tail, config.half_tail if config.half_tail else None)}), "
+    half_source = _source(f.half_tail, config.half_tail if config.half_tail else None)
+    reasons.append(lambda: f"half tiles={half_tail} ({half_source}), "
                    f"K-step wait={drain} (drain_mma), K tail {k_tail.name.lower()}")
     return LaunchPlan(config=config, grid=grid, programs=programs, splits=splits, steps_per_split=steps_per_split,
                       tma=tma, swap=swap, ptx=ptx, fp8_cvt=fp8_cvt, cvt_by_four=fp8_cvt and cvt_by_four(config),
@@ -389,4 +409,4 @@ def plan_launch(facts: LaunchFacts) -> LaunchPlan:
                       precision="ieee" if f.compute_bytes == 4 else "tf32",
                       tile_scale=f.blocked_scales and tile_in_one_scale_block(config.block_n, gate_stride, up_offset,
                                                                               f.glu),
-                      reasons=tuple(reasons))
+                      reasons=tuple(reasons.lines))
