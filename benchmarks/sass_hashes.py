@@ -1,6 +1,6 @@
 """A fingerprint of the grouped GEMM's machine code, to show that a refactor of the kernel changes nothing it compiles.
 
-    python benchmarks/sass_hashes.py OUT.json            # at the change, then at its parent:
+    python benchmarks/sass_hashes.py [--wide] OUT.json   # at the change, then at its parent:
     python benchmarks/sass_hashes.py --compare A.json B.json
 
 It compiles ``moe_gemm_kernel`` for sm_90 (no GPU needed: ``sass_loop.compile_kernel``, the wheel's ptxas and
@@ -19,27 +19,46 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sass_loop  # noqa: E402
 
 
-def fingerprints() -> dict[str, str]:
-    """The hash of each configuration's SASS."""
+FORMATS = ("float", "int4", "mxfp4", "nvfp4", "fp8-block")
+
+
+def _hash(**options: Any) -> str:
+    kernel = sass_loop.compile_kernel(sass_loop.FORMATS[options.pop("weights")], dtype="bf16", ptx=True,
+                                      prefetch=True, **options)
+    sass, _ = sass_loop.disassemble(kernel)
+    code = "\n".join(re.sub(r"/\*[0-9a-f]*\*/", "", line).strip() for line in sass.splitlines()
+                     if line.strip() and not line.strip().startswith("//"))
+    return hashlib.sha1(code.encode()).hexdigest()[:12]
+
+
+def fingerprints(wide: bool = False) -> dict[str, str]:
+    """The hash of each configuration's SASS: 64x64x64 tiles over formats, gate/up and down, shuffled 4-bit weights,
+    grids and half tiles; ``wide``: also 128x128x64 and 16x64x128 tiles, swapped products, NVFP4 rows, the flattened
+    grid and FP8 one-scale-per-tile blocks (112 more)."""
     found = {}
     for weights, glu, shuffled, persistent, half in itertools.product(
-            ("float", "int4", "mxfp4", "nvfp4", "fp8-block"), (False, True), (False, True), (0, 1), (False, True)):
-        fmt = sass_loop.FORMATS[weights]
-        if (shuffled and not fmt.e2m1) or (half and persistent):
+            FORMATS, (False, True), (False, True), (0, 1), (False, True)):
+        if (shuffled and not sass_loop.FORMATS[weights].e2m1) or (half and persistent):
             continue
-        kernel = sass_loop.compile_kernel(fmt, glu=glu, block=(64, 64, 64), warps=4, stages=3, dtype="bf16",
-                                          swap=False, ptx=True, prefetch=True, persistent=persistent,
-                                          shuffled=shuffled, half_tail=half, fold=weights == "mxfp4")
-        sass, _ = sass_loop.disassemble(kernel)
-        code = "\n".join(re.sub(r"/\*[0-9a-f]*\*/", "", line).strip() for line in sass.splitlines()
-                         if line.strip() and not line.strip().startswith("//"))
         key = f"{weights} glu={glu} shuffled={shuffled} persistent={persistent} half={half}"
-        found[key] = hashlib.sha1(code.encode()).hexdigest()[:12]
+        found[key] = _hash(weights=weights, glu=glu, block=(64, 64, 64), warps=4, stages=3, swap=False,
+                           persistent=persistent, shuffled=shuffled, half_tail=half, fold=weights == "mxfp4")
+        print(key, found[key], flush=True)
+    for weights, glu, swap, persistent, rows, tile, block in itertools.product(
+            FORMATS, (False, True), (False, True), (0, 2), ("bf16", "nvfp4"), (False, True),
+            ((128, 128, 64), (16, 64, 128))) if wide else ():
+        if ((swap and not sass_loop.FORMATS[weights].packed) or (rows == "nvfp4" and weights in ("fp8-block", "int4"))
+                or (tile and weights != "fp8-block")):
+            continue
+        key = f"{weights} glu={glu} swap={swap} grid={persistent} rows={rows} tile={tile} block={block}"
+        found[key] = _hash(weights=weights, glu=glu, block=block, warps=8 if block[0] == 128 else 4, stages=3,
+                           swap=swap, persistent=persistent, nvfp4_rows=rows == "nvfp4", tile_scale=tile)
         print(key, found[key], flush=True)
     return found
 
@@ -47,6 +66,7 @@ def fingerprints() -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", nargs="?", help="JSON file for the hashes")
+    parser.add_argument("--wide", action="store_true", help="112 more configurations (see fingerprints)")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two hash files: the configurations that differ")
     args = parser.parse_args()
     if args.compare:
@@ -55,7 +75,7 @@ def main() -> None:
         print(f"{len(differ)} of {len(first.keys() | second.keys())} configurations differ" +
               "".join(f"\n  {key}" for key in differ))
         raise SystemExit(1 if differ else 0)
-    found = fingerprints()
+    found = fingerprints(args.wide)
     if args.out:
         Path(args.out).write_text(json.dumps(found, indent=1))
 
