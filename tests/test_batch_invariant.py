@@ -24,7 +24,7 @@ import moeforge as mf  # noqa: E402
 from moeforge.batch_invariant import (INVARIANT_BLOCK_K, INVARIANT_CONFIG, in_family, invariant_table,  # noqa: E402
                                       linear)
 from moeforge.kernels.config import TOKEN_BUCKETS, ConfigTable, GemmConfig, MoEConfig  # noqa: E402
-from moeforge.kernels.moe_gemm import fit_config  # noqa: E402
+from moeforge.kernels.launch_plan import fit_config  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
 from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK  # noqa: E402
 

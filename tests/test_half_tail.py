@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moeforge as mf  # noqa: E402
 from moeforge.batch_invariant import family_member, in_family  # noqa: E402
-from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels import align, launch_plan, moe_gemm  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.kernels.grouped_gemm_call import decode_config, encode_config  # noqa: E402
@@ -234,7 +234,7 @@ def test_half_tail_errors_and_the_grids() -> None:
     with mock.patch.object(moe_gemm, "default_grid", return_value="flattened"), \
             mock.patch.object(moe_gemm, "moe_gemm_kernel", Spy()):
         moe_gemm.moe_gemm(x, weight, out, *plan, rows_per_a=1, config=config)
-    assert grids == [moe_gemm.GRIDS.index("tiles")]
+    assert grids == [launch_plan.GRIDS.index("tiles")]
     want = torch.einsum("ck,cnk->cn", x.double(), weight.double()[ids[:, 0].long()])
     assert rel(out, want) < 1e-2
     # the call's choice wins over the configuration's

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from moeforge.kernels import align, backward, moe_gemm
+from moeforge.kernels import align, backward, launch_plan, moe_gemm
 from moeforge.kernels.config import GemmConfig, device_tables
 from moeforge.kernels.formats import WeightFormat
 
@@ -41,7 +41,7 @@ def _launches() -> list[tuple[str, GemmConfig, bool, float, str]]:
                 for what, glu, out in ((f"{gemm} forward", gemm == "gate_up", "bf16"),
                                        (f"{gemm} recomputed", False, "fp32"),
                                        (f"{gemm} input gradient", False, "fp32")):
-                    grid = moe_gemm.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert,
+                    grid = launch_plan.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert,
                                                  4 if out == "fp32" else 2)
                     found.setdefault((config, glu, out, grid, "gradient" in what),
                                      (f"{what} {key} M={tokens}", config, glu, rows_per_expert, out))
@@ -65,7 +65,7 @@ def test_every_shipped_launch_fits(what: str, config: GemmConfig, glu: bool, row
         else torch.randn(experts, n_w, k_dim, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
     result = torch.empty(rows, n_out, device="cuda", dtype=out_dtype)
-    grid = moe_gemm.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert, result.element_size())
+    grid = launch_plan.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert, result.element_size())
     moe_gemm.moe_gemm(a, weight, result, sorted_ids, block_expert, num_padded, rows_per_a=1, config=config,
                       glu=glu, act=1 if glu else 0, grid=grid, split_k=1)
     torch.cuda.synchronize()

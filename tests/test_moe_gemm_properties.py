@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels import align, launch_plan, moe_gemm  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.quant.fp4 import dequantize_mxfp4, dequantize_nvfp4, nvfp4_global_scale, quantize_mxfp4, quantize_nvfp4  # noqa: E402
@@ -122,7 +122,7 @@ def test_every_format_against_the_dequantized_product(data: Any) -> None:
     glu = act is not None and act.gated
     interleaved = act is not None and act.gate_up is mf.GateUpLayout.INTERLEAVED
     # the weight tiles by TMA descriptor where they can be (a request that cannot be met is refused)
-    tma = draw(st.booleans(), label="tma") and moe_gemm.weight_tma_applies(weight, config, glu, interleaved)
+    tma = draw(st.booleans(), label="tma") and launch_plan.weight_tma_applies(weight, config, glu, interleaved)
     moe_gemm.moe_gemm(a, weight, out, *plan, rows_per_a=rows_per_a, config=config, bias=bias, topk_weights=weights,
                       act=act_code(act) if act is not None else 0, glu=glu, interleaved=interleaved,
                       alpha=act.alpha if act is not None else 1.702, limit=act.limit if act is not None else 7.0,

@@ -58,25 +58,25 @@ def test_default_grid() -> None:
     hopper = (9, 0)
     glu_tile, down_tile = GemmConfig(128, 128, 64, num_warps=8), GemmConfig(128, 256, 64, num_warps=8)
     many = 256.0  # rows per expert: two 128-row blocks
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, True, many, 2) == "persistent"
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, many, 2) == "flattened"
+    assert launch_plan.default_grid(hopper, WeightFormat.FLOAT, glu_tile, True, many, 2) == "persistent"
+    assert launch_plan.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, many, 2) == "flattened"
     # fp32 outputs (the backward's): the flattened loop's staged output tile does not fit beside the ring
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, many, 4) == "persistent"
+    assert launch_plan.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, many, 4) == "persistent"
     # about one block per expert: one program per tile
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, True, 200.0, 2) == "tiles"
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, 128.0, 2) == "tiles"
+    assert launch_plan.default_grid(hopper, WeightFormat.FLOAT, glu_tile, True, 200.0, 2) == "tiles"
+    assert launch_plan.default_grid(hopper, WeightFormat.FLOAT, down_tile, False, 128.0, 2) == "tiles"
     # two programs fit on an SM: one per tile
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, glu_tile, False, many, 2) == "tiles"
-    assert moe_gemm.default_grid(hopper, WeightFormat.FLOAT, GemmConfig(64, 128, 64), True, many, 2) == "tiles"
+    assert launch_plan.default_grid(hopper, WeightFormat.FLOAT, glu_tile, False, many, 2) == "tiles"
+    assert launch_plan.default_grid(hopper, WeightFormat.FLOAT, GemmConfig(64, 128, 64), True, many, 2) == "tiles"
     for fmt in (WeightFormat.FP8, WeightFormat.INT8, WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
-        assert moe_gemm.default_grid(hopper, fmt, glu_tile, True, many, 2) == "tiles"
-    assert moe_gemm.default_grid((10, 0), WeightFormat.FLOAT, glu_tile, True, many, 2) == "tiles"
-    assert moe_gemm.default_grid(None, WeightFormat.FLOAT, glu_tile, True, many, 2) == "tiles"
+        assert launch_plan.default_grid(hopper, fmt, glu_tile, True, many, 2) == "tiles"
+    assert launch_plan.default_grid((10, 0), WeightFormat.FLOAT, glu_tile, True, many, 2) == "tiles"
+    assert launch_plan.default_grid(None, WeightFormat.FLOAT, glu_tile, True, many, 2) == "tiles"
     # a shuffled 4-bit weight's tiles of 128 rows or more: persistent on Hopper (whatever the rows per expert)
     for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
-        assert moe_gemm.default_grid(hopper, fmt, GemmConfig(128, 64, 64), True, 1.0, 2, shuffled=True) == "persistent"
-        assert moe_gemm.default_grid(hopper, fmt, GemmConfig(64, 128, 64), True, many, 2, shuffled=True) == "tiles"
-        assert moe_gemm.default_grid((10, 0), fmt, GemmConfig(128, 64, 64), True, many, 2, shuffled=True) == "tiles"
+        assert launch_plan.default_grid(hopper, fmt, GemmConfig(128, 64, 64), True, 1.0, 2, shuffled=True) == "persistent"
+        assert launch_plan.default_grid(hopper, fmt, GemmConfig(64, 128, 64), True, many, 2, shuffled=True) == "tiles"
+        assert launch_plan.default_grid((10, 0), fmt, GemmConfig(128, 64, 64), True, many, 2, shuffled=True) == "tiles"
 
 
 def test_each_k_step_waits_for_its_register_operand_mmas_where_triton_needs_it() -> None:

@@ -433,3 +433,24 @@ def test_a_method_builds_its_reference_stages_and_leaves_other_backends_to_the_s
     same = expert_stages(layer.quant, layer, backend=mf.Backend.TORCH, activation=layer.activation,
                          routing_weights_in_epilogue=False)
     assert [type(stage) for stage in same] == [type(stage) for stage in stages]
+
+
+def test_the_selector_passes_over_experts_that_cannot_compute_the_records_tensors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """selector.expert_stages (no LayerConfig at hand) asks each candidate's weights_problem of the record."""
+    from moeforge.errors import BackendUnavailableError
+    from moeforge.quant.unquantized import TorchUnquantizedExperts
+    from moeforge.selector import expert_stages
+
+    layer = mf.MoELayer(4, 2, 32, 16, backend="torch", environ={})
+    seen: list[Any] = []
+
+    def refuses(cls: Any, weights: Any) -> str:
+        seen.append(weights)
+        return "not these tensors"
+
+    monkeypatch.setattr(TorchUnquantizedExperts, "weights_problem", classmethod(refuses))
+    with pytest.raises(BackendUnavailableError, match="no torch experts"):
+        expert_stages(layer.quant, layer, backend=mf.Backend.TORCH, activation=layer.activation,
+                      routing_weights_in_epilogue=False)
+    assert seen and seen[0].gate_up.weight.get() is layer.w13_weight

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import moeforge as mf
 from moeforge.selector import expert_stages as selected_stages
 from moeforge.dispatch_dtype import DeviceDispatchSupport
-from moeforge.errors import BackendUnavailableError, CheckpointError, DispatchDtypeError
+from moeforge.errors import CheckpointError, DispatchDtypeError
 from moeforge.payloads import ExpertRows, PaddedRows, SortedRows
 from moeforge.quant.fp4 import dequantize_nvfp4, nvfp4_global_scale, quantize_nvfp4
 from moeforge.quant.nvfp4 import EmulatedGroupedGemm, Nvfp4Method, Nvfp4Quantizer, Nvfp4WeightRef

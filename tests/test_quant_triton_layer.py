@@ -99,7 +99,7 @@ def test_quantized_triton_stages_equal_the_torch_layer(name: str, dispatch: str)
 @pytest.mark.parametrize("name", ["fp8 block/group", "int8", "w4a16 g32 zeros", "mxfp4", "nvfp4 rows"])
 def test_quantized_triton_stages_with_split_k_loops_equal_the_torch_layer(name: str,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both expert GEMMs with their K-loops split in two (``moe_gemm.default_split_k`` forced: on a GPU it splits
+    """Both expert GEMMs with their K-loops split in two (``launch_plan.default_split_k`` forced: on a GPU it splits
     only long decode K-loops), through the stages, the custom ops and the FP8 re-quantization between the GEMMs."""
     from moeforge.kernels import launch_plan, moe_gemm
 

@@ -179,7 +179,7 @@ def test_split_k_on_the_gpu_tiles(fmt: str, block: tuple[int, int, int, int]) ->
 def test_default_split_k_only_for_few_long_quantized_programs() -> None:
     hopper, sms = (9, 0), 132
     config = GemmConfig(16, 64, 128)
-    rule = moe_gemm.default_split_k
+    rule = launch_plan.default_split_k
     # Mixtral's MXFP4 down GEMM at M = 1: 128 programs of 112 K-steps -> 4 ranges; W4A16's 256 -> 3
     assert rule(hopper, WeightFormat.MXFP4, config, 128, 112, sms) == 4
     assert rule(hopper, WeightFormat.INT4, config, 256, 112, sms) == 3

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels import align, launch_plan, moe_gemm  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.quant.fp4 import (  # noqa: E402
@@ -214,7 +214,7 @@ def test_aligned_scale_rows_clamp_the_step_and_give_the_masked_result(fmt: Weigh
         packed, scales, global_scale, deq = nvfp4_weight(experts, n, kdim, gen)
     ids = route(tokens, experts, k, gen)
     unaligned = _unaligned_copy(scales)
-    assert moe_gemm.vector_scales(scales, None) and not moe_gemm.vector_scales(unaligned, None)
+    assert launch_plan.vector_scales(scales, None) and not launch_plan.vector_scales(unaligned, None)
     outs = []
     for scale in (scales, unaligned):
         out = torch.full((tokens * k, n), float("nan"), dtype=torch.float16, device=DEVICE)
@@ -227,13 +227,13 @@ def test_aligned_scale_rows_clamp_the_step_and_give_the_masked_result(fmt: Weigh
 
 def test_vector_scales_needs_contiguous_groups_and_aligned_rows() -> None:
     scales = torch.zeros(2, 8, 32, dtype=torch.uint8)
-    assert moe_gemm.vector_scales(scales, None) and moe_gemm.vector_scales(scales, scales)
-    assert not moe_gemm.vector_scales(None, None)
-    assert not moe_gemm.vector_scales(scales.transpose(1, 2), None)  # groups not contiguous
-    assert moe_gemm.vector_scales(scales[..., :24], None)  # rows of 32 (a view): aligned
-    assert not moe_gemm.vector_scales(torch.zeros(2, 8, 24, dtype=torch.uint8), None)  # rows of 24
-    assert not moe_gemm.vector_scales(scales.flatten()[1:].as_strided((2, 8, 16), (256, 32, 1)), None)  # start
-    assert not moe_gemm.vector_scales(scales, torch.zeros(2, 8, 24, dtype=torch.uint8))  # zero points unaligned
+    assert launch_plan.vector_scales(scales, None) and launch_plan.vector_scales(scales, scales)
+    assert not launch_plan.vector_scales(None, None)
+    assert not launch_plan.vector_scales(scales.transpose(1, 2), None)  # groups not contiguous
+    assert launch_plan.vector_scales(scales[..., :24], None)  # rows of 32 (a view): aligned
+    assert not launch_plan.vector_scales(torch.zeros(2, 8, 24, dtype=torch.uint8), None)  # rows of 24
+    assert not launch_plan.vector_scales(scales.flatten()[1:].as_strided((2, 8, 16), (256, 32, 1)), None)  # start
+    assert not launch_plan.vector_scales(scales, torch.zeros(2, 8, 24, dtype=torch.uint8))  # zero points unaligned
 
 
 @pytest.mark.parametrize("change,match", [

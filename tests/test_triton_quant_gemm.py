@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("triton")
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, moe_gemm, quantize  # noqa: E402
+from moeforge.kernels import align, launch_plan, moe_gemm, quantize  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig  # noqa: E402
 from moeforge.kernels.grouped_gemm_call import encode_config  # noqa: E402
@@ -289,8 +289,8 @@ def test_fp8_block_scales_one_per_tile_or_per_column(scales: str, layout: str, b
     gate/up concatenated and interleaved, I = 192 (up rows start mid-block when concatenated)."""
     tokens, k, experts, hidden, inter = 9, 2, 4, 256, 192
     interleaved = layout == "interleaved"
-    gate_stride, up_offset = moe_gemm.glu_strides(True, interleaved, inter)
-    assert moe_gemm.tile_in_one_scale_block(block_n, gate_stride, up_offset, True) == (block_n == 32)
+    gate_stride, up_offset = launch_plan.glu_strides(True, interleaved, inter)
+    assert launch_plan.tile_in_one_scale_block(block_n, gate_stride, up_offset, True) == (block_n == 32)
     gen = torch.Generator().manual_seed(27)
     act = ACTIVATIONS["swiglu-interleaved" if interleaved else "swiglu"]
     x = quantize_activations(torch.randn(tokens, hidden, generator=gen).to(DEVICE), FP8, scales)

@@ -342,7 +342,7 @@ def test_every_committed_float_entry_fits_shared_memory_forward_and_backward() -
     # operand ring fits the budget after fitting, and only 2-byte outputs take the flattened grid, the one
     # measured to fit beside a 4-stage bf16 ring (229408 bytes of 232448; tests/test_launch_fit_gpu.py
     # launches them all on a Hopper GPU).
-    from moeforge.kernels import moe_gemm
+    from moeforge.kernels import launch_plan
     from moeforge.kernels.config import SHARED_MEMORY_BUDGET
     from moeforge.kernels.formats import WeightFormat
 
@@ -356,11 +356,11 @@ def test_every_committed_float_entry_fits_shared_memory_forward_and_backward() -
                 rows_per_expert = int(tokens) * int(fields["k"]) / int(fields["E"])
                 for gemm in ("gate_up", "down"):
                     for glu, out_bytes in ((gemm == "gate_up", 2), (False, 4)):
-                        config = moe_gemm.fit_config(GemmConfig(**entry[gemm]), 2, packed=False,
+                        config = launch_plan.fit_config(GemmConfig(**entry[gemm]), 2, packed=False,
                                                      per_k_scales=False, glu=glu)
                         ring = (config.block_m + (2 if glu else 1) * config.block_n) * config.block_k * 2
                         assert ring * config.num_stages <= SHARED_MEMORY_BUDGET, (name, key, tokens, gemm)
-                        grid = moe_gemm.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert,
+                        grid = launch_plan.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert,
                                                      out_bytes)
                         assert grid != "flattened" or (out_bytes == 2 and ring * config.num_stages <= 4 * 49152), \
                             (name, key, tokens, gemm, config)

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels import align, launch_plan, moe_gemm  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.quant.fp4 import nvfp4_global_scale, quantize_mxfp4, quantize_nvfp4  # noqa: E402
@@ -131,17 +131,17 @@ def test_tma_on_hopper_tiles(fmt: str, block: tuple[int, int, int, int], interle
 def test_tma_refuses_what_it_cannot_copy() -> None:
     config = GemmConfig(16, 32, 64, group_m=1, num_warps=4, num_stages=2)
     w = torch.randn(3, 64, 96, dtype=torch.float16, device=DEVICE)
-    assert moe_gemm.weight_tma_applies(w, config, glu=True, interleaved=False)
-    assert moe_gemm.weight_tma_applies(w, config, glu=True, interleaved=True)  # viewed as [E * N, 2, K]
-    assert not moe_gemm.weight_tma_applies(w.transpose(1, 2), config, glu=False, interleaved=False)  # N contiguous
-    assert moe_gemm.weight_tma_applies(w[:, :, :90], config, glu=False, interleaved=False)  # K cut: rows still
-    assert not moe_gemm.weight_tma_applies(w[:, :32], config, glu=False, interleaved=False)  # experts not [E * N_w]
-    assert not moe_gemm.weight_tma_applies(w[:, :, 1:], config, glu=False, interleaved=False)  # base not aligned
-    assert not moe_gemm.weight_tma_applies(torch.randn(3, 64, 36, dtype=torch.float16, device=DEVICE), config,
+    assert launch_plan.weight_tma_applies(w, config, glu=True, interleaved=False)
+    assert launch_plan.weight_tma_applies(w, config, glu=True, interleaved=True)  # viewed as [E * N, 2, K]
+    assert not launch_plan.weight_tma_applies(w.transpose(1, 2), config, glu=False, interleaved=False)  # N contiguous
+    assert launch_plan.weight_tma_applies(w[:, :, :90], config, glu=False, interleaved=False)  # K cut: rows still
+    assert not launch_plan.weight_tma_applies(w[:, :32], config, glu=False, interleaved=False)  # experts not [E * N_w]
+    assert not launch_plan.weight_tma_applies(w[:, :, 1:], config, glu=False, interleaved=False)  # base not aligned
+    assert not launch_plan.weight_tma_applies(torch.randn(3, 64, 36, dtype=torch.float16, device=DEVICE), config,
                                            glu=False, interleaved=False)  # 72-byte rows
     packed = torch.zeros(3, 64, 16, dtype=torch.uint8, device=DEVICE)  # K = 32
-    assert moe_gemm.weight_tma_applies(packed, GemmConfig(16, 32, 32), glu=False, interleaved=False)
-    assert not moe_gemm.weight_tma_applies(packed, GemmConfig(16, 32, 16), glu=False, interleaved=False)  # 8 bytes
+    assert launch_plan.weight_tma_applies(packed, GemmConfig(16, 32, 32), glu=False, interleaved=False)
+    assert not launch_plan.weight_tma_applies(packed, GemmConfig(16, 32, 16), glu=False, interleaved=False)  # 8 bytes
     # an explicit request that cannot be met is an error, not a silent fallback
     ids = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
     plan = align.align_block_size(ids, 3, 16)
@@ -156,21 +156,21 @@ def test_tma_is_the_default_for_hopper_wgmma_tiles_only() -> None:
     hopper = (9, 0)
     wide, mid, narrow = GemmConfig(128, 128, 64), GemmConfig(64, 128, 64), GemmConfig(16, 64, 128)
     for fmt in (WeightFormat.FLOAT, WeightFormat.FP8, WeightFormat.INT8):
-        assert moe_gemm.weight_tma_pays(hopper, fmt, wide) and moe_gemm.weight_tma_pays(hopper, fmt, mid)
-        assert not moe_gemm.weight_tma_pays(hopper, fmt, narrow)
-    assert moe_gemm.weight_tma_pays(hopper, WeightFormat.FLOAT, GemmConfig(128, 64, 64))
+        assert launch_plan.weight_tma_pays(hopper, fmt, wide) and launch_plan.weight_tma_pays(hopper, fmt, mid)
+        assert not launch_plan.weight_tma_pays(hopper, fmt, narrow)
+    assert launch_plan.weight_tma_pays(hopper, WeightFormat.FLOAT, GemmConfig(128, 64, 64))
     for fmt in (WeightFormat.FP8, WeightFormat.INT8):  # 8-bit: not the 64-column tiles
-        assert not moe_gemm.weight_tma_pays(hopper, fmt, GemmConfig(128, 64, 128))
+        assert not launch_plan.weight_tma_pays(hopper, fmt, GemmConfig(128, 64, 128))
     for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
-        assert moe_gemm.weight_tma_pays(hopper, fmt, wide)
-        assert not moe_gemm.weight_tma_pays(hopper, fmt, mid) and not moe_gemm.weight_tma_pays(hopper, fmt, narrow)
+        assert launch_plan.weight_tma_pays(hopper, fmt, wide)
+        assert not launch_plan.weight_tma_pays(hopper, fmt, mid) and not launch_plan.weight_tma_pays(hopper, fmt, narrow)
     # interleaved gate/up rows: float and 8-bit weights as before, 4-bit ones by pointer
-    assert moe_gemm.weight_tma_pays(hopper, WeightFormat.FLOAT, wide, interleaved=True)
+    assert launch_plan.weight_tma_pays(hopper, WeightFormat.FLOAT, wide, interleaved=True)
     for fmt in (WeightFormat.INT4, WeightFormat.MXFP4, WeightFormat.NVFP4):
-        assert not moe_gemm.weight_tma_pays(hopper, fmt, wide, interleaved=True)
+        assert not launch_plan.weight_tma_pays(hopper, fmt, wide, interleaved=True)
     for capability in ((8, 0), (8, 9), (10, 0)):
-        assert not moe_gemm.weight_tma_pays(capability, WeightFormat.FLOAT, wide)
-    assert not moe_gemm.weight_tma_pays(None, WeightFormat.FLOAT, wide)
+        assert not launch_plan.weight_tma_pays(capability, WeightFormat.FLOAT, wide)
+    assert not launch_plan.weight_tma_pays(None, WeightFormat.FLOAT, wide)
 
 
 def test_device_capability_is_none_off_nvidia_gpus() -> None:

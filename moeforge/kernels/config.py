@@ -34,10 +34,10 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     # Copy the weight tiles by TMA (Hopper): None leaves it to the launcher's rule
-    # (``moe_gemm.weight_tma_pays``); a tuned table may decide per entry (``tune_moe.py --tma``).
+    # (``launch_plan.weight_tma_pays``); a tuned table may decide per entry (``tune_moe.py --tma``).
     tma: Optional[bool] = None
     # Split the K-loop into this many ranges (partial sums added by a second kernel; ``moe_gemm.moe_gemm``):
-    # None leaves it to the launcher's rule (``moe_gemm.default_split_k``), 1 never splits.
+    # None leaves it to the launcher's rule (``launch_plan.default_split_k``), 1 never splits.
     split_k: Optional[int] = attrs.field(default=None)
     # 4-bit weights: multiply ``W @ rows^T`` (the decoded weight tile as the warpgroup MMA's register operand,
     # whose MMAs then stay in flight across K-steps; ``moe_gemm.moe_gemm``). False: ``rows @ W^T``. Which wins

@@ -14,7 +14,7 @@ reference to ``docs/notes/kernels-log.md``.
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
+from typing import Optional
 
 import attrs
 import torch
@@ -303,18 +303,6 @@ def _source(asked: object, table: object) -> str:
     return "asked" if asked is not None else "the table's entry" if table is not None else "rule"
 
 
-class _Reasons:
-    """The reasons a plan records when asked to (each given as a function, so that no text is made otherwise)."""
-
-    def __init__(self, wanted: bool) -> None:
-        self.wanted = wanted
-        self.lines: list[str] = []
-
-    def append(self, reason: Callable[[], str]) -> None:
-        if self.wanted:
-            self.lines.append(reason())
-
-
 def explain_launch(facts: LaunchFacts) -> str:
     """The plan for ``facts`` and why, one choice per line (:meth:`LaunchPlan.explain`)."""
     return plan_launch(facts, explain=True).explain()
@@ -327,13 +315,9 @@ def plan_launch(facts: LaunchFacts, *, explain: bool = False) -> LaunchPlan:
     it cannot copy the tiles)."""
     f = facts
     fmt, asked = f.weight_format, f.config
-    reasons = _Reasons(explain)
     config = fitted_config(asked, f.compute_bytes, packed=fmt.packed or f.row_format is RowFormat.NVFP4,
                            per_k_scales=f.row_scales is RowScales.GROUP or f.blocked_scales, glu=f.glu, grid=f.grid,
                            out_bytes=f.out_bytes)
-    fitted = "" if config == asked else " (fitted to the shared memory: fit_config)"
-    reasons.append(lambda: f"tile {config.block_m}x{config.block_n}x{config.block_k}, {config.num_warps} warps, "
-                   f"{config.num_stages} stages{fitted}")
     if f.ptx and not f.packed_decoding:
         raise ValueError(f"the packed 4-bit decoding runs on NVIDIA GPUs in bf16/fp16 (MXFP4 in bf16), got "
                          f"{f.compute_dtype} {fmt.name}")
@@ -348,13 +332,6 @@ def plan_launch(facts: LaunchFacts, *, explain: bool = False) -> LaunchPlan:
         if tma and not f.tma_applies:
             raise ValueError(f"the weight tiles cannot be copied by TMA (tile {config.block_n}x{config.block_k}; "
                              "see weight_tma_applies)")
-    if f.tma is not None:
-        tma_source = "asked"
-    elif config.tma is not None:
-        tma_source = "the table's entry" + (", where it applies" if config.tma else "")
-    else:
-        tma_source = "weight_tma_pays, where it applies"
-    reasons.append(lambda: f"tma={tma} ({tma_source})")
     e4m3_scales = fmt is WeightFormat.NVFP4 or f.row_format is RowFormat.NVFP4
     fp8_cvt = ptx and e4m3_scales and f.capability is not None and f.capability >= (8, 9)
     blocks = f.padded_rows // config.block_m
@@ -376,7 +353,6 @@ def plan_launch(facts: LaunchFacts, *, explain: bool = False) -> LaunchPlan:
     splits = triton.cdiv(k_steps, steps_per_split)  # every range has at least one step
     if splits > 1 and f.grid not in (None, "tiles"):
         raise ValueError(f"a split K-loop runs one program per tile, not grid={f.grid!r}")
-    reasons.append(lambda: f"split K-loop: {splits} ({split_source})")
     half_tail = config.half_tail if f.half_tail is None else f.half_tail
     if splits > 1:
         grid, grid_source = "tiles", "a split K-loop"
@@ -389,24 +365,36 @@ def plan_launch(facts: LaunchFacts, *, explain: bool = False) -> LaunchPlan:
         grid, grid_source = "tiles", "half tiles run one program per tile unless asked"
     programs: tuple[int, ...] = ((tiles, splits) if splits > 1 else (tiles,)) if grid == "tiles" else (
         min(tiles, f.multiprocessors),)
-    reasons.append(lambda: f"grid {grid}, {programs} programs ({grid_source})")
     swap = fmt.packed and bool(f.swap if f.swap is not None else config.swap)
-    reasons.append(lambda: f"swap={swap} ({_source(f.swap, config.swap)})")
     prefetch = prefetch_scales(fmt, config, swap)
     drain = drain_mma(f.capability, swap, f.row_format, config)
     fold = scale_fold(fmt, f.compute_dtype, ptx, f.weight_scale_max, f.shuffled)
     k_tail = (KTail.RAGGED if f.k_dim % config.block_k else
               KTail.EVEN_VECTOR_SCALES if fmt.e2m1 and f.vector_scales else KTail.EVEN)
     gate_stride, up_offset = glu_strides(f.glu, f.interleaved, f.n_out)
-    reasons.append(lambda: f"packed decoding={ptx} ({'asked' if f.ptx is not None else 'packed_decoding'}), "
-                   f"fp8 cvt={fp8_cvt}, scale prefetch={prefetch} (prefetch_scales), scale fold={fold} (scale_fold)")
-    half_source = _source(f.half_tail, config.half_tail if config.half_tail else None)
-    reasons.append(lambda: f"half tiles={half_tail} ({half_source}), "
-                   f"K-step wait={drain} (drain_mma), K tail {k_tail.name.lower()}")
+    reasons: tuple[str, ...] = ()
+    if explain:  # (text only when asked: the launcher plans on every call)
+        fitted = "" if config == asked else " (fitted to the shared memory: fit_config)"
+        if f.tma is not None:
+            tma_source = "asked"
+        elif config.tma is not None:
+            tma_source = "the table's entry" + (", where it applies" if config.tma else "")
+        else:
+            tma_source = "weight_tma_pays, where it applies"
+        reasons = (f"tile {config.block_m}x{config.block_n}x{config.block_k}, {config.num_warps} warps, "
+                   f"{config.num_stages} stages{fitted}",
+                   f"tma={tma} ({tma_source})",
+                   f"split K-loop: {splits} ({split_source})",
+                   f"grid {grid}, {programs} programs ({grid_source})",
+                   f"swap={swap} ({_source(f.swap, config.swap)})",
+                   f"packed decoding={ptx} ({'asked' if f.ptx is not None else 'packed_decoding'}), fp8 cvt={fp8_cvt}, "
+                   f"scale prefetch={prefetch} (prefetch_scales), scale fold={fold} (scale_fold)",
+                   f"half tiles={half_tail} ({_source(f.half_tail, config.half_tail or None)}), K-step wait={drain} "
+                   f"(drain_mma), K tail {k_tail.name.lower()}")
     return LaunchPlan(config=config, grid=grid, programs=programs, splits=splits, steps_per_split=steps_per_split,
                       tma=tma, swap=swap, ptx=ptx, fp8_cvt=fp8_cvt, cvt_by_four=fp8_cvt and cvt_by_four(config),
                       prefetch=prefetch, half_tail=half_tail, drain=drain, scale_fold=fold, k_tail=k_tail,
                       precision="ieee" if f.compute_bytes == 4 else "tf32",
                       tile_scale=f.blocked_scales and tile_in_one_scale_block(config.block_n, gate_stride, up_offset,
                                                                               f.glu),
-                      reasons=tuple(reasons.lines))
+                      reasons=reasons)

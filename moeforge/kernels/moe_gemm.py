@@ -53,16 +53,13 @@ from moeforge.kernels import decode_first, pdl, shuffle
 from moeforge.kernels.pdl import device_capability
 from moeforge.kernels.activations import ACT_NONE
 from moeforge.kernels.config import GemmConfig
-from moeforge.kernels.launch_plan import (GRIDS, SHUFFLED_PERSISTENT_BLOCK_M, LaunchFacts, LaunchPlan, TensorDescriptor,
-                                          cvt_by_four,
-                                          default_grid, default_split_k, drain_mma, fit_config, fitted_config,
-                                          glu_strides, plan_launch, prefetch_scales, scale_fold,
-                                          tile_in_one_scale_block, vector_scales, weight_tma_applies, weight_tma_pays)
-from moeforge.kernels.dequant import (FOLDED_SCALE_MAX, NVFP4_FOLD_REST, e2m1, e2m1_pairs, e4m3, e4m3_pairs,
+from moeforge.kernels.launch_plan import (GRIDS, LaunchFacts, TensorDescriptor, default_grid, fitted_config,
+                                          glu_strides, plan_launch, vector_scales, weight_tma_applies)
+from moeforge.kernels.dequant import (NVFP4_FOLD_REST, e2m1, e2m1_pairs, e4m3, e4m3_pairs,
                                       group_scales, packed_decoding, spread, unpair, weight_tile)
 from moeforge.kernels.format_codes import (K_EVEN_VECTOR_SCALES, K_RAGGED, ROWS_FLOAT, ROWS_NVFP4, SCALES_GROUP,
                                            SCALES_ROW, W_FIRST_E2M1, W_FIRST_PACKED, W_FP8, W_INT8, W_NVFP4)
-from moeforge.kernels.formats import (NVFP4_GROUP, SCALE_BLOCK, KTail, RowFormat, RowScales, WeightFormat,
+from moeforge.kernels.formats import (NVFP4_GROUP, SCALE_BLOCK, RowFormat, RowScales, WeightFormat,
                                       weight_operand)
 from moeforge.kernels.gemm_epilogue import add_bias, epilogue, store
 from moeforge.kernels.tile_order import grouped
@@ -174,12 +171,11 @@ def _gemm_tile(
     PREFETCH: tl.constexpr = FLAGS[20]
     BLOCK_N: tl.constexpr = FLAGS[21]
     BLOCK_K: tl.constexpr = FLAGS[22]
-    GROUP_M: tl.constexpr = FLAGS[23]
-    SCALE_FOLD: tl.constexpr = FLAGS[24]
-    B_GLOBAL: tl.constexpr = FLAGS[25]
-    EXPERT_RANGE: tl.constexpr = FLAGS[26]
-    B_SHUFFLED: tl.constexpr = FLAGS[27]
-    DRAIN_MMA: tl.constexpr = FLAGS[28]
+    SCALE_FOLD: tl.constexpr = FLAGS[23]
+    B_GLOBAL: tl.constexpr = FLAGS[24]
+    EXPERT_RANGE: tl.constexpr = FLAGS[25]
+    B_SHUFFLED: tl.constexpr = FLAGS[26]
+    DRAIN_MMA: tl.constexpr = FLAGS[27]
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
@@ -513,8 +509,7 @@ def moe_gemm_kernel(
                stride_csm, stride_csg, gate_stride, up_offset, alpha, limit)
     FLAGS: tl.constexpr = (A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU,
                             HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT,
-                            PREFETCH, BLOCK_N, BLOCK_K, GROUP_M, SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED,
-                            DRAIN_MMA)
+                            PREFETCH, BLOCK_N, BLOCK_K, SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA)
     num_padded = tl.load(num_padded_ptr)
     k_first = 0
     k_last = 0  # without SPLIT, _gemm_tile runs the whole K-loop

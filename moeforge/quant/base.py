@@ -27,12 +27,12 @@ from moeforge.backend import Backend
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.expert_checkpoint import Projection, read_per_expert
 from moeforge.expert_weights import ExpertNames, ExpertWeights, layer_compute_dtype, read_expert_weights
-from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError, InputError
+from moeforge.errors import BackendUnavailableError, CheckpointError, ContractError
 from moeforge.kernels.config import ConfigTable
 from moeforge.kernels.formats import WeightFormat
 from moeforge.no_backward import no_backward
 from moeforge.payloads import MoEOutput, RoutedTokens
-from moeforge.spec import DType, GroupListType, Layout, ScaleLayout
+from moeforge.spec import DType, GroupListType, ScaleLayout
 from moeforge.stage import Stage
 from moeforge.stages.activation import ActivationConfig
 from moeforge.quant.expert_grouped import apply_expert_stages

@@ -41,7 +41,7 @@ from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.expert_checkpoint import held_experts
-from moeforge.expert_weights import layer_compute_dtype, ExpertNames, ExpertWeights, ProjectionWeights
+from moeforge.expert_weights import ExpertNames, ExpertWeights, ProjectionWeights
 from moeforge.kernels.formats import WeightFormat
 from moeforge.quant.base import (
     FOUR_BIT_BLOCKS,

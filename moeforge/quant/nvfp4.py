@@ -63,7 +63,7 @@ from typing_extensions import Protocol
 from moeforge.dispatch_dtype import DispatchDtype
 from moeforge.errors import CheckpointError, ContractError, InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.expert_weights import layer_compute_dtype, ExpertNames, ExpertWeights, ProjectionWeights
+from moeforge.expert_weights import ExpertNames, ExpertWeights, ProjectionWeights
 from moeforge.kernels.formats import WeightFormat
 from moeforge.payloads import Activations, ExpertRows, RoutedTokens
 from moeforge.quant.base import (
