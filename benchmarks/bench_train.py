@@ -9,7 +9,12 @@ For each shape and token count M, on random (never zero) bf16 data with the rout
 as the median of CUDA-graph replays with the L2 flushed, for moeforge's experts pipeline (from top-k ids
 and weights to the combined output) and for the ``torch._grouped_mm`` baseline; the speedup; and the
 TFLOP/s of the step counting 3x the forward's flops (forward, row gradient, weight gradient) against
-the bf16 matmul peak measured in the same run. Prints a table and writes JSON (device, commit, date).
+the bf16 matmul peak measured in the same run; the step's peak memory above what was allocated before it
+(``torch.cuda.max_memory_allocated``, one eager step); whether two eager steps give bitwise the same gradients. Prints a table and writes JSON (device, commit, date).
+
+``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per step
+(``torch.profiler`` over a few eager steps after warm-up, summed by kernel name) — what a backward change should
+move.
 """
 
 from __future__ import annotations
@@ -71,6 +76,52 @@ def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad:
     return run
 
 
+def step_memory_and_determinism(fn: Callable[[], Any]) -> tuple[int, bool]:
+    """(bytes the step allocates above what was allocated before it, at its peak; whether two eager runs give
+    bitwise the same gradients)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = fn()
+    torch.cuda.synchronize()
+    memory = torch.cuda.max_memory_allocated() - before
+    first = [g.clone() for g in grads]
+    del grads
+    second = fn()
+    same = all(torch.equal(a, b) for a, b in zip(first, second))
+    del first, second
+    return memory, same
+
+
+def kernel_times(fn: Callable[[], Any], steps: int = 3) -> list[tuple[str, float, int]]:
+    """``(kernel name, µs per step, launches per step)`` of ``fn``'s GPU kernels, the most expensive first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time
+            entry[1] += 1
+    rows = [(name[:90], us / steps, int(n) // steps) for name, (us, n) in totals.items()]
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def print_kernel_times(label: str, rows: list[tuple[str, float, int]]) -> None:
+    total = sum(us for _, us, _ in rows)
+    print(f"  {label}: {total:.0f} us of kernels per step")
+    for name, us, launches in rows:
+        if us >= 0.01 * total:
+            print(f"    {us:9.1f} us {100 * us / total:5.1f}% x{launches:<3d} {name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="mixtral,qwen3,gptoss,deepseek")
@@ -78,6 +129,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--profile", action="store_true", help="print each kernel's time per step too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_train.py needs a CUDA device")
@@ -96,23 +148,34 @@ def main() -> None:
             topk = mf.stages.select_experts(logits, top_k, layer.routing)
             grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             flops = 3 * 2 * tokens * top_k * 3 * hidden * inter
-            timed = {}
+            timed: dict[str, float] = {}
+            timed_records: dict[str, dict[str, Any]] = {}
             for what, make in (("moeforge", moeforge_step), ("torch_grouped_mm", grouped_mm_step)):
                 try:
-                    timed[what] = time_graph(make(layer, x, topk, grad), args.reps, flush)
+                    step = make(layer, x, topk, grad)
+                    memory, same = step_memory_and_determinism(step)
+                    timed[what] = time_graph(step, args.reps, flush)
+                    if args.profile:
+                        profiled = kernel_times(step)
+                        print_kernel_times(f"{name} M={tokens} {what}", profiled)
+                        records.append(dict(shape=name, M=tokens, what=f"{what}_kernels",
+                                            kernels=[dict(name=n, us=round(u, 1), launches=c) for n, u, c in profiled]))
                 except Exception as error:  # e.g. out of memory at the largest shapes
                     print(f"{name:9s} M={tokens:6d} {what}: {type(error).__name__}: {str(error)[:120]}", flush=True)
                     torch.cuda.empty_cache()
                     continue
                 us = timed[what]
-                records.append(dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=what,
-                                    median_us=round(us, 2), tflops=round(flops / (us * 1e-6) / 1e12, 1),
-                                    pct_peak=round(100 * flops / (us * 1e-6) / 1e12 / peak, 1)))
+                timed_records[what] = dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=what,
+                                           median_us=round(us, 2), tflops=round(flops / (us * 1e-6) / 1e12, 1),
+                                           pct_peak=round(100 * flops / (us * 1e-6) / 1e12 / peak, 1),
+                                           peak_mib=round(memory / 2**20), deterministic=same)
+                records.append(timed_records[what])
                 print(f"{name:9s} M={tokens:6d} {what:17s} {us:10.1f} us {flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s "
-                      f"({100 * flops / (us * 1e-6) / 1e12 / peak:4.1f}% of peak)", flush=True)
+                      f"({100 * flops / (us * 1e-6) / 1e12 / peak:4.1f}% of peak) peak memory {memory / 2**30:6.2f} GiB"
+                      f"{'' if same else ', gradients differ between two runs'}", flush=True)
             if len(timed) == 2:
                 speedup = timed["torch_grouped_mm"] / timed["moeforge"]
-                records[-2]["speedup_vs_grouped_mm"] = round(speedup, 2)
+                timed_records["moeforge"]["speedup_vs_grouped_mm"] = round(speedup, 2)
                 print(f"{'':9s} moeforge is {speedup:.2f}x the speed of torch._grouped_mm", flush=True)
         del layer
         torch.cuda.empty_cache()
