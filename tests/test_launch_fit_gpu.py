@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from moeforge.kernels import align, backward, launch_plan, moe_gemm
+from moeforge.kernels import align, launch_plan, moe_gemm, weight_grad
 from moeforge.kernels.config import GemmConfig, device_tables
 from moeforge.kernels.formats import WeightFormat
 
@@ -78,6 +78,6 @@ def test_the_weight_gradient_kernel_fits_for_every_alignment_block() -> None:
         sorted_ids, block_expert, num_padded = align.align_block_size(ids, 4, block_m)
         d_rows = torch.randn(1200, 384, device="cuda", dtype=torch.bfloat16)
         rows = torch.randn(600, 256, device="cuda", dtype=torch.bfloat16)
-        dw, db = backward.expert_weight_grad(d_rows, rows, 2, sorted_ids, block_expert, num_padded, 4, block_m, True)
+        dw, db = weight_grad.expert_weight_grad(d_rows, rows, 2, sorted_ids, block_expert, num_padded, 4, block_m, True)
         torch.cuda.synchronize()
         assert dw.shape == (4, 384, 256) and db is not None and torch.isfinite(dw).all()

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels import align  # noqa: E402
-from moeforge.kernels.backward import expert_weight_grad  # noqa: E402
+from moeforge.kernels.weight_grad import expert_weight_grad  # noqa: E402
 from moeforge.kernels.config import ConfigTable  # noqa: E402
 from moeforge.stages.activation import apply_activation  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402

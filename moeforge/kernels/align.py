@@ -9,7 +9,7 @@ output sizes: CUDA-graph capturable.
 Within an expert the order of copies is not fixed (the scatter uses atomics). That does not make
 results vary: every row of a grouped GEMM is computed independently of its neighbours, the combine
 reads rows by copy index, not by position, and the weight gradient, a sum over an expert's rows, puts
-them in ascending order first (:func:`moeforge.kernels.backward.canonical_order`).
+them in ascending order first (:func:`moeforge.kernels.weight_grad.canonical_order`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import triton
 
-from moeforge.kernels import align, backward, combine, quantize, topk
+from moeforge.kernels import align, backward, combine, quantize, topk, weight_grad
 from moeforge.kernels import moe_gemm as kernel
 from moeforge.kernels.formats import WeightFormat
 from moeforge.kernels.grouped_gemm_call import NO_SCALE_BOUND, decode_config
@@ -189,8 +189,8 @@ def expert_weight_grad(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dW [E, N, K], db [E, N])`` of the grouped GEMM (``db`` empty without a bias): see
-    :func:`moeforge.kernels.backward.expert_weight_grad`."""
-    dw, db = backward.expert_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded, num_experts,
+    :func:`moeforge.kernels.weight_grad.expert_weight_grad`."""
+    dw, db = weight_grad.expert_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded, num_experts,
                                          block_m, with_bias, dtype)
     return dw, db if db is not None else d_rows.new_empty(0, dtype=dtype)
 

@@ -1,0 +1,219 @@
+# Triton kernels (@triton.jit bodies) are not annotatable; their Python launchers are.
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False
+# mypy: disallow-untyped-decorators=False, disallow-untyped-calls=False
+"""The experts' weight and bias gradients of a grouped GEMM: ``dW[e] = sum_c d_rows[c]^T rows[c // r]`` and
+``db[e] = sum_c d_rows[c]`` over the copies ``c`` routed to expert ``e`` — a GEMM per expert whose reduction runs
+over that expert's rows (a "k-grouped" GEMM).
+
+Two passes:
+
+1. :func:`gather_sorted_rows` copies the operands into the block-aligned slot order the forward used
+   (``sorted_ids``), each expert's copies in ascending order (:func:`canonical_order`) and its padding slots zero:
+   every expert's rows are then one contiguous run of whole blocks.
+2. ``_weight_grad_kernel``: one program per ``(expert, N tile, K tile)``, in that order (the tiles of one expert
+   and one N strip run together and share it through L2), walking the expert's run in steps of ``BLOCK_M`` rows
+   and accumulating ``dy^T @ x`` in fp32. On Hopper both operands come by TMA (contiguous runs are what TMA copies;
+   a gathered load is not); elsewhere by pointer loads of the same contiguous rows.
+
+Deterministic by construction: each output tile is one program summing its expert's rows in slot order, and the
+slot order does not depend on the order in which the alignment's atomics ran; no atomics, no split reduction.
+Experts without rows get zero gradients (their tiles loop zero times and store zeros).
+
+Why not gather inside the GEMM: on an H200 the gathered loads ran at 250-370 TFLOP/s (Mixtral, M = 4096 and
+16384) where the contiguous TMA tiles ran at 470-560, and the gather pass costs 2-9 % of the GEMM
+(``docs/notes/kernels-log.md``, "Backward: the weight gradient on sorted rows").
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from moeforge.kernels.launch_plan import TensorDescriptor
+
+
+@attrs.frozen
+class WeightGradTiles:
+    """The weight-gradient kernel's launch: an output tile of ``block_n x block_k``, ``block_m`` rows per
+    reduction step (divides the alignment's block), ``num_warps``, ``num_stages``; ``tma``: operands by TMA."""
+
+    block_n: int
+    block_k: int
+    block_m: int
+    num_warps: int
+    num_stages: int
+    tma: bool
+
+
+def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, device: torch.device
+                      ) -> WeightGradTiles:
+    """The launch for ``dW [E, n, k]`` of ``dtype`` operands aligned in blocks of ``aligned_block_m`` rows.
+
+    On a CUDA device: 128 x 256 tiles (256 along the wider of ``n`` and ``k``), 64-row steps, 8 warps, 3 stages
+    (``(64 x 128 + 64 x 256) x 2`` bytes a stage for 16-bit operands; fp32 operands take 128 x 128); TMA where
+    :func:`tma_applies`. On CPU (Triton's interpreter, tests) small tiles: the interpreter's cost grows with the
+    tile."""
+    step = min(64, aligned_block_m)
+    if device.type != "cuda":
+        return WeightGradTiles(32, 32, min(16, aligned_block_m), 4, 2, False)
+    wide = dtype.itemsize <= 2
+    block_n, block_k = (128, 256) if wide and k >= n else (256, 128) if wide else (128, 128)
+    return WeightGradTiles(block_n, block_k, step, 8, 3, capability_has_tma(device))
+
+
+def capability_has_tma(device: torch.device) -> bool:
+    """Whether the device copies tiles by TMA (Hopper and later) and the installed Triton can describe them."""
+    return TensorDescriptor is not None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_applies(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand can be described for TMA: contiguous rows, 16-byte aligned base and row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0 and t.shape[0] > 0)
+
+
+# -- the slot order ---------------------------------------------------------------------------------------
+
+
+def expert_first_blocks(block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int,
+                        num_experts: int) -> torch.Tensor:
+    """``first[e]`` = the first row block of expert ``e`` (``[E + 1]``; ``first[E]`` = the number of used
+    blocks), from the alignment's block -> expert table (experts in ascending order), on the device."""
+    blocks = torch.arange(block_expert.numel(), device=block_expert.device)
+    used = blocks < num_padded.to(torch.int64) // block_m
+    owners = torch.where(used, block_expert.to(torch.int64), num_experts)
+    return torch.searchsorted(owners, torch.arange(num_experts + 1, device=owners.device)).to(torch.int32)
+
+
+def canonical_order(sorted_ids: torch.Tensor, block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int,
+                    num_copies: int, num_experts: int) -> torch.Tensor:
+    """``sorted_ids`` with each expert's copies in ascending order, its padding after them, in the same
+    slots (every expert keeps its blocks), on the device. The alignment's scatter places an expert's
+    copies in the order its atomics happened to run, which changes from run to run; a sum over an
+    expert's rows in slot order (the weight gradient) would change in its last bits with it."""
+    slots = torch.arange(sorted_ids.numel(), device=sorted_ids.device)
+    used = slots < num_padded.to(torch.int64)
+    owner = block_expert.to(torch.int64).repeat_interleave(block_m)[:sorted_ids.numel()]
+    stride = num_copies + 1  # the padding sentinel is num_copies: last of its expert
+    keys = torch.where(used, owner * stride + sorted_ids.to(torch.int64), num_experts * stride + slots)
+    ordered = torch.sort(keys).values  # the used keys, in expert order, fill exactly the used slots
+    return torch.where(used, ordered % stride, sorted_ids.to(torch.int64)).to(sorted_ids.dtype)
+
+
+@triton.jit
+def _gather_sorted_rows_kernel(src_ptr, slot_ids_ptr, dst_ptr, num_padded_ptr, num_copies, rows_per_src, width,
+                               stride_src, stride_dst, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    slots = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    used = slots < tl.load(num_padded_ptr)
+    copies = tl.load(slot_ids_ptr + slots, mask=used, other=num_copies)
+    real = copies < num_copies
+    rows = (copies // rows_per_src).to(tl.int64)
+    cols_ok = cols < width
+    values = tl.load(src_ptr + rows[:, None] * stride_src + cols[None, :], mask=real[:, None] & cols_ok[None, :],
+                     other=0.0)
+    tl.store(dst_ptr + slots.to(tl.int64)[:, None] * stride_dst + cols[None, :], values,
+             mask=used[:, None] & cols_ok[None, :])
+
+
+def gather_sorted_rows(src: torch.Tensor, slot_ids: torch.Tensor, num_padded: torch.Tensor, num_copies: int,
+                       rows_per_src: int) -> torch.Tensor:
+    """``dst [slots, W]``: ``dst[s] = src[slot_ids[s] // rows_per_src]`` for the used slots (``s < num_padded``),
+    zero where ``slot_ids[s]`` is the padding sentinel (``num_copies``); slots past ``num_padded`` are left unwritten
+    (nobody reads them). ``src [R, W]`` with contiguous columns."""
+    if src.stride(1) != 1:
+        src = src.contiguous()
+    slots, width = slot_ids.numel(), src.shape[1]
+    dst = src.new_empty(slots, width)
+    if slots == 0 or width == 0:
+        return dst
+    block_r, block_w = (32, 128) if src.is_cuda else (16, 32)
+    grid = (triton.cdiv(slots, block_r), triton.cdiv(width, block_w))
+    _gather_sorted_rows_kernel[grid](src, slot_ids, dst, num_padded, num_copies, rows_per_src, width, src.stride(0),
+                                     dst.stride(0), BLOCK_R=block_r, BLOCK_W=block_w)
+    return dst
+
+
+# -- the k-grouped GEMM -------------------------------------------------------------------------------
+
+
+@triton.jit
+def _weight_grad_kernel(dy_desc, x_desc, dy_ptr, x_ptr, dw_ptr, db_ptr, first_block_ptr,
+                        N, K, stride_dy, stride_x, stride_dwe, stride_dwn, stride_dwk, stride_dbe,
+                        ALIGNED_M: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles = tl.cdiv(N, BLOCK_N) * tiles_k
+    expert = pid // tiles
+    pid_n = (pid % tiles) // tiles_k
+    pid_k = pid % tiles_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k_ok = offs_k < K
+    start = tl.load(first_block_ptr + expert) * ALIGNED_M
+    end = tl.load(first_block_ptr + expert + 1) * ALIGNED_M
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for row in range(start, end, BLOCK_M):  # the expert's rows, in slot order
+        if TMA:
+            dy = dy_desc.load([row, pid_n * BLOCK_N])
+            x = x_desc.load([row, pid_k * BLOCK_K])
+        else:
+            rows = (row + tl.arange(0, BLOCK_M)).to(tl.int64)
+            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + offs_n[None, :], mask=n_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            bias += tl.sum(dy.to(tl.float32), axis=0)
+    expert64 = expert.to(tl.int64)  # expert * stride_dwe passes 2**31 on DeepSeek-sized layers
+    tl.store(dw_ptr + expert64 * stride_dwe + offs_n[:, None] * stride_dwn + offs_k[None, :] * stride_dwk,
+             acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+    if HAS_BIAS:
+        if pid_k == 0:
+            tl.store(db_ptr + expert64 * stride_dbe + offs_n, bias.to(db_ptr.dtype.element_ty), mask=n_ok)
+
+
+def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
+                       block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
+                       with_bias: bool, dtype: torch.dtype = torch.float32,
+                       tiles: Optional[WeightGradTiles] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(dW [E, N, K], db [E, N] or None)`` in ``dtype`` (summed in fp32): for each expert the sum over its
+    copies ``c`` of ``d_rows[c]^T rows[c // rows_per_a]`` (``d_rows [copies, N]``, ``rows [R, K]`` of one dtype),
+    each expert's copies summed in ascending order (:func:`canonical_order` of ``sorted_ids``, aligned with
+    ``block_m``): the same bits from run to run, whatever order the alignment's atomics gave. ``tiles``: the launch
+    (default :func:`weight_grad_tiles`)."""
+    num_copies, n = d_rows.shape
+    k = rows.shape[1]
+    dw = torch.empty(num_experts, n, k, dtype=dtype, device=rows.device)
+    db = torch.empty(num_experts, n, dtype=dtype, device=rows.device) if with_bias else None
+    if dw.numel() == 0:
+        if db is not None:
+            db.zero_()
+        return dw, db
+    tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device)
+    if block_m % tiles.block_m:
+        raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
+                         f"of {block_m}")
+    first = expert_first_blocks(block_expert, num_padded, block_m, num_experts)
+    slot_ids = canonical_order(sorted_ids, block_expert, num_padded, block_m, num_copies, num_experts)
+    dy = gather_sorted_rows(d_rows, slot_ids, num_padded, num_copies, 1)
+    x = gather_sorted_rows(rows, slot_ids, num_padded, num_copies, rows_per_a)
+    tma = tiles.tma and tma_applies(dy) and tma_applies(x)
+    dy_desc = TensorDescriptor.from_tensor(dy, [tiles.block_m, tiles.block_n]) if tma else None
+    x_desc = TensorDescriptor.from_tensor(x, [tiles.block_m, tiles.block_k]) if tma else None
+    dbias = db if db is not None else dw
+    grid = (num_experts * triton.cdiv(n, tiles.block_n) * triton.cdiv(k, tiles.block_k),)
+    _weight_grad_kernel[grid](
+        dy_desc, x_desc, dy, x, dw, dbias, first,
+        n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0),
+        ALIGNED_M=block_m, HAS_BIAS=with_bias, TMA=tma, PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return dw, db

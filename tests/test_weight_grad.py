@@ -1,0 +1,174 @@
+"""The experts' weight and bias gradients (``moeforge/kernels/weight_grad.py``): the rows gathered into slot
+order, then a k-grouped GEMM per expert, by pointer loads and by TMA descriptors (on CPU Triton's interpreter
+emulates the descriptors' loads, zero fill past the edges included), against a float64 sum per expert.
+
+The shapes cover what users' batches give: idle experts, every copy on one expert, one token, no tokens, widths
+past the last full tile, steps smaller than the alignment's block, rows shared by ``top_k`` copies and not.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moeforge.kernels import align  # noqa: E402
+from moeforge.kernels.weight_grad import (  # noqa: E402
+    WeightGradTiles,
+    canonical_order,
+    expert_weight_grad,
+    gather_sorted_rows,
+    weight_grad_tiles,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+SMALL = {  # pointer loads and TMA, a step of the whole block and of part of it
+    "pointer": WeightGradTiles(32, 16, 16, 4, 2, False),
+    "tma": WeightGradTiles(16, 32, 16, 4, 2, True),
+    "tma, half-block steps": WeightGradTiles(32, 32, 8, 4, 2, True),
+}
+
+
+def _ids(tokens: int, k: int, experts: int, gen: torch.Generator, only: Optional[int] = None,
+         idle: tuple[int, ...] = ()) -> torch.Tensor:
+    if only is not None:
+        return torch.full((tokens, k), only, dtype=torch.int32)
+    active = [e for e in range(experts) if e not in idle]
+    choice = torch.stack([torch.randperm(len(active), generator=gen)[:k] for _ in range(tokens)])
+    return torch.tensor(active)[choice].to(torch.int32).reshape(tokens, k)
+
+
+def _reference(d_rows: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, experts: int, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = ids.reshape(-1).long().cpu()
+    dw = torch.zeros(experts, d_rows.shape[1], rows.shape[1], dtype=torch.float64)
+    db = torch.zeros(experts, d_rows.shape[1], dtype=torch.float64)
+    for e in range(experts):
+        chosen = (flat == e).nonzero().flatten()
+        dw[e] = d_rows.cpu()[chosen].double().T @ rows.cpu()[chosen // k].double()
+        db[e] = d_rows.cpu()[chosen].double().sum(0)
+    return dw, db
+
+
+CASES = {  # (tokens, top_k, experts, N, K, rows per A, only, idle)
+    "spread, idle expert": (13, 2, 5, 40, 24, 2, None, (3,)),
+    "every copy on one expert": (9, 1, 4, 24, 40, 1, 2, ()),
+    "one token": (1, 2, 4, 33, 17, 2, None, ()),
+    "top_k = experts": (6, 3, 3, 16, 16, 3, None, ()),
+}
+
+
+@pytest.mark.parametrize("tiles", list(SMALL), ids=list(SMALL))
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_the_weight_and_bias_gradients_equal_a_float64_sum_per_expert(case: str, tiles: str,
+                                                                      dtype: torch.dtype) -> None:
+    tokens, k, experts, n, kdim, r, only, idle = CASES[case]
+    gen = torch.Generator().manual_seed(7)
+    ids = _ids(tokens, k, experts, gen, only, idle)
+    rows = torch.randn(tokens * k // r, kdim, generator=gen).to(DEVICE, dtype)
+    d_rows = torch.randn(tokens * k, n, generator=gen).to(DEVICE, dtype)
+    block = 16
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, block)
+    dw, db = expert_weight_grad(d_rows, rows, r, sorted_ids, block_expert, num_padded, experts, block, True,
+                                tiles=SMALL[tiles])
+    want_w, want_b = _reference(d_rows, rows, ids, experts, r)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert db is not None and dw.dtype == torch.float32
+    torch.testing.assert_close(dw.cpu().double(), want_w, rtol=tol, atol=tol)
+    torch.testing.assert_close(db.cpu().double(), want_b, rtol=tol, atol=tol)
+    for e in idle:
+        assert not dw[e].any() and not db[e].any()
+
+
+def test_no_copies_give_zero_gradients() -> None:
+    ids = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids, 3, 16)
+    dw, db = expert_weight_grad(torch.zeros(0, 24, device=DEVICE), torch.zeros(0, 8, device=DEVICE), 2, sorted_ids,
+                                block_expert, num_padded, 3, 16, True)
+    assert dw.shape == (3, 24, 8) and not dw.any() and db is not None and not db.any()
+
+
+def test_the_gradient_is_written_in_the_asked_dtype_without_bias() -> None:
+    gen = torch.Generator().manual_seed(9)
+    ids = _ids(8, 2, 4, gen)
+    rows = torch.randn(8, 16, generator=gen).to(DEVICE)
+    d_rows = torch.randn(16, 32, generator=gen).to(DEVICE)
+    plan = align.align_block_size(ids.to(DEVICE), 4, 16)
+    dw, db = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, False, torch.float16)
+    assert db is None and dw.dtype == torch.float16
+    torch.testing.assert_close(dw.cpu().double(), _reference(d_rows, rows, ids, 4, 2)[0], rtol=2e-3, atol=2e-3)
+
+
+def test_a_step_that_does_not_divide_the_alignment_block_is_refused() -> None:
+    ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
+    plan = align.align_block_size(ids, 1, 16)
+    with pytest.raises(ValueError, match="must divide"):
+        expert_weight_grad(torch.zeros(4, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE), 1, *plan, 1, 16,
+                           False, tiles=WeightGradTiles(16, 16, 32, 4, 2, False))
+
+
+def test_gathered_rows_follow_the_slots_and_padding_is_zero() -> None:
+    gen = torch.Generator().manual_seed(11)
+    ids = _ids(7, 2, 3, gen)
+    src = torch.randn(7, 20, generator=gen).to(DEVICE)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), 3, 16)
+    slots = canonical_order(sorted_ids, block_expert, num_padded, 16, 14, 3)
+    out = gather_sorted_rows(src, slots, num_padded, 14, 2)
+    used = int(num_padded)
+    for s in range(used):
+        copy = int(slots[s])
+        want = src[copy // 2] if copy < 14 else torch.zeros(20, device=DEVICE)
+        assert torch.equal(out[s], want)
+
+
+def test_each_expert_sums_its_copies_in_ascending_order_whatever_the_alignment_placed() -> None:
+    # The alignment's atomics order an expert's copies differently from run to run; the gradient's bits must not.
+    gen = torch.Generator().manual_seed(13)
+    tokens, k, experts, block = 40, 2, 3, 16
+    ids = _ids(tokens, k, experts, gen)
+    rows = torch.randn(tokens, 24, generator=gen).to(DEVICE)
+    d_rows = torch.randn(tokens * k, 40, generator=gen).to(DEVICE)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, block)
+    shuffled = sorted_ids.clone()
+    owner = block_expert.long().repeat_interleave(block)[:int(num_padded)].cpu()
+    for e in range(experts):
+        slots = (owner == e).nonzero().flatten()
+        shuffled[slots.to(DEVICE)] = sorted_ids[slots[torch.randperm(slots.numel(), generator=gen)].to(DEVICE)]
+    assert not torch.equal(shuffled, sorted_ids)
+    for tiles in SMALL.values():
+        first = expert_weight_grad(d_rows, rows, k, sorted_ids, block_expert, num_padded, experts, block, True,
+                                   tiles=tiles)
+        again = expert_weight_grad(d_rows, rows, k, shuffled, block_expert, num_padded, experts, block, True,
+                                   tiles=tiles)
+        assert torch.equal(first[0], again[0]) and first[1] is not None and again[1] is not None
+        assert torch.equal(first[1], again[1])
+
+
+def test_the_default_tiles_divide_every_alignment_block() -> None:
+    for block in (16, 32, 64, 128, 256):
+        for n, kdim in ((28672, 4096), (4096, 14336), (96, 64)):
+            tiles = weight_grad_tiles(n, kdim, torch.bfloat16, block, torch.device("cpu"))
+            assert block % tiles.block_m == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("block", [16, 64, 128])
+def test_the_gpu_launch_equals_a_float64_sum_in_bf16(block: int) -> None:
+    # The default launch on the device (TMA on Hopper): bf16 operands, experts of uneven sizes, one idle.
+    gen = torch.Generator().manual_seed(17)
+    tokens, k, experts, n, kdim = 700, 2, 6, 384, 320
+    ids = _ids(tokens, k, experts, gen, idle=(4,))
+    rows = torch.randn(tokens, kdim, generator=gen).to("cuda", torch.bfloat16)
+    d_rows = torch.randn(tokens * k, n, generator=gen).to("cuda", torch.bfloat16)
+    plan = align.align_block_size(ids.to("cuda"), experts, block)
+    dw, db = expert_weight_grad(d_rows, rows, k, *plan, experts, block, True, torch.bfloat16)
+    want_w, want_b = _reference(d_rows, rows, ids, experts, k)
+    assert db is not None
+    torch.testing.assert_close(dw.cpu().double(), want_w, rtol=2e-2, atol=0.3)
+    torch.testing.assert_close(db.cpu().double(), want_b, rtol=2e-2, atol=0.3)
+    assert not dw[4].any()
