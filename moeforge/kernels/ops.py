@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import triton
 
-from moeforge.kernels import align, backward, combine, quantize, topk, weight_grad
+from moeforge.kernels import activation_rows, align, backward, combine, quantize, topk, weight_grad
 from moeforge.kernels import moe_gemm as kernel
 from moeforge.kernels.formats import WeightFormat
 from moeforge.kernels.grouped_gemm_call import NO_SCALE_BOUND, decode_config
@@ -204,8 +204,38 @@ def _(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: tor
             d_rows.new_empty(num_experts, n, dtype=dtype) if with_bias else d_rows.new_empty(0, dtype=dtype))
 
 
+@torch.library.custom_op("moeforge::activate_rows", mutates_args=())
+def activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alpha: float,
+                  limit: float) -> torch.Tensor:
+    """The activation ``act`` of the pre-activation rows ``pre [R, W]`` (``[R, W // 2]`` when gated), in ``pre``'s
+    dtype: :func:`moeforge.kernels.activation_rows.activate_rows`. Differentiable: its backward keeps ``pre``."""
+    return activation_rows.activate_rows(pre, act, glu, interleaved, alpha, limit)
+
+
+@activate_rows.register_fake
+def _(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
+    return pre.new_empty(activation_rows.activated_shape(pre, act, glu))
+
+
+@torch.library.custom_op("moeforge::activate_rows_backward", mutates_args=())
+def activate_rows_backward(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu: bool, interleaved: bool,
+                           alpha: float, limit: float) -> torch.Tensor:
+    """``d_pre [R, W]`` of ``moeforge::activate_rows`` given ``d_out``, the gradient of its output:
+    :func:`moeforge.kernels.activation_rows.activate_rows_backward`."""
+    return activation_rows.activate_rows_backward(pre, d_out, act, glu, interleaved, alpha, limit)
+
+
+@activate_rows_backward.register_fake
+def _(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu: bool, interleaved: bool, alpha: float,
+      limit: float) -> torch.Tensor:
+    activation_rows.check_gradient(pre, d_out, act, glu)
+    return pre.new_empty(pre.shape)
+
+
 # Backward formulas (moeforge/kernels/backward.py): the float grouped GEMM, the combine and the routing
 # weights differentiate; the quantized GEMMs and the quantization kernels are inference-only.
 moe_gemm.register_autograd(backward.moe_gemm_backward, setup_context=backward.moe_gemm_setup_context)
 combine_copies.register_autograd(backward.combine_backward, setup_context=backward.combine_setup_context)
 route.register_autograd(backward.route_backward, setup_context=backward.route_setup_context)
+activate_rows.register_autograd(activation_rows.autograd_backward,
+                              setup_context=activation_rows.autograd_setup_context)
