@@ -167,6 +167,9 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     ``role=GATE_UP`` with ``activation`` set covers the ``gemm`` and ``activation`` kinds and writes
     the ``I``-wide activated rows; ``role=DOWN`` may multiply by the routing weights in the epilogue.
+    Where autograd records the call (grad mode on, rows or weights requiring grad) the activation runs as its own
+    op after the GEMM (``moeforge::activate_rows``), which keeps the pre-activation rows for the backward: the
+    backward then needs no second GEMM to recompute them.
     """
 
     role: GemmRole
@@ -232,18 +235,29 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         alignment = x.alignment
         config = alignment.config  # chosen by the dispatch for this batch; the spec checked the tables agree
         gemm = config.gate_up if self.role is GemmRole.GATE_UP else config.down
-        act, glu, interleaved, alpha, limit = self._act
+        weight = resolve(self.weight)
+        bias = resolve(self.bias) if self.bias is not None else None
+        # Training: the activation runs as its own op, which keeps the pre-activation rows for the backward
+        # (no second GEMM there); inference fuses it in the epilogue.
+        separate = self._act[0] != 0 and not self.apply_routing_weights and differentiated(x.x.data, weight, bias)
+        act, glu, interleaved, alpha, limit = activation_args(None) if separate else self._act
         out, _ = grouped_gemm(
             GemmRows(x.x.data, rows_per_a=1 if x.copy_major else alignment.copies_per_row),
-            GemmWeight(resolve(self.weight)),
+            GemmWeight(weight),
             GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
                       aligned_block_m=alignment.block_m),
-            GemmEpilogue(x.x.data.dtype, bias=resolve(self.bias) if self.bias is not None else None,
-                         routing_weights=x.copy_weights if self.apply_routing_weights else None, act=act, glu=glu,
-                         interleaved=interleaved, alpha=alpha, limit=limit),
+            GemmEpilogue(x.x.data.dtype, bias=bias, routing_weights=x.copy_weights if self.apply_routing_weights
+                         else None, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit),
             gemm,
         )
+        if separate:
+            out = torch.ops.moeforge.activate_rows(out, *self._act)
         return dataclasses.replace(x, x=Activations(out), copy_major=True)
+
+
+def differentiated(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd records a computation on ``tensors`` (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def activation_args(config: Optional[ActivationConfig]) -> tuple[int, bool, bool, float, float]:
