@@ -24,7 +24,9 @@ import moeforge as mf  # noqa: E402
 from moeforge.activation import apply_activation  # noqa: E402
 from moeforge.errors import InputError  # noqa: E402
 from moeforge.kernels import activation_rows, activations  # noqa: E402
-from moeforge.kernels import ops  # noqa: E402,F401  (registers the custom ops)
+from moeforge.stages.triton import kernel_ops  # noqa: E402
+
+kernel_ops()  # registers the moeforge:: custom ops
 
 # The interpreter computes the sigmoids with numpy, which warns when exp(-x) overflows to inf: by design
 # (sigmoid = 1 / (1 + inf) = 0), and what test_large_magnitudes_stay_finite is about.
