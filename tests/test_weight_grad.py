@@ -26,10 +26,10 @@ from moeforge.kernels.weight_grad import (  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-SMALL = {  # pointer loads and TMA, a step of the whole block and of part of it
-    "pointer": WeightGradTiles(32, 16, 16, 4, 2, False),
-    "tma": WeightGradTiles(16, 32, 16, 4, 2, True),
-    "tma, half-block steps": WeightGradTiles(32, 32, 8, 4, 2, True),
+SMALL = {  # (launch, alignment block): pointer loads and TMA, a step of the whole block and of half of it
+    "pointer": (WeightGradTiles(32, 16, 16, 4, 2, False), 16),
+    "tma": (WeightGradTiles(16, 32, 16, 4, 2, True), 16),
+    "tma, half-block steps": (WeightGradTiles(32, 32, 16, 4, 2, True), 32),
 }
 
 
@@ -72,10 +72,10 @@ def test_the_weight_and_bias_gradients_equal_a_float64_sum_per_expert(case: str,
     ids = _ids(tokens, k, experts, gen, only, idle)
     rows = torch.randn(tokens * k // r, kdim, generator=gen).to(DEVICE, dtype)
     d_rows = torch.randn(tokens * k, n, generator=gen).to(DEVICE, dtype)
-    block = 16
+    launch, block = SMALL[tiles]
     sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, block)
     dw, db = expert_weight_grad(d_rows, rows, r, sorted_ids, block_expert, num_padded, experts, block, True,
-                                tiles=SMALL[tiles])
+                                tiles=launch)
     want_w, want_b = _reference(d_rows, rows, ids, experts, r)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert db is not None and dw.dtype == torch.float32
@@ -104,12 +104,13 @@ def test_the_gradient_is_written_in_the_asked_dtype_without_bias() -> None:
     torch.testing.assert_close(dw.cpu().double(), _reference(d_rows, rows, ids, 4, 2)[0], rtol=2e-3, atol=2e-3)
 
 
-def test_a_step_that_does_not_divide_the_alignment_block_is_refused() -> None:
+@pytest.mark.parametrize("step", [32, 8], ids=["not dividing", "below the MMA's 16"])
+def test_a_step_the_kernel_cannot_take_is_refused(step: int) -> None:
     ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
     plan = align.align_block_size(ids, 1, 16)
     with pytest.raises(ValueError, match="must divide"):
         expert_weight_grad(torch.zeros(4, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE), 1, *plan, 1, 16,
-                           False, tiles=WeightGradTiles(16, 16, 32, 4, 2, False))
+                           False, tiles=WeightGradTiles(16, 16, step, 4, 2, False))
 
 
 def test_gathered_rows_follow_the_slots_and_padding_is_zero() -> None:
@@ -140,7 +141,8 @@ def test_each_expert_sums_its_copies_in_ascending_order_whatever_the_alignment_p
         slots = (owner == e).nonzero().flatten()
         shuffled[slots.to(DEVICE)] = sorted_ids[slots[torch.randperm(slots.numel(), generator=gen)].to(DEVICE)]
     assert not torch.equal(shuffled, sorted_ids)
-    for tiles in SMALL.values():
+    for tiles, _ in SMALL.values():
+        tiles = WeightGradTiles(tiles.block_n, tiles.block_k, 16, 4, 2, tiles.tma)
         first = expert_weight_grad(d_rows, rows, k, sorted_ids, block_expert, num_padded, experts, block, True,
                                    tiles=tiles)
         again = expert_weight_grad(d_rows, rows, k, shuffled, block_expert, num_padded, experts, block, True,

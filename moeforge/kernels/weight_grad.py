@@ -39,7 +39,8 @@ from moeforge.kernels.launch_plan import TensorDescriptor
 @attrs.frozen
 class WeightGradTiles:
     """The weight-gradient kernel's launch: an output tile of ``block_n x block_k``, ``block_m`` rows per
-    reduction step (divides the alignment's block), ``num_warps``, ``num_stages``; ``tma``: operands by TMA."""
+    reduction step (at least 16, dividing the alignment's block), ``num_warps``, ``num_stages``; ``tma``: operands
+    by TMA."""
 
     block_n: int
     block_k: int
@@ -197,9 +198,9 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
             db.zero_()
         return dw, db
     tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device)
-    if block_m % tiles.block_m:
+    if block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
-                         f"of {block_m}")
+                         f"of {block_m} and be at least 16 (the MMA's reduction)")
     first = expert_first_blocks(block_expert, num_padded, block_m, num_experts)
     slot_ids = canonical_order(sorted_ids, block_expert, num_padded, block_m, num_copies, num_experts)
     dy = gather_sorted_rows(d_rows, slot_ids, num_padded, num_copies, 1)
