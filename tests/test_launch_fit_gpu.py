@@ -25,7 +25,9 @@ pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (the ship
 
 def _launches() -> list[tuple[str, GemmConfig, bool, float, str]]:
     """(what, config, glu, rows per expert, out dtype) for every launch the layer makes from the device's
-    bf16 tables: each GEMM's forward (bf16 out), its recomputation and its input gradient (fp32 out)."""
+    bf16 tables: each GEMM's forward (bf16 out), its recomputation (fp32 out), the training forward's unfused
+    gate/up GEMM (``GemmConfig.unfused_gate_up``) and the input gradients (fp32 for rows shared by top_k copies,
+    bf16 for the down GEMM's own rows)."""
     if not HOPPER:
         return []
     found: dict[tuple[Any, ...], tuple[str, GemmConfig, bool, float, str]] = {}
@@ -37,14 +39,17 @@ def _launches() -> list[tuple[str, GemmConfig, bool, float, str]]:
         for tokens, entry in entries.items():
             rows_per_expert = int(tokens) * top_k / experts
             for gemm in ("gate_up", "down"):
-                config = GemmConfig(**entry[gemm])
-                for what, glu, out in ((f"{gemm} forward", gemm == "gate_up", "bf16"),
-                                       (f"{gemm} recomputed", False, "fp32"),
-                                       (f"{gemm} input gradient", False, "fp32")):
+                fused = GemmConfig(**entry[gemm])
+                training = fused.unfused_gate_up() if gemm == "gate_up" else fused
+                for what, config, glu, out in ((f"{gemm} forward", fused, gemm == "gate_up", "bf16"),
+                                               (f"{gemm} recomputed", fused, False, "fp32"),
+                                               (f"{gemm} training forward", training, False, "bf16"),
+                                               (f"{gemm} input gradient", training, False, "fp32"),
+                                               (f"{gemm} input gradient", training, False, "bf16")):
                     grid = launch_plan.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert,
                                                  4 if out == "fp32" else 2)
                     found.setdefault((config, glu, out, grid, "gradient" in what),
-                                     (f"{what} {key} M={tokens}", config, glu, rows_per_expert, out))
+                                     (f"{what} ({out}) {key} M={tokens}", config, glu, rows_per_expert, out))
     return list(found.values())
 
 

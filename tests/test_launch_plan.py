@@ -96,3 +96,15 @@ def test_fp32_outputs_and_tiles_too_large_for_the_shared_memory_are_fitted() -> 
 
 def test_facts_are_hashable_so_a_plan_can_be_kept_per_bucket() -> None:
     assert hash(facts()) == hash(facts()) and {facts(): 1}[facts()] == 1
+
+
+def test_the_unfused_gate_up_tile_reads_the_fused_tiles_weight_rows_and_stays_launchable() -> None:
+    # A training forward runs the gate/up GEMM without its gated activation: one tile of 2 * block_n weight rows,
+    # what the fused tile read as block_n gate and block_n up rows; never past a TMA box's 256, nor for the
+    # small-batch launches (swapped, split K) whose tiles were tuned as they are.
+    from moeforge.kernels.config import GemmConfig
+
+    assert GemmConfig(128, 128, 64).unfused_gate_up() == GemmConfig(128, 256, 64)
+    assert GemmConfig(64, 64, 128, num_warps=4).unfused_gate_up().block_n == 128
+    for kept in (GemmConfig(128, 256, 64), GemmConfig(16, 64, 256, swap=True), GemmConfig(16, 64, 256, split_k=4)):
+        assert kept.unfused_gate_up() == kept

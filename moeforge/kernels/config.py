@@ -66,6 +66,15 @@ class GemmConfig:
             raise ValueError(f"half_tail needs block_m >= 32 (its half tiles have block_m / 2 rows), "
                              f"got {self.block_m}")
 
+    def unfused_gate_up(self) -> GemmConfig:
+        """The gate/up GEMM's launch when its gated activation runs as an op of its own (a training forward):
+        the fused GEMM's tile reads ``block_n`` gate rows and ``block_n`` up rows of the weight; the unfused one
+        reads the same ``2 * block_n`` rows as one tile (the same operand ring and accumulator registers), up to
+        256 columns (a TMA box's limit). Swapped and split-K launches (small batches) are kept as they are."""
+        if self.block_n > 128 or self.swap or (self.split_k or 1) > 1:
+            return self
+        return attrs.evolve(self, block_n=2 * self.block_n)
+
     def with_block_m(self, block_m: int) -> GemmConfig:
         """The configuration with another ``block_m`` (``half_tail`` dropped below 32 rows)."""
         return attrs.evolve(self, block_m=block_m, half_tail=self.half_tail and block_m >= 32)

@@ -241,6 +241,8 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         # (no second GEMM there); inference fuses it in the epilogue.
         separate = self._act[0] != 0 and not self.apply_routing_weights and differentiated(x.x.data, weight, bias)
         act, glu, interleaved, alpha, limit = activation_args(None) if separate else self._act
+        if separate and self._act[1]:
+            gemm = gemm.unfused_gate_up()
         out, _ = grouped_gemm(
             GemmRows(x.x.data, rows_per_a=1 if x.copy_major else alignment.copies_per_row),
             GemmWeight(weight),
