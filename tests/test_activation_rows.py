@@ -165,7 +165,7 @@ def test_a_summed_output_backpropagates_its_expanded_gradient() -> None:
     pre = _rows(3, 10, torch.float32, seed=9).requires_grad_()
     torch.ops.moeforge.activate_rows(pre, *_args(config)).sum().backward()
     assert pre.grad is not None
-    _check(pre.grad, _reference(pre, torch.ones(3, 5, dtype=torch.float64), config)[1], torch.float32)
+    _check(pre.grad, _reference(pre, torch.ones(3, 5, dtype=torch.float64, device=pre.device), config)[1], torch.float32)
 
 
 # -- edge cases ---------------------------------------------------------------------------------------------
