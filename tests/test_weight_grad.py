@@ -30,6 +30,7 @@ SMALL = {  # (launch, alignment block): pointer loads and TMA, a step of the who
     "pointer": (WeightGradTiles(32, 16, 16, 4, 2, False), 16),
     "tma": (WeightGradTiles(16, 32, 16, 4, 2, True), 16),
     "tma, half-block steps": (WeightGradTiles(32, 32, 16, 4, 2, True), 32),
+    "tma, stored by tma": (WeightGradTiles(16, 32, 16, 4, 2, True, tma_store=True), 16),
 }
 
 
@@ -142,7 +143,7 @@ def test_each_expert_sums_its_copies_in_ascending_order_whatever_the_alignment_p
         shuffled[slots.to(DEVICE)] = sorted_ids[slots[torch.randperm(slots.numel(), generator=gen)].to(DEVICE)]
     assert not torch.equal(shuffled, sorted_ids)
     for tiles, _ in SMALL.values():
-        tiles = WeightGradTiles(tiles.block_n, tiles.block_k, 16, 4, 2, tiles.tma)
+        tiles = WeightGradTiles(tiles.block_n, tiles.block_k, 16, 4, 2, tiles.tma, tiles.tma_store)
         first = expert_weight_grad(d_rows, rows, k, sorted_ids, block_expert, num_padded, experts, block, True,
                                    tiles=tiles)
         again = expert_weight_grad(d_rows, rows, k, shuffled, block_expert, num_padded, experts, block, True,
@@ -154,16 +155,19 @@ def test_each_expert_sums_its_copies_in_ascending_order_whatever_the_alignment_p
 def test_the_default_tiles_divide_every_alignment_block() -> None:
     for block in (16, 32, 64, 128, 256):
         for n, kdim in ((28672, 4096), (4096, 14336), (96, 64)):
-            tiles = weight_grad_tiles(n, kdim, torch.bfloat16, block, torch.device("cpu"))
-            assert block % tiles.block_m == 0
+            for rows_per_expert in (8.0, 4096.0):
+                tiles = weight_grad_tiles(n, kdim, torch.bfloat16, block, torch.device("cpu"), rows_per_expert)
+                assert block % tiles.block_m == 0 and tiles.block_m >= 16
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [700, 6000], ids=["short reductions", "long reductions"])
 @pytest.mark.parametrize("block", [16, 64, 128])
-def test_the_gpu_launch_equals_a_float64_sum_in_bf16(block: int) -> None:
-    # The default launch on the device (TMA on Hopper): bf16 operands, experts of uneven sizes, one idle.
+def test_the_gpu_launch_equals_a_float64_sum_in_bf16(block: int, tokens: int) -> None:
+    # The default launches on the device (TMA on Hopper; the short reductions' tiles stored by TMA): bf16 operands,
+    # experts of uneven sizes, one idle, N and K past the last full tile.
     gen = torch.Generator().manual_seed(17)
-    tokens, k, experts, n, kdim = 700, 2, 6, 384, 320
+    k, experts, n, kdim = 2, 6, 392, 328
     ids = _ids(tokens, k, experts, gen, idle=(4,))
     rows = torch.randn(tokens, kdim, generator=gen).to("cuda", torch.bfloat16)
     d_rows = torch.randn(tokens * k, n, generator=gen).to("cuda", torch.bfloat16)

@@ -40,7 +40,7 @@ from moeforge.kernels.launch_plan import TensorDescriptor
 class WeightGradTiles:
     """The weight-gradient kernel's launch: an output tile of ``block_n x block_k``, ``block_m`` rows per
     reduction step (at least 16, dividing the alignment's block), ``num_warps``, ``num_stages``; ``tma``: operands
-    by TMA."""
+    by TMA; ``tma_store``: the finished tile stored by TMA too."""
 
     block_n: int
     block_k: int
@@ -48,22 +48,37 @@ class WeightGradTiles:
     num_warps: int
     num_stages: int
     tma: bool
+    tma_store: bool = False
 
 
-def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, device: torch.device
-                      ) -> WeightGradTiles:
-    """The launch for ``dW [E, n, k]`` of ``dtype`` operands aligned in blocks of ``aligned_block_m`` rows.
+LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
 
-    On a CUDA device: 128 x 256 tiles (256 along the wider of ``n`` and ``k``), 64-row steps, 8 warps, 3 stages
-    (``(64 x 128 + 64 x 256) x 2`` bytes a stage for 16-bit operands; fp32 operands take 128 x 128); TMA where
-    :func:`tma_applies`. On CPU (Triton's interpreter, tests) small tiles: the interpreter's cost grows with the
-    tile."""
+
+def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, device: torch.device,
+                      rows_per_expert: float = float(LONG_REDUCTION)) -> WeightGradTiles:
+    """The launch for ``dW [E, n, k]`` of ``dtype`` operands aligned in blocks of ``aligned_block_m`` rows, with
+    ``rows_per_expert`` rows on average in each expert's reduction.
+
+    On a CUDA device, 16-bit operands, 64-row steps, TMA where :func:`capability_has_tma`:
+
+    * long reductions (at least :data:`LONG_REDUCTION` rows per expert: Mixtral's shapes): 128 x 256 tiles (256
+      along the wider of ``n`` and ``k``), 8 warps, 3 stages — the MMAs dominate and the wide tile reads each
+      operand row least often;
+    * short ones (many experts: Qwen3, GPT-OSS, DeepSeek-V3): 128 x 128 tiles, 4 warps, 2 stages, the tile stored
+      by TMA — a few K-steps per tile, so the time goes to each tile's start and store; two programs fit on an SM
+      and one's store overlaps the other's loads (H200: 0.75-0.85x the time of the wide tiles;
+      docs/notes/kernels-log.md, "Backward: the weight gradient on sorted rows").
+
+    fp32 operands take the short reductions' launch (shared memory for two stages of fp32 tiles). On CPU
+    (Triton's interpreter, tests) small tiles: the interpreter's cost grows with the tile."""
     step = min(64, aligned_block_m)
     if device.type != "cuda":
         return WeightGradTiles(32, 32, min(16, aligned_block_m), 4, 2, False)
-    wide = dtype.itemsize <= 2
-    block_n, block_k = (128, 256) if wide and k >= n else (256, 128) if wide else (128, 128)
-    return WeightGradTiles(block_n, block_k, step, 8, 3, capability_has_tma(device))
+    tma = capability_has_tma(device)
+    if dtype.itemsize <= 2 and rows_per_expert >= LONG_REDUCTION:
+        block_n, block_k = (128, 256) if k >= n else (256, 128)
+        return WeightGradTiles(block_n, block_k, step, 8, 3, tma)
+    return WeightGradTiles(128, 128, step, 4, 2, tma, tma_store=tma)
 
 
 def capability_has_tma(device: torch.device) -> bool:
@@ -72,9 +87,10 @@ def capability_has_tma(device: torch.device) -> bool:
 
 
 def tma_applies(t: torch.Tensor) -> bool:
-    """Whether a 2-D operand can be described for TMA: contiguous rows, 16-byte aligned base and row stride."""
-    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
-            and (t.stride(0) * t.element_size()) % 16 == 0 and t.shape[0] > 0)
+    """Whether an operand can be described for TMA: contiguous last dimension, 16-byte aligned base and other
+    strides."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.numel() > 0
+            and all((stride * t.element_size()) % 16 == 0 for stride in t.stride()[:-1]))
 
 
 # -- the slot order ---------------------------------------------------------------------------------------
@@ -143,10 +159,11 @@ def gather_sorted_rows(src: torch.Tensor, slot_ids: torch.Tensor, num_padded: to
 
 
 @triton.jit
-def _weight_grad_kernel(dy_desc, x_desc, dy_ptr, x_ptr, dw_ptr, db_ptr, first_block_ptr,
+def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr, first_block_ptr,
                         N, K, stride_dy, stride_x, stride_dwe, stride_dwn, stride_dwk, stride_dbe,
-                        ALIGNED_M: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        ALIGNED_M: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, STORE_TMA: tl.constexpr,
+                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles = tl.cdiv(N, BLOCK_N) * tiles_k
@@ -173,8 +190,12 @@ def _weight_grad_kernel(dy_desc, x_desc, dy_ptr, x_ptr, dw_ptr, db_ptr, first_bl
         if HAS_BIAS:
             bias += tl.sum(dy.to(tl.float32), axis=0)
     expert64 = expert.to(tl.int64)  # expert * stride_dwe passes 2**31 on DeepSeek-sized layers
-    tl.store(dw_ptr + expert64 * stride_dwe + offs_n[:, None] * stride_dwn + offs_k[None, :] * stride_dwk,
-             acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+    if STORE_TMA:  # [E, N, K] descriptor: the box is clipped at this expert's N and K edges
+        dw_desc.store([expert, pid_n * BLOCK_N, pid_k * BLOCK_K],
+                      tl.reshape(acc.to(dw_ptr.dtype.element_ty), (1, BLOCK_N, BLOCK_K)))
+    else:
+        tl.store(dw_ptr + expert64 * stride_dwe + offs_n[:, None] * stride_dwn + offs_k[None, :] * stride_dwk,
+                 acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
     if HAS_BIAS:
         if pid_k == 0:
             tl.store(db_ptr + expert64 * stride_dbe + offs_n, bias.to(db_ptr.dtype.element_ty), mask=n_ok)
@@ -197,7 +218,7 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         if db is not None:
             db.zero_()
         return dw, db
-    tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device)
+    tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device, num_copies / max(num_experts, 1))
     if block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
@@ -208,12 +229,15 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     tma = tiles.tma and tma_applies(dy) and tma_applies(x)
     dy_desc = TensorDescriptor.from_tensor(dy, [tiles.block_m, tiles.block_n]) if tma else None
     x_desc = TensorDescriptor.from_tensor(x, [tiles.block_m, tiles.block_k]) if tma else None
+    store_tma = tiles.tma_store and TensorDescriptor is not None and tma_applies(dw)
+    dw_desc = TensorDescriptor.from_tensor(dw, [1, tiles.block_n, tiles.block_k]) if store_tma else None
     dbias = db if db is not None else dw
     grid = (num_experts * triton.cdiv(n, tiles.block_n) * triton.cdiv(k, tiles.block_k),)
     _weight_grad_kernel[grid](
-        dy_desc, x_desc, dy, x, dw, dbias, first,
+        dy_desc, x_desc, dw_desc, dy, x, dw, dbias, first,
         n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0),
-        ALIGNED_M=block_m, HAS_BIAS=with_bias, TMA=tma, PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
+        ALIGNED_M=block_m, HAS_BIAS=with_bias, TMA=tma, STORE_TMA=store_tma,
+        PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
