@@ -216,6 +216,34 @@ def test_combine_sums_copies_in_fixed_order(with_weights: bool, tokens: int, k: 
     assert torch.equal(out, again)
 
 
+@pytest.mark.parametrize("weight_grad", [True, False])
+@pytest.mark.parametrize("with_weights", [True, False])
+@pytest.mark.parametrize("tokens,k,hidden", [(0, 2, 16), (1, 1, 8), (11, 3, 40), (4, 8, 1100), (3, 5, 17)])
+def test_combine_backward_gives_the_row_and_weight_gradients(with_weights: bool, weight_grad: bool, tokens: int,
+                                                             k: int, hidden: int) -> None:
+    # d_rows[t k + j] = scale w[t, j] d_out[t]; d_w[t, j] = scale <d_out[t], rows[t k + j]>; top_k not a power of
+    # two, hidden past the last block, an expanded gradient (stride 0, what out.sum() hands over).
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(tokens * k, hidden, generator=gen).to(DEVICE, torch.float16)
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE) if with_weights else None
+    for grad in (torch.randn(tokens, hidden, generator=gen).to(DEVICE), torch.ones(1, 1, device=DEVICE).expand(
+            tokens, hidden)):
+        d_rows, d_weights = combine.combine_backward(grad, rows, weights, k, 1.5, weight_grad)
+        g = grad.double()[:, None, :] * 1.5
+        w = weights.double()[..., None] if weights is not None else torch.ones(1, k, 1, dtype=torch.float64,
+                                                                                device=DEVICE)
+        assert d_rows.dtype == rows.dtype and d_rows.shape == rows.shape
+        if tokens:
+            assert _rel(d_rows, (g * w).reshape(rows.shape)) < 1e-3
+        if weight_grad and weights is not None:
+            assert d_weights is not None and d_weights.dtype == weights.dtype
+            want = (g * rows.double().view(tokens, k, hidden)).sum(-1)
+            if tokens:
+                torch.testing.assert_close(d_weights.double(), want, rtol=1e-5, atol=1e-4)
+        else:
+            assert d_weights is None
+
+
 # -- the whole triton pipeline -----------------------------------------------------------------------
 
 def _pipeline(experts: int, k: int, hidden: int, inter: int, dtype: torch.dtype, routing: mf.RoutingConfig,

@@ -20,7 +20,8 @@ pre-activation with the same kernel in fp32 and takes the epilogue's derivative 
 * routing weights in the epilogue: ``<d_out[c], epilogue input[c]>`` from the autograd step.
 
 Only float weights differentiate: the quantized formats are inference-only and their backward raises.
-**Combine** and **routing** backward are small torch computations on ``[T, k]`` / ``[T, k, H]`` tensors.
+**Combine**: one kernel (:func:`moeforge.kernels.combine.combine_backward`). **Routing** weights: a small torch
+computation on ``[T, k]`` tensors.
 """
 
 from __future__ import annotations
@@ -118,16 +119,13 @@ def combine_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> Non
 
 def combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
     """``out[t] = scale * sum_j rows[t k + j] * w[t, j]``: ``d_rows[t k + j] = scale * w[t, j] * d_out[t]``,
-    ``d_w[t, j] = scale * <d_out[t], rows[t k + j]>``."""
+    ``d_w[t, j] = scale * <d_out[t], rows[t k + j]>`` (the ``moeforge::combine_backward`` op:
+    :func:`moeforge.kernels.combine.combine_backward`, one pass)."""
     rows, weights = ctx.saved_tensors
-    k, scale = ctx.top_k, ctx.scale
-    g = grad_out.float()[:, None, :] * scale  # [T, 1, H]
-    w = weights.float()[..., None] if weights is not None else g.new_ones(1, k, 1)  # [T or 1, k, 1]
-    d_rows = (g * w).reshape(rows.shape).to(rows.dtype)
-    d_weights = None
-    if weights is not None and ctx.needs_input_grad[1]:
-        d_weights = (g * rows.float().view(-1, k, rows.shape[1])).sum(-1).to(weights.dtype)
-    return d_rows, d_weights, None, None, None
+    weight_grad = weights is not None and ctx.needs_input_grad[1]
+    d_rows, d_weights = torch.ops.moeforge.combine_backward(grad_out, rows, weights, ctx.top_k, ctx.scale,
+                                                            weight_grad)
+    return d_rows, d_weights if weight_grad else None, None, None, None
 
 
 _ROUTE_INPUTS = ("router_logits", "selection_bias", "top_k", "sigmoid", "select_first", "renormalize", "n_group",

@@ -4,6 +4,11 @@ Rows are in copy order (``r(t, k) = t * top_k + k``), as the block-aligned group
 or anywhere an index says (``r(t, k) = index[t, k]``, -1 for a copy that contributes nothing), as
 the expert-parallel combines receive them. Each program owns one token and a slice of the hidden
 dimension and sums its ``top_k`` copies in fp32 in order: deterministic, no atomics, one pass.
+
+The backward of the copy-order combine (:func:`combine_backward`) is one pass too: each program owns one token,
+writes its copies' row gradients ``scale * w[t, k] * d_out[t]`` and, where the routing weights need a gradient,
+their dot products with the copies' rows ``scale * <d_out[t], rows[t * top_k + k]>`` (summed over the hidden
+dimension in a fixed order), reading the token's gradient once.
 """
 
 from __future__ import annotations
@@ -69,3 +74,65 @@ def combine_copies(
         num_warps=4 if block_h >= 512 else 2, **pdl.launch_options(dependent),
     )
     return out
+
+
+@triton.jit
+def _combine_backward_kernel(
+    grad_ptr, rows_ptr, weights_ptr, d_rows_ptr, d_weights_ptr,
+    H, scale,
+    stride_grad, stride_row, stride_d_row,
+    TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl.wait_for_the_kernel_before(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    copies = tl.arange(0, K_BLOCK)
+    copy_ok = copies < TOP_K
+    copy_rows = token * TOP_K + copies
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + copy_rows, mask=copy_ok, other=0.0).to(tl.float32)
+    else:
+        w = tl.where(copy_ok, 1.0, 0.0)
+    dots = tl.zeros((K_BLOCK, BLOCK_H), dtype=tl.float32)
+    for start in range(0, H, BLOCK_H):
+        offs = start + tl.arange(0, BLOCK_H)
+        ok = offs < H
+        g = tl.load(grad_ptr + token * stride_grad + offs, mask=ok, other=0.0).to(tl.float32) * scale
+        both = copy_ok[:, None] & ok[None, :]
+        tl.store(d_rows_ptr + copy_rows[:, None] * stride_d_row + offs[None, :],
+                 (g[None, :] * w[:, None]).to(d_rows_ptr.dtype.element_ty), mask=both)
+        if WEIGHT_GRAD:
+            row = tl.load(rows_ptr + copy_rows[:, None] * stride_row + offs[None, :], mask=both, other=0.0)
+            dots += g[None, :] * row.to(tl.float32)
+    if WEIGHT_GRAD:
+        tl.store(d_weights_ptr + copy_rows, tl.sum(dots, axis=1).to(d_weights_ptr.dtype.element_ty), mask=copy_ok)
+
+
+def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int,
+                     scale: float, weight_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gradients of :func:`combine_copies` over copy-order rows: ``(d_rows [T * top_k, H]`` in ``rows``' dtype,
+    ``d_weights [T, top_k]`` in ``weights``' dtype, or ``None`` unless ``weight_grad``) given ``grad_out [T, H]``:
+    ``d_rows[t k + j] = scale * w[t, j] * grad_out[t]`` (``w = 1`` without weights) and
+    ``d_weights[t, j] = scale * <grad_out[t], rows[t k + j]>``, computed in fp32."""
+    tokens, hidden = grad_out.shape
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()  # autograd hands over expanded gradients (stride 0) as they come
+    d_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    weight_grad = weight_grad and weights is not None
+    d_weights = torch.empty(tokens, top_k, dtype=weights.dtype, device=rows.device) \
+        if weight_grad and weights is not None else None
+    if tokens == 0 or hidden == 0:
+        if d_weights is not None:
+            d_weights.zero_()
+        return d_rows, d_weights
+    k_block = triton.next_power_of_2(top_k)
+    block_h = max(16, min(triton.next_power_of_2(hidden), 4096 // k_block))
+    dependent = pdl.pdl_applies(rows.device)
+    _combine_backward_kernel[(tokens,)](
+        grad_out, rows, weights if weights is not None else rows, d_rows,
+        d_weights if d_weights is not None else d_rows,
+        hidden, scale, grad_out.stride(0), rows.stride(0), d_rows.stride(0),
+        TOP_K=top_k, K_BLOCK=k_block, HAS_WEIGHTS=weights is not None, WEIGHT_GRAD=weight_grad, BLOCK_H=block_h,
+        PDL=pdl.flag(dependent), num_warps=4, **pdl.launch_options(dependent),
+    )
+    return d_rows, d_weights

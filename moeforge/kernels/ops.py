@@ -147,6 +147,23 @@ def _(rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: fl
     return rows.new_empty(rows.shape[0] // top_k, rows.shape[1], dtype=out_dtype)
 
 
+@torch.library.custom_op("moeforge::combine_backward", mutates_args=())
+def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int,
+                     scale: float, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d_rows, d_weights)`` of ``moeforge::combine`` (``d_weights`` empty unless ``weight_grad``):
+    :func:`moeforge.kernels.combine.combine_backward`."""
+    d_rows, d_weights = combine.combine_backward(grad_out, rows, weights, top_k, scale, weight_grad)
+    return d_rows, d_weights if d_weights is not None else rows.new_empty(0, dtype=torch.float32)
+
+
+@combine_backward.register_fake
+def _(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: float,
+      weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    d_weights = grad_out.new_empty(grad_out.shape[0], top_k, dtype=weights.dtype) \
+        if weight_grad and weights is not None else rows.new_empty(0, dtype=torch.float32)
+    return rows.new_empty(rows.shape), d_weights
+
+
 @torch.library.custom_op("moeforge::route", mutates_args=())
 def route(
     router_logits: torch.Tensor,
