@@ -128,12 +128,44 @@ def test_tma_on_hopper_tiles(fmt: str, block: tuple[int, int, int, int], interle
     assert rel(tma, ref) < 0.5
 
 
+@pytest.mark.skipif(CUDA and not HOPPER, reason="the TMA path is built for Hopper (compute capability 9.x)")
+@pytest.mark.parametrize("shape", [(72, 40, GemmConfig(16, 32, 32, group_m=1, num_warps=4, num_stages=2)),
+                                   (1000, 520, GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=3))],
+                         ids=["interpreter-sized", "wgmma tiles"])
+def test_tma_tiles_of_a_transposed_weight_are_bitwise_the_pointer_loads(shape: tuple[int, int, GemmConfig]) -> None:
+    # The backward's row gradient: out[c] = rows[c] @ W[e] with the weight passed as W.transpose(1, 2), W [E, N, K];
+    # the reduction runs over W's N (72: a partial step, whose box is clipped at the expert's edge instead of reading
+    # the next expert's rows) and the output over its K (40: a partial tile); 4 experts, the last without rows.
+    n_red, n_out, config = shape
+    if n_red > 100 and not HOPPER:
+        pytest.skip("the wgmma-sized case runs on a Hopper GPU")
+    gen = torch.Generator().manual_seed(29)
+    experts, copies = 4, 24 if n_red < 100 else 600
+    w = (torch.randn(experts, n_red, n_out, generator=gen) * n_red ** -0.5).to(DEVICE, DTYPE)
+    rows = torch.randn(copies, n_red, generator=gen).to(DEVICE, DTYPE)
+    ids = torch.randint(0, experts - 1, (copies, 1), generator=gen).to(torch.int32).to(DEVICE)
+    plan = align.align_block_size(ids, experts, config.block_m)
+    weight = w.transpose(1, 2)
+    assert launch_plan.transposed_weight(weight)
+    outs = []
+    for tma in (False, True):
+        out = torch.full((copies, n_out), float("nan"), dtype=DTYPE, device=DEVICE)
+        moe_gemm.moe_gemm(rows, weight, out, *plan, rows_per_a=1, config=config, tma=tma)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    want = torch.stack([rows[c].double() @ w[int(ids[c, 0])].double() for c in range(copies)])
+    assert rel(outs[1], want) < 1e-2
+
+
 def test_tma_refuses_what_it_cannot_copy() -> None:
     config = GemmConfig(16, 32, 64, group_m=1, num_warps=4, num_stages=2)
     w = torch.randn(3, 64, 96, dtype=torch.float16, device=DEVICE)
     assert launch_plan.weight_tma_applies(w, config, glu=True, interleaved=False)
     assert launch_plan.weight_tma_applies(w, config, glu=True, interleaved=True)  # viewed as [E * N, 2, K]
-    assert not launch_plan.weight_tma_applies(w.transpose(1, 2), config, glu=False, interleaved=False)  # N contiguous
+    # N contiguous (the row gradient's transposed weight): described as the [E, K, N_w] tensor it views, not for pairs
+    assert launch_plan.weight_tma_applies(w.transpose(1, 2), config, glu=False, interleaved=False)
+    assert not launch_plan.weight_tma_applies(w.transpose(1, 2), config, glu=True, interleaved=False)
+    assert not launch_plan.weight_tma_applies(w[:, :, 1:].transpose(1, 2), config, glu=False, interleaved=False)
     assert launch_plan.weight_tma_applies(w[:, :, :90], config, glu=False, interleaved=False)  # K cut: rows still
     assert not launch_plan.weight_tma_applies(w[:, :32], config, glu=False, interleaved=False)  # experts not [E * N_w]
     assert not launch_plan.weight_tma_applies(w[:, :, 1:], config, glu=False, interleaved=False)  # base not aligned
@@ -202,5 +234,9 @@ def test_a_configuration_choice_is_taken_where_tma_applies(monkeypatch: pytest.M
     assert torch.equal(run(w, attrs.evolve(base, tma=True)), pointer) and len(made) == 1
     run(w, attrs.evolve(base, tma=True), tma=False)  # the call's choice wins
     assert len(made) == 1
-    strided = w.transpose(1, 2).contiguous().transpose(1, 2)  # N contiguous: TMA cannot copy it
+    padded = torch.zeros(4, 48, 100, dtype=torch.float16, device=DEVICE)
+    padded[:, :, :96] = w
+    strided = padded[:, :, :96]  # rows 200 bytes apart: TMA cannot copy them
     assert torch.equal(run(strided, attrs.evolve(base, tma=True)), pointer) and len(made) == 1
+    n_contiguous = w.transpose(1, 2).contiguous().transpose(1, 2)  # the row gradient's layout: described transposed
+    assert torch.equal(run(n_contiguous, attrs.evolve(base, tma=True)), pointer) and len(made) == 2

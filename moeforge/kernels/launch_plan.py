@@ -132,13 +132,27 @@ def tile_in_one_scale_block(block_n: int, gate_stride: int, up_offset: int, glu:
     return SCALE_BLOCK % span == 0 and (not glu or up_offset % span < gate_stride)
 
 
+def transposed_weight(weight: torch.Tensor) -> bool:
+    """Whether ``weight [E, N_w, K]`` is the transposed view of an ``[E, K, N_w]`` tensor whose rows are contiguous
+    (``N_w`` contiguous, not ``K``): the weight of the backward's row gradient, ``W.transpose(1, 2)``."""
+    return weight.dim() == 3 and weight.stride(1) == 1 and weight.stride(2) != 1
+
+
 def weight_tma_applies(weight: torch.Tensor, config: GemmConfig, glu: bool, interleaved: bool) -> bool:
     """Whether the weight tiles of ``config`` can be copied by the tensor memory accelerator: a descriptor
     over the weight viewed as ``[E * N_w, K]`` rows (``weight [E, N_w, K]``, K contiguous, experts one after
     the other, rows and base 16-byte aligned), tiles of at most 256 by 256 elements whose rows span a
-    multiple of 16 bytes; interleaved gate/up rows are viewed as ``[E * N, 2, K]``."""
+    multiple of 16 bytes; interleaved gate/up rows are viewed as ``[E * N, 2, K]``. A transposed float weight
+    (:func:`transposed_weight`, no gate/up pairs) is described as the ``[E, K, N_w]`` tensor it views, with
+    ``[1, BLOCK_K, BLOCK_N]`` boxes clipped at each expert's edges."""
     if TensorDescriptor is None or weight.dim() != 3 or (glu and interleaved and weight.shape[1] % 2):
         return False
+    if transposed_weight(weight):
+        size = weight.element_size()
+        return (not glu and weight.dtype != torch.uint8 and weight.data_ptr() % 16 == 0
+                and (weight.stride(0) * size) % 16 == 0 and (weight.stride(2) * size) % 16 == 0
+                and (config.block_n * size) % 16 == 0 and config.block_k <= 256 and config.block_n <= 256
+                and weight.numel() > 0)
     experts, n_w, k_elems = weight.shape
     row_bytes = (config.block_k // 2 if weight.dtype == torch.uint8 else config.block_k) * weight.element_size()
     return (weight.stride(2) == 1 and (weight.stride(0) == n_w * weight.stride(1) or experts == 1)

@@ -54,7 +54,8 @@ from moeforge.kernels.pdl import device_capability
 from moeforge.kernels.activations import ACT_NONE
 from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.launch_plan import (GRIDS, LaunchFacts, TensorDescriptor, default_grid, fitted_config,
-                                          glu_strides, plan_launch, vector_scales, weight_tma_applies)
+                                          glu_strides, plan_launch, transposed_weight, vector_scales,
+                                          weight_tma_applies)
 from moeforge.kernels.dequant import (NVFP4_FOLD_REST, e2m1, e2m1_pairs, e4m3, e4m3_pairs,
                                       group_scales, packed_decoding, spread, unpair, weight_tile)
 from moeforge.kernels.format_codes import (K_EVEN_VECTOR_SCALES, K_RAGGED, ROWS_FLOAT, ROWS_NVFP4, SCALES_GROUP,
@@ -242,7 +243,9 @@ def _gemm_tile(
     # descriptor of the weight viewed as ``[E * N_w, K]`` (packed: ``K / 2`` bytes) rows, or for interleaved
     # gate/up rows as ``[E * N, 2, K]`` (:func:`_weight_rows_tma`); the tile's rows start at ``b_row``. A
     # tile's rows past N read the next rows (the next expert's, or zeros past the last expert): they only
-    # reach the columns past N, which are never stored (and never scale an FP8 group).
+    # reach the columns past N, which are never stored (and never scale an FP8 group). B_TMA 3: a transposed
+    # float weight (the row gradient's), described as the [E, K, N_w] tensor it views; its boxes are clipped
+    # at each expert's K and N edges (zeros), the reduction's tail included.
     if B_TMA >= 2:
         b_row = (expert * N + pid_n * BLOCK_N).to(tl.int32)
     else:
@@ -333,7 +336,9 @@ def _gemm_tile(
                     acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=PRECISION)
         else:
             # -- the weight tiles [BLOCK_K, BLOCK_N]
-            if B_TMA:
+            if B_TMA == 3:  # a transposed weight: [1, BLOCK_K, BLOCK_N] boxes of the [E, K, N_w] tensor it views
+                b = tl.reshape(b_desc.load([expert.to(tl.int32), k * BLOCK_K, pid_n * BLOCK_N]), (BLOCK_K, BLOCK_N))
+            elif B_TMA:
                 b = tl.trans(_weight_rows_tma(b_desc, b_row, k * BLOCK_K, 0, up_offset, B_TMA, BLOCK_N, BLOCK_K))
                 if GLU:
                     bu = tl.trans(_weight_rows_tma(b_desc, b_row, k * BLOCK_K, 1, up_offset, B_TMA, BLOCK_N, BLOCK_K))
@@ -614,7 +619,12 @@ def _weight_descriptor(weight: torch.Tensor, config: GemmConfig, paired: bool, w
     """The TMA descriptor of :func:`weight_tma_applies`: ``[E * N_w, K]`` rows with a ``[BLOCK_N, BLOCK_K]``
     box, or for interleaved gate/up rows (``paired``) ``[E * N, 2, K]`` with a ``[BLOCK_N, 1, BLOCK_K]`` box
     (a ``[2, E * N, K]`` view with a leading unit box, tried too, compiled and measured the same). ``words``: a
-    shuffled e2m1 weight, whose tiles the kernel reads as 32-bit words (the same bytes)."""
+    shuffled e2m1 weight, whose tiles the kernel reads as 32-bit words (the same bytes). A transposed weight
+    (:func:`transposed_weight`): the ``[E, K, N_w]`` tensor it views, ``[1, BLOCK_K, BLOCK_N]`` boxes."""
+    if transposed_weight(weight):
+        base = weight.transpose(1, 2)
+        return TensorDescriptor(base, list(base.shape), [base.stride(0), base.stride(1), 1],
+                                [1, config.block_k, config.block_n])
     if words:
         weight = weight.view(torch.int32)
     experts, n_w, k_elems = weight.shape
@@ -892,7 +902,7 @@ def moe_gemm(
         PTX=plan.ptx,
         FP8_CVT=plan.fp8_cvt,
         CVT_BY_FOUR=plan.cvt_by_four,
-        B_TMA=(2 if paired else 1) if plan.tma else 0,
+        B_TMA=(3 if transposed_weight(weight) else 2 if paired else 1) if plan.tma else 0,
         SPLIT=splits > 1,
         PERSISTENT=GRIDS.index(plan.grid),
         PREFETCH=plan.prefetch,
