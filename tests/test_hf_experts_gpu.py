@@ -46,6 +46,29 @@ def test_triton_experts_match_eager_in_fp32(name: str, function: hf_experts.Expe
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_training_through_the_triton_experts_gives_the_eager_gradients(name: str,
+                                                                       function: hf_experts.ExpertsFunction) -> None:
+    """A fine-tuning step with ``experts_implementation="moeforge"`` runs the triton training path (the activation
+    kept, the weight gradient on sorted rows, the combine's backward kernel): in fp32 every parameter gets the eager
+    experts' gradient."""
+    model = _on_gpu(name, torch.float32).train()
+    ids = tokens().cuda()
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    for implementation in ("eager", "moeforge"):
+        model.set_experts_implementation(implementation)
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads[implementation] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["moeforge"].keys() == grads["eager"].keys()
+    experts = [n for n in grads["eager"] if ".experts." in n]
+    assert experts and all(bool(grads["moeforge"][n].abs().sum() > 0) for n in experts)
+    for n, want in grads["eager"].items():
+        assert rel_err(grads["moeforge"][n], want) <= 1e-4, n
+    for module in experts_modules(model):
+        assert "FusedGroupedGemm" in function.pipelines_for(module)[0].describe()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_triton_experts_in_bf16_are_as_accurate_as_eager(name: str, function: hf_experts.ExpertsFunction) -> None:
     exact = logits(_on_gpu(name, torch.float32), tokens().cuda())
     model = _on_gpu(name, torch.bfloat16)
