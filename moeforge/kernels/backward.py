@@ -1,6 +1,3 @@
-# Triton kernels (@triton.jit bodies) are not annotatable; their Python launchers are.
-# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False
-# mypy: disallow-untyped-decorators=False, disallow-untyped-calls=False
 """The backward of the triton path's custom ops (``moeforge::moe_gemm``, ``moeforge::combine``,
 ``moeforge::route``), registered with ``torch.library.register_autograd`` in :mod:`moeforge.kernels.ops`.
 
@@ -33,7 +30,8 @@ import torch
 from moeforge.errors import InputError
 from moeforge.kernels import activations as codes
 from moeforge.kernels.formats import WeightFormat
-from moeforge.activation import apply_activation
+from moeforge.activation import ActivationConfig, apply_activation
+from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmWeight, decode_config,
                                                 grouped_gemm)
 
@@ -92,8 +90,9 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
 
 
 def _epilogue_backward(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       topk_weights: Optional[torch.Tensor], grad_out: torch.Tensor, route: GemmRoute, config: Any,
-                       p: dict[str, Any], activation: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       topk_weights: Optional[torch.Tensor], grad_out: torch.Tensor, route: GemmRoute,
+                       config: GemmConfig, p: dict[str, Any], activation: Optional[ActivationConfig]
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(d_pre, d_topk)`` through an epilogue with an activation or routing weights: the pre-activation rows
     recomputed by the same kernel in fp32 (``[copies, N_w]``, in the weight's row order), the epilogue's derivative
     by torch autograd on them."""
