@@ -136,6 +136,35 @@ def test_an_empty_batch_has_zero_gradients() -> None:
     assert all(g is None or not g.any() for g in grads[1:])
 
 
+def test_only_a_recorded_forward_runs_the_activation_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Inference (no grad mode, or nothing requiring grad) keeps the activation fused in the gate/up GEMM's epilogue;
+    # a forward autograd records runs it as its own op, which keeps the pre-activation rows for the backward —
+    # whichever of rows and weights requires grad (a frozen-weight fine-tune, an experts-only one) — and both give
+    # the same output.
+    gen = torch.Generator().manual_seed(85)
+    t = _tensors(4, 32, 48, True, torch.float32, gen)
+    x = torch.randn(9, 32, generator=gen).to(DEVICE)
+    logits = torch.randn(9, 4, generator=gen).to(DEVICE)
+    pipe = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32)  # registers the ops
+    calls = []
+    real = torch.ops.moeforge.activate_rows
+    monkeypatch.setattr(torch.ops.moeforge, "activate_rows", lambda *args: calls.append(1) or real(*args))
+    with torch.no_grad():
+        fused = pipe(mf.MoEInput(x, logits)).hidden_states
+    assert not calls
+    for p in t.values():
+        p.requires_grad_(False)
+    assert torch.equal(pipe(mf.MoEInput(x, logits)).hidden_states, fused) and not calls
+    separate = pipe(mf.MoEInput(x.clone().requires_grad_(), logits)).hidden_states
+    assert len(calls) == 1
+    torch.testing.assert_close(separate, fused, rtol=1e-5, atol=1e-5)
+    t["w13"].requires_grad_(True)
+    out = pipe(mf.MoEInput(x, logits)).hidden_states
+    assert len(calls) == 2
+    (d_w13,) = torch.autograd.grad(out.sum(), [t["w13"]])
+    assert d_w13.shape == t["w13"].shape and bool(d_w13.abs().sum() > 0)
+
+
 def test_the_weight_gradient_kernel_sums_each_experts_copies_in_order() -> None:
     gen = torch.Generator().manual_seed(83)
     tokens, k, experts = 10, 2, 5
