@@ -10,11 +10,13 @@ as the median of CUDA-graph replays with the L2 flushed, for moeforge's experts 
 and weights to the combined output) and for the ``torch._grouped_mm`` baseline; the speedup; and the
 TFLOP/s of the step counting 3x the forward's flops (forward, row gradient, weight gradient) against
 the bf16 matmul peak measured in the same run; the step's peak memory above what was allocated before it
-(``torch.cuda.max_memory_allocated``, one eager step); whether two eager steps give bitwise the same gradients. Prints a table and writes JSON (device, commit, date).
+(``torch.cuda.max_memory_allocated``, one eager step); whether two eager steps give bitwise the same gradients.
+Prints a table and writes JSON (device, commit, date).
 
-``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per step
-(``torch.profiler`` over a few eager steps after warm-up, summed by kernel name) — what a backward change should
-move.
+``--eager`` also times each step called eagerly (no CUDA graph; the host launches every kernel) and its ratio to
+the replay. ``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per
+step (``torch.profiler`` over a few eager steps after warm-up, summed by kernel name) — what a backward change
+should move.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_moe import FLUSH_BYTES, SHAPES, measure_peak, time_graph  # noqa: E402
+from bench_moe import FLUSH_BYTES, SHAPES, flush_l2, measure_peak, time_graph  # noqa: E402
 from provenance import measured_commit  # noqa: E402
 
 import moeforge as mf  # noqa: E402
@@ -93,6 +97,22 @@ def step_memory_and_determinism(fn: Callable[[], Any]) -> tuple[int, bool]:
     return memory, same
 
 
+def time_eager(fn: Callable[[], Any], reps: int, flush: torch.Tensor) -> float:
+    """Median microseconds of one eager step (no CUDA graph: the host launches every kernel), L2 flushed and the
+    device idle before each, timed on the host up to the step's last kernel."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush_l2(flush)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
 def kernel_times(fn: Callable[[], Any], steps: int = 3) -> list[tuple[str, float, int]]:
     """``(kernel name, µs per step, launches per step)`` of ``fn``'s GPU kernels, the most expensive first."""
     from torch.profiler import ProfilerActivity, profile
@@ -130,6 +150,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--profile", action="store_true", help="print each kernel's time per step too")
+    parser.add_argument("--eager", action="store_true",
+                        help="time each step called eagerly too (the host's launches included) beside its replay")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_train.py needs a CUDA device")
@@ -155,6 +177,7 @@ def main() -> None:
                     step = make(layer, x, topk, grad)
                     memory, same = step_memory_and_determinism(step)
                     timed[what] = time_graph(step, args.reps, flush)
+                    eager = time_eager(step, args.reps, flush) if args.eager else None
                     if args.profile:
                         profiled = kernel_times(step)
                         print_kernel_times(f"{name} M={tokens} {what}", profiled)
@@ -169,10 +192,13 @@ def main() -> None:
                                            median_us=round(us, 2), tflops=round(flops / (us * 1e-6) / 1e12, 1),
                                            pct_peak=round(100 * flops / (us * 1e-6) / 1e12 / peak, 1),
                                            peak_mib=round(memory / 2**20), deterministic=same)
+                if eager is not None:
+                    timed_records[what].update(eager_us=round(eager, 2), eager_over_graph=round(eager / us, 2))
                 records.append(timed_records[what])
                 print(f"{name:9s} M={tokens:6d} {what:17s} {us:10.1f} us {flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s "
                       f"({100 * flops / (us * 1e-6) / 1e12 / peak:4.1f}% of peak) peak memory {memory / 2**30:6.2f} GiB"
-                      f"{'' if same else ', gradients differ between two runs'}", flush=True)
+                      f"{'' if same else ', gradients differ between two runs'}"
+                      f"{'' if eager is None else f', eager {eager:.1f} us ({eager / us:.2f}x)'}", flush=True)
             if len(timed) == 2:
                 speedup = timed["torch_grouped_mm"] / timed["moeforge"]
                 timed_records["moeforge"]["speedup_vs_grouped_mm"] = round(speedup, 2)
