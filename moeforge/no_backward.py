@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -36,6 +36,12 @@ class _NoBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # noqa: ANN401
         raise InferenceOnlyError(ctx.reason)
+
+
+def records_grad(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd records a computation on ``tensors`` (grad mode on, one of them requires grad; ``None``
+    stands for an absent operand)."""
+    return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
 
 
 def no_backward(reason: str, output: torch.Tensor, sources: Iterable[torch.Tensor] = ()) -> torch.Tensor:

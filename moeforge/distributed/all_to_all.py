@@ -38,7 +38,6 @@ from moeforge.distributed.exchange import (
     delivered,
     exchange_bytes,
     exchange_rows,
-    records_grad,
     scaled_rows,
 )
 from moeforge.distributed.group import ExpertParallel
@@ -56,6 +55,7 @@ from moeforge.spec import (
 )
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.combine import combine_rows
+from moeforge.no_backward import records_grad
 
 _COUNT_BYTES = 8  # int64 per expert in the count exchange
 

@@ -20,6 +20,7 @@ from moeforge.distributed.group import ExpertParallel
 from moeforge.payloads import Activations
 from moeforge.spec import FLOAT_DTYPES, Accepts, DType, PayloadKind, RoutingWeights, ScaleLayout
 from moeforge.stages.combine import Combine, combine_rows
+from moeforge.no_backward import records_grad
 
 # Scales that travel with their rows. A per-tensor scale belongs to one rank's whole batch: after
 # the exchange, rows of several ranks would share one expert GEMM with different scales.
@@ -117,11 +118,6 @@ def combine_on_source(rows: torch.Tensor, index: torch.Tensor, copy_weight: Opti
             return combine_copies(rows.contiguous(), index.shape[1], out, weights,
                                   1.0 if scaling_factor is None else scaling_factor, index.contiguous())
     return combine_rows(rows, index, None, out_dtype, scaling_factor, copy_weight=copy_weight)
-
-
-def records_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd records a computation on ``tensors`` (grad mode on, one of them requires grad)."""
-    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
 
 
 Reverse = Callable[..., Sequence[Optional[torch.Tensor]]]

@@ -40,7 +40,6 @@ from moeforge.distributed.exchange import (
     delivered,
     exchange_bytes,
     exchange_rows,
-    records_grad,
     scaled_rows,
 )
 from moeforge.distributed.group import ExpertParallel
@@ -58,6 +57,7 @@ from moeforge.spec import (
 )
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.dispatch import Overflow, overflow_choice
+from moeforge.no_backward import records_grad
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads

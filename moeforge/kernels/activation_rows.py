@@ -29,6 +29,7 @@ import triton.language as tl
 from moeforge.errors import InputError
 from moeforge.kernels import pdl
 from moeforge.kernels.activations import ACT_GPT_OSS, ACT_NONE, activate, gated
+from moeforge.kernels.launch_plan import glu_strides
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 TILE = 2048  # output (or gate/up pair) columns x rows per program
@@ -184,13 +185,6 @@ def _columns(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
-def _layout(glu: bool, interleaved: bool, width: int) -> tuple[int, int]:
-    """``(gate_step, up_offset)``: output column ``c`` reads gate at ``c * gate_step``, up ``up_offset`` further."""
-    if not glu:
-        return 1, 0
-    return (2, 1) if interleaved else (1, width)
-
-
 def _blocks(rows: int, width: int) -> tuple[int, int]:
     """``(BLOCK_R, BLOCK_C)``: up to :data:`MAX_BLOCK_C` columns and rows enough for about :data:`TILE` elements
     per program (few programs of narrow rows, and no more rows than there are)."""
@@ -209,7 +203,7 @@ def activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alp
     if rows == 0 or width == 0:
         return out
     pre = _columns(pre)
-    gate_step, up_offset = _layout(glu, interleaved, width)
+    gate_step, up_offset = glu_strides(glu, interleaved, width)
     block_r, block_c = _blocks(rows, width)
     dependent = pdl.pdl_applies(pre.device)
     _activate_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(width, block_c))](
@@ -230,7 +224,7 @@ def activate_rows_backward(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu
     if rows == 0 or width == 0:
         return d_pre
     pre, d_out = _columns(pre), _columns(d_out)
-    gate_step, up_offset = _layout(glu, interleaved, width)
+    gate_step, up_offset = glu_strides(glu, interleaved, width)
     block_r, block_c = _blocks(rows, width)
     dependent = pdl.pdl_applies(pre.device)
     _activate_rows_backward_kernel[(triton.cdiv(rows, block_r), triton.cdiv(width, block_c))](

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeforge.kernels import pdl
 from moeforge.kernels.launch_plan import TensorDescriptor
 
 
@@ -82,8 +83,10 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
 
 
 def capability_has_tma(device: torch.device) -> bool:
-    """Whether the device copies tiles by TMA (Hopper and later) and the installed Triton can describe them."""
-    return TensorDescriptor is not None and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether the device copies tiles by TMA (an NVIDIA GPU from Hopper on: :func:`pdl.device_capability`, None on
+    ROCm) and the installed Triton can describe them."""
+    capability = pdl.device_capability(device)
+    return TensorDescriptor is not None and capability is not None and capability[0] >= 9
 
 
 def tma_applies(t: torch.Tensor) -> bool:

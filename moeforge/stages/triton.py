@@ -21,6 +21,7 @@ import torch
 from moeforge.errors import BackendUnavailableError, InputError
 from moeforge.kernels.config import ConfigTable
 from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
+from moeforge.no_backward import records_grad
 from moeforge.payloads import Activations, AlignedRows, BlockAlignment, MoEInput, Plan, RoutedTokens, TopKOutput
 from moeforge.spec import (
     Accepts,
@@ -239,7 +240,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         bias = resolve(self.bias) if self.bias is not None else None
         # Training: the activation runs as its own op, which keeps the pre-activation rows for the backward
         # (no second GEMM there); inference fuses it in the epilogue.
-        separate = self._act[0] != 0 and not self.apply_routing_weights and differentiated(x.x.data, weight, bias)
+        separate = self._act[0] != 0 and not self.apply_routing_weights and records_grad(x.x.data, weight, bias)
         act, glu, interleaved, alpha, limit = activation_args(None) if separate else self._act
         if separate and self._act[1]:
             gemm = gemm.unfused_gate_up()
@@ -255,11 +256,6 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         if separate:
             out = torch.ops.moeforge.activate_rows(out, *self._act)
         return dataclasses.replace(x, x=Activations(out), copy_major=True)
-
-
-def differentiated(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether autograd records a computation on ``tensors`` (grad mode on and one of them requires grad)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def activation_args(config: Optional[ActivationConfig]) -> tuple[int, bool, bool, float, float]:
