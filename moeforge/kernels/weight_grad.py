@@ -19,9 +19,9 @@ Deterministic by construction: each output tile is one program summing its exper
 slot order does not depend on the order in which the alignment's atomics ran; no atomics, no split reduction.
 Experts without rows get zero gradients (their tiles loop zero times and store zeros).
 
-Why not gather inside the GEMM: on an H200 the gathered loads ran at 250-370 TFLOP/s (Mixtral, M = 4096 and
-16384) where the contiguous TMA tiles ran at 470-560, and the gather pass costs 2-9 % of the GEMM
-(``docs/notes/kernels-log.md``, "Backward: the weight gradient on sorted rows").
+Why not gather inside the GEMM: a contiguous run is what TMA copies, a gathered row is not; gathering once into
+slot order costs one pass over the operands and makes the GEMM's loads plain (the A/B is in
+``docs/notes/kernels-log.md``, "Backward: the weight gradient on sorted rows").
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
       operand row least often;
     * short ones (many experts: Qwen3, GPT-OSS, DeepSeek-V3): 128 x 128 tiles, 4 warps, 2 stages, the tile stored
       by TMA — a few K-steps per tile, so the time goes to each tile's start and store; two programs fit on an SM
-      and one's store overlaps the other's loads (H200: 0.75-0.85x the time of the wide tiles;
-      docs/notes/kernels-log.md, "Backward: the weight gradient on sorted rows").
+      and one's store overlaps the other's loads (measured in docs/notes/kernels-log.md, "Backward: the weight
+      gradient on sorted rows").
 
     fp32 operands take the short reductions' launch (shared memory for two stages of fp32 tiles). On CPU
     (Triton's interpreter, tests) small tiles: the interpreter's cost grows with the tile."""
