@@ -1,0 +1,288 @@
+"""The eager forward's host cost: a layer called without a CUDA graph, as ``generate()`` and most training loops
+call it (CUDA only).
+
+    python benchmarks/bench_eager.py [--parts layer,block,generate] [--tokens 1,16,256,4096] [--profile DIR]
+
+``layer``: a ``MoELayer`` of Qwen3-30B-A3B's MoE sizes (128 experts, top-8, H = 2048, I = 768), bf16 and FP8 block
+scales, routing included, against
+
+* ``by_hand``: the same Triton kernels called directly (no stages, no payloads, the custom ops): the pipeline's own
+  cost is the difference;
+* ``grouped_mm``: the computation written with ``torch._grouped_mm`` (softmax, top-k, sort, gather, two grouped
+  GEMMs, SwiGLU, weighted scatter-add): the plain PyTorch path.
+
+Each is measured four ways, medians over ``--reps`` calls:
+
+* ``host_us``: the CPU time of one call that starts with the GPU idle (``perf_counter`` around the call, the device
+  synchronised before): what the host spends launching it;
+* ``host_busy_us``: the same while the GPU is busy with a long kernel queued before: equal to ``host_us`` unless the
+  call waits for the device (a host synchronisation shows as the queued kernel's milliseconds);
+* ``eager_us``: back-to-back calls, the device synchronised after the last: the time per call of an eager loop
+  (the larger of host and GPU time, where they overlap);
+* ``graph_us``: one CUDA-graph replay (the GPU time alone).
+
+``block`` and ``generate``: a 4-layer random ``Qwen3MoeForCausalLM`` with those MoE sizes (bf16), for
+``experts_implementation`` ``grouped_mm`` (``transformers``' default) and ``moeforge``: one MoE block
+(``model.model.layers[0].mlp``, router included) called eagerly on 1 / 16 / 256 tokens (wall time of the call with
+the device synchronised after it), and greedy ``generate()`` of 32 new tokens from 8, batch 1 and 16 (time per
+token, the second of two rounds).
+
+``--profile DIR`` also writes ``cProfile`` listings of the moeforge layer's eager call (bf16, 16 tokens) and of the
+moeforge MoE block: where the host time goes, function by function. Prints a table and writes JSON (device,
+versions, commit, date, records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import pstats
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_moe import build_layer, grouped_mm_baseline, kernels_by_hand, random_batch, time_graph  # noqa: E402
+from provenance import measured_commit  # noqa: E402
+
+import moeforge as mf  # noqa: E402
+from moeforge.payloads import TopKOutput  # noqa: E402
+
+SHAPE = (128, 8, 2048, 768)  # Qwen3-30B-A3B's MoE layer: experts, top_k, hidden, intermediate
+TOKENS = (1, 16, 256, 4096)
+BLOCK_TOKENS = (1, 16, 256)
+GENERATE_BATCHES = (1, 16)
+NEW_TOKENS = 32
+BUSY_CYCLES = 40_000_000  # torch.cuda._sleep's spin: about 20 ms at the H100's and H200's clocks
+
+
+def host_us(fn: Callable[[], Any], reps: int, busy: bool = False) -> float:
+    """Median CPU microseconds of one call of ``fn``, the device idle (or busy, ``busy``) when it starts."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(BUSY_CYCLES)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def eager_us(fn: Callable[[], Any], reps: int) -> float:
+    """Microseconds per call of ``reps`` back-to-back calls, the device synchronised after the last (median of 5)."""
+    for _ in range(3):
+        fn()
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - start) / reps)
+    return statistics.median(rounds) * 1e6
+
+
+def wall_us(fn: Callable[[], Any], reps: int) -> float:
+    """Median microseconds of one call and the device's work for it (synchronised before and after)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def grouped_mm_with_routing(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """:func:`bench_moe.grouped_mm_baseline` with its routing (softmax, top-k, renormalised) in the call."""
+    top_k = layer.top_k
+
+    def routed() -> torch.Tensor:
+        weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+        topk = TopKOutput(weights=weights / weights.sum(-1, keepdim=True), ids=ids)
+        return grouped_mm_baseline(layer, x, topk)()
+
+    return routed
+
+
+def layer_call(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: layer(x, logits)
+
+
+def measure(fn: Callable[[], Any], reps: int) -> dict[str, float]:
+    with torch.no_grad():
+        return dict(host_us=host_us(fn, reps), host_busy_us=host_us(fn, reps, busy=True), eager_us=eager_us(fn, reps),
+                    graph_us=time_graph(fn, reps, None))
+
+
+def bench_layers(tokens_list: tuple[int, ...], reps: int) -> list[dict[str, Any]]:
+    records = []
+    for fmt in ("bf16", "fp8"):
+        layer = build_layer(SHAPE, fmt)
+        for tokens in tokens_list:
+            x, logits = random_batch(tokens, SHAPE[2], SHAPE[0])
+            runs: dict[str, Callable[[], Any]] = {"moeforge": layer_call(layer, x, logits)}
+            if fmt == "bf16":
+                runs["by_hand"] = kernels_by_hand(layer, x, logits)
+                runs["grouped_mm"] = grouped_mm_with_routing(layer, x, logits)
+            for name, fn in runs.items():
+                record = dict(part="layer", format=fmt, tokens=tokens, run=name, **measure(fn, reps))
+                records.append(record)
+                print(f"layer {fmt:5s} M={tokens:5d} {name:10s} host {record['host_us']:8.1f} us  busy "
+                      f"{record['host_busy_us']:8.1f} us  eager {record['eager_us']:8.1f} us  graph "
+                      f"{record['graph_us']:8.1f} us", flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    return records
+
+
+def build_model() -> Any:
+    import transformers
+
+    experts, top_k, hidden, inter = SHAPE
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=hidden, intermediate_size=4 * inter, moe_intermediate_size=inter,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=hidden // 16,
+        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.02)
+    return model
+
+
+def generate_ms_per_token(model: Any, batch: int) -> float:
+    ids = torch.randint(0, 1024, (batch, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(batch))
+    per_token = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                       pad_token_id=0)
+        torch.cuda.synchronize()
+        per_token.append((time.perf_counter() - start) * 1e3 / NEW_TOKENS)
+    return per_token[-1]
+
+
+def bench_model(parts: set[str], reps: int) -> list[dict[str, Any]]:
+    from moeforge import hf_experts
+
+    hf_experts.register()
+    model = build_model()
+    block = model.model.layers[0].mlp
+    records = []
+    for implementation in ("grouped_mm", "moeforge"):
+        model.set_experts_implementation(implementation)
+        with torch.no_grad():
+            if "block" in parts:
+                for tokens in BLOCK_TOKENS:
+                    hidden = torch.randn(1, tokens, SHAPE[2], device="cuda", dtype=torch.bfloat16)
+                    record = dict(part="block", tokens=tokens, run=implementation,
+                                  wall_us=wall_us(lambda: block(hidden), reps),
+                                  host_busy_us=host_us(lambda: block(hidden), reps, busy=True))
+                    records.append(record)
+                    print(f"block M={tokens:5d} {implementation:10s} wall {record['wall_us']:8.1f} us  busy host "
+                          f"{record['host_busy_us']:8.1f} us", flush=True)
+            if "generate" in parts:
+                for batch in GENERATE_BATCHES:
+                    record = dict(part="generate", batch=batch, run=implementation,
+                                  ms_per_token=generate_ms_per_token(model, batch))
+                    records.append(record)
+                    print(f"generate batch {batch:3d} {implementation:10s} {record['ms_per_token']:7.2f} ms per token",
+                          flush=True)
+    return records
+
+
+def write_profile(fn: Callable[[], Any], calls: int, path: Path) -> None:
+    """``cProfile`` of ``calls`` eager calls of ``fn`` (after warm-up), by own time and by cumulative time."""
+    with torch.no_grad():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    text.write(f"{calls} calls\n\n== by own time ==\n")
+    stats.sort_stats("tottime").print_stats(45)
+    text.write("\n== by cumulative time ==\n")
+    stats.sort_stats("cumulative").print_stats(60)
+    path.write_text(text.getvalue())
+    print(f"wrote {path}")
+
+
+def profiles(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    layer = build_layer(SHAPE, "bf16")
+    x, logits = random_batch(16, SHAPE[2], SHAPE[0])
+    write_profile(lambda: layer(x, logits), 200, out / "profile_layer_bf16_m16.txt")
+    from moeforge import hf_experts
+
+    hf_experts.register()
+    model = build_model()
+    model.set_experts_implementation("moeforge")
+    block = model.model.layers[0].mlp
+    hidden = torch.randn(1, 16, SHAPE[2], device="cuda", dtype=torch.bfloat16)
+    write_profile(lambda: block(hidden), 200, out / "profile_hf_block_m16.txt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="layer,block,generate")
+    parser.add_argument("--tokens", default=",".join(str(t) for t in TOKENS))
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--profile", type=Path, default=None, help="a folder for the cProfile listings")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--commit", default=None, help="the commit measured, when run from a copy without its git")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_eager.py needs a CUDA device")
+    parts = set(args.parts.split(","))
+    records: list[dict[str, Any]] = []
+    if "layer" in parts:
+        records += bench_layers(tuple(int(t) for t in args.tokens.split(",")), args.reps)
+    if parts & {"block", "generate"}:
+        records += bench_model(parts, args.reps)
+    if args.profile is not None:
+        profiles(args.profile)
+    import transformers
+    import triton
+
+    device = torch.cuda.get_device_name()
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__,
+                  transformers=transformers.__version__, commit=args.commit or measured_commit(),
+                  date=datetime.date.today().isoformat(), records=records)
+    out: Optional[Path] = args.out or (Path(__file__).resolve().parent / "results" /
+                                       f"bench_eager-{re.sub(r'[^a-z0-9]+', '_', device.lower()).strip('_')}-"
+                                       f"{result['date']}.json")
+    assert out is not None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
