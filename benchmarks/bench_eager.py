@@ -249,11 +249,119 @@ def profiles(out: Path) -> None:
     write_profile(lambda: block(hidden), 200, out / "profile_hf_block_m16.txt")
 
 
+def loop_us(fn: Callable[[], Any], reps: int) -> float:
+    """Host microseconds per call of ``reps`` back-to-back calls, timed before the device is synchronised (median
+    of 5 rounds; the device keeps up, so nothing waits)."""
+    for _ in range(3):
+        fn()
+    rounds = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        rounds.append((time.perf_counter() - start) / reps)
+    torch.cuda.synchronize()
+    return statistics.median(rounds) * 1e6
+
+
+@torch.library.custom_op("bench_eager::noop", mutates_args=())
+def _noop(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(n)
+
+
+@_noop.register_fake
+def _(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(n)
+
+
+def raw_launches(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, top_k: int
+                 ) -> dict[str, Callable[[], Any]]:
+    """The combine kernel launched through Triton's JIT (``kernel[grid](...)``) and through the compiled kernel's
+    launcher (the binding, cache lookup and checks of the JIT skipped): what one launch costs either way."""
+    from triton.runtime.driver import driver
+
+    from moeforge.kernels import combine, pdl
+
+    hidden = out.shape[1]
+    block_h = min(1024, 1 << (hidden - 1).bit_length())
+    grid = (out.shape[0], -(-hidden // block_h))
+    dependent = pdl.pdl_applies(out.device)
+    args = (rows, weights, rows, out, hidden, 1.0, rows.stride(0), out.stride(0))
+    options = dict(TOP_K=top_k, HAS_WEIGHTS=True, HAS_INDEX=False, BLOCK_H=block_h, PDL=pdl.flag(dependent),
+                   num_warps=4 if block_h >= 512 else 2, **pdl.launch_options(dependent))
+    kernel = combine._combine_kernel
+    compiled = kernel[grid](*args, **options)
+    device = driver.active.get_current_device()
+    binder = kernel.device_caches[device][-1]
+    bound = tuple(binder(*args, **options)[0].values())
+    stream = driver.active.get_current_stream(device)
+
+    def by_handle() -> None:
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *bound)
+
+    return {"combine kernel, JIT launch": lambda: kernel[grid](*args, **options),
+            "combine kernel, compiled launcher": by_handle}
+
+
+def breakdown(tokens: int, reps: int) -> list[dict[str, Any]]:
+    """Host microseconds of each piece of the bf16 layer's eager forward at ``tokens`` tokens: each stage, each
+    kernel through its custom op and called directly, and the elementary costs (an allocation, a no-op custom op)."""
+    from moeforge.kernels import align, combine, moe_gemm, topk
+    from moeforge.kernels.activations import ACT_SILU
+    from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
+    from moeforge.payloads import MoEInput
+
+    layer = build_layer(SHAPE, "bf16")
+    experts, top_k = layer.num_experts, layer.top_k
+    x, logits = random_batch(tokens, SHAPE[2], SHAPE[0])
+    ops = torch.ops.moeforge
+    flags = topk.routing_flags(layer.routing)
+    config = layer.pipeline.stages[1].configs.lookup(tokens)
+    weights, ids = ops.route(logits, None, top_k, **flags)
+    sorted_ids, block_expert, num_padded = ops.align_block_size(ids, experts, config.block_m)
+    route = GemmRoute(sorted_ids, block_expert, num_padded, tokens * top_k, aligned_block_m=config.block_m)
+    hidden = torch.empty(tokens * top_k, SHAPE[3], device="cuda", dtype=torch.bfloat16)
+    rows = torch.randn(tokens * top_k, SHAPE[2], device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(tokens, SHAPE[2], device="cuda", dtype=torch.bfloat16)
+    w13 = layer.w13_weight
+    pieces: dict[str, Callable[[], Any]] = {
+        "torch.empty": lambda: torch.empty(tokens, SHAPE[2], device="cuda", dtype=torch.bfloat16),
+        "no-op custom op": lambda: torch.ops.bench_eager.noop(x, 4),
+        "route (op)": lambda: ops.route(logits, None, top_k, **flags),
+        "route (direct)": lambda: topk.route(logits, None, top_k, **flags),
+        "align (op)": lambda: ops.align_block_size(ids, experts, config.block_m),
+        "align (direct)": lambda: align.align_block_size(ids, experts, config.block_m),
+        "gate/up gemm (op)": lambda: grouped_gemm(GemmRows(x, rows_per_a=top_k), GemmWeight(w13), route,
+                                                  GemmEpilogue(x.dtype, act=ACT_SILU, glu=True), config.gate_up),
+        "gate/up gemm (direct)": lambda: moe_gemm.moe_gemm(x, w13, hidden, sorted_ids, block_expert, num_padded,
+                                                           rows_per_a=top_k, config=config.gate_up, act=ACT_SILU,
+                                                           glu=True, aligned_block_m=config.block_m),
+        "combine (op)": lambda: ops.combine(rows, weights, top_k, 1.0, x.dtype),
+        "combine (direct)": lambda: combine.combine_copies(rows, top_k, out, weights, 1.0),
+    }
+    pieces.update(raw_launches(rows, weights, out, top_k))
+    payload: Any = MoEInput(x, logits)
+    for index, stage in enumerate(layer.pipeline.stages):
+        pieces[f"stage {index} {type(stage).__name__}"] = (lambda s, p: lambda: s(p))(stage, payload)
+        payload = stage(payload)
+    pieces["pipeline.run"] = lambda: layer.pipeline.run(MoEInput(x, logits), input_checked=True)
+    pieces["layer(x, logits)"] = lambda: layer(x, logits)
+    records = []
+    with torch.no_grad():
+        for name, fn in pieces.items():
+            records.append(dict(part="breakdown", tokens=tokens, piece=name, host_us=loop_us(fn, reps)))
+            print(f"breakdown M={tokens:4d} {name:42s} {records[-1]['host_us']:8.1f} us", flush=True)
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="layer,block,generate")
+    parser.add_argument("--parts", default="layer,block,generate", help="any of layer, block, generate; or none")
     parser.add_argument("--tokens", default=",".join(str(t) for t in TOKENS))
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--breakdown", action="store_true", help="the host time of each piece at 16 tokens")
     parser.add_argument("--profile", type=Path, default=None, help="a folder for the cProfile listings")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--commit", default=None, help="the commit measured, when run from a copy without its git")
@@ -266,6 +374,8 @@ def main() -> None:
         records += bench_layers(tuple(int(t) for t in args.tokens.split(",")), args.reps)
     if parts & {"block", "generate"}:
         records += bench_model(parts, args.reps)
+    if args.breakdown:
+        records += breakdown(16, args.reps)
     if args.profile is not None:
         profiles(args.profile)
     import transformers

@@ -194,7 +194,9 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         row_expert = torch.repeat_interleave(torch.arange(self.ep.local_experts, device=expert_counts.device),
                                              expert_counts, output_size=rows).to(torch.int32).view(rows, 1)
         config = self.configs.lookup(rows)
-        sorted_ids, block_expert, num_padded = torch.ops.moeforge.align_block_size(
+        from moeforge.kernels import ops  # (imports Triton: the triton path only)
+
+        sorted_ids, block_expert, num_padded = ops.align_block_size(
             row_expert, self.ep.local_experts, config.block_m)
         return BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
                               config=config, copies_per_row=1, num_tokens=rows)

@@ -30,6 +30,7 @@ from moeforge.errors import InputError
 from moeforge.kernels import pdl
 from moeforge.kernels.activations import ACT_GPT_OSS, ACT_NONE, activate, gated
 from moeforge.kernels.launch_plan import glu_strides
+from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 TILE = 2048  # output (or gate/up pair) columns x rows per program
@@ -188,8 +189,8 @@ def _columns(x: torch.Tensor) -> torch.Tensor:
 def _blocks(rows: int, width: int) -> tuple[int, int]:
     """``(BLOCK_R, BLOCK_C)``: up to :data:`MAX_BLOCK_C` columns and rows enough for about :data:`TILE` elements
     per program (few programs of narrow rows, and no more rows than there are)."""
-    block_c = min(triton.next_power_of_2(width), MAX_BLOCK_C)
-    block_r = max(1, min(TILE // block_c, triton.next_power_of_2(rows)))
+    block_c = min(next_power_of_2(width), MAX_BLOCK_C)
+    block_r = max(1, min(TILE // block_c, next_power_of_2(rows)))
     return block_r, block_c
 
 
@@ -206,7 +207,7 @@ def activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alp
     gate_step, up_offset = glu_strides(glu, interleaved, width)
     block_r, block_c = _blocks(rows, width)
     dependent = pdl.pdl_applies(pre.device)
-    _activate_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(width, block_c))](
+    _activate_rows_kernel[(cdiv(rows, block_r), cdiv(width, block_c))](
         pre, out, rows, width, pre.stride(0), out.stride(0), gate_step, up_offset, alpha, limit,
         ACT=act, GLU=glu, BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl.flag(dependent),
         num_warps=4, **pdl.launch_options(dependent),
@@ -227,7 +228,7 @@ def activate_rows_backward(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu
     gate_step, up_offset = glu_strides(glu, interleaved, width)
     block_r, block_c = _blocks(rows, width)
     dependent = pdl.pdl_applies(pre.device)
-    _activate_rows_backward_kernel[(triton.cdiv(rows, block_r), triton.cdiv(width, block_c))](
+    _activate_rows_backward_kernel[(cdiv(rows, block_r), cdiv(width, block_c))](
         pre, d_out, d_pre, rows, width, pre.stride(0), d_out.stride(0), d_pre.stride(0), gate_step, up_offset,
         alpha, limit,
         ACT=act, GLU=glu, BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl.flag(dependent),
@@ -250,5 +251,7 @@ def autograd_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
     """The gradient of ``pre`` through the ``moeforge::activate_rows_backward`` op (traceable: it has a fake);
     the integer, flag and float arguments have none."""
     (pre,) = ctx.saved_tensors
-    d_pre = torch.ops.moeforge.activate_rows_backward(pre, grad_out, *ctx.activation)
+    from moeforge.kernels import ops  # (ops imports this module)
+
+    d_pre = ops.activate_rows_backward(pre, grad_out, *ctx.activation)
     return (d_pre,) + (None,) * len(ctx.activation)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from moeforge.kernels import pdl
+from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -90,10 +91,10 @@ def align_block_size(
     num_copies = ids.numel()
     size = max(max_padded_rows(num_copies, num_experts, block_m), block_m)
     sorted_ids = torch.empty(size, dtype=torch.int32, device=ids.device)
-    block_expert = torch.empty(triton.cdiv(size, block_m), dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(cdiv(size, block_m), dtype=torch.int32, device=ids.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    block_e = max(triton.next_power_of_2(num_experts), 2)
+    block_e = max(next_power_of_2(num_experts), 2)
     dependent = pdl.pdl_applies(ids.device)
     _count_and_plan_kernel[(1,)](
         ids, cursor, block_expert, sorted_ids, num_padded, num_copies, num_experts,
@@ -101,7 +102,7 @@ def align_block_size(
         **pdl.launch_options(dependent),
     )
     if num_copies:
-        grid = (triton.cdiv(num_copies, 1024),)
+        grid = (cdiv(num_copies, 1024),)
         _scatter_kernel[grid](ids, cursor, sorted_ids, num_copies, BLOCK=1024, PDL=pdl.flag(dependent),
                               **pdl.launch_options(dependent))
     return sorted_ids, block_expert, num_padded

@@ -79,9 +79,10 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
                                  GemmEpilogue(torch.float32 if r > 1 else a.dtype), config)
         d_a = d_rows.view(-1, r, d_rows.shape[1]).sum(1).to(a.dtype) if r > 1 else d_rows
     if needs[2] or (bias is not None and needs[6]):
-        dw, db = torch.ops.moeforge.expert_weight_grad(d_pre, a, p["rows_per_a"], sorted_ids, block_expert,
-                                                       num_padded, weight.shape[0], aligned,
-                                                       bias is not None and needs[6], weight.dtype)
+        from moeforge.kernels import ops  # (ops imports this module)
+
+        dw, db = ops.expert_weight_grad(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
+                                        weight.shape[0], aligned, bias is not None and needs[6], weight.dtype)
         d_weight = dw if needs[2] else None
         d_bias = db if bias is not None and needs[6] else None
     grads_out: list[Any] = [None] * len(_MOE_GEMM_INPUTS)
@@ -122,8 +123,9 @@ def combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
     :func:`moeforge.kernels.combine.combine_backward`, one pass)."""
     rows, weights = ctx.saved_tensors
     weight_grad = weights is not None and ctx.needs_input_grad[1]
-    d_rows, d_weights = torch.ops.moeforge.combine_backward(grad_out, rows, weights, ctx.top_k, ctx.scale,
-                                                            weight_grad)
+    from moeforge.kernels import ops  # (ops imports this module)
+
+    d_rows, d_weights = ops.combine_backward(grad_out, rows, weights, ctx.top_k, ctx.scale, weight_grad)
     return d_rows, d_weights if weight_grad else None, None, None, None
 
 

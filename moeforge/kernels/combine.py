@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from moeforge.kernels import pdl
+from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -63,8 +64,8 @@ def combine_copies(
     tokens, hidden = out.shape
     if tokens == 0:
         return out
-    block_h = min(triton.next_power_of_2(hidden), 1024)
-    grid = (tokens, triton.cdiv(hidden, block_h))
+    block_h = min(next_power_of_2(hidden), 1024)
+    grid = (tokens, cdiv(hidden, block_h))
     dependent = pdl.pdl_applies(out.device)
     _combine_kernel[grid](
         rows, weights if weights is not None else rows, index if index is not None else rows, out,
@@ -125,8 +126,8 @@ def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Option
         if d_weights is not None:
             d_weights.zero_()
         return d_rows, d_weights
-    k_block = triton.next_power_of_2(top_k)
-    block_h = max(16, min(triton.next_power_of_2(hidden), 4096 // k_block))
+    k_block = next_power_of_2(top_k)
+    block_h = max(16, min(next_power_of_2(hidden), 4096 // k_block))
     dependent = pdl.pdl_applies(rows.device)
     _combine_backward_kernel[(tokens,)](
         grad_out, rows, weights if weights is not None else rows, d_rows,

@@ -31,6 +31,7 @@ from moeforge.kernels.format_codes import W_FIRST_E2M1
 from moeforge.kernels import shuffle
 from moeforge.kernels.dequant import group_scales, packed_decoding, weight_tile
 from moeforge.kernels.formats import WeightFormat, weight_operand
+from moeforge.kernels.sizes import cdiv
 
 # The decoding's tile: [DECODE_BLOCK_N, DECODE_BLOCK_K] weights per program (32 rows of 1 KiB out in bf16), the
 # programs along K first (neighbouring programs read and write neighbouring bytes of the same rows). Scale groups are
@@ -115,7 +116,7 @@ def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_sca
         weight_scale = weight_scale.view(torch.uint8)
     capability = torch.cuda.get_device_capability(weight.device) if weight.device.type == "cuda" else None
     zeros = weight_zero if weight_zero is not None else weight_scale
-    grid = (triton.cdiv(operand.k_dim, DECODE_BLOCK_K), triton.cdiv(n_w, DECODE_BLOCK_N), experts)
+    grid = (cdiv(operand.k_dim, DECODE_BLOCK_K), cdiv(n_w, DECODE_BLOCK_N), experts)
     decode_weight_kernel[grid](
         weight, weight_scale, zeros, out, n_w, operand.k_dim,
         *weight.stride(), *operand.scale_strides, *(operand.zero_strides if weight_zero is not None else (0, 0, 0)),

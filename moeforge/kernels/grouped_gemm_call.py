@@ -124,7 +124,9 @@ def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue:
     :func:`moeforge.kernels.moe_gemm.moe_gemm`): ``out [num_copies, N]`` where copy ``c``'s row is the epilogue
     of ``rows[c // rows_per_a] @ weight[expert of c]^T``; ``out_scale [num_copies, N / 128]`` with ``fp8_out``,
     else ``None``. ``config``: the launch configuration, before the launcher fits it to the operands."""
-    out, out_scale = torch.ops.moeforge.moe_gemm(
+    from moeforge.kernels import ops  # (ops imports this module)
+
+    out, out_scale = ops.moe_gemm(
         rows.data, rows.scale, weight.data, weight.scale, weight.zero, weight.global_scale, epilogue.bias,
         epilogue.routing_weights, route.sorted_ids, route.block_expert, route.num_padded, route.num_copies,
         rows.rows_per_a, int(weight.format), rows.global_scale, epilogue.act, epilogue.glu, epilogue.interleaved,

@@ -23,6 +23,7 @@ import triton
 from moeforge.kernels.config import GemmConfig, fit_shared_memory
 from moeforge.kernels.dequant import FOLDED_SCALE_MAX
 from moeforge.kernels.formats import SCALE_BLOCK, KTail, RowFormat, RowScales, WeightFormat
+from moeforge.kernels.sizes import cdiv
 
 try:  # host-side tensor descriptors (Triton >= 3.3): the weight tiles through Hopper's TMA
     from triton.tools.tensor_descriptor import TensorDescriptor as TensorDescriptor
@@ -349,22 +350,22 @@ def plan_launch(facts: LaunchFacts, *, explain: bool = False) -> LaunchPlan:
     e4m3_scales = fmt is WeightFormat.NVFP4 or f.row_format is RowFormat.NVFP4
     fp8_cvt = ptx and e4m3_scales and f.capability is not None and f.capability >= (8, 9)
     blocks = f.padded_rows // config.block_m
-    tiles = blocks * triton.cdiv(f.n_out, config.block_n)
-    k_steps = triton.cdiv(f.k_dim, config.block_k)
+    tiles = blocks * cdiv(f.n_out, config.block_n)
+    k_steps = cdiv(f.k_dim, config.block_k)
     if f.split_k is not None and f.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {f.split_k}")
     if f.split_k is not None or config.split_k is not None:  # asked for (a persistent grid cannot have it)
         splits = f.split_k if f.split_k is not None else config.split_k
         split_source = _source(f.split_k, config.split_k)
     elif f.grid in (None, "tiles"):
-        busy = min(blocks, f.experts) * triton.cdiv(f.n_out, config.block_n)
+        busy = min(blocks, f.experts) * cdiv(f.n_out, config.block_n)
         splits = default_split_k(f.capability, fmt, config, busy, k_steps, f.multiprocessors)
         split_source = "default_split_k"
     else:
         splits, split_source = 1, "a persistent grid runs whole K-loops"
     assert splits is not None
-    steps_per_split = triton.cdiv(k_steps, min(splits, k_steps))
-    splits = triton.cdiv(k_steps, steps_per_split)  # every range has at least one step
+    steps_per_split = cdiv(k_steps, min(splits, k_steps))
+    splits = cdiv(k_steps, steps_per_split)  # every range has at least one step
     if splits > 1 and f.grid not in (None, "tiles"):
         raise ValueError(f"a split K-loop runs one program per tile, not grid={f.grid!r}")
     half_tail = config.half_tail if f.half_tail is None else f.half_tail

@@ -64,6 +64,7 @@ from moeforge.kernels.formats import (NVFP4_GROUP, SCALE_BLOCK, RowFormat, RowSc
                                       weight_operand)
 from moeforge.kernels.gemm_epilogue import add_bias, epilogue, store
 from moeforge.kernels.tile_order import grouped
+from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 
 # Row scale modes (A_SCALE): none, one per row (per token; per tensor with stride 0), per 128-group
@@ -603,7 +604,7 @@ def _row_scale_mode(fmt: RowFormat, a: torch.Tensor, a_scale: Optional[torch.Ten
         return RowScales.ROW, 0, 0  # per tensor: every row reads the one scale
     if a_scale.dim() == 2 and a_scale.shape[0] == rows and a_scale.shape[1] == 1 and k_dim > SCALE_BLOCK:
         return RowScales.ROW, a_scale.stride(0), 0
-    if a_scale.dim() == 2 and a_scale.shape[0] == rows and a_scale.shape[1] == triton.cdiv(k_dim, SCALE_BLOCK):
+    if a_scale.dim() == 2 and a_scale.shape[0] == rows and a_scale.shape[1] == cdiv(k_dim, SCALE_BLOCK):
         # (with K <= 128 one group is the whole row: per token and per group coincide)
         return RowScales.GROUP, a_scale.stride(0), a_scale.stride(1)
     raise ValueError(f"a_scale must be [1], [{rows}, 1] or [{rows}, {k_dim // SCALE_BLOCK}], "
@@ -769,10 +770,10 @@ def moe_gemm(
     aligned = config.block_m if aligned_block_m is None else aligned_block_m
     if aligned < 1 or aligned % config.block_m:
         raise ValueError(f"config.block_m={config.block_m} must divide the alignment's block, got {aligned}")
-    if block_expert.numel() != triton.cdiv(sorted_ids.numel(), aligned):
+    if block_expert.numel() != cdiv(sorted_ids.numel(), aligned):
         # a plan aligned by another block: the kernel would read the wrong expert for most tiles
         raise ValueError(f"block_expert has {block_expert.numel()} entries, but {sorted_ids.numel()} sorted_ids in "
-                         f"blocks of {aligned} need {triton.cdiv(sorted_ids.numel(), aligned)}: pass the block the "
+                         f"blocks of {aligned} need {cdiv(sorted_ids.numel(), aligned)}: pass the block the "
                          "rows were aligned with (aligned_block_m, by default config.block_m)")
     if grid is not None and grid not in GRIDS:
         raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
@@ -918,8 +919,8 @@ def moe_gemm(
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent),
     )
     if partials is not None:
-        block_n = 128 if quant_out else max(16, min(128, 4096 // config.block_m, triton.next_power_of_2(n_out)))
-        moe_gemm_reduce_kernel[(blocks, triton.cdiv(n_out, block_n))](
+        block_n = 128 if quant_out else max(16, min(128, 4096 // config.block_m, next_power_of_2(n_out)))
+        moe_gemm_reduce_kernel[(blocks, cdiv(n_out, block_n))](
             partials, out, out_scale if out_scale is not None else dummy,
             topk_weights if topk_weights is not None else dummy, sorted_ids, num_padded,
             n_out, num_copies, splits, partials.stride(0), partials.stride(1), out.stride(0), out.stride(1),

@@ -3,6 +3,11 @@
 Custom ops with fake (meta) implementations let ``torch.compile`` trace through the forward and let
 CUDA graphs capture it: every output size depends only on input sizes, never on values. Importing
 this module registers the ops once; the Triton stages import it when they are first built.
+
+Each kernel is a :class:`~moeforge.kernels.kernel_op.KernelOp` of this module (``ops.moe_gemm``, ``ops.route``,
+...): called like its op, it runs the implementation directly in an eager call that records no gradient on plain
+tensors, and the op everywhere else (``torch.compile``, autograd, fake tensors, dispatch modes). The package calls
+the kernels that way; ``torch.ops.moeforge.<name>`` is the op itself.
 """
 
 from __future__ import annotations
@@ -10,26 +15,30 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
 from moeforge.kernels import activation_rows, align, backward, combine, quantize, topk, weight_grad
 from moeforge.kernels import moe_gemm as kernel
 from moeforge.kernels.formats import WeightFormat
 from moeforge.kernels.grouped_gemm_call import NO_SCALE_BOUND, decode_config
+from moeforge.kernels.kernel_op import KernelOp
+from moeforge.kernels.sizes import cdiv
 
 
-@torch.library.custom_op("moeforge::align_block_size", mutates_args=())
-def align_block_size(
+def _align_block_size(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return align.align_block_size(topk_ids, num_experts, block_m)
 
 
-@align_block_size.register_fake
+_align_block_size_op = torch.library.custom_op("moeforge::align_block_size", _align_block_size, mutates_args=())
+align_block_size = KernelOp(_align_block_size_op, _align_block_size)
+
+
+@_align_block_size_op.register_fake
 def _(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     size = max(align.max_padded_rows(topk_ids.numel(), num_experts, block_m), block_m)
     new = topk_ids.new_empty
-    return new(size, dtype=torch.int32), new(triton.cdiv(size, block_m), dtype=torch.int32), new(1, dtype=torch.int32)
+    return new(size, dtype=torch.int32), new(cdiv(size, block_m), dtype=torch.int32), new(1, dtype=torch.int32)
 
 
 def _moe_gemm_outputs(a: torch.Tensor, weight: torch.Tensor, num_copies: int, glu: bool, out_dtype: torch.dtype,
@@ -42,8 +51,7 @@ def _moe_gemm_outputs(a: torch.Tensor, weight: torch.Tensor, num_copies: int, gl
     return a.new_empty(num_copies, n_out, dtype=out_dtype), a.new_empty(0, dtype=torch.float32)
 
 
-@torch.library.custom_op("moeforge::moe_gemm", mutates_args=())
-def moe_gemm(
+def _moe_gemm(
     a: torch.Tensor,
     a_scale: Optional[torch.Tensor],
     weight: torch.Tensor,
@@ -90,7 +98,11 @@ def moe_gemm(
     return out, out_scale
 
 
-@moe_gemm.register_fake
+_moe_gemm_op = torch.library.custom_op("moeforge::moe_gemm", _moe_gemm, mutates_args=())
+moe_gemm = KernelOp(_moe_gemm_op, _moe_gemm)
+
+
+@_moe_gemm_op.register_fake
 def _(a: torch.Tensor, a_scale: Optional[torch.Tensor], weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
       weight_zero: Optional[torch.Tensor], weight_global: Optional[torch.Tensor], bias: Optional[torch.Tensor],
       topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor, block_expert: torch.Tensor,
@@ -106,8 +118,7 @@ def _quantized_shapes(x: torch.Tensor, per_group: bool, glu: bool) -> tuple[int,
     return x.shape[0], width, width // quantize.GROUP if per_group else 1
 
 
-@torch.library.custom_op("moeforge::quantize_rows", mutates_args=())
-def quantize_rows(
+def _quantize_rows(
     x: torch.Tensor,
     dtype: torch.dtype,
     per_group: bool,
@@ -126,29 +137,35 @@ def quantize_rows(
     return q, scale
 
 
-@quantize_rows.register_fake
+_quantize_rows_op = torch.library.custom_op("moeforge::quantize_rows", _quantize_rows, mutates_args=())
+quantize_rows = KernelOp(_quantize_rows_op, _quantize_rows)
+
+
+@_quantize_rows_op.register_fake
 def _(x: torch.Tensor, dtype: torch.dtype, per_group: bool, act: int, glu: bool, interleaved: bool,
       alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
     rows, width, groups = _quantized_shapes(x, per_group, glu)
     return x.new_empty(rows, width, dtype=dtype), x.new_empty(rows, groups, dtype=torch.float32)
 
 
-@torch.library.custom_op("moeforge::combine", mutates_args=())
-def combine_copies(
+def _combine_copies(
     rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
     out = torch.empty(rows.shape[0] // top_k, rows.shape[1], dtype=out_dtype, device=rows.device)
     return combine.combine_copies(rows, top_k, out, weights, scale)
 
 
-@combine_copies.register_fake
+_combine_copies_op = torch.library.custom_op("moeforge::combine", _combine_copies, mutates_args=())
+combine_copies = KernelOp(_combine_copies_op, _combine_copies)
+
+
+@_combine_copies_op.register_fake
 def _(rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: float,
       out_dtype: torch.dtype) -> torch.Tensor:
     return rows.new_empty(rows.shape[0] // top_k, rows.shape[1], dtype=out_dtype)
 
 
-@torch.library.custom_op("moeforge::combine_backward", mutates_args=())
-def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int,
+def _combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int,
                      scale: float, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d_rows, d_weights)`` of ``moeforge::combine`` (``d_weights`` empty unless ``weight_grad``):
     :func:`moeforge.kernels.combine.combine_backward`."""
@@ -156,7 +173,11 @@ def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Option
     return d_rows, d_weights if d_weights is not None else rows.new_empty(0, dtype=torch.float32)
 
 
-@combine_backward.register_fake
+_combine_backward_op = torch.library.custom_op("moeforge::combine_backward", _combine_backward, mutates_args=())
+combine_backward = KernelOp(_combine_backward_op, _combine_backward)
+
+
+@_combine_backward_op.register_fake
 def _(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: float,
       weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     d_weights = grad_out.new_empty(grad_out.shape[0], top_k, dtype=weights.dtype) \
@@ -164,8 +185,7 @@ def _(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor
     return rows.new_empty(rows.shape), d_weights
 
 
-@torch.library.custom_op("moeforge::route", mutates_args=())
-def route(
+def _route(
     router_logits: torch.Tensor,
     selection_bias: Optional[torch.Tensor],
     top_k: int,
@@ -183,7 +203,11 @@ def route(
                       group_max=group_max, scaling=scaling, group_mask_value=group_mask_value)
 
 
-@route.register_fake
+_route_op = torch.library.custom_op("moeforge::route", _route, mutates_args=())
+route = KernelOp(_route_op, _route)
+
+
+@_route_op.register_fake
 def _(router_logits: torch.Tensor, selection_bias: Optional[torch.Tensor], top_k: int, sigmoid: bool,
       select_first: bool, renormalize: bool, n_group: int, topk_group: int, group_max: bool,
       scaling: float, group_mask_value: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,8 +216,7 @@ def _(router_logits: torch.Tensor, selection_bias: Optional[torch.Tensor], top_k
             router_logits.new_empty(tokens, top_k, dtype=torch.int32))
 
 
-@torch.library.custom_op("moeforge::expert_weight_grad", mutates_args=())
-def expert_weight_grad(
+def _expert_weight_grad(
     d_rows: torch.Tensor,
     rows: torch.Tensor,
     rows_per_a: int,
@@ -212,7 +235,12 @@ def expert_weight_grad(
     return dw, db if db is not None else d_rows.new_empty(0, dtype=dtype)
 
 
-@expert_weight_grad.register_fake
+_expert_weight_grad_op = torch.library.custom_op("moeforge::expert_weight_grad", _expert_weight_grad,
+                      mutates_args=())
+expert_weight_grad = KernelOp(_expert_weight_grad_op, _expert_weight_grad)
+
+
+@_expert_weight_grad_op.register_fake
 def _(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
       block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int, with_bias: bool,
       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,28 +249,35 @@ def _(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: tor
             d_rows.new_empty(num_experts, n, dtype=dtype) if with_bias else d_rows.new_empty(0, dtype=dtype))
 
 
-@torch.library.custom_op("moeforge::activate_rows", mutates_args=())
-def activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alpha: float,
+def _activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alpha: float,
                   limit: float) -> torch.Tensor:
     """The activation ``act`` of the pre-activation rows ``pre [R, W]`` (``[R, W // 2]`` when gated), in ``pre``'s
     dtype: :func:`moeforge.kernels.activation_rows.activate_rows`. Differentiable: its backward keeps ``pre``."""
     return activation_rows.activate_rows(pre, act, glu, interleaved, alpha, limit)
 
 
-@activate_rows.register_fake
+_activate_rows_op = torch.library.custom_op("moeforge::activate_rows", _activate_rows, mutates_args=())
+activate_rows = KernelOp(_activate_rows_op, _activate_rows)
+
+
+@_activate_rows_op.register_fake
 def _(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
     return pre.new_empty(activation_rows.activated_shape(pre, act, glu))
 
 
-@torch.library.custom_op("moeforge::activate_rows_backward", mutates_args=())
-def activate_rows_backward(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu: bool, interleaved: bool,
+def _activate_rows_backward(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu: bool, interleaved: bool,
                            alpha: float, limit: float) -> torch.Tensor:
     """``d_pre [R, W]`` of ``moeforge::activate_rows`` given ``d_out``, the gradient of its output:
     :func:`moeforge.kernels.activation_rows.activate_rows_backward`."""
     return activation_rows.activate_rows_backward(pre, d_out, act, glu, interleaved, alpha, limit)
 
 
-@activate_rows_backward.register_fake
+_activate_rows_backward_op = torch.library.custom_op("moeforge::activate_rows_backward", _activate_rows_backward,
+                          mutates_args=())
+activate_rows_backward = KernelOp(_activate_rows_backward_op, _activate_rows_backward)
+
+
+@_activate_rows_backward_op.register_fake
 def _(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu: bool, interleaved: bool, alpha: float,
       limit: float) -> torch.Tensor:
     activation_rows.check_gradient(pre, d_out, act, glu)
@@ -251,8 +286,8 @@ def _(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu: bool, interleaved: 
 
 # Backward formulas (moeforge/kernels/backward.py): the float grouped GEMM, the combine and the routing
 # weights differentiate; the quantized GEMMs and the quantization kernels are inference-only.
-moe_gemm.register_autograd(backward.moe_gemm_backward, setup_context=backward.moe_gemm_setup_context)
-combine_copies.register_autograd(backward.combine_backward, setup_context=backward.combine_setup_context)
-route.register_autograd(backward.route_backward, setup_context=backward.route_setup_context)
-activate_rows.register_autograd(activation_rows.autograd_backward,
+_moe_gemm_op.register_autograd(backward.moe_gemm_backward, setup_context=backward.moe_gemm_setup_context)
+_combine_copies_op.register_autograd(backward.combine_backward, setup_context=backward.combine_setup_context)
+_route_op.register_autograd(backward.route_backward, setup_context=backward.route_setup_context)
+_activate_rows_op.register_autograd(activation_rows.autograd_backward,
                               setup_context=activation_rows.autograd_setup_context)

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from moeforge.kernels import pdl
 from moeforge.kernels.activations import ACT_NONE, activate, gated
+from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_MAX = 127.0
@@ -173,8 +174,8 @@ def quantize_rows(
         gate_stride, up_offset = 1, 0
     dependent = pdl.pdl_applies(x.device)
     if per_group:
-        groups = min(triton.next_power_of_2(width // GROUP), 8)
-        grid = (rows, triton.cdiv(width // GROUP, groups))
+        groups = min(next_power_of_2(width // GROUP), 8)
+        grid = (rows, cdiv(width // GROUP, groups))
         _quantize_per_group_kernel[grid](
             x, q, scale, width, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
             gate_stride, up_offset, alpha, limit,
@@ -182,7 +183,7 @@ def quantize_rows(
             num_warps=4 if groups >= 4 else 2, **pdl.launch_options(dependent),
         )
         return
-    block_w = min(triton.next_power_of_2(width), 4096)
+    block_w = min(next_power_of_2(width), 4096)
     _quantize_per_token_kernel[(rows,)](
         x, q, scale, width, x.stride(0), q.stride(0), scale.stride(0),
         gate_stride, up_offset, alpha, limit,

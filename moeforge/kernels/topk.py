@@ -18,6 +18,7 @@ import triton.language as tl
 from moeforge.errors import InputError
 from moeforge.kernels import pdl
 from moeforge.routing import GroupScore, RoutingConfig, Scoring, ScoreOrder
+from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -189,9 +190,9 @@ def route(
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if tokens == 0:
         return weights, ids
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     block_t, num_warps = tile(tokens, block_e)
-    grid = (triton.cdiv(tokens, block_t),)
+    grid = (cdiv(tokens, block_t),)
     # Any strides for the logits (the kernel takes both; Triton specialises a stride of 1); the bias is
     # read as a dense vector.
     bias = selection_bias.contiguous() if selection_bias is not None else weights
@@ -205,11 +206,11 @@ def route(
     _topk_kernel[grid](
         router_logits, bias, weights, ids,
         tokens, num_experts, router_logits.stride(0), router_logits.stride(1), scaling, group_mask_value,
-        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_T=block_t,
+        TOP_K=top_k, BLOCK_K=next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_T=block_t,
         SIGMOID=sigmoid, SELECT_FIRST=select_first, RENORM=renormalize,
         HAS_BIAS=selection_bias is not None,
         N_GROUP=n_group, TOPK_GROUP=topk_group, SUM_TOP2=sum_top2,
-        BLOCK_G=triton.next_power_of_2(n_group),
+        BLOCK_G=next_power_of_2(n_group),
         # the groups as an axis of a 3-D view (one reduction for every group) where they tile it exactly
         GROUPS_AS_AXIS=n_group > 1 and num_experts == block_e and per_group & (per_group - 1) == 0,
         FIXED_ONE=float(2 ** (62 - block_e.bit_length() + 1)),  # BLOCK_E terms of at most this fit an int64
@@ -228,7 +229,7 @@ def tile(tokens: int, block_e: int) -> tuple[int, int]:
     if block_e >= 256:
         return 1, 1
     rows_per_warp = 128 // block_e
-    block_t = min(triton.next_power_of_2(max(tokens, 1)), 4 * rows_per_warp)
+    block_t = min(next_power_of_2(max(tokens, 1)), 4 * rows_per_warp)
     return block_t, max(1, block_t // rows_per_warp)
 
 

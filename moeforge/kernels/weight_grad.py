@@ -35,6 +35,7 @@ import triton.language as tl
 
 from moeforge.kernels import pdl
 from moeforge.kernels.launch_plan import TensorDescriptor
+from moeforge.kernels.sizes import cdiv
 
 
 @attrs.frozen
@@ -152,7 +153,7 @@ def gather_sorted_rows(src: torch.Tensor, slot_ids: torch.Tensor, num_padded: to
     if slots == 0 or width == 0:
         return dst
     block_r, block_w = (32, 128) if src.is_cuda else (16, 32)
-    grid = (triton.cdiv(slots, block_r), triton.cdiv(width, block_w))
+    grid = (cdiv(slots, block_r), cdiv(width, block_w))
     _gather_sorted_rows_kernel[grid](src, slot_ids, dst, num_padded, num_copies, rows_per_src, width, src.stride(0),
                                      dst.stride(0), BLOCK_R=block_r, BLOCK_W=block_w)
     return dst
@@ -235,7 +236,7 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     store_tma = tiles.tma_store and TensorDescriptor is not None and tma_applies(dw)
     dw_desc = TensorDescriptor.from_tensor(dw, [1, tiles.block_n, tiles.block_k]) if store_tma else None
     dbias = db if db is not None else dw
-    grid = (num_experts * triton.cdiv(n, tiles.block_n) * triton.cdiv(k, tiles.block_k),)
+    grid = (num_experts * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
     _weight_grad_kernel[grid](
         dy_desc, x_desc, dw_desc, dy, x, dw, dbias, first,
         n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0),

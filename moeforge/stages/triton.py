@@ -95,7 +95,7 @@ class TritonTopK(TopK):
 
     def __call__(self, x: MoEInput) -> RoutedTokens:
         bias = resolve(self.selection_bias).float() if self.selection_bias is not None else None
-        weights, ids = torch.ops.moeforge.route(x.router_logits, bias, self.top_k, **self._flags)
+        weights, ids = kernel_ops().route(x.router_logits, bias, self.top_k, **self._flags)
         return RoutedTokens(x=Activations(x.hidden_states), topk=TopKOutput(weights=weights, ids=ids))
 
 
@@ -134,7 +134,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
     def __call__(self, x: RoutedTokens) -> AlignedRows:
         tokens, top_k = x.topk.ids.shape
         config = self.configs.lookup(tokens)  # once per batch: the GEMMs read it from the alignment
-        sorted_ids, block_expert, num_padded = torch.ops.moeforge.align_block_size(
+        sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(
             x.topk.ids, self.num_experts, config.block_m)
         alignment = BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
                                    config=config, copies_per_row=top_k, num_tokens=tokens)
@@ -153,7 +153,7 @@ class CopyOrderPlan(Plan):
     def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
                 out_dtype: torch.dtype) -> torch.Tensor:
         top_k = int(self.copy_weights.shape[1])
-        out: torch.Tensor = torch.ops.moeforge.combine(rows, self.copy_weights if weighted else None, top_k,
+        out: torch.Tensor = kernel_ops().combine_copies(rows, self.copy_weights if weighted else None, top_k,
                                                        scaling_factor if scaling_factor is not None else 1.0,
                                                        out_dtype)
         return out
@@ -254,7 +254,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
             gemm,
         )
         if separate:
-            out = torch.ops.moeforge.activate_rows(out, *self._act)
+            out = kernel_ops().activate_rows(out, *self._act)
         return dataclasses.replace(x, x=Activations(out), copy_major=True)
 
 

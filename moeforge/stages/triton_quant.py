@@ -365,7 +365,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             return dataclasses.replace(x, x=Activations(out, out_scale), copy_major=True)
         if self.output_quantizer is not None:
             dtype, per_group = kernel_format(self.output_quantizer)
-            q, scale = torch.ops.moeforge.quantize_rows(out, dtype, per_group, 0, False, False, 1.0, 0.0)
+            q, scale = kernel_ops().quantize_rows(out, dtype, per_group, 0, False, False, 1.0, 0.0)
             return dataclasses.replace(x, x=Activations(q, scale), copy_major=True)
         return dataclasses.replace(x, x=Activations(out), copy_major=True)  # keeps a subclass's fields
 
@@ -414,7 +414,7 @@ class QuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRows]):
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
         dtype, per_group = self._format()
-        q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, 0, False, False, 1.0, 0.0)
+        q, scale = kernel_ops().quantize_rows(x.x.data, dtype, per_group, 0, False, False, 1.0, 0.0)
         return x.with_x(Activations(q, scale))
 
 
@@ -439,7 +439,7 @@ class ActivateQuantizeAligned(_QuantizeAlignedBase, ActivateQuantize):
         if not isinstance(x, AlignedRows):
             raise TypeError(f"ActivateQuantizeAligned cannot consume {type(x).__name__}")
         dtype, per_group = self._format()
-        q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, *activation_args(self.config))
+        q, scale = kernel_ops().quantize_rows(x.x.data, dtype, per_group, *activation_args(self.config))
         return x.with_x(Activations(q, scale))
 
 
@@ -462,5 +462,5 @@ class TritonQuantizeTokens(QuantizeTokens):
 
     def __call__(self, x: RoutedTokens) -> RoutedTokens:
         dtype, per_group = kernel_format(self.quantizer)
-        q, scale = torch.ops.moeforge.quantize_rows(x.x.data, dtype, per_group, 0, False, False, 1.0, 0.0)
+        q, scale = kernel_ops().quantize_rows(x.x.data, dtype, per_group, 0, False, False, 1.0, 0.0)
         return x.with_x(Activations(q, scale))

@@ -1,0 +1,62 @@
+"""A kernel callable through its ``torch.library`` custom op, or directly where nothing needs the op.
+
+The custom op is what ``torch.compile`` traces, what autograd differentiates, and what tensor subclasses and
+dispatch modes (fake tensors, functionalisation, ``FlopCounterMode``) see. An eager call needs none of that when
+it records no gradient and every tensor is a plain one; then the op's dispatcher, autograd wrapper and aliasing
+checks are pure host cost — 40 to 50 µs a call on the GPU machine's host, measured with
+``benchmarks/bench_eager.py --breakdown``, five of them in a forward. :class:`KernelOp` calls the implementation
+itself in that case and the op in every other one; the outputs are the same tensors either way (the op runs the
+same function).
+
+The op is used when any of these holds:
+
+* ``torch.compile`` is tracing (:func:`torch.compiler.is_compiling`);
+* a ``TorchDispatchMode`` or a ``TorchFunctionMode`` is active (fake tensors, proxy tracing, ``with
+  torch.device(...)``, debugging modes);
+* an argument is a tensor of another type than ``torch.Tensor`` or ``nn.Parameter`` (``FakeTensor``,
+  ``FunctionalTensor``, ``DTensor``, any subclass);
+* grad mode is on and a tensor argument requires grad: the op's autograd formula runs (or, for an op without one,
+  its error on backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generic, TypeVar
+
+import torch
+from torch import nn
+
+R = TypeVar("R")
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def needs_op(args: tuple[Any, ...]) -> bool:
+    """Whether a call with ``args`` must go through the custom op (see the module docstring)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
+            or torch._C._is_torch_function_mode_enabled():
+        return True
+    grad = torch.is_grad_enabled()
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN or (grad and arg.requires_grad)):
+            return True
+    return False
+
+
+class KernelOp(Generic[R]):
+    """``op`` (a ``torch.library`` custom op) and ``impl``, the function it runs; called with the op's arguments, it
+    runs ``impl`` directly unless :func:`needs_op` says the op is needed."""
+
+    __slots__ = ("op", "impl")
+
+    def __init__(self, op: Callable[..., R], impl: Callable[..., R]) -> None:
+        self.op = op
+        self.impl = impl
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        if needs_op(args + tuple(kwargs.values()) if kwargs else args):
+            return self.op(*args, **kwargs)
+        return self.impl(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"KernelOp({self.op!r})"
