@@ -14,11 +14,14 @@ them in ascending order first (:func:`moeforge.kernels.weight_grad.canonical_ord
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from moeforge.kernels import pdl
+from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 
@@ -95,14 +98,22 @@ def align_block_size(
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block_e = max(next_power_of_2(num_experts), 2)
-    dependent = pdl.pdl_applies(ids.device)
-    _count_and_plan_kernel[(1,)](
-        ids, cursor, block_expert, sorted_ids, num_padded, num_copies, num_experts,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=max(16, 4096 // block_e), PDL=pdl.flag(dependent),
-        **pdl.launch_options(dependent),
-    )
+
+    def plan() -> tuple[dict[str, Any], dict[str, Any]]:
+        dependent = pdl.pdl_applies(ids.device)
+        return (dict(BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=max(16, 4096 // block_e),
+                     PDL=pdl.flag(dependent)), pdl.launch_options(dependent))
+
+    def scatter() -> tuple[dict[str, Any], dict[str, Any]]:
+        dependent = pdl.pdl_applies(ids.device)
+        return dict(BLOCK=1024, PDL=pdl.flag(dependent)), pdl.launch_options(dependent)
+
+    _COUNT_AND_PLAN.launch((block_m, ids.device), (1,), (ids, cursor, block_expert, sorted_ids, num_padded, num_copies,
+                                                         num_experts), plan)
     if num_copies:
-        grid = (cdiv(num_copies, 1024),)
-        _scatter_kernel[grid](ids, cursor, sorted_ids, num_copies, BLOCK=1024, PDL=pdl.flag(dependent),
-                              **pdl.launch_options(dependent))
+        _SCATTER.launch(ids.device, (cdiv(num_copies, 1024),), (ids, cursor, sorted_ids, num_copies), scatter)
     return sorted_ids, block_expert, num_padded
+
+
+_COUNT_AND_PLAN = LaunchSite(_count_and_plan_kernel)
+_SCATTER = LaunchSite(_scatter_kernel)

@@ -13,13 +13,14 @@ dimension in a fixed order), reading the token's gradient once.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from moeforge.kernels import pdl
+from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 
@@ -65,16 +66,20 @@ def combine_copies(
     if tokens == 0:
         return out
     block_h = min(next_power_of_2(hidden), 1024)
-    grid = (tokens, cdiv(hidden, block_h))
-    dependent = pdl.pdl_applies(out.device)
-    _combine_kernel[grid](
-        rows, weights if weights is not None else rows, index if index is not None else rows, out,
-        hidden, scale, rows.stride(0), out.stride(0),
-        TOP_K=top_k, HAS_WEIGHTS=weights is not None, HAS_INDEX=index is not None, BLOCK_H=block_h,
-        PDL=pdl.flag(dependent),
-        num_warps=4 if block_h >= 512 else 2, **pdl.launch_options(dependent),
-    )
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        dependent = pdl.pdl_applies(out.device)
+        return (dict(TOP_K=top_k, HAS_WEIGHTS=weights is not None, HAS_INDEX=index is not None, BLOCK_H=block_h,
+                     PDL=pdl.flag(dependent)),
+                dict(num_warps=4 if block_h >= 512 else 2, **pdl.launch_options(dependent)))
+
+    _COMBINE.launch((top_k, weights is None, index is None, out.device), (tokens, cdiv(hidden, block_h)),
+                    (rows, weights if weights is not None else rows, index if index is not None else rows, out,
+                     hidden, scale, rows.stride(0), out.stride(0)), make)
     return out
+
+
+_COMBINE = LaunchSite(_combine_kernel)
 
 
 @triton.jit

@@ -49,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moeforge.kernels import decode_first, pdl, shuffle
+from moeforge.kernels import decode_first, launch_memo, pdl, shuffle
+from moeforge.kernels.bound_launch import BoundLaunch
 from moeforge.kernels.pdl import device_capability
 from moeforge.kernels.activations import ACT_NONE
 from moeforge.kernels.config import GemmConfig
@@ -764,6 +765,74 @@ def moe_gemm(
     (``shuffle.pair_rows``; the bias stays interleaved); they are read by pointer, not by TMA. By default tiles
     of 128 rows or more on a shuffled weight run on a persistent grid (:func:`default_grid`).
     """
+    key = (launch_memo.tensor_key(a), launch_memo.tensor_key(weight), launch_memo.tensor_key(out), a.device,
+           launch_memo.tensor_key(a_scale), launch_memo.tensor_key(weight_scale), launch_memo.tensor_key(weight_zero),
+           launch_memo.tensor_key(weight_global), launch_memo.tensor_key(bias), launch_memo.tensor_key(topk_weights),
+           launch_memo.tensor_key(out_scale), launch_memo.tensor_key(sorted_ids), launch_memo.tensor_key(block_expert),
+           launch_memo.tensor_key(num_padded), launch_memo.tensor_key(block_range), rows_per_a, config,
+           int(weight_format), a_global, act, glu, interleaved, alpha, limit, swap, ptx, tma, grid, split_k,
+           aligned_block_m, weight_scale_max, half_tail, decode_chunk, expert_first, weight_shuffled)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _prepare(
+            a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=config,
+            weight_format=weight_format, a_scale=a_scale, a_global=a_global, weight_scale=weight_scale,
+            weight_zero=weight_zero, weight_global=weight_global, bias=bias, topk_weights=topk_weights, act=act,
+            glu=glu, interleaved=interleaved, alpha=alpha, limit=limit, out_scale=out_scale, swap=swap, ptx=ptx,
+            tma=tma, grid=grid, split_k=split_k, aligned_block_m=aligned_block_m, weight_scale_max=weight_scale_max,
+            half_tail=half_tail, decode_chunk=decode_chunk, expert_first=expert_first, block_range=block_range,
+            weight_shuffled=weight_shuffled)
+        _LAUNCHES.put(key, launch)
+    result: torch.Tensor = launch(a, weight, out, sorted_ids, block_expert, num_padded, a_scale, weight_scale,
+                                  weight_zero, weight_global, bias, topk_weights, out_scale, block_range)
+    return result
+
+
+# Every launch recipe made, by the operands' metadata and the options: a memo of :func:`_prepare` (see
+# :mod:`moeforge.kernels.launch_memo`).
+_LAUNCHES: launch_memo.LaunchMemo[Any] = launch_memo.LaunchMemo(launch_memo.CAPACITY)
+
+
+def _prepare(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    *,
+    rows_per_a: int,
+    config: GemmConfig,
+    weight_format: WeightFormat,
+    a_scale: Optional[torch.Tensor],
+    a_global: float,
+    weight_scale: Optional[torch.Tensor],
+    weight_zero: Optional[torch.Tensor],
+    weight_global: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    topk_weights: Optional[torch.Tensor],
+    act: int,
+    glu: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    out_scale: Optional[torch.Tensor],
+    swap: Optional[bool],
+    ptx: Optional[bool],
+    tma: Optional[bool],
+    grid: Optional[str],
+    split_k: Optional[int],
+    aligned_block_m: Optional[int],
+    weight_scale_max: Optional[int],
+    half_tail: Optional[bool],
+    decode_chunk: Optional[int],
+    expert_first: int,
+    block_range: Optional[torch.Tensor],
+    weight_shuffled: bool,
+) -> Any:
+    """Check the operands and plan the launch of :func:`moe_gemm`: a :class:`_GemmLaunch` (or, for no rows or
+    columns, :class:`_NoLaunch`; for 4-bit weights decoded first, :class:`_DecodeFirstLaunch`) that launches it
+    for operands of the same metadata. Reads the operands' metadata only, never their values."""
     weight_format = WeightFormat(weight_format)
     if weight_scale_max is not None and not 0 <= weight_scale_max <= 255:
         raise ValueError(f"weight_scale_max bounds uint8 E8M0 codes (0..255), got {weight_scale_max}")
@@ -838,15 +907,12 @@ def moe_gemm(
         raise ValueError(f"the packed 4-bit decoding runs on NVIDIA GPUs in bf16/fp16 (MXFP4 in bf16), got "
                          f"{a.device.type} {compute_dtype} {weight_format.name}")
     if num_copies == 0 or n_out == 0:
-        return out
+        return _NoLaunch()
     if decoding_first:
-        return _decode_first(a, weight, out, sorted_ids, block_expert, num_padded, chunk=chunk, config=asked,
-                             aligned=aligned, weight_format=weight_format, weight_scale=weight_scale,
-                             weight_zero=weight_zero, weight_global=weight_global, bias=bias, ptx=ptx, grid=grid,
-                             compute_dtype=compute_dtype, shuffled=weight_shuffled,
-                             options=dict(rows_per_a=rows_per_a, a_scale=a_scale, a_global=a_global,
-                                          topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved,
-                                          alpha=alpha, limit=limit, tma=tma))
+        return _DecodeFirstLaunch(dict(chunk=chunk, config=asked, aligned=aligned, weight_format=weight_format, ptx=ptx,
+                                       grid=grid, compute_dtype=compute_dtype, shuffled=weight_shuffled),
+                                  dict(rows_per_a=rows_per_a, a_global=a_global, act=act, glu=glu,
+                                       interleaved=interleaved, alpha=alpha, limit=limit, tma=tma))
     capability = device_capability(a.device)
     facts = LaunchFacts(
         weight_format=weight_format, row_format=row_format, row_scales=a_mode, compute_dtype=compute_dtype,
@@ -864,35 +930,10 @@ def moe_gemm(
     blocks = sorted_ids.numel() // config.block_m
     splits = plan.splits
     # a split K-loop's partial sums: gate columns, then up columns
-    partials = torch.empty((splits, num_copies, n_out * (2 if glu else 1)), dtype=torch.float32, device=a.device) \
-        if splits > 1 else None
-    dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
+    partials = (splits, num_copies, n_out * (2 if glu else 1)) if splits > 1 else None
+    stride_ps, stride_pm = (partials[1] * partials[2], partials[2]) if partials is not None else (0, 0)
     dependent = pdl.applies(capability)
-    # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
-    if a_scale is not None and a_scale.dtype == torch.float8_e4m3fn:
-        a_scale = a_scale.view(torch.uint8)
-    if weight_scale is not None and weight_scale.dtype == torch.float8_e4m3fn:
-        weight_scale = weight_scale.view(torch.uint8)
-    moe_gemm_kernel[plan.programs](
-        a, a_scale if a_scale is not None else dummy, weight,
-        _weight_descriptor(weight, config, paired, weight_shuffled and weight_format.e2m1) if plan.tma else dummy,
-        weight_scale if weight_scale is not None else dummy,
-        weight_zero if weight_zero is not None else dummy,
-        weight_global if weight_global is not None else dummy,
-        bias if bias is not None else dummy, out, out_scale if out_scale is not None else dummy,
-        topk_weights if topk_weights is not None else dummy,
-        sorted_ids, block_expert, num_padded, partials if partials is not None else dummy,
-        n_out, k_dim, num_copies, rows_per_a, float(a_global), expert_first,
-        block_range if block_range is not None else num_padded, plan.steps_per_split,
-        partials.stride(0) if partials is not None else 0, partials.stride(1) if partials is not None else 0,
-        a.stride(0), a.stride(1), stride_asm, stride_ask,
-        weight.stride(0), weight.stride(1), weight.stride(2),
-        *w.scale_strides, *w.zero_strides,
-        bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
-        out.stride(0), out.stride(1),
-        out_scale.stride(0) if out_scale is not None else 0, out_scale.stride(1) if out_scale is not None else 0,
-        gate_stride, up_offset,
-        alpha, limit,
+    main = BoundLaunch(moe_gemm_kernel, plan.programs, dict(
         A_FMT=int(row_format), A_SCALE=int(a_mode), B_FMT=int(weight_format), B_BLOCKED=w.blocked,
         B_TILE_SCALE=plan.tile_scale,
         GROUP=w.group, HAS_ZEROS=weight_zero is not None, QUANT_OUT=quant_out,
@@ -916,18 +957,106 @@ def moe_gemm(
         DRAIN_MMA=plan.drain,
         SCALE_FOLD=plan.scale_fold,
         PDL=pdl.flag(dependent, release=False),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent),
-    )
+    ), dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent)))
+    sizes = (n_out, k_dim, num_copies, rows_per_a, float(a_global), expert_first)
+    strides = (plan.steps_per_split, stride_ps, stride_pm, a.stride(0), a.stride(1), stride_asm, stride_ask,
+               weight.stride(0), weight.stride(1), weight.stride(2),
+               *w.scale_strides, *w.zero_strides,
+               bias.stride(0) if bias is not None else 0, bias.stride(1) if bias is not None else 0,
+               out.stride(0), out.stride(1),
+               out_scale.stride(0) if out_scale is not None else 0, out_scale.stride(1) if out_scale is not None else 0,
+               gate_stride, up_offset,
+               alpha, limit)
+    reduce = None
     if partials is not None:
         block_n = 128 if quant_out else max(16, min(128, 4096 // config.block_m, next_power_of_2(n_out)))
-        moe_gemm_reduce_kernel[(blocks, cdiv(n_out, block_n))](
-            partials, out, out_scale if out_scale is not None else dummy,
-            topk_weights if topk_weights is not None else dummy, sorted_ids, num_padded,
-            n_out, num_copies, splits, partials.stride(0), partials.stride(1), out.stride(0), out.stride(1),
-            out_scale.stride(0) if out_scale is not None else 0, out_scale.stride(1) if out_scale is not None else 0,
-            alpha, limit,
+        reduce = BoundLaunch(moe_gemm_reduce_kernel, (blocks, cdiv(n_out, block_n)), dict(
             ACT=act, GLU=glu, MUL_WEIGHTS=topk_weights is not None, QUANT_OUT=quant_out,
-            BLOCK_M=config.block_m, BLOCK_N=block_n, PDL=pdl.flag(dependent), num_warps=4,
-            **pdl.launch_options(dependent),
-        )
-    return out
+            BLOCK_M=config.block_m, BLOCK_N=block_n, PDL=pdl.flag(dependent),
+        ), dict(num_warps=4, **pdl.launch_options(dependent)))
+    return _GemmLaunch(
+        main=main, reduce=reduce, sizes=sizes, strides=strides, partials=partials,
+        reduce_sizes=(n_out, num_copies, splits, stride_ps, stride_pm, out.stride(0), out.stride(1),
+                      out_scale.stride(0) if out_scale is not None else 0,
+                      out_scale.stride(1) if out_scale is not None else 0, alpha, limit),
+        descriptor=(config, paired, weight_shuffled and weight_format.e2m1) if plan.tma else None,
+        a_scale_bytes=a_scale is not None and a_scale.dtype == torch.float8_e4m3fn,
+        weight_scale_bytes=weight_scale is not None and weight_scale.dtype == torch.float8_e4m3fn)
+
+
+class _GemmLaunch:
+    """:func:`moe_gemm`'s launch for operands of one metadata (made by :func:`_prepare`): the kernels bound to
+    their grid and constexprs (:class:`~moeforge.kernels.bound_launch.BoundLaunch`) and every size and stride;
+    a call passes the tensors (and builds the weight's TMA descriptor, which holds the tensor, afresh)."""
+
+    __slots__ = ("main", "reduce", "sizes", "strides", "partials", "reduce_sizes", "descriptor", "a_scale_bytes",
+                 "weight_scale_bytes")
+
+    def __init__(self, *, main: BoundLaunch, reduce: Optional[BoundLaunch], sizes: tuple[Any, ...],
+                 strides: tuple[Any, ...], partials: Optional[tuple[int, int, int]], reduce_sizes: tuple[Any, ...],
+                 descriptor: Optional[tuple[GemmConfig, bool, bool]], a_scale_bytes: bool,
+                 weight_scale_bytes: bool) -> None:
+        self.main, self.reduce, self.sizes, self.strides = main, reduce, sizes, strides
+        self.partials, self.reduce_sizes, self.descriptor = partials, reduce_sizes, descriptor
+        self.a_scale_bytes, self.weight_scale_bytes = a_scale_bytes, weight_scale_bytes
+
+    def __call__(self, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+                 block_expert: torch.Tensor, num_padded: torch.Tensor, a_scale: Optional[torch.Tensor],
+                 weight_scale: Optional[torch.Tensor], weight_zero: Optional[torch.Tensor],
+                 weight_global: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor], out_scale: Optional[torch.Tensor],
+                 block_range: Optional[torch.Tensor]) -> torch.Tensor:
+        dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
+        # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
+        if self.a_scale_bytes:
+            assert a_scale is not None
+            a_scale = a_scale.view(torch.uint8)
+        if self.weight_scale_bytes:
+            assert weight_scale is not None
+            weight_scale = weight_scale.view(torch.uint8)
+        partials = torch.empty(self.partials, dtype=torch.float32, device=a.device) if self.partials else None
+        self.main(
+            a, a_scale if a_scale is not None else dummy, weight,
+            _weight_descriptor(weight, *self.descriptor) if self.descriptor is not None else dummy,
+            weight_scale if weight_scale is not None else dummy,
+            weight_zero if weight_zero is not None else dummy,
+            weight_global if weight_global is not None else dummy,
+            bias if bias is not None else dummy, out, out_scale if out_scale is not None else dummy,
+            topk_weights if topk_weights is not None else dummy,
+            sorted_ids, block_expert, num_padded, partials if partials is not None else dummy,
+            *self.sizes, block_range if block_range is not None else num_padded, *self.strides)
+        if self.reduce is not None:
+            assert partials is not None
+            self.reduce(partials, out, out_scale if out_scale is not None else dummy,
+                        topk_weights if topk_weights is not None else dummy, sorted_ids, num_padded,
+                        *self.reduce_sizes)
+        return out
+
+
+class _NoLaunch:
+    """No rows or no columns: nothing to compute."""
+
+    __slots__ = ()
+
+    def __call__(self, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *rest: Any) -> torch.Tensor:
+        return out
+
+
+class _DecodeFirstLaunch:
+    """4-bit weights decoded a chunk of experts at a time, then the float GEMM on them (:func:`_decode_first`,
+    whose own launches are memoised as any other)."""
+
+    __slots__ = ("plan", "options")
+
+    def __init__(self, plan: dict[str, Any], options: dict[str, Any]) -> None:
+        self.plan, self.options = plan, options
+
+    def __call__(self, a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+                 block_expert: torch.Tensor, num_padded: torch.Tensor, a_scale: Optional[torch.Tensor],
+                 weight_scale: Optional[torch.Tensor], weight_zero: Optional[torch.Tensor],
+                 weight_global: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor], out_scale: Optional[torch.Tensor],
+                 block_range: Optional[torch.Tensor]) -> torch.Tensor:
+        return _decode_first(a, weight, out, sorted_ids, block_expert, num_padded, weight_scale=weight_scale,
+                             weight_zero=weight_zero, weight_global=weight_global, bias=bias, **self.plan,
+                             options=dict(self.options, a_scale=a_scale, topk_weights=topk_weights))

@@ -17,11 +17,14 @@ GEMM's output.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from moeforge.kernels import pdl
+from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.activations import ACT_NONE, activate, gated
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
@@ -172,24 +175,33 @@ def quantize_rows(
         gate_stride, up_offset = (2, 1) if interleaved else (1, width)
     else:
         gate_stride, up_offset = 1, 0
-    dependent = pdl.pdl_applies(x.device)
     if per_group:
         groups = min(next_power_of_2(width // GROUP), 8)
-        grid = (rows, cdiv(width // GROUP, groups))
-        _quantize_per_group_kernel[grid](
-            x, q, scale, width, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
-            gate_stride, up_offset, alpha, limit,
-            QMAX=FP8_MAX, ACT=act, GLU=glu, GROUPS=groups, PDL=pdl.flag(dependent),
-            num_warps=4 if groups >= 4 else 2, **pdl.launch_options(dependent),
-        )
+
+        def grouped() -> tuple[dict[str, Any], dict[str, Any]]:
+            dependent = pdl.pdl_applies(x.device)
+            return (dict(QMAX=FP8_MAX, ACT=act, GLU=glu, GROUPS=groups, PDL=pdl.flag(dependent)),
+                    dict(num_warps=4 if groups >= 4 else 2, **pdl.launch_options(dependent)))
+
+        _PER_GROUP.launch((act, glu, x.device), (rows, cdiv(width // GROUP, groups)),
+                          (x, q, scale, width, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+                           gate_stride, up_offset, alpha, limit), grouped)
         return
     block_w = min(next_power_of_2(width), 4096)
-    _quantize_per_token_kernel[(rows,)](
-        x, q, scale, width, x.stride(0), q.stride(0), scale.stride(0),
-        gate_stride, up_offset, alpha, limit,
-        QMAX=INT8_MAX if int8 else FP8_MAX, INT8=int8, ACT=act, GLU=glu, BLOCK_W=block_w, PDL=pdl.flag(dependent),
-        num_warps=8 if block_w >= 4096 else 4, **pdl.launch_options(dependent),
-    )
+
+    def per_token() -> tuple[dict[str, Any], dict[str, Any]]:
+        dependent = pdl.pdl_applies(x.device)
+        return (dict(QMAX=INT8_MAX if int8 else FP8_MAX, INT8=int8, ACT=act, GLU=glu, BLOCK_W=block_w,
+                     PDL=pdl.flag(dependent)),
+                dict(num_warps=8 if block_w >= 4096 else 4, **pdl.launch_options(dependent)))
+
+    _PER_TOKEN.launch((act, glu, x.device), (rows,),
+                      (x, q, scale, width, x.stride(0), q.stride(0), scale.stride(0), gate_stride, up_offset, alpha,
+                       limit), per_token)
+
+
+_PER_GROUP = LaunchSite(_quantize_per_group_kernel)
+_PER_TOKEN = LaunchSite(_quantize_per_token_kernel)
 
 
 def quantize_tokens(x: torch.Tensor, dtype: torch.dtype, per_group: bool) -> tuple[torch.Tensor, torch.Tensor]:

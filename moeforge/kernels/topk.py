@@ -9,7 +9,7 @@ as soon as every value left is ``-inf`` (masked experts, the experts past the ke
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import triton
@@ -17,6 +17,7 @@ import triton.language as tl
 
 from moeforge.errors import InputError
 from moeforge.kernels import pdl
+from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.routing import GroupScore, RoutingConfig, Scoring, ScoreOrder
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
@@ -192,31 +193,38 @@ def route(
         return weights, ids
     block_e = next_power_of_2(num_experts)
     block_t, num_warps = tile(tokens, block_e)
-    grid = (cdiv(tokens, block_t),)
     # Any strides for the logits (the kernel takes both; Triton specialises a stride of 1); the bias is
     # read as a dense vector.
     bias = selection_bias.contiguous() if selection_bias is not None else weights
     if topk_group >= n_group:
         n_group = topk_group = 1  # every group is kept: nothing to mask
-    # The reference sums a group's best min(2, group size) experts: a group of one expert scores its only
-    # expert, as under MAX, not that expert plus a missing second best of -inf (every group would tie).
-    sum_top2 = not group_max and num_experts // n_group > 1
-    per_group = num_experts // n_group
-    dependent = pdl.pdl_applies(router_logits.device)
-    _topk_kernel[grid](
-        router_logits, bias, weights, ids,
-        tokens, num_experts, router_logits.stride(0), router_logits.stride(1), scaling, group_mask_value,
-        TOP_K=top_k, BLOCK_K=next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_T=block_t,
-        SIGMOID=sigmoid, SELECT_FIRST=select_first, RENORM=renormalize,
-        HAS_BIAS=selection_bias is not None,
-        N_GROUP=n_group, TOPK_GROUP=topk_group, SUM_TOP2=sum_top2,
-        BLOCK_G=next_power_of_2(n_group),
-        # the groups as an axis of a 3-D view (one reduction for every group) where they tile it exactly
-        GROUPS_AS_AXIS=n_group > 1 and num_experts == block_e and per_group & (per_group - 1) == 0,
-        FIXED_ONE=float(2 ** (62 - block_e.bit_length() + 1)),  # BLOCK_E terms of at most this fit an int64
-        PDL=pdl.flag(dependent), num_warps=num_warps, **pdl.launch_options(dependent),
-    )
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        # The reference sums a group's best min(2, group size) experts: a group of one expert scores its only
+        # expert, as under MAX, not that expert plus a missing second best of -inf (every group would tie).
+        sum_top2 = not group_max and num_experts // n_group > 1
+        per_group = num_experts // n_group
+        dependent = pdl.pdl_applies(router_logits.device)
+        return dict(
+            TOP_K=top_k, BLOCK_K=next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_T=block_t,
+            SIGMOID=sigmoid, SELECT_FIRST=select_first, RENORM=renormalize,
+            HAS_BIAS=selection_bias is not None,
+            N_GROUP=n_group, TOPK_GROUP=topk_group, SUM_TOP2=sum_top2,
+            BLOCK_G=next_power_of_2(n_group),
+            # the groups as an axis of a 3-D view (one reduction for every group) where they tile it exactly
+            GROUPS_AS_AXIS=n_group > 1 and num_experts == block_e and per_group & (per_group - 1) == 0,
+            FIXED_ONE=float(2 ** (62 - block_e.bit_length() + 1)),  # BLOCK_E terms of at most this fit an int64
+            PDL=pdl.flag(dependent),
+        ), dict(num_warps=num_warps, **pdl.launch_options(dependent))
+
+    _ROUTE.launch((top_k, sigmoid, select_first, renormalize, n_group, topk_group, group_max,
+                   selection_bias is not None, router_logits.device), (cdiv(tokens, block_t),),
+                  (router_logits, bias, weights, ids, tokens, num_experts, router_logits.stride(0),
+                   router_logits.stride(1), scaling, group_mask_value), make)
     return weights, ids
+
+
+_ROUTE = LaunchSite(_topk_kernel)
 
 
 def tile(tokens: int, block_e: int) -> tuple[int, int]:

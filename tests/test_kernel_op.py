@@ -1,0 +1,121 @@
+"""KernelOp: a kernel called through its custom op where anything needs the op, and directly otherwise.
+
+The direct call skips the op's dispatch (host time only); the op is what torch.compile traces, what autograd
+differentiates and what tensor subclasses and dispatch modes see. Each case below is one the op must keep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from moeforge.kernels.kernel_op import KernelOp, needs_op
+
+CALLS: list[str] = []
+
+
+def _double(x: torch.Tensor, factor: float) -> torch.Tensor:
+    CALLS.append("impl")
+    return x * factor
+
+
+_double_op = torch.library.custom_op("moeforge_test::double", _double, mutates_args=())
+
+
+@_double_op.register_fake
+def _(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return grad * ctx.factor, None
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.factor = inputs[1]
+
+
+_double_op.register_autograd(_backward, setup_context=_setup)
+
+
+class _Recorded:
+    """The op wrapped so that a call through it is recorded before it runs the implementation."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        CALLS.append("op")
+        out: torch.Tensor = _double_op(*args, **kwargs)
+        return out
+
+
+double = KernelOp(_Recorded(), _double)
+
+
+class _PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _path(fn: Any) -> str:
+    CALLS.clear()
+    fn()
+    return CALLS[0]
+
+
+def test_an_eager_call_without_gradients_runs_the_implementation() -> None:
+    x = torch.randn(3)
+    assert _path(lambda: double(x, 2.0)) == "impl"
+    assert torch.equal(double(x, 2.0), x * 2.0)
+    with torch.no_grad():
+        assert _path(lambda: double(x.requires_grad_(), 2.0)) == "impl"
+    with torch.inference_mode():
+        assert _path(lambda: double(torch.randn(3), 2.0)) == "impl"
+
+
+def test_keyword_arguments_reach_either_path() -> None:
+    x = torch.randn(3)
+    assert _path(lambda: double(x, factor=3.0)) == "impl"
+    assert _path(lambda: double(x.requires_grad_(), factor=3.0)) == "op"
+
+
+def test_a_parameter_is_a_plain_tensor_but_its_gradient_needs_the_op() -> None:
+    weight = nn.Parameter(torch.randn(4))
+    with torch.no_grad():
+        assert _path(lambda: double(weight, 2.0)) == "impl"
+    assert _path(lambda: double(weight, 2.0)) == "op"
+    (grad,) = torch.autograd.grad(double(weight, 2.0).sum(), [weight])
+    assert torch.equal(grad, torch.full((4,), 2.0))
+
+
+def test_a_frozen_parameter_in_grad_mode_runs_the_implementation() -> None:
+    weight = nn.Parameter(torch.randn(4), requires_grad=False)
+    assert _path(lambda: double(weight, 2.0)) == "impl"
+
+
+@pytest.mark.parametrize("mode", ["fake", "flops", "function", "device"])
+def test_modes_see_the_op(mode: str) -> None:
+    x = torch.randn(3)
+    context = {"fake": FakeTensorMode, "flops": lambda: FlopCounterMode(display=False),
+               "function": _PassThrough, "device": lambda: torch.device("cpu")}[mode]()
+    with context:
+        assert needs_op((x,))
+        if mode != "fake":
+            assert _path(lambda: double(x, 2.0)) == "op"
+
+
+def test_a_tensor_subclass_sees_the_op() -> None:
+    class Tagged(torch.Tensor):
+        pass
+
+    tagged = torch.randn(3).as_subclass(Tagged)
+    assert needs_op((tagged,)) and not needs_op((torch.randn(3), None, 1, 2.0))
+
+
+def test_torch_compile_traces_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _path(lambda: double(torch.randn(3), 2.0)) == "op"
