@@ -21,6 +21,8 @@ The op is used when any of these holds:
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterable
 from typing import Any, Callable, Generic, TypeVar
 
 import torch
@@ -31,8 +33,9 @@ R = TypeVar("R")
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
-def needs_op(args: tuple[Any, ...]) -> bool:
-    """Whether a call with ``args`` must go through the custom op (see the module docstring)."""
+def needs_op(args: Iterable[Any]) -> bool:
+    """Whether a call with ``args`` (all its arguments, or those that may be tensors) must go through the custom op
+    (see the module docstring)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
             or torch._C._is_torch_function_mode_enabled():
         return True
@@ -47,14 +50,20 @@ class KernelOp(Generic[R]):
     """``op`` (a ``torch.library`` custom op) and ``impl``, the function it runs; called with the op's arguments, it
     runs ``impl`` directly unless :func:`needs_op` says the op is needed."""
 
-    __slots__ = ("op", "impl")
+    __slots__ = ("op", "impl", "tensor_positions")
 
     def __init__(self, op: Callable[..., R], impl: Callable[..., R]) -> None:
         self.op = op
         self.impl = impl
+        # The positions of the parameters annotated as tensors (optional or not): the only ones to look at.
+        parameters = inspect.signature(impl).parameters.values()
+        self.tensor_positions = tuple(index for index, parameter in enumerate(parameters)
+                                      if "Tensor" in str(parameter.annotation))
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
-        if needs_op(args + tuple(kwargs.values()) if kwargs else args):
+        count = len(args)
+        tensors = [args[index] for index in self.tensor_positions if index < count]
+        if needs_op(tensors + list(kwargs.values()) if kwargs else tensors):
             return self.op(*args, **kwargs)
         return self.impl(*args, **kwargs)
 

@@ -12,12 +12,14 @@ the kernels that way; ``torch.ops.moeforge.<name>`` is the op itself.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from moeforge.kernels import activation_rows, align, backward, combine, quantize, topk, weight_grad
 from moeforge.kernels import moe_gemm as kernel
+from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.formats import WeightFormat
 from moeforge.kernels.grouped_gemm_call import NO_SCALE_BOUND, decode_config
 from moeforge.kernels.kernel_op import KernelOp
@@ -39,6 +41,12 @@ def _(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Ten
     size = max(align.max_padded_rows(topk_ids.numel(), num_experts, block_m), block_m)
     new = topk_ids.new_empty
     return new(size, dtype=torch.int32), new(cdiv(size, block_m), dtype=torch.int32), new(1, dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=1024)
+def _config_of(values: tuple[int, ...]) -> GemmConfig:
+    """:func:`decode_config`, once per distinct list (a launch decodes the same few configurations over and over)."""
+    return decode_config(values)
 
 
 def _moe_gemm_outputs(a: torch.Tensor, weight: torch.Tensor, num_copies: int, glu: bool, out_dtype: torch.dtype,
@@ -88,7 +96,7 @@ def _moe_gemm(
     ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`)."""
     out, out_scale = _moe_gemm_outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
     kernel.moe_gemm(
-        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=decode_config(config),
+        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=_config_of(tuple(config)),
         weight_format=WeightFormat(weight_format), a_scale=a_scale, a_global=a_global,
         weight_scale=weight_scale, weight_zero=weight_zero, weight_global=weight_global, bias=bias,
         topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit,
