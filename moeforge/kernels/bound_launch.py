@@ -53,8 +53,8 @@ class BoundLaunch:
         compiled = self.compiled
         if compiled is not None:
             device = driver.active.get_current_device()  # (the JIT launches on the current device too)
-            if device == self.device and knobs.runtime.launch_enter_hook is None \
-                    and knobs.runtime.launch_exit_hook is None:
+            if device == self.device and not _hooked(knobs.runtime.launch_enter_hook) \
+                    and not _hooked(knobs.runtime.launch_exit_hook):
                 assert self.tail is not None
                 compiled.run(self.grid[0], self.grid[1], self.grid[2], driver.active.get_current_stream(device),
                              compiled.function, compiled.packed_metadata, None, None, None, *args, *self.tail)
@@ -68,12 +68,18 @@ class BoundLaunch:
             self.compiled, self.device = result, driver.active.get_current_device()
 
 
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook is set: Triton 3.6 to 3.9 keep a chain of them (``HookChain``, empty by default); an
+    older one a callable or ``None``."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def specialization(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What Triton specialises a launch on, of its positional arguments: each tensor's dtype and whether its address
     is 16-byte aligned, each integer's value (Triton specialises on its divisibility by 16 and on 1), each other
     argument's type (floats are not specialised)."""
-    return tuple((arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor)
-                 else arg if type(arg) is int else type(arg) for arg in args)
+    return tuple([(arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor)
+                  else arg if type(arg) is int else type(arg) for arg in args])
 
 
 class LaunchSite:
