@@ -15,8 +15,9 @@ Each is measured four ways, medians over ``--reps`` calls:
 
 * ``host_us``: the CPU time of one call that starts with the GPU idle (``perf_counter`` around the call, the device
   synchronised before): what the host spends launching it;
-* ``host_busy_us``: the same while the GPU is busy with a long kernel queued before: equal to ``host_us`` unless the
-  call waits for the device (a host synchronisation shows as the queued kernel's milliseconds);
+* ``host_busy_us``: the same while the GPU is busy with a kernel of about 20 ms queued before: a call that waits for
+  the device (a host synchronisation) shows as those milliseconds; short of that it reads higher than ``host_us`` for
+  every implementation (launches queued behind a running kernel cost the host more);
 * ``eager_us``: back-to-back calls, the device synchronised after the last: the time per call of an eager loop
   (the larger of host and GPU time, where they overlap);
 * ``graph_us``: one CUDA-graph replay (the GPU time alone).
@@ -25,7 +26,7 @@ Each is measured four ways, medians over ``--reps`` calls:
 ``experts_implementation`` ``grouped_mm`` (``transformers``' default) and ``moeforge``: one MoE block
 (``model.model.layers[0].mlp``, router included) called eagerly on 1 / 16 / 256 tokens (wall time of the call with
 the device synchronised after it), and greedy ``generate()`` of 32 new tokens from 8, batch 1 and 16 (time per
-token, the second of two rounds).
+token, the median of 5 rounds after a warm-up one, the implementations taking turns).
 
 ``--profile DIR`` also writes ``cProfile`` listings of the moeforge layer's eager call (bf16, 16 tokens) and of the
 moeforge MoE block: where the host time goes, function by function. Prints a table and writes JSON (device,
@@ -170,45 +171,57 @@ def build_model() -> Any:
     return model
 
 
-def generate_ms_per_token(model: Any, batch: int) -> float:
+IMPLEMENTATIONS = ("grouped_mm", "moeforge")
+GENERATE_ROUNDS = 5
+
+
+def generate_ms(model: Any, batch: int) -> float:
+    """Milliseconds per new token of one greedy ``generate()`` of :data:`NEW_TOKENS` tokens from 8."""
     ids = torch.randint(0, 1024, (batch, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(batch))
-    per_token = []
-    for _ in range(2):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                       pad_token_id=0)
-        torch.cuda.synchronize()
-        per_token.append((time.perf_counter() - start) * 1e3 / NEW_TOKENS)
-    return per_token[-1]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / NEW_TOKENS
 
 
 def bench_model(parts: set[str], reps: int) -> list[dict[str, Any]]:
+    """The block and ``generate()`` records; the implementations take turns (``generate()``: one round each, after
+    a warm-up round each, :data:`GENERATE_ROUNDS` times, the median), so that a drift of the host's speed during
+    the run weighs on both alike."""
     from moeforge import hf_experts
 
     hf_experts.register()
     model = build_model()
     block = model.model.layers[0].mlp
     records = []
-    for implementation in ("grouped_mm", "moeforge"):
-        model.set_experts_implementation(implementation)
-        with torch.no_grad():
-            if "block" in parts:
-                for tokens in BLOCK_TOKENS:
-                    hidden = torch.randn(1, tokens, SHAPE[2], device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        if "block" in parts:
+            for tokens in BLOCK_TOKENS:
+                hidden = torch.randn(1, tokens, SHAPE[2], device="cuda", dtype=torch.bfloat16)
+                for implementation in IMPLEMENTATIONS:
+                    model.set_experts_implementation(implementation)
                     record = dict(part="block", tokens=tokens, run=implementation,
                                   wall_us=wall_us(lambda: block(hidden), reps),
                                   host_busy_us=host_us(lambda: block(hidden), reps, busy=True))
                     records.append(record)
                     print(f"block M={tokens:5d} {implementation:10s} wall {record['wall_us']:8.1f} us  busy host "
                           f"{record['host_busy_us']:8.1f} us", flush=True)
-            if "generate" in parts:
-                for batch in GENERATE_BATCHES:
+        if "generate" in parts:
+            for batch in GENERATE_BATCHES:
+                rounds: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
+                for index in range(GENERATE_ROUNDS + 1):
+                    for implementation in IMPLEMENTATIONS:
+                        model.set_experts_implementation(implementation)
+                        ms = generate_ms(model, batch)
+                        if index:  # the first round warms up
+                            rounds[implementation].append(ms)
+                for implementation, times in rounds.items():
                     record = dict(part="generate", batch=batch, run=implementation,
-                                  ms_per_token=generate_ms_per_token(model, batch))
+                                  ms_per_token=statistics.median(times), rounds=times)
                     records.append(record)
-                    print(f"generate batch {batch:3d} {implementation:10s} {record['ms_per_token']:7.2f} ms per token",
-                          flush=True)
+                    print(f"generate batch {batch:3d} {implementation:10s} {record['ms_per_token']:7.2f} ms per token "
+                          f"(rounds {', '.join(f'{t:.2f}' for t in times)})", flush=True)
     return records
 
 
