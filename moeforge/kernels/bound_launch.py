@@ -1,11 +1,11 @@
 """One launch site of a ``@triton.jit`` kernel whose specialisation is fixed: launched through the compiled kernel.
 
 ``kernel[grid](*args, **constexprs)`` binds every argument, computes Triton's specialisation key, looks the
-compiled kernel up and checks the kernel's globals on each call: about 17 µs of host time on the GPU machine's
-host against 5 for the compiled kernel's own launcher (``benchmarks/bench_eager.py --breakdown``). A
-:class:`BoundLaunch` is made for arguments whose specialisation its maker has fixed — the same grid, constexprs
-and launch options, the same dtypes and integer values, pointers with the same 16-byte alignment (the maker keys
-it by them, as :class:`moeforge.kernels.moe_gemm_launch.GemmLaunch` does): its first call goes through the JIT
+compiled kernel up and checks the kernel's globals on each call: several times the host time of the compiled
+kernel's own launcher (docs/kernels.md, "The eager host path"). A :class:`BoundLaunch` is made for arguments whose
+specialisation its maker has fixed — the same grid, constexprs and launch options, the same dtypes and integer
+values, pointers with the same 16-byte alignment (the maker keys it by them, as ``moe_gemm``'s launch recipes and
+:class:`LaunchSite` do): its first call goes through the JIT
 (which compiles or finds the kernel and returns it), later calls hand the positional arguments straight to the
 compiled kernel's launcher, which is what the JIT calls too.
 

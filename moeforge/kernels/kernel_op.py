@@ -3,8 +3,8 @@
 The custom op is what ``torch.compile`` traces, what autograd differentiates, and what tensor subclasses and
 dispatch modes (fake tensors, functionalisation, ``FlopCounterMode``) see. An eager call needs none of that when
 it records no gradient and every tensor is a plain one; then the op's dispatcher, autograd wrapper and aliasing
-checks are pure host cost — 40 to 50 µs a call on the GPU machine's host, measured with
-``benchmarks/bench_eager.py --breakdown``, five of them in a forward. :class:`KernelOp` calls the implementation
+checks are pure host cost, paid by every kernel of a forward (docs/kernels.md, "The eager host path", has the
+figures). :class:`KernelOp` calls the implementation
 itself in that case and the op in every other one; the outputs are the same tensors either way (the op runs the
 same function).
 

@@ -2,9 +2,9 @@
 
 A launcher decides everything about a launch from the operands' metadata — shapes, strides, dtypes, device, the
 16-byte alignment of their addresses — and its options, never from their values: which configuration fits, which
-grid, which constexprs, which Triton specialisation. Deciding it costs 100 µs of host time for a grouped GEMM on
-the GPU machine's host (``benchmarks/bench_eager.py --breakdown``), more than the launch; an eager forward at a
-decode batch spends most of its time there. A launcher keeps what it decided in a :class:`LaunchMemo` by the key of
+grid, which constexprs, which Triton specialisation. For a grouped GEMM deciding it costs more host time than the
+launch itself (docs/kernels.md, "The eager host path"), and an eager forward at a decode batch is bound by its host
+time. A launcher keeps what it decided in a :class:`LaunchMemo` by the key of
 everything it read (:func:`tensor_key` of each operand and the options as given) and looks it up before deciding
 again: the same operands' metadata give the same recipe, so a hit changes nothing but the time. Values never enter
 the key; a tensor's address enters only as its alignment, so a recipe holds no tensor and keeps none alive.

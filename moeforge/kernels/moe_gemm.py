@@ -42,7 +42,7 @@ copied by the tensor memory accelerator (a host-side descriptor, :func:`weight_t
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import attrs
 import torch
@@ -790,7 +790,7 @@ def moe_gemm(
 
 # Every launch recipe made, by the operands' metadata and the options: a memo of :func:`_prepare` (see
 # :mod:`moeforge.kernels.launch_memo`).
-_LAUNCHES: launch_memo.LaunchMemo[Any] = launch_memo.LaunchMemo(launch_memo.CAPACITY)
+_LAUNCHES: launch_memo.LaunchMemo[_Launch] = launch_memo.LaunchMemo(launch_memo.CAPACITY)
 
 
 def _prepare(
@@ -829,7 +829,7 @@ def _prepare(
     expert_first: int,
     block_range: Optional[torch.Tensor],
     weight_shuffled: bool,
-) -> Any:
+) -> _Launch:
     """Check the operands and plan the launch of :func:`moe_gemm`: a :class:`_GemmLaunch` (or, for no rows or
     columns, :class:`_NoLaunch`; for 4-bit weights decoded first, :class:`_DecodeFirstLaunch`) that launches it
     for operands of the same metadata. Reads the operands' metadata only, never their values."""
@@ -1060,3 +1060,6 @@ class _DecodeFirstLaunch:
         return _decode_first(a, weight, out, sorted_ids, block_expert, num_padded, weight_scale=weight_scale,
                              weight_zero=weight_zero, weight_global=weight_global, bias=bias, **self.plan,
                              options=dict(self.options, a_scale=a_scale, topk_weights=topk_weights))
+
+
+_Launch = Union[_GemmLaunch, _NoLaunch, _DecodeFirstLaunch]  # what _prepare makes and the memo keeps

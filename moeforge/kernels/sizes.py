@@ -1,8 +1,7 @@
 """Integer arithmetic of launch sizes on the host.
 
 Triton's ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions from Triton 3.9 on: a host call
-goes through their wrapper (unwrapping each argument) and costs about a microsecond and a half, against a tenth
-for these. The launchers compute a dozen such sizes per forward; inside ``@triton.jit`` code use ``tl.cdiv``.
+goes through their wrapper (unwrapping each argument), an order of magnitude slower than these. The launchers compute a dozen such sizes per forward; inside ``@triton.jit`` code use ``tl.cdiv``.
 """
 
 from __future__ import annotations
