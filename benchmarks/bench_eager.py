@@ -53,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_hf_experts import MODELS, build  # noqa: E402
 from bench_moe import build_layer, grouped_mm_baseline, kernels_by_hand, random_batch, time_graph  # noqa: E402
 from provenance import measured_commit  # noqa: E402
 
@@ -85,6 +86,12 @@ def host_us(fn: Callable[[], Any], reps: int, busy: bool = False) -> float:
 
 def eager_us(fn: Callable[[], Any], reps: int) -> float:
     """Microseconds per call of ``reps`` back-to-back calls, the device synchronised after the last (median of 5)."""
+    return _rounds_us(fn, reps, wait=True)
+
+
+def _rounds_us(fn: Callable[[], Any], reps: int, wait: bool) -> float:
+    """Median over 5 rounds of the microseconds per call of ``reps`` back-to-back calls, the clock stopped after the
+    device has finished them (``wait``) or as the host has launched them."""
     for _ in range(3):
         fn()
     rounds = []
@@ -93,8 +100,10 @@ def eager_us(fn: Callable[[], Any], reps: int) -> float:
         start = time.perf_counter()
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
+        if wait:
+            torch.cuda.synchronize()
         rounds.append((time.perf_counter() - start) / reps)
+    torch.cuda.synchronize()
     return statistics.median(rounds) * 1e6
 
 
@@ -156,19 +165,9 @@ def bench_layers(tokens_list: tuple[int, ...], reps: int) -> list[dict[str, Any]
 
 
 def build_model() -> Any:
-    import transformers
-
-    experts, top_k, hidden, inter = SHAPE
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=1024, hidden_size=hidden, intermediate_size=4 * inter, moe_intermediate_size=inter,
-        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=hidden // 16,
-        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(std=0.02)
-    return model
+    """The 4-layer random ``Qwen3MoeForCausalLM`` of :data:`SHAPE` in bf16 (``bench_hf_experts.py``'s ``medium``)."""
+    assert MODELS["medium"][:4] == SHAPE
+    return build("medium")
 
 
 IMPLEMENTATIONS = ("grouped_mm", "moeforge")
@@ -265,17 +264,7 @@ def profiles(out: Path) -> None:
 def loop_us(fn: Callable[[], Any], reps: int) -> float:
     """Host microseconds per call of ``reps`` back-to-back calls, timed before the device is synchronised (median
     of 5 rounds; the device keeps up, so nothing waits)."""
-    for _ in range(3):
-        fn()
-    rounds = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        rounds.append((time.perf_counter() - start) / reps)
-    torch.cuda.synchronize()
-    return statistics.median(rounds) * 1e6
+    return _rounds_us(fn, reps, wait=False)
 
 
 @torch.library.custom_op("bench_eager::noop", mutates_args=())
