@@ -28,6 +28,7 @@ import triton.language as tl
 
 from moeforge.errors import InputError
 from moeforge.kernels import pdl
+from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.activations import ACT_GPT_OSS, ACT_NONE, activate, gated
 from moeforge.kernels.launch_plan import glu_strides
 from moeforge.kernels.sizes import cdiv, next_power_of_2
@@ -240,6 +241,10 @@ def activate_rows_backward(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu
 # -- autograd of moeforge::activate_rows --------------------------------------------------------------------
 
 
+# What the activation's backward formula (autograd_backward) calls: the op where it is needed, else the function.
+ACTIVATE_ROWS_BACKWARD = KernelOp("moeforge::activate_rows_backward", activate_rows_backward)
+
+
 def autograd_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     """Keep the pre-activation rows and the activation's arguments for :func:`autograd_backward`."""
     pre, act, glu, interleaved, alpha, limit = inputs
@@ -251,7 +256,5 @@ def autograd_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
     """The gradient of ``pre`` through the ``moeforge::activate_rows_backward`` op (traceable: it has a fake);
     the integer, flag and float arguments have none."""
     (pre,) = ctx.saved_tensors
-    from moeforge.kernels import ops  # (ops imports this module)
-
-    d_pre = ops.activate_rows_backward(pre, grad_out, *ctx.activation)
+    d_pre = ACTIVATE_ROWS_BACKWARD(pre, grad_out, *ctx.activation)
     return (d_pre,) + (None,) * len(ctx.activation)

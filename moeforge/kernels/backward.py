@@ -29,6 +29,7 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.kernels import activations as codes
+from moeforge.kernels import combine, weight_grad
 from moeforge.kernels.formats import WeightFormat
 from moeforge.activation import ActivationConfig, apply_activation
 from moeforge.kernels.config import GemmConfig
@@ -79,9 +80,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
                                  GemmEpilogue(torch.float32 if r > 1 else a.dtype), config)
         d_a = d_rows.view(-1, r, d_rows.shape[1]).sum(1).to(a.dtype) if r > 1 else d_rows
     if needs[2] or (bias is not None and needs[6]):
-        from moeforge.kernels import ops  # (ops imports this module)
-
-        dw, db = ops.expert_weight_grad(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
+        dw, db = weight_grad.EXPERT_WEIGHT_GRAD(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
                                         weight.shape[0], aligned, bias is not None and needs[6], weight.dtype)
         d_weight = dw if needs[2] else None
         d_bias = db if bias is not None and needs[6] else None
@@ -123,9 +122,7 @@ def combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
     :func:`moeforge.kernels.combine.combine_backward`, one pass)."""
     rows, weights = ctx.saved_tensors
     weight_grad = weights is not None and ctx.needs_input_grad[1]
-    from moeforge.kernels import ops  # (ops imports this module)
-
-    d_rows, d_weights = ops.combine_backward(grad_out, rows, weights, ctx.top_k, ctx.scale, weight_grad)
+    d_rows, d_weights = combine.COMBINE_BACKWARD(grad_out, rows, weights, ctx.top_k, ctx.scale, weight_grad)
     return d_rows, d_weights if weight_grad else None, None, None, None
 
 

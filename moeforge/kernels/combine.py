@@ -21,6 +21,7 @@ import triton.language as tl
 
 from moeforge.kernels import pdl
 from moeforge.kernels.bound_launch import LaunchSite
+from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 
@@ -142,3 +143,15 @@ def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Option
         PDL=pdl.flag(dependent), num_warps=4, **pdl.launch_options(dependent),
     )
     return d_rows, d_weights
+
+
+def backward_for_op(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int,
+                    scale: float, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``moeforge::combine_backward`` op's implementation: :func:`combine_backward` with an empty ``d_weights``
+    for ``None`` (an op returns tensors)."""
+    d_rows, d_weights = combine_backward(grad_out, rows, weights, top_k, scale, weight_grad)
+    return d_rows, d_weights if d_weights is not None else rows.new_empty(0, dtype=torch.float32)
+
+
+# What the combine's backward formula calls (moeforge.kernels.backward): the op where it is needed, else the function.
+COMBINE_BACKWARD = KernelOp("moeforge::combine_backward", backward_for_op)

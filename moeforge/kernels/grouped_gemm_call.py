@@ -18,24 +18,30 @@ An absent operand is ``None`` in its record; the op's own placeholders (``0`` fo
 the fixed-length integer list of :func:`encode_config`, which the op parses with :func:`decode_config`.
 ``tests/test_grouped_gemm_call.py`` fails if another module of the package calls the op.
 
+The op's implementation, :func:`launch`, is here too, beside its one caller: :data:`MOE_GEMM` (a
+:class:`~moeforge.kernels.kernel_op.KernelOp`) calls it directly in an eager call that needs no op, and the op
+otherwise.
+
 The records are frozen dataclasses, not ``attrs`` classes: the stages build them in every forward, and Dynamo
 cannot trace a frozen ``attrs`` ``__init__`` (see :mod:`moeforge.payloads`). This module imports neither Triton
-(the stages import it with ``import moeforge``) nor :mod:`moeforge.kernels.ops` (which imports the op's backward,
-:mod:`moeforge.kernels.backward`, which calls :func:`grouped_gemm`): the op exists once
-:mod:`moeforge.kernels.ops` is imported, which the Triton stages do when they are built
-(:func:`moeforge.stages.triton.kernel_ops`).
+(the stages import it with ``import moeforge``; :func:`launch` imports the launcher when first called) nor
+:mod:`moeforge.kernels.ops`, which registers the op with :func:`launch` and its backward
+(:mod:`moeforge.kernels.backward`, which calls :func:`grouped_gemm`): the op exists once :mod:`moeforge.kernels.ops`
+is imported, which the Triton stages do when they are built (:func:`moeforge.stages.triton.kernel_ops`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
 from moeforge.kernels.config import GemmConfig
-from moeforge.kernels.formats import WeightFormat
+from moeforge.kernels.formats import SCALE_BLOCK, WeightFormat
+from moeforge.kernels.kernel_op import KernelOp
 
 # The op's ``config`` argument: one integer per field, in this order (:func:`encode_config`).
 CONFIG_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "split_k", "swap",
@@ -118,15 +124,82 @@ class GemmEpilogue:
     fp8_out: bool = False
 
 
+@functools.lru_cache(maxsize=1024)
+def _config_of(values: tuple[int, ...]) -> GemmConfig:
+    """:func:`decode_config`, once per distinct list (a launch decodes the same few configurations over and over)."""
+    return decode_config(values)
+
+
+def outputs(a: torch.Tensor, weight: torch.Tensor, num_copies: int, glu: bool, out_dtype: torch.dtype,
+                      fp8_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uninitialised outputs of :func:`launch` (the op's fake too: sizes depend on sizes only)."""
+    n_out = weight.shape[1] // 2 if glu else weight.shape[1]
+    if fp8_out:
+        return (a.new_empty(num_copies, n_out, dtype=torch.float8_e4m3fn),
+                a.new_empty(num_copies, n_out // SCALE_BLOCK, dtype=torch.float32))
+    return a.new_empty(num_copies, n_out, dtype=out_dtype), a.new_empty(0, dtype=torch.float32)
+
+
+def launch(
+    a: torch.Tensor,
+    a_scale: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    weight_scale: Optional[torch.Tensor],
+    weight_zero: Optional[torch.Tensor],
+    weight_global: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    topk_weights: Optional[torch.Tensor],
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    num_copies: int,
+    rows_per_a: int,
+    weight_format: int,
+    a_global: float,
+    act: int,
+    glu: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    config: list[int],
+    out_dtype: torch.dtype,
+    fp8_out: bool,
+    aligned_block_m: int = 0,
+    weight_scale_max: int = 255,
+    weight_shuffled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``moeforge::moe_gemm`` op's implementation, the one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`,
+    imported when first called: this module imports no Triton): ``(out, out_scale)``, where ``out_scale`` is the
+    per-128-group FP8 scale when ``fp8_out`` (else empty). Called through :data:`MOE_GEMM` by :func:`grouped_gemm`
+    only, which fills these positional arguments from operand records. ``config``: the launch configuration as :func:`~moeforge.kernels.grouped_gemm_call.encode_config`
+    writes it (a list of another length is a ``ValueError``); ``aligned_block_m``: the block the rows were aligned
+    with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255: none known);
+    ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`)."""
+    from moeforge.kernels import moe_gemm as kernel
+
+    out, out_scale = outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
+    kernel.moe_gemm(
+        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=_config_of(tuple(config)),
+        weight_format=WeightFormat(weight_format), a_scale=a_scale, a_global=a_global,
+        weight_scale=weight_scale, weight_zero=weight_zero, weight_global=weight_global, bias=bias,
+        topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit,
+        out_scale=out_scale if fp8_out else None, aligned_block_m=aligned_block_m or None,
+        weight_scale_max=weight_scale_max if weight_scale_max < NO_SCALE_BOUND else None,
+        weight_shuffled=weight_shuffled)
+    return out, out_scale
+
+
+# The op's one caller in the package: the op where torch.compile, autograd or a dispatch mode needs it, else launch.
+MOE_GEMM = KernelOp("moeforge::moe_gemm", launch)
+
+
 def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue: GemmEpilogue, config: GemmConfig
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(out, out_scale)`` of the grouped GEMM (``torch.ops.moeforge.moe_gemm``, launching
     :func:`moeforge.kernels.moe_gemm.moe_gemm`): ``out [num_copies, N]`` where copy ``c``'s row is the epilogue
     of ``rows[c // rows_per_a] @ weight[expert of c]^T``; ``out_scale [num_copies, N / 128]`` with ``fp8_out``,
     else ``None``. ``config``: the launch configuration, before the launcher fits it to the operands."""
-    from moeforge.kernels import ops  # (ops imports this module)
-
-    out, out_scale = ops.moe_gemm(
+    out, out_scale = MOE_GEMM(
         rows.data, rows.scale, weight.data, weight.scale, weight.zero, weight.global_scale, epilogue.bias,
         epilogue.routing_weights, route.sorted_ids, route.block_expert, route.num_padded, route.num_copies,
         rows.rows_per_a, int(weight.format), rows.global_scale, epilogue.act, epilogue.glu, epilogue.interleaved,

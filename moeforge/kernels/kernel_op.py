@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar, Union
 
 import torch
 from torch import nn
@@ -47,12 +47,14 @@ def needs_op(args: Iterable[Any]) -> bool:
 
 
 class KernelOp(Generic[R]):
-    """``op`` (a ``torch.library`` custom op) and ``impl``, the function it runs; called with the op's arguments, it
-    runs ``impl`` directly unless :func:`needs_op` says the op is needed."""
+    """A kernel's custom op and ``impl``, the function the op runs; called with the op's arguments, it runs ``impl``
+    directly unless :func:`needs_op` says the op is needed. ``op``: the op's qualified name (``"moeforge::combine"``,
+    looked up in ``torch.ops`` when called, so that the module defining the kernel need not import the one registering
+    its op), or the op itself."""
 
     __slots__ = ("op", "impl", "tensor_positions")
 
-    def __init__(self, op: Callable[..., R], impl: Callable[..., R]) -> None:
+    def __init__(self, op: Union[str, Callable[..., R]], impl: Callable[..., R]) -> None:
         self.op = op
         self.impl = impl
         # The positions of the parameters annotated as tensors (optional or not): the only ones to look at.
@@ -64,7 +66,12 @@ class KernelOp(Generic[R]):
         count = len(args)
         tensors = [args[index] for index in self.tensor_positions if index < count]
         if needs_op(tensors + list(kwargs.values()) if kwargs else tensors):
-            return self.op(*args, **kwargs)
+            op = self.op
+            if isinstance(op, str):
+                namespace, name = op.split("::")
+                op = getattr(getattr(torch.ops, namespace), name)
+            result: R = op(*args, **kwargs)
+            return result
         return self.impl(*args, **kwargs)
 
     def __repr__(self) -> str:

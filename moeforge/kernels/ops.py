@@ -12,16 +12,11 @@ the kernels that way; ``torch.ops.moeforge.<name>`` is the op itself.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 
-from moeforge.kernels import activation_rows, align, backward, combine, quantize, topk, weight_grad
-from moeforge.kernels import moe_gemm as kernel
-from moeforge.kernels.config import GemmConfig
-from moeforge.kernels.formats import WeightFormat
-from moeforge.kernels.grouped_gemm_call import NO_SCALE_BOUND, decode_config
+from moeforge.kernels import activation_rows, align, backward, combine, grouped_gemm_call, quantize, topk, weight_grad
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.sizes import cdiv
 
@@ -43,71 +38,8 @@ def _(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Ten
     return new(size, dtype=torch.int32), new(cdiv(size, block_m), dtype=torch.int32), new(1, dtype=torch.int32)
 
 
-@functools.lru_cache(maxsize=1024)
-def _config_of(values: tuple[int, ...]) -> GemmConfig:
-    """:func:`decode_config`, once per distinct list (a launch decodes the same few configurations over and over)."""
-    return decode_config(values)
-
-
-def _moe_gemm_outputs(a: torch.Tensor, weight: torch.Tensor, num_copies: int, glu: bool, out_dtype: torch.dtype,
-                      fp8_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The uninitialised outputs of :func:`moe_gemm` (its fake too: sizes depend on sizes only)."""
-    n_out = weight.shape[1] // 2 if glu else weight.shape[1]
-    if fp8_out:
-        return (a.new_empty(num_copies, n_out, dtype=torch.float8_e4m3fn),
-                a.new_empty(num_copies, n_out // quantize.GROUP, dtype=torch.float32))
-    return a.new_empty(num_copies, n_out, dtype=out_dtype), a.new_empty(0, dtype=torch.float32)
-
-
-def _moe_gemm(
-    a: torch.Tensor,
-    a_scale: Optional[torch.Tensor],
-    weight: torch.Tensor,
-    weight_scale: Optional[torch.Tensor],
-    weight_zero: Optional[torch.Tensor],
-    weight_global: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    topk_weights: Optional[torch.Tensor],
-    sorted_ids: torch.Tensor,
-    block_expert: torch.Tensor,
-    num_padded: torch.Tensor,
-    num_copies: int,
-    rows_per_a: int,
-    weight_format: int,
-    a_global: float,
-    act: int,
-    glu: bool,
-    interleaved: bool,
-    alpha: float,
-    limit: float,
-    config: list[int],
-    out_dtype: torch.dtype,
-    fp8_out: bool,
-    aligned_block_m: int = 0,
-    weight_scale_max: int = 255,
-    weight_shuffled: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`): ``(out, out_scale)``, where
-    ``out_scale`` is the per-128-group FP8 scale when ``fp8_out`` (else empty). Its only caller is
-    :func:`moeforge.kernels.grouped_gemm_call.grouped_gemm`, which fills these positional arguments from operand
-    records. ``config``: the launch configuration as :func:`~moeforge.kernels.grouped_gemm_call.encode_config`
-    writes it (a list of another length is a ``ValueError``); ``aligned_block_m``: the block the rows were aligned
-    with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255: none known);
-    ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`)."""
-    out, out_scale = _moe_gemm_outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
-    kernel.moe_gemm(
-        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=_config_of(tuple(config)),
-        weight_format=WeightFormat(weight_format), a_scale=a_scale, a_global=a_global,
-        weight_scale=weight_scale, weight_zero=weight_zero, weight_global=weight_global, bias=bias,
-        topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit,
-        out_scale=out_scale if fp8_out else None, aligned_block_m=aligned_block_m or None,
-        weight_scale_max=weight_scale_max if weight_scale_max < NO_SCALE_BOUND else None,
-        weight_shuffled=weight_shuffled)
-    return out, out_scale
-
-
-_moe_gemm_op = torch.library.custom_op("moeforge::moe_gemm", _moe_gemm, mutates_args=())
-moe_gemm = KernelOp(_moe_gemm_op, _moe_gemm)
+_moe_gemm_op = torch.library.custom_op("moeforge::moe_gemm", grouped_gemm_call.launch, mutates_args=())
+moe_gemm = grouped_gemm_call.MOE_GEMM  # its implementation lives beside its one caller
 
 
 @_moe_gemm_op.register_fake
@@ -118,7 +50,7 @@ def _(a: torch.Tensor, a_scale: Optional[torch.Tensor], weight: torch.Tensor, we
       glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int], out_dtype: torch.dtype,
       fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255,
       weight_shuffled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return _moe_gemm_outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
+    return grouped_gemm_call.outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
 
 
 def _quantized_shapes(x: torch.Tensor, per_group: bool, glu: bool) -> tuple[int, int, int]:
@@ -173,16 +105,9 @@ def _(rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: fl
     return rows.new_empty(rows.shape[0] // top_k, rows.shape[1], dtype=out_dtype)
 
 
-def _combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int,
-                     scale: float, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d_rows, d_weights)`` of ``moeforge::combine`` (``d_weights`` empty unless ``weight_grad``):
-    :func:`moeforge.kernels.combine.combine_backward`."""
-    d_rows, d_weights = combine.combine_backward(grad_out, rows, weights, top_k, scale, weight_grad)
-    return d_rows, d_weights if d_weights is not None else rows.new_empty(0, dtype=torch.float32)
-
-
-_combine_backward_op = torch.library.custom_op("moeforge::combine_backward", _combine_backward, mutates_args=())
-combine_backward = KernelOp(_combine_backward_op, _combine_backward)
+_combine_backward_op = torch.library.custom_op("moeforge::combine_backward", combine.backward_for_op,
+                                               mutates_args=())
+combine_backward = combine.COMBINE_BACKWARD
 
 
 @_combine_backward_op.register_fake
@@ -224,28 +149,9 @@ def _(router_logits: torch.Tensor, selection_bias: Optional[torch.Tensor], top_k
             router_logits.new_empty(tokens, top_k, dtype=torch.int32))
 
 
-def _expert_weight_grad(
-    d_rows: torch.Tensor,
-    rows: torch.Tensor,
-    rows_per_a: int,
-    sorted_ids: torch.Tensor,
-    block_expert: torch.Tensor,
-    num_padded: torch.Tensor,
-    num_experts: int,
-    block_m: int,
-    with_bias: bool,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dW [E, N, K], db [E, N])`` of the grouped GEMM (``db`` empty without a bias): see
-    :func:`moeforge.kernels.weight_grad.expert_weight_grad`."""
-    dw, db = weight_grad.expert_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded, num_experts,
-                                         block_m, with_bias, dtype)
-    return dw, db if db is not None else d_rows.new_empty(0, dtype=dtype)
-
-
-_expert_weight_grad_op = torch.library.custom_op("moeforge::expert_weight_grad", _expert_weight_grad,
-                      mutates_args=())
-expert_weight_grad = KernelOp(_expert_weight_grad_op, _expert_weight_grad)
+_expert_weight_grad_op = torch.library.custom_op("moeforge::expert_weight_grad", weight_grad.grads_for_op,
+                                                 mutates_args=())
+expert_weight_grad = weight_grad.EXPERT_WEIGHT_GRAD
 
 
 @_expert_weight_grad_op.register_fake
@@ -273,16 +179,9 @@ def _(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alpha: float, l
     return pre.new_empty(activation_rows.activated_shape(pre, act, glu))
 
 
-def _activate_rows_backward(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu: bool, interleaved: bool,
-                           alpha: float, limit: float) -> torch.Tensor:
-    """``d_pre [R, W]`` of ``moeforge::activate_rows`` given ``d_out``, the gradient of its output:
-    :func:`moeforge.kernels.activation_rows.activate_rows_backward`."""
-    return activation_rows.activate_rows_backward(pre, d_out, act, glu, interleaved, alpha, limit)
-
-
-_activate_rows_backward_op = torch.library.custom_op("moeforge::activate_rows_backward", _activate_rows_backward,
-                          mutates_args=())
-activate_rows_backward = KernelOp(_activate_rows_backward_op, _activate_rows_backward)
+_activate_rows_backward_op = torch.library.custom_op("moeforge::activate_rows_backward",
+                                                     activation_rows.activate_rows_backward, mutates_args=())
+activate_rows_backward = activation_rows.ACTIVATE_ROWS_BACKWARD
 
 
 @_activate_rows_backward_op.register_fake

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from moeforge.kernels import pdl
+from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.launch_plan import TensorDescriptor
 from moeforge.kernels.sizes import cdiv
 
@@ -246,3 +247,18 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         num_stages=tiles.num_stages,
     )
     return dw, db
+
+
+def grads_for_op(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
+                 block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
+                 with_bias: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``moeforge::expert_weight_grad`` op's implementation: :func:`expert_weight_grad` with an empty ``db``
+    without a bias (an op returns tensors)."""
+    dw, db = expert_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded, num_experts, block_m,
+                                with_bias, dtype)
+    return dw, db if db is not None else d_rows.new_empty(0, dtype=dtype)
+
+
+# What the grouped GEMM's backward formula calls (moeforge.kernels.backward): the op where it is needed, else the
+# function.
+EXPERT_WEIGHT_GRAD = KernelOp("moeforge::expert_weight_grad", grads_for_op)
