@@ -28,8 +28,9 @@ Each is measured four ways, medians over ``--reps`` calls:
 the device synchronised after it), and greedy ``generate()`` of 32 new tokens from 8, batch 1 and 16 (time per
 token, the median of 5 rounds after a warm-up one, the implementations taking turns).
 
-``--profile DIR`` also writes ``cProfile`` listings of the moeforge layer's eager call (bf16, 16 tokens) and of the
-moeforge MoE block: where the host time goes, function by function. Prints a table and writes JSON (device,
+``--profile DIR`` also writes ``cProfile`` listings of the moeforge layer's eager call (bf16, 16 tokens), of the
+moeforge MoE block, and of one ``generate()`` (batch 1) with ``grouped_mm`` and with ``moeforge``: where the host time
+goes, function by function. Prints a table and writes JSON (device,
 versions, commit, date, records).
 """
 
@@ -224,10 +225,10 @@ def bench_model(parts: set[str], reps: int) -> list[dict[str, Any]]:
     return records
 
 
-def write_profile(fn: Callable[[], Any], calls: int, path: Path) -> None:
-    """``cProfile`` of ``calls`` eager calls of ``fn`` (after warm-up), by own time and by cumulative time."""
+def write_profile(fn: Callable[[], Any], calls: int, path: Path, warm: int = 5) -> None:
+    """``cProfile`` of ``calls`` eager calls of ``fn`` (after ``warm`` more), by own time and by cumulative time."""
     with torch.no_grad():
-        for _ in range(5):
+        for _ in range(warm):
             fn()
         torch.cuda.synchronize()
         profiler = cProfile.Profile()
@@ -259,6 +260,9 @@ def profiles(out: Path) -> None:
     block = model.model.layers[0].mlp
     hidden = torch.randn(1, 16, SHAPE[2], device="cuda", dtype=torch.bfloat16)
     write_profile(lambda: block(hidden), 200, out / "profile_hf_block_m16.txt")
+    for implementation in ("grouped_mm", "moeforge"):  # one greedy generate() of batch 1, after two
+        model.set_experts_implementation(implementation)
+        write_profile(lambda: generate_ms(model, 1), 1, out / f"profile_generate_{implementation}.txt", warm=2)
 
 
 def loop_us(fn: Callable[[], Any], reps: int) -> float:
