@@ -21,7 +21,8 @@ import torch
 from moeforge.errors import InputError
 from moeforge.kernels import shuffle
 from moeforge.spec import DType
-from moeforge.tensor_ref import LayerRef, ParamRef, TensorSource, TransposedParamRef, resolve
+from moeforge.tensor_ref import (LayerRef, ParamRef, ParametrizedRef, TensorSource, TransposedParamRef, parametrized,
+                                 resolve)
 
 
 @attrs.frozen
@@ -140,17 +141,22 @@ class ExpertNames:
 def read_expert_weights(holder: torch.nn.Module, names: ExpertNames, dtype: DType,
                         layout: StoredLayout = StoredLayout()) -> ExpertWeights:
     """The record of ``holder``'s tensors ``names``, read by reference (each read when a stage runs). The weight,
-    scale and global scale must be parameters or buffers of ``holder``; a zero point or bias it holds as ``None``
+    scale and global scale must be parameters or buffers of ``holder``, or tensors a parametrization computes
+    (:class:`~moeforge.tensor_ref.ParametrizedRef`: peft's LoRA on the experts' parameters); a zero point or bias it holds as ``None``
     (or lacks) is absent. ``layout``: how ``holder`` keeps its packed weights (the down weight's is never
     paired). Raises ``ValueError`` naming a missing tensor."""
 
     def required(name: Optional[str], transposed: bool = False) -> Optional[TensorSource]:
         if name is None:
             return None
+        if parametrized(holder, name):
+            return ParametrizedRef(holder, name, transposed)
         return TransposedParamRef(holder, name) if transposed else ParamRef(holder, name)
 
     def optional(name: Optional[str]) -> Optional[TensorSource]:
-        return ParamRef(holder, name) if name is not None and getattr(holder, name, None) is not None else None
+        if name is None or getattr(holder, name, None) is None:
+            return None
+        return ParametrizedRef(holder, name) if parametrized(holder, name) else ParamRef(holder, name)
 
     def projection(names: ProjectionNames, prefix: str) -> ProjectionWeights:
         weight = required(names.weight, names.transposed)

@@ -73,6 +73,7 @@ from moeforge.selector import ROUTERS, select
 from moeforge.spec import PayloadKind, RoutingWeights, Spec, input_spec
 from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpLayout, apply_activation
 from moeforge.stages.topk import RoutingConfig
+from moeforge.tensor_ref import parametrized
 
 NAME = "moeforge"  # the experts_implementation name
 
@@ -159,9 +160,9 @@ def _parameter(module: nn.Module, name: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise UnsupportedExpertsError(f"{type(module).__name__} has no tensor '{name}' (its layout flags say it "
                                       "has one)")
-    if name not in module._parameters and name not in module._buffers:
+    if name not in module._parameters and name not in module._buffers and not parametrized(module, name):
         raise UnsupportedExpertsError(f"{type(module).__name__}.{name} is neither a parameter nor a buffer of the "
-                                      "module")
+                                      "module, nor a parametrization of one")
     return value
 
 
@@ -434,7 +435,7 @@ def pipeline_key(module: nn.Module, hidden_states: torch.Tensor, top_k: int) -> 
     def setting(name: str) -> object:  # an instance attribute, else the class's (nn.Module's own lookup is slow)
         return attributes[name] if name in attributes else getattr(cls, name, None)
 
-    tensors = (module._parameters.get(name, module._buffers.get(name)) for name in _KEY_TENSORS)
+    tensors = (_stored(module, name) for name in _KEY_TENSORS)
     act_fn = module._modules.get("act_fn", setting("act_fn"))
     block = setting("block_size")
     # A plain function as act_fn is keyed by identity: only torch's own functions are mapped, and they live on.
@@ -443,7 +444,18 @@ def pipeline_key(module: nn.Module, hidden_states: torch.Tensor, top_k: int) -> 
             type(act_fn), getattr(act_fn, "approximate", None),
             None if act_fn is None or isinstance(act_fn, nn.Module) else id(act_fn),
             _code(setting("_apply_gate")),
-            tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors))
+            tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors),
+            tuple(getattr(module, "parametrizations", {})))
+
+
+def _stored(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """The tensor ``module`` stores under ``name``: its parameter or buffer, or the original of a parametrized
+    one."""
+    found = module._parameters.get(name, module._buffers.get(name))
+    if found is None and parametrized(module, name):
+        original = getattr(module, "parametrizations")[name].original
+        found = original if isinstance(original, torch.Tensor) else None
+    return found
 
 
 class ModulePipelines:

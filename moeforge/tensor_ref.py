@@ -67,6 +67,43 @@ class TransposedParamRef(ParamRef):
 
 
 @attrs.frozen(eq=False, init=False)
+class ParametrizedRef(ParamRef):  # type: ignore[override]  # (attrs adds two fields to the init)
+    """A tensor ``torch.nn.utils.parametrize`` computes from a module's parameter (peft's LoRA on a parameter,
+    ``LoraConfig(target_parameters=...)``: the weight plus its low-rank update), read as ``getattr(module, name)``
+    when the stage runs: the parametrization runs then, with autograd, so gradients reach what it computes from (the
+    adapter's matrices). A module whose parametrization is removed again (peft registers it for each forward) reads
+    as its parameter. Held by a weak reference: the pipeline reading it is kept on the module itself."""
+
+    _module: weakref.ReferenceType[torch.nn.Module]
+    transposed: bool
+
+    def __init__(self, owner: torch.nn.Module, name: str, transposed: bool = False) -> None:
+        if not isinstance(getattr(owner, name, None), torch.Tensor):
+            raise ValueError(f"{type(owner).__name__} has no tensor named {name!r}")
+        self.__attrs_init__(name, type(owner).__name__, owner._parameters, owner._buffers,  # type: ignore[attr-defined]
+                            weakref.ref(owner), transposed)
+
+    def get(self) -> torch.Tensor:
+        owner = self._module()
+        if owner is None:
+            raise ReferenceError(f"the {self.owner_type} whose {self.name} this stage reads was deleted")
+        value = getattr(owner, self.name)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{self.owner_type}.{self.name} is not a tensor (it is {type(value).__name__})")
+        return value.transpose(-2, -1) if self.transposed else value
+
+    def __repr__(self) -> str:
+        return f"ParametrizedRef({self.owner_type}.{self.name}{', transposed' if self.transposed else ''})"
+
+
+def parametrized(owner: torch.nn.Module, name: str) -> bool:
+    """Whether ``owner.name`` is computed by a ``torch.nn.utils.parametrize`` parametrization (then it is no entry
+    of the module's parameter or buffer table: its stored tensor is ``owner.parametrizations[name].original``)."""
+    parametrizations = owner._modules.get("parametrizations")
+    return parametrizations is not None and name in parametrizations._modules
+
+
+@attrs.frozen(eq=False, init=False)
 class LayerRef:
     """A stage's weak reference to the layer whose quant method it calls with the whole layer
     (``apply_without_routing_weights(layer, ...)``): a strong one would make the cycle layer ->

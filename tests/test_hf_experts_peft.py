@@ -1,0 +1,125 @@
+"""peft's LoRA on the experts' parameters (``LoraConfig(target_parameters=[...experts.gate_up_proj, ...down_proj])``)
+through ``experts_implementation="moeforge"``: the same logits, gradients and training steps as ``"eager"``.
+
+peft registers a parametrization on the experts module for each forward (the weight plus its low-rank update); the
+pipeline reads that tensor when it runs (``ParametrizedRef``), so the adapter's matrices get their gradients, and
+with the adapter disabled the module's own parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from moeforge import hf_experts  # noqa: E402
+from moeforge.tensor_ref import ParametrizedRef  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered() -> None:
+    hf_experts.register()
+
+
+def _model(seed: int = 0) -> Any:
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    return peft.get_peft_model(model, lora)
+
+
+def _ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(seed))
+
+
+def _use(model: Any, implementation: str) -> None:
+    model.base_model.model.set_experts_implementation(implementation)
+
+
+def test_the_adapted_experts_give_the_eager_logits() -> None:
+    model = _model()
+    ids = _ids()
+    with torch.no_grad():
+        _use(model, "eager")
+        want = model(ids).logits
+        with model.disable_adapter():
+            base = model(ids).logits
+        _use(model, "moeforge")
+        got = model(ids).logits
+        with model.disable_adapter():  # the parameters themselves, without the update
+            got_base = model(ids).logits
+    assert (want - base).abs().max() > 1e-2  # the adapter changes the logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_base, base, rtol=1e-5, atol=1e-5)
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    while not hasattr(experts, "has_gate"):  # peft wraps the experts module once per targeted parameter
+        experts = experts.base_layer
+    sources = [repr(stage) for pipeline in hf_experts.registered_function().pipelines_for(experts)  # type: ignore[union-attr]
+               for stage in pipeline.stages]
+    assert any("ParametrizedRef" in text for text in sources), sources
+
+
+def _lora_grads(model: Any, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
+
+
+def test_the_adapters_get_the_eager_gradients() -> None:
+    model = _model(3)
+    ids = _ids(4)
+    _use(model, "eager")
+    want = _lora_grads(model, ids)
+    _use(model, "moeforge")
+    got = _lora_grads(model, ids)
+    assert want.keys() == got.keys() and any("lora" in name for name in want)
+    assert all("lora" in name for name in want)  # only the adapters train
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_training_steps_follow_the_eager_loss_curve() -> None:
+    losses = {}
+    ids = _ids(5)
+    for implementation in ("eager", "moeforge"):
+        model = _model(6)
+        _use(model, implementation)
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        curve = []
+        for _ in range(4):
+            optimizer.zero_grad()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            curve.append(float(loss.detach()))
+        losses[implementation] = curve
+    assert losses["moeforge"][-1] < losses["moeforge"][0]
+    torch.testing.assert_close(torch.tensor(losses["moeforge"]), torch.tensor(losses["eager"]), rtol=1e-4, atol=1e-5)
+
+
+def test_a_parametrized_reference_reads_the_module_when_the_stage_runs() -> None:
+    layer = torch.nn.Linear(4, 3)
+    torch.nn.utils.parametrize.register_parametrization(layer, "weight", _Doubled())
+    ref = ParametrizedRef(layer, "weight", transposed=True)
+    torch.testing.assert_close(ref.get(), 2 * layer.parametrizations.weight.original.t())
+    torch.nn.utils.parametrize.remove_parametrizations(layer, "weight", leave_parametrized=False)
+    torch.testing.assert_close(ref.get(), layer.weight.t())  # the parametrization is gone: the parameter
+    del layer
+    with pytest.raises(ReferenceError, match="was deleted"):
+        ref.get()
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
