@@ -142,9 +142,9 @@ def read_expert_weights(holder: torch.nn.Module, names: ExpertNames, dtype: DTyp
                         layout: StoredLayout = StoredLayout()) -> ExpertWeights:
     """The record of ``holder``'s tensors ``names``, read by reference (each read when a stage runs). The weight,
     scale and global scale must be parameters or buffers of ``holder``, or tensors a parametrization computes
-    (:class:`~moeforge.tensor_ref.ParametrizedRef`: peft's LoRA on the experts' parameters); a zero point or bias it holds as ``None``
-    (or lacks) is absent. ``layout``: how ``holder`` keeps its packed weights (the down weight's is never
-    paired). Raises ``ValueError`` naming a missing tensor."""
+    (:class:`~moeforge.tensor_ref.ParametrizedRef`: peft's LoRA on the experts' parameters); a zero point or bias it
+    holds as ``None`` (or lacks) is absent. ``layout``: how ``holder`` keeps its packed weights (the down weight's is
+    never paired). Raises ``ValueError`` naming a missing tensor."""
 
     def required(name: Optional[str], transposed: bool = False) -> Optional[TensorSource]:
         if name is None:

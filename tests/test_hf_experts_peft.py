@@ -63,8 +63,9 @@ def test_the_adapted_experts_give_the_eager_logits() -> None:
     experts = model.base_model.model.model.layers[0].mlp.experts
     while not hasattr(experts, "has_gate"):  # peft wraps the experts module once per targeted parameter
         experts = experts.base_layer
-    sources = [repr(stage) for pipeline in hf_experts.registered_function().pipelines_for(experts)  # type: ignore[union-attr]
-               for stage in pipeline.stages]
+    function = hf_experts.registered_function()
+    assert function is not None
+    sources = [repr(stage) for pipeline in function.pipelines_for(experts) for stage in pipeline.stages]
     assert any("ParametrizedRef" in text for text in sources), sources
 
 

@@ -131,7 +131,7 @@ def _config_of(values: tuple[int, ...]) -> GemmConfig:
 
 
 def outputs(a: torch.Tensor, weight: torch.Tensor, num_copies: int, glu: bool, out_dtype: torch.dtype,
-                      fp8_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            fp8_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The uninitialised outputs of :func:`launch` (the op's fake too: sizes depend on sizes only)."""
     n_out = weight.shape[1] // 2 if glu else weight.shape[1]
     if fp8_out:
@@ -171,10 +171,10 @@ def launch(
     """The ``moeforge::moe_gemm`` op's implementation, the one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`,
     imported when first called: this module imports no Triton): ``(out, out_scale)``, where ``out_scale`` is the
     per-128-group FP8 scale when ``fp8_out`` (else empty). Called through :data:`MOE_GEMM` by :func:`grouped_gemm`
-    only, which fills these positional arguments from operand records. ``config``: the launch configuration as :func:`~moeforge.kernels.grouped_gemm_call.encode_config`
-    writes it (a list of another length is a ``ValueError``); ``aligned_block_m``: the block the rows were aligned
-    with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255: none known);
-    ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`)."""
+    only, which fills these positional arguments from operand records. ``config``: the launch configuration as
+    :func:`encode_config` writes it (a list of another length is a ``ValueError``); ``aligned_block_m``: the block the
+    rows were aligned with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255:
+    none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`)."""
     from moeforge.kernels import moe_gemm as kernel
 
     out, out_scale = outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
