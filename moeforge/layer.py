@@ -10,6 +10,7 @@ from torch import nn
 
 from moeforge.arguments import flag, instance_of, positive_int
 from moeforge.backend import Backend, resolve_backend
+from moeforge.device_guard import on_device_of
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
 from moeforge.distributed.group import ExpertParallel
 from moeforge.errors import BackendUnavailableError, CheckpointNamesError, InputError
@@ -374,13 +375,15 @@ class MoELayer(nn.Module):
         autocast's float32 ops do: float hidden states are cast to it, autocast is off inside (so the
         router, the experts and the shared experts compute as they do without it, on every backend), and
         the output is in the layer's dtype. An fp32 layer between autocast layers (fp32 master weights)
-        trains; a bf16 layer computes its experts in bf16."""
-        if self._device.type in ("cpu", "cuda") and torch.is_autocast_enabled(self._device.type):
-            if isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point():
-                hidden_states = hidden_states.to(self._dtype)
-            with torch.autocast(self._device.type, enabled=False):
-                return self._forward(hidden_states, router_logits)
-        return self._forward(hidden_states, router_logits)
+        trains; a bf16 layer computes its experts in bf16. On a CUDA device other than the current one it runs with
+        its device current (:mod:`moeforge.device_guard`)."""
+        with on_device_of(hidden_states if isinstance(hidden_states, torch.Tensor) else None):
+            if self._device.type in ("cpu", "cuda") and torch.is_autocast_enabled(self._device.type):
+                if isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point():
+                    hidden_states = hidden_states.to(self._dtype)
+                with torch.autocast(self._device.type, enabled=False):
+                    return self._forward(hidden_states, router_logits)
+            return self._forward(hidden_states, router_logits)
 
     def _forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor]) -> torch.Tensor:
         device = self._device

@@ -27,6 +27,7 @@ from typing import Any, Generic, Optional, TypeVar, Union, cast
 
 import torch
 
+from moeforge.device_guard import on_device_of
 from moeforge.errors import ContractError, InputError, PayloadError
 from moeforge.no_backward import no_backward, payload_tensors
 from moeforge.payloads import Activations, ExpertRows, MoEOutput, RoutedTokens, check_payload
@@ -241,19 +242,20 @@ class Pipeline(Generic[InT, OutT]):
         return self.run(x)
 
     def run(self, x: InT, *, input_checked: bool = False) -> OutT:
-        """Run the stages on ``x``. ``input_checked=True`` skips the input's metadata checks, for a
-        caller that has just made the same checks with its own messages (``MoELayer.forward``);
-        debug mode checks everything regardless."""
-        if self.debug:
-            return self._run_checked(x)
-        if not input_checked:
-            self._check_input(x, values=False)
-        payload: Any = x
-        for stage in self.stages:
-            payload = stage(payload)
-        if self.no_backward is not None and torch.is_grad_enabled():
-            payload = _without_backward(self.no_backward, payload, x)
-        return cast(OutT, payload)
+        """Run the stages on ``x``, on the CUDA device its tensors are on (:mod:`moeforge.device_guard`).
+        ``input_checked=True`` skips the input's metadata checks, for a caller that has just made the same checks
+        with its own messages (``MoELayer.forward``); debug mode checks everything regardless."""
+        with on_device_of(next(payload_tensors(x), None)):
+            if self.debug:
+                return self._run_checked(x)
+            if not input_checked:
+                self._check_input(x, values=False)
+            payload: Any = x
+            for stage in self.stages:
+                payload = stage(payload)
+            if self.no_backward is not None and torch.is_grad_enabled():
+                payload = _without_backward(self.no_backward, payload, x)
+            return cast(OutT, payload)
 
     def _run_checked(self, x: Any) -> OutT:
         self._check_input(x, values=True)
