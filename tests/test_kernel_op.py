@@ -119,3 +119,20 @@ def test_a_tensor_subclass_sees_the_op() -> None:
 def test_torch_compile_traces_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert _path(lambda: double(torch.randn(3), 2.0)) == "op"
+
+
+def test_meta_tensors_take_the_op_and_its_fake() -> None:
+    meta = torch.empty(3, device="meta")
+    assert _path(lambda: double(meta, 2.0)) == "op"
+    assert double(meta, 2.0).device.type == "meta"
+
+
+def test_a_torch_func_transform_sees_the_op() -> None:
+    seen = []
+
+    def inside(x: torch.Tensor) -> torch.Tensor:
+        seen.append(needs_op((x,)))
+        return x * 2
+
+    torch.func.vmap(inside)(torch.randn(4, 3))
+    assert seen == [True] and not needs_op((torch.randn(3),))

@@ -14,7 +14,8 @@ The op is used when any of these holds:
 * a ``TorchDispatchMode`` or a ``TorchFunctionMode`` is active (fake tensors, proxy tracing, ``with
   torch.device(...)``, debugging modes);
 * an argument is a tensor of another type than ``torch.Tensor`` or ``nn.Parameter`` (``FakeTensor``,
-  ``FunctionalTensor``, ``DTensor``, any subclass);
+  ``FunctionalTensor``, ``DTensor``, any subclass), or on the meta device (the op's fake computes its outputs);
+* a ``torch.func`` transform (``vmap``, ``grad``) is active: it wraps tensors without changing their type;
 * grad mode is on and a tensor argument requires grad: the op's autograd formula runs (or, for an op without one,
   its error on backward).
 """
@@ -37,13 +38,17 @@ def needs_op(args: Iterable[Any]) -> bool:
     """Whether a call with ``args`` (all its arguments, or those that may be tensors) must go through the custom op
     (see the module docstring)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
-            or torch._C._is_torch_function_mode_enabled():
+            or torch._C._is_torch_function_mode_enabled() or _functorch_active():
         return True
     grad = torch.is_grad_enabled()
     for arg in args:
-        if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN or (grad and arg.requires_grad)):
+        if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN or arg.is_meta or (grad and arg.requires_grad)):
             return True
     return False
+
+
+# vmap, grad and the other torch.func transforms wrap tensors without changing their Python type.
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 class KernelOp(Generic[R]):
