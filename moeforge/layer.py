@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from moeforge.adapters import ExpertAdapter, adapt, create_adapter_weights
 from moeforge.arguments import flag, instance_of, positive_int
 from moeforge.backend import Backend, resolve_backend
 from moeforge.device_guard import on_device_of
@@ -78,6 +79,10 @@ class MoELayer(nn.Module):
             :mod:`moeforge.batch_invariant`.
         environ: where the process default ``MOEFORGE_DISPATCH_DTYPE`` is read (default
             ``os.environ``; only read, never written).
+        adapter: an :class:`~moeforge.adapters.ExpertAdapter`: a LoRA update of the experts' GEMMs, its matrices
+            parameters of the layer (``w13_lora_a`` ...; ``B`` zero, so the output starts as without it). Runs on
+            the torch backend (``"auto"`` picks it; ``"triton"`` is refused) on float rows. See
+            :mod:`moeforge.adapters`.
     """
 
     def __init__(
@@ -102,8 +107,12 @@ class MoELayer(nn.Module):
         environ: Optional[Mapping[str, str]] = None,
         expert_parallel: Optional[ExpertParallel] = None,
         batch_invariant: bool = False,
+        adapter: Optional[ExpertAdapter] = None,
     ) -> None:
         super().__init__()
+        if adapter is not None and not isinstance(adapter, ExpertAdapter):
+            raise InputError(f"adapter must be an ExpertAdapter (e.g. ExpertAdapter(rank=16)) or None, got {adapter!r}")
+        self.adapter = adapter
         if not isinstance(batch_invariant, bool):
             raise InputError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant
@@ -160,6 +169,10 @@ class MoELayer(nn.Module):
         self.quant.create_weights(self, num_experts=self.local_experts, hidden_size=hidden_size,
                                   intermediate_size=intermediate_size, gated=activation.gated,
                                   bias=expert_bias, dtype=dtype, device=device)
+        if adapter is not None:
+            create_adapter_weights(self, adapter, num_experts=self.local_experts, hidden_size=hidden_size,
+                                   intermediate_size=intermediate_size, gated=activation.gated, dtype=dtype,
+                                   device=device)
         self.shared_experts: Optional[SharedExperts] = None
         if shared_experts is not None:
             self.shared_experts = SharedExperts(hidden_size, shared_experts, dtype=dtype, device=device)
@@ -203,6 +216,12 @@ class MoELayer(nn.Module):
                 return resolve_backend(Backend.TRITON, device)
             except BackendUnavailableError as error:
                 raise BackendUnavailableError(f"batch_invariant=True needs the triton backend: {error}") from error
+        if self.adapter is not None:
+            # The adapters wrap the torch GEMM stages (moeforge.adapters).
+            if not auto and resolve_backend(setting, device) is not Backend.TORCH:
+                raise InputError(f"an expert adapter runs on the torch backend (the triton GEMMs take no adapter yet), "
+                                 f"got backend={setting!r}: use backend='torch' or 'auto'")
+            return Backend.TORCH
         if auto:
             return None
         return resolve_backend(setting, device)
@@ -277,8 +296,12 @@ class MoELayer(nn.Module):
         self.selection = select(config)
         self.backend = self.selection.backend
         stages = self.selection.stages(self, config)
+        if self.adapter is not None:
+            stages = adapt(stages, self, self.adapter)
         spec = input_spec(self.hidden_size, self.dtype, self.num_experts)
         notes = [self.dispatch_decision.explain(), f"backend {self.backend.value}"]
+        if self.adapter is not None:
+            notes.append(self.adapter.summary())
         if self.expert_parallel is not None:
             notes.append(self.expert_parallel.summary())
         notes += self.selection.describe()

@@ -1,0 +1,176 @@
+"""Low-rank adapters on the experts' GEMMs (LoRA), declared with the layer and checked with its pipeline.
+
+``MoELayer(..., adapter=ExpertAdapter(rank=16, alpha=32))`` gives each targeted projection of every local expert a
+low-rank update: ``W[e] + scale · B[e] A[e]`` with ``A [E, r, K]`` (or one ``[1, r, K]`` shared by all experts,
+``shared_a``), ``B [E, N, r]`` and ``scale = alpha / rank`` — parameters of the layer (``w13_lora_a``,
+``w13_lora_b``, ``w2_lora_a``, ``w2_lora_b``), ``A`` drawn like ``nn.Linear``'s weight and ``B`` zero, so a new
+adapter leaves the layer's output as it was. The base weights keep their format and stay as they are: freeze them
+(``requires_grad_(False)``) to fine-tune the adapter alone.
+
+An :class:`AdaptedGemm` stage computes the update on the rows the GEMM reads, as two more grouped GEMMs of rank
+``r`` (``x Aᵀ``, then ``· Bᵀ``, scaled, with the base GEMM's routing weights where its epilogue applies them) added
+to the base GEMM's output — never the full-size ``B A``. It wraps the torch reference GEMMs
+(:class:`~moeforge.stages.gemm.GroupedGemm`) and takes float rows: a layer with an adapter runs on the torch backend
+(``backend="auto"`` picks it; ``"triton"`` is refused until the triton GEMMs take adapters), and a pipeline whose
+targeted GEMM reads quantized rows, or is another stage, is refused when it is built, naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar, Optional, Union
+
+import attrs
+import torch
+
+from moeforge.errors import InputError
+from moeforge.payloads import Activations, ExpertRows
+from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, Spec
+from moeforge.stage import Mismatch, Stage, StageKind
+from moeforge.stages.gemm import GemmRole, GroupedGemm, expert_rows_gemm
+from moeforge.tensor_ref import ParamRef, TensorSource, resolve
+
+# The layer's parameter names of each projection's adapter: (A, B).
+ADAPTER_NAMES = {GemmRole.GATE_UP: ("w13_lora_a", "w13_lora_b"), GemmRole.DOWN: ("w2_lora_a", "w2_lora_b")}
+
+
+def _roles(value: Union[Iterable[Union[GemmRole, str]], GemmRole, str]) -> frozenset[GemmRole]:
+    items = [value] if isinstance(value, (GemmRole, str)) else list(value)
+    try:
+        roles = frozenset(item if isinstance(item, GemmRole) else GemmRole(item) for item in items)
+    except ValueError:
+        raise InputError(f"ExpertAdapter.targets names the experts' GEMMs ('gate_up', 'down'), got {value!r}") from None
+    if not roles:
+        raise InputError("ExpertAdapter.targets must name at least one GEMM ('gate_up', 'down')")
+    return roles
+
+
+def _rank(instance: Any, attribute: Any, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InputError(f"ExpertAdapter.rank must be a positive int, got {value!r}")
+
+
+def _alpha(instance: Any, attribute: Any, value: Optional[float]) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value) or value <= 0):
+        raise InputError(f"ExpertAdapter.alpha must be a positive number (or None: the rank), got {value!r}")
+
+
+@attrs.frozen
+class ExpertAdapter:
+    """A LoRA adapter on the experts: ``rank``, ``alpha`` (the update is scaled by ``alpha / rank``; ``None``: the
+    rank, a scale of 1), ``targets`` (``"gate_up"``, ``"down"`` or both) and ``shared_a`` (one ``A`` for every
+    expert)."""
+
+    rank: int = attrs.field(validator=_rank)
+    alpha: Optional[float] = attrs.field(default=None, validator=_alpha)
+    targets: frozenset[GemmRole] = attrs.field(default=frozenset(GemmRole), converter=_roles)
+    shared_a: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+    def summary(self) -> str:
+        roles = ", ".join(role.value for role in GemmRole if role in self.targets)
+        return (f"LoRA adapter r={self.rank}, scale {self.scale:g} on {roles}"
+                + (", one A shared by the experts" if self.shared_a else ""))
+
+
+def create_adapter_weights(layer: torch.nn.Module, adapter: ExpertAdapter, *, num_experts: int, hidden_size: int,
+                           intermediate_size: int, gated: bool, dtype: torch.dtype,
+                           device: Union[torch.device, str, None]) -> None:
+    """Register the adapter's parameters on ``layer``: ``A`` drawn as ``nn.Linear`` draws a weight (Kaiming uniform,
+    ``a = sqrt(5)``), ``B`` zero."""
+    widths = {GemmRole.GATE_UP: ((2 if gated else 1) * intermediate_size, hidden_size),
+              GemmRole.DOWN: (hidden_size, intermediate_size)}
+    for role in GemmRole:
+        if role not in adapter.targets:
+            continue
+        out_features, in_features = widths[role]
+        name_a, name_b = ADAPTER_NAMES[role]
+        a = torch.empty(1 if adapter.shared_a else num_experts, adapter.rank, in_features, dtype=dtype, device=device)
+        for expert in range(a.shape[0]):
+            torch.nn.init.kaiming_uniform_(a[expert], a=math.sqrt(5))
+        layer.register_parameter(name_a, torch.nn.Parameter(a))
+        layer.register_parameter(name_b, torch.nn.Parameter(
+            torch.zeros(num_experts, out_features, adapter.rank, dtype=dtype, device=device)))
+
+
+@attrs.frozen(eq=False)
+class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
+    """``base`` (a grouped GEMM) plus ``scale · (x Aᵀ) Bᵀ`` of its rows ``x`` (see the module docstring)."""
+
+    kinds: ClassVar = (StageKind.GEMM,)
+    base: GroupedGemm
+    lora_a: TensorSource  # [E, r, K] or [1, r, K]
+    lora_b: TensorSource  # [E, N, r]
+    scale: float
+
+    @property
+    def role(self) -> GemmRole:
+        return self.base.role
+
+    def summary(self) -> str:
+        return f"{self.base.summary()[:-1]}, LoRA r={int(resolve(self.lora_b).shape[2])} x{self.scale:g})"
+
+    def accepts(self) -> Accepts:
+        accepts = self.base.accepts()
+        dtypes = accepts.dtype if accepts.dtype is not None else REFERENCE_FLOAT_DTYPES
+        return attrs.evolve(accepts, dtype=dtypes & REFERENCE_FLOAT_DTYPES)
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if field == "dtype":
+            return ("an adapter's update is computed on float rows: dispatch float activations (dispatch_dtype='bf16') "
+                    "or use a method whose GEMMs read float rows")
+        return None
+
+    def check(self, spec: Spec) -> list[Mismatch]:
+        found = super().check(spec)
+        a, b = resolve(self.lora_a), resolve(self.lora_b)
+        experts, out_features, in_features = (self.base.num_experts, self.base.out_features, self.base.in_features)
+        if a.dim() != 3 or a.shape[0] not in (1, experts) or a.shape[2] != in_features:
+            found.append(Mismatch("width", tuple(a.shape), f"[{experts} or 1, r, {in_features}]",
+                                  "the adapter's A is [experts, rank, in_features] (one expert when shared)"))
+        if b.dim() != 3 or tuple(b.shape[:2]) != (experts, out_features) or (a.dim() == 3 and b.shape[2] != a.shape[1]):
+            found.append(Mismatch("width", tuple(b.shape), f"[{experts}, {out_features}, r]",
+                                  "the adapter's B is [experts, out_features, rank], the rank of its A"))
+        return found
+
+    def output_spec(self, spec: Spec) -> Spec:
+        return self.base.output_spec(spec)
+
+    def __call__(self, x: ExpertRows) -> ExpertRows:
+        out = self.base(x)
+        a, b = resolve(self.lora_a), resolve(self.lora_b)
+        if a.shape[0] == 1 and b.shape[0] > 1:
+            a = a.expand(b.shape[0], -1, -1)
+        dtype = out.x.data.dtype
+        low = expert_rows_gemm(x, a, None, False, dtype, self.name)
+        update = expert_rows_gemm(low, b, None, self.base.apply_routing_weights, dtype, self.name)
+        return out.with_x(Activations(out.x.data + self.scale * update.x.data))
+
+
+def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: ExpertAdapter) -> list[Stage[Any, Any]]:
+    """``stages`` with each GEMM that ``adapter`` targets wrapped in an :class:`AdaptedGemm` reading ``holder``'s
+    adapter parameters. Raises :class:`~moeforge.errors.InputError` naming a targeted GEMM that is no
+    :class:`~moeforge.stages.gemm.GroupedGemm` (a fused or quantized kernel stage takes no adapter yet)."""
+    adapted: list[Stage[Any, Any]] = []
+    found: set[GemmRole] = set()
+    for stage in stages:
+        role = getattr(stage, "role", None)
+        if StageKind.GEMM in stage.kinds and role in adapter.targets:
+            if not isinstance(stage, GroupedGemm):
+                raise InputError(f"an expert adapter on the {role.value} GEMM wraps the torch GroupedGemm stage; this "
+                                 f"pipeline's is {stage.summary()}: build the layer with backend='torch' and a method "
+                                 "whose GEMMs read float rows (unquantized, or weights decoded to float)")
+            name_a, name_b = ADAPTER_NAMES[role]
+            stage = AdaptedGemm(stage, ParamRef(holder, name_a), ParamRef(holder, name_b), adapter.scale)
+            found.add(role)
+        adapted.append(stage)
+    missing = adapter.targets - found
+    if missing:
+        raise InputError(f"the expert adapter targets {sorted(role.value for role in missing)} but the pipeline has no "
+                         "such GEMM stage")
+    return adapted

@@ -1,0 +1,165 @@
+"""Expert adapters (LoRA on the experts' GEMMs, moeforge.adapters): the layer with an adapter computes what the layer
+with the merged weights ``W + scale · B A`` computes, differentiates with respect to A and B, starts as the base
+layer (B zero), and refuses what it does not compute when it is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import moeforge as mf
+from moeforge.adapters import ADAPTER_NAMES, AdaptedGemm, ExpertAdapter
+from moeforge.stages.gemm import GemmRole
+
+E, K, H, I = 6, 2, 16, 8
+
+
+def _layer(adapter: ExpertAdapter, dtype: torch.dtype = torch.float32, seed: int = 0, **kwargs: Any) -> mf.MoELayer:
+    torch.manual_seed(seed)
+    return mf.MoELayer(E, K, H, I, adapter=adapter, dtype=dtype, **kwargs)
+
+
+def _randomise_adapter(layer: mf.MoELayer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name_a, name_b in ADAPTER_NAMES.values():
+            for name in (name_a, name_b):
+                if hasattr(layer, name):
+                    param = getattr(layer, name)
+                    param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64).to(param.dtype) * 0.3)
+
+
+def _merged(layer: mf.MoELayer, adapter: ExpertAdapter) -> mf.MoELayer:
+    """A layer without adapter whose expert weights are the adapted layer's merged ``W + scale · B A``."""
+    plain = mf.MoELayer(E, K, H, I, dtype=layer.dtype)
+    state = {name: value for name, value in layer.state_dict().items() if "lora" not in name}
+    with torch.no_grad():
+        for role, weight in ((GemmRole.GATE_UP, "w13_weight"), (GemmRole.DOWN, "w2_weight")):
+            if role in adapter.targets:
+                name_a, name_b = ADAPTER_NAMES[role]
+                a, b = getattr(layer, name_a), getattr(layer, name_b)
+                state[weight] = state[weight] + adapter.scale * torch.bmm(b, a.expand(b.shape[0], -1, -1))
+    plain.load_state_dict(state)
+    return plain
+
+
+@pytest.mark.parametrize("adapter", [
+    ExpertAdapter(rank=4, alpha=8),
+    ExpertAdapter(rank=3, targets="down"),
+    ExpertAdapter(rank=2, alpha=1.5, targets=["gate_up"], shared_a=True),
+])
+@pytest.mark.parametrize("tokens", [0, 1, 13])
+def test_the_adapted_layer_equals_the_merged_weights(adapter: ExpertAdapter, tokens: int) -> None:
+    layer = _layer(adapter)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        base = layer(x)
+        _randomise_adapter(layer, 1)
+        got = layer(x)
+        want = _merged(layer, adapter)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if tokens:
+        assert (got - base).abs().max() > 1e-3  # the adapter changes the output
+
+
+def test_a_new_adapter_leaves_the_output_as_it_was() -> None:
+    layer = _layer(ExpertAdapter(rank=4))
+    plain = mf.MoELayer(E, K, H, I)
+    plain.load_state_dict({name: value for name, value in layer.state_dict().items() if "lora" not in name})
+    x = torch.randn(9, H)
+    with torch.no_grad():
+        assert torch.equal(layer(x), plain(x))
+    assert not layer.w13_lora_b.any() and layer.w13_lora_a.abs().sum() > 0
+
+
+def test_every_token_on_one_expert_and_top_k_equal_to_the_experts() -> None:
+    adapter = ExpertAdapter(rank=2, alpha=4)
+    for top_k, logits in ((1, torch.full((7, E), -10.0).index_fill_(1, torch.tensor([2]), 10.0)), (E, None)):
+        torch.manual_seed(3)
+        layer = mf.MoELayer(E, top_k, H, I, adapter=adapter)
+        _randomise_adapter(layer, 4)
+        plain = mf.MoELayer(E, top_k, H, I)
+        state = _merged(layer, adapter).state_dict()
+        plain.load_state_dict(state)
+        x = torch.randn(7, H)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x, logits), plain(x, logits), rtol=1e-5, atol=1e-5)
+
+
+def test_the_adapter_differentiates_like_the_merged_weights() -> None:
+    adapter = ExpertAdapter(rank=2, alpha=3)
+    layer = _layer(adapter, dtype=torch.float64, seed=5)
+    _randomise_adapter(layer, 6)
+    for name, param in layer.named_parameters():
+        param.requires_grad_("lora" in name)  # the base frozen, as in a fine-tune
+    x = torch.randn(6, H, dtype=torch.float64, requires_grad=True)
+    params = [layer.w13_lora_a, layer.w13_lora_b, layer.w2_lora_a, layer.w2_lora_b]
+    assert torch.autograd.gradcheck(lambda inp, *ps: layer(inp), (x, *params), eps=1e-6, atol=1e-5)
+    out = layer(x).sum()
+    grads = torch.autograd.grad(out, params)
+    # the same gradients through the merged weight W + scale · B A, by autograd on the dense product
+    a13, b13, a2, b2 = (p.detach().clone().requires_grad_() for p in params)
+    merged = _merged(layer, adapter)
+    base13 = merged.w13_weight.detach() - adapter.scale * torch.bmm(b13.detach(), a13.detach())
+    base2 = merged.w2_weight.detach() - adapter.scale * torch.bmm(b2.detach(), a2.detach())
+    dense = _dense_forward(merged, x.detach(), base13 + adapter.scale * torch.bmm(b13, a13),
+                           base2 + adapter.scale * torch.bmm(b2, a2))
+    want = torch.autograd.grad(dense.sum(), [a13, b13, a2, b2])
+    for got_grad, want_grad in zip(grads, want):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-7, atol=1e-9)
+
+
+def _dense_forward(layer: mf.MoELayer, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Softmax top-k routing and SwiGLU experts, each token through its experts, with the given weights."""
+    logits = layer.router_logits(x)
+    weights, ids = logits.softmax(-1).topk(K, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for k in range(K):
+        hidden = torch.einsum("th,tnh->tn", x, w13[ids[:, k]])
+        gate, up = hidden.chunk(2, dim=-1)
+        out = out + weights[:, k:k + 1] * torch.einsum("ti,thi->th", torch.nn.functional.silu(gate) * up, w2[ids[:, k]])
+    return out
+
+
+def test_fine_tuning_the_adapter_alone_lowers_the_loss() -> None:
+    layer = _layer(ExpertAdapter(rank=4, alpha=8), seed=7)
+    for name, param in layer.named_parameters():
+        param.requires_grad_("lora" in name)
+    x, target = torch.randn(32, H), torch.randn(32, H)
+    optimizer = torch.optim.Adam([p for p in layer.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(layer(x), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.9 * losses[0]
+    assert layer.w13_weight.grad is None  # the base stayed frozen
+
+
+def test_the_pipeline_shows_the_adapter() -> None:
+    layer = _layer(ExpertAdapter(rank=4, alpha=8, shared_a=True))
+    text = layer.describe()
+    assert "LoRA r=4 x2" in text and "LoRA adapter r=4, scale 2 on gate_up, down, one A shared" in text
+    assert sum(isinstance(stage, AdaptedGemm) for stage in layer.pipeline.stages) == 2
+    assert layer.backend is mf.Backend.TORCH
+    assert layer.w13_lora_a.shape == (1, 4, H) and layer.w2_lora_b.shape == (E, H, 4)
+
+
+@pytest.mark.parametrize("bad", [{"rank": 0}, {"rank": 2.0}, {"rank": 2, "alpha": -1.0}, {"rank": 2, "targets": []},
+                                 {"rank": 2, "targets": "up"}, {"rank": 2, "shared_a": 1}])
+def test_bad_adapter_settings_are_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises((mf.InputError, TypeError)):
+        ExpertAdapter(**bad)
+
+
+def test_what_it_does_not_compute_is_refused_when_built() -> None:
+    with pytest.raises(mf.InputError, match="adapter must be an ExpertAdapter"):
+        mf.MoELayer(E, K, H, I, adapter=4)  # type: ignore[arg-type]
+    with pytest.raises(mf.InputError, match="wraps the torch GroupedGemm stage"):
+        mf.MoELayer(E, K, 128, 128, adapter=ExpertAdapter(rank=2), quant=mf.Fp8W8A8Method())
