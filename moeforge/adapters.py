@@ -9,10 +9,11 @@ adapter leaves the layer's output as it was. The base weights keep their format 
 
 An :class:`AdaptedGemm` stage computes the update on the rows the GEMM reads, as two more grouped GEMMs of rank
 ``r`` (``x Aᵀ``, then ``· Bᵀ``, scaled, with the base GEMM's routing weights where its epilogue applies them) added
-to the base GEMM's output — never the full-size ``B A``. It wraps the torch reference GEMMs
-(:class:`~moeforge.stages.gemm.GroupedGemm`) and takes float rows: a layer with an adapter runs on the torch backend
-(``backend="auto"`` picks it; ``"triton"`` is refused until the triton GEMMs take adapters), and a pipeline whose
-targeted GEMM reads quantized rows, or is another stage, is refused when it is built, naming it.
+to the base GEMM's output — never the full-size ``B A``. It wraps the torch stages' GEMMs, whatever their weights'
+format (float, or 4-bit weights decoded as they run: a float adapter over a frozen quantized base), and takes float
+rows: a layer with an adapter runs on the torch backend (``backend="auto"`` picks it; ``"triton"`` is refused until
+the triton GEMMs take adapters), and a pipeline whose targeted GEMM reads quantized rows (FP8 / INT8 / NVFP4
+activations) is refused when it is built, naming it.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.payloads import Activations, ExpertRows
-from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, Spec
+from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, Layout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
-from moeforge.stages.gemm import GemmRole, GroupedGemm, expert_rows_gemm
+from moeforge.stages.gemm import GemmRole, expert_rows_gemm
 from moeforge.tensor_ref import ParamRef, TensorSource, resolve
 
 # The layer's parameter names of each projection's adapter: (A, B).
@@ -100,17 +101,30 @@ def create_adapter_weights(layer: torch.nn.Module, adapter: ExpertAdapter, *, nu
 
 @attrs.frozen(eq=False)
 class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
-    """``base`` (a grouped GEMM) plus ``scale · (x Aᵀ) Bᵀ`` of its rows ``x`` (see the module docstring)."""
+    """``base`` (one of the experts' GEMM stages on expert-grouped rows: ``role`` and ``apply_routing_weights`` say
+    which GEMM and whether its epilogue applies the routing weights) plus ``scale · (x Aᵀ) Bᵀ`` of its rows ``x``
+    (see the module docstring)."""
 
     kinds: ClassVar = (StageKind.GEMM,)
-    base: GroupedGemm
+    base: Stage[ExpertRows, ExpertRows]
     lora_a: TensorSource  # [E, r, K] or [1, r, K]
     lora_b: TensorSource  # [E, N, r]
     scale: float
 
+    def __attrs_post_init__(self) -> None:
+        if tuple(self.base.kinds) != (StageKind.GEMM,) or not isinstance(getattr(self.base, "role", None), GemmRole) \
+                or not isinstance(getattr(self.base, "apply_routing_weights", None), bool):
+            raise InputError(f"an adapter wraps one of the experts' GEMM stages (its role and whether it applies the "
+                             f"routing weights known), got {self.base.summary()}")
+
     @property
     def role(self) -> GemmRole:
-        return self.base.role
+        role: GemmRole = getattr(self.base, "role")
+        return role
+
+    @property
+    def apply_routing_weights(self) -> bool:
+        return bool(getattr(self.base, "apply_routing_weights"))
 
     def summary(self) -> str:
         return f"{self.base.summary()[:-1]}, LoRA r={int(resolve(self.lora_b).shape[2])} x{self.scale:g})"
@@ -128,8 +142,11 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)
+        if found:
+            return found
         a, b = resolve(self.lora_a), resolve(self.lora_b)
-        experts, out_features, in_features = (self.base.num_experts, self.base.out_features, self.base.in_features)
+        experts, in_features = spec.num_experts, spec.width
+        out_features = self.base.output_spec(spec).width
         if a.dim() != 3 or a.shape[0] not in (1, experts) or a.shape[2] != in_features:
             found.append(Mismatch("width", tuple(a.shape), f"[{experts} or 1, r, {in_features}]",
                                   "the adapter's A is [experts, rank, in_features] (one expert when shared)"))
@@ -148,23 +165,28 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
             a = a.expand(b.shape[0], -1, -1)
         dtype = out.x.data.dtype
         low = expert_rows_gemm(x, a, None, False, dtype, self.name)
-        update = expert_rows_gemm(low, b, None, self.base.apply_routing_weights, dtype, self.name)
+        update = expert_rows_gemm(low, b, None, self.apply_routing_weights, dtype, self.name)
         return out.with_x(Activations(out.x.data + self.scale * update.x.data))
 
 
 def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: ExpertAdapter) -> list[Stage[Any, Any]]:
     """``stages`` with each GEMM that ``adapter`` targets wrapped in an :class:`AdaptedGemm` reading ``holder``'s
-    adapter parameters. Raises :class:`~moeforge.errors.InputError` naming a targeted GEMM that is no
-    :class:`~moeforge.stages.gemm.GroupedGemm` (a fused or quantized kernel stage takes no adapter yet)."""
+    adapter parameters. Raises :class:`~moeforge.errors.InputError` naming a targeted GEMM it cannot wrap: one fused
+    with the activation (the update must come before it), or a kernel stage of block-aligned rows."""
     adapted: list[Stage[Any, Any]] = []
     found: set[GemmRole] = set()
     for stage in stages:
         role = getattr(stage, "role", None)
         if StageKind.GEMM in stage.kinds and role in adapter.targets:
-            if not isinstance(stage, GroupedGemm):
-                raise InputError(f"an expert adapter on the {role.value} GEMM wraps the torch GroupedGemm stage; this "
-                                 f"pipeline's is {stage.summary()}: build the layer with backend='torch' and a method "
-                                 "whose GEMMs read float rows (unquantized, or weights decoded to float)")
+            if tuple(stage.kinds) != (StageKind.GEMM,) or Layout.BLOCK_ALIGNED in (stage.accepts().layout or ()):
+                raise InputError(f"an expert adapter on the {role.value} GEMM adds its update to that GEMM's rows on the "
+                                 f"torch stages; this pipeline's is {stage.summary()}: build the layer with "
+                                 "backend='torch'")
+            dtypes = stage.accepts().dtype
+            if dtypes is not None and not dtypes & REFERENCE_FLOAT_DTYPES:
+                raise InputError(f"an expert adapter computes its update on float rows, and the {role.value} GEMM "
+                                 f"{stage.summary()} reads quantized ones ({', '.join(sorted(d.value for d in dtypes))}):"
+                                 " use a method whose GEMMs read float rows (unquantized, W4A16, MXFP4, NVFP4 weights)")
             name_a, name_b = ADAPTER_NAMES[role]
             stage = AdaptedGemm(stage, ParamRef(holder, name_a), ParamRef(holder, name_b), adapter.scale)
             found.add(role)

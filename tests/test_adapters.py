@@ -158,8 +158,36 @@ def test_bad_adapter_settings_are_refused(bad: dict[str, Any]) -> None:
         ExpertAdapter(**bad)
 
 
+@pytest.mark.parametrize("method", ["unquantized", "w4a16", "mxfp4", "nvfp4"])
+def test_over_a_quantized_base_the_update_is_the_low_rank_product(method: str) -> None:
+    # A float adapter over frozen 4-bit weights (decoded as the torch stages run): each adapted GEMM's output is its
+    # base GEMM's plus scale * (x A^T) B^T of each row's expert, whatever the base's format.
+    quant = {"unquantized": None, "w4a16": mf.W4A16Method(group_size=32), "mxfp4": mf.Mxfp4Method(),
+             "nvfp4": mf.Nvfp4Method()}[method]
+    adapter = ExpertAdapter(rank=3, alpha=6)
+    torch.manual_seed(8)
+    layer = mf.MoELayer(4, 2, 64, 64, quant=quant, adapter=adapter)
+    _randomise_adapter(layer, 9)
+    payload: Any = mf.MoEInput(torch.randn(11, 64), torch.randn(11, 4))
+    checked = 0
+    with torch.no_grad():
+        for stage in layer.pipeline.stages:
+            if isinstance(stage, AdaptedGemm):
+                rows, counts = payload.x.data, payload.counts().tolist()
+                name_a, name_b = ADAPTER_NAMES[stage.role]
+                a, b = getattr(layer, name_a), getattr(layer, name_b)
+                want = torch.cat([part @ a[e].T @ b[e].T for e, part in enumerate(rows.split(counts))]) * adapter.scale
+                got = stage(payload).x.data - stage.base(payload).x.data
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+                checked += 1
+            payload = stage(payload)
+    assert checked == 2
+
+
 def test_what_it_does_not_compute_is_refused_when_built() -> None:
     with pytest.raises(mf.InputError, match="adapter must be an ExpertAdapter"):
         mf.MoELayer(E, K, H, I, adapter=4)  # type: ignore[arg-type]
-    with pytest.raises(mf.InputError, match="wraps the torch GroupedGemm stage"):
+    with pytest.raises(mf.InputError, match="computes its update on float rows.*reads quantized ones"):
         mf.MoELayer(E, K, 128, 128, adapter=ExpertAdapter(rank=2), quant=mf.Fp8W8A8Method())
+    with pytest.raises(mf.InputError, match="computes its update on float rows.*reads quantized ones"):
+        mf.MoELayer(E, K, 128, 128, adapter=ExpertAdapter(rank=2), quant=mf.Int8W8A8Method())
