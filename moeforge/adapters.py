@@ -13,7 +13,9 @@ to the base GEMM's output — never the full-size ``B A``. It wraps the torch st
 format (float, or 4-bit weights decoded as they run: a float adapter over a frozen quantized base), and takes float
 rows: a layer with an adapter runs on the torch backend (``backend="auto"`` picks it; ``"triton"`` is refused until
 the triton GEMMs take adapters), and a pipeline whose targeted GEMM reads quantized rows (FP8 / INT8 / NVFP4
-activations) is refused when it is built, naming it.
+activations) is refused when it is built, naming it. Over a base whose method has ``row_gradients`` (its GEMMs pass
+gradients to their rows through the frozen weights: W4A16, MXFP4, NVFP4 on the torch stages) the layer trains
+although the method alone is inference-only.
 """
 
 from __future__ import annotations

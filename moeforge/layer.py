@@ -305,8 +305,11 @@ class MoELayer(nn.Module):
         if self.expert_parallel is not None:
             notes.append(self.expert_parallel.summary())
         notes += self.selection.describe()
+        # An adapter over a base whose GEMMs pass gradients to their rows trains (its base stays frozen).
+        trains_adapter = self.adapter is not None and self.quant.row_gradients
         pipeline: Pipeline[MoEInput, MoEOutput] = Pipeline(stages, spec, debug=self.debug, notes=notes,
-                                                           no_backward=self.quant.backward_problem())
+                                                           no_backward=None if trains_adapter
+                                                           else self.quant.backward_problem())
         built_for = f"{self.quant.name}, backend {self.backend.value}, {DType.from_torch(self.dtype).value}"
         for replaced in self.replaced_stages:
             pipeline = replaced.put_back(pipeline, built_for)

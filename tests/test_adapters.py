@@ -184,6 +184,38 @@ def test_over_a_quantized_base_the_update_is_the_low_rank_product(method: str) -
     assert checked == 2
 
 
+def test_an_adapter_over_frozen_int4_weights_trains_like_one_over_their_float_values() -> None:
+    # QLoRA-style: the W4A16 GEMMs pass gradients to their rows through the frozen weights, so the adapter gets the
+    # gradients it would get over the dequantized float weights.
+    from moeforge.quant.w4a16 import int4_experts
+
+    adapter = ExpertAdapter(rank=2, alpha=4)
+    torch.manual_seed(10)
+    quantized = mf.MoELayer(4, 2, 64, 64, quant=mf.W4A16Method(group_size=32), adapter=adapter)
+    _randomise_adapter(quantized, 11)
+    state = {name: value for name, value in quantized.state_dict().items() if "lora" in name or "router" in name}
+    for stage, name in ((quantized.pipeline.stages[2], "w13_weight"), (quantized.pipeline.stages[4], "w2_weight")):
+        assert isinstance(stage, AdaptedGemm)
+        decoded = int4_experts(stage.base.weight())  # type: ignore[attr-defined]
+        state[name] = torch.stack([decoded.expert(e) for e in range(4)])
+    dense = mf.MoELayer(4, 2, 64, 64, adapter=adapter)
+    dense.load_state_dict(state)
+    x = torch.randn(9, 64)
+    grads = []
+    for layer in (quantized, dense):
+        for name, param in layer.named_parameters():
+            param.requires_grad_("lora" in name)
+        out = layer(x)
+        grads.append((out, torch.autograd.grad(out.square().sum(), [layer.w13_lora_a, layer.w13_lora_b,
+                                                                     layer.w2_lora_a, layer.w2_lora_b])))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-4, atol=1e-5)
+    for got, want in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(mf.errors.InferenceOnlyError):  # without an adapter the quantized layer stays inference-only
+        plain = mf.MoELayer(4, 2, 64, 64, quant=mf.W4A16Method(group_size=32))
+        plain(x.requires_grad_()).sum().backward()
+
+
 def test_what_it_does_not_compute_is_refused_when_built() -> None:
     with pytest.raises(mf.InputError, match="adapter must be an ExpertAdapter"):
         mf.MoELayer(E, K, H, I, adapter=4)  # type: ignore[arg-type]

@@ -82,6 +82,9 @@ class QuantMethod(abc.ABC):
       backward that raises :class:`~moeforge.errors.InferenceOnlyError` naming the method
       (:meth:`backward_problem`), instead of silently wrong or missing gradients. A method written
       outside moeforge whose stages differentiate sets it to ``True``.
+    * ``row_gradients`` — whether the torch stages' GEMMs pass gradients to their float rows through the frozen
+      quantized weights (none to the weights): what an expert adapter over this base trains with
+      (:mod:`moeforge.adapters`; the weights decoded as they run do).
     """
 
     accepts: ClassVar[frozenset[DType]]
@@ -95,6 +98,7 @@ class QuantMethod(abc.ABC):
     # tensor's dtype is part of the weight format (FP8 weights, fp32 scales) and stays.
     compute_dtype_parameters: ClassVar[tuple[str, ...]] = ("w13_bias", "w2_bias")
     differentiable: ClassVar[bool] = False
+    row_gradients: ClassVar[bool] = False
     tensor_names: ClassVar[ExpertNames] = ExpertNames.of("{}_weight")
     weight_format: ClassVar[Optional[WeightFormat]] = None
 

@@ -107,6 +107,7 @@ class Mxfp4Method(QuantMethod):
     Triton experts on CUDA (:class:`TritonMxfp4Experts`), the emulated torch reference elsewhere.
     ``shuffled``: the layers hold the blocks in the triton GEMMs' pre-shuffled layout (module docstring)."""
 
+    row_gradients: ClassVar[bool] = True  # its torch GEMMs decode the weights: rows differentiate (adapters)
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = FOUR_BIT_BLOCKS

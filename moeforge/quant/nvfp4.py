@@ -263,6 +263,7 @@ class Nvfp4Method(QuantMethod):
     CUDA (:class:`TritonNvfp4Experts`), the emulated torch reference elsewhere. ``shuffled``: the layers hold
     the packed weights in the triton GEMMs' pre-shuffled layout (module docstring)."""
 
+    row_gradients: ClassVar[bool] = True  # its torch GEMMs decode the weights: rows differentiate (adapters)
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES | {DType.NVFP4}
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE, ScaleLayout.NVFP4_BLOCK16})
     dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = FOUR_BIT_BLOCKS

@@ -206,6 +206,7 @@ class W4A16Method(QuantMethod):
             like).
     """
 
+    row_gradients: ClassVar[bool] = True  # its torch GEMMs decode the weights: rows differentiate (adapters)
     accepts: ClassVar[frozenset[DType]] = FLOAT_DTYPES
     accepts_scales: ClassVar[frozenset[ScaleLayout]] = frozenset({ScaleLayout.NONE})
     dequant_blocks: ClassVar[tuple[tuple[float, int], ...]] = FOUR_BIT_BLOCKS
