@@ -64,3 +64,10 @@ def test_the_custom_activation_stage_gradchecks_in_a_float64_layer() -> None:
     layer.replace_stage("Activate", example.ScaledSwiGLU(mf.stages.ParamRef(layer, "act_scale")))
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: layer(x), (x,))
+
+
+def test_lora_finetune_moe(capsys: pytest.CaptureFixture[str]) -> None:
+    _load("lora_finetune_moe").main(steps=4)
+    out = capsys.readouterr().out
+    assert "W4A16GroupedGemm(gate_up, 64->64, int4 g32" in out and "LoRA r=4 x2" in out
+    assert "the loss curves agree" in out and "the int4 weights stayed frozen" in out
