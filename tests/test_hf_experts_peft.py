@@ -124,3 +124,63 @@ def test_a_parametrized_reference_reads_the_module_when_the_stage_runs() -> None
 class _Doubled(torch.nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return 2 * weight
+
+
+# -- moeforge's own adapters in peft's layout (moeforge.peft_adapters) -----------------------------------------------
+
+
+def test_a_peft_adapter_loads_into_moeforge_layers_and_gives_peft_logits() -> None:
+    # A tiny Qwen3-MoE with peft's LoRA on its experts (eager experts), against the same base model whose MoE blocks
+    # moeforge.hf.patch_model turned into moeforge layers with adapters, filled from peft's tensors.
+    from moeforge import hf
+    from moeforge.adapters import ExpertAdapter
+    from moeforge.peft_adapters import load_peft, peft_experts_tensors, to_peft
+
+    peft_model = _model(7)
+    _use(peft_model, "eager")
+    patched = _model_without_peft(7)
+    hf.patch_model(patched, backend="torch", adapter=ExpertAdapter(rank=4, alpha=8))
+    for index, block in enumerate(patched.model.layers):
+        experts = peft_model.base_model.model.model.layers[index].mlp.experts
+        tensors, scaling = peft_experts_tensors(experts)
+        assert sorted(tensors) == ["down_proj", "gate_up_proj"] and scaling == 2.0
+        load_peft(block.mlp.layer, tensors, scaling)
+        round_trip = to_peft(block.mlp.layer)
+        for name, (a, b) in tensors.items():
+            assert torch.equal(round_trip[name][0], a) and torch.equal(round_trip[name][1], b)
+    ids = _ids(8)
+    with torch.no_grad():
+        want = peft_model(ids).logits
+        got = patched(ids).logits
+        without = _model_without_peft(7)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (want - without).abs().max() > 1e-2  # the adapter counts
+
+
+def _model_without_peft(seed: int) -> Any:
+    """The base model ``_model(seed)`` wraps, built again (the same random weights)."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
+def test_peft_tensors_of_another_shape_or_scaling_are_refused() -> None:
+    import moeforge as mf
+    from moeforge.adapters import ExpertAdapter
+    from moeforge.peft_adapters import load_peft, to_peft
+
+    layer = mf.MoELayer(4, 2, 16, 8, adapter=ExpertAdapter(rank=2, alpha=4))
+    tensors = to_peft(layer)
+    with pytest.raises(mf.InputError, match="scaling 1 .* differs from the layer's adapter scale 2"):
+        load_peft(layer, tensors, 1.0)
+    with pytest.raises(mf.InputError, match="no pair for 'down_proj'"):
+        load_peft(layer, {"gate_up_proj": tensors["gate_up_proj"]}, 2.0)
+    bad = dict(tensors, down_proj=(tensors["down_proj"][0][:-1], tensors["down_proj"][1]))
+    with pytest.raises(mf.InputError, match="this layer's adapter needs"):
+        load_peft(layer, bad, 2.0)
+    shared = mf.MoELayer(4, 2, 16, 8, adapter=ExpertAdapter(rank=2, alpha=4, shared_a=True))
+    with pytest.raises(mf.InputError, match="one A per expert"):
+        load_peft(shared, {name: (torch.randn_like(a), b) for name, (a, b) in tensors.items()}, 2.0)
