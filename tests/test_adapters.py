@@ -65,6 +65,15 @@ def test_the_adapted_layer_equals_the_merged_weights(adapter: ExpertAdapter, tok
         assert (got - base).abs().max() > 1e-3  # the adapter changes the output
 
 
+def test_padded_rows_take_the_adapter_too() -> None:
+    adapter = ExpertAdapter(rank=3, alpha=3)
+    layer = _layer(adapter, dispatcher="padded")
+    _randomise_adapter(layer, 13)
+    x = torch.randn(10, H)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), _merged(layer, adapter)(x), rtol=1e-5, atol=1e-5)
+
+
 def test_a_new_adapter_leaves_the_output_as_it_was() -> None:
     layer = _layer(ExpertAdapter(rank=4))
     plain = mf.MoELayer(E, K, H, I)
@@ -223,3 +232,24 @@ def test_what_it_does_not_compute_is_refused_when_built() -> None:
         mf.MoELayer(E, K, 128, 128, adapter=ExpertAdapter(rank=2), quant=mf.Fp8W8A8Method())
     with pytest.raises(mf.InputError, match="computes its update on float rows.*reads quantized ones"):
         mf.MoELayer(E, K, 128, 128, adapter=ExpertAdapter(rank=2), quant=mf.Int8W8A8Method())
+
+
+@pytest.mark.parametrize("layout", [mf.Layout.EXPERT_SORTED, mf.Layout.EXPERT_PADDED])
+@pytest.mark.parametrize("role,weights_in_epilogue", [(GemmRole.GATE_UP, False), (GemmRole.DOWN, False),
+                                                      (GemmRole.DOWN, True)])
+def test_an_adapted_gemm_honours_its_contract(layout: mf.Layout, role: GemmRole, weights_in_epilogue: bool) -> None:
+    # Property test (moeforge.testing): on drawn payloads of either expert-grouped layout the stage produces what its
+    # output spec says (the base GEMM's spec: the adapter changes values, not formats).
+    from moeforge.testing import assert_stage_honours_contract
+
+    experts, rank, k, n = 3, 2, 8, 6
+    gen = torch.Generator().manual_seed(12)
+    base = mf.GroupedGemm(role, torch.randn(experts, n, k, generator=gen), apply_routing_weights=weights_in_epilogue)
+    stage = AdaptedGemm(base, torch.randn(experts, rank, k, generator=gen), torch.randn(experts, n, rank, generator=gen),
+                        1.5)
+    kind = mf.PayloadKind.DISPATCHED if role is GemmRole.GATE_UP else mf.PayloadKind.EXPERT_HIDDEN
+    spec = mf.Spec(kind, layout, mf.DType.FP32, k, num_experts=experts, top_k=2,
+                   group_list_type=mf.GroupListType.COUNT if layout is mf.Layout.EXPERT_SORTED else None,
+                   expert_ids=mf.ExpertIds.LOCAL, activations=0 if role is GemmRole.GATE_UP else 1)
+    assert stage.output_spec(spec) == base.output_spec(spec)
+    assert_stage_honours_contract(stage, spec, max_examples=8)
