@@ -334,3 +334,22 @@ def triton_experts_match(rank: int, world: int) -> dict[str, float]:
             got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
             errors[name] = _close(got, whole(x), name, tol=1e-2 if name == "fp16" else 3e-2)
     return errors
+
+
+def adapters_match(rank: int, world: int) -> dict[str, float]:
+    """An expert-parallel layer with an expert adapter (its A and B sliced to the rank's experts by
+    shard_state_dict; a shared A kept whole) equals the whole layer with the same adapter, and its adapter trains."""
+    from moeforge.adapters import ExpertAdapter
+
+    errors: dict[str, float] = {}
+    x = _tokens(rank)
+    for name, adapter in (("per_expert_a", ExpertAdapter(rank=2, alpha=4)),
+                          ("shared_a", ExpertAdapter(rank=3, targets="down", shared_a=True))):
+        whole, parallel = _pair({**BASE, "adapter": adapter})
+        assert parallel.w2_lora_b.shape[0] == E // world
+        errors[name] = _close(parallel(x), whole(x), name)
+        for key, param in parallel.named_parameters():
+            param.requires_grad_("lora" in key)
+        parallel(x).square().sum().backward()  # every rank runs the backward, a rank without tokens too
+        assert parallel.w2_lora_b.grad is not None
+    return errors

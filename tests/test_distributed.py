@@ -89,3 +89,9 @@ def test_triton_expert_gemms_behind_the_all_to_all_dispatcher() -> None:
     pytest.importorskip("triton")
     errors = run_ranks(ep_workers.triton_experts_match, 2, timeout=300)
     assert all(len(rank_errors) == 2 for rank_errors in errors)
+
+
+def test_expert_adapters_behind_the_all_to_all_dispatcher() -> None:
+    errors = run_ranks(ep_workers.adapters_match, 2, timeout=300)
+    for rank_errors in errors:
+        assert max(rank_errors.values()) < 1e-4
