@@ -16,6 +16,12 @@ from typing import ContextManager, Optional
 import torch
 
 
+def several_devices() -> bool:
+    """Whether this process sees more than one CUDA device (else no tensor can be on another than the current one:
+    callers skip finding the tensor to guard)."""
+    return torch.cuda.device_count() > 1
+
+
 def on_device_of(tensor: Optional[torch.Tensor]) -> ContextManager[object]:
     """``torch.cuda.device(tensor.device)`` when ``tensor`` is on a CUDA device other than the current one, else a
     context that does nothing (also under ``torch.compile``, whose generated code guards the device itself)."""

@@ -27,7 +27,7 @@ from typing import Any, Generic, Optional, TypeVar, Union, cast
 
 import torch
 
-from moeforge.device_guard import on_device_of
+from moeforge.device_guard import on_device_of, several_devices
 from moeforge.errors import ContractError, InputError, PayloadError
 from moeforge.no_backward import no_backward, payload_tensors
 from moeforge.payloads import Activations, ExpertRows, MoEOutput, RoutedTokens, check_payload
@@ -245,7 +245,7 @@ class Pipeline(Generic[InT, OutT]):
         """Run the stages on ``x``, on the CUDA device its tensors are on (:mod:`moeforge.device_guard`).
         ``input_checked=True`` skips the input's metadata checks, for a caller that has just made the same checks
         with its own messages (``MoELayer.forward``); debug mode checks everything regardless."""
-        with on_device_of(next(payload_tensors(x), None)):
+        with on_device_of(next(payload_tensors(x), None) if several_devices() else None):
             if self.debug:
                 return self._run_checked(x)
             if not input_checked:

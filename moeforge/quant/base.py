@@ -83,8 +83,8 @@ class QuantMethod(abc.ABC):
       (:meth:`backward_problem`), instead of silently wrong or missing gradients. A method written
       outside moeforge whose stages differentiate sets it to ``True``.
     * ``row_gradients`` — whether the torch stages' GEMMs pass gradients to their float rows through the frozen
-      quantized weights (none to the weights): what an expert adapter over this base trains with
-      (:mod:`moeforge.adapters`; the weights decoded as they run do).
+      quantized weights (none to the weights, nor to their scales even with ``requires_grad`` set): what an expert
+      adapter over this base trains with (:mod:`moeforge.adapters`; the weights decoded as they run do).
     """
 
     accepts: ClassVar[frozenset[DType]]
