@@ -18,8 +18,9 @@ import torch
 
 def several_devices() -> bool:
     """Whether this process sees more than one CUDA device (else no tensor can be on another than the current one:
-    callers skip finding the tensor to guard)."""
-    return torch.cuda.device_count() > 1
+    callers skip finding the tensor to guard); ``False`` under ``torch.compile``, which guards the device itself (and
+    cannot trace ``torch.cuda.device_count``)."""
+    return not torch.compiler.is_compiling() and torch.cuda.device_count() > 1
 
 
 def on_device_of(tensor: Optional[torch.Tensor]) -> ContextManager[object]:
