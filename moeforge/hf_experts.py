@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any, Optional
@@ -60,6 +61,8 @@ import attrs
 import torch
 from torch import nn
 
+from moeforge.decode_graphs import DecodeGraphs, DecodeGraphSettings
+from moeforge.device_guard import on_device_of
 from moeforge.dispatch_dtype import resolve_dispatch_dtype
 from moeforge.errors import BackendUnavailableError, InputError, MissingPackageError, UnsupportedExpertsError
 from moeforge.expert_weights import ExpertNames, ProjectionNames
@@ -390,8 +393,8 @@ def build_pipeline(module: nn.Module, layout: ExpertsLayout, dtype: torch.dtype,
     return Pipeline(stages, routed_spec(layout, dtype, top_k), notes=notes)
 
 
-def _routing(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-             top_k_weights: torch.Tensor) -> TopKOutput:
+def _check_routing(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> None:
     cls = type(module).__name__
     for name, value in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                         ("top_k_weights", top_k_weights)):
@@ -408,7 +411,6 @@ def _routing(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.
     if not top_k_weights.is_floating_point():
         raise InputError(f"{cls} (experts_implementation='moeforge'): top_k_weights must be float, got "
                          f"{top_k_weights.dtype}")
-    return TopKOutput(weights=top_k_weights.float().contiguous(), ids=top_k_index.to(torch.int32).contiguous())
 
 
 _KEY_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm",
@@ -509,7 +511,7 @@ class ExpertsFunction:
 
     def __call__(self, module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        topk = _routing(module, hidden_states, top_k_index, top_k_weights)
+        _check_routing(module, hidden_states, top_k_index, top_k_weights)
         top_k = int(top_k_index.shape[1])
         if torch.compiler.is_compiling():
             # (Dynamo must not read the module's pipelines before the build adds one: it would keep what it read.)
@@ -524,8 +526,21 @@ class ExpertsFunction:
                 _build_before_tracing(self, module, hidden_states.dtype, hidden_states.device, hidden_states.dim(),
                                       int(hidden_states.shape[-1]), top_k)
         pipeline = self.pipeline(module, hidden_states, top_k)
-        out: torch.Tensor = pipeline.run(RoutedTokens(x=Activations(hidden_states), topk=topk)).hidden_states
-        return out
+
+        def experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            topk = TopKOutput(weights=weights.float().contiguous(), ids=index.to(torch.int32).contiguous())
+            result: torch.Tensor = pipeline.run(RoutedTokens(x=Activations(hidden), topk=topk)).hidden_states
+            return result
+
+        graphs = module.__dict__.get(_GRAPHS)
+        if isinstance(graphs, DecodeGraphs) and not torch.compiler.is_compiling():
+            tensors = [t for t in itertools.chain(module._parameters.values(), module._buffers.values())
+                       if t is not None]
+            with on_device_of(hidden_states):  # a graph is captured and replayed on its tensors' device
+                out = graphs.run(experts, (hidden_states, top_k_index, top_k_weights), tensors, owner=pipeline)
+            if out is not None:
+                return out
+        return experts(hidden_states, top_k_index, top_k_weights)
 
     def pipeline(self, module: nn.Module, hidden_states: torch.Tensor,
                  top_k: int) -> Pipeline[RoutedTokens, MoEOutput]:
@@ -641,6 +656,30 @@ def _refusal(name: str) -> Optional[str]:
     except (AttributeError, TypeError):
         return None  # a check that reads the model: it answers when a model is built
     return None
+
+
+_GRAPHS = "_moeforge_decode_graphs"
+
+
+def capture_decode_graphs(model: nn.Module, settings: Optional[DecodeGraphSettings] = DecodeGraphSettings()) -> int:
+    """Replay the experts of ``model`` (each ``transformers`` experts module in it) as CUDA graphs at decode batch
+    sizes when they run with ``experts_implementation="moeforge"``: each module keeps a
+    :class:`~moeforge.decode_graphs.DecodeGraphs` of ``settings`` (see :mod:`moeforge.decode_graphs`: eager calls of
+    at most ``settings.max_tokens`` tokens that record no gradient, captured once per batch size). ``settings=None``
+    releases them. Returns how many experts modules it set. Kept on each module (attribute
+    ``_moeforge_decode_graphs``), so they live and die with the model; a copy of the model starts without graphs of
+    its own until it is given them."""
+    if settings is not None and not isinstance(settings, DecodeGraphSettings):
+        raise InputError(f"capture_decode_graphs takes a DecodeGraphSettings or None, got {settings!r}")
+    count = 0
+    for module in model.modules():
+        if all(hasattr(module, name) for name in ("has_gate", "is_concatenated", "is_transposed")):
+            if settings is None:
+                module.__dict__.pop(_GRAPHS, None)
+            else:
+                module.__dict__[_GRAPHS] = DecodeGraphs(settings)  # not nn.Module.__setattr__: no hooks
+            count += 1
+    return count
 
 
 def register() -> ExpertsFunction:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -11,6 +12,7 @@ from torch import nn
 from moeforge.adapters import ExpertAdapter, adapt, create_adapter_weights
 from moeforge.arguments import flag, instance_of, positive_int
 from moeforge.backend import Backend, resolve_backend
+from moeforge.decode_graphs import DecodeGraphs, DecodeGraphSettings
 from moeforge.device_guard import on_device_of
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
 from moeforge.distributed.group import ExpertParallel
@@ -83,6 +85,10 @@ class MoELayer(nn.Module):
             parameters of the layer (``w13_lora_a`` ...; ``B`` zero, so the output starts as without it). Runs on
             the torch backend (``"auto"`` picks it; ``"triton"`` is refused) on float rows. See
             :mod:`moeforge.adapters`.
+        decode_graphs: a :class:`~moeforge.decode_graphs.DecodeGraphSettings` to replay the experts' forward as a
+            CUDA graph, captured once per batch size up to its ``max_tokens`` (eager calls at decode sizes, where
+            launching the kernels costs more than running them; inference only: a call autograd records, a CPU
+            layer, ``torch.compile`` and debug mode launch as without it). See :mod:`moeforge.decode_graphs`.
     """
 
     def __init__(
@@ -108,11 +114,15 @@ class MoELayer(nn.Module):
         expert_parallel: Optional[ExpertParallel] = None,
         batch_invariant: bool = False,
         adapter: Optional[ExpertAdapter] = None,
+        decode_graphs: Optional[DecodeGraphSettings] = None,
     ) -> None:
         super().__init__()
         if adapter is not None and not isinstance(adapter, ExpertAdapter):
             raise InputError(f"adapter must be an ExpertAdapter (e.g. ExpertAdapter(rank=16)) or None, got {adapter!r}")
         self.adapter = adapter
+        if decode_graphs is not None and not isinstance(decode_graphs, DecodeGraphSettings):
+            raise InputError(f"decode_graphs must be a DecodeGraphSettings or None, got {decode_graphs!r}")
+        self.decode_graphs = DecodeGraphs(decode_graphs) if decode_graphs is not None else None
         if not isinstance(batch_invariant, bool):
             raise InputError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant
@@ -314,6 +324,8 @@ class MoELayer(nn.Module):
         for replaced in self.replaced_stages:
             pipeline = replaced.put_back(pipeline, built_for)
         self.pipeline = pipeline
+        if self.decode_graphs is not None:
+            self.decode_graphs.clear()  # they replay the old pipeline's kernels
 
     @property
     def local_experts(self) -> int:
@@ -418,11 +430,21 @@ class MoELayer(nn.Module):
         if router_logits is None:
             router_logits = self.router_logits(x)
         logits = check_router_logits(router_logits, hidden_states.shape, self.num_experts, device, self.debug)
-        # The checks above cover what the pipeline would check of its input, with the layer's words.
-        out = self.pipeline.run(MoEInput(x, logits), input_checked=True).hidden_states
+        out = None
+        if self.decode_graphs is not None and not self.debug:
+            out = self.decode_graphs.run(self._experts, (x, logits),
+                                         itertools.chain(self.parameters(recurse=False), self.buffers(recurse=False)),
+                                         owner=self.pipeline)
+        if out is None:
+            out = self._experts(x, logits)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, self._linear())
         return out.view(hidden_states.shape)
+
+    def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        # The forward's checks cover what the pipeline would check of its input, with the layer's words.
+        out: torch.Tensor = self.pipeline.run(MoEInput(x, logits), input_checked=True).hidden_states
+        return out
 
     def _linear(self) -> Linear:
         """How the router and the shared experts multiply: one fixed reduction order per row when the
