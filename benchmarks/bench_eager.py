@@ -23,7 +23,8 @@ Each is measured four ways, medians over ``--reps`` calls:
 * ``graph_us``: one CUDA-graph replay (the GPU time alone).
 
 ``block`` and ``generate``: a 4-layer random ``Qwen3MoeForCausalLM`` with those MoE sizes (bf16), for
-``experts_implementation`` ``grouped_mm`` (``transformers``' default) and ``moeforge``: one MoE block
+``experts_implementation`` ``grouped_mm`` (``transformers``' default), ``moeforge`` and ``moeforge+graphs`` (moeforge
+with :func:`moeforge.hf_experts.capture_decode_graphs` up to 16 tokens): one MoE block
 (``model.model.layers[0].mlp``, router included) called eagerly on 1 / 16 / 256 tokens (wall time of the call with
 the device synchronised after it), and greedy ``generate()`` of 32 new tokens from 8, batch 1 and 16 (time per
 token, the median of 5 rounds after a warm-up one, the implementations taking turns).
@@ -171,7 +172,7 @@ def build_model() -> Any:
     return build("medium")
 
 
-IMPLEMENTATIONS = ("grouped_mm", "moeforge")
+IMPLEMENTATIONS = ("grouped_mm", "moeforge", "moeforge+graphs")  # the last: hf_experts.capture_decode_graphs
 GENERATE_ROUNDS = 5
 
 
@@ -183,6 +184,15 @@ def generate_ms(model: Any, batch: int) -> float:
     model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3 / NEW_TOKENS
+
+
+def use(model: Any, implementation: str) -> None:
+    """Set ``model``'s experts implementation; ``moeforge+graphs``: moeforge with decode graphs up to 16 tokens."""
+    from moeforge import hf_experts
+    from moeforge.decode_graphs import DecodeGraphSettings
+
+    model.set_experts_implementation(implementation.split("+")[0])
+    hf_experts.capture_decode_graphs(model, DecodeGraphSettings(max_tokens=16) if "+graphs" in implementation else None)
 
 
 def bench_model(parts: set[str], reps: int) -> list[dict[str, Any]]:
@@ -200,19 +210,19 @@ def bench_model(parts: set[str], reps: int) -> list[dict[str, Any]]:
             for tokens in BLOCK_TOKENS:
                 hidden = torch.randn(1, tokens, SHAPE[2], device="cuda", dtype=torch.bfloat16)
                 for implementation in IMPLEMENTATIONS:
-                    model.set_experts_implementation(implementation)
+                    use(model, implementation)
                     record = dict(part="block", tokens=tokens, run=implementation,
                                   wall_us=wall_us(lambda: block(hidden), reps),
                                   host_busy_us=host_us(lambda: block(hidden), reps, busy=True))
                     records.append(record)
-                    print(f"block M={tokens:5d} {implementation:10s} wall {record['wall_us']:8.1f} us  busy host "
+                    print(f"block M={tokens:5d} {implementation:15s} wall {record['wall_us']:8.1f} us  busy host "
                           f"{record['host_busy_us']:8.1f} us", flush=True)
         if "generate" in parts:
             for batch in GENERATE_BATCHES:
                 rounds: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
                 for index in range(GENERATE_ROUNDS + 1):
                     for implementation in IMPLEMENTATIONS:
-                        model.set_experts_implementation(implementation)
+                        use(model, implementation)
                         ms = generate_ms(model, batch)
                         if index:  # the first round warms up
                             rounds[implementation].append(ms)
@@ -220,7 +230,7 @@ def bench_model(parts: set[str], reps: int) -> list[dict[str, Any]]:
                     record = dict(part="generate", batch=batch, run=implementation,
                                   ms_per_token=statistics.median(times), rounds=times)
                     records.append(record)
-                    print(f"generate batch {batch:3d} {implementation:10s} {record['ms_per_token']:7.2f} ms per token "
+                    print(f"generate batch {batch:3d} {implementation:15s} {record['ms_per_token']:7.2f} ms per token "
                           f"(rounds {', '.join(f'{t:.2f}' for t in times)})", flush=True)
     return records
 
