@@ -94,7 +94,8 @@ class DecodeGraphs:
 
     @staticmethod
     def _capture(forward: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], owner: object) -> _Captured:
-        static = tuple(t.clone() for t in inputs)
+        with torch.inference_mode(False):  # plain tensors: a later call outside inference mode copies into them
+            static = tuple(t.clone() for t in inputs)
         device = static[0].device
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))

@@ -118,6 +118,17 @@ def test_weights_changed_in_place_are_read_and_replaced_ones_captured_anew() -> 
 
 
 @gpu
+def test_a_graph_captured_in_inference_mode_replays_outside_it() -> None:
+    plain, graphed = _pair()
+    x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        first = graphed(x)
+    with torch.no_grad():
+        again = graphed(x)
+    assert torch.equal(first, again) and torch.equal(again, plain(x).detach())
+
+
+@gpu
 def test_at_most_max_graphs_are_kept() -> None:
     plain, graphed = _pair(max_graphs=2)
     with torch.no_grad():
