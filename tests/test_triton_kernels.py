@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, combine, moe_gemm, topk  # noqa: E402
+from moeforge.kernels import align, combine, moe_gemm, topk, weight_grad  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
 from moeforge.reference import dense_moe  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
@@ -63,6 +63,35 @@ def test_alignment_groups_every_copy_by_expert(tokens: int, k: int, experts: int
         members = rows[block * block_m:(block + 1) * block_m]
         members = members[members < flat.numel()]
         assert (flat[members.long()] == int(block_expert[block])).all()
+
+
+@pytest.mark.parametrize("tokens,k,experts,block_m", [
+    (1, 2, 8, 16), (16, 8, 128, 16), (37, 4, 6, 32), (100, 3, 5, 128), (128, 8, 128, 64), (171, 6, 24, 16),
+    (129, 8, 64, 16)])
+def test_small_batches_align_each_experts_copies_in_ascending_order(tokens: int, k: int, experts: int,
+                                                                      block_m: int) -> None:
+    # Up to align.IN_ORDER_COPIES copies one program sorts them: each expert's in ascending order, the order the
+    # weight gradient sums in (canonical_order of the two-kernel plan, whose atomics place them in any order). The
+    # last two cases straddle the bound (1026 and 1032 copies: the two-kernel plan).
+    ids = _ids(tokens, experts, k, torch.Generator().manual_seed(7 * tokens + k))
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids, experts, block_m)
+    used = int(num_padded.item())
+    flat = ids.reshape(-1).long().cpu()
+    counts = torch.bincount(flat, minlength=experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    canonical = weight_grad.canonical_order(sorted_ids, block_expert, num_padded, block_m, flat.numel(), experts)
+    if flat.numel() <= align.IN_ORDER_COPIES:
+        assert torch.equal(sorted_ids[:used].cpu(), canonical[:used].cpu())
+    rows = canonical[:used].cpu()
+    start = 0
+    for expert in range(experts):  # its copies ascending, then its padding, in its own blocks
+        run = int((counts[expert] + block_m - 1) // block_m * block_m)
+        members = rows[start:start + run]
+        assert members[:int(counts[expert])].tolist() == torch.nonzero(flat == expert).flatten().tolist()
+        assert (members[int(counts[expert]):] == flat.numel()).all()
+        assert (block_expert[start // block_m:(start + run) // block_m].cpu() == expert).all()
+        start += run
+    assert start == used
 
 
 def test_alignment_of_every_token_on_one_expert() -> None:

@@ -3,10 +3,12 @@
 Produces the ``BLOCK_ALIGNED`` layout the fused grouped GEMM reads: ``sorted_ids`` lists copy
 indices ``t * top_k + k`` grouped by expert, each expert's run padded with the sentinel
 ``T * top_k`` to a multiple of ``block_m``; ``block_expert[b]`` is the expert of block ``b``;
-``num_padded`` (on the device) is the used length. Two launches, no host synchronisation, fixed
-output sizes: CUDA-graph capturable.
+``num_padded`` (on the device) is the used length. No host synchronisation, fixed output sizes: CUDA-graph
+capturable. Up to :data:`IN_ORDER_COPIES` copies (decode and small prefill batches) one launch does it all and
+places each expert's copies in ascending order (a sort of ``(expert, copy)`` keys in one program); more copies take
+two launches, a count-and-plan program and a scatter over every copy.
 
-Within an expert the order of copies is not fixed (the scatter uses atomics). That does not make
+Within an expert the two-launch scatter's order of copies is not fixed (it uses atomics). That does not make
 results vary: every row of a grouped GEMM is computed independently of its neighbours, the combine
 reads rows by copy index, not by position, and the weight gradient, a sum over an expert's rows, puts
 them in ascending order first (:func:`moeforge.kernels.weight_grad.canonical_order`).
@@ -81,6 +83,56 @@ def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_copies, BLOCK: tl.c
     tl.store(sorted_ids_ptr + position, offs, mask=mask)
 
 
+@triton.jit
+def _align_in_order_kernel(
+    ids_ptr,
+    shift_ptr,
+    block_expert_ptr,
+    sorted_ids_ptr,
+    num_padded_ptr,
+    num_copies,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    COPIES: tl.constexpr,
+    CHUNK_B: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # One program, at most COPIES copies: the count and plan of _count_and_plan_kernel, then every copy placed by a
+    # sort of (expert, copy) keys: each expert's copies in ascending order, the same slots from run to run.
+    pdl.wait_for_the_kernel_before(PDL)
+    offs = tl.arange(0, COPIES)
+    mask = offs < num_copies
+    ids = tl.load(ids_ptr + offs, mask=mask, other=BLOCK_E - 1)
+    hist = tl.histogram(ids, BLOCK_E)
+    masked = tl.sum((offs >= num_copies).to(tl.int32), axis=0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = hist - tl.where(experts == BLOCK_E - 1, masked, 0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    end_blocks = tl.where(experts < num_experts, ends // BLOCK_M, 2147483647)
+    for first in range(0, total // BLOCK_M, CHUNK_B):
+        blocks = first + tl.arange(0, CHUNK_B)
+        owner = tl.sum((end_blocks[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, owner, mask=blocks < total // BLOCK_M)
+    for first in range(0, total, COPIES):
+        slots = first + tl.arange(0, COPIES)
+        tl.store(sorted_ids_ptr + slots, num_copies, mask=slots < total)
+    # The copy at position j of the sorted keys lands in slot j + shift[its expert]: its expert's padded start less
+    # the copies of the experts before it.
+    tl.store(shift_ptr + experts, (ends - padded) - (tl.cumsum(counts, axis=0) - counts), mask=experts < BLOCK_E)
+    tl.debug_barrier()  # the padding and the shifts stored before any copy is placed
+    keys = tl.sort(tl.where(mask, ids * COPIES + offs, BLOCK_E * COPIES))
+    expert = keys // COPIES
+    shift = tl.load(shift_ptr + expert, mask=mask, other=0)
+    tl.store(sorted_ids_ptr + offs + shift, keys % COPIES, mask=mask)
+
+
+IN_ORDER_COPIES = 1024  # at most this many copies are aligned by one program, each expert's in ascending order
+
+
 def max_padded_rows(num_copies: int, num_experts: int, block_m: int) -> int:
     """Upper bound of ``num_padded``: every expert that has a copy wastes at most ``block_m - 1``."""
     return num_copies + min(num_experts, num_copies) * (block_m - 1)
@@ -96,8 +148,19 @@ def align_block_size(
     sorted_ids = torch.empty(size, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(cdiv(size, block_m), dtype=torch.int32, device=ids.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block_e = max(next_power_of_2(num_experts), 2)
+    cursor = torch.empty(block_e, dtype=torch.int32, device=ids.device)
+    if num_copies <= IN_ORDER_COPIES:
+        copies = max(next_power_of_2(num_copies), 16)
+
+        def in_order() -> tuple[dict[str, Any], dict[str, Any]]:
+            dependent = pdl.pdl_applies(ids.device)
+            return (dict(BLOCK_M=block_m, BLOCK_E=block_e, COPIES=copies, CHUNK_B=max(16, 4096 // block_e),
+                         PDL=pdl.flag(dependent)), dict(num_warps=4, **pdl.launch_options(dependent)))
+
+        _IN_ORDER.launch((block_m, copies, ids.device), (1,), (ids, cursor, block_expert, sorted_ids, num_padded,
+                                                               num_copies, num_experts), in_order)
+        return sorted_ids, block_expert, num_padded
 
     def plan() -> tuple[dict[str, Any], dict[str, Any]]:
         dependent = pdl.pdl_applies(ids.device)
@@ -115,5 +178,6 @@ def align_block_size(
     return sorted_ids, block_expert, num_padded
 
 
+_IN_ORDER = LaunchSite(_align_in_order_kernel)
 _COUNT_AND_PLAN = LaunchSite(_count_and_plan_kernel)
 _SCATTER = LaunchSite(_scatter_kernel)
