@@ -8,6 +8,7 @@ on the machine's cores share the GPU well. Usage, from the repository root::
     python3 tests/gpu_shards.py --shards 8 --only 0,1 --jobs 2 --out "$OUT/shards"  # two shards of eight
     python3 tests/gpu_shards.py --shards 8 --list                                   # which tests, where
     python3 tests/gpu_shards.py --shards 4 --jobs 4 --out "$OUT/again" -- @unfinished.txt  # node ids from a file
+    python3 tests/gpu_shards.py --shards 64 --jobs 48 --gpus 4 --out "$OUT/shards"  # a machine of four GPUs
 
 The collected tests (``pytest --collect-only``, in pytest's order) are cut into ``--shards`` contiguous
 pieces of about equal estimated time: the seconds each test took in earlier summaries given with
@@ -15,7 +16,9 @@ pieces of about equal estimated time: the seconds each test took in earlier summ
 ``pytest`` process and records every test's outcome as it finishes (``shard-K.jsonl``), so a shard
 stopped by ``--timeout`` still says what ran; then ``shard-K.json`` (counts, failures with their
 messages, skips with their reasons, each test's seconds, the tests that never ran) and ``shard-K.txt``,
-and ``summary.txt`` for the shards of this run. The exit status is 0 when no test failed or went
+and ``summary.txt`` for the shards of this run. With ``--gpus N`` shard K sees only GPU K mod N
+(``CUDA_VISIBLE_DEVICES``), so the shards of a machine with several GPUs spread over them; tests that need
+several GPUs then skip, and run in a call of their own. The exit status is 0 when no test failed or went
 unrun in the shards run.
 
 Passing ``-p gpu_shards`` to pytest (with ``tests`` on ``PYTHONPATH``) loads this file as the plugin
@@ -146,11 +149,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=0, help="seconds before a shard is stopped (0: never)")
     parser.add_argument("--durations", action="append", default=[],
                         help="earlier summaries (files or folders) whose seconds balance the shards")
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="spread the shards over this many GPUs, one visible to each shard (0: leave as is)")
     parser.add_argument("--list", action="store_true", help="print each shard's tests and stop")
     parser.add_argument("pytest_args", nargs="*", help="after --: what to collect (default: the tests folder)")
     args = parser.parse_args(argv)
-    if args.shards < 1 or args.jobs < 1:
-        parser.error("--shards and --jobs must be at least 1")
+    if args.shards < 1 or args.jobs < 1 or args.gpus < 0:
+        parser.error("--shards and --jobs must be at least 1, --gpus at least 0")
     chosen = sorted({int(part) for part in args.only.split(",") if part.strip()}) or list(range(args.shards))
     if any(not 0 <= index < args.shards for index in chosen):
         parser.error(f"--only takes shard numbers 0..{args.shards - 1}, got {args.only}")
@@ -174,10 +179,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             index = waiting.pop(0)
             log = out / f"shard-{index}.jsonl"
             log.unlink(missing_ok=True)
+            visible = {"CUDA_VISIBLE_DEVICES": str(index % args.gpus)} if args.gpus else {}
             with open(out / f"shard-{index}.log", "wb") as output:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_shards",
-                     *pieces[index]], cwd=ROOT, env={**env, LOG_VARIABLE: str(log.resolve())},
+                     *pieces[index]], cwd=ROOT, env={**env, **visible, LOG_VARIABLE: str(log.resolve())},
                     stdout=output, stderr=subprocess.STDOUT)
             running[index] = (process, time.monotonic())
         time.sleep(1)
