@@ -125,7 +125,8 @@ def test_a_graph_captured_in_inference_mode_replays_outside_it() -> None:
         first = graphed(x)
     with torch.no_grad():
         again = graphed(x)
-    assert torch.equal(first, again) and torch.equal(again, plain(x).detach())
+        want = plain(x)  # outside no_grad the forward would take the training path: other roundings
+    assert torch.equal(first, again) and torch.equal(again, want)
 
 
 @gpu
