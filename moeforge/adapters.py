@@ -10,16 +10,20 @@ adapter leaves the layer's output as it was. The base weights keep their format 
 An :class:`AdaptedGemm` stage computes the update on the rows the GEMM reads, as two more grouped GEMMs of rank
 ``r`` (``x Aᵀ``, then ``· Bᵀ``, scaled, with the base GEMM's routing weights where its epilogue applies them) added
 to the base GEMM's output — never the full-size ``B A``. It wraps the torch stages' GEMMs, whatever their weights'
-format (float, or 4-bit weights decoded as they run: a float adapter over a frozen quantized base), and takes float
-rows: a layer with an adapter runs on the torch backend (``backend="auto"`` picks it; ``"triton"`` is refused until
-the triton GEMMs take adapters), and a pipeline whose targeted GEMM reads quantized rows (FP8 / INT8 / NVFP4
-activations) is refused when it is built, naming it. Over a base whose method has ``row_gradients`` (its GEMMs pass
-gradients to their rows through the frozen weights: W4A16, MXFP4, NVFP4 on the torch stages) the layer trains
-although the method alone is inference-only.
+format (float, or 4-bit weights decoded as they run: a float adapter over a frozen quantized base).
+:class:`AdaptedGroupedGemm` does the same around the triton GEMMs on block-aligned rows: the base GEMM without its
+fused activation, the two low-rank products as launches of the same grouped-GEMM kernel on the same alignment, the
+sum, then the activation as its own kernel; every kernel has its backward, so the adapter trains there too (over
+float base weights: the quantized triton GEMMs have no backward). Both take float rows: a pipeline whose targeted
+GEMM reads quantized rows (FP8 / INT8 / NVFP4 activations) is refused when it is built, naming it. Over a base
+whose method has ``row_gradients`` (its torch GEMMs pass gradients to their rows through the frozen weights: W4A16,
+MXFP4, NVFP4) the layer trains on the torch backend although the method alone is inference-only, which is why
+``backend="auto"`` picks the torch stages for those bases; ``backend="triton"`` serves them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Optional, Union
@@ -28,7 +32,10 @@ import attrs
 import torch
 
 from moeforge.errors import InputError
-from moeforge.payloads import Activations, ExpertRows
+from moeforge.kernels.config import GemmConfig
+from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
+from moeforge.kernels.sizes import next_power_of_2
+from moeforge.payloads import Activations, AlignedRows, ExpertRows
 from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, Layout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.gemm import GemmRole, expert_rows_gemm
@@ -148,7 +155,7 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
             return found
         a, b = resolve(self.lora_a), resolve(self.lora_b)
         experts, in_features = spec.num_experts, spec.width
-        out_features = self.base.output_spec(spec).width
+        out_features = self.product_width(spec)
         if a.dim() != 3 or a.shape[0] not in (1, experts) or a.shape[2] != in_features:
             found.append(Mismatch("width", tuple(a.shape), f"[{experts} or 1, r, {in_features}]",
                                   "the adapter's A is [experts, rank, in_features] (one expert when shared)"))
@@ -156,6 +163,10 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
             found.append(Mismatch("width", tuple(b.shape), f"[{experts}, {out_features}, r]",
                                   "the adapter's B is [experts, out_features, rank], the rank of its A"))
         return found
+
+    def product_width(self, spec: Spec) -> int:
+        """The width of the base GEMM's product, to which the update is added (``B``'s rows)."""
+        return self.base.output_spec(spec).width
 
     def output_spec(self, spec: Spec) -> Spec:
         return self.base.output_spec(spec)
@@ -171,26 +182,102 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
         return out.with_x(Activations(out.x.data + self.scale * update.x.data))
 
 
+@attrs.frozen(eq=False)
+class AdaptedGroupedGemm(AdaptedGemm):
+    """``base``, a triton GEMM on block-aligned rows (:class:`~moeforge.stages.triton.FusedGroupedGemm`, or
+    :class:`~moeforge.stages.triton_quant.FusedQuantGroupedGemm` reading float rows), plus ``scale · (x Aᵀ) Bᵀ``
+    between its product and its activation: ``base.pre_activation`` (the GEMM with its bias and, where its epilogue
+    applies them, routing weights), ``x Aᵀ`` as a launch of the grouped-GEMM kernel on the same alignment (``[copies,
+    r]``; with one shared ``A``, one matmul of the rows before they are copied), scaled, ``· Bᵀ`` as another (with
+    the routing weights where the base applies them), the sum, then ``base.activate``. The rows, ``A`` and ``B``
+    differentiate through the kernels' backward (:mod:`moeforge.kernels.backward`)."""
+
+    def __attrs_post_init__(self) -> None:
+        base = self.base
+        if not (callable(getattr(base, "pre_activation", None)) and callable(getattr(base, "activate", None))
+                and isinstance(getattr(base, "role", None), GemmRole)
+                and isinstance(getattr(base, "apply_routing_weights", None), bool)):
+            raise InputError(f"a triton adapter wraps a GEMM stage that can run without its activation "
+                             f"(pre_activation, activate), got {base.summary()}")
+        if getattr(base, "activation", None) is not None and self.apply_routing_weights:
+            raise InputError(f"{base.summary()} applies the routing weights after its activation: the adapter's update "
+                             "comes before it")
+        if getattr(base, "output_quantizer", None) is not None:
+            raise InputError(f"{base.summary()} quantizes its output: the adapter's update comes before that")
+
+    @property
+    def kinds(self) -> tuple[StageKind, ...]:  # type: ignore[override]
+        return tuple(self.base.kinds)
+
+    def product_width(self, spec: Spec) -> int:
+        width = self.base.output_spec(spec).width  # after a fused gated activation: half the product
+        activation = getattr(self.base, "activation", None)
+        return 2 * width if activation is not None and activation.gated else width
+
+    def __call__(self, x: ExpertRows) -> ExpertRows:
+        assert isinstance(x, AlignedRows)
+        base: Any = self.base
+        product = base.pre_activation(x)
+        a, b = resolve(self.lora_a), resolve(self.lora_b)
+        alignment = x.alignment
+        route = GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
+                          aligned_block_m=alignment.block_m)
+        rows = x.x.data
+        rows_per_a = 1 if x.copy_major else alignment.copies_per_row
+        dtype = product.x.data.dtype
+        rank, out_features = int(b.shape[2]), int(b.shape[1])
+        if a.shape[0] == 1:  # one A for every expert: one product per row, before the rows are copied
+            low, rows_per_low = rows @ a[0].t(), rows_per_a
+        else:
+            low, _ = grouped_gemm(GemmRows(rows, rows_per_a=rows_per_a), GemmWeight(a), route, GemmEpilogue(dtype),
+                                  low_rank_config(alignment.block_m, rank, int(a.shape[2])))
+            rows_per_low = 1
+        if self.scale != 1.0:
+            low = low * self.scale
+        update, _ = grouped_gemm(
+            GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b), route,
+            GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),
+            low_rank_config(alignment.block_m, out_features, rank))
+        # Where nothing is recorded for a backward, the update is added in place (no third [copies, N] buffer).
+        summed = product.x.data + update if torch.is_grad_enabled() else product.x.data.add_(update)
+        out: AlignedRows = base.activate(dataclasses.replace(product, x=Activations(summed)))
+        return out
+
+
+def low_rank_config(block_m: int, n: int, k: int) -> GemmConfig:
+    """The launch of one of an adapter's products on rows aligned by ``block_m``: ``n`` columns out of a reduction
+    over ``k`` (one of them the rank), each tile as wide as the power of two above it between 16 (the MMA's least)
+    and 128 (``n``) or 64 (``k``); the launcher's rules for TMA and split K."""
+    block_n = min(128, max(16, next_power_of_2(n)))
+    block_k = min(64, max(16, next_power_of_2(k)))
+    return GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=4, num_stages=3 if k > block_k else 2)
+
+
 def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: ExpertAdapter) -> list[Stage[Any, Any]]:
-    """``stages`` with each GEMM that ``adapter`` targets wrapped in an :class:`AdaptedGemm` reading ``holder``'s
-    adapter parameters. Raises :class:`~moeforge.errors.InputError` naming a targeted GEMM it cannot wrap: one fused
-    with the activation (the update must come before it), or a kernel stage of block-aligned rows."""
+    """``stages`` with each GEMM that ``adapter`` targets wrapped in an :class:`AdaptedGemm` (a torch GEMM) or an
+    :class:`AdaptedGroupedGemm` (a triton GEMM on block-aligned rows) reading ``holder``'s adapter parameters. Raises
+    :class:`~moeforge.errors.InputError` naming a targeted GEMM it cannot wrap: one that reads quantized rows, a torch
+    GEMM fused with the activation (the update must come before it), another kernel stage."""
     adapted: list[Stage[Any, Any]] = []
     found: set[GemmRole] = set()
     for stage in stages:
         role = getattr(stage, "role", None)
         if StageKind.GEMM in stage.kinds and role in adapter.targets:
-            if tuple(stage.kinds) != (StageKind.GEMM,) or Layout.BLOCK_ALIGNED in (stage.accepts().layout or ()):
-                raise InputError(f"an expert adapter on the {role.value} GEMM adds its update to that GEMM's rows on the "
-                                 f"torch stages; this pipeline's is {stage.summary()}: build the layer with "
-                                 "backend='torch'")
             dtypes = stage.accepts().dtype
             if dtypes is not None and not dtypes & REFERENCE_FLOAT_DTYPES:
                 raise InputError(f"an expert adapter computes its update on float rows, and the {role.value} GEMM "
                                  f"{stage.summary()} reads quantized ones ({', '.join(sorted(d.value for d in dtypes))}):"
                                  " use a method whose GEMMs read float rows (unquantized, W4A16, MXFP4, NVFP4 weights)")
             name_a, name_b = ADAPTER_NAMES[role]
-            stage = AdaptedGemm(stage, ParamRef(holder, name_a), ParamRef(holder, name_b), adapter.scale)
+            ref_a, ref_b = ParamRef(holder, name_a), ParamRef(holder, name_b)
+            if callable(getattr(stage, "pre_activation", None)):
+                stage = AdaptedGroupedGemm(stage, ref_a, ref_b, adapter.scale)
+            elif tuple(stage.kinds) != (StageKind.GEMM,) or Layout.BLOCK_ALIGNED in (stage.accepts().layout or ()):
+                raise InputError(f"an expert adapter on the {role.value} GEMM adds its update to that GEMM's rows; "
+                                 f"this pipeline's is {stage.summary()}, which takes none: build the layer with "
+                                 "backend='torch'")
+            else:
+                stage = AdaptedGemm(stage, ref_a, ref_b, adapter.scale)
             found.add(role)
         adapted.append(stage)
     missing = adapter.targets - found

@@ -82,9 +82,9 @@ class MoELayer(nn.Module):
         environ: where the process default ``MOEFORGE_DISPATCH_DTYPE`` is read (default
             ``os.environ``; only read, never written).
         adapter: an :class:`~moeforge.adapters.ExpertAdapter`: a LoRA update of the experts' GEMMs, its matrices
-            parameters of the layer (``w13_lora_a`` ...; ``B`` zero, so the output starts as without it). Runs on
-            the torch backend (``"auto"`` picks it; ``"triton"`` is refused) on float rows. See
-            :mod:`moeforge.adapters`.
+            parameters of the layer (``w13_lora_a`` ...; ``B`` zero, so the output starts as without it). On float
+            rows, on either backend; over a quantized base ``"auto"`` picks the torch stages, where the adapter
+            trains. See :mod:`moeforge.adapters`.
         decode_graphs: a :class:`~moeforge.decode_graphs.DecodeGraphSettings` to replay the experts' forward as a
             CUDA graph, captured once per batch size up to its ``max_tokens`` (eager calls at decode sizes, where
             launching the kernels costs more than running them; inference only: a call autograd records, a CPU
@@ -226,11 +226,9 @@ class MoELayer(nn.Module):
                 return resolve_backend(Backend.TRITON, device)
             except BackendUnavailableError as error:
                 raise BackendUnavailableError(f"batch_invariant=True needs the triton backend: {error}") from error
-        if self.adapter is not None:
-            # The adapters wrap the torch GEMM stages (moeforge.adapters).
-            if not auto and resolve_backend(setting, device) is not Backend.TORCH:
-                raise InputError(f"an expert adapter runs on the torch backend (the triton GEMMs take no adapter yet), "
-                                 f"got backend={setting!r}: use backend='torch' or 'auto'")
+        if self.adapter is not None and auto and self.quant.row_gradients:
+            # A float adapter over a quantized base trains on the torch stages, whose GEMMs pass gradients to their
+            # rows through the frozen weights; the quantized triton GEMMs have no backward (moeforge.adapters).
             return Backend.TORCH
         if auto:
             return None
@@ -316,7 +314,7 @@ class MoELayer(nn.Module):
             notes.append(self.expert_parallel.summary())
         notes += self.selection.describe()
         # An adapter over a base whose GEMMs pass gradients to their rows trains (its base stays frozen).
-        trains_adapter = self.adapter is not None and self.quant.row_gradients
+        trains_adapter = self.adapter is not None and self.quant.row_gradients and self.backend is Backend.TORCH
         pipeline: Pipeline[MoEInput, MoEOutput] = Pipeline(stages, spec, debug=self.debug, notes=notes,
                                                            no_backward=None if trains_adapter
                                                            else self.quant.backward_problem())

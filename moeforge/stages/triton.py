@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from moeforge.errors import BackendUnavailableError, InputError
-from moeforge.kernels.config import ConfigTable
+from moeforge.kernels.config import ConfigTable, GemmConfig
 from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
 from moeforge.no_backward import records_grad
 from moeforge.payloads import Activations, AlignedRows, BlockAlignment, MoEInput, Plan, RoutedTokens, TopKOutput
@@ -233,28 +233,45 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         )
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
-        alignment = x.alignment
-        config = alignment.config  # chosen by the dispatch for this batch; the spec checked the tables agree
-        gemm = config.gate_up if self.role is GemmRole.GATE_UP else config.down
-        weight = resolve(self.weight)
-        bias = resolve(self.bias) if self.bias is not None else None
         # Training: the activation runs as its own op, which keeps the pre-activation rows for the backward
         # (no second GEMM there); inference fuses it in the epilogue.
-        separate = self._act[0] != 0 and not self.apply_routing_weights and records_grad(x.x.data, weight, bias)
-        act, glu, interleaved, alpha, limit = activation_args(None) if separate else self._act
-        if separate and self._act[1]:
-            gemm = gemm.unfused_gate_up()
+        weight = resolve(self.weight)
+        bias = resolve(self.bias) if self.bias is not None else None
+        if self._act[0] != 0 and not self.apply_routing_weights and records_grad(x.x.data, weight, bias):
+            return self.activate(self.pre_activation(x))
+        config = x.alignment.config  # chosen by the dispatch for this batch; the spec checked the tables agree
+        return self._launch(x, config.gate_up if self.role is GemmRole.GATE_UP else config.down, self._act)
+
+    def pre_activation(self, x: AlignedRows) -> AlignedRows:
+        """The GEMM with its bias (and the routing weights where its epilogue applies them) but without its
+        activation: ``[copies, N_w]`` rows, one per copy. :meth:`activate` finishes the forward; a training forward
+        and an adapter (:mod:`moeforge.adapters`, which adds its update in between) call the two."""
+        if self._act[0] != 0 and self.apply_routing_weights:
+            raise ValueError(f"{self.summary()}: the routing weights come after the activation")
+        config = x.alignment.config
+        gemm = config.gate_up if self.role is GemmRole.GATE_UP else config.down
+        return self._launch(x, gemm.unfused_gate_up() if self._act[1] else gemm, activation_args(None))
+
+    def activate(self, rows: AlignedRows) -> AlignedRows:
+        """The activation of :meth:`pre_activation`'s rows as its own op (``moeforge::activate_rows``, which keeps
+        the pre-activation rows for its backward); the rows themselves without an activation."""
+        if self._act[0] == 0:
+            return rows
+        return dataclasses.replace(rows, x=Activations(kernel_ops().activate_rows(rows.x.data, *self._act)))
+
+    def _launch(self, x: AlignedRows, gemm: GemmConfig, act_args: tuple[int, bool, bool, float, float]) -> AlignedRows:
+        alignment = x.alignment
+        act, glu, interleaved, alpha, limit = act_args
         out, _ = grouped_gemm(
             GemmRows(x.x.data, rows_per_a=1 if x.copy_major else alignment.copies_per_row),
-            GemmWeight(weight),
+            GemmWeight(resolve(self.weight)),
             GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
                       aligned_block_m=alignment.block_m),
-            GemmEpilogue(x.x.data.dtype, bias=bias, routing_weights=x.copy_weights if self.apply_routing_weights
-                         else None, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit),
+            GemmEpilogue(x.x.data.dtype, bias=resolve(self.bias) if self.bias is not None else None,
+                         routing_weights=x.copy_weights if self.apply_routing_weights else None, act=act, glu=glu,
+                         interleaved=interleaved, alpha=alpha, limit=limit),
             gemm,
         )
-        if separate:
-            out = kernel_ops().activate_rows(out, *self._act)
         return dataclasses.replace(x, x=Activations(out), copy_major=True)
 
 

@@ -311,25 +311,32 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     # -- run ----------------------------------------------------------------------------------------
 
-    def gemm_config(self, alignment: BlockAlignment) -> GemmConfig:
+    def gemm_config(self, alignment: BlockAlignment, unfused: bool = False) -> GemmConfig:
         """The launch configuration for rows aligned by ``alignment`` (before the kernel's own fitting): the
         table's tiles where it was tuned for the format, else the format's rules on the table's block_m (a
-        batch-invariant table's never split K)."""
+        batch-invariant table's never split K). ``unfused``: the gate/up GEMM without its gated activation
+        (:meth:`pre_activation`), one accumulator over the gate and up rows."""
+        glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
         if self.use_table_tiles or self.configs.weight_format is not None:
-            return alignment.config.gate_up if self.role is GemmRole.GATE_UP else alignment.config.down
+            gemm = alignment.config.gate_up if self.role is GemmRole.GATE_UP else alignment.config.down
+            return gemm.unfused_gate_up() if unfused and glu else gemm
         narrow = False
         if self.weight_format.packed and not self.weight_shuffled and alignment.block_m <= 16:
             busy = min(alignment.num_tokens * alignment.copies_per_row, self.configs.num_experts)
             narrow = busy * -(-self.out_features // 64) < 4 * self._sms  # programs of 64-column tiles vs 4 per SM
+        if unfused and glu:
+            return self._rule_config(alignment.block_m, narrow, glu=False)
         planned = self._planned.get((alignment.block_m, narrow))
         return planned if planned is not None else self._rule_config(alignment.block_m, narrow)
 
-    def _rule_config(self, block_m: int, narrow: bool) -> GemmConfig:
+    def _rule_config(self, block_m: int, narrow: bool, glu: Optional[bool] = None) -> GemmConfig:
         """The format's configuration for ``block_m``-row blocks; ``narrow``: few experts busy at decode, where
         64-column tiles leave most SMs idle through a long, latency-bound dequantizing K-loop and narrow, deep
         tiles make 2x the programs with half the K-steps (docs/notes/kernels-log.md, "One grouped GEMM for every
-        weight format")."""
-        glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
+        weight format"); ``glu``: two accumulators, gate and up (default: whether the stage fuses a gated
+        activation)."""
+        if glu is None:
+            glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
         if narrow and not self.configs.batch_invariant:
             config = GemmConfig(block_m, 32, 128, group_m=1, num_warps=4, num_stages=3)
         else:
@@ -339,14 +346,39 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return attrs.evolve(config, split_k=1) if self.configs.batch_invariant else config
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
-        alignment = x.alignment
-        config = self.gemm_config(alignment)
-        nvfp4_rows = x.x.data.dtype == torch.uint8
+        config = self.gemm_config(x.alignment)
         fp8_out = self._fp8_epilogue and config.block_n % GROUP_SIZE == 0
+        rows = self._launch(x, config, self._act, fp8_out)
+        if rows.x.scale is not None or self.output_quantizer is None:
+            return rows
+        dtype, per_group = kernel_format(self.output_quantizer)
+        q, scale = kernel_ops().quantize_rows(rows.x.data, dtype, per_group, 0, False, False, 1.0, 0.0)
+        return dataclasses.replace(rows, x=Activations(q, scale))
+
+    def pre_activation(self, x: AlignedRows) -> AlignedRows:
+        """The GEMM with its bias (and the routing weights where its epilogue applies them) but without its
+        activation: ``[copies, N_w]`` rows in ``out_dtype``, one per copy; :meth:`activate` finishes the forward (an
+        adapter, :mod:`moeforge.adapters`, adds its update in between). Not for a stage that quantizes its output."""
+        if self.output_quantizer is not None or (self._act[0] != 0 and self.apply_routing_weights):
+            raise ValueError(f"{self.summary()}: its epilogue needs the activation (routing weights or quantized "
+                             "output after it)")
+        return self._launch(x, self.gemm_config(x.alignment, unfused=True), activation_args(None), False)
+
+    def activate(self, rows: AlignedRows) -> AlignedRows:
+        """The activation of :meth:`pre_activation`'s rows as its own op (``moeforge::activate_rows``); the rows
+        themselves without an activation."""
+        if self._act[0] == 0:
+            return rows
+        return dataclasses.replace(rows, x=Activations(kernel_ops().activate_rows(rows.x.data, *self._act)))
+
+    def _launch(self, x: AlignedRows, config: GemmConfig, act_args: tuple[int, bool, bool, float, float],
+                fp8_out: bool) -> AlignedRows:
+        alignment = x.alignment
+        nvfp4_rows = x.x.data.dtype == torch.uint8
         weight_scale = resolve(self.weight_scale)
         scale_max = self._scale_bound.max_code(weight_scale) if self._scale_bound is not None else None
         rows_global = self.input_global_scale if nvfp4_rows and self.input_global_scale is not None else 1.0
-        act, glu, interleaved, alpha, limit = self._act
+        act, glu, interleaved, alpha, limit = act_args
         out, out_scale = grouped_gemm(
             GemmRows(x.x.data, x.x.scale, global_scale=rows_global,
                      rows_per_a=1 if x.copy_major else alignment.copies_per_row),
@@ -361,13 +393,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
                          interleaved=interleaved, alpha=alpha, limit=limit, fp8_out=fp8_out),
             config,
         )
-        if out_scale is not None:
-            return dataclasses.replace(x, x=Activations(out, out_scale), copy_major=True)
-        if self.output_quantizer is not None:
-            dtype, per_group = kernel_format(self.output_quantizer)
-            q, scale = kernel_ops().quantize_rows(out, dtype, per_group, 0, False, False, 1.0, 0.0)
-            return dataclasses.replace(x, x=Activations(q, scale), copy_major=True)
-        return dataclasses.replace(x, x=Activations(out), copy_major=True)  # keeps a subclass's fields
+        return dataclasses.replace(x, x=Activations(out, out_scale), copy_major=True)  # keeps a subclass's fields
 
 
 class _QuantizeAlignedBase:

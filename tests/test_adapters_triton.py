@@ -1,0 +1,253 @@
+"""Expert adapters on the triton GEMMs (moeforge.adapters.AdaptedGroupedGemm): the triton pipeline with an adapter
+computes what the torch pipeline with the same adapter computes (which ``tests/test_adapters.py`` checks against the
+merged weights), in value and in every gradient — the rows, ``A``, ``B``, the base weights — for each targeted GEMM,
+a shared ``A``, activations with and without a gate, biases, routing weights in the down GEMM's epilogue, empty and
+one-token batches, and over a quantized base reading float rows (inference).
+
+On CPU the kernels run in Triton's interpreter on pipelines built from a torch layer's weights (fp32; fp16 for the
+4-bit base: the interpreter mis-computes bf16 dots); on a GPU the same, plus layers built as users build them
+(``MoELayer(..., adapter=..., backend="triton")``) against the torch backend in bf16, their gradients bitwise the
+same from run to run, and ``backend="auto"``'s choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+
+import moeforge as mf
+from moeforge.adapters import ADAPTER_NAMES, AdaptedGroupedGemm, ExpertAdapter, adapt, low_rank_config
+from moeforge.selector import expert_stages
+
+pytest.importorskip("triton")
+
+from moeforge.kernels.config import ConfigTable  # noqa: E402
+from moeforge.stages.combine import Combine  # noqa: E402
+from moeforge.stages.triton import AlignDispatch, TritonTopK  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+E, K, H, I = 6, 2, 32, 16
+
+ADAPTERS = {
+    "both, rank 4": ExpertAdapter(rank=4, alpha=8),
+    "down, rank 3": ExpertAdapter(rank=3, targets="down"),
+    "gate_up, shared A": ExpertAdapter(rank=2, alpha=1.5, targets=["gate_up"], shared_a=True),
+    "both, rank 16, shared A": ExpertAdapter(rank=16, alpha=16, shared_a=True),
+}
+ACTIVATIONS = {
+    "swiglu": mf.ActivationConfig(),
+    "gpt-oss (interleaved, clamped)": mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU,
+                                                          gate_up=mf.GateUpLayout.INTERLEAVED),
+    "relu2 (no gate)": mf.ActivationConfig(mf.ActivationKind.RELU2),
+}
+
+
+def _randomise_adapter(layer: mf.MoELayer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for names in ADAPTER_NAMES.values():
+            for name in names:
+                if hasattr(layer, name):
+                    param = getattr(layer, name)
+                    param.copy_((torch.randn(param.shape, generator=gen) * 0.3).to(param.dtype))
+
+
+def _torch_layer(adapter: ExpertAdapter, dtype: torch.dtype, activation: Optional[mf.ActivationConfig] = None,
+                 seed: int = 0, **kwargs: Any) -> mf.MoELayer:
+    torch.manual_seed(seed)
+    layer = mf.MoELayer(E, K, H, I, adapter=adapter, dtype=dtype, device=DEVICE, backend="torch",
+                        activation=activation or mf.ActivationConfig(), environ={}, **kwargs)
+    _randomise_adapter(layer, seed + 1)
+    return layer
+
+
+def _triton_pipeline(layer: mf.MoELayer, weights_in_epilogue: bool = False) -> mf.Pipeline:  # type: ignore[type-arg]
+    """The triton pipeline of ``layer``'s weights and adapter (what ``MoELayer(backend="triton")`` builds)."""
+    table = ConfigTable(E, K)
+    stages: list[mf.Stage[Any, Any]] = [TritonTopK(E, K, layer.routing), AlignDispatch(E, table)]
+    stages += expert_stages(layer.quant, layer, activation=layer.activation,
+                            routing_weights_in_epilogue=weights_in_epilogue, backend=mf.Backend.TRITON,
+                            configs=table, dispatch=layer.dispatch_decision.dtype)
+    stages.append(Combine(apply_routing_weights=not weights_in_epilogue, out_dtype=mf.DType.from_torch(layer.dtype)))
+    assert layer.adapter is not None
+    return mf.Pipeline(adapt(stages, layer, layer.adapter), mf.input_spec(H, layer.dtype, E), debug=True)
+
+
+def _run(pipeline: mf.Pipeline, layer: mf.MoELayer, x: torch.Tensor) -> torch.Tensor:  # type: ignore[type-arg]
+    out: torch.Tensor = pipeline.run(mf.MoEInput(x, layer.router_logits(x))).hidden_states
+    return out
+
+
+def _grads(pipeline: mf.Pipeline, layer: mf.MoELayer, x: torch.Tensor,  # type: ignore[type-arg]
+           upstream: torch.Tensor) -> list[torch.Tensor]:
+    rows = x.clone().requires_grad_()
+    params = [param for name, param in layer.named_parameters() if "router" not in name]
+    return list(torch.autograd.grad((_run(pipeline, layer, rows).float() * upstream).sum(), [rows, *params]))
+
+
+@pytest.mark.parametrize("name", list(ADAPTERS))
+@pytest.mark.parametrize("tokens", [0, 1, 13])
+def test_the_triton_pipeline_with_an_adapter_equals_the_torch_one(name: str, tokens: int) -> None:
+    layer = _torch_layer(ADAPTERS[name], torch.float32)
+    pipeline = _triton_pipeline(layer)
+    assert sum(isinstance(stage, AdaptedGroupedGemm) for stage in pipeline.stages) == len(ADAPTERS[name].targets)
+    x = torch.randn(tokens, H, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(tokens))
+    with torch.no_grad():
+        want, got = layer(x), _run(pipeline, layer, x)
+        _randomise_adapter(layer, 99)  # the stages read the parameters when they run
+        assert tokens == 0 or not torch.equal(_run(pipeline, layer, x), got)
+        torch.testing.assert_close(_run(pipeline, layer, x), layer(x), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("weights_in_epilogue", [False, True])
+def test_every_gradient_equals_the_torch_pipelines(activation: str, weights_in_epilogue: bool) -> None:
+    bias = activation.startswith("gpt-oss")
+    routing = mf.RoutingConfig(apply_weights=mf.RoutingWeights.IN_GEMM_EPILOGUE if weights_in_epilogue
+                               else mf.RoutingWeights.IN_COMBINE)
+    layer = _torch_layer(ExpertAdapter(rank=3, alpha=6), torch.float32, ACTIVATIONS[activation], expert_bias=bias,
+                         routing=routing)
+    with torch.no_grad():
+        for name in ("w13_bias", "w2_bias"):
+            if getattr(layer, name, None) is not None:
+                getattr(layer, name).normal_(0, 0.1)
+    pipeline = _triton_pipeline(layer, weights_in_epilogue)
+    x = torch.randn(11, H, device=DEVICE)
+    upstream = torch.randn(11, H, device=DEVICE)
+    want = _grads(layer.pipeline, layer, x, upstream)
+    got = _grads(pipeline, layer, x, upstream)
+    assert len(got) == 1 + 4 + 2 + (2 if bias else 0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_over_a_quantized_base_reading_float_rows_the_update_is_added_before_the_activation() -> None:
+    torch.manual_seed(3)
+    layer = mf.MoELayer(E, K, 128, 128, quant=mf.W4A16Method(group_size=32), adapter=ExpertAdapter(rank=4, alpha=4),
+                        dtype=torch.float16, device=DEVICE, backend="torch", environ={})
+    _randomise_adapter(layer, 4)
+    table = ConfigTable(E, K)
+    stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, K, layer.routing), AlignDispatch(E, table)]
+    stages += expert_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
+                            backend=mf.Backend.TRITON, configs=table, dispatch=layer.dispatch_decision.dtype)
+    stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.FP16))
+    pipeline = mf.Pipeline(adapt(stages, layer, layer.adapter), mf.input_spec(128, torch.float16, E))  # type: ignore[arg-type]
+    assert "w4a16" in pipeline.describe().lower() and "LoRA r=4" in pipeline.describe()
+    x = torch.randn(9, 128, device=DEVICE, dtype=torch.float16)
+    with torch.no_grad():
+        want = layer(x).float()
+        got = pipeline.run(mf.MoEInput(x, layer.router_logits(x))).hidden_states.float()
+    assert (got - want).norm() / want.norm() < 2e-3
+
+
+def test_the_low_rank_launches_fit_the_rank() -> None:
+    assert (low_rank_config(64, 4, 2048).block_n, low_rank_config(64, 4, 2048).block_k) == (16, 64)
+    assert (low_rank_config(16, 1536, 16).block_n, low_rank_config(16, 1536, 16).block_k) == (128, 16)
+    assert low_rank_config(128, 48, 48).block_n == 64 and low_rank_config(128, 48, 48).num_stages == 2
+
+
+def test_a_base_the_update_cannot_enter_is_refused() -> None:
+    from moeforge.stages.triton import FusedGroupedGemm
+
+    w = torch.randn(E, 2 * I, H)
+    a, b = torch.randn(E, 2, H), torch.randn(E, 2 * I, 2)
+    with pytest.raises(mf.InputError, match="routing weights after its activation"):
+        AdaptedGroupedGemm(FusedGroupedGemm(mf.GemmRole.GATE_UP, w, ConfigTable(E, K), None, mf.ActivationConfig(),
+                                            apply_routing_weights=True), a, b, 1.0)
+    with pytest.raises(mf.InputError, match="can run without its activation"):
+        AdaptedGroupedGemm(mf.GroupedGemm(mf.GemmRole.GATE_UP, w), a, b, 1.0)
+
+
+# -- on the GPU: layers as users build them --------------------------------------------------------------------
+
+
+def _pair(adapter: ExpertAdapter, **kwargs: Any) -> tuple[mf.MoELayer, mf.MoELayer]:
+    torch.manual_seed(5)
+    reference = mf.MoELayer(16, 4, 256, 128, adapter=adapter, dtype=torch.bfloat16, device="cuda", backend="torch",
+                            **kwargs)
+    _randomise_adapter(reference, 6)
+    layer = mf.MoELayer(16, 4, 256, 128, adapter=adapter, dtype=torch.bfloat16, device="cuda", backend="triton",
+                        **kwargs)
+    layer.load_state_dict(reference.state_dict())
+    return reference, layer
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["both, rank 4", "both, rank 16, shared A", "down, rank 3"])
+@pytest.mark.parametrize("tokens", [1, 200, 3000])
+def test_an_adapted_triton_layer_trains_like_the_torch_layer(name: str, tokens: int) -> None:
+    reference, layer = _pair(ADAPTERS[name])
+    assert layer.backend is mf.Backend.TRITON and "LoRA" in layer.describe()
+    x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+    upstream = torch.randn(tokens, 256, device="cuda")
+    results = []
+    for model in (reference, layer):
+        rows = x.clone().requires_grad_()
+        out = model(rows)
+        params = [param for pname, param in model.named_parameters() if "router" not in pname]
+        results.append((out, torch.autograd.grad((out.float() * upstream).sum(), [rows, *params])))
+    assert _rel(results[1][0], results[0][0]) < 1e-2
+    for got, want in zip(results[1][1], results[0][1]):
+        assert _rel(got, want) < 2e-2
+
+
+@gpu
+def test_the_adapters_gradients_are_the_same_bits_from_run_to_run() -> None:
+    _, layer = _pair(ExpertAdapter(rank=16, alpha=32))
+    x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        rows = x.clone().requires_grad_()
+        out = layer(rows)
+        runs.append(torch.autograd.grad(out.float().square().sum(),
+                                        [rows, layer.w13_lora_a, layer.w13_lora_b, layer.w2_lora_a, layer.w2_lora_b]))
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+@gpu
+def test_every_token_on_one_expert_and_top_k_equal_to_the_experts() -> None:
+    for top_k, logits_of in ((4, lambda t: torch.zeros(t, 16, device="cuda").index_fill_(1, torch.tensor([3], device="cuda"), 9.0)),
+                             (16, lambda t: torch.randn(t, 16, device="cuda"))):
+        torch.manual_seed(7)
+        adapter = ExpertAdapter(rank=4, alpha=8)
+        reference = mf.MoELayer(16, top_k, 256, 128, adapter=adapter, dtype=torch.bfloat16, device="cuda",
+                                backend="torch")
+        _randomise_adapter(reference, 8)
+        layer = mf.MoELayer(16, top_k, 256, 128, adapter=adapter, dtype=torch.bfloat16, device="cuda",
+                            backend="triton")
+        layer.load_state_dict(reference.state_dict())
+        x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
+        logits = logits_of(33).to(torch.bfloat16)
+        with torch.no_grad():
+            want = reference.pipeline.run(mf.MoEInput(x, logits)).hidden_states
+            got = layer.pipeline.run(mf.MoEInput(x, logits)).hidden_states
+        assert _rel(got, want) < 1e-2
+
+
+@gpu
+def test_auto_picks_triton_for_a_float_base_and_torch_where_the_adapter_trains_only_there() -> None:
+    adapter = ExpertAdapter(rank=4)
+    assert mf.MoELayer(8, 2, 128, 128, adapter=adapter, device="cuda").backend is mf.Backend.TRITON
+    quantized = mf.MoELayer(8, 2, 128, 128, adapter=adapter, quant=mf.W4A16Method(group_size=32), device="cuda",
+                            dtype=torch.bfloat16)
+    assert quantized.backend is mf.Backend.TORCH
+    served = mf.MoELayer(8, 2, 128, 128, adapter=adapter, quant=mf.W4A16Method(group_size=32), device="cuda",
+                         dtype=torch.bfloat16, backend="triton")
+    served.load_state_dict(quantized.state_dict())
+    _randomise_adapter(quantized, 2)
+    served.load_state_dict(quantized.state_dict())
+    x = torch.randn(5, 128, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert _rel(served(x), quantized(x)) < 1e-2
+    with pytest.raises(mf.errors.InferenceOnlyError):
+        served(x.requires_grad_()).float().sum().backward()
