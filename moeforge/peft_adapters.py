@@ -8,13 +8,23 @@ expert ``e``'s ``B [N, r]``; its update of expert ``e`` is ``scaling · B_e A_e`
 moeforge's ``A [E, r, K]``, ``B [E, N, r]`` and ``scale``. :func:`to_peft` and :func:`load_peft` convert a layer's
 adapter; :func:`peft_experts_tensors` reads them off a peft-wrapped ``transformers`` experts module (no import of
 peft: it walks the wrappers' ``parameter_name``, ``lora_A``, ``lora_B`` and ``scaling``).
+
+:func:`save_peft_adapter` and :func:`load_peft_adapter` do the same for a whole model patched by
+:func:`moeforge.hf.patch_model`, in peft's adapter directory (``adapter_config.json`` and
+``adapter_model.safetensors``): what ``PeftModel.from_pretrained`` loads onto the unpatched model, and what
+``save_pretrained`` wrote. peft wraps an experts module once per targeted parameter, the first of its parameters
+innermost, and names each pair by its place in that nest: ``<block>.experts.base_layer.lora_A.weight`` for
+``gate_up_proj`` under ``<block>.experts.lora_A.weight`` for ``down_proj`` when both are targeted.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
 
 import torch
 
@@ -104,3 +114,126 @@ def peft_experts_tensors(experts: torch.nn.Module, adapter_name: str = "default"
         raise InputError(f"peft's pairs on {sorted(tensors)} have different scalings {sorted(scalings)}: one "
                          "moeforge adapter has one scale")
     return tensors, scalings.pop()
+
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# What peft's file keys start with: the PeftModel's base_model (a LoraModel) and its model.
+FILE_PREFIX = "base_model.model."
+
+
+def _adapted_blocks(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(path, block)`` of each block :func:`moeforge.hf.patch_model` made whose layer has an adapter."""
+    from moeforge.hf import HFMoEBlock
+
+    for path, module in model.named_modules():
+        if isinstance(module, HFMoEBlock) and getattr(module.layer, "adapter", None) is not None:
+            yield path, module
+
+
+def _nest(block: Any, targeted: list[str]) -> dict[str, str]:
+    """``{parameter name: key infix}`` of peft's wrappers on ``block``'s original experts module: the first targeted
+    parameter (in the module's own order) innermost, ``.base_layer`` once for each wrapper around it."""
+    family = importlib.import_module(block._family_module)
+    if getattr(family, "EXPERTS_TRANSPOSED", False):
+        raise InputError(f"{block.original_class} stores its experts transposed ([E, K, N]); peft's pairs on them are laid "
+                         "out otherwise, which moeforge does not convert yet")
+    order = [name for name, _ in block.original.experts.named_parameters(recurse=False) if name in targeted]
+    missing = sorted(set(targeted) - set(order))
+    if missing:
+        raise InputError(f"{block.original_class}'s experts have no parameter {missing} (have "
+                         f"{[name for name, _ in block.original.experts.named_parameters(recurse=False)]})")
+    return {name: ".base_layer" * (len(order) - 1 - index) for index, name in enumerate(order)}
+
+
+def save_peft_adapter(model: torch.nn.Module, directory: Union[str, Path],
+                      base_model_name_or_path: Optional[str] = None) -> Path:
+    """Write the adapters of ``model``'s patched blocks (:func:`moeforge.hf.patch_model` with
+    ``adapter=ExpertAdapter(...)``) as peft's adapter directory, for ``PeftModel.from_pretrained`` on the unpatched
+    model: ``adapter_config.json`` (LoRA, ``target_parameters`` the experts' parameters, ``r`` and ``lora_alpha`` of
+    the adapters: one rank, scale and target set for all) and ``adapter_model.safetensors``. Returns the directory."""
+    from safetensors.torch import save_file
+
+    blocks = list(_adapted_blocks(model))
+    if not blocks:
+        raise InputError(f"{type(model).__name__} has no block patched by moeforge.hf.patch_model with an expert adapter")
+    kinds = {(block.layer.adapter.rank, block.layer.adapter.scale, block.layer.adapter.targets) for _, block in blocks}
+    if len(kinds) != 1:
+        raise InputError(f"peft's config holds one rank, scale and target set for its pairs; these blocks' adapters differ "
+                         f"({sorted((rank, scale, sorted(r.value for r in targets)) for rank, scale, targets in kinds)})")
+    rank, scale, targets = kinds.pop()
+    tensors: dict[str, torch.Tensor] = {}
+    target_parameters = set()
+    for path, block in blocks:
+        pairs = to_peft(block.layer)
+        nest = _nest(block, sorted(pairs))
+        for name, (lora_a, lora_b) in pairs.items():
+            key = f"{FILE_PREFIX}{path}.experts{nest[name]}"
+            tensors[f"{key}.lora_A.weight"] = lora_a.contiguous()
+            tensors[f"{key}.lora_B.weight"] = lora_b.contiguous()
+            target_parameters.add(f"{path}.experts.{name}")
+    config = {
+        "peft_type": "LORA", "r": rank, "lora_alpha": scale * rank, "target_modules": [],
+        "target_parameters": sorted(target_parameters), "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+        "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+        "task_type": None, "base_model_name_or_path": base_model_name_or_path,
+    }
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out
+
+
+def load_peft_adapter(model: torch.nn.Module, directory: Union[str, Path]) -> None:
+    """Fill the adapters of ``model``'s patched blocks from peft's adapter directory (``save_pretrained`` of a peft
+    model with LoRA on the experts' parameters, or :func:`save_peft_adapter`). Each adapted block takes the pairs of
+    its experts module; its adapter's rank, scale (``lora_alpha / r``, ``lora_alpha / sqrt(r)`` with rsLoRA) and
+    targets must match the file's. Raises ``InputError`` for what moeforge does not load (DoRA, LoRA biases, per-module
+    ranks or scales, pairs on other modules than the experts' parameters) and for pairs left over or missing."""
+    from safetensors.torch import load_file
+
+    folder = Path(directory)
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise InputError(f"{folder / CONFIG_FILE} is a {config.get('peft_type')} adapter; moeforge loads LoRA")
+    unsupported = [name for name in ("use_dora", "lora_bias") if config.get(name)]
+    unsupported += [name for name in ("rank_pattern", "alpha_pattern") if config.get(name)]
+    if config.get("target_modules"):
+        unsupported.append(f"target_modules {config['target_modules']}")
+    if unsupported:
+        raise InputError(f"{folder / CONFIG_FILE} uses {', '.join(unsupported)}: moeforge loads LoRA on the experts' "
+                         "parameters only (one rank and scale, no DoRA or bias); load the rest with peft")
+    rank = int(config["r"])
+    scaling = float(config["lora_alpha"]) / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    unused = set(tensors)
+    blocks = list(_adapted_blocks(model))
+    if not blocks:
+        raise InputError(f"{type(model).__name__} has no block patched by moeforge.hf.patch_model with an expert adapter")
+    targets = config.get("target_parameters") or []
+    for path, block in blocks:
+        names = [PEFT_NAMES[role] for role in GemmRole if role in block.layer.adapter.targets]
+        # The parameters peft targeted here (its own matching: the full name, or a suffix after a dot).
+        in_file = [name for name in PEFT_NAMES.values()
+                   if any(f"{path}.experts.{name}" == t or f"{path}.experts.{name}".endswith(f".{t}") for t in targets)]
+        if sorted(in_file) != sorted(names):
+            raise InputError(f"{folder / CONFIG_FILE} targets {sorted(in_file)} of {path}'s experts; its layer's adapter "
+                             f"targets {sorted(names)}")
+        if block.layer.adapter.rank != rank:
+            raise InputError(f"{folder / CONFIG_FILE} has rank {rank}; {path}'s adapter has rank "
+                             f"{block.layer.adapter.rank}: build it with ExpertAdapter(rank={rank}, ...)")
+        nest = _nest(block, names)
+        pairs = {}
+        for name in names:
+            key = f"{FILE_PREFIX}{path}.experts{nest[name]}"
+            found = [f"{key}.lora_A.weight", f"{key}.lora_B.weight"]
+            if any(item not in tensors for item in found):
+                raise InputError(f"{folder / WEIGHTS_FILE} has no pair {key}.lora_A/B for {path}'s {name} (the layer's "
+                                 f"adapter targets {sorted(names)})")
+            pairs[name] = (tensors[found[0]], tensors[found[1]])
+            unused.difference_update(found)
+        load_peft(block.layer, pairs, scaling)
+    if unused:
+        raise InputError(f"{folder / WEIGHTS_FILE} holds pairs no adapted block took: {sorted(unused)[:4]}"
+                         f"{' ...' if len(unused) > 4 else ''} (patch those blocks with an adapter of these targets)")

@@ -184,3 +184,101 @@ def test_peft_tensors_of_another_shape_or_scaling_are_refused() -> None:
     shared = mf.MoELayer(4, 2, 16, 8, adapter=ExpertAdapter(rank=2, alpha=4, shared_a=True))
     with pytest.raises(mf.InputError, match="one A per expert"):
         load_peft(shared, {name: (torch.randn_like(a), b) for name, (a, b) in tensors.items()}, 2.0)
+
+
+# -- peft's adapter files (moeforge.peft_adapters.save_peft_adapter / load_peft_adapter) ------------------------------
+
+
+def _patched(seed: int, adapter: Any) -> Any:
+    from moeforge import hf
+
+    model = _model_without_peft(seed)
+    hf.patch_model(model, backend="torch", adapter=adapter)
+    return model
+
+
+@pytest.mark.parametrize("targets", [("gate_up", "down"), ("down",)])
+def test_moeforge_adapters_saved_as_a_peft_adapter_load_into_peft(tmp_path: Any, targets: tuple[str, ...]) -> None:
+    from moeforge.adapters import ADAPTER_NAMES, ExpertAdapter
+    from moeforge.peft_adapters import save_peft_adapter
+
+    patched = _patched(3, ExpertAdapter(rank=2, alpha=6, targets=targets))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for block in patched.model.layers:
+            for names in ADAPTER_NAMES.values():
+                for name in names:
+                    if hasattr(block.mlp.layer, name):
+                        param = getattr(block.mlp.layer, name)
+                        param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    save_peft_adapter(patched, tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(_model_without_peft(3), str(tmp_path / "adapter")).eval()
+    _use(loaded, "eager")
+    ids = _ids(5)
+    with torch.no_grad():
+        want = patched(ids).logits
+        got = loaded(ids).logits
+        without = _model_without_peft(3)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (want - without).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_a_saved_peft_adapter_loads_into_moeforge_layers(tmp_path: Any, rslora: bool) -> None:
+    from moeforge.adapters import ExpertAdapter
+    from moeforge.peft_adapters import load_peft_adapter
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
+        norm_topk_prob=True, max_position_embeddings=64)
+    torch.manual_seed(7)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False, use_rslora=rslora,
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    peft_model = peft.get_peft_model(transformers.Qwen3MoeForCausalLM(config).eval(), lora)
+    _use(peft_model, "eager")
+    peft_model.save_pretrained(str(tmp_path / "saved"))
+    patched = _patched(7, ExpertAdapter(rank=4, alpha=16 if rslora else 8))  # rsLoRA: lora_alpha / sqrt(r) = 4
+    load_peft_adapter(patched, tmp_path / "saved")
+    ids = _ids(6)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, peft_model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_peft_adapter_files_moeforge_cannot_load_are_refused(tmp_path: Any) -> None:
+    import json
+
+    from moeforge.adapters import ExpertAdapter
+    from moeforge.errors import InputError
+    from moeforge.peft_adapters import load_peft_adapter, save_peft_adapter
+
+    patched = _patched(3, ExpertAdapter(rank=2, alpha=4))
+    folder = save_peft_adapter(patched, tmp_path / "adapter")
+    with pytest.raises(InputError, match="scaling"):  # another scale
+        load_peft_adapter(_patched(3, ExpertAdapter(rank=2, alpha=2)), folder)
+    with pytest.raises(InputError, match="targets"):  # other targets
+        load_peft_adapter(_patched(3, ExpertAdapter(rank=2, alpha=4, targets="down")), folder)
+    with pytest.raises(InputError, match="rank 2"):  # another rank
+        load_peft_adapter(_patched(3, ExpertAdapter(rank=3, alpha=6)), folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    for change in ({"use_dora": True}, {"target_modules": ["q_proj"]}, {"rank_pattern": {"x": 4}}):
+        (folder / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(InputError, match="experts' parameters only"):
+            load_peft_adapter(patched, folder)
+    with pytest.raises(InputError, match="no block patched"):
+        save_peft_adapter(_model_without_peft(3), tmp_path / "nothing")
+
+
+def test_experts_stored_transposed_are_refused(tmp_path: Any) -> None:
+    # GPT-OSS keeps gate_up_proj as [E, H, 2I]: peft's pairs on it are laid out for that, which is not converted yet.
+    from moeforge import hf
+    from moeforge.adapters import ExpertAdapter
+    from moeforge.errors import InputError
+    from moeforge.peft_adapters import save_peft_adapter
+
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+        intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=16))
+    hf.patch_model(model, backend="torch", adapter=ExpertAdapter(rank=2))
+    with pytest.raises(InputError, match="transposed"):
+        save_peft_adapter(model, tmp_path / "adapter")

@@ -24,6 +24,7 @@ from moeforge.stages.activation import ActivationConfig, ActivationKind, GateUpL
 from moeforge.stages.topk import RoutingConfig, Scoring, ScoreOrder
 
 NAME = "gpt_oss"
+EXPERTS_TRANSPOSED = True  # the block stores [E, K, N]; the layer holds transposed copies
 HF_BLOCK_CLASSES = ("GptOssMLP",)
 
 

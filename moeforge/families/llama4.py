@@ -29,6 +29,7 @@ from moeforge.stages.activation import ActivationConfig
 from moeforge.stages.topk import RoutingConfig, Scoring, ScoreOrder
 
 NAME = "llama4"
+EXPERTS_TRANSPOSED = True  # the block stores [E, K, N]; the layer holds transposed copies
 HF_BLOCK_CLASSES = ("Llama4TextMoe",)
 
 
