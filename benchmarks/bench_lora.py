@@ -16,7 +16,9 @@ frozen: the time of ``forward + backward`` as the median of CUDA-graph replays w
 
 with ``lora / base`` (the issue's bar: at most 1.2) and ``grouped_mm_lora / lora`` (above 1: moeforge is faster), the
 step's peak memory above what was allocated before it, and whether two eager steps give bitwise the same gradients.
-Prints a table and writes JSON (device, commit, date).
+Prints a table and writes JSON (device, commit, date). ``--profile`` also prints, for ``base`` and ``lora`` of each
+cell, the GPU time per step of each kernel, and of each op by its input shapes (``torch.profiler``, a few eager steps after warm-up), so
+the adapter's GEMMs (rank-wide operands) stand apart from the base's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_moe import FLUSH_BYTES, SHAPES, time_graph  # noqa: E402
-from bench_train import step_memory_and_determinism  # noqa: E402
+from bench_train import kernel_times, print_kernel_times, step_memory_and_determinism  # noqa: E402
 from provenance import measured_commit  # noqa: E402
 
 import moeforge as mf  # noqa: E402
@@ -89,6 +91,27 @@ def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad:
     return run
 
 
+def print_op_times(label: str, fn: Callable[[], Any], steps: int = 3) -> None:
+    """The GPU time per step of ``fn``'s ops grouped by input shapes (``torch.profiler``), the costliest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    print(f"  {label}: GPU time per step by op and input shapes")
+    rows = [event for event in prof.key_averages(group_by_input_shape=True) if event.device_time_total > 0]
+    rows.sort(key=lambda event: -event.self_device_time_total)
+    total = sum(event.self_device_time_total for event in rows) / steps
+    print(f"    {total:9.1f} us in all")
+    for event in rows[:24]:
+        us = event.self_device_time_total / steps
+        print(f"    {us:9.1f} us x{event.count // steps:<3d} {event.key[:40]:40s} {str(event.input_shapes)[:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="mixtral,qwen3")
@@ -97,6 +120,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--profile", action="store_true", help="print each op's GPU time by input shapes too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_lora.py needs a CUDA device")
@@ -143,6 +167,10 @@ def main() -> None:
                                     deterministic=same))
                 print(f"{name:8s} M={tokens:6d} {what:16s} {us:10.1f} us  peak memory {memory / 2**30:6.2f} GiB"
                       f"{'' if same else ', gradients differ between two runs'}", flush=True)
+            if args.profile:
+                for what in ("base", "lora"):
+                    print_kernel_times(f"{name} M={tokens} {what}", kernel_times(steps[what]))
+                    print_op_times(f"{name} M={tokens} {what}", steps[what])
             if "lora" in timed and "base" in timed:
                 line = f"{'':8s} lora / base {timed['lora'] / timed['base']:.2f}"
                 summary: dict[str, Any] = dict(shape=name, M=tokens, what="ratios",
