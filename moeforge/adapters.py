@@ -32,9 +32,8 @@ import attrs
 import torch
 
 from moeforge.errors import InputError
-from moeforge.kernels.config import GemmConfig
+from moeforge.kernels.config import narrow_config
 from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
-from moeforge.kernels.sizes import next_power_of_2
 from moeforge.payloads import Activations, AlignedRows, ExpertRows
 from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, Layout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
@@ -230,27 +229,18 @@ class AdaptedGroupedGemm(AdaptedGemm):
             low, rows_per_low = rows @ a[0].t(), rows_per_a
         else:
             low, _ = grouped_gemm(GemmRows(rows, rows_per_a=rows_per_a), GemmWeight(a), route, GemmEpilogue(dtype),
-                                  low_rank_config(alignment.block_m, rank, int(a.shape[2])))
+                                  narrow_config(alignment.block_m, rank, int(a.shape[2])))
             rows_per_low = 1
         if self.scale != 1.0:
             low = low * self.scale
         update, _ = grouped_gemm(
             GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b), route,
             GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),
-            low_rank_config(alignment.block_m, out_features, rank))
+            narrow_config(alignment.block_m, out_features, rank))
         # Where nothing is recorded for a backward, the update is added in place (no third [copies, N] buffer).
         summed = product.x.data + update if torch.is_grad_enabled() else product.x.data.add_(update)
         out: AlignedRows = base.activate(dataclasses.replace(product, x=Activations(summed)))
         return out
-
-
-def low_rank_config(block_m: int, n: int, k: int) -> GemmConfig:
-    """The launch of one of an adapter's products on rows aligned by ``block_m``: ``n`` columns out of a reduction
-    over ``k`` (one of them the rank), each tile as wide as the power of two above it between 16 (the MMA's least)
-    and 128 (``n``) or 64 (``k``); the launcher's rules for TMA and split K."""
-    block_n = min(128, max(16, next_power_of_2(n)))
-    block_k = min(64, max(16, next_power_of_2(k)))
-    return GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=4, num_stages=3 if k > block_k else 2)
 
 
 def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: ExpertAdapter) -> list[Stage[Any, Any]]:

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 import moeforge as mf
-from moeforge.adapters import ADAPTER_NAMES, AdaptedGroupedGemm, ExpertAdapter, adapt, low_rank_config
+from moeforge.adapters import ADAPTER_NAMES, AdaptedGroupedGemm, ExpertAdapter, adapt
 from moeforge.selector import expert_stages
 
 pytest.importorskip("triton")
 
-from moeforge.kernels.config import ConfigTable  # noqa: E402
+from moeforge.kernels.config import ConfigTable, GemmConfig, narrow_config, row_gradient_config  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
 from moeforge.stages.triton import AlignDispatch, TritonTopK  # noqa: E402
 
@@ -145,10 +145,18 @@ def test_over_a_quantized_base_reading_float_rows_the_update_is_added_before_the
     assert (got - want).norm() / want.norm() < 2e-3
 
 
-def test_the_low_rank_launches_fit_the_rank() -> None:
-    assert (low_rank_config(64, 4, 2048).block_n, low_rank_config(64, 4, 2048).block_k) == (16, 64)
-    assert (low_rank_config(16, 1536, 16).block_n, low_rank_config(16, 1536, 16).block_k) == (128, 16)
-    assert low_rank_config(128, 48, 48).block_n == 64 and low_rank_config(128, 48, 48).num_stages == 2
+def test_the_low_rank_launches_and_their_row_gradients_fit_the_rank() -> None:
+    assert (narrow_config(64, 4, 2048).block_n, narrow_config(64, 4, 2048).block_k) == (16, 64)
+    assert (narrow_config(16, 1536, 16).block_n, narrow_config(16, 1536, 16).block_k) == (128, 16)
+    assert narrow_config(128, 48, 48).block_n == 64 and narrow_config(128, 48, 48).num_stages == 2
+    tuned = GemmConfig(128, 128, 64, num_warps=8, num_stages=4)
+    assert row_gradient_config(tuned, 2048, 1536) is tuned  # wide both ways: the forward's tile
+    # x A^T's row gradient: 2048 columns out of a reduction over the rank, not 16-wide tiles in 64-deep steps
+    assert (row_gradient_config(narrow_config(64, 16, 2048), 2048, 16).block_n,
+            row_gradient_config(narrow_config(64, 16, 2048), 2048, 16).block_k) == (128, 16)
+    # (.) B^T's: the rank out of a reduction over 28672, not 128-wide tiles in 16-deep steps
+    assert (row_gradient_config(narrow_config(64, 28672, 16), 16, 28672).block_n,
+            row_gradient_config(narrow_config(64, 28672, 16), 16, 28672).block_k) == (16, 64)
 
 
 def test_a_base_the_update_cannot_enter_is_refused() -> None:

@@ -32,7 +32,7 @@ from moeforge.kernels import activations as codes
 from moeforge.kernels import combine, weight_grad
 from moeforge.kernels.formats import WeightFormat
 from moeforge.activation import ActivationConfig, apply_activation
-from moeforge.kernels.config import GemmConfig
+from moeforge.kernels.config import GemmConfig, row_gradient_config
 from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmWeight, decode_config,
                                                 grouped_gemm)
 
@@ -77,7 +77,8 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         # share a row (the first GEMM's top_k) are summed in fp32, in a fixed order.
         r = p["rows_per_a"]
         d_rows, _ = grouped_gemm(GemmRows(d_pre), GemmWeight(weight.transpose(1, 2)), route,
-                                 GemmEpilogue(torch.float32 if r > 1 else a.dtype), config)
+                                 GemmEpilogue(torch.float32 if r > 1 else a.dtype),
+                                 row_gradient_config(config, int(weight.shape[2]), int(weight.shape[1])))
         d_a = d_rows.view(-1, r, d_rows.shape[1]).sum(1).to(a.dtype) if r > 1 else d_rows
     if needs[2] or (bias is not None and needs[6]):
         dw, db = weight_grad.EXPERT_WEIGHT_GRAD(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,

@@ -127,6 +127,28 @@ def fit_shared_memory(config: GemmConfig, element_bytes: int, b_tiles: int, stag
             return config
 
 
+RANK_WIDE = 64  # a GEMM with an output or reduction at most this wide (an adapter's) takes tiles of its sizes
+
+
+def narrow_config(block_m: int, n: int, k: int) -> GemmConfig:
+    """The launch of a GEMM with one rank-wide side (an adapter's ``x Aᵀ`` or ``· Bᵀ``, or their row gradients) on
+    rows aligned by ``block_m``: ``n`` columns out of a reduction over ``k``, each tile as wide as the power of two
+    above it between 16 (the MMA's least) and 128 (``n``) or 64 (``k``); the launcher's rules for TMA and split K."""
+    block_n = min(128, max(16, 1 << max(n - 1, 0).bit_length()))
+    block_k = min(64, max(16, 1 << max(k - 1, 0).bit_length()))
+    return GemmConfig(block_m, block_n, block_k, group_m=8, num_warps=4, num_stages=3 if k > block_k else 2)
+
+
+def row_gradient_config(config: GemmConfig, n: int, k: int) -> GemmConfig:
+    """The launch of a grouped GEMM's row gradient ``d_rows = d_pre · W`` (``n``: the forward's reduction, now the
+    columns out; ``k``: the forward's columns, now the reduction) whose forward ran with ``config``: that tile where
+    both sides are wide (the tuned tables' tiles); tiles of these sizes where one is rank-wide (at most
+    :data:`RANK_WIDE`), where the forward's would run a wide side in rank-sized steps."""
+    if min(n, k) <= RANK_WIDE:
+        return narrow_config(config.block_m, n, k)
+    return config
+
+
 # The fallback configurations by rows per expert (upper bounds): few rows, the GEMMs are bound by reading
 # the weights, so a small block_m wastes no work on padding rows; many rows, bound by arithmetic, so
 # larger tiles reuse each loaded byte. Built once: a lookup in the forward creates no objects.

@@ -117,13 +117,15 @@ def canonical_order(sorted_ids: torch.Tensor, block_expert: torch.Tensor, num_pa
     slots (every expert keeps its blocks), on the device. The alignment's scatter places an expert's
     copies in the order its atomics happened to run, which changes from run to run; a sum over an
     expert's rows in slot order (the weight gradient) would change in its last bits with it."""
-    slots = torch.arange(sorted_ids.numel(), device=sorted_ids.device)
-    used = slots < num_padded.to(torch.int64)
-    owner = block_expert.to(torch.int64).repeat_interleave(block_m)[:sorted_ids.numel()]
     stride = num_copies + 1  # the padding sentinel is num_copies: last of its expert
-    keys = torch.where(used, owner * stride + sorted_ids.to(torch.int64), num_experts * stride + slots)
+    # 32-bit keys where every key fits (a radix sort then takes half the passes); the order is the same
+    key_dtype = torch.int32 if num_experts * stride + sorted_ids.numel() < 2**31 else torch.int64
+    slots = torch.arange(sorted_ids.numel(), device=sorted_ids.device, dtype=key_dtype)
+    used = slots < num_padded.to(key_dtype)
+    owner = block_expert.to(key_dtype).repeat_interleave(block_m)[:sorted_ids.numel()]
+    keys = torch.where(used, owner * stride + sorted_ids.to(key_dtype), num_experts * stride + slots)
     ordered = torch.sort(keys).values  # the used keys, in expert order, fill exactly the used slots
-    return torch.where(used, ordered % stride, sorted_ids.to(torch.int64)).to(sorted_ids.dtype)
+    return torch.where(used, ordered % stride, sorted_ids.to(key_dtype)).to(sorted_ids.dtype)
 
 
 @triton.jit
