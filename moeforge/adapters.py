@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from moeforge.errors import InputError
-from moeforge.kernels.config import narrow_config
+from moeforge.kernels.config import GemmConfig, narrow_config
 from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
 from moeforge.payloads import Activations, AlignedRows, ExpertRows
 from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, Layout, Spec
@@ -225,18 +225,31 @@ class AdaptedGroupedGemm(AdaptedGemm):
         rows_per_a = 1 if x.copy_major else alignment.copies_per_row
         dtype = product.x.data.dtype
         rank, out_features = int(b.shape[2]), int(b.shape[1])
+        # A batch-invariant layer (moeforge.batch_invariant): no split K-loop, no library GEMM choosing by shape.
+        invariant = bool(getattr(getattr(base, "configs", None), "batch_invariant", False))
+
+        def launch(n: int, k: int) -> GemmConfig:
+            config = narrow_config(alignment.block_m, n, k)
+            return attrs.evolve(config, split_k=1) if invariant else config
+
         if a.shape[0] == 1:  # one A for every expert: one product per row, before the rows are copied
-            low, rows_per_low = rows @ a[0].t(), rows_per_a
+            if invariant:
+                from moeforge.batch_invariant import linear
+
+                low = linear(rows, a[0])
+            else:
+                low = rows @ a[0].t()
+            rows_per_low = rows_per_a
         else:
             low, _ = grouped_gemm(GemmRows(rows, rows_per_a=rows_per_a), GemmWeight(a), route, GemmEpilogue(dtype),
-                                  narrow_config(alignment.block_m, rank, int(a.shape[2])))
+                                  launch(rank, int(a.shape[2])))
             rows_per_low = 1
         if self.scale != 1.0:
             low = low * self.scale
         update, _ = grouped_gemm(
             GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b), route,
             GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),
-            narrow_config(alignment.block_m, out_features, rank))
+            launch(out_features, rank))
         # Where nothing is recorded for a backward, the update is added in place (no third [copies, N] buffer).
         summed = product.x.data + update if torch.is_grad_enabled() else product.x.data.add_(update)
         out: AlignedRows = base.activate(dataclasses.replace(product, x=Activations(summed)))

@@ -145,6 +145,35 @@ def test_over_a_quantized_base_reading_float_rows_the_update_is_added_before_the
     assert (got - want).norm() / want.norm() < 2e-3
 
 
+@pytest.mark.parametrize("shared_a", [False, True])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_a_batch_invariant_table_keeps_the_adapters_launches_unsplit(monkeypatch: pytest.MonkeyPatch, shared_a: bool,
+                                                                    invariant: bool) -> None:
+    # Batch invariance (moeforge.batch_invariant) needs every reduction in one order for every token count: no split
+    # K-loop, no library GEMM choosing by shape (a shared A's product then runs through the one-expert kernel). The
+    # bits themselves are checked on the GPU below (the interpreter's dots are numpy's, which are not invariant).
+    import moeforge.adapters as adapters
+    import moeforge.batch_invariant as batch_invariant
+
+    launches: list[Any] = []
+    linears: list[Any] = []
+    real_gemm, real_linear = adapters.grouped_gemm, batch_invariant.linear
+    monkeypatch.setattr(adapters, "grouped_gemm", lambda *args: launches.append(args[4]) or real_gemm(*args))
+    monkeypatch.setattr(batch_invariant, "linear", lambda *args: linears.append(args) or real_linear(*args))
+    layer = _torch_layer(ExpertAdapter(rank=3, alpha=6, shared_a=shared_a), torch.float32)
+    table = batch_invariant.invariant_table(E, K) if invariant else ConfigTable(E, K)
+    stages: list[mf.Stage[Any, Any]] = [TritonTopK(E, K, layer.routing), AlignDispatch(E, table)]
+    stages += expert_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
+                            backend=mf.Backend.TRITON, configs=table, dispatch=layer.dispatch_decision.dtype)
+    stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.FP32))
+    pipeline = mf.Pipeline(adapt(stages, layer, layer.adapter), mf.input_spec(H, torch.float32, E))  # type: ignore[arg-type]
+    x = torch.randn(13, H, device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(_run(pipeline, layer, x), layer(x), rtol=2e-5, atol=2e-5)
+    assert len(launches) == (2 if shared_a else 4) and len(linears) == (2 if shared_a and invariant else 0)
+    assert all(config.split_k == (1 if invariant else None) for config in launches)
+
+
 def test_the_low_rank_launches_and_their_row_gradients_fit_the_rank() -> None:
     assert (narrow_config(64, 4, 2048).block_n, narrow_config(64, 4, 2048).block_k) == (16, 64)
     assert (narrow_config(16, 1536, 16).block_n, narrow_config(16, 1536, 16).block_k) == (128, 16)
@@ -259,3 +288,16 @@ def test_auto_picks_triton_for_a_float_base_and_torch_where_the_adapter_trains_o
         assert _rel(served(x), quantized(x)) < 1e-2
     with pytest.raises(mf.errors.InferenceOnlyError):
         served(x.requires_grad_()).float().sum().backward()
+
+
+@gpu
+def test_a_batch_invariant_layer_with_an_adapter_gives_each_token_the_same_bits_in_any_batch() -> None:
+    torch.manual_seed(9)
+    adapter = ExpertAdapter(rank=16, alpha=32)
+    layer = mf.MoELayer(16, 4, 256, 128, adapter=adapter, dtype=torch.bfloat16, device="cuda", batch_invariant=True)
+    _randomise_adapter(layer, 10)
+    x = torch.randn(513, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        whole = layer(x)
+        for rows in (slice(0, 1), slice(5, 12), slice(100, 164)):
+            assert torch.equal(layer(x[rows]), whole[rows])
