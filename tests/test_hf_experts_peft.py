@@ -228,14 +228,9 @@ def test_a_saved_peft_adapter_loads_into_moeforge_layers(tmp_path: Any, rslora: 
     from moeforge.adapters import ExpertAdapter
     from moeforge.peft_adapters import load_peft_adapter
 
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=64)
-    torch.manual_seed(7)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False, use_rslora=rslora,
                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    peft_model = peft.get_peft_model(transformers.Qwen3MoeForCausalLM(config).eval(), lora)
+    peft_model = peft.get_peft_model(_model_without_peft(7), lora)
     _use(peft_model, "eager")
     peft_model.save_pretrained(str(tmp_path / "saved"))
     patched = _patched(7, ExpertAdapter(rank=4, alpha=16 if rslora else 8))  # rsLoRA: lora_alpha / sqrt(r) = 4

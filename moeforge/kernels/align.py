@@ -59,6 +59,17 @@ def _count_and_plan_kernel(
     starts = ends - padded
     total = tl.sum(padded, axis=0)
     tl.store(cursor_ptr + experts, starts, mask=experts < num_experts)
+    # Every used slot starts as padding; the scatter kernel then overwrites the real copies.
+    _write_plan(ends, total, num_experts, num_copies, block_expert_ptr, sorted_ids_ptr, num_padded_ptr, BLOCK_M,
+                BLOCK_E, CHUNK, CHUNK_B)
+
+
+@triton.jit
+def _write_plan(ends, total, num_experts, num_copies, block_expert_ptr, sorted_ids_ptr, num_padded_ptr,
+                BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
+    """Store the used length, the block -> expert table and every used slot as padding (``num_copies``), from each
+    expert's padded run ending at ``ends`` (``total`` slots in all)."""
+    experts = tl.arange(0, BLOCK_E)
     tl.store(num_padded_ptr, total)
     # Block b belongs to the expert whose padded run contains it: the number of runs ending at or
     # before b. Vectorised over CHUNK_B blocks x all experts.
@@ -67,7 +78,6 @@ def _count_and_plan_kernel(
         blocks = first + tl.arange(0, CHUNK_B)
         owner = tl.sum((end_blocks[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + blocks, owner, mask=blocks < total // BLOCK_M)
-    # Every used slot starts as padding; the scatter kernel then overwrites the real copies.
     for first in range(0, total, CHUNK):
         slots = first + tl.arange(0, CHUNK)
         tl.store(sorted_ids_ptr + slots, num_copies, mask=slots < total)
@@ -111,15 +121,8 @@ def _align_in_order_kernel(
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
-    tl.store(num_padded_ptr, total)
-    end_blocks = tl.where(experts < num_experts, ends // BLOCK_M, 2147483647)
-    for first in range(0, total // BLOCK_M, CHUNK_B):
-        blocks = first + tl.arange(0, CHUNK_B)
-        owner = tl.sum((end_blocks[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, owner, mask=blocks < total // BLOCK_M)
-    for first in range(0, total, COPIES):
-        slots = first + tl.arange(0, COPIES)
-        tl.store(sorted_ids_ptr + slots, num_copies, mask=slots < total)
+    _write_plan(ends, total, num_experts, num_copies, block_expert_ptr, sorted_ids_ptr, num_padded_ptr, BLOCK_M,
+                BLOCK_E, COPIES, CHUNK_B)
     # The copy at position j of the sorted keys lands in slot j + shift[its expert]: its expert's padded start less
     # the copies of the experts before it.
     tl.store(shift_ptr + experts, (ends - padded) - (tl.cumsum(counts, axis=0) - counts), mask=experts < BLOCK_E)
