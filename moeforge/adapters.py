@@ -191,6 +191,10 @@ class AdaptedGroupedGemm(AdaptedGemm):
     the routing weights where the base applies them), the sum, then ``base.activate``. The rows, ``A`` and ``B``
     differentiate through the kernels' backward (:mod:`moeforge.kernels.backward`)."""
 
+    # The two products' launches by the alignment's block_m, made when built (a forward creates no record: Dynamo
+    # cannot trace a frozen attrs class's __init__, so torch.compile traces a lookup instead).
+    _launches: dict[int, tuple[GemmConfig, GemmConfig]] = attrs.field(init=False, factory=dict, repr=False)
+
     def __attrs_post_init__(self) -> None:
         base = self.base
         if not (callable(getattr(base, "pre_activation", None)) and callable(getattr(base, "activate", None))
@@ -203,6 +207,24 @@ class AdaptedGroupedGemm(AdaptedGemm):
                              "comes before it")
         if getattr(base, "output_quantizer", None) is not None:
             raise InputError(f"{base.summary()} quantizes its output: the adapter's update comes before that")
+        configs = getattr(base, "configs", None)
+        if configs is not None:
+            for block_m in configs.block_ms():
+                self._launches[block_m] = self._plan(block_m)
+
+    def _plan(self, block_m: int) -> tuple[GemmConfig, GemmConfig]:
+        """The launches of ``x Aᵀ`` and ``· Bᵀ`` on rows aligned by ``block_m``: tiles of the rank's width
+        (:func:`~moeforge.kernels.config.narrow_config`); in a batch-invariant layer (:mod:`moeforge.batch_invariant`)
+        never a split K-loop."""
+        a, b = resolve(self.lora_a), resolve(self.lora_b)
+        rank, out_features, in_features = int(b.shape[2]), int(b.shape[1]), int(a.shape[2])
+        launches = (narrow_config(block_m, rank, in_features), narrow_config(block_m, out_features, rank))
+        if self._invariant():
+            launches = (attrs.evolve(launches[0], split_k=1), attrs.evolve(launches[1], split_k=1))
+        return launches
+
+    def _invariant(self) -> bool:
+        return bool(getattr(getattr(self.base, "configs", None), "batch_invariant", False))
 
     @property
     def kinds(self) -> tuple[StageKind, ...]:  # type: ignore[override]
@@ -224,16 +246,11 @@ class AdaptedGroupedGemm(AdaptedGemm):
         rows = x.x.data
         rows_per_a = 1 if x.copy_major else alignment.copies_per_row
         dtype = product.x.data.dtype
-        rank, out_features = int(b.shape[2]), int(b.shape[1])
-        # A batch-invariant layer (moeforge.batch_invariant): no split K-loop, no library GEMM choosing by shape.
-        invariant = bool(getattr(getattr(base, "configs", None), "batch_invariant", False))
-
-        def launch(n: int, k: int) -> GemmConfig:
-            config = narrow_config(alignment.block_m, n, k)
-            return attrs.evolve(config, split_k=1) if invariant else config
-
+        planned = self._launches.get(alignment.block_m)
+        a_launch, b_launch = planned if planned is not None else self._plan(alignment.block_m)
         if a.shape[0] == 1:  # one A for every expert: one product per row, before the rows are copied
-            if invariant:
+            # (a batch-invariant layer's through the one-expert kernel: no library GEMM choosing by shape)
+            if self._invariant():
                 from moeforge.batch_invariant import linear
 
                 low = linear(rows, a[0])
@@ -242,14 +259,14 @@ class AdaptedGroupedGemm(AdaptedGemm):
             rows_per_low = rows_per_a
         else:
             low, _ = grouped_gemm(GemmRows(rows, rows_per_a=rows_per_a), GemmWeight(a), route, GemmEpilogue(dtype),
-                                  launch(rank, int(a.shape[2])))
+                                  a_launch)
             rows_per_low = 1
         if self.scale != 1.0:
             low = low * self.scale
         update, _ = grouped_gemm(
             GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b), route,
             GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),
-            launch(out_features, rank))
+            b_launch)
         # Where nothing is recorded for a backward, the update is added in place (no third [copies, N] buffer).
         summed = product.x.data + update if torch.is_grad_enabled() else product.x.data.add_(update)
         out: AlignedRows = base.activate(dataclasses.replace(product, x=Activations(summed)))

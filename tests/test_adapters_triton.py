@@ -174,6 +174,31 @@ def test_a_batch_invariant_table_keeps_the_adapters_launches_unsplit(monkeypatch
     assert all(config.split_k == (1 if invariant else None) for config in launches)
 
 
+@pytest.mark.parametrize("name", ["both, rank 4", "gate_up, shared A"])
+def test_the_adapted_pipeline_compiles_in_one_graph_for_inference_and_training(name: str) -> None:
+    # A forward creates no launch record (Dynamo cannot trace a frozen attrs class's __init__): the adapter's launches
+    # and the gate/up GEMM's unfused launch are made when the stages and tables are built.
+    layer = _torch_layer(ADAPTERS[name], torch.float32)
+    pipeline = mf.Pipeline(_triton_pipeline(layer).stages, mf.input_spec(H, torch.float32, E))
+    x = torch.randn(9, H, device=DEVICE)
+    logits = layer.router_logits(x).detach()
+
+    def run(rows: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = pipeline.run(mf.MoEInput(rows, scores)).hidden_states
+        return out
+
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, logits), run(x, logits), rtol=1e-6, atol=1e-6)
+    grads = []
+    for fn in (compiled, run):
+        rows = x.clone().requires_grad_()
+        adapter = [param for pname, param in layer.named_parameters() if "lora" in pname]
+        grads.append(torch.autograd.grad(fn(rows, logits).square().sum(), [rows, *adapter]))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_low_rank_launches_and_their_row_gradients_fit_the_rank() -> None:
     assert (narrow_config(64, 4, 2048).block_n, narrow_config(64, 4, 2048).block_k) == (16, 64)
     assert (narrow_config(16, 1536, 16).block_n, narrow_config(16, 1536, 16).block_k) == (128, 16)

@@ -342,6 +342,28 @@ def test_a_training_step_compiles_with_the_backward_ops() -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+def test_a_training_forward_traces_in_one_graph() -> None:
+    """The training forward's gate/up GEMM runs without its fused activation on the table's unfused launch
+    (``MoEConfig.gate_up_unfused``, made with the table): no launch record is made in the forward, which Dynamo could
+    not trace (a frozen attrs class's ``__init__``)."""
+    gen = torch.Generator().manual_seed(86)
+    t = _tensors(4, 32, 48, True, torch.float32, gen)
+    pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32)
+    x = torch.randn(9, 32, generator=gen).to(DEVICE)
+    logits = torch.randn(9, 4, generator=gen).to(DEVICE)
+
+    def forward(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = pipeline(mf.MoEInput(x, logits)).hidden_states
+        return out
+
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    got, want = compiled(x, logits), forward(x, logits)
+    torch.testing.assert_close(got, want)
+    (d_got,) = torch.autograd.grad(got.square().sum(), [t["w13"]])
+    (d_want,) = torch.autograd.grad(want.square().sum(), [t["w13"]])
+    torch.testing.assert_close(d_got, d_want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", list(mf.ActivationKind))
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_the_backward_reads_back_the_activation_the_forward_ran(kind: mf.ActivationKind, approximate: str) -> None:

@@ -95,12 +95,16 @@ class MoEConfig:
 
     gate_up: GemmConfig
     down: GemmConfig
+    # The gate/up GEMM's launch without its fused gated activation (GemmConfig.unfused_gate_up: a training forward,
+    # an adapter), made with the record so that a forward creates none.
+    gate_up_unfused: GemmConfig = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         small, large = sorted((self.gate_up.block_m, self.down.block_m))
         if small < 1 or large % small:
             raise ValueError(f"one GEMM's block_m must divide the other's (the rows are aligned once, by the "
                              f"larger), got gate_up {self.gate_up.block_m} and down {self.down.block_m}")
+        object.__setattr__(self, "gate_up_unfused", self.gate_up.unfused_gate_up())
 
     @property
     def block_m(self) -> int:

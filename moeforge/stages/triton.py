@@ -249,8 +249,8 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         if self._act[0] != 0 and self.apply_routing_weights:
             raise ValueError(f"{self.summary()}: the routing weights come after the activation")
         config = x.alignment.config
-        gemm = config.gate_up if self.role is GemmRole.GATE_UP else config.down
-        return self._launch(x, gemm.unfused_gate_up() if self._act[1] else gemm, activation_args(None))
+        gemm = config.down if self.role is GemmRole.DOWN else config.gate_up_unfused if self._act[1] else config.gate_up
+        return self._launch(x, gemm, _NO_ACTIVATION)
 
     def activate(self, rows: AlignedRows) -> AlignedRows:
         """The activation of :meth:`pre_activation`'s rows as its own op (``moeforge::activate_rows``, which keeps
@@ -275,10 +275,13 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return dataclasses.replace(x, x=Activations(out), copy_major=True)
 
 
+_NO_ACTIVATION = (0, False, False, 1.0, 0.0)  # activation_args(None)
+
+
 def activation_args(config: Optional[ActivationConfig]) -> tuple[int, bool, bool, float, float]:
     """The kernels' activation arguments ``(code, glu, interleaved, alpha, limit)`` (no activation:
     code 0, the identity)."""
     if config is None:
-        return 0, False, False, 1.0, 0.0
+        return _NO_ACTIVATION
     return (act_code(config), config.gated, config.gate_up is GateUpLayout.INTERLEAVED, config.alpha,
             config.limit)

@@ -149,9 +149,10 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
     _sms: int = attrs.field(init=False, repr=False)
     # MXFP4: the largest E8M0 code of the weight's scales, taken again whenever they change (see scale_bound)
     _scale_bound: Optional[ScaleCodeBound] = attrs.field(init=False, repr=False)
-    # The format's launch configurations by (aligned block_m, narrow decode tiles), made once for every block_m the
-    # table can align by: a forward creates no record (and torch.compile traces a lookup, not a constructor).
-    _planned: dict[tuple[int, bool], GemmConfig] = attrs.field(init=False, repr=False)
+    # The format's launch configurations by (aligned block_m, narrow decode tiles, without the fused gated activation),
+    # made once for every block_m the table can align by: a forward creates no record (and torch.compile traces a
+    # lookup, not a constructor).
+    _planned: dict[tuple[int, bool, bool], GemmConfig] = attrs.field(init=False, repr=False)
 
     @classmethod
     def of(cls, role: GemmRole, weight_format: WeightFormat, projection: ProjectionWeights, configs: ConfigTable,
@@ -174,8 +175,9 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         weight = self._weight()
         object.__setattr__(self, "_sms", torch.cuda.get_device_properties(weight.device).multi_processor_count
                            if weight.is_cuda else 132)
-        object.__setattr__(self, "_planned", {(block_m, narrow): self._rule_config(block_m, narrow)
-                                              for block_m in self.configs.block_ms() for narrow in (False, True)})
+        object.__setattr__(self, "_planned", {
+            (block_m, narrow, unfused): self._rule_config(block_m, narrow, glu=False if unfused else None)
+            for block_m in self.configs.block_ms() for narrow in (False, True) for unfused in (False, True)})
 
     # -- build-time checks ------------------------------------------------------------------------
 
@@ -318,16 +320,17 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         (:meth:`pre_activation`), one accumulator over the gate and up rows."""
         glu = self.role is GemmRole.GATE_UP and self.activation is not None and self.activation.gated
         if self.use_table_tiles or self.configs.weight_format is not None:
-            gemm = alignment.config.gate_up if self.role is GemmRole.GATE_UP else alignment.config.down
-            return gemm.unfused_gate_up() if unfused and glu else gemm
+            if self.role is GemmRole.DOWN:
+                return alignment.config.down
+            return alignment.config.gate_up_unfused if unfused and glu else alignment.config.gate_up
         narrow = False
         if self.weight_format.packed and not self.weight_shuffled and alignment.block_m <= 16:
             busy = min(alignment.num_tokens * alignment.copies_per_row, self.configs.num_experts)
             narrow = busy * -(-self.out_features // 64) < 4 * self._sms  # programs of 64-column tiles vs 4 per SM
-        if unfused and glu:
-            return self._rule_config(alignment.block_m, narrow, glu=False)
-        planned = self._planned.get((alignment.block_m, narrow))
-        return planned if planned is not None else self._rule_config(alignment.block_m, narrow)
+        unfused = unfused and glu
+        planned = self._planned.get((alignment.block_m, narrow, unfused))
+        return planned if planned is not None else self._rule_config(alignment.block_m, narrow,
+                                                                     glu=False if unfused else None)
 
     def _rule_config(self, block_m: int, narrow: bool, glu: Optional[bool] = None) -> GemmConfig:
         """The format's configuration for ``block_m``-row blocks; ``narrow``: few experts busy at decode, where
