@@ -353,3 +353,49 @@ def adapters_match(rank: int, world: int) -> dict[str, float]:
         parallel(x).square().sum().backward()  # every rank runs the backward, a rank without tokens too
         assert parallel.w2_lora_b.grad is not None
     return errors
+
+
+def triton_adapters_match(rank: int, world: int) -> dict[str, float]:
+    """The triton expert GEMMs with an expert adapter (AdaptedGroupedGemm) behind the all-to-all dispatcher, under the
+    interpreter on CPU: equal to the whole layer with the same adapter on the torch backend, and the adapter's
+    gradients on every rank equal the whole layer's for the rank's experts."""
+    from moeforge.adapters import ExpertAdapter, adapt
+    from moeforge.kernels.config import ConfigTable
+    from moeforge.stages.triton import FusedGroupedGemm
+
+    errors = {}
+    hidden = 64
+    adapter = ExpertAdapter(rank=2, alpha=4)
+    kwargs = {**BASE, "hidden_size": hidden, "intermediate_size": 32, "dtype": torch.float32, "adapter": adapter}
+    torch.manual_seed(0)
+    whole = mf.MoELayer(**kwargs, backend="torch", environ={})
+    with torch.no_grad():
+        for key, param in whole.named_parameters():
+            if "lora" in key:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    ep = ExpertParallel(E)
+    parallel = mf.MoELayer(**kwargs, backend="torch", environ={}, expert_parallel=ep)
+    parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
+    table = ConfigTable(E, 2)
+    dispatch = AllToAllDispatch(ep, configs=table)
+    stages: list[mf.Stage[Any, Any]] = [
+        mf.TopK(E, 2, parallel.routing), dispatch,
+        FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None, mf.ActivationConfig()),
+        FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table),
+        dispatch.combine_stage(out_dtype=mf.DType.FP32)]
+    pipeline = mf.Pipeline(adapt(stages, parallel, adapter), mf.input_spec(hidden, torch.float32, E), debug=True)
+    assert "LoRA r=2" in pipeline.describe()
+    x = _tokens(rank, dtype=torch.float32, hidden=hidden, count=5 + rank)
+    logits = whole.router_logits(x).detach()
+    got = pipeline(mf.MoEInput(x, logits)).hidden_states
+    want = whole.pipeline(mf.MoEInput(x, logits)).hidden_states
+    errors["values"] = _close(got.detach(), want.detach(), "triton adapter")
+    names = ["w13_lora_a", "w13_lora_b", "w2_lora_a", "w2_lora_b"]
+    got_grads = torch.autograd.grad(got.square().sum(), [getattr(parallel, n) for n in names])
+    # the whole layer's gradients: every rank's tokens, summed as the expert-parallel ranks' backward sums them
+    whole_x = torch.cat([_tokens(r, dtype=torch.float32, hidden=hidden, count=5 + r) for r in range(world)])
+    whole_out = whole.pipeline(mf.MoEInput(whole_x, whole.router_logits(whole_x).detach())).hidden_states
+    want_grads = torch.autograd.grad(whole_out.square().sum(), [getattr(whole, n) for n in names])
+    local = slice(rank * (E // world), (rank + 1) * (E // world))
+    errors["gradients"] = max(_close(g, w[local], f"d{n}") for g, w, n in zip(got_grads, want_grads, names))
+    return errors
