@@ -16,6 +16,9 @@ frozen: the time of ``forward + backward`` as the median of CUDA-graph replays w
 
 with ``lora / base`` (the issue's bar: at most 1.2) and ``grouped_mm_lora / lora`` (above 1: moeforge is faster), the
 step's peak memory above what was allocated before it, and whether two eager steps give bitwise the same gradients.
+``--serving``: inference instead (the experts' forward under ``torch.no_grad``), the base layer against the same
+layer with a stack of ``--adapters`` adapters (rank ``--rank``) each token picking one at random, at
+``--serving-tokens``: the issue's serving bar is 1.15× the base at M ≤ 64 and 1.3× at M = 4096.
 Prints a table and writes JSON (device, commit, date). ``--profile`` also prints, for ``base`` and ``lora`` of each
 cell, the GPU time per step of each kernel, and of each op by its input shapes (``torch.profiler``, a few eager steps after warm-up), so
 the adapter's GEMMs (rank-wide operands) stand apart from the base's.
@@ -91,6 +94,49 @@ def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad:
     return run
 
 
+def serving_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput,
+                 adapter_ids: torch.Tensor | None) -> Callable[[], Any]:
+    """The layer's experts (top-k given) forward without a backward, with each token's adapter where given."""
+    experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
+
+    def run() -> Any:
+        with torch.no_grad():
+            return experts_only(RoutedTokens(Activations(x), topk, adapter_ids)).hidden_states
+
+    return run
+
+
+def bench_serving(args: argparse.Namespace, flush: torch.Tensor) -> list[dict[str, Any]]:
+    """Inference of the base layer and of the same layer with a stack of adapters, tokens choosing at random."""
+    records: list[dict[str, Any]] = []
+    adapter = ExpertAdapter(rank=args.rank, alpha=2 * args.rank, count=args.adapters)
+    for name in args.shapes.split(","):
+        experts, top_k, hidden, inter = SHAPES[name]
+        adapted = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton",
+                              adapter=adapter)
+        base = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton")
+        base.load_state_dict({k: v for k, v in adapted.state_dict().items() if "lora" not in k})
+        with torch.no_grad():
+            for param_name in ADAPTER_PARAMETERS:
+                param = getattr(adapted, param_name)
+                param.copy_(torch.randn_like(param) * (0.02 if param_name.endswith("_b") else 1.0 / hidden ** 0.5))
+        for tokens in (int(t) for t in args.serving_tokens.split(",")):
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            topk = mf.stages.select_experts(torch.randn(tokens, experts, device="cuda"), top_k, adapted.routing)
+            ids = torch.randint(0, args.adapters, (tokens,), device="cuda")
+            timed = {what: time_graph(step, args.reps, flush) for what, step in (
+                ("base", serving_step(base, x, topk, None)), ("adapters", serving_step(adapted, x, topk, ids)))}
+            ratio = timed["adapters"] / timed["base"]
+            records.append(dict(shape=name, M=tokens, what="serving", adapters=args.adapters, rank=args.rank,
+                                base_us=round(timed["base"], 2), adapters_us=round(timed["adapters"], 2),
+                                ratio=round(ratio, 3)))
+            print(f"{name:8s} M={tokens:6d} serving: base {timed['base']:9.1f} us, {args.adapters} adapters "
+                  f"{timed['adapters']:9.1f} us ({ratio:.2f}x)", flush=True)
+        del adapted, base
+        torch.cuda.empty_cache()
+    return records
+
+
 def print_op_times(label: str, fn: Callable[[], Any], steps: int = 3) -> None:
     """The GPU time per step of ``fn``'s ops grouped by input shapes (``torch.profiler``), the costliest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -121,6 +167,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--profile", action="store_true", help="print each op's GPU time by input shapes too")
+    parser.add_argument("--serving", action="store_true", help="inference with a stack of adapters instead")
+    parser.add_argument("--adapters", type=int, default=8, help="adapters in the stack (--serving)")
+    parser.add_argument("--serving-tokens", default="1,16,64,4096")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_lora.py needs a CUDA device")
@@ -128,9 +177,13 @@ def main() -> None:
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     device = torch.cuda.get_device_name()
     adapter = ExpertAdapter(rank=args.rank, alpha=2 * args.rank)
-    print(f"{device}: rank {args.rank} adapter on gate/up and down, base weights frozen")
-    records = []
-    for name in args.shapes.split(","):
+    records: list[dict[str, Any]] = []
+    if args.serving:
+        print(f"{device}: inference, a stack of {args.adapters} rank-{args.rank} adapters")
+        records = bench_serving(args, flush)
+    else:
+        print(f"{device}: rank {args.rank} adapter on gate/up and down, base weights frozen")
+    for name in args.shapes.split(",") if not args.serving else []:
         experts, top_k, hidden, inter = SHAPES[name]
         adapted = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton",
                               adapter=adapter)
@@ -183,7 +236,7 @@ def main() -> None:
         del adapted, base
         torch.cuda.empty_cache()
     result = dict(device=device, commit=args.commit or measured_commit(), date=datetime.date.today().isoformat(),
-                  torch=torch.__version__, rank=args.rank, records=records)
+                  torch=torch.__version__, rank=args.rank, serving=args.serving, records=records)
     out = Path(args.out) if args.out else (
         Path(__file__).parent / "results" / f"bench_lora-{device_key(device)}-{result['date']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

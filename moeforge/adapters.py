@@ -66,16 +66,28 @@ def _alpha(instance: Any, attribute: Any, value: Optional[float]) -> None:
         raise InputError(f"ExpertAdapter.alpha must be a positive number (or None: the rank), got {value!r}")
 
 
+def _count(instance: Any, attribute: Any, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InputError(f"ExpertAdapter.count must be a positive int (adapters in the stack), got {value!r}")
+
+
 @attrs.frozen
 class ExpertAdapter:
     """A LoRA adapter on the experts: ``rank``, ``alpha`` (the update is scaled by ``alpha / rank``; ``None``: the
     rank, a scale of 1), ``targets`` (``"gate_up"``, ``"down"`` or both) and ``shared_a`` (one ``A`` for every
-    expert)."""
+    expert). ``count > 1``: a stack of that many adapters of this shape (serving many fine-tunes of one base), each
+    token picking its own by the ``adapter_ids`` the forward takes (``-1``: none)."""
 
     rank: int = attrs.field(validator=_rank)
     alpha: Optional[float] = attrs.field(default=None, validator=_alpha)
     targets: frozenset[GemmRole] = attrs.field(default=frozenset(GemmRole), converter=_roles)
     shared_a: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    count: int = attrs.field(default=1, validator=_count)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the adapter is a stack the tokens choose from (``count > 1``)."""
+        return self.count > 1
 
     @property
     def scale(self) -> float:
@@ -83,7 +95,8 @@ class ExpertAdapter:
 
     def summary(self) -> str:
         roles = ", ".join(role.value for role in GemmRole if role in self.targets)
-        return (f"LoRA adapter r={self.rank}, scale {self.scale:g} on {roles}"
+        return ((f"{self.count} LoRA adapters" if self.stacked else "LoRA adapter")
+                + f" r={self.rank}, scale {self.scale:g} on {roles}"
                 + (", one A shared by the experts" if self.shared_a else ""))
 
 
@@ -91,7 +104,8 @@ def create_adapter_weights(layer: torch.nn.Module, adapter: ExpertAdapter, *, nu
                            intermediate_size: int, gated: bool, dtype: torch.dtype,
                            device: Union[torch.device, str, None]) -> None:
     """Register the adapter's parameters on ``layer``: ``A`` drawn as ``nn.Linear`` draws a weight (Kaiming uniform,
-    ``a = sqrt(5)``), ``B`` zero."""
+    ``a = sqrt(5)``), ``B`` zero; a stack's with a leading ``count`` dimension (``A [count, E|1, r, K]``,
+    ``B [count, E, N, r]``)."""
     widths = {GemmRole.GATE_UP: ((2 if gated else 1) * intermediate_size, hidden_size),
               GemmRole.DOWN: (hidden_size, intermediate_size)}
     for role in GemmRole:
@@ -99,12 +113,14 @@ def create_adapter_weights(layer: torch.nn.Module, adapter: ExpertAdapter, *, nu
             continue
         out_features, in_features = widths[role]
         name_a, name_b = ADAPTER_NAMES[role]
-        a = torch.empty(1 if adapter.shared_a else num_experts, adapter.rank, in_features, dtype=dtype, device=device)
-        for expert in range(a.shape[0]):
-            torch.nn.init.kaiming_uniform_(a[expert], a=math.sqrt(5))
+        stack = (adapter.count,) if adapter.stacked else ()
+        a = torch.empty(*stack, 1 if adapter.shared_a else num_experts, adapter.rank, in_features, dtype=dtype,
+                        device=device)
+        for matrix in a.view(-1, adapter.rank, in_features):
+            torch.nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
         layer.register_parameter(name_a, torch.nn.Parameter(a))
         layer.register_parameter(name_b, torch.nn.Parameter(
-            torch.zeros(num_experts, out_features, adapter.rank, dtype=dtype, device=device)))
+            torch.zeros(*stack, num_experts, out_features, adapter.rank, dtype=dtype, device=device)))
 
 
 @attrs.frozen(eq=False)
@@ -115,8 +131,8 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
 
     kinds: ClassVar = (StageKind.GEMM,)
     base: Stage[ExpertRows, ExpertRows]
-    lora_a: TensorSource  # [E, r, K] or [1, r, K]
-    lora_b: TensorSource  # [E, N, r]
+    lora_a: TensorSource  # [E, r, K] or [1, r, K]; a stack of L adapters: [L, E | 1, r, K]
+    lora_b: TensorSource  # [E, N, r]; a stack: [L, E, N, r]
     scale: float
 
     def __attrs_post_init__(self) -> None:
@@ -134,8 +150,15 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
     def apply_routing_weights(self) -> bool:
         return bool(getattr(self.base, "apply_routing_weights"))
 
+    @property
+    def stack(self) -> int:
+        """Adapters in the stack the rows choose from by their ``adapter_ids``; 0 for one adapter for every row."""
+        b = resolve(self.lora_b)
+        return int(b.shape[0]) if b.dim() == 4 else 0
+
     def summary(self) -> str:
-        return f"{self.base.summary()[:-1]}, LoRA r={int(resolve(self.lora_b).shape[2])} x{self.scale:g})"
+        stack = f", {self.stack} adapters" if self.stack else ""
+        return f"{self.base.summary()[:-1]}, LoRA r={int(resolve(self.lora_b).shape[-1])} x{self.scale:g}{stack})"
 
     def accepts(self) -> Accepts:
         accepts = self.base.accepts()
@@ -155,6 +178,8 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
         a, b = resolve(self.lora_a), resolve(self.lora_b)
         experts, in_features = spec.num_experts, spec.width
         out_features = self.product_width(spec)
+        if a.dim() == 4 and b.dim() == 4 and a.shape[0] == b.shape[0]:  # a stack: each adapter as one
+            a, b = a[0], b[0]
         if a.dim() != 3 or a.shape[0] not in (1, experts) or a.shape[2] != in_features:
             found.append(Mismatch("width", tuple(a.shape), f"[{experts} or 1, r, {in_features}]",
                                   "the adapter's A is [experts, rank, in_features] (one expert when shared)"))
@@ -173,12 +198,33 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
     def __call__(self, x: ExpertRows) -> ExpertRows:
         out = self.base(x)
         a, b = resolve(self.lora_a), resolve(self.lora_b)
+        dtype = out.x.data.dtype
+        if not self.stack:
+            return out.with_x(Activations(out.x.data + self.scale * self._update(x, a, b, dtype)))
+        ids = stack_ids(x, self.stack, self.name)
+        update = out.x.data.new_zeros(out.x.data.shape)
+        for index in range(self.stack):  # each adapter on every row, kept where the row chose it (the reference)
+            chosen = (ids == index).unsqueeze(-1)
+            update = update + torch.where(chosen, self._update(x, a[index], b[index], dtype), 0)
+        return out.with_x(Activations(out.x.data + self.scale * update))
+
+    def _update(self, x: ExpertRows, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``(x Aᵀ) Bᵀ`` of one adapter (``A [E | 1, r, K]``, ``B [E, N, r]``) on the rows, with the routing weights
+        where the base's epilogue applies them."""
         if a.shape[0] == 1 and b.shape[0] > 1:
             a = a.expand(b.shape[0], -1, -1)
-        dtype = out.x.data.dtype
         low = expert_rows_gemm(x, a, None, False, dtype, self.name)
-        update = expert_rows_gemm(low, b, None, self.apply_routing_weights, dtype, self.name)
-        return out.with_x(Activations(out.x.data + self.scale * update.x.data))
+        update: torch.Tensor = expert_rows_gemm(low, b, None, self.apply_routing_weights, dtype, self.name).x.data
+        return update
+
+
+def stack_ids(x: ExpertRows, stack: int, where: str) -> torch.Tensor:
+    """The rows' adapter ids (``x.adapter_ids``, in the rows' layout) for a stack of ``stack`` adapters; a clear error
+    where the forward was given none."""
+    if x.adapter_ids is None:
+        raise InputError(f"{where}: the layer's adapter is a stack of {stack}: pass each token's adapter "
+                         "(forward(..., adapter_ids=ids [tokens], -1 for none))")
+    return x.adapter_ids
 
 
 @attrs.frozen(eq=False)
@@ -217,7 +263,7 @@ class AdaptedGroupedGemm(AdaptedGemm):
         (:func:`~moeforge.kernels.config.narrow_config`); in a batch-invariant layer (:mod:`moeforge.batch_invariant`)
         never a split K-loop."""
         a, b = resolve(self.lora_a), resolve(self.lora_b)
-        rank, out_features, in_features = int(b.shape[2]), int(b.shape[1]), int(a.shape[2])
+        rank, out_features, in_features = int(b.shape[-1]), int(b.shape[-2]), int(a.shape[-1])
         launches = (narrow_config(block_m, rank, in_features), narrow_config(block_m, out_features, rank))
         if self._invariant():
             launches = (attrs.evolve(launches[0], split_k=1), attrs.evolve(launches[1], split_k=1))
@@ -248,6 +294,18 @@ class AdaptedGroupedGemm(AdaptedGemm):
         dtype = product.x.data.dtype
         planned = self._launches.get(alignment.block_m)
         a_launch, b_launch = planned if planned is not None else self._plan(alignment.block_m)
+        if self.stack:
+            update = self._stack_update(x, a, b, rows, rows_per_a, dtype, a_launch, b_launch)
+        else:
+            update = self._update_on(x, route, a, b, rows, rows_per_a, dtype, a_launch, b_launch)
+        # Where nothing is recorded for a backward, the update is added in place (no third [copies, N] buffer).
+        summed = product.x.data + update if torch.is_grad_enabled() else product.x.data.add_(update)
+        out: AlignedRows = base.activate(dataclasses.replace(product, x=Activations(summed)))
+        return out
+
+    def _update_on(self, x: AlignedRows, route: GemmRoute, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
+                   rows_per_a: int, dtype: torch.dtype, a_launch: GemmConfig, b_launch: GemmConfig) -> torch.Tensor:
+        """``scale · (x Aᵀ) Bᵀ`` of one adapter on the copies of ``route`` (``[copies, N]``, copy order)."""
         if a.shape[0] == 1:  # one A for every expert: one product per row, before the rows are copied
             # (a batch-invariant layer's through the one-expert kernel: no library GEMM choosing by shape)
             if self._invariant():
@@ -267,10 +325,61 @@ class AdaptedGroupedGemm(AdaptedGemm):
             GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b), route,
             GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),
             b_launch)
-        # Where nothing is recorded for a backward, the update is added in place (no third [copies, N] buffer).
-        summed = product.x.data + update if torch.is_grad_enabled() else product.x.data.add_(update)
-        out: AlignedRows = base.activate(dataclasses.replace(product, x=Activations(summed)))
-        return out
+        return update
+
+    def _stack_update(self, x: AlignedRows, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, rows_per_a: int,
+                      dtype: torch.dtype, a_launch: GemmConfig, b_launch: GemmConfig) -> torch.Tensor:
+        """The update of a stack of adapters, each copy by its own: the copies aligned again by (adapter, expert)
+        pairs (the stack's ``A`` and ``B`` viewed as ``count · E`` experts' matrices), the two products on that
+        alignment (their outputs, one row per copy, need no other order), a copy of no adapter (``-1``) zeroed by
+        the first product's epilogue. A shared ``A`` multiplies each row once, its rows aligned by adapter."""
+        from moeforge.stages.triton import kernel_ops
+
+        ids = stack_ids(x, self.stack, self.name)
+        alignment = x.alignment
+        stack, experts = int(b.shape[0]), int(b.shape[1])
+        chosen = ids.clamp(min=0).to(torch.int32)
+        used = (ids >= 0).to(torch.float32)
+        pairs = chosen * experts + copy_experts(alignment)
+        sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(
+            pairs.view(-1, alignment.copies_per_row), stack * experts, alignment.block_m)
+        route = GemmRoute(sorted_ids, block_expert, num_padded, alignment.num_copies,
+                          aligned_block_m=alignment.block_m)
+        if a.shape[1] == 1:  # one A per adapter for every expert: each row once, the rows aligned by adapter
+            row_ids = chosen.view(-1, rows_per_a)[:, 0].contiguous()
+            row_sorted, row_blocks, row_padded = kernel_ops().align_block_size(
+                row_ids.view(-1, 1), stack, alignment.block_m)
+            low, _ = grouped_gemm(GemmRows(rows), GemmWeight(a.reshape(stack, a.shape[2], a.shape[3])),
+                                  GemmRoute(row_sorted, row_blocks, row_padded, rows.shape[0],
+                                            aligned_block_m=alignment.block_m),
+                                  GemmEpilogue(dtype, routing_weights=used.view(-1, rows_per_a)[:, 0].contiguous()),
+                                  a_launch)
+            rows_per_low = rows_per_a
+        else:
+            low, _ = grouped_gemm(GemmRows(rows, rows_per_a=rows_per_a),
+                                  GemmWeight(a.reshape(stack * experts, a.shape[2], a.shape[3])), route,
+                                  GemmEpilogue(dtype, routing_weights=used), a_launch)
+            rows_per_low = 1
+        if self.scale != 1.0:
+            low = low * self.scale
+        update, _ = grouped_gemm(
+            GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b.reshape(stack * experts, b.shape[2], b.shape[3])),
+            route, GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),
+            b_launch)
+        return update
+
+
+def copy_experts(alignment: Any) -> torch.Tensor:
+    """Each copy's local expert (``[copies]`` int32, copy order) from a block alignment, on the device: the expert of
+    the block each copy's slot lies in."""
+    slots = alignment.sorted_ids.to(torch.int64)
+    position = torch.arange(slots.numel(), device=slots.device)
+    owner = alignment.block_expert.to(torch.int32).repeat_interleave(alignment.block_m)[:slots.numel()]
+    placed = (position < alignment.num_padded.to(torch.int64)) & (slots < alignment.num_copies)
+    target = torch.where(placed, slots, alignment.num_copies)  # padding and unused slots: one spare entry
+    experts = torch.zeros(alignment.num_copies + 1, dtype=torch.int32, device=slots.device)
+    experts[target] = owner
+    return experts[:alignment.num_copies]
 
 
 def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: ExpertAdapter) -> list[Stage[Any, Any]]:

@@ -179,6 +179,9 @@ class MoELayer(nn.Module):
         self.quant.create_weights(self, num_experts=self.local_experts, hidden_size=hidden_size,
                                   intermediate_size=intermediate_size, gated=activation.gated,
                                   bias=expert_bias, dtype=dtype, device=device)
+        if adapter is not None and adapter.stacked and expert_parallel is not None:
+            raise InputError(f"a stack of {adapter.count} expert adapters does not cross an expert-parallel exchange "
+                             "yet: use one adapter (count=1) with expert_parallel")
         if adapter is not None:
             create_adapter_weights(self, adapter, num_experts=self.local_experts, hidden_size=hidden_size,
                                    intermediate_size=intermediate_size, gated=activation.gated, dtype=dtype,
@@ -403,9 +406,12 @@ class MoELayer(nn.Module):
 
     # -- running ----------------------------------------------------------------------------------
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor] = None,
+                adapter_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``hidden_states [T, H]`` or ``[B, S, H]`` -> same shape. ``router_logits`` (``[T, E]`` or
-        ``[B, S, E]``) are computed by the layer's router when not given.
+        ``[B, S, E]``) are computed by the layer's router when not given. ``adapter_ids`` (``[T]`` or ``[B, S]``,
+        int32 or int64): each token's adapter of a stack (``ExpertAdapter(count=...)``), ``-1`` for none; required
+        with a stack, refused without one.
 
         Under ``torch.autocast`` for the layer's device type the layer computes in its own dtype, as
         autocast's float32 ops do: float hidden states are cast to it, autocast is off inside (so the
@@ -418,30 +424,56 @@ class MoELayer(nn.Module):
                 if isinstance(hidden_states, torch.Tensor) and hidden_states.is_floating_point():
                     hidden_states = hidden_states.to(self._dtype)
                 with torch.autocast(self._device.type, enabled=False):
-                    return self._forward(hidden_states, router_logits)
-            return self._forward(hidden_states, router_logits)
+                    return self._forward(hidden_states, router_logits, adapter_ids)
+            return self._forward(hidden_states, router_logits, adapter_ids)
 
-    def _forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor]) -> torch.Tensor:
+    def _forward(self, hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor],
+                 adapter_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         device = self._device
         check_hidden_states(hidden_states, self.hidden_size, self.dtype, device, self.debug)
         x = hidden_states.reshape(-1, self.hidden_size)
         if router_logits is None:
             router_logits = self.router_logits(x)
         logits = check_router_logits(router_logits, hidden_states.shape, self.num_experts, device, self.debug)
+        ids = self._adapter_ids(adapter_ids, hidden_states.shape)
+        inputs = (x, logits) if ids is None else (x, logits, ids)
         out = None
         if self.decode_graphs is not None and not self.debug:
-            out = self.decode_graphs.run(self._experts, (x, logits),
+            out = self.decode_graphs.run(self._experts, inputs,
                                          itertools.chain(self.parameters(recurse=False), self.buffers(recurse=False)),
                                          owner=self.pipeline)
         if out is None:
-            out = self._experts(x, logits)
+            out = self._experts(*inputs)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, self._linear())
         return out.view(hidden_states.shape)
 
-    def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _adapter_ids(self, adapter_ids: Optional[torch.Tensor], shape: torch.Size) -> Optional[torch.Tensor]:
+        """The tokens' adapter ids, flat, checked: required with a stack of adapters, refused without one; their
+        range where reading it costs no synchronisation (a CPU tensor, or debug mode)."""
+        stack = self.adapter.count if self.adapter is not None and self.adapter.stacked else 0
+        if adapter_ids is None:
+            if stack:
+                raise InputError(f"this layer's adapter is a stack of {stack}: pass adapter_ids, each token's adapter "
+                                 "(-1 for none)")
+            return None
+        if not stack:
+            raise InputError("adapter_ids choose among a stack of adapters (ExpertAdapter(count=...)); this layer has "
+                             + ("one adapter" if self.adapter is not None else "none"))
+        if not isinstance(adapter_ids, torch.Tensor) or adapter_ids.dtype not in (torch.int32, torch.int64):
+            raise InputError(f"adapter_ids must be an int32 or int64 tensor, got {adapter_ids!r}")
+        if tuple(adapter_ids.shape) != tuple(shape[:-1]):
+            raise InputError(f"adapter_ids must be {tuple(shape[:-1])} (one per token), got {tuple(adapter_ids.shape)}")
+        if adapter_ids.device.type == "cpu" or self.debug:
+            if adapter_ids.numel() and (int(adapter_ids.min()) < -1 or int(adapter_ids.max()) >= stack):
+                raise InputError(f"adapter_ids must lie in [-1, {stack}) (-1: no adapter), got "
+                                 f"[{int(adapter_ids.min())}, {int(adapter_ids.max())}]")
+        return adapter_ids.reshape(-1).to(self._device)
+
+    def _experts(self, x: torch.Tensor, logits: torch.Tensor, adapter_ids: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
         # The forward's checks cover what the pipeline would check of its input, with the layer's words.
-        out: torch.Tensor = self.pipeline.run(MoEInput(x, logits), input_checked=True).hidden_states
+        out: torch.Tensor = self.pipeline.run(MoEInput(x, logits, adapter_ids), input_checked=True).hidden_states
         return out
 
     def _linear(self) -> Linear:

@@ -109,10 +109,13 @@ def scale_dtype(layout: ScaleLayout) -> torch.dtype:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MoEInput:
-    """The pipeline input: token-major hidden states ``[T, H]`` and router logits ``[T, E]``."""
+    """The pipeline input: token-major hidden states ``[T, H]`` and router logits ``[T, E]``; with a stack of
+    expert adapters (:class:`~moeforge.adapters.ExpertAdapter` with ``count``), ``adapter_ids [T]`` (int32 or int64:
+    each token's adapter, ``-1`` for none)."""
 
     hidden_states: torch.Tensor
     router_logits: torch.Tensor
+    adapter_ids: Optional[torch.Tensor] = None
 
     def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.kind is PayloadKind.TOKENS, "payload kind", "MoEInput", spec.kind.value)
@@ -126,9 +129,18 @@ class MoEInput:
         _expect(logits.is_floating_point(), "router_logits dtype", logits.dtype, "a float dtype")
         _expect(logits.device == hidden.device, "router_logits device", logits.device,
                 f"{hidden.device} (the hidden states' device)")
+        if self.adapter_ids is not None:
+            _check_adapter_ids(self.adapter_ids, hidden.shape[0], hidden.device)
         if values:
             _finite(hidden, "hidden_states")
             _finite(logits, "router_logits")
+
+
+def _check_adapter_ids(ids: torch.Tensor, tokens: int, device: torch.device) -> None:
+    ids = _tensor(ids, "adapter_ids")
+    _expect(tuple(ids.shape) == (tokens,), "adapter_ids shape", tuple(ids.shape), f"({tokens},): one per token")
+    _expect(ids.dtype in (torch.int32, torch.int64), "adapter_ids dtype", ids.dtype, "int32 or int64")
+    _expect(ids.device == device, "adapter_ids device", ids.device, f"{device} (the hidden states' device)")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -164,10 +176,12 @@ class TopKOutput:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RoutedTokens:
-    """Token-major activations (possibly quantized) with their routing decision."""
+    """Token-major activations (possibly quantized) with their routing decision, and each token's adapter
+    (``adapter_ids [T]``, ``-1`` for none) where a stack of expert adapters is in use."""
 
     x: Activations
     topk: TopKOutput
+    adapter_ids: Optional[torch.Tensor] = None
 
     def with_x(self, x: Activations) -> Self:
         return dataclasses.replace(self, x=x)
@@ -180,6 +194,8 @@ class RoutedTokens:
         self.topk.check(self.x.data.shape[0], spec, values)
         _expect(self.topk.ids.device == self.x.data.device, "topk.ids device", self.topk.ids.device,
                 self.x.data.device)
+        if self.adapter_ids is not None:
+            _check_adapter_ids(self.adapter_ids, self.x.data.shape[0], self.x.data.device)
 
 
 class Plan(abc.ABC):
@@ -209,10 +225,14 @@ class ExpertRows:
     """Base of the expert-grouped payloads (dispatched rows, expert hidden states, expert outputs).
 
     Every layout carries its rows' routing weights in its own order (what a GEMM epilogue multiplies
-    by) and the :class:`Plan` of the way back (keyword-only, so each layout's own fields come first)."""
+    by) and the :class:`Plan` of the way back (keyword-only, so each layout's own fields come first); where a stack
+    of expert adapters is in use, each row's adapter in the same order (``adapter_ids``: ``[R]`` for sorted rows,
+    ``[E, C]`` for padded ones, ``[copies]`` in copy order for block-aligned ones; ``-1`` for none or an empty
+    slot), which the dispatch computes as it places the rows."""
 
     x: Activations
     plan: Plan = dataclasses.field(kw_only=True)
+    adapter_ids: Optional[torch.Tensor] = dataclasses.field(default=None, kw_only=True)
 
     def with_x(self, x: Activations) -> Self:
         return dataclasses.replace(self, x=x)

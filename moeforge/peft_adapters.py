@@ -40,6 +40,8 @@ def _adapter(layer: Any) -> Any:
     adapter = getattr(layer, "adapter", None)
     if adapter is None:
         raise InputError(f"{type(layer).__name__} has no expert adapter: build it with adapter=ExpertAdapter(...)")
+    if adapter.stacked:
+        raise InputError(f"peft's format holds one adapter per file; this layer's is a stack of {adapter.count}")
     return adapter
 
 

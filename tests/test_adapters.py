@@ -253,3 +253,73 @@ def test_an_adapted_gemm_honours_its_contract(layout: mf.Layout, role: GemmRole,
                    expert_ids=mf.ExpertIds.LOCAL, activations=0 if role is GemmRole.GATE_UP else 1)
     assert stage.output_spec(spec) == base.output_spec(spec)
     assert_stage_honours_contract(stage, spec, max_examples=8)
+
+
+# -- a stack of adapters, each token choosing its own (ExpertAdapter(count=...), forward(..., adapter_ids=...)) -------
+
+
+def _merged_for(layer: mf.MoELayer, adapter: ExpertAdapter, index: int) -> mf.MoELayer:
+    """A layer without adapter whose expert weights are ``W + scale · B A`` of the stack's adapter ``index``
+    (``-1``: the base weights)."""
+    plain = mf.MoELayer(E, K, H, I, dtype=layer.dtype)
+    state = {name: value for name, value in layer.state_dict().items() if "lora" not in name}
+    with torch.no_grad():
+        for role, weight in ((GemmRole.GATE_UP, "w13_weight"), (GemmRole.DOWN, "w2_weight")):
+            if role in adapter.targets and index >= 0:
+                name_a, name_b = ADAPTER_NAMES[role]
+                a, b = getattr(layer, name_a)[index], getattr(layer, name_b)[index]
+                state[weight] = state[weight] + adapter.scale * torch.bmm(b, a.expand(b.shape[0], -1, -1))
+    plain.load_state_dict(state)
+    return plain
+
+
+@pytest.mark.parametrize("dispatcher", ["sorted", "padded"])
+@pytest.mark.parametrize("adapter", [ExpertAdapter(rank=3, alpha=6, count=3),
+                                     ExpertAdapter(rank=2, count=2, shared_a=True, targets="gate_up")])
+def test_each_token_takes_its_own_adapter_of_a_stack(dispatcher: str, adapter: ExpertAdapter) -> None:
+    layer = _layer(adapter, dispatcher=dispatcher)
+    _randomise_adapter(layer, 5)
+    assert layer.w13_lora_b.shape[0] == adapter.count and "adapters" in layer.describe()
+    x = torch.randn(12, H)
+    ids = torch.tensor([0, 1, -1, 1, 0, 0, -1, 1, 1, 0, -1, 0]) % adapter.count - (torch.arange(12) % 5 == 2).long()
+    with torch.no_grad():
+        got = layer(x, adapter_ids=ids)
+        for index in range(-1, adapter.count):
+            chosen = ids == index
+            torch.testing.assert_close(got[chosen], _merged_for(layer, adapter, index)(x)[chosen], rtol=1e-5,
+                                       atol=1e-5)
+        assert torch.equal(layer(x.view(3, 4, H), adapter_ids=ids.view(3, 4)).view(12, H), got)  # [B, S] ids
+
+
+def test_an_adapter_no_token_chose_gets_no_gradient() -> None:
+    layer = _layer(ExpertAdapter(rank=2, count=3))
+    _randomise_adapter(layer, 6)
+    x = torch.randn(9, H)
+    ids = torch.tensor([0, 2, 2, -1, 0, 2, 0, -1, 2])
+    layer(x, adapter_ids=ids).square().sum().backward()
+    for name in ("w13_lora_a", "w13_lora_b", "w2_lora_a", "w2_lora_b"):
+        grad = getattr(layer, name).grad
+        assert grad is not None and grad[1].abs().max() == 0 and grad[0].abs().max() > 0 and grad[2].abs().max() > 0
+
+
+def test_adapter_ids_are_checked() -> None:
+    stacked = _layer(ExpertAdapter(rank=2, count=2))
+    x = torch.randn(4, H)
+    with pytest.raises(mf.InputError, match="stack of 2: pass adapter_ids"):
+        stacked(x)
+    with pytest.raises(mf.InputError, match=r"must lie in \[-1, 2\)"):
+        stacked(x, adapter_ids=torch.tensor([0, 1, 2, 0]))
+    with pytest.raises(mf.InputError, match="one per token"):
+        stacked(x, adapter_ids=torch.tensor([0, 1]))
+    with pytest.raises(mf.InputError, match="int32 or int64"):
+        stacked(x, adapter_ids=torch.tensor([0.0, 1.0, 0.0, 1.0]))
+    with pytest.raises(mf.InputError, match="this layer has one adapter"):
+        _layer(ExpertAdapter(rank=2))(x, adapter_ids=torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(mf.InputError, match="this layer has none"):
+        mf.MoELayer(E, K, H, I)(x, adapter_ids=torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(mf.InputError, match="count must be a positive int"):
+        ExpertAdapter(rank=2, count=0)
+    from moeforge.peft_adapters import to_peft
+
+    with pytest.raises(mf.InputError, match="one adapter per file"):
+        to_peft(stacked)

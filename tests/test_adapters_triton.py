@@ -199,6 +199,31 @@ def test_the_adapted_pipeline_compiles_in_one_graph_for_inference_and_training(n
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("adapter", [ExpertAdapter(rank=3, alpha=6, count=3),
+                                     ExpertAdapter(rank=3, alpha=6, count=3, shared_a=True),
+                                     ExpertAdapter(rank=2, count=2, targets="down")])
+def test_a_stack_of_adapters_on_the_triton_gemms_equals_the_torch_pipeline(adapter: ExpertAdapter) -> None:
+    # Each copy's update by its token's adapter: the copies aligned again by (adapter, expert), -1 zeroed.
+    layer = _torch_layer(adapter, torch.float32)
+    pipeline = _triton_pipeline(layer)
+    assert "3 adapters" in pipeline.describe() or adapter.count == 2
+    x = torch.randn(13, H, device=DEVICE)
+    ids = torch.tensor([0, 1, 2, -1, 2, 1, 0, 0, -1, 2, 1, 1, 0], device=DEVICE) % (adapter.count + 1) - 1
+    logits = layer.router_logits(x).detach()
+    with torch.no_grad():
+        want = layer.pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states
+        torch.testing.assert_close(pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states, want, rtol=2e-5,
+                                   atol=2e-5)
+    params = [param for name, param in layer.named_parameters() if name.startswith(("w13", "w2"))]
+    grads = []
+    for run in (layer.pipeline, pipeline):
+        rows = x.clone().requires_grad_()
+        grads.append(torch.autograd.grad(run.run(mf.MoEInput(rows, logits, ids)).hidden_states.square().sum(),
+                                         [rows, *params]))
+    for got, want_grad in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want_grad, rtol=1e-4, atol=1e-4)
+
+
 def test_the_low_rank_launches_and_their_row_gradients_fit_the_rank() -> None:
     assert (narrow_config(64, 4, 2048).block_n, narrow_config(64, 4, 2048).block_k) == (16, 64)
     assert (narrow_config(16, 1536, 16).block_n, narrow_config(16, 1536, 16).block_k) == (128, 16)
@@ -326,3 +351,23 @@ def test_a_batch_invariant_layer_with_an_adapter_gives_each_token_the_same_bits_
         whole = layer(x)
         for rows in (slice(0, 1), slice(5, 12), slice(100, 164)):
             assert torch.equal(layer(x[rows]), whole[rows])
+
+
+@gpu
+def test_a_stack_of_adapters_on_a_triton_layer_and_in_its_decode_graphs() -> None:
+    from moeforge.decode_graphs import DecodeGraphSettings
+
+    adapter = ExpertAdapter(rank=16, alpha=32, count=4)
+    reference, layer = _pair(adapter)
+    graphed = mf.MoELayer(16, 4, 256, 128, adapter=adapter, dtype=torch.bfloat16, device="cuda", backend="triton",
+                          decode_graphs=DecodeGraphSettings(max_tokens=8))
+    graphed.load_state_dict(reference.state_dict())
+    for tokens in (1, 5, 300):
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+        ids = torch.randint(-1, 4, (tokens,), device="cuda")
+        with torch.no_grad():
+            want = reference(x, adapter_ids=ids)
+            assert _rel(layer(x, adapter_ids=ids), want) < 1e-2
+            for _ in range(2):  # captured, then replayed with other ids
+                ids = torch.randint(-1, 4, (tokens,), device="cuda")
+                assert torch.equal(graphed(x, adapter_ids=ids), layer(x, adapter_ids=ids))

@@ -43,6 +43,7 @@ from moeforge.distributed.exchange import (
 from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.wire import RowFormat, Traffic
 from moeforge.kernels.config import ConfigTable
+from moeforge.errors import InputError
 from moeforge.payloads import Activations, AlignedRows, BlockAlignment, ExpertRows, Plan, RoutedTokens, SortedRows
 from moeforge.spec import (
     Exchange,
@@ -139,6 +140,9 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         return spec.evolve(layout=Layout.EXPERT_SORTED, group_list_type=self.group_list_type, **common)
 
     def __call__(self, x: RoutedTokens) -> ExpertRows:
+        if x.adapter_ids is not None:
+            raise InputError("per-token expert adapters (a stack: ExpertAdapter(count=...)) do not cross an "
+                             "expert-parallel exchange yet")
         ep, group = self.ep, self.ep.group
         world, local = ep.world_size, ep.local_experts
         tokens, top_k = x.topk.ids.shape

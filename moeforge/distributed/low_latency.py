@@ -158,6 +158,9 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
             routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
 
     def __call__(self, x: RoutedTokens) -> PaddedRows:
+        if x.adapter_ids is not None:
+            raise InputError("per-token expert adapters (a stack: ExpertAdapter(count=...)) do not cross an "
+                             "expert-parallel exchange yet")
         ep, group, cap = self.ep, self.ep.group, self.slots
         world, local, experts = ep.world_size, ep.local_experts, ep.num_experts
         tokens, top_k = x.topk.ids.shape

@@ -175,8 +175,9 @@ class SortedDispatch(_Dispatch, Stage[RoutedTokens, SortedRows]):
             rows = Activations(_scale_rows(rows.data, row_weight))
         group_list = counts if self.group_list_type is GroupListType.COUNT else counts.cumsum(0)
         plan = SortedPlan(token_rows=token_rows.view(tokens, k), copy_weights=topk.weights)
+        adapter_ids = x.adapter_ids[row_token] if x.adapter_ids is not None else None
         return SortedRows(x=rows, group_list=group_list, group_list_type=self.group_list_type,
-                          row_weights=row_weight, plan=plan)
+                          row_weights=row_weight, plan=plan, adapter_ids=adapter_ids)
 
 
 @attrs.frozen(eq=False)
@@ -249,10 +250,15 @@ class PaddedDispatch(_Dispatch, Stage[RoutedTokens, PaddedRows]):
         token_slots = torch.full((tokens * k,), -1, dtype=torch.int64, device=device)
         token_slots[order] = torch.where(kept, slot, -1)
         plan = PaddedPlan(token_slots=token_slots.view(tokens, k), copy_weights=topk.weights, dropped=(~kept).sum())
+        slot_adapters = None
+        if x.adapter_ids is not None:  # each slot's adapter (-1 for an empty slot)
+            slot_adapters = torch.full((spare + 1,), -1, dtype=x.adapter_ids.dtype, device=device)
+            slot_adapters[slot] = x.adapter_ids[torch.div(order, k, rounding_mode="floor")]
+            slot_adapters = slot_adapters[:spare].view(num_experts, capacity)
         return PaddedRows(
             x=Activations(buffer[:spare].view(num_experts, capacity, width), scale),
             masked_m=counts.clamp(max=capacity).to(torch.int32),
             slot_weights=slot_weight[:spare].view(num_experts, capacity),
-            plan=plan,
+            plan=plan, adapter_ids=slot_adapters,
         )
 

@@ -208,7 +208,7 @@ class TopK(_RoutingStage):
     def __call__(self, x: MoEInput) -> RoutedTokens:
         bias = resolve(self.selection_bias) if self.selection_bias is not None else None
         topk = _route(x.router_logits, self.top_k, self.config, bias, accumulation_dtype(x.hidden_states.dtype))
-        return RoutedTokens(x=Activations(x.hidden_states), topk=topk)
+        return RoutedTokens(x=Activations(x.hidden_states), topk=topk, adapter_ids=x.adapter_ids)
 
 
 RoutingFunction = Callable[[torch.Tensor, torch.Tensor, int], "tuple[torch.Tensor, torch.Tensor]"]
@@ -271,7 +271,7 @@ class CustomTopK(_RoutingStage):
         self._check_output(weights, ids, x.router_logits)
         dtype = accumulation_dtype(x.hidden_states.dtype)
         topk = TopKOutput(weights=weights.to(dtype).contiguous(), ids=ids.to(torch.int32).contiguous())
-        return RoutedTokens(x=Activations(x.hidden_states), topk=topk)
+        return RoutedTokens(x=Activations(x.hidden_states), topk=topk, adapter_ids=x.adapter_ids)
 
     def _check_output(self, weights: object, ids: object, logits: torch.Tensor) -> None:
         where = f"{self.summary()}: the routing function returned"

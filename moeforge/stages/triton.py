@@ -96,7 +96,8 @@ class TritonTopK(TopK):
     def __call__(self, x: MoEInput) -> RoutedTokens:
         bias = resolve(self.selection_bias).float() if self.selection_bias is not None else None
         weights, ids = kernel_ops().route(x.router_logits, bias, self.top_k, **self._flags)
-        return RoutedTokens(x=Activations(x.hidden_states), topk=TopKOutput(weights=weights, ids=ids))
+        return RoutedTokens(x=Activations(x.hidden_states), topk=TopKOutput(weights=weights, ids=ids),
+                            adapter_ids=x.adapter_ids)
 
 
 @attrs.frozen(eq=False)
@@ -138,8 +139,10 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
             x.topk.ids, self.num_experts, config.block_m)
         alignment = BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
                                    config=config, copies_per_row=top_k, num_tokens=tokens)
+        # each copy's adapter, in copy order (copy t * top_k + j of token t)
+        adapter_ids = x.adapter_ids.repeat_interleave(top_k) if x.adapter_ids is not None else None
         return AlignedRows(x=x.x, alignment=alignment, copy_major=False, copy_weights=x.topk.weights.reshape(-1),
-                           plan=CopyOrderPlan(x.topk.weights))
+                           plan=CopyOrderPlan(x.topk.weights), adapter_ids=adapter_ids)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
