@@ -179,9 +179,6 @@ class MoELayer(nn.Module):
         self.quant.create_weights(self, num_experts=self.local_experts, hidden_size=hidden_size,
                                   intermediate_size=intermediate_size, gated=activation.gated,
                                   bias=expert_bias, dtype=dtype, device=device)
-        if adapter is not None and adapter.stacked and expert_parallel is not None:
-            raise InputError(f"a stack of {adapter.count} expert adapters does not cross an expert-parallel exchange "
-                             "yet: use one adapter (count=1) with expert_parallel")
         if adapter is not None:
             create_adapter_weights(self, adapter, num_experts=self.local_experts, hidden_size=hidden_size,
                                    intermediate_size=intermediate_size, gated=activation.gated, dtype=dtype,

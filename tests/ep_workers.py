@@ -399,3 +399,49 @@ def triton_adapters_match(rank: int, world: int) -> dict[str, float]:
     local = slice(rank * (E // world), (rank + 1) * (E // world))
     errors["gradients"] = max(_close(g, w[local], f"d{n}") for g, w, n in zip(got_grads, want_grads, names))
     return errors
+
+
+def stacked_adapters_match(rank: int, world: int) -> dict[str, float]:
+    """A stack of expert adapters behind both expert-parallel dispatchers (each copy's adapter travels beside its
+    row; the stack's matrices sliced to the rank's experts along their expert dimension) equals the whole layer with
+    the same tokens and adapter ids, torch stages, and on the triton GEMMs behind the all-to-all dispatcher under the
+    interpreter; the adapters train."""
+    from moeforge.adapters import ExpertAdapter
+
+    errors: dict[str, float] = {}
+    adapter = ExpertAdapter(rank=2, alpha=4, count=3)
+    x = _tokens(rank)
+    ids = (torch.arange(x.shape[0]) + rank) % 4 - 1  # every adapter and none
+    for name, dispatcher in (("all_to_all", None), ("low_latency", lambda ep: LowLatencyDispatch(ep, max_tokens=8))):
+        extra = {"dispatcher": dispatcher} if dispatcher is not None else {}
+        whole, parallel = _pair({**BASE, "adapter": adapter}, **extra)
+        assert parallel.w13_lora_b.shape[:2] == (3, E // world)
+        errors[name] = _close(parallel(x, adapter_ids=ids), whole(x, adapter_ids=ids), name)
+        for key, param in parallel.named_parameters():
+            param.requires_grad_("lora" in key)
+        parallel(x, adapter_ids=ids).square().sum().backward()  # every rank runs the backward
+        assert parallel.w2_lora_b.grad is not None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return errors
+    from moeforge.adapters import adapt
+    from moeforge.kernels.config import ConfigTable
+    from moeforge.stages.triton import FusedGroupedGemm
+
+    whole, parallel = _pair({**BASE, "adapter": adapter})
+    ep = parallel.expert_parallel
+    assert ep is not None
+    table = ConfigTable(E, 2)
+    dispatch = AllToAllDispatch(ep, configs=table)
+    stages: list[mf.Stage[Any, Any]] = [
+        mf.TopK(E, 2, parallel.routing), dispatch,
+        FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None, mf.ActivationConfig()),
+        FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table),
+        dispatch.combine_stage(out_dtype=mf.DType.FP32)]
+    pipeline = mf.Pipeline(adapt(stages, parallel, adapter), mf.input_spec(H, torch.float32, E))
+    logits = whole.router_logits(x).detach()
+    with torch.no_grad():
+        got = pipeline(mf.MoEInput(x, logits, ids)).hidden_states
+        errors["triton"] = _close(got, whole.pipeline(mf.MoEInput(x, logits, ids)).hidden_states, "triton stack")
+    return errors

@@ -100,6 +100,14 @@ def test_triton_gemms_with_an_adapter_behind_the_all_to_all_dispatcher() -> None
         assert max(rank_errors.values()) < 1e-4
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the triton kernels in the interpreter on CPU ranks (gloo): "
+                    "on a GPU machine they need CUDA tensors, and NCCL ranks need a GPU each")
+def test_a_stack_of_adapters_behind_both_dispatchers() -> None:
+    errors = run_ranks(ep_workers.stacked_adapters_match, 2, timeout=300)
+    for rank_errors in errors:
+        assert max(rank_errors.values()) < 1e-4
+
+
 def test_expert_adapters_behind_the_all_to_all_dispatcher() -> None:
     errors = run_ranks(ep_workers.adapters_match, 2, timeout=300)
     for rank_errors in errors:

@@ -43,7 +43,6 @@ from moeforge.distributed.exchange import (
 from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.wire import RowFormat, Traffic
 from moeforge.kernels.config import ConfigTable
-from moeforge.errors import InputError
 from moeforge.payloads import Activations, AlignedRows, BlockAlignment, ExpertRows, Plan, RoutedTokens, SortedRows
 from moeforge.spec import (
     Exchange,
@@ -140,9 +139,6 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         return spec.evolve(layout=Layout.EXPERT_SORTED, group_list_type=self.group_list_type, **common)
 
     def __call__(self, x: RoutedTokens) -> ExpertRows:
-        if x.adapter_ids is not None:
-            raise InputError("per-token expert adapters (a stack: ExpertAdapter(count=...)) do not cross an "
-                             "expert-parallel exchange yet")
         ep, group = self.ep, self.ep.group
         world, local = ep.world_size, ep.local_experts
         tokens, top_k = x.topk.ids.shape
@@ -175,6 +171,12 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                                              output_size=received.shape[0])
         regroup = torch.sort(row_expert, stable=True).indices
         data, scale, row_weight = wire.unpack(received, regroup)
+        adapter_ids = None
+        if x.adapter_ids is not None:  # each copy's adapter travels beside its row (a stack of expert adapters)
+            sent_ids = x.adapter_ids.to(torch.int32).index_select(0, token_of_copy).view(-1, 1)  # rows: split sizes
+            received_ids = sent_ids.new_empty(received.shape[0], 1)
+            exchange_bytes(sent_ids, received_ids, group, recv_splits, send_splits)
+            adapter_ids = received_ids.view(-1).index_select(0, regroup)
         expert_counts = recv_counts.view(world, local).sum(0)
         traffic = Traffic(sent=packet.numel() + counts.numel() * _COUNT_BYTES,
                           received=received.numel() + recv_counts.numel() * _COUNT_BYTES)
@@ -187,9 +189,10 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                             traffic)
         if self.configs is not None:
             return AlignedRows(Activations(data, scale), self._alignment(expert_counts, row_weight.shape[0]),
-                               copy_major=False, copy_weights=row_weight, plan=plan)
+                               copy_major=False, copy_weights=row_weight, plan=plan, adapter_ids=adapter_ids)
         group_list = expert_counts if self.group_list_type is GroupListType.COUNT else expert_counts.cumsum(0)
-        return SortedRows(Activations(data, scale), group_list, self.group_list_type, row_weight, plan=plan)
+        return SortedRows(Activations(data, scale), group_list, self.group_list_type, row_weight, plan=plan,
+                          adapter_ids=adapter_ids)
 
     def _alignment(self, expert_counts: torch.Tensor, rows: int) -> BlockAlignment:
         """The block alignment of expert-sorted rows: each row one copy (``copies_per_row = 1``) of its local

@@ -158,9 +158,6 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
             routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
 
     def __call__(self, x: RoutedTokens) -> PaddedRows:
-        if x.adapter_ids is not None:
-            raise InputError("per-token expert adapters (a stack: ExpertAdapter(count=...)) do not cross an "
-                             "expert-parallel exchange yet")
         ep, group, cap = self.ep, self.ep.group, self.slots
         world, local, experts = ep.world_size, ep.local_experts, ep.num_experts
         tokens, top_k = x.topk.ids.shape
@@ -198,6 +195,14 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
         expert = torch.arange(local, device=device).unsqueeze(1)
         gather = (source_rank * local + expert) * cap + order_in_expert % cap
         data, scale, row_weight = wire.unpack(received, gather)
+        adapter_ids = None
+        if x.adapter_ids is not None:  # each copy's adapter in a buffer of the same slots (-1: an unused slot)
+            sent_ids = torch.full((trash + 1,), -1, dtype=torch.int32, device=device)
+            sent_ids.index_copy_(0, slot, x.adapter_ids.to(torch.int32).index_select(
+                0, torch.div(order, top_k, rounding_mode="floor")))
+            received_ids = torch.empty(trash, dtype=torch.int32, device=device)
+            exchange_bytes(sent_ids[:trash], received_ids, group)
+            adapter_ids = received_ids.index_select(0, gather.reshape(-1)).view(local, world * cap)
         masked_m = valid.sum(1).to(torch.int32)
         # Where each received slot went (for the way home): its rank among its expert's valid rows.
         position_in_expert = valid.long().cumsum(1) - 1
@@ -214,7 +219,7 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
         traffic = Traffic(sent=trash * wire.row_bytes, received=trash * wire.row_bytes)
         plan = LowLatencyPlan(ep, token_slots.view(tokens, top_k), x.topk.weights,
                               home.view(local, world, cap).permute(1, 0, 2).reshape(-1), dropped, traffic)
-        return PaddedRows(Activations(data, scale), masked_m, row_weight, plan=plan)
+        return PaddedRows(Activations(data, scale), masked_m, row_weight, plan=plan, adapter_ids=adapter_ids)
 
     def _raise_on_overflow(self, dropped: torch.Tensor, counts: torch.Tensor) -> None:
         # Every rank must raise together: a rank that raised alone would leave the others waiting in

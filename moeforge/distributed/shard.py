@@ -24,14 +24,17 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], layer: torch.nn.Mod
     assert isinstance(quant, QuantMethod)
     expert_names = {prefix + name for name in quant.expert_parameter_names(layer)}
     adapter = getattr(layer, "adapter", None)
+    adapter_names: set[str] = set()
     if adapter is not None:  # its A (unless one shared by every expert) and B are per expert too
-        expert_names |= {prefix + name for role in adapter.targets for name in ADAPTER_NAMES[role][adapter.shared_a:]}
+        adapter_names = {prefix + name for role in adapter.targets for name in ADAPTER_NAMES[role][adapter.shared_a:]}
+    stacked = adapter is not None and adapter.stacked
     sharded: dict[str, torch.Tensor] = {}
     for key, tensor in state_dict.items():
-        if key in expert_names:
-            if tensor.dim() == 0 or tensor.shape[0] != ep.num_experts:
+        if key in expert_names or key in adapter_names:
+            dim = 1 if stacked and key in adapter_names else 0  # a stack's matrices: [count, experts, ...]
+            if tensor.dim() <= dim or tensor.shape[dim] != ep.num_experts:
                 raise InputError(f"'{key}' has shape {tuple(tensor.shape)}: expected the experts of the whole "
-                                 f"layer ({ep.num_experts}) along dim 0")
-            tensor = tensor[ep.first_expert:ep.first_expert + ep.local_experts]
+                                 f"layer ({ep.num_experts}) along dim {dim}")
+            tensor = tensor.narrow(dim, ep.first_expert, ep.local_experts)
         sharded[key] = tensor
     return sharded
