@@ -34,7 +34,7 @@ import torch
 from moeforge.errors import InputError
 from moeforge.kernels.config import GemmConfig, narrow_config
 from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
-from moeforge.payloads import Activations, AlignedRows, ExpertRows
+from moeforge.payloads import Activations, AlignedRows, ExpertRows, StackAlignment
 from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, Layout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.gemm import GemmRole, expert_rows_gemm
@@ -294,14 +294,15 @@ class AdaptedGroupedGemm(AdaptedGemm):
         dtype = product.x.data.dtype
         planned = self._launches.get(alignment.block_m)
         a_launch, b_launch = planned if planned is not None else self._plan(alignment.block_m)
+        pairs = None
         if self.stack:
-            update = self._stack_update(x, a, b, rows, rows_per_a, dtype, a_launch, b_launch)
+            update, pairs = self._stack_update(x, a, b, rows, rows_per_a, dtype, a_launch, b_launch)
         else:
             update = self._update_on(x, route, a, b, rows, rows_per_a, dtype, a_launch, b_launch)
         # Where nothing is recorded for a backward, the update is added in place (no third [copies, N] buffer).
         summed = product.x.data + update if torch.is_grad_enabled() else product.x.data.add_(update)
         out: AlignedRows = base.activate(dataclasses.replace(product, x=Activations(summed)))
-        return out
+        return dataclasses.replace(out, stack_alignment=pairs) if pairs is not None else out
 
     def _update_on(self, x: AlignedRows, route: GemmRoute, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
                    rows_per_a: int, dtype: torch.dtype, a_launch: GemmConfig, b_launch: GemmConfig) -> torch.Tensor:
@@ -328,11 +329,13 @@ class AdaptedGroupedGemm(AdaptedGemm):
         return update
 
     def _stack_update(self, x: AlignedRows, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, rows_per_a: int,
-                      dtype: torch.dtype, a_launch: GemmConfig, b_launch: GemmConfig) -> torch.Tensor:
+                      dtype: torch.dtype, a_launch: GemmConfig, b_launch: GemmConfig
+                      ) -> tuple[torch.Tensor, StackAlignment]:
         """The update of a stack of adapters, each copy by its own: the copies aligned again by (adapter, expert)
         pairs (the stack's ``A`` and ``B`` viewed as ``count · E`` experts' matrices), the two products on that
         alignment (their outputs, one row per copy, need no other order), a copy of no adapter (``-1``) zeroed by
-        the first product's epilogue. A shared ``A`` multiplies each row once, its rows aligned by adapter."""
+        the first product's epilogue. A shared ``A`` multiplies each row once, its rows aligned by adapter. Returns the
+        update and the pair alignment, which the layer's other adapted GEMM reuses (``AlignedRows.stack_alignment``)."""
         from moeforge.stages.triton import kernel_ops
 
         ids = stack_ids(x, self.stack, self.name)
@@ -340,10 +343,14 @@ class AdaptedGroupedGemm(AdaptedGemm):
         stack, experts = int(b.shape[0]), int(b.shape[1])
         chosen = ids.clamp(min=0).to(torch.int32)
         used = (ids >= 0).to(torch.float32)
-        pairs = chosen * experts + copy_experts(alignment)
-        sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(
-            pairs.view(-1, alignment.copies_per_row), stack * experts, alignment.block_m)
-        route = GemmRoute(sorted_ids, block_expert, num_padded, alignment.num_copies,
+        pairs = x.stack_alignment
+        if pairs is None or pairs.stack != stack:  # the first adapted GEMM aligns; the second reuses it
+            copy_expert = x.copy_experts if x.copy_experts is not None else copy_experts(alignment)
+            sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(
+                (chosen * experts + copy_expert.to(torch.int32)).view(-1, alignment.copies_per_row), stack * experts,
+                alignment.block_m)
+            pairs = StackAlignment(sorted_ids, block_expert, num_padded, stack)
+        route = GemmRoute(pairs.sorted_ids, pairs.block_expert, pairs.num_padded, alignment.num_copies,
                           aligned_block_m=alignment.block_m)
         if a.shape[1] == 1:  # one A per adapter for every expert: each row once, the rows aligned by adapter
             row_ids = chosen.view(-1, rows_per_a)[:, 0].contiguous()
@@ -366,7 +373,7 @@ class AdaptedGroupedGemm(AdaptedGemm):
             GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b.reshape(stack * experts, b.shape[2], b.shape[3])),
             route, GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),
             b_launch)
-        return update
+        return update, pairs
 
 
 def copy_experts(alignment: Any) -> torch.Tensor:

@@ -343,18 +343,34 @@ class BlockAlignment:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class StackAlignment:
+    """The copies of :class:`AlignedRows` aligned again by (adapter, expert) pair for a stack of ``stack`` adapters:
+    pair ``adapter * E + expert`` (:func:`moeforge.kernels.align.align_block_size` with ``stack * E`` groups)."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    stack: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class AlignedRows(ExpertRows):
     """Expert-grouped rows described by a :class:`BlockAlignment`, never physically sorted.
 
     When ``copy_major`` is false, ``x.data`` is still row-major as dispatched ``[T, W]`` and copy ``c``
     reads row ``c // copies_per_row`` (the first GEMM gathers by index); when true, ``x.data`` is
     ``[num_copies, W]`` with one row per copy, in copy order (what the GEMMs write). ``copy_weights
-    [num_copies]`` (fp32) are the copies' routing weights in copy order.
+    [num_copies]`` (fp32) are the copies' routing weights in copy order. With a stack of expert adapters
+    (``adapter_ids``): ``copy_experts [num_copies]`` (int32), each copy's local expert in copy order, where the
+    dispatch knows it (else derived from the alignment), and ``stack_alignment``, the copies aligned by (adapter,
+    expert) pair, which the first adapted GEMM makes and the second reuses.
     """
 
     alignment: BlockAlignment
     copy_major: bool
     copy_weights: torch.Tensor
+    copy_experts: Optional[torch.Tensor] = dataclasses.field(default=None, kw_only=True)
+    stack_alignment: Optional[StackAlignment] = dataclasses.field(default=None, kw_only=True)
 
     def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.layout is Layout.BLOCK_ALIGNED, "layout", "AlignedRows", spec.layout.value)

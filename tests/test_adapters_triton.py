@@ -224,6 +224,41 @@ def test_a_stack_of_adapters_on_the_triton_gemms_equals_the_torch_pipeline(adapt
         torch.testing.assert_close(got, want_grad, rtol=1e-4, atol=1e-4)
 
 
+def test_the_copies_are_aligned_by_adapter_once_for_both_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moeforge.kernels import ops
+
+    calls: list[int] = []
+    real = ops.align_block_size
+    monkeypatch.setattr(ops, "align_block_size", lambda ids, groups, block_m: calls.append(groups) or real(
+        ids, groups, block_m))
+    layer = _torch_layer(ExpertAdapter(rank=2, count=3), torch.float32)
+    pipeline = _triton_pipeline(layer)
+    x = torch.randn(7, H, device=DEVICE)
+    with torch.no_grad():
+        pipeline.run(mf.MoEInput(x, layer.router_logits(x), torch.tensor([0, 1, 2, -1, 0, 1, 2], device=DEVICE)))
+    assert calls == [E, 3 * E]  # the dispatch's alignment, then the (adapter, expert) pairs' once
+
+
+def test_each_copys_expert_is_read_off_the_alignment() -> None:
+    from moeforge.adapters import copy_experts
+    from moeforge.kernels.align import align_block_size
+    from moeforge.payloads import BlockAlignment
+
+    ids = torch.randint(0, E, (9, 2), dtype=torch.int32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    for block_m in (16, 32):
+        sorted_ids, block_expert, num_padded = align_block_size(ids, E, block_m)
+        table = ConfigTable(E, 2)
+        config = table.lookup(9)
+        alignment = BlockAlignment(sorted_ids, block_expert, num_padded, _with_block_m(config, block_m), 2, 9)
+        assert torch.equal(copy_experts(alignment), ids.reshape(-1))
+
+
+def _with_block_m(config: Any, block_m: int) -> Any:
+    import attrs
+
+    return attrs.evolve(config, gate_up=config.gate_up.with_block_m(block_m), down=config.down.with_block_m(block_m))
+
+
 def test_the_low_rank_launches_and_their_row_gradients_fit_the_rank() -> None:
     assert (narrow_config(64, 4, 2048).block_n, narrow_config(64, 4, 2048).block_k) == (16, 64)
     assert (narrow_config(16, 1536, 16).block_n, narrow_config(16, 1536, 16).block_k) == (128, 16)

@@ -188,23 +188,25 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         plan = AllToAllPlan(ep, tuple(send_splits), tuple(recv_splits), token_rows, x.topk.weights, return_order,
                             traffic)
         if self.configs is not None:
-            return AlignedRows(Activations(data, scale), self._alignment(expert_counts, row_weight.shape[0]),
-                               copy_major=False, copy_weights=row_weight, plan=plan, adapter_ids=adapter_ids)
+            row_expert = torch.repeat_interleave(torch.arange(local, device=flat.device, dtype=torch.int32),
+                                                 expert_counts, output_size=row_weight.shape[0])
+            return AlignedRows(Activations(data, scale), self._alignment(row_expert), copy_major=False,
+                               copy_weights=row_weight, plan=plan, adapter_ids=adapter_ids,
+                               copy_experts=row_expert if adapter_ids is not None else None)
         group_list = expert_counts if self.group_list_type is GroupListType.COUNT else expert_counts.cumsum(0)
         return SortedRows(Activations(data, scale), group_list, self.group_list_type, row_weight, plan=plan,
                           adapter_ids=adapter_ids)
 
-    def _alignment(self, expert_counts: torch.Tensor, rows: int) -> BlockAlignment:
-        """The block alignment of expert-sorted rows: each row one copy (``copies_per_row = 1``) of its local
-        expert, aligned on the device like local tokens."""
+    def _alignment(self, row_expert: torch.Tensor) -> BlockAlignment:
+        """The block alignment of expert-sorted rows (``row_expert [rows]``, int32: each row's local expert): each
+        row one copy (``copies_per_row = 1``), aligned on the device like local tokens."""
         assert self.configs is not None
-        row_expert = torch.repeat_interleave(torch.arange(self.ep.local_experts, device=expert_counts.device),
-                                             expert_counts, output_size=rows).to(torch.int32).view(rows, 1)
+        rows = row_expert.shape[0]
         config = self.configs.lookup(rows)
         from moeforge.kernels import ops  # (imports Triton: the triton path only)
 
         sorted_ids, block_expert, num_padded = ops.align_block_size(
-            row_expert, self.ep.local_experts, config.block_m)
+            row_expert.view(rows, 1), self.ep.local_experts, config.block_m)
         return BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
                               config=config, copies_per_row=1, num_tokens=rows)
 

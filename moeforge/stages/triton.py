@@ -142,7 +142,8 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         # each copy's adapter, in copy order (copy t * top_k + j of token t)
         adapter_ids = x.adapter_ids.repeat_interleave(top_k) if x.adapter_ids is not None else None
         return AlignedRows(x=x.x, alignment=alignment, copy_major=False, copy_weights=x.topk.weights.reshape(-1),
-                           plan=CopyOrderPlan(x.topk.weights), adapter_ids=adapter_ids)
+                           plan=CopyOrderPlan(x.topk.weights), adapter_ids=adapter_ids,
+                           copy_experts=x.topk.ids.reshape(-1) if adapter_ids is not None else None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
