@@ -14,7 +14,7 @@ the bf16 matmul peak measured in the same run; the step's peak memory above what
 Prints a table and writes JSON (device, commit, date).
 
 ``--eager`` also times each step called eagerly (no CUDA graph; the host launches every kernel) and its ratio to
-the replay. ``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per
+the replay; ``--host-profile DIR`` writes a ``cProfile`` listing of a few eager moeforge steps per cell there. ``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per
 step (``torch.profiler`` over a few eager steps after warm-up, summed by kernel name) — what a backward change
 should move.
 """
@@ -113,6 +113,35 @@ def time_eager(fn: Callable[[], Any], reps: int, flush: torch.Tensor) -> float:
     return statistics.median(times)
 
 
+def write_host_profile(fn: Callable[[], Any], path: Path, steps: int = 5) -> None:
+    """``cProfile`` of ``steps`` eager steps (after three), by own and by cumulative time, with the wall time per
+    step: where a step's host time goes when it is called without a CUDA graph."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    text.write(f"{steps} eager steps, {(time.perf_counter() - started) / steps * 1e6:.0f} us each under the profiler\n")
+    stats = pstats.Stats(profiler, stream=text)
+    text.write("\n== by own time ==\n")
+    stats.sort_stats("tottime").print_stats(45)
+    text.write("\n== by cumulative time ==\n")
+    stats.sort_stats("cumulative").print_stats(60)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+    print(f"wrote {path}")
+
+
 def kernel_times(fn: Callable[[], Any], steps: int = 3) -> list[tuple[str, float, int]]:
     """``(kernel name, µs per step, launches per step)`` of ``fn``'s GPU kernels, the most expensive first."""
     from torch.profiler import ProfilerActivity, profile
@@ -152,6 +181,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print each kernel's time per step too")
     parser.add_argument("--eager", action="store_true",
                         help="time each step called eagerly too (the host's launches included) beside its replay")
+    parser.add_argument("--host-profile", default=None,
+                        help="a folder for cProfile listings of a few eager moeforge steps per cell (the host's time)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_train.py needs a CUDA device")
@@ -178,6 +209,8 @@ def main() -> None:
                     memory, same = step_memory_and_determinism(step)
                     timed[what] = time_graph(step, args.reps, flush)
                     eager = time_eager(step, args.reps, flush) if args.eager else None
+                    if args.host_profile and what == "moeforge":
+                        write_host_profile(step, Path(args.host_profile) / f"train_host_{name}_M{tokens}.txt")
                     if args.profile:
                         profiled = kernel_times(step)
                         print_kernel_times(f"{name} M={tokens} {what}", profiled)
