@@ -94,6 +94,21 @@ def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad:
     return run
 
 
+def layer_pair(name: str, adapter: ExpertAdapter) -> tuple[mf.MoELayer, mf.MoELayer]:
+    """``(the layer with adapter, the same base layer without)`` of shape ``name`` on the triton GEMMs, bf16, the
+    adapter's matrices random (never zero: ``B`` too)."""
+    experts, top_k, hidden, inter = SHAPES[name]
+    adapted = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton",
+                          adapter=adapter)
+    base = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton")
+    base.load_state_dict({k: v for k, v in adapted.state_dict().items() if "lora" not in k})
+    with torch.no_grad():
+        for param_name in ADAPTER_PARAMETERS:
+            param = getattr(adapted, param_name)
+            param.copy_(torch.randn_like(param) * (0.02 if param_name.endswith("_b") else 1.0 / hidden ** 0.5))
+    return adapted, base
+
+
 def serving_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput,
                  adapter_ids: torch.Tensor | None) -> Callable[[], Any]:
     """The layer's experts (top-k given) forward without a backward, with each token's adapter where given."""
@@ -112,14 +127,7 @@ def bench_serving(args: argparse.Namespace, flush: torch.Tensor) -> list[dict[st
     adapter = ExpertAdapter(rank=args.rank, alpha=2 * args.rank, count=args.adapters)
     for name in args.shapes.split(","):
         experts, top_k, hidden, inter = SHAPES[name]
-        adapted = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton",
-                              adapter=adapter)
-        base = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton")
-        base.load_state_dict({k: v for k, v in adapted.state_dict().items() if "lora" not in k})
-        with torch.no_grad():
-            for param_name in ADAPTER_PARAMETERS:
-                param = getattr(adapted, param_name)
-                param.copy_(torch.randn_like(param) * (0.02 if param_name.endswith("_b") else 1.0 / hidden ** 0.5))
+        adapted, base = layer_pair(name, adapter)
         for tokens in (int(t) for t in args.serving_tokens.split(",")):
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             topk = mf.stages.select_experts(torch.randn(tokens, experts, device="cuda"), top_k, adapted.routing)
@@ -185,14 +193,7 @@ def main() -> None:
         print(f"{device}: rank {args.rank} adapter on gate/up and down, base weights frozen")
     for name in args.shapes.split(",") if not args.serving else []:
         experts, top_k, hidden, inter = SHAPES[name]
-        adapted = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton",
-                              adapter=adapter)
-        base = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton")
-        base.load_state_dict({k: v for k, v in adapted.state_dict().items() if "lora" not in k})
-        with torch.no_grad():
-            for param_name in ADAPTER_PARAMETERS:
-                param = getattr(adapted, param_name)
-                param.copy_(torch.randn_like(param) * (0.02 if param_name.endswith("_b") else 1.0 / hidden ** 0.5))
+        adapted, base = layer_pair(name, adapter)
         for layer in (adapted, base):
             for param_name, param in layer.named_parameters():
                 param.requires_grad_("lora" in param_name)

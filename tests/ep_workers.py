@@ -359,9 +359,7 @@ def triton_adapters_match(rank: int, world: int) -> dict[str, float]:
     """The triton expert GEMMs with an expert adapter (AdaptedGroupedGemm) behind the all-to-all dispatcher, under the
     interpreter on CPU: equal to the whole layer with the same adapter on the torch backend, and the adapter's
     gradients on every rank equal the whole layer's for the rank's experts."""
-    from moeforge.adapters import ExpertAdapter, adapt
-    from moeforge.kernels.config import ConfigTable
-    from moeforge.stages.triton import FusedGroupedGemm
+    from moeforge.adapters import ExpertAdapter
 
     errors = {}
     hidden = 64
@@ -376,14 +374,7 @@ def triton_adapters_match(rank: int, world: int) -> dict[str, float]:
     ep = ExpertParallel(E)
     parallel = mf.MoELayer(**kwargs, backend="torch", environ={}, expert_parallel=ep)
     parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
-    table = ConfigTable(E, 2)
-    dispatch = AllToAllDispatch(ep, configs=table)
-    stages: list[mf.Stage[Any, Any]] = [
-        mf.TopK(E, 2, parallel.routing), dispatch,
-        FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None, mf.ActivationConfig()),
-        FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table),
-        dispatch.combine_stage(out_dtype=mf.DType.FP32)]
-    pipeline = mf.Pipeline(adapt(stages, parallel, adapter), mf.input_spec(hidden, torch.float32, E), debug=True)
+    pipeline = _triton_adapted_pipeline(parallel, ep, adapter, hidden)
     assert "LoRA r=2" in pipeline.describe()
     x = _tokens(rank, dtype=torch.float32, hidden=hidden, count=5 + rank)
     logits = whole.router_logits(x).detach()
@@ -425,13 +416,25 @@ def stacked_adapters_match(rank: int, world: int) -> dict[str, float]:
         import triton  # noqa: F401
     except ImportError:
         return errors
+    whole, parallel = _pair({**BASE, "adapter": adapter})
+    ep = parallel.expert_parallel
+    assert ep is not None
+    pipeline = _triton_adapted_pipeline(parallel, ep, adapter, H)
+    logits = whole.router_logits(x).detach()
+    with torch.no_grad():
+        got = pipeline(mf.MoEInput(x, logits, ids)).hidden_states
+        errors["triton"] = _close(got, whole.pipeline(mf.MoEInput(x, logits, ids)).hidden_states, "triton stack")
+    return errors
+
+
+def _triton_adapted_pipeline(parallel: mf.MoELayer, ep: ExpertParallel, adapter: Any,
+                             hidden: int) -> mf.Pipeline:  # type: ignore[type-arg]
+    """``parallel``'s experts on the triton GEMMs behind the block-aligned all-to-all dispatcher, with its adapter
+    (under the interpreter on CPU ranks), fp32."""
     from moeforge.adapters import adapt
     from moeforge.kernels.config import ConfigTable
     from moeforge.stages.triton import FusedGroupedGemm
 
-    whole, parallel = _pair({**BASE, "adapter": adapter})
-    ep = parallel.expert_parallel
-    assert ep is not None
     table = ConfigTable(E, 2)
     dispatch = AllToAllDispatch(ep, configs=table)
     stages: list[mf.Stage[Any, Any]] = [
@@ -439,9 +442,4 @@ def stacked_adapters_match(rank: int, world: int) -> dict[str, float]:
         FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None, mf.ActivationConfig()),
         FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table),
         dispatch.combine_stage(out_dtype=mf.DType.FP32)]
-    pipeline = mf.Pipeline(adapt(stages, parallel, adapter), mf.input_spec(H, torch.float32, E))
-    logits = whole.router_logits(x).detach()
-    with torch.no_grad():
-        got = pipeline(mf.MoEInput(x, logits, ids)).hidden_states
-        errors["triton"] = _close(got, whole.pipeline(mf.MoEInput(x, logits, ids)).hidden_states, "triton stack")
-    return errors
+    return mf.Pipeline(adapt(stages, parallel, adapter), mf.input_spec(hidden, torch.float32, E), debug=True)
