@@ -84,7 +84,8 @@ class MoELayer(nn.Module):
         adapter: an :class:`~moeforge.adapters.ExpertAdapter`: a LoRA update of the experts' GEMMs, its matrices
             parameters of the layer (``w13_lora_a`` ...; ``B`` zero, so the output starts as without it). On float
             rows, on either backend; over a quantized base ``"auto"`` picks the torch stages, where the adapter
-            trains. See :mod:`moeforge.adapters`.
+            trains. With ``count > 1`` a stack the tokens choose from (``forward(..., adapter_ids=...)``). See
+            :mod:`moeforge.adapters`.
         decode_graphs: a :class:`~moeforge.decode_graphs.DecodeGraphSettings` to replay the experts' forward as a
             CUDA graph, captured once per batch size up to its ``max_tokens`` (eager calls at decode sizes, where
             launching the kernels costs more than running them; inference only: a call autograd records, a CPU
