@@ -14,8 +14,9 @@ format (float, or 4-bit weights decoded as they run: a float adapter over a froz
 :class:`AdaptedGroupedGemm` does the same around the triton GEMMs on block-aligned rows: the base GEMM without its
 fused activation, the two low-rank products as launches of the same grouped-GEMM kernel on the same alignment, the
 sum, then the activation as its own kernel; every kernel has its backward, so the adapter trains there too (over
-float base weights: the quantized triton GEMMs have no backward). Both take float rows: a pipeline whose targeted
-GEMM reads quantized rows (FP8 / INT8 / NVFP4 activations) is refused when it is built, naming it. Over a base
+float base weights: the quantized triton GEMMs have no backward). Both read the GEMM's rows as floats: 8-bit rows
+(FP8 / INT8, W8A8) dequantized with their scales — serving only, such rows pass no gradient — while NVFP4 rows, whose
+global scale the rows do not carry, are refused when the pipeline is built. Over a base
 whose method has ``row_gradients`` (its torch GEMMs pass gradients to their rows through the frozen weights: W4A16,
 MXFP4, NVFP4) the layer trains on the torch backend although the method alone is inference-only, which is why
 ``backend="auto"`` picks the torch stages for those bases; ``backend="triton"`` serves them.
@@ -35,9 +36,10 @@ from moeforge.errors import InputError
 from moeforge.kernels.config import GemmConfig, narrow_config
 from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
 from moeforge.payloads import Activations, AlignedRows, ExpertRows, StackAlignment
-from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, Layout, Spec
+from moeforge.spec import Accepts, DType, Layout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.gemm import GemmRole, expert_rows_gemm
+from moeforge.stages.quantize import dequantize
 from moeforge.tensor_ref import ParamRef, TensorSource, resolve
 
 # The layer's parameter names of each projection's adapter: (A, B).
@@ -161,15 +163,18 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
         return f"{self.base.summary()[:-1]}, LoRA r={int(resolve(self.lora_b).shape[-1])} x{self.scale:g}{stack})"
 
     def accepts(self) -> Accepts:
+        # The base's rows: float ones, or 8-bit ones with their scales (the update reads them dequantized); NVFP4 rows
+        # are dequantized with a global scale the rows do not carry.
         accepts = self.base.accepts()
-        dtypes = accepts.dtype if accepts.dtype is not None else REFERENCE_FLOAT_DTYPES
-        return attrs.evolve(accepts, dtype=dtypes & REFERENCE_FLOAT_DTYPES)
+        if accepts.dtype is None:
+            return accepts
+        return attrs.evolve(accepts, dtype=accepts.dtype - {DType.NVFP4})
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field == "dtype":
-            return ("an adapter's update is computed on float rows: dispatch float activations (dispatch_dtype='bf16') "
-                    "or use a method whose GEMMs read float rows")
-        return None
+            return ("an adapter's update reads the GEMM's rows as floats, and NVFP4 rows carry no global scale: "
+                    "dispatch the rows in the layer's dtype (dispatch_dtype='bf16')")
+        return self.base.hint(field, have)
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)
@@ -209,13 +214,22 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
         return out.with_x(Activations(out.x.data + self.scale * update))
 
     def _update(self, x: ExpertRows, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``(x Aᵀ) Bᵀ`` of one adapter (``A [E | 1, r, K]``, ``B [E, N, r]``) on the rows, with the routing weights
-        where the base's epilogue applies them."""
+        """``(x Aᵀ) Bᵀ`` of one adapter (``A [E | 1, r, K]``, ``B [E, N, r]``) on the rows (quantized ones
+        dequantized), with the routing weights where the base's epilogue applies them."""
         if a.shape[0] == 1 and b.shape[0] > 1:
             a = a.expand(b.shape[0], -1, -1)
+        x = float_rows(x, a.dtype)
         low = expert_rows_gemm(x, a, None, False, dtype, self.name)
         update: torch.Tensor = expert_rows_gemm(low, b, None, self.apply_routing_weights, dtype, self.name).x.data
         return update
+
+
+def float_rows(x: ExpertRows, dtype: torch.dtype) -> Any:
+    """``x`` with its rows in ``dtype``: 8-bit rows (FP8 / INT8 with their scales) dequantized, float rows as they are
+    (cast to ``dtype``)."""
+    if x.x.scale is None and x.x.data.dtype == dtype:
+        return x
+    return x.with_x(Activations(dequantize(x.x, dtype)))
 
 
 def stack_ids(x: ExpertRows, stack: int, where: str) -> torch.Tensor:
@@ -251,8 +265,6 @@ class AdaptedGroupedGemm(AdaptedGemm):
         if getattr(base, "activation", None) is not None and self.apply_routing_weights:
             raise InputError(f"{base.summary()} applies the routing weights after its activation: the adapter's update "
                              "comes before it")
-        if getattr(base, "output_quantizer", None) is not None:
-            raise InputError(f"{base.summary()} quantizes its output: the adapter's update comes before that")
         configs = getattr(base, "configs", None)
         if configs is not None:
             for block_m in configs.block_ms():
@@ -289,7 +301,7 @@ class AdaptedGroupedGemm(AdaptedGemm):
         alignment = x.alignment
         route = GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
                           aligned_block_m=alignment.block_m)
-        rows = x.x.data
+        rows = float_rows(x, a.dtype).x.data  # quantized rows (W8A8) dequantized: the update reads them as floats
         rows_per_a = 1 if x.copy_major else alignment.copies_per_row
         dtype = product.x.data.dtype
         planned = self._launches.get(alignment.block_m)
@@ -400,10 +412,10 @@ def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: E
         role = getattr(stage, "role", None)
         if StageKind.GEMM in stage.kinds and role in adapter.targets:
             dtypes = stage.accepts().dtype
-            if dtypes is not None and not dtypes & REFERENCE_FLOAT_DTYPES:
-                raise InputError(f"an expert adapter computes its update on float rows, and the {role.value} GEMM "
-                                 f"{stage.summary()} reads quantized ones ({', '.join(sorted(d.value for d in dtypes))}):"
-                                 " use a method whose GEMMs read float rows (unquantized, W4A16, MXFP4, NVFP4 weights)")
+            if dtypes is not None and not dtypes - {DType.NVFP4}:
+                raise InputError(f"an expert adapter reads the {role.value} GEMM's rows as floats, and "
+                                 f"{stage.summary()} reads NVFP4 rows only, whose global scale the rows do not carry: "
+                                 "dispatch the rows in the layer's dtype")
             name_a, name_b = ADAPTER_NAMES[role]
             ref_a, ref_b = ParamRef(holder, name_a), ParamRef(holder, name_b)
             if callable(getattr(stage, "pre_activation", None)):

@@ -167,12 +167,14 @@ def test_bad_adapter_settings_are_refused(bad: dict[str, Any]) -> None:
         ExpertAdapter(**bad)
 
 
-@pytest.mark.parametrize("method", ["unquantized", "w4a16", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("method", ["unquantized", "w4a16", "mxfp4", "nvfp4", "fp8", "int8"])
 def test_over_a_quantized_base_the_update_is_the_low_rank_product(method: str) -> None:
-    # A float adapter over frozen 4-bit weights (decoded as the torch stages run): each adapted GEMM's output is its
-    # base GEMM's plus scale * (x A^T) B^T of each row's expert, whatever the base's format.
+    # A float adapter over frozen quantized weights: each adapted GEMM's output is its base GEMM's plus
+    # scale * (x A^T) B^T of each row's expert, whatever the base's format; 8-bit rows (W8A8) read dequantized.
+    from moeforge.stages.quantize import dequantize
+
     quant = {"unquantized": None, "w4a16": mf.W4A16Method(group_size=32), "mxfp4": mf.Mxfp4Method(),
-             "nvfp4": mf.Nvfp4Method()}[method]
+             "nvfp4": mf.Nvfp4Method(), "fp8": mf.Fp8W8A8Method(), "int8": mf.Int8W8A8Method()}[method]
     adapter = ExpertAdapter(rank=3, alpha=6)
     torch.manual_seed(8)
     layer = mf.MoELayer(4, 2, 64, 64, quant=quant, adapter=adapter)
@@ -182,7 +184,7 @@ def test_over_a_quantized_base_the_update_is_the_low_rank_product(method: str) -
     with torch.no_grad():
         for stage in layer.pipeline.stages:
             if isinstance(stage, AdaptedGemm):
-                rows, counts = payload.x.data, payload.counts().tolist()
+                rows, counts = dequantize(payload.x, torch.float32), payload.counts().tolist()
                 name_a, name_b = ADAPTER_NAMES[stage.role]
                 a, b = getattr(layer, name_a), getattr(layer, name_b)
                 want = torch.cat([part @ a[e].T @ b[e].T for e, part in enumerate(rows.split(counts))]) * adapter.scale
@@ -228,10 +230,20 @@ def test_an_adapter_over_frozen_int4_weights_trains_like_one_over_their_float_va
 def test_what_it_does_not_compute_is_refused_when_built() -> None:
     with pytest.raises(mf.InputError, match="adapter must be an ExpertAdapter"):
         mf.MoELayer(E, K, H, I, adapter=4)  # type: ignore[arg-type]
-    with pytest.raises(mf.InputError, match="computes its update on float rows.*reads quantized ones"):
-        mf.MoELayer(E, K, 128, 128, adapter=ExpertAdapter(rank=2), quant=mf.Fp8W8A8Method())
-    with pytest.raises(mf.InputError, match="computes its update on float rows.*reads quantized ones"):
-        mf.MoELayer(E, K, 128, 128, adapter=ExpertAdapter(rank=2), quant=mf.Int8W8A8Method())
+    with pytest.raises(mf.ContractError, match="NVFP4 rows carry no global scale"):  # rows quantized to NVFP4
+        mf.MoELayer(E, K, 128, 128, adapter=ExpertAdapter(rank=2), dispatch_dtype="nvfp4",
+                    quant=mf.Nvfp4Method(input_global_scale=4.0 / (6 * 448)))
+
+
+def test_an_adapter_over_a_w8a8_base_serves_and_refuses_a_backward() -> None:
+    # 8-bit rows have no gradient (the quantization): the layer stays inference-only, with the adapter too.
+    layer = mf.MoELayer(E, K, 128, 128, adapter=ExpertAdapter(rank=2), quant=mf.Fp8W8A8Method())
+    _randomise_adapter(layer, 3)
+    x = torch.randn(5, 128)
+    with torch.no_grad():
+        assert layer(x).shape == (5, 128)
+    with pytest.raises(mf.errors.InferenceOnlyError):
+        layer(x.requires_grad_()).sum().backward()
 
 
 @pytest.mark.parametrize("layout", [mf.Layout.EXPERT_SORTED, mf.Layout.EXPERT_PADDED])

@@ -259,6 +259,52 @@ def _with_block_m(config: Any, block_m: int) -> Any:
     return attrs.evolve(config, gate_up=config.gate_up.with_block_m(block_m), down=config.down.with_block_m(block_m))
 
 
+@pytest.mark.parametrize("method", ["fp8 channel/token", "fp8 block/group", "int8"])
+@pytest.mark.parametrize("count", [1, 2])
+def test_over_a_w8a8_base_the_update_reads_the_rows_dequantized(method: str, count: int) -> None:
+    # The 8-bit GEMMs read quantized rows; the adapter reads them dequantized, and the gate/up GEMM's activation and
+    # output quantization run after the update (one kernel). Equal to the torch pipeline (fp16, the interpreter).
+    from moeforge.stages.triton_quant import TritonQuantizeTokens
+
+    quant = {"fp8 channel/token": lambda: mf.Fp8W8A8Method(),
+             "fp8 block/group": lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"),
+             "int8": lambda: mf.Int8W8A8Method()}[method]
+    adapter = ExpertAdapter(rank=4, alpha=8, count=count)
+    experts, hidden = 4, 128
+    torch.manual_seed(0)
+    layer = mf.MoELayer(experts, K, hidden, hidden, quant=quant(), adapter=adapter, dtype=torch.float16, device=DEVICE,
+                        backend="torch", environ={})
+    _randomise_adapter(layer, 1)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if "lora" in name:
+                param.mul_(0.2)
+    table = ConfigTable(experts, K)
+    dispatch = layer.dispatch_decision.dtype
+    stages: list[mf.Stage[Any, Any]] = [mf.TopK(experts, K, layer.routing)]
+    quantize = layer.quant.quantize_stage(dispatch, mf.DType.FP16)
+    if isinstance(quantize, mf.QuantizeTokens):
+        stages.append(TritonQuantizeTokens(quantize.quantizer))
+    stages.append(AlignDispatch(experts, table))
+    stages += expert_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
+                            backend=mf.Backend.TRITON, configs=table, dispatch=dispatch)
+    stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.FP16))
+    pipeline = mf.Pipeline(adapt(stages, layer, adapter), mf.input_spec(hidden, torch.float16, experts))
+    assert "LoRA r=4" in pipeline.describe()
+    x = torch.randn(9, hidden, device=DEVICE, dtype=torch.float16)
+    ids = torch.tensor([0, 1, -1, 1, 0, 0, 1, -1, 1], device=DEVICE) if count > 1 else None
+    logits = layer.router_logits(x).detach()
+    with torch.no_grad():
+        want = layer.pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states.float()
+        got = pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states.float()
+        plain = mf.MoELayer(experts, K, hidden, hidden, quant=quant(), dtype=torch.float16, device=DEVICE,
+                            backend="torch", environ={})
+        plain.load_state_dict({k: v for k, v in layer.state_dict().items() if "lora" not in k})
+        base = plain.pipeline.run(mf.MoEInput(x, logits)).hidden_states.float()
+    assert float((got - want).norm() / want.norm()) < 2e-3
+    assert float((want - base).norm() / base.norm()) > 2e-2  # the adapter counts
+
+
 def test_the_low_rank_launches_and_their_row_gradients_fit_the_rank() -> None:
     assert (narrow_config(64, 4, 2048).block_n, narrow_config(64, 4, 2048).block_k) == (16, 64)
     assert (narrow_config(16, 1536, 16).block_n, narrow_config(16, 1536, 16).block_k) == (128, 16)
@@ -406,3 +452,20 @@ def test_a_stack_of_adapters_on_a_triton_layer_and_in_its_decode_graphs() -> Non
             for _ in range(2):  # captured, then replayed with other ids
                 ids = torch.randint(-1, 4, (tokens,), device="cuda")
                 assert torch.equal(graphed(x, adapter_ids=ids), layer(x, adapter_ids=ids))
+
+
+@gpu
+def test_an_adapter_over_an_fp8_base_on_the_triton_gemms_serves_like_the_torch_stages() -> None:
+    adapter = ExpertAdapter(rank=16, alpha=32)
+    torch.manual_seed(11)
+    reference = mf.MoELayer(16, 4, 256, 128, quant=mf.Fp8W8A8Method(), adapter=adapter, dtype=torch.bfloat16,
+                            device="cuda", backend="torch")
+    _randomise_adapter(reference, 12)
+    layer = mf.MoELayer(16, 4, 256, 128, quant=mf.Fp8W8A8Method(), adapter=adapter, dtype=torch.bfloat16,
+                        device="cuda")
+    layer.load_state_dict(reference.state_dict())
+    assert layer.backend is mf.Backend.TRITON
+    for tokens in (1, 64, 2000):
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert _rel(layer(x), reference(x)) < 3e-2

@@ -360,16 +360,20 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     def pre_activation(self, x: AlignedRows) -> AlignedRows:
         """The GEMM with its bias (and the routing weights where its epilogue applies them) but without its
-        activation: ``[copies, N_w]`` rows in ``out_dtype``, one per copy; :meth:`activate` finishes the forward (an
-        adapter, :mod:`moeforge.adapters`, adds its update in between). Not for a stage that quantizes its output."""
-        if self.output_quantizer is not None or (self._act[0] != 0 and self.apply_routing_weights):
-            raise ValueError(f"{self.summary()}: its epilogue needs the activation (routing weights or quantized "
-                             "output after it)")
+        activation or output quantization: ``[copies, N_w]`` rows in ``out_dtype``, one per copy; :meth:`activate`
+        finishes the forward (an adapter, :mod:`moeforge.adapters`, adds its update in between)."""
+        if self._act[0] != 0 and self.apply_routing_weights:
+            raise ValueError(f"{self.summary()}: its epilogue applies the routing weights after the activation")
         return self._launch(x, self.gemm_config(x.alignment, unfused=True), activation_args(None), False)
 
     def activate(self, rows: AlignedRows) -> AlignedRows:
-        """The activation of :meth:`pre_activation`'s rows as its own op (``moeforge::activate_rows``); the rows
-        themselves without an activation."""
+        """The activation of :meth:`pre_activation`'s rows as its own op (``moeforge::activate_rows``), or with the
+        output quantizer the activation and the quantization in one kernel (``moeforge::quantize_rows``); the rows
+        themselves where the stage has neither."""
+        if self.output_quantizer is not None:
+            dtype, per_group = kernel_format(self.output_quantizer)
+            q, scale = kernel_ops().quantize_rows(rows.x.data, dtype, per_group, *self._act)
+            return dataclasses.replace(rows, x=Activations(q, scale))
         if self._act[0] == 0:
             return rows
         return dataclasses.replace(rows, x=Activations(kernel_ops().activate_rows(rows.x.data, *self._act)))
