@@ -404,8 +404,8 @@ def copy_experts(alignment: Any) -> torch.Tensor:
 def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: ExpertAdapter) -> list[Stage[Any, Any]]:
     """``stages`` with each GEMM that ``adapter`` targets wrapped in an :class:`AdaptedGemm` (a torch GEMM) or an
     :class:`AdaptedGroupedGemm` (a triton GEMM on block-aligned rows) reading ``holder``'s adapter parameters. Raises
-    :class:`~moeforge.errors.InputError` naming a targeted GEMM it cannot wrap: one that reads quantized rows, a torch
-    GEMM fused with the activation (the update must come before it), another kernel stage."""
+    :class:`~moeforge.errors.InputError` naming a targeted GEMM it cannot wrap: one that reads NVFP4 rows only, a
+    torch GEMM fused with the activation (the update must come before it), another kernel stage."""
     adapted: list[Stage[Any, Any]] = []
     found: set[GemmRole] = set()
     for stage in stages:
