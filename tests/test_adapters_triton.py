@@ -220,8 +220,8 @@ def test_a_stack_of_adapters_on_the_triton_gemms_equals_the_torch_pipeline(adapt
         rows = x.clone().requires_grad_()
         grads.append(torch.autograd.grad(run.run(mf.MoEInput(rows, logits, ids)).hidden_states.square().sum(),
                                          [rows, *params]))
-    for got, want_grad in zip(grads[1], grads[0]):
-        torch.testing.assert_close(got, want_grad, rtol=1e-4, atol=1e-4)
+    for got, want_grad in zip(grads[1], grads[0]):  # relative to the gradient's norm: fp32 sums in another order
+        assert _rel(got, want_grad) < 1e-5
 
 
 def test_the_copies_are_aligned_by_adapter_once_for_both_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
