@@ -36,25 +36,36 @@ from moeforge.stages.gemm import GemmRole
 PEFT_NAMES = {GemmRole.GATE_UP: "gate_up_proj", GemmRole.DOWN: "down_proj"}
 
 
-def _adapter(layer: Any) -> Any:
+def _adapter(layer: Any, index: Optional[int]) -> Any:
     adapter = getattr(layer, "adapter", None)
     if adapter is None:
         raise InputError(f"{type(layer).__name__} has no expert adapter: build it with adapter=ExpertAdapter(...)")
-    if adapter.stacked:
-        raise InputError(f"peft's format holds one adapter per file; this layer's is a stack of {adapter.count}")
+    if adapter.stacked and (not isinstance(index, int) or not 0 <= index < adapter.count):
+        raise InputError(f"peft's format holds one adapter; this layer's is a stack of {adapter.count}: name which one "
+                         f"(index in [0, {adapter.count})), got index={index!r}")
+    if not adapter.stacked and index is not None:
+        raise InputError(f"index picks an adapter of a stack (ExpertAdapter(count=...)); this layer has one, got "
+                         f"index={index!r}")
     return adapter
 
 
-def to_peft(layer: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _matrices(layer: Any, role: GemmRole, index: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(A, B)`` parameters of ``role``'s adapter (a stack's ``index``-th: views of the stack's parameters)."""
+    name_a, name_b = ADAPTER_NAMES[role]
+    a, b = getattr(layer, name_a), getattr(layer, name_b)
+    return (a[index], b[index]) if index is not None else (a, b)
+
+
+def to_peft(layer: torch.nn.Module, index: Optional[int] = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{parameter name: (lora_A [E · r, K], lora_B [N, r · E])}`` of ``layer``'s adapter in peft's layout (copies;
-    a shared ``A`` repeated for every expert); its ``scaling`` is ``layer.adapter.scale``."""
-    adapter = _adapter(layer)
+    a shared ``A`` repeated for every expert); its ``scaling`` is ``layer.adapter.scale``. ``index``: which adapter of
+    a stack (``ExpertAdapter(count=...)``; required there, refused elsewhere)."""
+    adapter = _adapter(layer, index)
     tensors = {}
     for role in GemmRole:
         if role not in adapter.targets:
             continue
-        name_a, name_b = ADAPTER_NAMES[role]
-        a, b = getattr(layer, name_a).detach(), getattr(layer, name_b).detach()
+        a, b = (matrix.detach() for matrix in _matrices(layer, role, index))
         experts, out_features, rank = b.shape
         a = a.expand(experts, -1, -1)
         tensors[PEFT_NAMES[role]] = (a.reshape(experts * rank, a.shape[2]).clone(),
@@ -63,11 +74,12 @@ def to_peft(layer: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tenso
 
 
 def load_peft(layer: torch.nn.Module, tensors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-              scaling: float) -> None:
+              scaling: float, index: Optional[int] = None) -> None:
     """Fill ``layer``'s adapter from peft's ``{parameter name: (lora_A, lora_B)}`` with ``scaling``: every targeted
     GEMM's pair must be there, of the layer's experts, rank and widths, and ``scaling`` must be the adapter's scale
-    (``InputError`` naming what differs). A layer whose adapter shares ``A`` takes only equal experts' ``A``."""
-    adapter = _adapter(layer)
+    (``InputError`` naming what differs). A layer whose adapter shares ``A`` takes only equal experts' ``A``.
+    ``index``: which adapter of a stack to fill (many peft fine-tunes of one base, served together)."""
+    adapter = _adapter(layer, index)
     if not math.isclose(scaling, adapter.scale, rel_tol=1e-6):
         raise InputError(f"peft's scaling {scaling:g} (lora_alpha / r) differs from the layer's adapter scale "
                          f"{adapter.scale:g}: build the layer with ExpertAdapter(rank=r, alpha=lora_alpha)")
@@ -78,8 +90,7 @@ def load_peft(layer: torch.nn.Module, tensors: Mapping[str, tuple[torch.Tensor, 
         if name not in tensors:
             raise InputError(f"peft's adapter has no pair for {name!r} (has {sorted(tensors)}); the layer's adapter "
                              f"targets the {role.value} GEMM")
-        name_a, name_b = ADAPTER_NAMES[role]
-        a_param, b_param = getattr(layer, name_a), getattr(layer, name_b)
+        a_param, b_param = _matrices(layer, role, index)
         experts, out_features, rank = b_param.shape
         peft_a, peft_b = tensors[name]
         if tuple(peft_a.shape) != (experts * rank, a_param.shape[2]) or tuple(peft_b.shape) != (out_features,
@@ -149,11 +160,12 @@ def _nest(block: Any, targeted: list[str]) -> dict[str, str]:
 
 
 def save_peft_adapter(model: torch.nn.Module, directory: Union[str, Path],
-                      base_model_name_or_path: Optional[str] = None) -> Path:
+                      base_model_name_or_path: Optional[str] = None, index: Optional[int] = None) -> Path:
     """Write the adapters of ``model``'s patched blocks (:func:`moeforge.hf.patch_model` with
     ``adapter=ExpertAdapter(...)``) as peft's adapter directory, for ``PeftModel.from_pretrained`` on the unpatched
     model: ``adapter_config.json`` (LoRA, ``target_parameters`` the experts' parameters, ``r`` and ``lora_alpha`` of
-    the adapters: one rank, scale and target set for all) and ``adapter_model.safetensors``. Returns the directory."""
+    the adapters: one rank, scale and target set for all) and ``adapter_model.safetensors``; of a stack, its
+    ``index``-th adapter. Returns the directory."""
     from safetensors.torch import save_file
 
     blocks = list(_adapted_blocks(model))
@@ -167,7 +179,7 @@ def save_peft_adapter(model: torch.nn.Module, directory: Union[str, Path],
     tensors: dict[str, torch.Tensor] = {}
     target_parameters = set()
     for path, block in blocks:
-        pairs = to_peft(block.layer)
+        pairs = to_peft(block.layer, index)
         nest = _nest(block, sorted(pairs))
         for name, (lora_a, lora_b) in pairs.items():
             key = f"{FILE_PREFIX}{path}.experts{nest[name]}"
@@ -187,12 +199,13 @@ def save_peft_adapter(model: torch.nn.Module, directory: Union[str, Path],
     return out
 
 
-def load_peft_adapter(model: torch.nn.Module, directory: Union[str, Path]) -> None:
+def load_peft_adapter(model: torch.nn.Module, directory: Union[str, Path], index: Optional[int] = None) -> None:
     """Fill the adapters of ``model``'s patched blocks from peft's adapter directory (``save_pretrained`` of a peft
     model with LoRA on the experts' parameters, or :func:`save_peft_adapter`). Each adapted block takes the pairs of
     its experts module; its adapter's rank, scale (``lora_alpha / r``, ``lora_alpha / sqrt(r)`` with rsLoRA) and
     targets must match the file's. Raises ``InputError`` for what moeforge does not load (DoRA, LoRA biases, per-module
-    ranks or scales, pairs on other modules than the experts' parameters) and for pairs left over or missing."""
+    ranks or scales, pairs on other modules than the experts' parameters) and for pairs left over or missing. ``index``:
+    which adapter of a stack it fills (one peft fine-tune per index: many served together)."""
     from safetensors.torch import load_file
 
     folder = Path(directory)
@@ -235,7 +248,7 @@ def load_peft_adapter(model: torch.nn.Module, directory: Union[str, Path]) -> No
                                  f"adapter targets {sorted(names)})")
             pairs[name] = (tensors[found[0]], tensors[found[1]])
             unused.difference_update(found)
-        load_peft(block.layer, pairs, scaling)
+        load_peft(block.layer, pairs, scaling, index)
     if unused:
         raise InputError(f"{folder / WEIGHTS_FILE} holds pairs no adapted block took: {sorted(unused)[:4]}"
                          f"{' ...' if len(unused) > 4 else ''} (patch those blocks with an adapter of these targets)")

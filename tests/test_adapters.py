@@ -333,5 +333,9 @@ def test_adapter_ids_are_checked() -> None:
         ExpertAdapter(rank=2, count=0)
     from moeforge.peft_adapters import to_peft
 
-    with pytest.raises(mf.InputError, match="one adapter per file"):
+    with pytest.raises(mf.InputError, match="name which one"):
         to_peft(stacked)
+    with pytest.raises(mf.InputError, match="name which one"):
+        to_peft(stacked, index=2)
+    with pytest.raises(mf.InputError, match="this layer has one"):
+        to_peft(_layer(ExpertAdapter(rank=2)), index=0)

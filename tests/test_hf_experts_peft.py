@@ -277,3 +277,32 @@ def test_experts_stored_transposed_are_refused(tmp_path: Any) -> None:
     hf.patch_model(model, backend="torch", adapter=ExpertAdapter(rank=2))
     with pytest.raises(InputError, match="transposed"):
         save_peft_adapter(model, tmp_path / "adapter")
+
+
+def test_peft_fine_tunes_fill_a_stack_served_together(tmp_path: Any) -> None:
+    # Two peft LoRA fine-tunes of one base, saved by peft, loaded into a stack of two: each token's rows take its own
+    # fine-tune, as the layer holding that fine-tune alone computes them.
+    from moeforge.adapters import ExpertAdapter
+    from moeforge.peft_adapters import load_peft_adapter
+
+    for seed in (1, 2):
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
+                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        base = _model_without_peft(7)
+        torch.manual_seed(100 + seed)  # peft draws the pairs: another fine-tune
+        peft.get_peft_model(base, lora).save_pretrained(str(tmp_path / f"tune{seed}"))
+    stacked = _patched(7, ExpertAdapter(rank=4, alpha=8, count=2))
+    singles = []
+    for index, seed in enumerate((1, 2)):
+        load_peft_adapter(stacked, tmp_path / f"tune{seed}", index=index)
+        single = _patched(7, ExpertAdapter(rank=4, alpha=8))
+        load_peft_adapter(single, tmp_path / f"tune{seed}")
+        singles.append(single)
+    x = torch.randn(6, 32)
+    ids = torch.tensor([0, 1, 1, -1, 0, 1])
+    with torch.no_grad():
+        got = stacked.model.layers[0].mlp.layer(x, adapter_ids=ids)
+        for index, single in enumerate(singles):
+            want = single.model.layers[0].mlp.layer(x)
+            torch.testing.assert_close(got[ids == index], want[ids == index], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(singles[0].model.layers[0].mlp.layer(x), singles[1].model.layers[0].mlp.layer(x))
