@@ -241,10 +241,12 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         # (no second GEMM there); inference fuses it in the epilogue.
         weight = resolve(self.weight)
         bias = resolve(self.bias) if self.bias is not None else None
-        if self._act[0] != 0 and not self.apply_routing_weights and records_grad(x.x.data, weight, bias):
-            return self.activate(self.pre_activation(x))
         config = x.alignment.config  # chosen by the dispatch for this batch; the spec checked the tables agree
-        return self._launch(x, config.gate_up if self.role is GemmRole.GATE_UP else config.down, self._act)
+        if self._act[0] != 0 and not self.apply_routing_weights and records_grad(x.x.data, weight, bias):
+            gemm = config.gate_up_unfused if self._act[1] else config.gate_up
+            return self.activate(self._launch(x, gemm, _NO_ACTIVATION, weight, bias))
+        return self._launch(x, config.gate_up if self.role is GemmRole.GATE_UP else config.down, self._act, weight,
+                            bias)
 
     def pre_activation(self, x: AlignedRows) -> AlignedRows:
         """The GEMM with its bias (and the routing weights where its epilogue applies them) but without its
@@ -254,7 +256,8 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
             raise ValueError(f"{self.summary()}: the routing weights come after the activation")
         config = x.alignment.config
         gemm = config.down if self.role is GemmRole.DOWN else config.gate_up_unfused if self._act[1] else config.gate_up
-        return self._launch(x, gemm, _NO_ACTIVATION)
+        return self._launch(x, gemm, _NO_ACTIVATION, resolve(self.weight),
+                            resolve(self.bias) if self.bias is not None else None)
 
     def activate(self, rows: AlignedRows) -> AlignedRows:
         """The activation of :meth:`pre_activation`'s rows as its own op (``moeforge::activate_rows``, which keeps
@@ -263,15 +266,16 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
             return rows
         return dataclasses.replace(rows, x=Activations(kernel_ops().activate_rows(rows.x.data, *self._act)))
 
-    def _launch(self, x: AlignedRows, gemm: GemmConfig, act_args: tuple[int, bool, bool, float, float]) -> AlignedRows:
+    def _launch(self, x: AlignedRows, gemm: GemmConfig, act_args: tuple[int, bool, bool, float, float],
+                weight: torch.Tensor, bias: Optional[torch.Tensor]) -> AlignedRows:
         alignment = x.alignment
         act, glu, interleaved, alpha, limit = act_args
         out, _ = grouped_gemm(
             GemmRows(x.x.data, rows_per_a=1 if x.copy_major else alignment.copies_per_row),
-            GemmWeight(resolve(self.weight)),
+            GemmWeight(weight),
             GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
                       aligned_block_m=alignment.block_m),
-            GemmEpilogue(x.x.data.dtype, bias=resolve(self.bias) if self.bias is not None else None,
+            GemmEpilogue(x.x.data.dtype, bias=bias,
                          routing_weights=x.copy_weights if self.apply_routing_weights else None, act=act, glu=glu,
                          interleaved=interleaved, alpha=alpha, limit=limit),
             gemm,

@@ -354,9 +354,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         rows = self._launch(x, config, self._act, fp8_out)
         if rows.x.scale is not None or self.output_quantizer is None:
             return rows
-        dtype, per_group = kernel_format(self.output_quantizer)
-        q, scale = kernel_ops().quantize_rows(rows.x.data, dtype, per_group, 0, False, False, 1.0, 0.0)
-        return dataclasses.replace(rows, x=Activations(q, scale))
+        return self._quantized(rows, activation_args(None))  # the epilogue activated them
 
     def pre_activation(self, x: AlignedRows) -> AlignedRows:
         """The GEMM with its bias (and the routing weights where its epilogue applies them) but without its
@@ -371,12 +369,17 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         output quantizer the activation and the quantization in one kernel (``moeforge::quantize_rows``); the rows
         themselves where the stage has neither."""
         if self.output_quantizer is not None:
-            dtype, per_group = kernel_format(self.output_quantizer)
-            q, scale = kernel_ops().quantize_rows(rows.x.data, dtype, per_group, *self._act)
-            return dataclasses.replace(rows, x=Activations(q, scale))
+            return self._quantized(rows, self._act)
         if self._act[0] == 0:
             return rows
         return dataclasses.replace(rows, x=Activations(kernel_ops().activate_rows(rows.x.data, *self._act)))
+
+    def _quantized(self, rows: AlignedRows, act_args: tuple[int, bool, bool, float, float]) -> AlignedRows:
+        """``rows`` activated as ``act_args`` say and quantized by the output quantizer, in one kernel."""
+        assert self.output_quantizer is not None
+        dtype, per_group = kernel_format(self.output_quantizer)
+        q, scale = kernel_ops().quantize_rows(rows.x.data, dtype, per_group, *act_args)
+        return dataclasses.replace(rows, x=Activations(q, scale))
 
     def _launch(self, x: AlignedRows, config: GemmConfig, act_args: tuple[int, bool, bool, float, float],
                 fp8_out: bool) -> AlignedRows:
