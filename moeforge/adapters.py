@@ -211,6 +211,8 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
         for index in range(self.stack):  # each adapter on every row, kept where the row chose it (the reference)
             chosen = (ids == index).unsqueeze(-1)
             update = update + torch.where(chosen, self._update(x, a[index], b[index], dtype), 0)
+        outside = ((ids < -1) | (ids >= self.stack)).unsqueeze(-1)  # see stack_ids
+        update = torch.where(outside, float("nan"), update)
         return out.with_x(Activations(out.x.data + self.scale * update))
 
     def _update(self, x: ExpertRows, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -234,7 +236,9 @@ def float_rows(x: ExpertRows, dtype: torch.dtype) -> Any:
 
 def stack_ids(x: ExpertRows, stack: int, where: str) -> torch.Tensor:
     """The rows' adapter ids (``x.adapter_ids``, in the rows' layout) for a stack of ``stack`` adapters; a clear error
-    where the forward was given none."""
+    where the forward was given none. An id outside ``[-1, stack)`` cannot be refused on the device without waiting for
+    it (the layer refuses it where that costs nothing: CPU ids, debug mode): the stages give its rows NaN instead, and
+    never read outside the stack."""
     if x.adapter_ids is None:
         raise InputError(f"{where}: the layer's adapter is a stack of {stack}: pass each token's adapter "
                          "(forward(..., adapter_ids=ids [tokens], -1 for none))")
@@ -353,8 +357,9 @@ class AdaptedGroupedGemm(AdaptedGemm):
         ids = stack_ids(x, self.stack, self.name)
         alignment = x.alignment
         stack, experts = int(b.shape[0]), int(b.shape[1])
-        chosen = ids.clamp(min=0).to(torch.int32)
-        used = (ids >= 0).to(torch.float32)
+        inside = (ids >= -1) & (ids < stack)  # an id outside the stack: its rows NaN (see stack_ids), no read outside
+        chosen = torch.where(inside, ids.clamp(min=0), 0).to(torch.int32)
+        used = torch.where(inside, (ids >= 0).to(torch.float32), float("nan"))
         pairs = x.stack_alignment
         if pairs is None or pairs.stack != stack:  # the first adapted GEMM aligns; the second reuses it
             copy_expert = x.copy_experts if x.copy_experts is not None else copy_experts(alignment)

@@ -448,7 +448,8 @@ class MoELayer(nn.Module):
 
     def _adapter_ids(self, adapter_ids: Optional[torch.Tensor], shape: torch.Size) -> Optional[torch.Tensor]:
         """The tokens' adapter ids, flat, checked: required with a stack of adapters, refused without one; their
-        range where reading it costs no synchronisation (a CPU tensor, or debug mode)."""
+        range where reading it costs no synchronisation (a CPU tensor, or debug mode) — elsewhere an id outside the
+        stack gives its token NaN (``adapters.stack_ids``)."""
         stack = self.adapter.count if self.adapter is not None and self.adapter.stacked else 0
         if adapter_ids is None:
             if stack:

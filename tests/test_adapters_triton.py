@@ -224,6 +224,21 @@ def test_a_stack_of_adapters_on_the_triton_gemms_equals_the_torch_pipeline(adapt
         assert _rel(got, want_grad) < 1e-5
 
 
+def test_an_adapter_id_outside_the_stack_gives_its_token_nan_on_both_backends() -> None:
+    # The pipeline cannot refuse a device id without waiting for it (the layer refuses CPU ids): the token's rows come
+    # out NaN, never another adapter's update or a read outside the stack.
+    layer = _torch_layer(ExpertAdapter(rank=2, count=2), torch.float32)
+    pipeline = _triton_pipeline(layer)
+    x = torch.randn(5, H, device=DEVICE)
+    ids = torch.tensor([0, 7, 1, -1, -3], device=DEVICE)
+    logits = layer.router_logits(x).detach()
+    with torch.no_grad():
+        for run in (layer.pipeline, pipeline):
+            out = run.run(mf.MoEInput(x, logits, ids)).hidden_states
+            bad = (ids >= 2) | (ids < -1)
+            assert out[bad].isnan().all() and out[~bad].isfinite().all()
+
+
 def test_the_copies_are_aligned_by_adapter_once_for_both_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
     from moeforge.kernels import ops
 
