@@ -105,6 +105,11 @@ class HFMoEBlock(nn.Module):
         """The replaced block (its tensors released: settings only)."""
         return self._original[0]
 
+    @property
+    def family(self) -> ModuleType:
+        """The family module that converted the block (:mod:`moeforge.families`)."""
+        return importlib.import_module(self._family_module)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden_states = self._hidden_states(args, kwargs)
         shape = hidden_states.shape
@@ -112,7 +117,7 @@ class HFMoEBlock(nn.Module):
         logits = self.layer.router_logits(x)
         out = self.layer(x, logits).reshape(shape)
         _record_router_logits(logits)
-        return importlib.import_module(self._family_module).hf_output(self._original[0], out, logits)
+        return self.family.hf_output(self._original[0], out, logits)
 
     def _hidden_states(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         if len(args) == 1 and not kwargs:

@@ -19,7 +19,6 @@ innermost, and names each pair by its place in that nest: ``<block>.experts.base
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -147,8 +146,7 @@ def _adapted_blocks(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
 def _nest(block: Any, targeted: list[str]) -> dict[str, str]:
     """``{parameter name: key infix}`` of peft's wrappers on ``block``'s original experts module: the first targeted
     parameter (in the module's own order) innermost, ``.base_layer`` once for each wrapper around it."""
-    family = importlib.import_module(block._family_module)
-    if getattr(family, "EXPERTS_TRANSPOSED", False):
+    if getattr(block.family, "EXPERTS_TRANSPOSED", False):
         raise InputError(f"{block.original_class} stores its experts transposed ([E, K, N]); peft's pairs on them are laid "
                          "out otherwise, which moeforge does not convert yet")
     order = [name for name, _ in block.original.experts.named_parameters(recurse=False) if name in targeted]
