@@ -1,8 +1,7 @@
 """CUDA graphs of an eager forward at decode batch sizes, replayed instead of launched (opt-in).
 
-At a decode batch an eager forward's time is the host's time to launch its kernels (docs/kernels.md, "The eager host
-path"): about 250 µs for a Qwen3-30B-A3B-sized layer on the H200 machine's host, against tens of microseconds of GPU
-time. :class:`DecodeGraphs`, kept by a layer (``MoELayer(decode_graphs=DecodeGraphSettings())``) or by a
+At a decode batch an eager forward's time is the host's time to launch its kernels, several times the GPU's time
+(measured in docs/kernels.md, "The eager host path"). :class:`DecodeGraphs`, kept by a layer (``MoELayer(decode_graphs=DecodeGraphSettings())``) or by a
 ``transformers`` experts module (:func:`moeforge.hf_experts.capture_decode_graphs`), captures the forward once per
 batch size up to ``max_tokens`` and input layout, then replays it: a call copies its inputs into the graph's,
 replays the graph and returns a copy of its output (a later replay overwrites the graph's own).
