@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 from moeforge.kernels import align  # noqa: E402
 from moeforge.kernels.weight_grad import (  # noqa: E402
     WeightGradTiles,
-    canonical_order,
     expert_weight_grad,
     gather_sorted_rows,
     weight_grad_tiles,
@@ -119,7 +118,7 @@ def test_gathered_rows_follow_the_slots_and_padding_is_zero() -> None:
     ids = _ids(7, 2, 3, gen)
     src = torch.randn(7, 20, generator=gen).to(DEVICE)
     sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), 3, 16)
-    slots = canonical_order(sorted_ids, block_expert, num_padded, 16, 14, 3)
+    slots = sorted_ids
     out = gather_sorted_rows(src, slots, num_padded, 14, 2)
     used = int(num_padded)
     for s in range(used):
@@ -128,26 +127,30 @@ def test_gathered_rows_follow_the_slots_and_padding_is_zero() -> None:
         assert torch.equal(out[s], want)
 
 
-def test_each_expert_sums_its_copies_in_ascending_order_whatever_the_alignment_placed() -> None:
-    # The alignment's atomics order an expert's copies differently from run to run; the gradient's bits must not.
+@pytest.mark.parametrize("tokens", [40, 300])  # 160 copies: one program sorts them; 1200: the two-kernel plan
+def test_each_expert_sums_its_copies_in_ascending_order(tokens: int) -> None:
+    # The alignment places each expert's copies in ascending order (align_block_size, both paths), the order the
+    # gradient sums them in: the sum equals the one over the copies in that order, bit for bit in fp32 accumulation
+    # of fp32 operands against the float64 reference's rounding, and the same bits from run to run.
     gen = torch.Generator().manual_seed(13)
-    tokens, k, experts, block = 40, 2, 3, 16
+    k, experts, block = 4, 5, 16
     ids = _ids(tokens, k, experts, gen)
     rows = torch.randn(tokens, 24, generator=gen).to(DEVICE)
     d_rows = torch.randn(tokens * k, 40, generator=gen).to(DEVICE)
     sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, block)
-    shuffled = sorted_ids.clone()
-    owner = block_expert.long().repeat_interleave(block)[:int(num_padded)].cpu()
+    used = int(num_padded)
+    owner = block_expert.long().repeat_interleave(block)[:used].cpu()
+    placed = sorted_ids[:used].cpu()
+    flat = ids.reshape(-1).long()
     for e in range(experts):
-        slots = (owner == e).nonzero().flatten()
-        shuffled[slots.to(DEVICE)] = sorted_ids[slots[torch.randperm(slots.numel(), generator=gen)].to(DEVICE)]
-    assert not torch.equal(shuffled, sorted_ids)
+        mine = placed[(owner == e) & (placed < tokens * k)]
+        assert mine.tolist() == torch.nonzero(flat == e).flatten().tolist()  # ascending copy order
     for tiles, _ in SMALL.values():
         tiles = WeightGradTiles(tiles.block_n, tiles.block_k, 16, 4, 2, tiles.tma, tiles.tma_store)
         first = expert_weight_grad(d_rows, rows, k, sorted_ids, block_expert, num_padded, experts, block, True,
                                    tiles=tiles)
-        again = expert_weight_grad(d_rows, rows, k, shuffled, block_expert, num_padded, experts, block, True,
-                                   tiles=tiles)
+        again_plan = align.align_block_size(ids.to(DEVICE), experts, block)
+        again = expert_weight_grad(d_rows, rows, k, *again_plan, experts, block, True, tiles=tiles)
         assert torch.equal(first[0], again[0]) and first[1] is not None and again[1] is not None
         assert torch.equal(first[1], again[1])
 

@@ -4,14 +4,13 @@ Produces the ``BLOCK_ALIGNED`` layout the fused grouped GEMM reads: ``sorted_ids
 indices ``t * top_k + k`` grouped by expert, each expert's run padded with the sentinel
 ``T * top_k`` to a multiple of ``block_m``; ``block_expert[b]`` is the expert of block ``b``;
 ``num_padded`` (on the device) is the used length. No host synchronisation, fixed output sizes: CUDA-graph
-capturable. Up to :data:`IN_ORDER_COPIES` copies (decode and small prefill batches) one launch does it all and
-places each expert's copies in ascending order (a sort of ``(expert, copy)`` keys in one program); more copies take
-two launches, a count-and-plan program and a scatter over every copy.
-
-Within an expert the two-launch scatter's order of copies is not fixed (it uses atomics). That does not make
-results vary: every row of a grouped GEMM is computed independently of its neighbours, the combine
-reads rows by copy index, not by position, and the weight gradient, a sum over an expert's rows, puts
-them in ascending order first (:func:`moeforge.kernels.weight_grad.canonical_order`).
+capturable. Each expert's copies are placed in ascending order, the same slots from run to run (no atomics): up to
+:data:`IN_ORDER_COPIES` copies (decode and small prefill batches) one launch sorts them in one program; more take
+two launches, a count-and-plan program that also records how many copies of each expert every chunk of
+:data:`SCATTER_CHUNK` copies comes after, and a scatter with one program per chunk that ranks each copy among its
+expert's. The weight gradient sums each expert's rows in slot order (:mod:`moeforge.kernels.weight_grad`), so this
+order makes it deterministic; a grouped GEMM's rows are independent of their neighbours and the combine reads rows
+by copy index, so nothing else depends on it.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from moeforge.kernels.sizes import cdiv, next_power_of_2
 def _count_and_plan_kernel(
     ids_ptr,
     cursor_ptr,
+    chunk_base_ptr,
     block_expert_ptr,
     sorted_ids_ptr,
     num_padded_ptr,
@@ -42,18 +42,20 @@ def _count_and_plan_kernel(
     CHUNK_B: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # One program: histogram of expert ids, padded offsets, block -> expert table, sentinel fill.
+    # One program: histogram of expert ids, padded offsets, block -> expert table, sentinel fill; and for each chunk
+    # of CHUNK copies, how many copies of each expert the chunks before it hold (the scatter's base).
     pdl.wait_for_the_kernel_before(PDL)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    experts = tl.arange(0, BLOCK_E)
     for start in range(0, num_copies, CHUNK):
+        tl.store(chunk_base_ptr + (start // CHUNK) * BLOCK_E + experts, counts)
         offs = start + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < num_copies, other=BLOCK_E - 1)
         hist = tl.histogram(ids, BLOCK_E)
         # Masked lanes were counted in the last bin; remove them.
         masked = tl.sum((offs >= num_copies).to(tl.int32), axis=0)
-        last = tl.arange(0, BLOCK_E) == BLOCK_E - 1
+        last = experts == BLOCK_E - 1
         counts += hist - tl.where(last, masked, 0)
-    experts = tl.arange(0, BLOCK_E)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -84,13 +86,27 @@ def _write_plan(ends, total, num_experts, num_copies, block_expert_ptr, sorted_i
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_copies, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _scatter_kernel(ids_ptr, cursor_ptr, chunk_base_ptr, sorted_ids_ptr, num_copies, BLOCK_E: tl.constexpr,
+                    CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
+    # One program per chunk of CHUNK copies, SUB at a time: copy i of expert e lands at e's padded start, plus the
+    # copies of e in earlier chunks (the plan's chunk base) and in earlier sub-blocks (this program's running count,
+    # kept in its chunk-base row), plus those before it in its sub-block: each expert's copies in ascending order.
     pdl.wait_for_the_kernel_before(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < num_copies
-    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
-    position = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
-    tl.store(sorted_ids_ptr + position, offs, mask=mask)
+    chunk = tl.program_id(0)
+    base_row = chunk_base_ptr + chunk * BLOCK_E
+    lanes = tl.arange(0, SUB)
+    earlier = lanes[None, :] < lanes[:, None]  # [i, j]: j comes before i
+    for first in range(0, CHUNK, SUB):
+        offs = chunk * CHUNK + first + lanes
+        mask = offs < num_copies
+        ids = tl.load(ids_ptr + offs, mask=mask, other=BLOCK_E - 1)
+        before = tl.sum(((ids[None, :] == ids[:, None]) & earlier).to(tl.int32), axis=1)
+        position = tl.load(cursor_ptr + ids, mask=mask, other=0) + tl.load(base_row + ids, mask=mask, other=0) + before
+        tl.store(sorted_ids_ptr + position, offs, mask=mask)
+        tl.debug_barrier()  # every lane read the row before it moves on
+        experts = tl.arange(0, BLOCK_E)
+        tl.store(base_row + experts, tl.load(base_row + experts) + tl.histogram(ids, BLOCK_E))
+        tl.debug_barrier()  # the row updated before the next sub-block reads it
 
 
 @triton.jit
@@ -134,6 +150,8 @@ def _align_in_order_kernel(
 
 
 IN_ORDER_COPIES = 1024  # at most this many copies are aligned by one program, each expert's in ascending order
+SCATTER_CHUNK = 1024  # more: copies counted per chunk by the plan, each chunk placed by one program of the scatter
+SCATTER_SUB = 128  # lanes a scatter program places at a time (its [SUB, SUB] comparisons rank each among its expert's)
 
 
 def max_padded_rows(num_copies: int, num_experts: int, block_m: int) -> int:
@@ -167,17 +185,20 @@ def align_block_size(
 
     def plan() -> tuple[dict[str, Any], dict[str, Any]]:
         dependent = pdl.pdl_applies(ids.device)
-        return (dict(BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=1024, CHUNK_B=max(16, 4096 // block_e),
+        return (dict(BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=SCATTER_CHUNK, CHUNK_B=max(16, 4096 // block_e),
                      PDL=pdl.flag(dependent)), pdl.launch_options(dependent))
 
     def scatter() -> tuple[dict[str, Any], dict[str, Any]]:
         dependent = pdl.pdl_applies(ids.device)
-        return dict(BLOCK=1024, PDL=pdl.flag(dependent)), pdl.launch_options(dependent)
+        return (dict(BLOCK_E=block_e, CHUNK=SCATTER_CHUNK, SUB=SCATTER_SUB, PDL=pdl.flag(dependent)),
+                pdl.launch_options(dependent))
 
-    _COUNT_AND_PLAN.launch((block_m, ids.device), (1,), (ids, cursor, block_expert, sorted_ids, num_padded, num_copies,
-                                                         num_experts), plan)
+    chunks = cdiv(num_copies, SCATTER_CHUNK)
+    chunk_base = torch.empty(max(chunks, 1), block_e, dtype=torch.int32, device=ids.device)
+    _COUNT_AND_PLAN.launch((block_m, ids.device), (1,), (ids, cursor, chunk_base, block_expert, sorted_ids, num_padded,
+                                                         num_copies, num_experts), plan)
     if num_copies:
-        _SCATTER.launch(ids.device, (cdiv(num_copies, 1024),), (ids, cursor, sorted_ids, num_copies), scatter)
+        _SCATTER.launch((block_e, ids.device), (chunks,), (ids, cursor, chunk_base, sorted_ids, num_copies), scatter)
     return sorted_ids, block_expert, num_padded
 
 

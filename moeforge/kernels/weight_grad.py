@@ -8,15 +8,16 @@ over that expert's rows (a "k-grouped" GEMM).
 Two passes:
 
 1. :func:`gather_sorted_rows` copies the operands into the block-aligned slot order the forward used
-   (``sorted_ids``), each expert's copies in ascending order (:func:`canonical_order`) and its padding slots zero:
-   every expert's rows are then one contiguous run of whole blocks.
+   (``sorted_ids``: each expert's copies in ascending order, as :func:`moeforge.kernels.align.align_block_size`
+   places them) and its padding slots zero: every expert's rows are then one contiguous run of whole blocks.
 2. ``_weight_grad_kernel``: one program per ``(expert, N tile, K tile)``, in that order (the tiles of one expert
    and one N strip run together and share it through L2), walking the expert's run in steps of ``BLOCK_M`` rows
    and accumulating ``dy^T @ x`` in fp32. On Hopper both operands come by TMA (contiguous runs are what TMA copies;
    a gathered load is not); elsewhere by pointer loads of the same contiguous rows.
 
 Deterministic by construction: each output tile is one program summing its expert's rows in slot order, and the
-slot order does not depend on the order in which the alignment's atomics ran; no atomics, no split reduction.
+alignment places every expert's copies in ascending order, the same slots from run to run (no atomics there
+either); no atomics, no split reduction.
 Experts without rows get zero gradients (their tiles loop zero times and store zeros).
 
 Why not gather inside the GEMM: a contiguous run is what TMA copies, a gathered row is not; gathering once into
@@ -111,23 +112,6 @@ def expert_first_blocks(block_expert: torch.Tensor, num_padded: torch.Tensor, bl
     return torch.searchsorted(owners, torch.arange(num_experts + 1, device=owners.device)).to(torch.int32)
 
 
-def canonical_order(sorted_ids: torch.Tensor, block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int,
-                    num_copies: int, num_experts: int) -> torch.Tensor:
-    """``sorted_ids`` with each expert's copies in ascending order, its padding after them, in the same
-    slots (every expert keeps its blocks), on the device. The alignment's scatter places an expert's
-    copies in the order its atomics happened to run, which changes from run to run; a sum over an
-    expert's rows in slot order (the weight gradient) would change in its last bits with it."""
-    stride = num_copies + 1  # the padding sentinel is num_copies: last of its expert
-    # 32-bit keys where every key fits (a radix sort then takes half the passes); the order is the same
-    key_dtype = torch.int32 if num_experts * stride + sorted_ids.numel() < 2**31 else torch.int64
-    slots = torch.arange(sorted_ids.numel(), device=sorted_ids.device, dtype=key_dtype)
-    used = slots < num_padded.to(key_dtype)
-    owner = block_expert.to(key_dtype).repeat_interleave(block_m)[:sorted_ids.numel()]
-    keys = torch.where(used, owner * stride + sorted_ids.to(key_dtype), num_experts * stride + slots)
-    ordered = torch.sort(keys).values  # the used keys, in expert order, fill exactly the used slots
-    return torch.where(used, ordered % stride, sorted_ids.to(key_dtype)).to(sorted_ids.dtype)
-
-
 @triton.jit
 def _gather_sorted_rows_kernel(src_ptr, slot_ids_ptr, dst_ptr, num_padded_ptr, num_copies, rows_per_src, width,
                                stride_src, stride_dst, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -214,9 +198,8 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
                        tiles: Optional[WeightGradTiles] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(dW [E, N, K], db [E, N] or None)`` in ``dtype`` (summed in fp32): for each expert the sum over its
     copies ``c`` of ``d_rows[c]^T rows[c // rows_per_a]`` (``d_rows [copies, N]``, ``rows [R, K]`` of one dtype),
-    each expert's copies summed in ascending order (:func:`canonical_order` of ``sorted_ids``, aligned with
-    ``block_m``): the same bits from run to run, whatever order the alignment's atomics gave. ``tiles``: the launch
-    (default :func:`weight_grad_tiles`)."""
+    each expert's copies summed in slot order, which the alignment (aligned with ``block_m``) makes ascending: the
+    same bits from run to run. ``tiles``: the launch (default :func:`weight_grad_tiles`)."""
     num_copies, n = d_rows.shape
     k = rows.shape[1]
     dw = torch.empty(num_experts, n, k, dtype=dtype, device=rows.device)
@@ -230,9 +213,9 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
     first = expert_first_blocks(block_expert, num_padded, block_m, num_experts)
-    slot_ids = canonical_order(sorted_ids, block_expert, num_padded, block_m, num_copies, num_experts)
-    dy = gather_sorted_rows(d_rows, slot_ids, num_padded, num_copies, 1)
-    x = gather_sorted_rows(rows, slot_ids, num_padded, num_copies, rows_per_a)
+    # each expert's copies are in ascending order already (align_block_size)
+    dy = gather_sorted_rows(d_rows, sorted_ids, num_padded, num_copies, 1)
+    x = gather_sorted_rows(rows, sorted_ids, num_padded, num_copies, rows_per_a)
     tma = tiles.tma and tma_applies(dy) and tma_applies(x)
     dy_desc = TensorDescriptor.from_tensor(dy, [tiles.block_m, tiles.block_n]) if tma else None
     x_desc = TensorDescriptor.from_tensor(x, [tiles.block_m, tiles.block_k]) if tma else None
