@@ -71,5 +71,6 @@ def payload_tensors(payload: object) -> Iterator[torch.Tensor]:
         if isinstance(value, torch.Tensor):
             if value.is_floating_point():
                 yield value
-        elif dataclasses.is_dataclass(value) and field.name != "plan":
+        elif value is not None and field.name != "plan" and dataclasses.is_dataclass(value):
+            # (None first: Dynamo of torch 2.11 cannot trace is_dataclass(None), an absent adapter_ids)
             yield from payload_tensors(value)
