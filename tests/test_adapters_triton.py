@@ -480,7 +480,16 @@ def test_an_adapter_over_an_fp8_base_on_the_triton_gemms_serves_like_the_torch_s
                         device="cuda")
     layer.load_state_dict(reference.state_dict())
     assert layer.backend is mf.Backend.TRITON
+    base = mf.MoELayer(16, 4, 256, 128, quant=mf.Fp8W8A8Method(), dtype=torch.bfloat16, device="cuda")
+    base.load_state_dict({k: v for k, v in reference.state_dict().items() if "lora" not in k})
     for tokens in (1, 64, 2000):
         x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
-            assert _rel(layer(x), reference(x)) < 3e-2
+            want = reference(x)
+            # Without the adapter the two backends already differ by up to 3-4 % here (the torch stages round the
+            # gate/up product to bf16 before quantizing it to fp8, the triton epilogue quantizes from fp32: elements
+            # one fp8 step apart; measured 2.9 % at 1 token on an H200, the FP8 tolerance of
+            # test_quant_methods_gpu.py is 6e-2). The adapter dominates the output (its matrices are large), so an
+            # update that is wrong or missing is far outside that.
+            assert _rel(layer(x), want) < 6e-2
+            assert _rel(base(x), want) > 0.5

@@ -88,25 +88,24 @@ def _write_plan(ends, total, num_experts, num_copies, block_expert_ptr, sorted_i
 @triton.jit
 def _scatter_kernel(ids_ptr, cursor_ptr, chunk_base_ptr, sorted_ids_ptr, num_copies, BLOCK_E: tl.constexpr,
                     CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
-    # One program per chunk of CHUNK copies, SUB at a time: copy i of expert e lands at e's padded start, plus the
-    # copies of e in earlier chunks (the plan's chunk base) and in earlier sub-blocks (this program's running count,
-    # kept in its chunk-base row), plus those before it in its sub-block: each expert's copies in ascending order.
+    # One program per chunk of CHUNK copies, SUB at a time: copy i of expert e lands at e's padded start plus the
+    # copies of e in earlier chunks (the plan's chunk base) -- together this program's running count of e, kept in
+    # registers -- plus those before it in its sub-block: each expert's copies in ascending order.
     pdl.wait_for_the_kernel_before(PDL)
     chunk = tl.program_id(0)
-    base_row = chunk_base_ptr + chunk * BLOCK_E
+    experts = tl.arange(0, BLOCK_E)
+    running = tl.load(cursor_ptr + experts) + tl.load(chunk_base_ptr + chunk * BLOCK_E + experts)
     lanes = tl.arange(0, SUB)
     earlier = lanes[None, :] < lanes[:, None]  # [i, j]: j comes before i
     for first in range(0, CHUNK, SUB):
         offs = chunk * CHUNK + first + lanes
         mask = offs < num_copies
-        ids = tl.load(ids_ptr + offs, mask=mask, other=BLOCK_E - 1)
+        ids = tl.load(ids_ptr + offs, mask=mask, other=BLOCK_E - 1)  # masked lanes: after every real copy
+        mine = ids[:, None] == experts[None, :]  # [SUB, BLOCK_E]
+        start = tl.sum(tl.where(mine, running[None, :], 0), axis=1)
         before = tl.sum(((ids[None, :] == ids[:, None]) & earlier).to(tl.int32), axis=1)
-        position = tl.load(cursor_ptr + ids, mask=mask, other=0) + tl.load(base_row + ids, mask=mask, other=0) + before
-        tl.store(sorted_ids_ptr + position, offs, mask=mask)
-        tl.debug_barrier()  # every lane read the row before it moves on
-        experts = tl.arange(0, BLOCK_E)
-        tl.store(base_row + experts, tl.load(base_row + experts) + tl.histogram(ids, BLOCK_E))
-        tl.debug_barrier()  # the row updated before the next sub-block reads it
+        tl.store(sorted_ids_ptr + start + before, offs, mask=mask)
+        running += tl.sum(mine.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -151,7 +150,8 @@ def _align_in_order_kernel(
 
 IN_ORDER_COPIES = 1024  # at most this many copies are aligned by one program, each expert's in ascending order
 SCATTER_CHUNK = 1024  # more: copies counted per chunk by the plan, each chunk placed by one program of the scatter
-SCATTER_SUB = 128  # lanes a scatter program places at a time (its [SUB, SUB] comparisons rank each among its expert's)
+SCATTER_LANES = 16384  # a scatter program places SUB = this // BLOCK_E copies at a time ([SUB, BLOCK_E] and
+# [SUB, SUB] comparisons in registers), 16 to 128 of them
 
 
 def max_padded_rows(num_copies: int, num_experts: int, block_m: int) -> int:
@@ -190,8 +190,9 @@ def align_block_size(
 
     def scatter() -> tuple[dict[str, Any], dict[str, Any]]:
         dependent = pdl.pdl_applies(ids.device)
-        return (dict(BLOCK_E=block_e, CHUNK=SCATTER_CHUNK, SUB=SCATTER_SUB, PDL=pdl.flag(dependent)),
-                pdl.launch_options(dependent))
+        sub = max(16, min(128, SCATTER_LANES // block_e))
+        return (dict(BLOCK_E=block_e, CHUNK=SCATTER_CHUNK, SUB=sub, PDL=pdl.flag(dependent)),
+                dict(num_warps=8, **pdl.launch_options(dependent)))
 
     chunks = cdiv(num_copies, SCATTER_CHUNK)
     chunk_base = torch.empty(max(chunks, 1), block_e, dtype=torch.int32, device=ids.device)
