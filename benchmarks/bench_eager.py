@@ -336,7 +336,7 @@ def breakdown(tokens: int, reps: int) -> list[dict[str, Any]]:
     flags = topk.routing_flags(layer.routing)
     config = layer.pipeline.stages[1].configs.lookup(tokens)
     weights, ids = ops.route(logits, None, top_k, **flags)
-    sorted_ids, block_expert, num_padded = ops.align_block_size(ids, experts, config.block_m)
+    sorted_ids, block_expert, num_padded = ops.align_block_size(ids, experts, config.block_m, False)
     route = GemmRoute(sorted_ids, block_expert, num_padded, tokens * top_k, aligned_block_m=config.block_m)
     hidden = torch.empty(tokens * top_k, SHAPE[3], device="cuda", dtype=torch.bfloat16)
     rows = torch.randn(tokens * top_k, SHAPE[2], device="cuda", dtype=torch.bfloat16)
@@ -347,8 +347,8 @@ def breakdown(tokens: int, reps: int) -> list[dict[str, Any]]:
         "no-op custom op": lambda: torch.ops.bench_eager.noop(x, 4),
         "route (op)": lambda: ops.route(logits, None, top_k, **flags),
         "route (direct)": lambda: topk.route(logits, None, top_k, **flags),
-        "align (op)": lambda: ops.align_block_size(ids, experts, config.block_m),
-        "align (direct)": lambda: align.align_block_size(ids, experts, config.block_m),
+        "align (op)": lambda: ops.align_block_size(ids, experts, config.block_m, False),
+        "align (direct)": lambda: align.align_block_size(ids, experts, config.block_m, False),
         "gate/up gemm (op)": lambda: grouped_gemm(GemmRows(x, rows_per_a=top_k), GemmWeight(w13), route,
                                                   GemmEpilogue(x.dtype, act=ACT_SILU, glu=True), config.gate_up),
         "gate/up gemm (direct)": lambda: moe_gemm.moe_gemm(x, w13, hidden, sorted_ids, block_expert, num_padded,

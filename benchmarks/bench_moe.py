@@ -140,7 +140,7 @@ def kernels_by_hand(layer: mf.MoELayer, x: torch.Tensor, logits: torch.Tensor) -
 
     def run() -> torch.Tensor:
         weights, ids = ops.route(logits, None, top_k, **flags)
-        sorted_ids, block_expert, num_padded = ops.align_block_size(ids, experts, config.block_m)
+        sorted_ids, block_expert, num_padded = ops.align_block_size(ids, experts, config.block_m, False)
         route = GemmRoute(sorted_ids, block_expert, num_padded, tokens * top_k, aligned_block_m=config.block_m)
         hidden, _ = grouped_gemm(GemmRows(x, rows_per_a=top_k), GemmWeight(w13), route,
                                  GemmEpilogue(x.dtype, act=ACT_SILU, glu=True), config.gate_up)

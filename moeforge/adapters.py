@@ -365,14 +365,14 @@ class AdaptedGroupedGemm(AdaptedGemm):
             copy_expert = x.copy_experts if x.copy_experts is not None else copy_experts(alignment)
             sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(
                 (chosen * experts + copy_expert.to(torch.int32)).view(-1, alignment.copies_per_row), stack * experts,
-                alignment.block_m)
+                alignment.block_m, torch.is_grad_enabled())
             pairs = StackAlignment(sorted_ids, block_expert, num_padded, stack)
         route = GemmRoute(pairs.sorted_ids, pairs.block_expert, pairs.num_padded, alignment.num_copies,
                           aligned_block_m=alignment.block_m)
         if a.shape[1] == 1:  # one A per adapter for every expert: each row once, the rows aligned by adapter
             row_ids = chosen.view(-1, rows_per_a)[:, 0].contiguous()
             row_sorted, row_blocks, row_padded = kernel_ops().align_block_size(
-                row_ids.view(-1, 1), stack, alignment.block_m)
+                row_ids.view(-1, 1), stack, alignment.block_m, torch.is_grad_enabled())
             low, _ = grouped_gemm(GemmRows(rows), GemmWeight(a.reshape(stack, a.shape[2], a.shape[3])),
                                   GemmRoute(row_sorted, row_blocks, row_padded, rows.shape[0],
                                             aligned_block_m=alignment.block_m),

@@ -104,7 +104,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
     rows = x.shape[0]
     ids = torch.zeros(rows, 1, dtype=torch.int32, device=x.device)
-    sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(ids, 1, INVARIANT_GEMM.block_m)
+    sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(ids, 1, INVARIANT_GEMM.block_m,
+                                                                            torch.is_grad_enabled())
     out, _ = grouped_gemm(GemmRows(x.contiguous()), GemmWeight(weight[None]),
                           GemmRoute(sorted_ids, block_expert, num_padded, rows),
                           GemmEpilogue(x.dtype, bias=bias[None] if bias is not None else None), INVARIANT_GEMM)

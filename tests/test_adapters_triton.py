@@ -244,8 +244,8 @@ def test_the_copies_are_aligned_by_adapter_once_for_both_gemms(monkeypatch: pyte
 
     calls: list[int] = []
     real = ops.align_block_size
-    monkeypatch.setattr(ops, "align_block_size", lambda ids, groups, block_m: calls.append(groups) or real(
-        ids, groups, block_m))
+    monkeypatch.setattr(ops, "align_block_size", lambda ids, groups, block_m, ordered: calls.append(groups) or real(
+        ids, groups, block_m, ordered))
     layer = _torch_layer(ExpertAdapter(rank=2, count=3), torch.float32)
     pipeline = _triton_pipeline(layer)
     x = torch.randn(7, H, device=DEVICE)

@@ -46,11 +46,14 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 # -- alignment ---------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "any order"])
 @pytest.mark.parametrize("tokens,k,experts,block_m", [
-    (0, 2, 8, 16), (1, 1, 4, 16), (1, 8, 128, 16), (5, 2, 8, 4), (37, 4, 16, 16), (64, 2, 4, 64), (6, 6, 6, 16)])
-def test_alignment_groups_every_copy_by_expert(tokens: int, k: int, experts: int, block_m: int) -> None:
+    (0, 2, 8, 16), (1, 1, 4, 16), (1, 8, 128, 16), (5, 2, 8, 4), (37, 4, 16, 16), (64, 2, 4, 64), (6, 6, 6, 16),
+    (171, 6, 24, 16), (300, 4, 128, 16), (700, 2, 2, 32)])
+def test_alignment_groups_every_copy_by_expert(tokens: int, k: int, experts: int, block_m: int, ordered: bool) -> None:
+    # The last three take the two-launch path (more than IN_ORDER_COPIES copies): the ordered scatter, or atomics.
     ids = _ids(tokens, experts, k, torch.Generator().manual_seed(tokens))
-    sorted_ids, block_expert, num_padded = align.align_block_size(ids, experts, block_m)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids, experts, block_m, ordered)
     flat = ids.reshape(-1).long().cpu()
     counts = torch.bincount(flat, minlength=experts)
     used = int(num_padded.item())

@@ -155,6 +155,28 @@ def test_each_expert_sums_its_copies_in_ascending_order(tokens: int) -> None:
         assert torch.equal(first[1], again[1])
 
 
+def test_a_training_forward_aligns_in_order_and_an_inference_forward_need_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The triton dispatch asks for the ordered alignment exactly where a backward can follow (grad mode on): the
+    # weight gradient's order. Under no_grad the cheaper scatter with atomics may serve.
+    from moeforge.kernels import ops
+    from moeforge.kernels.config import ConfigTable
+    from moeforge.payloads import Activations, RoutedTokens, TopKOutput
+    from moeforge.stages.triton import AlignDispatch
+
+    asked: list[bool] = []
+    real = ops.align_block_size
+    monkeypatch.setattr(ops, "align_block_size", lambda ids, experts, block_m, ordered: asked.append(ordered) or real(
+        ids, experts, block_m, ordered))
+    stage = AlignDispatch(8, ConfigTable(8, 2))
+    gen = torch.Generator().manual_seed(5)
+    tokens = TopKOutput(torch.rand(600, 2, generator=gen).to(DEVICE), _ids(600, 2, 8, gen).to(DEVICE))
+    routed = RoutedTokens(Activations(torch.randn(600, 16, generator=gen).to(DEVICE)), tokens)
+    stage(routed)
+    with torch.no_grad():
+        stage(routed)
+    assert asked == [True, False]
+
+
 def test_the_default_tiles_divide_every_alignment_block() -> None:
     for block in (16, 32, 64, 128, 256):
         for n, kdim in ((28672, 4096), (4096, 14336), (96, 64)):

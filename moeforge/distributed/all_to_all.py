@@ -206,7 +206,7 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         from moeforge.kernels import ops  # (imports Triton: the triton path only)
 
         sorted_ids, block_expert, num_padded = ops.align_block_size(
-            row_expert.view(rows, 1), self.ep.local_experts, config.block_m)
+            row_expert.view(rows, 1), self.ep.local_experts, config.block_m, torch.is_grad_enabled())
         return BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
                               config=config, copies_per_row=1, num_tokens=rows)
 

@@ -22,9 +22,9 @@ from moeforge.kernels.sizes import cdiv
 
 
 def _align_block_size(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, ordered: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return align.align_block_size(topk_ids, num_experts, block_m)
+    return align.align_block_size(topk_ids, num_experts, block_m, ordered)
 
 
 _align_block_size_op = torch.library.custom_op("moeforge::align_block_size", _align_block_size, mutates_args=())
@@ -32,7 +32,8 @@ align_block_size = KernelOp(_align_block_size_op, _align_block_size)
 
 
 @_align_block_size_op.register_fake
-def _(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+      ordered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     size = max(align.max_padded_rows(topk_ids.numel(), num_experts, block_m), block_m)
     new = topk_ids.new_empty
     return new(size, dtype=torch.int32), new(cdiv(size, block_m), dtype=torch.int32), new(1, dtype=torch.int32)

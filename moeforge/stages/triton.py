@@ -136,7 +136,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         tokens, top_k = x.topk.ids.shape
         config = self.configs.lookup(tokens)  # once per batch: the GEMMs read it from the alignment
         sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(
-            x.topk.ids, self.num_experts, config.block_m)
+            x.topk.ids, self.num_experts, config.block_m, torch.is_grad_enabled())  # ordered where it trains
         alignment = BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
                                    config=config, copies_per_row=top_k, num_tokens=tokens)
         # each copy's adapter, in copy order (copy t * top_k + j of token t)
