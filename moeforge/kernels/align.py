@@ -12,7 +12,7 @@ program, each expert's copies in ascending order. More take two launches, a coun
   expert's: ascending order again, the same slots from run to run, no atomics. The weight gradient sums each
   expert's rows in slot order (:mod:`moeforge.kernels.weight_grad`), so this order makes it deterministic.
 * otherwise (inference): the scatter places copies with atomics, in an order that varies from run to run; cheaper
-  (its programs do not rank sub-blocks one after another: 9-25 us less at 8192 copies on an H200), and nothing
+  (its programs do not rank sub-blocks one after another; docs/kernels.md has the figures), and nothing
   else depends on it -- a grouped GEMM's rows are independent of their neighbours, the combine reads rows by copy
   index, not by position.
 """
