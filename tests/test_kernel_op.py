@@ -171,24 +171,22 @@ def _scaled_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
 _scaled_op.register_autograd(_scaled_backward, setup_context=_scaled_setup)
 
 
-class _RecordedScaled:
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        CALLS.append("op")
-        out: torch.Tensor = _scaled_op(*args, **kwargs)
-        return out
+scaled = KernelOp("moeforge_test::scaled", _scaled, differentiable=True)
 
 
-scaled = KernelOp(_RecordedScaled(), _scaled, lambda: (_scaled_setup, _scaled_backward))
+def _backward_of(out: torch.Tensor) -> str:
+    return "direct" if type(out.grad_fn).__name__.startswith("Eager_") else "op"
 
 
 def test_a_call_recording_a_gradient_runs_the_implementation_under_the_ops_backward() -> None:
     x, y = torch.randn(5), nn.Parameter(torch.randn(5))
-    assert _path(lambda: scaled(x, y)) == "impl"
     SEEN_NEEDS.clear()
     direct = scaled(x, y, 2.0)
-    assert type(direct.grad_fn).__name__.startswith("Eager_")
+    assert _backward_of(direct) == "direct"
     (grad,) = torch.autograd.grad(direct.sum(), [y])
-    (want,) = torch.autograd.grad(_scaled_op(x, y, 2.0).sum(), [y])
+    through_op = _scaled_op(x, y, 2.0)
+    assert _backward_of(through_op) == "op"
+    (want,) = torch.autograd.grad(through_op.sum(), [y])
     assert torch.equal(grad, want) and torch.equal(grad, x * 2.0)
     assert SEEN_NEEDS == [(False, True, False)] * 2  # the same needs_input_grad on both paths
     (grad,) = torch.autograd.grad(scaled(x, y).sum(), [y])  # the default factor reached setup_context
@@ -197,9 +195,11 @@ def test_a_call_recording_a_gradient_runs_the_implementation_under_the_ops_backw
 
 def test_a_recording_call_still_takes_the_op_with_keywords_modes_or_no_backward_here() -> None:
     x, y = torch.randn(5), nn.Parameter(torch.randn(5))
-    assert _path(lambda: scaled(x, y, factor=2.0)) == "op"
+    assert _backward_of(scaled(x, y, factor=2.0)) == "op"
     with _PassThrough():
-        assert _path(lambda: scaled(x, y)) == "op"
-    assert _path(lambda: double(y, 2.0)) == "op"  # a KernelOp given no backward
+        assert _backward_of(scaled(x, y)) == "op"
+    assert _path(lambda: double(y, 2.0)) == "op"  # a KernelOp not declared differentiable
+    without_registration = KernelOp(_Recorded(), _double, differentiable=True)  # no registered backward found
+    assert _path(lambda: without_registration(y, 2.0)) == "op"
     with torch.no_grad():
         assert _path(lambda: scaled(x, y)) == "impl"

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -189,15 +189,9 @@ def launch(
     return out, out_scale
 
 
-def _autograd() -> tuple[Any, Any]:
-    from moeforge.kernels import backward  # (it calls grouped_gemm: imported when first differentiated)
-
-    return backward.moe_gemm_setup_context, backward.moe_gemm_backward
-
-
 # The op's one caller in the package: the op where torch.compile or a dispatch mode needs it, else launch (under the
 # op's backward where autograd records the call).
-MOE_GEMM = KernelOp("moeforge::moe_gemm", launch, _autograd)
+MOE_GEMM = KernelOp("moeforge::moe_gemm", launch, differentiable=True)
 
 
 def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue: GemmEpilogue, config: GemmConfig

@@ -66,25 +66,33 @@ def needs_op(args: Iterable[Any]) -> bool:
 # vmap, grad and the other torch.func transforms wrap tensors without changing their Python type.
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
-Autograd = tuple[Callable[..., None], Callable[..., Any]]  # (setup_context, backward), as register_autograd takes
 
+def _registered_autograd(op: object) -> Optional[tuple[Callable[..., None], Callable[..., Any]]]:
+    """``(setup_context, backward)`` registered for the custom op ``op`` (its qualified name or its definition), from
+    torch's table of custom ops (``torch._library.custom_ops``: private, present in torch 2.4 to 2.13); ``None``
+    where anything is missing."""
+    from torch._library import custom_ops
+
+    definition = custom_ops.OPDEFS.get(op) if isinstance(op, str) else op
+    setup_context = getattr(definition, "_setup_context_fn", None)
+    backward = getattr(definition, "_backward_fn", None)
+    return (setup_context, backward) if callable(setup_context) and callable(backward) else None
 
 class KernelOp(Generic[R]):
     """A kernel's custom op and ``impl``, the function the op runs; called with the op's arguments, it runs ``impl``
     directly unless :func:`call_route` says the op is needed. ``op``: the op's qualified name (``"moeforge::combine"``,
     looked up in ``torch.ops`` when called, so that the module defining the kernel need not import the one registering
-    its op), or the op itself. ``autograd``: for a differentiable op, a function returning the ``(setup_context,
-    backward)`` registered with it (called at the first call that records a gradient, so that the module defining the
-    kernel need not import its backward's); a call recording a gradient then runs ``impl`` under an
-    ``autograd.Function`` with them instead of through the op."""
+    its op), or the op itself. ``differentiable``: a call recording a gradient runs ``impl`` under an
+    ``autograd.Function`` with the ``setup_context`` and ``backward`` registered for the op
+    (``torch.library.register_autograd``, read from torch's table of custom ops at the first such call; where that
+    table or the op's entry is missing, the call goes through the op)."""
 
-    __slots__ = ("op", "impl", "tensor_positions", "parameter_count", "defaults", "autograd", "_function")
+    __slots__ = ("op", "impl", "tensor_positions", "parameter_count", "defaults", "differentiable", "_function")
 
-    def __init__(self, op: Union[str, Callable[..., R]], impl: Callable[..., R],
-                 autograd: Optional[Callable[[], Autograd]] = None) -> None:
+    def __init__(self, op: Union[str, Callable[..., R]], impl: Callable[..., R], differentiable: bool = False) -> None:
         self.op = op
         self.impl = impl
-        self.autograd = autograd
+        self.differentiable = differentiable
         self._function: Optional[type[torch.autograd.Function]] = None
         # The positions of the parameters annotated as tensors (optional or not): the only ones to look at.
         parameters = list(inspect.signature(impl).parameters.values())
@@ -101,12 +109,14 @@ class KernelOp(Generic[R]):
         route = call_route(tensors + list(kwargs.values()) if kwargs else tensors)
         if route == DIRECT:
             return self.impl(*args, **kwargs)
-        if route == DIRECT_WITH_GRAD and self.autograd is not None and not kwargs:
-            missing = self.parameter_count - count
-            if missing > 0:
-                args = args + self.defaults[len(self.defaults) - missing:]
-            result: R = self._eager_function().apply(*args)  # type: ignore[no-untyped-call]
-            return result
+        if route == DIRECT_WITH_GRAD and self.differentiable and not kwargs:
+            function = self._eager_function()
+            if function is not None:
+                missing = self.parameter_count - count
+                if missing > 0:
+                    args = args + self.defaults[len(self.defaults) - missing:]
+                result: R = function.apply(*args)  # type: ignore[no-untyped-call]
+                return result
         op = self.op
         if isinstance(op, str):
             namespace, name = op.split("::")
@@ -114,11 +124,14 @@ class KernelOp(Generic[R]):
         through_op: R = op(*args, **kwargs)
         return through_op
 
-    def _eager_function(self) -> type[torch.autograd.Function]:
-        """The ``autograd.Function`` running ``impl`` with the op's ``setup_context`` and ``backward`` (made once)."""
+    def _eager_function(self) -> Optional[type[torch.autograd.Function]]:
+        """The ``autograd.Function`` running ``impl`` with the op's registered ``setup_context`` and ``backward``
+        (made once; ``None`` where they are not found)."""
         if self._function is None:
-            assert self.autograd is not None
-            setup_context, backward = self.autograd()
+            found = _registered_autograd(self.op)
+            if found is None:  # (not registered yet, or not there: the op serves)
+                return None
+            setup_context, backward = found
             impl = self.impl
 
             def forward(ctx: Any, *args: Any) -> Any:

@@ -97,8 +97,7 @@ def _combine_copies(
 
 
 _combine_copies_op = torch.library.custom_op("moeforge::combine", _combine_copies, mutates_args=())
-combine_copies = KernelOp(_combine_copies_op, _combine_copies,
-                          lambda: (backward.combine_setup_context, backward.combine_backward))
+combine_copies = KernelOp(_combine_copies_op, _combine_copies, differentiable=True)
 
 
 @_combine_copies_op.register_fake
@@ -139,7 +138,7 @@ def _route(
 
 
 _route_op = torch.library.custom_op("moeforge::route", _route, mutates_args=())
-route = KernelOp(_route_op, _route, lambda: (backward.route_setup_context, backward.route_backward))
+route = KernelOp(_route_op, _route, differentiable=True)
 
 
 @_route_op.register_fake
@@ -173,8 +172,7 @@ def _activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, al
 
 
 _activate_rows_op = torch.library.custom_op("moeforge::activate_rows", _activate_rows, mutates_args=())
-activate_rows = KernelOp(_activate_rows_op, _activate_rows,
-                         lambda: (activation_rows.autograd_setup_context, activation_rows.autograd_backward))
+activate_rows = KernelOp(_activate_rows_op, _activate_rows, differentiable=True)
 
 
 @_activate_rows_op.register_fake
