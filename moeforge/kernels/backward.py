@@ -80,6 +80,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
                                  GemmEpilogue(torch.float32 if r > 1 else a.dtype),
                                  row_gradient_config(config, int(weight.shape[2]), int(weight.shape[1])))
         d_a = d_rows.view(-1, r, d_rows.shape[1]).sum(1).to(a.dtype) if r > 1 else d_rows
+        del d_rows  # (the fp32 copies, [copies, K]: released before the weight gradient allocates its own)
     if needs[2] or (bias is not None and needs[6]):
         dw, db = weight_grad.EXPERT_WEIGHT_GRAD(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
                                         weight.shape[0], aligned, bias is not None and needs[6], weight.dtype)
