@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels import align, moe_gemm, ops  # noqa: E402,F401  (ops: the custom ops registered)
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.stages.activation import apply_activation  # noqa: E402
 from moeforge.stages.triton import act_code  # noqa: E402
@@ -115,3 +115,45 @@ def test_a_bad_update_is_refused_naming_what_does_not_fit() -> None:
     for extra, words in cases:
         with pytest.raises(ValueError, match=words):
             moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=2, config=SMALL, **extra)
+
+
+@pytest.mark.parametrize("weights_in_epilogue", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_update_differentiates_with_the_grouped_gemm(gated: bool, weights_in_epilogue: bool) -> None:
+    # Through grouped_gemm (the op's backward): the rows, the weight, the update's rows and weight, against float64
+    # autograd of the same formula; a gated activation or routing weights in the epilogue take the recomputed
+    # pre-activation (with the update) and autograd over the epilogue.
+    from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
+                                                    grouped_gemm)
+
+    tokens, k, experts, hidden, n_out, rank, scale = 6, 2, 4, 32, 16, 8, 0.5
+    gen = torch.Generator().manual_seed(7)
+    act = GATED["concatenated"] if gated else None
+    n_w = 2 * n_out if gated else n_out
+    leaves = {"x": torch.randn(tokens, hidden, generator=gen),
+              "w": torch.randn(experts, n_w, hidden, generator=gen) * hidden ** -0.5,
+              "u": torch.randn(tokens * k, rank, generator=gen),
+              "ub": torch.randn(experts, n_w, rank, generator=gen) * rank ** -0.5}
+    weights = torch.rand(tokens * k, generator=gen).to(DEVICE) if weights_in_epilogue else None
+    ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids, experts, 16)
+    got_leaves = {name: value.to(DEVICE).requires_grad_() for name, value in leaves.items()}
+    out, _ = grouped_gemm(GemmRows(got_leaves["x"], rows_per_a=k), GemmWeight(got_leaves["w"]),
+                          GemmRoute(sorted_ids, block_expert, num_padded, tokens * k),
+                          GemmEpilogue(torch.float32, routing_weights=weights, act=act_code(act) if act else 0,
+                                       glu=gated, alpha=act.alpha if act else 1.0, limit=act.limit if act else 0.0),
+                          SMALL, GemmUpdate(got_leaves["u"], got_leaves["ub"], scale))
+    upstream = torch.randn(out.shape, generator=gen).to(DEVICE)
+    got = torch.autograd.grad(out, list(got_leaves.values()), upstream)
+    ref_leaves = {name: value.double().to(DEVICE).requires_grad_() for name, value in leaves.items()}
+    flat = ids.reshape(-1).long()
+    copies = torch.arange(tokens * k, device=DEVICE)
+    pre = (torch.einsum("ch,cnh->cn", ref_leaves["x"][copies // k], ref_leaves["w"][flat])
+           + scale * torch.einsum("cr,cnr->cn", ref_leaves["u"], ref_leaves["ub"][flat]))
+    ref = apply_activation(pre, act) if act is not None else pre
+    if weights is not None:
+        ref = ref * weights.double()[:, None]
+    assert _rel(out, ref) < 1e-5
+    want = torch.autograd.grad(ref, list(ref_leaves.values()), upstream.double())
+    for name, g, w in zip(got_leaves, got, want):
+        assert _rel(g, w) < 1e-5, name

@@ -49,8 +49,9 @@ def _(a: torch.Tensor, a_scale: Optional[torch.Tensor], weight: torch.Tensor, we
       topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor, block_expert: torch.Tensor,
       num_padded: torch.Tensor, num_copies: int, rows_per_a: int, weight_format: int, a_global: float, act: int,
       glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int], out_dtype: torch.dtype,
-      fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255,
-      weight_shuffled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+      fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255, weight_shuffled: bool = False,
+      update_rows: Optional[torch.Tensor] = None, update_weight: Optional[torch.Tensor] = None,
+      update_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     return grouped_gemm_call.outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
 
 
