@@ -170,7 +170,8 @@ def test_a_batch_invariant_table_keeps_the_adapters_launches_unsplit(monkeypatch
     x = torch.randn(13, H, device=DEVICE)
     with torch.no_grad():
         torch.testing.assert_close(_run(pipeline, layer, x), layer(x), rtol=2e-5, atol=2e-5)
-    assert len(launches) == (2 if shared_a else 4) and len(linears) == (2 if shared_a and invariant else 0)
+    # x Aᵀ a launch of its own (a shared A: a matmul), · Bᵀ inside the base GEMM's launch (the base's table: unsplit)
+    assert len(launches) == (0 if shared_a else 2) and len(linears) == (2 if shared_a and invariant else 0)
     assert all(config.split_k == (1 if invariant else None) for config in launches)
 
 
@@ -276,9 +277,13 @@ def _with_block_m(config: Any, block_m: int) -> Any:
 
 @pytest.mark.parametrize("method", ["fp8 channel/token", "fp8 block/group", "int8"])
 @pytest.mark.parametrize("count", [1, 2])
-def test_over_a_w8a8_base_the_update_reads_the_rows_dequantized(method: str, count: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_over_a_w8a8_base_the_update_reads_the_rows_dequantized(method: str, count: int, dtype: torch.dtype) -> None:
     # The 8-bit GEMMs read quantized rows; the adapter reads them dequantized, and the gate/up GEMM's activation and
-    # output quantization run after the update (one kernel). Equal to the torch pipeline (fp16, the interpreter).
+    # output quantization run after the update (one kernel). Equal to the torch pipeline (the interpreter): in fp32
+    # closely; in fp16 one adapter's update is added to the product in fp32 inside the kernel, where the torch stages
+    # round it and the product to fp16 first, so an element of the FP8-quantized intermediate can land one FP8 step
+    # apart (measured 3-6e-3); a stack's update is added in fp16 as the torch stages do.
     from moeforge.stages.triton_quant import TritonQuantizeTokens
 
     quant = {"fp8 channel/token": lambda: mf.Fp8W8A8Method(),
@@ -287,7 +292,7 @@ def test_over_a_w8a8_base_the_update_reads_the_rows_dequantized(method: str, cou
     adapter = ExpertAdapter(rank=4, alpha=8, count=count)
     experts, hidden = 4, 128
     torch.manual_seed(0)
-    layer = mf.MoELayer(experts, K, hidden, hidden, quant=quant(), adapter=adapter, dtype=torch.float16, device=DEVICE,
+    layer = mf.MoELayer(experts, K, hidden, hidden, quant=quant(), adapter=adapter, dtype=dtype, device=DEVICE,
                         backend="torch", environ={})
     _randomise_adapter(layer, 1)
     with torch.no_grad():
@@ -297,26 +302,27 @@ def test_over_a_w8a8_base_the_update_reads_the_rows_dequantized(method: str, cou
     table = ConfigTable(experts, K)
     dispatch = layer.dispatch_decision.dtype
     stages: list[mf.Stage[Any, Any]] = [mf.TopK(experts, K, layer.routing)]
-    quantize = layer.quant.quantize_stage(dispatch, mf.DType.FP16)
+    quantize = layer.quant.quantize_stage(dispatch, mf.DType.from_torch(dtype))
     if isinstance(quantize, mf.QuantizeTokens):
         stages.append(TritonQuantizeTokens(quantize.quantizer))
     stages.append(AlignDispatch(experts, table))
     stages += expert_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
                             backend=mf.Backend.TRITON, configs=table, dispatch=dispatch)
-    stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.FP16))
-    pipeline = mf.Pipeline(adapt(stages, layer, adapter), mf.input_spec(hidden, torch.float16, experts))
+    stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.from_torch(dtype)))
+    pipeline = mf.Pipeline(adapt(stages, layer, adapter), mf.input_spec(hidden, dtype, experts))
     assert "LoRA r=4" in pipeline.describe()
-    x = torch.randn(9, hidden, device=DEVICE, dtype=torch.float16)
+    x = torch.randn(9, hidden, device=DEVICE, dtype=dtype)
     ids = torch.tensor([0, 1, -1, 1, 0, 0, 1, -1, 1], device=DEVICE) if count > 1 else None
     logits = layer.router_logits(x).detach()
     with torch.no_grad():
         want = layer.pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states.float()
         got = pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states.float()
-        plain = mf.MoELayer(experts, K, hidden, hidden, quant=quant(), dtype=torch.float16, device=DEVICE,
+        plain = mf.MoELayer(experts, K, hidden, hidden, quant=quant(), dtype=dtype, device=DEVICE,
                             backend="torch", environ={})
         plain.load_state_dict({k: v for k, v in layer.state_dict().items() if "lora" not in k})
         base = plain.pipeline.run(mf.MoEInput(x, logits)).hidden_states.float()
-    assert float((got - want).norm() / want.norm()) < 2e-3
+    tolerance = 1e-5 if dtype is torch.float32 else 2e-3 if count > 1 else 1.5e-2
+    assert float((got - want).norm() / want.norm()) < tolerance
     assert float((want - base).norm() / base.norm()) > 2e-2  # the adapter counts
 
 
@@ -342,7 +348,7 @@ def test_a_base_the_update_cannot_enter_is_refused() -> None:
     with pytest.raises(mf.InputError, match="routing weights after its activation"):
         AdaptedGroupedGemm(FusedGroupedGemm(mf.GemmRole.GATE_UP, w, ConfigTable(E, K), None, mf.ActivationConfig(),
                                             apply_routing_weights=True), a, b, 1.0)
-    with pytest.raises(mf.InputError, match="can run without its activation"):
+    with pytest.raises(mf.InputError, match="without its activation"):
         AdaptedGroupedGemm(mf.GroupedGemm(mf.GemmRole.GATE_UP, w), a, b, 1.0)
 
 
