@@ -448,11 +448,12 @@ def _gemm_tile(
         factor = update_scale
         if SPLIT:
             factor = tl.where(k_first == 0, update_scale, 0.0)
+        u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's output was)
         ub = tl.load(ub_expert + gate_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
-        out += factor * tl.dot(u, ub, input_precision=UPDATE_PRECISION)
+        out = tl.dot(u, ub, out, input_precision=UPDATE_PRECISION)  # accumulated in place: no second tile
         if GLU:
             ub_up = tl.load(ub_expert + up_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
-            out_up += factor * tl.dot(u, ub_up, input_precision=UPDATE_PRECISION)
+            out_up = tl.dot(u, ub_up, out_up, input_precision=UPDATE_PRECISION)
     if SPLIT:
         # one range of a split K-loop: its partial sums, with everything linear that is constant along K
         # (the bias with the first range), go to the fp32 partials [splits, copies, N (gate) | N (up)];
