@@ -259,9 +259,11 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k),
                 dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 
-    # (the descriptors' boxes follow the tiles, their dtypes the tensors': both in the key)
+    # (the descriptors' boxes follow the tiles, their dtypes the tensors': both in the key; an absent descriptor is
+    # passed as a tensor the kernel never reads, as moe_gemm's launcher does: the launch's signature stays one)
     _WEIGHT_GRAD.launch((block_m, with_bias, tma, store_tma, precision, tiles, rows.device), grid, (
-        dy_desc, x_desc, dw_desc, dy, x, dw, dbias, first,
+        dy_desc if dy_desc is not None else dy, x_desc if x_desc is not None else x,
+        dw_desc if dw_desc is not None else dw, dy, x, dw, dbias, first,
         n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0)), make)
     return dw, db
 
