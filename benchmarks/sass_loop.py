@@ -71,7 +71,8 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                     ("*fp32" if fp8 else f"*{dtype}"),
                     b_zero_ptr="*u8", b_global_ptr="*fp32", bias_ptr=f"*{dtype}", c_ptr=f"*{dtype}",
                     c_scale_ptr="*fp32", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
-                    num_padded_ptr="*i32", block_range_ptr="*i32", p_ptr="*fp32")
+                    num_padded_ptr="*i32", block_range_ptr="*i32", p_ptr="*fp32", u_ptr=f"*{dtype}",
+                    ub_ptr=f"*{dtype}")
     constexprs: dict[str, Any] = dict(
         A_FMT=int(RowFormat.NVFP4 if nvfp4_rows else RowFormat.FP8 if fp8 else RowFormat.FLOAT),
         A_SCALE=int(RowScales.NVFP4 if nvfp4_rows else RowScales.GROUP if fp8 else RowScales.NONE),
@@ -84,6 +85,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, DRAIN_MMA=drain,
         B_GLOBAL=weights is WeightFormat.NVFP4 or nvfp4_rows,
         EXPERT_RANGE=False, B_SHUFFLED=shuffled and packed, PDL=False, BLOCK_M=block[0],
+        UPDATE_K=0, UPDATE_PRECISION="tf32",  # no low-rank update (an adapter's): its K-step is not compiled
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and dtype == "bf16" and (weights is WeightFormat.MXFP4 or (
@@ -96,8 +98,9 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         raise SystemExit(f"sass_loop.py does not set the kernel's constexprs {sorted(missing)}: update it")
     multiple_of_16 = {"N", "K", "stride_am", "stride_be", "stride_bn", "stride_bse", "stride_bsn", "stride_cm",
                       "up_offset", "stride_bias_e", "stride_csm", "stride_bze", "stride_bzn", "stride_asm"}
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in ("a_global", "alpha", "limit")
-                                                                   else "i32") for n in names}
+    floats = ("a_global", "alpha", "limit", "update_scale")
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats else "i32")
+                 for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n not in constexprs and (n.endswith("_ptr") or n in multiple_of_16)}
     source = ASTSource(moe_gemm_kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
