@@ -12,8 +12,9 @@ single program used to write those too, serially: at many experts, as a stack of
 gives, that was most of the alignment's time). The scatter places the copies in one of two ways:
 
 * ``ordered`` (what a training forward asks for): the plan also records how many copies of each expert every chunk
-  comes after, and each scatter program ranks each copy among its expert's: ascending order again, the same slots from run to run, no atomics. The weight gradient sums each
-  expert's rows in slot order (:mod:`moeforge.kernels.weight_grad`), so this order makes it deterministic.
+  comes after, and each scatter program ranks each copy among its expert's: ascending order again, the same slots
+  from run to run, no atomics. The weight gradient sums each expert's rows in slot order
+  (:mod:`moeforge.kernels.weight_grad`), so this order makes it deterministic.
 * otherwise (inference): the scatter places copies with atomics, in an order that varies from run to run; cheaper
   (its programs do not rank sub-blocks one after another; docs/kernels.md has the figures), and nothing
   else depends on it -- a grouped GEMM's rows are independent of their neighbours, the combine reads rows by copy
@@ -48,8 +49,8 @@ def _count_and_plan_kernel(
 ):
     # One program: histogram of expert ids, each expert's padded run in ``runs`` (its start as the cursor, which the
     # scatter moves, then its start again, its count and its end, which the scatter's programs read to write the
-    # block -> expert table and the padding), the used length; with CHUNK_BASES, for each chunk of CHUNK copies, how many copies of
-    # each expert the chunks before it hold (the ordered scatter's base).
+    # block -> expert table and the padding), the used length; with CHUNK_BASES, for each chunk of CHUNK copies, how
+    # many copies of each expert the chunks before it hold (the ordered scatter's base).
     pdl.wait_for_the_kernel_before(PDL)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     experts = tl.arange(0, BLOCK_E)
