@@ -47,7 +47,7 @@ _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, int], warps: int, stages: int,
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
                    fold: bool = False, half_tail: bool = False, persistent: int = 0, shuffled: bool = False,
-                   nvfp4_rows: bool = False, drain: Optional[bool] = None) -> Any:
+                   nvfp4_rows: bool = False, drain: Optional[bool] = None, update: int = 0) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
     the weight tiles loaded by pointer (the TMA path takes a descriptor argument, not compiled here) and one
@@ -85,7 +85,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, DRAIN_MMA=drain,
         B_GLOBAL=weights is WeightFormat.NVFP4 or nvfp4_rows,
         EXPERT_RANGE=False, B_SHUFFLED=shuffled and packed, PDL=False, BLOCK_M=block[0],
-        UPDATE_K=0, UPDATE_PRECISION="tf32",  # no low-rank update (an adapter's): its K-step is not compiled
+        UPDATE_K=update, UPDATE_PRECISION="tf32",  # a low-rank update's K-step (an adapter's) of this width, 0: none
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and dtype == "bf16" and (weights is WeightFormat.MXFP4 or (
@@ -231,6 +231,8 @@ def main() -> None:
                         help="the kernel's DRAIN_MMA (default: the launcher's rule for sm_90 and this Triton)")
     parser.add_argument("--hazards", action="store_true",
                         help="list the registers written while a warpgroup MMA still reads them")
+    parser.add_argument("--update", type=int, default=0,
+                        help="with a low-rank update (an adapter's) of this rank: its K-step after the loop")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -240,7 +242,8 @@ def main() -> None:
                             stages=args.stages, dtype=args.dtype, swap=args.swap, ptx=not args.portable,
                             prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold,
                             half_tail=args.half_tail, persistent=args.grid, shuffled=args.shuffled,
-                            nvfp4_rows=args.rows == "nvfp4", drain=None if args.drain is None else bool(args.drain))
+                            nvfp4_rows=args.rows == "nvfp4", drain=None if args.drain is None else bool(args.drain),
+                            update=args.update)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)

@@ -246,15 +246,25 @@ def stack_ids(x: ExpertRows, stack: int, where: str) -> torch.Tensor:
     return x.adapter_ids
 
 
+# The longest K-loop (the base GEMM's input width) over which one adapter's ``· Bᵀ`` runs inside the base GEMM's launch.
+# Compiled in, that K-step slowed the K-loop of 128-row tiles by about 30 % (H200, Mixtral's GEMMs, K = 4096 and
+# 14336, docs/notes/kernels-log.md): over Qwen3-30B-A3B's short loops (K = 2048, 768) the launches and the
+# [copies, N] pass it saves still made the training step 1.11x faster at M = 1024 (equal at 4096); over Mixtral's it was
+# 1.04-1.06x slower than two launches and an add.
+FUSED_UPDATE_MAX_K = 2048
+
+
 @attrs.frozen(eq=False)
 class AdaptedGroupedGemm(AdaptedGemm):
     """``base``, a triton GEMM on block-aligned rows (:class:`~moeforge.stages.triton.FusedGroupedGemm`, or
     :class:`~moeforge.stages.triton_quant.FusedQuantGroupedGemm` reading float rows), plus ``scale · (x Aᵀ) Bᵀ``
     between its product and its epilogue. One adapter: ``x Aᵀ`` as a launch of the grouped-GEMM kernel on the same
-    alignment (``[copies, r]``; with one shared ``A``, one matmul of the rows before they are copied), then the base's
-    own launch with ``· Bᵀ`` as one more K-step of its product (``base.run`` with a
-    :class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate`): its epilogue (activation, routing weights, output
-    quantization) then covers the update, and no ``[copies, N]`` update is written or added. A stack: the copies
+    alignment (``[copies, r]``; with one shared ``A``, one matmul of the rows before they are copied), then, where the
+    base's K-loop is short (``K <= FUSED_UPDATE_MAX_K``), the base's own launch with ``· Bᵀ`` as one more K-step of
+    its product (``base.run`` with a :class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate`): its epilogue
+    (activation, routing weights, output quantization) then covers the update, and no ``[copies, N]`` update is
+    written or added; over a longer K-loop, ``· Bᵀ`` as a launch of its own whose ``[copies, N]`` output is added to
+    the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A stack: the copies
     aligned again by (adapter, expert), ``base.pre_activation``, the two products on that alignment, the sum, then
     ``base.activate``. The rows, ``A`` and ``B`` differentiate through the kernels' backward
     (:mod:`moeforge.kernels.backward`)."""
@@ -310,20 +320,28 @@ class AdaptedGroupedGemm(AdaptedGemm):
         rows_per_a = 1 if x.copy_major else alignment.copies_per_row
         planned = self._launches.get(alignment.block_m)
         a_launch, b_launch = planned if planned is not None else self._plan(alignment.block_m)
-        if not self.stack:
+        route = GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
+                          aligned_block_m=alignment.block_m)
+        if not self.stack and rows.shape[-1] <= FUSED_UPDATE_MAX_K:
             # x Aᵀ by its own launch, then · Bᵀ inside the base GEMM's launch: one more K-step of its product, before
             # its epilogue (activation, routing weights, output quantization) and in its backward
-            route = GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
-                              aligned_block_m=alignment.block_m)
             fused: AlignedRows = base.run(x, GemmUpdate(self._low(route, a, rows, rows_per_a, b.dtype, a_launch), b,
                                                         self.scale))
             return fused
         product = base.pre_activation(x)
-        update, pairs = self._stack_update(x, a, b, rows, rows_per_a, product.x.data.dtype, a_launch, b_launch)
+        dtype = product.x.data.dtype
+        pairs = None
+        if self.stack:
+            update, pairs = self._stack_update(x, a, b, rows, rows_per_a, dtype, a_launch, b_launch)
+        else:
+            low = self._low(route, a, rows, rows_per_a, dtype, a_launch)
+            update, _ = grouped_gemm(
+                GemmRows(low * self.scale if self.scale != 1.0 else low), GemmWeight(b), route,
+                GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None), b_launch)
         # Where nothing is recorded for a backward, the update is added in place (no third [copies, N] buffer).
         summed = product.x.data + update if torch.is_grad_enabled() else product.x.data.add_(update)
         out: AlignedRows = base.activate(dataclasses.replace(product, x=Activations(summed)))
-        return dataclasses.replace(out, stack_alignment=pairs)
+        return dataclasses.replace(out, stack_alignment=pairs) if pairs is not None else out
 
     def _low(self, route: GemmRoute, a: torch.Tensor, rows: torch.Tensor, rows_per_a: int, dtype: torch.dtype,
              a_launch: GemmConfig) -> torch.Tensor:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import moeforge as mf
+import moeforge.adapters
 from moeforge.adapters import ADAPTER_NAMES, AdaptedGroupedGemm, ExpertAdapter, adapt
 from moeforge.selector import expert_stages
 
@@ -65,6 +66,15 @@ def _torch_layer(adapter: ExpertAdapter, dtype: torch.dtype, activation: Optiona
     return layer
 
 
+@pytest.fixture(params=["update in the base launch", "update by two launches"])
+def placement(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """One adapter's ``· Bᵀ`` inside the base GEMM's launch (these tests' K-loops are all short) or, with the limit
+    at 0, as a launch of its own added to the product (what a long K-loop gets)."""
+    if request.param == "update by two launches":
+        monkeypatch.setattr(moeforge.adapters, "FUSED_UPDATE_MAX_K", 0)
+    return str(request.param)
+
+
 def _triton_pipeline(layer: mf.MoELayer, weights_in_epilogue: bool = False) -> mf.Pipeline:  # type: ignore[type-arg]
     """The triton pipeline of ``layer``'s weights and adapter (what ``MoELayer(backend="triton")`` builds)."""
     table = ConfigTable(E, K)
@@ -91,7 +101,7 @@ def _grads(pipeline: mf.Pipeline, layer: mf.MoELayer, x: torch.Tensor,  # type: 
 
 @pytest.mark.parametrize("name", list(ADAPTERS))
 @pytest.mark.parametrize("tokens", [0, 1, 13])
-def test_the_triton_pipeline_with_an_adapter_equals_the_torch_one(name: str, tokens: int) -> None:
+def test_the_triton_pipeline_with_an_adapter_equals_the_torch_one(name: str, tokens: int, placement: str) -> None:
     layer = _torch_layer(ADAPTERS[name], torch.float32)
     pipeline = _triton_pipeline(layer)
     assert sum(isinstance(stage, AdaptedGroupedGemm) for stage in pipeline.stages) == len(ADAPTERS[name].targets)
@@ -104,9 +114,30 @@ def test_the_triton_pipeline_with_an_adapter_equals_the_torch_one(name: str, tok
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+def test_one_adapters_update_enters_the_base_launch_only_over_a_short_k_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # H = 32 (the gate/up GEMM's K), I = 16 (the down GEMM's): a limit between them fuses the down GEMM's update only.
+    from moeforge.stages.triton import FusedGroupedGemm
+
+    fused = []
+    run = FusedGroupedGemm.run
+
+    def spy(self: Any, x: Any, update: Any = None) -> Any:
+        fused.append((self.role, update is not None))
+        return run(self, x, update)
+
+    monkeypatch.setattr(FusedGroupedGemm, "run", spy)
+    monkeypatch.setattr(moeforge.adapters, "FUSED_UPDATE_MAX_K", 16)
+    layer = _torch_layer(ADAPTERS["both, rank 4"], torch.float32)
+    _randomise_adapter(layer, 5)
+    x = torch.randn(9, H, device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(_run(_triton_pipeline(layer), layer, x), layer(x), rtol=2e-5, atol=2e-5)
+    assert fused == [(mf.GemmRole.DOWN, True)]
+
+
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 @pytest.mark.parametrize("weights_in_epilogue", [False, True])
-def test_every_gradient_equals_the_torch_pipelines(activation: str, weights_in_epilogue: bool) -> None:
+def test_every_gradient_equals_the_torch_pipelines(activation: str, weights_in_epilogue: bool, placement: str) -> None:
     bias = activation.startswith("gpt-oss")
     routing = mf.RoutingConfig(apply_weights=mf.RoutingWeights.IN_GEMM_EPILOGUE if weights_in_epilogue
                                else mf.RoutingWeights.IN_COMBINE)
@@ -278,7 +309,8 @@ def _with_block_m(config: Any, block_m: int) -> Any:
 @pytest.mark.parametrize("method", ["fp8 channel/token", "fp8 block/group", "int8"])
 @pytest.mark.parametrize("count", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_over_a_w8a8_base_the_update_reads_the_rows_dequantized(method: str, count: int, dtype: torch.dtype) -> None:
+def test_over_a_w8a8_base_the_update_reads_the_rows_dequantized(method: str, count: int, dtype: torch.dtype,
+                                                                  placement: str) -> None:
     # The 8-bit GEMMs read quantized rows; the adapter reads them dequantized, and the gate/up GEMM's activation and
     # output quantization run after the update (one kernel). Equal to the torch pipeline (the interpreter): in fp32
     # closely; in fp16 one adapter's update is added to the product in fp32 inside the kernel, where the torch stages
@@ -373,7 +405,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @gpu
 @pytest.mark.parametrize("name", ["both, rank 4", "both, rank 16, shared A", "down, rank 3"])
 @pytest.mark.parametrize("tokens", [1, 200, 3000])
-def test_an_adapted_triton_layer_trains_like_the_torch_layer(name: str, tokens: int) -> None:
+def test_an_adapted_triton_layer_trains_like_the_torch_layer(name: str, tokens: int, placement: str) -> None:
     reference, layer = _pair(ADAPTERS[name])
     assert layer.backend is mf.Backend.TRITON and "LoRA" in layer.describe()
     x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
