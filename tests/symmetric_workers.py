@@ -167,16 +167,36 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     errors["fp8"] = _rel(got, want)
 
     # a capacity that drops copies (8 tokens' 16 copies over 8 experts: one expert gets two): the same copies as the
-    # NCCL transport drops
+    # NCCL transport drops; with the copies placed by the routing kernel (decode batches) and by the sort and scans
+    # (prefill batches, here with the kernel's limit at 0)
+    from moeforge.kernels import symmetric_rows
+
+    limit = symmetric_rows.ROUTE_MAX_COPIES
     kwargs = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=torch.float32)
-    whole, parallel = _layers(kwargs, device, {
-        "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8, capacity=1, overflow=Overflow.DROP),
-        "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8, capacity=1, overflow=Overflow.DROP)})
-    x = _tokens(rank, device, count=8)
-    with torch.no_grad():
-        got, same, want = parallel["symmetric"](x), parallel["low_latency"](x), whole(x)
-    assert torch.equal(got, same), "capacity: the two transports differ"
-    out["dropped_changes_output"] = _rel(got, want) > 1e-3
+    for route_limit in (limit, 0):
+        symmetric_rows.ROUTE_MAX_COPIES = route_limit
+        for capacity in (None, 1):
+            whole, parallel = _layers(kwargs, device, {
+                "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8, capacity=capacity, overflow=Overflow.DROP),
+                "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8, capacity=capacity,
+                                                             overflow=Overflow.DROP)})
+            x = _tokens(rank, device, count=8)
+            with torch.no_grad():
+                got, same, want = parallel["symmetric"](x), parallel["low_latency"](x), whole(x)
+            assert torch.equal(got, same), f"capacity {capacity}, route limit {route_limit}: the transports differ"
+            if capacity is None:
+                errors[f"route limit {route_limit}"] = _rel(got, want)
+            else:
+                out["dropped_changes_output"] = _rel(got, want) > 1e-3
+    symmetric_rows.ROUTE_MAX_COPIES = limit
+
+    # overflow=ERROR: every rank raises together (rank 1 sends nothing, yet learns of the others' overflow)
+    parallel = _layers(kwargs, device, {"symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8, capacity=1)})[1]
+    try:
+        with torch.no_grad():
+            parallel["symmetric"](_tokens(rank, device, count=8 if rank != 1 else 0))
+    except InputError as error:
+        out["overflow_raised"] = "capacity overflow" in str(error)
 
     # a call larger than max_tokens is refused before any exchange, on every rank alike
     try:

@@ -23,7 +23,7 @@ def _check(results: list[dict[str, Any]], transport: str) -> None:
     for result in results:
         assert max(result["errors"].values()) < 1e-4, result["errors"]
         assert result["dropped_changes_output"]
-        assert result["too_many"]
+        assert result["too_many"] and result["overflow_raised"]
     assert transport in results[0]["describe"]
 
 

@@ -232,21 +232,23 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
         return self._exchange(x)
 
     def _exchange(self, x: RoutedTokens) -> PaddedRows:
-        from moeforge.kernels.symmetric_rows import put_counts, put_rows, words
+        from moeforge.kernels import symmetric_rows as kernels
 
         ep, cap = self.ep, self.slots
         world, local, experts, rank = ep.world_size, ep.local_experts, ep.num_experts, ep.rank
         tokens, top_k = x.topk.ids.shape
         device = x.topk.ids.device
-        flat = x.topk.ids.reshape(-1).long()
-        order = torch.sort(flat, stable=True).indices
-        counts = count_per_expert(flat, experts)
-        sorted_position = torch.arange(order.numel(), device=device) - (counts.cumsum(0) - counts)[flat[order]]
-        positions = torch.empty_like(sorted_position).index_copy_(0, order, sorted_position)
-        kept = positions < cap
-        dropped = (~kept).sum()
-        if self.overflow is Overflow.ERROR and cap < self.max_tokens:  # else no overflow is possible
-            self.fallback._raise_on_overflow(dropped, counts)
+        flat = x.topk.ids.reshape(-1).to(torch.int32).contiguous()
+        counts = None
+        if flat.numel() > kernels.ROUTE_MAX_COPIES:  # a prefill batch: positions by a sort and scans
+            wide = flat.long()
+            order = torch.sort(wide, stable=True).indices
+            counts = count_per_expert(wide, experts)
+            sorted_position = torch.arange(order.numel(), device=device) - (counts.cumsum(0) - counts)[wide[order]]
+            positions = torch.empty_like(sorted_position).index_copy_(0, order, sorted_position)
+            token_copies = torch.where(positions < cap, torch.arange(flat.numel(), device=device), -1)
+            dropped = (positions >= cap).sum()
+            positions = positions.to(torch.int32)
 
         weights = x.topk.weights.reshape(-1).float().contiguous()
         if self.apply_routing_weights:  # one row per copy, scaled by its weight
@@ -268,17 +270,21 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
         window = self.window(("dispatch", width, scale_width, has_adapters), sizes, device)
         regions = _regions(window.buffer, sizes)
 
-        put_counts(counts.to(torch.int32), regions["table"], window.deltas, rank)
+        if counts is None:
+            positions, token_copies, dropped = kernels.route(flat, regions["table"], window.deltas, rank, cap)
+        else:
+            kernels.publish_counts(counts.to(torch.int32), regions["table"], window.deltas, rank)
+        if self.overflow is Overflow.ERROR and cap < self.max_tokens:  # else no overflow is possible
+            # (every rank raises together, before any row moves and before the barrier every rank pairs with)
+            self.fallback._raise_on_overflow(dropped, count_per_expert(flat.long(), experts))
         window.barrier()
-        table = regions["table"].view(world, experts).clamp(max=cap)  # (a copy: the next call may rewrite the table)
-        starts = table[:rank].sum(0, dtype=torch.int32) if rank else torch.zeros(experts, dtype=torch.int32,
-                                                                                     device=device)
-        masked_m = table[:, rank * local:(rank + 1) * local].sum(0, dtype=torch.int32)
-        put_rows(words(data), words(scale) if scale is not None else None, weights, flat.to(torch.int32),
-                 positions.to(torch.int32), starts, adapter_ids,
-                 regions["rows"], regions["scales"] if scale is not None else None, regions["weights"],
-                 regions["origins"], regions["adapters"] if has_adapters else None, window.deltas,
-                 top_k=top_k, local=local, slots=slots, capacity=cap, origin_base=rank * self.max_tokens * top_k)
+        table = regions["table"].view(world, experts)
+        masked_m = table[:, rank * local:(rank + 1) * local].clamp(max=cap).sum(0, dtype=torch.int32)
+        kernels.put_rows(kernels.words(data), kernels.words(scale) if scale is not None else None, weights, flat,
+                         positions, table, adapter_ids, regions["rows"], regions["scales"] if scale is not None else None,
+                         regions["weights"], regions["origins"], regions["adapters"] if has_adapters else None,
+                         window.deltas, rank=rank, top_k=top_k, local=local, slots=slots, capacity=cap,
+                         origin_base=rank * self.max_tokens * top_k)
         window.barrier()
 
         valid = torch.arange(slots, device=device) < masked_m.unsqueeze(1)  # [L, slots]
@@ -291,7 +297,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
         received_ids = None
         if has_adapters:
             received_ids = torch.where(valid, regions["adapters"].view(local, slots), -1)
-        token_copies = torch.where(kept, torch.arange(tokens * top_k, device=device), -1).view(tokens, top_k)
-        plan = SymmetricPlan(self, token_copies, x.topk.weights, masked_m, regions["origins"], dropped)
+        plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, masked_m, regions["origins"],
+                             dropped)
         return PaddedRows(Activations(received, received_scale), masked_m, slot_weights, plan=plan,
                           adapter_ids=received_ids)

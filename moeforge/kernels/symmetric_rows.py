@@ -9,7 +9,8 @@ peer ``r``'s copy of a region at its own copy's address plus ``deltas[r]`` eleme
 holds 4-byte elements (rows and scales are copied as 32-bit words; routing weights fp32; counts, origins and adapter
 ids int32), so one ``deltas`` array (int64, in words) serves them all.
 
-* :func:`put_counts`: this rank's copies per global expert into row ``rank`` of every peer's ``[W, E]`` table;
+* :func:`route`: each copy's position among this rank's copies of its expert, and this rank's copies per global
+  expert into row ``rank`` of every peer's ``[W, E]`` table;
 * :func:`put_rows`: each copy's row (and scales, routing weight, origin and adapter id) into the expert buffer of the
   rank owning its expert, at the slot the exchanged counts give it — source ranks in rank order, each rank's copies
   of one expert in copy order (the order of :class:`~moeforge.distributed.LowLatencyDispatch`);
@@ -35,18 +36,37 @@ _WORDS = 1024  # words copied per step of a row
 
 
 @triton.jit
-def _put_counts_kernel(counts_ptr, table_ptr, deltas_ptr, rank, E, BLOCK_E: tl.constexpr):
-    peer = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_E)
-    ok = offs < E
-    delta = tl.load(deltas_ptr + peer)
-    tl.store(table_ptr + delta + rank * E + offs, tl.load(counts_ptr + offs, mask=ok), mask=ok)
+def _route_kernel(experts_ptr, positions_ptr, copies_ptr, table_ptr, deltas_ptr, dropped_ptr, counts_ptr, num_copies,
+                  rank, world, E, capacity, COUNT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    # One program. COUNT: the copies in order, BLOCK at a time (running[e] counts the copies of expert e seen so
+    # far); else the counts were computed (counts_ptr) and are only published.
+    offs_e = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, BLOCK)
+    if COUNT:
+        running = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    else:
+        running = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    for first in range(0, num_copies if COUNT else 0, BLOCK):
+        offs = first + lanes
+        ok = offs < num_copies
+        expert = tl.load(experts_ptr + offs, mask=ok, other=-1)
+        earlier = (expert[:, None] == expert[None, :]) & (lanes[None, :] < lanes[:, None])
+        hit = (expert[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK, BLOCK_E]
+        position = tl.sum(hit * running[None, :], axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(positions_ptr + offs, position, mask=ok)
+        tl.store(copies_ptr + offs, tl.where(position < capacity, offs, -1).to(tl.int64), mask=ok)
+        running += tl.sum(hit, axis=0)
+    if COUNT:
+        tl.store(dropped_ptr, tl.sum(tl.maximum(running - capacity, 0), axis=0).to(tl.int64))
+    for peer in range(world):  # this rank's counts into row `rank` of every rank's table
+        delta = tl.load(deltas_ptr + peer)
+        tl.store(table_ptr + delta + rank * E + offs_e, running, mask=offs_e < E)
 
 
 @triton.jit
-def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_ptr, starts_ptr, adapters_ptr,
+def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_ptr, table_ptr, adapters_ptr,
                      recv_rows_ptr, recv_scales_ptr, recv_weights_ptr, recv_origins_ptr, recv_adapters_ptr, deltas_ptr,
-                     local, slots, capacity, origin_base,
+                     rank, E, local, slots, capacity, origin_base,
                      D: tl.constexpr, S: tl.constexpr, TOP_K: tl.constexpr, ROWS_PER_COPY: tl.constexpr,
                      HAS_ADAPTERS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     copy = tl.program_id(0).to(tl.int64)
@@ -54,7 +74,10 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
     if position < capacity:
         expert = tl.load(experts_ptr + copy).to(tl.int64)
         owner = expert // local
-        slot = (expert % local) * slots + tl.load(starts_ptr + expert) + position
+        start = position * 0  # this expert's rows from ranks before this one, each up to the capacity
+        for source in range(0, rank):
+            start += tl.minimum(tl.load(table_ptr + source * E + expert), capacity)
+        slot = (expert % local) * slots + start + position
         delta = tl.load(deltas_ptr + owner)
         token = copy // TOP_K
         source = copy if ROWS_PER_COPY else token
@@ -97,26 +120,55 @@ def words(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1, tensor.shape[-1]).view(torch.int32)
 
 
-def put_counts(counts: torch.Tensor, table: torch.Tensor, deltas: torch.Tensor, rank: int) -> None:
-    """``counts [E]`` (int32) into row ``rank`` of the ``[W, E]`` int32 ``table`` of every rank (``deltas [W]``)."""
-    experts = counts.numel()
+def route(experts: torch.Tensor, table: torch.Tensor, deltas: torch.Tensor, rank: int, capacity: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each copy's position among this rank's copies of its expert (``experts [copies]`` int32, copy order), its
+    slot in the return buffer (its index, -1 where the position reaches ``capacity``: dropped) and the number
+    dropped (0-d int64); this rank's copies per expert written into row ``rank`` of every rank's ``[W, E]`` int32
+    ``table`` (``deltas [W]``). One program (decode-sized batches: :data:`ROUTE_MAX_COPIES`)."""
+    copies = experts.numel()
+    positions = torch.empty(copies, dtype=torch.int32, device=experts.device)
+    kept = torch.empty(copies, dtype=torch.int64, device=experts.device)
+    dropped = torch.empty((), dtype=torch.int64, device=experts.device)
+
+    _route(experts, positions, kept, table, deltas, dropped, experts, copies, rank, capacity, True)
+    return positions, kept, dropped
+
+
+def publish_counts(counts: torch.Tensor, table: torch.Tensor, deltas: torch.Tensor, rank: int) -> None:
+    """``counts [E]`` (int32, computed elsewhere) into row ``rank`` of every rank's ``[W, E]`` int32 ``table``."""
+    _route(counts, counts, counts, table, deltas, counts, counts, 0, rank, 0, False)
+
+
+def _route(experts: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor, table: torch.Tensor,
+           deltas: torch.Tensor, dropped: torch.Tensor, counts: torch.Tensor, copies: int, rank: int, capacity: int,
+           count: bool) -> None:
+    experts_total = table.numel() // deltas.numel()
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(BLOCK_E=next_power_of_2(experts)), dict(num_warps=4)
+        return dict(COUNT=count, BLOCK=32, BLOCK_E=next_power_of_2(experts_total)), dict(num_warps=4)
 
-    _PUT_COUNTS.launch(("counts", experts), (deltas.numel(),), (counts, table, deltas, rank, experts), make)
+    _ROUTE.launch(("route", experts_total, count), (1,), (experts, positions, kept, table, deltas, dropped, counts,
+                                                          copies, rank, deltas.numel(), experts_total, capacity), make)
+
+
+# The most copies (tokens x top-k) :func:`route` takes: it walks them in one program, which beyond a decode batch
+# costs more than the sort and scans it replaces.
+ROUTE_MAX_COPIES = 4096
 
 
 def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.Tensor, experts: torch.Tensor,
-             positions: torch.Tensor, starts: torch.Tensor, adapters: Optional[torch.Tensor],
+             positions: torch.Tensor, table: torch.Tensor, adapters: Optional[torch.Tensor],
              recv_rows: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_weights: torch.Tensor,
              recv_origins: torch.Tensor, recv_adapters: Optional[torch.Tensor], deltas: torch.Tensor, *,
-             top_k: int, local: int, slots: int, capacity: int, origin_base: int) -> None:
+             rank: int, top_k: int, local: int, slots: int, capacity: int, origin_base: int) -> None:
     """Each copy ``c`` (``experts [T * top_k]`` int32 global experts, ``positions`` int32 among this rank's copies of
     its expert, sent where below ``capacity``) into the buffers of the rank owning its expert: row ``rows[c]``
     (``[T * top_k, D]`` words, one row per copy) or ``rows[c // top_k]`` (``[T, D]``, one per token) with its
     ``scales`` (words), ``weights[c]`` (fp32), origin ``origin_base + c`` and the token's adapter id, at slot
-    ``(expert % local) * slots + starts[expert] + position`` of ``recv_* [local * slots, ...]``."""
+    ``(expert % local) * slots + start + position`` of ``recv_* [local * slots, ...]``, where ``start`` is the sum of
+    the counts ranks ``0 .. rank - 1`` wrote for the expert in this rank's ``[W, E]`` ``table``, each up to the
+    capacity."""
     copies = experts.numel()
     if copies == 0:
         return
@@ -131,10 +183,10 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
 
     _PUT_ROWS.launch(
         ("rows", width, scale_width, top_k, per_copy, adapters is not None), (copies,),
-        (rows, scales if scales is not None else rows, weights, experts, positions, starts,
+        (rows, scales if scales is not None else rows, weights, experts, positions, table,
          adapters if adapters is not None else experts, recv_rows, recv_scales if recv_scales is not None else recv_rows,
          recv_weights, recv_origins, recv_adapters if recv_adapters is not None else recv_origins, deltas,
-         local, slots, capacity, origin_base), make)
+         rank, table.shape[-1], local, slots, capacity, origin_base), make)
 
 
 def return_rows(out: torch.Tensor, masked: torch.Tensor, origins: torch.Tensor, ret: torch.Tensor,
@@ -154,6 +206,6 @@ def return_rows(out: torch.Tensor, masked: torch.Tensor, origins: torch.Tensor, 
                         (out, masked, origins, ret, deltas, slots, copies_per_rank, out.stride(0)), make)
 
 
-_PUT_COUNTS = LaunchSite(_put_counts_kernel)
+_ROUTE = LaunchSite(_route_kernel)
 _PUT_ROWS = LaunchSite(_put_rows_kernel)
 _RETURN_ROWS = LaunchSite(_return_rows_kernel)
