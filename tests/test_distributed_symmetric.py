@@ -44,7 +44,9 @@ def test_without_symmetric_memory_the_low_latency_exchange_serves_and_describe_s
         assert "NCCL low-latency exchange: the rows are not on a CUDA device" in result["after"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_on_two_gpus_the_symmetric_dispatcher_equals_the_whole_layer() -> None:
-    results = run_ranks(symmetric_workers.symmetric_layers_match, 2, "cuda", backend="nccl", timeout=600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_on_gpus_of_one_host_the_symmetric_dispatcher_equals_the_whole_layer(world: int) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = run_ranks(symmetric_workers.symmetric_layers_match, world, "cuda", backend="nccl", timeout=600)
     _check(results, "symmetric memory (NVLink)")
