@@ -279,7 +279,6 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
             self.fallback._raise_on_overflow(dropped, count_per_expert(flat.long(), experts))
         window.barrier()
         table = regions["table"].view(world, experts)
-        masked_m = table[:, rank * local:(rank + 1) * local].clamp(max=cap).sum(0, dtype=torch.int32)
         kernels.put_rows(kernels.words(data), kernels.words(scale) if scale is not None else None, weights, flat,
                          positions, table, adapter_ids, regions["rows"], regions["scales"] if scale is not None else None,
                          regions["weights"], regions["origins"], regions["adapters"] if has_adapters else None,
@@ -287,16 +286,14 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
                          origin_base=rank * self.max_tokens * top_k)
         window.barrier()
 
-        valid = torch.arange(slots, device=device) < masked_m.unsqueeze(1)  # [L, slots]
+        masked_m, slot_weights, received_ids = kernels.receive(
+            table, regions["weights"].view(torch.float32), regions["adapters"] if has_adapters else None, rank=rank,
+            local=local, slots=slots, capacity=cap)
         received = regions["rows"].view(data.dtype).view(local, slots, hidden)
         received_scale = None
         if scale is not None:
             assert rows.scale is not None
             received_scale = regions["scales"].view(scale.dtype).view(local, slots, *rows.scale.shape[1:])
-        slot_weights = torch.where(valid, regions["weights"].view(torch.float32).view(local, slots), 0.0)
-        received_ids = None
-        if has_adapters:
-            received_ids = torch.where(valid, regions["adapters"].view(local, slots), -1)
         plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, masked_m, regions["origins"],
                              dropped)
         return PaddedRows(Activations(received, received_scale), masked_m, slot_weights, plan=plan,

@@ -14,6 +14,8 @@ ids int32), so one ``deltas`` array (int64, in words) serves them all.
 * :func:`put_rows`: each copy's row (and scales, routing weight, origin and adapter id) into the expert buffer of the
   rank owning its expert, at the slot the exchanged counts give it — source ranks in rank order, each rank's copies
   of one expert in copy order (the order of :class:`~moeforge.distributed.LowLatencyDispatch`);
+* :func:`receive`: after the rows arrived, each local expert's valid rows and its slots' routing weights and adapter
+  ids (0 and -1 past them);
 * :func:`return_rows`: each valid expert-buffer row back to the slot of the copy it came from, on its source rank.
 
 A rank must not read what its peers wrote before they all signal (the caller's barrier after each kernel). Under
@@ -114,6 +116,27 @@ def _return_rows_kernel(out_ptr, masked_ptr, origins_ptr, ret_ptr, deltas_ptr, s
             tl.store(ret_ptr + delta + copy * D + offs, tl.load(out_ptr + row * stride_out + offs, mask=ok), mask=ok)
 
 
+@triton.jit
+def _receive_kernel(table_ptr, weights_ptr, adapters_ptr, masked_ptr, slot_weights_ptr, slot_adapters_ptr, world, E,
+                    first_expert, slots, capacity, HAS_ADAPTERS: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per local expert: its valid rows (each source rank's count up to the capacity, summed), and its
+    # slots' routing weights (0) and adapter ids (-1) past them.
+    expert = tl.program_id(0)
+    valid = 0
+    for source in range(0, world):
+        valid += tl.minimum(tl.load(table_ptr + source * E + first_expert + expert), capacity)
+    tl.store(masked_ptr + expert, valid)
+    for first in range(0, slots, BLOCK):
+        offs = first + tl.arange(0, BLOCK)
+        ok = offs < slots
+        row = expert.to(tl.int64) * slots + offs
+        tl.store(slot_weights_ptr + row, tl.where(offs < valid, tl.load(weights_ptr + row, mask=ok, other=0.0), 0.0),
+                 mask=ok)
+        if HAS_ADAPTERS:
+            tl.store(slot_adapters_ptr + row, tl.where(offs < valid, tl.load(adapters_ptr + row, mask=ok, other=-1), -1),
+                     mask=ok)
+
+
 def words(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` (contiguous rows) viewed as ``[rows, width]`` 32-bit words (its last dimension's bytes must be a
     multiple of 4)."""
@@ -189,6 +212,29 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
          rank, table.shape[-1], local, slots, capacity, origin_base), make)
 
 
+def receive(table: torch.Tensor, weights: torch.Tensor, adapters: Optional[torch.Tensor], *, rank: int, local: int,
+            slots: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """After the rows arrived: each local expert's valid rows ``masked_m [local]`` (int32, from this rank's ``[W, E]``
+    ``table``, each source's count up to ``capacity``), the slots' routing weights ``[local, slots]`` with 0 past the
+    valid rows and the adapter ids with -1 there (copies; ``weights``/``adapters`` are the received regions)."""
+    world, experts = table.shape
+    masked = torch.empty(local, dtype=torch.int32, device=table.device)
+    slot_weights = torch.empty(local, slots, dtype=torch.float32, device=table.device)
+    slot_adapters = torch.empty(local, slots, dtype=torch.int32, device=table.device) if adapters is not None else None
+    if local == 0:
+        return masked, slot_weights, slot_adapters
+    block = min(next_power_of_2(slots), 1024)
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(HAS_ADAPTERS=adapters is not None, BLOCK=block), dict(num_warps=4)
+
+    _RECEIVE.launch(("receive", adapters is not None, block), (local,),
+                    (table, weights, adapters if adapters is not None else table, masked, slot_weights,
+                     slot_adapters if slot_adapters is not None else masked, world, experts, rank * local, slots,
+                     capacity), make)
+    return masked, slot_weights, slot_adapters
+
+
 def return_rows(out: torch.Tensor, masked: torch.Tensor, origins: torch.Tensor, ret: torch.Tensor,
                 deltas: torch.Tensor, *, slots: int, copies_per_rank: int) -> None:
     """The first ``masked[l]`` rows of each expert ``l`` of ``out [L * slots, D]`` (words) to ``ret [copies, D]`` of
@@ -197,7 +243,7 @@ def return_rows(out: torch.Tensor, masked: torch.Tensor, origins: torch.Tensor, 
     if local == 0:
         return
     width = out.shape[1]
-    programs = min(slots, 16)
+    programs = min(slots, max(16, 8192 // local))  # about 8192 programs over the experts' rows
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return dict(D=width, BLOCK=min(next_power_of_2(width), _WORDS), PROGRAMS=programs), dict(num_warps=4)
@@ -209,3 +255,4 @@ def return_rows(out: torch.Tensor, masked: torch.Tensor, origins: torch.Tensor, 
 _ROUTE = LaunchSite(_route_kernel)
 _PUT_ROWS = LaunchSite(_put_rows_kernel)
 _RETURN_ROWS = LaunchSite(_return_rows_kernel)
+_RECEIVE = LaunchSite(_receive_kernel)
