@@ -16,7 +16,8 @@ routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group s
   ``SYMMETRIC_MAX`` (its expert buffers hold ``W * T`` rows per local expert).
 
 Times are medians of CUDA-event-timed runs after warm-up, each run started after a barrier; the
-slowest rank's median is reported (a step waits for it). Bandwidth = bytes this rank sent (dispatch
+slowest rank's median is reported (a step waits for it). A graph's time is that of ``GRAPH_STEPS`` steps captured
+back to back, divided by them (one replay's start differs between ranks by some microseconds). Bandwidth = bytes this rank sent (dispatch
 + combine) / time. Before timing, a correctness check compares the expert-parallel layer with the
 whole layer on each GPU. Prints a table, writes JSON (device, world size, commit, date, records).
 """
@@ -53,6 +54,7 @@ from provenance import measured_commit  # noqa: E402
 E, K, H = 256, 8, 7168
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 LOW_LATENCY_MAX = 512  # fixed buffers of E * T rows: beyond this they are gigabytes
+GRAPH_STEPS = 10  # steps in one captured graph
 SYMMETRIC_MAX = 4096  # expert buffers of E * T rows (bf16: 3.7 GB per 1024 tokens)
 
 
@@ -219,10 +221,7 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
         graph_us = None
         try:
             ours_low()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                ours_low()
-            graph_us = _timed(graph.replay, iters)
+            graph_us = _graph_step_us(ours_low, iters)
         except Exception as error:  # report, do not hide: the JSON says why
             if ep.rank == 0:
                 print(f"CUDA graph capture failed: {type(error).__name__}: {error}", flush=True)
@@ -242,16 +241,23 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
         graph_us = None
         try:
             ours_symmetric()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                ours_symmetric()
-            graph_us = _timed(graph.replay, iters)
+            graph_us = _graph_step_us(ours_symmetric, iters)
         except Exception as error:  # report, do not hide: the JSON says why
             if ep.rank == 0:
                 print(f"CUDA graph capture failed: {type(error).__name__}: {error}", flush=True)
         records.append(_record(tokens, "symmetric", dtype, _timed(ours_symmetric, iters), raw_us, sent, graph_us))
         records[-1]["transport"] = symmetric.summary()
     return records
+
+
+def _graph_step_us(step: Callable[[], None], iters: int) -> float:
+    """One step's time replayed as a CUDA graph: ``GRAPH_STEPS`` steps captured back to back (as decode steps run), the
+    replay's time divided by them, so the ranks' skew in starting a replay is spread over the steps."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_STEPS):
+            step()
+    return _timed(graph.replay, iters) / GRAPH_STEPS
 
 
 def _modes(tokens: int) -> int:
