@@ -203,13 +203,7 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
 
     if tokens <= LOW_LATENCY_MAX:
         low = LowLatencyDispatch(ep, max_tokens=tokens)
-        low_combine = low.combine_stage(out_dtype=mf.DType.BF16)
-        padded = low(routed)
-        padded_out = torch.randn(padded.x.data.shape[:-1] + (H,), device="cuda").to(torch.bfloat16)
-
-        def ours_low() -> None:
-            low_combine(low(routed).with_x(Activations(padded_out)))
-
+        ours_low = _padded_step(low, routed)
         slots = E * low.slots
         lsend, lrecv = (torch.empty(slots, wire.row_bytes, dtype=torch.uint8, device="cuda") for _ in range(2))
         lback_send, lback_recv = (torch.empty(slots, 2 * H, dtype=torch.uint8, device="cuda") for _ in range(2))
@@ -218,45 +212,45 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
             dist.all_to_all_single(lrecv, lsend)
             dist.all_to_all_single(lback_recv, lback_send)
 
-        graph_us = None
-        try:
-            ours_low()
-            graph_us = _graph_step_us(ours_low, iters)
-        except Exception as error:  # report, do not hide: the JSON says why
-            if ep.rank == 0:
-                print(f"CUDA graph capture failed: {type(error).__name__}: {error}", flush=True)
+        graph_us = _graph_step_us(ours_low, iters, ep.rank)
         records.append(_record(tokens, "low_latency", dtype, _timed(ours_low, iters), _timed(raw_low, iters),
                                lsend.numel() + lback_send.numel(), graph_us))
         del lsend, lrecv, lback_send, lback_recv
 
     if tokens <= SYMMETRIC_MAX:
         symmetric = SymmetricDispatch(ep, max_tokens=tokens)
-        sym_combine = symmetric.combine_stage(out_dtype=mf.DType.BF16)
-        padded = symmetric(routed)
-        sym_out = torch.randn(padded.x.data.shape[:-1] + (H,), device="cuda").to(torch.bfloat16)
-
-        def ours_symmetric() -> None:
-            sym_combine(symmetric(routed).with_x(Activations(sym_out)))
-
-        graph_us = None
-        try:
-            ours_symmetric()
-            graph_us = _graph_step_us(ours_symmetric, iters)
-        except Exception as error:  # report, do not hide: the JSON says why
-            if ep.rank == 0:
-                print(f"CUDA graph capture failed: {type(error).__name__}: {error}", flush=True)
+        ours_symmetric = _padded_step(symmetric, routed)
+        graph_us = _graph_step_us(ours_symmetric, iters, ep.rank)
         records.append(_record(tokens, "symmetric", dtype, _timed(ours_symmetric, iters), raw_us, sent, graph_us))
         records[-1]["transport"] = symmetric.summary()
     return records
 
 
-def _graph_step_us(step: Callable[[], None], iters: int) -> float:
+def _padded_step(dispatch: Any, routed: RoutedTokens) -> Callable[[], None]:
+    """One step of a fixed-capacity dispatcher: dispatch ``routed``, then combine random bf16 expert outputs."""
+    combine = dispatch.combine_stage(out_dtype=mf.DType.BF16)
+    outputs = torch.randn(dispatch(routed).x.data.shape[:-1] + (H,), device="cuda").to(torch.bfloat16)
+
+    def step() -> None:
+        combine(dispatch(routed).with_x(Activations(outputs)))
+
+    return step
+
+
+def _graph_step_us(step: Callable[[], None], iters: int, rank: int) -> float | None:
     """One step's time replayed as a CUDA graph: ``GRAPH_STEPS`` steps captured back to back (as decode steps run), the
-    replay's time divided by them, so the ranks' skew in starting a replay is spread over the steps."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_STEPS):
-            step()
+    replay's time divided by them, so the ranks' skew in starting a replay is spread over the steps; ``None`` (and
+    why, printed) where the capture fails."""
+    try:
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_STEPS):
+                step()
+    except Exception as error:  # report, do not hide: the JSON says why
+        if rank == 0:
+            print(f"CUDA graph capture failed: {type(error).__name__}: {error}", flush=True)
+        return None
     return _timed(graph.replay, iters) / GRAPH_STEPS
 
 

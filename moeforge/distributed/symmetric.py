@@ -45,7 +45,7 @@ from moeforge.distributed.low_latency import LowLatencyDispatch
 from moeforge.errors import InputError
 from moeforge.no_backward import records_grad
 from moeforge.payloads import Activations, PaddedRows, Plan, RoutedTokens
-from moeforge.spec import Exchange, ExpertIds, Layout, PayloadKind, RoutingWeights, Spec
+from moeforge.spec import Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.dispatch import Overflow, overflow_choice
 
@@ -215,10 +215,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
                 f"capacity={self.slots}, overflow={self.overflow.value}{extra}; {how})")
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(
-            kind=PayloadKind.DISPATCHED, layout=Layout.EXPERT_PADDED, group_list_type=None,
-            expert_ids=ExpertIds.LOCAL, num_experts=self.ep.local_experts, exchange=Exchange.LOW_LATENCY,
-            routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
+        return self.fallback.output_spec(spec)  # the same rows, whichever transport carries them
 
     def __call__(self, x: RoutedTokens) -> PaddedRows:
         tokens, top_k = x.topk.ids.shape
