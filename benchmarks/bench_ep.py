@@ -10,11 +10,15 @@ routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group s
   (packed dispatch rows, then the outputs) on preallocated buffers; and the dispatch alone against
   its raw all-to-all (FP8 halves the dispatch's bytes, not the combine's);
 * ``low_latency``: :class:`LowLatencyDispatch` (capacity = T, which never drops) + combine, eager
-  and replayed as a CUDA graph, against the raw equal-split all-to-alls of its fixed buffers.
+  and replayed as a CUDA graph, against the raw equal-split all-to-alls of its fixed buffers;
+* ``symmetric``: :class:`SymmetricDispatch` (capacity = T) + combine, eager and replayed as a CUDA graph, against
+  ``raw`` of the normal mode (the two all-to-alls of exactly the routed rows: the bytes it moves), T up to
+  ``SYMMETRIC_MAX`` (its expert buffers hold ``W * T`` rows per local expert).
 
 Times are medians of CUDA-event-timed runs after warm-up, each run started after a barrier; the
-slowest rank's median is reported (a step waits for it). Bandwidth = bytes this rank sent (dispatch
-+ combine) / time. Before timing, a correctness check compares the expert-parallel layer with the
+slowest rank's median is reported (a step waits for it). A graph's time is that of ``GRAPH_STEPS`` steps captured
+back to back, divided by them (one replay's start differs between ranks by some microseconds). Bandwidth = bytes
+this rank sent (dispatch + combine) / time. Before timing, a correctness check compares the expert-parallel layer with the
 whole layer on each GPU. Prints a table, writes JSON (device, world size, commit, date, records).
 """
 
@@ -41,6 +45,7 @@ from moeforge.distributed import (  # noqa: E402
     ExpertParallel,
     LowLatencyDispatch,
     RowFormat,
+    SymmetricDispatch,
     shard_state_dict,
 )
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
@@ -49,6 +54,8 @@ from provenance import measured_commit  # noqa: E402
 E, K, H = 256, 8, 7168
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 LOW_LATENCY_MAX = 512  # fixed buffers of E * T rows: beyond this they are gigabytes
+GRAPH_STEPS = 10  # steps in one captured graph
+SYMMETRIC_MAX = 4096  # expert buffers of E * T rows (bf16: 3.7 GB per 1024 tokens)
 
 
 def _timed(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
@@ -90,20 +97,23 @@ def _check_correctness(rank: int, ep_small: ExpertParallel) -> dict[str, float]:
             whole.e_score_correction_bias.normal_()
         x = torch.randn(5 + 7 * rank, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).to(dtype)
         want = whole(x).float()
-        for name, dispatcher in (("normal", "auto"), ("low_latency", LowLatencyDispatch(ep_small, max_tokens=64))):
+        for name, dispatcher in (("normal", "auto"), ("low_latency", LowLatencyDispatch(ep_small, max_tokens=64)),
+                                 ("symmetric", SymmetricDispatch(ep_small, max_tokens=64))):
             layer = mf.MoELayer.from_preset("deepseek_v3", **sizes, dtype=dtype, expert_parallel=ep_small,
                                             dispatcher=dispatcher)
             layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
             got = layer(x).float()
             errors[f"{name}/{str(dtype)[6:]}"] = float((got - want).norm() / want.norm())
-            if name == "low_latency":  # the same under CUDA-graph replay
+            if name == "symmetric":
+                errors["symmetric_transport"] = float("symmetric memory (NVLink)" not in layer.describe())
+            if name != "normal":  # the same under CUDA-graph replay
                 static = x.clone()
                 layer(static)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     captured = layer(static)
                 graph.replay()
-                errors[f"low_latency_graph/{str(dtype)[6:]}"] = float((captured.float() - want).norm() / want.norm())
+                errors[f"{name}_graph/{str(dtype)[6:]}"] = float((captured.float() - want).norm() / want.norm())
     worst = {key: torch.tensor([value], device="cuda") for key, value in errors.items()}
     for value in worst.values():
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -132,7 +142,7 @@ def main() -> None:
             with torch.inference_mode():
                 records += _bench(ep, tokens, dtype, args.iters)
             if rank == 0:
-                for rec in records[-2:] if tokens <= LOW_LATENCY_MAX else records[-1:]:
+                for rec in records[-_modes(tokens):]:
                     print(f"T={tokens:6d} {dtype:4s} {rec['dispatcher']:11s} ours {rec['us']:9.1f} us  "
                           f"raw {rec['raw_us']:9.1f} us  ratio {rec['ratio']:5.2f}  "
                           f"{rec['gbps']:7.1f} GB/s  graph {rec.get('graph_us') or float('nan'):9.1f} us  "
@@ -185,20 +195,15 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
         dist.all_to_all_single(recv, send, recv_splits, send_splits)
 
     sent = send.numel() + back_send.numel()
-    record = _record(tokens, "normal", dtype, _timed(ours, iters), _timed(raw, iters), sent, None)
+    raw_us = _timed(raw, iters)
+    record = _record(tokens, "normal", dtype, _timed(ours, iters), raw_us, sent, None)
     # The dispatch alone (what FP8 shrinks; the combine returns bf16 outputs either way).
     record.update(dispatch_us=_timed(lambda: dispatch(routed), iters), raw_dispatch_us=_timed(raw_dispatch, iters))
     records.append(record)
 
     if tokens <= LOW_LATENCY_MAX:
         low = LowLatencyDispatch(ep, max_tokens=tokens)
-        low_combine = low.combine_stage(out_dtype=mf.DType.BF16)
-        padded = low(routed)
-        padded_out = torch.randn(padded.x.data.shape[:-1] + (H,), device="cuda").to(torch.bfloat16)
-
-        def ours_low() -> None:
-            low_combine(low(routed).with_x(Activations(padded_out)))
-
+        ours_low = _padded_step(low, routed)
         slots = E * low.slots
         lsend, lrecv = (torch.empty(slots, wire.row_bytes, dtype=torch.uint8, device="cuda") for _ in range(2))
         lback_send, lback_recv = (torch.empty(slots, 2 * H, dtype=torch.uint8, device="cuda") for _ in range(2))
@@ -207,19 +212,50 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
             dist.all_to_all_single(lrecv, lsend)
             dist.all_to_all_single(lback_recv, lback_send)
 
-        graph_us = None
-        try:
-            ours_low()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                ours_low()
-            graph_us = _timed(graph.replay, iters)
-        except Exception as error:  # report, do not hide: the JSON says why
-            if ep.rank == 0:
-                print(f"CUDA graph capture failed: {type(error).__name__}: {error}", flush=True)
+        graph_us = _graph_step_us(ours_low, iters, ep.rank)
         records.append(_record(tokens, "low_latency", dtype, _timed(ours_low, iters), _timed(raw_low, iters),
                                lsend.numel() + lback_send.numel(), graph_us))
+        del lsend, lrecv, lback_send, lback_recv
+
+    if tokens <= SYMMETRIC_MAX:
+        symmetric = SymmetricDispatch(ep, max_tokens=tokens)
+        ours_symmetric = _padded_step(symmetric, routed)
+        graph_us = _graph_step_us(ours_symmetric, iters, ep.rank)
+        records.append(_record(tokens, "symmetric", dtype, _timed(ours_symmetric, iters), raw_us, sent, graph_us))
+        records[-1]["transport"] = symmetric.summary()
     return records
+
+
+def _padded_step(dispatch: Any, routed: RoutedTokens) -> Callable[[], None]:
+    """One step of a fixed-capacity dispatcher: dispatch ``routed``, then combine random bf16 expert outputs."""
+    combine = dispatch.combine_stage(out_dtype=mf.DType.BF16)
+    outputs = torch.randn(dispatch(routed).x.data.shape[:-1] + (H,), device="cuda").to(torch.bfloat16)
+
+    def step() -> None:
+        combine(dispatch(routed).with_x(Activations(outputs)))
+
+    return step
+
+
+def _graph_step_us(step: Callable[[], None], iters: int, rank: int) -> float | None:
+    """One step's time replayed as a CUDA graph: ``GRAPH_STEPS`` steps captured back to back (as decode steps run), the
+    replay's time divided by them, so the ranks' skew in starting a replay is spread over the steps; ``None`` (and
+    why, printed) where the capture fails."""
+    try:
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_STEPS):
+                step()
+    except Exception as error:  # report, do not hide: the JSON says why
+        if rank == 0:
+            print(f"CUDA graph capture failed: {type(error).__name__}: {error}", flush=True)
+        return None
+    return _timed(graph.replay, iters) / GRAPH_STEPS
+
+
+def _modes(tokens: int) -> int:
+    return 1 + (tokens <= LOW_LATENCY_MAX) + (tokens <= SYMMETRIC_MAX)
 
 
 def _record(tokens: int, dispatcher: str, dtype: str, us: float, raw_us: float, sent: int,

@@ -47,7 +47,7 @@ _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, int], warps: int, stages: int,
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
                    fold: bool = False, half_tail: bool = False, persistent: int = 0, shuffled: bool = False,
-                   nvfp4_rows: bool = False, drain: Optional[bool] = None) -> Any:
+                   nvfp4_rows: bool = False, drain: Optional[bool] = None, update: int = 0) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
     the weight tiles loaded by pointer (the TMA path takes a descriptor argument, not compiled here) and one
@@ -71,7 +71,8 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                     ("*fp32" if fp8 else f"*{dtype}"),
                     b_zero_ptr="*u8", b_global_ptr="*fp32", bias_ptr=f"*{dtype}", c_ptr=f"*{dtype}",
                     c_scale_ptr="*fp32", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
-                    num_padded_ptr="*i32", block_range_ptr="*i32", p_ptr="*fp32")
+                    num_padded_ptr="*i32", block_range_ptr="*i32", p_ptr="*fp32", u_ptr=f"*{dtype}",
+                    ub_ptr=f"*{dtype}")
     constexprs: dict[str, Any] = dict(
         A_FMT=int(RowFormat.NVFP4 if nvfp4_rows else RowFormat.FP8 if fp8 else RowFormat.FLOAT),
         A_SCALE=int(RowScales.NVFP4 if nvfp4_rows else RowScales.GROUP if fp8 else RowScales.NONE),
@@ -84,6 +85,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, DRAIN_MMA=drain,
         B_GLOBAL=weights is WeightFormat.NVFP4 or nvfp4_rows,
         EXPERT_RANGE=False, B_SHUFFLED=shuffled and packed, PDL=False, BLOCK_M=block[0],
+        UPDATE_K=update, UPDATE_PRECISION="tf32",  # a low-rank update's K-step (an adapter's) of this width, 0: none
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and dtype == "bf16" and (weights is WeightFormat.MXFP4 or (
@@ -96,8 +98,9 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         raise SystemExit(f"sass_loop.py does not set the kernel's constexprs {sorted(missing)}: update it")
     multiple_of_16 = {"N", "K", "stride_am", "stride_be", "stride_bn", "stride_bse", "stride_bsn", "stride_cm",
                       "up_offset", "stride_bias_e", "stride_csm", "stride_bze", "stride_bzn", "stride_asm"}
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in ("a_global", "alpha", "limit")
-                                                                   else "i32") for n in names}
+    floats = ("a_global", "alpha", "limit", "update_scale")
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats else "i32")
+                 for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n not in constexprs and (n.endswith("_ptr") or n in multiple_of_16)}
     source = ASTSource(moe_gemm_kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
@@ -228,6 +231,8 @@ def main() -> None:
                         help="the kernel's DRAIN_MMA (default: the launcher's rule for sm_90 and this Triton)")
     parser.add_argument("--hazards", action="store_true",
                         help="list the registers written while a warpgroup MMA still reads them")
+    parser.add_argument("--update", type=int, default=0,
+                        help="with a low-rank update (an adapter's) of this rank: its K-step after the loop")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -237,7 +242,8 @@ def main() -> None:
                             stages=args.stages, dtype=args.dtype, swap=args.swap, ptx=not args.portable,
                             prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold,
                             half_tail=args.half_tail, persistent=args.grid, shuffled=args.shuffled,
-                            nvfp4_rows=args.rows == "nvfp4", drain=None if args.drain is None else bool(args.drain))
+                            nvfp4_rows=args.rows == "nvfp4", drain=None if args.drain is None else bool(args.drain),
+                            update=args.update)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)

@@ -34,7 +34,8 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.kernels.config import GemmConfig, narrow_config
-from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
+from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
+                                                grouped_gemm)
 from moeforge.payloads import Activations, AlignedRows, ExpertRows, StackAlignment
 from moeforge.spec import Accepts, DType, Layout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
@@ -245,15 +246,28 @@ def stack_ids(x: ExpertRows, stack: int, where: str) -> torch.Tensor:
     return x.adapter_ids
 
 
+# The longest K-loop (the base GEMM's input width) over which one adapter's ``· Bᵀ`` runs inside the base GEMM's launch.
+# Compiled in, that K-step slowed the K-loop of 128-row tiles by about 30 % (H200, Mixtral's GEMMs, K = 4096 and
+# 14336, docs/notes/kernels-log.md): over Qwen3-30B-A3B's short loops (K = 2048, 768) the launches and the
+# [copies, N] pass it saves still made the training step 1.11x faster at M = 1024 (equal at 4096); over Mixtral's it was
+# 1.04-1.06x slower than two launches and an add.
+FUSED_UPDATE_MAX_K = 2048
+
+
 @attrs.frozen(eq=False)
 class AdaptedGroupedGemm(AdaptedGemm):
     """``base``, a triton GEMM on block-aligned rows (:class:`~moeforge.stages.triton.FusedGroupedGemm`, or
     :class:`~moeforge.stages.triton_quant.FusedQuantGroupedGemm` reading float rows), plus ``scale · (x Aᵀ) Bᵀ``
-    between its product and its activation: ``base.pre_activation`` (the GEMM with its bias and, where its epilogue
-    applies them, routing weights), ``x Aᵀ`` as a launch of the grouped-GEMM kernel on the same alignment (``[copies,
-    r]``; with one shared ``A``, one matmul of the rows before they are copied), scaled, ``· Bᵀ`` as another (with
-    the routing weights where the base applies them), the sum, then ``base.activate``. The rows, ``A`` and ``B``
-    differentiate through the kernels' backward (:mod:`moeforge.kernels.backward`)."""
+    between its product and its epilogue. One adapter: ``x Aᵀ`` as a launch of the grouped-GEMM kernel on the same
+    alignment (``[copies, r]``; with one shared ``A``, one matmul of the rows before they are copied), then, where the
+    base's K-loop is short (``K <= FUSED_UPDATE_MAX_K``), the base's own launch with ``· Bᵀ`` as one more K-step of
+    its product (``base.run`` with a :class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate`): its epilogue
+    (activation, routing weights, output quantization) then covers the update, and no ``[copies, N]`` update is
+    written or added; over a longer K-loop, ``· Bᵀ`` as a launch of its own whose ``[copies, N]`` output is added to
+    the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A stack: the copies
+    aligned again by (adapter, expert), ``base.pre_activation``, the two products on that alignment, the sum, then
+    ``base.activate``. The rows, ``A`` and ``B`` differentiate through the kernels' backward
+    (:mod:`moeforge.kernels.backward`)."""
 
     # The two products' launches by the alignment's block_m, made when built (a forward creates no record: Dynamo
     # cannot trace a frozen attrs class's __init__, so torch.compile traces a lookup instead).
@@ -262,10 +276,10 @@ class AdaptedGroupedGemm(AdaptedGemm):
     def __attrs_post_init__(self) -> None:
         base = self.base
         if not (callable(getattr(base, "pre_activation", None)) and callable(getattr(base, "activate", None))
-                and isinstance(getattr(base, "role", None), GemmRole)
+                and callable(getattr(base, "run", None)) and isinstance(getattr(base, "role", None), GemmRole)
                 and isinstance(getattr(base, "apply_routing_weights", None), bool)):
-            raise InputError(f"a triton adapter wraps a GEMM stage that can run without its activation "
-                             f"(pre_activation, activate), got {base.summary()}")
+            raise InputError(f"a triton adapter wraps a GEMM stage that can run with a low-rank update and without its "
+                             f"activation (run, pre_activation, activate), got {base.summary()}")
         if getattr(base, "activation", None) is not None and self.apply_routing_weights:
             raise InputError(f"{base.summary()} applies the routing weights after its activation: the adapter's update "
                              "comes before it")
@@ -300,29 +314,38 @@ class AdaptedGroupedGemm(AdaptedGemm):
     def __call__(self, x: ExpertRows) -> ExpertRows:
         assert isinstance(x, AlignedRows)
         base: Any = self.base
-        product = base.pre_activation(x)
         a, b = resolve(self.lora_a), resolve(self.lora_b)
         alignment = x.alignment
-        route = GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
-                          aligned_block_m=alignment.block_m)
         rows = float_rows(x, a.dtype).x.data  # quantized rows (W8A8) dequantized: the update reads them as floats
         rows_per_a = 1 if x.copy_major else alignment.copies_per_row
-        dtype = product.x.data.dtype
         planned = self._launches.get(alignment.block_m)
         a_launch, b_launch = planned if planned is not None else self._plan(alignment.block_m)
+        route = GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
+                          aligned_block_m=alignment.block_m)
+        if not self.stack and rows.shape[-1] <= FUSED_UPDATE_MAX_K:
+            # x Aᵀ by its own launch, then · Bᵀ inside the base GEMM's launch: one more K-step of its product, before
+            # its epilogue (activation, routing weights, output quantization) and in its backward
+            fused: AlignedRows = base.run(x, GemmUpdate(self._low(route, a, rows, rows_per_a, b.dtype, a_launch), b,
+                                                        self.scale))
+            return fused
+        product = base.pre_activation(x)
+        dtype = product.x.data.dtype
         pairs = None
         if self.stack:
             update, pairs = self._stack_update(x, a, b, rows, rows_per_a, dtype, a_launch, b_launch)
         else:
-            update = self._update_on(x, route, a, b, rows, rows_per_a, dtype, a_launch, b_launch)
+            low = self._low(route, a, rows, rows_per_a, dtype, a_launch)
+            update, _ = grouped_gemm(
+                GemmRows(low * self.scale if self.scale != 1.0 else low), GemmWeight(b), route,
+                GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None), b_launch)
         # Where nothing is recorded for a backward, the update is added in place (no third [copies, N] buffer).
         summed = product.x.data + update if torch.is_grad_enabled() else product.x.data.add_(update)
         out: AlignedRows = base.activate(dataclasses.replace(product, x=Activations(summed)))
         return dataclasses.replace(out, stack_alignment=pairs) if pairs is not None else out
 
-    def _update_on(self, x: AlignedRows, route: GemmRoute, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor,
-                   rows_per_a: int, dtype: torch.dtype, a_launch: GemmConfig, b_launch: GemmConfig) -> torch.Tensor:
-        """``scale · (x Aᵀ) Bᵀ`` of one adapter on the copies of ``route`` (``[copies, N]``, copy order)."""
+    def _low(self, route: GemmRoute, a: torch.Tensor, rows: torch.Tensor, rows_per_a: int, dtype: torch.dtype,
+             a_launch: GemmConfig) -> torch.Tensor:
+        """``x Aᵀ`` of one adapter for each copy of ``route`` (``[copies, r]``, copy order, contiguous)."""
         if a.shape[0] == 1:  # one A for every expert: one product per row, before the rows are copied
             # (a batch-invariant layer's through the one-expert kernel: no library GEMM choosing by shape)
             if self._invariant():
@@ -331,18 +354,10 @@ class AdaptedGroupedGemm(AdaptedGemm):
                 low = linear(rows, a[0])
             else:
                 low = rows @ a[0].t()
-            rows_per_low = rows_per_a
-        else:
-            low, _ = grouped_gemm(GemmRows(rows, rows_per_a=rows_per_a), GemmWeight(a), route, GemmEpilogue(dtype),
-                                  a_launch)
-            rows_per_low = 1
-        if self.scale != 1.0:
-            low = low * self.scale
-        update, _ = grouped_gemm(
-            GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b), route,
-            GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),
-            b_launch)
-        return update
+            return low.to(dtype).repeat_interleave(rows_per_a, 0) if rows_per_a > 1 else low.to(dtype).contiguous()
+        low, _ = grouped_gemm(GemmRows(rows, rows_per_a=rows_per_a), GemmWeight(a), route, GemmEpilogue(dtype),
+                              a_launch)
+        return low
 
     def _stack_update(self, x: AlignedRows, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, rows_per_a: int,
                       dtype: torch.dtype, a_launch: GemmConfig, b_launch: GemmConfig

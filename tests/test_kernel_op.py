@@ -1,7 +1,8 @@
 """KernelOp: a kernel called through its custom op where anything needs the op, and directly otherwise.
 
-The direct call skips the op's dispatch (host time only); the op is what torch.compile traces, what autograd
-differentiates and what tensor subclasses and dispatch modes see. Each case below is one the op must keep.
+The direct call skips the op's dispatch (host time only; a call recording a gradient runs under an autograd.Function
+with the op's own backward); the op is what torch.compile traces and what tensor subclasses and dispatch modes see.
+Each case below is one the op must keep.
 """
 
 from __future__ import annotations
@@ -136,3 +137,69 @@ def test_a_torch_func_transform_sees_the_op() -> None:
 
     torch.func.vmap(inside)(torch.randn(4, 3))
     assert seen == [True] and not needs_op((torch.randn(3),))
+
+
+# A differentiable kernel called with its backward: a call recording a gradient runs the implementation under an
+# autograd.Function with the op's own setup_context and backward (no dispatch through the op), the same gradients.
+def _scaled(x: torch.Tensor, y: torch.Tensor, factor: float = 3.0) -> torch.Tensor:
+    CALLS.append("impl")
+    return x * y * factor
+
+
+_scaled_op = torch.library.custom_op("moeforge_test::scaled", _scaled, mutates_args=())
+SEEN_NEEDS: list[tuple[bool, ...]] = []
+
+
+@_scaled_op.register_fake
+def _(x: torch.Tensor, y: torch.Tensor, factor: float = 3.0) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _scaled_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, y, factor = inputs  # every input, the defaulted one too
+    ctx.save_for_backward(x, y)
+    ctx.factor = factor
+
+
+def _scaled_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    x, y = ctx.saved_tensors
+    SEEN_NEEDS.append(tuple(ctx.needs_input_grad))
+    return (grad * y * ctx.factor if ctx.needs_input_grad[0] else None,
+            grad * x * ctx.factor if ctx.needs_input_grad[1] else None, None)
+
+
+_scaled_op.register_autograd(_scaled_backward, setup_context=_scaled_setup)
+
+
+scaled = KernelOp("moeforge_test::scaled", _scaled, differentiable=True)
+
+
+def _backward_of(out: torch.Tensor) -> str:
+    return "direct" if type(out.grad_fn).__name__.startswith("Eager_") else "op"
+
+
+def test_a_call_recording_a_gradient_runs_the_implementation_under_the_ops_backward() -> None:
+    x, y = torch.randn(5), nn.Parameter(torch.randn(5))
+    SEEN_NEEDS.clear()
+    direct = scaled(x, y, 2.0)
+    assert _backward_of(direct) == "direct"
+    (grad,) = torch.autograd.grad(direct.sum(), [y])
+    through_op = _scaled_op(x, y, 2.0)
+    assert _backward_of(through_op) == "op"
+    (want,) = torch.autograd.grad(through_op.sum(), [y])
+    assert torch.equal(grad, want) and torch.equal(grad, x * 2.0)
+    assert SEEN_NEEDS == [(False, True, False)] * 2  # the same needs_input_grad on both paths
+    (grad,) = torch.autograd.grad(scaled(x, y).sum(), [y])  # the default factor reached setup_context
+    assert torch.equal(grad, x * 3.0)
+
+
+def test_a_recording_call_still_takes_the_op_with_keywords_modes_or_no_backward_here() -> None:
+    x, y = torch.randn(5), nn.Parameter(torch.randn(5))
+    assert _backward_of(scaled(x, y, factor=2.0)) == "op"
+    with _PassThrough():
+        assert _backward_of(scaled(x, y)) == "op"
+    assert _path(lambda: double(y, 2.0)) == "op"  # a KernelOp not declared differentiable
+    without_registration = KernelOp(_Recorded(), _double, differentiable=True)  # no registered backward found
+    assert _path(lambda: without_registration(y, 2.0)) == "op"
+    with torch.no_grad():
+        assert _path(lambda: scaled(x, y)) == "impl"

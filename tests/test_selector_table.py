@@ -471,7 +471,7 @@ ERRORS = [
     error("cpu-ep-given-sorted", L(ep=True, dispatcher="given:sorted"),
           "UnquantizedMethod, backend=auto, dispatcher='SortedDispatch' on cpu", f"TritonUnquantizedExperts: {ON_CPU}",
           "TorchUnquantizedExperts: GivenDispatcher: an expert-parallel layer needs an expert-parallel dispatcher "
-          "(AllToAllDispatch or LowLatencyDispatch), got SortedDispatch"),
+          "(AllToAllDispatch, LowLatencyDispatch or SymmetricDispatch), got SortedDispatch"),
     error("cpu-given-low-latency-without-ep", L(dispatcher="given:low_latency"),
           "UnquantizedMethod, backend=auto, dispatcher='LowLatencyDispatch' on cpu",
           f"TritonUnquantizedExperts: {ON_CPU}",

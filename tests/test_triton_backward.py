@@ -213,6 +213,22 @@ def test_quantized_grouped_gemms_refuse_a_backward() -> None:
         out.sum().backward()
 
 
+def test_an_inference_forward_of_many_copies_equals_the_reference() -> None:
+    # Beyond 1024 copies an inference forward (grad mode off) aligns with the atomic scatter, a training one with the
+    # ordered scatter: both against the float64 reference, and the training forward's gradients too.
+    routing, act = ROUTINGS["softmax"], mf.ActivationConfig()
+    gen = torch.Generator().manual_seed(17)
+    t = _tensors(8, 32, 48, act.gated, torch.float32, gen)
+    x = torch.randn(300, 32, generator=gen).to(DEVICE)
+    logits = torch.randn(300, 8, generator=gen).to(DEVICE)
+    pipeline = _pipeline(8, 4, 32, t, act, routing, torch.float32)
+    want = _reference(x, logits, 4, t, act, routing)
+    with torch.no_grad():
+        got = pipeline(mf.MoEInput(x, logits)).hidden_states
+    assert float((got.double() - want).norm() / want.norm()) < 1e-5
+    _check_gradients(300, 8, 4, act, routing, torch.float32, 1e-5)
+
+
 @pytest.mark.parametrize("tokens", [40, 3000])
 def test_the_alignment_places_the_copies_in_the_same_slots_every_run(tokens: int) -> None:
     # The weight gradient sums each expert's rows in slot order: its bits are the same from run to run because the

@@ -70,14 +70,15 @@ def test_alignment_groups_every_copy_by_expert(tokens: int, k: int, experts: int
 
 @pytest.mark.parametrize("tokens,k,experts,block_m", [
     (1, 2, 8, 16), (16, 8, 128, 16), (37, 4, 6, 32), (100, 3, 5, 128), (128, 8, 128, 64), (171, 6, 24, 16),
-    (129, 8, 64, 16), (400, 8, 256, 64), (333, 7, 5, 32), (520, 4, 128, 16), (700, 2, 2, 16), (300, 4, 512, 16)])
+    (129, 8, 64, 16), (400, 8, 256, 64), (333, 7, 5, 32), (520, 4, 128, 16), (700, 2, 2, 16), (300, 4, 512, 16),
+    (600, 2, 7, 128)])
 def test_every_batch_aligns_each_experts_copies_in_ascending_order(tokens: int, k: int, experts: int,
                                                                      block_m: int) -> None:
     # Up to align.IN_ORDER_COPIES copies one program sorts them; more, the plan counts them per chunk and the
     # scatter places each chunk in order: either way each expert's copies in ascending order, the order the weight
     # gradient sums in, the same slots from run to run. The cases from (171, 6) on take the two-kernel plan: chunks
-    # with a ragged last one, 256 and 512 experts (the scatter's sub-blocks narrow as the experts widen), 2 experts,
-    # experts not a power of two.
+    # with a ragged last one, 256 and 512 experts (more blocks than a scatter program writes at a time), 2 experts,
+    # experts not a power of two, 128-row blocks.
     ids = _ids(tokens, experts, k, torch.Generator().manual_seed(7 * tokens + k))
     sorted_ids, block_expert, num_padded = align.align_block_size(ids, experts, block_m)
     used = int(num_padded.item())

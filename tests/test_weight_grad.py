@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from moeforge.kernels import align  # noqa: E402
 from moeforge.kernels.weight_grad import (  # noqa: E402
     WeightGradTiles,
+    expert_first_blocks,
     expert_weight_grad,
     gather_sorted_rows,
     weight_grad_tiles,
@@ -175,6 +176,22 @@ def test_a_training_forward_aligns_in_order_and_an_inference_forward_need_not(mo
     with torch.no_grad():
         stage(routed)
     assert asked == [True, False]
+
+
+@pytest.mark.parametrize("tokens,k,experts,block,only,idle", [
+    (0, 2, 4, 16, None, ()), (1, 1, 4, 16, None, ()), (40, 2, 5, 16, None, (0, 4)), (300, 3, 5, 32, None, (2,)),
+    (50, 2, 6, 16, 5, ()), (200, 8, 128, 16, None, ()), (700, 2, 3, 64, None, (2,))])
+def test_each_experts_first_block_is_read_off_the_block_table(tokens: int, k: int, experts: int, block: int,
+                                                              only: Optional[int], idle: tuple[int, ...]) -> None:
+    # One launch counts each expert's used blocks; against the table read on the host. Idle experts (first and
+    # last ones too), every copy on one expert, no tokens, both alignment paths.
+    ids = (_ids(tokens, k, experts, torch.Generator().manual_seed(tokens + experts), only=only, idle=idle) if tokens
+           else torch.empty(0, k, dtype=torch.int32))
+    _, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, block)
+    used = int(num_padded) // block
+    owners = block_expert[:used].long().cpu()
+    want = [int((owners < e).sum()) for e in range(experts)] + [used]
+    assert expert_first_blocks(block_expert, num_padded, block, experts).cpu().tolist() == want
 
 
 def test_the_default_tiles_divide_every_alignment_block() -> None:

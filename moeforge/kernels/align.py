@@ -5,12 +5,16 @@ indices ``t * top_k + k`` grouped by expert, each expert's run padded with the s
 ``T * top_k`` to a multiple of ``block_m``; ``block_expert[b]`` is the expert of block ``b``;
 ``num_padded`` (on the device) is the used length. No host synchronisation, fixed output sizes: CUDA-graph
 capturable. Up to :data:`IN_ORDER_COPIES` copies (decode and small prefill batches) one launch sorts them in one
-program, each expert's copies in ascending order. More take two launches, a count-and-plan program and a scatter:
+program, each expert's copies in ascending order. More take two launches: a count-and-plan program (one: the
+histogram of the ids and each expert's padded run) and a scatter, one program per chunk of :data:`SCATTER_CHUNK`
+copies, each placing its chunk's copies and writing its share of the block table and the padding slots (the plan's
+single program used to write those too, serially: at many experts, as a stack of adapters' (adapter, expert) pairs
+gives, that was most of the alignment's time). The scatter places the copies in one of two ways:
 
 * ``ordered`` (what a training forward asks for): the plan also records how many copies of each expert every chunk
-  of :data:`SCATTER_CHUNK` copies comes after, and the scatter, one program per chunk, ranks each copy among its
-  expert's: ascending order again, the same slots from run to run, no atomics. The weight gradient sums each
-  expert's rows in slot order (:mod:`moeforge.kernels.weight_grad`), so this order makes it deterministic.
+  comes after, and each scatter program ranks each copy among its expert's: ascending order again, the same slots
+  from run to run, no atomics. The weight gradient sums each expert's rows in slot order
+  (:mod:`moeforge.kernels.weight_grad`), so this order makes it deterministic.
 * otherwise (inference): the scatter places copies with atomics, in an order that varies from run to run; cheaper
   (its programs do not rank sub-blocks one after another; docs/kernels.md has the figures), and nothing
   else depends on it -- a grouped GEMM's rows are independent of their neighbours, the combine reads rows by copy
@@ -33,23 +37,20 @@ from moeforge.kernels.sizes import cdiv, next_power_of_2
 @triton.jit
 def _count_and_plan_kernel(
     ids_ptr,
-    cursor_ptr,
+    runs_ptr,
     chunk_base_ptr,
-    block_expert_ptr,
-    sorted_ids_ptr,
     num_padded_ptr,
     num_copies,
-    num_experts,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
-    CHUNK_B: tl.constexpr,
     CHUNK_BASES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # One program: histogram of expert ids, padded offsets, block -> expert table, sentinel fill; with CHUNK_BASES,
-    # for each chunk of CHUNK copies, how many copies of each expert the chunks before it hold (the ordered
-    # scatter's base).
+    # One program: histogram of expert ids, each expert's padded run in ``runs`` (its start as the cursor, which the
+    # scatter moves, then its start again, its count and its end, which the scatter's programs read to write the
+    # block -> expert table and the padding), the used length; with CHUNK_BASES, for each chunk of CHUNK copies, how
+    # many copies of each expert the chunks before it hold (the ordered scatter's base).
     pdl.wait_for_the_kernel_before(PDL)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     experts = tl.arange(0, BLOCK_E)
@@ -66,11 +67,39 @@ def _count_and_plan_kernel(
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(cursor_ptr + experts, starts, mask=experts < num_experts)
-    # Every used slot starts as padding; the scatter kernel then overwrites the real copies.
-    _write_plan(ends, total, num_experts, num_copies, block_expert_ptr, sorted_ids_ptr, num_padded_ptr, BLOCK_M,
-                BLOCK_E, CHUNK, CHUNK_B)
+    tl.store(runs_ptr + experts, starts)
+    tl.store(runs_ptr + BLOCK_E + experts, starts)
+    tl.store(runs_ptr + 2 * BLOCK_E + experts, counts)
+    tl.store(runs_ptr + 3 * BLOCK_E + experts, ends)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+
+@triton.jit
+def _write_blocks(runs_ptr, block_expert_ptr, sorted_ids_ptr, num_padded_ptr, num_copies, blocks_per_program,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, LOG_E: tl.constexpr, CHUNK_B: tl.constexpr):
+    """This program's share of the used blocks (``blocks_per_program`` of them): each block's expert in the block
+    table -- the number of padded runs ending at or before it, a binary search over the runs' ends -- and its padding
+    slots (past its expert's copies) set to ``num_copies``. The copies' own slots are the scatter's: the two never
+    write the same slot."""
+    used_blocks = tl.load(num_padded_ptr) // BLOCK_M
+    first_block = tl.program_id(0) * blocks_per_program
+    for first in range(0, blocks_per_program, CHUNK_B):
+        lanes = first + tl.arange(0, CHUNK_B)
+        blocks = first_block + lanes
+        mask = (lanes < blocks_per_program) & (blocks < used_blocks)
+        bound = blocks * BLOCK_M
+        owner = tl.zeros((CHUNK_B,), dtype=tl.int32)
+        for level in tl.static_range(0, LOG_E + 1):
+            candidate = owner + (1 << (LOG_E - level))
+            end = tl.load(runs_ptr + 3 * BLOCK_E + candidate - 1, mask=mask & (candidate <= BLOCK_E),
+                          other=2147483647)
+            owner = tl.where(end <= bound, candidate, owner)
+        tl.store(block_expert_ptr + blocks, owner, mask=mask)
+        start = tl.load(runs_ptr + BLOCK_E + owner, mask=mask, other=0)
+        count = tl.load(runs_ptr + 2 * BLOCK_E + owner, mask=mask, other=0)
+        slots = bound[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        padding = mask[:, None] & (slots - start[:, None] >= count[:, None])
+        tl.store(sorted_ids_ptr + slots, num_copies, mask=padding)
 
 
 @triton.jit
@@ -93,8 +122,10 @@ def _write_plan(ends, total, num_experts, num_copies, block_expert_ptr, sorted_i
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, cursor_ptr, chunk_base_ptr, sorted_ids_ptr, num_copies, BLOCK_E: tl.constexpr,
-                    CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
+def _scatter_kernel(ids_ptr, runs_ptr, chunk_base_ptr, block_expert_ptr, sorted_ids_ptr, num_padded_ptr,
+                    num_copies, blocks_per_program, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                    LOG_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, CHUNK_B: tl.constexpr,
+                    PDL: tl.constexpr):
     # One program per chunk of CHUNK copies, SUB at a time: copy i of expert e lands at e's padded start, plus the
     # copies of e in earlier chunks (the plan's chunk base) and in earlier sub-blocks (this program's running count,
     # kept in its chunk-base row), plus those before it in its sub-block: each expert's copies in ascending order.
@@ -108,24 +139,29 @@ def _scatter_kernel(ids_ptr, cursor_ptr, chunk_base_ptr, sorted_ids_ptr, num_cop
         mask = offs < num_copies
         ids = tl.load(ids_ptr + offs, mask=mask, other=BLOCK_E - 1)
         before = tl.sum(((ids[None, :] == ids[:, None]) & earlier).to(tl.int32), axis=1)
-        position = tl.load(cursor_ptr + ids, mask=mask, other=0) + tl.load(base_row + ids, mask=mask, other=0) + before
+        position = tl.load(runs_ptr + ids, mask=mask, other=0) + tl.load(base_row + ids, mask=mask, other=0) + before
         tl.store(sorted_ids_ptr + position, offs, mask=mask)
         tl.debug_barrier()  # every lane read the row before it moves on
         experts = tl.arange(0, BLOCK_E)
         tl.store(base_row + experts, tl.load(base_row + experts) + tl.histogram(ids, BLOCK_E))
         tl.debug_barrier()  # the row updated before the next sub-block reads it
+    _write_blocks(runs_ptr, block_expert_ptr, sorted_ids_ptr, num_padded_ptr, num_copies, blocks_per_program,
+                  BLOCK_M, BLOCK_E, LOG_E, CHUNK_B)
 
 
 @triton.jit
-def _scatter_any_order_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, num_copies, BLOCK: tl.constexpr,
-                              PDL: tl.constexpr):
+def _scatter_any_order_kernel(ids_ptr, runs_ptr, block_expert_ptr, sorted_ids_ptr, num_padded_ptr,
+                              num_copies, blocks_per_program, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                              LOG_E: tl.constexpr, BLOCK: tl.constexpr, CHUNK_B: tl.constexpr, PDL: tl.constexpr):
     # Each copy takes the next slot of its expert by an atomic increment: an order that varies from run to run.
     pdl.wait_for_the_kernel_before(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_copies
     ids = tl.load(ids_ptr + offs, mask=mask, other=0)
-    position = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+    position = tl.atomic_add(runs_ptr + ids, 1, mask=mask)
     tl.store(sorted_ids_ptr + position, offs, mask=mask)
+    _write_blocks(runs_ptr, block_expert_ptr, sorted_ids_ptr, num_padded_ptr, num_copies, blocks_per_program,
+                  BLOCK_M, BLOCK_E, LOG_E, CHUNK_B)
 
 
 @triton.jit
@@ -191,7 +227,7 @@ def align_block_size(
     block_expert = torch.empty(cdiv(size, block_m), dtype=torch.int32, device=ids.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
     block_e = max(next_power_of_2(num_experts), 2)
-    cursor = torch.empty(block_e, dtype=torch.int32, device=ids.device)
+    runs = torch.empty(4 * block_e, dtype=torch.int32, device=ids.device)  # the plan's per-expert numbers
     if num_copies <= IN_ORDER_COPIES:
         copies = max(next_power_of_2(num_copies), 16)
 
@@ -200,32 +236,39 @@ def align_block_size(
             return (dict(BLOCK_M=block_m, BLOCK_E=block_e, COPIES=copies, CHUNK_B=max(16, 4096 // block_e),
                          PDL=pdl.flag(dependent)), dict(num_warps=4, **pdl.launch_options(dependent)))
 
-        _IN_ORDER.launch((block_m, copies, ids.device), (1,), (ids, cursor, block_expert, sorted_ids, num_padded,
+        _IN_ORDER.launch((block_m, copies, ids.device), (1,), (ids, runs, block_expert, sorted_ids, num_padded,
                                                                num_copies, num_experts), in_order)
         return sorted_ids, block_expert, num_padded
 
+    chunks = cdiv(num_copies, SCATTER_CHUNK)
+    blocks_per_program = cdiv(cdiv(size, block_m), chunks)  # the scatter's programs share the block table's writing
+    log_e = block_e.bit_length() - 1
+    chunk_b = max(1, 4096 // block_m)
+
     def plan() -> tuple[dict[str, Any], dict[str, Any]]:
         dependent = pdl.pdl_applies(ids.device)
-        return (dict(BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=SCATTER_CHUNK, CHUNK_B=max(16, 4096 // block_e),
-                     CHUNK_BASES=ordered, PDL=pdl.flag(dependent)), pdl.launch_options(dependent))
+        return (dict(BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=SCATTER_CHUNK, CHUNK_BASES=ordered,
+                     PDL=pdl.flag(dependent)), pdl.launch_options(dependent))
 
     def scatter() -> tuple[dict[str, Any], dict[str, Any]]:
         dependent = pdl.pdl_applies(ids.device)
-        return (dict(BLOCK_E=block_e, CHUNK=SCATTER_CHUNK, SUB=SCATTER_SUB, PDL=pdl.flag(dependent)),
-                pdl.launch_options(dependent))
+        return (dict(BLOCK_M=block_m, BLOCK_E=block_e, LOG_E=log_e, CHUNK=SCATTER_CHUNK, SUB=SCATTER_SUB,
+                     CHUNK_B=chunk_b, PDL=pdl.flag(dependent)), pdl.launch_options(dependent))
 
     def any_order() -> tuple[dict[str, Any], dict[str, Any]]:
         dependent = pdl.pdl_applies(ids.device)
-        return dict(BLOCK=SCATTER_CHUNK, PDL=pdl.flag(dependent)), pdl.launch_options(dependent)
+        return (dict(BLOCK_M=block_m, BLOCK_E=block_e, LOG_E=log_e, BLOCK=SCATTER_CHUNK, CHUNK_B=chunk_b,
+                     PDL=pdl.flag(dependent)), pdl.launch_options(dependent))
 
-    chunks = cdiv(num_copies, SCATTER_CHUNK)
-    chunk_base = torch.empty(chunks, block_e, dtype=torch.int32, device=ids.device) if ordered else cursor
-    _COUNT_AND_PLAN.launch((block_m, ordered, ids.device), (1,), (ids, cursor, chunk_base, block_expert, sorted_ids,
-                                                                  num_padded, num_copies, num_experts), plan)
+    chunk_base = torch.empty(chunks, block_e, dtype=torch.int32, device=ids.device) if ordered else runs
+    _COUNT_AND_PLAN.launch((block_m, block_e, ordered, ids.device), (1,), (ids, runs, chunk_base, num_padded,
+                                                                           num_copies), plan)
     if ordered:
-        _SCATTER.launch((block_e, ids.device), (chunks,), (ids, cursor, chunk_base, sorted_ids, num_copies), scatter)
+        _SCATTER.launch((block_m, block_e, ids.device), (chunks,), (
+            ids, runs, chunk_base, block_expert, sorted_ids, num_padded, num_copies, blocks_per_program), scatter)
     else:
-        _SCATTER_ANY_ORDER.launch(ids.device, (chunks,), (ids, cursor, sorted_ids, num_copies), any_order)
+        _SCATTER_ANY_ORDER.launch((block_m, block_e, ids.device), (chunks,), (
+            ids, runs, block_expert, sorted_ids, num_padded, num_copies, blocks_per_program), any_order)
     return sorted_ids, block_expert, num_padded
 
 

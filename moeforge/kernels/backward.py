@@ -32,9 +32,9 @@ from moeforge.kernels import activations as codes
 from moeforge.kernels import combine, weight_grad
 from moeforge.kernels.formats import WeightFormat
 from moeforge.activation import ActivationConfig, apply_activation
-from moeforge.kernels.config import GemmConfig, row_gradient_config
-from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmWeight, decode_config,
-                                                grouped_gemm)
+from moeforge.kernels.config import GemmConfig, narrow_config, row_gradient_config
+from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
+                                                decode_config, grouped_gemm)
 
 
 # -- the ops' backward ------------------------------------------------------------------------------
@@ -42,14 +42,15 @@ from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRow
 _MOE_GEMM_INPUTS = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "weight_global", "bias",
                     "topk_weights", "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a",
                     "weight_format", "a_global", "act", "glu", "interleaved", "alpha", "limit", "config",
-                    "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max", "weight_shuffled")
+                    "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max", "weight_shuffled", "update_rows",
+                    "update_weight", "update_scale")
 
 
 def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     args = dict(zip(_MOE_GEMM_INPUTS, inputs))
     ctx.args = {name: value for name, value in args.items() if not isinstance(value, torch.Tensor)}
     ctx.save_for_backward(args["a"], args["weight"], args["bias"], args["topk_weights"], args["sorted_ids"],
-                          args["block_expert"], args["num_padded"])
+                          args["block_expert"], args["num_padded"], args.get("update_rows"), args.get("update_weight"))
     ctx.quantized = (args["weight_format"] != int(WeightFormat.FLOAT) or args["fp8_out"]
                      or args["a"].dtype not in (torch.bfloat16, torch.float16, torch.float32))
 
@@ -58,7 +59,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     if ctx.quantized:
         raise InputError("the quantized grouped GEMMs are inference-only: they have no backward (train an "
                          "unquantized layer, then quantize it)")
-    a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded = ctx.saved_tensors
+    a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded, update_rows, update_weight = ctx.saved_tensors
     p = ctx.args
     config = decode_config(p["config"])
     aligned = p.get("aligned_block_m", 0) or config.block_m  # the block sorted_ids was aligned with
@@ -69,7 +70,10 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         # the gradient of the rows it wrote is the gradient of its product.
         d_pre, d_topk = grad_out.to(a.dtype).contiguous(), None
     else:
-        d_pre, d_topk = _epilogue_backward(a, weight, bias, topk_weights, grad_out, route, config, p, activation)
+        update = (GemmUpdate(update_rows, update_weight, p.get("update_scale", 1.0)) if update_rows is not None
+                  else None)
+        d_pre, d_topk = _epilogue_backward(a, weight, bias, topk_weights, grad_out, route, config, p, activation,
+                                           update)
     needs = ctx.needs_input_grad
     d_a = d_weight = d_bias = None
     if needs[0]:
@@ -80,6 +84,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
                                  GemmEpilogue(torch.float32 if r > 1 else a.dtype),
                                  row_gradient_config(config, int(weight.shape[2]), int(weight.shape[1])))
         d_a = d_rows.view(-1, r, d_rows.shape[1]).sum(1).to(a.dtype) if r > 1 else d_rows
+        del d_rows  # (the fp32 copies, [copies, K]: released before the weight gradient allocates its own)
     if needs[2] or (bias is not None and needs[6]):
         dw, db = weight_grad.EXPERT_WEIGHT_GRAD(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
                                         weight.shape[0], aligned, bias is not None and needs[6], weight.dtype)
@@ -87,18 +92,42 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         d_bias = db if bias is not None and needs[6] else None
     grads_out: list[Any] = [None] * len(_MOE_GEMM_INPUTS)
     grads_out[0], grads_out[2], grads_out[6], grads_out[7] = d_a, d_weight, d_bias, d_topk
-    return tuple(grads_out)
+    if update_rows is not None and update_weight is not None:
+        grads_out[26], grads_out[27] = _update_backward(d_pre, update_rows, update_weight, route, config, p,
+                                                        needs[26], needs[27])
+    return tuple(grads_out[:len(ctx.needs_input_grad)])
+
+
+def _update_backward(d_pre: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, route: GemmRoute,
+                     config: GemmConfig, p: dict[str, Any], rows_need: bool, weight_needs: bool
+                     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The gradients of a low-rank update ``scale * rows[c] @ weight[e]^T`` (:class:`GemmUpdate`) from ``d_pre``, the
+    product's: ``scale * d_pre[c] @ weight[e]`` for the rows (the kernel on the transposed weight, rank-wide
+    tiles), ``scale * sum_c d_pre[c]^T rows[c]`` for the weight (the k-grouped GEMM, deterministic)."""
+    scale = float(p.get("update_scale", 1.0))
+    d_rows = d_weight = None
+    if rows_need:
+        d_rows, _ = grouped_gemm(GemmRows(d_pre.to(rows.dtype)), GemmWeight(weight.transpose(1, 2)), route,
+                                 GemmEpilogue(rows.dtype), narrow_config(config.block_m, int(weight.shape[2]),
+                                                                         int(weight.shape[1])))
+        d_rows = d_rows * scale if scale != 1.0 else d_rows
+    if weight_needs:
+        dw, _ = weight_grad.EXPERT_WEIGHT_GRAD(d_pre.to(rows.dtype), rows, 1, route.sorted_ids, route.block_expert,
+                                               route.num_padded, weight.shape[0],
+                                               route.aligned_block_m or config.block_m, False, weight.dtype)
+        d_weight = dw * scale if scale != 1.0 else dw
+    return d_rows, d_weight
 
 
 def _epilogue_backward(a: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                        topk_weights: Optional[torch.Tensor], grad_out: torch.Tensor, route: GemmRoute,
-                       config: GemmConfig, p: dict[str, Any], activation: Optional[ActivationConfig]
-                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       config: GemmConfig, p: dict[str, Any], activation: Optional[ActivationConfig],
+                       update: Optional[GemmUpdate] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(d_pre, d_topk)`` through an epilogue with an activation or routing weights: the pre-activation rows
-    recomputed by the same kernel in fp32 (``[copies, N_w]``, in the weight's row order), the epilogue's derivative
-    by torch autograd on them."""
+    (with the low-rank update, where there is one) recomputed by the same kernel in fp32 (``[copies, N_w]``, in the
+    weight's row order), the epilogue's derivative by torch autograd on them."""
     pre, _ = grouped_gemm(GemmRows(a, rows_per_a=p["rows_per_a"]), GemmWeight(weight), route,
-                          GemmEpilogue(torch.float32, bias=bias), config)
+                          GemmEpilogue(torch.float32, bias=bias), config, update)
     with torch.enable_grad():
         pre_leaf = pre.detach().requires_grad_()
         weights_leaf = topk_weights.detach().float().requires_grad_() if topk_weights is not None else None

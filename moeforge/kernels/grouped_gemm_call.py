@@ -124,6 +124,16 @@ class GemmEpilogue:
     fp8_out: bool = False
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class GemmUpdate:
+    """A low-rank update added to the product before the epilogue: ``scale * rows[c] @ weight[expert of c]^T`` for copy
+    ``c`` (an adapter's, :mod:`moeforge.adapters`)."""
+
+    rows: torch.Tensor  # [num_copies, R], copy order, contiguous rows
+    weight: torch.Tensor  # [E, N_w, R]: the GEMM weight's experts and rows; the rows' float dtype
+    scale: float = 1.0
+
+
 @functools.lru_cache(maxsize=1024)
 def _config_of(values: tuple[int, ...]) -> GemmConfig:
     """:func:`decode_config`, once per distinct list (a launch decodes the same few configurations over and over)."""
@@ -167,6 +177,9 @@ def launch(
     aligned_block_m: int = 0,
     weight_scale_max: int = 255,
     weight_shuffled: bool = False,
+    update_rows: Optional[torch.Tensor] = None,
+    update_weight: Optional[torch.Tensor] = None,
+    update_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::moe_gemm`` op's implementation, the one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`,
     imported when first called: this module imports no Triton): ``(out, out_scale)``, where ``out_scale`` is the
@@ -174,7 +187,8 @@ def launch(
     only, which fills these positional arguments from operand records. ``config``: the launch configuration as
     :func:`encode_config` writes it (a list of another length is a ``ValueError``); ``aligned_block_m``: the block the
     rows were aligned with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255:
-    none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`)."""
+    none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`);
+    ``update_*``: a low-rank update (:class:`GemmUpdate`)."""
     from moeforge.kernels import moe_gemm as kernel
 
     out, out_scale = outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
@@ -185,26 +199,30 @@ def launch(
         topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit,
         out_scale=out_scale if fp8_out else None, aligned_block_m=aligned_block_m or None,
         weight_scale_max=weight_scale_max if weight_scale_max < NO_SCALE_BOUND else None,
-        weight_shuffled=weight_shuffled)
+        weight_shuffled=weight_shuffled, update_rows=update_rows, update_weight=update_weight,
+        update_scale=update_scale)
     return out, out_scale
 
 
-# The op's one caller in the package: the op where torch.compile, autograd or a dispatch mode needs it, else launch.
-MOE_GEMM = KernelOp("moeforge::moe_gemm", launch)
+# The op's one caller in the package: the op where torch.compile or a dispatch mode needs it, else launch (under the
+# op's backward where autograd records the call).
+MOE_GEMM = KernelOp("moeforge::moe_gemm", launch, differentiable=True)
 
 
-def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue: GemmEpilogue, config: GemmConfig
-                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue: GemmEpilogue, config: GemmConfig,
+                 update: Optional[GemmUpdate] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(out, out_scale)`` of the grouped GEMM (``torch.ops.moeforge.moe_gemm``, launching
     :func:`moeforge.kernels.moe_gemm.moe_gemm`): ``out [num_copies, N]`` where copy ``c``'s row is the epilogue
     of ``rows[c // rows_per_a] @ weight[expert of c]^T``; ``out_scale [num_copies, N / 128]`` with ``fp8_out``,
-    else ``None``. ``config``: the launch configuration, before the launcher fits it to the operands."""
+    else ``None``. ``config``: the launch configuration, before the launcher fits it to the operands. ``update``: a
+    low-rank update added to each copy's product before the epilogue."""
     out, out_scale = MOE_GEMM(
         rows.data, rows.scale, weight.data, weight.scale, weight.zero, weight.global_scale, epilogue.bias,
         epilogue.routing_weights, route.sorted_ids, route.block_expert, route.num_padded, route.num_copies,
         rows.rows_per_a, int(weight.format), rows.global_scale, epilogue.act, epilogue.glu, epilogue.interleaved,
         epilogue.alpha, epilogue.limit, encode_config(config), epilogue.out_dtype, epilogue.fp8_out,
         0 if route.aligned_block_m is None else route.aligned_block_m,
-        NO_SCALE_BOUND if weight.scale_max is None else weight.scale_max, weight.shuffled)
+        NO_SCALE_BOUND if weight.scale_max is None else weight.scale_max, weight.shuffled,
+        *((update.rows, update.weight, float(update.scale)) if update is not None else ()))
     result: torch.Tensor = out
     return result, out_scale if epilogue.fp8_out else None

@@ -49,8 +49,9 @@ def _(a: torch.Tensor, a_scale: Optional[torch.Tensor], weight: torch.Tensor, we
       topk_weights: Optional[torch.Tensor], sorted_ids: torch.Tensor, block_expert: torch.Tensor,
       num_padded: torch.Tensor, num_copies: int, rows_per_a: int, weight_format: int, a_global: float, act: int,
       glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int], out_dtype: torch.dtype,
-      fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255,
-      weight_shuffled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+      fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255, weight_shuffled: bool = False,
+      update_rows: Optional[torch.Tensor] = None, update_weight: Optional[torch.Tensor] = None,
+      update_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     return grouped_gemm_call.outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
 
 
@@ -97,7 +98,7 @@ def _combine_copies(
 
 
 _combine_copies_op = torch.library.custom_op("moeforge::combine", _combine_copies, mutates_args=())
-combine_copies = KernelOp(_combine_copies_op, _combine_copies)
+combine_copies = KernelOp(_combine_copies_op, _combine_copies, differentiable=True)
 
 
 @_combine_copies_op.register_fake
@@ -138,7 +139,7 @@ def _route(
 
 
 _route_op = torch.library.custom_op("moeforge::route", _route, mutates_args=())
-route = KernelOp(_route_op, _route)
+route = KernelOp(_route_op, _route, differentiable=True)
 
 
 @_route_op.register_fake
@@ -172,7 +173,7 @@ def _activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, al
 
 
 _activate_rows_op = torch.library.custom_op("moeforge::activate_rows", _activate_rows, mutates_args=())
-activate_rows = KernelOp(_activate_rows_op, _activate_rows)
+activate_rows = KernelOp(_activate_rows_op, _activate_rows, differentiable=True)
 
 
 @_activate_rows_op.register_fake

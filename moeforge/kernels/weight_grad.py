@@ -27,7 +27,7 @@ slot order costs one pass over the operands and makes the GEMM's loads plain (th
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import attrs
 import torch
@@ -35,9 +35,10 @@ import triton
 import triton.language as tl
 
 from moeforge.kernels import pdl
+from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.launch_plan import TensorDescriptor
-from moeforge.kernels.sizes import cdiv
+from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 
 @attrs.frozen
@@ -102,14 +103,38 @@ def tma_applies(t: torch.Tensor) -> bool:
 # -- the slot order ---------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _first_blocks_kernel(block_expert_ptr, num_padded_ptr, first_ptr, num_blocks, num_experts,
+                         ALIGNED_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    # One program: each expert's used blocks counted (a histogram of the block -> expert table's used entries), their
+    # exclusive running sum is each expert's first block; then the number of used blocks.
+    used_blocks = tl.load(num_padded_ptr) // ALIGNED_M
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    experts = tl.arange(0, BLOCK_E)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        used = blocks < used_blocks
+        owners = tl.load(block_expert_ptr + blocks, mask=used, other=BLOCK_E - 1)
+        unused = tl.sum((~used).to(tl.int32), axis=0)  # counted in the last bin: taken out again
+        counts += tl.histogram(owners, BLOCK_E) - tl.where(experts == BLOCK_E - 1, unused, 0)
+    tl.store(first_ptr + experts, tl.cumsum(counts, axis=0) - counts, mask=experts < num_experts)
+    tl.store(first_ptr + num_experts, used_blocks)
+
+
 def expert_first_blocks(block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int,
                         num_experts: int) -> torch.Tensor:
     """``first[e]`` = the first row block of expert ``e`` (``[E + 1]``; ``first[E]`` = the number of used
-    blocks), from the alignment's block -> expert table (experts in ascending order), on the device."""
-    blocks = torch.arange(block_expert.numel(), device=block_expert.device)
-    used = blocks < num_padded.to(torch.int64) // block_m
-    owners = torch.where(used, block_expert.to(torch.int64), num_experts)
-    return torch.searchsorted(owners, torch.arange(num_experts + 1, device=owners.device)).to(torch.int32)
+    blocks), from the alignment's block -> expert table (experts in ascending order), on the device: one launch."""
+    first = torch.empty(num_experts + 1, dtype=torch.int32, device=block_expert.device)
+    block_e = max(next_power_of_2(num_experts), 2)
+    chunk = max(16, min(1024, next_power_of_2(block_expert.numel())))
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(ALIGNED_M=block_m, BLOCK_E=block_e, CHUNK=chunk), {}
+
+    _FIRST_BLOCKS.launch((block_m, block_e, chunk, block_expert.device), (1,),
+                         (block_expert, num_padded, first, block_expert.numel(), num_experts), make)
+    return first
 
 
 @triton.jit
@@ -140,9 +165,13 @@ def gather_sorted_rows(src: torch.Tensor, slot_ids: torch.Tensor, num_padded: to
     if slots == 0 or width == 0:
         return dst
     block_r, block_w = (32, 128) if src.is_cuda else (16, 32)
-    grid = (cdiv(slots, block_r), cdiv(width, block_w))
-    _gather_sorted_rows_kernel[grid](src, slot_ids, dst, num_padded, num_copies, rows_per_src, width, src.stride(0),
-                                     dst.stride(0), BLOCK_R=block_r, BLOCK_W=block_w)
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(BLOCK_R=block_r, BLOCK_W=block_w), {}
+
+    _GATHER.launch((block_r, block_w, src.device), (cdiv(slots, block_r), cdiv(width, block_w)),
+                   (src, slot_ids, dst, num_padded, num_copies, rows_per_src, width, src.stride(0), dst.stride(0)),
+                   make)
     return dst
 
 
@@ -223,14 +252,19 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     dw_desc = TensorDescriptor.from_tensor(dw, [1, tiles.block_n, tiles.block_k]) if store_tma else None
     dbias = db if db is not None else dw
     grid = (num_experts * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
-    _weight_grad_kernel[grid](
-        dy_desc, x_desc, dw_desc, dy, x, dw, dbias, first,
-        n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0),
-        ALIGNED_M=block_m, HAS_BIAS=with_bias, TMA=tma, STORE_TMA=store_tma,
-        PRECISION="ieee" if rows.dtype == torch.float32 else "tf32",
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+    precision = "ieee" if rows.dtype == torch.float32 else "tf32"
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return (dict(ALIGNED_M=block_m, HAS_BIAS=with_bias, TMA=tma, STORE_TMA=store_tma, PRECISION=precision,
+                     BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k),
+                dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+
+    # (the descriptors' boxes follow the tiles, their dtypes the tensors': both in the key; an absent descriptor is
+    # passed as a tensor the kernel never reads, as moe_gemm's launcher does: the launch's signature stays one)
+    _WEIGHT_GRAD.launch((block_m, with_bias, tma, store_tma, precision, tiles, rows.device), grid, (
+        dy_desc if dy_desc is not None else dy, x_desc if x_desc is not None else x,
+        dw_desc if dw_desc is not None else dw, dy, x, dw, dbias, first,
+        n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0)), make)
     return dw, db
 
 
@@ -243,6 +277,10 @@ def grads_for_op(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sort
                                 with_bias, dtype)
     return dw, db if db is not None else d_rows.new_empty(0, dtype=dtype)
 
+
+_FIRST_BLOCKS = LaunchSite(_first_blocks_kernel)
+_GATHER = LaunchSite(_gather_sorted_rows_kernel)
+_WEIGHT_GRAD = LaunchSite(_weight_grad_kernel)
 
 # What the grouped GEMM's backward formula calls (moeforge.kernels.backward): the op where it is needed, else the
 # function.

@@ -160,8 +160,8 @@ class GivenDispatcher(Dispatcher):
             return "no dispatch stage was given"
         exchanges = isinstance(given, ExchangeDispatch)
         if ep is not None and not exchanges:
-            return (f"an expert-parallel layer needs an expert-parallel dispatcher (AllToAllDispatch or "
-                    f"LowLatencyDispatch), got {given.name}")
+            return (f"an expert-parallel layer needs an expert-parallel dispatcher (AllToAllDispatch, "
+                    f"LowLatencyDispatch or SymmetricDispatch), got {given.name}")
         if ep is None and exchanges:
             return (f"{given.name} exchanges rows between ranks: build the layer with "
                     "expert_parallel=ExpertParallel(num_experts, group)")

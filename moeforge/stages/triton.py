@@ -20,7 +20,8 @@ import torch
 
 from moeforge.errors import BackendUnavailableError, InputError
 from moeforge.kernels.config import ConfigTable, GemmConfig
-from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
+from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
+                                                grouped_gemm)
 from moeforge.no_backward import records_grad
 from moeforge.payloads import Activations, AlignedRows, BlockAlignment, MoEInput, Plan, RoutedTokens, TopKOutput
 from moeforge.spec import (
@@ -237,16 +238,22 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         )
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
+        return self.run(x)
+
+    def run(self, x: AlignedRows, update: Optional[GemmUpdate] = None) -> AlignedRows:
+        """The forward, with ``update`` (a low-rank update, an adapter's: :mod:`moeforge.adapters`) added to the
+        product before the epilogue where given."""
         # Training: the activation runs as its own op, which keeps the pre-activation rows for the backward
         # (no second GEMM there); inference fuses it in the epilogue.
         weight = resolve(self.weight)
         bias = resolve(self.bias) if self.bias is not None else None
         config = x.alignment.config  # chosen by the dispatch for this batch; the spec checked the tables agree
-        if self._act[0] != 0 and not self.apply_routing_weights and records_grad(x.x.data, weight, bias):
+        if self._act[0] != 0 and not self.apply_routing_weights and records_grad(
+                x.x.data, weight, bias, *((update.rows, update.weight) if update is not None else ())):
             gemm = config.gate_up_unfused if self._act[1] else config.gate_up
-            return self.activate(self._launch(x, gemm, _NO_ACTIVATION, weight, bias))
+            return self.activate(self._launch(x, gemm, _NO_ACTIVATION, weight, bias, update))
         return self._launch(x, config.gate_up if self.role is GemmRole.GATE_UP else config.down, self._act, weight,
-                            bias)
+                            bias, update)
 
     def pre_activation(self, x: AlignedRows) -> AlignedRows:
         """The GEMM with its bias (and the routing weights where its epilogue applies them) but without its
@@ -267,7 +274,8 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return dataclasses.replace(rows, x=Activations(kernel_ops().activate_rows(rows.x.data, *self._act)))
 
     def _launch(self, x: AlignedRows, gemm: GemmConfig, act_args: tuple[int, bool, bool, float, float],
-                weight: torch.Tensor, bias: Optional[torch.Tensor]) -> AlignedRows:
+                weight: torch.Tensor, bias: Optional[torch.Tensor], update: Optional[GemmUpdate] = None
+                ) -> AlignedRows:
         alignment = x.alignment
         act, glu, interleaved, alpha, limit = act_args
         out, _ = grouped_gemm(
@@ -278,7 +286,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
             GemmEpilogue(x.x.data.dtype, bias=bias,
                          routing_weights=x.copy_weights if self.apply_routing_weights else None, act=act, glu=glu,
                          interleaved=interleaved, alpha=alpha, limit=limit),
-            gemm,
+            gemm, update,
         )
         return dataclasses.replace(x, x=Activations(out), copy_major=True)
 

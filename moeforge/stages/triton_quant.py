@@ -28,7 +28,8 @@ from moeforge.errors import InputError
 from moeforge.expert_weights import ProjectionWeights
 from moeforge.kernels.config import ConfigTable, GemmConfig
 from moeforge.kernels.formats import WeightFormat, weight_operand
-from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight, grouped_gemm
+from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
+                                                grouped_gemm)
 from moeforge.kernels import shuffle
 from moeforge.kernels.scale_bound import ScaleCodeBound
 from moeforge.payloads import GROUP_SIZE, Activations, AlignedRows, BlockAlignment, ExpertRows, RoutedTokens
@@ -349,9 +350,14 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return attrs.evolve(config, split_k=1) if self.configs.batch_invariant else config
 
     def __call__(self, x: AlignedRows) -> AlignedRows:
+        return self.run(x)
+
+    def run(self, x: AlignedRows, update: Optional[GemmUpdate] = None) -> AlignedRows:
+        """The forward, with ``update`` (a low-rank update on float rows, an adapter's: :mod:`moeforge.adapters`)
+        added to the product before the epilogue where given."""
         config = self.gemm_config(x.alignment)
         fp8_out = self._fp8_epilogue and config.block_n % GROUP_SIZE == 0
-        rows = self._launch(x, config, self._act, fp8_out)
+        rows = self._launch(x, config, self._act, fp8_out, update)
         if rows.x.scale is not None or self.output_quantizer is None:
             return rows
         return self._quantized(rows, activation_args(None))  # the epilogue activated them
@@ -382,7 +388,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return dataclasses.replace(rows, x=Activations(q, scale))
 
     def _launch(self, x: AlignedRows, config: GemmConfig, act_args: tuple[int, bool, bool, float, float],
-                fp8_out: bool) -> AlignedRows:
+                fp8_out: bool, update: Optional[GemmUpdate] = None) -> AlignedRows:
         alignment = x.alignment
         nvfp4_rows = x.x.data.dtype == torch.uint8
         weight_scale = resolve(self.weight_scale)
@@ -401,7 +407,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
             GemmEpilogue(self.out_dtype.torch_dtype, bias=resolve(self.bias) if self.bias is not None else None,
                          routing_weights=x.copy_weights if self.apply_routing_weights else None, act=act, glu=glu,
                          interleaved=interleaved, alpha=alpha, limit=limit, fp8_out=fp8_out),
-            config,
+            config, update,
         )
         return dataclasses.replace(x, x=Activations(out, out_scale), copy_major=True)  # keeps a subclass's fields
 

@@ -1,0 +1,258 @@
+# Triton kernels (@triton.jit bodies) are not annotatable; their Python launchers are.
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False
+# mypy: disallow-untyped-decorators=False, disallow-untyped-calls=False
+"""Rows written straight into other GPUs' memory: the kernels of the symmetric-memory expert-parallel exchange.
+
+Every rank of the group holds the same regions at the same offsets of a symmetric allocation (each rank's memory,
+mapped into every other rank's address space over NVLink, :mod:`moeforge.distributed.symmetric`); a rank reaches
+peer ``r``'s copy of a region at its own copy's address plus ``deltas[r]`` elements. Every region these kernels touch
+holds 4-byte elements (rows and scales are copied as 32-bit words; routing weights fp32; counts, origins and adapter
+ids int32), so one ``deltas`` array (int64, in words) serves them all.
+
+* :func:`route`: each copy's position among this rank's copies of its expert, and this rank's copies per global
+  expert into row ``rank`` of every peer's ``[W, E]`` table;
+* :func:`put_rows`: each copy's row (and scales, routing weight, origin and adapter id) into the expert buffer of the
+  rank owning its expert, at the slot the exchanged counts give it — source ranks in rank order, each rank's copies
+  of one expert in copy order (the order of :class:`~moeforge.distributed.LowLatencyDispatch`);
+* :func:`receive`: after the rows arrived, each local expert's valid rows and its slots' routing weights and adapter
+  ids (0 and -1 past them);
+* :func:`return_rows`: each valid expert-buffer row back to the slot of the copy it came from, on its source rank.
+
+A rank must not read what its peers wrote before they all signal (the caller's barrier after each kernel). Under
+Triton's interpreter (CPU) the "peers" are other tensors of the same process at the same distances: the tests check
+the addressing there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from moeforge.kernels.bound_launch import LaunchSite
+from moeforge.kernels.sizes import next_power_of_2
+
+_WORDS = 1024  # words copied per step of a row
+
+
+@triton.jit
+def _route_kernel(experts_ptr, positions_ptr, copies_ptr, table_ptr, deltas_ptr, dropped_ptr, counts_ptr, num_copies,
+                  rank, world, E, capacity, COUNT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    # One program. COUNT: the copies in order, BLOCK at a time (running[e] counts the copies of expert e seen so
+    # far); else the counts were computed (counts_ptr) and are only published.
+    offs_e = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, BLOCK)
+    if COUNT:
+        running = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    else:
+        running = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    for first in range(0, num_copies if COUNT else 0, BLOCK):
+        offs = first + lanes
+        ok = offs < num_copies
+        expert = tl.load(experts_ptr + offs, mask=ok, other=-1)
+        earlier = (expert[:, None] == expert[None, :]) & (lanes[None, :] < lanes[:, None])
+        hit = (expert[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK, BLOCK_E]
+        position = tl.sum(hit * running[None, :], axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(positions_ptr + offs, position, mask=ok)
+        tl.store(copies_ptr + offs, tl.where(position < capacity, offs, -1).to(tl.int64), mask=ok)
+        running += tl.sum(hit, axis=0)
+    if COUNT:
+        tl.store(dropped_ptr, tl.sum(tl.maximum(running - capacity, 0), axis=0).to(tl.int64))
+    for peer in range(world):  # this rank's counts into row `rank` of every rank's table
+        delta = tl.load(deltas_ptr + peer)
+        tl.store(table_ptr + delta + rank * E + offs_e, running, mask=offs_e < E)
+
+
+@triton.jit
+def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_ptr, table_ptr, adapters_ptr,
+                     recv_rows_ptr, recv_scales_ptr, recv_weights_ptr, recv_origins_ptr, recv_adapters_ptr, deltas_ptr,
+                     rank, E, local, slots, capacity, origin_base,
+                     D: tl.constexpr, S: tl.constexpr, TOP_K: tl.constexpr, ROWS_PER_COPY: tl.constexpr,
+                     HAS_ADAPTERS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+    copy = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + copy)
+    if position < capacity:
+        expert = tl.load(experts_ptr + copy).to(tl.int64)
+        owner = expert // local
+        start = position * 0  # this expert's rows from ranks before this one, each up to the capacity
+        for source in range(0, rank):
+            start += tl.minimum(tl.load(table_ptr + source * E + expert), capacity)
+        slot = (expert % local) * slots + start + position
+        delta = tl.load(deltas_ptr + owner)
+        token = copy // TOP_K
+        source = copy if ROWS_PER_COPY else token
+        for first in range(0, D, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            ok = offs < D
+            words = tl.load(rows_ptr + source * D + offs, mask=ok)
+            tl.store(recv_rows_ptr + delta + slot * D + offs, words, mask=ok)
+        if S > 0:
+            offs_s = tl.arange(0, BLOCK_S)
+            ok_s = offs_s < S
+            tl.store(recv_scales_ptr + delta + slot * S + offs_s, tl.load(scales_ptr + source * S + offs_s, mask=ok_s),
+                     mask=ok_s)
+        tl.store(recv_weights_ptr + delta + slot, tl.load(weights_ptr + copy))
+        tl.store(recv_origins_ptr + delta + slot, (origin_base + copy).to(tl.int32))
+        if HAS_ADAPTERS:
+            tl.store(recv_adapters_ptr + delta + slot, tl.load(adapters_ptr + token))
+
+
+@triton.jit
+def _return_rows_kernel(out_ptr, masked_ptr, origins_ptr, ret_ptr, deltas_ptr, slots, copies_per_rank, stride_out,
+                        D: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+    expert = tl.program_id(0).to(tl.int64)
+    valid = tl.load(masked_ptr + expert)
+    for j in range(tl.program_id(1), valid, PROGRAMS):
+        row = expert * slots + j
+        origin = tl.load(origins_ptr + row).to(tl.int64)
+        source = origin // copies_per_rank
+        copy = origin % copies_per_rank
+        delta = tl.load(deltas_ptr + source)
+        for first in range(0, D, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            ok = offs < D
+            tl.store(ret_ptr + delta + copy * D + offs, tl.load(out_ptr + row * stride_out + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def _receive_kernel(table_ptr, weights_ptr, adapters_ptr, masked_ptr, slot_weights_ptr, slot_adapters_ptr, world, E,
+                    first_expert, slots, capacity, HAS_ADAPTERS: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per local expert: its valid rows (each source rank's count up to the capacity, summed), and its
+    # slots' routing weights (0) and adapter ids (-1) past them.
+    expert = tl.program_id(0)
+    valid = 0
+    for source in range(0, world):
+        valid += tl.minimum(tl.load(table_ptr + source * E + first_expert + expert), capacity)
+    tl.store(masked_ptr + expert, valid)
+    for first in range(0, slots, BLOCK):
+        offs = first + tl.arange(0, BLOCK)
+        ok = offs < slots
+        row = expert.to(tl.int64) * slots + offs
+        tl.store(slot_weights_ptr + row, tl.where(offs < valid, tl.load(weights_ptr + row, mask=ok, other=0.0), 0.0),
+                 mask=ok)
+        if HAS_ADAPTERS:
+            tl.store(slot_adapters_ptr + row, tl.where(offs < valid, tl.load(adapters_ptr + row, mask=ok, other=-1), -1),
+                     mask=ok)
+
+
+def words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (contiguous rows) viewed as ``[rows, width]`` 32-bit words (its last dimension's bytes must be a
+    multiple of 4)."""
+    return tensor.reshape(-1, tensor.shape[-1]).view(torch.int32)
+
+
+def route(experts: torch.Tensor, table: torch.Tensor, deltas: torch.Tensor, rank: int, capacity: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each copy's position among this rank's copies of its expert (``experts [copies]`` int32, copy order), its
+    slot in the return buffer (its index, -1 where the position reaches ``capacity``: dropped) and the number
+    dropped (0-d int64); this rank's copies per expert written into row ``rank`` of every rank's ``[W, E]`` int32
+    ``table`` (``deltas [W]``). One program (decode-sized batches: :data:`ROUTE_MAX_COPIES`)."""
+    copies = experts.numel()
+    positions = torch.empty(copies, dtype=torch.int32, device=experts.device)
+    kept = torch.empty(copies, dtype=torch.int64, device=experts.device)
+    dropped = torch.empty((), dtype=torch.int64, device=experts.device)
+
+    _route(experts, positions, kept, table, deltas, dropped, experts, copies, rank, capacity, True)
+    return positions, kept, dropped
+
+
+def publish_counts(counts: torch.Tensor, table: torch.Tensor, deltas: torch.Tensor, rank: int) -> None:
+    """``counts [E]`` (int32, computed elsewhere) into row ``rank`` of every rank's ``[W, E]`` int32 ``table``."""
+    _route(counts, counts, counts, table, deltas, counts, counts, 0, rank, 0, False)
+
+
+def _route(experts: torch.Tensor, positions: torch.Tensor, kept: torch.Tensor, table: torch.Tensor,
+           deltas: torch.Tensor, dropped: torch.Tensor, counts: torch.Tensor, copies: int, rank: int, capacity: int,
+           count: bool) -> None:
+    experts_total = table.numel() // deltas.numel()
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(COUNT=count, BLOCK=32, BLOCK_E=next_power_of_2(experts_total)), dict(num_warps=4)
+
+    _ROUTE.launch(("route", experts_total, count), (1,), (experts, positions, kept, table, deltas, dropped, counts,
+                                                          copies, rank, deltas.numel(), experts_total, capacity), make)
+
+
+# The most copies (tokens x top-k) :func:`route` takes: it walks them in one program, which beyond a decode batch
+# costs more than the sort and scans it replaces.
+ROUTE_MAX_COPIES = 4096
+
+
+def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.Tensor, experts: torch.Tensor,
+             positions: torch.Tensor, table: torch.Tensor, adapters: Optional[torch.Tensor],
+             recv_rows: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_weights: torch.Tensor,
+             recv_origins: torch.Tensor, recv_adapters: Optional[torch.Tensor], deltas: torch.Tensor, *,
+             rank: int, top_k: int, local: int, slots: int, capacity: int, origin_base: int) -> None:
+    """Each copy ``c`` (``experts [T * top_k]`` int32 global experts, ``positions`` int32 among this rank's copies of
+    its expert, sent where below ``capacity``) into the buffers of the rank owning its expert: row ``rows[c]``
+    (``[T * top_k, D]`` words, one row per copy) or ``rows[c // top_k]`` (``[T, D]``, one per token) with its
+    ``scales`` (words), ``weights[c]`` (fp32), origin ``origin_base + c`` and the token's adapter id, at slot
+    ``(expert % local) * slots + start + position`` of ``recv_* [local * slots, ...]``, where ``start`` is the sum of
+    the counts ranks ``0 .. rank - 1`` wrote for the expert in this rank's ``[W, E]`` ``table``, each up to the
+    capacity."""
+    copies = experts.numel()
+    if copies == 0:
+        return
+    width = rows.shape[1]
+    scale_width = scales.shape[1] if scales is not None else 0
+    per_copy = rows.shape[0] == copies and top_k > 1
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return (dict(D=width, S=scale_width, TOP_K=top_k, ROWS_PER_COPY=per_copy, HAS_ADAPTERS=adapters is not None,
+                     BLOCK=min(next_power_of_2(width), _WORDS), BLOCK_S=max(next_power_of_2(scale_width), 1)),
+                dict(num_warps=4))
+
+    _PUT_ROWS.launch(
+        ("rows", width, scale_width, top_k, per_copy, adapters is not None), (copies,),
+        (rows, scales if scales is not None else rows, weights, experts, positions, table,
+         adapters if adapters is not None else experts, recv_rows, recv_scales if recv_scales is not None else recv_rows,
+         recv_weights, recv_origins, recv_adapters if recv_adapters is not None else recv_origins, deltas,
+         rank, table.shape[-1], local, slots, capacity, origin_base), make)
+
+
+def receive(table: torch.Tensor, weights: torch.Tensor, adapters: Optional[torch.Tensor], *, rank: int, local: int,
+            slots: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """After the rows arrived: each local expert's valid rows ``masked_m [local]`` (int32, from this rank's ``[W, E]``
+    ``table``, each source's count up to ``capacity``), the slots' routing weights ``[local, slots]`` with 0 past the
+    valid rows and the adapter ids with -1 there (copies; ``weights``/``adapters`` are the received regions)."""
+    world, experts = table.shape
+    masked = torch.empty(local, dtype=torch.int32, device=table.device)
+    slot_weights = torch.empty(local, slots, dtype=torch.float32, device=table.device)
+    slot_adapters = torch.empty(local, slots, dtype=torch.int32, device=table.device) if adapters is not None else None
+    if local == 0:
+        return masked, slot_weights, slot_adapters
+    block = min(next_power_of_2(slots), 1024)
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(HAS_ADAPTERS=adapters is not None, BLOCK=block), dict(num_warps=4)
+
+    _RECEIVE.launch(("receive", adapters is not None, block), (local,),
+                    (table, weights, adapters if adapters is not None else table, masked, slot_weights,
+                     slot_adapters if slot_adapters is not None else masked, world, experts, rank * local, slots,
+                     capacity), make)
+    return masked, slot_weights, slot_adapters
+
+
+def return_rows(out: torch.Tensor, masked: torch.Tensor, origins: torch.Tensor, ret: torch.Tensor,
+                deltas: torch.Tensor, *, slots: int, copies_per_rank: int) -> None:
+    """The first ``masked[l]`` rows of each expert ``l`` of ``out [L * slots, D]`` (words) to ``ret [copies, D]`` of
+    their source rank, at their copy: ``origins`` (int32, ``[L * slots]``) holds ``source * copies_per_rank + copy``."""
+    local = masked.numel()
+    if local == 0:
+        return
+    width = out.shape[1]
+    programs = min(slots, max(16, 8192 // local))  # about 8192 programs over the experts' rows
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(D=width, BLOCK=min(next_power_of_2(width), _WORDS), PROGRAMS=programs), dict(num_warps=4)
+
+    _RETURN_ROWS.launch(("return", width, programs), (local, programs),
+                        (out, masked, origins, ret, deltas, slots, copies_per_rank, out.stride(0)), make)
+
+
+_ROUTE = LaunchSite(_route_kernel)
+_PUT_ROWS = LaunchSite(_put_rows_kernel)
+_RETURN_ROWS = LaunchSite(_return_rows_kernel)
+_RECEIVE = LaunchSite(_receive_kernel)

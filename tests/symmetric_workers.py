@@ -1,0 +1,232 @@
+"""What the symmetric-memory dispatcher's tests run on every rank (module level, so spawned ranks import them).
+
+On GPUs (NCCL ranks, one GPU each) the dispatcher uses PyTorch's symmetric memory. On CPU ranks (gloo) the tests
+stand in for it with files every rank maps (:func:`emulate_symmetric_memory`): rank ``r``'s window is a shared file,
+each rank maps every peer's, and the distance from its own mapping to a peer's is what the kernels add, as on GPUs;
+``barrier`` is the process group's. The kernels then run in Triton's interpreter and write into the other processes'
+memory, so the exchange itself is exercised on a CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import moeforge as mf
+from moeforge.distributed import ExpertParallel, LowLatencyDispatch, SymmetricDispatch, shard_state_dict
+from moeforge.distributed.symmetric import SymmetricWindow
+from moeforge.errors import InputError
+from moeforge.stages.dispatch import Overflow
+
+E, H, I = 8, 32, 16
+TOKENS = (5, 0, 3, 1)  # per rank (mod 4): rank 1 sends nothing
+
+
+class _FileHandle:
+    """Stands in for a symmetric-memory handle: the process group's barrier; keeps the peers' mappings alive."""
+
+    def __init__(self, mappings: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+        self.mappings, self.group = mappings, group
+
+    def barrier(self, channel: int = 0, timeout_ms: int = 0) -> None:
+        dist.barrier(group=self.group)
+
+
+def emulate_symmetric_memory(folder: str) -> None:
+    """In this (CPU) process: symmetric windows as shared files under ``folder``, and the transport chosen."""
+    counter = itertools.count()
+
+    def allocate(cls: Any, words: int, device: torch.device, group: Optional[dist.ProcessGroup],
+                 timeout_ms: int) -> SymmetricWindow:
+        index, rank, world = next(counter), dist.get_rank(group), dist.get_world_size(group)
+        paths = [os.path.join(folder, f"window-{index}-{r}") for r in range(world)]
+        own = torch.from_file(paths[rank], shared=True, size=words, dtype=torch.int32)
+        own.zero_()
+        dist.barrier(group=group)
+        mappings = [own if r == rank else torch.from_file(paths[r], shared=True, size=words, dtype=torch.int32)
+                    for r in range(world)]
+        deltas = torch.tensor([(m.data_ptr() - own.data_ptr()) // 4 for m in mappings], dtype=torch.int64)
+        window: SymmetricWindow = cls(own, deltas, _FileHandle(mappings, group), timeout_ms)
+        return window
+
+    SymmetricWindow.allocate = classmethod(allocate)  # type: ignore[method-assign, assignment]
+    SymmetricDispatch._why_not = lambda self, device: None  # type: ignore[method-assign]
+
+
+def _randomised(layer: mf.MoELayer, seed: int) -> mf.MoELayer:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in list(layer.parameters()) + list(layer.buffers()):
+            tensor.copy_((torch.randn(tensor.shape, generator=generator) * 0.5).to(tensor.dtype))
+    return layer
+
+
+def _layers(kwargs: dict[str, Any], device: torch.device, dispatchers: dict[str, Any],
+            family: Optional[str] = None) -> tuple[mf.MoELayer, dict[str, mf.MoELayer]]:
+    """(the whole layer, {name: an expert-parallel layer with this rank's slice, built with that dispatcher})."""
+    def build(**extra: Any) -> mf.MoELayer:
+        if family is not None:
+            return mf.MoELayer.from_preset(family, **kwargs, **extra, device=device)
+        return mf.MoELayer(**kwargs, **extra, device=device)
+
+    torch.manual_seed(0)
+    whole = _randomised(build(backend="torch").cpu(), 0).to(device)
+    ep = ExpertParallel(kwargs["num_experts"])
+    parallel = {}
+    for name, make in dispatchers.items():
+        layer = build(backend="torch", expert_parallel=ep, dispatcher=make(ep))
+        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+        parallel[name] = layer
+    return whole, parallel
+
+
+def _tokens(rank: int, device: torch.device, dtype: torch.dtype = torch.float32, count: Optional[int] = None,
+            seed: int = 0) -> torch.Tensor:
+    count = TOKENS[rank % len(TOKENS)] if count is None else count
+    generator = torch.Generator().manual_seed(100 + rank + 1000 * seed)
+    return torch.randn(count, H, generator=generator).to(dtype).to(device)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape, f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    if not want.numel():
+        return 0.0
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
+
+
+def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str = "") -> dict[str, Any]:
+    """The symmetric dispatcher's layer against the whole layer and, bit for bit, the NCCL low-latency one: float
+    rows, routing weights on the input (Llama 4), FP8 rows with their per-128-group scales, a capacity that drops,
+    three calls in a row (the buffers reused), a rank with no tokens, a training step (the NCCL transport's
+    backward)."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        emulate_symmetric_memory(folder)
+    out: dict[str, Any] = {"errors": {}, "describe": ""}
+    errors = out["errors"]
+    cases: dict[str, tuple[dict[str, Any], Optional[str], dict[str, Any]]] = {
+        "float": (dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=torch.float32), None, {}),
+        "top-k = experts": (dict(num_experts=E, top_k=E, hidden_size=H, intermediate_size=I, dtype=torch.float32),
+                            None, {}),
+        "llama4": (dict(num_experts=E, top_k=1, hidden_size=H, intermediate_size=I, dtype=torch.float32), "llama4",
+                   {"apply_routing_weights": True}),
+    }
+    for name, (kwargs, family, options) in cases.items():
+        whole, parallel = _layers(kwargs, device, {
+            "symmetric": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, **options),
+            "low_latency": lambda ep, options=options: LowLatencyDispatch(ep, max_tokens=8, **options)}, family)
+        for call in range(3):  # the windows reused; each call its own tokens
+            x = _tokens(rank, device, seed=call, count=8 if call == 2 else None)
+            with torch.no_grad():
+                want, got, same = whole(x), parallel["symmetric"](x), parallel["low_latency"](x)
+            errors[f"{name}/{call}"] = _rel(got, want)
+            assert torch.equal(got, same), f"{name} call {call}: the two transports differ"
+        if name == "float":
+            out["describe"] = parallel["symmetric"].describe()
+
+    # a stack of expert adapters: each copy's adapter id travels beside its row
+    from moeforge.adapters import ExpertAdapter
+
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=torch.float32,
+                  adapter=ExpertAdapter(rank=2, alpha=4, count=3))
+    whole, parallel = _layers(kwargs, device, {"symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8),
+                                               "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8)})
+    x = _tokens(rank, device)
+    ids = ((torch.arange(x.shape[0]) + rank) % 4 - 1).to(device)  # every adapter and none
+    with torch.no_grad():
+        got, same = parallel["symmetric"](x, adapter_ids=ids), parallel["low_latency"](x, adapter_ids=ids)
+        want = whole(x, adapter_ids=ids)
+    assert torch.equal(got, same), "adapters: the two transports differ"
+    errors["adapters"] = _rel(got, want)
+
+    # FP8 rows and their per-128-group scales on the wire (scales are words too)
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float32)
+    torch.manual_seed(0)
+    method = lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group")  # noqa: E731
+    whole = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, device=device)
+    ep = ExpertParallel(E)
+    fp8 = {}
+    for name, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8)),
+                             ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
+        layer = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, expert_parallel=ep,
+                            dispatcher=dispatcher, device=device)
+        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+        layer.process_weights_after_loading()
+        fp8[name] = layer
+    x = torch.randn(TOKENS[rank % 4], 128, generator=torch.Generator().manual_seed(7 + rank)).to(device)
+    with torch.no_grad():
+        got, same, want = fp8["symmetric"](x), fp8["low_latency"](x), whole(x)
+    assert torch.equal(got, same), "fp8: the two transports differ"
+    errors["fp8"] = _rel(got, want)
+
+    # a capacity that drops copies (8 tokens' 16 copies over 8 experts: one expert gets two): the same copies as the
+    # NCCL transport drops; with the copies placed by the routing kernel (decode batches) and by the sort and scans
+    # (prefill batches, here with the kernel's limit at 0)
+    from moeforge.kernels import symmetric_rows
+
+    limit = symmetric_rows.ROUTE_MAX_COPIES
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=torch.float32)
+    for route_limit in (limit, 0):
+        symmetric_rows.ROUTE_MAX_COPIES = route_limit
+        for capacity in (None, 1):
+            whole, parallel = _layers(kwargs, device, {
+                "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8, capacity=capacity, overflow=Overflow.DROP),
+                "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8, capacity=capacity,
+                                                             overflow=Overflow.DROP)})
+            x = _tokens(rank, device, count=8)
+            with torch.no_grad():
+                got, same, want = parallel["symmetric"](x), parallel["low_latency"](x), whole(x)
+            assert torch.equal(got, same), f"capacity {capacity}, route limit {route_limit}: the transports differ"
+            if capacity is None:
+                errors[f"route limit {route_limit}"] = _rel(got, want)
+            else:
+                out["dropped_changes_output"] = _rel(got, want) > 1e-3
+    symmetric_rows.ROUTE_MAX_COPIES = limit
+
+    # overflow=ERROR: every rank raises together (rank 1 sends nothing, yet learns of the others' overflow)
+    parallel = _layers(kwargs, device, {"symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8, capacity=1)})[1]
+    try:
+        with torch.no_grad():
+            parallel["symmetric"](_tokens(rank, device, count=8 if rank != 1 else 0))
+    except InputError as error:
+        out["overflow_raised"] = "capacity overflow" in str(error)
+
+    # a call larger than max_tokens is refused before any exchange, on every rank alike
+    try:
+        with torch.no_grad():
+            parallel["symmetric"](_tokens(rank, device, count=9))
+    except InputError as error:
+        out["too_many"] = "max_tokens=8" in str(error)
+
+    # training: the NCCL transport carries the backward; the gradients equal the whole layer's
+    whole, parallel = _layers(cases["float"][0], device, {
+        "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8)})
+    x = _tokens(rank, device, count=5)
+    rows = x.clone().requires_grad_()
+    got = parallel["symmetric"](rows)
+    (grad,) = torch.autograd.grad((got * (1 + torch.arange(H, device=device))).sum(), [rows])
+    rows = x.clone().requires_grad_()
+    want = whole(rows)
+    (want_grad,) = torch.autograd.grad((want * (1 + torch.arange(H, device=device))).sum(), [rows])
+    errors["train/output"] = _rel(got, want)
+    errors["train/grad"] = _rel(grad, want_grad)
+    return out
+
+
+def symmetric_without_its_transport(rank: int, world: int) -> dict[str, Any]:
+    """CPU ranks without the emulation: the dispatcher serves through the NCCL/gloo low-latency exchange and says
+    why."""
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=torch.float32)
+    whole, parallel = _layers(kwargs, torch.device("cpu"), {"symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8)})
+    described_before = parallel["symmetric"].describe()
+    x = _tokens(rank, torch.device("cpu"))
+    with torch.no_grad():
+        error = _rel(parallel["symmetric"](x), whole(x))
+    return {"error": error, "before": described_before, "after": parallel["symmetric"].describe()}

@@ -1,0 +1,52 @@
+"""The symmetric-memory expert-parallel dispatcher (:mod:`moeforge.distributed.symmetric`), on every rank of a group.
+
+CPU: gloo ranks with the symmetric windows emulated by shared files (tests/symmetric_workers.py), the kernels in
+Triton's interpreter writing into the other processes' memory. GPU: NCCL ranks, one GPU each, PyTorch's symmetric
+memory (needs two GPUs of one host).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import symmetric_workers
+from moeforge.testing.distributed import run_ranks
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+
+def _check(results: list[dict[str, Any]], transport: str) -> None:
+    for result in results:
+        assert max(result["errors"].values()) < 1e-4, result["errors"]
+        assert result["dropped_changes_output"]
+        assert result["too_many"] and result["overflow_raised"]
+    assert transport in results[0]["describe"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the emulated windows are CPU memory: on a GPU machine the GPU "
+                    "test below runs the real transport")
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_symmetric_dispatcher_equals_the_whole_layer_and_the_nccl_transport(world: int, tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    results = run_ranks(symmetric_workers.symmetric_layers_match, world, "cpu", str(tmp_path), timeout=600)
+    _check(results, "symmetric memory (NVLink)")
+
+
+def test_without_symmetric_memory_the_low_latency_exchange_serves_and_describe_says_why() -> None:
+    results = run_ranks(symmetric_workers.symmetric_without_its_transport, 2, timeout=300)
+    for result in results:
+        assert result["error"] < 1e-5
+        assert "transport chosen at the first call" in result["before"]
+        assert "NCCL low-latency exchange: the rows are not on a CUDA device" in result["after"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_on_gpus_of_one_host_the_symmetric_dispatcher_equals_the_whole_layer(world: int) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    results = run_ranks(symmetric_workers.symmetric_layers_match, world, "cuda", backend="nccl", timeout=600)
+    _check(results, "symmetric memory (NVLink)")

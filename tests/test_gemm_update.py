@@ -1,0 +1,159 @@
+"""The grouped GEMM's low-rank update (``moe_gemm(..., update_rows=U, update_weight=B, update_scale=s)``): the
+product of every copy gains ``s * U[copy] @ B[expert]^T`` before the epilogue, one more K-step of the kernel (an
+adapter's update, :mod:`moeforge.adapters`). Checked against float64 through the whole epilogue (the gated
+activation on both gate/up layouts, bias, routing weights, a split K-loop), and in every weight format by
+linearity (the output with the update less the output without it is the update, with no activation), the swapped
+4-bit product included. On CPU under Triton's interpreter, on a GPU compiled; outputs poisoned with NaN.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import moeforge as mf  # noqa: E402
+from moeforge.kernels import align, moe_gemm, ops  # noqa: E402,F401  (ops: the custom ops registered)
+from moeforge.kernels.config import GemmConfig  # noqa: E402
+from moeforge.stages.activation import apply_activation  # noqa: E402
+from moeforge.stages.triton import act_code  # noqa: E402
+from test_weight_tma import CUDA, DEVICE, DTYPE, FORMATS, operands  # noqa: E402
+
+SMALL = GemmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
+FLOATS = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+GATED = {"concatenated": mf.ActivationConfig(),
+         "interleaved": mf.ActivationConfig(mf.ActivationKind.SWIGLU, gate_up=mf.GateUpLayout.INTERLEAVED)}
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out.float()).any(), "an output element was not written"
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
+
+
+def _routing(tokens: int, experts: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    # the last expert gets no rows (its weight and update rows are read past N only)
+    return torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("rank", [16, 5])
+@pytest.mark.parametrize("layout", sorted(GATED) + ["plain"])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, layout: str, rank: int,
+                                                            split_k: int) -> None:
+    tokens, k, experts, hidden, n_out, scale = 9, 2, 5, 64, 24, 0.75
+    gen = torch.Generator().manual_seed(rank + split_k)
+    act: Optional[mf.ActivationConfig] = GATED.get(layout)
+    n_w = 2 * n_out if act is not None else n_out
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(experts, n_w, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, dtype)
+    bias = torch.randn(experts, n_w, generator=gen).to(DEVICE, dtype)
+    u = torch.randn(tokens * k, rank, generator=gen).to(DEVICE, dtype)
+    ub = (torch.randn(experts, n_w, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
+    ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    plan = align.align_block_size(ids, experts, SMALL.block_m)
+    out = torch.full((tokens * k, n_out), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=k, config=SMALL, bias=bias, topk_weights=weights.reshape(-1),
+                      act=act_code(act) if act is not None else 0, glu=act is not None,
+                      interleaved=act is not None and act.gate_up is mf.GateUpLayout.INTERLEAVED, split_k=split_k,
+                      update_rows=u, update_weight=ub, update_scale=scale)
+    flat = ids.reshape(-1).long()
+    copies = torch.arange(tokens * k, device=DEVICE)
+    pre = (torch.einsum("ch,cnh->cn", x.double()[copies // k], w.double()[flat]) + bias.double()[flat]
+           + scale * torch.einsum("cr,cnr->cn", u.double(), ub.double()[flat]))
+    ref = (apply_activation(pre, act) if act is not None else pre) * weights.double().reshape(-1, 1)
+    assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["", "swapped"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_update_adds_to_the_product_of_every_weight_format(fmt: str, swap: bool) -> None:
+    if swap and not (fmt.startswith("int4") or fmt in ("mxfp4", "nvfp4")):
+        pytest.skip("the swapped product is the 4-bit weights'")
+    tokens, k, experts, hidden, n_out = 7, 2, 4, 128, 32
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    w = (torch.randn(experts, n_out, hidden, generator=gen) * hidden ** -0.5).to(DEVICE)
+    args: dict[str, Any] = operands(fmt, rows, w)
+    a, weight = args.pop("a"), args.pop("weight")
+    if fmt.startswith("int4") or fmt in ("mxfp4", "nvfp4"):
+        args["swap"] = swap
+    u = torch.randn(tokens * k, 16, generator=gen).to(DEVICE, DTYPE)
+    ub = (torch.randn(experts, n_out, 16, generator=gen) * 0.25).to(DEVICE, DTYPE)
+    ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    plan = align.align_block_size(ids, experts, 16)
+    config = GemmConfig(16, 32, 32 if fmt != "nvfp4-rows" else 64, num_warps=4, num_stages=1)
+    outs = []
+    for update in (False, True):
+        out = torch.full((tokens * k, n_out), float("nan"), dtype=DTYPE, device=DEVICE)
+        extra: dict[str, Any] = dict(update_rows=u, update_weight=ub, update_scale=2.0) if update else {}
+        moe_gemm.moe_gemm(a, weight, out, *plan, rows_per_a=k, config=config, **args, **extra)
+        outs.append(out)
+    want = 2.0 * torch.einsum("cr,cnr->cn", u.double(), ub.double()[ids.reshape(-1).long()])
+    # (both outputs rounded to DTYPE: the difference carries their roundings, relative to the output's size)
+    assert _rel(outs[1].double() - outs[0].double(), want) < 2e-2
+
+
+def test_a_bad_update_is_refused_naming_what_does_not_fit() -> None:
+    x = torch.randn(4, 32, device=DEVICE)
+    w = torch.randn(3, 16, 32, device=DEVICE)
+    out = torch.empty(8, 16, device=DEVICE)
+    plan = align.align_block_size(torch.tensor([[0, 1]] * 4, dtype=torch.int32, device=DEVICE), 3, 16)
+    u, ub = torch.randn(8, 4, device=DEVICE), torch.randn(3, 16, 4, device=DEVICE)
+    cases = [(dict(update_rows=u), "together"), (dict(update_rows=u[:5], update_weight=ub), "num_copies=8"),
+             (dict(update_rows=u, update_weight=ub[:, :8]), r"\[E, N_w, R\]"),
+             (dict(update_rows=u.t().contiguous().t(), update_weight=ub), "contiguous rows"),
+             (dict(update_rows=u.half(), update_weight=ub), "one float dtype")]
+    for extra, words in cases:
+        with pytest.raises(ValueError, match=words):
+            moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=2, config=SMALL, **extra)
+
+
+@pytest.mark.parametrize("weights_in_epilogue", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_update_differentiates_with_the_grouped_gemm(gated: bool, weights_in_epilogue: bool) -> None:
+    # Through grouped_gemm (the op's backward): the rows, the weight, the update's rows and weight, against float64
+    # autograd of the same formula; a gated activation or routing weights in the epilogue take the recomputed
+    # pre-activation (with the update) and autograd over the epilogue.
+    from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
+                                                    grouped_gemm)
+
+    tokens, k, experts, hidden, n_out, rank, scale = 6, 2, 4, 32, 16, 8, 0.5
+    gen = torch.Generator().manual_seed(7)
+    act = GATED["concatenated"] if gated else None
+    n_w = 2 * n_out if gated else n_out
+    leaves = {"x": torch.randn(tokens, hidden, generator=gen),
+              "w": torch.randn(experts, n_w, hidden, generator=gen) * hidden ** -0.5,
+              "u": torch.randn(tokens * k, rank, generator=gen),
+              "ub": torch.randn(experts, n_w, rank, generator=gen) * rank ** -0.5}
+    weights = torch.rand(tokens * k, generator=gen).to(DEVICE) if weights_in_epilogue else None
+    ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids, experts, 16)
+    got_leaves = {name: value.to(DEVICE).requires_grad_() for name, value in leaves.items()}
+    out, _ = grouped_gemm(GemmRows(got_leaves["x"], rows_per_a=k), GemmWeight(got_leaves["w"]),
+                          GemmRoute(sorted_ids, block_expert, num_padded, tokens * k),
+                          GemmEpilogue(torch.float32, routing_weights=weights, act=act_code(act) if act else 0,
+                                       glu=gated, alpha=act.alpha if act else 1.0, limit=act.limit if act else 0.0),
+                          SMALL, GemmUpdate(got_leaves["u"], got_leaves["ub"], scale))
+    upstream = torch.randn(out.shape, generator=gen).to(DEVICE)
+    got = torch.autograd.grad(out, list(got_leaves.values()), upstream)
+    ref_leaves = {name: value.double().to(DEVICE).requires_grad_() for name, value in leaves.items()}
+    flat = ids.reshape(-1).long()
+    copies = torch.arange(tokens * k, device=DEVICE)
+    pre = (torch.einsum("ch,cnh->cn", ref_leaves["x"][copies // k], ref_leaves["w"][flat])
+           + scale * torch.einsum("cr,cnr->cn", ref_leaves["u"], ref_leaves["ub"][flat]))
+    ref = apply_activation(pre, act) if act is not None else pre
+    if weights is not None:
+        ref = ref * weights.double()[:, None]
+    assert _rel(out, ref) < 1e-5
+    want = torch.autograd.grad(ref, list(ref_leaves.values()), upstream.double())
+    for name, g, w in zip(got_leaves, got, want):
+        assert _rel(g, w) < 1e-5, name
