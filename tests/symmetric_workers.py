@@ -146,6 +146,10 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     assert torch.equal(got, same), "adapters: the two transports differ"
     errors["adapters"] = _rel(got, want)
 
+    # the rows block-aligned for the triton expert GEMMs (the layer sets the launch table where its backend is triton;
+    # on CPU ranks the pipeline is built by hand, the kernels in the interpreter)
+    errors.update(_triton_experts_behind_it(rank, device))
+
     # FP8 rows and their per-128-group scales on the wire (scales are words too)
     kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float32)
     torch.manual_seed(0)
@@ -230,3 +234,41 @@ def symmetric_without_its_transport(rank: int, world: int) -> dict[str, Any]:
     with torch.no_grad():
         error = _rel(parallel["symmetric"](x), whole(x))
     return {"error": error, "before": described_before, "after": parallel["symmetric"].describe()}
+
+
+def _triton_experts_behind_it(rank: int, device: torch.device) -> dict[str, float]:
+    """fp16 rows through ``SymmetricDispatch`` aligned for the triton GEMMs: equal to the whole layer (and, on a GPU,
+    the layer picks the triton experts behind it by itself)."""
+    from moeforge.kernels.config import ConfigTable
+    from moeforge.stages.triton import FusedGroupedGemm
+
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=64, dtype=torch.float16)
+    torch.manual_seed(0)
+    whole = _randomised(mf.MoELayer(**kwargs, backend="torch").cpu(), 0).to(device)
+    ep = ExpertParallel(E)
+    x = torch.randn(TOKENS[rank % 4] + 2, 128, generator=torch.Generator().manual_seed(9 + rank)).half().to(device)
+    errors = {}
+    if device.type == "cuda":
+        layer = mf.MoELayer(**kwargs, backend="triton", expert_parallel=ep, device=device,
+                            dispatcher=SymmetricDispatch(ep, max_tokens=8))
+        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+        described = layer.describe()
+        assert "FusedGroupedGemm" in described and "block-aligned" in described, described
+        with torch.no_grad():
+            errors["triton layer"] = _rel(layer(x), whole(x))
+        return errors
+    parallel = mf.MoELayer(**kwargs, backend="torch", expert_parallel=ep)
+    parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
+    table = ConfigTable(E, 2)
+    dispatch = SymmetricDispatch(ep, max_tokens=8, configs=table)
+    stages: list[mf.Stage[Any, Any]] = [
+        mf.TopK(E, 2, parallel.routing), dispatch,
+        FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None, mf.ActivationConfig()),
+        FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table),
+        dispatch.combine_stage(out_dtype=mf.DType.FP16)]
+    pipeline = mf.Pipeline(stages, mf.input_spec(128, torch.float16, E), debug=True)
+    assert "block-aligned" in pipeline.describe(), pipeline.describe()
+    with torch.no_grad():
+        got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
+        errors["triton pipeline"] = _rel(got, whole(x))
+    return errors

@@ -44,8 +44,9 @@ from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.low_latency import LowLatencyDispatch
 from moeforge.errors import InputError
 from moeforge.no_backward import records_grad
-from moeforge.payloads import Activations, PaddedRows, Plan, RoutedTokens
-from moeforge.spec import Spec
+from moeforge.kernels.config import ConfigTable
+from moeforge.payloads import Activations, AlignedRows, ExpertRows, PaddedRows, Plan, RoutedTokens
+from moeforge.spec import Layout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.dispatch import Overflow, overflow_choice
 
@@ -125,8 +126,8 @@ class SymmetricPlan(Plan):
         from moeforge.kernels.symmetric_rows import return_rows, words
 
         dispatch, top_k = self.dispatch, self.token_copies.shape[1]
+        rows = rows.reshape(self.masked_m.shape[0], -1, rows.shape[-1]).contiguous()  # ([L * S, H]: aligned rows)
         slots = rows.shape[1]
-        rows = rows.contiguous()
         width = _word_width(rows)
         if width is None:  # (an odd width of fp16 rows): the buffers carry whole words only
             raise InputError(f"SymmetricDispatch returns rows as 32-bit words: rows of {rows.shape[-1]} "
@@ -145,12 +146,14 @@ class SymmetricPlan(Plan):
 
 
 @attrs.frozen(eq=False)
-class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
+class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     """Fixed-capacity exchange over symmetric memory (see the module docstring). ``max_tokens``: the most tokens a
     rank passes per call (a larger batch is an ``InputError``); ``capacity``: rows per (source rank, expert), default
     ``max_tokens`` (never overflows); ``overflow``: what happens to the copies beyond it (as
     :class:`~moeforge.distributed.LowLatencyDispatch`); ``timeout_ms``: how long a barrier waits for the other ranks
-    before it fails the process."""
+    before it fails the process; ``configs`` (the triton expert GEMMs' launch table): the rows leave ``BLOCK_ALIGNED``
+    (each slot one copy, the valid ones aligned on the device) for the triton GEMMs instead of ``EXPERT_PADDED``.
+    A layer given this dispatcher with the triton backend sets ``configs`` itself."""
 
     kinds: ClassVar = (StageKind.DISPATCH,)
     ep: ExpertParallel
@@ -159,6 +162,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
     overflow: Overflow = attrs.field(default=Overflow.ERROR, converter=overflow_choice)
     apply_routing_weights: bool = False
     timeout_ms: int = 30_000
+    configs: Optional[ConfigTable] = None
     fallback: LowLatencyDispatch = attrs.field(init=False, repr=False)
     _state: dict[Any, Any] = attrs.field(init=False, factory=dict, repr=False)
 
@@ -211,13 +215,21 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
         chosen = [reason for key, reason in self._state.items() if isinstance(key, tuple) and key[0] == "transport"]
         how = ("transport chosen at the first call" if not chosen else
                "symmetric memory (NVLink)" if chosen[-1] is None else f"NCCL low-latency exchange: {chosen[-1]}")
-        return (f"SymmetricDispatch(rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
+        layout = "block-aligned, " if self.configs is not None else ""
+        return (f"SymmetricDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
                 f"capacity={self.slots}, overflow={self.overflow.value}{extra}; {how})")
 
-    def output_spec(self, spec: Spec) -> Spec:
-        return self.fallback.output_spec(spec)  # the same rows, whichever transport carries them
+    @property
+    def block_aligned(self) -> bool:
+        return self.configs is not None
 
-    def __call__(self, x: RoutedTokens) -> PaddedRows:
+    def output_spec(self, spec: Spec) -> Spec:
+        padded = self.fallback.output_spec(spec)  # the same rows, whichever transport carries them
+        if self.configs is None:
+            return padded
+        return padded.evolve(layout=Layout.BLOCK_ALIGNED, alignment=self.configs.alignment())
+
+    def __call__(self, x: RoutedTokens) -> ExpertRows:
         tokens, top_k = x.topk.ids.shape
         if tokens > self.max_tokens:
             raise InputError(f"SymmetricDispatch got {tokens} tokens; its buffers hold max_tokens={self.max_tokens} "
@@ -225,8 +237,30 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
         data = x.x.data
         if (records_grad(data, x.topk.weights) or self.transport(data.device) is not None
                 or _word_width(data) is None or (x.x.scale is not None and _word_width(x.x.scale) is None)):
-            return self.fallback(x)
-        return self._exchange(x)
+            padded = self.fallback(x)
+        else:
+            padded = self._exchange(x)
+        return padded if self.configs is None else self._aligned(padded, tokens * top_k)
+
+    def _aligned(self, padded: PaddedRows, copies: int) -> AlignedRows:
+        """``padded`` flattened to one copy per slot (``[L * S, H]``) for the triton GEMMs, its valid rows aligned
+        (:func:`~moeforge.distributed.padded_alignment.padded_alignment`; the tile chosen for this rank's own copies,
+        what a rank receives on average)."""
+        from moeforge.distributed.padded_alignment import padded_alignment
+
+        assert self.configs is not None
+        local, slots = padded.masked_m.shape[0], padded.x.data.shape[1]
+        alignment = padded_alignment(padded.masked_m, slots, self.configs.lookup(max(copies, 1)))
+        scale = padded.x.scale
+        if scale is not None:
+            scale = scale.reshape(local * slots, *scale.shape[2:])
+        adapter_ids = padded.adapter_ids.reshape(-1) if padded.adapter_ids is not None else None
+        copy_experts = None
+        if adapter_ids is not None:
+            copy_experts = torch.arange(local, dtype=torch.int32, device=padded.masked_m.device).repeat_interleave(slots)
+        return AlignedRows(Activations(padded.x.data.reshape(local * slots, -1), scale), alignment, copy_major=False,
+                           copy_weights=padded.slot_weights.reshape(-1), plan=padded.plan, adapter_ids=adapter_ids,
+                           copy_experts=copy_experts)
 
     def _exchange(self, x: RoutedTokens) -> PaddedRows:
         from moeforge.kernels import symmetric_rows as kernels

@@ -172,6 +172,11 @@ class GivenDispatcher(Dispatcher):
     @classmethod
     def layout_problem(cls, config: LayerConfig, layout: Layout) -> Optional[str]:
         delivered = cls._layout(config)
+        if layout is Layout.BLOCK_ALIGNED and cls._aligns(config):
+            if config.weights_on_input:
+                return ("the triton path cannot apply routing weights on the input yet (RoutingWeights.ON_INPUT): "
+                        "use backend='torch'")
+            return None
         if layout is not delivered:
             return f"{cls._stage(config).name} delivers {delivered.value} rows"
         return None
@@ -179,7 +184,23 @@ class GivenDispatcher(Dispatcher):
     @classmethod
     def stages(cls, layer: torch.nn.Module, config: LayerConfig, layout: Layout, configs: Optional[ConfigTable]
                ) -> tuple[Stage[Any, Any], Optional[Stage[Any, Any]]]:
-        return cls._stage(config), combine_for(config)
+        import attrs
+
+        from moeforge.distributed.symmetric import SymmetricDispatch
+
+        stage = cls._stage(config)
+        if layout is Layout.BLOCK_ALIGNED and isinstance(stage, SymmetricDispatch) and stage.configs is None:
+            assert configs is not None, "block-aligned rows are aligned by the experts' launch table"
+            stage = attrs.evolve(stage, configs=configs)
+        return stage, combine_for(config)
+
+    @staticmethod
+    def _aligns(config: LayerConfig) -> bool:
+        """Whether the given stage can also deliver ``BLOCK_ALIGNED`` rows for the triton GEMMs, given their launch
+        table (:class:`~moeforge.distributed.SymmetricDispatch`'s ``configs``)."""
+        from moeforge.distributed.symmetric import SymmetricDispatch
+
+        return isinstance(config.dispatcher, SymmetricDispatch)
 
     @staticmethod
     def _stage(config: LayerConfig) -> Stage[Any, Any]:

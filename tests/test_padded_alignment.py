@@ -1,0 +1,34 @@
+"""The block alignment of fixed-capacity expert buffers (moeforge.distributed.padded_alignment) against a plain
+reading of what it must say."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeforge.distributed.padded_alignment import padded_alignment
+from moeforge.kernels.config import GemmConfig, MoEConfig
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), local=st.integers(1, 5), slots=st.integers(1, 40), block_m=st.sampled_from([1, 4, 16, 32]))
+def test_the_blocks_cover_each_experts_valid_slots_in_order(data: st.DataObject, local: int, slots: int,
+                                                            block_m: int) -> None:
+    masked = torch.tensor(data.draw(st.lists(st.integers(0, slots), min_size=local, max_size=local)), dtype=torch.int32)
+    config = MoEConfig(GemmConfig(block_m, 32, 32), GemmConfig(block_m, 32, 32))
+    alignment = padded_alignment(masked, slots, config)
+    sentinel = local * slots
+    assert alignment.num_copies == sentinel and alignment.copies_per_row == 1
+    used = int(alignment.num_padded.item())
+    assert used == sum(-(-int(m) // block_m) * block_m for m in masked)
+    ids = alignment.sorted_ids[:used].view(-1, block_m)
+    experts = alignment.block_expert[:used // block_m]
+    want_blocks, want_ids = [], []
+    for expert, valid in enumerate(masked.tolist()):
+        for first in range(0, valid, block_m):
+            want_blocks.append(expert)
+            want_ids.append([expert * slots + first + j if first + j < valid else sentinel for j in range(block_m)])
+    assert experts.tolist() == want_blocks
+    assert ids.tolist() == want_ids
+    assert alignment.sorted_ids.numel() == local * -(-slots // block_m) * block_m  # fixed: what a graph captures
