@@ -272,3 +272,119 @@ def _triton_experts_behind_it(rank: int, device: torch.device) -> dict[str, floa
         got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
         errors["triton pipeline"] = _rel(got, whole(x))
     return errors
+
+
+def compact_buffers_match(rank: int, world: int, device_type: str, folder: str = "") -> dict[str, Any]:
+    """Compact buffers (``max_rows``): the triton GEMMs behind them equal the whole layer; without the triton GEMMs
+    the all-to-all exchange serves and says why; a rank receiving more than ``max_rows`` rows raises on every rank
+    (``ERROR``) or drops and counts (``DROP``)."""
+    from moeforge.kernels.config import ConfigTable
+    from moeforge.stages.triton import FusedGroupedGemm
+
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        emulate_symmetric_memory(folder)
+    out: dict[str, Any] = {"errors": {}}
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=64, dtype=torch.float16)
+    torch.manual_seed(0)
+    whole = _randomised(mf.MoELayer(**kwargs, backend="torch").cpu(), 0).to(device)
+    ep = ExpertParallel(E)
+
+    def tokens(count: int, seed: int = 0) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(9 + rank + 100 * seed)
+        return torch.randn(count, 128, generator=generator).half().to(device)
+
+    # without the triton GEMMs (torch backend): the all-to-all exchange, and describe() says why
+    torched = mf.MoELayer(**kwargs, backend="torch", expert_parallel=ep, device=device,
+                          dispatcher=SymmetricDispatch(ep, max_tokens=8, max_rows=world * 16))
+    torched.load_state_dict(shard_state_dict(whole.state_dict(), torched))
+    x = tokens(TOKENS[rank % 4])
+    with torch.no_grad():
+        out["errors"]["torch layer"] = _rel(torched(x), whole(x))
+    out["torch describe"] = torched.describe()
+
+    def triton_layer(**options: Any) -> Any:
+        if device.type == "cuda":
+            layer = mf.MoELayer(**kwargs, backend="triton", expert_parallel=ep, device=device,
+                                dispatcher=SymmetricDispatch(ep, max_tokens=8, **options))
+            layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+            return layer, layer.describe
+        parallel = mf.MoELayer(**kwargs, backend="torch", expert_parallel=ep)
+        parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
+        table = ConfigTable(E, 2)
+        dispatch = SymmetricDispatch(ep, max_tokens=8, configs=table, **options)
+        stages: list[mf.Stage[Any, Any]] = [
+            mf.TopK(E, 2, parallel.routing), dispatch,
+            FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None,
+                             mf.ActivationConfig()),
+            FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table),
+            dispatch.combine_stage(out_dtype=mf.DType.FP16)]
+        pipeline = mf.Pipeline(stages, mf.input_spec(128, torch.float16, E), debug=True)
+        return (lambda x: pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states), pipeline.describe
+
+    layer, describe = triton_layer(max_rows=world * 16)  # never overflows: 8 tokens x 2 copies from each rank
+    for call in range(2):
+        x = tokens(TOKENS[rank % 4] + 2 * call, seed=call)
+        with torch.no_grad():
+            out["errors"][f"triton/{call}"] = _rel(layer(x), whole(x))
+    out["triton describe"] = describe()
+
+    out["errors"]["triton fp8"] = _fp8_compact(rank, world, device, tokens(TOKENS[rank % 4] + 1, seed=3))
+
+    # max_rows = 2: with every rank's 8 tokens, some rank receives more
+    x = tokens(8, seed=5)
+    layer, _ = triton_layer(max_rows=2)
+    try:
+        with torch.no_grad():
+            layer(x)
+    except InputError as error:
+        out["overflow raised"] = "max_rows=2" in str(error)
+    layer, _ = triton_layer(max_rows=2, overflow=Overflow.DROP)
+    with torch.no_grad():
+        dropped = layer(x)
+    out["dropped changes output"] = bool(torch.isfinite(dropped).all()) and _rel(dropped, whole(x)) > 1e-3
+    return out
+
+
+def _fp8_compact(rank: int, world: int, device: torch.device, x: torch.Tensor) -> float:
+    """FP8 rows with their per-128-group scales through compact buffers to the triton FP8 GEMMs, against the whole
+    FP8 layer on the torch stages."""
+    from moeforge.kernels.config import ConfigTable
+    from moeforge.selector import expert_stages
+    from moeforge.stages.triton_quant import TritonQuantizeTokens
+
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float16)
+    method = lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group")  # noqa: E731
+    torch.manual_seed(0)
+    whole = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, device=device)
+    ep = ExpertParallel(E)
+    if device.type == "cuda":
+        layer = mf.MoELayer(**kwargs, quant=method(), backend="triton", environ={}, expert_parallel=ep, device=device,
+                            dispatcher=SymmetricDispatch(ep, max_tokens=8, max_rows=world * 16))
+        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+        layer.process_weights_after_loading()
+        with torch.no_grad():
+            return _rel(layer(x), whole(x))
+    parallel = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, expert_parallel=ep)
+    parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
+    parallel.process_weights_after_loading()
+    table = ConfigTable(E, 2)
+    dispatch = SymmetricDispatch(ep, max_tokens=8, max_rows=world * 16, configs=table)
+    decision = parallel.dispatch_decision.dtype
+    stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, 2, parallel.routing)]
+    quantize = parallel.quant.quantize_stage(decision, mf.DType.FP16)
+    if isinstance(quantize, mf.QuantizeTokens):
+        stages.append(TritonQuantizeTokens(quantize.quantizer))
+    stages.append(dispatch)
+    stages += expert_stages(parallel.quant, parallel, activation=parallel.activation, routing_weights_in_epilogue=False,
+                            backend=mf.Backend.TRITON, configs=table, dispatch=decision)
+    stages.append(dispatch.combine_stage(out_dtype=mf.DType.FP16))
+    pipeline = mf.Pipeline(stages, mf.input_spec(128, torch.float16, E), debug=True)
+    with torch.no_grad():
+        got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
+    assert "symmetric memory (NVLink)" in dispatch.summary(), dispatch.summary()
+    return _rel(got, whole(x))
+
