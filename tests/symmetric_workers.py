@@ -131,6 +131,22 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
         if name == "float":
             out["describe"] = parallel["symmetric"].describe()
 
+    # every token on the same experts (a zero router: every score ties), and a call where no rank has a token
+    whole, parallel = _layers(cases["float"][0], device, {
+        "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8),
+        "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8)})
+    with torch.no_grad():
+        for layer in (whole, *parallel.values()):
+            assert layer.router is not None
+            layer.router.weight.zero_()
+            if layer.router.bias is not None:
+                layer.router.bias.zero_()
+        for name, count in (("one expert", 8), ("empty everywhere", 0)):
+            x = _tokens(rank, device, count=count)
+            got, same = parallel["symmetric"](x), parallel["low_latency"](x)
+            assert torch.equal(got, same), f"{name}: the two transports differ"
+            errors[name] = _rel(got, whole(x))
+
     # a stack of expert adapters: each copy's adapter id travels beside its row
     from moeforge.adapters import ExpertAdapter
 
@@ -387,4 +403,25 @@ def _fp8_compact(rank: int, world: int, device: torch.device, x: torch.Tensor) -
         got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
     assert "symmetric memory (NVLink)" in dispatch.summary(), dispatch.summary()
     return _rel(got, whole(x))
+
+
+def a_rank_stops_answering(rank: int, world: int) -> None:
+    """GPUs: after one exchange together, rank 1 stops calling the dispatcher; rank 0's next exchange must fail at its
+    barrier's timeout (a device error), not wait for ever."""
+    import time
+
+    from moeforge.payloads import Activations, RoutedTokens, TopKOutput
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dispatch = SymmetricDispatch(ExpertParallel(E), max_tokens=8, timeout_ms=2000)
+    ids = torch.randint(0, E, (4, 2), device=device, dtype=torch.int32)
+    routed = RoutedTokens(Activations(torch.randn(4, H, device=device)), TopKOutput(torch.rand(4, 2, device=device),
+                                                                                    ids))
+    dispatch(routed)
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(3600)
+    dispatch(routed)
+    torch.cuda.synchronize()
 

@@ -7,6 +7,7 @@ memory (needs two GPUs of one host).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import symmetric_workers
-from moeforge.testing.distributed import run_ranks
+from moeforge.testing.distributed import RankFailed, run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -74,4 +75,14 @@ def test_compact_buffers_on_two_gpus() -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _check_compact(run_ranks(symmetric_workers.compact_buffers_match, 2, "cuda", backend="nccl", timeout=600))
+
+
+def test_a_rank_that_stops_answering_fails_the_others_barrier_within_seconds() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(symmetric_workers.a_rank_stops_answering, 2, backend="nccl", timeout=3600, collective_timeout=3600)
+    assert 0 in failure.value.failures  # rank 0's barrier timed out (2 s) and raised a device error
+    assert time.monotonic() - start < 300  # not the hour rank 1 sleeps
 
