@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import moeforge as mf
 from moeforge.distributed import ExpertParallel, LowLatencyDispatch, SymmetricDispatch, shard_state_dict
-from moeforge.distributed.symmetric import SymmetricWindow
+from moeforge.distributed.symmetric_window import SymmetricWindow
 from moeforge.errors import InputError
 from moeforge.stages.dispatch import Overflow
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from moeforge.distributed.exchange import ExchangeDispatch, combine_on_source, count_per_expert, scaled_rows
 from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.low_latency import LowLatencyDispatch
+from moeforge.distributed.symmetric_window import SymmetricWindow, regions, words_needed
 from moeforge.errors import InputError
 from moeforge.no_backward import records_grad
 from moeforge.kernels.config import ConfigTable
@@ -50,55 +51,6 @@ from moeforge.payloads import Activations, AlignedRows, ExpertRows, PaddedRows, 
 from moeforge.spec import Layout, Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.dispatch import Overflow, overflow_choice
-
-_ALIGN = 256  # bytes between the regions of a window
-
-
-@attrs.frozen(eq=False)
-class SymmetricWindow:
-    """One symmetric allocation of ``words`` 32-bit words on every rank of ``group``, carved into regions.
-
-    ``deltas [W]`` (int64, on the device): the distance in words from this rank's allocation to rank ``r``'s, as the
-    kernels of :mod:`moeforge.kernels.symmetric_rows` address peers. ``barrier`` waits, on the device, until every
-    rank reached its own call (a symmetric-memory signal per pair of ranks)."""
-
-    buffer: torch.Tensor
-    deltas: torch.Tensor
-    handle: Any
-    timeout_ms: int
-
-    @classmethod
-    def allocate(cls, words: int, device: torch.device, group: Optional[dist.ProcessGroup],
-                 timeout_ms: int) -> SymmetricWindow:
-        """Collective: every rank of ``group`` calls it with the same ``words``."""
-        import torch.distributed._symmetric_memory as symm_mem
-
-        buffer = symm_mem.empty(words, dtype=torch.int32, device=device)
-        buffer.zero_()  # no stale bit patterns: an empty slot a GEMM reads holds zeros until it is first written
-        handle = symm_mem.rendezvous(buffer, (group or dist.group.WORLD).group_name)  # type: ignore[union-attr]
-        own = int(handle.buffer_ptrs[handle.rank])
-        offset = buffer.data_ptr() - own  # where this tensor starts in the allocation: the same on every rank
-        deltas = torch.tensor([(int(base) + offset - buffer.data_ptr()) // 4 for base in handle.buffer_ptrs],
-                              dtype=torch.int64, device=device)
-        handle.barrier(channel=0, timeout_ms=timeout_ms)  # every rank's zeros are in place before any peer writes
-        return cls(buffer, deltas, handle, timeout_ms)
-
-    def barrier(self) -> None:
-        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
-
-
-def _regions(window: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-    """Consecutive 1-D int32 views of ``window``, ``sizes`` words each, each starting on a 256-byte boundary."""
-    out, start = {}, 0
-    for name, size in sizes.items():
-        out[name] = window[start:start + size]
-        start += -(-size * 4 // _ALIGN) * _ALIGN // 4
-    return out
-
-
-def _words_needed(sizes: dict[str, int]) -> int:
-    return sum(-(-size * 4 // _ALIGN) * _ALIGN // 4 for size in sizes.values())
-
 
 def _word_width(tensor: torch.Tensor) -> Optional[int]:
     """32-bit words per row of ``tensor`` (last dimension), or ``None`` where its bytes are not whole words."""
@@ -137,7 +89,7 @@ class SymmetricPlan(Plan):
                              f"{rows.dtype} do not fill them; use LowLatencyDispatch")
         copies = dispatch.max_tokens * top_k
         window = dispatch.window(("return", width, copies), {"ret": copies * width}, rows.device)
-        ret = _regions(window.buffer, {"ret": copies * width})["ret"].view(copies, width)
+        ret = regions(window.buffer, {"ret": copies * width})["ret"].view(copies, width)
         return_rows(words(rows), self.masked_m, self.origins, ret, window.deltas, slots=slots, copies_per_rank=copies,
                     starts=self.starts)
         window.barrier()
@@ -235,7 +187,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         """The window of ``key`` (allocated, collectively, at its first use)."""
         window: Optional[SymmetricWindow] = self._state.get(key)
         if window is None:
-            window = SymmetricWindow.allocate(_words_needed(sizes), device, self.ep.group, self.timeout_ms)
+            window = SymmetricWindow.allocate(words_needed(sizes), device, self.ep.group, self.timeout_ms)
             self._state[key] = window
         return window
 
@@ -338,17 +290,17 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         sizes = {"table": world * experts, "rows": buffer_rows * width, "scales": buffer_rows * scale_width,
                  "weights": buffer_rows, "origins": buffer_rows, "adapters": buffer_rows if has_adapters else 0}
         window = self.window(("dispatch", compact, width, scale_width, has_adapters), sizes, device)
-        regions = _regions(window.buffer, sizes)
+        parts = regions(window.buffer, sizes)
 
         if counts is None:
-            positions, token_copies, dropped = kernels.route(flat, regions["table"], window.deltas, rank, cap)
+            positions, token_copies, dropped = kernels.route(flat, parts["table"], window.deltas, rank, cap)
         else:
-            kernels.publish_counts(counts.to(torch.int32), regions["table"], window.deltas, rank)
+            kernels.publish_counts(counts.to(torch.int32), parts["table"], window.deltas, rank)
         if not compact and self.overflow is Overflow.ERROR and cap < self.max_tokens:  # else no overflow is possible
             # (every rank raises together, before any row moves and before the barrier every rank pairs with)
             self._padded._raise_on_overflow(dropped, count_per_expert(flat.long(), experts))
         window.barrier()
-        table = regions["table"].view(world, experts)
+        table = parts["table"].view(world, experts)
         offsets = totals = None
         if compact:
             totals = table.sum(0, dtype=torch.int32)  # [E]: rows each expert receives (the table is every rank's)
@@ -360,26 +312,26 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             token_copies = torch.where(kept, token_copies, -1)
             dropped = (~kept).sum()
         kernels.put_rows(kernels.words(data), kernels.words(scale) if scale is not None else None, weights, flat,
-                         positions, table, adapter_ids, regions["rows"], regions["scales"] if scale is not None else None,
-                         regions["weights"], regions["origins"], regions["adapters"] if has_adapters else None,
+                         positions, table, adapter_ids, parts["rows"], parts["scales"] if scale is not None else None,
+                         parts["weights"], parts["origins"], parts["adapters"] if has_adapters else None,
                          window.deltas, rank=rank, top_k=top_k, local=local, slots=slots, capacity=cap,
                          origin_base=rank * self.max_tokens * top_k, offsets=offsets, limit=buffer_rows)
         window.barrier()
 
-        received = regions["rows"].view(data.dtype).view(buffer_rows, hidden)
+        received = parts["rows"].view(data.dtype).view(buffer_rows, hidden)
         received_scale = None
         if scale is not None:
             assert rows.scale is not None
-            received_scale = regions["scales"].view(scale.dtype).view(buffer_rows, *rows.scale.shape[1:])
+            received_scale = parts["scales"].view(scale.dtype).view(buffer_rows, *rows.scale.shape[1:])
         if totals is not None:
             return self._compact_rows(x, totals[rank * local:(rank + 1) * local], Activations(received, received_scale),
-                                      regions, token_copies, dropped, has_adapters)
+                                      parts, token_copies, dropped, has_adapters)
         masked_m, slot_weights, received_ids = kernels.receive(
-            table, regions["weights"].view(torch.float32), regions["adapters"] if has_adapters else None, rank=rank,
+            table, parts["weights"].view(torch.float32), parts["adapters"] if has_adapters else None, rank=rank,
             local=local, slots=slots, capacity=cap)
         if received_scale is not None:
             received_scale = received_scale.view(local, slots, *received_scale.shape[1:])
-        plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, masked_m, regions["origins"],
+        plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, masked_m, parts["origins"],
                              dropped)
         return PaddedRows(Activations(received.view(local, slots, hidden), received_scale), masked_m, slot_weights,
                           plan=plan, adapter_ids=received_ids)
@@ -396,7 +348,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                              f"max_rows={self.max_rows}: raise max_rows or use overflow=Overflow.DROP (dropped copies "
                              "are then counted in the plan's 'dropped')")
 
-    def _compact_rows(self, x: RoutedTokens, counts: torch.Tensor, received: Activations, regions: dict[str, torch.Tensor],
+    def _compact_rows(self, x: RoutedTokens, counts: torch.Tensor, received: Activations, parts: dict[str, torch.Tensor],
                       token_copies: torch.Tensor, dropped: torch.Tensor, has_adapters: bool) -> AlignedRows:
         """The compact buffer's rows block-aligned for the triton GEMMs: ``counts [L]`` rows per local expert, one
         expert after another (cut at ``max_rows``), each row one copy."""
@@ -410,14 +362,14 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         valid = (ends - starts).to(torch.int32)
         config = self.configs.lookup(max(tokens * top_k, 1))
         alignment = grouped_alignment(valid, starts, rows, -(-rows // config.block_m) + local, config)
-        adapter_ids = regions["adapters"] if has_adapters else None
+        adapter_ids = parts["adapters"] if has_adapters else None
         copy_experts = None
         if adapter_ids is not None:  # each row's local expert, from the runs (rows past them: any expert)
             copy_experts = (torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
                             .clamp(max=local - 1).to(torch.int32))
-        plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, valid, regions["origins"], dropped,
+        plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, valid, parts["origins"], dropped,
                              starts=starts)
-        return AlignedRows(received, alignment, copy_major=False, copy_weights=regions["weights"].view(torch.float32),
+        return AlignedRows(received, alignment, copy_major=False, copy_weights=parts["weights"].view(torch.float32),
                            plan=plan, adapter_ids=adapter_ids, copy_experts=copy_experts)
 
 
