@@ -57,6 +57,15 @@ def emulate_symmetric_memory(folder: str) -> None:
     SymmetricDispatch._why_not = lambda self, device: None  # type: ignore[method-assign]
 
 
+def _rank_device(rank: int, device_type: str, folder: str) -> torch.device:
+    """This rank's GPU (``"cuda"``), or the CPU with symmetric memory emulated under ``folder``."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    emulate_symmetric_memory(folder)
+    return torch.device("cpu")
+
+
 def _randomised(layer: mf.MoELayer, seed: int) -> mf.MoELayer:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -103,12 +112,7 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     rows, routing weights on the input (Llama 4), FP8 rows with their per-128-group scales, a capacity that drops,
     three calls in a row (the buffers reused), a rank with no tokens, a training step (the NCCL transport's
     backward)."""
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-        emulate_symmetric_memory(folder)
+    device = _rank_device(rank, device_type, folder)
     out: dict[str, Any] = {"errors": {}, "describe": ""}
     errors = out["errors"]
     cases: dict[str, tuple[dict[str, Any], Optional[str], dict[str, Any]]] = {
@@ -297,12 +301,7 @@ def compact_buffers_match(rank: int, world: int, device_type: str, folder: str =
     from moeforge.kernels.config import ConfigTable
     from moeforge.stages.triton import FusedGroupedGemm
 
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-        emulate_symmetric_memory(folder)
+    device = _rank_device(rank, device_type, folder)
     out: dict[str, Any] = {"errors": {}}
     kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=64, dtype=torch.float16)
     torch.manual_seed(0)
