@@ -20,8 +20,8 @@ routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group s
 Times are medians of CUDA-event-timed runs after warm-up, each run started after a barrier; the
 slowest rank's median is reported (a step waits for it). A graph's time is that of ``GRAPH_STEPS`` steps captured
 back to back, divided by them (one replay's start differs between ranks by some microseconds). Bandwidth = bytes
-this rank sent (dispatch + combine) / time. Before timing, a correctness check compares the expert-parallel layer with the
-whole layer on each GPU. Prints a table, writes JSON (device, world size, commit, date, records).
+this rank sent (dispatch + combine) / time. Before timing, a correctness check compares the expert-parallel layer with
+the whole layer on each GPU. Prints a table, writes JSON (device, world size, commit, date, records).
 """
 
 from __future__ import annotations

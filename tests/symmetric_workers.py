@@ -248,7 +248,8 @@ def symmetric_without_its_transport(rank: int, world: int) -> dict[str, Any]:
     """CPU ranks without the emulation: the dispatcher serves through the NCCL/gloo low-latency exchange and says
     why."""
     kwargs = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=torch.float32)
-    whole, parallel = _layers(kwargs, torch.device("cpu"), {"symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8)})
+    whole, parallel = _layers(kwargs, torch.device("cpu"),
+                              {"symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8)})
     described_before = parallel["symmetric"].describe()
     x = _tokens(rank, torch.device("cpu"))
     with torch.no_grad():

@@ -141,8 +141,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             if not isinstance(self.max_rows, int) or self.max_rows < 1:
                 raise InputError(f"max_rows must be a positive int (or None), got {self.max_rows!r}")
             if self.capacity is not None:
-                raise InputError("capacity bounds the rows per (source rank, expert) of fixed-capacity buffers; compact "
-                                 "buffers (max_rows) hold any mix up to max_rows rows: give one of the two")
+                raise InputError("capacity bounds the rows per (source rank, expert) of fixed-capacity buffers; "
+                                 "compact buffers (max_rows) hold any mix up to max_rows rows: give one of the two")
             from moeforge.distributed.all_to_all import AllToAllDispatch
 
             fallback = AllToAllDispatch(self.ep, apply_routing_weights=self.apply_routing_weights, configs=self.configs)
@@ -246,7 +246,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         adapter_ids = padded.adapter_ids.reshape(-1) if padded.adapter_ids is not None else None
         copy_experts = None
         if adapter_ids is not None:
-            copy_experts = torch.arange(local, dtype=torch.int32, device=padded.masked_m.device).repeat_interleave(slots)
+            experts = torch.arange(local, dtype=torch.int32, device=padded.masked_m.device)
+            copy_experts = experts.repeat_interleave(slots)
         return AlignedRows(Activations(padded.x.data.reshape(local * slots, -1), scale), alignment, copy_major=False,
                            copy_weights=padded.slot_weights.reshape(-1), plan=padded.plan, adapter_ids=adapter_ids,
                            copy_experts=copy_experts)
@@ -348,7 +349,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                              f"max_rows={self.max_rows}: raise max_rows or use overflow=Overflow.DROP (dropped copies "
                              "are then counted in the plan's 'dropped')")
 
-    def _compact_rows(self, x: RoutedTokens, counts: torch.Tensor, received: Activations, parts: dict[str, torch.Tensor],
+    def _compact_rows(self, x: RoutedTokens, counts: torch.Tensor, received: Activations,
+                      parts: dict[str, torch.Tensor],
                       token_copies: torch.Tensor, dropped: torch.Tensor, has_adapters: bool) -> AlignedRows:
         """The compact buffer's rows block-aligned for the triton GEMMs: ``counts [L]`` rows per local expert, one
         expert after another (cut at ``max_rows``), each row one copy."""

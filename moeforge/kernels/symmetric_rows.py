@@ -67,7 +67,8 @@ def _route_kernel(experts_ptr, positions_ptr, copies_ptr, table_ptr, deltas_ptr,
 
 @triton.jit
 def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_ptr, table_ptr, offsets_ptr,
-                     adapters_ptr, recv_rows_ptr, recv_scales_ptr, recv_weights_ptr, recv_origins_ptr, recv_adapters_ptr,
+                     adapters_ptr, recv_rows_ptr, recv_scales_ptr, recv_weights_ptr, recv_origins_ptr,
+                     recv_adapters_ptr,
                      deltas_ptr, rank, E, local, slots, capacity, limit, origin_base,
                      D: tl.constexpr, S: tl.constexpr, TOP_K: tl.constexpr, ROWS_PER_COPY: tl.constexpr,
                      HAS_ADAPTERS: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -142,8 +143,8 @@ def _receive_kernel(table_ptr, weights_ptr, adapters_ptr, masked_ptr, slot_weigh
         tl.store(slot_weights_ptr + row, tl.where(offs < valid, tl.load(weights_ptr + row, mask=ok, other=0.0), 0.0),
                  mask=ok)
         if HAS_ADAPTERS:
-            tl.store(slot_adapters_ptr + row, tl.where(offs < valid, tl.load(adapters_ptr + row, mask=ok, other=-1), -1),
-                     mask=ok)
+            ids = tl.load(adapters_ptr + row, mask=ok, other=-1)
+            tl.store(slot_adapters_ptr + row, tl.where(offs < valid, ids, -1), mask=ok)
 
 
 def words(tensor: torch.Tensor) -> torch.Tensor:
