@@ -190,6 +190,26 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     assert torch.equal(got, same), "fp8: the two transports differ"
     errors["fp8"] = _rel(got, want)
 
+    # NVFP4 rows on the wire: packed 4-bit data and their fp8 block-16 scales (whole 32-bit words at H = 128)
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float32)
+    torch.manual_seed(0)
+    method = lambda: mf.Nvfp4Method(input_global_scale=4.0 / (6 * 448))  # noqa: E731
+    whole = mf.MoELayer(**kwargs, quant=method(), dispatch_dtype="nvfp4", backend="torch", environ={}, device=device)
+    nvfp4 = {}
+    for name, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8)),
+                             ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
+        layer = mf.MoELayer(**kwargs, quant=method(), dispatch_dtype="nvfp4", backend="torch", environ={},
+                            expert_parallel=ep, dispatcher=dispatcher, device=device)
+        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+        layer.process_weights_after_loading()
+        nvfp4[name] = layer
+    x = torch.randn(TOKENS[rank % 4], 128, generator=torch.Generator().manual_seed(8 + rank)).to(device)
+    with torch.no_grad():
+        got, same, want = nvfp4["symmetric"](x), nvfp4["low_latency"](x), whole(x)
+    assert torch.equal(got, same), "nvfp4: the two transports differ"
+    assert "symmetric memory (NVLink)" in nvfp4["symmetric"].describe(), nvfp4["symmetric"].describe()
+    errors["nvfp4"] = _rel(got, want)
+
     # a capacity that drops copies (8 tokens' 16 copies over 8 experts: one expert gets two): the same copies as the
     # NCCL transport drops; with the copies placed by the routing kernel (decode batches) and by the sort and scans
     # (prefill batches, here with the kernel's limit at 0)
