@@ -292,9 +292,9 @@ def quantized_layers_match(rank: int, world: int) -> dict[str, float]:
 
 
 def triton_experts_match(rank: int, world: int) -> dict[str, float]:
-    """The all-to-all dispatcher built with the triton tables hands block-aligned rows to the triton
-    expert GEMMs (bf16 kernels and the FP8 ones), under the interpreter on CPU: equal to the whole
-    layer on the torch backend."""
+    """The all-to-all and the low-latency dispatchers built with the triton tables hand block-aligned rows to the
+    triton expert GEMMs (bf16 kernels and the FP8 ones), under the interpreter on CPU: equal to the whole layer on
+    the torch backend."""
     from moeforge.kernels.config import ConfigTable
     from moeforge.stages.triton import FusedGroupedGemm
     from moeforge.stages.triton_quant import TritonQuantizeTokens
@@ -311,28 +311,29 @@ def triton_experts_match(rank: int, world: int) -> dict[str, float]:
         parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
         parallel.process_weights_after_loading()
         table = ConfigTable(E, 2)
-        dispatch = AllToAllDispatch(ep, configs=table)
-        stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, 2, parallel.routing)]
-        decision = parallel.dispatch_decision.dtype
-        quantize = parallel.quant.quantize_stage(decision, mf.DType.FP16)
-        if isinstance(quantize, mf.QuantizeTokens):
-            stages.append(TritonQuantizeTokens(quantize.quantizer))
-        stages.append(dispatch)
-        if name == "fp16":
-            stages += [FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None,
-                                        mf.ActivationConfig()),
-                       FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table)]
-        else:
-            stages += selected_stages(parallel.quant, parallel, activation=parallel.activation,
-                                                   routing_weights_in_epilogue=False, backend=mf.Backend.TRITON,
-                                                   configs=table, dispatch=decision)
-        stages.append(dispatch.combine_stage(out_dtype=mf.DType.FP16))
-        pipeline = mf.Pipeline(stages, mf.input_spec(hidden, torch.float16, E), debug=True)
-        assert "AllToAllDispatch(block-aligned" in pipeline.describe()
-        x = _tokens(rank, dtype=torch.float16, hidden=hidden, count=5 + rank)  # tokens on every rank
-        with torch.no_grad():
-            got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
-            errors[name] = _close(got, whole(x), name, tol=1e-2 if name == "fp16" else 3e-2)
+        for kind, dispatch in (("all_to_all", AllToAllDispatch(ep, configs=table)),
+                               ("low_latency", LowLatencyDispatch(ep, max_tokens=8, configs=table))):
+            stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, 2, parallel.routing)]
+            decision = parallel.dispatch_decision.dtype
+            quantize = parallel.quant.quantize_stage(decision, mf.DType.FP16)
+            if isinstance(quantize, mf.QuantizeTokens):
+                stages.append(TritonQuantizeTokens(quantize.quantizer))
+            stages.append(dispatch)
+            if name == "fp16":
+                stages += [FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None,
+                                            mf.ActivationConfig()),
+                           FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table)]
+            else:
+                stages += selected_stages(parallel.quant, parallel, activation=parallel.activation,
+                                          routing_weights_in_epilogue=False, backend=mf.Backend.TRITON,
+                                          configs=table, dispatch=decision)
+            stages.append(dispatch.combine_stage(out_dtype=mf.DType.FP16))
+            pipeline = mf.Pipeline(stages, mf.input_spec(hidden, torch.float16, E), debug=True)
+            assert "block-aligned" in pipeline.describe()
+            x = _tokens(rank, dtype=torch.float16, hidden=hidden, count=5 + rank)  # tokens on every rank
+            with torch.no_grad():
+                got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
+                errors[f"{name}/{kind}"] = _close(got, whole(x), name, tol=1e-2 if name == "fp16" else 3e-2)
     return errors
 
 

@@ -290,13 +290,14 @@ def _triton_experts_behind_it(rank: int, device: torch.device) -> dict[str, floa
     x = torch.randn(TOKENS[rank % 4] + 2, 128, generator=torch.Generator().manual_seed(9 + rank)).half().to(device)
     errors = {}
     if device.type == "cuda":
-        layer = mf.MoELayer(**kwargs, backend="triton", expert_parallel=ep, device=device,
-                            dispatcher=SymmetricDispatch(ep, max_tokens=8))
-        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
-        described = layer.describe()
-        assert "FusedGroupedGemm" in described and "block-aligned" in described, described
-        with torch.no_grad():
-            errors["triton layer"] = _rel(layer(x), whole(x))
+        for kind, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8)),
+                                 ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
+            layer = mf.MoELayer(**kwargs, backend="triton", expert_parallel=ep, device=device, dispatcher=dispatcher)
+            layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+            described = layer.describe()
+            assert "FusedGroupedGemm" in described and "block-aligned" in described, described
+            with torch.no_grad():
+                errors[f"triton layer/{kind}"] = _rel(layer(x), whole(x))
         return errors
     parallel = mf.MoELayer(**kwargs, backend="torch", expert_parallel=ep)
     parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))

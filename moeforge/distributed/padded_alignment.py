@@ -1,7 +1,7 @@
 """The block alignment of rows an exchange left grouped by expert: what the triton expert GEMMs read.
 
-A symmetric-memory dispatcher (:class:`~moeforge.distributed.SymmetricDispatch`) leaves each local expert's rows in
-one run of its buffer: in fixed-capacity buffers (``[L, S, H]``, expert ``l``'s first ``masked_m[l]`` slots valid)
+The fixed-capacity dispatchers (:class:`~moeforge.distributed.LowLatencyDispatch`,
+:class:`~moeforge.distributed.SymmetricDispatch`) leave each local expert's rows in one run of its buffer: in fixed-capacity buffers (``[L, S, H]``, expert ``l``'s first ``masked_m[l]`` slots valid)
 or compact ones (``[R, H]``, the experts' runs one after another). Flattened, each row is one copy, and the triton
 GEMMs read them through a :class:`~moeforge.payloads.BlockAlignment` whose blocks cover only the valid rows: expert
 ``l``'s ``ceil(count[l] / block_m)`` blocks, the experts' blocks one after another, the rows past a run the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from moeforge.kernels.config import MoEConfig
-from moeforge.payloads import BlockAlignment
+from moeforge.payloads import Activations, AlignedRows, BlockAlignment, PaddedRows
 
 
 def grouped_alignment(counts: torch.Tensor, starts: torch.Tensor, rows: int, blocks: int,
@@ -45,4 +45,22 @@ def padded_alignment(masked_m: torch.Tensor, slots: int, config: MoEConfig) -> B
     local = masked_m.shape[0]
     starts = torch.arange(local, device=masked_m.device) * slots
     return grouped_alignment(masked_m, starts, local * slots, local * -(-slots // config.block_m), config)
+
+
+def aligned_padded_rows(padded: PaddedRows, config: MoEConfig) -> AlignedRows:
+    """``padded`` (``[L, S, H]``, ``masked_m`` valid rows per expert) flattened to one copy per slot (``[L * S, H]``)
+    for the triton GEMMs, its valid rows aligned by ``config``; its plan, weights and adapter ids carried over."""
+    local, slots = padded.masked_m.shape[0], padded.x.data.shape[1]
+    alignment = padded_alignment(padded.masked_m, slots, config)
+    scale = padded.x.scale
+    if scale is not None:
+        scale = scale.reshape(local * slots, *scale.shape[2:])
+    adapter_ids = padded.adapter_ids.reshape(-1) if padded.adapter_ids is not None else None
+    copy_experts = None
+    if adapter_ids is not None:
+        experts = torch.arange(local, dtype=torch.int32, device=padded.masked_m.device)
+        copy_experts = experts.repeat_interleave(slots)
+    return AlignedRows(Activations(padded.x.data.reshape(local * slots, -1), scale), alignment, copy_major=False,
+                       copy_weights=padded.slot_weights.reshape(-1), plan=padded.plan, adapter_ids=adapter_ids,
+                       copy_experts=copy_experts)
 

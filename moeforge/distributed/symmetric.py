@@ -228,29 +228,10 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             out = self._exchange(x)
         if self.compact or self.configs is None:
             return out
-        assert isinstance(out, PaddedRows)
-        return self._aligned(out, tokens * top_k)
+        from moeforge.distributed.padded_alignment import aligned_padded_rows
 
-    def _aligned(self, padded: PaddedRows, copies: int) -> AlignedRows:
-        """``padded`` flattened to one copy per slot (``[L * S, H]``) for the triton GEMMs, its valid rows aligned
-        (:func:`~moeforge.distributed.padded_alignment.padded_alignment`; the tile chosen for this rank's own copies,
-        what a rank receives on average)."""
-        from moeforge.distributed.padded_alignment import padded_alignment
-
-        assert self.configs is not None
-        local, slots = padded.masked_m.shape[0], padded.x.data.shape[1]
-        alignment = padded_alignment(padded.masked_m, slots, self.configs.lookup(max(copies, 1)))
-        scale = padded.x.scale
-        if scale is not None:
-            scale = scale.reshape(local * slots, *scale.shape[2:])
-        adapter_ids = padded.adapter_ids.reshape(-1) if padded.adapter_ids is not None else None
-        copy_experts = None
-        if adapter_ids is not None:
-            experts = torch.arange(local, dtype=torch.int32, device=padded.masked_m.device)
-            copy_experts = experts.repeat_interleave(slots)
-        return AlignedRows(Activations(padded.x.data.reshape(local * slots, -1), scale), alignment, copy_major=False,
-                           copy_weights=padded.slot_weights.reshape(-1), plan=padded.plan, adapter_ids=adapter_ids,
-                           copy_experts=copy_experts)
+        assert isinstance(out, PaddedRows)  # (the tile chosen for this rank's own copies: what a rank gets on average)
+        return aligned_padded_rows(out, self.configs.lookup(max(tokens * top_k, 1)))
 
     def _exchange(self, x: RoutedTokens) -> ExpertRows:
         from moeforge.kernels import symmetric_rows as kernels
