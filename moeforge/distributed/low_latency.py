@@ -157,18 +157,12 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         return (f"LowLatencyDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
                 f"capacity={self.slots}, overflow={self.overflow.value}{extra})")
 
-    @property
-    def block_aligned(self) -> bool:
-        return self.configs is not None
-
     def output_spec(self, spec: Spec) -> Spec:
         padded = spec.evolve(
             kind=PayloadKind.DISPATCHED, layout=Layout.EXPERT_PADDED, group_list_type=None,
             expert_ids=ExpertIds.LOCAL, num_experts=self.ep.local_experts, exchange=Exchange.LOW_LATENCY,
             routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
-        if self.configs is None:
-            return padded
-        return padded.evolve(layout=Layout.BLOCK_ALIGNED, alignment=self.configs.alignment())
+        return self.aligned_spec(padded)
 
     def __call__(self, x: RoutedTokens) -> ExpertRows:
         padded = self.padded(x)

@@ -48,7 +48,7 @@ from moeforge.errors import InputError
 from moeforge.no_backward import records_grad
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, AlignedRows, ExpertRows, PaddedRows, Plan, RoutedTokens
-from moeforge.spec import Layout, Spec
+from moeforge.spec import Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.dispatch import Overflow, overflow_choice
 
@@ -204,15 +204,9 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         return (f"SymmetricDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
                 f"{bound}, overflow={self.overflow.value}{extra}; {how})")
 
-    @property
-    def block_aligned(self) -> bool:
-        return self.configs is not None
-
     def output_spec(self, spec: Spec) -> Spec:
-        padded: Spec = self.fallback.output_spec(spec)  # the same rows, whichever transport carries them
-        if self.configs is None or self.compact:
-            return padded
-        return padded.evolve(layout=Layout.BLOCK_ALIGNED, alignment=self.configs.alignment())
+        rows: Spec = self.fallback.output_spec(spec)  # the same rows, whichever transport carries them
+        return rows if self.compact else self.aligned_spec(rows)  # (compact: the all-to-all's spec, aligned by it)
 
     def __call__(self, x: RoutedTokens) -> ExpertRows:
         tokens, top_k = x.topk.ids.shape
