@@ -3,7 +3,6 @@
     python benchmarks/sass_loop.py --weights mxfp4 --glu --block 16,128,64 [--warps 4] [--stages 3]
                                    [--dtype bf16] [--rows nvfp4] [--swap] [--portable] [--prefetch] [--fold]
                                    [--shuffled] [--grid 1] [--half-tail] [--drain 0|1] [--hazards] [--dump FILE]
-                                   [--update R [--update-n-major]]
 
 It compiles ``moe_gemm_kernel`` for sm_90 with the ptxas and nvdisasm that ship inside the ``triton``
 wheel (no CUDA device or driver needed), finds the K-loop (the longest backward branch) and prints its
@@ -48,8 +47,7 @@ _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, int], warps: int, stages: int,
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
                    fold: bool = False, half_tail: bool = False, persistent: int = 0, shuffled: bool = False,
-                   nvfp4_rows: bool = False, drain: Optional[bool] = None, update: int = 0,
-                   update_n_major: bool = False) -> Any:
+                   nvfp4_rows: bool = False, drain: Optional[bool] = None, update: int = 0) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
     the weight tiles loaded by pointer (the TMA path takes a descriptor argument, not compiled here) and one
@@ -94,13 +92,12 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
             weights is WeightFormat.NVFP4 and shuffled)),
         # unit strides, as the launcher's contiguous operands have them
         stride_ak=1, stride_bk=1, stride_bsk=1, stride_bzk=1, stride_cn=1, stride_bias_n=1, gate_stride=1,
-        stride_csg=1, stride_ask=1, **({"stride_ubn": 1} if update_n_major else {}))
+        stride_csg=1, stride_ask=1)
     missing = {p.name for p in moe_gemm_kernel.params if p.is_constexpr} - set(constexprs)
     if missing:
         raise SystemExit(f"sass_loop.py does not set the kernel's constexprs {sorted(missing)}: update it")
     multiple_of_16 = {"N", "K", "stride_am", "stride_be", "stride_bn", "stride_bse", "stride_bsn", "stride_cm",
-                      "up_offset", "stride_bias_e", "stride_csm", "stride_bze", "stride_bzn", "stride_asm",
-                      "stride_um", "stride_ube", "stride_ubk" if update_n_major else "stride_ubn"}
+                      "up_offset", "stride_bias_e", "stride_csm", "stride_bze", "stride_bzn", "stride_asm"}
     floats = ("a_global", "alpha", "limit", "update_scale")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats else "i32")
                  for n in names}
@@ -236,8 +233,6 @@ def main() -> None:
                         help="list the registers written while a warpgroup MMA still reads them")
     parser.add_argument("--update", type=int, default=0,
                         help="with a low-rank update (an adapter's) of this rank: its K-step after the loop")
-    parser.add_argument("--update-n-major", action="store_true",
-                        help="the update's weight stored [E, R, N] (unit stride along N, as Triton specialises it)")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -248,7 +243,7 @@ def main() -> None:
                             prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold,
                             half_tail=args.half_tail, persistent=args.grid, shuffled=args.shuffled,
                             nvfp4_rows=args.rows == "nvfp4", drain=None if args.drain is None else bool(args.drain),
-                            update=args.update, update_n_major=args.update_n_major)
+                            update=args.update)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)

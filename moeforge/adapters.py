@@ -324,10 +324,8 @@ class AdaptedGroupedGemm(AdaptedGemm):
         if not self.stack and rows.shape[-1] <= FUSED_UPDATE_MAX_K:
             # x Aᵀ by its own launch, then · Bᵀ inside the base GEMM's launch: one more K-step of its product, before
             # its epilogue (activation, routing weights, output quantization) and in its backward
-            # (B laid out [E, R, N]: the kernel reads it along N, in 16-byte loads instead of 2-byte ones)
-            n_major = b.transpose(1, 2).contiguous().transpose(1, 2)
-            fused: AlignedRows = base.run(x, GemmUpdate(self._low(route, a, rows, rows_per_a, b.dtype, a_launch),
-                                                        n_major, self.scale))
+            fused: AlignedRows = base.run(x, GemmUpdate(self._low(route, a, rows, rows_per_a, b.dtype, a_launch), b,
+                                                        self.scale))
             return fused
         product = base.pre_activation(x)
         dtype = product.x.data.dtype
