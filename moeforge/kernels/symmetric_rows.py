@@ -81,8 +81,8 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
             slot = tl.load(offsets_ptr + expert).to(tl.int64) + position
         else:  # [local, slots] buffers: this expert's rows from ranks before this one, each up to the capacity
             start = position * 0
-            for source in range(0, rank):
-                start += tl.minimum(tl.load(table_ptr + source * E + expert), capacity)
+            for earlier in range(0, rank):
+                start += tl.minimum(tl.load(table_ptr + earlier * E + expert), capacity)
             slot = (expert % local) * slots + start + position
         if slot < limit:
             delta = tl.load(deltas_ptr + owner)
