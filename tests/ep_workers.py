@@ -7,6 +7,7 @@ the parent test check cross-rank facts (bytes conservation, dropped counts).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Optional
 
 import torch
@@ -21,6 +22,11 @@ from moeforge.distributed import (
     shard_state_dict,
 )
 from moeforge.errors import InputError
+
+if importlib.util.find_spec("triton") is not None:  # this rank's interpreted kernels lowered too (conftest.py)
+    import triton_front_end
+
+    triton_front_end.install()
 
 E, H, I = 8, 32, 16
 TOKENS = (5, 0, 3, 1)  # per rank (mod 4): rank 1 sends nothing
@@ -254,6 +260,17 @@ def fail_on_rank_one(rank: int, world: int) -> None:
     if rank == 1:
         raise RuntimeError("rank 1 gives up")
     parallel(_tokens(rank))
+
+
+def fail_where_teardown_hangs(rank: int, world: int) -> None:
+    """Rank 0 fails in a process whose process group cannot be torn down (an NCCL group after a device error
+    never finishes destroying itself): its failure must still reach the parent. Rank 1 waits for an hour."""
+    import time
+
+    torch.distributed.destroy_process_group = lambda *args, **kwargs: time.sleep(3600)
+    if rank == 0:
+        raise RuntimeError("rank 0 hit a device error")
+    time.sleep(3600)
 
 
 def hang_on_rank_one(rank: int, world: int) -> None:
