@@ -177,44 +177,11 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     errors.update(_triton_experts_behind_it(rank, device))
 
     # FP8 rows and their per-128-group scales on the wire (scales are words too)
-    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float32)
-    torch.manual_seed(0)
-    method = lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group")  # noqa: E731
-    whole = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, device=device)
-    ep = ExpertParallel(E)
-    fp8 = {}
-    for name, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8)),
-                             ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
-        layer = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, expert_parallel=ep,
-                            dispatcher=dispatcher, device=device)
-        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
-        layer.process_weights_after_loading()
-        fp8[name] = layer
-    x = torch.randn(TOKENS[rank % 4], 128, generator=torch.Generator().manual_seed(7 + rank)).to(device)
-    with torch.no_grad():
-        got, same, want = fp8["symmetric"](x), fp8["low_latency"](x), whole(x)
-    assert torch.equal(got, same), "fp8: the two transports differ"
-    errors["fp8"] = _rel(got, want)
-
+    fp8 = lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group")  # noqa: E731
+    errors["fp8"] = _quantized_rows_match(rank, device, fp8, "fp8", seed=7)
     # NVFP4 rows on the wire: packed 4-bit data and their fp8 block-16 scales (whole 32-bit words at H = 128)
-    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float32)
-    torch.manual_seed(0)
-    method = lambda: mf.Nvfp4Method(input_global_scale=4.0 / (6 * 448))  # noqa: E731
-    whole = mf.MoELayer(**kwargs, quant=method(), dispatch_dtype="nvfp4", backend="torch", environ={}, device=device)
-    nvfp4 = {}
-    for name, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8)),
-                             ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
-        layer = mf.MoELayer(**kwargs, quant=method(), dispatch_dtype="nvfp4", backend="torch", environ={},
-                            expert_parallel=ep, dispatcher=dispatcher, device=device)
-        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
-        layer.process_weights_after_loading()
-        nvfp4[name] = layer
-    x = torch.randn(TOKENS[rank % 4], 128, generator=torch.Generator().manual_seed(8 + rank)).to(device)
-    with torch.no_grad():
-        got, same, want = nvfp4["symmetric"](x), nvfp4["low_latency"](x), whole(x)
-    assert torch.equal(got, same), "nvfp4: the two transports differ"
-    assert "symmetric memory (NVLink)" in nvfp4["symmetric"].describe(), nvfp4["symmetric"].describe()
-    errors["nvfp4"] = _rel(got, want)
+    nvfp4 = lambda: mf.Nvfp4Method(input_global_scale=4.0 / (6 * 448))  # noqa: E731
+    errors["nvfp4"] = _quantized_rows_match(rank, device, nvfp4, "nvfp4", seed=8, dispatch_dtype="nvfp4")
 
     # a capacity that drops copies (8 tokens' 16 copies over 8 experts: one expert gets two): the same copies as the
     # NCCL transport drops; with the copies placed by the routing kernel (decode batches) and by the sort and scans
@@ -269,6 +236,30 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     errors["train/grad"] = _rel(grad, want_grad)
     return out
 
+
+
+def _quantized_rows_match(rank: int, device: torch.device, method: Any, name: str, *, seed: int,
+                          **layer_kwargs: Any) -> float:
+    """A quantized layer behind ``SymmetricDispatch`` and behind ``LowLatencyDispatch``: bit-equal to each other,
+    and the error against the whole layer on one process (returned)."""
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float32, **layer_kwargs)
+    torch.manual_seed(0)
+    whole = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, device=device)
+    ep = ExpertParallel(E)
+    layers = {}
+    for kind, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8)),
+                             ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
+        layer = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, expert_parallel=ep,
+                            dispatcher=dispatcher, device=device)
+        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+        layer.process_weights_after_loading()
+        layers[kind] = layer
+    x = torch.randn(TOKENS[rank % 4], 128, generator=torch.Generator().manual_seed(seed + rank)).to(device)
+    with torch.no_grad():
+        got, same, want = layers["symmetric"](x), layers["low_latency"](x), whole(x)
+    assert torch.equal(got, same), f"{name}: the two transports differ"
+    assert "symmetric memory (NVLink)" in layers["symmetric"].describe(), layers["symmetric"].describe()
+    return _rel(got, want)
 
 def symmetric_without_its_transport(rank: int, world: int) -> dict[str, Any]:
     """CPU ranks without the emulation: the dispatcher serves through the NCCL/gloo low-latency exchange and says
