@@ -3,10 +3,11 @@
 Within one host, PyTorch's symmetric memory (``torch.distributed._symmetric_memory``) maps each rank's buffer into
 every other rank's address space over NVLink. :class:`SymmetricDispatch` uses it in place of NCCL's all-to-all:
 
-* **dispatch**: every rank writes its copies-per-expert counts into a ``[W, E]`` table on every rank
-  (:func:`~moeforge.kernels.symmetric_rows.put_counts`), all ranks meet at a device barrier, then one kernel writes each
-  routed copy's row (scales, routing weight, origin, adapter id) into the expert buffer of the rank owning its expert,
-  at the slot the table gives it (:func:`~moeforge.kernels.symmetric_rows.put_rows`), and a second barrier;
+* **dispatch**: one kernel gives each copy its position among the rank's copies of its expert and writes the rank's
+  copies-per-expert counts into a ``[W, E]`` table on every rank (:func:`~moeforge.kernels.symmetric_rows.route`),
+  all ranks meet at a device barrier, then one kernel writes each routed copy's row (scales, routing weight, origin,
+  adapter id) into the expert buffer of the rank owning its expert, at the slot the table gives it
+  (:func:`~moeforge.kernels.symmetric_rows.put_rows`), and a second barrier;
 * **combine**: each rank writes every valid expert-output row back to its source rank, at the slot of the copy it
   came from (:func:`~moeforge.kernels.symmetric_rows.return_rows`), a barrier, and each rank sums its tokens' copies
   in the fixed order ``k = 0 .. top_k - 1`` (deterministic, as every moeforge combine).
