@@ -246,11 +246,10 @@ def stack_ids(x: ExpertRows, stack: int, where: str) -> torch.Tensor:
     return x.adapter_ids
 
 
-# The longest K-loop (the base GEMM's input width) over which one adapter's ``· Bᵀ`` runs inside the base GEMM's launch.
-# Compiled in, that K-step slowed the K-loop of 128-row tiles by about 30 % (H200, Mixtral's GEMMs, K = 4096 and
-# 14336, docs/notes/kernels-log.md): over Qwen3-30B-A3B's short loops (K = 2048, 768) the launches and the
-# [copies, N] pass it saves still made the training step 1.11x faster at M = 1024 (equal at 4096); over Mixtral's it was
-# 1.04-1.06x slower than two launches and an add.
+# The longest K-loop (the base GEMM's input width) over which one adapter's ``· Bᵀ`` runs inside the base GEMM's
+# launch: compiled in, that K-step costs each tile more than the launches and the [copies, N] pass it saves, except
+# where the K-loops are short (the measurements: docs/notes/kernels-log.md, "One adapter's update inside the base
+# GEMM: only over short K-loops").
 FUSED_UPDATE_MAX_K = 2048
 
 
