@@ -13,13 +13,15 @@ routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group s
   and replayed as a CUDA graph, against the raw equal-split all-to-alls of its fixed buffers;
 * ``symmetric``: :class:`SymmetricDispatch` (capacity = T) + combine, eager and replayed as a CUDA graph, against
   ``raw`` of the normal mode (the two all-to-alls of exactly the routed rows: the bytes it moves), T up to
-  ``SYMMETRIC_MAX`` (its expert buffers hold ``W * T`` rows per local expert).
+  ``SYMMETRIC_MAX`` (its expert buffers hold ``W * T`` rows per local expert);
+* ``compact``: :class:`SymmetricDispatch` with compact buffers (``max_rows = 2 * T * k``) block-aligned for the
+  triton GEMMs, the same way, at every T.
 
 Times are medians of CUDA-event-timed runs after warm-up, each run started after a barrier; the
 slowest rank's median is reported (a step waits for it). A graph's time is that of ``GRAPH_STEPS`` steps captured
 back to back, divided by them (one replay's start differs between ranks by some microseconds). Bandwidth = bytes
-this rank sent (dispatch + combine) / time. Before timing, a correctness check compares the expert-parallel layer with the
-whole layer on each GPU. Prints a table, writes JSON (device, world size, commit, date, records).
+this rank sent (dispatch + combine) / time. Before timing, a correctness check compares the expert-parallel layer with
+the whole layer on each GPU. Prints a table, writes JSON (device, world size, commit, date, records).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from moeforge.distributed import (  # noqa: E402
     SymmetricDispatch,
     shard_state_dict,
 )
+from moeforge.kernels.config import ConfigTable  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
 from provenance import measured_commit  # noqa: E402
 
@@ -223,11 +226,20 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
         graph_us = _graph_step_us(ours_symmetric, iters, ep.rank)
         records.append(_record(tokens, "symmetric", dtype, _timed(ours_symmetric, iters), raw_us, sent, graph_us))
         records[-1]["transport"] = symmetric.summary()
+
+    # compact buffers (max_rows: twice the copies a rank receives on average), block-aligned for the triton GEMMs
+    compact = SymmetricDispatch(ep, max_tokens=tokens, max_rows=2 * tokens * K,
+                                configs=ConfigTable(ep.local_experts, K))
+    ours_compact = _padded_step(compact, routed)
+    graph_us = _graph_step_us(ours_compact, iters, ep.rank)
+    records.append(_record(tokens, "compact", dtype, _timed(ours_compact, iters), raw_us, sent, graph_us))
+    records[-1]["transport"] = compact.summary()
     return records
 
 
 def _padded_step(dispatch: Any, routed: RoutedTokens) -> Callable[[], None]:
-    """One step of a fixed-capacity dispatcher: dispatch ``routed``, then combine random bf16 expert outputs."""
+    """One step of a dispatcher with fixed shapes: dispatch ``routed``, then combine random bf16 expert outputs
+    (one per row of the dispatched buffer, padded or compact)."""
     combine = dispatch.combine_stage(out_dtype=mf.DType.BF16)
     outputs = torch.randn(dispatch(routed).x.data.shape[:-1] + (H,), device="cuda").to(torch.bfloat16)
 
@@ -255,7 +267,7 @@ def _graph_step_us(step: Callable[[], None], iters: int, rank: int) -> float | N
 
 
 def _modes(tokens: int) -> int:
-    return 1 + (tokens <= LOW_LATENCY_MAX) + (tokens <= SYMMETRIC_MAX)
+    return 2 + (tokens <= LOW_LATENCY_MAX) + (tokens <= SYMMETRIC_MAX)
 
 
 def _record(tokens: int, dispatcher: str, dtype: str, us: float, raw_us: float, sent: int,

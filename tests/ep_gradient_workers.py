@@ -12,6 +12,7 @@ runs on all ranks together: its gradients must equal the whole layer's on one pr
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Callable, Optional
 
 import torch
@@ -20,6 +21,11 @@ import moeforge as mf
 from ep_workers import BASE, E, TOKENS, _close, _pair, _tokens
 from moeforge.distributed import LowLatencyDispatch
 from moeforge.stages.topk import select_experts
+
+if importlib.util.find_spec("triton") is not None:  # this rank's interpreted kernels lowered too (conftest.py)
+    import triton_front_end
+
+    triton_front_end.install()
 
 DispatcherFactory = Callable[[Any], Any]
 

@@ -7,6 +7,7 @@ the parent test check cross-rank facts (bytes conservation, dropped counts).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Optional
 
 import torch
@@ -21,6 +22,11 @@ from moeforge.distributed import (
     shard_state_dict,
 )
 from moeforge.errors import InputError
+
+if importlib.util.find_spec("triton") is not None:  # this rank's interpreted kernels lowered too (conftest.py)
+    import triton_front_end
+
+    triton_front_end.install()
 
 E, H, I = 8, 32, 16
 TOKENS = (5, 0, 3, 1)  # per rank (mod 4): rank 1 sends nothing
@@ -256,6 +262,17 @@ def fail_on_rank_one(rank: int, world: int) -> None:
     parallel(_tokens(rank))
 
 
+def fail_where_teardown_hangs(rank: int, world: int) -> None:
+    """Rank 0 fails in a process whose process group cannot be torn down (an NCCL group after a device error
+    never finishes destroying itself): its failure must still reach the parent. Rank 1 waits for an hour."""
+    import time
+
+    torch.distributed.destroy_process_group = lambda *args, **kwargs: time.sleep(3600)
+    if rank == 0:
+        raise RuntimeError("rank 0 hit a device error")
+    time.sleep(3600)
+
+
 def hang_on_rank_one(rank: int, world: int) -> None:
     """Rank 1 never returns (a stuck kernel, a deadlock); run_ranks' deadline must end the run."""
     if rank == 1:
@@ -292,9 +309,9 @@ def quantized_layers_match(rank: int, world: int) -> dict[str, float]:
 
 
 def triton_experts_match(rank: int, world: int) -> dict[str, float]:
-    """The all-to-all dispatcher built with the triton tables hands block-aligned rows to the triton
-    expert GEMMs (bf16 kernels and the FP8 ones), under the interpreter on CPU: equal to the whole
-    layer on the torch backend."""
+    """The all-to-all and the low-latency dispatchers built with the triton tables hand block-aligned rows to the
+    triton expert GEMMs (bf16 kernels and the FP8 ones), under the interpreter on CPU: equal to the whole layer on
+    the torch backend."""
     from moeforge.kernels.config import ConfigTable
     from moeforge.stages.triton import FusedGroupedGemm
     from moeforge.stages.triton_quant import TritonQuantizeTokens
@@ -311,28 +328,29 @@ def triton_experts_match(rank: int, world: int) -> dict[str, float]:
         parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
         parallel.process_weights_after_loading()
         table = ConfigTable(E, 2)
-        dispatch = AllToAllDispatch(ep, configs=table)
-        stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, 2, parallel.routing)]
-        decision = parallel.dispatch_decision.dtype
-        quantize = parallel.quant.quantize_stage(decision, mf.DType.FP16)
-        if isinstance(quantize, mf.QuantizeTokens):
-            stages.append(TritonQuantizeTokens(quantize.quantizer))
-        stages.append(dispatch)
-        if name == "fp16":
-            stages += [FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None,
-                                        mf.ActivationConfig()),
-                       FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table)]
-        else:
-            stages += selected_stages(parallel.quant, parallel, activation=parallel.activation,
-                                                   routing_weights_in_epilogue=False, backend=mf.Backend.TRITON,
-                                                   configs=table, dispatch=decision)
-        stages.append(dispatch.combine_stage(out_dtype=mf.DType.FP16))
-        pipeline = mf.Pipeline(stages, mf.input_spec(hidden, torch.float16, E), debug=True)
-        assert "AllToAllDispatch(block-aligned" in pipeline.describe()
-        x = _tokens(rank, dtype=torch.float16, hidden=hidden, count=5 + rank)  # tokens on every rank
-        with torch.no_grad():
-            got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
-            errors[name] = _close(got, whole(x), name, tol=1e-2 if name == "fp16" else 3e-2)
+        for kind, dispatch in (("all_to_all", AllToAllDispatch(ep, configs=table)),
+                               ("low_latency", LowLatencyDispatch(ep, max_tokens=8, configs=table))):
+            stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, 2, parallel.routing)]
+            decision = parallel.dispatch_decision.dtype
+            quantize = parallel.quant.quantize_stage(decision, mf.DType.FP16)
+            if isinstance(quantize, mf.QuantizeTokens):
+                stages.append(TritonQuantizeTokens(quantize.quantizer))
+            stages.append(dispatch)
+            if name == "fp16":
+                stages += [FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None,
+                                            mf.ActivationConfig()),
+                           FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table)]
+            else:
+                stages += selected_stages(parallel.quant, parallel, activation=parallel.activation,
+                                          routing_weights_in_epilogue=False, backend=mf.Backend.TRITON,
+                                          configs=table, dispatch=decision)
+            stages.append(dispatch.combine_stage(out_dtype=mf.DType.FP16))
+            pipeline = mf.Pipeline(stages, mf.input_spec(hidden, torch.float16, E), debug=True)
+            assert "block-aligned" in pipeline.describe()
+            x = _tokens(rank, dtype=torch.float16, hidden=hidden, count=5 + rank)  # tokens on every rank
+            with torch.no_grad():
+                got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
+                errors[f"{name}/{kind}"] = _close(got, whole(x), name, tol=1e-2 if name == "fp16" else 3e-2)
     return errors
 
 

@@ -9,6 +9,7 @@ memory, so the exchange itself is exercised on a CPU.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 from typing import Any, Optional
@@ -18,9 +19,14 @@ import torch.distributed as dist
 
 import moeforge as mf
 from moeforge.distributed import ExpertParallel, LowLatencyDispatch, SymmetricDispatch, shard_state_dict
-from moeforge.distributed.symmetric import SymmetricWindow
+from moeforge.distributed.symmetric_window import SymmetricWindow
 from moeforge.errors import InputError
 from moeforge.stages.dispatch import Overflow
+
+if importlib.util.find_spec("triton") is not None:  # this rank's interpreted kernels lowered too (conftest.py)
+    import triton_front_end
+
+    triton_front_end.install()
 
 E, H, I = 8, 32, 16
 TOKENS = (5, 0, 3, 1)  # per rank (mod 4): rank 1 sends nothing
@@ -55,6 +61,15 @@ def emulate_symmetric_memory(folder: str) -> None:
 
     SymmetricWindow.allocate = classmethod(allocate)  # type: ignore[method-assign, assignment]
     SymmetricDispatch._why_not = lambda self, device: None  # type: ignore[method-assign]
+
+
+def _rank_device(rank: int, device_type: str, folder: str) -> torch.device:
+    """This rank's GPU (``"cuda"``), or the CPU with symmetric memory emulated under ``folder``."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    emulate_symmetric_memory(folder)
+    return torch.device("cpu")
 
 
 def _randomised(layer: mf.MoELayer, seed: int) -> mf.MoELayer:
@@ -103,12 +118,7 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     rows, routing weights on the input (Llama 4), FP8 rows with their per-128-group scales, a capacity that drops,
     three calls in a row (the buffers reused), a rank with no tokens, a training step (the NCCL transport's
     backward)."""
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-        emulate_symmetric_memory(folder)
+    device = _rank_device(rank, device_type, folder)
     out: dict[str, Any] = {"errors": {}, "describe": ""}
     errors = out["errors"]
     cases: dict[str, tuple[dict[str, Any], Optional[str], dict[str, Any]]] = {
@@ -131,6 +141,22 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
         if name == "float":
             out["describe"] = parallel["symmetric"].describe()
 
+    # every token on the same experts (a zero router: every score ties), and a call where no rank has a token
+    whole, parallel = _layers(cases["float"][0], device, {
+        "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8),
+        "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8)})
+    with torch.no_grad():
+        for layer in (whole, *parallel.values()):
+            assert layer.router is not None
+            layer.router.weight.zero_()
+            if layer.router.bias is not None:
+                layer.router.bias.zero_()
+        for name, count in (("one expert", 8), ("empty everywhere", 0)):
+            x = _tokens(rank, device, count=count)
+            got, same = parallel["symmetric"](x), parallel["low_latency"](x)
+            assert torch.equal(got, same), f"{name}: the two transports differ"
+            errors[name] = _rel(got, whole(x))
+
     # a stack of expert adapters: each copy's adapter id travels beside its row
     from moeforge.adapters import ExpertAdapter
 
@@ -151,24 +177,11 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     errors.update(_triton_experts_behind_it(rank, device))
 
     # FP8 rows and their per-128-group scales on the wire (scales are words too)
-    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float32)
-    torch.manual_seed(0)
-    method = lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group")  # noqa: E731
-    whole = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, device=device)
-    ep = ExpertParallel(E)
-    fp8 = {}
-    for name, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8)),
-                             ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
-        layer = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, expert_parallel=ep,
-                            dispatcher=dispatcher, device=device)
-        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
-        layer.process_weights_after_loading()
-        fp8[name] = layer
-    x = torch.randn(TOKENS[rank % 4], 128, generator=torch.Generator().manual_seed(7 + rank)).to(device)
-    with torch.no_grad():
-        got, same, want = fp8["symmetric"](x), fp8["low_latency"](x), whole(x)
-    assert torch.equal(got, same), "fp8: the two transports differ"
-    errors["fp8"] = _rel(got, want)
+    fp8 = lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group")  # noqa: E731
+    errors["fp8"] = _quantized_rows_match(rank, device, fp8, "fp8", seed=7)
+    # NVFP4 rows on the wire: packed 4-bit data and their fp8 block-16 scales (whole 32-bit words at H = 128)
+    nvfp4 = lambda: mf.Nvfp4Method(input_global_scale=4.0 / (6 * 448))  # noqa: E731
+    errors["nvfp4"] = _quantized_rows_match(rank, device, nvfp4, "nvfp4", seed=8, dispatch_dtype="nvfp4")
 
     # a capacity that drops copies (8 tokens' 16 copies over 8 experts: one expert gets two): the same copies as the
     # NCCL transport drops; with the copies placed by the routing kernel (decode batches) and by the sort and scans
@@ -224,11 +237,36 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     return out
 
 
+
+def _quantized_rows_match(rank: int, device: torch.device, method: Any, name: str, *, seed: int,
+                          **layer_kwargs: Any) -> float:
+    """A quantized layer behind ``SymmetricDispatch`` and behind ``LowLatencyDispatch``: bit-equal to each other,
+    and the error against the whole layer on one process (returned)."""
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float32, **layer_kwargs)
+    torch.manual_seed(0)
+    whole = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, device=device)
+    ep = ExpertParallel(E)
+    layers = {}
+    for kind, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8)),
+                             ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
+        layer = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, expert_parallel=ep,
+                            dispatcher=dispatcher, device=device)
+        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+        layer.process_weights_after_loading()
+        layers[kind] = layer
+    x = torch.randn(TOKENS[rank % 4], 128, generator=torch.Generator().manual_seed(seed + rank)).to(device)
+    with torch.no_grad():
+        got, same, want = layers["symmetric"](x), layers["low_latency"](x), whole(x)
+    assert torch.equal(got, same), f"{name}: the two transports differ"
+    assert "symmetric memory (NVLink)" in layers["symmetric"].describe(), layers["symmetric"].describe()
+    return _rel(got, want)
+
 def symmetric_without_its_transport(rank: int, world: int) -> dict[str, Any]:
     """CPU ranks without the emulation: the dispatcher serves through the NCCL/gloo low-latency exchange and says
     why."""
     kwargs = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=torch.float32)
-    whole, parallel = _layers(kwargs, torch.device("cpu"), {"symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8)})
+    whole, parallel = _layers(kwargs, torch.device("cpu"),
+                              {"symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8)})
     described_before = parallel["symmetric"].describe()
     x = _tokens(rank, torch.device("cpu"))
     with torch.no_grad():
@@ -249,13 +287,14 @@ def _triton_experts_behind_it(rank: int, device: torch.device) -> dict[str, floa
     x = torch.randn(TOKENS[rank % 4] + 2, 128, generator=torch.Generator().manual_seed(9 + rank)).half().to(device)
     errors = {}
     if device.type == "cuda":
-        layer = mf.MoELayer(**kwargs, backend="triton", expert_parallel=ep, device=device,
-                            dispatcher=SymmetricDispatch(ep, max_tokens=8))
-        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
-        described = layer.describe()
-        assert "FusedGroupedGemm" in described and "block-aligned" in described, described
-        with torch.no_grad():
-            errors["triton layer"] = _rel(layer(x), whole(x))
+        for kind, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8)),
+                                 ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
+            layer = mf.MoELayer(**kwargs, backend="triton", expert_parallel=ep, device=device, dispatcher=dispatcher)
+            layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+            described = layer.describe()
+            assert "FusedGroupedGemm" in described and "block-aligned" in described, described
+            with torch.no_grad():
+                errors[f"triton layer/{kind}"] = _rel(layer(x), whole(x))
         return errors
     parallel = mf.MoELayer(**kwargs, backend="torch", expert_parallel=ep)
     parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
@@ -272,3 +311,135 @@ def _triton_experts_behind_it(rank: int, device: torch.device) -> dict[str, floa
         got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
         errors["triton pipeline"] = _rel(got, whole(x))
     return errors
+
+
+def compact_buffers_match(rank: int, world: int, device_type: str, folder: str = "") -> dict[str, Any]:
+    """Compact buffers (``max_rows``): the triton GEMMs behind them equal the whole layer; without the triton GEMMs
+    the all-to-all exchange serves and says why; a rank receiving more than ``max_rows`` rows raises on every rank
+    (``ERROR``) or drops and counts (``DROP``)."""
+    from moeforge.kernels.config import ConfigTable
+    from moeforge.stages.triton import FusedGroupedGemm
+
+    device = _rank_device(rank, device_type, folder)
+    out: dict[str, Any] = {"errors": {}}
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=64, dtype=torch.float16)
+    torch.manual_seed(0)
+    whole = _randomised(mf.MoELayer(**kwargs, backend="torch").cpu(), 0).to(device)
+    ep = ExpertParallel(E)
+
+    def tokens(count: int, seed: int = 0) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(9 + rank + 100 * seed)
+        return torch.randn(count, 128, generator=generator).half().to(device)
+
+    # without the triton GEMMs (torch backend): the all-to-all exchange, and describe() says why
+    torched = mf.MoELayer(**kwargs, backend="torch", expert_parallel=ep, device=device,
+                          dispatcher=SymmetricDispatch(ep, max_tokens=8, max_rows=world * 16))
+    torched.load_state_dict(shard_state_dict(whole.state_dict(), torched))
+    x = tokens(TOKENS[rank % 4])
+    with torch.no_grad():
+        out["errors"]["torch layer"] = _rel(torched(x), whole(x))
+    out["torch describe"] = torched.describe()
+
+    def triton_layer(**options: Any) -> Any:
+        if device.type == "cuda":
+            layer = mf.MoELayer(**kwargs, backend="triton", expert_parallel=ep, device=device,
+                                dispatcher=SymmetricDispatch(ep, max_tokens=8, **options))
+            layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+            return layer, layer.describe
+        parallel = mf.MoELayer(**kwargs, backend="torch", expert_parallel=ep)
+        parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
+        table = ConfigTable(E, 2)
+        dispatch = SymmetricDispatch(ep, max_tokens=8, configs=table, **options)
+        stages: list[mf.Stage[Any, Any]] = [
+            mf.TopK(E, 2, parallel.routing), dispatch,
+            FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None,
+                             mf.ActivationConfig()),
+            FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table),
+            dispatch.combine_stage(out_dtype=mf.DType.FP16)]
+        pipeline = mf.Pipeline(stages, mf.input_spec(128, torch.float16, E), debug=True)
+        return (lambda x: pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states), pipeline.describe
+
+    layer, describe = triton_layer(max_rows=world * 16)  # never overflows: 8 tokens x 2 copies from each rank
+    for call in range(2):
+        x = tokens(TOKENS[rank % 4] + 2 * call, seed=call)
+        with torch.no_grad():
+            out["errors"][f"triton/{call}"] = _rel(layer(x), whole(x))
+    out["triton describe"] = describe()
+
+    out["errors"]["triton fp8"] = _fp8_compact(rank, world, device, tokens(TOKENS[rank % 4] + 1, seed=3))
+
+    # max_rows = 2: with every rank's 8 tokens, some rank receives more
+    x = tokens(8, seed=5)
+    layer, _ = triton_layer(max_rows=2)
+    try:
+        with torch.no_grad():
+            layer(x)
+    except InputError as error:
+        out["overflow raised"] = "max_rows=2" in str(error)
+    layer, _ = triton_layer(max_rows=2, overflow=Overflow.DROP)
+    with torch.no_grad():
+        dropped = layer(x)
+    out["dropped changes output"] = bool(torch.isfinite(dropped).all()) and _rel(dropped, whole(x)) > 1e-3
+    return out
+
+
+def _fp8_compact(rank: int, world: int, device: torch.device, x: torch.Tensor) -> float:
+    """FP8 rows with their per-128-group scales through compact buffers to the triton FP8 GEMMs, against the whole
+    FP8 layer on the torch stages."""
+    from moeforge.kernels.config import ConfigTable
+    from moeforge.selector import expert_stages
+    from moeforge.stages.triton_quant import TritonQuantizeTokens
+
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=128, intermediate_size=128, dtype=torch.float16)
+    method = lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group")  # noqa: E731
+    torch.manual_seed(0)
+    whole = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, device=device)
+    ep = ExpertParallel(E)
+    if device.type == "cuda":
+        layer = mf.MoELayer(**kwargs, quant=method(), backend="triton", environ={}, expert_parallel=ep, device=device,
+                            dispatcher=SymmetricDispatch(ep, max_tokens=8, max_rows=world * 16))
+        layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+        layer.process_weights_after_loading()
+        with torch.no_grad():
+            return _rel(layer(x), whole(x))
+    parallel = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, expert_parallel=ep)
+    parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
+    parallel.process_weights_after_loading()
+    table = ConfigTable(E, 2)
+    dispatch = SymmetricDispatch(ep, max_tokens=8, max_rows=world * 16, configs=table)
+    decision = parallel.dispatch_decision.dtype
+    stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, 2, parallel.routing)]
+    quantize = parallel.quant.quantize_stage(decision, mf.DType.FP16)
+    if isinstance(quantize, mf.QuantizeTokens):
+        stages.append(TritonQuantizeTokens(quantize.quantizer))
+    stages.append(dispatch)
+    stages += expert_stages(parallel.quant, parallel, activation=parallel.activation, routing_weights_in_epilogue=False,
+                            backend=mf.Backend.TRITON, configs=table, dispatch=decision)
+    stages.append(dispatch.combine_stage(out_dtype=mf.DType.FP16))
+    pipeline = mf.Pipeline(stages, mf.input_spec(128, torch.float16, E), debug=True)
+    with torch.no_grad():
+        got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
+    assert "symmetric memory (NVLink)" in dispatch.summary(), dispatch.summary()
+    return _rel(got, whole(x))
+
+
+def a_rank_stops_answering(rank: int, world: int) -> None:
+    """GPUs: after one exchange together, rank 1 stops calling the dispatcher; rank 0's next exchange must fail at its
+    barrier's timeout (a device error), not wait for ever."""
+    import time
+
+    from moeforge.payloads import Activations, RoutedTokens, TopKOutput
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dispatch = SymmetricDispatch(ExpertParallel(E), max_tokens=8, timeout_ms=2000)
+    ids = torch.randint(0, E, (4, 2), device=device, dtype=torch.int32)
+    routed = RoutedTokens(Activations(torch.randn(4, H, device=device)), TopKOutput(torch.rand(4, 2, device=device),
+                                                                                    ids))
+    dispatch(routed)
+    torch.cuda.synchronize()
+    if rank == 1:
+        time.sleep(3600)
+    dispatch(routed)
+    torch.cuda.synchronize()
+

@@ -62,6 +62,14 @@ def test_a_failing_rank_does_not_hang_the_others() -> None:
     assert time.monotonic() - start < 600  # rank 0 was terminated, not left to its hour-long collective
 
 
+def test_a_failure_is_reported_before_the_teardown_that_follows_it() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(ep_workers.fail_where_teardown_hangs, 2, timeout=3600, collective_timeout=3600)
+    assert "rank 0 hit a device error" in failure.value.failures[0]
+    assert time.monotonic() - start < 600  # not the hour the teardown would take
+
+
 def test_a_hanging_rank_is_terminated_at_the_deadline() -> None:
     # The deadline counts from when both ranks joined (rank 0 then returns at once), not from the spawn:
     # a loaded machine's slow start does not make rank 0 miss it.
@@ -85,10 +93,10 @@ def test_quantized_experts_behind_both_dispatchers() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the triton kernels in the interpreter on CPU ranks (gloo): "
                     "on a GPU machine they need CUDA tensors, and NCCL ranks need a GPU each")
-def test_triton_expert_gemms_behind_the_all_to_all_dispatcher() -> None:
+def test_triton_expert_gemms_behind_the_all_to_all_and_low_latency_dispatchers() -> None:
     pytest.importorskip("triton")
     errors = run_ranks(ep_workers.triton_experts_match, 2, timeout=300)
-    assert all(len(rank_errors) == 2 for rank_errors in errors)
+    assert all(len(rank_errors) == 4 for rank_errors in errors)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the triton kernels in the interpreter on CPU ranks (gloo): "

@@ -7,6 +7,7 @@ memory (needs two GPUs of one host).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import symmetric_workers
-from moeforge.testing.distributed import run_ranks
+from moeforge.testing.distributed import RankFailed, run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -51,3 +52,37 @@ def test_on_gpus_of_one_host_the_symmetric_dispatcher_equals_the_whole_layer(wor
         pytest.skip(f"needs {world} GPUs")
     results = run_ranks(symmetric_workers.symmetric_layers_match, world, "cuda", backend="nccl", timeout=600)
     _check(results, "symmetric memory (NVLink)")
+
+
+def _check_compact(results: list[dict[str, Any]]) -> None:
+    for result in results:
+        for name, error in result["errors"].items():  # fp16 triton GEMMs: 1e-2; FP8 ones: 3e-2 (as test_distributed)
+            assert error < (3e-2 if "fp8" in name else 1e-2 if "triton" in name else 1e-3), (name, error)
+        assert result["overflow raised"] and result["dropped changes output"]
+        assert "compact rows are read by the triton expert GEMMs only" in result["torch describe"]
+        described = result["triton describe"]
+        assert "max_rows=" in described and "block-aligned" in described and "symmetric memory (NVLink)" in described
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the emulated windows are CPU memory: on a GPU machine the GPU "
+                    "test below runs the real transport")
+def test_compact_buffers_feed_the_triton_gemms_and_bound_the_rows(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    _check_compact(run_ranks(symmetric_workers.compact_buffers_match, 2, "cpu", str(tmp_path), timeout=600))
+
+
+def test_compact_buffers_on_two_gpus() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check_compact(run_ranks(symmetric_workers.compact_buffers_match, 2, "cuda", backend="nccl", timeout=600))
+
+
+def test_a_rank_that_stops_answering_fails_the_others_barrier_within_seconds() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failure:
+        run_ranks(symmetric_workers.a_rank_stops_answering, 2, backend="nccl", timeout=3600, collective_timeout=3600)
+    assert 0 in failure.value.failures  # rank 0's barrier timed out (2 s) and raised a device error
+    assert time.monotonic() - start < 300  # not the hour rank 1 sleeps
+

@@ -89,6 +89,33 @@ def test_the_adapters_get_the_eager_gradients() -> None:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_triton_experts_read_the_adapted_weight() -> None:
+    """On a GPU the selector's triton GEMMs read peft's parametrized weight: the eager logits and the adapters'
+    eager gradients (fp32)."""
+    model = _model(8).cuda()
+    ids = _ids(9).cuda()
+    _use(model, "eager")
+    with torch.no_grad():
+        want_logits = model(ids).logits
+    want = _lora_grads(model, ids)
+    _use(model, "moeforge")
+    with torch.no_grad():
+        got_logits = model(ids).logits
+    got = _lora_grads(model, ids)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert want.keys() == got.keys() and any("lora" in name for name in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    while not hasattr(experts, "has_gate"):
+        experts = experts.base_layer
+    function = hf_experts.registered_function()
+    assert function is not None
+    text = "\n".join(pipeline.describe() for pipeline in function.pipelines_for(experts))
+    assert "backend triton" in text and "FusedGroupedGemm" in text, text
+
+
 def test_training_steps_follow_the_eager_loss_curve() -> None:
     losses = {}
     ids = _ids(5)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeforge.distributed.padded_alignment import padded_alignment
+from moeforge.distributed.padded_alignment import grouped_alignment, padded_alignment
 from moeforge.kernels.config import GemmConfig, MoEConfig
 
 
@@ -32,3 +32,27 @@ def test_the_blocks_cover_each_experts_valid_slots_in_order(data: st.DataObject,
     assert experts.tolist() == want_blocks
     assert ids.tolist() == want_ids
     assert alignment.sorted_ids.numel() == local * -(-slots // block_m) * block_m  # fixed: what a graph captures
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), local=st.integers(1, 5), rows=st.integers(1, 60), block_m=st.sampled_from([1, 4, 16]))
+def test_runs_one_after_another_cut_at_the_buffer_are_aligned(data: st.DataObject, local: int, rows: int,
+                                                              block_m: int) -> None:
+    # compact buffers: expert l's rows from starts[l], the runs one after another, the last ones cut at `rows`
+    counts = data.draw(st.lists(st.integers(0, 30), min_size=local, max_size=local))
+    ends = torch.tensor(counts).cumsum(0).clamp(max=rows)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    valid = ends - starts
+    config = MoEConfig(GemmConfig(block_m, 32, 32), GemmConfig(block_m, 32, 32))
+    blocks = -(-rows // block_m) + local
+    alignment = grouped_alignment(valid, starts, rows, blocks, config)
+    used = int(alignment.num_padded.item())
+    want_blocks, want_ids = [], []
+    for expert in range(local):
+        for first in range(0, int(valid[expert]), block_m):
+            want_blocks.append(expert)
+            want_ids.append([int(starts[expert]) + first + j if first + j < int(valid[expert]) else rows
+                             for j in range(block_m)])
+    assert used == len(want_blocks) * block_m <= blocks * block_m
+    assert alignment.block_expert[:len(want_blocks)].tolist() == want_blocks
+    assert alignment.sorted_ids[:used].view(-1, block_m).tolist() == want_ids

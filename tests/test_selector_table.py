@@ -392,8 +392,7 @@ ROWS = [
     row("cuda-ep-fused-ep", L("w4a4-npu", CUDA, ep=True, dispatcher="fused_ep"),
         "TritonRouter FusedEpDispatcher - - torch"),
     row("cuda-ep-given-low-latency", L(device=CUDA, ep=True, dispatcher="given:low_latency"),
-        "TritonRouter GivenDispatcher TorchUnquantizedExperts expert_padded torch",
-        "TritonUnquantizedExperts: GivenDispatcher: LowLatencyDispatch delivers expert_padded rows"),
+        "TritonRouter GivenDispatcher TritonUnquantizedExperts block_aligned triton"),
     row("cpu-ep-given-all-to-all", L("int8", ep=True, dispatcher="given:all_to_all"),
         "TorchRouter GivenDispatcher TorchW8A8Experts expert_sorted torch", f"TritonW8A8Experts: {ON_CPU}"),
 ]

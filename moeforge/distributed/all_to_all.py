@@ -119,10 +119,6 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
 
             kernel_ops()
 
-    @property
-    def block_aligned(self) -> bool:
-        return self.configs is not None
-
     def summary(self) -> str:
         extra = ", weights on input" if self.apply_routing_weights else ""
         layout = "block-aligned" if self.configs is not None else self.group_list_type.name.lower()

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from moeforge.distributed.group import ExpertParallel
+from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations
-from moeforge.spec import FLOAT_DTYPES, Accepts, DType, PayloadKind, RoutingWeights, ScaleLayout
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, Layout, PayloadKind, RoutingWeights, ScaleLayout, Spec
 from moeforge.stages.combine import Combine, combine_rows
 from moeforge.no_backward import records_grad
 
@@ -39,11 +40,20 @@ class ExchangeDispatch(abc.ABC):
 
     ep: ExpertParallel
     apply_routing_weights: bool
+    configs: Optional[ConfigTable]
 
     @property
     def block_aligned(self) -> bool:
-        """Whether the rows arrive ``BLOCK_ALIGNED`` (what the triton expert GEMMs read)."""
-        return False
+        """Whether the rows arrive ``BLOCK_ALIGNED`` (what the triton expert GEMMs read): the dispatcher was given their
+        launch table (``configs``)."""
+        return self.configs is not None
+
+    def aligned_spec(self, spec: Spec) -> Spec:
+        """``spec`` of rows this dispatcher delivers before their alignment, made ``BLOCK_ALIGNED`` where it has the
+        triton GEMMs' launch table."""
+        if self.configs is None:
+            return spec
+        return spec.evolve(layout=Layout.BLOCK_ALIGNED, alignment=self.configs.alignment())
 
     def combine_stage(self, *, apply_routing_weights: bool = True, routed_scaling_factor: Optional[float] = None,
                       out_dtype: Optional[DType] = None) -> Combine:

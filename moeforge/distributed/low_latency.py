@@ -45,7 +45,8 @@ from moeforge.distributed.exchange import (
 from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.wire import RowFormat, Traffic
 from moeforge.errors import InputError
-from moeforge.payloads import Activations, PaddedRows, Plan, RoutedTokens
+from moeforge.kernels.config import ConfigTable
+from moeforge.payloads import Activations, ExpertRows, PaddedRows, Plan, RoutedTokens
 from moeforge.spec import (
     Exchange,
     ExpertIds,
@@ -118,10 +119,13 @@ class _DispatchBack:
 
 
 @attrs.frozen(eq=False)
-class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
+class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     """Fixed-capacity exchange (see the module docstring). ``max_tokens``: the most tokens a rank
     passes per call (a larger batch is an ``InputError``); ``capacity``: rows per (source rank,
-    expert), default ``max_tokens``."""
+    expert), default ``max_tokens``; ``configs`` (the triton expert GEMMs' launch table): the rows leave
+    ``BLOCK_ALIGNED`` for the triton GEMMs (each slot one copy, the valid ones aligned on the device,
+    :func:`~moeforge.distributed.padded_alignment.aligned_padded_rows`) instead of ``EXPERT_PADDED``; a layer given
+    this dispatcher with the triton backend sets it itself."""
 
     kinds: ClassVar = (StageKind.DISPATCH,)
     ep: ExpertParallel
@@ -129,6 +133,7 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
     capacity: Optional[int] = None
     overflow: Overflow = attrs.field(default=Overflow.ERROR, converter=overflow_choice)
     apply_routing_weights: bool = False
+    configs: Optional[ConfigTable] = None
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -148,16 +153,28 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, PaddedRows]):
 
     def summary(self) -> str:
         extra = ", weights on input" if self.apply_routing_weights else ""
-        return (f"LowLatencyDispatch(rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
+        layout = "block-aligned, " if self.configs is not None else ""
+        return (f"LowLatencyDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
                 f"capacity={self.slots}, overflow={self.overflow.value}{extra})")
 
     def output_spec(self, spec: Spec) -> Spec:
-        return spec.evolve(
+        padded = spec.evolve(
             kind=PayloadKind.DISPATCHED, layout=Layout.EXPERT_PADDED, group_list_type=None,
             expert_ids=ExpertIds.LOCAL, num_experts=self.ep.local_experts, exchange=Exchange.LOW_LATENCY,
             routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights else spec.routing_weights)
+        return self.aligned_spec(padded)
 
-    def __call__(self, x: RoutedTokens) -> PaddedRows:
+    def __call__(self, x: RoutedTokens) -> ExpertRows:
+        padded = self.padded(x)
+        if self.configs is None:
+            return padded
+        from moeforge.distributed.padded_alignment import aligned_padded_rows
+
+        tokens, top_k = x.topk.ids.shape  # (the tile chosen for this rank's own copies: what a rank gets on average)
+        return aligned_padded_rows(padded, self.configs.lookup(max(tokens * top_k, 1)))
+
+    def padded(self, x: RoutedTokens) -> PaddedRows:
+        """The exchange itself: ``EXPERT_PADDED`` rows, whatever ``configs``."""
         ep, group, cap = self.ep, self.ep.group, self.slots
         world, local, experts = ep.world_size, ep.local_experts, ep.num_experts
         tokens, top_k = x.topk.ids.shape

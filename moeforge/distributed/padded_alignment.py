@@ -1,11 +1,13 @@
-"""The block alignment of fixed-capacity expert buffers: padded rows read by the triton expert GEMMs.
+"""The block alignment of rows an exchange left grouped by expert: what the triton expert GEMMs read.
 
-A fixed-capacity dispatcher (:class:`~moeforge.distributed.SymmetricDispatch`) delivers ``[L, S, H]`` buffers whose
-first ``masked_m[l]`` rows of expert ``l`` are valid. Flattened to ``[L * S, H]``, each slot is one copy, and the
-triton GEMMs read them through a :class:`~moeforge.payloads.BlockAlignment` whose blocks cover only the valid rows:
-expert ``l``'s ``ceil(masked_m[l] / block_m)`` blocks, the experts' blocks one after another, the slots past the
-valid rows the sentinel. Computed on the device from ``masked_m`` (no host sync, fixed shapes: a CUDA graph
-captures it), in ascending slot order within each expert (the order the weight gradient reads).
+The fixed-capacity dispatchers (:class:`~moeforge.distributed.LowLatencyDispatch`,
+:class:`~moeforge.distributed.SymmetricDispatch`) leave each local expert's rows in one run of its buffer: in fixed-capacity buffers (``[L, S, H]``, expert ``l``'s first ``masked_m[l]`` slots valid)
+or compact ones (``[R, H]``, the experts' runs one after another). Flattened, each row is one copy, and the triton
+GEMMs read them through a :class:`~moeforge.payloads.BlockAlignment` whose blocks cover only the valid rows: expert
+``l``'s ``ceil(count[l] / block_m)`` blocks, the experts' blocks one after another, the rows past a run the
+sentinel. Computed on the device from the counts (no host sync, sizes fixed by the buffer: a CUDA graph captures
+it), ascending within each expert (the order the weight gradient reads); blocks past the used ones are never read
+(the GEMMs stop at ``num_padded``).
 """
 
 from __future__ import annotations
@@ -13,33 +15,52 @@ from __future__ import annotations
 import torch
 
 from moeforge.kernels.config import MoEConfig
-from moeforge.payloads import BlockAlignment
+from moeforge.payloads import Activations, AlignedRows, BlockAlignment, PaddedRows
+
+
+def grouped_alignment(counts: torch.Tensor, starts: torch.Tensor, rows: int, blocks: int,
+                      config: MoEConfig) -> BlockAlignment:
+    """The alignment of ``L`` runs of rows, run ``l`` ``counts[l]`` rows from row ``starts[l]`` of ``rows`` rows, by
+    ``config.block_m``, in ``blocks`` blocks (at least the blocks the runs can need)."""
+    local, block_m, device = counts.shape[0], config.block_m, counts.device
+    valid = counts.to(torch.int64)
+    used = (valid + block_m - 1) // block_m  # [L] blocks each run needs
+    ends = used.cumsum(0)
+    block = torch.arange(blocks, device=device)
+    expert = torch.searchsorted(ends, block, right=True)  # [blocks]: each block's run, L past the used ones
+    live = expert < local
+    owner = expert.clamp(max=local - 1)
+    index = block - (ends - used)[owner]  # the block's place in its run
+    within = index.unsqueeze(1) * block_m + torch.arange(block_m, device=device).unsqueeze(0)  # [blocks, block_m]
+    real = live.unsqueeze(1) & (within < valid[owner].unsqueeze(1))
+    sorted_ids = torch.where(real, starts.to(torch.int64)[owner].unsqueeze(1) + within, rows).to(torch.int32)
+    return BlockAlignment(sorted_ids=sorted_ids.reshape(-1), block_expert=torch.where(live, expert, 0).to(torch.int32),
+                          num_padded=(ends[-1:] * block_m).to(torch.int32), config=config, copies_per_row=1,
+                          num_tokens=rows)
 
 
 def padded_alignment(masked_m: torch.Tensor, slots: int, config: MoEConfig) -> BlockAlignment:
-    """The alignment of ``L`` experts' ``slots`` rows each, ``masked_m [L]`` of them valid, by ``config.block_m``."""
-    local, block_m, device = masked_m.shape[0], config.block_m, masked_m.device
-    per_expert = -(-slots // block_m)  # the most blocks an expert's slots can need
-    total = local * per_expert
-    sentinel = local * slots
-    valid = masked_m.to(torch.int64)
-    used = (valid + block_m - 1) // block_m  # [L] blocks each expert needs
-    first = used.cumsum(0) - used  # [L] its first block among all
-    block = torch.arange(per_expert, device=device)
-    live = block.unsqueeze(0) < used.unsqueeze(1)  # [L, B]
-    # block_expert, one spare entry past the end taking every unused (expert, block)
-    block_dest = torch.where(live, first.unsqueeze(1) + block.unsqueeze(0), total).reshape(-1)
-    block_expert = torch.zeros(total + 1, dtype=torch.int32, device=device)
-    experts = torch.arange(local, dtype=torch.int32, device=device).repeat_interleave(per_expert)
-    block_expert.index_put_((block_dest,), experts)
-    # sorted_ids: each expert's slots (the sentinel past its valid rows) at its blocks' places
-    within = torch.arange(per_expert * block_m, device=device)  # [B * block_m]
-    slot_of = torch.arange(local, device=device).unsqueeze(1) * slots + within.unsqueeze(0)
-    ids = torch.where(within.unsqueeze(0) < valid.unsqueeze(1), slot_of, sentinel).to(torch.int32)
-    row_dest = torch.where((within // block_m).unsqueeze(0) < used.unsqueeze(1),
-                           first.unsqueeze(1) * block_m + within.unsqueeze(0), total * block_m).reshape(-1)
-    sorted_ids = torch.full((total * block_m + 1,), sentinel, dtype=torch.int32, device=device)
-    sorted_ids.index_put_((row_dest,), ids.reshape(-1))
-    num_padded = (used.sum() * block_m).to(torch.int32).reshape(1)
-    return BlockAlignment(sorted_ids=sorted_ids[:total * block_m], block_expert=block_expert[:total],
-                          num_padded=num_padded, config=config, copies_per_row=1, num_tokens=sentinel)
+    """The alignment of ``L`` experts' ``slots`` rows each (``[L * slots]`` flattened), ``masked_m [L]`` of them
+    valid."""
+    local = masked_m.shape[0]
+    starts = torch.arange(local, device=masked_m.device) * slots
+    return grouped_alignment(masked_m, starts, local * slots, local * -(-slots // config.block_m), config)
+
+
+def aligned_padded_rows(padded: PaddedRows, config: MoEConfig) -> AlignedRows:
+    """``padded`` (``[L, S, H]``, ``masked_m`` valid rows per expert) flattened to one copy per slot (``[L * S, H]``)
+    for the triton GEMMs, its valid rows aligned by ``config``; its plan, weights and adapter ids carried over."""
+    local, slots = padded.masked_m.shape[0], padded.x.data.shape[1]
+    alignment = padded_alignment(padded.masked_m, slots, config)
+    scale = padded.x.scale
+    if scale is not None:
+        scale = scale.reshape(local * slots, *scale.shape[2:])
+    adapter_ids = padded.adapter_ids.reshape(-1) if padded.adapter_ids is not None else None
+    copy_experts = None
+    if adapter_ids is not None:
+        experts = torch.arange(local, dtype=torch.int32, device=padded.masked_m.device)
+        copy_experts = experts.repeat_interleave(slots)
+    return AlignedRows(Activations(padded.x.data.reshape(local * slots, -1), scale), alignment, copy_major=False,
+                       copy_weights=padded.slot_weights.reshape(-1), plan=padded.plan, adapter_ids=adapter_ids,
+                       copy_experts=copy_experts)
+

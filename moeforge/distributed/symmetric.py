@@ -43,62 +43,14 @@ import torch.distributed as dist
 from moeforge.distributed.exchange import ExchangeDispatch, combine_on_source, count_per_expert, scaled_rows
 from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.low_latency import LowLatencyDispatch
+from moeforge.distributed.symmetric_window import SymmetricWindow, regions, words_needed
 from moeforge.errors import InputError
 from moeforge.no_backward import records_grad
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations, AlignedRows, ExpertRows, PaddedRows, Plan, RoutedTokens
-from moeforge.spec import Layout, Spec
+from moeforge.spec import Spec
 from moeforge.stage import Stage, StageKind
 from moeforge.stages.dispatch import Overflow, overflow_choice
-
-_ALIGN = 256  # bytes between the regions of a window
-
-
-@attrs.frozen(eq=False)
-class SymmetricWindow:
-    """One symmetric allocation of ``words`` 32-bit words on every rank of ``group``, carved into regions.
-
-    ``deltas [W]`` (int64, on the device): the distance in words from this rank's allocation to rank ``r``'s, as the
-    kernels of :mod:`moeforge.kernels.symmetric_rows` address peers. ``barrier`` waits, on the device, until every
-    rank reached its own call (a symmetric-memory signal per pair of ranks)."""
-
-    buffer: torch.Tensor
-    deltas: torch.Tensor
-    handle: Any
-    timeout_ms: int
-
-    @classmethod
-    def allocate(cls, words: int, device: torch.device, group: Optional[dist.ProcessGroup],
-                 timeout_ms: int) -> SymmetricWindow:
-        """Collective: every rank of ``group`` calls it with the same ``words``."""
-        import torch.distributed._symmetric_memory as symm_mem
-
-        buffer = symm_mem.empty(words, dtype=torch.int32, device=device)
-        buffer.zero_()  # no stale bit patterns: an empty slot a GEMM reads holds zeros until it is first written
-        handle = symm_mem.rendezvous(buffer, (group or dist.group.WORLD).group_name)  # type: ignore[union-attr]
-        own = int(handle.buffer_ptrs[handle.rank])
-        offset = buffer.data_ptr() - own  # where this tensor starts in the allocation: the same on every rank
-        deltas = torch.tensor([(int(base) + offset - buffer.data_ptr()) // 4 for base in handle.buffer_ptrs],
-                              dtype=torch.int64, device=device)
-        handle.barrier(channel=0, timeout_ms=timeout_ms)  # every rank's zeros are in place before any peer writes
-        return cls(buffer, deltas, handle, timeout_ms)
-
-    def barrier(self) -> None:
-        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
-
-
-def _regions(window: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-    """Consecutive 1-D int32 views of ``window``, ``sizes`` words each, each starting on a 256-byte boundary."""
-    out, start = {}, 0
-    for name, size in sizes.items():
-        out[name] = window[start:start + size]
-        start += -(-size * 4 // _ALIGN) * _ALIGN // 4
-    return out
-
-
-def _words_needed(sizes: dict[str, int]) -> int:
-    return sum(-(-size * 4 // _ALIGN) * _ALIGN // 4 for size in sizes.values())
-
 
 def _word_width(tensor: torch.Tensor) -> Optional[int]:
     """32-bit words per row of ``tensor`` (last dimension), or ``None`` where its bytes are not whole words."""
@@ -112,8 +64,9 @@ class SymmetricPlan(Plan):
     rank's return buffer at its copy's slot, a barrier, and each token's copies summed on its own rank.
 
     ``token_copies [T, K]``: each copy's slot in the return buffer (its index ``t * K + k``), -1 if dropped;
-    ``masked_m [L]`` and ``origins [L * slots]`` (``source rank * max copies + copy``) of the rows this rank
-    received; ``dropped`` (0-d) the copies this rank could not send."""
+    ``masked_m [L]`` and ``origins`` (one per buffer row: ``source rank * max copies + copy``) of the rows this rank
+    received, ``starts [L]`` each expert's first row in compact buffers (``None``: ``[L, slots]`` buffers);
+    ``dropped`` (0-d) the copies this rank could not send."""
 
     dispatch: SymmetricDispatch
     token_copies: torch.Tensor
@@ -121,22 +74,24 @@ class SymmetricPlan(Plan):
     masked_m: torch.Tensor
     origins: torch.Tensor
     dropped: torch.Tensor
+    starts: Optional[torch.Tensor] = None
 
     def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
                 out_dtype: torch.dtype) -> torch.Tensor:
         from moeforge.kernels.symmetric_rows import return_rows, words
 
         dispatch, top_k = self.dispatch, self.token_copies.shape[1]
-        rows = rows.reshape(self.masked_m.shape[0], -1, rows.shape[-1]).contiguous()  # ([L * S, H]: aligned rows)
-        slots = rows.shape[1]
+        rows = rows.reshape(-1, rows.shape[-1]).contiguous()  # [L, S, H] buffers, or flat: one copy per row
+        slots = rows.shape[0] // self.masked_m.shape[0]
         width = _word_width(rows)
         if width is None:  # (an odd width of fp16 rows): the buffers carry whole words only
             raise InputError(f"SymmetricDispatch returns rows as 32-bit words: rows of {rows.shape[-1]} "
                              f"{rows.dtype} do not fill them; use LowLatencyDispatch")
         copies = dispatch.max_tokens * top_k
         window = dispatch.window(("return", width, copies), {"ret": copies * width}, rows.device)
-        ret = _regions(window.buffer, {"ret": copies * width})["ret"].view(copies, width)
-        return_rows(words(rows), self.masked_m, self.origins, ret, window.deltas, slots=slots, copies_per_rank=copies)
+        ret = regions(window.buffer, {"ret": copies * width})["ret"].view(copies, width)
+        return_rows(words(rows), self.masked_m, self.origins, ret, window.deltas, slots=slots, copies_per_rank=copies,
+                    starts=self.starts)
         window.barrier()
         returned = ret.view(rows.dtype).view(copies, rows.shape[-1])
         weights = self.copy_weights if weighted else None
@@ -154,7 +109,15 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     :class:`~moeforge.distributed.LowLatencyDispatch`); ``timeout_ms``: how long a barrier waits for the other ranks
     before it fails the process; ``configs`` (the triton expert GEMMs' launch table): the rows leave ``BLOCK_ALIGNED``
     (each slot one copy, the valid ones aligned on the device) for the triton GEMMs instead of ``EXPERT_PADDED``.
-    A layer given this dispatcher with the triton backend sets ``configs`` itself."""
+    A layer given this dispatcher with the triton backend sets ``configs`` itself.
+
+    ``max_rows`` (compact buffers, for prefill batches): instead of ``W × capacity`` slots per local expert, one
+    buffer of ``max_rows`` rows per rank holding the experts' rows one after another (expert, then source rank, then
+    copy order), placed from the exchanged counts with no host sync; only the triton expert GEMMs read it (without
+    ``configs`` the all-to-all exchange serves, with its host sync). A batch sending a rank more than ``max_rows``
+    rows: ``overflow=ERROR`` raises on every rank before any row moves (reading one flag on the host: outside a CUDA
+    graph only; inside one the overflowing rows are dropped and counted in the plan's ``dropped``), ``DROP`` drops
+    them. ``capacity`` does not apply to compact buffers."""
 
     kinds: ClassVar = (StageKind.DISPATCH,)
     ep: ExpertParallel
@@ -164,19 +127,36 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     apply_routing_weights: bool = False
     timeout_ms: int = 30_000
     configs: Optional[ConfigTable] = None
-    fallback: LowLatencyDispatch = attrs.field(init=False, repr=False)
+    max_rows: Optional[int] = None
+    fallback: Stage[RoutedTokens, Any] = attrs.field(init=False, repr=False)  # (an ExchangeDispatch)
     _state: dict[Any, Any] = attrs.field(init=False, factory=dict, repr=False)
+    _padded: LowLatencyDispatch = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.timeout_ms, int) or self.timeout_ms < 1:
             raise InputError(f"timeout_ms must be a positive int, got {self.timeout_ms!r}")
-        object.__setattr__(self, "fallback", LowLatencyDispatch(
-            self.ep, self.max_tokens, self.capacity, self.overflow, self.apply_routing_weights))
+        padded = LowLatencyDispatch(self.ep, self.max_tokens, self.capacity, self.overflow, self.apply_routing_weights)
+        fallback: Stage[RoutedTokens, Any] = padded
+        if self.max_rows is not None:
+            if not isinstance(self.max_rows, int) or self.max_rows < 1:
+                raise InputError(f"max_rows must be a positive int (or None), got {self.max_rows!r}")
+            if self.capacity is not None:
+                raise InputError("capacity bounds the rows per (source rank, expert) of fixed-capacity buffers; "
+                                 "compact buffers (max_rows) hold any mix up to max_rows rows: give one of the two")
+            from moeforge.distributed.all_to_all import AllToAllDispatch
+
+            fallback = AllToAllDispatch(self.ep, apply_routing_weights=self.apply_routing_weights, configs=self.configs)
+        object.__setattr__(self, "fallback", fallback)
+        object.__setattr__(self, "_padded", padded)
 
     @property
     def slots(self) -> int:
-        """Rows per (source rank, expert)."""
-        return self.fallback.slots
+        """Rows per (source rank, expert) of fixed-capacity buffers."""
+        return self.capacity if self.capacity is not None else self.max_tokens
+
+    @property
+    def compact(self) -> bool:
+        return self.max_rows is not None
 
     def transport(self, device: torch.device) -> Optional[str]:
         """``None`` where symmetric memory serves rows on ``device``, else why not (then the NCCL/gloo low-latency
@@ -207,28 +187,26 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         """The window of ``key`` (allocated, collectively, at its first use)."""
         window: Optional[SymmetricWindow] = self._state.get(key)
         if window is None:
-            window = SymmetricWindow.allocate(_words_needed(sizes), device, self.ep.group, self.timeout_ms)
+            window = SymmetricWindow.allocate(words_needed(sizes), device, self.ep.group, self.timeout_ms)
             self._state[key] = window
         return window
 
     def summary(self) -> str:
         extra = ", weights on input" if self.apply_routing_weights else ""
         chosen = [reason for key, reason in self._state.items() if isinstance(key, tuple) and key[0] == "transport"]
+        other = "all-to-all" if self.compact else "NCCL low-latency"
         how = ("transport chosen at the first call" if not chosen else
-               "symmetric memory (NVLink)" if chosen[-1] is None else f"NCCL low-latency exchange: {chosen[-1]}")
+               "symmetric memory (NVLink)" if chosen[-1] is None else f"{other} exchange: {chosen[-1]}")
+        if self.compact and self.configs is None:
+            how = "all-to-all exchange: compact rows are read by the triton expert GEMMs only (backend='triton')"
         layout = "block-aligned, " if self.configs is not None else ""
+        bound = f"max_rows={self.max_rows}" if self.compact else f"capacity={self.slots}"
         return (f"SymmetricDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
-                f"capacity={self.slots}, overflow={self.overflow.value}{extra}; {how})")
-
-    @property
-    def block_aligned(self) -> bool:
-        return self.configs is not None
+                f"{bound}, overflow={self.overflow.value}{extra}; {how})")
 
     def output_spec(self, spec: Spec) -> Spec:
-        padded = self.fallback.output_spec(spec)  # the same rows, whichever transport carries them
-        if self.configs is None:
-            return padded
-        return padded.evolve(layout=Layout.BLOCK_ALIGNED, alignment=self.configs.alignment())
+        rows: Spec = self.fallback.output_spec(spec)  # the same rows, whichever transport carries them
+        return rows if self.compact else self.aligned_spec(rows)  # (compact: the all-to-all's spec, aligned by it)
 
     def __call__(self, x: RoutedTokens) -> ExpertRows:
         tokens, top_k = x.topk.ids.shape
@@ -236,37 +214,24 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             raise InputError(f"SymmetricDispatch got {tokens} tokens; its buffers hold max_tokens={self.max_tokens} "
                              "per rank: split the batch or build the dispatcher with a larger max_tokens")
         data = x.x.data
-        if (records_grad(data, x.topk.weights) or self.transport(data.device) is not None
+        if (records_grad(data, x.topk.weights) or (self.compact and self.configs is None)
+                or self.transport(data.device) is not None
                 or _word_width(data) is None or (x.x.scale is not None and _word_width(x.x.scale) is None)):
-            padded = self.fallback(x)
+            out: ExpertRows = self.fallback(x)
         else:
-            padded = self._exchange(x)
-        return padded if self.configs is None else self._aligned(padded, tokens * top_k)
+            out = self._exchange(x)
+        if self.compact or self.configs is None:
+            return out
+        from moeforge.distributed.padded_alignment import aligned_padded_rows
 
-    def _aligned(self, padded: PaddedRows, copies: int) -> AlignedRows:
-        """``padded`` flattened to one copy per slot (``[L * S, H]``) for the triton GEMMs, its valid rows aligned
-        (:func:`~moeforge.distributed.padded_alignment.padded_alignment`; the tile chosen for this rank's own copies,
-        what a rank receives on average)."""
-        from moeforge.distributed.padded_alignment import padded_alignment
+        assert isinstance(out, PaddedRows)  # (the tile chosen for this rank's own copies: what a rank gets on average)
+        return aligned_padded_rows(out, self.configs.lookup(max(tokens * top_k, 1)))
 
-        assert self.configs is not None
-        local, slots = padded.masked_m.shape[0], padded.x.data.shape[1]
-        alignment = padded_alignment(padded.masked_m, slots, self.configs.lookup(max(copies, 1)))
-        scale = padded.x.scale
-        if scale is not None:
-            scale = scale.reshape(local * slots, *scale.shape[2:])
-        adapter_ids = padded.adapter_ids.reshape(-1) if padded.adapter_ids is not None else None
-        copy_experts = None
-        if adapter_ids is not None:
-            copy_experts = torch.arange(local, dtype=torch.int32, device=padded.masked_m.device).repeat_interleave(slots)
-        return AlignedRows(Activations(padded.x.data.reshape(local * slots, -1), scale), alignment, copy_major=False,
-                           copy_weights=padded.slot_weights.reshape(-1), plan=padded.plan, adapter_ids=adapter_ids,
-                           copy_experts=copy_experts)
-
-    def _exchange(self, x: RoutedTokens) -> PaddedRows:
+    def _exchange(self, x: RoutedTokens) -> ExpertRows:
         from moeforge.kernels import symmetric_rows as kernels
 
-        ep, cap = self.ep, self.slots
+        ep, compact = self.ep, self.compact
+        cap = _NO_CAPACITY if compact else self.slots
         world, local, experts, rank = ep.world_size, ep.local_experts, ep.num_experts, ep.rank
         tokens, top_k = x.topk.ids.shape
         device = x.topk.ids.device
@@ -294,39 +259,95 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         width, hidden = _word_width(data), data.shape[-1]
         scale_width = _word_width(scale) if scale is not None else 0
         assert width is not None and scale_width is not None
-        slots = world * cap
+        slots = world * self.slots
+        buffer_rows = self.max_rows if self.max_rows is not None else local * slots
         adapter_ids = x.adapter_ids.to(torch.int32).contiguous() if x.adapter_ids is not None else None
         has_adapters = adapter_ids is not None
-        sizes = {"table": world * experts, "rows": local * slots * width, "scales": local * slots * scale_width,
-                 "weights": local * slots, "origins": local * slots, "adapters": local * slots if has_adapters else 0}
-        window = self.window(("dispatch", width, scale_width, has_adapters), sizes, device)
-        regions = _regions(window.buffer, sizes)
+        sizes = {"table": world * experts, "rows": buffer_rows * width, "scales": buffer_rows * scale_width,
+                 "weights": buffer_rows, "origins": buffer_rows, "adapters": buffer_rows if has_adapters else 0}
+        window = self.window(("dispatch", compact, width, scale_width, has_adapters), sizes, device)
+        parts = regions(window.buffer, sizes)
 
         if counts is None:
-            positions, token_copies, dropped = kernels.route(flat, regions["table"], window.deltas, rank, cap)
+            positions, token_copies, dropped = kernels.route(flat, parts["table"], window.deltas, rank, cap)
         else:
-            kernels.publish_counts(counts.to(torch.int32), regions["table"], window.deltas, rank)
-        if self.overflow is Overflow.ERROR and cap < self.max_tokens:  # else no overflow is possible
+            kernels.publish_counts(counts.to(torch.int32), parts["table"], window.deltas, rank)
+        if not compact and self.overflow is Overflow.ERROR and cap < self.max_tokens:  # else no overflow is possible
             # (every rank raises together, before any row moves and before the barrier every rank pairs with)
-            self.fallback._raise_on_overflow(dropped, count_per_expert(flat.long(), experts))
+            self._padded._raise_on_overflow(dropped, count_per_expert(flat.long(), experts))
         window.barrier()
-        table = regions["table"].view(world, experts)
+        table = parts["table"].view(world, experts)
+        offsets = totals = None
+        if compact:
+            totals = table.sum(0, dtype=torch.int32)  # [E]: rows each expert receives (the table is every rank's)
+            owned = totals.view(world, local)
+            before = table[:rank].sum(0, dtype=torch.int32) if rank else torch.zeros_like(totals)
+            offsets = (owned.cumsum(1, dtype=torch.int32) - owned).reshape(experts) + before
+            self._check_rows(owned, device)
+            kept = offsets[flat.long()] + positions < buffer_rows
+            token_copies = torch.where(kept, token_copies, -1)
+            dropped = (~kept).sum()
         kernels.put_rows(kernels.words(data), kernels.words(scale) if scale is not None else None, weights, flat,
-                         positions, table, adapter_ids, regions["rows"], regions["scales"] if scale is not None else None,
-                         regions["weights"], regions["origins"], regions["adapters"] if has_adapters else None,
+                         positions, table, adapter_ids, parts["rows"], parts["scales"] if scale is not None else None,
+                         parts["weights"], parts["origins"], parts["adapters"] if has_adapters else None,
                          window.deltas, rank=rank, top_k=top_k, local=local, slots=slots, capacity=cap,
-                         origin_base=rank * self.max_tokens * top_k)
+                         origin_base=rank * self.max_tokens * top_k, offsets=offsets, limit=buffer_rows)
         window.barrier()
 
-        masked_m, slot_weights, received_ids = kernels.receive(
-            table, regions["weights"].view(torch.float32), regions["adapters"] if has_adapters else None, rank=rank,
-            local=local, slots=slots, capacity=cap)
-        received = regions["rows"].view(data.dtype).view(local, slots, hidden)
+        received = parts["rows"].view(data.dtype).view(buffer_rows, hidden)
         received_scale = None
         if scale is not None:
             assert rows.scale is not None
-            received_scale = regions["scales"].view(scale.dtype).view(local, slots, *rows.scale.shape[1:])
-        plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, masked_m, regions["origins"],
+            received_scale = parts["scales"].view(scale.dtype).view(buffer_rows, *rows.scale.shape[1:])
+        if totals is not None:
+            return self._compact_rows(x, totals[rank * local:(rank + 1) * local], Activations(received, received_scale),
+                                      parts, token_copies, dropped, has_adapters)
+        masked_m, slot_weights, received_ids = kernels.receive(
+            table, parts["weights"].view(torch.float32), parts["adapters"] if has_adapters else None, rank=rank,
+            local=local, slots=slots, capacity=cap)
+        if received_scale is not None:
+            received_scale = received_scale.view(local, slots, *received_scale.shape[1:])
+        plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, masked_m, parts["origins"],
                              dropped)
-        return PaddedRows(Activations(received, received_scale), masked_m, slot_weights, plan=plan,
-                          adapter_ids=received_ids)
+        return PaddedRows(Activations(received.view(local, slots, hidden), received_scale), masked_m, slot_weights,
+                          plan=plan, adapter_ids=received_ids)
+
+    def _check_rows(self, owned: torch.Tensor, device: torch.device) -> None:
+        """Compact buffers, ``overflow=ERROR``: raise where a rank would receive more than ``max_rows`` rows (every
+        rank reads the same table, so all raise together, before any row moves). Not inside a CUDA graph's capture
+        (no host read there: the rows beyond are dropped and counted)."""
+        if self.overflow is not Overflow.ERROR or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        most = int(owned.sum(1).max())
+        if most > (self.max_rows or 0):
+            raise InputError(f"SymmetricDispatch: a rank would receive {most} rows, its compact buffer holds "
+                             f"max_rows={self.max_rows}: raise max_rows or use overflow=Overflow.DROP (dropped copies "
+                             "are then counted in the plan's 'dropped')")
+
+    def _compact_rows(self, x: RoutedTokens, counts: torch.Tensor, received: Activations,
+                      parts: dict[str, torch.Tensor],
+                      token_copies: torch.Tensor, dropped: torch.Tensor, has_adapters: bool) -> AlignedRows:
+        """The compact buffer's rows block-aligned for the triton GEMMs: ``counts [L]`` rows per local expert, one
+        expert after another (cut at ``max_rows``), each row one copy."""
+        from moeforge.distributed.padded_alignment import grouped_alignment
+
+        assert self.configs is not None and self.max_rows is not None
+        tokens, top_k = x.topk.ids.shape
+        rows, local = self.max_rows, counts.shape[0]
+        ends = counts.to(torch.int64).cumsum(0).clamp(max=rows)
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        valid = (ends - starts).to(torch.int32)
+        config = self.configs.lookup(max(tokens * top_k, 1))
+        alignment = grouped_alignment(valid, starts, rows, -(-rows // config.block_m) + local, config)
+        adapter_ids = parts["adapters"] if has_adapters else None
+        copy_experts = None
+        if adapter_ids is not None:  # each row's local expert, from the runs (rows past them: any expert)
+            copy_experts = (torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
+                            .clamp(max=local - 1).to(torch.int32))
+        plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, valid, parts["origins"], dropped,
+                             starts=starts)
+        return AlignedRows(received, alignment, copy_major=False, copy_weights=parts["weights"].view(torch.float32),
+                           plan=plan, adapter_ids=adapter_ids, copy_experts=copy_experts)
+
+
+_NO_CAPACITY = 2**31 - 1  # compact buffers: no bound per (source rank, expert)

@@ -66,46 +66,56 @@ def _route_kernel(experts_ptr, positions_ptr, copies_ptr, table_ptr, deltas_ptr,
 
 
 @triton.jit
-def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_ptr, table_ptr, adapters_ptr,
-                     recv_rows_ptr, recv_scales_ptr, recv_weights_ptr, recv_origins_ptr, recv_adapters_ptr, deltas_ptr,
-                     rank, E, local, slots, capacity, origin_base,
+def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_ptr, table_ptr, offsets_ptr,
+                     adapters_ptr, recv_rows_ptr, recv_scales_ptr, recv_weights_ptr, recv_origins_ptr,
+                     recv_adapters_ptr,
+                     deltas_ptr, rank, E, local, slots, capacity, limit, origin_base,
                      D: tl.constexpr, S: tl.constexpr, TOP_K: tl.constexpr, ROWS_PER_COPY: tl.constexpr,
-                     HAS_ADAPTERS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+                     HAS_ADAPTERS: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
     copy = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + copy)
     if position < capacity:
         expert = tl.load(experts_ptr + copy).to(tl.int64)
         owner = expert // local
-        start = position * 0  # this expert's rows from ranks before this one, each up to the capacity
-        for source in range(0, rank):
-            start += tl.minimum(tl.load(table_ptr + source * E + expert), capacity)
-        slot = (expert % local) * slots + start + position
-        delta = tl.load(deltas_ptr + owner)
-        token = copy // TOP_K
-        source = copy if ROWS_PER_COPY else token
-        for first in range(0, D, BLOCK):
-            offs = first + tl.arange(0, BLOCK)
-            ok = offs < D
-            words = tl.load(rows_ptr + source * D + offs, mask=ok)
-            tl.store(recv_rows_ptr + delta + slot * D + offs, words, mask=ok)
-        if S > 0:
-            offs_s = tl.arange(0, BLOCK_S)
-            ok_s = offs_s < S
-            tl.store(recv_scales_ptr + delta + slot * S + offs_s, tl.load(scales_ptr + source * S + offs_s, mask=ok_s),
-                     mask=ok_s)
-        tl.store(recv_weights_ptr + delta + slot, tl.load(weights_ptr + copy))
-        tl.store(recv_origins_ptr + delta + slot, (origin_base + copy).to(tl.int32))
-        if HAS_ADAPTERS:
-            tl.store(recv_adapters_ptr + delta + slot, tl.load(adapters_ptr + token))
+        if COMPACT:  # the owner's rows one expert after another: this rank's first slot of the expert, given
+            slot = tl.load(offsets_ptr + expert).to(tl.int64) + position
+        else:  # [local, slots] buffers: this expert's rows from ranks before this one, each up to the capacity
+            start = position * 0
+            for earlier in range(0, rank):
+                start += tl.minimum(tl.load(table_ptr + earlier * E + expert), capacity)
+            slot = (expert % local) * slots + start + position
+        if slot < limit:
+            delta = tl.load(deltas_ptr + owner)
+            token = copy // TOP_K
+            source = copy if ROWS_PER_COPY else token
+            for first in range(0, D, BLOCK):
+                offs = first + tl.arange(0, BLOCK)
+                ok = offs < D
+                words = tl.load(rows_ptr + source * D + offs, mask=ok)
+                tl.store(recv_rows_ptr + delta + slot * D + offs, words, mask=ok)
+            if S > 0:
+                offs_s = tl.arange(0, BLOCK_S)
+                ok_s = offs_s < S
+                tl.store(recv_scales_ptr + delta + slot * S + offs_s,
+                         tl.load(scales_ptr + source * S + offs_s, mask=ok_s), mask=ok_s)
+            tl.store(recv_weights_ptr + delta + slot, tl.load(weights_ptr + copy))
+            tl.store(recv_origins_ptr + delta + slot, (origin_base + copy).to(tl.int32))
+            if HAS_ADAPTERS:
+                tl.store(recv_adapters_ptr + delta + slot, tl.load(adapters_ptr + token))
 
 
 @triton.jit
-def _return_rows_kernel(out_ptr, masked_ptr, origins_ptr, ret_ptr, deltas_ptr, slots, copies_per_rank, stride_out,
-                        D: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+def _return_rows_kernel(out_ptr, masked_ptr, starts_ptr, origins_ptr, ret_ptr, deltas_ptr, slots, copies_per_rank,
+                        stride_out, D: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                        HAS_STARTS: tl.constexpr):
     expert = tl.program_id(0).to(tl.int64)
     valid = tl.load(masked_ptr + expert)
+    if HAS_STARTS:  # compact rows: each expert's first row given
+        first_row = tl.load(starts_ptr + expert).to(tl.int64)
+    else:  # [local, slots] buffers
+        first_row = expert * slots
     for j in range(tl.program_id(1), valid, PROGRAMS):
-        row = expert * slots + j
+        row = first_row + j
         origin = tl.load(origins_ptr + row).to(tl.int64)
         source = origin // copies_per_rank
         copy = origin % copies_per_rank
@@ -133,8 +143,8 @@ def _receive_kernel(table_ptr, weights_ptr, adapters_ptr, masked_ptr, slot_weigh
         tl.store(slot_weights_ptr + row, tl.where(offs < valid, tl.load(weights_ptr + row, mask=ok, other=0.0), 0.0),
                  mask=ok)
         if HAS_ADAPTERS:
-            tl.store(slot_adapters_ptr + row, tl.where(offs < valid, tl.load(adapters_ptr + row, mask=ok, other=-1), -1),
-                     mask=ok)
+            ids = tl.load(adapters_ptr + row, mask=ok, other=-1)
+            tl.store(slot_adapters_ptr + row, tl.where(offs < valid, ids, -1), mask=ok)
 
 
 def words(tensor: torch.Tensor) -> torch.Tensor:
@@ -184,32 +194,37 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
              positions: torch.Tensor, table: torch.Tensor, adapters: Optional[torch.Tensor],
              recv_rows: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_weights: torch.Tensor,
              recv_origins: torch.Tensor, recv_adapters: Optional[torch.Tensor], deltas: torch.Tensor, *,
-             rank: int, top_k: int, local: int, slots: int, capacity: int, origin_base: int) -> None:
+             rank: int, top_k: int, local: int, slots: int, capacity: int, origin_base: int,
+             offsets: Optional[torch.Tensor] = None, limit: Optional[int] = None) -> None:
     """Each copy ``c`` (``experts [T * top_k]`` int32 global experts, ``positions`` int32 among this rank's copies of
     its expert, sent where below ``capacity``) into the buffers of the rank owning its expert: row ``rows[c]``
     (``[T * top_k, D]`` words, one row per copy) or ``rows[c // top_k]`` (``[T, D]``, one per token) with its
     ``scales`` (words), ``weights[c]`` (fp32), origin ``origin_base + c`` and the token's adapter id, at slot
     ``(expert % local) * slots + start + position`` of ``recv_* [local * slots, ...]``, where ``start`` is the sum of
     the counts ranks ``0 .. rank - 1`` wrote for the expert in this rank's ``[W, E]`` ``table``, each up to the
-    capacity."""
+    capacity. Compact buffers (``offsets [E]`` int32 given): at slot ``offsets[expert] + position`` of ``recv_*
+    [limit, ...]``, and only below ``limit``."""
     copies = experts.numel()
     if copies == 0:
         return
     width = rows.shape[1]
     scale_width = scales.shape[1] if scales is not None else 0
     per_copy = rows.shape[0] == copies and top_k > 1
+    compact = offsets is not None
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(D=width, S=scale_width, TOP_K=top_k, ROWS_PER_COPY=per_copy, HAS_ADAPTERS=adapters is not None,
-                     BLOCK=min(next_power_of_2(width), _WORDS), BLOCK_S=max(next_power_of_2(scale_width), 1)),
+                     COMPACT=compact, BLOCK=min(next_power_of_2(width), _WORDS),
+                     BLOCK_S=max(next_power_of_2(scale_width), 1)),
                 dict(num_warps=4))
 
     _PUT_ROWS.launch(
-        ("rows", width, scale_width, top_k, per_copy, adapters is not None), (copies,),
+        ("rows", width, scale_width, top_k, per_copy, adapters is not None, compact), (copies,),
         (rows, scales if scales is not None else rows, weights, experts, positions, table,
-         adapters if adapters is not None else experts, recv_rows, recv_scales if recv_scales is not None else recv_rows,
-         recv_weights, recv_origins, recv_adapters if recv_adapters is not None else recv_origins, deltas,
-         rank, table.shape[-1], local, slots, capacity, origin_base), make)
+         offsets if offsets is not None else table, adapters if adapters is not None else experts, recv_rows,
+         recv_scales if recv_scales is not None else recv_rows, recv_weights, recv_origins,
+         recv_adapters if recv_adapters is not None else recv_origins, deltas, rank, table.shape[-1], local, slots,
+         capacity, limit if limit is not None else local * slots, origin_base), make)
 
 
 def receive(table: torch.Tensor, weights: torch.Tensor, adapters: Optional[torch.Tensor], *, rank: int, local: int,
@@ -236,20 +251,24 @@ def receive(table: torch.Tensor, weights: torch.Tensor, adapters: Optional[torch
 
 
 def return_rows(out: torch.Tensor, masked: torch.Tensor, origins: torch.Tensor, ret: torch.Tensor,
-                deltas: torch.Tensor, *, slots: int, copies_per_rank: int) -> None:
-    """The first ``masked[l]`` rows of each expert ``l`` of ``out [L * slots, D]`` (words) to ``ret [copies, D]`` of
-    their source rank, at their copy: ``origins`` (int32, ``[L * slots]``) holds ``source * copies_per_rank + copy``."""
+                deltas: torch.Tensor, *, slots: int, copies_per_rank: int, starts: Optional[torch.Tensor] = None
+                ) -> None:
+    """The first ``masked[l]`` rows of each expert ``l`` of ``out [L * slots, D]`` (words; compact rows: from row
+    ``starts[l]`` of ``out [rows, D]``) to ``ret [copies, D]`` of their source rank, at their copy: ``origins``
+    (int32, one per row of ``out``) holds ``source * copies_per_rank + copy``."""
     local = masked.numel()
     if local == 0:
         return
     width = out.shape[1]
-    programs = min(slots, max(16, 8192 // local))  # about 8192 programs over the experts' rows
+    programs = max(min(slots, max(16, 8192 // local)), 1)  # about 8192 programs over the experts' rows
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(D=width, BLOCK=min(next_power_of_2(width), _WORDS), PROGRAMS=programs), dict(num_warps=4)
+        return (dict(D=width, BLOCK=min(next_power_of_2(width), _WORDS), PROGRAMS=programs,
+                     HAS_STARTS=starts is not None), dict(num_warps=4))
 
-    _RETURN_ROWS.launch(("return", width, programs), (local, programs),
-                        (out, masked, origins, ret, deltas, slots, copies_per_rank, out.stride(0)), make)
+    _RETURN_ROWS.launch(("return", width, programs, starts is not None), (local, programs),
+                        (out, masked, starts if starts is not None else masked, origins, ret, deltas, slots,
+                         copies_per_rank, out.stride(0)), make)
 
 
 _ROUTE = LaunchSite(_route_kernel)

@@ -186,21 +186,25 @@ class GivenDispatcher(Dispatcher):
                ) -> tuple[Stage[Any, Any], Optional[Stage[Any, Any]]]:
         import attrs
 
+        from moeforge.distributed.low_latency import LowLatencyDispatch
         from moeforge.distributed.symmetric import SymmetricDispatch
 
         stage = cls._stage(config)
-        if layout is Layout.BLOCK_ALIGNED and isinstance(stage, SymmetricDispatch) and stage.configs is None:
+        if layout is Layout.BLOCK_ALIGNED and isinstance(stage, (LowLatencyDispatch, SymmetricDispatch)) \
+                and stage.configs is None:
             assert configs is not None, "block-aligned rows are aligned by the experts' launch table"
-            stage = attrs.evolve(stage, configs=configs)
+            aligned: Stage[Any, Any] = attrs.evolve(stage, configs=configs)
+            return aligned, combine_for(config)
         return stage, combine_for(config)
 
     @staticmethod
     def _aligns(config: LayerConfig) -> bool:
         """Whether the given stage can also deliver ``BLOCK_ALIGNED`` rows for the triton GEMMs, given their launch
-        table (:class:`~moeforge.distributed.SymmetricDispatch`'s ``configs``)."""
+        table (the fixed-capacity dispatchers' ``configs``)."""
+        from moeforge.distributed.low_latency import LowLatencyDispatch
         from moeforge.distributed.symmetric import SymmetricDispatch
 
-        return isinstance(config.dispatcher, SymmetricDispatch)
+        return isinstance(config.dispatcher, (LowLatencyDispatch, SymmetricDispatch))
 
     @staticmethod
     def _stage(config: LayerConfig) -> Stage[Any, Any]:

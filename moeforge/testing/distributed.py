@@ -61,15 +61,16 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, collective_
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         results.put((rank, _JOINED, b""))
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        value = fn(rank, world_size, *args)
         buffer = io.BytesIO()  # by value: a shared-memory tensor would die with this process
         torch.save(value, buffer)
-        results.put((rank, _DONE, buffer.getvalue()))
     except BaseException:  # report everything, including a rank's own timeout
+        # Reported before any teardown: after a device error an NCCL group may never finish destroying itself,
+        # and the parent ends this process once it has the failure.
         results.put((rank, _FAILED, traceback.format_exc()))
+        return
+    dist.destroy_process_group()
+    results.put((rank, _DONE, buffer.getvalue()))
 
 
 def _more_failures(results: Any, failures: dict[int, str], grace: float = 2.0) -> dict[int, str]:
