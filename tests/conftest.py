@@ -36,6 +36,7 @@ def pytest_configure(config: pytest.Config) -> None:
 _OWNER = pytest.StashKey[bool]()
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has stopped its workers
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not session.config.stash.get(_OWNER, False):
         return

@@ -1,13 +1,13 @@
 """The block alignment of rows an exchange left grouped by expert: what the triton expert GEMMs read.
 
 The fixed-capacity dispatchers (:class:`~moeforge.distributed.LowLatencyDispatch`,
-:class:`~moeforge.distributed.SymmetricDispatch`) leave each local expert's rows in one run of its buffer: in fixed-capacity buffers (``[L, S, H]``, expert ``l``'s first ``masked_m[l]`` slots valid)
-or compact ones (``[R, H]``, the experts' runs one after another). Flattened, each row is one copy, and the triton
-GEMMs read them through a :class:`~moeforge.payloads.BlockAlignment` whose blocks cover only the valid rows: expert
-``l``'s ``ceil(count[l] / block_m)`` blocks, the experts' blocks one after another, the rows past a run the
-sentinel. Computed on the device from the counts (no host sync, sizes fixed by the buffer: a CUDA graph captures
-it), ascending within each expert (the order the weight gradient reads); blocks past the used ones are never read
-(the GEMMs stop at ``num_padded``).
+:class:`~moeforge.distributed.SymmetricDispatch`) leave each local expert's rows in one run of its buffer: in
+fixed-capacity buffers (``[L, S, H]``, expert ``l``'s first ``masked_m[l]`` slots valid) or compact ones (``[R, H]``,
+the experts' runs one after another). Flattened, each row is one copy, and the triton GEMMs read them through a
+:class:`~moeforge.payloads.BlockAlignment` whose blocks cover only the valid rows: expert ``l``'s ``ceil(count[l] /
+block_m)`` blocks, the experts' blocks one after another, the rows past a run the sentinel. Computed on the device from
+the counts (no host sync, sizes fixed by the buffer: a CUDA graph captures it), ascending within each expert (the order
+the weight gradient reads); blocks past the used ones are never read (the GEMMs stop at ``num_padded``).
 """
 
 from __future__ import annotations
@@ -63,4 +63,3 @@ def aligned_padded_rows(padded: PaddedRows, config: MoEConfig) -> AlignedRows:
     return AlignedRows(Activations(padded.x.data.reshape(local * slots, -1), scale), alignment, copy_major=False,
                        copy_weights=padded.slot_weights.reshape(-1), plan=padded.plan, adapter_ids=adapter_ids,
                        copy_experts=copy_experts)
-
