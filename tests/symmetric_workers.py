@@ -340,24 +340,25 @@ def compact_buffers_match(rank: int, world: int, device_type: str, folder: str =
         out["errors"]["torch layer"] = _rel(torched(x), whole(x))
     out["torch describe"] = torched.describe()
 
-    def triton_layer(**options: Any) -> Any:
+    def triton_layer(reference: Any = whole, **options: Any) -> Any:
+        shape = dict(kwargs, top_k=reference.top_k)
         if device.type == "cuda":
-            layer = mf.MoELayer(**kwargs, backend="triton", expert_parallel=ep, device=device,
+            layer = mf.MoELayer(**shape, backend="triton", expert_parallel=ep, device=device,
                                 dispatcher=SymmetricDispatch(ep, max_tokens=8, **options))
-            layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+            layer.load_state_dict(shard_state_dict(reference.state_dict(), layer))
             return layer, layer.describe
-        parallel = mf.MoELayer(**kwargs, backend="torch", expert_parallel=ep)
-        parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
-        table = ConfigTable(E, 2)
+        parallel = mf.MoELayer(**shape, backend="torch", expert_parallel=ep)
+        parallel.load_state_dict(shard_state_dict(reference.state_dict(), parallel))
+        table = ConfigTable(E, reference.top_k)
         dispatch = SymmetricDispatch(ep, max_tokens=8, configs=table, **options)
         stages: list[mf.Stage[Any, Any]] = [
-            mf.TopK(E, 2, parallel.routing), dispatch,
+            mf.TopK(E, reference.top_k, parallel.routing), dispatch,
             FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None,
                              mf.ActivationConfig()),
             FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table),
             dispatch.combine_stage(out_dtype=mf.DType.FP16)]
         pipeline = mf.Pipeline(stages, mf.input_spec(128, torch.float16, E), debug=True)
-        return (lambda x: pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states), pipeline.describe
+        return (lambda x: pipeline(mf.MoEInput(x, reference.router_logits(x))).hidden_states), pipeline.describe
 
     layer, describe = triton_layer(max_rows=world * 16)  # never overflows: 8 tokens x 2 copies from each rank
     for call in range(2):
@@ -367,6 +368,19 @@ def compact_buffers_match(rank: int, world: int, device_type: str, folder: str =
     out["triton describe"] = describe()
 
     out["errors"]["triton fp8"] = _fp8_compact(rank, world, device, tokens(TOKENS[rank % 4] + 1, seed=3))
+
+    # every token on the same experts (one token repeated), no token on any rank, and top-k = every expert
+    same = tokens(1, seed=6).expand(8, -1).contiguous()
+    with torch.no_grad():
+        out["errors"]["triton same experts"] = _rel(layer(same), whole(same))
+        empty = layer(tokens(0))
+    out["empty everywhere"] = tuple(empty.shape)
+    torch.manual_seed(0)
+    every = _randomised(mf.MoELayer(**dict(kwargs, top_k=E), backend="torch").cpu(), 1).to(device)
+    all_experts, _ = triton_layer(every, max_rows=world * 8 * E)
+    x = tokens(TOKENS[rank % 4] + 1, seed=7)
+    with torch.no_grad():
+        out["errors"]["triton top-k = experts"] = _rel(all_experts(x), every(x))
 
     # max_rows = 2: with every rank's 8 tokens, some rank receives more
     x = tokens(8, seed=5)
