@@ -8,7 +8,7 @@ the parent test check cross-rank facts (bytes conservation, dropped counts).
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -181,7 +181,6 @@ def overflow(rank: int, world: int) -> dict[str, Any]:
     """Capacity overflow: DROP leaves out the copies beyond capacity (counted), ERROR raises on every
     rank (not only the one that overflowed)."""
     whole, _ = _pair(BASE)
-    ep = ExpertParallel(E)
     x = _tokens(rank, count=6)
     logits = torch.full((6, E), -10.0)
     logits[:, rank % E] = 5.0  # every token of this rank to one expert: 6 copies for capacity 2
@@ -437,24 +436,26 @@ def stacked_adapters_match(rank: int, world: int) -> dict[str, float]:
     whole, parallel = _pair({**BASE, "adapter": adapter})
     ep = parallel.expert_parallel
     assert ep is not None
-    pipeline = _triton_adapted_pipeline(parallel, ep, adapter, H)
     logits = whole.router_logits(x).detach()
-    with torch.no_grad():
-        got = pipeline(mf.MoEInput(x, logits, ids)).hidden_states
-        errors["triton"] = _close(got, whole.pipeline(mf.MoEInput(x, logits, ids)).hidden_states, "triton stack")
+    for name, make in (("triton", lambda table: AllToAllDispatch(ep, configs=table)),  # and the padded slots aligned:
+                       ("triton low_latency", lambda table: LowLatencyDispatch(ep, max_tokens=8, configs=table))):
+        pipeline = _triton_adapted_pipeline(parallel, ep, adapter, H, make)
+        with torch.no_grad():
+            got = pipeline(mf.MoEInput(x, logits, ids)).hidden_states
+            errors[name] = _close(got, whole.pipeline(mf.MoEInput(x, logits, ids)).hidden_states, name)
     return errors
 
 
-def _triton_adapted_pipeline(parallel: mf.MoELayer, ep: ExpertParallel, adapter: Any,
-                             hidden: int) -> mf.Pipeline:  # type: ignore[type-arg]
-    """``parallel``'s experts on the triton GEMMs behind the block-aligned all-to-all dispatcher, with its adapter
-    (under the interpreter on CPU ranks), fp32."""
+def _triton_adapted_pipeline(parallel: mf.MoELayer, ep: ExpertParallel, adapter: Any, hidden: int,
+                             dispatcher: Optional[Callable[[Any], Any]] = None) -> mf.Pipeline:  # type: ignore[type-arg]
+    """``parallel``'s experts on the triton GEMMs behind a block-aligned dispatcher (``dispatcher(table)``; by default
+    the all-to-all one), with its adapter (under the interpreter on CPU ranks), fp32."""
     from moeforge.adapters import adapt
     from moeforge.kernels.config import ConfigTable
     from moeforge.stages.triton import FusedGroupedGemm
 
     table = ConfigTable(E, 2)
-    dispatch = AllToAllDispatch(ep, configs=table)
+    dispatch = dispatcher(table) if dispatcher is not None else AllToAllDispatch(ep, configs=table)
     stages: list[mf.Stage[Any, Any]] = [
         mf.TopK(E, 2, parallel.routing), dispatch,
         FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None, mf.ActivationConfig()),
