@@ -8,7 +8,7 @@ the parent test check cross-rank facts (bytes conservation, dropped counts).
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -181,7 +181,6 @@ def overflow(rank: int, world: int) -> dict[str, Any]:
     """Capacity overflow: DROP leaves out the copies beyond capacity (counted), ERROR raises on every
     rank (not only the one that overflowed)."""
     whole, _ = _pair(BASE)
-    ep = ExpertParallel(E)
     x = _tokens(rank, count=6)
     logits = torch.full((6, E), -10.0)
     logits[:, rank % E] = 5.0  # every token of this rank to one expert: 6 copies for capacity 2
@@ -374,9 +373,10 @@ def adapters_match(rank: int, world: int) -> dict[str, float]:
 
 
 def triton_adapters_match(rank: int, world: int) -> dict[str, float]:
-    """The triton expert GEMMs with an expert adapter (AdaptedGroupedGemm) behind the all-to-all dispatcher, under the
-    interpreter on CPU: equal to the whole layer with the same adapter on the torch backend, and the adapter's
-    gradients on every rank equal the whole layer's for the rank's experts."""
+    """The triton expert GEMMs with an expert adapter (AdaptedGroupedGemm) behind the all-to-all dispatcher and behind
+    the low-latency one (its padded slots block-aligned), under the interpreter on CPU: equal to the whole layer with
+    the same adapter on the torch backend, and the adapter's gradients on every rank equal the whole layer's for the
+    rank's experts."""
     from moeforge.adapters import ExpertAdapter
 
     errors = {}
@@ -392,21 +392,23 @@ def triton_adapters_match(rank: int, world: int) -> dict[str, float]:
     ep = ExpertParallel(E)
     parallel = mf.MoELayer(**kwargs, backend="torch", environ={}, expert_parallel=ep)
     parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
-    pipeline = _triton_adapted_pipeline(parallel, ep, adapter, hidden)
-    assert "LoRA r=2" in pipeline.describe()
     x = _tokens(rank, dtype=torch.float32, hidden=hidden, count=5 + rank)
     logits = whole.router_logits(x).detach()
-    got = pipeline(mf.MoEInput(x, logits)).hidden_states
     want = whole.pipeline(mf.MoEInput(x, logits)).hidden_states
-    errors["values"] = _close(got.detach(), want.detach(), "triton adapter")
     names = ["w13_lora_a", "w13_lora_b", "w2_lora_a", "w2_lora_b"]
-    got_grads = torch.autograd.grad(got.square().sum(), [getattr(parallel, n) for n in names])
     # the whole layer's gradients: every rank's tokens, summed as the expert-parallel ranks' backward sums them
     whole_x = torch.cat([_tokens(r, dtype=torch.float32, hidden=hidden, count=5 + r) for r in range(world)])
     whole_out = whole.pipeline(mf.MoEInput(whole_x, whole.router_logits(whole_x).detach())).hidden_states
     want_grads = torch.autograd.grad(whole_out.square().sum(), [getattr(whole, n) for n in names])
     local = slice(rank * (E // world), (rank + 1) * (E // world))
-    errors["gradients"] = max(_close(g, w[local], f"d{n}") for g, w, n in zip(got_grads, want_grads, names))
+    for kind, make in (("", None),  # the all-to-all dispatcher, then the low-latency one's aligned padded slots
+                       (" low_latency", lambda table: LowLatencyDispatch(ep, max_tokens=8, configs=table))):
+        pipeline = _triton_adapted_pipeline(parallel, ep, adapter, hidden, make)
+        assert "LoRA r=2" in pipeline.describe()
+        got = pipeline(mf.MoEInput(x, logits)).hidden_states
+        errors["values" + kind] = _close(got.detach(), want.detach(), "triton adapter" + kind)
+        got_grads = torch.autograd.grad(got.square().sum(), [getattr(parallel, n) for n in names])
+        errors["gradients" + kind] = max(_close(g, w[local], f"d{n}") for g, w, n in zip(got_grads, want_grads, names))
     return errors
 
 
@@ -437,24 +439,26 @@ def stacked_adapters_match(rank: int, world: int) -> dict[str, float]:
     whole, parallel = _pair({**BASE, "adapter": adapter})
     ep = parallel.expert_parallel
     assert ep is not None
-    pipeline = _triton_adapted_pipeline(parallel, ep, adapter, H)
     logits = whole.router_logits(x).detach()
-    with torch.no_grad():
-        got = pipeline(mf.MoEInput(x, logits, ids)).hidden_states
-        errors["triton"] = _close(got, whole.pipeline(mf.MoEInput(x, logits, ids)).hidden_states, "triton stack")
+    for name, make in (("triton", lambda table: AllToAllDispatch(ep, configs=table)),  # and the padded slots aligned:
+                       ("triton low_latency", lambda table: LowLatencyDispatch(ep, max_tokens=8, configs=table))):
+        pipeline = _triton_adapted_pipeline(parallel, ep, adapter, H, make)
+        with torch.no_grad():
+            got = pipeline(mf.MoEInput(x, logits, ids)).hidden_states
+            errors[name] = _close(got, whole.pipeline(mf.MoEInput(x, logits, ids)).hidden_states, name)
     return errors
 
 
-def _triton_adapted_pipeline(parallel: mf.MoELayer, ep: ExpertParallel, adapter: Any,
-                             hidden: int) -> mf.Pipeline:  # type: ignore[type-arg]
-    """``parallel``'s experts on the triton GEMMs behind the block-aligned all-to-all dispatcher, with its adapter
-    (under the interpreter on CPU ranks), fp32."""
+def _triton_adapted_pipeline(parallel: mf.MoELayer, ep: ExpertParallel, adapter: Any, hidden: int,
+                             dispatcher: Optional[Callable[[Any], Any]] = None) -> mf.Pipeline:  # type: ignore[type-arg]
+    """``parallel``'s experts on the triton GEMMs behind a block-aligned dispatcher (``dispatcher(table)``; by default
+    the all-to-all one), with its adapter (under the interpreter on CPU ranks), fp32."""
     from moeforge.adapters import adapt
     from moeforge.kernels.config import ConfigTable
     from moeforge.stages.triton import FusedGroupedGemm
 
     table = ConfigTable(E, 2)
-    dispatch = AllToAllDispatch(ep, configs=table)
+    dispatch = dispatcher(table) if dispatcher is not None else AllToAllDispatch(ep, configs=table)
     stages: list[mf.Stage[Any, Any]] = [
         mf.TopK(E, 2, parallel.routing), dispatch,
         FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None, mf.ActivationConfig()),

@@ -101,7 +101,7 @@ def test_triton_expert_gemms_behind_the_all_to_all_and_low_latency_dispatchers()
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the triton kernels in the interpreter on CPU ranks (gloo): "
                     "on a GPU machine they need CUDA tensors, and NCCL ranks need a GPU each")
-def test_triton_gemms_with_an_adapter_behind_the_all_to_all_dispatcher() -> None:
+def test_triton_gemms_with_an_adapter_behind_the_all_to_all_and_low_latency_dispatchers() -> None:
     pytest.importorskip("triton")
     errors = run_ranks(ep_workers.triton_adapters_match, 2, timeout=300)
     for rank_errors in errors:
