@@ -341,12 +341,16 @@ def compact_buffers_match(rank: int, world: int, device_type: str, folder: str =
     out["torch describe"] = torched.describe()
 
     def triton_layer(reference: Any = whole, **options: Any) -> Any:
-        shape = dict(kwargs, top_k=reference.top_k)
+        """The triton GEMMs behind compact buffers, ``reference``'s shape, top-k, adapter and weights: a callable of
+        the tokens (and adapter ids) and the pipeline's ``describe``."""
+        shape = dict(kwargs, top_k=reference.top_k, adapter=reference.adapter)
         if device.type == "cuda":
             layer = mf.MoELayer(**shape, backend="triton", expert_parallel=ep, device=device,
                                 dispatcher=SymmetricDispatch(ep, max_tokens=8, **options))
             layer.load_state_dict(shard_state_dict(reference.state_dict(), layer))
-            return layer, layer.describe
+            return (lambda x, ids=None: layer(x, adapter_ids=ids)), layer.describe
+        from moeforge.adapters import adapt
+
         parallel = mf.MoELayer(**shape, backend="torch", expert_parallel=ep)
         parallel.load_state_dict(shard_state_dict(reference.state_dict(), parallel))
         table = ConfigTable(E, reference.top_k)
@@ -357,8 +361,11 @@ def compact_buffers_match(rank: int, world: int, device_type: str, folder: str =
                              mf.ActivationConfig()),
             FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table),
             dispatch.combine_stage(out_dtype=mf.DType.FP16)]
+        if reference.adapter is not None:
+            stages = adapt(stages, parallel, reference.adapter)
         pipeline = mf.Pipeline(stages, mf.input_spec(128, torch.float16, E), debug=True)
-        return (lambda x: pipeline(mf.MoEInput(x, reference.router_logits(x))).hidden_states), pipeline.describe
+        return (lambda x, ids=None: pipeline(mf.MoEInput(x, reference.router_logits(x), ids)).hidden_states,
+                pipeline.describe)
 
     layer, describe = triton_layer(max_rows=world * 16)  # never overflows: 8 tokens x 2 copies from each rank
     for call in range(2):
@@ -381,6 +388,19 @@ def compact_buffers_match(rank: int, world: int, device_type: str, folder: str =
     x = tokens(TOKENS[rank % 4] + 1, seed=7)
     with torch.no_grad():
         out["errors"]["triton top-k = experts"] = _rel(all_experts(x), every(x))
+
+    # a stack of adapters, each copy's id beside its row into the compact buffer
+    from moeforge.adapters import ExpertAdapter
+
+    torch.manual_seed(0)
+    stacked = _randomised(mf.MoELayer(**kwargs, adapter=ExpertAdapter(rank=2, alpha=4, count=3),
+                                      backend="torch").cpu(), 2).to(device)
+    adapted, _ = triton_layer(stacked, max_rows=world * 16)
+    x = tokens(TOKENS[rank % 4] + 1, seed=8)
+    ids = ((torch.arange(x.shape[0]) + rank) % 4 - 1).to(device)  # every adapter and none
+    with torch.no_grad():
+        out["errors"]["triton adapters"] = _rel(adapted(x, ids), stacked(x, adapter_ids=ids))
+        out["adapters change the output"] = _rel(stacked(x, adapter_ids=ids), stacked(x, adapter_ids=ids * 0 - 1)) > 1e-2
 
     # max_rows = 2: with every rank's 8 tokens, some rank receives more
     x = tokens(8, seed=5)
