@@ -368,19 +368,20 @@ class AdaptedGroupedGemm(AdaptedGemm):
         update and the pair alignment, which the layer's other adapted GEMM reuses (``AlignedRows.stack_alignment``)."""
         from moeforge.stages.triton import kernel_ops
 
-        ids = stack_ids(x, self.stack, self.name)
         alignment = x.alignment
         stack, experts = int(b.shape[0]), int(b.shape[1])
-        inside = (ids >= -1) & (ids < stack)  # an id outside the stack: its rows NaN (see stack_ids), no read outside
-        chosen = torch.where(inside, ids.clamp(min=0), 0).to(torch.int32)
-        used = torch.where(inside, (ids >= 0).to(torch.float32), float("nan"))
         pairs = x.stack_alignment
         if pairs is None or pairs.stack != stack:  # the first adapted GEMM aligns; the second reuses it
+            ids = stack_ids(x, self.stack, self.name)
+            inside = (ids >= -1) & (ids < stack)  # an id outside the stack: its rows NaN (see stack_ids), no read
+            chosen = torch.where(inside, ids.clamp(min=0), 0).to(torch.int32)  # outside it
+            used = torch.where(inside, (ids >= 0).to(torch.float32), float("nan"))
             copy_expert = x.copy_experts if x.copy_experts is not None else copy_experts(alignment)
             sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(
                 (chosen * experts + copy_expert.to(torch.int32)).view(-1, alignment.copies_per_row), stack * experts,
                 alignment.block_m, torch.is_grad_enabled())
-            pairs = StackAlignment(sorted_ids, block_expert, num_padded, stack)
+            pairs = StackAlignment(sorted_ids, block_expert, num_padded, stack, chosen, used)
+        chosen, used = pairs.chosen, pairs.used
         route = GemmRoute(pairs.sorted_ids, pairs.block_expert, pairs.num_padded, alignment.num_copies,
                           aligned_block_m=alignment.block_m)
         if a.shape[1] == 1:  # one A per adapter for every expert: each row once, the rows aligned by adapter
