@@ -372,14 +372,12 @@ class AdaptedGroupedGemm(AdaptedGemm):
         stack, experts = int(b.shape[0]), int(b.shape[1])
         pairs = x.stack_alignment
         if pairs is None or pairs.stack != stack:  # the first adapted GEMM aligns; the second reuses it
-            ids = stack_ids(x, self.stack, self.name)
-            inside = (ids >= -1) & (ids < stack)  # an id outside the stack: its rows NaN (see stack_ids), no read
-            chosen = torch.where(inside, ids.clamp(min=0), 0).to(torch.int32)  # outside it
-            used = torch.where(inside, (ids >= 0).to(torch.float32), float("nan"))
-            copy_expert = x.copy_experts if x.copy_experts is not None else copy_experts(alignment)
+            # each copy's pair key, adapter and product weight (an id outside the stack: its rows NaN, see stack_ids)
+            keys, chosen, used = kernel_ops().stack_pairs(
+                stack_ids(x, self.stack, self.name), x.copy_experts, alignment.sorted_ids, alignment.block_expert,
+                alignment.num_padded, alignment.block_m, stack, experts)
             sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(
-                (chosen * experts + copy_expert.to(torch.int32)).view(-1, alignment.copies_per_row), stack * experts,
-                alignment.block_m, torch.is_grad_enabled())
+                keys.view(-1, alignment.copies_per_row), stack * experts, alignment.block_m, torch.is_grad_enabled())
             pairs = StackAlignment(sorted_ids, block_expert, num_padded, stack, chosen, used)
         chosen, used = pairs.chosen, pairs.used
         route = GemmRoute(pairs.sorted_ids, pairs.block_expert, pairs.num_padded, alignment.num_copies,
@@ -406,19 +404,6 @@ class AdaptedGroupedGemm(AdaptedGemm):
             route, GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),
             b_launch)
         return update, pairs
-
-
-def copy_experts(alignment: Any) -> torch.Tensor:
-    """Each copy's local expert (``[copies]`` int32, copy order) from a block alignment, on the device: the expert of
-    the block each copy's slot lies in."""
-    slots = alignment.sorted_ids.to(torch.int64)
-    position = torch.arange(slots.numel(), device=slots.device)
-    owner = alignment.block_expert.to(torch.int32).repeat_interleave(alignment.block_m)[:slots.numel()]
-    placed = (position < alignment.num_padded.to(torch.int64)) & (slots < alignment.num_copies)
-    target = torch.where(placed, slots, alignment.num_copies)  # padding and unused slots: one spare entry
-    experts = torch.zeros(alignment.num_copies + 1, dtype=torch.int32, device=slots.device)
-    experts[target] = owner
-    return experts[:alignment.num_copies]
 
 
 def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: ExpertAdapter) -> list[Stage[Any, Any]]:

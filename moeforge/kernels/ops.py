@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from moeforge.kernels import activation_rows, align, backward, combine, grouped_gemm_call, quantize, topk, weight_grad
+from moeforge.kernels import (activation_rows, align, backward, combine, grouped_gemm_call, quantize, stack_pairs as pairs,
+                              topk, weight_grad)
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.sizes import cdiv
 
@@ -37,6 +38,25 @@ def _(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     size = max(align.max_padded_rows(topk_ids.numel(), num_experts, block_m), block_m)
     new = topk_ids.new_empty
     return new(size, dtype=torch.int32), new(cdiv(size, block_m), dtype=torch.int32), new(1, dtype=torch.int32)
+
+
+def _stack_pairs(ids: torch.Tensor, copy_experts: Optional[torch.Tensor], sorted_ids: torch.Tensor,
+                 block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int, stack: int,
+                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return pairs.stack_pairs(ids, copy_experts, sorted_ids, block_expert, num_padded, block_m, stack, num_experts)
+
+
+_stack_pairs_op = torch.library.custom_op("moeforge::stack_pairs", _stack_pairs, mutates_args=())
+stack_pairs = KernelOp(_stack_pairs_op, _stack_pairs)
+
+
+@_stack_pairs_op.register_fake
+def _(ids: torch.Tensor, copy_experts: Optional[torch.Tensor], sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+      num_padded: torch.Tensor, block_m: int, stack: int,
+      num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    copies = ids.numel()
+    return (ids.new_empty(copies, dtype=torch.int32), ids.new_empty(copies, dtype=torch.int32),
+            ids.new_empty(copies, dtype=torch.float32))
 
 
 _moe_gemm_op = torch.library.custom_op("moeforge::moe_gemm", grouped_gemm_call.launch, mutates_args=())
