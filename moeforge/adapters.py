@@ -361,11 +361,12 @@ class AdaptedGroupedGemm(AdaptedGemm):
     def _stack_update(self, x: AlignedRows, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, rows_per_a: int,
                       dtype: torch.dtype, a_launch: GemmConfig, b_launch: GemmConfig
                       ) -> tuple[torch.Tensor, StackAlignment]:
-        """The update of a stack of adapters, each copy by its own: the copies aligned again by (adapter, expert)
-        pairs (the stack's ``A`` and ``B`` viewed as ``count · E`` experts' matrices), the two products on that
-        alignment (their outputs, one row per copy, need no other order), a copy of no adapter (``-1``) zeroed by
-        the first product's epilogue. A shared ``A`` multiplies each row once, its rows aligned by adapter. Returns the
-        update and the pair alignment, which the layer's other adapted GEMM reuses (``AlignedRows.stack_alignment``)."""
+        """The update of a stack of adapters, each copy by its own: the copies aligned again by (adapter, expert) pairs
+        (the stack's ``A`` and ``B`` viewed as ``count · E`` experts' matrices), the two products on that alignment
+        (their outputs, one row per copy, need no other order), a copy of no adapter (``-1``) zeroed by the first
+        product's epilogue, which applies the adapters' scale too. A shared ``A`` multiplies each row once, its rows
+        aligned by adapter. Returns the update and the pair alignment, which the layer's other adapted GEMM reuses
+        (``AlignedRows.stack_alignment``)."""
         from moeforge.stages.triton import kernel_ops
 
         alignment = x.alignment
@@ -375,7 +376,7 @@ class AdaptedGroupedGemm(AdaptedGemm):
             # each copy's pair key, adapter and product weight (an id outside the stack: its rows NaN, see stack_ids)
             keys, chosen, used = kernel_ops().stack_pairs(
                 stack_ids(x, self.stack, self.name), x.copy_experts, alignment.sorted_ids, alignment.block_expert,
-                alignment.num_padded, alignment.block_m, stack, experts)
+                alignment.num_padded, alignment.block_m, stack, experts, self.scale)  # (the scale in the weights)
             sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(
                 keys.view(-1, alignment.copies_per_row), stack * experts, alignment.block_m, torch.is_grad_enabled())
             pairs = StackAlignment(sorted_ids, block_expert, num_padded, stack, chosen, used)
@@ -397,8 +398,6 @@ class AdaptedGroupedGemm(AdaptedGemm):
                                   GemmWeight(a.reshape(stack * experts, a.shape[2], a.shape[3])), route,
                                   GemmEpilogue(dtype, routing_weights=used), a_launch)
             rows_per_low = 1
-        if self.scale != 1.0:
-            low = low * self.scale
         update, _ = grouped_gemm(
             GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b.reshape(stack * experts, b.shape[2], b.shape[3])),
             route, GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),

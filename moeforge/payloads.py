@@ -346,8 +346,8 @@ class BlockAlignment:
 class StackAlignment:
     """The copies of :class:`AlignedRows` aligned again by (adapter, expert) pair for a stack of ``stack`` adapters:
     pair ``adapter * E + expert`` (:func:`moeforge.kernels.align.align_block_size` with ``stack * E`` groups);
-    ``chosen`` (int32) each copy's adapter (0 for none) and ``used`` (fp32) the weight of its low-rank product (1, 0
-    for none, NaN for an id outside the stack), in the rows' layout."""
+    ``chosen`` (int32) each copy's adapter (0 for none) and ``used`` (fp32) the weight of its low-rank product (the
+    adapters' scale, 0 for none, NaN for an id outside the stack), in the rows' layout."""
 
     sorted_ids: torch.Tensor
     block_expert: torch.Tensor

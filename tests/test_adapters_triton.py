@@ -287,8 +287,8 @@ def test_the_copies_are_aligned_by_adapter_once_for_both_gemms(monkeypatch: pyte
 
 
 def test_each_copys_pair_adapter_and_weight_on_the_device() -> None:
-    """``stack_pairs``: each copy's (adapter, expert) key, its adapter in the stack and its product's weight (1, 0
-    for none, NaN for an id outside the stack), its expert given or read off the alignment."""
+    """``stack_pairs``: each copy's (adapter, expert) key, its adapter in the stack and its product's weight (the
+    scale, 0 for none, NaN for an id outside the stack), its expert given or read off the alignment."""
     from moeforge.kernels.align import align_block_size
     from moeforge.kernels.stack_pairs import stack_pairs
 
@@ -298,12 +298,12 @@ def test_each_copys_pair_adapter_and_weight_on_the_device() -> None:
     ids = torch.tensor([0, 1, 2, -1, 0, 5, -2, 2, 1] * 2, dtype=torch.int64, device=DEVICE)  # 5, -2: outside
     inside = (ids >= -1) & (ids < stack)
     chosen = torch.where(inside, ids.clamp(min=0), 0).to(torch.int32)
-    used = torch.where(inside, (ids >= 0).float(), float("nan"))
+    used = torch.where(inside, (ids >= 0).float() * 2.5, float("nan"))
     keys = chosen * E + experts.reshape(-1)
     for block_m in (16, 32):
         sorted_ids, block_expert, num_padded = align_block_size(experts, E, block_m)
         for given in (experts.reshape(-1), None):
-            got = stack_pairs(ids, given, sorted_ids, block_expert, num_padded, block_m, stack, E)
+            got = stack_pairs(ids, given, sorted_ids, block_expert, num_padded, block_m, stack, E, scale=2.5)
             assert torch.equal(got[0], keys) and torch.equal(got[1], chosen)
             torch.testing.assert_close(got[2], used, equal_nan=True, rtol=0, atol=0)
     empty = stack_pairs(ids[:0], None, sorted_ids, block_expert, num_padded, 16, stack, E)

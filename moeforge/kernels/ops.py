@@ -41,9 +41,10 @@ def _(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 
 def _stack_pairs(ids: torch.Tensor, copy_experts: Optional[torch.Tensor], sorted_ids: torch.Tensor,
-                 block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int, stack: int,
-                 num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return pairs.stack_pairs(ids, copy_experts, sorted_ids, block_expert, num_padded, block_m, stack, num_experts)
+                 block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int, stack: int, num_experts: int,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return pairs.stack_pairs(ids, copy_experts, sorted_ids, block_expert, num_padded, block_m, stack, num_experts,
+                             scale)
 
 
 _stack_pairs_op = torch.library.custom_op("moeforge::stack_pairs", _stack_pairs, mutates_args=())
@@ -52,8 +53,8 @@ stack_pairs = KernelOp(_stack_pairs_op, _stack_pairs)
 
 @_stack_pairs_op.register_fake
 def _(ids: torch.Tensor, copy_experts: Optional[torch.Tensor], sorted_ids: torch.Tensor, block_expert: torch.Tensor,
-      num_padded: torch.Tensor, block_m: int, stack: int,
-      num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      num_padded: torch.Tensor, block_m: int, stack: int, num_experts: int,
+      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     copies = ids.numel()
     return (ids.new_empty(copies, dtype=torch.int32), ids.new_empty(copies, dtype=torch.int32),
             ids.new_empty(copies, dtype=torch.float32))

@@ -6,8 +6,8 @@
 A stack of ``S`` adapters over ``E`` experts aligns the copies a second time, by pair ``adapter * E + expert``
 (:mod:`moeforge.adapters`), from each copy's adapter id (``-1``: none) and its expert. :func:`stack_pairs` gives, in
 copy order: the pair key (int32), the copy's adapter clamped into the stack (``chosen``, 0 for none or an id outside
-it) and the weight of its low-rank product (``used``: 1 for an adapter, 0 for none, NaN for an id outside
-``[-1, S)``, which the stages cannot refuse on the device without waiting for it). Each copy's expert is given
+it) and the weight of its low-rank product (``used``: the adapters' ``scale`` for an adapter, 0 for none, NaN for an
+id outside ``[-1, S)``, which the stages cannot refuse on the device without waiting for it). Each copy's expert is given
 (``copy_experts``, where the dispatcher knows it) or read off the block alignment: the expert of the block each
 copy's slot lies in, a copy placed in no slot taking expert 0. One launch over the copies writes all three (the
 key with the given expert, or expert 0); without ``copy_experts`` a second over the alignment's slots writes each
@@ -29,14 +29,14 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _copies_kernel(ids_ptr, experts_ptr, keys_ptr, chosen_ptr, used_ptr, num_copies, stack, num_experts,
+def _copies_kernel(ids_ptr, experts_ptr, keys_ptr, chosen_ptr, used_ptr, num_copies, stack, num_experts, scale,
                    HAS_EXPERTS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_copies
     ids = tl.load(ids_ptr + offs, mask=mask, other=-1).to(tl.int32)
     inside = (ids >= -1) & (ids < stack)
     chosen = tl.where(inside, tl.maximum(ids, 0), 0)
-    used = tl.where(inside, (ids >= 0).to(tl.float32), float("nan"))
+    used = tl.where(inside, (ids >= 0).to(tl.float32) * scale, float("nan"))
     expert = tl.zeros_like(chosen)
     if HAS_EXPERTS:
         expert = tl.load(experts_ptr + offs, mask=mask, other=0).to(tl.int32)
@@ -57,10 +57,10 @@ def _slots_kernel(sorted_ids_ptr, block_expert_ptr, num_padded_ptr, chosen_ptr, 
 
 
 def stack_pairs(ids: torch.Tensor, copy_experts: Optional[torch.Tensor], sorted_ids: torch.Tensor,
-                block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int, stack: int,
-                num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int, stack: int, num_experts: int,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(keys, chosen, used)`` for the copies' adapter ids ``ids [C]`` (any integer dtype; see the module
-    docstring): ``keys`` and ``chosen`` int32, ``used`` fp32, each ``[C]``. ``copy_experts [C]`` each copy's
+    docstring): ``keys`` and ``chosen`` int32, ``used`` fp32 (``scale`` for a copy with an adapter), each ``[C]``. ``copy_experts [C]`` each copy's
     expert, or ``None`` to read it off the alignment (``sorted_ids``, ``block_expert``, ``num_padded``, by
     ``block_m``)."""
     ids = ids.reshape(-1)
@@ -77,7 +77,7 @@ def stack_pairs(ids: torch.Tensor, copy_experts: Optional[torch.Tensor], sorted_
 
     _COPIES.launch(("copies", has_experts), (cdiv(copies, _BLOCK),),
                    (ids, copy_experts.reshape(-1) if copy_experts is not None else ids, keys, chosen, used, copies,
-                    stack, num_experts), copies_launch)
+                    stack, num_experts, float(scale)), copies_launch)
     if copy_experts is None:
         slots = sorted_ids.numel()
 
