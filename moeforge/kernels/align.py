@@ -5,14 +5,16 @@ indices ``t * top_k + k`` grouped by expert, each expert's run padded with the s
 ``T * top_k`` to a multiple of ``block_m``; ``block_expert[b]`` is the expert of block ``b``;
 ``num_padded`` (on the device) is the used length. No host synchronisation, fixed output sizes: CUDA-graph
 capturable. Up to :data:`IN_ORDER_COPIES` copies (decode and small prefill batches) one launch sorts them in one
-program, each expert's copies in ascending order. More take two launches: a count-and-plan program (one: the
-histogram of the ids and each expert's padded run) and a scatter, one program per chunk of :data:`SCATTER_CHUNK`
-copies, each placing its chunk's copies and writing its share of the block table and the padding slots (the plan's
-single program used to write those too, serially: at many experts, as a stack of adapters' (adapter, expert) pairs
-gives, that was most of the alignment's time). The scatter places the copies in one of two ways:
+program, each expert's copies in ascending order. More take three launches, each of the two wide ones with one
+program per chunk of :data:`SCATTER_CHUNK` copies: the chunks' histograms; a plan program (one: the histograms summed
+in chunk order, each expert's padded run, and each chunk's base, the copies of each expert in the chunks before it);
+a scatter, each program placing its chunk's copies and writing its share of the block table and the padding slots.
+(The plan's single program used to count every copy, and to write the block table and the padding too, serially: at
+many experts, as a stack of adapters' (adapter, expert) pairs gives, that was most of the alignment's time.) The
+scatter places the copies in one of two ways:
 
-* ``ordered`` (what a training forward asks for): the plan also records how many copies of each expert every chunk
-  comes after, and each scatter program ranks each copy among its expert's: ascending order again, the same slots
+* ``ordered`` (what a training forward asks for): each scatter program ranks each copy among its expert's, from its
+  chunk's base: ascending order again, the same slots
   from run to run, no atomics. The weight gradient sums each expert's rows in slot order
   (:mod:`moeforge.kernels.weight_grad`), so this order makes it deterministic.
 * otherwise (inference): the scatter places copies with atomics, in an order that varies from run to run; cheaper
@@ -35,35 +37,34 @@ from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit
-def _count_and_plan_kernel(
-    ids_ptr,
-    runs_ptr,
-    chunk_base_ptr,
-    num_padded_ptr,
-    num_copies,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
-    CHUNK_BASES: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # One program: histogram of expert ids, each expert's padded run in ``runs`` (its start as the cursor, which the
-    # scatter moves, then its start again, its count and its end, which the scatter's programs read to write the
-    # block -> expert table and the padding), the used length; with CHUNK_BASES, for each chunk of CHUNK copies, how
-    # many copies of each expert the chunks before it hold (the ordered scatter's base).
+def _chunk_counts_kernel(ids_ptr, counts_ptr, num_copies, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                         PDL: tl.constexpr):
+    # One program per chunk of CHUNK copies: the histogram of its expert ids, row `chunk` of counts [chunks, BLOCK_E].
     pdl.wait_for_the_kernel_before(PDL)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_copies, other=BLOCK_E - 1)
+    hist = tl.histogram(ids, BLOCK_E)
     experts = tl.arange(0, BLOCK_E)
-    for start in range(0, num_copies, CHUNK):
-        if CHUNK_BASES:
-            tl.store(chunk_base_ptr + (start // CHUNK) * BLOCK_E + experts, counts)
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_copies, other=BLOCK_E - 1)
-        hist = tl.histogram(ids, BLOCK_E)
-        # Masked lanes were counted in the last bin; remove them.
-        masked = tl.sum((offs >= num_copies).to(tl.int32), axis=0)
-        last = experts == BLOCK_E - 1
-        counts += hist - tl.where(last, masked, 0)
+    masked = tl.sum((offs >= num_copies).to(tl.int32), axis=0)  # masked lanes were counted in the last bin
+    tl.store(counts_ptr + chunk * BLOCK_E + experts, hist - tl.where(experts == BLOCK_E - 1, masked, 0))
+
+
+@triton.jit
+def _plan_kernel(counts_ptr, runs_ptr, num_padded_ptr, chunks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                 PDL: tl.constexpr):
+    # One program: the chunks' histograms summed in chunk order, each row replaced by the counts of the chunks before
+    # it (the ordered scatter's base, which its programs then move); each expert's padded run in ``runs`` (its start
+    # as the cursor, which the scatter moves, then its start again, its count and its end, which the scatter's
+    # programs read to write the block -> expert table and the padding) and the used length.
+    pdl.wait_for_the_kernel_before(PDL)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for chunk in range(0, chunks):
+        row = counts_ptr + chunk * BLOCK_E + experts
+        hist = tl.load(row)
+        tl.store(row, counts)
+        counts += hist
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -179,7 +180,7 @@ def _align_in_order_kernel(
     CHUNK_B: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # One program, at most COPIES copies: the count and plan of _count_and_plan_kernel, then every copy placed by a
+    # One program, at most COPIES copies: the count and plan of _plan_kernel, then every copy placed by a
     # sort of (expert, copy) keys: each expert's copies in ascending order, the same slots from run to run.
     pdl.wait_for_the_kernel_before(PDL)
     offs = tl.arange(0, COPIES)
@@ -205,7 +206,7 @@ def _align_in_order_kernel(
 
 
 IN_ORDER_COPIES = 1024  # at most this many copies are aligned by one program, each expert's in ascending order
-SCATTER_CHUNK = 1024  # more: copies counted per chunk by the plan (ordered), each chunk placed by one scatter program
+SCATTER_CHUNK = 1024  # more: copies counted per chunk (one program each), each chunk placed by one scatter program
 SCATTER_SUB = 128  # lanes a scatter program places at a time (its [SUB, SUB] comparisons rank each among its expert's)
 
 
@@ -245,10 +246,13 @@ def align_block_size(
     log_e = block_e.bit_length() - 1
     chunk_b = max(1, 4096 // block_m)
 
+    def count() -> tuple[dict[str, Any], dict[str, Any]]:
+        dependent = pdl.pdl_applies(ids.device)
+        return dict(BLOCK_E=block_e, CHUNK=SCATTER_CHUNK, PDL=pdl.flag(dependent)), pdl.launch_options(dependent)
+
     def plan() -> tuple[dict[str, Any], dict[str, Any]]:
         dependent = pdl.pdl_applies(ids.device)
-        return (dict(BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=SCATTER_CHUNK, CHUNK_BASES=ordered,
-                     PDL=pdl.flag(dependent)), pdl.launch_options(dependent))
+        return dict(BLOCK_M=block_m, BLOCK_E=block_e, PDL=pdl.flag(dependent)), pdl.launch_options(dependent)
 
     def scatter() -> tuple[dict[str, Any], dict[str, Any]]:
         dependent = pdl.pdl_applies(ids.device)
@@ -260,9 +264,9 @@ def align_block_size(
         return (dict(BLOCK_M=block_m, BLOCK_E=block_e, LOG_E=log_e, BLOCK=SCATTER_CHUNK, CHUNK_B=chunk_b,
                      PDL=pdl.flag(dependent)), pdl.launch_options(dependent))
 
-    chunk_base = torch.empty(chunks, block_e, dtype=torch.int32, device=ids.device) if ordered else runs
-    _COUNT_AND_PLAN.launch((block_m, block_e, ordered, ids.device), (1,), (ids, runs, chunk_base, num_padded,
-                                                                           num_copies), plan)
+    chunk_base = torch.empty(chunks, block_e, dtype=torch.int32, device=ids.device)  # each chunk's counts, then base
+    _CHUNK_COUNTS.launch((block_e, ids.device), (chunks,), (ids, chunk_base, num_copies), count)
+    _PLAN.launch((block_m, block_e, ids.device), (1,), (chunk_base, runs, num_padded, chunks), plan)
     if ordered:
         _SCATTER.launch((block_m, block_e, ids.device), (chunks,), (
             ids, runs, chunk_base, block_expert, sorted_ids, num_padded, num_copies, blocks_per_program), scatter)
@@ -273,6 +277,7 @@ def align_block_size(
 
 
 _IN_ORDER = LaunchSite(_align_in_order_kernel)
-_COUNT_AND_PLAN = LaunchSite(_count_and_plan_kernel)
+_CHUNK_COUNTS = LaunchSite(_chunk_counts_kernel)
+_PLAN = LaunchSite(_plan_kernel)
 _SCATTER = LaunchSite(_scatter_kernel)
 _SCATTER_ANY_ORDER = LaunchSite(_scatter_any_order_kernel)
