@@ -9,9 +9,8 @@ program, each expert's copies in ascending order. More take three launches, each
 program per chunk of :data:`SCATTER_CHUNK` copies: the chunks' histograms; a plan program (one: the histograms summed
 in chunk order, each expert's padded run, and each chunk's base, the copies of each expert in the chunks before it);
 a scatter, each program placing its chunk's copies and writing its share of the block table and the padding slots.
-(The plan's single program used to count every copy, and to write the block table and the padding too, serially: at
-many experts, as a stack of adapters' (adapter, expert) pairs gives, that was most of the alignment's time.) The
-scatter places the copies in one of two ways:
+No single program walks every copy or every block, which matters at many groups (a stack of adapters aligns by
+(adapter, expert) pairs). The scatter places the copies in one of two ways:
 
 * ``ordered`` (what a training forward asks for): each scatter program ranks each copy among its expert's, from its
   chunk's base: ascending order again, the same slots

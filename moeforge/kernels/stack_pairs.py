@@ -11,7 +11,8 @@ id outside ``[-1, S)``, which the stages cannot refuse on the device without wai
 (``copy_experts``, where the dispatcher knows it) or read off the block alignment: the expert of the block each
 copy's slot lies in, a copy placed in no slot taking expert 0. One launch over the copies writes all three (the
 key with the given expert, or expert 0); without ``copy_experts`` a second over the alignment's slots writes each
-placed copy's key with its block's expert. It replaces about twenty elementwise torch launches.
+placed copy's key with its block's expert: two launches at most, where the same computation in torch takes a
+launch per elementwise step.
 """
 
 from __future__ import annotations
