@@ -71,7 +71,7 @@ def test_alignment_groups_every_copy_by_expert(tokens: int, k: int, experts: int
 @pytest.mark.parametrize("tokens,k,experts,block_m", [
     (1, 2, 8, 16), (16, 8, 128, 16), (37, 4, 6, 32), (100, 3, 5, 128), (128, 8, 128, 64), (171, 6, 24, 16),
     (129, 8, 64, 16), (400, 8, 256, 64), (333, 7, 5, 32), (520, 4, 128, 16), (700, 2, 2, 16), (300, 4, 512, 16),
-    (600, 2, 7, 128), (1100, 4, 1024, 16)])
+    (600, 2, 7, 128), (1100, 4, 1024, 16), (100, 8, 1024, 16), (120, 8, 1000, 16)])
 def test_every_batch_aligns_each_experts_copies_in_ascending_order(tokens: int, k: int, experts: int,
                                                                      block_m: int) -> None:
     # Up to align.IN_ORDER_COPIES copies one program sorts them; more, the plan counts them per chunk and the

@@ -103,19 +103,24 @@ def _write_blocks(runs_ptr, block_expert_ptr, sorted_ids_ptr, num_padded_ptr, nu
 
 
 @triton.jit
-def _write_plan(ends, total, num_experts, num_copies, block_expert_ptr, sorted_ids_ptr, num_padded_ptr,
-                BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
+def _write_plan(ends_ptr, total, num_copies, block_expert_ptr, sorted_ids_ptr, num_padded_ptr, BLOCK_M: tl.constexpr,
+                BLOCK_E: tl.constexpr, LOG_E: tl.constexpr, CHUNK: tl.constexpr, CHUNK_B: tl.constexpr):
     """Store the used length, the block -> expert table and every used slot as padding (``num_copies``), from each
-    expert's padded run ending at ``ends`` (``total`` slots in all)."""
-    experts = tl.arange(0, BLOCK_E)
+    expert's padded run ending at ``ends_ptr[e]`` (``total`` slots in all). Block b belongs to the expert whose padded
+    run contains it: the number of runs ending at or before it, a binary search over the runs' ends, CHUNK_B blocks at
+    a time."""
     tl.store(num_padded_ptr, total)
-    # Block b belongs to the expert whose padded run contains it: the number of runs ending at or
-    # before b. Vectorised over CHUNK_B blocks x all experts.
-    end_blocks = tl.where(experts < num_experts, ends // BLOCK_M, 2147483647)
-    for first in range(0, total // BLOCK_M, CHUNK_B):
+    used_blocks = total // BLOCK_M
+    for first in range(0, used_blocks, CHUNK_B):
         blocks = first + tl.arange(0, CHUNK_B)
-        owner = tl.sum((end_blocks[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, owner, mask=blocks < total // BLOCK_M)
+        mask = blocks < used_blocks
+        bound = blocks * BLOCK_M
+        owner = tl.zeros((CHUNK_B,), dtype=tl.int32)
+        for level in tl.static_range(0, LOG_E + 1):
+            candidate = owner + (1 << (LOG_E - level))
+            end = tl.load(ends_ptr + candidate - 1, mask=mask & (candidate <= BLOCK_E), other=2147483647)
+            owner = tl.where(end <= bound, candidate, owner)
+        tl.store(block_expert_ptr + blocks, owner, mask=mask)
     for first in range(0, total, CHUNK):
         slots = first + tl.arange(0, CHUNK)
         tl.store(sorted_ids_ptr + slots, num_copies, mask=slots < total)
@@ -172,9 +177,9 @@ def _align_in_order_kernel(
     sorted_ids_ptr,
     num_padded_ptr,
     num_copies,
-    num_experts,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    LOG_E: tl.constexpr,
     COPIES: tl.constexpr,
     CHUNK_B: tl.constexpr,
     PDL: tl.constexpr,
@@ -192,8 +197,10 @@ def _align_in_order_kernel(
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
-    _write_plan(ends, total, num_experts, num_copies, block_expert_ptr, sorted_ids_ptr, num_padded_ptr, BLOCK_M,
-                BLOCK_E, COPIES, CHUNK_B)
+    tl.store(shift_ptr + BLOCK_E + experts, ends)  # (shift_ptr: 4 * BLOCK_E words) the runs' ends, for the search
+    tl.debug_barrier()
+    _write_plan(shift_ptr + BLOCK_E, total, num_copies, block_expert_ptr, sorted_ids_ptr, num_padded_ptr, BLOCK_M,
+                BLOCK_E, LOG_E, COPIES, CHUNK_B)
     # The copy at position j of the sorted keys lands in slot j + shift[its expert]: its expert's padded start less
     # the copies of the experts before it.
     tl.store(shift_ptr + experts, (ends - padded) - (tl.cumsum(counts, axis=0) - counts), mask=experts < BLOCK_E)
@@ -205,6 +212,7 @@ def _align_in_order_kernel(
 
 
 IN_ORDER_COPIES = 1024  # at most this many copies are aligned by one program, each expert's in ascending order
+IN_ORDER_BLOCKS = 64  # blocks whose expert that program searches for at a time
 SCATTER_CHUNK = 1024  # more: copies counted per chunk (one program each), each chunk placed by one scatter program
 SCATTER_SUB = 128  # lanes a scatter program places at a time (its [SUB, SUB] comparisons rank each among its expert's)
 
@@ -233,11 +241,12 @@ def align_block_size(
 
         def in_order() -> tuple[dict[str, Any], dict[str, Any]]:
             dependent = pdl.pdl_applies(ids.device)
-            return (dict(BLOCK_M=block_m, BLOCK_E=block_e, COPIES=copies, CHUNK_B=max(16, 4096 // block_e),
-                         PDL=pdl.flag(dependent)), dict(num_warps=4, **pdl.launch_options(dependent)))
+            return (dict(BLOCK_M=block_m, BLOCK_E=block_e, LOG_E=block_e.bit_length() - 1, COPIES=copies,
+                         CHUNK_B=IN_ORDER_BLOCKS, PDL=pdl.flag(dependent)),
+                    dict(num_warps=4, **pdl.launch_options(dependent)))
 
-        _IN_ORDER.launch((block_m, copies, ids.device), (1,), (ids, runs, block_expert, sorted_ids, num_padded,
-                                                               num_copies, num_experts), in_order)
+        _IN_ORDER.launch((block_m, block_e, copies, ids.device), (1,),
+                         (ids, runs, block_expert, sorted_ids, num_padded, num_copies), in_order)
         return sorted_ids, block_expert, num_padded
 
     chunks = cdiv(num_copies, SCATTER_CHUNK)
