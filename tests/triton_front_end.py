@@ -23,7 +23,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 RECORDS = "MOEFORGE_TRITON_LAUNCHES"  # the directory the launches are recorded in (set by conftest.py)
 _OPTION_NAMES = ("num_warps", "num_ctas", "maxnreg")
@@ -46,10 +46,7 @@ def _encode(value: Any) -> Any:
 def _decode(value: Any) -> Any:
     import triton.language as tl
 
-    if isinstance(value, dict):
-        return getattr(tl, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64",
-                            "fp8e4nv": "float8e4nv", "fp8e5": "float8e5"}.get(value["dtype"], value["dtype"]))
-    return value
+    return tl.dtype(value["dtype"]) if isinstance(value, dict) else value  # (a dtype by its name: "fp16", "i32"...)
 
 
 def launch_record(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -71,8 +68,8 @@ def launch_record(kernel: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         else:
             types[name] = mangle_type(value)
     return {"module": kernel.fn.__module__, "file": inspect.getsourcefile(kernel.fn), "name": kernel.fn.__qualname__,
-            "types": types,
-            "constexprs": constexprs, "options": {name: kwargs[name] for name in _OPTION_NAMES if name in kwargs}}
+            "types": types, "constexprs": constexprs,
+            "options": {name: kwargs[name] for name in _OPTION_NAMES if name in kwargs}}
 
 
 def install() -> None:
@@ -113,15 +110,13 @@ def _kernel(module: str, file: str, name: str) -> Any:
     return value
 
 
-def lower(record: dict[str, Any]) -> str:
-    """Lower one recorded launch to Triton IR for sm_90: ``""`` where the compiler accepts it, else its error (the
-    first lines naming the kernel)."""
+def lower(record: dict[str, Any]) -> Optional[tuple[str, str, str]]:
+    """Lower one recorded launch to Triton IR for sm_90: ``None`` where the compiler accepts it, else the kernel's
+    name, its constexprs and the compiler's error."""
     import triton._C.libtriton as libtriton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
-
-    target = GPUTarget("cuda", 90, 32)
     from triton.runtime.jit import JITFunction
 
     kernel = _kernel(record["module"], record["file"], record["name"])
@@ -136,6 +131,7 @@ def lower(record: dict[str, Any]) -> str:
             signature[param.name] = "constexpr"
             value = record["constexprs"].get(param.name, param.default if param.has_default else None)
             constexprs[(index,)] = _decode(value)
+    target = GPUTarget("cuda", 90, 32)
     backend = CUDABackend(target)
     options = backend.parse_options(record["options"])
     context = libtriton.ir.context()
@@ -145,17 +141,17 @@ def lower(record: dict[str, Any]) -> str:
         ASTSource(kernel, signature, constexprs).make_ir(target, options, backend.get_codegen_implementation(options),
                                                          backend.get_module_map(), context)
     except Exception as error:  # the compiler's error is the finding
-        return f"{record['module']}.{record['name']}, constexprs {json.dumps(record['constexprs'])}:\n{error}"
-    return ""
+        return f"{record['module']}.{record['name']}", json.dumps(record["constexprs"]), str(error)
+    return None
 
 
-def _lower_all(records: list[dict[str, Any]]) -> list[str]:
-    return [error for error in map(lower, records) if error]
+def _lower_all(records: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    return [error for error in map(lower, records) if error is not None]
 
 
-def check_recorded(directory: Path, workers: int = 2) -> tuple[int, list[str], list[str]]:
+def check_recorded(directory: Path, workers: int = 2) -> tuple[int, list[tuple[str, str, str]], list[str]]:
     """Lower every launch recorded in ``directory`` (each specialisation once): the number lowered, the
-    compiler's errors, and the launches not lowered (a kernel not importable by name, a ``constexpr`` without an
+    compiler's errors (:func:`lower`), and the launches not lowered (a kernel not importable by name, a ``constexpr`` without an
     encoding)."""
     records: dict[str, dict[str, Any]] = {}
     for path in sorted(directory.glob("launches-*.jsonl")):
@@ -182,13 +178,12 @@ def main(argv: list[str]) -> int:
           f"{len(skipped)} not lowered")
     for line in sorted(set(skipped)):
         print(f"  not lowered: {line}")
-    by_message: dict[str, list[str]] = {}  # one report per kernel and error, with the first specialisation
-    for error in errors:
-        kernel, _, rest = error.partition(", constexprs ")
-        by_message.setdefault(kernel + rest.partition(":\n")[2], []).append(error)
-    for same in by_message.values():
-        more = f" (and {len(same) - 1} more specialisations)" if len(same) > 1 else ""
-        print(f"\nrejected by Triton's compiler{more}: {same[0]}")
+    by_error: dict[tuple[str, str], list[str]] = {}  # one report per kernel and error, with its first constexprs
+    for kernel, constexprs, error in errors:
+        by_error.setdefault((kernel, error), []).append(constexprs)
+    for (kernel, error), constexprs in by_error.items():
+        more = f" (and {len(constexprs) - 1} more specialisations)" if len(constexprs) > 1 else ""
+        print(f"\nrejected by Triton's compiler{more}: {kernel}, constexprs {constexprs[0]}:\n{error}")
     return 1 if errors else 0
 
 
