@@ -34,6 +34,7 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.kernels.config import GemmConfig, narrow_config
+from moeforge.no_backward import records_grad
 from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
                                                 grouped_gemm)
 from moeforge.payloads import Activations, AlignedRows, ExpertRows, StackAlignment
@@ -264,9 +265,11 @@ class AdaptedGroupedGemm(AdaptedGemm):
     (activation, routing weights, output quantization) then covers the update, and no ``[copies, N]`` update is
     written or added; over a longer K-loop, ``· Bᵀ`` as a launch of its own whose ``[copies, N]`` output is added to
     the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A stack: the copies
-    aligned again by (adapter, expert), ``base.pre_activation``, the two products on that alignment, the sum, then
-    ``base.activate``. The rows, ``A`` and ``B`` differentiate through the kernels' backward
-    (:mod:`moeforge.kernels.backward`)."""
+    aligned again by (adapter, expert) pair and ``x Aᵀ`` on that alignment; then, where no backward is recorded
+    (serving) and the K-loop is short, ``· Bᵀ`` inside the base's launch, each copy by its own adapter
+    (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate` with ``ids``: a K-step per adapter that the tile's rows
+    chose); else ``base.pre_activation``, ``· Bᵀ`` on the pair alignment, the sum, then ``base.activate``. The rows,
+    ``A`` and ``B`` differentiate through the kernels' backward (:mod:`moeforge.kernels.backward`)."""
 
     # The two products' launches by the alignment's block_m, made when built (a forward creates no record: Dynamo
     # cannot trace a frozen attrs class's __init__, so torch.compile traces a lookup instead).
@@ -327,9 +330,17 @@ class AdaptedGroupedGemm(AdaptedGemm):
             fused: AlignedRows = base.run(x, GemmUpdate(self._low(route, a, rows, rows_per_a, b.dtype, a_launch), b,
                                                         self.scale))
             return fused
+        if self.stack and rows.shape[-1] <= FUSED_UPDATE_MAX_K and not records_grad(
+                x.x.data, a, b, *(resolve(t) for t in (getattr(base, "weight", None), getattr(base, "bias", None))
+                                  if t is not None)):
+            # serving a stack: each copy's x Aᵀ on the pair alignment, then · Bᵀ of each copy's adapter inside the
+            # base GEMM's launch (a K-step per adapter its tile's rows chose), before its epilogue
+            low, stacked = self._stack_low(x, a, int(b.shape[1]), rows, rows_per_a, b.dtype, a_launch)
+            served: AlignedRows = base.run(x, GemmUpdate(low, b, 1.0, ids=stacked.chosen))
+            return dataclasses.replace(served, stack_alignment=stacked)
         product = base.pre_activation(x)
         dtype = product.x.data.dtype
-        pairs = None
+        pairs: Optional[StackAlignment] = None
         if self.stack:
             update, pairs = self._stack_update(x, a, b, rows, rows_per_a, dtype, a_launch, b_launch)
         else:
@@ -361,16 +372,28 @@ class AdaptedGroupedGemm(AdaptedGemm):
     def _stack_update(self, x: AlignedRows, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, rows_per_a: int,
                       dtype: torch.dtype, a_launch: GemmConfig, b_launch: GemmConfig
                       ) -> tuple[torch.Tensor, StackAlignment]:
-        """The update of a stack of adapters, each copy by its own: the copies aligned again by (adapter, expert) pairs
-        (the stack's ``A`` and ``B`` viewed as ``count · E`` experts' matrices), the two products on that alignment
-        (their outputs, one row per copy, need no other order), a copy of no adapter (``-1``) zeroed by the first
-        product's epilogue, which applies the adapters' scale too. A shared ``A`` multiplies each row once, its rows
-        aligned by adapter. Returns the update and the pair alignment, which the layer's other adapted GEMM reuses
-        (``AlignedRows.stack_alignment``)."""
+        """The update of a stack of adapters, each copy by its own: :meth:`_stack_low`, then ``· Bᵀ`` on the pair
+        alignment (the stack's ``B`` viewed as ``count · E`` experts' matrices; one row per copy, in copy order).
+        Returns the update and the pair alignment."""
+        low, pairs = self._stack_low(x, a, int(b.shape[1]), rows, rows_per_a, dtype, a_launch)
+        route = GemmRoute(pairs.sorted_ids, pairs.block_expert, pairs.num_padded, x.alignment.num_copies,
+                          aligned_block_m=x.alignment.block_m)
+        update, _ = grouped_gemm(
+            GemmRows(low), GemmWeight(b.reshape(-1, b.shape[2], b.shape[3])), route,
+            GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None), b_launch)
+        return update, pairs
+
+    def _stack_low(self, x: AlignedRows, a: torch.Tensor, experts: int, rows: torch.Tensor, rows_per_a: int,
+                   dtype: torch.dtype, a_launch: GemmConfig) -> tuple[torch.Tensor, StackAlignment]:
+        """``(low, pairs)``: each copy's ``x Aᵀ`` by its own adapter (``[copies, r]``, copy order, scaled by the
+        adapters' scale, zero for a copy of no adapter, ``-1``), and the copies aligned again by (adapter, expert)
+        pairs, the stack's ``A`` viewed as ``count · E`` experts' matrices (``pairs.chosen``: each copy's adapter, in
+        the stack). A shared ``A`` multiplies each row once, its rows aligned by adapter. The layer's other adapted
+        GEMM reuses the pairs (``AlignedRows.stack_alignment``)."""
         from moeforge.stages.triton import kernel_ops
 
         alignment = x.alignment
-        stack, experts = int(b.shape[0]), int(b.shape[1])
+        stack = int(a.shape[0])
         pairs = x.stack_alignment
         if pairs is None or pairs.stack != stack:  # the first adapted GEMM aligns; the second reuses it
             # each copy's pair key, adapter and product weight (an id outside the stack: its rows NaN, see stack_ids)
@@ -392,17 +415,11 @@ class AdaptedGroupedGemm(AdaptedGemm):
                                             aligned_block_m=alignment.block_m),
                                   GemmEpilogue(dtype, routing_weights=used.view(-1, rows_per_a)[:, 0].contiguous()),
                                   a_launch)
-            rows_per_low = rows_per_a
-        else:
-            low, _ = grouped_gemm(GemmRows(rows, rows_per_a=rows_per_a),
-                                  GemmWeight(a.reshape(stack * experts, a.shape[2], a.shape[3])), route,
-                                  GemmEpilogue(dtype, routing_weights=used), a_launch)
-            rows_per_low = 1
-        update, _ = grouped_gemm(
-            GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b.reshape(stack * experts, b.shape[2], b.shape[3])),
-            route, GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None),
-            b_launch)
-        return update, pairs
+            return (low.repeat_interleave(rows_per_a, 0) if rows_per_a > 1 else low), pairs
+        low, _ = grouped_gemm(GemmRows(rows, rows_per_a=rows_per_a),
+                              GemmWeight(a.reshape(stack * experts, a.shape[2], a.shape[3])), route,
+                              GemmEpilogue(dtype, routing_weights=used), a_launch)
+        return low, pairs
 
 
 def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: ExpertAdapter) -> list[Stage[Any, Any]]:

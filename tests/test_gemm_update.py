@@ -1,6 +1,6 @@
 """The grouped GEMM's low-rank update (``moe_gemm(..., update_rows=U, update_weight=B, update_scale=s)``): the
 product of every copy gains ``s * U[copy] @ B[expert]^T`` before the epilogue, one more K-step of the kernel (an
-adapter's update, :mod:`moeforge.adapters`). Checked against float64 through the whole epilogue (the gated
+adapter's update, :mod:`moeforge.adapters`); with ``update_ids``, a stack's: ``B[ids[copy], expert]``. Checked against float64 through the whole epilogue (the gated
 activation on both gate/up layouts, bias, routing weights, a split K-loop), and in every weight format by
 linearity (the output with the update less the output without it is the update, with no activation), the swapped
 4-bit product included. On CPU under Triton's interpreter, on a GPU compiled; outputs poisoned with NaN.
@@ -102,6 +102,38 @@ def test_the_update_adds_to_the_product_of_every_weight_format(fmt: str, swap: b
     assert _rel(outs[1].double() - outs[0].double(), want) < 2e-2
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("layout", sorted(GATED) + ["plain"])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_a_stack_of_updates_reaches_each_copy_by_its_own(dtype: torch.dtype, layout: str, split_k: int) -> None:
+    # update_ids picks each copy's update out of update_weight [S, E, N_w, R]: tiles whose rows chose some of the
+    # stack only (the first copies all take update 2, so a tile runs one of its K-steps), one no copy chose (3).
+    tokens, k, experts, hidden, n_out, rank, stack, scale = 11, 2, 5, 64, 24, 16, 4, 0.75
+    gen = torch.Generator().manual_seed(split_k)
+    act: Optional[mf.ActivationConfig] = GATED.get(layout)
+    n_w = 2 * n_out if act is not None else n_out
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(experts, n_w, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, dtype)
+    u = torch.randn(tokens * k, rank, generator=gen).to(DEVICE, dtype)
+    ub = (torch.randn(stack, experts, n_w, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
+    chosen = torch.randint(0, stack - 1, (tokens * k,), generator=gen, dtype=torch.int32)
+    chosen[:8] = 2
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
+    ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    plan = align.align_block_size(ids, experts, SMALL.block_m)
+    out = torch.full((tokens * k, n_out), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=k, config=SMALL, topk_weights=weights.reshape(-1),
+                      act=act_code(act) if act is not None else 0, glu=act is not None,
+                      interleaved=act is not None and act.gate_up is mf.GateUpLayout.INTERLEAVED, split_k=split_k,
+                      update_rows=u, update_weight=ub, update_scale=scale, update_ids=chosen.to(DEVICE))
+    flat = ids.reshape(-1).long()
+    copies = torch.arange(tokens * k, device=DEVICE)
+    pre = (torch.einsum("ch,cnh->cn", x.double()[copies // k], w.double()[flat])
+           + scale * torch.einsum("cr,cnr->cn", u.double(), ub.double()[chosen.to(DEVICE).long(), flat]))
+    ref = (apply_activation(pre, act) if act is not None else pre) * weights.double().reshape(-1, 1)
+    assert _rel(out, ref) < TOL[dtype]
+
+
 def test_a_bad_update_is_refused_naming_what_does_not_fit() -> None:
     x = torch.randn(4, 32, device=DEVICE)
     w = torch.randn(3, 16, 32, device=DEVICE)
@@ -111,7 +143,14 @@ def test_a_bad_update_is_refused_naming_what_does_not_fit() -> None:
     cases = [(dict(update_rows=u), "together"), (dict(update_rows=u[:5], update_weight=ub), "num_copies=8"),
              (dict(update_rows=u, update_weight=ub[:, :8]), r"\[E, N_w, R\]"),
              (dict(update_rows=u.t().contiguous().t(), update_weight=ub), "contiguous rows"),
-             (dict(update_rows=u.half(), update_weight=ub), "one float dtype")]
+             (dict(update_rows=u.half(), update_weight=ub), "one float dtype"),
+             (dict(update_rows=u, update_weight=ub[None]), "pass each copy's"),
+             (dict(update_rows=u, update_weight=ub, update_ids=torch.zeros(8, dtype=torch.int32, device=DEVICE)),
+              r"update_weight \[S, E, N_w, R\]"),
+             (dict(update_rows=u, update_weight=ub[None], update_ids=torch.zeros(8, device=DEVICE)), "int32"),
+             (dict(update_rows=u, update_weight=ub[None], update_ids=torch.zeros(7, dtype=torch.int32,
+                                                                                  device=DEVICE)), "num_copies=8"),
+             (dict(update_ids=torch.zeros(8, dtype=torch.int32, device=DEVICE)), "together")]
     for extra, words in cases:
         with pytest.raises(ValueError, match=words):
             moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=2, config=SMALL, **extra)
@@ -157,3 +196,20 @@ def test_the_update_differentiates_with_the_grouped_gemm(gated: bool, weights_in
     want = torch.autograd.grad(ref, list(ref_leaves.values()), upstream.double())
     for name, g, w in zip(got_leaves, got, want):
         assert _rel(g, w) < 1e-5, name
+
+
+def test_a_stack_of_updates_has_no_backward() -> None:
+    # update_ids is the serving path: a gradient through it is refused, naming the path that trains a stack.
+    from moeforge.errors import InputError
+    from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
+                                                    grouped_gemm)
+
+    x = torch.randn(4, 32, device=DEVICE, requires_grad=True)
+    w = torch.randn(3, 16, 32, device=DEVICE)
+    plan = align.align_block_size(torch.tensor([[0, 1]] * 4, dtype=torch.int32, device=DEVICE), 3, 16)
+    update = GemmUpdate(torch.randn(8, 4, device=DEVICE), torch.randn(2, 3, 16, 4, device=DEVICE), 1.0,
+                        ids=torch.tensor([0, 1] * 4, dtype=torch.int32, device=DEVICE))
+    out, _ = grouped_gemm(GemmRows(x, rows_per_a=2), GemmWeight(w), GemmRoute(*plan, 8), GemmEpilogue(torch.float32),
+                          SMALL, update)
+    with pytest.raises(InputError, match="no backward"):
+        out.sum().backward()

@@ -43,7 +43,7 @@ _MOE_GEMM_INPUTS = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "we
                     "topk_weights", "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a",
                     "weight_format", "a_global", "act", "glu", "interleaved", "alpha", "limit", "config",
                     "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max", "weight_shuffled", "update_rows",
-                    "update_weight", "update_scale")
+                    "update_weight", "update_scale", "update_ids")
 
 
 def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -51,6 +51,7 @@ def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> No
     ctx.args = {name: value for name, value in args.items() if not isinstance(value, torch.Tensor)}
     ctx.save_for_backward(args["a"], args["weight"], args["bias"], args["topk_weights"], args["sorted_ids"],
                           args["block_expert"], args["num_padded"], args.get("update_rows"), args.get("update_weight"))
+    ctx.stacked_update = args.get("update_ids") is not None
     ctx.quantized = (args["weight_format"] != int(WeightFormat.FLOAT) or args["fp8_out"]
                      or args["a"].dtype not in (torch.bfloat16, torch.float16, torch.float32))
 
@@ -59,6 +60,9 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     if ctx.quantized:
         raise InputError("the quantized grouped GEMMs are inference-only: they have no backward (train an "
                          "unquantized layer, then quantize it)")
+    if ctx.stacked_update:
+        raise InputError("a stack of low-rank updates inside the grouped GEMM (update_ids) is the serving path: it has "
+                         "no backward (an adapter stack trains through its own launches)")
     a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded, update_rows, update_weight = ctx.saved_tensors
     p = ctx.args
     config = decode_config(p["config"])

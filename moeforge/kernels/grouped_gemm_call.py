@@ -127,11 +127,13 @@ class GemmEpilogue:
 @dataclasses.dataclass(frozen=True, eq=False)
 class GemmUpdate:
     """A low-rank update added to the product before the epilogue: ``scale * rows[c] @ weight[expert of c]^T`` for copy
-    ``c`` (an adapter's, :mod:`moeforge.adapters`)."""
+    ``c`` (an adapter's, :mod:`moeforge.adapters`); with ``ids``, a stack of them: ``weight [S, E, N_w, R]`` and copy
+    ``c``'s is ``scale * rows[c] @ weight[ids[c], expert of c]^T`` (no backward: the serving path)."""
 
     rows: torch.Tensor  # [num_copies, R], copy order, contiguous rows
-    weight: torch.Tensor  # [E, N_w, R]: the GEMM weight's experts and rows; the rows' float dtype
+    weight: torch.Tensor  # [E, N_w, R]: the GEMM weight's experts and rows; the rows' float dtype ([S, E, N_w, R])
     scale: float = 1.0
+    ids: Optional[torch.Tensor] = None  # [num_copies] int32 in [0, S): each copy's update in a stack
 
 
 @functools.lru_cache(maxsize=1024)
@@ -180,6 +182,7 @@ def launch(
     update_rows: Optional[torch.Tensor] = None,
     update_weight: Optional[torch.Tensor] = None,
     update_scale: float = 1.0,
+    update_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::moe_gemm`` op's implementation, the one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`,
     imported when first called: this module imports no Triton): ``(out, out_scale)``, where ``out_scale`` is the
@@ -200,7 +203,7 @@ def launch(
         out_scale=out_scale if fp8_out else None, aligned_block_m=aligned_block_m or None,
         weight_scale_max=weight_scale_max if weight_scale_max < NO_SCALE_BOUND else None,
         weight_shuffled=weight_shuffled, update_rows=update_rows, update_weight=update_weight,
-        update_scale=update_scale)
+        update_scale=update_scale, update_ids=update_ids)
     return out, out_scale
 
 
@@ -223,6 +226,6 @@ def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue:
         epilogue.alpha, epilogue.limit, encode_config(config), epilogue.out_dtype, epilogue.fp8_out,
         0 if route.aligned_block_m is None else route.aligned_block_m,
         NO_SCALE_BOUND if weight.scale_max is None else weight.scale_max, weight.shuffled,
-        *((update.rows, update.weight, float(update.scale)) if update is not None else ()))
+        *((update.rows, update.weight, float(update.scale), update.ids) if update is not None else ()))
     result: torch.Tensor = out
     return result, out_scale if epilogue.fp8_out else None

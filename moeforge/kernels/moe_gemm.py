@@ -146,11 +146,11 @@ def _gemm_tile(
     The rows were aligned by blocks of ``ALIGN_RATIO * BLOCK_M``: ``block_expert`` has one entry per aligned block.
     ``DRAIN_MMA``: each K-step ends by waiting for its warpgroup MMAs (:func:`drain_mma`)."""
     (a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
-     sorted_ids_ptr, block_expert_ptr, u_ptr, ub_ptr) = ops
-    N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale = sizes
+     sorted_ids_ptr, block_expert_ptr, u_ptr, ub_ptr, uid_ptr) = ops
+    N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack = sizes
     (stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
      stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm, stride_csg,
-     gate_stride, up_offset, alpha, limit, stride_um, stride_ube, stride_ubn, stride_ubk) = strides
+     gate_stride, up_offset, alpha, limit, stride_um, stride_ubs, stride_ube, stride_ubn, stride_ubk) = strides
     A_FMT: tl.constexpr = FLAGS[0]
     A_SCALE: tl.constexpr = FLAGS[1]
     B_FMT: tl.constexpr = FLAGS[2]
@@ -181,6 +181,7 @@ def _gemm_tile(
     DRAIN_MMA: tl.constexpr = FLAGS[27]
     UPDATE_K: tl.constexpr = FLAGS[28]
     UPDATE_PRECISION: tl.constexpr = FLAGS[29]
+    UPDATE_STACK: tl.constexpr = FLAGS[30]
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
@@ -449,11 +450,29 @@ def _gemm_tile(
         if SPLIT:
             factor = tl.where(k_first == 0, update_scale, 0.0)
         u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's output was)
-        ub = tl.load(ub_expert + gate_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
-        out = tl.dot(u, ub, out, input_precision=UPDATE_PRECISION)  # accumulated in place: no second tile
-        if GLU:
-            ub_up = tl.load(ub_expert + up_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
-            out_up = tl.dot(u, ub_up, out_up, input_precision=UPDATE_PRECISION)
+        if UPDATE_STACK:
+            # a stack of adapters (ub [S, E, N_w, R]): each copy's row meets its own adapter's B (uid [copies]), one
+            # K-step per adapter that a row of this tile chose, the other rows zero in it
+            uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
+            for adapter in range(0, update_stack):
+                here = uid == adapter
+                if tl.max(here.to(tl.int32), axis=0) > 0:
+                    u_here = tl.where(here[:, None], u, tl.zeros_like(u))
+                    ub_here = ub_expert + adapter * stride_ubs
+                    ub = tl.load(ub_here + gate_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :],
+                                 other=0.0)
+                    out = tl.dot(u_here, ub, out, input_precision=UPDATE_PRECISION)
+                    if GLU:
+                        ub_up = tl.load(ub_here + up_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :],
+                                        other=0.0)
+                        out_up = tl.dot(u_here, ub_up, out_up, input_precision=UPDATE_PRECISION)
+        else:
+            ub = tl.load(ub_expert + gate_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
+            out = tl.dot(u, ub, out, input_precision=UPDATE_PRECISION)  # accumulated in place: no second tile
+            if GLU:
+                ub_up = tl.load(ub_expert + up_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :],
+                                other=0.0)
+                out_up = tl.dot(u, ub_up, out_up, input_precision=UPDATE_PRECISION)
     if SPLIT:
         # one range of a split K-loop: its partial sums, with everything linear that is constant along K
         # (the bias with the first range), go to the fp32 partials [splits, copies, N (gate) | N (up)];
@@ -498,8 +517,9 @@ def _gemm_block(
 @triton.jit
 def moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
-    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, p_ptr, u_ptr, ub_ptr,
-    N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, block_range_ptr, k_steps_split,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, p_ptr, u_ptr, ub_ptr, uid_ptr,
+    N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack, block_range_ptr,
+    k_steps_split,
     stride_ps, stride_pm,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk,
@@ -509,7 +529,7 @@ def moe_gemm_kernel(
     stride_cm, stride_cn, stride_csm, stride_csg,
     gate_stride, up_offset,
     alpha, limit,
-    stride_um, stride_ube, stride_ubn, stride_ubk,
+    stride_um, stride_ubs, stride_ube, stride_ubn, stride_ubk,
     A_FMT: tl.constexpr, A_SCALE: tl.constexpr, B_FMT: tl.constexpr, B_BLOCKED: tl.constexpr,
     B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
@@ -518,7 +538,7 @@ def moe_gemm_kernel(
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, PERSISTENT: tl.constexpr,
     B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
-    UPDATE_K: tl.constexpr, UPDATE_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    UPDATE_K: tl.constexpr, UPDATE_PRECISION: tl.constexpr, UPDATE_STACK: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile`. The kernel's arguments are
@@ -531,16 +551,16 @@ def moe_gemm_kernel(
     pdl.wait_for_the_kernel_before(PDL)
     # the operands, sizes, strides and compile-time flags every tile reads, passed down as four tuples
     ops = (a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
-           sorted_ids_ptr, block_expert_ptr, u_ptr, ub_ptr)
-    sizes = (N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale)
+           sorted_ids_ptr, block_expert_ptr, u_ptr, ub_ptr, uid_ptr)
+    sizes = (N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack)
     strides = (stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn,
                stride_bsk, stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn,
-               stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, stride_um, stride_ube, stride_ubn,
-               stride_ubk)
+               stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, stride_um, stride_ubs, stride_ube,
+               stride_ubn, stride_ubk)
     FLAGS: tl.constexpr = (A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU,
                             HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT,
                             PREFETCH, BLOCK_N, BLOCK_K, SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA,
-                            UPDATE_K, UPDATE_PRECISION)
+                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK)
     num_padded = tl.load(num_padded_ptr)
     k_first = 0
     k_last = 0  # without SPLIT, _gemm_tile runs the whole K-loop
@@ -734,6 +754,7 @@ def moe_gemm(
     update_rows: Optional[torch.Tensor] = None,
     update_weight: Optional[torch.Tensor] = None,
     update_scale: float = 1.0,
+    update_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
     copy of ``sorted_ids`` (see the module docstring for the formats).
@@ -794,7 +815,10 @@ def moe_gemm(
     ``update_rows [num_copies, R]`` (copy order, contiguous rows) and ``update_weight [E, N_w, R]`` (any strides, the
     weight's row layout, one float dtype): a low-rank update ``update_scale * update_rows[copy] @
     update_weight[expert].T`` added to the product before the epilogue, as one more K-step (an adapter's,
-    :mod:`moeforge.adapters`; the row gradient's too). 4-bit weights then decode in the K-loop.
+    :mod:`moeforge.adapters`; the row gradient's too). 4-bit weights then decode in the K-loop. With ``update_ids
+    [num_copies]`` (int32, each in ``[0, S)``) and ``update_weight [S, E, N_w, R]``, a stack of ``S`` updates: copy
+    ``c``'s is ``update_scale * update_rows[c] @ update_weight[update_ids[c], expert].T`` (a tile runs one K-step per
+    update its rows chose). It has no backward (the adapters' serving path).
     """
     key = (launch_memo.tensor_key(a), launch_memo.tensor_key(weight), launch_memo.tensor_key(out), a.device,
            launch_memo.tensor_key(a_scale), launch_memo.tensor_key(weight_scale), launch_memo.tensor_key(weight_zero),
@@ -803,7 +827,8 @@ def moe_gemm(
            launch_memo.tensor_key(num_padded), launch_memo.tensor_key(block_range), rows_per_a, config,
            int(weight_format), a_global, act, glu, interleaved, alpha, limit, swap, ptx, tma, grid, split_k,
            aligned_block_m, weight_scale_max, half_tail, decode_chunk, expert_first, weight_shuffled,
-           launch_memo.tensor_key(update_rows), launch_memo.tensor_key(update_weight), update_scale)
+           launch_memo.tensor_key(update_rows), launch_memo.tensor_key(update_weight), update_scale,
+           launch_memo.tensor_key(update_ids))
     launch = _LAUNCHES.get(key)
     if launch is None:
         launch = _prepare(
@@ -814,11 +839,11 @@ def moe_gemm(
             tma=tma, grid=grid, split_k=split_k, aligned_block_m=aligned_block_m, weight_scale_max=weight_scale_max,
             half_tail=half_tail, decode_chunk=decode_chunk, expert_first=expert_first, block_range=block_range,
             weight_shuffled=weight_shuffled, update_rows=update_rows, update_weight=update_weight,
-            update_scale=update_scale)
+            update_scale=update_scale, update_ids=update_ids)
         _LAUNCHES.put(key, launch)
     result: torch.Tensor = launch(a, weight, out, sorted_ids, block_expert, num_padded, a_scale, weight_scale,
                                   weight_zero, weight_global, bias, topk_weights, out_scale, block_range, update_rows,
-                                  update_weight)
+                                  update_weight, update_ids)
     return result
 
 
@@ -866,6 +891,7 @@ def _prepare(
     update_rows: Optional[torch.Tensor],
     update_weight: Optional[torch.Tensor],
     update_scale: float,
+    update_ids: Optional[torch.Tensor],
 ) -> _Launch:
     """Check the operands and plan the launch of :func:`moe_gemm`: a :class:`_GemmLaunch` (or, for no rows or
     columns, :class:`_NoLaunch`; for 4-bit weights decoded first, :class:`_DecodeFirstLaunch`) that launches it
@@ -927,7 +953,8 @@ def _prepare(
             out.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         raise ValueError(f"out must be bf16/fp16/fp32, got {out.dtype}")
     num_copies, n_out = out.shape
-    update_k, update_precision = _update_launch(update_rows, update_weight, weight, num_copies)
+    update_k, update_precision, update_stack = _update_launch(update_rows, update_weight, update_ids, weight,
+                                                              num_copies)
     quant_out = out_scale is not None
     compute_dtype = out.dtype if row_format is RowFormat.NVFP4 else a.dtype
     compute_bytes = 1 if row_format in (RowFormat.FP8, RowFormat.INT8) else compute_dtype.itemsize
@@ -994,11 +1021,11 @@ def _prepare(
         B_SHUFFLED=(2 if paired_rows else 1) if weight_shuffled else 0,
         DRAIN_MMA=plan.drain,
         SCALE_FOLD=plan.scale_fold,
-        UPDATE_K=update_k, UPDATE_PRECISION=update_precision,
+        UPDATE_K=update_k, UPDATE_PRECISION=update_precision, UPDATE_STACK=update_stack > 0,
         PDL=pdl.flag(dependent, release=False),
     ), dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent)))
     sizes = (n_out, k_dim, num_copies, rows_per_a, float(a_global), expert_first,
-             update_rows.shape[1] if update_rows is not None else 0, float(update_scale))
+             update_rows.shape[1] if update_rows is not None else 0, float(update_scale), update_stack)
     strides = (plan.steps_per_split, stride_ps, stride_pm, a.stride(0), a.stride(1), stride_asm, stride_ask,
                weight.stride(0), weight.stride(1), weight.stride(2),
                *w.scale_strides, *w.zero_strides,
@@ -1008,7 +1035,8 @@ def _prepare(
                gate_stride, up_offset,
                alpha, limit,
                update_rows.stride(0) if update_rows is not None else 0,
-               *(update_weight.stride() if update_weight is not None else (0, 0, 0)))
+               *(update_weight.stride() if update_weight is not None and update_weight.dim() == 4
+                 else (0, *update_weight.stride()) if update_weight is not None else (0, 0, 0, 0)))
     reduce = None
     if partials is not None:
         block_n = 128 if quant_out else max(16, min(128, 4096 // config.block_m, next_power_of_2(n_out)))
@@ -1026,14 +1054,29 @@ def _prepare(
         weight_scale_bytes=weight_scale is not None and weight_scale.dtype == torch.float8_e4m3fn)
 
 
-def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[torch.Tensor], weight: torch.Tensor,
-                   num_copies: int) -> tuple[int, str]:
-    """``(UPDATE_K, UPDATE_PRECISION)`` of a low-rank update's operands (0 without one), checked against the weight's
-    experts and rows: a ``ValueError`` naming what does not fit."""
-    if update_rows is None and update_weight is None:
-        return 0, "ieee"
+def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[torch.Tensor],
+                   update_ids: Optional[torch.Tensor], weight: torch.Tensor, num_copies: int) -> tuple[int, str, int]:
+    """``(UPDATE_K, UPDATE_PRECISION, the stack's size)`` of a low-rank update's operands (0, "ieee", 0 without one;
+    the size 0 for one update), checked against the weight's experts and rows: a ``ValueError`` naming what does not
+    fit."""
+    if update_rows is None and update_weight is None and update_ids is None:
+        return 0, "ieee", 0
     if update_rows is None or update_weight is None:
         raise ValueError("a low-rank update takes update_rows and update_weight together")
+    stack = 0
+    if update_ids is not None:
+        if update_ids.dtype != torch.int32 or tuple(update_ids.shape) != (num_copies,) or update_ids.stride(0) != 1:
+            raise ValueError(f"update_ids must be int32 [num_copies={num_copies}] contiguous, got {update_ids.dtype} "
+                             f"{tuple(update_ids.shape)}")
+        if update_weight.dim() != 4:
+            raise ValueError(f"a stack of updates (update_ids) takes update_weight [S, E, N_w, R], got "
+                             f"{tuple(update_weight.shape)}")
+        stack = int(update_weight.shape[0])
+        if stack < 1:
+            raise ValueError("a stack of updates holds at least one")
+        update_weight = update_weight[0]
+    elif update_weight.dim() == 4:
+        raise ValueError("update_weight [S, E, N_w, R] is a stack of updates: pass each copy's (update_ids)")
     width = update_rows.shape[1] if update_rows.dim() == 2 else -1
     if update_rows.dim() != 2 or update_rows.shape[0] != num_copies or update_rows.stride(1) != 1:
         raise ValueError(f"update_rows must be [num_copies={num_copies}, R] with contiguous rows, got "
@@ -1045,7 +1088,7 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
             or update_rows.element_size() < 2:
         raise ValueError(f"a low-rank update's operands share one float dtype (bf16, fp16, fp32), got "
                          f"{update_rows.dtype} and {update_weight.dtype}")
-    return max(16, next_power_of_2(width)), "ieee" if update_rows.dtype == torch.float32 else "tf32"
+    return max(16, next_power_of_2(width)), "ieee" if update_rows.dtype == torch.float32 else "tf32", stack
 
 
 class _GemmLaunch:
@@ -1070,7 +1113,7 @@ class _GemmLaunch:
                  weight_global: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], out_scale: Optional[torch.Tensor],
                  block_range: Optional[torch.Tensor], update_rows: Optional[torch.Tensor],
-                 update_weight: Optional[torch.Tensor]) -> torch.Tensor:
+                 update_weight: Optional[torch.Tensor], update_ids: Optional[torch.Tensor]) -> torch.Tensor:
         dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
         # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
         if self.a_scale_bytes:
@@ -1090,7 +1133,7 @@ class _GemmLaunch:
             topk_weights if topk_weights is not None else dummy,
             sorted_ids, block_expert, num_padded, partials if partials is not None else dummy,
             update_rows if update_rows is not None else dummy, update_weight if update_weight is not None else dummy,
-            *self.sizes, block_range if block_range is not None else num_padded, *self.strides)
+            update_ids if update_ids is not None else dummy, *self.sizes, block_range if block_range is not None else num_padded, *self.strides)
         if self.reduce is not None:
             assert partials is not None
             self.reduce(partials, out, out_scale if out_scale is not None else dummy,
@@ -1123,7 +1166,8 @@ class _DecodeFirstLaunch:
                  weight_global: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], out_scale: Optional[torch.Tensor],
                  block_range: Optional[torch.Tensor], update_rows: Optional[torch.Tensor] = None,
-                 update_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 update_weight: Optional[torch.Tensor] = None,
+                 update_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return _decode_first(a, weight, out, sorted_ids, block_expert, num_padded, weight_scale=weight_scale,
                              weight_zero=weight_zero, weight_global=weight_global, bias=bias, **self.plan,
                              options=dict(self.options, a_scale=a_scale, topk_weights=topk_weights))
