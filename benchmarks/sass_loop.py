@@ -72,7 +72,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                     b_zero_ptr="*u8", b_global_ptr="*fp32", bias_ptr=f"*{dtype}", c_ptr=f"*{dtype}",
                     c_scale_ptr="*fp32", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                     num_padded_ptr="*i32", block_range_ptr="*i32", p_ptr="*fp32", u_ptr=f"*{dtype}",
-                    ub_ptr=f"*{dtype}")
+                    ub_ptr=f"*{dtype}", uid_ptr="*i32")
     constexprs: dict[str, Any] = dict(
         A_FMT=int(RowFormat.NVFP4 if nvfp4_rows else RowFormat.FP8 if fp8 else RowFormat.FLOAT),
         A_SCALE=int(RowScales.NVFP4 if nvfp4_rows else RowScales.GROUP if fp8 else RowScales.NONE),
@@ -86,6 +86,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         B_GLOBAL=weights is WeightFormat.NVFP4 or nvfp4_rows,
         EXPERT_RANGE=False, B_SHUFFLED=shuffled and packed, PDL=False, BLOCK_M=block[0],
         UPDATE_K=update, UPDATE_PRECISION="tf32",  # a low-rank update's K-step (an adapter's) of this width, 0: none
+        UPDATE_STACK=False,
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and dtype == "bf16" and (weights is WeightFormat.MXFP4 or (

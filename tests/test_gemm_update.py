@@ -102,13 +102,16 @@ def test_the_update_adds_to_the_product_of_every_weight_format(fmt: str, swap: b
     assert _rel(outs[1].double() - outs[0].double(), want) < 2e-2
 
 
+@pytest.mark.parametrize("rank", [16, 5, 64])
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("layout", sorted(GATED) + ["plain"])
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_a_stack_of_updates_reaches_each_copy_by_its_own(dtype: torch.dtype, layout: str, split_k: int) -> None:
-    # update_ids picks each copy's update out of update_weight [S, E, N_w, R]: tiles whose rows chose some of the
-    # stack only (the first copies all take update 2, so a tile runs one of its K-steps), one no copy chose (3).
-    tokens, k, experts, hidden, n_out, rank, stack, scale = 11, 2, 5, 64, 24, 16, 4, 0.75
+def test_a_stack_of_updates_reaches_each_copy_by_its_own(dtype: torch.dtype, layout: str, split_k: int,
+                                                         rank: int) -> None:
+    # update_ids picks each copy's update out of update_weight [S, E, N_w, R]: one update no copy chose (3), tiles
+    # whose rows chose some of the stack only (expert 0's copies all take update 2); at rank 64 the kernel takes the
+    # stack two updates at a time, and expert 0's tiles skip the first pair.
+    tokens, k, experts, hidden, n_out, stack, scale = 11, 2, 5, 64, 24, 4, 0.75
     gen = torch.Generator().manual_seed(split_k)
     act: Optional[mf.ActivationConfig] = GATED.get(layout)
     n_w = 2 * n_out if act is not None else n_out
@@ -117,9 +120,11 @@ def test_a_stack_of_updates_reaches_each_copy_by_its_own(dtype: torch.dtype, lay
     u = torch.randn(tokens * k, rank, generator=gen).to(DEVICE, dtype)
     ub = (torch.randn(stack, experts, n_w, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
     chosen = torch.randint(0, stack - 1, (tokens * k,), generator=gen, dtype=torch.int32)
-    chosen[:8] = 2
     weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
-    ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    ids = _routing(tokens, experts, k, gen)
+    chosen[ids.reshape(-1) == 0] = 2
+    assert (ids == 0).any()
+    ids = ids.to(DEVICE)
     plan = align.align_block_size(ids, experts, SMALL.block_m)
     out = torch.full((tokens * k, n_out), float("nan"), dtype=dtype, device=DEVICE)
     moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=k, config=SMALL, topk_weights=weights.reshape(-1),
