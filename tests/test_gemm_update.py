@@ -109,8 +109,8 @@ def test_the_update_adds_to_the_product_of_every_weight_format(fmt: str, swap: b
 def test_a_stack_of_updates_reaches_each_copy_by_its_own(dtype: torch.dtype, layout: str, split_k: int,
                                                          rank: int) -> None:
     # update_ids picks each copy's update out of update_weight [S, E, N_w, R]: one update no copy chose (3), tiles
-    # whose rows chose some of the stack only (expert 0's copies all take update 2); at rank 64 the kernel takes the
-    # stack two updates at a time, and expert 0's tiles skip the first pair.
+    # whose rows chose some of the stack only (expert 0's copies all take update 2, so its tiles skip the others'
+    # K-steps); a rank below the K-step's 16 and one above.
     tokens, k, experts, hidden, n_out, stack, scale = 11, 2, 5, 64, 24, 4, 0.75
     gen = torch.Generator().manual_seed(split_k)
     act: Optional[mf.ActivationConfig] = GATED.get(layout)

@@ -451,30 +451,21 @@ def _gemm_tile(
             factor = tl.where(k_first == 0, update_scale, 0.0)
         u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's output was)
         if UPDATE_STACK:
-            # A stack of adapters (ub [S, E, N_w, R]), each row by its own adapter (uid [copies]): the stack by
-            # chunks of STACK_CHUNK adapters, each one K-step of STACK_CHUNK * UPDATE_K where a row of the tile
-            # chose one of them: the rows [BLOCK_M, STACK_CHUNK, UPDATE_K], zero outside their adapter's slice, meet
-            # the chunk's B rows side by side.
-            STACK_CHUNK: tl.constexpr = max(1, 128 // UPDATE_K)
+            # a stack of adapters (ub [S, E, N_w, R]): each copy's row meets its own adapter's B (uid [copies]), one
+            # K-step per adapter that a row of this tile chose, the other rows zero in it
             uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
-            offs_c = tl.arange(0, STACK_CHUNK)
-            offs_w = tl.arange(0, STACK_CHUNK * UPDATE_K)
-            for first in range(0, update_stack, STACK_CHUNK):
-                if tl.max(((uid >= first) & (uid < first + STACK_CHUNK)).to(tl.int32), axis=0) > 0:
-                    mine = uid[:, None, None] == (first + offs_c)[None, :, None]
-                    u_wide = tl.reshape(tl.where(mine, u[:, None, :], tl.zeros_like(u)[:, None, :]),
-                                        (BLOCK_M, STACK_CHUNK * UPDATE_K))
-                    w_adapter = first + offs_w // UPDATE_K
-                    w_k = offs_w % UPDATE_K
-                    w_ok = (w_adapter < update_stack) & (w_k < update_width)
-                    ub_wide = ub_ptr + expert * stride_ube + (w_adapter * stride_ubs + w_k * stride_ubk)[:, None]
-                    ub = tl.load(ub_wide + gate_rows[None, :] * stride_ubn, mask=w_ok[:, None] & n_ok[None, :],
+            for adapter in range(0, update_stack):
+                here = uid == adapter
+                if tl.max(here.to(tl.int32), axis=0) > 0:
+                    u_here = tl.where(here[:, None], u, tl.zeros_like(u))
+                    ub_here = ub_expert + adapter * stride_ubs
+                    ub = tl.load(ub_here + gate_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :],
                                  other=0.0)
-                    out = tl.dot(u_wide, ub, out, input_precision=UPDATE_PRECISION)
+                    out = tl.dot(u_here, ub, out, input_precision=UPDATE_PRECISION)
                     if GLU:
-                        ub_up = tl.load(ub_wide + up_rows[None, :] * stride_ubn, mask=w_ok[:, None] & n_ok[None, :],
+                        ub_up = tl.load(ub_here + up_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :],
                                         other=0.0)
-                        out_up = tl.dot(u_wide, ub_up, out_up, input_precision=UPDATE_PRECISION)
+                        out_up = tl.dot(u_here, ub_up, out_up, input_precision=UPDATE_PRECISION)
         else:
             ub = tl.load(ub_expert + gate_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
             out = tl.dot(u, ub, out, input_precision=UPDATE_PRECISION)  # accumulated in place: no second tile
