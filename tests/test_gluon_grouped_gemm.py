@@ -1,0 +1,160 @@
+"""The warp-specialised Gluon grouped GEMM (:mod:`moeforge.kernels.gluon_grouped_gemm`). On CPU: the kernel compiles
+for sm_90 down to machine code with the installed Triton (Gluon has no interpreter; this catches a Gluon API that
+moved). On a Hopper GPU: its output against float64 and against its Triton twin (``moe_gemm``, the same product on the
+same plan) over the cases users reach — no rows, one token, an idle expert, every token on one expert, top-k equal to
+the experts, K and N tails, aligned blocks larger than the tile — for the SwiGLU gate/up GEMM and the plain down GEMM
+with routing weights; outputs poisoned with NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Optional
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moeforge.kernels import align, moe_gemm  # noqa: E402
+from moeforge.kernels import gluon_grouped_gemm as gluon_gemm  # noqa: E402
+from moeforge.kernels.config import GemmConfig  # noqa: E402
+from moeforge.stages.triton import act_code  # noqa: E402
+
+import moeforge as mf  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+COMPILABLE = gluon_gemm.unavailable_reason() is None
+CONFIGS = {"128x128x64, 4 stages, 8 warps": GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+           "64x128x64, 3 stages, 4 warps": GemmConfig(64, 128, 64, num_warps=4, num_stages=3),
+           "128x64x64, 4 stages, 8 warps": GemmConfig(128, 64, 64, num_warps=8, num_stages=4)}
+
+
+_COMPILE = """
+import json, sys
+from moeforge.kernels.config import GemmConfig
+from moeforge.kernels.gluon_grouped_gemm import compile_for_hopper
+found = []
+for block_m, block_n, block_k, warps, stages in json.loads(sys.argv[1]):
+    for glu in (False, True):
+        kernel = compile_for_hopper(GemmConfig(block_m, block_n, block_k, num_warps=warps, num_stages=stages), glu,
+                                    mul_weights=not glu)
+        ptx = kernel.asm["ptx"]
+        found.append(dict(glu=glu, shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin"]),
+                          parts=[part in ptx for part in ("wgmma.mma_async", "cp.async.mbarrier.arrive.noinc",
+                                                          "setmaxnreg")]))
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(not COMPILABLE, reason=gluon_gemm.unavailable_reason() or "")
+def test_the_kernel_compiles_for_hopper() -> None:
+    # In a process of its own: Triton's bindings report leaked objects on the stderr of a process that compiled
+    # Gluon, at its exit.
+    configs = [[c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages] for c in CONFIGS.values()]
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(configs)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found) == 2 * len(CONFIGS)
+    for kernel in found:  # warpgroup MMAs, the loader's row copies arriving on the barrier, the partitions' registers
+        assert all(kernel["parts"]) and kernel["cubin"] > 0, kernel
+        assert kernel["shared"] <= 227 * 1024, kernel
+
+
+def _case(tokens: int, experts: int, top_k: int, hidden: int, n_out: int, glu: bool, dtype: torch.dtype,
+          gen: torch.Generator, route: Optional[torch.Tensor] = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(tokens, hidden, generator=gen).to("cuda", dtype)
+    w = (torch.randn(experts, 2 * n_out if glu else n_out, hidden, generator=gen) * hidden ** -0.5).to("cuda", dtype)
+    if route is None:
+        route = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]) if tokens else \
+            torch.empty(0, top_k, dtype=torch.int64)
+    weights = torch.rand(tokens * top_k, generator=gen).to("cuda")
+    return x, w, route.to("cuda", torch.int32).reshape(tokens, top_k), weights
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, route: torch.Tensor, weights: torch.Tensor, glu: bool,
+               rows_per_a: int) -> torch.Tensor:
+    flat = route.reshape(-1).long()
+    copies = torch.arange(flat.numel(), device=x.device)
+    pre = torch.einsum("ch,cnh->cn", x.double()[copies // rows_per_a], w.double()[flat])
+    if glu:
+        gate, up = pre.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    return pre * weights.double()[:, None]
+
+
+CASES = {  # tokens, experts, top_k, hidden, n_out, a fixed routing
+    "many tokens": (300, 8, 2, 512, 384, None),
+    "no rows": (0, 4, 2, 256, 128, None),
+    "one token": (1, 8, 2, 256, 128, None),
+    "an idle expert": (40, 4, 1, 256, 128, torch.tensor([[0], [1], [3]] * 13 + [[0]])),
+    "every token on one expert": (70, 6, 1, 256, 128, torch.full((70, 1), 2)),
+    "top-k = experts": (33, 4, 4, 256, 128, None),
+    "K and N tails": (50, 4, 2, 208, 72, None),
+}
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("glu", [False, True], ids=["down", "swiglu gate/up"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_the_kernel_equals_float64_and_its_triton_twin(config: str, case: str, glu: bool, dtype: torch.dtype) -> None:
+    tokens, experts, top_k, hidden, n_out, route = CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + glu)
+    x, w, route, weights = _case(tokens, experts, top_k, hidden, n_out, glu, dtype, gen, route)
+    gemm = CONFIGS[config]
+    aligned = 128  # the plan's blocks; a 64-row tile takes half a block
+    rows_per_a = top_k if glu else 1
+    a = x if glu else torch.randn(tokens * top_k, hidden, generator=gen).to("cuda", dtype)
+    plan = align.align_block_size(route, experts, aligned)
+    out = torch.full((tokens * top_k, n_out), float("nan"), dtype=dtype, device="cuda")
+    gluon_gemm.ws_grouped_gemm(a, w, out, *plan, rows_per_a=rows_per_a, config=gemm, glu=glu,
+                               topk_weights=None if glu else weights, aligned_block_m=aligned)
+    twin = torch.full_like(out, float("nan"))
+    moe_gemm.moe_gemm(a, w, twin, *plan, rows_per_a=rows_per_a, config=GemmConfig(64, 64, 64, num_warps=4),
+                      topk_weights=None if glu else weights, act=act_code(mf.ActivationConfig()) if glu else 0,
+                      glu=glu, aligned_block_m=aligned)
+    if tokens == 0:
+        return
+    want = _reference(a, w, route, weights, glu, rows_per_a)
+    assert not out.isnan().any(), "a row was not written"
+    scale = want.norm()
+    tolerance = 1e-2 if dtype is torch.bfloat16 else 2e-3
+    assert float((out.double() - want).norm() / scale) < tolerance
+    assert float((out.double() - twin.double()).norm() / scale) < tolerance
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_the_kernel_is_deterministic_and_any_grid_gives_the_same_rows() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x, w, route, _ = _case(500, 16, 4, 1024, 512, True, torch.bfloat16, gen)
+    plan = align.align_block_size(route, 16, 128)
+    outs = []
+    for programs in (None, None, 7, 1):
+        out = torch.empty(500 * 4, 512, dtype=torch.bfloat16, device="cuda")
+        gluon_gemm.ws_grouped_gemm(x, w, out, *plan, rows_per_a=4, config=CONFIGS["128x128x64, 4 stages, 8 warps"],
+                                   glu=True, programs=programs)
+        outs.append(out)
+    for other in outs[1:]:
+        assert torch.equal(outs[0], other)
+
+
+def test_operands_it_does_not_take_are_refused_by_name() -> None:
+    if not COMPILABLE:
+        pytest.skip(gluon_gemm.unavailable_reason() or "")
+    config = CONFIGS["128x128x64, 4 stages, 8 warps"]
+    a = torch.zeros(4, 64, dtype=torch.bfloat16)
+    w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+    out = torch.zeros(8, 32, dtype=torch.bfloat16)
+    cases = [((a.float(), w, out, False, 128), "bf16 / fp16"), ((a, w[:, :, :32].contiguous(), out, False, 128), "rows must be"),
+             ((a, w.transpose(1, 2), out, False, 128), "contiguous"), ((a, w, out[:, :16], False, 128), "out must"),
+             ((a, w, out, True, 128), "out must"), ((a, w, out, False, 64), "must divide"),
+             ((a[:, :8].contiguous(), w[:, :, :8].contiguous(), out, False, 128), "multiples of 16")]
+    for (rows, weight, output, glu, aligned), words in cases:
+        with pytest.raises(ValueError, match=words):
+            gluon_gemm.check_operands(rows, weight, output, config, glu, aligned)
