@@ -545,3 +545,21 @@ def test_an_adapter_over_an_fp8_base_on_the_triton_gemms_serves_like_the_torch_s
             # update that is wrong or missing is far outside that.
             assert _rel(layer(x), want) < 6e-2
             assert _rel(base(x), want) > 0.5
+
+
+def test_a_served_stack_compiles_in_one_graph() -> None:
+    # Serving a stack (no backward recorded): the pair alignment, the x Aᵀ launch and the base launch with each
+    # copy's · Bᵀ (update_ids) trace into one graph, equal to the eager pipeline.
+    layer = _torch_layer(ExpertAdapter(rank=3, alpha=6, count=3), torch.float32)
+    pipeline = mf.Pipeline(_triton_pipeline(layer).stages, mf.input_spec(H, torch.float32, E))
+    x = torch.randn(11, H, device=DEVICE)
+    ids = torch.tensor([0, 2, -1, 1, 2, 0, 0, 1, -1, 2, 1], device=DEVICE)
+    logits = layer.router_logits(x).detach()
+
+    def run(rows: torch.Tensor, scores: torch.Tensor, adapter_ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = pipeline.run(mf.MoEInput(rows, scores, adapter_ids)).hidden_states
+        return out
+
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, logits, ids), run(x, logits, ids), rtol=1e-6, atol=1e-6)
