@@ -5,7 +5,8 @@
 same product as :func:`moeforge.kernels.moe_gemm.moe_gemm` (its Triton twin) on the same block-aligned plan.
 
 A persistent program walks its share of the tiles (``BLOCK_M`` aligned rows of one expert × ``BLOCK_N`` output
-columns, row block by row block so that a block's column tiles reuse its rows from L2) in two partitions that meet
+columns; ``GROUP_M`` row blocks at a time, column by column, so that the programs at work share weight tiles and rows
+in L2) in two partitions that meet
 at a ring of ``STAGES`` shared-memory slots, each guarded by two barriers:
 
 * the **loader** (its own warps): per K-step, waits until the slot is free, copies the weight tile(s) with the
@@ -83,24 +84,28 @@ if _GLUON_ERROR is None:
         return gl.BlockedLayout([1, 8], [32 // across, across], [warps, 1], [1, 0])
 
     @gluon.jit
-    def _tile_of(tile, n_tiles):
-        """Tile ``tile``'s (row block, column tile): a row block's column tiles one after another."""
-        return tile // n_tiles, tile % n_tiles
+    def _tile_of(tile, m_tiles, n_tiles, GROUP_M: gl.constexpr):
+        """Tile ``tile``'s (row block, column tile): groups of ``GROUP_M`` row blocks, each group's tiles column by
+        column, so that the programs working at one time share weight tiles (and rows) in L2."""
+        in_group = GROUP_M * n_tiles
+        first_m = tile // in_group * GROUP_M
+        group_rows = gl.minimum(m_tiles - first_m, GROUP_M)
+        return first_m + tile % in_group % group_rows, tile % in_group // group_rows
 
     @gluon.jit
     def _loader(a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready, empty,
                 N, K, num_copies, rows_per_a, stride_am, up_offset,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                GLU: gl.constexpr):
+                GLU: gl.constexpr, GROUP_M: gl.constexpr):
         layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
         rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
         k_layout: gl.constexpr = gl.SliceLayout(0, layout)
         n_tiles = gl.cdiv(N, BLOCK_N)
-        tiles = gl.load(num_padded_ptr) // BLOCK_M * n_tiles
+        m_tiles = gl.load(num_padded_ptr) // BLOCK_M
         offs_k = gl.arange(0, BLOCK_K, layout=k_layout)
         step = 0
-        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            pid_m, pid_n = _tile_of(tile, n_tiles)
+        for tile in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_of(tile, m_tiles, n_tiles, GROUP_M)
             copies = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout))
             row_ok = copies < num_copies
             rows = gl.where(row_ok, copies // rows_per_a, 0).to(gl.int64)
@@ -127,13 +132,13 @@ if _GLUON_ERROR is None:
     def _mma_partition(a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                        N, K, num_copies, stride_om,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                       GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr):
+                       GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr, GROUP_M: gl.constexpr):
         layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
         n_tiles = gl.cdiv(N, BLOCK_N)
-        tiles = gl.load(num_padded_ptr) // BLOCK_M * n_tiles
+        m_tiles = gl.load(num_padded_ptr) // BLOCK_M
         step = 0
-        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            pid_m, pid_n = _tile_of(tile, n_tiles)
+        for tile in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_of(tile, m_tiles, n_tiles, GROUP_M)
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
             acc_up = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
             previous = 0
@@ -175,7 +180,7 @@ if _GLUON_ERROR is None:
                                N, K, num_copies, rows_per_a, stride_am, stride_om, up_offset,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                STAGES: gl.constexpr, GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr,
-                               LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr):
+                               GROUP_M: gl.constexpr, LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = w_desc.dtype
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -189,9 +194,11 @@ if _GLUON_ERROR is None:
         fence_async_shared()
         gl.warp_specialize([
             (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
-                              N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS)),
+                              N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
+                              GROUP_M)),
             (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready, empty,
-                       N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU)),
+                       N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU,
+                       GROUP_M)),
         ], [LOADER_WARPS_], [LOADER_REGS])
 
 
@@ -256,7 +263,8 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
         block_expert, num_padded, n_out, weight.shape[2], num_copies, rows_per_a, a.stride(0), out.stride(0),
         n_out if glu else 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, GLU=glu,
-        MUL_WEIGHTS=topk_weights is not None, LOADER_WARPS_=LOADER_WARPS, LOADER_REGS=LOADER_REGISTERS,
+        MUL_WEIGHTS=topk_weights is not None, GROUP_M=config.group_m, LOADER_WARPS_=LOADER_WARPS,
+        LOADER_REGS=LOADER_REGISTERS,
         num_warps=config.num_warps)
     return out
 
@@ -276,7 +284,8 @@ def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: 
                      num_padded_ptr="*i32", N="i32", K="i32", num_copies="i32", rows_per_a="i32", stride_am="i32",
                      stride_om="i32", up_offset="i32")
     constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                      STAGES=config.num_stages, GLU=glu, MUL_WEIGHTS=mul_weights, LOADER_WARPS_=LOADER_WARPS,
+                      STAGES=config.num_stages, GLU=glu, MUL_WEIGHTS=mul_weights, GROUP_M=config.group_m,
+                      LOADER_WARPS_=LOADER_WARPS,
                       LOADER_REGS=LOADER_REGISTERS)
     signature.update({key: "constexpr" for key in constexprs})
     # what the JIT specialises at a launch whose pointers, widths and strides are multiples of 16
