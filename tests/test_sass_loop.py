@@ -141,3 +141,16 @@ def test_sass_hashes_compare_names_the_configurations_that_differ(tmp_path: Path
     changed = subprocess.run([sys.executable, str(script), "--compare", str(first), str(second)], capture_output=True,
                              text=True)
     assert changed.returncode == 1 and "1 of 2 configurations differ\n  int4 glu=False" in changed.stdout
+
+
+def test_sass_hashes_can_hash_the_parameters_wherever_they_sit() -> None:
+    # A change that adds a kernel argument moves the others in the parameter bank: --any-parameter-offsets hashes
+    # the same instructions alike, and still tells a different instruction or register apart.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import sass_hashes
+
+    before = "/*0010*/  LDC R1, c[0x0][0x28] ;\n  // a comment\n/*0020*/  EXIT ;"
+    after = "/*0010*/  LDC R1, c[0x0][0x30] ;\n/*0020*/  EXIT ;"
+    other = "/*0010*/  LDC R2, c[0x0][0x30] ;\n/*0020*/  EXIT ;"
+    assert sass_hashes.code(before) != sass_hashes.code(after)
+    assert sass_hashes.code(before, True) == sass_hashes.code(after, True) != sass_hashes.code(other, True)
