@@ -13,9 +13,12 @@ same from run to run, and ``backend="auto"``'s choice.
 from __future__ import annotations
 
 from typing import Any, Optional
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import moeforge as mf
 import moeforge.adapters
@@ -304,8 +307,8 @@ def test_each_copys_pair_adapter_and_weight_on_the_device() -> None:
     keys = chosen * E + experts.reshape(-1)
     for block_m in (16, 32):
         sorted_ids, block_expert, num_padded = align_block_size(experts, E, block_m)
-        for given in (experts.reshape(-1), None):
-            got = stack_pairs(ids, given, sorted_ids, block_expert, num_padded, block_m, stack, E, scale=2.5)
+        for copy_experts in (experts.reshape(-1), None):
+            got = stack_pairs(ids, copy_experts, sorted_ids, block_expert, num_padded, block_m, stack, E, scale=2.5)
             assert torch.equal(got[0], keys) and torch.equal(got[1], chosen)
             torch.testing.assert_close(got[2], used, equal_nan=True, rtol=0, atol=0)
     empty = stack_pairs(ids[:0], None, sorted_ids, block_expert, num_padded, 16, stack, E)
@@ -563,3 +566,34 @@ def test_a_served_stack_compiles_in_one_graph() -> None:
     compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, logits, ids), run(x, logits, ids), rtol=1e-6, atol=1e-6)
+
+
+
+@st.composite
+def _served_stacks(draw: Any) -> tuple[ExpertAdapter, list[int], bool, int]:
+    count = draw(st.integers(1, 5))
+    adapter = ExpertAdapter(rank=draw(st.sampled_from([1, 2, 3, 5, 8, 16, 17])), alpha=draw(st.sampled_from([1, 7])),
+                            count=count, shared_a=draw(st.booleans()),
+                            targets=draw(st.sampled_from([("gate_up", "down"), "gate_up", "down"])))
+    tokens = draw(st.sampled_from([0, 1, 2, 7, 13, 40]))
+    ids = draw(st.lists(st.integers(-1, count - 1), min_size=tokens, max_size=tokens))
+    return adapter, ids, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_served_stacks())
+def test_a_random_stack_served_on_the_triton_gemms_equals_the_torch_layer(
+        case: tuple[ExpertAdapter, list[int], bool, int]) -> None:
+    # Random stacks (count, rank, a shared A, targets), token ids (-1 and all-one-adapter batches included) and both
+    # placements of · Bᵀ (inside the base launch, or launches of its own), without a backward: the serving path.
+    adapter, ids, in_base_launch, seed = case
+    layer = _torch_layer(adapter, torch.float32, seed=seed)
+    pipeline = _triton_pipeline(layer)
+    x = torch.randn(len(ids), H, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))
+    adapter_ids = torch.tensor(ids, dtype=torch.int64, device=DEVICE) if adapter.count > 1 else None
+    logits = layer.router_logits(x).detach()
+    with torch.no_grad(), mock.patch.object(moeforge.adapters, "FUSED_UPDATE_MAX_K", 2048 if in_base_launch else 0):
+        want = layer.pipeline.run(mf.MoEInput(x, logits, adapter_ids)).hidden_states
+        got = pipeline.run(mf.MoEInput(x, logits, adapter_ids)).hidden_states
+    if ids:
+        assert float((got - want).norm() / want.norm().clamp(min=1e-30)) < 2e-5
