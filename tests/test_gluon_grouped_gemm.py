@@ -27,9 +27,12 @@ import moeforge as mf  # noqa: E402
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 COMPILABLE = gluon_gemm.unavailable_reason() is None
-CONFIGS = {"128x128x64, 4 stages, 8 warps": GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-           "64x128x64, 3 stages, 4 warps": GemmConfig(64, 128, 64, num_warps=4, num_stages=3),
-           "128x64x64, 4 stages, 8 warps": GemmConfig(128, 64, 64, num_warps=8, num_stages=4)}
+# name: (tile, ping-pong MMA partitions)
+CONFIGS = {"128x128x64, 4 stages, 8 warps": (GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False),
+           "64x128x64, 3 stages, 4 warps": (GemmConfig(64, 128, 64, num_warps=4, num_stages=3), False),
+           "128x64x64, 4 stages, 8 warps": (GemmConfig(128, 64, 64, num_warps=8, num_stages=4), False),
+           "ping-pong 64x128x64, 4 stages": (GemmConfig(64, 128, 64, num_warps=4, num_stages=4), True),
+           "ping-pong 128x128x64, 4 stages": (GemmConfig(128, 128, 64, num_warps=4, num_stages=4), True)}
 
 
 _COMPILE = """
@@ -37,10 +40,10 @@ import json, sys
 from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.gluon_grouped_gemm import compile_for_hopper
 found = []
-for block_m, block_n, block_k, warps, stages in json.loads(sys.argv[1]):
-    for glu in (False, True):
+for block_m, block_n, block_k, warps, stages, pingpong in json.loads(sys.argv[1]):
+    for glu in (False, True) if not (pingpong and block_m * block_n > 64 * 128) else (False,):
         kernel = compile_for_hopper(GemmConfig(block_m, block_n, block_k, num_warps=warps, num_stages=stages), glu,
-                                    mul_weights=not glu)
+                                    mul_weights=not glu, pingpong=pingpong)
         ptx = kernel.asm["ptx"]
         found.append(dict(glu=glu, shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin"]),
                           parts=[part in ptx for part in ("wgmma.mma_async", "cp.async.mbarrier.arrive.noinc",
@@ -53,12 +56,13 @@ print(json.dumps(found))
 def test_the_kernel_compiles_for_hopper() -> None:
     # In a process of its own: Triton's bindings report leaked objects on the stderr of a process that compiled
     # Gluon, at its exit.
-    configs = [[c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages] for c in CONFIGS.values()]
+    configs = [[c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, pingpong]
+               for c, pingpong in CONFIGS.values()]
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(configs)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(found) == 2 * len(CONFIGS)
+    assert len(found) == 2 * len(CONFIGS) - 1  # (no gated 128 x 128 ping-pong)
     for kernel in found:  # warpgroup MMAs, the loader's row copies arriving on the barrier, the partitions' registers
         assert all(kernel["parts"]) and kernel["cubin"] > 0, kernel
         assert kernel["shared"] <= 227 * 1024, kernel
@@ -104,17 +108,19 @@ CASES = {  # tokens, experts, top_k, hidden, n_out, a fixed routing
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_the_kernel_equals_float64_and_its_triton_twin(config: str, case: str, glu: bool, dtype: torch.dtype) -> None:
+    gemm, pingpong = CONFIGS[config]
+    if glu and pingpong and gemm.block_m * gemm.block_n > 64 * 128:
+        pytest.skip("a ping-pong partition holds gate and up accumulators of at most 64 x 128")
     tokens, experts, top_k, hidden, n_out, route = CASES[case]
     gen = torch.Generator().manual_seed(len(case) + glu)
     x, w, route, weights = _case(tokens, experts, top_k, hidden, n_out, glu, dtype, gen, route)
-    gemm = CONFIGS[config]
     aligned = 128  # the plan's blocks; a 64-row tile takes half a block
     rows_per_a = top_k if glu else 1
     a = x if glu else torch.randn(tokens * top_k, hidden, generator=gen).to("cuda", dtype)
     plan = align.align_block_size(route, experts, aligned)
     out = torch.full((tokens * top_k, n_out), float("nan"), dtype=dtype, device="cuda")
     gluon_gemm.ws_grouped_gemm(a, w, out, *plan, rows_per_a=rows_per_a, config=gemm, glu=glu,
-                               topk_weights=None if glu else weights, aligned_block_m=aligned)
+                               topk_weights=None if glu else weights, aligned_block_m=aligned, pingpong=pingpong)
     twin = torch.full_like(out, float("nan"))
     moe_gemm.moe_gemm(a, w, twin, *plan, rows_per_a=rows_per_a, config=GemmConfig(64, 64, 64, num_warps=4),
                       topk_weights=None if glu else weights, act=act_code(mf.ActivationConfig()) if glu else 0,
@@ -130,15 +136,17 @@ def test_the_kernel_equals_float64_and_its_triton_twin(config: str, case: str, g
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
-def test_the_kernel_is_deterministic_and_any_grid_gives_the_same_rows() -> None:
+@pytest.mark.parametrize("config", ["128x128x64, 4 stages, 8 warps", "ping-pong 64x128x64, 4 stages"])
+def test_the_kernel_is_deterministic_and_any_grid_gives_the_same_rows(config: str) -> None:
     gen = torch.Generator().manual_seed(5)
     x, w, route, _ = _case(500, 16, 4, 1024, 512, True, torch.bfloat16, gen)
     plan = align.align_block_size(route, 16, 128)
+    gemm, pingpong = CONFIGS[config]
     outs = []
     for programs in (None, None, 7, 1):
         out = torch.empty(500 * 4, 512, dtype=torch.bfloat16, device="cuda")
-        gluon_gemm.ws_grouped_gemm(x, w, out, *plan, rows_per_a=4, config=CONFIGS["128x128x64, 4 stages, 8 warps"],
-                                   glu=True, programs=programs)
+        gluon_gemm.ws_grouped_gemm(x, w, out, *plan, rows_per_a=4, config=gemm, glu=True, programs=programs,
+                                   pingpong=pingpong)
         outs.append(out)
     for other in outs[1:]:
         assert torch.equal(outs[0], other)
@@ -147,7 +155,7 @@ def test_the_kernel_is_deterministic_and_any_grid_gives_the_same_rows() -> None:
 def test_operands_it_does_not_take_are_refused_by_name() -> None:
     if not COMPILABLE:
         pytest.skip(gluon_gemm.unavailable_reason() or "")
-    config = CONFIGS["128x128x64, 4 stages, 8 warps"]
+    config = CONFIGS["128x128x64, 4 stages, 8 warps"][0]
     a = torch.zeros(4, 64, dtype=torch.bfloat16)
     w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
     out = torch.zeros(8, 32, dtype=torch.bfloat16)
@@ -158,3 +166,9 @@ def test_operands_it_does_not_take_are_refused_by_name() -> None:
     for (rows, weight, output, glu, aligned), words in cases:
         with pytest.raises(ValueError, match=words):
             gluon_gemm.check_operands(rows, weight, output, config, glu, aligned)
+    plan = (torch.zeros(128, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    for tile, glu, words in ((config, False, "num_warps=4"), (CONFIGS["ping-pong 128x128x64, 4 stages"][0], True,
+                                                                "at most 64 x 128")):
+        with pytest.raises(ValueError, match=words):
+            gluon_gemm.ws_grouped_gemm(a, torch.zeros(2, 64 if glu else 32, 64, dtype=torch.bfloat16), out, *plan,
+                                       rows_per_a=2, config=tile, glu=glu, pingpong=True)

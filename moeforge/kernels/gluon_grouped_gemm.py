@@ -20,7 +20,9 @@ at a ring of ``STAGES`` shared-memory slots, each guarded by two barriers:
 
 The loader runs ahead of the MMAs by up to ``STAGES`` K-steps, across tile boundaries, so the next tile's loads
 overlap this tile's last MMAs and its epilogue. Both partitions walk the same tiles in the same order and count
-K-steps the same way; a slot's barrier phase is ``(step // STAGES) & 1``.
+K-steps the same way (tile ``i`` of a program starts at ring step ``i · k_steps``); a slot's barrier phase is
+``(step // STAGES) & 1``. With ``pingpong``, two MMA partitions of one warpgroup take alternate tiles, so one's
+epilogue overlaps the other's K-loop.
 
 Gluon has no CPU interpreter: the Triton twin runs in CI, and a CPU test compiles this kernel for sm_90 to machine
 code (``compile_for_hopper``); the GPU tests compare it against the twin and the torch reference.
@@ -52,6 +54,10 @@ except ImportError as error:  # pragma: no cover (every supported Triton has it)
 
 LOADER_WARPS = 4
 LOADER_REGISTERS = 88
+# Ping-pong: two MMA partitions of num_warps = 4 and the loader share the 64K registers of 12 warps: 224, 224 (the
+# first, the default partition, gets what Triton leaves it) and 56 a thread.
+PINGPONG_LOADER_REGISTERS = 56
+PINGPONG_CONSUMER_REGISTERS = 224
 
 
 def unavailable_reason() -> Optional[str]:
@@ -132,13 +138,20 @@ if _GLUON_ERROR is None:
     def _mma_partition(a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                        N, K, num_copies, stride_om,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                       GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr, GROUP_M: gl.constexpr):
+                       GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr, GROUP_M: gl.constexpr,
+                       CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
+        # Consumer CONSUMER of CONSUMERS takes every CONSUMERS-th of the program's tiles, from its CONSUMER-th; the
+        # loader fills the ring with every tile's K-steps in order, so tile i's first step is i * k_steps.
         layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
         n_tiles = gl.cdiv(N, BLOCK_N)
         m_tiles = gl.load(num_padded_ptr) // BLOCK_M
-        step = 0
-        for tile in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
+        k_steps = gl.cdiv(K, BLOCK_K)
+        index = CONSUMER
+        for tile in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), m_tiles * n_tiles,
+                          CONSUMERS * gl.num_programs(0)):
             pid_m, pid_n = _tile_of(tile, m_tiles, n_tiles, GROUP_M)
+            step = index * k_steps
+            index += CONSUMERS
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
             acc_up = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
             previous = 0
@@ -180,7 +193,8 @@ if _GLUON_ERROR is None:
                                N, K, num_copies, rows_per_a, stride_am, stride_om, up_offset,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                STAGES: gl.constexpr, GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr,
-                               GROUP_M: gl.constexpr, LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr):
+                               GROUP_M: gl.constexpr, PINGPONG: gl.constexpr, LOADER_WARPS_: gl.constexpr,
+                               LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         dtype: gl.constexpr = w_desc.dtype
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -192,14 +206,28 @@ if _GLUON_ERROR is None:
             mbarrier.init(ready.index(slot), count=1 + 32 * LOADER_WARPS_)
             mbarrier.init(empty.index(slot), count=1)
         fence_async_shared()
-        gl.warp_specialize([
-            (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
-                              N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
-                              GROUP_M)),
-            (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready, empty,
-                       N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU,
-                       GROUP_M)),
-        ], [LOADER_WARPS_], [LOADER_REGS])
+        # (each partition's arguments as a tuple written out: a tuple held in a variable loses its constexprs)
+        if PINGPONG:  # two MMA partitions on alternate tiles: one's epilogue overlaps the other's K-loop
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
+                                  N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
+                                  GROUP_M, 0, 2)),
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
+                                  N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
+                                  GROUP_M, 1, 2)),
+                (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
+                           empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
+                           STAGES, GLU, GROUP_M)),
+            ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
+                                  N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
+                                  GROUP_M, 0, 1)),
+                (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
+                           empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
+                           STAGES, GLU, GROUP_M)),
+            ], [LOADER_WARPS_], [LOADER_REGS])
 
 
 def _gl_dtype(dtype: torch.dtype) -> Any:
@@ -239,15 +267,22 @@ def check_operands(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, con
 def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
                     block_expert: torch.Tensor, num_padded: torch.Tensor, *, rows_per_a: int, config: GemmConfig,
                     glu: bool = False, topk_weights: Optional[torch.Tensor] = None,
-                    aligned_block_m: Optional[int] = None, programs: Optional[int] = None) -> torch.Tensor:
+                    aligned_block_m: Optional[int] = None, programs: Optional[int] = None,
+                    pingpong: bool = False) -> torch.Tensor:
     """``out[copy] = epilogue(a[copy // rows_per_a] @ weight[expert].T)`` for every copy of the block-aligned plan
     (``sorted_ids``, ``block_expert``, ``num_padded``), as :func:`moeforge.kernels.moe_gemm.moe_gemm` computes it:
     ``glu`` the SwiGLU gate/up GEMM (concatenated ``[gate | up]`` rows; ``out`` ``N_w / 2`` wide), else a plain one;
     ``topk_weights [copies]`` multiply each row. ``config``: ``block_m / block_n / block_k``, ``num_warps`` (the MMA
     partition's; 8 for 128-row tiles), ``num_stages`` (the ring's slots). ``programs``: the persistent grid (by default
-    one per multiprocessor)."""
+    one per multiprocessor). ``pingpong``: two MMA partitions of ``num_warps`` (4) on alternate tiles, so that one's
+    epilogue overlaps the other's K-loop."""
     aligned = aligned_block_m or config.block_m
     check_operands(a, weight, out, config, glu, aligned)
+    if pingpong and config.num_warps != 4:
+        raise ValueError(f"ping-pong MMA partitions are one warpgroup each (num_warps=4), got {config.num_warps}")
+    if pingpong and config.block_m * config.block_n > (64 if glu else 128) * 128:
+        raise ValueError(f"a ping-pong MMA partition (one warpgroup) holds at most {64 if glu else 128} x 128 "
+                         f"accumulators{' for gate and for up' if glu else ''}, got {config.block_m} x {config.block_n}")
     if block_expert.numel() * aligned != sorted_ids.numel():
         raise ValueError(f"block_expert has {block_expert.numel()} entries for {sorted_ids.numel()} slots in blocks "
                          f"of {aligned}")
@@ -263,13 +298,20 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
         block_expert, num_padded, n_out, weight.shape[2], num_copies, rows_per_a, a.stride(0), out.stride(0),
         n_out if glu else 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, GLU=glu,
-        MUL_WEIGHTS=topk_weights is not None, GROUP_M=config.group_m, LOADER_WARPS_=LOADER_WARPS,
-        LOADER_REGS=LOADER_REGISTERS,
+        MUL_WEIGHTS=topk_weights is not None, GROUP_M=config.group_m, **_partitions(pingpong),
         num_warps=config.num_warps)
     return out
 
 
-def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: torch.dtype = torch.bfloat16) -> Any:
+def _partitions(pingpong: bool) -> dict[str, Any]:
+    """The partitions' compile-time settings: one MMA partition, or two (ping-pong), and the loader's."""
+    return dict(PINGPONG=pingpong, LOADER_WARPS_=LOADER_WARPS,
+                LOADER_REGS=PINGPONG_LOADER_REGISTERS if pingpong else LOADER_REGISTERS,
+                CONSUMER_WARPS=4, CONSUMER_REGS=PINGPONG_CONSUMER_REGISTERS)
+
+
+def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: torch.dtype = torch.bfloat16,
+                       pingpong: bool = False) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
     checks, and where the PTX and the register counts can be read (``.asm``)."""
     if _GLUON_ERROR is not None:
@@ -285,8 +327,7 @@ def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: 
                      stride_om="i32", up_offset="i32")
     constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                       STAGES=config.num_stages, GLU=glu, MUL_WEIGHTS=mul_weights, GROUP_M=config.group_m,
-                      LOADER_WARPS_=LOADER_WARPS,
-                      LOADER_REGS=LOADER_REGISTERS)
+                      **_partitions(pingpong))
     signature.update({key: "constexpr" for key in constexprs})
     # what the JIT specialises at a launch whose pointers, widths and strides are multiples of 16
     divisible = ("a_ptr", "out_ptr", "weights_ptr", "sorted_ids_ptr", "block_expert_ptr", "num_padded_ptr", "N", "K",
