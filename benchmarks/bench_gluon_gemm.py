@@ -33,15 +33,17 @@ from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRow
 from bench_moe import FLUSH_BYTES, SHAPES, measure_peak, time_graph  # noqa: E402
 from provenance import measured_commit  # noqa: E402
 
-GLUON_TILES = {  # (tile, ping-pong MMA partitions)
-    "gate_up": [(GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False),
-                (GemmConfig(128, 64, 64, num_warps=8, num_stages=4), False),
-                (GemmConfig(64, 128, 64, num_warps=4, num_stages=4), False),
-                (GemmConfig(64, 128, 64, num_warps=4, num_stages=4), True)],
-    "down": [(GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False),
-             (GemmConfig(128, 256, 64, num_warps=8, num_stages=3), False),
-             (GemmConfig(128, 128, 64, num_warps=4, num_stages=4), True),
-             (GemmConfig(64, 256, 64, num_warps=4, num_stages=4), True)],
+GLUON_TILES = {  # (tile, ping-pong MMA partitions, the output through shared memory in 16-byte row pieces)
+    "gate_up": [(GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False, True),
+                (GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False, False),
+                (GemmConfig(128, 64, 64, num_warps=8, num_stages=4), False, True),
+                (GemmConfig(64, 128, 64, num_warps=4, num_stages=4), False, True),
+                (GemmConfig(64, 128, 64, num_warps=4, num_stages=4), True, True)],
+    "down": [(GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False, True),
+             (GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False, False),
+             (GemmConfig(128, 256, 64, num_warps=8, num_stages=3), False, True),
+             (GemmConfig(128, 128, 64, num_warps=4, num_stages=4), True, True),
+             (GemmConfig(64, 256, 64, num_warps=4, num_stages=4), True, True)],
 }
 
 
@@ -84,30 +86,30 @@ def bench(name: str, tokens: int, peak: float, reps: int, flush: torch.Tensor) -
                             tflops=round(tflops, 1), pct_peak=round(100 * tflops / peak, 1)))
         print(f"{name:8s} M={tokens:6d} {gemm:7s} moe_gemm              {us:9.1f} us {tflops:6.1f} TFLOP/s "
               f"({100 * tflops / peak:4.1f}%)")
-        for tile, pingpong in GLUON_TILES[gemm]:
+        for tile, pingpong, coalesced in GLUON_TILES[gemm]:
             out = torch.empty_like(want)
+            options = dict(config=tile, aligned_block_m=128, pingpong=pingpong, coalesced_store=coalesced)
             if gemm == "gate_up":
-                def run(out: torch.Tensor = out, tile: GemmConfig = tile, pingpong: bool = pingpong) -> torch.Tensor:
-                    return gluon_gemm.ws_grouped_gemm(x, w13, out, *plan, rows_per_a=top_k, config=tile, glu=True,
-                                                      aligned_block_m=128, pingpong=pingpong)
+                def run(out: torch.Tensor = out, options: dict[str, Any] = options) -> torch.Tensor:
+                    return gluon_gemm.ws_grouped_gemm(x, w13, out, *plan, rows_per_a=top_k, glu=True, **options)
             else:
-                def run(out: torch.Tensor = out, tile: GemmConfig = tile, pingpong: bool = pingpong) -> torch.Tensor:
-                    return gluon_gemm.ws_grouped_gemm(hidden_rows, w2, out, *plan, rows_per_a=1, config=tile,
-                                                      topk_weights=weights, aligned_block_m=128, pingpong=pingpong)
+                def run(out: torch.Tensor = out, options: dict[str, Any] = options) -> torch.Tensor:
+                    return gluon_gemm.ws_grouped_gemm(hidden_rows, w2, out, *plan, rows_per_a=1, topk_weights=weights,
+                                                      **options)
             label = (f"gluon {tile.block_m}x{tile.block_n}x{tile.block_k} s{tile.num_stages} w{tile.num_warps}"
-                     + (" pp" if pingpong else ""))
+                     + (" pp" if pingpong else "") + ("" if coalesced else " mma-st"))
             try:
                 error = _rel(run(), want)
                 us = time_graph(run, reps, flush)
             except Exception as failure:  # (a tile that does not fit this Triton: recorded, the others go on)
-                print(f"{name:8s} M={tokens:6d} {gemm:7s} {label:24s} failed: {type(failure).__name__}: {failure}")
+                print(f"{name:8s} M={tokens:6d} {gemm:7s} {label:31s} failed: {type(failure).__name__}: {failure}")
                 records.append(dict(shape=name, M=tokens, gemm=gemm, what=label, error=str(failure)[:500]))
                 continue
             tflops = flops[gemm] / (us * 1e-6) / 1e12
             records.append(dict(shape=name, M=tokens, gemm=gemm, what=label, median_us=round(us, 2),
                                 tflops=round(tflops, 1), pct_peak=round(100 * tflops / peak, 1),
                                 rel_error_vs_moe_gemm=error))
-            print(f"{name:8s} M={tokens:6d} {gemm:7s} {label:24s} {us:9.1f} us {tflops:6.1f} TFLOP/s "
+            print(f"{name:8s} M={tokens:6d} {gemm:7s} {label:31s} {us:9.1f} us {tflops:6.1f} TFLOP/s "
                   f"({100 * tflops / peak:4.1f}%), relative difference {error:.1e}")
     return records
 

@@ -137,16 +137,16 @@ def test_the_kernel_equals_float64_and_its_triton_twin(config: str, case: str, g
 
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("config", ["128x128x64, 4 stages, 8 warps", "ping-pong 64x128x64, 4 stages"])
-def test_the_kernel_is_deterministic_and_any_grid_gives_the_same_rows(config: str) -> None:
+def test_the_kernel_is_deterministic_and_any_grid_or_store_gives_the_same_rows(config: str) -> None:
     gen = torch.Generator().manual_seed(5)
     x, w, route, _ = _case(500, 16, 4, 1024, 512, True, torch.bfloat16, gen)
     plan = align.align_block_size(route, 16, 128)
     gemm, pingpong = CONFIGS[config]
     outs = []
-    for programs in (None, None, 7, 1):
+    for programs, coalesced in ((None, True), (None, True), (7, True), (1, True), (None, False)):
         out = torch.empty(500 * 4, 512, dtype=torch.bfloat16, device="cuda")
         gluon_gemm.ws_grouped_gemm(x, w, out, *plan, rows_per_a=4, config=gemm, glu=True, programs=programs,
-                                   pingpong=pingpong)
+                                   pingpong=pingpong, coalesced_store=coalesced)
         outs.append(out)
     for other in outs[1:]:
         assert torch.equal(outs[0], other)

@@ -84,6 +84,12 @@ if _GLUON_ERROR is None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 16])
 
     @gluon.constexpr_function
+    def _row_layout(BLOCK_N, warps):
+        """A layout of ``[rows, BLOCK_N]`` 16-bit tiles in 16-byte pieces (8 elements) a thread along a row."""
+        across = min(BLOCK_N // 8, 32)
+        return gl.BlockedLayout([1, 8], [32 // across, across], [warps, 1], [1, 0])
+
+    @gluon.constexpr_function
     def _gather_layout(BLOCK_K, warps):
         """The loader's layout of a ``[BLOCK_M, BLOCK_K]`` row tile: 16 bytes (8 elements) a thread along K."""
         across = min(BLOCK_K // 8, 32)
@@ -139,7 +145,7 @@ if _GLUON_ERROR is None:
                        N, K, num_copies, stride_om,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                        GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr, GROUP_M: gl.constexpr,
-                       CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
+                       COALESCED_STORE: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
         # Consumer CONSUMER of CONSUMERS takes every CONSUMERS-th of the program's tiles, from its CONSUMER-th; the
         # loader fills the ring with every tile's K-steps in order, so tile i's first step is i * k_steps.
         layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
@@ -185,15 +191,26 @@ if _GLUON_ERROR is None:
                 acc = acc / (1.0 + gl.exp(-acc)) * acc_up
             if MUL_WEIGHTS:
                 acc = acc * gl.load(weights_ptr + copies, mask=row_ok, other=0.0)[:, None]
-            gl.store(out_ptr + copies.to(gl.int64)[:, None] * stride_om + offs_n[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+            value = acc.to(out_ptr.dtype.element_ty)
+            if COALESCED_STORE:
+                # through shared memory into rows of 16-byte pieces, a warp writing whole row segments (the MMA
+                # layout's threads hold 4 bytes of a row each)
+                store_layout: gl.constexpr = _row_layout(BLOCK_N, gl.num_warps())
+                value = gl.convert_layout(value, store_layout)
+                offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+                offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+                copies = gl.load(sorted_ids_ptr + offs_m)
+                row_ok = copies < num_copies
+            gl.store(out_ptr + copies.to(gl.int64)[:, None] * stride_om + offs_n[None, :], value,
+                     mask=row_ok[:, None] & (offs_n < N)[None, :])
 
     @gluon.jit
     def ws_grouped_gemm_kernel(a_ptr, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
                                N, K, num_copies, rows_per_a, stride_am, stride_om, up_offset,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                STAGES: gl.constexpr, GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr,
-                               GROUP_M: gl.constexpr, PINGPONG: gl.constexpr, LOADER_WARPS_: gl.constexpr,
+                               GROUP_M: gl.constexpr, COALESCED_STORE: gl.constexpr, PINGPONG: gl.constexpr,
+                               LOADER_WARPS_: gl.constexpr,
                                LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         dtype: gl.constexpr = w_desc.dtype
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
@@ -211,10 +228,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                                   N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
-                                  GROUP_M, 0, 2)),
+                                  GROUP_M, COALESCED_STORE, 0, 2)),
                 (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                                   N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
-                                  GROUP_M, 1, 2)),
+                                  GROUP_M, COALESCED_STORE, 1, 2)),
                 (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
                            empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
                            STAGES, GLU, GROUP_M)),
@@ -223,7 +240,7 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                                   N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
-                                  GROUP_M, 0, 1)),
+                                  GROUP_M, COALESCED_STORE, 0, 1)),
                 (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
                            empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
                            STAGES, GLU, GROUP_M)),
@@ -268,14 +285,15 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
                     block_expert: torch.Tensor, num_padded: torch.Tensor, *, rows_per_a: int, config: GemmConfig,
                     glu: bool = False, topk_weights: Optional[torch.Tensor] = None,
                     aligned_block_m: Optional[int] = None, programs: Optional[int] = None,
-                    pingpong: bool = False) -> torch.Tensor:
+                    pingpong: bool = False, coalesced_store: bool = True) -> torch.Tensor:
     """``out[copy] = epilogue(a[copy // rows_per_a] @ weight[expert].T)`` for every copy of the block-aligned plan
     (``sorted_ids``, ``block_expert``, ``num_padded``), as :func:`moeforge.kernels.moe_gemm.moe_gemm` computes it:
     ``glu`` the SwiGLU gate/up GEMM (concatenated ``[gate | up]`` rows; ``out`` ``N_w / 2`` wide), else a plain one;
     ``topk_weights [copies]`` multiply each row. ``config``: ``block_m / block_n / block_k``, ``num_warps`` (the MMA
     partition's; 8 for 128-row tiles), ``num_stages`` (the ring's slots). ``programs``: the persistent grid (by default
     one per multiprocessor). ``pingpong``: two MMA partitions of ``num_warps`` (4) on alternate tiles, so that one's
-    epilogue overlaps the other's K-loop."""
+    epilogue overlaps the other's K-loop. ``coalesced_store``: the output tile through shared memory into 16-byte
+    row pieces before it is written (else written from the MMA layout, 4 bytes a thread and row)."""
     aligned = aligned_block_m or config.block_m
     check_operands(a, weight, out, config, glu, aligned)
     if pingpong and config.num_warps != 4:
@@ -298,7 +316,8 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
         block_expert, num_padded, n_out, weight.shape[2], num_copies, rows_per_a, a.stride(0), out.stride(0),
         n_out if glu else 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, GLU=glu,
-        MUL_WEIGHTS=topk_weights is not None, GROUP_M=config.group_m, **_partitions(pingpong),
+        MUL_WEIGHTS=topk_weights is not None, GROUP_M=config.group_m, COALESCED_STORE=coalesced_store,
+        **_partitions(pingpong),
         num_warps=config.num_warps)
     return out
 
@@ -311,7 +330,7 @@ def _partitions(pingpong: bool) -> dict[str, Any]:
 
 
 def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: torch.dtype = torch.bfloat16,
-                       pingpong: bool = False) -> Any:
+                       pingpong: bool = False, coalesced_store: bool = True) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
     checks, and where the PTX and the register counts can be read (``.asm``)."""
     if _GLUON_ERROR is not None:
@@ -327,7 +346,7 @@ def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: 
                      stride_om="i32", up_offset="i32")
     constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                       STAGES=config.num_stages, GLU=glu, MUL_WEIGHTS=mul_weights, GROUP_M=config.group_m,
-                      **_partitions(pingpong))
+                      COALESCED_STORE=coalesced_store, **_partitions(pingpong))
     signature.update({key: "constexpr" for key in constexprs})
     # what the JIT specialises at a launch whose pointers, widths and strides are multiples of 16
     divisible = ("a_ptr", "out_ptr", "weights_ptr", "sorted_ids_ptr", "block_expert_ptr", "num_padded_ptr", "N", "K",
