@@ -2,8 +2,8 @@
 for sm_90 down to machine code with the installed Triton (Gluon has no interpreter; this catches a Gluon API that
 moved). On a Hopper GPU: its output against float64 and against its Triton twin (``moe_gemm``, the same product on the
 same plan) over the cases users reach — no rows, one token, an idle expert, every token on one expert, top-k equal to
-the experts, K and N tails, aligned blocks larger than the tile — for the SwiGLU gate/up GEMM and the plain down GEMM
-with routing weights; outputs poisoned with NaN.
+the experts, K and N tails, aligned blocks larger than the tile — for the SwiGLU gate/up GEMM, the plain down GEMM
+with routing weights and the weight read by its rows (the row gradient's product); outputs poisoned with NaN.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.gluon_grouped_gemm import compile_for_hopper
 found = []
 for block_m, block_n, block_k, warps, stages, pingpong in json.loads(sys.argv[1]):
-    for glu in (False, True) if not (pingpong and block_m * block_n > 64 * 128) else (False,):
+    layouts = ["plain", "gated", "weight rows reduced"][:: 2 if pingpong and block_m * block_n > 64 * 128 else 1]
+    for layout in layouts:
+        glu = layout == "gated"
         kernel = compile_for_hopper(GemmConfig(block_m, block_n, block_k, num_warps=warps, num_stages=stages), glu,
-                                    mul_weights=not glu, pingpong=pingpong)
+                                    mul_weights=not glu, pingpong=pingpong, weight_kn=layout == "weight rows reduced")
         ptx = kernel.asm["ptx"]
         found.append(dict(glu=glu, shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin"]),
                           parts=[part in ptx for part in ("wgmma.mma_async", "cp.async.mbarrier.arrive.noinc",
@@ -62,7 +64,7 @@ def test_the_kernel_compiles_for_hopper() -> None:
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(found) == 2 * len(CONFIGS) - 1  # (no gated 128 x 128 ping-pong)
+    assert len(found) == 3 * len(CONFIGS) - 1  # (no gated 128 x 128 ping-pong)
     for kernel in found:  # warpgroup MMAs, the loader's row copies arriving on the barrier, the partitions' registers
         assert all(kernel["parts"]) and kernel["cubin"] > 0, kernel
         assert kernel["shared"] <= 227 * 1024, kernel
@@ -136,6 +138,32 @@ def test_the_kernel_equals_float64_and_its_triton_twin(config: str, case: str, g
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_the_weight_read_by_its_rows_is_the_row_gradients_product(config: str, case: str) -> None:
+    # weight_kn: out[c] = a[c] @ W[e] for W [E, K, N] (the stored [E, N_w, K] weight read this way is d_pre @ W).
+    gemm, pingpong = CONFIGS[config]
+    tokens, experts, top_k, hidden, n_out, route = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    _, _, route, _ = _case(tokens, experts, top_k, hidden, n_out, False, torch.bfloat16, gen, route)
+    w = (torch.randn(experts, hidden, n_out, generator=gen) * hidden ** -0.5).to("cuda", torch.bfloat16)
+    a = torch.randn(tokens * top_k, hidden, generator=gen).to("cuda", torch.bfloat16)
+    plan = align.align_block_size(route, experts, 128)
+    out = torch.full((tokens * top_k, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gluon_gemm.ws_grouped_gemm(a, w, out, *plan, rows_per_a=1, config=gemm, aligned_block_m=128, pingpong=pingpong,
+                               weight_kn=True)
+    twin = torch.full_like(out, float("nan"))
+    moe_gemm.moe_gemm(a, w.transpose(1, 2), twin, *plan, rows_per_a=1, config=GemmConfig(64, 64, 64, num_warps=4),
+                      aligned_block_m=128)
+    if tokens == 0:
+        return
+    want = torch.einsum("ck,ckn->cn", a.double(), w.double()[route.reshape(-1).long()])
+    assert not out.isnan().any(), "a row was not written"
+    assert float((out.double() - want).norm() / want.norm()) < 1e-2
+    assert float((out.double() - twin.double()).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("config", ["128x128x64, 4 stages, 8 warps", "ping-pong 64x128x64, 4 stages"])
 def test_the_kernel_is_deterministic_and_any_grid_or_store_gives_the_same_rows(config: str) -> None:
     gen = torch.Generator().manual_seed(5)
@@ -163,6 +191,10 @@ def test_operands_it_does_not_take_are_refused_by_name() -> None:
              ((a, w.transpose(1, 2), out, False, 128), "contiguous"), ((a, w, out[:, :16], False, 128), "out must"),
              ((a, w, out, True, 128), "out must"), ((a, w, out, False, 64), "must divide"),
              ((a[:, :8].contiguous(), w[:, :, :8].contiguous(), out, False, 128), "multiples of 16")]
+    with pytest.raises(ValueError, match="weight_kn=False"):
+        gluon_gemm.check_operands(a, w, out, config, True, 128, weight_kn=True)
+    with pytest.raises(ValueError, match=r"rows must be \[rows, K=32\]"):  # [E, K, N]: K is the middle size
+        gluon_gemm.check_operands(a, w, out, config, False, 128, weight_kn=True)
     for (rows, weight, output, glu, aligned), words in cases:
         with pytest.raises(ValueError, match=words):
             gluon_gemm.check_operands(rows, weight, output, config, glu, aligned)

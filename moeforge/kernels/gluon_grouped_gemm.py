@@ -108,7 +108,7 @@ if _GLUON_ERROR is None:
     def _loader(a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready, empty,
                 N, K, num_copies, rows_per_a, stride_am, up_offset,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                GLU: gl.constexpr, GROUP_M: gl.constexpr):
+                GLU: gl.constexpr, GROUP_M: gl.constexpr, WEIGHT_KN: gl.constexpr):
         layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
         rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
         k_layout: gl.constexpr = gl.SliceLayout(0, layout)
@@ -121,7 +121,8 @@ if _GLUON_ERROR is None:
             copies = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout))
             row_ok = copies < num_copies
             rows = gl.where(row_ok, copies // rows_per_a, 0).to(gl.int64)
-            w_row = gl.load(block_expert_ptr + pid_m) * (2 * up_offset if GLU else N) + pid_n * BLOCK_N
+            expert = gl.load(block_expert_ptr + pid_m)
+            w_row = expert * (2 * up_offset if GLU else N) + pid_n * BLOCK_N  # ([E · N_w, K] rows)
             for k in range(0, K, BLOCK_K):
                 slot = step % STAGES
                 mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # (the first pass finds it free)
@@ -130,6 +131,9 @@ if _GLUON_ERROR is None:
                     _tma_load(w_desc, [w_row, k], ready.index(slot), w_bufs.index(2 * slot))
                     _tma_load(w_desc, [w_row + up_offset, k], ready.index(slot),
                                                     w_bufs.index(2 * slot + 1))
+                elif WEIGHT_KN:  # ([E · K, N] rows: the expert's K rows from k, its columns from the tile's)
+                    mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes)
+                    _tma_load(w_desc, [expert * K + k, pid_n * BLOCK_N], ready.index(slot), w_bufs.index(slot))
                 else:
                     mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes)
                     _tma_load(w_desc, [w_row, k], ready.index(slot), w_bufs.index(slot))
@@ -145,7 +149,8 @@ if _GLUON_ERROR is None:
                        N, K, num_copies, stride_om,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                        GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr, GROUP_M: gl.constexpr,
-                       COALESCED_STORE: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
+                       COALESCED_STORE: gl.constexpr, WEIGHT_KN: gl.constexpr, CONSUMER: gl.constexpr,
+                       CONSUMERS: gl.constexpr):
         # Consumer CONSUMER of CONSUMERS takes every CONSUMERS-th of the program's tiles, from its CONSUMER-th; the
         # loader fills the ring with every tile's K-steps in order, so tile i's first step is i * k_steps.
         layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
@@ -170,6 +175,9 @@ if _GLUON_ERROR is None:
                     acc_up = warpgroup_mma(a_bufs.index(slot), w_bufs.index(2 * slot + 1).permute((1, 0)), acc_up,
                                            is_async=True)
                     acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))
+                elif WEIGHT_KN:  # (the weight tile is [BLOCK_K, BLOCK_N] already)
+                    acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot), acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc,))
                 else:
                     acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
                     acc = warpgroup_mma_wait(1, deps=(acc,))
@@ -209,13 +217,15 @@ if _GLUON_ERROR is None:
                                N, K, num_copies, rows_per_a, stride_am, stride_om, up_offset,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                STAGES: gl.constexpr, GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr,
-                               GROUP_M: gl.constexpr, COALESCED_STORE: gl.constexpr, PINGPONG: gl.constexpr,
+                               GROUP_M: gl.constexpr, COALESCED_STORE: gl.constexpr, WEIGHT_KN: gl.constexpr,
+                               PINGPONG: gl.constexpr,
                                LOADER_WARPS_: gl.constexpr,
                                LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         dtype: gl.constexpr = w_desc.dtype
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-        w_bufs = gl.allocate_shared_memory(dtype, [STAGES * (2 if GLU else 1), BLOCK_N, BLOCK_K], w_desc.layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES * (2 if GLU else 1)] + w_desc.block_type.shape,
+                                           w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for slot in gl.static_range(STAGES):
@@ -228,22 +238,22 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                                   N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
-                                  GROUP_M, COALESCED_STORE, 0, 2)),
+                                  GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 2)),
                 (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                                   N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
-                                  GROUP_M, COALESCED_STORE, 1, 2)),
+                                  GROUP_M, COALESCED_STORE, WEIGHT_KN, 1, 2)),
                 (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
                            empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
-                           STAGES, GLU, GROUP_M)),
+                           STAGES, GLU, GROUP_M, WEIGHT_KN)),
             ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                                   N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
-                                  GROUP_M, COALESCED_STORE, 0, 1)),
+                                  GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 1)),
                 (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
                            empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
-                           STAGES, GLU, GROUP_M)),
+                           STAGES, GLU, GROUP_M, WEIGHT_KN)),
             ], [LOADER_WARPS_], [LOADER_REGS])
 
 
@@ -251,15 +261,20 @@ def _gl_dtype(dtype: torch.dtype) -> Any:
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
-def weight_descriptor(weight: torch.Tensor, config: GemmConfig) -> Any:
-    """The weight's TMA descriptor: ``[E, N_w, K]`` viewed as ``[E · N_w, K]`` rows, tiles of ``block_n × block_k``."""
+def _weight_box(config: GemmConfig, weight_kn: bool) -> list[int]:
+    return [config.block_k, config.block_n] if weight_kn else [config.block_n, config.block_k]
+
+
+def weight_descriptor(weight: torch.Tensor, config: GemmConfig, weight_kn: bool = False) -> Any:
+    """The weight's TMA descriptor: ``[E, N_w, K]`` viewed as ``[E · N_w, K]`` rows, tiles of ``block_n × block_k``
+    (``weight_kn``: ``[E, K, N]`` as ``[E · K, N]`` rows, tiles of ``block_k × block_n``)."""
     rows = weight.reshape(-1, weight.shape[-1])
-    layout = gl.NVMMASharedLayout.get_default_for([config.block_n, config.block_k], _gl_dtype(weight.dtype))
-    return TensorDescriptor.from_tensor(rows, [config.block_n, config.block_k], layout)
+    box = _weight_box(config, weight_kn)
+    return TensorDescriptor.from_tensor(rows, box, gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(weight.dtype)))
 
 
 def check_operands(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: GemmConfig, glu: bool,
-                   aligned_block_m: int) -> None:
+                   aligned_block_m: int, weight_kn: bool = False) -> None:
     """A ``ValueError`` naming what this kernel does not take."""
     if _GLUON_ERROR is not None:
         raise ValueError(_GLUON_ERROR)
@@ -267,25 +282,30 @@ def check_operands(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, con
         raise ValueError(f"the warp-specialised GEMM takes bf16 / fp16 rows and weights of one dtype, got {a.dtype} "
                          f"and {weight.dtype}")
     if weight.dim() != 3 or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous [E, N_w, K], got {tuple(weight.shape)}")
-    if a.dim() != 2 or a.stride(1) != 1 or a.shape[1] != weight.shape[2]:
-        raise ValueError(f"rows must be [rows, K={weight.shape[2]}] with contiguous rows, got {tuple(a.shape)}")
-    n_out = weight.shape[1] // 2 if glu else weight.shape[1]
+        raise ValueError(f"weight must be a contiguous {'[E, K, N]' if weight_kn else '[E, N_w, K]'}, got "
+                         f"{tuple(weight.shape)}")
+    if glu and weight_kn:
+        raise ValueError("the gated gate/up GEMM reads [E, 2N, K] weights (weight_kn=False)")
+    k_dim = weight.shape[1] if weight_kn else weight.shape[2]
+    if a.dim() != 2 or a.stride(1) != 1 or a.shape[1] != k_dim:
+        raise ValueError(f"rows must be [rows, K={k_dim}] with contiguous rows, got {tuple(a.shape)}")
+    n_out = weight.shape[2] if weight_kn else weight.shape[1] // 2 if glu else weight.shape[1]
     if out.dim() != 2 or out.shape[1] != n_out or out.stride(1) != 1 or out.dtype != a.dtype:
         raise ValueError(f"out must be [copies, {n_out}] in {a.dtype} with contiguous rows, got {tuple(out.shape)} "
                          f"{out.dtype}")
     if aligned_block_m % config.block_m:
         raise ValueError(f"block_m={config.block_m} must divide the alignment's block {aligned_block_m}")
-    if weight.shape[2] % 16 or a.stride(0) % 16:
-        raise ValueError(f"K and the rows' stride must be multiples of 16 elements (the weight's TMA descriptor, the "
-                         f"rows' 16-byte copies), got K={weight.shape[2]} and stride {a.stride(0)}")
+    if k_dim % 16 or a.stride(0) % 16 or weight.shape[2] % 8:
+        raise ValueError(f"K and the rows' stride must be multiples of 16 elements and the weight's rows of 16 bytes "
+                         f"(the rows' 16-byte copies, the weight's TMA descriptor), got K={k_dim}, stride "
+                         f"{a.stride(0)}, weight rows of {weight.shape[2]}")
 
 
 def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
                     block_expert: torch.Tensor, num_padded: torch.Tensor, *, rows_per_a: int, config: GemmConfig,
                     glu: bool = False, topk_weights: Optional[torch.Tensor] = None,
                     aligned_block_m: Optional[int] = None, programs: Optional[int] = None,
-                    pingpong: bool = False, coalesced_store: bool = True) -> torch.Tensor:
+                    pingpong: bool = False, coalesced_store: bool = True, weight_kn: bool = False) -> torch.Tensor:
     """``out[copy] = epilogue(a[copy // rows_per_a] @ weight[expert].T)`` for every copy of the block-aligned plan
     (``sorted_ids``, ``block_expert``, ``num_padded``), as :func:`moeforge.kernels.moe_gemm.moe_gemm` computes it:
     ``glu`` the SwiGLU gate/up GEMM (concatenated ``[gate | up]`` rows; ``out`` ``N_w / 2`` wide), else a plain one;
@@ -293,9 +313,11 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
     partition's; 8 for 128-row tiles), ``num_stages`` (the ring's slots). ``programs``: the persistent grid (by default
     one per multiprocessor). ``pingpong``: two MMA partitions of ``num_warps`` (4) on alternate tiles, so that one's
     epilogue overlaps the other's K-loop. ``coalesced_store``: the output tile through shared memory into 16-byte
-    row pieces before it is written (else written from the MMA layout, 4 bytes a thread and row)."""
+    row pieces before it is written (else written from the MMA layout, 4 bytes a thread and row). ``weight_kn``:
+    ``weight [E, K, N]``, ``out[copy] = epilogue(a[copy // rows_per_a] @ weight[expert])`` (the stored ``[E, N_w, K]``
+    weight read this way is the row gradient's product, ``d_pre @ W``)."""
     aligned = aligned_block_m or config.block_m
-    check_operands(a, weight, out, config, glu, aligned)
+    check_operands(a, weight, out, config, glu, aligned, weight_kn)
     if pingpong and config.num_warps != 4:
         raise ValueError(f"ping-pong MMA partitions are one warpgroup each (num_warps=4), got {config.num_warps}")
     if pingpong and config.block_m * config.block_n > (64 if glu else 128) * 128:
@@ -312,12 +334,12 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
     if programs is None:
         programs = torch.cuda.get_device_properties(a.device).multi_processor_count
     ws_grouped_gemm_kernel[(programs,)](
-        a, weight_descriptor(weight, config), out, topk_weights if topk_weights is not None else out, sorted_ids,
-        block_expert, num_padded, n_out, weight.shape[2], num_copies, rows_per_a, a.stride(0), out.stride(0),
+        a, weight_descriptor(weight, config, weight_kn), out, topk_weights if topk_weights is not None else out,
+        sorted_ids, block_expert, num_padded, n_out, a.shape[1], num_copies, rows_per_a, a.stride(0), out.stride(0),
         n_out if glu else 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, GLU=glu,
         MUL_WEIGHTS=topk_weights is not None, GROUP_M=config.group_m, COALESCED_STORE=coalesced_store,
-        **_partitions(pingpong),
+        WEIGHT_KN=weight_kn, **_partitions(pingpong),
         num_warps=config.num_warps)
     return out
 
@@ -330,7 +352,7 @@ def _partitions(pingpong: bool) -> dict[str, Any]:
 
 
 def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: torch.dtype = torch.bfloat16,
-                       pingpong: bool = False, coalesced_store: bool = True) -> Any:
+                       pingpong: bool = False, coalesced_store: bool = True, weight_kn: bool = False) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
     checks, and where the PTX and the register counts can be read (``.asm``)."""
     if _GLUON_ERROR is not None:
@@ -339,14 +361,15 @@ def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: 
     from triton.experimental.gluon._runtime import GluonASTSource
 
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([config.block_n, config.block_k], _gl_dtype(dtype))
-    signature = dict(a_ptr=f"*{name}", w_desc=f"tensordesc<{name}[{config.block_n},{config.block_k}],{layout!r}>",
+    box = _weight_box(config, weight_kn)
+    layout = gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(dtype))
+    signature = dict(a_ptr=f"*{name}", w_desc=f"tensordesc<{name}[{box[0]},{box[1]}],{layout!r}>",
                      out_ptr=f"*{name}", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                      num_padded_ptr="*i32", N="i32", K="i32", num_copies="i32", rows_per_a="i32", stride_am="i32",
                      stride_om="i32", up_offset="i32")
     constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                       STAGES=config.num_stages, GLU=glu, MUL_WEIGHTS=mul_weights, GROUP_M=config.group_m,
-                      COALESCED_STORE=coalesced_store, **_partitions(pingpong))
+                      COALESCED_STORE=coalesced_store, WEIGHT_KN=weight_kn, **_partitions(pingpong))
     signature.update({key: "constexpr" for key in constexprs})
     # what the JIT specialises at a launch whose pointers, widths and strides are multiples of 16
     divisible = ("a_ptr", "out_ptr", "weights_ptr", "sorted_ids_ptr", "block_expert_ptr", "num_padded_ptr", "N", "K",
