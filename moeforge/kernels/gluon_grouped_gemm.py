@@ -290,9 +290,9 @@ def check_operands(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, con
     if a.dim() != 2 or a.stride(1) != 1 or a.shape[1] != k_dim:
         raise ValueError(f"rows must be [rows, K={k_dim}] with contiguous rows, got {tuple(a.shape)}")
     n_out = weight.shape[2] if weight_kn else weight.shape[1] // 2 if glu else weight.shape[1]
-    if out.dim() != 2 or out.shape[1] != n_out or out.stride(1) != 1 or out.dtype != a.dtype:
-        raise ValueError(f"out must be [copies, {n_out}] in {a.dtype} with contiguous rows, got {tuple(out.shape)} "
-                         f"{out.dtype}")
+    if out.dim() != 2 or out.shape[1] != n_out or out.stride(1) != 1 or out.dtype not in (a.dtype, torch.float32):
+        raise ValueError(f"out must be [copies, {n_out}] in {a.dtype} or fp32 with contiguous rows, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     if aligned_block_m % config.block_m:
         raise ValueError(f"block_m={config.block_m} must divide the alignment's block {aligned_block_m}")
     if k_dim % 16 or a.stride(0) % 16 or weight.shape[2] % 8:
@@ -315,7 +315,8 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
     epilogue overlaps the other's K-loop. ``coalesced_store``: the output tile through shared memory into 16-byte
     row pieces before it is written (else written from the MMA layout, 4 bytes a thread and row). ``weight_kn``:
     ``weight [E, K, N]``, ``out[copy] = epilogue(a[copy // rows_per_a] @ weight[expert])`` (the stored ``[E, N_w, K]``
-    weight read this way is the row gradient's product, ``d_pre @ W``)."""
+    weight read this way is the row gradient's product, ``d_pre @ W``). ``out``: the rows' dtype or fp32 (a row
+    gradient whose copies are summed afterwards)."""
     aligned = aligned_block_m or config.block_m
     check_operands(a, weight, out, config, glu, aligned, weight_kn)
     if pingpong and config.num_warps != 4:
@@ -352,7 +353,8 @@ def _partitions(pingpong: bool) -> dict[str, Any]:
 
 
 def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: torch.dtype = torch.bfloat16,
-                       pingpong: bool = False, coalesced_store: bool = True, weight_kn: bool = False) -> Any:
+                       pingpong: bool = False, coalesced_store: bool = True, weight_kn: bool = False,
+                       out_fp32: bool = False) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
     checks, and where the PTX and the register counts can be read (``.asm``)."""
     if _GLUON_ERROR is not None:
@@ -361,10 +363,11 @@ def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: 
     from triton.experimental.gluon._runtime import GluonASTSource
 
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    out_name = "fp32" if out_fp32 else name
     box = _weight_box(config, weight_kn)
     layout = gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(dtype))
     signature = dict(a_ptr=f"*{name}", w_desc=f"tensordesc<{name}[{box[0]},{box[1]}],{layout!r}>",
-                     out_ptr=f"*{name}", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
+                     out_ptr=f"*{out_name}", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                      num_padded_ptr="*i32", N="i32", K="i32", num_copies="i32", rows_per_a="i32", stride_am="i32",
                      stride_om="i32", up_offset="i32")
     constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
