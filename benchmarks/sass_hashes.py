@@ -1,6 +1,6 @@
 """A fingerprint of the grouped GEMM's machine code, to show that a refactor of the kernel changes nothing it compiles.
 
-    python benchmarks/sass_hashes.py [--wide] [--any-parameter-offsets] OUT.json   # at the change, then its parent:
+    python benchmarks/sass_hashes.py [--wide] [--any-parameter-offsets] OUT.json  # at the change, then the parent:
     python benchmarks/sass_hashes.py --compare A.json B.json
 
 It compiles ``moe_gemm_kernel`` for sm_90 (no GPU needed: ``sass_loop.compile_kernel``, the wheel's ptxas and

@@ -34,9 +34,9 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.kernels.config import GemmConfig, narrow_config
-from moeforge.no_backward import records_grad
 from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
                                                 grouped_gemm)
+from moeforge.no_backward import records_grad
 from moeforge.payloads import Activations, AlignedRows, ExpertRows, StackAlignment
 from moeforge.spec import Accepts, DType, Layout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
@@ -330,12 +330,13 @@ class AdaptedGroupedGemm(AdaptedGemm):
             fused: AlignedRows = base.run(x, GemmUpdate(self._low(route, a, rows, rows_per_a, b.dtype, a_launch), b,
                                                         self.scale))
             return fused
-        if self.stack and rows.shape[-1] <= FUSED_UPDATE_MAX_K and not records_grad(
-                x.x.data, a, b, *(resolve(t) for t in (getattr(base, "weight", None), getattr(base, "bias", None))
-                                  if t is not None)):
-            # serving a stack: each copy's x Aᵀ on the pair alignment, then · Bᵀ of each copy's adapter inside the
-            # base GEMM's launch (a K-step per adapter its tile's rows chose), before its epilogue
-            low, stacked = self._stack_low(x, a, int(b.shape[1]), rows, rows_per_a, b.dtype, a_launch)
+        base_tensors = [resolve(t) for t in (getattr(base, "weight", None), getattr(base, "bias", None))
+                        if t is not None]
+        if self.stack and rows.shape[-1] <= FUSED_UPDATE_MAX_K and not records_grad(x.x.data, a, b, *base_tensors):
+            # serving a stack (the op has no backward for it): each copy's x Aᵀ on the pair alignment, then · Bᵀ of
+            # each copy's adapter inside the base GEMM's launch (a K-step per adapter its tile's rows chose)
+            low, rows_per_low, stacked = self._stack_low(x, a, int(b.shape[1]), rows, rows_per_a, b.dtype, a_launch)
+            low = low.repeat_interleave(rows_per_low, 0) if rows_per_low > 1 else low  # (an update row per copy)
             served: AlignedRows = base.run(x, GemmUpdate(low, b, 1.0, ids=stacked.chosen))
             return dataclasses.replace(served, stack_alignment=stacked)
         product = base.pre_activation(x)
@@ -375,21 +376,22 @@ class AdaptedGroupedGemm(AdaptedGemm):
         """The update of a stack of adapters, each copy by its own: :meth:`_stack_low`, then ``· Bᵀ`` on the pair
         alignment (the stack's ``B`` viewed as ``count · E`` experts' matrices; one row per copy, in copy order).
         Returns the update and the pair alignment."""
-        low, pairs = self._stack_low(x, a, int(b.shape[1]), rows, rows_per_a, dtype, a_launch)
+        low, rows_per_low, pairs = self._stack_low(x, a, int(b.shape[1]), rows, rows_per_a, dtype, a_launch)
         route = GemmRoute(pairs.sorted_ids, pairs.block_expert, pairs.num_padded, x.alignment.num_copies,
                           aligned_block_m=x.alignment.block_m)
         update, _ = grouped_gemm(
-            GemmRows(low), GemmWeight(b.reshape(-1, b.shape[2], b.shape[3])), route,
+            GemmRows(low, rows_per_a=rows_per_low), GemmWeight(b.reshape(-1, b.shape[2], b.shape[3])), route,
             GemmEpilogue(dtype, routing_weights=x.copy_weights if self.apply_routing_weights else None), b_launch)
         return update, pairs
 
     def _stack_low(self, x: AlignedRows, a: torch.Tensor, experts: int, rows: torch.Tensor, rows_per_a: int,
-                   dtype: torch.dtype, a_launch: GemmConfig) -> tuple[torch.Tensor, StackAlignment]:
-        """``(low, pairs)``: each copy's ``x Aᵀ`` by its own adapter (``[copies, r]``, copy order, scaled by the
-        adapters' scale, zero for a copy of no adapter, ``-1``), and the copies aligned again by (adapter, expert)
-        pairs, the stack's ``A`` viewed as ``count · E`` experts' matrices (``pairs.chosen``: each copy's adapter, in
-        the stack). A shared ``A`` multiplies each row once, its rows aligned by adapter. The layer's other adapted
-        GEMM reuses the pairs (``AlignedRows.stack_alignment``)."""
+                   dtype: torch.dtype, a_launch: GemmConfig) -> tuple[torch.Tensor, int, StackAlignment]:
+        """``(low, rows_per_low, pairs)``: each copy's ``x Aᵀ`` by its own adapter (``[copies, r]``, copy order,
+        scaled by the adapters' scale, zero for a copy of no adapter, ``-1``; with a shared ``A``, which multiplies
+        each row once, its rows aligned by adapter, one row per token: copy ``c``'s is row ``c // rows_per_low``), the
+        copies aligned again by (adapter, expert) pairs, the stack's ``A`` viewed as ``count · E`` experts' matrices
+        (``pairs.chosen``: each copy's adapter, in the stack). The layer's other adapted GEMM reuses the pairs
+        (``AlignedRows.stack_alignment``)."""
         from moeforge.stages.triton import kernel_ops
 
         alignment = x.alignment
@@ -415,11 +417,11 @@ class AdaptedGroupedGemm(AdaptedGemm):
                                             aligned_block_m=alignment.block_m),
                                   GemmEpilogue(dtype, routing_weights=used.view(-1, rows_per_a)[:, 0].contiguous()),
                                   a_launch)
-            return (low.repeat_interleave(rows_per_a, 0) if rows_per_a > 1 else low), pairs
+            return low, rows_per_a, pairs
         low, _ = grouped_gemm(GemmRows(rows, rows_per_a=rows_per_a),
                               GemmWeight(a.reshape(stack * experts, a.shape[2], a.shape[3])), route,
                               GemmEpilogue(dtype, routing_weights=used), a_launch)
-        return low, pairs
+        return low, 1, pairs
 
 
 def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: ExpertAdapter) -> list[Stage[Any, Any]]:

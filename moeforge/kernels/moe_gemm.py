@@ -1035,8 +1035,7 @@ def _prepare(
                gate_stride, up_offset,
                alpha, limit,
                update_rows.stride(0) if update_rows is not None else 0,
-               *(update_weight.stride() if update_weight is not None and update_weight.dim() == 4
-                 else (0, *update_weight.stride()) if update_weight is not None else (0, 0, 0, 0)))
+               *_stack_strides(update_weight))
     reduce = None
     if partials is not None:
         block_n = 128 if quant_out else max(16, min(128, 4096 // config.block_m, next_power_of_2(n_out)))
@@ -1091,6 +1090,14 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
     return max(16, next_power_of_2(width)), "ieee" if update_rows.dtype == torch.float32 else "tf32", stack
 
 
+def _stack_strides(update_weight: Optional[torch.Tensor]) -> tuple[int, ...]:
+    """The update weight's four strides (adapter, expert, row, rank): one update's ``[E, N_w, R]`` as a stack of one
+    (its adapter stride 0), none's all 0."""
+    if update_weight is None:
+        return (0, 0, 0, 0)
+    return tuple(update_weight.stride()) if update_weight.dim() == 4 else (0, *update_weight.stride())
+
+
 class _GemmLaunch:
     """:func:`moe_gemm`'s launch for operands of one metadata (made by :func:`_prepare`): the kernels bound to
     their grid and constexprs (:class:`~moeforge.kernels.bound_launch.BoundLaunch`) and every size and stride;
@@ -1133,7 +1140,8 @@ class _GemmLaunch:
             topk_weights if topk_weights is not None else dummy,
             sorted_ids, block_expert, num_padded, partials if partials is not None else dummy,
             update_rows if update_rows is not None else dummy, update_weight if update_weight is not None else dummy,
-            update_ids if update_ids is not None else dummy, *self.sizes, block_range if block_range is not None else num_padded, *self.strides)
+            update_ids if update_ids is not None else dummy, *self.sizes,
+            block_range if block_range is not None else num_padded, *self.strides)
         if self.reduce is not None:
             assert partials is not None
             self.reduce(partials, out, out_scale if out_scale is not None else dummy,
