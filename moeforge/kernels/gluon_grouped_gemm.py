@@ -324,7 +324,7 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
     if pingpong and config.block_m * config.block_n > (64 if glu else 128) * 128:
         raise ValueError(f"a ping-pong MMA partition (one warpgroup) holds at most {64 if glu else 128} x 128 "
                          f"accumulators{' for gate and for up' if glu else ''}, got {config.block_m} x {config.block_n}")
-    if block_expert.numel() * aligned != sorted_ids.numel():
+    if block_expert.numel() != -(-sorted_ids.numel() // aligned):  # (the plan's last block may be partial)
         raise ValueError(f"block_expert has {block_expert.numel()} entries for {sorted_ids.numel()} slots in blocks "
                          f"of {aligned}")
     if aligned != config.block_m:  # a tile's expert by its own block: the plan's table repeated
