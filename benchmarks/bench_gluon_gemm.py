@@ -51,7 +51,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30))
 
 
-def bench(name: str, tokens: int, peak: float, reps: int, flush: torch.Tensor, pingpong_tiles: bool = True
+def bench(name: str, tokens: int, peak: float, reps: int, flush: torch.Tensor, tiles: str = "all"
           ) -> list[dict[str, Any]]:
     experts, top_k, hidden, inter = SHAPES[name]
     layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton")
@@ -94,7 +94,7 @@ def bench(name: str, tokens: int, peak: float, reps: int, flush: torch.Tensor, p
         print(f"{name:8s} M={tokens:6d} {gemm:10s} moe_gemm              {us:9.1f} us {tflops:6.1f} TFLOP/s "
               f"({100 * tflops / peak:4.1f}%)")
         for tile, pingpong, coalesced in GLUON_TILES["down" if gemm == "down_dgrad" else gemm]:
-            if pingpong and not pingpong_tiles:
+            if tiles != "all" and pingpong != (tiles == "pingpong"):
                 continue
             out = torch.empty_like(want)
             options = dict(config=tile, aligned_block_m=128, pingpong=pingpong, coalesced_store=coalesced)
@@ -132,7 +132,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="mixtral,qwen3,deepseek,gptoss")
     parser.add_argument("--tokens", default="1024,4096,16384")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--no-pingpong", action="store_true", help="leave out the ping-pong tiles")
+    parser.add_argument("--tiles", choices=("all", "plain", "pingpong"), default="all",
+                        help="the Gluon tiles timed: all, those of one MMA partition, or the ping-pong ones")
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -146,7 +147,7 @@ def main() -> None:
     print(f"{device}: bf16 matmul {peak:.0f} TFLOP/s")
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda").random_(0, 7)
     records = [record for name in args.shapes.split(",") for tokens in map(int, args.tokens.split(","))
-               for record in bench(name, tokens, peak, args.reps, flush, not args.no_pingpong)]
+               for record in bench(name, tokens, peak, args.reps, flush, args.tiles)]
     result = dict(device=device, commit=args.commit or measured_commit(), date=datetime.date.today().isoformat(),
                   torch=torch.__version__, peak_tflops=round(peak, 1), records=records)
     if args.out:

@@ -122,8 +122,10 @@ def test_the_kernel_equals_float64_and_its_triton_twin(config: str, case: str, g
     a = x if glu else torch.randn(tokens * top_k, hidden, generator=gen).to("cuda", dtype)
     plan = align.align_block_size(route, experts, aligned)
     out = torch.full((tokens * top_k, n_out), float("nan"), dtype=dtype, device="cuda")
+    # (a grid of 3 programs: each walks several tiles, ping-pong consumers take turns)
     gluon_gemm.ws_grouped_gemm(a, w, out, *plan, rows_per_a=rows_per_a, config=gemm, glu=glu,
-                               topk_weights=None if glu else weights, aligned_block_m=aligned, pingpong=pingpong)
+                               topk_weights=None if glu else weights, aligned_block_m=aligned, pingpong=pingpong,
+                               programs=3 if case == "many tokens" else None)
     twin = torch.full_like(out, float("nan"))
     moe_gemm.moe_gemm(a, w, twin, *plan, rows_per_a=rows_per_a, config=GemmConfig(64, 64, 64, num_warps=4),
                       topk_weights=None if glu else weights, act=act_code(mf.ActivationConfig()) if glu else 0,
@@ -203,6 +205,13 @@ def test_operands_it_does_not_take_are_refused_by_name() -> None:
     for (rows, weight, output, glu, aligned), words in cases:
         with pytest.raises(ValueError, match=words):
             gluon_gemm.check_operands(rows, weight, output, config, glu, aligned)
+    # the plan's block table: one entry per block of its slots, the last block possibly partial
+    slots, empty_out = torch.zeros(200, dtype=torch.int32), out[:0]
+    gluon_gemm.ws_grouped_gemm(a, w, empty_out, slots, torch.zeros(2, dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int32), rows_per_a=2, config=config)
+    with pytest.raises(ValueError, match="block_expert has 1 entries for 200 slots"):
+        gluon_gemm.ws_grouped_gemm(a, w, empty_out, slots, torch.zeros(1, dtype=torch.int32),
+                                   torch.zeros(1, dtype=torch.int32), rows_per_a=2, config=config)
     plan = (torch.zeros(128, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
     for tile, glu, words in ((config, False, "num_warps=4"), (CONFIGS["ping-pong 128x128x64, 4 stages"][0], True,
                                                                 "at most 64 x 128")):

@@ -145,19 +145,23 @@ if _GLUON_ERROR is None:
                 step += 1
 
     @gluon.jit
-    def _mma_partition(a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
+    def _mma_partition(a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                        N, K, num_copies, stride_om,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                        GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr, GROUP_M: gl.constexpr,
                        COALESCED_STORE: gl.constexpr, WEIGHT_KN: gl.constexpr, CONSUMER: gl.constexpr,
                        CONSUMERS: gl.constexpr):
         # Consumer CONSUMER of CONSUMERS takes every CONSUMERS-th of the program's tiles, from its CONSUMER-th; the
-        # loader fills the ring with every tile's K-steps in order, so tile i's first step is i * k_steps.
+        # loader fills the ring with every tile's K-steps in order, so tile i's first step is i * k_steps. Two
+        # consumers run their K-loops in turns (``turn``: consumer c waits on its barrier before a K-loop and arrives
+        # on the other's after it): a consumer that waited for a slot's step further ahead than the ring's next pass
+        # would read a parity of an older pass as done (a barrier's wait knows a phase only by its parity).
         layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
         n_tiles = gl.cdiv(N, BLOCK_N)
         m_tiles = gl.load(num_padded_ptr) // BLOCK_M
         k_steps = gl.cdiv(K, BLOCK_K)
         index = CONSUMER
+        turns = 0
         for tile in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), m_tiles * n_tiles,
                           CONSUMERS * gl.num_programs(0)):
             pid_m, pid_n = _tile_of(tile, m_tiles, n_tiles, GROUP_M)
@@ -165,6 +169,9 @@ if _GLUON_ERROR is None:
             index += CONSUMERS
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
             acc_up = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
+            if CONSUMERS > 1:  # (consumer 0's first turn is free)
+                mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
+                turns += 1
             previous = 0
             for k in range(0, K, BLOCK_K):
                 slot = step % STAGES
@@ -185,6 +192,8 @@ if _GLUON_ERROR is None:
                 mbarrier.arrive(empty.index(previous), pred=k > 0)
                 previous = slot
                 step += 1
+            if CONSUMERS > 1:  # the other consumer's K-loop may start: this one's MMAs are issued
+                mbarrier.arrive(turn.index(1 - CONSUMER))
             if GLU:
                 acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
             else:
@@ -228,18 +237,21 @@ if _GLUON_ERROR is None:
                                            w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (ping-pong's K-loop turns)
         for slot in gl.static_range(STAGES):
             # ready: the weight copy's expected bytes (one arrival) and each loader thread's row copies
             mbarrier.init(ready.index(slot), count=1 + 32 * LOADER_WARPS_)
             mbarrier.init(empty.index(slot), count=1)
+        for consumer in gl.static_range(2):
+            mbarrier.init(turn.index(consumer), count=1)
         fence_async_shared()
         # (each partition's arguments as a tuple written out: a tuple held in a variable loses its constexprs)
         if PINGPONG:  # two MMA partitions on alternate tiles: one's epilogue overlaps the other's K-loop
             gl.warp_specialize([
-                (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                                   N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
                                   GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 2)),
-                (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                                   N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
                                   GROUP_M, COALESCED_STORE, WEIGHT_KN, 1, 2)),
                 (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
@@ -248,7 +260,7 @@ if _GLUON_ERROR is None:
             ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_mma_partition, (a_bufs, w_bufs, ready, empty, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
                                   N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
                                   GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 1)),
                 (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
