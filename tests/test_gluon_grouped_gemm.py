@@ -181,7 +181,7 @@ def test_the_kernel_is_deterministic_and_any_grid_or_store_gives_the_same_rows(c
     for programs, coalesced in ((None, True), (None, True), (7, True), (1, True), (None, False)):
         out = torch.empty(500 * 4, 512, dtype=torch.bfloat16, device="cuda")
         gluon_gemm.ws_grouped_gemm(x, w, out, *plan, rows_per_a=4, config=gemm, glu=True, programs=programs,
-                                   pingpong=pingpong, coalesced_store=coalesced)
+                                   pingpong=pingpong, coalesced_store=coalesced, aligned_block_m=128)
         outs.append(out)
     for other in outs[1:]:
         assert torch.equal(outs[0], other)
