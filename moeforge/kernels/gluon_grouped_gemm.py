@@ -285,32 +285,56 @@ def weight_descriptor(weight: torch.Tensor, config: GemmConfig, weight_kn: bool 
     return TensorDescriptor.from_tensor(rows, box, gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(weight.dtype)))
 
 
+def operand_problem(a: torch.Tensor, weight: torch.Tensor, config: GemmConfig, glu: bool, aligned_block_m: int,
+                    weight_kn: bool = False) -> Optional[str]:
+    """What this kernel does not take among these rows, weight, tile and alignment (``None``: it takes them)."""
+    if _GLUON_ERROR is not None:
+        return _GLUON_ERROR
+    if a.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != a.dtype:
+        return (f"the warp-specialised GEMM takes bf16 / fp16 rows and weights of one dtype, got {a.dtype} and "
+                f"{weight.dtype}")
+    if weight.dim() != 3 or not weight.is_contiguous():
+        return f"weight must be a contiguous {'[E, K, N]' if weight_kn else '[E, N_w, K]'}, got {tuple(weight.shape)}"
+    if glu and weight_kn:
+        return "the gated gate/up GEMM reads [E, 2N, K] weights (weight_kn=False)"
+    if glu and weight.shape[1] % 2:
+        return f"the gated gate/up GEMM needs an even weight width, got {weight.shape[1]}"
+    k_dim = weight.shape[1] if weight_kn else weight.shape[2]
+    if a.dim() != 2 or a.stride(1) != 1 or a.shape[1] != k_dim:
+        return f"rows must be [rows, K={k_dim}] with contiguous rows, got {tuple(a.shape)}"
+    if (config.block_m not in (64, 128) or config.num_warps not in (4, 8) or config.block_k not in (32, 64, 128)
+            or config.block_n % 16 or not 16 <= config.block_n <= 256 or config.num_stages < 2):
+        return (f"the warp-specialised GEMM's tiles have 64 or 128 rows, 16 to 256 columns (a multiple of 16), K-steps "
+                f"of 32, 64 or 128, 4 or 8 MMA warps and at least 2 stages, got {config.block_m} x {config.block_n} x "
+                f"{config.block_k}, {config.num_warps} warps, {config.num_stages} stages")
+    if aligned_block_m % config.block_m:
+        return f"block_m={config.block_m} must divide the alignment's block {aligned_block_m}"
+    if k_dim % 16 or a.stride(0) % 16 or weight.shape[2] % 8:
+        return (f"K and the rows' stride must be multiples of 16 elements and the weight's rows of 16 bytes (the rows' "
+                f"16-byte copies, the weight's TMA descriptor), got K={k_dim}, stride {a.stride(0)}, weight rows of "
+                f"{weight.shape[2]}")
+    return None
+
+
 def check_operands(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: GemmConfig, glu: bool,
                    aligned_block_m: int, weight_kn: bool = False) -> None:
     """A ``ValueError`` naming what this kernel does not take."""
-    if _GLUON_ERROR is not None:
-        raise ValueError(_GLUON_ERROR)
-    if a.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != a.dtype:
-        raise ValueError(f"the warp-specialised GEMM takes bf16 / fp16 rows and weights of one dtype, got {a.dtype} "
-                         f"and {weight.dtype}")
-    if weight.dim() != 3 or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous {'[E, K, N]' if weight_kn else '[E, N_w, K]'}, got "
-                         f"{tuple(weight.shape)}")
-    if glu and weight_kn:
-        raise ValueError("the gated gate/up GEMM reads [E, 2N, K] weights (weight_kn=False)")
-    k_dim = weight.shape[1] if weight_kn else weight.shape[2]
-    if a.dim() != 2 or a.stride(1) != 1 or a.shape[1] != k_dim:
-        raise ValueError(f"rows must be [rows, K={k_dim}] with contiguous rows, got {tuple(a.shape)}")
+    problem = operand_problem(a, weight, config, glu, aligned_block_m, weight_kn)
+    if problem is not None:
+        raise ValueError(problem)
     n_out = weight.shape[2] if weight_kn else weight.shape[1] // 2 if glu else weight.shape[1]
     if out.dim() != 2 or out.shape[1] != n_out or out.stride(1) != 1 or out.dtype not in (a.dtype, torch.float32):
         raise ValueError(f"out must be [copies, {n_out}] in {a.dtype} or fp32 with contiguous rows, got "
                          f"{tuple(out.shape)} {out.dtype}")
-    if aligned_block_m % config.block_m:
-        raise ValueError(f"block_m={config.block_m} must divide the alignment's block {aligned_block_m}")
-    if k_dim % 16 or a.stride(0) % 16 or weight.shape[2] % 8:
-        raise ValueError(f"K and the rows' stride must be multiples of 16 elements and the weight's rows of 16 bytes "
-                         f"(the rows' 16-byte copies, the weight's TMA descriptor), got K={k_dim}, stride "
-                         f"{a.stride(0)}, weight rows of {weight.shape[2]}")
+
+
+def shared_memory_bytes(config: GemmConfig, glu: bool, element_bytes: int = 2, coalesced_store: bool = True,
+                        pingpong: bool = False) -> int:
+    """An upper bound of the shared memory a launch takes: the ring's row and weight tiles, the output tile the
+    coalesced store passes through (one per MMA partition), the barriers."""
+    ring = config.num_stages * (config.block_m + (2 if glu else 1) * config.block_n) * config.block_k
+    store = config.block_m * config.block_n * (2 if pingpong else 1) if coalesced_store else 0
+    return (ring + store) * element_bytes + 8 * (2 * config.num_stages + 2) + 1024
 
 
 def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
