@@ -198,7 +198,7 @@ def launch(
 
     out, out_scale = outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
     gemm = _config_of(tuple(config))
-    if gemm.warp_specialized:  # the tuned table's choice, where that kernel serves this launch
+    if gemm.warp_specialized and num_copies:  # the tuned table's choice, where that kernel serves this launch
         from moeforge.kernels import warp_specialized
 
         aligned = aligned_block_m or gemm.block_m
