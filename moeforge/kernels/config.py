@@ -58,8 +58,8 @@ class GemmConfig:
     # ``moeforge.kernels.gluon_grouped_gemm``, a loader partition feeding the MMA warps through a ring of
     # shared-memory slots) with this tile, where it serves the launch (``moeforge.kernels.warp_specialized``
     # names why not: another format, activation or epilogue, another GPU, a Triton without Gluon); else
-    # ``moe_gemm`` runs the same tile. Faster where the GEMM is bound by arithmetic (docs/kernels.md,
-    # "A warp-specialised grouped GEMM in Gluon"), so only a tuned table sets it.
+    # ``moe_gemm`` runs the same tile. Faster where the GEMM is bound by arithmetic (docs/kernels.md, "The
+    # warp-specialised grouped GEMM"), so only a tuned table sets it.
     warp_specialized: bool = False
 
     @decode_chunk.validator
