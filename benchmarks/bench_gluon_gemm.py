@@ -1,10 +1,12 @@
 """The warp-specialised Gluon grouped GEMM against its Triton twin, GEMM by GEMM (Hopper only).
 
-    python benchmarks/bench_gluon_gemm.py [--shapes mixtral,qwen3,...] [--tokens 1024,4096,16384] [--out FILE]
+    python benchmarks/bench_gluon_gemm.py [--shapes mixtral,qwen3,...] [--tokens 1024,4096,16384]
+                                          [--tiles all|plain|pingpong] [--out FILE]
 
 For each shape and token count: the gate/up GEMM (SwiGLU fused), the down GEMM (routing weights in the epilogue) and
-the down GEMM's row gradient (``d_out @ W2``, the weight read by its rows) of bf16 experts on random (never zero) data and a random routing, timed alone as CUDA-graph replays with the L2
-flushed before each (medians): ``moe_gemm`` with the shipped table's configuration for that batch (the layer's), and
+the down GEMM's row gradient (``d_out @ W2``, the weight read by its rows) of bf16 experts on random (never zero)
+data and a random routing, timed alone as CUDA-graph replays with the L2 flushed before each (medians): ``moe_gemm``
+with the shipped table's configuration for that batch (the layer's), and
 :func:`moeforge.kernels.gluon_grouped_gemm.ws_grouped_gemm` with each of a few tiles, on a plan aligned by 128 rows.
 Each Gluon output is checked against the twin's before it is timed (relative error, printed). The percentages are of
 the same run's bf16 matmul peak (8192³). Prints a table and writes JSON (device, commit, date, peak, records).

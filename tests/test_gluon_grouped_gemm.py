@@ -195,7 +195,8 @@ def test_operands_it_does_not_take_are_refused_by_name() -> None:
     a = torch.zeros(4, 64, dtype=torch.bfloat16)
     w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
     out = torch.zeros(8, 32, dtype=torch.bfloat16)
-    cases = [((a.float(), w, out, False, 128), "bf16 / fp16"), ((a, w[:, :, :32].contiguous(), out, False, 128), "rows must be"),
+    cases = [((a.float(), w, out, False, 128), "bf16 / fp16"),
+             ((a, w[:, :, :32].contiguous(), out, False, 128), "rows must be"),
              ((a, w.transpose(1, 2), out, False, 128), "contiguous"), ((a, w, out[:, :16], False, 128), "out must"),
              ((a, w, out, True, 128), "out must"), ((a, w, out, False, 64), "must divide"),
              ((a[:, :8].contiguous(), w[:, :, :8].contiguous(), out, False, 128), "multiples of 16")]

@@ -148,7 +148,8 @@ def test_the_stage_summary_says_where_the_kernel_serves_or_why_not() -> None:
     summary = gate_up.summary()
     assert "warp-specialised Gluon kernel at the table's M = 4096" in summary, summary
     assert ("without autograd" in summary) if HOPPER else ("skipped" in summary and "sm_90" in summary), summary
-    gelu = FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, asked, activation=mf.ActivationConfig(kind=mf.ActivationKind.GEGLU))
+    gelu = FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, asked,
+                            activation=mf.ActivationConfig(kind=mf.ActivationKind.GEGLU))
     assert "skipped: the warp-specialised kernel's gated activation is SwiGLU" in gelu.summary()
     down = FusedGroupedGemm(mf.GemmRole.DOWN, torch.zeros(4, 64, 32, dtype=torch.float16, device=DEVICE), asked)
     assert "warp-specialised" not in down.summary()

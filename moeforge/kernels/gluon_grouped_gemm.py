@@ -248,21 +248,21 @@ if _GLUON_ERROR is None:
         # (each partition's arguments as a tuple written out: a tuple held in a variable loses its constexprs)
         if PINGPONG:  # two MMA partitions on alternate tiles: one's epilogue overlaps the other's K-loop
             gl.warp_specialize([
-                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
-                                  N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
-                                  GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 2)),
-                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
-                                  N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
-                                  GROUP_M, COALESCED_STORE, WEIGHT_KN, 1, 2)),
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr,
+                                  num_padded_ptr, N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                  GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 2)),
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr,
+                                  num_padded_ptr, N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                  GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 1, 2)),
                 (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
                            empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
                            STAGES, GLU, GROUP_M, WEIGHT_KN)),
             ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
-                                  N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GLU, MUL_WEIGHTS,
-                                  GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 1)),
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr,
+                                  num_padded_ptr, N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                  GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 1)),
                 (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
                            empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
                            STAGES, GLU, GROUP_M, WEIGHT_KN)),
@@ -359,7 +359,8 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
         raise ValueError(f"ping-pong MMA partitions are one warpgroup each (num_warps=4), got {config.num_warps}")
     if pingpong and config.block_m * config.block_n > (64 if glu else 128) * 128:
         raise ValueError(f"a ping-pong MMA partition (one warpgroup) holds at most {64 if glu else 128} x 128 "
-                         f"accumulators{' for gate and for up' if glu else ''}, got {config.block_m} x {config.block_n}")
+                         f"accumulators{' for gate and for up' if glu else ''}, got {config.block_m} x "
+                         f"{config.block_n}")
     if block_expert.numel() != -(-sorted_ids.numel() // aligned):  # (the plan's last block may be partial)
         raise ValueError(f"block_expert has {block_expert.numel()} entries for {sorted_ids.numel()} slots in blocks "
                          f"of {aligned}")
