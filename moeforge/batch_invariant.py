@@ -59,7 +59,8 @@ def family_checked_on(device: torch.device) -> bool:
 def in_family(config: GemmConfig) -> bool:
     """Whether ``config`` reduces like every other member of the batch-invariant family."""
     return (config.block_k == INVARIANT_BLOCK_K and config.split_k == 1 and not config.swap and not config.half_tail
-            and not config.decode_chunk and INVARIANT_MIN_BLOCK_M <= config.block_m <= INVARIANT_MAX_BLOCK_M
+            and not config.decode_chunk and not config.warp_specialized
+            and INVARIANT_MIN_BLOCK_M <= config.block_m <= INVARIANT_MAX_BLOCK_M
             and config.num_warps % 4 == 0)
 
 
@@ -71,7 +72,7 @@ def family_member(config: GemmConfig, element_bytes: int, b_tiles: int) -> GemmC
     block_m = min(max(config.block_m, INVARIANT_MIN_BLOCK_M), INVARIANT_MAX_BLOCK_M)
     member = attrs.evolve(config, block_m=block_m, block_k=INVARIANT_BLOCK_K,
                           num_warps=max(4 * (config.num_warps // 4), 4), split_k=1, swap=False,
-                          half_tail=False, decode_chunk=0)
+                          half_tail=False, decode_chunk=0, warp_specialized=False)
     fitted = fit_shared_memory(member, element_bytes, b_tiles)
     return fitted if fitted.block_k == INVARIANT_BLOCK_K else INVARIANT_GEMM
 

@@ -54,6 +54,13 @@ class GemmConfig:
     # has many rows (the decoding's cost, once per weight, then weighs less than the K-loop's, once per row block:
     # docs/kernels.md, "Decoding first"), so only a tuned table sets it. Ignored for other formats.
     decode_chunk: int = attrs.field(default=0)
+    # Float rows and weights (bf16 / fp16): launch the warp-specialised Gluon kernel (Hopper:
+    # ``moeforge.kernels.gluon_grouped_gemm``, a loader partition feeding the MMA warps through a ring of
+    # shared-memory slots) with this tile, where it serves the launch (``moeforge.kernels.warp_specialized``
+    # names why not: another format, activation or epilogue, another GPU, a Triton without Gluon); else
+    # ``moe_gemm`` runs the same tile. Faster where the GEMM is bound by arithmetic (docs/kernels.md, "The
+    # warp-specialised grouped GEMM"), so only a tuned table sets it.
+    warp_specialized: bool = False
 
     @decode_chunk.validator
     def _check_decode_chunk(self, attribute: Any, value: int) -> None:
@@ -72,8 +79,9 @@ class GemmConfig:
         reads the same ``2 * block_n`` rows as one tile (the same operand ring and accumulator registers), up to
         256 columns (a TMA box's limit). Swapped and split-K launches (small batches) are kept as they are."""
         if self.block_n > 128 or self.swap or (self.split_k or 1) > 1:
-            return self
-        return attrs.evolve(self, block_n=2 * self.block_n)
+            return attrs.evolve(self, warp_specialized=False) if self.warp_specialized else self
+        # (the warp-specialised kernel was measured on the fused gate/up GEMM only: moe_gemm's wide tile here)
+        return attrs.evolve(self, block_n=2 * self.block_n, warp_specialized=False)
 
     def with_block_m(self, block_m: int) -> GemmConfig:
         """The configuration with another ``block_m`` (``half_tail`` dropped below 32 rows)."""
@@ -226,8 +234,9 @@ class ConfigTable:
 
     def __attrs_post_init__(self) -> None:
         entries = self.configs if self.tokens else tuple(config for _, config in _DEFAULTS)
-        if self.batch_invariant:  # a split K-loop rounds differently from one: never split
-            entries = tuple(MoEConfig(attrs.evolve(config.gate_up, split_k=1), attrs.evolve(config.down, split_k=1))
+        if self.batch_invariant:  # a split K-loop rounds differently from one: never split; one kernel throughout
+            entries = tuple(MoEConfig(attrs.evolve(config.gate_up, split_k=1, warp_specialized=False),
+                                      attrs.evolve(config.down, split_k=1, warp_specialized=False))
                             for config in entries)
         capped = tuple(self._capped(config) for config in entries)
         object.__setattr__(self, "_capped_configs", capped)
@@ -254,6 +263,12 @@ class ConfigTable:
         """Every ``block_m`` :meth:`lookup` can return (an entry's, capped, or a ``dequant_blocks`` level's)."""
         return frozenset(config.block_m for configs in (self._capped_configs, *self._dequant_configs)
                          for config in configs)
+
+    def warp_specialized_tokens(self, gemm: str) -> tuple[int, ...]:
+        """The token counts whose entry launches ``gemm`` (``"gate_up"`` or ``"down"``) as the warp-specialised
+        kernel (``GemmConfig.warp_specialized``): what ``describe()`` names."""
+        return tuple(tokens for tokens, config in zip(self.tokens, self._capped_configs)
+                     if getattr(config, gemm).warp_specialized)
 
     def alignment(self) -> tuple[object, ...]:
         """What decides ``block_m`` for a token count: two tables with equal alignments align every batch

@@ -45,7 +45,7 @@ from moeforge.kernels.kernel_op import KernelOp
 
 # The op's ``config`` argument: one integer per field, in this order (:func:`encode_config`).
 CONFIG_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "tma", "split_k", "swap",
-                 "half_tail", "decode_chunk")
+                 "half_tail", "decode_chunk", "warp_specialized")
 
 NO_SCALE_BOUND = 255  # the op's weight_scale_max when no bound on the E8M0 codes is known (every code is <= 255)
 
@@ -53,10 +53,10 @@ NO_SCALE_BOUND = 255  # the op's weight_scale_max when no bound on the E8M0 code
 def encode_config(config: GemmConfig) -> list[int]:
     """``config`` as the op's ``config`` argument: one integer per field of :data:`CONFIG_FIELDS`, in that
     order; ``tma`` as -1 (``None``: the launcher's rule), 0 or 1; ``split_k`` as 0 (``None``: the launcher's rule)
-    or itself; ``swap`` and ``half_tail`` as 0 or 1; the others as themselves."""
+    or itself; ``swap``, ``half_tail`` and ``warp_specialized`` as 0 or 1; the others as themselves."""
     return [config.block_m, config.block_n, config.block_k, config.group_m, config.num_warps, config.num_stages,
             -1 if config.tma is None else int(config.tma), 0 if config.split_k is None else config.split_k,
-            int(config.swap), int(config.half_tail), config.decode_chunk]
+            int(config.swap), int(config.half_tail), config.decode_chunk, int(config.warp_specialized)]
 
 
 def decode_config(values: Sequence[int]) -> GemmConfig:
@@ -64,10 +64,11 @@ def decode_config(values: Sequence[int]) -> GemmConfig:
     if len(values) != len(CONFIG_FIELDS):
         raise ValueError(f"the moe_gemm op's config is {len(CONFIG_FIELDS)} integers ({', '.join(CONFIG_FIELDS)}; "
                          f"made by encode_config), got {len(values)}: {list(values)}")
-    block_m, block_n, block_k, group_m, num_warps, num_stages, tma, split_k, swap, half_tail, decode_chunk = values
+    (block_m, block_n, block_k, group_m, num_warps, num_stages, tma, split_k, swap, half_tail, decode_chunk,
+     warp_specialized) = values
     return GemmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps, num_stages=num_stages,
                       tma=None if tma < 0 else bool(tma), split_k=None if split_k == 0 else split_k, swap=bool(swap),
-                      half_tail=bool(half_tail), decode_chunk=decode_chunk)
+                      half_tail=bool(half_tail), decode_chunk=decode_chunk, warp_specialized=bool(warp_specialized))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -191,12 +192,26 @@ def launch(
     :func:`encode_config` writes it (a list of another length is a ``ValueError``); ``aligned_block_m``: the block the
     rows were aligned with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255:
     none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`);
-    ``update_*``: a low-rank update (:class:`GemmUpdate`)."""
+    ``update_*``: a low-rank update (:class:`GemmUpdate`). A ``config`` with ``warp_specialized`` launches the Gluon
+    kernel where it serves these operands (:mod:`moeforge.kernels.warp_specialized`), else ``moe_gemm``."""
     from moeforge.kernels import moe_gemm as kernel
 
     out, out_scale = outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
+    gemm = _config_of(tuple(config))
+    if gemm.warp_specialized and num_copies:  # the tuned table's choice, where that kernel serves this launch
+        from moeforge.kernels import warp_specialized
+
+        aligned = aligned_block_m or gemm.block_m
+        if warp_specialized.problem(
+                a, weight, quantized=any(t is not None for t in (a_scale, weight_scale, weight_zero, weight_global)),
+                weight_format=WeightFormat(weight_format), bias=bias is not None, act=act, glu=glu,
+                interleaved=interleaved, out_dtype=out_dtype, fp8_out=fp8_out, update=update_weight is not None,
+                config=gemm, aligned_block_m=aligned) is None:
+            warp_specialized.launch(a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
+                                    config=gemm, glu=glu, topk_weights=topk_weights, aligned_block_m=aligned)
+            return out, out_scale
     kernel.moe_gemm(
-        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=_config_of(tuple(config)),
+        a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=gemm,
         weight_format=WeightFormat(weight_format), a_scale=a_scale, a_global=a_global,
         weight_scale=weight_scale, weight_zero=weight_zero, weight_global=weight_global, bias=bias,
         topk_weights=topk_weights, act=act, glu=glu, interleaved=interleaved, alpha=alpha, limit=limit,

@@ -210,7 +210,23 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
             text += ", bias"
         if self.apply_routing_weights:
             text += ", weights in epilogue"
-        return text + ")"
+        return text + ")" + self._warp_specialized_summary(weight)
+
+    def _warp_specialized_summary(self, weight: torch.Tensor) -> str:
+        """Where the table launches this GEMM as the warp-specialised Gluon kernel, or why it cannot here."""
+        tokens = self.configs.warp_specialized_tokens(self.role.value)
+        if not tokens:
+            return ""
+        from moeforge.kernels import warp_specialized
+
+        act, glu, interleaved = self._act[:3]
+        problem = warp_specialized.stage_problem(weight.device, weight.dtype, act, glu, interleaved,
+                                                 self.bias is not None)
+        where = f"the table's M = {', '.join(map(str, tokens))}"
+        if problem is not None:
+            return f" [warp-specialised Gluon kernel at {where} skipped: {problem}]"
+        # (a training forward runs the gate/up GEMM unfused, with moe_gemm: GemmConfig.unfused_gate_up)
+        return f" [warp-specialised Gluon kernel at {where}{' without autograd' if glu else ''}]"
 
     def accepts(self) -> Accepts:
         weight = resolve(self.weight)

@@ -1,0 +1,420 @@
+# Gluon kernels (@gluon.jit bodies) are not annotatable.
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False
+# mypy: disallow-untyped-decorators=False, disallow-untyped-calls=False
+"""A warp-specialised grouped GEMM for Hopper in Gluon: the expert GEMM of float rows and weights (bf16 / fp16), the
+same product as :func:`moeforge.kernels.moe_gemm.moe_gemm` (its Triton twin) on the same block-aligned plan.
+
+A persistent program walks its share of the tiles (``BLOCK_M`` aligned rows of one expert × ``BLOCK_N`` output
+columns; ``GROUP_M`` row blocks at a time, column by column, so that the programs at work share weight tiles and rows
+in L2) in two partitions that meet
+at a ring of ``STAGES`` shared-memory slots, each guarded by two barriers:
+
+* the **loader** (its own warps): per K-step, waits until the slot is free, copies the weight tile(s) with the
+  tensor memory accelerator (one descriptor over the weight viewed as ``[E · N_w, K]`` rows), and gathers the rows
+  by index (``copy // rows_per_a``) with ``cp.async``, each of its threads arriving on the slot's ``ready`` barrier
+  when its copies land;
+* the **MMA partition** (the program's ``num_warps`` warps): per K-step, waits for the slot, issues the warpgroup MMA
+  asynchronously, and frees the slot of the step before once that MMA has retired (one MMA in flight); at the end
+  of a tile, the epilogue: the gated activation (``act(gate) · up``, the two accumulators side by side), the routing
+  weights, the output rows written at their copy indices.
+
+The loader runs ahead of the MMAs by up to ``STAGES`` K-steps, across tile boundaries, so the next tile's loads
+overlap this tile's last MMAs and its epilogue. Both partitions walk the same tiles in the same order and count
+K-steps the same way (tile ``i`` of a program starts at ring step ``i · k_steps``); a slot's barrier phase is
+``(step // STAGES) & 1``. With ``pingpong``, two MMA partitions of one warpgroup take alternate tiles, so one's
+epilogue overlaps the other's K-loop.
+
+Gluon has no CPU interpreter: the Triton twin runs in CI, and a CPU test compiles this kernel for sm_90 to machine
+code (``compile_for_hopper``); the GPU tests compare it against the twin and the torch reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from moeforge.kernels.config import GemmConfig
+
+_GLUON_ERROR: Optional[str] = None
+try:  # (Gluon is experimental: a Triton without it, or with another API, leaves the Triton kernels to serve)
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # The asynchronous copies' names: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before.
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    _gather_load = (async_copy.async_load if hasattr(async_copy, "async_load")
+                    else async_copy.async_copy_global_to_shared)
+except ImportError as error:  # pragma: no cover (every supported Triton has it)
+    _GLUON_ERROR = f"Triton's Gluon is not importable here: {error}"
+
+LOADER_WARPS = 4
+LOADER_REGISTERS = 88
+# Ping-pong: two MMA partitions of num_warps = 4 and the loader share the 64K registers of 12 warps: 224, 224 (the
+# first, the default partition, gets what Triton leaves it) and 56 a thread.
+PINGPONG_LOADER_REGISTERS = 56
+PINGPONG_CONSUMER_REGISTERS = 224
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why this kernel cannot run in this process (``None`` where it can be compiled; running it needs sm_90)."""
+    return _GLUON_ERROR
+
+
+if _GLUON_ERROR is None:
+
+    @gluon.constexpr_function
+    def _mma_layout(BLOCK_M, BLOCK_N, num_warps):
+        """The warpgroup MMA's accumulator layout: warps stacked along M first (16 rows each), the widest
+        instruction N that divides ``BLOCK_N`` (at most 256)."""
+        warps = [4, 1]
+        while warps[0] * warps[1] != num_warps:
+            if BLOCK_M > 16 * warps[0]:
+                warps[0] *= 2
+            else:
+                warps[1] *= 2
+        widest = max(BLOCK_N // warps[1], 8)
+        n = 256
+        while n > widest or BLOCK_N % n:
+            n -= 8
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, n, 16])
+
+    @gluon.constexpr_function
+    def _row_layout(BLOCK_N, warps):
+        """A layout of ``[rows, BLOCK_N]`` 16-bit tiles in 16-byte pieces (8 elements) a thread along a row."""
+        across = min(BLOCK_N // 8, 32)
+        return gl.BlockedLayout([1, 8], [32 // across, across], [warps, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _gather_layout(BLOCK_K, warps):
+        """The loader's layout of a ``[BLOCK_M, BLOCK_K]`` row tile: 16 bytes (8 elements) a thread along K."""
+        across = min(BLOCK_K // 8, 32)
+        return gl.BlockedLayout([1, 8], [32 // across, across], [warps, 1], [1, 0])
+
+    @gluon.jit
+    def _tile_of(tile, m_tiles, n_tiles, GROUP_M: gl.constexpr):
+        """Tile ``tile``'s (row block, column tile): groups of ``GROUP_M`` row blocks, each group's tiles column by
+        column, so that the programs working at one time share weight tiles (and rows) in L2."""
+        in_group = GROUP_M * n_tiles
+        first_m = tile // in_group * GROUP_M
+        group_rows = gl.minimum(m_tiles - first_m, GROUP_M)
+        return first_m + tile % in_group % group_rows, tile % in_group // group_rows
+
+    @gluon.jit
+    def _loader(a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready, empty,
+                N, K, num_copies, rows_per_a, stride_am, up_offset,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                GLU: gl.constexpr, GROUP_M: gl.constexpr, WEIGHT_KN: gl.constexpr):
+        layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
+        rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
+        k_layout: gl.constexpr = gl.SliceLayout(0, layout)
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        m_tiles = gl.load(num_padded_ptr) // BLOCK_M
+        offs_k = gl.arange(0, BLOCK_K, layout=k_layout)
+        step = 0
+        for tile in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_of(tile, m_tiles, n_tiles, GROUP_M)
+            copies = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout))
+            row_ok = copies < num_copies
+            rows = gl.where(row_ok, copies // rows_per_a, 0).to(gl.int64)
+            expert = gl.load(block_expert_ptr + pid_m)
+            w_row = expert * (2 * up_offset if GLU else N) + pid_n * BLOCK_N  # ([E · N_w, K] rows)
+            for k in range(0, K, BLOCK_K):
+                slot = step % STAGES
+                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # (the first pass finds it free)
+                if GLU:
+                    mbarrier.expect(ready.index(slot), 2 * w_desc.block_type.nbytes)
+                    _tma_load(w_desc, [w_row, k], ready.index(slot), w_bufs.index(2 * slot))
+                    _tma_load(w_desc, [w_row + up_offset, k], ready.index(slot),
+                                                    w_bufs.index(2 * slot + 1))
+                elif WEIGHT_KN:  # ([E · K, N] rows: the expert's K rows from k, its columns from the tile's)
+                    mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes)
+                    _tma_load(w_desc, [expert * K + k, pid_n * BLOCK_N], ready.index(slot), w_bufs.index(slot))
+                else:
+                    mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes)
+                    _tma_load(w_desc, [w_row, k], ready.index(slot), w_bufs.index(slot))
+                k_ok = (k + offs_k) < K
+                _gather_load(
+                    a_bufs.index(slot), a_ptr + rows[:, None] * stride_am + (k + offs_k)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :])
+                async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+                step += 1
+
+    @gluon.jit
+    def _mma_partition(a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
+                       N, K, num_copies, stride_om,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                       GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr, GROUP_M: gl.constexpr,
+                       COALESCED_STORE: gl.constexpr, WEIGHT_KN: gl.constexpr, CONSUMER: gl.constexpr,
+                       CONSUMERS: gl.constexpr):
+        # Consumer CONSUMER of CONSUMERS takes every CONSUMERS-th of the program's tiles, from its CONSUMER-th; the
+        # loader fills the ring with every tile's K-steps in order, so tile i's first step is i * k_steps. Two
+        # consumers run their K-loops in turns (``turn``: consumer c waits on its barrier before a K-loop and arrives
+        # on the other's after it): a consumer that waited for a slot's step further ahead than the ring's next pass
+        # would read a parity of an older pass as done (a barrier's wait knows a phase only by its parity).
+        layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        m_tiles = gl.load(num_padded_ptr) // BLOCK_M
+        k_steps = gl.cdiv(K, BLOCK_K)
+        index = CONSUMER
+        turns = 0
+        for tile in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), m_tiles * n_tiles,
+                          CONSUMERS * gl.num_programs(0)):
+            pid_m, pid_n = _tile_of(tile, m_tiles, n_tiles, GROUP_M)
+            step = index * k_steps
+            index += CONSUMERS
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
+            acc_up = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout)
+            if CONSUMERS > 1:  # (consumer 0's first turn is free)
+                mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
+                turns += 1
+            previous = 0
+            for k in range(0, K, BLOCK_K):
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                if GLU:
+                    acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(2 * slot).permute((1, 0)), acc,
+                                        is_async=True)
+                    acc_up = warpgroup_mma(a_bufs.index(slot), w_bufs.index(2 * slot + 1).permute((1, 0)), acc_up,
+                                           is_async=True)
+                    acc, acc_up = warpgroup_mma_wait(2, deps=(acc, acc_up))
+                elif WEIGHT_KN:  # (the weight tile is [BLOCK_K, BLOCK_N] already)
+                    acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot), acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc,))
+                else:
+                    acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc,))
+                # the step before has retired: its slot is free
+                mbarrier.arrive(empty.index(previous), pred=k > 0)
+                previous = slot
+                step += 1
+            if CONSUMERS > 1:  # the other consumer's K-loop may start: this one's MMAs are issued
+                mbarrier.arrive(turn.index(1 - CONSUMER))
+            if GLU:
+                acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(previous), pred=K > 0)
+            # the epilogue: SwiGLU's act(gate) · up, the routing weights, each row at its copy index
+            offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            copies = gl.load(sorted_ids_ptr + offs_m)
+            row_ok = copies < num_copies
+            if GLU:
+                acc = acc / (1.0 + gl.exp(-acc)) * acc_up
+            if MUL_WEIGHTS:
+                acc = acc * gl.load(weights_ptr + copies, mask=row_ok, other=0.0)[:, None]
+            value = acc.to(out_ptr.dtype.element_ty)
+            if COALESCED_STORE:
+                # through shared memory into rows of 16-byte pieces, a warp writing whole row segments (the MMA
+                # layout's threads hold 4 bytes of a row each)
+                store_layout: gl.constexpr = _row_layout(BLOCK_N, gl.num_warps())
+                value = gl.convert_layout(value, store_layout)
+                offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+                offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+                copies = gl.load(sorted_ids_ptr + offs_m)
+                row_ok = copies < num_copies
+            gl.store(out_ptr + copies.to(gl.int64)[:, None] * stride_om + offs_n[None, :], value,
+                     mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+    @gluon.jit
+    def ws_grouped_gemm_kernel(a_ptr, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                               N, K, num_copies, rows_per_a, stride_am, stride_om, up_offset,
+                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                               STAGES: gl.constexpr, GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr,
+                               GROUP_M: gl.constexpr, COALESCED_STORE: gl.constexpr, WEIGHT_KN: gl.constexpr,
+                               PINGPONG: gl.constexpr,
+                               LOADER_WARPS_: gl.constexpr,
+                               LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        dtype: gl.constexpr = w_desc.dtype
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+        w_bufs = gl.allocate_shared_memory(dtype, [STAGES * (2 if GLU else 1)] + w_desc.block_type.shape,
+                                           w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (ping-pong's K-loop turns)
+        for slot in gl.static_range(STAGES):
+            # ready: the weight copy's expected bytes (one arrival) and each loader thread's row copies
+            mbarrier.init(ready.index(slot), count=1 + 32 * LOADER_WARPS_)
+            mbarrier.init(empty.index(slot), count=1)
+        for consumer in gl.static_range(2):
+            mbarrier.init(turn.index(consumer), count=1)
+        fence_async_shared()
+        # (each partition's arguments as a tuple written out: a tuple held in a variable loses its constexprs)
+        if PINGPONG:  # two MMA partitions on alternate tiles: one's epilogue overlaps the other's K-loop
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr,
+                                  num_padded_ptr, N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                  GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 2)),
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr,
+                                  num_padded_ptr, N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                  GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 1, 2)),
+                (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
+                           empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
+                           STAGES, GLU, GROUP_M, WEIGHT_KN)),
+            ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr,
+                                  num_padded_ptr, N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                  GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 1)),
+                (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
+                           empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
+                           STAGES, GLU, GROUP_M, WEIGHT_KN)),
+            ], [LOADER_WARPS_], [LOADER_REGS])
+
+
+def _gl_dtype(dtype: torch.dtype) -> Any:
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def _weight_box(config: GemmConfig, weight_kn: bool) -> list[int]:
+    return [config.block_k, config.block_n] if weight_kn else [config.block_n, config.block_k]
+
+
+def weight_descriptor(weight: torch.Tensor, config: GemmConfig, weight_kn: bool = False) -> Any:
+    """The weight's TMA descriptor: ``[E, N_w, K]`` viewed as ``[E · N_w, K]`` rows, tiles of ``block_n × block_k``
+    (``weight_kn``: ``[E, K, N]`` as ``[E · K, N]`` rows, tiles of ``block_k × block_n``)."""
+    rows = weight.reshape(-1, weight.shape[-1])
+    box = _weight_box(config, weight_kn)
+    return TensorDescriptor.from_tensor(rows, box, gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(weight.dtype)))
+
+
+def operand_problem(a: torch.Tensor, weight: torch.Tensor, config: GemmConfig, glu: bool, aligned_block_m: int,
+                    weight_kn: bool = False) -> Optional[str]:
+    """What this kernel does not take among these rows, weight, tile and alignment (``None``: it takes them)."""
+    if _GLUON_ERROR is not None:
+        return _GLUON_ERROR
+    if a.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != a.dtype:
+        return (f"the warp-specialised GEMM takes bf16 / fp16 rows and weights of one dtype, got {a.dtype} and "
+                f"{weight.dtype}")
+    if weight.dim() != 3 or not weight.is_contiguous():
+        return f"weight must be a contiguous {'[E, K, N]' if weight_kn else '[E, N_w, K]'}, got {tuple(weight.shape)}"
+    if glu and weight_kn:
+        return "the gated gate/up GEMM reads [E, 2N, K] weights (weight_kn=False)"
+    if glu and weight.shape[1] % 2:
+        return f"the gated gate/up GEMM needs an even weight width, got {weight.shape[1]}"
+    k_dim = weight.shape[1] if weight_kn else weight.shape[2]
+    if a.dim() != 2 or a.stride(1) != 1 or a.shape[1] != k_dim:
+        return f"rows must be [rows, K={k_dim}] with contiguous rows, got {tuple(a.shape)}"
+    if (config.block_m not in (64, 128) or config.num_warps not in (4, 8) or config.block_k not in (32, 64, 128)
+            or config.block_n % 16 or not 16 <= config.block_n <= 256 or config.num_stages < 2):
+        return (f"the warp-specialised GEMM's tiles have 64 or 128 rows, 16 to 256 columns (a multiple of 16), K-steps "
+                f"of 32, 64 or 128, 4 or 8 MMA warps and at least 2 stages, got {config.block_m} x {config.block_n} x "
+                f"{config.block_k}, {config.num_warps} warps, {config.num_stages} stages")
+    if aligned_block_m % config.block_m:
+        return f"block_m={config.block_m} must divide the alignment's block {aligned_block_m}"
+    if k_dim % 16 or a.stride(0) % 16 or weight.shape[2] % 8:
+        return (f"K and the rows' stride must be multiples of 16 elements and the weight's rows of 16 bytes (the rows' "
+                f"16-byte copies, the weight's TMA descriptor), got K={k_dim}, stride {a.stride(0)}, weight rows of "
+                f"{weight.shape[2]}")
+    return None
+
+
+def check_operands(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: GemmConfig, glu: bool,
+                   aligned_block_m: int, weight_kn: bool = False) -> None:
+    """A ``ValueError`` naming what this kernel does not take."""
+    problem = operand_problem(a, weight, config, glu, aligned_block_m, weight_kn)
+    if problem is not None:
+        raise ValueError(problem)
+    n_out = weight.shape[2] if weight_kn else weight.shape[1] // 2 if glu else weight.shape[1]
+    if out.dim() != 2 or out.shape[1] != n_out or out.stride(1) != 1 or out.dtype not in (a.dtype, torch.float32):
+        raise ValueError(f"out must be [copies, {n_out}] in {a.dtype} or fp32 with contiguous rows, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+
+
+def shared_memory_bytes(config: GemmConfig, glu: bool, element_bytes: int = 2, coalesced_store: bool = True,
+                        pingpong: bool = False) -> int:
+    """An upper bound of the shared memory a launch takes: the ring's row and weight tiles, the output tile the
+    coalesced store passes through (one per MMA partition), the barriers."""
+    ring = config.num_stages * (config.block_m + (2 if glu else 1) * config.block_n) * config.block_k
+    store = config.block_m * config.block_n * (2 if pingpong else 1) if coalesced_store else 0
+    return (ring + store) * element_bytes + 8 * (2 * config.num_stages + 2) + 1024
+
+
+def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+                    block_expert: torch.Tensor, num_padded: torch.Tensor, *, rows_per_a: int, config: GemmConfig,
+                    glu: bool = False, topk_weights: Optional[torch.Tensor] = None,
+                    aligned_block_m: Optional[int] = None, programs: Optional[int] = None,
+                    pingpong: bool = False, coalesced_store: bool = True, weight_kn: bool = False) -> torch.Tensor:
+    """``out[copy] = epilogue(a[copy // rows_per_a] @ weight[expert].T)`` for every copy of the block-aligned plan
+    (``sorted_ids``, ``block_expert``, ``num_padded``), as :func:`moeforge.kernels.moe_gemm.moe_gemm` computes it:
+    ``glu`` the SwiGLU gate/up GEMM (concatenated ``[gate | up]`` rows; ``out`` ``N_w / 2`` wide), else a plain one;
+    ``topk_weights [copies]`` multiply each row. ``config``: ``block_m / block_n / block_k``, ``num_warps`` (the MMA
+    partition's; 8 for 128-row tiles), ``num_stages`` (the ring's slots). ``programs``: the persistent grid (by default
+    one per multiprocessor). ``pingpong``: two MMA partitions of ``num_warps`` (4) on alternate tiles, so that one's
+    epilogue overlaps the other's K-loop. ``coalesced_store``: the output tile through shared memory into 16-byte
+    row pieces before it is written (else written from the MMA layout, 4 bytes a thread and row). ``weight_kn``:
+    ``weight [E, K, N]``, ``out[copy] = epilogue(a[copy // rows_per_a] @ weight[expert])`` (the stored ``[E, N_w, K]``
+    weight read this way is the row gradient's product, ``d_pre @ W``). ``out``: the rows' dtype or fp32 (a row
+    gradient whose copies are summed afterwards)."""
+    aligned = aligned_block_m or config.block_m
+    check_operands(a, weight, out, config, glu, aligned, weight_kn)
+    if pingpong and config.num_warps != 4:
+        raise ValueError(f"ping-pong MMA partitions are one warpgroup each (num_warps=4), got {config.num_warps}")
+    if pingpong and config.block_m * config.block_n > (64 if glu else 128) * 128:
+        raise ValueError(f"a ping-pong MMA partition (one warpgroup) holds at most {64 if glu else 128} x 128 "
+                         f"accumulators{' for gate and for up' if glu else ''}, got {config.block_m} x "
+                         f"{config.block_n}")
+    if block_expert.numel() != -(-sorted_ids.numel() // aligned):  # (the plan's last block may be partial)
+        raise ValueError(f"block_expert has {block_expert.numel()} entries for {sorted_ids.numel()} slots in blocks "
+                         f"of {aligned}")
+    if aligned != config.block_m:  # a tile's expert by its own block: the plan's table repeated
+        block_expert = block_expert.repeat_interleave(aligned // config.block_m)
+    num_copies, n_out = out.shape
+    if num_copies == 0 or n_out == 0:
+        return out
+    if programs is None:
+        programs = torch.cuda.get_device_properties(a.device).multi_processor_count
+    ws_grouped_gemm_kernel[(programs,)](
+        a, weight_descriptor(weight, config, weight_kn), out, topk_weights if topk_weights is not None else out,
+        sorted_ids, block_expert, num_padded, n_out, a.shape[1], num_copies, rows_per_a, a.stride(0), out.stride(0),
+        n_out if glu else 0,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, GLU=glu,
+        MUL_WEIGHTS=topk_weights is not None, GROUP_M=config.group_m, COALESCED_STORE=coalesced_store,
+        WEIGHT_KN=weight_kn, **_partitions(pingpong),
+        num_warps=config.num_warps)
+    return out
+
+
+def _partitions(pingpong: bool) -> dict[str, Any]:
+    """The partitions' compile-time settings: one MMA partition, or two (ping-pong), and the loader's."""
+    return dict(PINGPONG=pingpong, LOADER_WARPS_=LOADER_WARPS,
+                LOADER_REGS=PINGPONG_LOADER_REGISTERS if pingpong else LOADER_REGISTERS,
+                CONSUMER_WARPS=4, CONSUMER_REGS=PINGPONG_CONSUMER_REGISTERS)
+
+
+def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: torch.dtype = torch.bfloat16,
+                       pingpong: bool = False, coalesced_store: bool = True, weight_kn: bool = False,
+                       out_fp32: bool = False) -> Any:
+    """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
+    checks, and where the PTX and the register counts can be read (``.asm``)."""
+    if _GLUON_ERROR is not None:
+        raise ValueError(_GLUON_ERROR)
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    out_name = "fp32" if out_fp32 else name
+    box = _weight_box(config, weight_kn)
+    layout = gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(dtype))
+    signature = dict(a_ptr=f"*{name}", w_desc=f"tensordesc<{name}[{box[0]},{box[1]}],{layout!r}>",
+                     out_ptr=f"*{out_name}", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
+                     num_padded_ptr="*i32", N="i32", K="i32", num_copies="i32", rows_per_a="i32", stride_am="i32",
+                     stride_om="i32", up_offset="i32")
+    constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                      STAGES=config.num_stages, GLU=glu, MUL_WEIGHTS=mul_weights, GROUP_M=config.group_m,
+                      COALESCED_STORE=coalesced_store, WEIGHT_KN=weight_kn, **_partitions(pingpong))
+    signature.update({key: "constexpr" for key in constexprs})
+    # what the JIT specialises at a launch whose pointers, widths and strides are multiples of 16
+    divisible = ("a_ptr", "out_ptr", "weights_ptr", "sorted_ids_ptr", "block_expert_ptr", "num_padded_ptr", "N", "K",
+                 "stride_am", "stride_om", "up_offset")
+    names = list(signature)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    source = GluonASTSource(ws_grouped_gemm_kernel, signature, constexprs=dict(constexprs), attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))

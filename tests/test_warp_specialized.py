@@ -1,0 +1,155 @@
+"""A tuned table's ``warp_specialized`` entries (:mod:`moeforge.kernels.warp_specialized`): the launches the Gluon
+kernel takes and the reasons it gives for the others; the flag never reaching a training gate/up GEMM or the
+batch-invariant family; a pipeline whose table asks for it computing the layer the plain table computes — on CPU
+(the interpreter: ``moe_gemm`` serves every launch, the reason in the stage's summary) and on a Hopper GPU, where
+the Gluon kernel serves the inference launches and not the training ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import moeforge as mf  # noqa: E402
+from moeforge.batch_invariant import in_family, invariant_table  # noqa: E402
+from moeforge.kernels import warp_specialized  # noqa: E402
+from moeforge.kernels.activations import ACT_GELU, ACT_NONE, ACT_SILU  # noqa: E402
+from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
+from moeforge.kernels.formats import WeightFormat  # noqa: E402
+from moeforge.stages.combine import Combine  # noqa: E402
+from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TILE = GemmConfig(128, 128, 64, num_warps=8, num_stages=4, warp_specialized=True)
+
+
+def _problem(**changes: Any) -> Any:
+    a = changes.pop("a", torch.zeros(4, 256, dtype=torch.bfloat16))
+    weight = changes.pop("weight", torch.zeros(2, 512, 256, dtype=torch.bfloat16))
+    launch = dict(quantized=False, weight_format=WeightFormat.FLOAT, bias=False, act=ACT_SILU, glu=True,
+                  interleaved=False, out_dtype=a.dtype, fp8_out=False, update=False, config=TILE,
+                  aligned_block_m=128)
+    launch.update(changes)
+    return warp_specialized.problem(a, weight, **launch)
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(quantized=True), "float rows and weights"),
+    (dict(weight_format=WeightFormat.FP8), "float rows and weights"),
+    (dict(weight=torch.zeros(2, 512, 256, dtype=torch.float16)), "float rows and weights of one dtype"),
+    (dict(out_dtype=torch.float16), "writes the rows' dtype or fp32"),
+    (dict(fp8_out=True), "not fp8"),
+    (dict(update=True), "low-rank update"),
+    (dict(config=attrs.evolve(TILE, split_k=2)), "no split"),
+    (dict(config=attrs.evolve(TILE, swap=True)), "no swapped product"),
+    (dict(a=torch.zeros(4, 256), weight=torch.zeros(2, 512, 256)), "bf16 / fp16"),
+    (dict(bias=True), "no bias"),
+    (dict(act=ACT_GELU), "SwiGLU"),
+    (dict(interleaved=True), "concatenated"),
+    (dict(glu=False, act=ACT_SILU), "plain GEMM has no activation"),
+])
+def test_a_launch_names_why_the_warp_specialised_kernel_cannot_take_it(changes: dict[str, Any], words: str) -> None:
+    found = _problem(**changes)
+    assert found is not None and words in found, found
+
+
+@pytest.mark.skipif(HOPPER, reason="the operands' own problems show where the device has none")
+def test_on_another_device_the_reason_is_the_device() -> None:
+    found = _problem()
+    assert found is not None and ("sm_90" in found or "Gluon" in found), found
+    assert "sm_90" in (_problem(glu=False, act=ACT_NONE) or "")
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("changes, words", [
+    (dict(config=GemmConfig(32, 128, 64, warp_specialized=True)), "64 or 128 rows"),
+    (dict(aligned_block_m=64), "must divide"),
+    (dict(a=torch.zeros(4, 200, dtype=torch.bfloat16), weight=torch.zeros(2, 512, 200, dtype=torch.bfloat16)),
+     "multiples of 16"),
+    (dict(config=GemmConfig(128, 256, 128, num_warps=8, num_stages=4, warp_specialized=True)), "shared memory"),
+])
+def test_a_launch_the_hopper_kernel_cannot_take_is_named(changes: dict[str, Any], words: str) -> None:
+    a, weight = torch.zeros(4, 256, dtype=torch.bfloat16, device="cuda"), \
+        torch.zeros(2, 512, 256, dtype=torch.bfloat16, device="cuda")
+    assert _problem(a=a, weight=weight) is None  # (the launch the table's tile takes)
+    changes = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in changes.items()}
+    found = _problem(**{"a": a, "weight": weight, **changes})
+    assert found is not None and words in found, found
+
+
+def test_the_flag_never_reaches_a_training_gate_up_launch_or_the_invariant_family() -> None:
+    # a training forward runs the gate/up GEMM unfused (moe_gemm's wide tile): measured faster only fused
+    assert not TILE.unfused_gate_up().warp_specialized
+    assert not attrs.evolve(TILE, block_n=256).unfused_gate_up().warp_specialized
+    assert not in_family(attrs.evolve(TILE, split_k=1))
+    tuned = ConfigTable(8, 2, (64, 4096), (MoEConfig(GemmConfig(64, 64, 64), GemmConfig(64, 64, 64)),
+                                           MoEConfig(TILE, attrs.evolve(TILE, block_n=256, warp_specialized=False))))
+    assert tuned.warp_specialized_tokens("gate_up") == (4096,) and tuned.warp_specialized_tokens("down") == ()
+    invariant = invariant_table(8, 2, tuned=tuned)
+    assert not any(invariant.lookup(m).gate_up.warp_specialized for m in (1, 64, 4096, 10 ** 5))
+
+
+def _pipeline(table: ConfigTable, w13: torch.Tensor, w2: torch.Tensor, experts: int, k: int, hidden: int) -> Any:
+    return mf.Pipeline([TritonTopK(experts, k, mf.RoutingConfig()), AlignDispatch(experts, table),
+                        FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=mf.ActivationConfig()),
+                        FusedGroupedGemm(mf.GemmRole.DOWN, w2, table), Combine()],
+                       mf.input_spec(hidden, w13.dtype, experts))
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 40, 300] if HOPPER else [0, 1, 20])
+def test_a_table_that_asks_for_the_kernel_computes_the_same_layer(tokens: int, monkeypatch: Any) -> None:
+    experts, k, hidden, inter = (8, 2, 256, 192) if HOPPER else (4, 2, 64, 32)
+    dtype = torch.bfloat16 if HOPPER else torch.float16  # (the interpreter mis-computes bf16 dots)
+    gen = torch.Generator().manual_seed(tokens)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(DEVICE, dtype)
+    tile = TILE if HOPPER else GemmConfig(64, 32, 32, num_warps=4, num_stages=2, warp_specialized=True)
+    plain = attrs.evolve(tile, warp_specialized=False)
+    asked = ConfigTable(experts, k, (1,), (MoEConfig(tile, plain),))
+    table = ConfigTable(experts, k, (1,), (MoEConfig(plain, plain),))
+    launches = []
+    original = warp_specialized.launch
+    monkeypatch.setattr(warp_specialized, "launch", lambda *args, **kw: launches.append(1) or original(*args, **kw))
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    logits = torch.randn(tokens, experts, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        got = _pipeline(asked, w13, w2, experts, k, hidden)(mf.MoEInput(x, logits)).hidden_states
+        want = _pipeline(table, w13, w2, experts, k, hidden)(mf.MoEInput(x, logits)).hidden_states
+    assert len(launches) == (1 if HOPPER and tokens else 0)
+    if HOPPER:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    else:  # the same moe_gemm launch served both
+        assert torch.equal(got, want)
+    # training: the unfused gate/up GEMM and every backward launch are moe_gemm's, as without the flag
+    grads = []
+    for each in (asked, table):
+        weights = [w.clone().requires_grad_() for w in (w13, w2)]
+        rows = x.clone().requires_grad_()
+        out = _pipeline(each, *weights, experts, k, hidden)(mf.MoEInput(rows, logits)).hidden_states
+        out.float().square().sum().backward()
+        grads.append([out] + [t.grad for t in (rows, *weights)])
+    assert len(launches) == (1 if HOPPER and tokens else 0)
+    for one, other in zip(*grads):
+        assert (one is None and other is None) or torch.equal(one, other)
+
+
+def test_the_stage_summary_says_where_the_kernel_serves_or_why_not() -> None:
+    w13 = torch.zeros(4, 64, 64, dtype=torch.float16, device=DEVICE)
+    asked = ConfigTable(4, 2, (64, 4096), (MoEConfig(GemmConfig(64, 64, 64), GemmConfig(64, 64, 64)),
+                                           MoEConfig(attrs.evolve(TILE, block_m=64, num_warps=4),
+                                                     GemmConfig(64, 64, 64))))
+    gate_up = FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, asked, activation=mf.ActivationConfig())
+    summary = gate_up.summary()
+    assert "warp-specialised Gluon kernel at the table's M = 4096" in summary, summary
+    assert ("without autograd" in summary) if HOPPER else ("skipped" in summary and "sm_90" in summary), summary
+    gelu = FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, asked,
+                            activation=mf.ActivationConfig(kind=mf.ActivationKind.GEGLU))
+    assert "skipped: the warp-specialised kernel's gated activation is SwiGLU" in gelu.summary()
+    down = FusedGroupedGemm(mf.GemmRole.DOWN, torch.zeros(4, 64, 32, dtype=torch.float16, device=DEVICE), asked)
+    assert "warp-specialised" not in down.summary()
