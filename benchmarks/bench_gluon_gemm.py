@@ -44,6 +44,7 @@ GLUON_TILES = {  # (tile, ping-pong MMA partitions, the output through shared me
     "down": [(GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False, True),
              (GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False, False),
              (GemmConfig(128, 256, 64, num_warps=8, num_stages=3), False, True),
+             (GemmConfig(128, 256, 64, num_warps=8, num_stages=4), False, False),
              (GemmConfig(128, 128, 64, num_warps=4, num_stages=4), True, True),
              (GemmConfig(64, 256, 64, num_warps=4, num_stages=4), True, True)],
 }
