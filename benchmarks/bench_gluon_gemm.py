@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moeforge as mf  # noqa: E402
 from moeforge.kernels import gluon_grouped_gemm as gluon_gemm  # noqa: E402
 from moeforge.kernels.activations import ACT_SILU  # noqa: E402
-from moeforge.kernels.config import GemmConfig, row_gradient_config  # noqa: E402
+from moeforge.kernels.config import GemmConfig, MoEConfig, row_gradient_config  # noqa: E402
 from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmWeight,  # noqa: E402
                                                 grouped_gemm)
 from bench_moe import FLUSH_BYTES, SHAPES, measure_peak, time_graph  # noqa: E402
@@ -44,6 +45,7 @@ GLUON_TILES = {  # (tile, ping-pong MMA partitions, the output through shared me
     "down": [(GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False, True),
              (GemmConfig(128, 128, 64, num_warps=8, num_stages=4), False, False),
              (GemmConfig(128, 256, 64, num_warps=8, num_stages=3), False, True),
+             (GemmConfig(128, 256, 64, num_warps=8, num_stages=4), False, False),
              (GemmConfig(128, 128, 64, num_warps=4, num_stages=4), True, True),
              (GemmConfig(64, 256, 64, num_warps=4, num_stages=4), True, True)],
 }
@@ -67,7 +69,10 @@ def bench(name: str, tokens: int, peak: float, reps: int, flush: torch.Tensor, t
     weights = torch.softmax(torch.randn(tokens * top_k, device="cuda"), -1) * tokens
     hidden_rows = torch.randn(tokens * top_k, inter, device="cuda", dtype=torch.bfloat16)
     ops = torch.ops.moeforge
-    config = layer.pipeline.stages[1].configs.lookup(tokens)
+    # the table's tiles, always on moe_gemm (an entry marked warp_specialized would launch the Gluon kernel)
+    table = layer.pipeline.stages[1].configs.lookup(tokens)
+    config = MoEConfig(attrs.evolve(table.gate_up, warp_specialized=False),
+                       attrs.evolve(table.down, warp_specialized=False))
     table_plan = ops.align_block_size(ids, experts, config.block_m, False)
     table_route = GemmRoute(*table_plan, tokens * top_k, aligned_block_m=config.block_m)
     plan = ops.align_block_size(ids, experts, 128, False)

@@ -86,3 +86,40 @@ def test_the_weight_gradient_kernel_fits_for_every_alignment_block() -> None:
         dw, db = weight_grad.expert_weight_grad(d_rows, rows, 2, sorted_ids, block_expert, num_padded, 4, block_m, True)
         torch.cuda.synchronize()
         assert dw.shape == (4, 384, 256) and db is not None and torch.isfinite(dw).all()
+
+
+def _warp_specialized_entries() -> list[tuple[str, GemmConfig, bool]]:
+    """(what, config, glu) for every entry of this GPU's shipped tables that launches the Gluon kernel."""
+    if not HOPPER:
+        return []
+    found: dict[tuple[GemmConfig, bool], str] = {}
+    for key, entries in device_tables(torch.cuda.get_device_name()).items():
+        for tokens, entry in entries.items():
+            for gemm in ("gate_up", "down"):
+                config = GemmConfig(**entry[gemm])
+                if config.warp_specialized:
+                    found.setdefault((config, gemm == "gate_up"), f"{gemm} {key} M={tokens}")
+    return [(what, config, glu) for (config, glu), what in found.items()]
+
+
+@pytest.mark.parametrize("what, config, glu", [pytest.param(*entry, id=entry[0])
+                                               for entry in _warp_specialized_entries()])
+def test_every_shipped_warp_specialized_entry_launches_the_gluon_kernel(what: str, config: GemmConfig,
+                                                                        glu: bool) -> None:
+    from moeforge.kernels import warp_specialized
+
+    torch.manual_seed(0)
+    experts, rows, k_dim, n_out = 2, 512, 512, 512
+    ids = torch.randint(0, experts, (rows, 1), device="cuda", dtype=torch.int32)
+    plan = align.align_block_size(ids, experts, config.block_m)
+    weight = torch.randn(experts, 2 * n_out if glu else n_out, k_dim, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
+    assert warp_specialized.problem(a, weight, quantized=False, weight_format=WeightFormat.FLOAT, bias=False,
+                                    act=1 if glu else 0, glu=glu, interleaved=False, out_dtype=torch.bfloat16,
+                                    fp8_out=False, update=False, config=config,
+                                    aligned_block_m=config.block_m) is None
+    result = torch.full((rows, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
+    warp_specialized.launch(a, weight, result, *plan, rows_per_a=1, config=config, glu=glu, topk_weights=None,
+                            aligned_block_m=config.block_m)
+    torch.cuda.synchronize()
+    assert torch.isfinite(result).all()

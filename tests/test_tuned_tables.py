@@ -366,3 +366,22 @@ def test_every_committed_float_entry_fits_shared_memory_forward_and_backward() -
                             (name, key, tokens, gemm, config)
                         walked += 1
     assert walked > 100
+
+
+def test_every_committed_warp_specialized_entry_is_a_tile_the_gluon_kernel_takes() -> None:
+    # (tests/test_launch_fit_gpu.py launches each of them on a Hopper GPU)
+    pytest.importorskip("triton")
+    from moeforge.kernels import gluon_grouped_gemm
+
+    marked = 0
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        for key, entries in device_tables(name).items():
+            for tokens, entry in entries.items():
+                for gemm in ("gate_up", "down"):
+                    config = GemmConfig(**entry[gemm])
+                    if config.warp_specialized:
+                        assert key.endswith((",bf16", ",fp16")), (name, key, tokens, gemm)  # float weights only
+                        assert gluon_grouped_gemm.tile_problem(config, glu=gemm == "gate_up") is None, \
+                            (name, key, tokens, gemm)
+                        marked += 1
+    assert marked >= 10  # (the H200 table's SwiGLU gate/up entries of 128 x 128 x 64 tiles)

@@ -52,6 +52,7 @@ try:  # (Gluon is experimental: a Triton without it, or with another API, leaves
 except ImportError as error:  # pragma: no cover (every supported Triton has it)
     _GLUON_ERROR = f"Triton's Gluon is not importable here: {error}"
 
+SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a block may take on sm_90
 LOADER_WARPS = 4
 LOADER_REGISTERS = 88
 # Ping-pong: two MMA partitions of num_warps = 4 and the loader share the 64K registers of 12 warps: 224, 224 (the
@@ -286,7 +287,7 @@ def weight_descriptor(weight: torch.Tensor, config: GemmConfig, weight_kn: bool 
 
 
 def operand_problem(a: torch.Tensor, weight: torch.Tensor, config: GemmConfig, glu: bool, aligned_block_m: int,
-                    weight_kn: bool = False) -> Optional[str]:
+                    weight_kn: bool = False, coalesced_store: bool = True, pingpong: bool = False) -> Optional[str]:
     """What this kernel does not take among these rows, weight, tile and alignment (``None``: it takes them)."""
     if _GLUON_ERROR is not None:
         return _GLUON_ERROR
@@ -302,11 +303,9 @@ def operand_problem(a: torch.Tensor, weight: torch.Tensor, config: GemmConfig, g
     k_dim = weight.shape[1] if weight_kn else weight.shape[2]
     if a.dim() != 2 or a.stride(1) != 1 or a.shape[1] != k_dim:
         return f"rows must be [rows, K={k_dim}] with contiguous rows, got {tuple(a.shape)}"
-    if (config.block_m not in (64, 128) or config.num_warps not in (4, 8) or config.block_k not in (32, 64, 128)
-            or config.block_n % 16 or not 16 <= config.block_n <= 256 or config.num_stages < 2):
-        return (f"the warp-specialised GEMM's tiles have 64 or 128 rows, 16 to 256 columns (a multiple of 16), K-steps "
-                f"of 32, 64 or 128, 4 or 8 MMA warps and at least 2 stages, got {config.block_m} x {config.block_n} x "
-                f"{config.block_k}, {config.num_warps} warps, {config.num_stages} stages")
+    found = tile_problem(config, glu, a.element_size(), coalesced_store, pingpong)
+    if found is not None:
+        return found
     if aligned_block_m % config.block_m:
         return f"block_m={config.block_m} must divide the alignment's block {aligned_block_m}"
     if k_dim % 16 or a.stride(0) % 16 or weight.shape[2] % 8:
@@ -316,10 +315,31 @@ def operand_problem(a: torch.Tensor, weight: torch.Tensor, config: GemmConfig, g
     return None
 
 
+def tile_problem(config: GemmConfig, glu: bool, element_bytes: int = 2, coalesced_store: bool = True,
+                 pingpong: bool = False) -> Optional[str]:
+    """What this kernel does not take in a launch configuration: its tile's sizes, warps and stages, and the shared
+    memory they take with the store and partitions asked for (``None``: it takes it)."""
+    if (config.block_m not in (64, 128) or config.num_warps not in (4, 8) or config.block_k not in (32, 64, 128)
+            or config.block_n % 16 or not 16 <= config.block_n <= 256 or config.num_stages < 2):
+        return (f"the warp-specialised GEMM's tiles have 64 or 128 rows, 16 to 256 columns (a multiple of 16), K-steps "
+                f"of 32, 64 or 128, 4 or 8 MMA warps and at least 2 stages, got {config.block_m} x {config.block_n} x "
+                f"{config.block_k}, {config.num_warps} warps, {config.num_stages} stages")
+    if pingpong and config.num_warps != 4:
+        return f"ping-pong MMA partitions are one warpgroup each (num_warps=4), got {config.num_warps}"
+    if pingpong and config.block_m * config.block_n > (64 if glu else 128) * 128:
+        return (f"a ping-pong MMA partition (one warpgroup) holds at most {64 if glu else 128} x 128 accumulators"
+                f"{' for gate and for up' if glu else ''}, got {config.block_m} x {config.block_n}")
+    needed = shared_memory_bytes(config, glu, element_bytes, coalesced_store, pingpong)
+    if needed > SHARED_MEMORY_LIMIT:
+        return f"the tile needs {needed} bytes of shared memory, more than a block's {SHARED_MEMORY_LIMIT}"
+    return None
+
+
 def check_operands(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: GemmConfig, glu: bool,
-                   aligned_block_m: int, weight_kn: bool = False) -> None:
+                   aligned_block_m: int, weight_kn: bool = False, coalesced_store: bool = True,
+                   pingpong: bool = False) -> None:
     """A ``ValueError`` naming what this kernel does not take."""
-    problem = operand_problem(a, weight, config, glu, aligned_block_m, weight_kn)
+    problem = operand_problem(a, weight, config, glu, aligned_block_m, weight_kn, coalesced_store, pingpong)
     if problem is not None:
         raise ValueError(problem)
     n_out = weight.shape[2] if weight_kn else weight.shape[1] // 2 if glu else weight.shape[1]
@@ -354,13 +374,7 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
     weight read this way is the row gradient's product, ``d_pre @ W``). ``out``: the rows' dtype or fp32 (a row
     gradient whose copies are summed afterwards)."""
     aligned = aligned_block_m or config.block_m
-    check_operands(a, weight, out, config, glu, aligned, weight_kn)
-    if pingpong and config.num_warps != 4:
-        raise ValueError(f"ping-pong MMA partitions are one warpgroup each (num_warps=4), got {config.num_warps}")
-    if pingpong and config.block_m * config.block_n > (64 if glu else 128) * 128:
-        raise ValueError(f"a ping-pong MMA partition (one warpgroup) holds at most {64 if glu else 128} x 128 "
-                         f"accumulators{' for gate and for up' if glu else ''}, got {config.block_m} x "
-                         f"{config.block_n}")
+    check_operands(a, weight, out, config, glu, aligned, weight_kn, coalesced_store, pingpong)
     if block_expert.numel() != -(-sorted_ids.numel() // aligned):  # (the plan's last block may be partial)
         raise ValueError(f"block_expert has {block_expert.numel()} entries for {sorted_ids.numel()} slots in blocks "
                          f"of {aligned}")

@@ -21,9 +21,6 @@ from moeforge.kernels.activations import ACT_NONE, ACT_SILU
 from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.formats import WeightFormat
 
-SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a block may take on sm_90
-
-
 @functools.lru_cache(maxsize=None)
 def _device_problem(device: torch.device) -> Optional[str]:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
@@ -68,13 +65,7 @@ def problem(a: torch.Tensor, weight: torch.Tensor, *, quantized: bool, weight_fo
     found = stage_problem(a.device, a.dtype, act, glu, interleaved, bias)
     if found is not None:
         return found
-    found = gluon_gemm.operand_problem(a, weight, config, glu, aligned_block_m)
-    if found is not None:
-        return found
-    needed = gluon_gemm.shared_memory_bytes(config, glu, a.element_size())
-    if needed > SHARED_MEMORY_LIMIT:
-        return f"the tile needs {needed} bytes of shared memory, more than a block's {SHARED_MEMORY_LIMIT}"
-    return None
+    return gluon_gemm.operand_problem(a, weight, config, glu, aligned_block_m)
 
 
 def launch(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
