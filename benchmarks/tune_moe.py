@@ -2,15 +2,17 @@
 
     python benchmarks/tune_moe.py --shapes qwen3,mixtral [--formats bf16,fp8,fp8-channel,int8,w4a16,mxfp4,nvfp4]
                                   [--tokens 1,8,...] [--jobs 8] [--tma] [--split-k] [--half-tail] [--decode-first]
+                                  [--warp-specialized]
                                   [--out FILE]
 
 For each shape, format and token count it times both expert GEMMs of a triton ``MoELayer`` in that
 format (the gate/up GEMM with its fused activation, and the down GEMM), exactly as the layer runs
 them: the layer's own stages, re-aligned and re-tiled for every candidate configuration, as CUDA-graph
 replays with the L2 flushed, on the layer's random weights, random activations and three random
-softmax routings (the mean: which experts a small batch reaches varies). The candidates are a search space pruned by rows per expert and by the format (``8-bit``:
-128-deep K-steps for the per-128 scales; ``4-bit``: the dequantizing kernels' tiles, up to 256-row
-blocks), plus the configuration the layer picks today, so a tuned entry is never slower than the rules
+softmax routings (the mean: which experts a small batch reaches varies). The candidates are a search space pruned
+by rows per expert and by the format (``8-bit``: 128-deep K-steps for the per-128 scales; ``4-bit``: the
+dequantizing kernels' tiles, up to 256-row blocks; ``--warp-specialized``: bf16 tiles the Gluon kernel takes, also
+with it), plus the configuration the layer picks today, so a tuned entry is never slower than the rules
 it replaces (up to timing noise). The rows are aligned once, by the larger of the two GEMMs' ``block_m``
 (the smaller must divide it): each GEMM is timed on rows aligned by its own ``block_m``, then each GEMM's
 best at a smaller block is timed again on rows aligned by the other's larger block (more padding), and the
@@ -49,6 +51,7 @@ from bench_moe import (  # noqa: E402
     EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, format_problem, held_formats, random_batch, time_graph)
 
 import moeforge as mf  # noqa: E402
+from moeforge.kernels import gluon_grouped_gemm  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig, device_key, shape_key  # noqa: E402
 from moeforge.payloads import Activations, AlignedRows, RoutedTokens, TopKOutput  # noqa: E402
 from moeforge.stages.gemm import GemmRole  # noqa: E402
@@ -240,8 +243,16 @@ def decode_chunks(shape: tuple[int, int, int, int]) -> list[int]:
     return sorted({max(1, min(experts, int(gib * 2**30) // per_expert)) for gib in DECODE_BUDGETS_GIB})
 
 
+def warp_specialized_twins(configs: list[GemmConfig], glu: bool) -> list[GemmConfig]:
+    """The candidates whose tile the warp-specialised Gluon kernel takes (one K-loop over ``rows @ W^T``), marked to
+    launch it."""
+    return [attrs.evolve(config, warp_specialized=True) for config in configs
+            if not config.swap and (config.split_k or 1) == 1 and not config.decode_chunk
+            and gluon_grouped_gemm.tile_problem(config, glu) is None]
+
+
 def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int, tma: bool = False,
-         split_k: bool = False, half_tail: bool = False, decode_first: bool = False
+         split_k: bool = False, half_tail: bool = False, decode_first: bool = False, warp_specialized: bool = False
          ) -> dict[int, dict[str, list[GemmConfig]]]:
     """The candidates by ``block_m`` and GEMM for one token count (the layer's own choice included);
     ``tma``: each with the weight tiles by pointer and by TMA (else the launcher's rule decides);
@@ -249,7 +260,9 @@ def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens:
     launcher's rule decides); ``half_tail``: each of at least 32 rows (the layer's own choice too) also with
     half-height tiles for the experts' last blocks (``GemmConfig.half_tail``); ``decode_first``: 4-bit formats above
     :data:`DECODE_MIN_ROWS` rows per expert, also the bf16 candidates with the weights decoded first
-    (``GemmConfig.decode_chunk``), in chunks of each of :func:`decode_chunks` experts."""
+    (``GemmConfig.decode_chunk``), in chunks of each of :func:`decode_chunks` experts; ``warp_specialized``: bf16,
+    also each candidate whose tile the warp-specialised Gluon kernel takes with that kernel
+    (``GemmConfig.warp_specialized``; :func:`warp_specialized_twins`)."""
     gemms = Gemms.of(layer)
     chosen = gemms.chosen(routed_tokens(layer, shape, tokens))
     space = list(candidates(fmt, tokens * layer.top_k / layer.num_experts))
@@ -263,10 +276,14 @@ def plan(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens:
         decoded = [attrs.evolve(config, decode_chunk=chunk) for config in candidates("bf16", rows)
                    for chunk in decode_chunks(shape)]
         gate_up_space, down_space = gate_up_space + decoded, down_space + decoded
+    gluon_gate_up, gluon_down = (warp_specialized_twins(gate_up_space, glu=True),
+                                 warp_specialized_twins(down_space, glu=False)) \
+        if warp_specialized and fmt == "bf16" else ([], [])
     if half_tail:
         gate_up_space, down_space = ([c for config in configs for c in (
             (config, attrs.evolve(config, half_tail=True)) if config.block_m >= 32 else (config,))]
             for configs in (gate_up_space, down_space))
+    gate_up_space, down_space = gate_up_space + gluon_gate_up, down_space + gluon_down
     by_block: dict[int, dict[str, list[GemmConfig]]] = {}
     for config in gate_up_space:
         by_block.setdefault(config.block_m, {"gate_up": [], "down": []})["gate_up"].append(config)
@@ -298,7 +315,7 @@ def runners(layer: mf.MoELayer, shape: tuple[int, int, int, int], tokens: int, b
 def _compile(job: tuple[str, str, list[int], int, int, Any, bool, bool, bool, bool]) -> int:
     """Launch (and so compile into Triton's cache) every ``index % count == worker`` candidate;
     ``creating``: a lock, one layer created at a time (quantizing one takes many times its size)."""
-    shape_name, fmt, tokens_list, worker, count, creating, tma, split_k, half_tail, decode_first = job
+    shape_name, fmt, tokens_list, worker, count, creating, tma, split_k, half_tail, decode_first, warp_specialized = job
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
     with creating:
@@ -308,7 +325,8 @@ def _compile(job: tuple[str, str, list[int], int, int, Any, bool, bool, bool, bo
     index = 0
     with torch.no_grad():
         for tokens in tokens_list:
-            for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k, half_tail, decode_first).items():
+            for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k, half_tail, decode_first,
+                                       warp_specialized).items():
                 run = runners(layer, shape, tokens, block_m)
                 for role, configs in roles.items():
                     for config in configs:
@@ -325,14 +343,15 @@ def _compile(job: tuple[str, str, list[int], int, int, Any, bool, bool, bool, bo
 
 
 def compile_ahead(shape_name: str, fmt: str, tokens_list: list[int], jobs: int, tma: bool = False,
-                  split_k: bool = False, half_tail: bool = False, decode_first: bool = False) -> None:
+                  split_k: bool = False, half_tail: bool = False, decode_first: bool = False,
+                  warp_specialized: bool = False) -> None:
     if jobs <= 1:
         return
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         lock = manager.Lock()
-        jobs_list = [(shape_name, fmt, tokens_list, w, jobs, lock, tma, split_k, half_tail, decode_first)
-                     for w in range(jobs)]
+        jobs_list = [(shape_name, fmt, tokens_list, w, jobs, lock, tma, split_k, half_tail, decode_first,
+                      warp_specialized) for w in range(jobs)]
         done = sum(pool.map(_compile, jobs_list))
     print(f"  compiled {done} launches in {jobs} processes", flush=True)
 
@@ -376,7 +395,7 @@ def best_pair(best: dict[int, dict[str, Timed]], on_larger: dict[tuple[int, int]
 
 def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, tokens: int,
               flush: torch.Tensor, reps: int, tma: bool = False, split_k: bool = False,
-              half_tail: bool = False, decode_first: bool = False) -> dict[str, Any]:
+              half_tail: bool = False, decode_first: bool = False, warp_specialized: bool = False) -> dict[str, Any]:
     best: dict[int, dict[str, Timed]] = {}
     runs: dict[int, dict[str, Callable[[GemmConfig], Callable[[], Any]]]] = {}
 
@@ -388,7 +407,8 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
             return None
 
     with torch.no_grad():
-        for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k, half_tail, decode_first).items():
+        for block_m, roles in plan(layer, shape, fmt, tokens, tma, split_k, half_tail, decode_first,
+                                   warp_specialized).items():
             runs[block_m] = runners(layer, shape, tokens, block_m)
             for role, configs in roles.items():
                 for config in configs:
@@ -415,7 +435,8 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
                              **({} if c.split_k is None else dict(split_k=c.split_k)),
                              **({} if not c.swap else dict(swap=True)),
                              **({} if not c.half_tail else dict(half_tail=True)),
-                             **({} if not c.decode_chunk else dict(decode_chunk=c.decode_chunk)))
+                             **({} if not c.decode_chunk else dict(decode_chunk=c.decode_chunk)),
+                             **({} if not c.warp_specialized else dict(warp_specialized=True)))
     return dict(gate_up=as_dict(chosen["gate_up"][1]), down=as_dict(chosen["down"][1]), us=round(total, 2))
 
 
@@ -442,6 +463,9 @@ def main() -> None:
                         help=f"4-bit formats above {DECODE_MIN_ROWS} rows per expert: also time the bf16 candidates "
                              "with the weights decoded first, a chunk of experts at a time (GemmConfig.decode_chunk), "
                              "and write the choice into the table")
+    parser.add_argument("--warp-specialized", action="store_true",
+                        help="bf16: also time each candidate whose tile the warp-specialised Gluon kernel takes with "
+                             "that kernel (Hopper; GemmConfig.warp_specialized), and write the choice into the table")
     args = parser.parse_args()
     formats = args.formats.split(",")
     unknown = [f for f in formats if f not in FORMATS]
@@ -464,14 +488,15 @@ def main() -> None:
         for fmt in held_formats(name, formats):
             torch.manual_seed(0)
             compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs), args.tma,
-                          args.split_k, args.half_tail, args.decode_first)
+                          args.split_k, args.half_tail, args.decode_first, args.warp_specialized)
             layer = build_layer(shape, fmt)
             key = table_key(shape, fmt)
             print(f"{name} {key}", flush=True)
             entries = table.setdefault(key, {})
             for tokens in tokens_list:
                 entries[str(tokens)] = tune_cell(layer, shape, fmt, tokens, flush, args.reps, args.tma,
-                                                    args.split_k, args.half_tail, args.decode_first)
+                                                    args.split_k, args.half_tail, args.decode_first,
+                                                    args.warp_specialized)
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(table, indent=1, sort_keys=True))  # progress survives a time-out
             del layer
