@@ -73,3 +73,18 @@ def test_the_front_end_rejects_what_the_interpreter_accepts(tmp_path: Path) -> N
     assert "2 interpreted launch specialisations lowered, 1 rejected" in result.stdout
     assert "front_end_kernels.retyped" in result.stdout and "front_end_kernels.sound" not in result.stdout
     assert "int32" in result.stdout and "int64" in result.stdout  # the compiler's own words
+
+
+def test_a_moeforge_launch_without_the_fixed_options_is_reported() -> None:
+    # (found before any lowering: no compiler needed)
+    sys.path.insert(0, str(Path(__file__).parent))
+    import triton_front_end
+
+    record = {"module": "moeforge.kernels.combine", "file": "combine.py", "name": "_combine_kernel", "types": {},
+              "constexprs": {"BLOCK_H": 64}, "options": {"num_warps": 4}}
+    found = triton_front_end.lower(record)
+    assert found is not None and found[0] == "moeforge.kernels.combine._combine_kernel"
+    assert "enable_fp_fusion" in found[2] and "FIXED_OPTIONS" in found[2]
+    from moeforge.kernels.bound_launch import FIXED_OPTIONS
+
+    assert dict(FIXED_OPTIONS) == triton_front_end._FIXED  # (the check asks for what the package passes)

@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 RECORDS = "MOEFORGE_TRITON_LAUNCHES"  # the directory the launches are recorded in (set by conftest.py)
-_OPTION_NAMES = ("num_warps", "num_ctas", "maxnreg")
+_OPTION_NAMES = ("num_warps", "num_ctas", "maxnreg", "enable_fp_fusion")
+# What a moeforge kernel's launch must carry (moeforge.kernels.bound_launch.FIXED_OPTIONS): its rounding must not
+# follow Triton's default, which Triton 3.10 changes.
+_FIXED = {"enable_fp_fusion": True}
 
 
 def _encode(value: Any) -> Any:
@@ -112,7 +115,13 @@ def _kernel(module: str, file: str, name: str) -> Any:
 
 def lower(record: dict[str, Any]) -> Optional[tuple[str, str, str]]:
     """Lower one recorded launch to Triton IR for sm_90: ``None`` where the compiler accepts it, else the kernel's
-    name, its constexprs and the compiler's error."""
+    name, its constexprs and the compiler's error (or, for a moeforge kernel launched without the options every
+    moeforge launch fixes, that finding, before any lowering)."""
+    if record["module"].startswith("moeforge.") and any(
+            record["options"].get(name) != value for name, value in _FIXED.items()):
+        return (f"{record['module']}.{record['name']}", json.dumps(record["constexprs"]),
+                f"launched with options {record['options']}, without {_FIXED}: a moeforge launch passes "
+                "moeforge.kernels.bound_launch.FIXED_OPTIONS (a BoundLaunch adds them)")
     import triton._C.libtriton as libtriton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from moeforge.errors import InputError
 from moeforge.kernels import pdl
+from moeforge.kernels.bound_launch import FIXED_OPTIONS
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.activations import ACT_GPT_OSS, ACT_NONE, activate, gated
 from moeforge.kernels.launch_plan import glu_strides
@@ -211,7 +212,7 @@ def activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alp
     _activate_rows_kernel[(cdiv(rows, block_r), cdiv(width, block_c))](
         pre, out, rows, width, pre.stride(0), out.stride(0), gate_step, up_offset, alpha, limit,
         ACT=act, GLU=glu, BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl.flag(dependent),
-        num_warps=4, **pdl.launch_options(dependent),
+        num_warps=4, **pdl.launch_options(dependent), **FIXED_OPTIONS,
     )
     return out
 
@@ -233,7 +234,7 @@ def activate_rows_backward(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu
         pre, d_out, d_pre, rows, width, pre.stride(0), d_out.stride(0), d_pre.stride(0), gate_step, up_offset,
         alpha, limit,
         ACT=act, GLU=glu, BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl.flag(dependent),
-        num_warps=4, **pdl.launch_options(dependent),
+        num_warps=4, **pdl.launch_options(dependent), **FIXED_OPTIONS,
     )
     return d_pre
 

@@ -19,7 +19,8 @@ launcher attributes this module reads (``run``, ``function``, ``packed_metadata`
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Optional
+from types import MappingProxyType
+from typing import Any, Callable, Hashable, Mapping, Optional
 
 import torch
 from triton import knobs
@@ -27,12 +28,19 @@ from triton.runtime.driver import driver
 
 from moeforge.kernels.launch_memo import CAPACITY, LaunchMemo
 
+# Launch options every moeforge kernel takes (a BoundLaunch adds them; a direct ``kernel[grid](...)`` passes them):
+# floating-point contraction (``a * b + c`` as one fused multiply-add) on, the default of Triton 3.6 to 3.9, which
+# Triton 3.10 turns off (``TRITON_DEFAULT_FP_FUSION``). Left to that default, the kernels' rounding — and so the bits
+# the tests and the determinism promise are about — would change with the Triton version. (A process that sets
+# ``TRITON_FORCE_DISABLE_FP_FUSION`` still gets it off: Triton's override wins.)
+FIXED_OPTIONS: Mapping[str, Any] = MappingProxyType({"enable_fp_fusion": True})
+
 
 class BoundLaunch:
     """``kernel[grid](*args, **constexprs, **options)`` for the positional ``args`` of each call (see the module
     docstring). ``constexprs``: the kernel's ``tl.constexpr`` parameters, which must all follow its other
     parameters in its signature (else every call goes through the JIT); ``options``: launch options
-    (``num_warps``, ``num_stages``, ``launch_pdl``)."""
+    (``num_warps``, ``num_stages``, ``launch_pdl``), to which :data:`FIXED_OPTIONS` are added."""
 
     __slots__ = ("kernel", "grid", "constexprs", "options", "tail", "compiled", "device")
 
@@ -40,7 +48,7 @@ class BoundLaunch:
         self.kernel = kernel
         self.grid = (tuple(grid) + (1, 1))[:3]
         self.constexprs = constexprs
-        self.options = options
+        self.options = {**FIXED_OPTIONS, **options}
         names = list(getattr(kernel, "arg_names", ()))
         tail = names[len(names) - len(constexprs):] if constexprs else []
         # The constexprs' values in signature order, after the positional arguments (None: not in that order).

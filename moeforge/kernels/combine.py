@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from moeforge.kernels import pdl
-from moeforge.kernels.bound_launch import LaunchSite
+from moeforge.kernels.bound_launch import FIXED_OPTIONS, LaunchSite
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
@@ -140,7 +140,7 @@ def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Option
         d_weights if d_weights is not None else d_rows,
         hidden, scale, grad_out.stride(0), rows.stride(0), d_rows.stride(0),
         TOP_K=top_k, K_BLOCK=k_block, HAS_WEIGHTS=weights is not None, WEIGHT_GRAD=weight_grad, BLOCK_H=block_h,
-        PDL=pdl.flag(dependent), num_warps=4, **pdl.launch_options(dependent),
+        PDL=pdl.flag(dependent), num_warps=4, **pdl.launch_options(dependent), **FIXED_OPTIONS,
     )
     return d_rows, d_weights
 

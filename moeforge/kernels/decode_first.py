@@ -29,6 +29,7 @@ import triton.language as tl
 from moeforge.kernels.format_codes import W_FIRST_E2M1
 
 from moeforge.kernels import shuffle
+from moeforge.kernels.bound_launch import FIXED_OPTIONS
 from moeforge.kernels.dequant import group_scales, packed_decoding, weight_tile
 from moeforge.kernels.formats import WeightFormat, weight_operand
 from moeforge.kernels.sizes import cdiv
@@ -124,7 +125,7 @@ def decode_weights(weight: torch.Tensor, weight_format: WeightFormat, weight_sca
         B_FMT=int(weight_format), GROUP=operand.group, HAS_ZEROS=weight_zero is not None, PTX=use_ptx,
         FP8_CVT=use_ptx and weight_format is WeightFormat.NVFP4 and capability is not None and capability >= (8, 9),
         SHUFFLED=(2 if paired_rows else 1) if shuffled else 0, BLOCK_N=DECODE_BLOCK_N, BLOCK_K=DECODE_BLOCK_K,
-        num_warps=DECODE_WARPS,
+        num_warps=DECODE_WARPS, **FIXED_OPTIONS,
     )
     return out
 

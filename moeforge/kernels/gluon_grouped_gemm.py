@@ -45,6 +45,8 @@ try:  # (Gluon is experimental: a Triton without it, or with another API, leaves
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from moeforge.kernels.bound_launch import FIXED_OPTIONS
     # The asynchronous copies' names: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before.
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _gather_load = (async_copy.async_load if hasattr(async_copy, "async_load")
@@ -392,7 +394,7 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, GLU=glu,
         MUL_WEIGHTS=topk_weights is not None, GROUP_M=config.group_m, COALESCED_STORE=coalesced_store,
         WEIGHT_KN=weight_kn, **_partitions(pingpong),
-        num_warps=config.num_warps)
+        num_warps=config.num_warps, **FIXED_OPTIONS)
     return out
 
 
@@ -431,4 +433,5 @@ def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: 
     names = list(signature)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = GluonASTSource(ws_grouped_gemm_kernel, signature, constexprs=dict(constexprs), attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=config.num_warps))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=config.num_warps, **FIXED_OPTIONS))
