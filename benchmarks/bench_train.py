@@ -14,9 +14,11 @@ the bf16 matmul peak measured in the same run; the step's peak memory above what
 Prints a table and writes JSON (device, commit, date).
 
 ``--eager`` also times each step called eagerly (no CUDA graph; the host launches every kernel) and its ratio to
-the replay; ``--host-profile DIR`` writes a ``cProfile`` listing of a few eager moeforge steps per cell there. ``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per
-step (``torch.profiler`` over a few eager steps after warm-up, summed by kernel name) — what a backward change
-should move.
+the replay; ``--host-profile DIR`` writes a ``cProfile`` listing of a few eager moeforge steps per cell there.
+``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per step
+(``torch.profiler`` over a few eager steps after warm-up, summed by kernel name) — what a backward change should
+move. ``--memory-breakdown`` lists, per cell and per path, the blocks live at the step's peak memory by the line
+that allocated them (the allocator's recorded history, :func:`live_at_peak`) — what a memory change should move.
 """
 
 from __future__ import annotations
@@ -95,6 +97,54 @@ def step_memory_and_determinism(fn: Callable[[], Any]) -> tuple[int, bool]:
     same = all(torch.equal(a, b) for a, b in zip(first, second))
     del first, second
     return memory, same
+
+
+def live_at_peak(events: list[dict[str, Any]], top: int = 12) -> tuple[int, list[tuple[str, int, int]]]:
+    """From one device's allocation trace (``torch.cuda.memory._snapshot()["device_traces"][d]``: ``alloc`` and
+    ``free_requested`` events with ``addr``, ``size`` and Python ``frames``): the peak of the bytes allocated over
+    the trace, and the blocks live at that moment grouped by where they were allocated — the innermost frame in
+    moeforge, else in this script, else the innermost Python frame — as ``(place, bytes, blocks)``, largest first
+    (``top`` of them). Blocks allocated before the trace started are not counted (the step's own peak)."""
+    live: dict[int, dict[str, Any]] = {}
+    current = peak = 0
+    at_peak: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+            if current > peak:
+                peak, at_peak = current, dict(live)
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            current -= live.pop(event["addr"])["size"]
+    places: dict[str, list[int]] = {}
+    for event in at_peak.values():
+        entry = places.setdefault(_allocation_place(event.get("frames", [])), [0, 0])
+        entry[0] += event["size"]
+        entry[1] += 1
+    ranked = sorted(((place, size, count) for place, (size, count) in places.items()), key=lambda item: -item[1])
+    return peak, ranked[:top]
+
+
+def _allocation_place(frames: list[dict[str, Any]]) -> str:
+    for wanted in ("moeforge/", "bench_train.py", ""):
+        for frame in frames:
+            if wanted in frame.get("filename", ""):
+                return f"{Path(frame['filename']).name}:{frame.get('line', '?')} {frame.get('name', '?')}"
+    return "(no Python frame)"
+
+
+def memory_breakdown(fn: Callable[[], Any]) -> tuple[int, list[tuple[str, int, int]]]:
+    """:func:`live_at_peak` of one eager call of ``fn`` (the allocator's history recorded with Python stacks)."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        fn()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    device = torch.cuda.current_device()
+    return live_at_peak(snapshot["device_traces"][device])
 
 
 def time_eager(fn: Callable[[], Any], reps: int, flush: torch.Tensor) -> float:
@@ -181,6 +231,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print each kernel's time per step too")
     parser.add_argument("--eager", action="store_true",
                         help="time each step called eagerly too (the host's launches included) beside its replay")
+    parser.add_argument("--memory-breakdown", action="store_true",
+                        help="list, for each step, the blocks live at its peak memory by where they were allocated")
     parser.add_argument("--host-profile", default=None,
                         help="a folder for cProfile listings of a few eager moeforge steps per cell (the host's time)")
     args = parser.parse_args()
@@ -209,6 +261,14 @@ def main() -> None:
                     memory, same = step_memory_and_determinism(step)
                     timed[what] = time_graph(step, args.reps, flush)
                     eager = time_eager(step, args.reps, flush) if args.eager else None
+                    if args.memory_breakdown:
+                        traced_peak, places = memory_breakdown(step)
+                        print(f"{name:9s} M={tokens:6d} {what}: {traced_peak / 2**20:.0f} MiB at the traced peak:")
+                        for place, size, count in places:
+                            print(f"    {size / 2**20:9.1f} MiB in {count:3d} blocks  {place}")
+                        records.append(dict(shape=name, M=tokens, what=f"{what}_memory", peak_mib=round(
+                            traced_peak / 2**20, 1), live=[dict(place=p, mib=round(b / 2**20, 1), blocks=c)
+                                                           for p, b, c in places]))
                     if args.host_profile and what == "moeforge":
                         write_host_profile(step, Path(args.host_profile) / f"train_host_{name}_M{tokens}.txt")
                     if args.profile:
