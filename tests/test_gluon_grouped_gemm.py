@@ -199,7 +199,9 @@ def test_operands_it_does_not_take_are_refused_by_name() -> None:
              ((a, w[:, :, :32].contiguous(), out, False, 128), "rows must be"),
              ((a, w.transpose(1, 2), out, False, 128), "contiguous"), ((a, w, out[:, :16], False, 128), "out must"),
              ((a, w, out, True, 128), "out must"), ((a, w, out, False, 64), "must divide"),
-             ((a[:, :8].contiguous(), w[:, :, :8].contiguous(), out, False, 128), "multiples of 16")]
+             ((a[:, :8].contiguous(), w[:, :, :8].contiguous(), out, False, 128), "multiples of 16"),
+             ((torch.zeros(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64), w, out, False, 128), "16-byte aligned"),
+             ((a, w, torch.zeros(8, 36, dtype=torch.bfloat16)[:, :32], False, 128), "16-byte aligned")]
     with pytest.raises(ValueError, match="weight_kn=False"):
         gluon_gemm.check_operands(a, w, out, config, True, 128, weight_kn=True)
     with pytest.raises(ValueError, match=r"rows must be \[rows, K=32\]"):  # [E, K, N]: K is the middle size

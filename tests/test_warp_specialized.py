@@ -54,6 +54,7 @@ def _problem(**changes: Any) -> Any:
     (dict(act=ACT_GELU), "SwiGLU"),
     (dict(interleaved=True), "concatenated"),
     (dict(glu=False, act=ACT_SILU), "plain GEMM has no activation"),
+    (dict(weight=torch.zeros(2, 500, 256, dtype=torch.bfloat16)), "whole 16-byte pieces, not 250 columns"),
 ])
 def test_a_launch_names_why_the_warp_specialised_kernel_cannot_take_it(changes: dict[str, Any], words: str) -> None:
     found = _problem(**changes)
@@ -74,12 +75,15 @@ def test_on_another_device_the_reason_is_the_device() -> None:
     (dict(a=torch.zeros(4, 200, dtype=torch.bfloat16), weight=torch.zeros(2, 512, 200, dtype=torch.bfloat16)),
      "multiples of 16"),
     (dict(config=GemmConfig(128, 256, 128, num_warps=8, num_stages=4, warp_specialized=True)), "shared memory"),
+    (dict(a="one element off"), "16-byte aligned"),
 ])
 def test_a_launch_the_hopper_kernel_cannot_take_is_named(changes: dict[str, Any], words: str) -> None:
     a, weight = torch.zeros(4, 256, dtype=torch.bfloat16, device="cuda"), \
         torch.zeros(2, 512, 256, dtype=torch.bfloat16, device="cuda")
     assert _problem(a=a, weight=weight) is None  # (the launch the table's tile takes)
     changes = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in changes.items()}
+    if isinstance(changes.get("a"), str):  # (a view one element into its storage: the rows 2 bytes off)
+        changes["a"] = torch.zeros(4 * 256 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(4, 256)
     found = _problem(**{"a": a, "weight": weight, **changes})
     assert found is not None and words in found, found
 

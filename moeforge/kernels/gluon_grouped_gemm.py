@@ -314,6 +314,8 @@ def operand_problem(a: torch.Tensor, weight: torch.Tensor, config: GemmConfig, g
         return (f"K and the rows' stride must be multiples of 16 elements and the weight's rows of 16 bytes (the rows' "
                 f"16-byte copies, the weight's TMA descriptor), got K={k_dim}, stride {a.stride(0)}, weight rows of "
                 f"{weight.shape[2]}")
+    if a.data_ptr() % 16 or weight.data_ptr() % 16:
+        return "the rows and the weight must start at 16-byte aligned addresses (16-byte copies, a TMA descriptor)"
     return None
 
 
@@ -348,6 +350,9 @@ def check_operands(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, con
     if out.dim() != 2 or out.shape[1] != n_out or out.stride(1) != 1 or out.dtype not in (a.dtype, torch.float32):
         raise ValueError(f"out must be [copies, {n_out}] in {a.dtype} or fp32 with contiguous rows, got "
                          f"{tuple(out.shape)} {out.dtype}")
+    if out.data_ptr() % 16 or out.stride(0) * out.element_size() % 16:
+        raise ValueError(f"out's rows must start at 16-byte aligned addresses (the store's 16-byte pieces), got a "
+                         f"row stride of {out.stride(0) * out.element_size()} bytes")
 
 
 def shared_memory_bytes(config: GemmConfig, glu: bool, element_bytes: int = 2, coalesced_store: bool = True,

@@ -60,6 +60,9 @@ def problem(a: torch.Tensor, weight: torch.Tensor, *, quantized: bool, weight_fo
         return f"the warp-specialised kernel writes the rows' dtype or fp32, not {'fp8' if fp8_out else out_dtype}"
     if update:
         return "the warp-specialised kernel adds no low-rank update"
+    out_width = weight.shape[1] // 2 if glu else weight.shape[1]
+    if out_width * (4 if out_dtype == torch.float32 else a.element_size()) % 16:
+        return f"the warp-specialised kernel writes rows of whole 16-byte pieces, not {out_width} columns"
     if (config.split_k or 1) > 1 or config.swap:
         return "the warp-specialised kernel runs one K-loop over rows @ W^T (no split, no swapped product)"
     found = stage_problem(a.device, a.dtype, act, glu, interleaved, bias)
