@@ -21,10 +21,14 @@ from moeforge.kernels.activations import ACT_NONE, ACT_SILU
 from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.formats import WeightFormat
 
+
 @functools.lru_cache(maxsize=None)
 def _device_problem(device: torch.device) -> Optional[str]:
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+    if device.type != "cuda":
         return f"the warp-specialised kernel is for sm_90 (Hopper) GPUs, the rows are on {device}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"the warp-specialised kernel is for sm_90 (Hopper) GPUs, {device} is sm_{capability[0]}{capability[1]}"
     return gluon_gemm.unavailable_reason()
 
 
