@@ -22,7 +22,10 @@ The loader runs ahead of the MMAs by up to ``STAGES`` K-steps, across tile bound
 overlap this tile's last MMAs and its epilogue. Both partitions walk the same tiles in the same order and count
 K-steps the same way (tile ``i`` of a program starts at ring step ``i · k_steps``); a slot's barrier phase is
 ``(step // STAGES) & 1``. With ``pingpong``, two MMA partitions of one warpgroup take alternate tiles, so one's
-epilogue overlaps the other's K-loop.
+epilogue overlaps the other's K-loop; they run their K-loops in turns, so that neither waits on a slot more than one
+ring pass ahead of its barrier (a wait knows a phase only by its parity).
+
+Which launches take it, and which fall back to the twin: :mod:`moeforge.kernels.warp_specialized`.
 
 Gluon has no CPU interpreter: the Triton twin runs in CI, and a CPU test compiles this kernel for sm_90 to machine
 code (``compile_for_hopper``); the GPU tests compare it against the twin and the torch reference.
