@@ -222,3 +222,63 @@ def test_operands_it_does_not_take_are_refused_by_name() -> None:
         with pytest.raises(ValueError, match=words):
             gluon_gemm.ws_grouped_gemm(a, torch.zeros(2, 64 if glu else 32, 64, dtype=torch.bfloat16), out, *plan,
                                        rows_per_a=2, config=tile, glu=glu, pingpong=True)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_random_launches_equal_float64() -> None:
+    """Hypothesis over the kernel's launches: experts, top-k, tokens (none to several tiles a program), K and N (any
+    multiples of 16 and 8, tails included), the tile, the grid, the store, gated or plain (with routing weights,
+    or the weight read by its rows), bf16 or fp16, against the float64 product; outputs poisoned with NaN."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st
+
+    @hypothesis.settings(max_examples=25, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(data=st.data())
+    def check(data: st.DataObject) -> None:
+        draw = data.draw
+        name = draw(st.sampled_from(sorted(CONFIGS)))
+        gemm, pingpong = CONFIGS[name]
+        layout = draw(st.sampled_from(["gated", "plain", "weight rows"]))
+        glu = layout == "gated"
+        if glu and pingpong and gemm.block_m * gemm.block_n > 64 * 128:
+            glu, layout = False, "plain"
+        experts = draw(st.integers(1, 12))
+        top_k = draw(st.integers(1, min(experts, 6)))
+        tokens = draw(st.integers(0, 400))
+        k_dim = 16 * draw(st.integers(1, 24))
+        n_out = 8 * draw(st.integers(1, 40))
+        dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+        programs = draw(st.sampled_from([None, 1, 3, 17]))
+        coalesced = draw(st.booleans())
+        seed = draw(st.integers(0, 2**16))
+        gen = torch.Generator().manual_seed(seed)
+        route = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]) if tokens \
+            else torch.empty(0, top_k, dtype=torch.int64)
+        route = route.to("cuda", torch.int32)
+        rows_per_a = top_k if glu else 1
+        a = torch.randn(tokens * top_k // rows_per_a, k_dim, generator=gen).to("cuda", dtype)
+        n_w = 2 * n_out if glu else n_out
+        shape = (experts, k_dim, n_w) if layout == "weight rows" else (experts, n_w, k_dim)
+        w = (torch.randn(*shape, generator=gen) * k_dim ** -0.5).to("cuda", dtype)
+        weights = torch.rand(tokens * top_k, generator=gen).to("cuda") if layout == "plain" else None
+        plan = align.align_block_size(route, experts, 128)
+        out = torch.full((tokens * top_k, n_out), float("nan"), dtype=dtype, device="cuda")
+        gluon_gemm.ws_grouped_gemm(a, w, out, *plan, rows_per_a=rows_per_a, config=gemm, glu=glu,
+                                   topk_weights=weights, aligned_block_m=128, programs=programs, pingpong=pingpong,
+                                   coalesced_store=coalesced, weight_kn=layout == "weight rows")
+        if tokens == 0:
+            return
+        flat = route.reshape(-1).long()
+        copies = torch.arange(flat.numel(), device="cuda")
+        product = w.double()[flat] if layout == "weight rows" else w.double()[flat].transpose(1, 2)
+        pre = torch.einsum("ck,ckn->cn", a.double()[copies // rows_per_a], product)
+        if glu:
+            gate, up = pre.chunk(2, dim=-1)
+            pre = torch.nn.functional.silu(gate) * up
+        if weights is not None:
+            pre = pre * weights.double()[:, None]
+        assert not out.isnan().any(), ("a row was not written", name, layout, experts, top_k, tokens, k_dim, n_out)
+        error = float((out.double() - pre).norm() / pre.norm().clamp(min=1e-30))
+        assert error < (1e-2 if dtype is torch.bfloat16 else 2e-3), (error, name, layout, k_dim, n_out)
+
+    check()
