@@ -189,3 +189,65 @@ def test_the_tuner_times_the_warp_specialized_kernel_and_writes_the_choice(monke
     assert not any(c.warp_specialized for roles in tune_moe.plan(layer, (experts, k, hidden, 40), "fp8", 20,
                                                                    warp_specialized=True).values()
                    for configs in roles.values() for c in configs)
+
+
+@pytest.mark.parametrize("adapter", ["one adapter", "a served stack of three"])
+def test_adapters_over_a_table_that_asks_for_the_kernel_compute_the_same_layer(adapter: str) -> None:
+    """An adapter over a marked table: a launch with its update inside (one adapter's, a served stack's) is not the
+    Gluon kernel's, a plain one may be; the outputs equal the plain table's (on CPU the same bits: ``moe_gemm``
+    serves both) and the torch layer's, and a training step through the marked table the same gradients (where a
+    marked down GEMM runs plain in training, the Gluon kernel may serve it on a GPU: there within rounding)."""
+    from moeforge.adapters import ADAPTER_NAMES, ExpertAdapter, adapt
+    from moeforge.selector import expert_stages
+
+    experts, k, hidden, inter = 6, 2, 64, 32
+    dtype = torch.bfloat16 if HOPPER else torch.float16  # (the interpreter mis-computes bf16 dots)
+    spec = ExpertAdapter(rank=4, alpha=8) if adapter == "one adapter" else ExpertAdapter(rank=3, alpha=6, count=3)
+    torch.manual_seed(3)
+    layer = mf.MoELayer(experts, k, hidden, inter, adapter=spec, dtype=dtype, device=DEVICE, backend="torch",
+                        environ={})
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for names in ADAPTER_NAMES.values():
+            for name in names:
+                if hasattr(layer, name):
+                    param = getattr(layer, name)
+                    param.copy_((torch.randn(param.shape, generator=gen) * 0.3).to(param.dtype))
+    tile = GemmConfig(64, 32, 32, num_warps=4, num_stages=2, warp_specialized=True)
+    plain = attrs.evolve(tile, warp_specialized=False)
+
+    def pipeline(table: ConfigTable) -> Any:
+        stages = [TritonTopK(experts, k, layer.routing), AlignDispatch(experts, table)]
+        stages += expert_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
+                                backend=mf.Backend.TRITON, configs=table, dispatch=layer.dispatch_decision.dtype)
+        stages.append(Combine(out_dtype=mf.DType.from_torch(dtype)))
+        return mf.Pipeline(adapt(stages, layer, spec), mf.input_spec(hidden, dtype, experts))
+
+    asked = pipeline(ConfigTable(experts, k, (1,), (MoEConfig(tile, tile),)))
+    table = pipeline(ConfigTable(experts, k, (1,), (MoEConfig(plain, plain),)))
+    x = torch.randn(40, hidden, generator=gen).to(DEVICE, dtype)
+    logits = layer.router_logits(x).detach()
+    ids = (torch.arange(40, device=DEVICE) % 4 - 1) if spec.count > 1 else None
+    with torch.no_grad():
+        got, want = (run.run(mf.MoEInput(x, logits, ids)).hidden_states for run in (asked, table))
+        reference = layer.pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states
+    if HOPPER:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    else:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got.float(), reference.float(), rtol=3e-2, atol=3e-2)
+    if spec.count > 1:
+        return  # (a stack trains through the launches of its own, unchanged by the table)
+    params = [param for name, param in layer.named_parameters() if "router" not in name]
+    upstream = torch.randn(40, hidden, generator=gen).to(DEVICE) * 1e-2  # (fp16 weight gradients stay finite)
+    grads = []
+    for run in (asked, table):
+        rows = x.clone().requires_grad_()
+        out = run.run(mf.MoEInput(rows, logits)).hidden_states
+        grads.append(torch.autograd.grad((out.float() * upstream).sum(), [rows, *params]))
+    for one, other in zip(*grads):
+        assert torch.isfinite(one).all()
+        if HOPPER:
+            torch.testing.assert_close(one.float(), other.float(), rtol=2e-2, atol=2e-2)
+        else:
+            assert torch.equal(one, other)
