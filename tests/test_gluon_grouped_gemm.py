@@ -282,3 +282,19 @@ def test_random_launches_equal_float64() -> None:
         assert error < (1e-2 if dtype is torch.bfloat16 else 2e-3), (error, name, layout, k_dim, n_out)
 
     check()
+
+
+def test_a_triton_whose_gluon_moved_is_named_not_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not COMPILABLE:
+        pytest.skip(gluon_gemm.unavailable_reason() or "")
+    assert gluon_gemm._api_problem() is None  # (the installed Triton: 3.6 on the GPU machine, 3.9 in CI)
+    monkeypatch.delattr(gluon_gemm.mbarrier, "expect")
+    assert "has no mbarrier.expect, which this kernel calls" in (gluon_gemm._api_problem() or "")
+    monkeypatch.undo()
+
+    def reshaped(functions, default_args, worker_num_warps=None):  # type: ignore[no-untyped-def]
+        return None
+
+    monkeypatch.setattr(gluon_gemm.gl, "warp_specialize", reshaped)
+    assert "gl.warp_specialize takes ['functions', 'default_args', 'worker_num_warps']" in (
+        gluon_gemm._api_problem() or "")

@@ -54,8 +54,40 @@ try:  # (Gluon is experimental: a Triton without it, or with another API, leaves
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _gather_load = (async_copy.async_load if hasattr(async_copy, "async_load")
                     else async_copy.async_copy_global_to_shared)
-except ImportError as error:  # pragma: no cover (every supported Triton has it)
+except (ImportError, AttributeError) as error:  # pragma: no cover (every supported Triton has it)
     _GLUON_ERROR = f"Triton's Gluon is not importable here: {error}"
+
+# The Gluon calls this kernel makes, as Triton 3.6 to 3.9 spell them: another Triton that renames or reshapes one is
+# named here (describe() shows it, the Triton twin serves) instead of failing at the first launch.
+_USED = ("gl.warp_specialize", "gl.allocate_shared_memory", "gl.NVMMASharedLayout.get_default_for",
+         "gl.NVMMADistributedLayout", "gl.BlockedLayout", "gl.SliceLayout", "gl.convert_layout",
+         "mbarrier.init", "mbarrier.wait", "mbarrier.arrive", "mbarrier.expect", "mbarrier.MBarrierLayout",
+         "async_copy.mbarrier_arrive", "warpgroup_mma", "warpgroup_mma_wait", "fence_async_shared",
+         "TensorDescriptor.from_tensor", "gluon.jit", "gluon.constexpr_function")
+
+
+def _api_problem() -> Optional[str]:
+    import inspect
+
+    found = {"gl": gl, "mbarrier": mbarrier, "async_copy": async_copy, "warpgroup_mma": warpgroup_mma,
+             "warpgroup_mma_wait": warpgroup_mma_wait, "fence_async_shared": fence_async_shared,
+             "TensorDescriptor": TensorDescriptor, "gluon": gluon}
+    for name in _USED:
+        head, *rest = name.split(".")
+        value: Any = found[head]
+        for part in rest:
+            value = getattr(value, part, None)
+        if value is None:
+            return f"Triton {triton.__version__}'s Gluon has no {name}, which this kernel calls (written for 3.6 to 3.9)"
+    parameters = list(inspect.signature(gl.warp_specialize).parameters)[:3]
+    if parameters != ["functions_and_args", "worker_num_warps", "worker_num_regs"]:
+        return (f"Triton {triton.__version__}'s gl.warp_specialize takes {parameters}, not the (functions and "
+                f"arguments, workers' warps, workers' registers) this kernel passes (written for 3.6 to 3.9)")
+    return None
+
+
+if _GLUON_ERROR is None:
+    _GLUON_ERROR = _api_problem()
 
 SHARED_MEMORY_LIMIT = 227 * 1024  # bytes a block may take on sm_90
 LOADER_WARPS = 4
