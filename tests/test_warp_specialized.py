@@ -197,7 +197,9 @@ def test_adapters_over_a_table_that_asks_for_the_kernel_compute_the_same_layer(a
     Gluon kernel's, a plain one may be; the outputs equal the plain table's (on CPU the same bits: ``moe_gemm``
     serves both) and the torch layer's, and a training step through the marked table the same gradients (where a
     marked down GEMM runs plain in training, the Gluon kernel may serve it on a GPU: there within rounding)."""
-    from moeforge.adapters import ADAPTER_NAMES, ExpertAdapter, adapt
+    from test_adapters_triton import _randomise_adapter
+
+    from moeforge.adapters import ExpertAdapter, adapt
     from moeforge.selector import expert_stages
 
     experts, k, hidden, inter = 6, 2, 64, 32
@@ -206,13 +208,8 @@ def test_adapters_over_a_table_that_asks_for_the_kernel_compute_the_same_layer(a
     torch.manual_seed(3)
     layer = mf.MoELayer(experts, k, hidden, inter, adapter=spec, dtype=dtype, device=DEVICE, backend="torch",
                         environ={})
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for names in ADAPTER_NAMES.values():
-            for name in names:
-                if hasattr(layer, name):
-                    param = getattr(layer, name)
-                    param.copy_((torch.randn(param.shape, generator=gen) * 0.3).to(param.dtype))
+    _randomise_adapter(layer, 4)
+    gen = torch.Generator().manual_seed(5)
     tile = GemmConfig(64, 32, 32, num_warps=4, num_stages=2, warp_specialized=True)
     plain = attrs.evolve(tile, warp_specialized=False)
 
