@@ -248,3 +248,18 @@ def test_adapters_over_a_table_that_asks_for_the_kernel_compute_the_same_layer(a
             torch.testing.assert_close(one.float(), other.float(), rtol=2e-2, atol=2e-2)
         else:
             assert torch.equal(one, other)
+
+
+def test_the_h200_table_marks_the_large_batch_swiglu_gate_up_entries_the_readme_names() -> None:
+    # (README, "Backends and performance": Qwen3 and Mixtral from M = 1024, DeepSeek-V3 and GPT-OSS from 4096)
+    marked = {(128, 8, 2048, 768): (1024, 4096, 16384), (8, 2, 4096, 14336): (1024, 4096, 16384),
+              (256, 8, 7168, 2048): (4096, 16384), (128, 4, 2880, 2880): (4096, 16384)}
+    for (experts, k, hidden, inter), tokens in marked.items():
+        table = ConfigTable.load("NVIDIA H200", experts, k, hidden, inter, "bf16")
+        assert table.warp_specialized_tokens("gate_up") == tokens and table.warp_specialized_tokens("down") == ()
+        assert ConfigTable.load("NVIDIA H100 80GB HBM3", experts, k, hidden, inter, "bf16"
+                                ).warp_specialized_tokens("gate_up") == ()  # (not measured there)
+    w13 = torch.zeros(128, 2 * 768, 2048, dtype=torch.bfloat16)
+    table = ConfigTable.load("NVIDIA H200", 128, 8, 2048, 768, "bf16")
+    summary = FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=mf.ActivationConfig()).summary()
+    assert "warp-specialised Gluon kernel at the table's M = 1024, 4096, 16384" in summary, summary
