@@ -279,21 +279,12 @@ def test_the_tuner_times_half_tiles_and_writes_the_choice(monkeypatch: pytest.Mo
     """``tune_moe.tune_cell(..., half_tail=True)`` on a small triton pipeline (the GEMMs run, under the
     interpreter on CPU) with made-up times: each candidate of at least 32 rows is timed with and without half
     tiles, the 16-row one only without; the faster choice is written and read back."""
-    from test_mixed_row_blocks import made_up_times, tuner_on_a_small_pipeline  # (puts benchmarks/ on the path)
+    from test_mixed_row_blocks import tuned_with_a_flag, tuner_on_a_small_pipeline  # (puts benchmarks/ on the path)
 
-    experts, k, hidden = 4, 2, 48
-    tune_moe, layer = tuner_on_a_small_pipeline(monkeypatch, experts, k, seed=4)
+    tune_moe, layer = tuner_on_a_small_pipeline(monkeypatch, 4, 2, seed=4)
     # gate/up: 32 rows with half tiles fastest; down: 32 rows without
-    times = {("gate_up", 16, False): 30.0, ("gate_up", 32, False): 20.0, ("gate_up", 32, True): 15.0,
-             ("down", 16, False): 30.0, ("down", 32, False): 10.0, ("down", 32, True): 11.0}
-    launched = made_up_times(monkeypatch, tune_moe, lambda x, role, c: (role, c.block_m, c.half_tail), times)
-    entry = tune_moe.tune_cell(layer, (experts, k, hidden, 40), "bf16", 20,  # type: ignore[arg-type]
-                               flush=None, reps=1, half_tail=True)
-    assert "skip" not in capsys.readouterr().out
+    launched = tuned_with_a_flag(monkeypatch, capsys, tune_moe, layer, "half_tail", 32)
     assert ("gate_up", 16, True) not in launched and ("down", 32, True) in launched
-    assert entry["gate_up"]["half_tail"] is True and "half_tail" not in entry["down"]
-    loaded = ConfigTable.from_json(experts, k, {"20": entry}).lookup(20)
-    assert loaded.gate_up.half_tail and not loaded.down.half_tail
 
 
 def test_the_backward_through_half_tiles_equals_full_blocks() -> None:

@@ -216,6 +216,23 @@ def made_up_times(monkeypatch: pytest.MonkeyPatch, tune_moe: Any, key: Callable[
     return launched
 
 
+def tuned_with_a_flag(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tune_moe: Any,
+                      layer: Any, flag: str, block_m: int) -> list[Any]:
+    """``tune_moe.tune_cell(..., <flag>=True)`` (a ``GemmConfig`` flag its option times both ways) with made-up
+    times — gate/up fastest on ``block_m`` rows with the flag, down on ``block_m`` rows without, 16 rows slower — and
+    the choice written and read back; returns the ``(role, block_m, flag)`` launches, in order."""
+    experts, k = layer.num_experts, layer.top_k
+    times = {("gate_up", 16, False): 30.0, ("gate_up", block_m, False): 20.0, ("gate_up", block_m, True): 15.0,
+             ("down", 16, False): 30.0, ("down", block_m, False): 10.0, ("down", block_m, True): 11.0}
+    launched = made_up_times(monkeypatch, tune_moe, lambda x, role, c: (role, c.block_m, getattr(c, flag)), times)
+    entry = tune_moe.tune_cell(layer, (experts, k, 48, 40), "bf16", 20, flush=None, reps=1, **{flag: True})
+    assert "skip" not in capsys.readouterr().out
+    assert entry["gate_up"][flag] is True and flag not in entry["down"]
+    loaded = ConfigTable.from_json(experts, k, {"20": entry}).lookup(20)
+    assert getattr(loaded.gate_up, flag) and not getattr(loaded.down, flag)
+    return launched
+
+
 def test_the_tuner_times_a_cell_and_keeps_a_pair_of_two_blocks(monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """``tune_moe.tune_cell`` end to end on a small triton pipeline (the GEMMs run, under the interpreter on

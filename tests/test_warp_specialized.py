@@ -166,7 +166,7 @@ def test_the_tuner_times_the_warp_specialized_kernel_and_writes_the_choice(monke
     candidate tile the Gluon kernel takes (64 rows here, not 16 or 32) is timed also marked ``warp_specialized``
     (on CPU ``moe_gemm`` runs it: the launch names the device); the faster choice is written and read back; a
     quantized format gets no such candidates."""
-    from test_mixed_row_blocks import made_up_times, tuner_on_a_small_pipeline
+    from test_mixed_row_blocks import tuned_with_a_flag, tuner_on_a_small_pipeline
 
     experts, k, hidden = 4, 2, 48
     tune_moe, layer = tuner_on_a_small_pipeline(monkeypatch, experts, k, seed=6)
@@ -175,17 +175,9 @@ def test_the_tuner_times_the_warp_specialized_kernel_and_writes_the_choice(monke
     twins = tune_moe.warp_specialized_twins(tiles, glu=True)
     assert twins == [attrs.evolve(tiles[2], warp_specialized=True)]  # (a K-step of 16: not the Gluon kernel's)
     # gate/up: the marked 64-row tile fastest; down: the unmarked one
-    times = {("gate_up", 16, False): 30.0, ("gate_up", 64, False): 20.0, ("gate_up", 64, True): 15.0,
-             ("down", 16, False): 30.0, ("down", 64, False): 10.0, ("down", 64, True): 11.0}
-    launched = made_up_times(monkeypatch, tune_moe, lambda x, role, c: (role, c.block_m, c.warp_specialized), times)
-    entry = tune_moe.tune_cell(layer, (experts, k, hidden, 40), "bf16", 20,  # type: ignore[arg-type]
-                               flush=None, reps=1, warp_specialized=True)
-    assert "skip" not in capsys.readouterr().out
+    launched = tuned_with_a_flag(monkeypatch, capsys, tune_moe, layer, "warp_specialized", 64)
     assert ("gate_up", 64, True) in launched and ("down", 64, True) in launched
     assert ("gate_up", 16, True) not in launched
-    assert entry["gate_up"]["warp_specialized"] is True and "warp_specialized" not in entry["down"]
-    loaded = ConfigTable.from_json(experts, k, {"20": entry}).lookup(20)
-    assert loaded.gate_up.warp_specialized and not loaded.down.warp_specialized
     assert not any(c.warp_specialized for roles in tune_moe.plan(layer, (experts, k, hidden, 40), "fp8", 20,
                                                                    warp_specialized=True).values()
                    for configs in roles.values() for c in configs)

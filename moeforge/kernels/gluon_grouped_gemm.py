@@ -33,6 +33,7 @@ code (``compile_for_hopper``); the GPU tests compare it against the twin and the
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -420,13 +421,30 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
     if block_expert.numel() != -(-sorted_ids.numel() // aligned):  # (the plan's last block may be partial)
         raise ValueError(f"block_expert has {block_expert.numel()} entries for {sorted_ids.numel()} slots in blocks "
                          f"of {aligned}")
-    if aligned != config.block_m:  # a tile's expert by its own block: the plan's table repeated
-        block_expert = block_expert.repeat_interleave(aligned // config.block_m)
+    return launch_checked(a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=config,
+                          glu=glu, topk_weights=topk_weights, aligned_block_m=aligned, programs=programs,
+                          pingpong=pingpong, coalesced_store=coalesced_store, weight_kn=weight_kn)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_checked(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+                   block_expert: torch.Tensor, num_padded: torch.Tensor, *, rows_per_a: int, config: GemmConfig,
+                   glu: bool, topk_weights: Optional[torch.Tensor], aligned_block_m: int,
+                   programs: Optional[int] = None, pingpong: bool = False, coalesced_store: bool = True,
+                   weight_kn: bool = False) -> torch.Tensor:
+    """:func:`ws_grouped_gemm` on operands already checked (its checks, or :func:`operand_problem` on a launch whose
+    output and plan the caller made): the launch alone."""
+    if aligned_block_m != config.block_m:  # a tile's expert by its own block: the plan's table repeated
+        block_expert = block_expert.repeat_interleave(aligned_block_m // config.block_m)
     num_copies, n_out = out.shape
     if num_copies == 0 or n_out == 0:
         return out
     if programs is None:
-        programs = torch.cuda.get_device_properties(a.device).multi_processor_count
+        programs = _multiprocessors(a.device)
     ws_grouped_gemm_kernel[(programs,)](
         a, weight_descriptor(weight, config, weight_kn), out, topk_weights if topk_weights is not None else out,
         sorted_ids, block_expert, num_padded, n_out, a.shape[1], num_copies, rows_per_a, a.stride(0), out.stride(0),

@@ -32,11 +32,6 @@ def _device_problem(device: torch.device) -> Optional[str]:
     return gluon_gemm.unavailable_reason()
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def stage_problem(device: torch.device, dtype: torch.dtype, act: int, glu: bool, interleaved: bool,
                   bias: bool) -> Optional[str]:
     """Why a GEMM stage of this device, dtype, activation (the kernels' codes) and bias cannot launch the
@@ -78,7 +73,8 @@ def problem(a: torch.Tensor, weight: torch.Tensor, *, quantized: bool, weight_fo
 def launch(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
            block_expert: torch.Tensor, num_padded: torch.Tensor, *, rows_per_a: int, config: GemmConfig, glu: bool,
            topk_weights: Optional[torch.Tensor], aligned_block_m: int) -> torch.Tensor:
-    """The launch :func:`problem` accepted: one persistent program per multiprocessor."""
-    return gluon_gemm.ws_grouped_gemm(a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
-                                      config=config, glu=glu, topk_weights=topk_weights,
-                                      aligned_block_m=aligned_block_m, programs=_multiprocessors(a.device))
+    """The launch :func:`problem` accepted (its operands checked there; ``out`` and the plan the caller's, made for
+    it): one persistent program per multiprocessor."""
+    return gluon_gemm.launch_checked(a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
+                                     config=config, glu=glu, topk_weights=topk_weights,
+                                     aligned_block_m=aligned_block_m)
