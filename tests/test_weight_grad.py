@@ -1,9 +1,10 @@
-"""The experts' weight and bias gradients (``moeforge/kernels/weight_grad.py``): the rows gathered into slot
-order, then a k-grouped GEMM per expert, by pointer loads and by TMA descriptors (on CPU Triton's interpreter
+"""The experts' weight and bias gradients (``moeforge/kernels/weight_grad.py``): the rows gathered into expert
+order (no padding), then a k-grouped GEMM per expert, by pointer loads and by TMA descriptors (on CPU Triton's interpreter
 emulates the descriptors' loads, zero fill past the edges included), against a float64 sum per expert.
 
 The shapes cover what users' batches give: idle experts, every copy on one expert, one token, no tokens, widths
-past the last full tile, steps smaller than the alignment's block, rows shared by ``top_k`` copies and not.
+past the last full tile, steps smaller and larger than the alignment's block, runs that are not a whole number of
+steps, rows shared by ``top_k`` copies and not.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ pytest.importorskip("triton")
 from moeforge.kernels import align  # noqa: E402
 from moeforge.kernels.weight_grad import (  # noqa: E402
     WeightGradTiles,
-    expert_first_blocks,
+    expert_runs,
     expert_weight_grad,
-    gather_sorted_rows,
+    gather_expert_rows,
     weight_grad_tiles,
 )
 
@@ -31,6 +32,8 @@ SMALL = {  # (launch, alignment block): pointer loads and TMA, a step of the who
     "tma": (WeightGradTiles(16, 32, 16, 4, 2, True), 16),
     "tma, half-block steps": (WeightGradTiles(32, 32, 16, 4, 2, True), 32),
     "tma, stored by tma": (WeightGradTiles(16, 32, 16, 4, 2, True, tma_store=True), 16),
+    "pointer, steps past the block": (WeightGradTiles(16, 16, 32, 4, 2, False), 16),
+    "tma, steps past the block": (WeightGradTiles(16, 16, 32, 4, 2, True), 16),
 }
 
 
@@ -105,27 +108,33 @@ def test_the_gradient_is_written_in_the_asked_dtype_without_bias() -> None:
     torch.testing.assert_close(dw.cpu().double(), _reference(d_rows, rows, ids, 4, 2)[0], rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("step", [32, 8], ids=["not dividing", "below the MMA's 16"])
-def test_a_step_the_kernel_cannot_take_is_refused(step: int) -> None:
+def test_a_step_below_the_mma_reduction_is_refused() -> None:
     ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
     plan = align.align_block_size(ids, 1, 16)
-    with pytest.raises(ValueError, match="must divide"):
+    with pytest.raises(ValueError, match="below the MMA's reduction"):
         expert_weight_grad(torch.zeros(4, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE), 1, *plan, 1, 16,
-                           False, tiles=WeightGradTiles(16, 16, step, 4, 2, False))
+                           False, tiles=WeightGradTiles(16, 16, 8, 4, 2, False))
 
 
-def test_gathered_rows_follow_the_slots_and_padding_is_zero() -> None:
+@pytest.mark.parametrize("tokens,block", [(7, 16), (300, 32)], ids=["one program aligns", "the three-launch plan"])
+def test_gathered_rows_are_the_copies_in_slot_order_without_padding(tokens: int, block: int) -> None:
+    # The copies the slots hold, in slot order, padding left out: each expert's run from runs[1, e], its copies in
+    # ascending order; every row written (one per copy).
     gen = torch.Generator().manual_seed(11)
-    ids = _ids(7, 2, 3, gen)
-    src = torch.randn(7, 20, generator=gen).to(DEVICE)
-    sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), 3, 16)
-    slots = sorted_ids
-    out = gather_sorted_rows(src, slots, num_padded, 14, 2)
-    used = int(num_padded)
-    for s in range(used):
-        copy = int(slots[s])
-        want = src[copy // 2] if copy < 14 else torch.zeros(20, device=DEVICE)
-        assert torch.equal(out[s], want)
+    experts, k = 5, 2
+    ids = _ids(tokens, k, experts, gen, idle=(1,))
+    src = torch.randn(tokens, 20, generator=gen).to(DEVICE)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, block)
+    runs = expert_runs(block_expert, sorted_ids, num_padded, block, experts, tokens * k)
+    out = gather_expert_rows(src, sorted_ids, block_expert, runs, num_padded, tokens * k, k, block)
+    placed = [c for c in sorted_ids[:int(num_padded)].tolist() if c < tokens * k]
+    assert out.shape == (tokens * k, 20)
+    assert torch.equal(out, src[torch.tensor(placed, device=DEVICE) // k])
+    flat = ids.reshape(-1)
+    for e in range(experts):
+        mine = torch.nonzero(flat == e).flatten().tolist()
+        first = int(runs[1, e])
+        assert placed[first:first + len(mine)] == mine
 
 
 @pytest.mark.parametrize("tokens", [40, 300])  # 160 copies: one program sorts them; 1200: the two-kernel plan
@@ -180,18 +189,23 @@ def test_a_training_forward_aligns_in_order_and_an_inference_forward_need_not(mo
 
 @pytest.mark.parametrize("tokens,k,experts,block,only,idle", [
     (0, 2, 4, 16, None, ()), (1, 1, 4, 16, None, ()), (40, 2, 5, 16, None, (0, 4)), (300, 3, 5, 32, None, (2,)),
-    (50, 2, 6, 16, 5, ()), (200, 8, 128, 16, None, ()), (700, 2, 3, 64, None, (2,))])
-def test_each_experts_first_block_is_read_off_the_block_table(tokens: int, k: int, experts: int, block: int,
-                                                              only: Optional[int], idle: tuple[int, ...]) -> None:
-    # One launch counts each expert's used blocks; against the table read on the host. Idle experts (first and
-    # last ones too), every copy on one expert, no tokens, both alignment paths.
+    (50, 2, 6, 16, 5, ()), (200, 8, 128, 16, None, ()), (700, 2, 3, 64, None, (2,)), (64, 2, 4, 16, 1, ()),
+    (900, 4, 300, 256, None, (7, 299))])
+def test_each_experts_run_is_read_off_the_alignment(tokens: int, k: int, experts: int, block: int,
+                                                    only: Optional[int], idle: tuple[int, ...]) -> None:
+    # One launch finds each expert's first block, first row in expert order and copies; against the alignment read
+    # on the host. Idle experts (first and last ones too), every copy on one expert (a run of whole blocks too: no
+    # padding), no tokens, both alignment paths, more experts than one chunk of the copies' pass.
     ids = (_ids(tokens, k, experts, torch.Generator().manual_seed(tokens + experts), only=only, idle=idle) if tokens
            else torch.empty(0, k, dtype=torch.int32))
-    _, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, block)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, block)
     used = int(num_padded) // block
     owners = block_expert[:used].long().cpu()
-    want = [int((owners < e).sum()) for e in range(experts)] + [used]
-    assert expert_first_blocks(block_expert, num_padded, block, experts).cpu().tolist() == want
+    copies = torch.bincount(ids.reshape(-1).long(), minlength=experts)[:experts].tolist()
+    firsts = [sum(copies[:e]) for e in range(experts)]
+    want = [[int((owners < e).sum()) for e in range(experts)] + [used], firsts + [tokens * k],
+            copies + [tokens * k]]
+    assert expert_runs(block_expert, sorted_ids, num_padded, block, experts, tokens * k).cpu().tolist() == want
 
 
 def test_the_default_tiles_divide_every_alignment_block() -> None:

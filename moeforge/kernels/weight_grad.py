@@ -7,21 +7,24 @@ over that expert's rows (a "k-grouped" GEMM).
 
 Two passes:
 
-1. :func:`gather_sorted_rows` copies the operands into the block-aligned slot order the forward used
-   (``sorted_ids``: each expert's copies in ascending order, as :func:`moeforge.kernels.align.align_block_size`
-   places them) and its padding slots zero: every expert's rows are then one contiguous run of whole blocks.
+1. :func:`gather_expert_rows` copies the operands into expert order: each expert's copies in the ascending order
+   the alignment gave them (``sorted_ids``, as :func:`moeforge.kernels.align.align_block_size` places them), one
+   run after another without the alignment's padding (:func:`expert_runs` finds where each run starts, on the
+   device). The buffers hold one row per copy: the padded slot order would hold up to ``E x (block - 1)`` more
+   (at Qwen3-30B-A3B's shape and M = 1024 three times as many, and the step's peak memory is reached here).
 2. ``_weight_grad_kernel``: one program per ``(expert, N tile, K tile)``, in that order (the tiles of one expert
    and one N strip run together and share it through L2), walking the expert's run in steps of ``BLOCK_M`` rows
-   and accumulating ``dy^T @ x`` in fp32. On Hopper both operands come by TMA (contiguous runs are what TMA copies;
-   a gathered load is not); elsewhere by pointer loads of the same contiguous rows.
+   and accumulating ``dy^T @ x`` in fp32; the last step of a run that is not a whole number of steps zeroes the
+   rows past the run (the next expert's, or TMA's zero fill past the end). On Hopper both operands come by TMA
+   (contiguous runs are what TMA copies; a gathered load is not); elsewhere by pointer loads of the same rows.
 
-Deterministic by construction: each output tile is one program summing its expert's rows in slot order, and the
-alignment places every expert's copies in ascending order, the same slots from run to run (no atomics there
-either); no atomics, no split reduction.
+Deterministic by construction: each output tile is one program summing its expert's rows in slot order, in steps
+that start at the run's first row, and the alignment places every expert's copies in ascending order, the same
+from run to run (no atomics there either); no atomics, no split reduction.
 Experts without rows get zero gradients (their tiles loop zero times and store zeros).
 
 Why not gather inside the GEMM: a contiguous run is what TMA copies, a gathered row is not; gathering once into
-slot order costs one pass over the operands and makes the GEMM's loads plain (the A/B is in
+expert order costs one pass over the operands and makes the GEMM's loads plain (the A/B is in
 ``docs/notes/kernels-log.md``, "Backward: the weight gradient on sorted rows").
 """
 
@@ -100,14 +103,18 @@ def tma_applies(t: torch.Tensor) -> bool:
             and all((stride * t.element_size()) % 16 == 0 for stride in t.stride()[:-1]))
 
 
-# -- the slot order ---------------------------------------------------------------------------------------
+# -- each expert's run of rows ---------------------------------------------------------------------------
 
 
 @triton.jit
-def _first_blocks_kernel(block_expert_ptr, num_padded_ptr, first_ptr, num_blocks, num_experts,
-                         ALIGNED_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    # One program: each expert's used blocks counted (a histogram of the block -> expert table's used entries), their
-    # exclusive running sum is each expert's first block; then the number of used blocks.
+def _expert_runs_kernel(block_expert_ptr, sorted_ids_ptr, num_padded_ptr, runs_ptr, num_blocks, num_experts,
+                        num_copies, ALIGNED_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                        CHUNK_E: tl.constexpr):
+    # One program. Row 0 of runs [3, E + 1]: each expert's first block -- its used blocks counted (a histogram of the
+    # block -> expert table's used entries), their exclusive running sum -- then the number of used blocks. Row 2:
+    # each expert's copies -- its blocks' slots less the padding, which the alignment puts only in an expert's last
+    # block -- then all of them. Row 1: their exclusive running sum (each expert's first row in expert order), then
+    # the number of copies. Rows 0 and 2 are read back after they are written: a barrier between (one CTA).
     used_blocks = tl.load(num_padded_ptr) // ALIGNED_M
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     experts = tl.arange(0, BLOCK_E)
@@ -117,61 +124,91 @@ def _first_blocks_kernel(block_expert_ptr, num_padded_ptr, first_ptr, num_blocks
         owners = tl.load(block_expert_ptr + blocks, mask=used, other=BLOCK_E - 1)
         unused = tl.sum((~used).to(tl.int32), axis=0)  # counted in the last bin: taken out again
         counts += tl.histogram(owners, BLOCK_E) - tl.where(experts == BLOCK_E - 1, unused, 0)
-    tl.store(first_ptr + experts, tl.cumsum(counts, axis=0) - counts, mask=experts < num_experts)
-    tl.store(first_ptr + num_experts, used_blocks)
+    real = experts < num_experts
+    tl.store(runs_ptr + experts, tl.cumsum(counts, axis=0) - counts, mask=real)
+    tl.store(runs_ptr + num_experts, used_blocks)
+    tl.debug_barrier()
+    lanes = tl.arange(0, ALIGNED_M)
+    copies_row = runs_ptr + 2 * (num_experts + 1)
+    for start in range(0, num_experts, CHUNK_E):
+        chunk = start + tl.arange(0, CHUNK_E)
+        inside = chunk < num_experts
+        first = tl.load(runs_ptr + chunk, mask=inside, other=0)
+        stop = tl.load(runs_ptr + chunk + 1, mask=inside, other=0)
+        busy = inside & (stop > first)
+        last = (stop - 1).to(tl.int64) * ALIGNED_M
+        ids = tl.load(sorted_ids_ptr + last[:, None] + lanes[None, :], mask=busy[:, None], other=0)
+        padding = tl.sum(((ids >= num_copies) & busy[:, None]).to(tl.int32), axis=1)
+        tl.store(copies_row + chunk, (stop - first) * ALIGNED_M - padding, mask=inside)
+    tl.debug_barrier()
+    mine = tl.load(copies_row + experts, mask=real, other=0)
+    tl.store(runs_ptr + num_experts + 1 + experts, tl.cumsum(mine, axis=0) - mine, mask=real)
+    tl.store(runs_ptr + 2 * num_experts + 1, tl.sum(mine, axis=0))
+    tl.store(copies_row + num_experts, tl.sum(mine, axis=0))
 
 
-def expert_first_blocks(block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int,
-                        num_experts: int) -> torch.Tensor:
-    """``first[e]`` = the first row block of expert ``e`` (``[E + 1]``; ``first[E]`` = the number of used
-    blocks), from the alignment's block -> expert table (experts in ascending order), on the device: one launch."""
-    first = torch.empty(num_experts + 1, dtype=torch.int32, device=block_expert.device)
+def expert_runs(block_expert: torch.Tensor, sorted_ids: torch.Tensor, num_padded: torch.Tensor, block_m: int,
+                num_experts: int, num_copies: int) -> torch.Tensor:
+    """Where each expert's rows lie, from the alignment's outputs (aligned with ``block_m``, ``num_copies``
+    copies), on the device in one launch: ``runs [3, E + 1]`` int32 with ``runs[0, e]`` expert ``e``'s first block
+    in the slot order (``runs[0, E]`` the used blocks), ``runs[1, e]`` its first row in expert order (the copies
+    of the experts before it; ``runs[1, E]`` all copies) and ``runs[2, e]`` its copies (``runs[2, E]`` all)."""
+    runs = torch.empty(3, num_experts + 1, dtype=torch.int32, device=block_expert.device)
     block_e = max(next_power_of_2(num_experts), 2)
     chunk = max(16, min(1024, next_power_of_2(block_expert.numel())))
+    chunk_e = max(1, min(block_e, 4096 // block_m))
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(ALIGNED_M=block_m, BLOCK_E=block_e, CHUNK=chunk), {}
+        return dict(ALIGNED_M=block_m, BLOCK_E=block_e, CHUNK=chunk, CHUNK_E=chunk_e), {}
 
-    _FIRST_BLOCKS.launch((block_m, block_e, chunk, block_expert.device), (1,),
-                         (block_expert, num_padded, first, block_expert.numel(), num_experts), make)
-    return first
+    _EXPERT_RUNS.launch((block_m, block_e, chunk, chunk_e, block_expert.device), (1,),
+                        (block_expert, sorted_ids, num_padded, runs, block_expert.numel(), num_experts, num_copies),
+                        make)
+    return runs
 
 
 @triton.jit
-def _gather_sorted_rows_kernel(src_ptr, slot_ids_ptr, dst_ptr, num_padded_ptr, num_copies, rows_per_src, width,
-                               stride_src, stride_dst, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+def _gather_expert_rows_kernel(src_ptr, slot_ids_ptr, block_expert_ptr, runs_ptr, dst_ptr, num_padded_ptr,
+                               num_copies, num_experts, rows_per_src, width, stride_src, stride_dst,
+                               ALIGNED_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    # One program per BLOCK_R slots x BLOCK_W columns: each slot holding a copy sends its source row to the copy's
+    # row in expert order, its expert's first row plus its place in the expert's run.
     slots = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     used = slots < tl.load(num_padded_ptr)
     copies = tl.load(slot_ids_ptr + slots, mask=used, other=num_copies)
     real = copies < num_copies
+    expert = tl.load(block_expert_ptr + slots // ALIGNED_M, mask=real, other=0)
+    first_slot = tl.load(runs_ptr + expert, mask=real, other=0) * ALIGNED_M
+    first_row = tl.load(runs_ptr + num_experts + 1 + expert, mask=real, other=0)
+    targets = (first_row + slots - first_slot).to(tl.int64)
     rows = (copies // rows_per_src).to(tl.int64)
-    cols_ok = cols < width
-    values = tl.load(src_ptr + rows[:, None] * stride_src + cols[None, :], mask=real[:, None] & cols_ok[None, :],
-                     other=0.0)
-    tl.store(dst_ptr + slots.to(tl.int64)[:, None] * stride_dst + cols[None, :], values,
-             mask=used[:, None] & cols_ok[None, :])
+    moved = real[:, None] & (cols < width)[None, :]
+    values = tl.load(src_ptr + rows[:, None] * stride_src + cols[None, :], mask=moved, other=0.0)
+    tl.store(dst_ptr + targets[:, None] * stride_dst + cols[None, :], values, mask=moved)
 
 
-def gather_sorted_rows(src: torch.Tensor, slot_ids: torch.Tensor, num_padded: torch.Tensor, num_copies: int,
-                       rows_per_src: int) -> torch.Tensor:
-    """``dst [slots, W]``: ``dst[s] = src[slot_ids[s] // rows_per_src]`` for the used slots (``s < num_padded``),
-    zero where ``slot_ids[s]`` is the padding sentinel (``num_copies``); slots past ``num_padded`` are left unwritten
-    (nobody reads them). ``src [R, W]`` with contiguous columns."""
+def gather_expert_rows(src: torch.Tensor, slot_ids: torch.Tensor, block_expert: torch.Tensor, runs: torch.Tensor,
+                       num_padded: torch.Tensor, num_copies: int, rows_per_src: int, block_m: int) -> torch.Tensor:
+    """``dst [num_copies, W]``: the rows ``src[c // rows_per_src]`` of the copies ``c`` the alignment placed
+    (``slot_ids``, ``block_expert``, ``num_padded``, aligned with ``block_m``) in its slot order without the
+    padding slots — each expert's copies one run from ``runs[1, e]`` (:func:`expert_runs`), in the order the
+    alignment gave them. ``src [R, W]`` with contiguous columns."""
     if src.stride(1) != 1:
         src = src.contiguous()
     slots, width = slot_ids.numel(), src.shape[1]
-    dst = src.new_empty(slots, width)
-    if slots == 0 or width == 0:
+    dst = src.new_empty(num_copies, width)
+    if num_copies == 0 or width == 0:
         return dst
     block_r, block_w = (32, 128) if src.is_cuda else (16, 32)
+    num_experts = runs.shape[1] - 1
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(BLOCK_R=block_r, BLOCK_W=block_w), {}
+        return dict(ALIGNED_M=block_m, BLOCK_R=block_r, BLOCK_W=block_w), {}
 
-    _GATHER.launch((block_r, block_w, src.device), (cdiv(slots, block_r), cdiv(width, block_w)),
-                   (src, slot_ids, dst, num_padded, num_copies, rows_per_src, width, src.stride(0), dst.stride(0)),
-                   make)
+    _GATHER.launch((block_m, block_r, block_w, src.device), (cdiv(slots, block_r), cdiv(width, block_w)),
+                   (src, slot_ids, block_expert, runs, dst, num_padded, num_copies, num_experts, rows_per_src, width,
+                    src.stride(0), dst.stride(0)), make)
     return dst
 
 
@@ -179,9 +216,20 @@ def gather_sorted_rows(src: torch.Tensor, slot_ids: torch.Tensor, num_padded: to
 
 
 @triton.jit
-def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr, first_block_ptr,
+def _weight_grad_step(acc, bias, dy, x, valid, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # One reduction step: the rows where ``valid`` is false zeroed in dy (their product and bias term vanish).
+    if valid is not None:
+        dy = tl.where(valid[:, None], dy, tl.zeros_like(dy))
+    acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        bias += tl.sum(dy.to(tl.float32), axis=0)
+    return acc, bias
+
+
+@triton.jit
+def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr, runs_ptr, num_experts,
                         N, K, stride_dy, stride_x, stride_dwe, stride_dwn, stride_dwk, stride_dbe,
-                        ALIGNED_M: tl.constexpr, HAS_BIAS: tl.constexpr, TMA: tl.constexpr, STORE_TMA: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, TMA: tl.constexpr, STORE_TMA: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -194,21 +242,29 @@ def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr,
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     k_ok = offs_k < K
-    start = tl.load(first_block_ptr + expert) * ALIGNED_M
-    end = tl.load(first_block_ptr + expert + 1) * ALIGNED_M
+    start = tl.load(runs_ptr + num_experts + 1 + expert)  # the expert's run in expert order
+    end = tl.load(runs_ptr + num_experts + 2 + expert)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for row in range(start, end, BLOCK_M):  # the expert's rows, in slot order
-        if TMA:
-            dy = dy_desc.load([row, pid_n * BLOCK_N])
-            x = x_desc.load([row, pid_k * BLOCK_K])
-        else:
-            rows = (row + tl.arange(0, BLOCK_M)).to(tl.int64)
-            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + offs_n[None, :], mask=n_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            bias += tl.sum(dy.to(tl.float32), axis=0)
+    if TMA:
+        whole = start + (end - start) // BLOCK_M * BLOCK_M
+        for row in range(start, whole, BLOCK_M):  # whole steps: the tiles straight from TMA to the MMA
+            acc, bias = _weight_grad_step(acc, bias, dy_desc.load([row, pid_n * BLOCK_N]),
+                                          x_desc.load([row, pid_k * BLOCK_K]), None, PRECISION, HAS_BIAS)
+        if whole < end:  # the last, partial step: the rows past the run zeroed
+            acc, bias = _weight_grad_step(acc, bias, dy_desc.load([whole, pid_n * BLOCK_N]),
+                                          x_desc.load([whole, pid_k * BLOCK_K]),
+                                          whole + tl.arange(0, BLOCK_M) < end, PRECISION, HAS_BIAS)
+    else:
+        for row in range(start, end, BLOCK_M):
+            rows = row + tl.arange(0, BLOCK_M)
+            ok = rows < end
+            rows64 = rows.to(tl.int64)
+            dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + offs_n[None, :], mask=ok[:, None] & n_ok[None, :],
+                         other=0.0)
+            x = tl.load(x_ptr + rows64[:, None] * stride_x + offs_k[None, :], mask=ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc, bias = _weight_grad_step(acc, bias, dy, x, None, PRECISION, HAS_BIAS)
     expert64 = expert.to(tl.int64)  # expert * stride_dwe passes 2**31 on DeepSeek-sized layers
     if STORE_TMA:  # [E, N, K] descriptor: the box is clipped at this expert's N and K edges
         dw_desc.store([expert, pid_n * BLOCK_N, pid_k * BLOCK_K],
@@ -238,13 +294,12 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
             db.zero_()
         return dw, db
     tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device, num_copies / max(num_experts, 1))
-    if block_m % tiles.block_m or tiles.block_m < 16:
-        raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
-                         f"of {block_m} and be at least 16 (the MMA's reduction)")
-    first = expert_first_blocks(block_expert, num_padded, block_m, num_experts)
+    if tiles.block_m < 16:
+        raise ValueError(f"the weight gradient's step of {tiles.block_m} rows is below the MMA's reduction of 16")
+    runs = expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies)
     # each expert's copies are in ascending order already (align_block_size)
-    dy = gather_sorted_rows(d_rows, sorted_ids, num_padded, num_copies, 1)
-    x = gather_sorted_rows(rows, sorted_ids, num_padded, num_copies, rows_per_a)
+    dy = gather_expert_rows(d_rows, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m)
+    x = gather_expert_rows(rows, sorted_ids, block_expert, runs, num_padded, num_copies, rows_per_a, block_m)
     tma = tiles.tma and tma_applies(dy) and tma_applies(x)
     dy_desc = TensorDescriptor.from_tensor(dy, [tiles.block_m, tiles.block_n]) if tma else None
     x_desc = TensorDescriptor.from_tensor(x, [tiles.block_m, tiles.block_k]) if tma else None
@@ -255,15 +310,15 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     precision = "ieee" if rows.dtype == torch.float32 else "tf32"
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return (dict(ALIGNED_M=block_m, HAS_BIAS=with_bias, TMA=tma, STORE_TMA=store_tma, PRECISION=precision,
+        return (dict(HAS_BIAS=with_bias, TMA=tma, STORE_TMA=store_tma, PRECISION=precision,
                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k),
                 dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 
     # (the descriptors' boxes follow the tiles, their dtypes the tensors': both in the key; an absent descriptor is
     # passed as a tensor the kernel never reads, as moe_gemm's launcher does: the launch's signature stays one)
-    _WEIGHT_GRAD.launch((block_m, with_bias, tma, store_tma, precision, tiles, rows.device), grid, (
+    _WEIGHT_GRAD.launch((with_bias, tma, store_tma, precision, tiles, rows.device), grid, (
         dy_desc if dy_desc is not None else dy, x_desc if x_desc is not None else x,
-        dw_desc if dw_desc is not None else dw, dy, x, dw, dbias, first,
+        dw_desc if dw_desc is not None else dw, dy, x, dw, dbias, runs, num_experts,
         n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0)), make)
     return dw, db
 
@@ -278,8 +333,8 @@ def grads_for_op(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sort
     return dw, db if db is not None else d_rows.new_empty(0, dtype=dtype)
 
 
-_FIRST_BLOCKS = LaunchSite(_first_blocks_kernel)
-_GATHER = LaunchSite(_gather_sorted_rows_kernel)
+_EXPERT_RUNS = LaunchSite(_expert_runs_kernel)
+_GATHER = LaunchSite(_gather_expert_rows_kernel)
 _WEIGHT_GRAD = LaunchSite(_weight_grad_kernel)
 
 # What the grouped GEMM's backward formula calls (moeforge.kernels.backward): the op where it is needed, else the
