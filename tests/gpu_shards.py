@@ -78,12 +78,16 @@ def collect(extra: list[str]) -> list[str]:
 
 
 def known_durations(paths: list[str]) -> dict[str, float]:
-    """Seconds per test from earlier ``shard-*.json`` summaries (files, or folders holding them)."""
+    """Seconds per test from earlier summaries: ``shard-*.json`` files, or the ``gpu_suite*.json`` files that
+    gather a whole run's ``seconds`` table (``benchmarks/results``), given as files or as folders holding them;
+    read in name order, a later file's time for a test replacing an earlier one's. A file without the table adds
+    nothing."""
     found: dict[str, float] = {}
     for given in paths:
         path = Path(given)
-        for summary in sorted(path.glob("shard-*.json")) if path.is_dir() else [path]:
-            found.update(json.loads(summary.read_text())["seconds"])
+        for summary in (sorted([*path.glob("shard-*.json"), *path.glob("gpu_suite*.json")]) if path.is_dir()
+                        else [path]):
+            found.update(json.loads(summary.read_text()).get("seconds", {}))
     return found
 
 

@@ -42,3 +42,7 @@ def test_a_summary_names_failures_skips_and_tests_that_never_ran(tmp_path: Path)
     text = (tmp_path / "shard-0.txt").read_text()
     assert "FAILED b" in text and "NOT RUN d" in text and "pytest exit -9" in text
     assert gpu_shards.known_durations([str(tmp_path)]) == {"a": 0.1, "b": 2.0, "c": 0.0}
+    # a results folder's gathered runs count too (benchmarks/results' gpu_suite*.json), read in name order
+    (tmp_path / "gpu_suite-card-2026-01-01.json").write_text(json.dumps({"seconds": {"a": 5.0, "e": 3.0}}))
+    (tmp_path / "gpu_suite_touched-card-2026-01-02.json").write_text(json.dumps({"device": "card"}))
+    assert gpu_shards.known_durations([str(tmp_path)]) == {"a": 0.1, "b": 2.0, "c": 0.0, "e": 3.0}
