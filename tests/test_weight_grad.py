@@ -32,8 +32,8 @@ SMALL = {  # (launch, alignment block): pointer loads and TMA, a step of the who
     "tma": (WeightGradTiles(16, 32, 16, 4, 2, True), 16),
     "tma, half-block steps": (WeightGradTiles(32, 32, 16, 4, 2, True), 32),
     "tma, stored by tma": (WeightGradTiles(16, 32, 16, 4, 2, True, tma_store=True), 16),
-    "pointer, steps past the block": (WeightGradTiles(16, 16, 32, 4, 2, False), 16),
-    "tma, steps past the block": (WeightGradTiles(16, 16, 32, 4, 2, True), 16),
+    "pointer, half-block steps": (WeightGradTiles(16, 16, 16, 4, 2, False), 32),
+    "tma, half-block steps, narrow tiles": (WeightGradTiles(16, 16, 16, 4, 2, True), 32),
 }
 
 
@@ -108,33 +108,48 @@ def test_the_gradient_is_written_in_the_asked_dtype_without_bias() -> None:
     torch.testing.assert_close(dw.cpu().double(), _reference(d_rows, rows, ids, 4, 2)[0], rtol=2e-3, atol=2e-3)
 
 
-def test_a_step_below_the_mma_reduction_is_refused() -> None:
+@pytest.mark.parametrize("step", [32, 8], ids=["not dividing", "below the MMA's 16"])
+def test_a_step_the_kernel_cannot_take_is_refused(step: int) -> None:
     ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
     plan = align.align_block_size(ids, 1, 16)
-    with pytest.raises(ValueError, match="below the MMA's reduction"):
+    with pytest.raises(ValueError, match="must divide"):
         expert_weight_grad(torch.zeros(4, 16, device=DEVICE), torch.zeros(4, 16, device=DEVICE), 1, *plan, 1, 16,
-                           False, tiles=WeightGradTiles(16, 16, 8, 4, 2, False))
+                           False, tiles=WeightGradTiles(16, 16, step, 4, 2, False))
 
 
-@pytest.mark.parametrize("tokens,block", [(7, 16), (300, 32)], ids=["one program aligns", "the three-launch plan"])
-def test_gathered_rows_are_the_copies_in_slot_order_without_padding(tokens: int, block: int) -> None:
-    # The copies the slots hold, in slot order, padding left out: each expert's run from runs[1, e], its copies in
-    # ascending order; every row written (one per copy).
+@pytest.mark.parametrize("padded_step", [0, 16, 32], ids=["compact", "padded to 16", "padded to 32"])
+@pytest.mark.parametrize("tokens,block", [(7, 32), (300, 32)], ids=["one program aligns", "the three-launch plan"])
+def test_gathered_rows_are_the_copies_in_slot_order_each_run_padded_or_not(tokens: int, block: int,
+                                                                          padded_step: int) -> None:
+    # The copies the slots hold, in slot order, the alignment's padding left out: each expert's run from runs[1, e]
+    # (compact) or runs[3, e] (rounded up to whole steps with zero rows), its copies in ascending order.
     gen = torch.Generator().manual_seed(11)
     experts, k = 5, 2
     ids = _ids(tokens, k, experts, gen, idle=(1,))
     src = torch.randn(tokens, 20, generator=gen).to(DEVICE)
     sorted_ids, block_expert, num_padded = align.align_block_size(ids.to(DEVICE), experts, block)
-    runs = expert_runs(block_expert, sorted_ids, num_padded, block, experts, tokens * k)
-    out = gather_expert_rows(src, sorted_ids, block_expert, runs, num_padded, tokens * k, k, block)
-    placed = [c for c in sorted_ids[:int(num_padded)].tolist() if c < tokens * k]
-    assert out.shape == (tokens * k, 20)
-    assert torch.equal(out, src[torch.tensor(placed, device=DEVICE) // k])
+    runs = expert_runs(block_expert, sorted_ids, num_padded, block, experts, tokens * k, padded_step or 16)
+    out = gather_expert_rows(src, sorted_ids, block_expert, runs, num_padded, tokens * k, k, block, padded_step)
     flat = ids.reshape(-1)
+    row = 0
     for e in range(experts):
         mine = torch.nonzero(flat == e).flatten().tolist()
-        first = int(runs[1, e])
-        assert placed[first:first + len(mine)] == mine
+        first = int(runs[3 if padded_step else 1, e])
+        assert first == row
+        assert torch.equal(out[first:first + len(mine)], src[torch.tensor(mine, dtype=torch.long, device=DEVICE) // k])
+        whole = -(-len(mine) // padded_step) * padded_step if padded_step else len(mine)
+        assert not out[first + len(mine):first + whole].any()
+        row += whole
+    assert out.shape[0] == (tokens * k + min(experts, tokens * k) * (padded_step - 1) if padded_step else tokens * k)
+    assert int(runs[3 if padded_step else 1, experts]) == row
+
+
+def test_a_padded_step_that_does_not_divide_the_block_is_refused() -> None:
+    ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids, 1, 16)
+    runs = expert_runs(block_expert, sorted_ids, num_padded, 16, 1, 4, 16)
+    with pytest.raises(ValueError, match="must divide"):
+        gather_expert_rows(torch.zeros(4, 8, device=DEVICE), sorted_ids, block_expert, runs, num_padded, 4, 1, 16, 32)
 
 
 @pytest.mark.parametrize("tokens", [40, 300])  # 160 copies: one program sorts them; 1200: the two-kernel plan
@@ -191,7 +206,8 @@ def test_a_training_forward_aligns_in_order_and_an_inference_forward_need_not(mo
     (0, 2, 4, 16, None, ()), (1, 1, 4, 16, None, ()), (40, 2, 5, 16, None, (0, 4)), (300, 3, 5, 32, None, (2,)),
     (50, 2, 6, 16, 5, ()), (200, 8, 128, 16, None, ()), (700, 2, 3, 64, None, (2,)), (64, 2, 4, 16, 1, ()),
     (900, 4, 300, 256, None, (7, 299))])
-def test_each_experts_run_is_read_off_the_alignment(tokens: int, k: int, experts: int, block: int,
+@pytest.mark.parametrize("step", [16, 64])
+def test_each_experts_run_is_read_off_the_alignment(step: int, tokens: int, k: int, experts: int, block: int,
                                                     only: Optional[int], idle: tuple[int, ...]) -> None:
     # One launch finds each expert's first block, first row in expert order and copies; against the alignment read
     # on the host. Idle experts (first and last ones too), every copy on one expert (a run of whole blocks too: no
@@ -203,9 +219,10 @@ def test_each_experts_run_is_read_off_the_alignment(tokens: int, k: int, experts
     owners = block_expert[:used].long().cpu()
     copies = torch.bincount(ids.reshape(-1).long(), minlength=experts)[:experts].tolist()
     firsts = [sum(copies[:e]) for e in range(experts)]
+    whole = [-(-c // step) * step for c in copies]
     want = [[int((owners < e).sum()) for e in range(experts)] + [used], firsts + [tokens * k],
-            copies + [tokens * k]]
-    assert expert_runs(block_expert, sorted_ids, num_padded, block, experts, tokens * k).cpu().tolist() == want
+            copies + [tokens * k], [sum(whole[:e]) for e in range(experts)] + [sum(whole)]]
+    assert expert_runs(block_expert, sorted_ids, num_padded, block, experts, tokens * k, step).cpu().tolist() == want
 
 
 def test_the_default_tiles_divide_every_alignment_block() -> None:

@@ -9,14 +9,19 @@ Two passes:
 
 1. :func:`gather_expert_rows` copies the operands into expert order: each expert's copies in the ascending order
    the alignment gave them (``sorted_ids``, as :func:`moeforge.kernels.align.align_block_size` places them), one
-   run after another without the alignment's padding (:func:`expert_runs` finds where each run starts, on the
-   device). The buffers hold one row per copy: the padded slot order would hold up to ``E x (block - 1)`` more
-   (at Qwen3-30B-A3B's shape and M = 1024 three times as many, and the step's peak memory is reached here).
+   run after another (:func:`expert_runs` finds where each run starts, on the device). One operand, the narrower,
+   is padded: each expert's run rounded up to whole reduction steps with zero rows; the other is compact, one row
+   per copy. The alignment's slot order padded both to its block (up to ``E x (block - 1)`` rows more each: at
+   Qwen3-30B-A3B's shape and M = 1024 three times the copies, and the step's peak memory is reached here); both
+   compact would leave the last step of each run to mask in registers, which measured 1.1-1.3x the kernel's time
+   (``docs/notes/kernels-log.md``, "The weight gradient's operands in expert order").
 2. ``_weight_grad_kernel``: one program per ``(expert, N tile, K tile)``, in that order (the tiles of one expert
-   and one N strip run together and share it through L2), walking the expert's run in steps of ``BLOCK_M`` rows
-   and accumulating ``dy^T @ x`` in fp32; the last step of a run that is not a whole number of steps zeroes the
-   rows past the run (the next expert's, or TMA's zero fill past the end). On Hopper both operands come by TMA
-   (contiguous runs are what TMA copies; a gathered load is not); elsewhere by pointer loads of the same rows.
+   and one N strip run together and share it through L2), walking the expert's runs in steps of ``BLOCK_M`` rows
+   and accumulating ``dy^T @ x`` in fp32. A step past the end of an expert's copies pairs the padded operand's zero
+   rows with the compact one's next rows (the next expert's, or TMA's zero fill past the end): their products are
+   zero (unless those rows hold an infinity or a NaN, which then reaches this expert's gradient too — a step whose
+   gradients are not finite is lost anyway); the bias sum masks those rows. On Hopper both operands come by TMA
+   (contiguous runs are what TMA copies; a gathered load is not); elsewhere by masked pointer loads.
 
 Deterministic by construction: each output tile is one program summing its expert's rows in slot order, in steps
 that start at the run's first row, and the alignment places every expert's copies in ascending order, the same
@@ -108,13 +113,14 @@ def tma_applies(t: torch.Tensor) -> bool:
 
 @triton.jit
 def _expert_runs_kernel(block_expert_ptr, sorted_ids_ptr, num_padded_ptr, runs_ptr, num_blocks, num_experts,
-                        num_copies, ALIGNED_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                        CHUNK_E: tl.constexpr):
-    # One program. Row 0 of runs [3, E + 1]: each expert's first block -- its used blocks counted (a histogram of the
+                        num_copies, ALIGNED_M: tl.constexpr, STEP: tl.constexpr, BLOCK_E: tl.constexpr,
+                        CHUNK: tl.constexpr, CHUNK_E: tl.constexpr):
+    # One program. Row 0 of runs [4, E + 1]: each expert's first block -- its used blocks counted (a histogram of the
     # block -> expert table's used entries), their exclusive running sum -- then the number of used blocks. Row 2:
     # each expert's copies -- its blocks' slots less the padding, which the alignment puts only in an expert's last
     # block -- then all of them. Row 1: their exclusive running sum (each expert's first row in expert order), then
-    # the number of copies. Rows 0 and 2 are read back after they are written: a barrier between (one CTA).
+    # the number of copies; row 3 the same over the copies rounded up to whole steps of STEP rows. Rows 0 and 2 are
+    # read back after they are written: a barrier between (one CTA).
     used_blocks = tl.load(num_padded_ptr) // ALIGNED_M
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     experts = tl.arange(0, BLOCK_E)
@@ -145,23 +151,28 @@ def _expert_runs_kernel(block_expert_ptr, sorted_ids_ptr, num_padded_ptr, runs_p
     tl.store(runs_ptr + num_experts + 1 + experts, tl.cumsum(mine, axis=0) - mine, mask=real)
     tl.store(runs_ptr + 2 * num_experts + 1, tl.sum(mine, axis=0))
     tl.store(copies_row + num_experts, tl.sum(mine, axis=0))
+    whole = tl.cdiv(mine, STEP) * STEP
+    tl.store(runs_ptr + 3 * (num_experts + 1) + experts, tl.cumsum(whole, axis=0) - whole, mask=real)
+    tl.store(runs_ptr + 4 * num_experts + 3, tl.sum(whole, axis=0))
 
 
 def expert_runs(block_expert: torch.Tensor, sorted_ids: torch.Tensor, num_padded: torch.Tensor, block_m: int,
-                num_experts: int, num_copies: int) -> torch.Tensor:
+                num_experts: int, num_copies: int, step: int) -> torch.Tensor:
     """Where each expert's rows lie, from the alignment's outputs (aligned with ``block_m``, ``num_copies``
-    copies), on the device in one launch: ``runs [3, E + 1]`` int32 with ``runs[0, e]`` expert ``e``'s first block
+    copies), on the device in one launch: ``runs [4, E + 1]`` int32 with ``runs[0, e]`` expert ``e``'s first block
     in the slot order (``runs[0, E]`` the used blocks), ``runs[1, e]`` its first row in expert order (the copies
-    of the experts before it; ``runs[1, E]`` all copies) and ``runs[2, e]`` its copies (``runs[2, E]`` all)."""
-    runs = torch.empty(3, num_experts + 1, dtype=torch.int32, device=block_expert.device)
+    of the experts before it; ``runs[1, E]`` all copies), ``runs[2, e]`` its copies (``runs[2, E]`` all) and
+    ``runs[3, e]`` its first row in expert order with every run rounded up to whole steps of ``step`` rows
+    (``runs[3, E]`` all those rows)."""
+    runs = torch.empty(4, num_experts + 1, dtype=torch.int32, device=block_expert.device)
     block_e = max(next_power_of_2(num_experts), 2)
     chunk = max(16, min(1024, next_power_of_2(block_expert.numel())))
     chunk_e = max(1, min(block_e, 4096 // block_m))
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(ALIGNED_M=block_m, BLOCK_E=block_e, CHUNK=chunk, CHUNK_E=chunk_e), {}
+        return dict(ALIGNED_M=block_m, STEP=step, BLOCK_E=block_e, CHUNK=chunk, CHUNK_E=chunk_e), {}
 
-    _EXPERT_RUNS.launch((block_m, block_e, chunk, chunk_e, block_expert.device), (1,),
+    _EXPERT_RUNS.launch((block_m, step, block_e, chunk, chunk_e, block_expert.device), (1,),
                         (block_expert, sorted_ids, num_padded, runs, block_expert.numel(), num_experts, num_copies),
                         make)
     return runs
@@ -170,43 +181,58 @@ def expert_runs(block_expert: torch.Tensor, sorted_ids: torch.Tensor, num_padded
 @triton.jit
 def _gather_expert_rows_kernel(src_ptr, slot_ids_ptr, block_expert_ptr, runs_ptr, dst_ptr, num_padded_ptr,
                                num_copies, num_experts, rows_per_src, width, stride_src, stride_dst,
-                               ALIGNED_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+                               ALIGNED_M: tl.constexpr, STEP: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_W: tl.constexpr):
     # One program per BLOCK_R slots x BLOCK_W columns: each slot holding a copy sends its source row to the copy's
-    # row in expert order, its expert's first row plus its place in the expert's run.
+    # row in expert order, its expert's first row plus its place in the expert's run. STEP > 0: runs rounded up to
+    # whole steps (runs row 3), the padding slots inside the last step write zero rows (STEP divides ALIGNED_M: the
+    # alignment's padding covers them).
     slots = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     used = slots < tl.load(num_padded_ptr)
     copies = tl.load(slot_ids_ptr + slots, mask=used, other=num_copies)
     real = copies < num_copies
-    expert = tl.load(block_expert_ptr + slots // ALIGNED_M, mask=real, other=0)
-    first_slot = tl.load(runs_ptr + expert, mask=real, other=0) * ALIGNED_M
-    first_row = tl.load(runs_ptr + num_experts + 1 + expert, mask=real, other=0)
-    targets = (first_row + slots - first_slot).to(tl.int64)
+    expert = tl.load(block_expert_ptr + slots // ALIGNED_M, mask=used, other=0)
+    place = slots - tl.load(runs_ptr + expert, mask=used, other=0) * ALIGNED_M  # in the expert's run
+    if STEP > 0:
+        count = tl.load(runs_ptr + 2 * (num_experts + 1) + expert, mask=used, other=0)
+        written = used & (place < tl.cdiv(count, STEP) * STEP)
+        targets = (tl.load(runs_ptr + 3 * (num_experts + 1) + expert, mask=used, other=0) + place).to(tl.int64)
+    else:
+        written = real
+        targets = (tl.load(runs_ptr + num_experts + 1 + expert, mask=used, other=0) + place).to(tl.int64)
     rows = (copies // rows_per_src).to(tl.int64)
-    moved = real[:, None] & (cols < width)[None, :]
-    values = tl.load(src_ptr + rows[:, None] * stride_src + cols[None, :], mask=moved, other=0.0)
-    tl.store(dst_ptr + targets[:, None] * stride_dst + cols[None, :], values, mask=moved)
+    cols_ok = (cols < width)[None, :]
+    values = tl.load(src_ptr + rows[:, None] * stride_src + cols[None, :], mask=real[:, None] & cols_ok, other=0.0)
+    tl.store(dst_ptr + targets[:, None] * stride_dst + cols[None, :], values, mask=written[:, None] & cols_ok)
 
 
 def gather_expert_rows(src: torch.Tensor, slot_ids: torch.Tensor, block_expert: torch.Tensor, runs: torch.Tensor,
-                       num_padded: torch.Tensor, num_copies: int, rows_per_src: int, block_m: int) -> torch.Tensor:
-    """``dst [num_copies, W]``: the rows ``src[c // rows_per_src]`` of the copies ``c`` the alignment placed
-    (``slot_ids``, ``block_expert``, ``num_padded``, aligned with ``block_m``) in its slot order without the
-    padding slots — each expert's copies one run from ``runs[1, e]`` (:func:`expert_runs`), in the order the
-    alignment gave them. ``src [R, W]`` with contiguous columns."""
+                       num_padded: torch.Tensor, num_copies: int, rows_per_src: int, block_m: int,
+                       padded_step: int = 0) -> torch.Tensor:
+    """The rows ``src[c // rows_per_src]`` of the copies ``c`` the alignment placed (``slot_ids``,
+    ``block_expert``, ``num_padded``, aligned with ``block_m``) in its slot order, each expert's copies one run in
+    the order the alignment gave them (:func:`expert_runs`' ``runs``). ``padded_step`` 0: without the padding,
+    ``dst [num_copies, W]``, expert ``e``'s run from ``runs[1, e]``; else each run from ``runs[3, e]`` and rounded
+    up to whole steps of ``padded_step`` rows (which must divide ``block_m``) with zero rows, ``dst`` sized for
+    the most such rows (one step less a row per expert more than the copies; rows past ``runs[3, E]`` unwritten).
+    ``src [R, W]`` with contiguous columns."""
+    if padded_step and block_m % padded_step:
+        raise ValueError(f"the padded step of {padded_step} rows must divide the alignment's block of {block_m}")
     if src.stride(1) != 1:
         src = src.contiguous()
     slots, width = slot_ids.numel(), src.shape[1]
-    dst = src.new_empty(num_copies, width)
+    num_experts = runs.shape[1] - 1
+    size = num_copies + min(num_experts, num_copies) * (padded_step - 1) if padded_step else num_copies
+    dst = src.new_empty(size, width)
     if num_copies == 0 or width == 0:
         return dst
     block_r, block_w = (32, 128) if src.is_cuda else (16, 32)
-    num_experts = runs.shape[1] - 1
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(ALIGNED_M=block_m, BLOCK_R=block_r, BLOCK_W=block_w), {}
+        return dict(ALIGNED_M=block_m, STEP=padded_step, BLOCK_R=block_r, BLOCK_W=block_w), {}
 
-    _GATHER.launch((block_m, block_r, block_w, src.device), (cdiv(slots, block_r), cdiv(width, block_w)),
+    _GATHER.launch((block_m, padded_step, block_r, block_w, src.device), (cdiv(slots, block_r), cdiv(width, block_w)),
                    (src, slot_ids, block_expert, runs, dst, num_padded, num_copies, num_experts, rows_per_src, width,
                     src.stride(0), dst.stride(0)), make)
     return dst
@@ -216,19 +242,8 @@ def gather_expert_rows(src: torch.Tensor, slot_ids: torch.Tensor, block_expert: 
 
 
 @triton.jit
-def _weight_grad_step(acc, bias, dy, x, valid, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # One reduction step: the rows where ``valid`` is false zeroed in dy (their product and bias term vanish).
-    if valid is not None:
-        dy = tl.where(valid[:, None], dy, tl.zeros_like(dy))
-    acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        bias += tl.sum(dy.to(tl.float32), axis=0)
-    return acc, bias
-
-
-@triton.jit
-def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr, runs_ptr, num_experts,
-                        N, K, stride_dy, stride_x, stride_dwe, stride_dwn, stride_dwk, stride_dbe,
+def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr, dy_first_ptr, x_first_ptr,
+                        count_ptr, N, K, stride_dy, stride_x, stride_dwe, stride_dwn, stride_dwk, stride_dbe,
                         HAS_BIAS: tl.constexpr, TMA: tl.constexpr, STORE_TMA: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):
@@ -242,29 +257,28 @@ def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr,
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     k_ok = offs_k < K
-    start = tl.load(runs_ptr + num_experts + 1 + expert)  # the expert's run in expert order
-    end = tl.load(runs_ptr + num_experts + 2 + expert)
+    dy_first = tl.load(dy_first_ptr + expert)  # the expert's run in each operand (one of them padded)
+    x_first = tl.load(x_first_ptr + expert)
+    count = tl.load(count_ptr + expert)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if TMA:
-        whole = start + (end - start) // BLOCK_M * BLOCK_M
-        for row in range(start, whole, BLOCK_M):  # whole steps: the tiles straight from TMA to the MMA
-            acc, bias = _weight_grad_step(acc, bias, dy_desc.load([row, pid_n * BLOCK_N]),
-                                          x_desc.load([row, pid_k * BLOCK_K]), None, PRECISION, HAS_BIAS)
-        if whole < end:  # the last, partial step: the rows past the run zeroed
-            acc, bias = _weight_grad_step(acc, bias, dy_desc.load([whole, pid_n * BLOCK_N]),
-                                          x_desc.load([whole, pid_k * BLOCK_K]),
-                                          whole + tl.arange(0, BLOCK_M) < end, PRECISION, HAS_BIAS)
-    else:
-        for row in range(start, end, BLOCK_M):
-            rows = row + tl.arange(0, BLOCK_M)
-            ok = rows < end
-            rows64 = rows.to(tl.int64)
-            dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + offs_n[None, :], mask=ok[:, None] & n_ok[None, :],
+    for done in range(0, count, BLOCK_M):  # the expert's rows in slot order, whole steps
+        if TMA:
+            dy = dy_desc.load([dy_first + done, pid_n * BLOCK_N])
+            x = x_desc.load([x_first + done, pid_k * BLOCK_K])
+        else:
+            step = done + tl.arange(0, BLOCK_M)
+            ok = step < count
+            dy_rows = (dy_first + step).to(tl.int64)
+            x_rows = (x_first + step).to(tl.int64)
+            dy = tl.load(dy_ptr + dy_rows[:, None] * stride_dy + offs_n[None, :], mask=ok[:, None] & n_ok[None, :],
                          other=0.0)
-            x = tl.load(x_ptr + rows64[:, None] * stride_x + offs_k[None, :], mask=ok[:, None] & k_ok[None, :],
+            x = tl.load(x_ptr + x_rows[:, None] * stride_x + offs_k[None, :], mask=ok[:, None] & k_ok[None, :],
                         other=0.0)
-            acc, bias = _weight_grad_step(acc, bias, dy, x, None, PRECISION, HAS_BIAS)
+        acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
+        if HAS_BIAS:  # (the compact operand's rows past the expert's copies are another's)
+            ours = (done + tl.arange(0, BLOCK_M)) < count
+            bias += tl.sum(tl.where(ours[:, None], dy.to(tl.float32), 0.0), axis=0)
     expert64 = expert.to(tl.int64)  # expert * stride_dwe passes 2**31 on DeepSeek-sized layers
     if STORE_TMA:  # [E, N, K] descriptor: the box is clipped at this expert's N and K edges
         dw_desc.store([expert, pid_n * BLOCK_N, pid_k * BLOCK_K],
@@ -294,12 +308,18 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
             db.zero_()
         return dw, db
     tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device, num_copies / max(num_experts, 1))
-    if tiles.block_m < 16:
-        raise ValueError(f"the weight gradient's step of {tiles.block_m} rows is below the MMA's reduction of 16")
-    runs = expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies)
-    # each expert's copies are in ascending order already (align_block_size)
-    dy = gather_expert_rows(d_rows, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m)
-    x = gather_expert_rows(rows, sorted_ids, block_expert, runs, num_padded, num_copies, rows_per_a, block_m)
+    if block_m % tiles.block_m or tiles.block_m < 16:
+        raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
+                         f"of {block_m} and be at least 16 (the MMA's reduction)")
+    runs = expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m)
+    # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to whole
+    # steps, the other compact
+    pad_dy = n <= k
+    dy = gather_expert_rows(d_rows, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m,
+                            tiles.block_m if pad_dy else 0)
+    x = gather_expert_rows(rows, sorted_ids, block_expert, runs, num_padded, num_copies, rows_per_a, block_m,
+                           0 if pad_dy else tiles.block_m)
+    padded_first, compact_first = runs[3], runs[1]
     tma = tiles.tma and tma_applies(dy) and tma_applies(x)
     dy_desc = TensorDescriptor.from_tensor(dy, [tiles.block_m, tiles.block_n]) if tma else None
     x_desc = TensorDescriptor.from_tensor(x, [tiles.block_m, tiles.block_k]) if tma else None
@@ -318,7 +338,8 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     # passed as a tensor the kernel never reads, as moe_gemm's launcher does: the launch's signature stays one)
     _WEIGHT_GRAD.launch((with_bias, tma, store_tma, precision, tiles, rows.device), grid, (
         dy_desc if dy_desc is not None else dy, x_desc if x_desc is not None else x,
-        dw_desc if dw_desc is not None else dw, dy, x, dw, dbias, runs, num_experts,
+        dw_desc if dw_desc is not None else dw, dy, x, dw, dbias,
+        padded_first if pad_dy else compact_first, compact_first if pad_dy else padded_first, runs[2],
         n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0)), make)
     return dw, db
 
