@@ -225,7 +225,10 @@ def test_adapters_over_a_table_that_asks_for_the_kernel_compute_the_same_layer(a
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     else:
         assert torch.equal(got, want)
-    torch.testing.assert_close(got.float(), reference.float(), rtol=3e-2, atol=3e-2)
+    # (bf16 on an H200: outputs up to ~75 here; the triton layer and the torch one each stray up to 0.4-0.8 from the
+    # float64 layer, and up to 0.5 from each other, in elements near zero: a bound on the output's scale)
+    atol = 1e-2 * float(reference.abs().max()) if HOPPER else 3e-2
+    torch.testing.assert_close(got.float(), reference.float(), rtol=3e-2, atol=atol)
     if spec.count > 1:
         return  # (a stack trains through the launches of its own, unchanged by the table)
     params = [param for name, param in layer.named_parameters() if "router" not in name]

@@ -65,6 +65,7 @@ class WeightGradTiles:
 
 
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
+SHORT_RUN = 32  # rows per expert up to which the steps are 32 rows (weight_grad_tiles)
 
 
 def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, device: torch.device,
@@ -72,7 +73,10 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
     """The launch for ``dW [E, n, k]`` of ``dtype`` operands aligned in blocks of ``aligned_block_m`` rows, with
     ``rows_per_expert`` rows on average in each expert's reduction.
 
-    On a CUDA device, 16-bit operands, 64-row steps, TMA where :func:`capability_has_tma`:
+    On a CUDA device, 16-bit operands, 64-row steps (32 where an expert has at most :data:`SHORT_RUN` rows on
+    average: the padded operand holds up to a step less a row more per expert, which at GPT-OSS-120B's shape and
+    M = 1024 would take the step's peak memory past ``torch._grouped_mm``'s; 1.03-1.06x the kernel's time there),
+    TMA where :func:`capability_has_tma`:
 
     * long reductions (at least :data:`LONG_REDUCTION` rows per expert: Mixtral's shapes): 128 x 256 tiles (256
       along the wider of ``n`` and ``k``), 8 warps, 3 stages — the MMAs dominate and the wide tile reads each
@@ -84,7 +88,7 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
 
     fp32 operands take the short reductions' launch (shared memory for two stages of fp32 tiles). On CPU
     (Triton's interpreter, tests) small tiles: the interpreter's cost grows with the tile."""
-    step = min(64, aligned_block_m)
+    step = min(32 if rows_per_expert <= SHORT_RUN else 64, aligned_block_m)
     if device.type != "cuda":
         return WeightGradTiles(32, 32, min(16, aligned_block_m), 4, 2, False)
     tma = capability_has_tma(device)
