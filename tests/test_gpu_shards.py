@@ -46,3 +46,25 @@ def test_a_summary_names_failures_skips_and_tests_that_never_ran(tmp_path: Path)
     (tmp_path / "gpu_suite-card-2026-01-01.json").write_text(json.dumps({"seconds": {"a": 5.0, "e": 3.0}}))
     (tmp_path / "gpu_suite_touched-card-2026-01-02.json").write_text(json.dumps({"device": "card"}))
     assert gpu_shards.known_durations([str(tmp_path)]) == {"a": 0.1, "b": 2.0, "c": 0.0, "e": 3.0}
+
+
+def test_a_shard_the_cut_leaves_empty_runs_nothing(tmp_path: Path) -> None:
+    # One slow test fills two of three shards' estimate: the middle shard gets no test, and must not run pytest
+    # without node ids (which would run every test of the folder). A copy of the runner in a folder of two tests.
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "tests").mkdir()
+    shutil.copy(Path(gpu_shards.__file__), tmp_path / "tests" / "gpu_shards.py")
+    (tmp_path / "tests" / "test_tiny.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    pass\n")
+    (tmp_path / "tests" / "test_other.py").write_text("def test_c():\n    pass\n")
+    durations = tmp_path / "seconds.json"
+    durations.write_text(json.dumps({"seconds": {"tests/test_tiny.py::test_a": 100.0,
+                                                 "tests/test_tiny.py::test_b": 0.01}}))
+    done = subprocess.run([sys.executable, "tests/gpu_shards.py", "--shards", "3", "--jobs", "3", "--durations",
+                           str(durations), "--out", "out", "--", "tests/test_tiny.py"], cwd=tmp_path,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summaries = [json.loads((tmp_path / "out" / f"shard-{index}.json").read_text()) for index in range(3)]
+    assert [(summary["tests"], summary["passed"]) for summary in summaries] == [(1, 1), (0, 0), (1, 1)]
