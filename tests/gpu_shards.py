@@ -124,7 +124,7 @@ def summarize(index: int, tests: list[str], log: Path, seconds: float, returncod
     results = outcomes(log)
     by = {kind: sorted(test for test, record in results.items() if record["outcome"] == kind)
           for kind in ("passed", "failed", "skipped")}
-    summary = {
+    summary: dict[str, Any] = {
         "shard": index, "tests": len(tests), "passed": len(by["passed"]), "failed": by["failed"],
         "skipped": {test: results[test]["reason"] for test in by["skipped"]},
         "not_run": [test for test in tests if test not in results],
