@@ -234,13 +234,16 @@ def test_the_default_tiles_divide_every_alignment_block() -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("widths", [(392, 328), (328, 392)], ids=["rows padded", "gradient rows padded"])
 @pytest.mark.parametrize("tokens", [700, 6000], ids=["short reductions", "long reductions"])
 @pytest.mark.parametrize("block", [16, 64, 128])
-def test_the_gpu_launch_equals_a_float64_sum_in_bf16(block: int, tokens: int) -> None:
+def test_the_gpu_launch_equals_a_float64_sum_in_bf16(block: int, tokens: int, widths: tuple[int, int]) -> None:
     # The default launches on the device (TMA on Hopper; the short reductions' tiles stored by TMA): bf16 operands,
-    # experts of uneven sizes, one idle, N and K past the last full tile.
+    # experts of uneven sizes, one idle, N and K past the last full tile; the narrower operand padded to whole steps
+    # (the rows, or the gradient rows, whose compact other operand the bias sum then masks or not).
     gen = torch.Generator().manual_seed(17)
-    k, experts, n, kdim = 2, 6, 392, 328
+    k, experts = 2, 6
+    n, kdim = widths
     ids = _ids(tokens, k, experts, gen, idle=(4,))
     rows = torch.randn(tokens, kdim, generator=gen).to("cuda", torch.bfloat16)
     d_rows = torch.randn(tokens * k, n, generator=gen).to("cuda", torch.bfloat16)
