@@ -219,7 +219,7 @@ def gather_expert_rows(src: torch.Tensor, slot_ids: torch.Tensor, block_expert: 
     the order the alignment gave them (:func:`expert_runs`' ``runs``). ``padded_step`` 0: without the padding,
     ``dst [num_copies, W]``, expert ``e``'s run from ``runs[1, e]``; else each run from ``runs[3, e]`` and rounded
     up to whole steps of ``padded_step`` rows (which must divide ``block_m``) with zero rows, ``dst`` sized for
-    the most such rows (one step less a row per expert more than the copies; rows past ``runs[3, E]`` unwritten).
+    the most such rows (the copies plus ``padded_step - 1`` per expert; rows past ``runs[3, E]`` unwritten).
     ``src [R, W]`` with contiguous columns."""
     if padded_step and block_m % padded_step:
         raise ValueError(f"the padded step of {padded_step} rows must divide the alignment's block of {block_m}")
