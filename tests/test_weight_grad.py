@@ -170,7 +170,8 @@ def test_each_expert_sums_its_copies_in_ascending_order(tokens: int) -> None:
     for e in range(experts):
         mine = placed[(owner == e) & (placed < tokens * k)]
         assert mine.tolist() == torch.nonzero(flat == e).flatten().tolist()  # ascending copy order
-    for tiles, _ in SMALL.values():
+    loads = {(tiles.tma, tiles.tma_store): tiles for tiles, _ in SMALL.values()}  # (pointer, TMA, TMA store)
+    for tiles in loads.values():
         tiles = WeightGradTiles(tiles.block_n, tiles.block_k, 16, 4, 2, tiles.tma, tiles.tma_store)
         first = expert_weight_grad(d_rows, rows, k, sorted_ids, block_expert, num_padded, experts, block, True,
                                    tiles=tiles)

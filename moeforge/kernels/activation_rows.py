@@ -20,7 +20,7 @@ Registered as the custom ops ``moeforge::activate_rows`` (differentiable: :func:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import triton
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from moeforge.errors import InputError
 from moeforge.kernels import pdl
-from moeforge.kernels.bound_launch import FIXED_OPTIONS
+from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.activations import ACT_GPT_OSS, ACT_NONE, activate, gated
 from moeforge.kernels.launch_plan import glu_strides
@@ -208,12 +208,9 @@ def activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alp
     pre = _columns(pre)
     gate_step, up_offset = glu_strides(glu, interleaved, width)
     block_r, block_c = _blocks(rows, width)
-    dependent = pdl.pdl_applies(pre.device)
-    _activate_rows_kernel[(cdiv(rows, block_r), cdiv(width, block_c))](
-        pre, out, rows, width, pre.stride(0), out.stride(0), gate_step, up_offset, alpha, limit,
-        ACT=act, GLU=glu, BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl.flag(dependent),
-        num_warps=4, **pdl.launch_options(dependent), **FIXED_OPTIONS,
-    )
+    _ACTIVATE.launch((act, glu, block_r, block_c, pre.device), (cdiv(rows, block_r), cdiv(width, block_c)),
+                     (pre, out, rows, width, pre.stride(0), out.stride(0), gate_step, up_offset, alpha, limit),
+                     _launch_recipe(pre.device, act, glu, block_r, block_c))
     return out
 
 
@@ -229,14 +226,28 @@ def activate_rows_backward(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu
     pre, d_out = _columns(pre), _columns(d_out)
     gate_step, up_offset = glu_strides(glu, interleaved, width)
     block_r, block_c = _blocks(rows, width)
-    dependent = pdl.pdl_applies(pre.device)
-    _activate_rows_backward_kernel[(cdiv(rows, block_r), cdiv(width, block_c))](
-        pre, d_out, d_pre, rows, width, pre.stride(0), d_out.stride(0), d_pre.stride(0), gate_step, up_offset,
-        alpha, limit,
-        ACT=act, GLU=glu, BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl.flag(dependent),
-        num_warps=4, **pdl.launch_options(dependent), **FIXED_OPTIONS,
-    )
+    _ACTIVATE_BACKWARD.launch((act, glu, block_r, block_c, pre.device), (cdiv(rows, block_r), cdiv(width, block_c)),
+                              (pre, d_out, d_pre, rows, width, pre.stride(0), d_out.stride(0), d_pre.stride(0),
+                               gate_step, up_offset, alpha, limit),
+                              _launch_recipe(pre.device, act, glu, block_r, block_c))
     return d_pre
+
+
+def _launch_recipe(device: torch.device, act: int, glu: bool, block_r: int, block_c: int
+                   ) -> Callable[[], tuple[dict[str, Any], dict[str, Any]]]:
+    """The two kernels' constexprs and launch options (a :class:`LaunchSite`'s ``make``: called once per launch
+    key and specialisation)."""
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        dependent = pdl.pdl_applies(device)
+        return (dict(ACT=act, GLU=glu, BLOCK_R=block_r, BLOCK_C=block_c, PDL=pdl.flag(dependent)),
+                dict(num_warps=4, **pdl.launch_options(dependent)))
+
+    return make
+
+
+_ACTIVATE = LaunchSite(_activate_rows_kernel)
+_ACTIVATE_BACKWARD = LaunchSite(_activate_rows_backward_kernel)
 
 
 # -- autograd of moeforge::activate_rows --------------------------------------------------------------------

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from moeforge.kernels import pdl
-from moeforge.kernels.bound_launch import FIXED_OPTIONS, LaunchSite
+from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
@@ -115,6 +115,9 @@ def _combine_backward_kernel(
         tl.store(d_weights_ptr + copy_rows, tl.sum(dots, axis=1).to(d_weights_ptr.dtype.element_ty), mask=copy_ok)
 
 
+_COMBINE_BACKWARD = LaunchSite(_combine_backward_kernel)
+
+
 def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int,
                      scale: float, weight_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gradients of :func:`combine_copies` over copy-order rows: ``(d_rows [T * top_k, H]`` in ``rows``' dtype,
@@ -134,14 +137,18 @@ def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Option
         return d_rows, d_weights
     k_block = next_power_of_2(top_k)
     block_h = max(16, min(next_power_of_2(hidden), 4096 // k_block))
-    dependent = pdl.pdl_applies(rows.device)
-    _combine_backward_kernel[(tokens,)](
+    has_weights = weights is not None
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        dependent = pdl.pdl_applies(rows.device)
+        return (dict(TOP_K=top_k, K_BLOCK=k_block, HAS_WEIGHTS=has_weights, WEIGHT_GRAD=weight_grad,
+                     BLOCK_H=block_h, PDL=pdl.flag(dependent)),
+                dict(num_warps=4, **pdl.launch_options(dependent)))
+
+    _COMBINE_BACKWARD.launch((top_k, has_weights, weight_grad, block_h, rows.device), (tokens,), (
         grad_out, rows, weights if weights is not None else rows, d_rows,
         d_weights if d_weights is not None else d_rows,
-        hidden, scale, grad_out.stride(0), rows.stride(0), d_rows.stride(0),
-        TOP_K=top_k, K_BLOCK=k_block, HAS_WEIGHTS=weights is not None, WEIGHT_GRAD=weight_grad, BLOCK_H=block_h,
-        PDL=pdl.flag(dependent), num_warps=4, **pdl.launch_options(dependent), **FIXED_OPTIONS,
-    )
+        hidden, scale, grad_out.stride(0), rows.stride(0), d_rows.stride(0)), make)
     return d_rows, d_weights
 
 
