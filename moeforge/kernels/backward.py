@@ -82,12 +82,13 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     d_a = d_weight = d_bias = None
     if needs[0]:
         # d_rows[c] = d_pre[c] @ W[e]: the same kernel on the transposed weight, one copy per row. Copies that
-        # share a row (the first GEMM's top_k) are summed in fp32, in a fixed order.
+        # share a row (the first GEMM's top_k) are summed in fp32, in a fixed order (the combine's kernel: one
+        # launch, written in the rows' dtype).
         r = p["rows_per_a"]
         d_rows, _ = grouped_gemm(GemmRows(d_pre), GemmWeight(weight.transpose(1, 2)), route,
                                  GemmEpilogue(torch.float32 if r > 1 else a.dtype),
                                  row_gradient_config(config, int(weight.shape[2]), int(weight.shape[1])))
-        d_a = d_rows.view(-1, r, d_rows.shape[1]).sum(1).to(a.dtype) if r > 1 else d_rows
+        d_a = combine.COMBINE(d_rows, None, r, 1.0, a.dtype) if r > 1 else d_rows
         del d_rows  # (the fp32 copies, [copies, K]: released before the weight gradient allocates its own)
     if needs[2] or (bias is not None and needs[6]):
         dw, db = weight_grad.EXPERT_WEIGHT_GRAD(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,

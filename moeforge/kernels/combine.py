@@ -53,6 +53,14 @@ def _combine_kernel(
     tl.store(out_ptr + token * stride_out + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def combined(rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: float,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """The ``moeforge::combine`` op's implementation: :func:`combine_copies` into a new ``[T, H]`` of
+    ``out_dtype``."""
+    out = torch.empty(rows.shape[0] // top_k, rows.shape[1], dtype=out_dtype, device=rows.device)
+    return combine_copies(rows, top_k, out, weights, scale)
+
+
 def combine_copies(
     rows: torch.Tensor,
     top_k: int,
@@ -162,3 +170,5 @@ def backward_for_op(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optiona
 
 # What the combine's backward formula calls (moeforge.kernels.backward): the op where it is needed, else the function.
 COMBINE_BACKWARD = KernelOp("moeforge::combine_backward", backward_for_op)
+# What the grouped GEMM's backward sums a token's row gradients with (the copies of a row read top_k times).
+COMBINE = KernelOp("moeforge::combine", combined)

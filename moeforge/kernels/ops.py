@@ -111,15 +111,8 @@ def _(x: torch.Tensor, dtype: torch.dtype, per_group: bool, act: int, glu: bool,
     return x.new_empty(rows, width, dtype=dtype), x.new_empty(rows, groups, dtype=torch.float32)
 
 
-def _combine_copies(
-    rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: float, out_dtype: torch.dtype
-) -> torch.Tensor:
-    out = torch.empty(rows.shape[0] // top_k, rows.shape[1], dtype=out_dtype, device=rows.device)
-    return combine.combine_copies(rows, top_k, out, weights, scale)
-
-
-_combine_copies_op = torch.library.custom_op("moeforge::combine", _combine_copies, mutates_args=())
-combine_copies = KernelOp(_combine_copies_op, _combine_copies, differentiable=True)
+_combine_copies_op = torch.library.custom_op("moeforge::combine", combine.combined, mutates_args=())
+combine_copies = KernelOp(_combine_copies_op, combine.combined, differentiable=True)
 
 
 @_combine_copies_op.register_fake
