@@ -9,7 +9,7 @@ on the machine's cores share the GPU well. Usage, from the repository root::
     python3 tests/gpu_shards.py --shards 8 --list                                   # which tests, where
     python3 tests/gpu_shards.py --shards 4 --jobs 4 --out "$OUT/again" -- @unfinished.txt  # node ids from a file
     python3 tests/gpu_shards.py --shards 64 --jobs 48 --gpus 4 --out "$OUT/shards"  # a machine of four GPUs
-    python3 tests/gpu_shards.py --shards 40 --only 0,1,...,19 --jobs 16 --durations benchmarks/results \
+    python3 tests/gpu_shards.py --shards 40 --only $(seq -s, 0 19) --jobs 16 --durations benchmarks/results \
         --timeout 420 --out "$OUT/shards"   # one H200 (16 cores): half the suite a call, ~220 s each
 
 The collected tests (``pytest --collect-only``, in pytest's order) are cut into ``--shards`` contiguous
