@@ -11,10 +11,10 @@ Two passes:
    the alignment gave them (``sorted_ids``, as :func:`moeforge.kernels.align.align_block_size` places them), one
    run after another (:func:`expert_runs` finds where each run starts, on the device). One operand, the narrower,
    is padded: each expert's run rounded up to whole reduction steps with zero rows; the other is compact, one row
-   per copy. The alignment's slot order padded both to its block (up to ``E x (block - 1)`` rows more each: at
-   Qwen3-30B-A3B's shape and M = 1024 three times the copies, and the step's peak memory is reached here); both
-   compact would leave the last step of each run to mask in registers, which measured 1.1-1.3x the kernel's time
-   (``docs/notes/kernels-log.md``, "The weight gradient's operands in expert order").
+   per copy. Padding both to the alignment's block would hold up to ``E x (block - 1)`` rows more in each (the
+   training step's peak memory is reached here); padding neither would leave the last step of each run to mask in
+   registers, outside the pipelined loop (the measurements: ``docs/notes/kernels-log.md``, "The weight
+   gradient's operands in expert order").
 2. ``_weight_grad_kernel``: one program per ``(expert, N tile, K tile)``, in that order (the tiles of one expert
    and one N strip run together and share it through L2), walking the expert's runs in steps of ``BLOCK_M`` rows
    and accumulating ``dy^T @ x`` in fp32. A step past the end of an expert's copies pairs the padded operand's zero
@@ -74,9 +74,8 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
     ``rows_per_expert`` rows on average in each expert's reduction.
 
     On a CUDA device, 16-bit operands, 64-row steps (32 where an expert has at most :data:`SHORT_RUN` rows on
-    average: the padded operand holds up to a step less a row more per expert, which at GPT-OSS-120B's shape and
-    M = 1024 would take the step's peak memory past ``torch._grouped_mm``'s; 1.03-1.06x the kernel's time there),
-    TMA where :func:`capability_has_tma`:
+    average: the padded operand holds up to a step less a row more per expert, so short runs take half the
+    padding; the kernels log has the memory and the time this trades), TMA where :func:`capability_has_tma`:
 
     * long reductions (at least :data:`LONG_REDUCTION` rows per expert: Mixtral's shapes): 128 x 256 tiles (256
       along the wider of ``n`` and ``k``), 8 warps, 3 stages — the MMAs dominate and the wide tile reads each
