@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import attrs
 import pytest
 import torch
 
@@ -35,9 +34,6 @@ SMALL = {  # (launch, alignment block): pointer loads and TMA, a step of the who
     "tma, stored by tma": (WeightGradTiles(16, 32, 16, 4, 2, True, tma_store=True), 16),
     "pointer, half-block steps": (WeightGradTiles(16, 16, 16, 4, 2, False), 32),
     "tma, half-block steps, narrow tiles": (WeightGradTiles(16, 16, 16, 4, 2, True), 32),
-    "persistent, pointer": (WeightGradTiles(32, 16, 16, 4, 2, False, persistent=1), 16),
-    "persistent, tma, stored by tma": (WeightGradTiles(16, 32, 16, 4, 2, True, tma_store=True, persistent=2), 16),
-    "persistent, tma, half-block steps": (WeightGradTiles(16, 16, 16, 4, 2, True, persistent=1), 32),
 }
 
 
@@ -91,24 +87,6 @@ def test_the_weight_and_bias_gradients_equal_a_float64_sum_per_expert(case: str,
     torch.testing.assert_close(db.cpu().double(), want_b, rtol=tol, atol=tol)
     for e in idle:
         assert not dw[e].any() and not db[e].any()
-
-
-@pytest.mark.parametrize("programs", [1, 2, 5], ids=["1 per SM", "2 per SM", "more programs than tiles"])
-@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_persistent_programs_store_the_bits_of_one_program_per_tile(case: str, programs: int) -> None:
-    # The same tiles summed in the same steps, however the programs walk them (idle experts' tiles included).
-    tokens, k, experts, n, kdim, r, only, idle = CASES[case]
-    gen = torch.Generator().manual_seed(11)
-    ids = _ids(tokens, k, experts, gen, only, idle)
-    rows = torch.randn(tokens * k // r, kdim, generator=gen).to(DEVICE, torch.float16)
-    d_rows = torch.randn(tokens * k, n, generator=gen).to(DEVICE, torch.float16)
-    plan = align.align_block_size(ids.to(DEVICE), experts, 16)
-    tiles = WeightGradTiles(16, 16, 16, 4, 2, True, tma_store=True)
-    dw, db = expert_weight_grad(d_rows, rows, r, *plan, experts, 16, True, tiles=tiles)
-    dw_p, db_p = expert_weight_grad(d_rows, rows, r, *plan, experts, 16, True,
-                                    tiles=attrs.evolve(tiles, persistent=programs))
-    assert db is not None and db_p is not None
-    assert torch.equal(dw, dw_p) and torch.equal(db, db_p)
 
 
 def test_no_copies_give_zero_gradients() -> None:

@@ -53,9 +53,7 @@ from moeforge.kernels.sizes import cdiv, next_power_of_2
 class WeightGradTiles:
     """The weight-gradient kernel's launch: an output tile of ``block_n x block_k``, ``block_m`` rows per
     reduction step (at least 16, dividing the alignment's block), ``num_warps``, ``num_stages``; ``tma``: operands
-    by TMA; ``tma_store``: the finished tile stored by TMA too; ``persistent``: that many programs per
-    multiprocessor, each walking every so many tiles in one loop over all their reduction steps (the next tile's
-    first steps load while a tile is stored; ``_weight_grad_persistent_kernel``), or 0: one program per tile."""
+    by TMA; ``tma_store``: the finished tile stored by TMA too."""
 
     block_n: int
     block_k: int
@@ -64,7 +62,6 @@ class WeightGradTiles:
     num_stages: int
     tma: bool
     tma_store: bool = False
-    persistent: int = 0  # programs per multiprocessor walking the tiles in turn (0: one program per tile)
 
 
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
@@ -98,11 +95,6 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
         block_n, block_k = (128, 256) if k >= n else (256, 128)
         return WeightGradTiles(block_n, block_k, step, 8, 3, tma)
     return WeightGradTiles(128, 128, step, 4, 2, tma, tma_store=tma)
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessors (3 on CPU, where Triton's interpreter runs the programs one after another)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
 
 
 def capability_has_tma(device: torch.device) -> bool:
@@ -302,86 +294,6 @@ def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr,
             tl.store(db_ptr + expert64 * stride_dbe + offs_n, bias.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
-def _weight_grad_persistent_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr, dy_first_ptr,
-                                   x_first_ptr, count_ptr, N, K, num_experts, stride_dy, stride_x, stride_dwe,
-                                   stride_dwn, stride_dwk, stride_dbe, HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
-                                   STORE_TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                                   PROGRAMS: tl.constexpr):
-    # The tiles of _weight_grad_kernel (same order, same sums), program p taking tiles p, p + PROGRAMS, ... in one
-    # flat loop over all their reduction steps: the loop's software pipeline loads the next tile's first steps while
-    # a tile is finished, and a TMA store runs on while the next tile computes. A tile of an expert without rows takes
-    # one step whose product is dropped (stored as zeros).
-    pid = tl.program_id(0)
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    per_expert = tl.cdiv(N, BLOCK_N) * tiles_k
-    experts = tl.arange(0, BLOCK_E)
-    real = experts < num_experts
-    steps = tl.maximum(tl.cdiv(tl.load(count_ptr + experts, mask=real, other=0), BLOCK_M), 1)
-    first_tile = experts * per_expert  # this program's tiles among expert e's: t = pid (mod PROGRAMS)
-    mine = ((first_tile + per_expert - 1 - pid + PROGRAMS) // PROGRAMS
-            - (first_tile - 1 - pid + PROGRAMS) // PROGRAMS)
-    total = tl.sum(tl.where(real, mine * steps, 0), axis=0)
-    tile = pid
-    expert = tile // per_expert
-    pid_n = (tile % per_expert) // tiles_k
-    pid_k = tile % tiles_k
-    dy_first = tl.load(dy_first_ptr + expert, mask=expert < num_experts, other=0)
-    x_first = tl.load(x_first_ptr + expert, mask=expert < num_experts, other=0)
-    count = tl.load(count_ptr + expert, mask=expert < num_experts, other=0)
-    done = 0
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for _ in range(0, total):
-        if TMA:
-            dy = dy_desc.load([dy_first + done, pid_n * BLOCK_N])
-            x = x_desc.load([x_first + done, pid_k * BLOCK_K])
-        else:
-            step = done + tl.arange(0, BLOCK_M)
-            ok = step < count
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-            dy_rows = (dy_first + step).to(tl.int64)
-            x_rows = (x_first + step).to(tl.int64)
-            dy = tl.load(dy_ptr + dy_rows[:, None] * stride_dy + offs_n[None, :],
-                         mask=ok[:, None] & (offs_n < N)[None, :], other=0.0)
-            x = tl.load(x_ptr + x_rows[:, None] * stride_x + offs_k[None, :],
-                        mask=ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            ours = (done + tl.arange(0, BLOCK_M)) < count
-            bias += tl.sum(tl.where(ours[:, None], dy.to(tl.float32), 0.0), axis=0)
-        done += BLOCK_M
-        if done >= count:  # the tile's last step: store it, move to the program's next tile
-            acc = tl.where(count > 0, acc, 0.0)
-            expert64 = expert.to(tl.int64)
-            if STORE_TMA:
-                dw_desc.store([expert, pid_n * BLOCK_N, pid_k * BLOCK_K],
-                              tl.reshape(acc.to(dw_ptr.dtype.element_ty), (1, BLOCK_N, BLOCK_K)))
-            else:
-                offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-                tl.store(dw_ptr + expert64 * stride_dwe + offs_n[:, None] * stride_dwn + offs_k[None, :] * stride_dwk,
-                         acc.to(dw_ptr.dtype.element_ty), mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
-            if HAS_BIAS:
-                if pid_k == 0:
-                    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                    tl.store(db_ptr + expert64 * stride_dbe + offs_n, bias.to(db_ptr.dtype.element_ty),
-                             mask=offs_n < N)
-            tile += PROGRAMS
-            expert = tile // per_expert
-            pid_n = (tile % per_expert) // tiles_k
-            pid_k = tile % tiles_k
-            busy = expert < num_experts
-            dy_first = tl.load(dy_first_ptr + expert, mask=busy, other=0)
-            x_first = tl.load(x_first_ptr + expert, mask=busy, other=0)
-            count = tl.load(count_ptr + expert, mask=busy, other=0)
-            done = 0
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
-
-
 def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
                        block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
                        with_bias: bool, dtype: torch.dtype = torch.float32,
@@ -417,33 +329,21 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     store_tma = tiles.tma_store and TensorDescriptor is not None and tma_applies(dw)
     dw_desc = TensorDescriptor.from_tensor(dw, [1, tiles.block_n, tiles.block_k]) if store_tma else None
     dbias = db if db is not None else dw
-    tile_count = num_experts * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k)
+    grid = (num_experts * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
     precision = "ieee" if rows.dtype == torch.float32 else "tf32"
-    args = (dy_desc if dy_desc is not None else dy, x_desc if x_desc is not None else x,
-            dw_desc if dw_desc is not None else dw, dy, x, dw, dbias,
-            padded_first if pad_dy else compact_first, compact_first if pad_dy else padded_first, runs[2])
-    strides = (dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0))
-    constexprs = dict(HAS_BIAS=with_bias, TMA=tma, STORE_TMA=store_tma, PRECISION=precision,
-                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
-    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    # (the descriptors' boxes follow the tiles, their dtypes the tensors': both in the key; an absent descriptor is
-    # passed as a tensor the kernel never reads, as moe_gemm's launcher does: the launch's signature stays one)
-    if tiles.persistent:
-        programs = min(tile_count, tiles.persistent * _multiprocessors(rows.device))
-        block_e = max(next_power_of_2(num_experts), 2)
-
-        def make_persistent() -> tuple[dict[str, Any], dict[str, Any]]:
-            return dict(constexprs, BLOCK_E=block_e, PROGRAMS=programs), options
-
-        _WEIGHT_GRAD_PERSISTENT.launch((with_bias, tma, store_tma, precision, tiles, programs, block_e, rows.device),
-                                       (programs,), (*args, n, k, num_experts, *strides), make_persistent)
-        return dw, db
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return constexprs, options
+        return (dict(HAS_BIAS=with_bias, TMA=tma, STORE_TMA=store_tma, PRECISION=precision,
+                     BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k),
+                dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 
-    _WEIGHT_GRAD.launch((with_bias, tma, store_tma, precision, tiles, rows.device), (tile_count,),
-                        (*args, n, k, *strides), make)
+    # (the descriptors' boxes follow the tiles, their dtypes the tensors': both in the key; an absent descriptor is
+    # passed as a tensor the kernel never reads, as moe_gemm's launcher does: the launch's signature stays one)
+    _WEIGHT_GRAD.launch((with_bias, tma, store_tma, precision, tiles, rows.device), grid, (
+        dy_desc if dy_desc is not None else dy, x_desc if x_desc is not None else x,
+        dw_desc if dw_desc is not None else dw, dy, x, dw, dbias,
+        padded_first if pad_dy else compact_first, compact_first if pad_dy else padded_first, runs[2],
+        n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0)), make)
     return dw, db
 
 
@@ -460,7 +360,6 @@ def grads_for_op(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sort
 _EXPERT_RUNS = LaunchSite(_expert_runs_kernel)
 _GATHER = LaunchSite(_gather_expert_rows_kernel)
 _WEIGHT_GRAD = LaunchSite(_weight_grad_kernel)
-_WEIGHT_GRAD_PERSISTENT = LaunchSite(_weight_grad_persistent_kernel)
 
 # What the grouped GEMM's backward formula calls (moeforge.kernels.backward): the op where it is needed, else the
 # function.
