@@ -10,7 +10,7 @@ as the median of CUDA-graph replays with the L2 flushed, for moeforge's experts 
 and weights to the combined output) and for the ``torch._grouped_mm`` baseline; the speedup; and the
 TFLOP/s of the step counting 3x the forward's flops (forward, row gradient, weight gradient) against
 the bf16 matmul peak measured in the same run; the step's peak memory above what was allocated before it
-(``torch.cuda.max_memory_allocated``, one eager step); whether two eager steps give bitwise the same gradients.
+(``torch.cuda.max_memory_allocated``, the second of two eager steps); whether two eager steps give bitwise the same gradients.
 Prints a table and writes JSON (device, commit, date).
 
 ``--eager`` also times each step called eagerly (no CUDA graph; the host launches every kernel) and its ratio to
@@ -83,20 +83,32 @@ def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad:
 
 
 def step_memory_and_determinism(fn: Callable[[], Any]) -> tuple[int, bool]:
-    """(bytes the step allocates above what was allocated before it, at its peak; whether two eager runs give
-    bitwise the same gradients)."""
+    """(bytes a step allocates above what was allocated before it, at its peak; whether two eager runs give bitwise
+    the same gradients). Measured on the second of two steps: what only a first step allocates and keeps (a library's
+    workspace, a cache) is in neither path's figure, whichever of them — or whatever ran before in the process —
+    made it first (``leftover_after_steps`` tells whether a step keeps anything)."""
+    first = [g.clone() for g in fn()]
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    grads = fn()
+    second = fn()
     torch.cuda.synchronize()
     memory = torch.cuda.max_memory_allocated() - before
-    first = [g.clone() for g in grads]
-    del grads
-    second = fn()
     same = all(torch.equal(a, b) for a, b in zip(first, second))
     del first, second
     return memory, same
+
+
+def leftover_after_steps(fn: Callable[[], Any], steps: int = 2) -> int:
+    """Bytes still allocated after ``steps`` more steps whose gradients were dropped, above what was allocated after
+    the first such step: 0 unless each step keeps something (a leak)."""
+    fn()  # (each step's gradients dropped as it returns)
+    torch.cuda.synchronize()
+    after_one = torch.cuda.memory_allocated()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - after_one
 
 
 def live_at_peak(events: list[dict[str, Any]], top: int = 12) -> tuple[int, list[tuple[str, int, int]]]:
