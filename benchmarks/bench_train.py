@@ -45,26 +45,29 @@ from moeforge.kernels.config import device_key  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
 
 
-def moeforge_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor
-                  ) -> Callable[[], Any]:
+def moeforge_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput
+                     ) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
+    """The experts' forward from fresh leaves (the hidden states and the routing weights, both requiring
+    gradients, so the layer takes its training path): ``(output, [x, weights, w13, w2])``."""
     experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
-    params = [layer.w13_weight, layer.w2_weight]
 
-    def run() -> Any:
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
         xr = x.detach().requires_grad_()
         weights = topk.weights.detach().requires_grad_()
         out = experts_only(RoutedTokens(Activations(xr), TopKOutput(weights, topk.ids))).hidden_states
-        return torch.autograd.grad(out, [xr, weights, *params], grad)
+        return out, [xr, weights, layer.w13_weight, layer.w2_weight]
 
     return run
 
 
-def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor) -> Callable[[], Any]:
+def grouped_mm_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput
+                       ) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
+    """The same forward written with ``torch._grouped_mm`` (what torchtitan and transformers train with)."""
     tokens, top_k = topk.ids.shape
     w13, w2 = layer.w13_weight, layer.w2_weight
     ones = torch.ones(tokens * top_k, dtype=torch.int32, device=x.device)
 
-    def run() -> Any:
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
         xr = x.detach().requires_grad_()
         weights = topk.weights.detach().requires_grad_()
         flat = topk.ids.reshape(-1).long()
@@ -76,10 +79,76 @@ def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad:
         gate, up = hidden.chunk(2, dim=-1)
         rows = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(1, 2), offs=offs)
         rows = rows * weights.reshape(-1)[order, None].to(rows.dtype)
-        out = torch.zeros_like(xr).index_add(0, source, rows)
-        return torch.autograd.grad(out, [xr, weights, w13, w2], grad)
+        return torch.zeros_like(xr).index_add(0, source, rows), [xr, weights, w13, w2]
 
     return run
+
+
+def training_step(forward: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]], grad: torch.Tensor
+                  ) -> Callable[[], Any]:
+    """Forward and backward: the gradients of the hidden states, the routing weights and both expert weights."""
+
+    def run() -> Any:
+        out, leaves = forward()
+        return torch.autograd.grad(out, leaves, grad)
+
+    return run
+
+
+def moeforge_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor
+                  ) -> Callable[[], Any]:
+    return training_step(moeforge_forward(layer, x, topk), grad)
+
+
+def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor) -> Callable[[], Any]:
+    return training_step(grouped_mm_forward(layer, x, topk), grad)
+
+
+SONICMOE = (64, 4, 4096, 2048)  # (E, k, H, I) at T = 32768: SonicMoE's published configuration
+SONICMOE_TOKENS = 32768
+
+
+def dense_bound_us(rows: int, hidden: int, inter: int, flush: torch.Tensor, reps: int) -> float:
+    """Microseconds of one dense ``torch.mm`` with a forward's flops (``[rows, H] @ [H, 3I]``, cuBLAS, random bf16,
+    L2 flushed): the time bound the SonicMoE target compares a forward with (twice it, a backward)."""
+    a = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(hidden, 3 * inter, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(rows, 3 * inter, device="cuda", dtype=torch.bfloat16)
+    return time_graph(lambda: torch.mm(a, b, out=out), reps, flush)
+
+
+def sonicmoe_cell(flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
+    """SonicMoE's configuration: each path's forward (its graph replay) and backward (the step's replay less the
+    forward's) against the dense bound of the same flops (:func:`dense_bound_us`; the backward's flops are twice
+    the forward's)."""
+    experts, top_k, hidden, inter = SONICMOE
+    tokens = SONICMOE_TOKENS
+    layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton")
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    topk = mf.stages.select_experts(torch.randn(tokens, experts, device="cuda"), top_k, layer.routing)
+    grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    bound = dense_bound_us(tokens * top_k, hidden, inter, flush, reps)
+    flops = 2 * tokens * top_k * 3 * hidden * inter
+    records = []
+    for what, forward in (("moeforge", moeforge_forward(layer, x, topk)),
+                          ("torch_grouped_mm", grouped_mm_forward(layer, x, topk))):
+        step_us = time_graph(training_step(forward, grad), reps, flush)
+        forward_us = time_graph(forward, reps, flush)
+        backward_us = step_us - forward_us
+        record = dict(shape="sonicmoe", E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=f"{what}_sonicmoe",
+                      forward_us=round(forward_us, 1), backward_us=round(backward_us, 1), step_us=round(step_us, 1),
+                      dense_forward_bound_us=round(bound, 1), dense_backward_bound_us=round(2 * bound, 1),
+                      forward_pct_of_bound=round(100 * bound / forward_us, 1),
+                      backward_pct_of_bound=round(100 * 2 * bound / backward_us, 1),
+                      forward_tflops=round(flops / forward_us / 1e6, 1),
+                      backward_tflops=round(2 * flops / backward_us / 1e6, 1))
+        records.append(record)
+        print(f"sonicmoe  M={tokens:6d} {what:17s} forward {forward_us:9.1f} us ({record['forward_pct_of_bound']:5.1f}%"
+              f" of the dense bound {bound:.1f}), backward {backward_us:9.1f} us "
+              f"({record['backward_pct_of_bound']:5.1f}% of {2 * bound:.1f})", flush=True)
+    del layer
+    torch.cuda.empty_cache()
+    return records
 
 
 def step_memory_and_determinism(fn: Callable[[], Any]) -> tuple[int, bool]:
@@ -245,6 +314,9 @@ def main() -> None:
                         help="time each step called eagerly too (the host's launches included) beside its replay")
     parser.add_argument("--memory-breakdown", action="store_true",
                         help="list, for each step, the blocks live at its peak memory by where they were allocated")
+    parser.add_argument("--sonicmoe", action="store_true",
+                        help="also SonicMoE's configuration (T 32768, H 4096, I 2048, E 64, k 4): forward and backward "
+                             "each against a dense torch.mm of the same flops")
     parser.add_argument("--host-profile", default=None,
                         help="a folder for cProfile listings of a few eager moeforge steps per cell (the host's time)")
     args = parser.parse_args()
@@ -310,6 +382,8 @@ def main() -> None:
                 print(f"{'':9s} moeforge is {speedup:.2f}x the speed of torch._grouped_mm", flush=True)
         del layer
         torch.cuda.empty_cache()
+    if args.sonicmoe:
+        records += sonicmoe_cell(flush, args.reps)
     result = dict(device=device, commit=args.commit or measured_commit(),
                   date=datetime.date.today().isoformat(),
                   torch=torch.__version__, peak_tflops=round(peak, 1), records=records)
