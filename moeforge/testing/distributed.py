@@ -60,6 +60,13 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, collective_
     try:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
+        # Joined when every rank is out of init_process_group: a rank whose fn returns at once and tears its group
+        # down could otherwise close a connection that a slower rank is still setting up (gloo: "connectFullMesh
+        # failed ... Connection closed by peer", seen on a loaded machine). A store's keys, not a collective: an
+        # NCCL barrier would need the rank's device, which fn chooses.
+        joined = dist.FileStore(f"{init_file}.joined", world_size)
+        joined.set(f"rank {rank}", "joined")
+        joined.wait([f"rank {other}" for other in range(world_size)])
         results.put((rank, _JOINED, b""))
         value = fn(rank, world_size, *args)
         buffer = io.BytesIO()  # by value: a shared-memory tensor would die with this process
