@@ -10,7 +10,8 @@ as the median of CUDA-graph replays with the L2 flushed, for moeforge's experts 
 and weights to the combined output) and for the ``torch._grouped_mm`` baseline; the speedup; and the
 TFLOP/s of the step counting 3x the forward's flops (forward, row gradient, weight gradient) against
 the bf16 matmul peak measured in the same run; the step's peak memory above what was allocated before it
-(``torch.cuda.max_memory_allocated``, the second of two eager steps); whether two eager steps give bitwise the same gradients.
+(``torch.cuda.max_memory_allocated``, the second of two eager steps: a training loop's steady state; the first's
+is recorded too); whether two eager steps give bitwise the same gradients.
 Prints a table and writes JSON (device, commit, date).
 
 ``--eager`` also times each step called eagerly (no CUDA graph; the host launches every kernel) and its ratio to
@@ -151,21 +152,36 @@ def sonicmoe_cell(flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
     return records
 
 
-def step_memory_and_determinism(fn: Callable[[], Any]) -> tuple[int, bool]:
-    """(bytes a step allocates above what was allocated before it, at its peak; whether two eager runs give bitwise
-    the same gradients). Measured on the second of two steps: what only a first step allocates and keeps (a library's
-    workspace, a cache) is in neither path's figure, whichever of them — or whatever ran before in the process —
-    made it first (``leftover_after_steps`` tells whether a step keeps anything)."""
-    first = [g.clone() for g in fn()]
+def step_peaks(fn: Callable[[], Any]) -> tuple[int, int, bool]:
+    """(bytes the first call of a step allocates above what was allocated before it, at its peak; the same for a
+    second call; whether the two give bitwise the same gradients). The first call's figure holds whatever only a
+    first call allocates and keeps (torch's ``_grouped_mm`` + autograd step peaks higher on its first call in a
+    process: docs/notes/kernels-log.md, "A training step's memory: first and later steps"), and so depends on what
+    ran before in the process; the second's is a training loop's steady state."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = fn()
+    torch.cuda.synchronize()
+    first_peak = torch.cuda.max_memory_allocated() - before
+    first = [g.clone() for g in grads]
+    del grads
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     second = fn()
     torch.cuda.synchronize()
-    memory = torch.cuda.max_memory_allocated() - before
+    later_peak = torch.cuda.max_memory_allocated() - before
     same = all(torch.equal(a, b) for a, b in zip(first, second))
     del first, second
-    return memory, same
+    return first_peak, later_peak, same
+
+
+def step_memory_and_determinism(fn: Callable[[], Any]) -> tuple[int, bool]:
+    """(the steady-state peak of :func:`step_peaks`: bytes a second call of the step allocates above what was
+    allocated before it; whether two calls give bitwise the same gradients)."""
+    _, later_peak, same = step_peaks(fn)
+    return later_peak, same
 
 
 def leftover_after_steps(fn: Callable[[], Any], steps: int = 2) -> int:
@@ -342,7 +358,7 @@ def main() -> None:
             for what, make in (("moeforge", moeforge_step), ("torch_grouped_mm", grouped_mm_step)):
                 try:
                     step = make(layer, x, topk, grad)
-                    memory, same = step_memory_and_determinism(step)
+                    first_memory, memory, same = step_peaks(step)
                     timed[what] = time_graph(step, args.reps, flush)
                     eager = time_eager(step, args.reps, flush) if args.eager else None
                     if args.memory_breakdown:
@@ -368,12 +384,14 @@ def main() -> None:
                 timed_records[what] = dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=what,
                                            median_us=round(us, 2), tflops=round(flops / (us * 1e-6) / 1e12, 1),
                                            pct_peak=round(100 * flops / (us * 1e-6) / 1e12 / peak, 1),
-                                           peak_mib=round(memory / 2**20), deterministic=same)
+                                           peak_mib=round(memory / 2**20),
+                                           first_call_peak_mib=round(first_memory / 2**20), deterministic=same)
                 if eager is not None:
                     timed_records[what].update(eager_us=round(eager, 2), eager_over_graph=round(eager / us, 2))
                 records.append(timed_records[what])
                 print(f"{name:9s} M={tokens:6d} {what:17s} {us:10.1f} us {flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s "
                       f"({100 * flops / (us * 1e-6) / 1e12 / peak:4.1f}% of peak) peak memory {memory / 2**30:6.2f} GiB"
+                      f" (first call {first_memory / 2**30:.2f})"
                       f"{'' if same else ', gradients differ between two runs'}"
                       f"{'' if eager is None else f', eager {eager:.1f} us ({eager / us:.2f}x)'}", flush=True)
             if len(timed) == 2:
