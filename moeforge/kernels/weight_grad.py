@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeforge.kernels import pdl
+from moeforge.kernels import gluon_weight_grad, pdl
 from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.launch_plan import TensorDescriptor
@@ -53,7 +53,10 @@ from moeforge.kernels.sizes import cdiv, next_power_of_2
 class WeightGradTiles:
     """The weight-gradient kernel's launch: an output tile of ``block_n x block_k``, ``block_m`` rows per
     reduction step (at least 16, dividing the alignment's block), ``num_warps``, ``num_stages``; ``tma``: operands
-    by TMA; ``tma_store``: the finished tile stored by TMA too."""
+    by TMA; ``tma_store``: the finished tile stored by TMA too; ``warp_specialized``: the Gluon kernel
+    (:mod:`moeforge.kernels.gluon_weight_grad`; two MMA partitions on alternate tiles with ``pingpong``) where it
+    takes the launch — bf16 / fp16 operands, no bias, an sm_90 GPU — else this module's kernel with the same tiles
+    (the flag chooses a kernel, never a result: both sum the same steps in the same order)."""
 
     block_n: int
     block_k: int
@@ -62,6 +65,8 @@ class WeightGradTiles:
     num_stages: int
     tma: bool
     tma_store: bool = False
+    warp_specialized: bool = False
+    pingpong: bool = False
 
 
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
@@ -323,6 +328,14 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     x = gather_expert_rows(rows, sorted_ids, block_expert, runs, num_padded, num_copies, rows_per_a, block_m,
                            0 if pad_dy else tiles.block_m)
     padded_first, compact_first = runs[3], runs[1]
+    dy_first, x_first = (padded_first, compact_first) if pad_dy else (compact_first, padded_first)
+    if tiles.warp_specialized and gluon_weight_grad.operand_problem(
+            dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages,
+            tiles.pingpong) is None:
+        gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
+                                         block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
+                                         stages=tiles.num_stages, pingpong=tiles.pingpong)
+        return dw, db
     tma = tiles.tma and tma_applies(dy) and tma_applies(x)
     dy_desc = TensorDescriptor.from_tensor(dy, [tiles.block_m, tiles.block_n]) if tma else None
     x_desc = TensorDescriptor.from_tensor(x, [tiles.block_m, tiles.block_k]) if tma else None
@@ -342,7 +355,7 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     _WEIGHT_GRAD.launch((with_bias, tma, store_tma, precision, tiles, rows.device), grid, (
         dy_desc if dy_desc is not None else dy, x_desc if x_desc is not None else x,
         dw_desc if dw_desc is not None else dw, dy, x, dw, dbias,
-        padded_first if pad_dy else compact_first, compact_first if pad_dy else padded_first, runs[2],
+        dy_first, x_first, runs[2],
         n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0)), make)
     return dw, db
 

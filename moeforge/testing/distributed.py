@@ -64,7 +64,7 @@ def _child(rank: int, world_size: int, init_file: str, backend: str, collective_
         # down could otherwise close a connection that a slower rank is still setting up (gloo: "connectFullMesh
         # failed ... Connection closed by peer", seen on a loaded machine). A store's keys, not a collective: an
         # NCCL barrier would need the rank's device, which fn chooses.
-        joined = dist.FileStore(f"{init_file}.joined", world_size)
+        joined = dist.FileStore(f"{init_file}.joined", world_size)  # type: ignore[attr-defined]  # (not in its __all__)
         joined.set(f"rank {rank}", "joined")
         joined.wait([f"rank {other}" for other in range(world_size)])
         results.put((rank, _JOINED, b""))

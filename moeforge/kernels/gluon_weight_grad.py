@@ -1,0 +1,281 @@
+# Gluon kernels (@gluon.jit bodies) are not annotatable.
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False
+# mypy: disallow-untyped-decorators=False, disallow-untyped-calls=False
+"""The experts' weight gradient warp-specialised in Gluon for Hopper: ``dW[e] = dy_e^T @ x_e`` over each expert's run
+of rows in expert order, the operands :func:`moeforge.kernels.weight_grad.expert_weight_grad` gathers — the same
+tiles, steps and sums as its ``_weight_grad_kernel`` (the Triton twin, which CI runs in the interpreter and the GPU
+tests compare this kernel with, bit for bit).
+
+A persistent program walks the output tiles ``p, p + P, ...`` in the twin's order (expert, then ``BLOCK_N`` strip,
+then ``BLOCK_K`` strip) in partitions that meet at a ring of ``STAGES`` shared-memory slots:
+
+* the **loader** (one warp): per reduction step of each tile, ``BLOCK_M`` rows of ``dy`` (the tile's ``BLOCK_N``
+  columns) and of ``x`` (its ``BLOCK_K`` columns) by TMA into a free slot;
+* the **MMA partitions**: per step, the warpgroup MMA of ``dy``'s tile transposed in shared memory (``A``, its rows
+  the reduction) by ``x``'s, one MMA in flight; at a tile's end its accumulator converted to rows of 16-byte pieces
+  and stored. With ``pingpong`` two MMA partitions of one warpgroup each take alternate tiles, so one's store
+  overlaps the other's MMAs; they take their K-loops in turns (``turn`` barriers), so that neither waits on a slot
+  more than one ring pass ahead of its barrier (a wait knows a phase only by its parity) — the weight gradient's
+  K-loops are short (an expert's rows: a few steps at many experts), which is where the store weighs.
+
+A tile's step count is its expert's rows in whole steps, read off ``counts`` by every partition, so the ring
+positions agree; an idle expert's tiles take no step and store zeros. No bias (the twin serves a layer with biases).
+Gluon has no CPU interpreter: :func:`compile_for_hopper` compiles the kernel for sm_90 on a CPU (the CI test).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+
+from moeforge.kernels import gluon_grouped_gemm as gluon_gemm
+
+_GLUON_ERROR: Optional[str] = gluon_gemm.unavailable_reason()
+if _GLUON_ERROR is None:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from moeforge.kernels.bound_launch import FIXED_OPTIONS
+    from moeforge.kernels.gluon_grouped_gemm import _mma_layout, _row_layout, _tma_load
+
+LOADER_WARPS = 1  # TMA copies only: one warp issues them
+LOADER_REGISTERS = 24
+CONSUMER_REGISTERS = 232  # two MMA warpgroups of 128 x 128 fp32 accumulators and the loader in 64K registers
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why this kernel cannot run in this process (``None`` where it can be compiled; running it needs sm_90)."""
+    return _GLUON_ERROR
+
+
+if _GLUON_ERROR is None:
+
+    @gluon.jit
+    def _tile_of(tile, per_expert, tiles_k):
+        """Tile ``tile``'s (expert, ``BLOCK_N`` strip, ``BLOCK_K`` strip): the twin's grid order."""
+        return tile // per_expert, tile % per_expert // tiles_k, tile % tiles_k
+
+    @gluon.jit
+    def _loader(dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N, K,
+                num_experts, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr):
+        tiles_k = gl.cdiv(K, BLOCK_K)
+        per_expert = gl.cdiv(N, BLOCK_N) * tiles_k
+        step = 0
+        for tile in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
+            expert, pid_n, pid_k = _tile_of(tile, per_expert, tiles_k)
+            dy_first = gl.load(dy_first_ptr + expert)
+            x_first = gl.load(x_first_ptr + expert)
+            count = gl.load(count_ptr + expert)
+            for done in range(0, count, BLOCK_M):
+                slot = step % STAGES
+                mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # (the first pass finds it free)
+                mbarrier.expect(ready.index(slot), dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
+                _tma_load(dy_desc, [dy_first + done, pid_n * BLOCK_N], ready.index(slot), dy_bufs.index(slot))
+                _tma_load(x_desc, [x_first + done, pid_k * BLOCK_K], ready.index(slot), x_bufs.index(slot))
+                step += 1
+
+    @gluon.jit
+    def _mma_partition(dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts, stride_dwe,
+                       stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
+        # Consumer CONSUMER of CONSUMERS takes every CONSUMERS-th of the program's tiles from its CONSUMER-th and
+        # counts every tile's steps (the loader fills the ring with all of them in order): ``step`` is the ring
+        # position of the current tile's first step.
+        layout: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_K, gl.num_warps())
+        store_layout: gl.constexpr = _row_layout(BLOCK_K, gl.num_warps())
+        tiles_k = gl.cdiv(K, BLOCK_K)
+        per_expert = gl.cdiv(N, BLOCK_N) * tiles_k
+        step = 0
+        index = 0
+        turns = 0
+        for tile in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
+            expert, pid_n, pid_k = _tile_of(tile, per_expert, tiles_k)
+            steps = gl.cdiv(gl.load(count_ptr + expert), BLOCK_M)
+            if index % CONSUMERS == CONSUMER:
+                acc = gl.zeros((BLOCK_N, BLOCK_K), gl.float32, layout)
+                if CONSUMERS > 1:  # (consumer 0's first turn is free)
+                    mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
+                    turns += 1
+                previous = 0
+                for s in range(0, steps):
+                    ring = step + s
+                    slot = ring % STAGES
+                    mbarrier.wait(ready.index(slot), (ring // STAGES) & 1)
+                    acc = warpgroup_mma(dy_bufs.index(slot).permute((1, 0)), x_bufs.index(slot), acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc,))
+                    mbarrier.arrive(empty.index(previous), pred=s > 0)  # the step before has retired
+                    previous = slot
+                if CONSUMERS > 1:  # the other consumer's K-loop may start: this one's MMAs are issued
+                    mbarrier.arrive(turn.index(1 - CONSUMER))
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                mbarrier.arrive(empty.index(previous), pred=steps > 0)
+                # the tile in rows of 16-byte pieces (the MMA layout's threads hold 4 bytes of a row each)
+                value = gl.convert_layout(acc.to(dw_ptr.dtype.element_ty), store_layout)
+                offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, store_layout))
+                offs_k = pid_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, store_layout))
+                rows = expert.to(gl.int64) * stride_dwe + offs_n.to(gl.int64) * stride_dwn
+                gl.store(dw_ptr + rows[:, None] + offs_k[None, :], value,
+                         mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
+            step += steps
+            index += 1
+
+    @gluon.jit
+    def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dy_first_ptr, x_first_ptr, count_ptr, N, K, num_experts,
+                              stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                              LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr):
+        dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BLOCK_M, BLOCK_N], dy_desc.layout)
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (ping-pong's turns)
+        for slot in gl.static_range(STAGES):
+            mbarrier.init(ready.index(slot), count=1)  # the TMA copies' expected bytes
+            mbarrier.init(empty.index(slot), count=1)
+        for consumer in gl.static_range(2):
+            mbarrier.init(turn.index(consumer), count=1)
+        fence_async_shared()
+        # (each partition's arguments as a tuple written out: a tuple held in a variable loses its constexprs)
+        if PINGPONG:
+            gl.warp_specialize([
+                (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts,
+                                  stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 2)),
+                (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts,
+                                  stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2)),
+                (_loader, (dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N,
+                           K, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+            ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts,
+                                  stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1)),
+                (_loader, (dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N,
+                           K, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+            ], [LOADER_WARPS_], [LOADER_REGS])
+
+
+def _gl_dtype(dtype: torch.dtype) -> Any:
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def _partitions(pingpong: bool) -> dict[str, Any]:
+    return dict(PINGPONG=pingpong, LOADER_WARPS_=LOADER_WARPS, LOADER_REGS=LOADER_REGISTERS, CONSUMER_WARPS=4,
+                CONSUMER_REGS=CONSUMER_REGISTERS)
+
+
+def shared_memory_bytes(block_m: int, block_n: int, block_k: int, stages: int, pingpong: bool,
+                        element_bytes: int = 2) -> int:
+    """An upper bound of a launch's shared memory: the ring's tiles, the store's conversion of each MMA partition's
+    tile, the barriers."""
+    ring = stages * block_m * (block_n + block_k)
+    store = block_n * block_k * (2 if pingpong else 1)
+    return (ring + store) * element_bytes + 8 * (2 * stages + 2) + 1024
+
+
+def tile_problem(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int,
+                 pingpong: bool) -> Optional[str]:
+    """What this kernel does not take in a launch's tiles (``None``: it takes them)."""
+    if block_m not in (32, 64, 128) or block_n not in (64, 128, 256) or block_k not in (64, 128, 256):
+        return (f"the warp-specialised weight gradient's steps are 32, 64 or 128 rows and its tiles 64 to 256 wide, "
+                f"got {block_m} rows of {block_n} x {block_k}")
+    if num_warps not in (4, 8) or stages < 2:
+        return (f"the warp-specialised weight gradient takes 4 or 8 MMA warps and 2 stages or more, got {num_warps} "
+                f"warps, {stages} stages")
+    if pingpong and (num_warps != 4 or block_n * block_k > 128 * 128):
+        return (f"a ping-pong MMA partition is one warpgroup holding at most 128 x 128 accumulators, got "
+                f"{block_n} x {block_k} on {num_warps} warps")
+    if shared_memory_bytes(block_m, block_n, block_k, stages, pingpong) > gluon_gemm.SHARED_MEMORY_LIMIT:
+        return f"the tiles need more than a block's {gluon_gemm.SHARED_MEMORY_LIMIT} bytes of shared memory"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_problem(device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return f"the warp-specialised weight gradient is for sm_90 (Hopper) GPUs, the rows are on {device}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"the warp-specialised weight gradient is for sm_90 GPUs, {device} is sm_{capability[0]}{capability[1]}"
+    return _GLUON_ERROR
+
+
+def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bias: bool, block_m: int,
+                    block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool) -> Optional[str]:
+    """Why these gathered operands, gradient and tiles cannot take this kernel (``None`` where they can)."""
+    if with_bias:
+        return "the warp-specialised weight gradient sums no bias"
+    if dy.dtype not in (torch.bfloat16, torch.float16) or x.dtype != dy.dtype:
+        return (f"the warp-specialised weight gradient takes bf16 / fp16 operands of one dtype, got {dy.dtype} and "
+                f"{x.dtype}")
+    found = tile_problem(block_m, block_n, block_k, num_warps, stages, pingpong)
+    if found is not None:
+        return found
+    for name, t in (("dy", dy), ("x", x)):  # TMA: contiguous rows, 16-byte aligned base and row stride
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return f"{name} must have contiguous rows at 16-byte aligned addresses and strides (TMA)"
+    if dw.dim() != 3 or dw.stride(2) != 1 or (dw.shape[2] * dw.element_size()) % 16 or dw.data_ptr() % 16:
+        return "dW must be [E, N, K] with contiguous rows of whole 16-byte pieces (the store's)"
+    return _device_problem(dy.device if dy.device.index is not None
+                           else torch.device("cuda", torch.cuda.current_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _descriptor(t: torch.Tensor, box: list[int]) -> Any:
+    return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(t.dtype)))
+
+
+def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first: torch.Tensor,
+                   x_first: torch.Tensor, counts: torch.Tensor, *, block_m: int, block_n: int, block_k: int,
+                   num_warps: int, stages: int, pingpong: bool, programs: Optional[int] = None) -> torch.Tensor:
+    """``dw[e] = dy[dy_first[e]:][:counts[e]]^T @ x[x_first[e]:][:counts[e]]`` in whole steps of ``block_m`` rows
+    (what ``_weight_grad_kernel`` computes on the same operands), on operands :func:`operand_problem` accepted.
+    ``programs``: the persistent grid (one per multiprocessor by default)."""
+    num_experts, n, k = dw.shape
+    if dw.numel() == 0:
+        return dw
+    grid = programs or min(_multiprocessors(dy.device), num_experts * -(-n // block_n) * -(-k // block_k))
+    ws_weight_grad_kernel[(grid,)](
+        _descriptor(dy, [block_m, block_n]), _descriptor(x, [block_m, block_k]), dw, dy_first, x_first, counts,
+        n, k, num_experts, dw.stride(0), dw.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, **_partitions(pingpong),
+        num_warps=num_warps, **FIXED_OPTIONS)
+    return dw
+
+
+def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
+                       dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16) -> Any:
+    """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
+    checks, and where the PTX and the register counts can be read (``.asm``)."""
+    if _GLUON_ERROR is not None:
+        raise ValueError(_GLUON_ERROR)
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    name = names[dtype]
+
+    def desc(box: list[int]) -> str:
+        return f"tensordesc<{name}[{box[0]},{box[1]}],{gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(dtype))!r}>"
+
+    signature = dict(dy_desc=desc([block_m, block_n]), x_desc=desc([block_m, block_k]), dw_ptr=f"*{names[out_dtype]}",
+                     dy_first_ptr="*i32", x_first_ptr="*i32", count_ptr="*i32", N="i32", K="i32",
+                     num_experts="i32", stride_dwe="i32", stride_dwn="i32")
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, **_partitions(pingpong))
+    signature.update({key: "constexpr" for key in constexprs})
+    divisible = ("dw_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K", "stride_dwe", "stride_dwn")
+    order = list(signature)
+    attrs = {(order.index(key),): [["tt.divisibility", 16]] for key in divisible}
+    source = GluonASTSource(ws_weight_grad_kernel, signature, constexprs=dict(constexprs), attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, **FIXED_OPTIONS))

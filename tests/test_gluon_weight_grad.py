@@ -1,0 +1,137 @@
+"""The warp-specialised Gluon weight gradient (``moeforge/kernels/gluon_weight_grad.py``).
+
+On CPU: it compiles for sm_90 down to machine code (Triton's ``ptxas``) in every partition layout it offers, within
+its shared-memory bound; launches it does not take are refused with the reason, and the flag then runs the Triton
+twin (``_weight_grad_kernel``) — a kernel choice, never another result. On an sm_90 GPU: bit for bit the twin's
+gradient with the same tiles (the same steps summed in the same order), over the batches users give — an idle expert,
+every copy on one expert, one token, ``top_k`` = experts, runs of whole and partial steps, either operand padded —
+with one, two and all programs walking the tiles (the ring wrapping many times, the ping-pong partitions alternating),
+and within bf16 of a float64 sum.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moeforge.kernels import align, gluon_weight_grad  # noqa: E402
+from moeforge.kernels.weight_grad import WeightGradTiles, expert_weight_grad  # noqa: E402
+
+GLUON = gluon_weight_grad.unavailable_reason() is None
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and GLUON
+
+LAUNCHES = {  # the Gluon launches the tests run: (step rows, N tile, K tile, MMA warps, stages, ping-pong)
+    "ping-pong 128 x 128": (64, 128, 128, 4, 4, True),
+    "one partition 128 x 128": (64, 128, 128, 4, 4, False),
+    "one partition 128 x 256, 8 warps": (64, 128, 256, 8, 3, False),
+    "ping-pong, 32-row steps": (32, 128, 128, 4, 4, True),
+}
+
+
+def _tiles(launch: tuple[int, int, int, int, int, bool]) -> WeightGradTiles:
+    block_m, block_n, block_k, warps, stages, pingpong = launch
+    return WeightGradTiles(block_n, block_k, block_m, warps, stages, True, warp_specialized=True, pingpong=pingpong)
+
+
+@pytest.mark.skipif(not GLUON, reason=str(gluon_weight_grad.unavailable_reason()))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
+def test_it_compiles_for_hopper_within_its_shared_memory_bound(launch: str, dtype: torch.dtype) -> None:
+    block_m, block_n, block_k, warps, stages, pingpong = LAUNCHES[launch]
+    assert gluon_weight_grad.tile_problem(block_m, block_n, block_k, warps, stages, pingpong) is None
+    kernel = gluon_weight_grad.compile_for_hopper(block_m, block_n, block_k, warps, stages, pingpong, dtype, dtype)
+    assert kernel.metadata.shared <= gluon_weight_grad.shared_memory_bytes(block_m, block_n, block_k, stages, pingpong)
+    assert "wgmma" in kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("tiles, needle", [
+    ((64, 128, 256, 8, 4, True), "ping-pong"),
+    ((64, 128, 256, 4, 4, True), "ping-pong"),
+    ((64, 256, 256, 8, 4, False), "shared memory"),
+    ((16, 128, 128, 4, 4, False), "steps"),
+    ((64, 128, 128, 4, 1, False), "stages"),
+], ids=["ping-pong on 8 warps", "ping-pong tile too wide", "ring too large", "16-row steps", "one stage"])
+def test_tiles_it_cannot_take_are_named(tiles: tuple[int, int, int, int, int, bool], needle: str) -> None:
+    found = gluon_weight_grad.tile_problem(*tiles)
+    assert found is not None and needle in found
+
+
+def _case(tokens: int, k: int, experts: int, n: int, kdim: int, dtype: torch.dtype, device: str,
+          only: Optional[int] = None, idle: tuple[int, ...] = (), seed: int = 5
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    if only is not None:
+        ids = torch.full((tokens, k), only, dtype=torch.int32)
+    else:
+        active = torch.tensor([e for e in range(experts) if e not in idle])
+        ids = torch.stack([active[torch.randperm(len(active), generator=gen)[:k]] for _ in range(tokens)])
+    rows = torch.randn(tokens, kdim, generator=gen).to(device, dtype)
+    d_rows = torch.randn(tokens * k, n, generator=gen).to(device, dtype)
+    return ids.to(torch.int32).to(device), rows, d_rows
+
+
+def test_a_launch_it_does_not_take_runs_the_twin_with_the_same_bits() -> None:
+    # on CPU (no sm_90), with a bias, or fp32 operands: the Triton kernel with the same tiles serves
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids, rows, d_rows = _case(9, 2, 4, 40, 24, torch.float16, device, idle=(1,))
+    plan = align.align_block_size(ids, 4, 16)
+    tiles = WeightGradTiles(16, 32, 16, 4, 2, True, warp_specialized=True, pingpong=True)
+    for with_bias in ((False, True) if device == "cpu" else (True,)):
+        got = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=tiles)
+        want = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=attrs.evolve(
+            tiles, warp_specialized=False))
+        assert torch.equal(got[0], want[0])
+    found = gluon_weight_grad.operand_problem(d_rows, rows, got[0], True, 64, 128, 128, 4, 4, True)
+    assert found is not None and "bias" in found
+    found = gluon_weight_grad.operand_problem(d_rows.float(), rows.float(), got[0], False, 64, 128, 128, 4, 4, True)
+    assert found is not None and "bf16" in found
+
+
+CASES = {  # (tokens, top_k, experts, N, K, only, idle)
+    "spread, idle expert": (700, 2, 6, 392, 328, None, (4,)),
+    "gradient rows padded (N > K)": (700, 2, 6, 328, 392, None, (4,)),
+    "every copy on one expert": (300, 2, 4, 256, 256, 2, ()),
+    "one token": (1, 2, 4, 256, 128, None, ()),
+    "top_k = experts": (96, 3, 3, 128, 256, None, ()),
+    "many tiles per program": (2000, 2, 16, 512, 384, None, (0, 9)),
+}
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
+@pytest.mark.parametrize("programs", [None, 1, 3], ids=["a program per SM", "one program", "three programs"])
+@pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_it_stores_the_twins_bits(case: str, launch: str, programs: Optional[int],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens, k, experts, n, kdim, only, idle = CASES[case]
+    ids, rows, d_rows = _case(tokens, k, experts, n, kdim, torch.bfloat16, "cuda", only, idle)
+    plan = align.align_block_size(ids, experts, 128)
+    tiles = _tiles(LAUNCHES[launch])
+    if programs is not None:
+        monkeypatch.setattr(gluon_weight_grad, "_multiprocessors", lambda device: programs)
+    got, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.bfloat16, tiles=tiles)
+    want, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.bfloat16,
+                                 tiles=attrs.evolve(tiles, warp_specialized=False, pingpong=False))
+    assert torch.equal(got, want)
+    for e in idle:
+        assert not got[e].any()
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
+@pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
+def test_it_equals_a_float64_sum_per_expert_in_bf16(launch: str) -> None:
+    tokens, k, experts, n, kdim, only, idle = CASES["spread, idle expert"]
+    ids, rows, d_rows = _case(tokens, k, experts, n, kdim, torch.bfloat16, "cuda", only, idle, seed=8)
+    plan = align.align_block_size(ids, experts, 128)
+    got, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.float32,
+                                tiles=_tiles(LAUNCHES[launch]))
+    flat = ids.reshape(-1).long().cpu()
+    for e in range(experts):
+        chosen = (flat == e).nonzero().flatten()
+        want = d_rows.cpu()[chosen].double().T @ rows.cpu()[chosen // k].double()
+        torch.testing.assert_close(got[e].cpu().double(), want, rtol=1e-3, atol=1e-3)
