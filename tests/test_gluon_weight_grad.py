@@ -29,7 +29,9 @@ LAUNCHES = {  # the Gluon launches the tests run: (step rows, N tile, K tile, MM
     "ping-pong 128 x 128": (64, 128, 128, 4, 4, True),
     "one partition 128 x 128": (64, 128, 128, 4, 4, False),
     "one partition 128 x 256, 8 warps": (64, 128, 256, 8, 3, False),
+    "one partition 256 x 128, 8 warps": (64, 256, 128, 8, 3, False),
     "ping-pong, 32-row steps": (32, 128, 128, 4, 4, True),
+    "one partition, 32-row steps": (32, 128, 128, 4, 3, False),
 }
 
 
