@@ -6,7 +6,7 @@ warp-specialised Gluon kernel and other tiles, CUDA only.
 For each shape and token count M, the training step's two weight gradients — gate/up (``d_pre [copies, 2I]`` by the
 token rows ``[M, H]``, each read ``top_k`` times) and down (``dy [copies, H]`` by the activated rows
 ``[copies, I]``) — on random bf16 data routed by a random top-k and aligned as a training forward aligns (blocks of
-128): each launch's time (gather passes included; the median of CUDA-graph replays, L2 flushed), its TFLOP/s against
+128): each launch's time (its gather passes included; the median of CUDA-graph replays, L2 flushed), its TFLOP/s against
 the bf16 matmul peak measured in the same run, and whether its gradient is bitwise the default launch's. Prints a
 table and writes JSON (device, commit, date).
 """
@@ -36,13 +36,18 @@ from moeforge.kernels.weight_grad import WeightGradTiles, expert_weight_grad, we
 
 def candidates(default: WeightGradTiles, n: int, k: int) -> dict[str, WeightGradTiles]:
     """The launches compared with the default: the Gluon kernel (ping-pong 128 x 128 tiles; one partition with the
-    default's tiles), and the Triton kernel with the other family of tiles."""
+    default's tiles; each on rows gathered first and on rows loaded by index), and the Triton kernel with the other
+    family of tiles."""
     wide = (128, 256) if k >= n else (256, 128)
     return {
         "default": default,
         "gluon ping-pong 128x128": WeightGradTiles(128, 128, default.block_m, 4, 4, True, warp_specialized=True,
                                                    pingpong=True),
+        "gluon ping-pong by index": WeightGradTiles(128, 128, default.block_m, 4, 4, True, warp_specialized=True,
+                                                    pingpong=True, rows_by_index=True),
         "gluon one partition": attrs.evolve(default, warp_specialized=True, num_stages=max(default.num_stages, 3)),
+        "gluon one partition by index": attrs.evolve(default, warp_specialized=True, rows_by_index=True,
+                                                     num_stages=max(default.num_stages, 3)),
         "triton wide": WeightGradTiles(*wide, default.block_m, 8, 3, True),
         "triton 128x128": WeightGradTiles(128, 128, default.block_m, 4, 2, True, tma_store=True),
     }

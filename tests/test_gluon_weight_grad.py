@@ -1,7 +1,8 @@
 """The warp-specialised Gluon weight gradient (``moeforge/kernels/gluon_weight_grad.py``).
 
-On CPU: it compiles for sm_90 down to machine code (Triton's ``ptxas``) in every partition layout it offers, within
-its shared-memory bound; launches it does not take are refused with the reason, and the flag then runs the Triton
+On CPU: it compiles for sm_90 down to machine code (Triton's ``ptxas``) in every partition layout it offers and both
+ways of loading the rows (gathered into expert order first, then by TMA; or each step's rows by index), within its
+shared-memory bound; launches it does not take are refused with the reason, and the flag then runs the Triton
 twin (``_weight_grad_kernel``) — a kernel choice, never another result. On an sm_90 GPU: bit for bit the twin's
 gradient with the same tiles (the same steps summed in the same order), over the batches users give — an idle expert,
 every copy on one expert, one token, ``top_k`` = experts, runs of whole and partial steps, either operand padded —
@@ -35,18 +36,24 @@ LAUNCHES = {  # the Gluon launches the tests run: (step rows, N tile, K tile, MM
 }
 
 
-def _tiles(launch: tuple[int, int, int, int, int, bool]) -> WeightGradTiles:
+def _tiles(launch: tuple[int, int, int, int, int, bool], by_index: bool) -> WeightGradTiles:
     block_m, block_n, block_k, warps, stages, pingpong = launch
-    return WeightGradTiles(block_n, block_k, block_m, warps, stages, True, warp_specialized=True, pingpong=pingpong)
+    return WeightGradTiles(block_n, block_k, block_m, warps, stages, True, warp_specialized=True, pingpong=pingpong,
+                           rows_by_index=by_index)
+
+
+LOADS = {"rows gathered first, by TMA": False, "rows by index": True}
 
 
 @pytest.mark.skipif(not GLUON, reason=str(gluon_weight_grad.unavailable_reason()))
+@pytest.mark.parametrize("loads", list(LOADS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
-def test_it_compiles_for_hopper_within_its_shared_memory_bound(launch: str, dtype: torch.dtype) -> None:
+def test_it_compiles_for_hopper_within_its_shared_memory_bound(launch: str, dtype: torch.dtype, loads: str) -> None:
     block_m, block_n, block_k, warps, stages, pingpong = LAUNCHES[launch]
     assert gluon_weight_grad.tile_problem(block_m, block_n, block_k, warps, stages, pingpong) is None
-    kernel = gluon_weight_grad.compile_for_hopper(block_m, block_n, block_k, warps, stages, pingpong, dtype, dtype)
+    kernel = gluon_weight_grad.compile_for_hopper(block_m, block_n, block_k, warps, stages, pingpong, dtype, dtype,
+                                                  gather=LOADS[loads])
     assert kernel.metadata.shared <= gluon_weight_grad.shared_memory_bytes(block_m, block_n, block_k, stages, pingpong)
     assert "wgmma" in kernel.asm["ptx"]
 
@@ -82,11 +89,11 @@ def test_a_launch_it_does_not_take_runs_the_twin_with_the_same_bits() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids, rows, d_rows = _case(9, 2, 4, 40, 24, torch.float16, device, idle=(1,))
     plan = align.align_block_size(ids, 4, 16)
-    tiles = WeightGradTiles(16, 32, 16, 4, 2, True, warp_specialized=True, pingpong=True)
+    tiles = WeightGradTiles(16, 32, 16, 4, 2, True, warp_specialized=True, pingpong=True, rows_by_index=True)
     for with_bias in ((False, True) if device == "cpu" else (True,)):
         got = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=tiles)
         want = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=attrs.evolve(
-            tiles, warp_specialized=False))
+            tiles, warp_specialized=False, rows_by_index=False))
         assert torch.equal(got[0], want[0])
     found = gluon_weight_grad.operand_problem(d_rows, rows, got[0], True, 64, 128, 128, 4, 4, True)
     assert found is not None and "bias" in found
@@ -105,33 +112,36 @@ CASES = {  # (tokens, top_k, experts, N, K, only, idle)
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
+@pytest.mark.parametrize("loads", list(LOADS))
 @pytest.mark.parametrize("programs", [None, 1, 3], ids=["a program per SM", "one program", "three programs"])
 @pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_it_stores_the_twins_bits(case: str, launch: str, programs: Optional[int],
+def test_it_stores_the_twins_bits(case: str, launch: str, programs: Optional[int], loads: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     tokens, k, experts, n, kdim, only, idle = CASES[case]
     ids, rows, d_rows = _case(tokens, k, experts, n, kdim, torch.bfloat16, "cuda", only, idle)
     plan = align.align_block_size(ids, experts, 128)
-    tiles = _tiles(LAUNCHES[launch])
+    tiles = _tiles(LAUNCHES[launch], LOADS[loads])
     if programs is not None:
         monkeypatch.setattr(gluon_weight_grad, "_multiprocessors", lambda device: programs)
     got, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.bfloat16, tiles=tiles)
     want, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.bfloat16,
-                                 tiles=attrs.evolve(tiles, warp_specialized=False, pingpong=False))
+                                 tiles=attrs.evolve(tiles, warp_specialized=False, pingpong=False,
+                                                    rows_by_index=False))
     assert torch.equal(got, want)
     for e in idle:
         assert not got[e].any()
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
+@pytest.mark.parametrize("loads", list(LOADS))
 @pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
-def test_it_equals_a_float64_sum_per_expert_in_bf16(launch: str) -> None:
+def test_it_equals_a_float64_sum_per_expert_in_bf16(launch: str, loads: str) -> None:
     tokens, k, experts, n, kdim, only, idle = CASES["spread, idle expert"]
     ids, rows, d_rows = _case(tokens, k, experts, n, kdim, torch.bfloat16, "cuda", only, idle, seed=8)
     plan = align.align_block_size(ids, experts, 128)
     got, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.float32,
-                                tiles=_tiles(LAUNCHES[launch]))
+                                tiles=_tiles(LAUNCHES[launch], LOADS[loads]))
     flat = ids.reshape(-1).long().cpu()
     for e in range(experts):
         chosen = (flat == e).nonzero().flatten()

@@ -9,8 +9,11 @@ tests compare this kernel with, bit for bit).
 A persistent program walks the output tiles ``p, p + P, ...`` in the twin's order (expert, then ``BLOCK_N`` strip,
 then ``BLOCK_K`` strip) in partitions that meet at a ring of ``STAGES`` shared-memory slots:
 
-* the **loader** (one warp): per reduction step of each tile, ``BLOCK_M`` rows of ``dy`` (the tile's ``BLOCK_N``
-  columns) and of ``x`` (its ``BLOCK_K`` columns) by TMA into a free slot;
+* the **loader**: per reduction step of each tile, ``BLOCK_M`` rows of ``dy`` (the tile's ``BLOCK_N`` columns) and
+  of ``x`` (its ``BLOCK_K`` columns) into a free slot — by TMA from operands gathered into expert order (one warp),
+  or (``GATHER``) each row by its copy's index with 16-byte asynchronous copies, rows past the expert's copies
+  zero-filled (four warps): the operands then stay in their own orders and nothing is gathered beforehand, which
+  saves the training step the gathered copies' memory and passes;
 * the **MMA partitions**: per step, the warpgroup MMA of ``dy``'s tile transposed in shared memory (``A``, its rows
   the reduction) by ``x``'s, one MMA in flight; at a tile's end its accumulator converted to rows of 16-byte pieces
   and stored. With ``pingpong`` two MMA partitions of one warpgroup each take alternate tiles, so one's store
@@ -37,16 +40,21 @@ if _GLUON_ERROR is None:
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from moeforge.kernels.bound_launch import FIXED_OPTIONS
-    from moeforge.kernels.gluon_grouped_gemm import _mma_layout, _row_layout, _tma_load
+    from moeforge.kernels.gluon_grouped_gemm import _gather_layout, _gather_load, _mma_layout, _row_layout, _tma_load
 
-LOADER_WARPS = 1  # TMA copies only: one warp issues them
+LOADER_WARPS = 1  # TMA copies: one warp issues them
 LOADER_REGISTERS = 24
-CONSUMER_REGISTERS = 232  # two MMA warpgroups of 128 x 128 fp32 accumulators and the loader in 64K registers
+GATHER_LOADER_WARPS = 4  # rows gathered by index: each thread copies 16-byte pieces
+GATHER_LOADER_REGISTERS = 56
+# two MMA warpgroups of 128 x 128 fp32 accumulators and the loader in 64K registers (224 beside a gathering loader)
+CONSUMER_REGISTERS = 232
+GATHER_CONSUMER_REGISTERS = 224
 
 
 def unavailable_reason() -> Optional[str]:
@@ -62,9 +70,11 @@ if _GLUON_ERROR is None:
         return tile // per_expert, tile % per_expert // tiles_k, tile % tiles_k
 
     @gluon.jit
-    def _loader(dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N, K,
-                num_experts, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                STAGES: gl.constexpr):
+    def _loader(dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs,
+                ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr):
+        layout_n: gl.constexpr = _gather_layout(BLOCK_N, gl.num_warps())
+        layout_k: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
         tiles_k = gl.cdiv(K, BLOCK_K)
         per_expert = gl.cdiv(N, BLOCK_N) * tiles_k
         step = 0
@@ -76,9 +86,24 @@ if _GLUON_ERROR is None:
             for done in range(0, count, BLOCK_M):
                 slot = step % STAGES
                 mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # (the first pass finds it free)
-                mbarrier.expect(ready.index(slot), dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
-                _tma_load(dy_desc, [dy_first + done, pid_n * BLOCK_N], ready.index(slot), dy_bufs.index(slot))
-                _tma_load(x_desc, [x_first + done, pid_k * BLOCK_K], ready.index(slot), x_bufs.index(slot))
+                if GATHER:  # each row by its copy's index (order: expert order), zeros past the expert's copies
+                    places_n = done + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_n))
+                    ours_n = places_n < count
+                    rows_n = gl.load(order_ptr + dy_first + places_n, mask=ours_n, other=0).to(gl.int64)
+                    cols_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout_n))
+                    _gather_load(dy_bufs.index(slot), dy_ptr + rows_n[:, None] * stride_dy + cols_n[None, :],
+                                 mask=ours_n[:, None] & (cols_n < N)[None, :])
+                    places_k = done + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_k))
+                    ours_k = places_k < count
+                    rows_k = (gl.load(order_ptr + x_first + places_k, mask=ours_k, other=0) // rows_per_x).to(gl.int64)
+                    cols_k = pid_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout_k))
+                    _gather_load(x_bufs.index(slot), x_ptr + rows_k[:, None] * stride_x + cols_k[None, :],
+                                 mask=ours_k[:, None] & (cols_k < K)[None, :])
+                    async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+                else:
+                    mbarrier.expect(ready.index(slot), dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
+                    _tma_load(dy_desc, [dy_first + done, pid_n * BLOCK_N], ready.index(slot), dy_bufs.index(slot))
+                    _tma_load(x_desc, [x_first + done, pid_k * BLOCK_K], ready.index(slot), x_bufs.index(slot))
                 step += 1
 
     @gluon.jit
@@ -127,9 +152,10 @@ if _GLUON_ERROR is None:
             index += 1
 
     @gluon.jit
-    def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dy_first_ptr, x_first_ptr, count_ptr, N, K, num_experts,
-                              stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr,
+                              N, K, num_experts, stride_dy, stride_x, rows_per_x, stride_dwe, stride_dwn,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                              STAGES: gl.constexpr, GATHER: gl.constexpr, PINGPONG: gl.constexpr,
                               LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr):
         dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BLOCK_M, BLOCK_N], dy_desc.layout)
@@ -138,7 +164,8 @@ if _GLUON_ERROR is None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (ping-pong's turns)
         for slot in gl.static_range(STAGES):
-            mbarrier.init(ready.index(slot), count=1)  # the TMA copies' expected bytes
+            # the TMA copies' expected bytes (one arrival), or each gathering thread's copies
+            mbarrier.init(ready.index(slot), count=32 * LOADER_WARPS_ if GATHER else 1)
             mbarrier.init(empty.index(slot), count=1)
         for consumer in gl.static_range(2):
             mbarrier.init(turn.index(consumer), count=1)
@@ -150,15 +177,17 @@ if _GLUON_ERROR is None:
                                   stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 2)),
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts,
                                   stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2)),
-                (_loader, (dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N,
-                           K, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
+                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, BLOCK_M,
+                           BLOCK_N, BLOCK_K, STAGES, GATHER)),
             ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts,
                                   stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1)),
-                (_loader, (dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N,
-                           K, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
+                (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
+                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, BLOCK_M,
+                           BLOCK_N, BLOCK_K, STAGES, GATHER)),
             ], [LOADER_WARPS_], [LOADER_REGS])
 
 
@@ -166,9 +195,10 @@ def _gl_dtype(dtype: torch.dtype) -> Any:
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
-def _partitions(pingpong: bool) -> dict[str, Any]:
-    return dict(PINGPONG=pingpong, LOADER_WARPS_=LOADER_WARPS, LOADER_REGS=LOADER_REGISTERS, CONSUMER_WARPS=4,
-                CONSUMER_REGS=CONSUMER_REGISTERS)
+def _partitions(pingpong: bool, gather: bool) -> dict[str, Any]:
+    return dict(GATHER=gather, PINGPONG=pingpong, LOADER_WARPS_=GATHER_LOADER_WARPS if gather else LOADER_WARPS,
+                LOADER_REGS=GATHER_LOADER_REGISTERS if gather else LOADER_REGISTERS, CONSUMER_WARPS=4,
+                CONSUMER_REGS=GATHER_CONSUMER_REGISTERS if gather else CONSUMER_REGISTERS)
 
 
 def shared_memory_bytes(block_m: int, block_n: int, block_k: int, stages: int, pingpong: bool,
@@ -238,24 +268,33 @@ def _descriptor(t: torch.Tensor, box: list[int]) -> Any:
 
 def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first: torch.Tensor,
                    x_first: torch.Tensor, counts: torch.Tensor, *, block_m: int, block_n: int, block_k: int,
-                   num_warps: int, stages: int, pingpong: bool, programs: Optional[int] = None) -> torch.Tensor:
-    """``dw[e] = dy[dy_first[e]:][:counts[e]]^T @ x[x_first[e]:][:counts[e]]`` in whole steps of ``block_m`` rows
-    (what ``_weight_grad_kernel`` computes on the same operands), on operands :func:`operand_problem` accepted.
-    ``programs``: the persistent grid (one per multiprocessor by default)."""
+                   num_warps: int, stages: int, pingpong: bool, order: Optional[torch.Tensor] = None,
+                   rows_per_x: int = 1, programs: Optional[int] = None) -> torch.Tensor:
+    """``dw[e] = sum over expert e's rows r of dy[r]^T x[r]`` in whole steps of ``block_m`` rows (what
+    ``_weight_grad_kernel`` computes on the same operands), on operands :func:`operand_problem` accepted. Without
+    ``order``: ``dy`` and ``x`` in expert order, expert ``e``'s rows from ``dy_first[e]`` and ``x_first[e]``,
+    ``counts[e]`` of them (rounded up to whole steps: one operand's rows past them must be zeros). With ``order`` (the copies in
+    expert order, ``[copies]`` int32; ``dy_first`` = ``x_first`` each expert's first place in it): ``dy`` and ``x`` in
+    their own orders, the copy ``c``'s rows ``dy[c]`` and ``x[c // rows_per_x]`` gathered by index as the steps load
+    (zeros past an expert's copies), so nothing is gathered beforehand. ``programs``: the persistent grid (one per
+    multiprocessor by default)."""
     num_experts, n, k = dw.shape
     if dw.numel() == 0:
         return dw
     grid = programs or min(_multiprocessors(dy.device), num_experts * -(-n // block_n) * -(-k // block_k))
+    gather = order is not None
     ws_weight_grad_kernel[(grid,)](
-        _descriptor(dy, [block_m, block_n]), _descriptor(x, [block_m, block_k]), dw, dy_first, x_first, counts,
-        n, k, num_experts, dw.stride(0), dw.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, **_partitions(pingpong),
+        _descriptor(dy, [block_m, block_n]), _descriptor(x, [block_m, block_k]), dw, dy, x,
+        order if order is not None else counts, dy_first, x_first, counts, n, k, num_experts, dy.stride(0),
+        x.stride(0), rows_per_x, dw.stride(0), dw.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, **_partitions(pingpong, gather),
         num_warps=num_warps, **FIXED_OPTIONS)
     return dw
 
 
 def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
-                       dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16) -> Any:
+                       dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16,
+                       gather: bool = False) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
     checks, and where the PTX and the register counts can be read (``.asm``)."""
     if _GLUON_ERROR is not None:
@@ -270,11 +309,14 @@ def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int,
         return f"tensordesc<{name}[{box[0]},{box[1]}],{gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(dtype))!r}>"
 
     signature = dict(dy_desc=desc([block_m, block_n]), x_desc=desc([block_m, block_k]), dw_ptr=f"*{names[out_dtype]}",
-                     dy_first_ptr="*i32", x_first_ptr="*i32", count_ptr="*i32", N="i32", K="i32",
-                     num_experts="i32", stride_dwe="i32", stride_dwn="i32")
-    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, **_partitions(pingpong))
+                     dy_ptr=f"*{name}", x_ptr=f"*{name}", order_ptr="*i32", dy_first_ptr="*i32", x_first_ptr="*i32",
+                     count_ptr="*i32", N="i32", K="i32", num_experts="i32", stride_dy="i32", stride_x="i32",
+                     rows_per_x="i32", stride_dwe="i32", stride_dwn="i32")
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+                      **_partitions(pingpong, gather))
     signature.update({key: "constexpr" for key in constexprs})
-    divisible = ("dw_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K", "stride_dwe", "stride_dwn")
+    divisible = ("dw_ptr", "dy_ptr", "x_ptr", "order_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K",
+                 "stride_dy", "stride_x", "stride_dwe", "stride_dwn")
     order = list(signature)
     attrs = {(order.index(key),): [["tt.divisibility", 16]] for key in divisible}
     source = GluonASTSource(ws_weight_grad_kernel, signature, constexprs=dict(constexprs), attrs=attrs)

@@ -56,7 +56,9 @@ class WeightGradTiles:
     by TMA; ``tma_store``: the finished tile stored by TMA too; ``warp_specialized``: the Gluon kernel
     (:mod:`moeforge.kernels.gluon_weight_grad`; two MMA partitions on alternate tiles with ``pingpong``) where it
     takes the launch — bf16 / fp16 operands, no bias, an sm_90 GPU — else this module's kernel with the same tiles
-    (the flag chooses a kernel, never a result: both sum the same steps in the same order)."""
+    (the flag chooses a kernel, never a result: both sum the same steps in the same order); ``rows_by_index``: that
+    kernel loading each step's rows by their copies' indices, so that neither operand is gathered into expert order
+    first (no gathered copies: the training step's peak memory is reached here)."""
 
     block_n: int
     block_k: int
@@ -67,6 +69,7 @@ class WeightGradTiles:
     tma_store: bool = False
     warp_specialized: bool = False
     pingpong: bool = False
+    rows_by_index: bool = False
 
 
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
@@ -320,6 +323,18 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
     runs = expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m)
+    if tiles.warp_specialized and tiles.rows_by_index and gluon_weight_grad.operand_problem(
+            d_rows, rows, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
+            tiles.num_stages, tiles.pingpong) is None:
+        # the copies in expert order (their ids gathered as rows of one int32): the kernel loads each step's rows of
+        # both operands by index, so neither is gathered here
+        copy_ids = torch.arange(num_copies, dtype=torch.int32, device=rows.device).view(-1, 1)
+        order = gather_expert_rows(copy_ids, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m)
+        gluon_weight_grad.launch_checked(d_rows, rows, dw, runs[1], runs[1], runs[2], block_m=tiles.block_m,
+                                         block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
+                                         stages=tiles.num_stages, pingpong=tiles.pingpong, order=order.view(-1),
+                                         rows_per_x=rows_per_a)
+        return dw, db
     # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to whole
     # steps, the other compact
     pad_dy = n <= k
