@@ -25,8 +25,6 @@ that allocated them (the allocator's recorded history, :func:`live_at_peak`) —
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
@@ -39,10 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_moe import FLUSH_BYTES, SHAPES, flush_l2, measure_peak, time_graph  # noqa: E402
-from provenance import measured_commit  # noqa: E402
+from provenance import write_results  # noqa: E402
 
 import moeforge as mf  # noqa: E402
-from moeforge.kernels.config import device_key  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
 
 
@@ -402,14 +399,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.sonicmoe:
         records += sonicmoe_cell(flush, args.reps)
-    result = dict(device=device, commit=args.commit or measured_commit(),
-                  date=datetime.date.today().isoformat(),
-                  torch=torch.__version__, peak_tflops=round(peak, 1), records=records)
-    out = Path(args.out) if args.out else (
-        Path(__file__).parent / "results" / f"bench_train-{device_key(device)}-{result['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_results("bench_train", device, records, args.out, args.commit, peak_tflops=round(peak, 1))
 
 
 if __name__ == "__main__":

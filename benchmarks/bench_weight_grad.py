@@ -14,8 +14,6 @@ table and writes JSON (device, commit, date).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,10 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_moe import FLUSH_BYTES, SHAPES, measure_peak, time_graph  # noqa: E402
-from provenance import measured_commit  # noqa: E402
+from provenance import write_results  # noqa: E402
 
 from moeforge.kernels import align  # noqa: E402
-from moeforge.kernels.config import device_key  # noqa: E402
 from moeforge.kernels.weight_grad import WeightGradTiles, expert_weight_grad, weight_grad_tiles  # noqa: E402
 
 
@@ -104,13 +101,7 @@ def main() -> None:
                           f"{'' if same is None else ' same bits' if same else ' BITS DIFFER'}", flush=True)
                 del want
                 torch.cuda.empty_cache()
-    result = dict(device=device, commit=args.commit or measured_commit(), date=datetime.date.today().isoformat(),
-                  torch=torch.__version__, peak_tflops=round(peak, 1), records=records)
-    out = Path(args.out) if args.out else (
-        Path(__file__).parent / "results" / f"bench_weight_grad-{device_key(device)}-{result['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_results("bench_weight_grad", device, records, args.out, args.commit, peak_tflops=round(peak, 1))
 
 
 if __name__ == "__main__":

@@ -104,6 +104,24 @@ def unavailable_reason() -> Optional[str]:
     return _GLUON_ERROR
 
 
+def device_problem(device: torch.device, kernel: str = "the warp-specialised kernel") -> Optional[str]:
+    """Why ``kernel`` (a Gluon kernel of moeforge's, by name) cannot run on ``device``: not an sm_90 GPU, or Gluon
+    unavailable here (``None`` where it can)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_problem(device, kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_problem(device: torch.device, kernel: str) -> Optional[str]:
+    if device.type != "cuda":
+        return f"{kernel} is for sm_90 (Hopper) GPUs, the rows are on {device}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"{kernel} is for sm_90 (Hopper) GPUs, {device} is sm_{capability[0]}{capability[1]}"
+    return _GLUON_ERROR
+
+
 if _GLUON_ERROR is None:
 
     @gluon.constexpr_function

@@ -57,9 +57,7 @@ CONSUMER_REGISTERS = 232
 GATHER_CONSUMER_REGISTERS = 224
 
 
-def unavailable_reason() -> Optional[str]:
-    """Why this kernel cannot run in this process (``None`` where it can be compiled; running it needs sm_90)."""
-    return _GLUON_ERROR
+unavailable_reason = gluon_gemm.unavailable_reason  # (the same Gluon calls, checked once)
 
 
 if _GLUON_ERROR is None:
@@ -227,16 +225,6 @@ def tile_problem(block_m: int, block_n: int, block_k: int, num_warps: int, stage
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _device_problem(device: torch.device) -> Optional[str]:
-    if device.type != "cuda":
-        return f"the warp-specialised weight gradient is for sm_90 (Hopper) GPUs, the rows are on {device}"
-    capability = torch.cuda.get_device_capability(device)
-    if capability != (9, 0):
-        return f"the warp-specialised weight gradient is for sm_90 GPUs, {device} is sm_{capability[0]}{capability[1]}"
-    return _GLUON_ERROR
-
-
 def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bias: bool, block_m: int,
                     block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool) -> Optional[str]:
     """Why these gathered operands, gradient and tiles cannot take this kernel (``None`` where they can)."""
@@ -253,8 +241,7 @@ def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bi
             return f"{name} must have contiguous rows at 16-byte aligned addresses and strides (TMA)"
     if dw.dim() != 3 or dw.stride(2) != 1 or (dw.shape[2] * dw.element_size()) % 16 or dw.data_ptr() % 16:
         return "dW must be [E, N, K] with contiguous rows of whole 16-byte pieces (the store's)"
-    return _device_problem(dy.device if dy.device.index is not None
-                           else torch.device("cuda", torch.cuda.current_device()))
+    return gluon_gemm.device_problem(dy.device, "the warp-specialised weight gradient")
 
 
 @functools.lru_cache(maxsize=None)

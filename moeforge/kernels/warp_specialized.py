@@ -11,7 +11,6 @@ kernel, never a result. :func:`stage_problem` is the part known when a stage is 
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -20,16 +19,6 @@ from moeforge.kernels import gluon_grouped_gemm as gluon_gemm
 from moeforge.kernels.activations import ACT_NONE, ACT_SILU
 from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.formats import WeightFormat
-
-
-@functools.lru_cache(maxsize=None)
-def _device_problem(device: torch.device) -> Optional[str]:
-    if device.type != "cuda":
-        return f"the warp-specialised kernel is for sm_90 (Hopper) GPUs, the rows are on {device}"
-    capability = torch.cuda.get_device_capability(device)
-    if capability != (9, 0):
-        return f"the warp-specialised kernel is for sm_90 (Hopper) GPUs, {device} is sm_{capability[0]}{capability[1]}"
-    return gluon_gemm.unavailable_reason()
 
 
 def stage_problem(device: torch.device, dtype: torch.dtype, act: int, glu: bool, interleaved: bool,
@@ -44,8 +33,7 @@ def stage_problem(device: torch.device, dtype: torch.dtype, act: int, glu: bool,
         return "the warp-specialised kernel's gated activation is SwiGLU over concatenated [gate | up] halves"
     if not glu and act != ACT_NONE:
         return "the warp-specialised kernel's plain GEMM has no activation"
-    return _device_problem(device if device.index is not None or device.type != "cuda"
-                           else torch.device("cuda", torch.cuda.current_device()))
+    return gluon_gemm.device_problem(device)
 
 
 def problem(a: torch.Tensor, weight: torch.Tensor, *, quantized: bool, weight_format: WeightFormat,
