@@ -1,10 +1,10 @@
 # Gluon kernels (@gluon.jit bodies) are not annotatable.
 # mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False
 # mypy: disallow-untyped-decorators=False, disallow-untyped-calls=False
-"""The experts' weight gradient warp-specialised in Gluon for Hopper: ``dW[e] = dy_e^T @ x_e`` over each expert's run
-of rows in expert order, the operands :func:`moeforge.kernels.weight_grad.expert_weight_grad` gathers — the same
-tiles, steps and sums as its ``_weight_grad_kernel`` (the Triton twin, which CI runs in the interpreter and the GPU
-tests compare this kernel with, bit for bit).
+"""The experts' weight gradient warp-specialised in Gluon for Hopper: ``dW[e] = dy_e^T @ x_e`` over each expert's
+copies in expert order — on the operands :func:`moeforge.kernels.weight_grad.expert_weight_grad` gathers into that
+order, or on the rows as they are, read by index — the same tiles, steps and sums as its ``_weight_grad_kernel`` (the
+Triton twin, which CI runs in the interpreter and the GPU tests compare this kernel with, bit for bit).
 
 A persistent program walks the output tiles ``p, p + P, ...`` in the twin's order (expert, then ``BLOCK_N`` strip,
 then ``BLOCK_K`` strip) in partitions that meet at a ring of ``STAGES`` shared-memory slots:
