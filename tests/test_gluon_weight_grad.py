@@ -45,10 +45,13 @@ def _tiles(launch: tuple[int, int, int, int, int, bool], by_index: bool) -> Weig
 LOADS = {"rows gathered first, by TMA": False, "rows by index": True}
 
 
+COMPILED = [(launch, torch.bfloat16, loads) for launch in LAUNCHES for loads in LOADS] + [
+    ("ping-pong 128 x 128", torch.float16, "rows by index")]  # (fp16 once: the dtype changes no partition)
+
+
 @pytest.mark.skipif(not GLUON, reason=str(gluon_weight_grad.unavailable_reason()))
-@pytest.mark.parametrize("loads", list(LOADS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
+@pytest.mark.parametrize("launch, dtype, loads", COMPILED,
+                         ids=[f"{launch}-{str(dtype)[6:]}-{loads}" for launch, dtype, loads in COMPILED])
 def test_it_compiles_for_hopper_within_its_shared_memory_bound(launch: str, dtype: torch.dtype, loads: str) -> None:
     block_m, block_n, block_k, warps, stages, pingpong = LAUNCHES[launch]
     assert gluon_weight_grad.tile_problem(block_m, block_n, block_k, warps, stages, pingpong) is None
@@ -99,6 +102,8 @@ def test_a_launch_it_does_not_take_runs_the_twin_with_the_same_bits() -> None:
     assert found is not None and "bias" in found
     found = gluon_weight_grad.operand_problem(d_rows.float(), rows.float(), got[0], False, 64, 128, 128, 4, 4, True)
     assert found is not None and "bf16" in found
+    found = gluon_weight_grad.operand_problem(d_rows[:0], rows[:0], got[0], False, 64, 128, 128, 4, 4, True)
+    assert found is not None and "no rows" in found
 
 
 CASES = {  # (tokens, top_k, experts, N, K, only, idle)
@@ -147,3 +152,15 @@ def test_it_equals_a_float64_sum_per_expert_in_bf16(launch: str, loads: str) -> 
         chosen = (flat == e).nonzero().flatten()
         want = d_rows.cpu()[chosen].double().T @ rows.cpu()[chosen // k].double()
         torch.testing.assert_close(got[e].cpu().double(), want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
+@pytest.mark.parametrize("loads", list(LOADS))
+def test_no_copies_give_zero_gradients(loads: str) -> None:
+    ids = torch.zeros(0, 2, dtype=torch.int32, device="cuda")
+    plan = align.align_block_size(ids, 3, 128)
+    d_rows = torch.zeros(0, 256, device="cuda", dtype=torch.bfloat16)
+    rows = torch.zeros(0, 128, device="cuda", dtype=torch.bfloat16)
+    dw, _ = expert_weight_grad(d_rows, rows, 2, *plan, 3, 128, False, torch.bfloat16,
+                               tiles=_tiles(LAUNCHES["ping-pong 128 x 128"], LOADS[loads]))
+    assert dw.shape == (3, 256, 128) and not dw.any()

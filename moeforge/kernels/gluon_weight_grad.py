@@ -230,6 +230,8 @@ def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bi
     """Why these gathered operands, gradient and tiles cannot take this kernel (``None`` where they can)."""
     if with_bias:
         return "the warp-specialised weight gradient sums no bias"
+    if dy.numel() == 0 or x.numel() == 0:
+        return "no rows to describe for TMA (the twin stores the zero gradient)"
     if dy.dtype not in (torch.bfloat16, torch.float16) or x.dtype != dy.dtype:
         return (f"the warp-specialised weight gradient takes bf16 / fp16 operands of one dtype, got {dy.dtype} and "
                 f"{x.dtype}")
