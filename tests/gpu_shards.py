@@ -10,15 +10,17 @@ on the machine's cores share the GPU well. Usage, from the repository root::
     python3 tests/gpu_shards.py --shards 4 --jobs 4 --out "$OUT/again" -- @unfinished.txt  # node ids from a file
     python3 tests/gpu_shards.py --shards 64 --jobs 48 --gpus 4 --out "$OUT/shards"  # a machine of four GPUs
     python3 tests/gpu_shards.py --shards 40 --only $(seq -s, 0 19) --jobs 16 --durations benchmarks/results \
-        --timeout 420 --out "$OUT/shards"   # one H200 (16 cores): half the suite a call, ~220 s each
+        --timeout 420 --deadline 540 --out "$OUT/shards"   # one H200 (16 cores): half the suite a call, ~220 s
 
 The collected tests (``pytest --collect-only``, in pytest's order) are cut into ``--shards`` contiguous
 pieces of about equal estimated time: the seconds each test took in earlier summaries given with
-``--durations`` (files or folders of ``shard-*.json``), else one second a test. Each shard runs as its own
+``--durations`` (files or folders of ``shard-*.json`` or ``gpu_suite*.json``), else one second a test. Each shard runs as its own
 ``pytest`` process and records every test's outcome as it finishes (``shard-K.jsonl``), so a shard
 stopped by ``--timeout`` still says what ran; then ``shard-K.json`` (counts, failures with their
 messages, skips with their reasons, each test's seconds, the tests that never ran) and ``shard-K.txt``,
-and ``summary.txt`` for the shards of this run. With ``--gpus N`` shard K sees only GPU K mod N
+and ``summary.txt`` for the shards of this run, and ``unfinished.txt``: the node ids with no outcome (a shard stopped,
+or never started before ``--deadline``, the run's own time limit: stop the run from inside, so that every summary is
+written), which ``-- @unfinished.txt`` runs next time. With ``--gpus N`` shard K sees only GPU K mod N
 (``CUDA_VISIBLE_DEVICES``), so the shards of a machine with several GPUs spread over them; tests that need
 several GPUs then skip, and run in a call of their own. The exit status is 0 when no test failed or went
 unrun in the shards run.
@@ -153,6 +155,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="shards run side by side")
     parser.add_argument("--out", default="shards", help="folder for the summaries")
     parser.add_argument("--timeout", type=float, default=0, help="seconds before a shard is stopped (0: never)")
+    parser.add_argument("--deadline", type=float, default=0,
+                        help="seconds for the whole run: then the running shards are stopped and the waiting ones "
+                             "not started, every summary written (0: none)")
     parser.add_argument("--durations", action="append", default=[],
                         help="earlier summaries (files or folders) whose seconds balance the shards")
     parser.add_argument("--gpus", type=int, default=0,
@@ -180,7 +185,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     waiting = list(chosen)
     running: dict[int, tuple[subprocess.Popen[bytes], float]] = {}
     summaries: list[dict[str, Any]] = []
+    begun = time.monotonic()
     while waiting or running:
+        late = bool(args.deadline) and time.monotonic() - begun > args.deadline
+        while late and waiting:  # never started: every test not run
+            index = waiting.pop(0)
+            (out / f"shard-{index}.jsonl").unlink(missing_ok=True)
+            summaries.append(summarize(index, pieces[index], out / f"shard-{index}.jsonl", 0.0, None, out))
         while waiting and len(running) < args.jobs:
             index = waiting.pop(0)
             log = out / f"shard-{index}.jsonl"
@@ -198,7 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         time.sleep(1)
         for index, (process, started) in list(running.items()):
             elapsed = time.monotonic() - started
-            if process.poll() is None and args.timeout and elapsed > args.timeout:
+            if process.poll() is None and (late or args.timeout and elapsed > args.timeout):
                 process.kill()
                 process.wait()
             if process.poll() is not None:
@@ -210,6 +221,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     summaries.sort(key=lambda summary: summary["shard"])
     text = "".join((out / f"shard-{summary['shard']}.txt").read_text() for summary in summaries)
     (out / "summary.txt").write_text(text)
+    # what has no outcome (stopped, never started), for the next run: -- @unfinished.txt
+    (out / "unfinished.txt").write_text("".join(f"{test}\n" for summary in summaries for test in summary["not_run"]))
     return 0 if all(not summary["failed"] and not summary["not_run"] for summary in summaries) else 1
 
 

@@ -68,3 +68,27 @@ def test_a_shard_the_cut_leaves_empty_runs_nothing(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     summaries = [json.loads((tmp_path / "out" / f"shard-{index}.json").read_text()) for index in range(3)]
     assert [(summary["tests"], summary["passed"]) for summary in summaries] == [(1, 1), (0, 0), (1, 1)]
+
+
+def test_the_deadline_stops_the_run_and_lists_what_has_no_outcome(tmp_path: Path) -> None:
+    # One job, two shards: the first sleeps past the run's deadline (stopped, what it finished kept), the second never
+    # starts; every summary is written, and unfinished.txt lists the tests without an outcome for the next run.
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "tests").mkdir()
+    shutil.copy(Path(gpu_shards.__file__), tmp_path / "tests" / "gpu_shards.py")
+    (tmp_path / "tests" / "test_slow.py").write_text(
+        "import time\n\n\ndef test_a():\n    pass\n\n\ndef test_b():\n    time.sleep(600)\n")
+    (tmp_path / "tests" / "test_later.py").write_text("def test_c():\n    pass\n\n\ndef test_d():\n    pass\n")
+    done = subprocess.run([sys.executable, "tests/gpu_shards.py", "--shards", "2", "--jobs", "1", "--deadline", "1",
+                           "--out", "out", "--", "tests/test_slow.py", "tests/test_later.py"], cwd=tmp_path,
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    first, second = (json.loads((tmp_path / "out" / f"shard-{index}.json").read_text()) for index in range(2))
+    # (whether test_a finished before the stop depends on how fast the machine started pytest: either is right)
+    assert "tests/test_slow.py::test_b" in first["not_run"] and first["passed"] + len(first["not_run"]) == 2
+    assert second["passed"] == 0 and second["pytest_exit"] is None
+    assert (tmp_path / "out" / "unfinished.txt").read_text().split() == [
+        *first["not_run"], "tests/test_later.py::test_c", "tests/test_later.py::test_d"]
