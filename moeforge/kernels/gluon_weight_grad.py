@@ -69,7 +69,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _loader(dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs,
-                ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, BLOCK_M: gl.constexpr,
+                ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr):
         layout_n: gl.constexpr = _gather_layout(BLOCK_N, gl.num_warps())
         layout_k: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
@@ -78,13 +78,13 @@ if _GLUON_ERROR is None:
         step = 0
         for tile in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
             expert, pid_n, pid_k = _tile_of(tile, per_expert, tiles_k)
-            dy_first = gl.load(dy_first_ptr + expert)
-            x_first = gl.load(x_first_ptr + expert)
+            dy_first = gl.load(dy_first_ptr + expert) * first_scale
+            x_first = gl.load(x_first_ptr + expert) * first_scale
             count = gl.load(count_ptr + expert)
             for done in range(0, count, BLOCK_M):
                 slot = step % STAGES
                 mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # (the first pass finds it free)
-                if GATHER:  # each row by its copy's index (order: expert order), zeros past the expert's copies
+                if GATHER:  # each row by its copy's index (order: the expert's slots), zeros past its copies
                     places_n = done + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_n))
                     ours_n = places_n < count
                     rows_n = gl.load(order_ptr + dy_first + places_n, mask=ours_n, other=0).to(gl.int64)
@@ -151,7 +151,7 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr,
-                              N, K, num_experts, stride_dy, stride_x, rows_per_x, stride_dwe, stride_dwn,
+                              N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale, stride_dwe, stride_dwn,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               STAGES: gl.constexpr, GATHER: gl.constexpr, PINGPONG: gl.constexpr,
                               LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
@@ -176,16 +176,16 @@ if _GLUON_ERROR is None:
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts,
                                   stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2)),
                 (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
-                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, BLOCK_M,
-                           BLOCK_N, BLOCK_K, STAGES, GATHER)),
+                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GATHER)),
             ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts,
                                   stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1)),
                 (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
-                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, BLOCK_M,
-                           BLOCK_N, BLOCK_K, STAGES, GATHER)),
+                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GATHER)),
             ], [LOADER_WARPS_], [LOADER_REGS])
 
 
@@ -258,15 +258,16 @@ def _descriptor(t: torch.Tensor, box: list[int]) -> Any:
 def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first: torch.Tensor,
                    x_first: torch.Tensor, counts: torch.Tensor, *, block_m: int, block_n: int, block_k: int,
                    num_warps: int, stages: int, pingpong: bool, order: Optional[torch.Tensor] = None,
-                   rows_per_x: int = 1, programs: Optional[int] = None) -> torch.Tensor:
+                   aligned: int = 1, rows_per_x: int = 1, programs: Optional[int] = None) -> torch.Tensor:
     """``dw[e] = sum over expert e's rows r of dy[r]^T x[r]`` in whole steps of ``block_m`` rows (what
     ``_weight_grad_kernel`` computes on the same operands), on operands :func:`operand_problem` accepted. Without
     ``order``: ``dy`` and ``x`` in expert order, expert ``e``'s rows from ``dy_first[e]`` and ``x_first[e]``,
-    ``counts[e]`` of them (rounded up to whole steps: one operand's rows past them must be zeros). With ``order`` (the copies in
-    expert order, ``[copies]`` int32; ``dy_first`` = ``x_first`` each expert's first place in it): ``dy`` and ``x`` in
-    their own orders, the copy ``c``'s rows ``dy[c]`` and ``x[c // rows_per_x]`` gathered by index as the steps load
-    (zeros past an expert's copies), so nothing is gathered beforehand. ``programs``: the persistent grid (one per
-    multiprocessor by default)."""
+    ``counts[e]`` of them (rounded up to whole steps: one operand's rows past them must be zeros). With ``order``
+    (the alignment's slots, ``sorted_ids``: each expert's copies in its blocks of ``aligned`` slots from its first
+    block, ``dy_first`` = ``x_first``, padded only in its last): ``dy`` and ``x`` in their own orders, the copy
+    ``c``'s rows ``dy[c]`` and ``x[c // rows_per_x]`` gathered by index as the steps load (zeros past an expert's
+    copies), so nothing is gathered beforehand. ``programs``: the persistent grid (one per multiprocessor by
+    default)."""
     num_experts, n, k = dw.shape
     if dw.numel() == 0:
         return dw
@@ -275,7 +276,7 @@ def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first
     ws_weight_grad_kernel[(grid,)](
         _descriptor(dy, [block_m, block_n]), _descriptor(x, [block_m, block_k]), dw, dy, x,
         order if order is not None else counts, dy_first, x_first, counts, n, k, num_experts, dy.stride(0),
-        x.stride(0), rows_per_x, dw.stride(0), dw.stride(1),
+        x.stride(0), rows_per_x, aligned if gather else 1, dw.stride(0), dw.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, **_partitions(pingpong, gather),
         num_warps=num_warps, **FIXED_OPTIONS)
     return dw
@@ -300,7 +301,7 @@ def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int,
     signature = dict(dy_desc=desc([block_m, block_n]), x_desc=desc([block_m, block_k]), dw_ptr=f"*{names[out_dtype]}",
                      dy_ptr=f"*{name}", x_ptr=f"*{name}", order_ptr="*i32", dy_first_ptr="*i32", x_first_ptr="*i32",
                      count_ptr="*i32", N="i32", K="i32", num_experts="i32", stride_dy="i32", stride_x="i32",
-                     rows_per_x="i32", stride_dwe="i32", stride_dwn="i32")
+                     rows_per_x="i32", first_scale="i32", stride_dwe="i32", stride_dwn="i32")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
                       **_partitions(pingpong, gather))
     signature.update({key: "constexpr" for key in constexprs})

@@ -323,17 +323,22 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
     runs = expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m)
-    if tiles.warp_specialized and tiles.rows_by_index and gluon_weight_grad.operand_problem(
-            d_rows, rows, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
-            tiles.num_stages, tiles.pingpong) is None:
-        # the copies in expert order (their ids gathered as rows of one int32): the kernel loads each step's rows of
-        # both operands by index, so neither is gathered here
-        copy_ids = torch.arange(num_copies, dtype=torch.int32, device=rows.device).view(-1, 1)
-        order = gather_expert_rows(copy_ids, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m)
-        gluon_weight_grad.launch_checked(d_rows, rows, dw, runs[1], runs[1], runs[2], block_m=tiles.block_m,
+
+    def warp_specialized(dy: torch.Tensor, x: torch.Tensor, dy_first: torch.Tensor, x_first: torch.Tensor,
+                         **how: Any) -> bool:
+        """Launch the Gluon kernel where the tiles ask for it and it takes these operands."""
+        if not tiles.warp_specialized or gluon_weight_grad.operand_problem(
+                dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
+                tiles.num_stages, tiles.pingpong) is not None:
+            return False
+        gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
                                          block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
-                                         stages=tiles.num_stages, pingpong=tiles.pingpong, order=order.view(-1),
-                                         rows_per_x=rows_per_a)
+                                         stages=tiles.num_stages, pingpong=tiles.pingpong, **how)
+        return True
+
+    # by index: each expert's copies are the slots of its blocks from its first (runs[0]), in ascending order
+    if tiles.rows_by_index and warp_specialized(d_rows, rows, runs[0], runs[0], order=sorted_ids, aligned=block_m,
+                                                rows_per_x=rows_per_a):
         return dw, db
     # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to whole
     # steps, the other compact
@@ -344,12 +349,7 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
                            0 if pad_dy else tiles.block_m)
     padded_first, compact_first = runs[3], runs[1]
     dy_first, x_first = (padded_first, compact_first) if pad_dy else (compact_first, padded_first)
-    if tiles.warp_specialized and gluon_weight_grad.operand_problem(
-            dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages,
-            tiles.pingpong) is None:
-        gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
-                                         block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
-                                         stages=tiles.num_stages, pingpong=tiles.pingpong)
+    if warp_specialized(dy, x, dy_first, x_first):
         return dw, db
     tma = tiles.tma and tma_applies(dy) and tma_applies(x)
     dy_desc = TensorDescriptor.from_tensor(dy, [tiles.block_m, tiles.block_n]) if tma else None
