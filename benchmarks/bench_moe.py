@@ -104,6 +104,30 @@ def time_graph(fn: Callable[[], Any], reps: int, flush: Optional[torch.Tensor]) 
     return statistics.median(times)
 
 
+def time_graphs_interleaved(fns: dict[str, Callable[[], Any]], reps: int,
+                            flush: Optional[torch.Tensor]) -> dict[str, float]:
+    """Median microseconds of one replay of each function, the replays taken in turns (one of each per round, L2
+    flushed before each unless ``flush`` is None): launches compared this way see the same clocks — one after the
+    other, identical launches of long compute-bound kernels measured up to 15 % apart on an H200 as its clocks
+    settled (docs/notes/kernels-log.md)."""
+    graphs = {name: _graph(fn) for name, fn in fns.items()}
+    for graph in graphs.values():
+        for _ in range(3):
+            graph.replay()
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(reps):
+        for name, graph in graphs.items():
+            if flush is not None:
+                flush_l2(flush)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def measure_peak() -> tuple[float, float]:
     """(bf16 matmul TFLOP/s on 8192^3 random data, read-only TB/s of 1 GiB, :func:`measure_read_bandwidth`). The
     MoE kernels mostly *read* weights, which runs faster than a copy: the read bandwidth is the roofline's.

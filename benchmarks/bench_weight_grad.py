@@ -6,14 +6,16 @@ warp-specialised Gluon kernel and other tiles, CUDA only.
 For each shape and token count M, the training step's two weight gradients — gate/up (``d_pre [copies, 2I]`` by the
 token rows ``[M, H]``, each read ``top_k`` times) and down (``dy [copies, H]`` by the activated rows
 ``[copies, I]``) — on random bf16 data routed by a random top-k and aligned as a training forward aligns (blocks of
-128): each launch's time (its gather passes included; the median of CUDA-graph replays, L2 flushed), its TFLOP/s against
-the bf16 matmul peak measured in the same run, and whether its gradient is bitwise the default launch's. Prints a
-table and writes JSON (device, commit, date).
+128): each launch's time (its gather passes included; the median of CUDA-graph replays taken in turns with the other
+launches', L2 flushed), its TFLOP/s against the bf16 matmul peak measured in the same run, its speed-up on the default,
+and whether its gradient is bitwise the default launch's. "default again" is the default launch timed as another:
+how far apart the same launch measures in this run. Prints a table and writes JSON (device, commit, date).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,37 +26,37 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_moe import FLUSH_BYTES, SHAPES, measure_peak, time_graph  # noqa: E402
+from bench_moe import FLUSH_BYTES, SHAPES, measure_peak, time_graphs_interleaved  # noqa: E402
 from provenance import write_results  # noqa: E402
 
 from moeforge.kernels import align  # noqa: E402
 from moeforge.kernels.weight_grad import WeightGradTiles, expert_weight_grad, weight_grad_tiles  # noqa: E402
 
 
-def candidates(default: WeightGradTiles, n: int, k: int) -> dict[str, WeightGradTiles]:
+def candidates(default: WeightGradTiles, n: int, k: int, by_index: bool) -> dict[str, WeightGradTiles]:
     """The launches compared with the default: the Gluon kernel (ping-pong 128 x 128 tiles; one partition with the
-    default's tiles; each on rows gathered first and on rows loaded by index), and the Triton kernel with the other
-    family of tiles."""
+    default's tiles; with ``by_index`` each also on rows loaded by index), and the Triton kernel with the other family
+    of tiles."""
     wide = (128, 256) if k >= n else (256, 128)
-    return {
-        "default": default,
-        "gluon ping-pong 128x128": WeightGradTiles(128, 128, default.block_m, 4, 4, True, warp_specialized=True,
-                                                   pingpong=True),
-        "gluon ping-pong by index": WeightGradTiles(128, 128, default.block_m, 4, 4, True, warp_specialized=True,
-                                                    pingpong=True, rows_by_index=True),
-        "gluon one partition": attrs.evolve(default, warp_specialized=True, num_stages=max(default.num_stages, 3)),
-        "gluon one partition by index": attrs.evolve(default, warp_specialized=True, rows_by_index=True,
-                                                     num_stages=max(default.num_stages, 3)),
-        "triton wide": WeightGradTiles(*wide, default.block_m, 8, 3, True),
-        "triton 128x128": WeightGradTiles(128, 128, default.block_m, 4, 2, True, tma_store=True),
-    }
+    pingpong = WeightGradTiles(128, 128, default.block_m, 4, 4, True, warp_specialized=True, pingpong=True)
+    one = attrs.evolve(default, warp_specialized=True, num_stages=max(default.num_stages, 3))
+    found = {"default": default, "default again": default, "gluon ping-pong 128x128": pingpong,
+             "gluon one partition": one}
+    if by_index:
+        found["gluon ping-pong by index"] = attrs.evolve(pingpong, rows_by_index=True)
+        found["gluon one partition by index"] = attrs.evolve(one, rows_by_index=True)
+    other = (WeightGradTiles(128, 128, default.block_m, 4, 2, True, tma_store=True) if default.block_n != 128
+             or default.block_k != 128 else WeightGradTiles(*wide, default.block_m, 8, 3, True))
+    found["triton 128x128" if other.block_n == other.block_k else "triton wide"] = other
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="mixtral,qwen3,gptoss,deepseek")
     parser.add_argument("--tokens", default="1024,4096,16384")
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--by-index", action="store_true", help="also the Gluon kernel on rows loaded by index")
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
@@ -82,24 +84,24 @@ def main() -> None:
                 n, k = d_rows.shape[1], rows.shape[1]
                 default = weight_grad_tiles(n, k, torch.bfloat16, 128, d_rows.device, copies / experts)
                 flops = 2 * copies * n * k
-                want = None
-                for label, tiles in candidates(default, n, k).items():
-                    def step(t: WeightGradTiles = tiles) -> Any:
-                        return expert_weight_grad(d_rows, rows, per_row, *plan, experts, 128, False, torch.bfloat16,
-                                                  tiles=t)
-                    got = step()[0]
-                    same = None if want is None else bool(torch.equal(got, want))
-                    if want is None:
-                        want = got
-                    del got
-                    us = time_graph(step, args.reps, flush)
+                launches = candidates(default, n, k, args.by_index)
+                steps = {label: functools.partial(expert_weight_grad, d_rows, rows, per_row, *plan, experts, 128,
+                                                  False, torch.bfloat16, tiles=tiles)
+                         for label, tiles in launches.items()}
+                want = steps["default"]()[0]
+                same = {label: label == "default" or bool(torch.equal(step()[0], want))
+                        for label, step in steps.items()}
+                del want
+                times = time_graphs_interleaved(steps, args.reps, flush)
+                for label, tiles in launches.items():
+                    us = times[label]
                     tflops = flops / (us * 1e-6) / 1e12
                     records.append(dict(shape=name, M=tokens, gemm=gemm, launch=label, tiles=attrs.asdict(tiles),
                                         median_us=round(us, 1), tflops=round(tflops, 1),
-                                        pct_peak=round(100 * tflops / peak, 1), bitwise_default=same))
-                    print(f"{name:9s} M={tokens:6d} {gemm:8s} {label:24s} {us:9.1f} us {tflops:6.1f} TFLOP/s"
-                          f"{'' if same is None else ' same bits' if same else ' BITS DIFFER'}", flush=True)
-                del want
+                                        pct_peak=round(100 * tflops / peak, 1), bitwise_default=same[label],
+                                        vs_default=round(times["default"] / us, 3)))
+                    print(f"{name:9s} M={tokens:6d} {gemm:8s} {label:30s} {us:9.1f} us {tflops:6.1f} TFLOP/s "
+                          f"{times['default'] / us:5.2f}x{'' if same[label] else ' BITS DIFFER'}", flush=True)
                 torch.cuda.empty_cache()
     write_results("bench_weight_grad", device, records, args.out, args.commit, peak_tflops=round(peak, 1))
 

@@ -106,6 +106,22 @@ def test_a_launch_it_does_not_take_runs_the_twin_with_the_same_bits() -> None:
     assert found is not None and "no rows" in found
 
 
+def test_rows_by_index_need_widths_and_strides_in_whole_aligned_pieces() -> None:
+    # the GPU compile of rows 392 elements wide loaded by index failed ("cp.async does not support transfers smaller
+    # than 4 bytes"): such operands are gathered first (TMA takes them) — the check comes before the device's
+    for n, k in ((392, 320), (384, 328)):
+        dy, x = torch.randn(50, n).bfloat16(), torch.randn(25, k).bfloat16()
+        dw = torch.empty(3, n, k, dtype=torch.bfloat16)
+        found = gluon_weight_grad.operand_problem(dy, x, dw, False, 64, 128, 128, 4, 4, True, by_index=True)
+        assert found is not None and "multiples of 16 elements" in found
+        found = gluon_weight_grad.operand_problem(dy, x, dw, False, 64, 128, 128, 4, 4, True)
+        assert found is None or "multiples" not in found
+    wide = torch.randn(50, 392).bfloat16()[:, :384]  # 384 wide, rows 392 apart (16-byte aligned: TMA takes them)
+    found = gluon_weight_grad.operand_problem(wide, torch.randn(25, 320).bfloat16(), torch.empty(3, 384, 320),
+                                              False, 64, 128, 128, 4, 4, True, by_index=True)
+    assert found is not None and "strides 392" in found
+
+
 CASES = {  # (tokens, top_k, experts, N, K, only, idle)
     "spread, idle expert": (700, 2, 6, 392, 328, None, (4,)),
     "gradient rows padded (N > K)": (700, 2, 6, 328, 392, None, (4,)),

@@ -52,6 +52,7 @@ LOADER_WARPS = 1  # TMA copies: one warp issues them
 LOADER_REGISTERS = 24
 GATHER_LOADER_WARPS = 4  # rows gathered by index: each thread copies 16-byte pieces
 GATHER_LOADER_REGISTERS = 56
+BY_INDEX_MULTIPLE = 16  # elements: what widths and strides of rows loaded by index are multiples of (operand_problem)
 # two MMA warpgroups of 128 x 128 fp32 accumulators and the loader in 64K registers (224 beside a gathering loader)
 CONSUMER_REGISTERS = 232
 GATHER_CONSUMER_REGISTERS = 224
@@ -226,8 +227,10 @@ def tile_problem(block_m: int, block_n: int, block_k: int, num_warps: int, stage
 
 
 def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bias: bool, block_m: int,
-                    block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool) -> Optional[str]:
-    """Why these gathered operands, gradient and tiles cannot take this kernel (``None`` where they can)."""
+                    block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
+                    by_index: bool = False) -> Optional[str]:
+    """Why these operands, gradient and tiles cannot take this kernel (``None`` where they can); ``by_index``: its
+    rows loaded by index (``launch_checked``'s ``order``)."""
     if with_bias:
         return "the warp-specialised weight gradient sums no bias"
     if dy.numel() == 0 or x.numel() == 0:
@@ -243,6 +246,12 @@ def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bi
             return f"{name} must have contiguous rows at 16-byte aligned addresses and strides (TMA)"
     if dw.dim() != 3 or dw.stride(2) != 1 or (dw.shape[2] * dw.element_size()) % 16 or dw.data_ptr() % 16:
         return "dW must be [E, N, K] with contiguous rows of whole 16-byte pieces (the store's)"
+    if by_index and any(size % BY_INDEX_MULTIPLE for size in (dy.shape[1], x.shape[1], dy.stride(0), x.stride(0))):
+        # cp.async copies 4 bytes or more, and Triton proves a row's pieces aligned only from integer arguments it
+        # specialises as multiples of 16: with widths or strides of 392 elements it would copy single elements
+        return (f"rows loaded by index need widths and row strides that are multiples of {BY_INDEX_MULTIPLE} "
+                f"elements (cp.async's aligned pieces), got widths {dy.shape[1]}, {x.shape[1]} and strides "
+                f"{dy.stride(0)}, {x.stride(0)}")
     return gluon_gemm.device_problem(dy.device, "the warp-specialised weight gradient")
 
 

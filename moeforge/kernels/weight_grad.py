@@ -58,7 +58,8 @@ class WeightGradTiles:
     takes the launch — bf16 / fp16 operands, no bias, an sm_90 GPU — else this module's kernel with the same tiles
     (the flag chooses a kernel, never a result: both sum the same steps in the same order); ``rows_by_index``: that
     kernel loading each step's rows by their copies' indices, so that neither operand is gathered into expert order
-    first (no gathered copies: the training step's peak memory is reached here)."""
+    first (no gathered copies: the training step's peak memory is reached here), where the rows' widths and strides
+    are multiples of 16 elements — else gathered first as without it."""
 
     block_n: int
     block_k: int
@@ -329,7 +330,7 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         """Launch the Gluon kernel where the tiles ask for it and it takes these operands."""
         if not tiles.warp_specialized or gluon_weight_grad.operand_problem(
                 dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
-                tiles.num_stages, tiles.pingpong) is not None:
+                tiles.num_stages, tiles.pingpong, by_index="order" in how) is not None:
             return False
         gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
                                          block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
