@@ -7,7 +7,9 @@ with), CUDA only.
 For each shape and token count M, on random (never zero) bf16 data with the routing fixed: the time of
 ``forward + backward`` (gradients of the hidden states, both expert weights and the routing weights),
 as the median of CUDA-graph replays with the L2 flushed, for moeforge's experts pipeline (from top-k ids
-and weights to the combined output) and for the ``torch._grouped_mm`` baseline; the speedup; and the
+and weights to the combined output) and for the ``torch._grouped_mm`` baseline, their replays taken in turns
+(one after the other, identical compute-bound launches measured up to 15 % apart as an H200's clocks settled);
+the speedup; and the
 TFLOP/s of the step counting 3x the forward's flops (forward, row gradient, weight gradient) against
 the bf16 matmul peak measured in the same run; the step's peak memory above what was allocated before it
 (``torch.cuda.max_memory_allocated``, the second of two eager steps: a training loop's steady state; the first's
@@ -36,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_moe import FLUSH_BYTES, SHAPES, flush_l2, measure_peak, time_graph  # noqa: E402
+from bench_moe import FLUSH_BYTES, SHAPES, flush_l2, measure_peak, time_graph, time_graphs_interleaved  # noqa: E402
 from provenance import write_results  # noqa: E402
 
 import moeforge as mf  # noqa: E402
@@ -106,32 +108,36 @@ SONICMOE = (64, 4, 4096, 2048)  # (E, k, H, I) at T = 32768: SonicMoE's publishe
 SONICMOE_TOKENS = 32768
 
 
-def dense_bound_us(rows: int, hidden: int, inter: int, flush: torch.Tensor, reps: int) -> float:
-    """Microseconds of one dense ``torch.mm`` with a forward's flops (``[rows, H] @ [H, 3I]``, cuBLAS, random bf16,
-    L2 flushed): the time bound the SonicMoE target compares a forward with (twice it, a backward)."""
+def dense_mm(rows: int, hidden: int, inter: int) -> Callable[[], Any]:
+    """One dense ``torch.mm`` with a forward's flops (``[rows, H] @ [H, 3I]``, cuBLAS, random bf16): its time is
+    the bound the SonicMoE target compares a forward with (twice it, a backward)."""
     a = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(hidden, 3 * inter, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(rows, 3 * inter, device="cuda", dtype=torch.bfloat16)
-    return time_graph(lambda: torch.mm(a, b, out=out), reps, flush)
+    return lambda: torch.mm(a, b, out=out)
 
 
 def sonicmoe_cell(flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
     """SonicMoE's configuration: each path's forward (its graph replay) and backward (the step's replay less the
-    forward's) against the dense bound of the same flops (:func:`dense_bound_us`; the backward's flops are twice
-    the forward's)."""
+    forward's) against the dense bound of the same flops (:func:`dense_mm`; the backward's flops are twice the
+    forward's), all timed in turns."""
     experts, top_k, hidden, inter = SONICMOE
     tokens = SONICMOE_TOKENS
     layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton")
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     topk = mf.stages.select_experts(torch.randn(tokens, experts, device="cuda"), top_k, layer.routing)
     grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    bound = dense_bound_us(tokens * top_k, hidden, inter, flush, reps)
     flops = 2 * tokens * top_k * 3 * hidden * inter
-    records = []
+    fns: dict[str, Callable[[], Any]] = {"dense": dense_mm(tokens * top_k, hidden, inter)}
     for what, forward in (("moeforge", moeforge_forward(layer, x, topk)),
                           ("torch_grouped_mm", grouped_mm_forward(layer, x, topk))):
-        step_us = time_graph(training_step(forward, grad), reps, flush)
-        forward_us = time_graph(forward, reps, flush)
+        fns[f"{what} step"] = training_step(forward, grad)
+        fns[f"{what} forward"] = forward
+    times, how = time_steps(fns, reps, flush)
+    bound = times["dense"]
+    records = []
+    for what in ("moeforge", "torch_grouped_mm"):
+        step_us, forward_us = times[f"{what} step"], times[f"{what} forward"]
         backward_us = step_us - forward_us
         record = dict(shape="sonicmoe", E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=f"{what}_sonicmoe",
                       forward_us=round(forward_us, 1), backward_us=round(backward_us, 1), step_us=round(step_us, 1),
@@ -139,14 +145,25 @@ def sonicmoe_cell(flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
                       forward_pct_of_bound=round(100 * bound / forward_us, 1),
                       backward_pct_of_bound=round(100 * 2 * bound / backward_us, 1),
                       forward_tflops=round(flops / forward_us / 1e6, 1),
-                      backward_tflops=round(2 * flops / backward_us / 1e6, 1))
+                      backward_tflops=round(2 * flops / backward_us / 1e6, 1), timed=how)
         records.append(record)
         print(f"sonicmoe  M={tokens:6d} {what:17s} forward {forward_us:9.1f} us ({record['forward_pct_of_bound']:5.1f}%"
               f" of the dense bound {bound:.1f}), backward {backward_us:9.1f} us "
               f"({record['backward_pct_of_bound']:5.1f}% of {2 * bound:.1f})", flush=True)
-    del layer
+    del layer, fns
     torch.cuda.empty_cache()
     return records
+
+
+def time_steps(steps: dict[str, Callable[[], Any]], reps: int,
+               flush: torch.Tensor) -> tuple[dict[str, float], str]:
+    """Each step's median replay in microseconds, and how they were timed: in turns (the fair comparison: both see
+    the same clocks), or — where both steps' graphs do not fit in memory together — one after the other."""
+    try:
+        return time_graphs_interleaved(steps, reps, flush), "in turns"
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {what: time_graph(step, reps, flush) for what, step in steps.items()}, "one after the other"
 
 
 def step_peaks(fn: Callable[[], Any]) -> tuple[int, int, bool]:
@@ -350,14 +367,15 @@ def main() -> None:
             topk = mf.stages.select_experts(logits, top_k, layer.routing)
             grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             flops = 3 * 2 * tokens * top_k * 3 * hidden * inter
-            timed: dict[str, float] = {}
+            steps: dict[str, Callable[[], Any]] = {}
             timed_records: dict[str, dict[str, Any]] = {}
+            eager_us: dict[str, float] = {}
             for what, make in (("moeforge", moeforge_step), ("torch_grouped_mm", grouped_mm_step)):
                 try:
                     step = make(layer, x, topk, grad)
                     first_memory, memory, same = step_peaks(step)
-                    timed[what] = time_graph(step, args.reps, flush)
-                    eager = time_eager(step, args.reps, flush) if args.eager else None
+                    if args.eager:
+                        eager_us[what] = time_eager(step, args.reps, flush)
                     if args.memory_breakdown:
                         traced_peak, places = memory_breakdown(step)
                         print(f"{name:9s} M={tokens:6d} {what}: {traced_peak / 2**20:.0f} MiB at the traced peak:")
@@ -377,19 +395,23 @@ def main() -> None:
                     print(f"{name:9s} M={tokens:6d} {what}: {type(error).__name__}: {str(error)[:120]}", flush=True)
                     torch.cuda.empty_cache()
                     continue
-                us = timed[what]
+                steps[what] = step
                 timed_records[what] = dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=what,
-                                           median_us=round(us, 2), tflops=round(flops / (us * 1e-6) / 1e12, 1),
-                                           pct_peak=round(100 * flops / (us * 1e-6) / 1e12 / peak, 1),
                                            peak_mib=round(memory / 2**20),
                                            first_call_peak_mib=round(first_memory / 2**20), deterministic=same)
+            timed, how = time_steps(steps, args.reps, flush)
+            for what, us in timed.items():
+                record = timed_records[what]
+                record.update(median_us=round(us, 2), tflops=round(flops / (us * 1e-6) / 1e12, 1),
+                              pct_peak=round(100 * flops / (us * 1e-6) / 1e12 / peak, 1), timed=how)
+                eager = eager_us.get(what)
                 if eager is not None:
-                    timed_records[what].update(eager_us=round(eager, 2), eager_over_graph=round(eager / us, 2))
-                records.append(timed_records[what])
+                    record.update(eager_us=round(eager, 2), eager_over_graph=round(eager / us, 2))
+                records.append(record)
                 print(f"{name:9s} M={tokens:6d} {what:17s} {us:10.1f} us {flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s "
-                      f"({100 * flops / (us * 1e-6) / 1e12 / peak:4.1f}% of peak) peak memory {memory / 2**30:6.2f} GiB"
-                      f" (first call {first_memory / 2**30:.2f})"
-                      f"{'' if same else ', gradients differ between two runs'}"
+                      f"({record['pct_peak']:4.1f}% of peak) peak memory {record['peak_mib'] / 2**10:6.2f} GiB"
+                      f" (first call {record['first_call_peak_mib'] / 2**10:.2f})"
+                      f"{'' if record['deterministic'] else ', gradients differ between two runs'}"
                       f"{'' if eager is None else f', eager {eager:.1f} us ({eager / us:.2f}x)'}", flush=True)
             if len(timed) == 2:
                 speedup = timed["torch_grouped_mm"] / timed["moeforge"]

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from moeforge.kernels import align  # noqa: E402
+from moeforge.kernels import align, gluon_weight_grad, weight_grad  # noqa: E402
 from moeforge.kernels.weight_grad import (  # noqa: E402
     WeightGradTiles,
     expert_runs,
@@ -234,14 +234,36 @@ def test_the_default_tiles_divide_every_alignment_block() -> None:
                 assert block % tiles.block_m == 0 and tiles.block_m >= 16
 
 
+def test_the_gluon_ping_pong_takes_16_bit_launches_without_a_bias_up_to_its_rows_per_expert(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the rule on an sm_90 GPU that runs Gluon (both stand-ins here: the rule reads no other device property)
+    monkeypatch.setattr(weight_grad, "capability_has_tma", lambda device: True)
+    monkeypatch.setattr(gluon_weight_grad, "device_problem", lambda device: None)
+    gpu = torch.device("cuda", 0)
+    for rows_per_expert, step in ((8.0, 32), (512.0, 64), (4095.0, 64)):
+        tiles = weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, rows_per_expert)
+        assert tiles == WeightGradTiles(128, 128, step, 4, 4, True, warp_specialized=True, pingpong=True)
+        assert weight_grad_tiles(4096, 7168, torch.float16, 16, gpu, rows_per_expert).block_m == 16
+    long = weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, float(weight_grad.PINGPONG_UNTIL))
+    assert long == WeightGradTiles(128, 256, 64, 8, 3, True)
+    for other in (weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, 512.0, with_bias=True),
+                  weight_grad_tiles(4096, 7168, torch.float32, 128, gpu, 512.0)):
+        assert not other.warp_specialized and not other.pingpong
+    monkeypatch.setattr(gluon_weight_grad, "device_problem", lambda device: "sm_80")
+    assert not weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, 512.0).warp_specialized
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
 @pytest.mark.parametrize("widths", [(392, 328), (328, 392)], ids=["rows padded", "gradient rows padded"])
 @pytest.mark.parametrize("tokens", [700, 6000], ids=["short reductions", "long reductions"])
 @pytest.mark.parametrize("block", [16, 64, 128])
-def test_the_gpu_launch_equals_a_float64_sum_in_bf16(block: int, tokens: int, widths: tuple[int, int]) -> None:
-    # The default launches on the device (TMA on Hopper; the short reductions' tiles stored by TMA): bf16 operands,
-    # experts of uneven sizes, one idle, N and K past the last full tile; the narrower operand padded to whole steps
-    # (the rows, or the gradient rows, whose compact other operand the bias sum then masks or not).
+def test_the_gpu_launch_equals_a_float64_sum_in_bf16(block: int, tokens: int, widths: tuple[int, int],
+                                                     with_bias: bool) -> None:
+    # The default launches on the device (TMA on Hopper; the short reductions' tiles stored by TMA; without a bias
+    # on sm_90 the Gluon ping-pong): bf16 operands, experts of uneven sizes, one idle, N and K past the last full
+    # tile; the narrower operand padded to whole steps (the rows, or the gradient rows, whose compact other operand
+    # the bias sum then masks or not).
     gen = torch.Generator().manual_seed(17)
     k, experts = 2, 6
     n, kdim = widths
@@ -249,9 +271,12 @@ def test_the_gpu_launch_equals_a_float64_sum_in_bf16(block: int, tokens: int, wi
     rows = torch.randn(tokens, kdim, generator=gen).to("cuda", torch.bfloat16)
     d_rows = torch.randn(tokens * k, n, generator=gen).to("cuda", torch.bfloat16)
     plan = align.align_block_size(ids.to("cuda"), experts, block)
-    dw, db = expert_weight_grad(d_rows, rows, k, *plan, experts, block, True, torch.bfloat16)
+    dw, db = expert_weight_grad(d_rows, rows, k, *plan, experts, block, with_bias, torch.bfloat16)
     want_w, want_b = _reference(d_rows, rows, ids, experts, k)
-    assert db is not None
     torch.testing.assert_close(dw.cpu().double(), want_w, rtol=2e-2, atol=0.3)
-    torch.testing.assert_close(db.cpu().double(), want_b, rtol=2e-2, atol=0.3)
+    if with_bias:
+        assert db is not None
+        torch.testing.assert_close(db.cpu().double(), want_b, rtol=2e-2, atol=0.3)
+    else:
+        assert db is None
     assert not dw[4].any()

@@ -252,7 +252,13 @@ def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bi
         return (f"rows loaded by index need widths and row strides that are multiples of {BY_INDEX_MULTIPLE} "
                 f"elements (cp.async's aligned pieces), got widths {dy.shape[1]}, {x.shape[1]} and strides "
                 f"{dy.stride(0)}, {x.stride(0)}")
-    return gluon_gemm.device_problem(dy.device, "the warp-specialised weight gradient")
+    return device_problem(dy.device)
+
+
+def device_problem(device: torch.device) -> Optional[str]:
+    """Why this kernel cannot run on ``device``: not an sm_90 GPU, or Gluon unavailable here (``None`` where it
+    can)."""
+    return gluon_gemm.device_problem(device, "the warp-specialised weight gradient")
 
 
 @functools.lru_cache(maxsize=None)

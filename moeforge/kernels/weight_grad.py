@@ -75,17 +75,24 @@ class WeightGradTiles:
 
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
 SHORT_RUN = 32  # rows per expert up to which the steps are 32 rows (weight_grad_tiles)
+PINGPONG_UNTIL = 4096  # rows per expert from which the wide tiles beat the Gluon ping-pong (weight_grad_tiles)
 
 
 def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, device: torch.device,
-                      rows_per_expert: float = float(LONG_REDUCTION)) -> WeightGradTiles:
+                      rows_per_expert: float = float(LONG_REDUCTION), with_bias: bool = False) -> WeightGradTiles:
     """The launch for ``dW [E, n, k]`` of ``dtype`` operands aligned in blocks of ``aligned_block_m`` rows, with
-    ``rows_per_expert`` rows on average in each expert's reduction.
+    ``rows_per_expert`` rows on average in each expert's reduction (``with_bias``: the bias gradient summed too).
 
     On a CUDA device, 16-bit operands, 64-row steps (32 where an expert has at most :data:`SHORT_RUN` rows on
     average: the padded operand holds up to a step less a row more per expert, so short runs take half the
     padding; the kernels log has the memory and the time this trades), TMA where :func:`capability_has_tma`:
 
+    * on an sm_90 GPU that runs the Gluon kernel (:func:`gluon_weight_grad.device_problem`), without a bias, up to
+      :data:`PINGPONG_UNTIL` rows per expert: the warp-specialised kernel, two MMA warpgroups on alternate
+      128 x 128 tiles, 4 stages — one tile's store overlaps the other's MMAs; 1.02–1.11x the Triton launches below
+      at 18 of the 24 cells of ``benchmarks/bench_weight_grad.py`` on an H200, 0.93–0.99x at three (DeepSeek-V3's
+      gate/up at M = 1024 and 16384, GPT-OSS's at 1024), and below the wide tiles from 4096 rows per expert
+      (0.88–0.95x: the long reductions' operand reuse counts more than the stores);
     * long reductions (at least :data:`LONG_REDUCTION` rows per expert: Mixtral's shapes): 128 x 256 tiles (256
       along the wider of ``n`` and ``k``), 8 warps, 3 stages — the MMAs dominate and the wide tile reads each
       operand row least often;
@@ -100,6 +107,9 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
     if device.type != "cuda":
         return WeightGradTiles(32, 32, min(16, aligned_block_m), 4, 2, False)
     tma = capability_has_tma(device)
+    if (dtype.itemsize == 2 and not with_bias and rows_per_expert < PINGPONG_UNTIL and tma
+            and gluon_weight_grad.device_problem(device) is None):
+        return WeightGradTiles(128, 128, step, 4, 4, True, warp_specialized=True, pingpong=True)
     if dtype.itemsize <= 2 and rows_per_expert >= LONG_REDUCTION:
         block_n, block_k = (128, 256) if k >= n else (256, 128)
         return WeightGradTiles(block_n, block_k, step, 8, 3, tma)
@@ -319,7 +329,8 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         if db is not None:
             db.zero_()
         return dw, db
-    tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device, num_copies / max(num_experts, 1))
+    tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device, num_copies / max(num_experts, 1),
+                                       with_bias)
     if block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
