@@ -27,6 +27,7 @@ that allocated them (the allocator's recorded history, :func:`live_at_peak`) —
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -200,14 +201,40 @@ def step_memory_and_determinism(fn: Callable[[], Any]) -> tuple[int, bool]:
 
 def leftover_after_steps(fn: Callable[[], Any], steps: int = 2) -> int:
     """Bytes still allocated after ``steps`` more steps whose gradients were dropped, above what was allocated after
-    the first such step: 0 unless each step keeps something (a leak)."""
+    the first such step: 0 unless each step keeps something reachable (a leak). Python's cycle collector runs before
+    each count: unreachable blocks whose cycle it had not yet collected (earlier work's in a test process) were freed
+    or not at its whim, and moved the count by gigabytes either way (:func:`storages_in_cycles` looks for the
+    step's own)."""
     fn()  # (each step's gradients dropped as it returns)
+    gc.collect()
     torch.cuda.synchronize()
     after_one = torch.cuda.memory_allocated()
     for _ in range(steps):
         fn()
+    gc.collect()
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated() - after_one
+
+
+def storages_in_cycles(fn: Callable[[], Any]) -> list[int]:
+    """The bytes of each tensor or storage that a step leaves in reference cycles (unreachable, freed only when Python's
+    cycle collector runs: in a training loop, memory held for an unknown number of steps): none in a sound step."""
+    fn()
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        fn()
+        gc.collect()
+        found = [o.nbytes() if isinstance(o, torch.UntypedStorage) else o.untyped_storage().nbytes()
+                 for o in gc.garbage if isinstance(o, (torch.UntypedStorage, torch.Tensor))]
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        if enabled:
+            gc.enable()
+    return found
 
 
 def live_at_peak(events: list[dict[str, Any]], top: int = 12) -> tuple[int, list[tuple[str, int, int]]]:

@@ -5,7 +5,9 @@ benchmark's shapes at M = 1024, where the margins are thinnest).
   of one row of the gate/up and of the down projection per copy (the step holds its pre-activation gradient, the
   gathered operands of the weight gradient and the row gradients at once). The weight gradient's operands in the
   alignment's padded slot order (before 2026-11-28) took Qwen3's step to 3.6 times: this would have caught it.
-* It gives bitwise the same gradients twice and keeps nothing allocated from one step to the next.
+* It gives bitwise the same gradients twice and keeps nothing allocated from one step to the next, nor in reference
+  cycles that only Python's cycle collector frees (counted after a collection: before, the blocks of earlier tests'
+  cycles moved the count by gigabytes either way).
 * Against ``torch._grouped_mm`` + autograd's step (the issue's promise: at most its peak), a known gap: its first call
   in a process peaks higher than its later ones, and moeforge's steady state is above torch's at these shapes
   (docs/notes/kernels-log.md, "A training step's memory: first and later steps"). Marked as expected to fail until
@@ -65,6 +67,7 @@ def test_a_training_step_stays_within_its_memory_budget_and_repeats_itself(shape
                                f"({weight_grads / 2**20:.0f} MiB of weight gradients + {ROW_BUDGET} x "
                                f"{rows / 2**20:.0f} MiB of rows)"] + _breakdown("moeforge", step)))
     assert bench_train.leftover_after_steps(step) == 0, "each step keeps memory allocated"
+    assert bench_train.storages_in_cycles(step) == [], "a step leaves tensors in reference cycles"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
