@@ -1,7 +1,8 @@
 """The warp-specialised Gluon weight gradient (``moeforge/kernels/gluon_weight_grad.py``).
 
-On CPU: it compiles for sm_90 down to machine code (Triton's ``ptxas``) in every partition layout it offers and both
-ways of loading the rows (gathered into expert order first, then by TMA; or each step's rows by index), within its
+On CPU: it compiles for sm_90 down to machine code (Triton's ``ptxas``) in every partition layout it offers and every
+way of loading the rows (gathered into expert order first, then by TMA; each step's rows by index; the input rows by
+index and the gradient rows by TMA), within its
 shared-memory bound; launches it does not take are refused with the reason, and the flag then runs the Triton
 twin (``_weight_grad_kernel``) — a kernel choice, never another result. On an sm_90 GPU: bit for bit the twin's
 gradient with the same tiles (the same steps summed in the same order), over the batches users give — an idle expert,
@@ -36,13 +37,18 @@ LAUNCHES = {  # the Gluon launches the tests run: (step rows, N tile, K tile, MM
 }
 
 
-def _tiles(launch: tuple[int, int, int, int, int, bool], by_index: bool) -> WeightGradTiles:
+def _tiles(launch: tuple[int, int, int, int, int, bool], loads: tuple[bool, bool]) -> WeightGradTiles:
     block_m, block_n, block_k, warps, stages, pingpong = launch
+    x_by_index, dy_by_index = loads
     return WeightGradTiles(block_n, block_k, block_m, warps, stages, True, warp_specialized=True, pingpong=pingpong,
-                           rows_by_index=by_index)
+                           rows_by_index=dy_by_index, input_rows_by_index=x_by_index and not dy_by_index)
 
 
-LOADS = {"rows gathered first, by TMA": False, "rows by index": True}
+LOADS = {  # (the input rows by index, the gradient rows by index too)
+    "rows gathered first, by TMA": (False, False),
+    "rows by index": (True, True),
+    "input rows by index, gradient rows by TMA": (True, False),
+}
 
 
 COMPILED = [(launch, torch.bfloat16, loads) for launch in LAUNCHES for loads in LOADS] + [
@@ -55,8 +61,9 @@ COMPILED = [(launch, torch.bfloat16, loads) for launch in LAUNCHES for loads in 
 def test_it_compiles_for_hopper_within_its_shared_memory_bound(launch: str, dtype: torch.dtype, loads: str) -> None:
     block_m, block_n, block_k, warps, stages, pingpong = LAUNCHES[launch]
     assert gluon_weight_grad.tile_problem(block_m, block_n, block_k, warps, stages, pingpong) is None
+    x_by_index, dy_by_index = LOADS[loads]
     kernel = gluon_weight_grad.compile_for_hopper(block_m, block_n, block_k, warps, stages, pingpong, dtype, dtype,
-                                                  gather=LOADS[loads])
+                                                  x_by_index=x_by_index, dy_by_index=dy_by_index)
     assert kernel.metadata.shared <= gluon_weight_grad.shared_memory_bytes(block_m, block_n, block_k, stages, pingpong)
     assert "wgmma" in kernel.asm["ptx"]
 
@@ -92,12 +99,13 @@ def test_a_launch_it_does_not_take_runs_the_twin_with_the_same_bits() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids, rows, d_rows = _case(9, 2, 4, 40, 24, torch.float16, device, idle=(1,))
     plan = align.align_block_size(ids, 4, 16)
-    tiles = WeightGradTiles(16, 32, 16, 4, 2, True, warp_specialized=True, pingpong=True, rows_by_index=True)
-    for with_bias in ((False, True) if device == "cpu" else (True,)):
-        got = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=tiles)
-        want = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=attrs.evolve(
-            tiles, warp_specialized=False, rows_by_index=False))
-        assert torch.equal(got[0], want[0])
+    for loads in LOADS.values():
+        tiles = _tiles((16, 16, 32, 4, 2, True), loads)
+        for with_bias in ((False, True) if device == "cpu" else (True,)):
+            got = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=tiles)
+            want = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=attrs.evolve(
+                tiles, warp_specialized=False, rows_by_index=False, input_rows_by_index=False))
+            assert torch.equal(got[0], want[0])
     found = gluon_weight_grad.operand_problem(d_rows, rows, got[0], True, 64, 128, 128, 4, 4, True)
     assert found is not None and "bias" in found
     found = gluon_weight_grad.operand_problem(d_rows.float(), rows.float(), got[0], False, 64, 128, 128, 4, 4, True)
@@ -112,14 +120,23 @@ def test_rows_by_index_need_widths_and_strides_in_whole_aligned_pieces() -> None
     for n, k in ((392, 320), (384, 328)):
         dy, x = torch.randn(50, n).bfloat16(), torch.randn(25, k).bfloat16()
         dw = torch.empty(3, n, k, dtype=torch.bfloat16)
-        found = gluon_weight_grad.operand_problem(dy, x, dw, False, 64, 128, 128, 4, 4, True, by_index=True)
+        found = gluon_weight_grad.operand_problem(dy, x, dw, False, 64, 128, 128, 4, 4, True, x_by_index=True,
+                                                  dy_by_index=True)
         assert found is not None and "multiples of 16 elements" in found
         found = gluon_weight_grad.operand_problem(dy, x, dw, False, 64, 128, 128, 4, 4, True)
         assert found is None or "multiples" not in found
+    # the input rows alone by index: only their width and stride count
+    dy, x = torch.randn(50, 392).bfloat16(), torch.randn(25, 320).bfloat16()
+    found = gluon_weight_grad.operand_problem(dy, x, torch.empty(3, 392, 320), False, 64, 128, 128, 4, 4, True,
+                                              x_by_index=True)
+    assert found is None or "multiples" not in found
+    found = gluon_weight_grad.operand_problem(x, dy, torch.empty(3, 320, 392), False, 64, 128, 128, 4, 4, True,
+                                              x_by_index=True)
+    assert found is not None and "widths [392]" in found
     wide = torch.randn(50, 392).bfloat16()[:, :384]  # 384 wide, rows 392 apart (16-byte aligned: TMA takes them)
     found = gluon_weight_grad.operand_problem(wide, torch.randn(25, 320).bfloat16(), torch.empty(3, 384, 320),
-                                              False, 64, 128, 128, 4, 4, True, by_index=True)
-    assert found is not None and "strides 392" in found
+                                              False, 64, 128, 128, 4, 4, True, x_by_index=True, dy_by_index=True)
+    assert found is not None and "strides [392, 320]" in found
 
 
 CASES = {  # (tokens, top_k, experts, N, K, only, idle)

@@ -59,7 +59,9 @@ class WeightGradTiles:
     (the flag chooses a kernel, never a result: both sum the same steps in the same order); ``rows_by_index``: that
     kernel loading each step's rows by their copies' indices, so that neither operand is gathered into expert order
     first (no gathered copies: the training step's peak memory is reached here), where the rows' widths and strides
-    are multiples of 16 elements — else gathered first as without it."""
+    are multiples of 16 elements — else gathered first as without it; ``input_rows_by_index``: only ``rows`` (the
+    operand a copy shares with its token's other ``rows_per_a - 1``) loaded so, the gradient rows gathered first
+    (the same condition on ``rows``)."""
 
     block_n: int
     block_k: int
@@ -71,6 +73,7 @@ class WeightGradTiles:
     warp_specialized: bool = False
     pingpong: bool = False
     rows_by_index: bool = False
+    input_rows_by_index: bool = False
 
 
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
@@ -341,7 +344,8 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         """Launch the Gluon kernel where the tiles ask for it and it takes these operands."""
         if not tiles.warp_specialized or gluon_weight_grad.operand_problem(
                 dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
-                tiles.num_stages, tiles.pingpong, by_index="order" in how) is not None:
+                tiles.num_stages, tiles.pingpong, x_by_index="order" in how,
+                dy_by_index="order" in how and how.get("dy_by_index", True)) is not None:
             return False
         gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
                                          block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
@@ -352,6 +356,12 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     if tiles.rows_by_index and warp_specialized(d_rows, rows, runs[0], runs[0], order=sorted_ids, aligned=block_m,
                                                 rows_per_x=rows_per_a):
         return dw, db
+    if tiles.input_rows_by_index and tiles.warp_specialized:  # the gradient rows compact in expert order (runs[1])
+        dy = gather_expert_rows(d_rows, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m, 0)
+        if warp_specialized(dy, rows, runs[1], runs[0], order=sorted_ids, dy_by_index=False, aligned=block_m,
+                            rows_per_x=rows_per_a):
+            return dw, db
+        del dy
     # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to whole
     # steps, the other compact
     pad_dy = n <= k
