@@ -88,20 +88,7 @@ def flush_l2(buffer: torch.Tensor) -> None:
 
 def time_graph(fn: Callable[[], Any], reps: int, flush: Optional[torch.Tensor]) -> float:
     """Median microseconds of one replay, L2 flushed before each (unless ``flush`` is None)."""
-    graph = _graph(fn)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        if flush is not None:
-            flush_l2(flush)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return time_graphs_interleaved({"": fn}, reps, flush)[""]
 
 
 def time_graphs_interleaved(fns: dict[str, Callable[[], Any]], reps: int,
