@@ -163,8 +163,11 @@ def time_steps(steps: dict[str, Callable[[], Any]], reps: int,
     try:
         return time_graphs_interleaved(steps, reps, flush), "in turns"
     except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return {what: time_graph(step, reps, flush) for what, step in steps.items()}, "one after the other"
+        pass
+    # (out of the handler: its traceback held the frames, and so the graphs, whose memory must go first)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {what: time_graph(step, reps, flush) for what, step in steps.items()}, "one after the other"
 
 
 def step_peaks(fn: Callable[[], Any]) -> tuple[int, int, bool]:
