@@ -27,21 +27,24 @@ from moeforge.kernels.weight_grad import WeightGradTiles, expert_weight_grad  # 
 GLUON = gluon_weight_grad.unavailable_reason() is None
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and GLUON
 
-LAUNCHES = {  # the Gluon launches the tests run: (step rows, N tile, K tile, MMA warps, stages, ping-pong)
-    "ping-pong 128 x 128": (64, 128, 128, 4, 4, True),
-    "one partition 128 x 128": (64, 128, 128, 4, 4, False),
-    "one partition 128 x 256, 8 warps": (64, 128, 256, 8, 3, False),
-    "one partition 256 x 128, 8 warps": (64, 256, 128, 8, 3, False),
-    "ping-pong, 32-row steps": (32, 128, 128, 4, 4, True),
-    "one partition, 32-row steps": (32, 128, 128, 4, 3, False),
+LAUNCHES = {  # the Gluon launches the tests run: (step rows, N tile, K tile, MMA warps, stages, ping-pong, TMA store)
+    "ping-pong 128 x 128": (64, 128, 128, 4, 4, True, False),
+    "one partition 128 x 128": (64, 128, 128, 4, 4, False, False),
+    "one partition 128 x 256, 8 warps": (64, 128, 256, 8, 3, False, False),
+    "one partition 256 x 128, 8 warps": (64, 256, 128, 8, 3, False, False),
+    "ping-pong, 32-row steps": (32, 128, 128, 4, 4, True, False),
+    "one partition, 32-row steps": (32, 128, 128, 4, 3, False, False),
+    "ping-pong 128 x 128, stored by TMA": (64, 128, 128, 4, 4, True, True),
+    "one partition 128 x 256, 8 warps, stored by TMA": (64, 128, 256, 8, 3, False, True),
 }
 
 
-def _tiles(launch: tuple[int, int, int, int, int, bool], loads: tuple[bool, bool]) -> WeightGradTiles:
-    block_m, block_n, block_k, warps, stages, pingpong = launch
+def _tiles(launch: tuple[int, int, int, int, int, bool, bool], loads: tuple[bool, bool]) -> WeightGradTiles:
+    block_m, block_n, block_k, warps, stages, pingpong, tma_store = launch
     x_by_index, dy_by_index = loads
-    return WeightGradTiles(block_n, block_k, block_m, warps, stages, True, warp_specialized=True, pingpong=pingpong,
-                           rows_by_index=dy_by_index, input_rows_by_index=x_by_index and not dy_by_index)
+    return WeightGradTiles(block_n, block_k, block_m, warps, stages, True, tma_store=tma_store, warp_specialized=True,
+                           pingpong=pingpong, rows_by_index=dy_by_index,
+                           input_rows_by_index=x_by_index and not dy_by_index)
 
 
 LOADS = {  # (the input rows by index, the gradient rows by index too)
@@ -59,11 +62,11 @@ COMPILED = [(launch, torch.bfloat16, loads) for launch in LAUNCHES for loads in 
 @pytest.mark.parametrize("launch, dtype, loads", COMPILED,
                          ids=[f"{launch}-{str(dtype)[6:]}-{loads}" for launch, dtype, loads in COMPILED])
 def test_it_compiles_for_hopper_within_its_shared_memory_bound(launch: str, dtype: torch.dtype, loads: str) -> None:
-    block_m, block_n, block_k, warps, stages, pingpong = LAUNCHES[launch]
+    block_m, block_n, block_k, warps, stages, pingpong, tma_store = LAUNCHES[launch]
     assert gluon_weight_grad.tile_problem(block_m, block_n, block_k, warps, stages, pingpong) is None
     x_by_index, dy_by_index = LOADS[loads]
     kernel = gluon_weight_grad.compile_for_hopper(block_m, block_n, block_k, warps, stages, pingpong, dtype, dtype,
-                                                  x_by_index=x_by_index, dy_by_index=dy_by_index)
+                                                  x_by_index=x_by_index, dy_by_index=dy_by_index, tma_store=tma_store)
     assert kernel.metadata.shared <= gluon_weight_grad.shared_memory_bytes(block_m, block_n, block_k, stages, pingpong)
     assert "wgmma" in kernel.asm["ptx"]
 
@@ -100,7 +103,7 @@ def test_a_launch_it_does_not_take_runs_the_twin_with_the_same_bits() -> None:
     ids, rows, d_rows = _case(9, 2, 4, 40, 24, torch.float16, device, idle=(1,))
     plan = align.align_block_size(ids, 4, 16)
     for loads in LOADS.values():
-        tiles = _tiles((16, 16, 32, 4, 2, True), loads)
+        tiles = _tiles((16, 16, 32, 4, 2, True, False), loads)
         for with_bias in ((False, True) if device == "cpu" else (True,)):
             got = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=tiles)
             want = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=attrs.evolve(
@@ -197,3 +200,17 @@ def test_no_copies_give_zero_gradients(loads: str) -> None:
     dw, _ = expert_weight_grad(d_rows, rows, 2, *plan, 3, 128, False, torch.bfloat16,
                                tiles=_tiles(LAUNCHES["ping-pong 128 x 128"], LOADS[loads]))
     assert dw.shape == (3, 256, 128) and not dw.any()
+
+
+def test_tiles_that_would_cross_an_expert_or_overflow_shared_memory_are_stored_from_registers() -> None:
+    # the TMA store sees dW as [E * N, K]: a tile past an expert's N rows would write the next expert's
+    assert gluon_weight_grad.tma_store_problem(torch.empty(3, 384, 200, dtype=torch.bfloat16), 64, 128, 128, 4,
+                                               True) is None
+    found = gluon_weight_grad.tma_store_problem(torch.empty(3, 392, 200, dtype=torch.bfloat16), 64, 128, 128, 4, True)
+    assert found is not None and "cross" in found
+    found = gluon_weight_grad.tma_store_problem(torch.empty(3, 400, 384, dtype=torch.bfloat16)[:, :384], 64, 128,
+                                                128, 4, True)
+    assert found is not None and "contiguous" in found
+    # fp32 tiles of two partitions beside four stages: over sm_90's 227 KB
+    found = gluon_weight_grad.tma_store_problem(torch.empty(3, 384, 256, dtype=torch.float32), 64, 128, 128, 4, True)
+    assert found is not None and "shared memory" in found

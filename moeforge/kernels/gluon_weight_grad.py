@@ -18,7 +18,9 @@ then ``BLOCK_K`` strip) in partitions that meet at a ring of ``STAGES`` shared-m
   the largest such copy, and its rows are few enough to stay in L2);
 * the **MMA partitions**: per step, the warpgroup MMA of ``dy``'s tile transposed in shared memory (``A``, its rows
   the reduction) by ``x``'s, one MMA in flight; at a tile's end its accumulator converted to rows of 16-byte pieces
-  and stored. With ``pingpong`` two MMA partitions of one warpgroup each take alternate tiles, so one's store
+  and stored — or (``TMA_STORE``) written to the partition's shared-memory buffer and stored from there by TMA, the
+  buffer rewritten once the previous tile's store has read it (at one or two steps per tile the kernel is bound by
+  writing ``dW``). With ``pingpong`` two MMA partitions of one warpgroup each take alternate tiles, so one's store
   overlaps the other's MMAs; they take their K-loops in turns (``turn`` barriers), so that neither waits on a slot
   more than one ring pass ahead of its barrier (a wait knows a phase only by its parity) — the weight gradient's
   K-loops are short (an expert's rows: a few steps at many experts), which is where the store weighs.
@@ -43,12 +45,15 @@ if _GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from moeforge.kernels.bound_launch import FIXED_OPTIONS
     from moeforge.kernels.gluon_grouped_gemm import _gather_layout, _gather_load, _mma_layout, _row_layout, _tma_load
+
+    # The TMA store's name: ``async_store`` from Triton 3.7 on, ``async_copy_shared_to_global`` before.
+    _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
 LOADER_WARPS = 1  # TMA copies: one warp issues them
 LOADER_REGISTERS = 24
@@ -114,9 +119,10 @@ if _GLUON_ERROR is None:
                 step += 1
 
     @gluon.jit
-    def _mma_partition(dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts, stride_dwe,
-                       stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                       STAGES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
+    def _mma_partition(dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K, num_experts,
+                       stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
+                       TMA_STORE: gl.constexpr):
         # Consumer CONSUMER of CONSUMERS takes every CONSUMERS-th of the program's tiles from its CONSUMER-th and
         # counts every tile's steps (the loader fills the ring with all of them in order): ``step`` is the ring
         # position of the current tile's first step.
@@ -148,22 +154,31 @@ if _GLUON_ERROR is None:
                     mbarrier.arrive(turn.index(1 - CONSUMER))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index(previous), pred=steps > 0)
-                # the tile in rows of 16-byte pieces (the MMA layout's threads hold 4 bytes of a row each)
-                value = gl.convert_layout(acc.to(dw_ptr.dtype.element_ty), store_layout)
-                offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, store_layout))
-                offs_k = pid_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, store_layout))
-                rows = expert.to(gl.int64) * stride_dwe + offs_n.to(gl.int64) * stride_dwn
-                gl.store(dw_ptr + rows[:, None] + offs_k[None, :], value,
-                         mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
+                if TMA_STORE:  # through this partition's buffer, once its previous tile's store has read it
+                    out = out_bufs.index(CONSUMER)
+                    tma.store_wait(0)
+                    out.store(acc.to(dw_desc.dtype))
+                    fence_async_shared()
+                    _tma_store(dw_desc, [expert * N + pid_n * BLOCK_N, pid_k * BLOCK_K], out)
+                else:
+                    # the tile in rows of 16-byte pieces (the MMA layout's threads hold 4 bytes of a row each)
+                    value = gl.convert_layout(acc.to(dw_ptr.dtype.element_ty), store_layout)
+                    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, store_layout))
+                    offs_k = pid_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, store_layout))
+                    rows = expert.to(gl.int64) * stride_dwe + offs_n.to(gl.int64) * stride_dwn
+                    gl.store(dw_ptr + rows[:, None] + offs_k[None, :], value,
+                             mask=(offs_n < N)[:, None] & (offs_k < K)[None, :])
             step += steps
             index += 1
+        if TMA_STORE:
+            tma.store_wait(0)
 
     @gluon.jit
-    def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr,
-                              N, K, num_experts, stride_dy, stride_x, rows_per_x, dy_first_scale, x_first_scale,
-                              stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dw_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr,
+                              count_ptr, N, K, num_experts, stride_dy, stride_x, rows_per_x, dy_first_scale,
+                              x_first_scale, stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, DY_BY_INDEX: gl.constexpr,
-                              X_BY_INDEX: gl.constexpr, PINGPONG: gl.constexpr,
+                              X_BY_INDEX: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
                               LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr):
         dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BLOCK_M, BLOCK_N], dy_desc.layout)
@@ -171,6 +186,11 @@ if _GLUON_ERROR is None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (ping-pong's turns)
+        if TMA_STORE:  # a finished tile's buffer per MMA partition (``dw_desc``: dW as [E * N, K])
+            out_bufs = gl.allocate_shared_memory(dw_desc.dtype, [2 if PINGPONG else 1] + dw_desc.block_type.shape,
+                                                 dw_desc.layout)
+        else:
+            out_bufs = turn  # (not read: the tile is stored from registers)
         for slot in gl.static_range(STAGES):
             # each gathering thread's copies' arrivals, and one for the TMA copies' expected bytes
             mbarrier.init(ready.index(slot), count=(32 * LOADER_WARPS_ if X_BY_INDEX else 0)
@@ -182,18 +202,21 @@ if _GLUON_ERROR is None:
         # (each partition's arguments as a tuple written out: a tuple held in a variable loses its constexprs)
         if PINGPONG:
             gl.warp_specialize([
-                (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts,
-                                  stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 2)),
-                (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts,
-                                  stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2)),
+                (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
+                                  num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 2,
+                                  TMA_STORE)),
+                (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
+                                  num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2,
+                                  TMA_STORE)),
                 (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
                            x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, dy_first_scale,
                            x_first_scale, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, DY_BY_INDEX, X_BY_INDEX)),
             ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
-                (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, count_ptr, N, K, num_experts,
-                                  stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1)),
+                (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
+                                  num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1,
+                                  TMA_STORE)),
                 (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
                            x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, dy_first_scale,
                            x_first_scale, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, DY_BY_INDEX, X_BY_INDEX)),
@@ -201,7 +224,7 @@ if _GLUON_ERROR is None:
 
 
 def _gl_dtype(dtype: torch.dtype) -> Any:
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
 
 
 def _partitions(pingpong: bool, x_by_index: bool, dy_by_index: bool) -> dict[str, Any]:
@@ -212,12 +235,27 @@ def _partitions(pingpong: bool, x_by_index: bool, dy_by_index: bool) -> dict[str
 
 
 def shared_memory_bytes(block_m: int, block_n: int, block_k: int, stages: int, pingpong: bool,
-                        element_bytes: int = 2) -> int:
-    """An upper bound of a launch's shared memory: the ring's tiles, the store's conversion of each MMA partition's
-    tile, the barriers."""
-    ring = stages * block_m * (block_n + block_k)
-    store = block_n * block_k * (2 if pingpong else 1)
-    return (ring + store) * element_bytes + 8 * (2 * stages + 2) + 1024
+                        element_bytes: int = 2, out_bytes: int = 2) -> int:
+    """An upper bound of a launch's shared memory: the ring's tiles, each MMA partition's finished tile (converted
+    for the store, or the TMA store's buffer) in ``out_bytes`` per element, the barriers."""
+    ring = stages * block_m * (block_n + block_k) * element_bytes
+    store = block_n * block_k * (2 if pingpong else 1) * out_bytes
+    return ring + store + 8 * (2 * stages + 2) + 1024
+
+
+def tma_store_problem(dw: torch.Tensor, block_m: int, block_n: int, block_k: int, stages: int,
+                      pingpong: bool) -> Optional[str]:
+    """Why the finished tiles cannot be stored by TMA (``None`` where they can; else they are stored from registers):
+    the store sees dW as ``[E * N, K]``, so a tile must not cross into the next expert's rows."""
+    num_experts, n, k = dw.shape
+    if not dw.is_contiguous():
+        return "a TMA store needs a contiguous dW"
+    if n % block_n:
+        return f"a TMA store of {block_n}-row tiles would cross from one expert's {n} rows into the next's"
+    if shared_memory_bytes(block_m, block_n, block_k, stages, pingpong,
+                           out_bytes=dw.element_size()) > gluon_gemm.SHARED_MEMORY_LIMIT:
+        return f"the store buffers of {dw.dtype} tiles need more than a block's shared memory"
+    return None
 
 
 def tile_problem(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int,
@@ -285,7 +323,7 @@ def _descriptor(t: torch.Tensor, box: list[int]) -> Any:
 def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first: torch.Tensor,
                    x_first: torch.Tensor, counts: torch.Tensor, *, block_m: int, block_n: int, block_k: int,
                    num_warps: int, stages: int, pingpong: bool, order: Optional[torch.Tensor] = None,
-                   dy_by_index: bool = True, aligned: int = 1, rows_per_x: int = 1,
+                   dy_by_index: bool = True, aligned: int = 1, rows_per_x: int = 1, tma_store: bool = False,
                    programs: Optional[int] = None) -> torch.Tensor:
     """``dw[e] = sum over expert e's rows r of dy[r]^T x[r]`` in whole steps of ``block_m`` rows (what
     ``_weight_grad_kernel`` computes on the same operands), on operands :func:`operand_problem` accepted. Without
@@ -295,26 +333,30 @@ def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first
     block ``x_first[e]``, padded only in its last): ``x`` in its own order, the copy ``c``'s row ``x[c // rows_per_x]``
     loaded by index as the steps load (zeros past an expert's copies), so it is not gathered beforehand; ``dy`` too
     (``dy[c]``, ``dy_first`` = ``x_first``) with ``dy_by_index``, else in expert order from ``dy_first[e]`` by TMA
-    (its rows past an expert's copies meet the zero rows of ``x``). ``programs``: the persistent grid (one per
-    multiprocessor by default)."""
+    (its rows past an expert's copies meet the zero rows of ``x``). ``tma_store``: each finished tile stored by TMA
+    from shared memory (where :func:`tma_store_problem` allows; else from registers). ``programs``: the persistent
+    grid (one per multiprocessor by default)."""
     num_experts, n, k = dw.shape
     if dw.numel() == 0:
         return dw
     grid = programs or min(_multiprocessors(dy.device), num_experts * -(-n // block_n) * -(-k // block_k))
     x_by_index = order is not None
     dy_by_index = x_by_index and dy_by_index
+    tma_store = tma_store and tma_store_problem(dw, block_m, block_n, block_k, stages, pingpong) is None
+    # (without the TMA store its descriptor's place takes dW itself, never read: one signature per launch)
+    dw_desc = _descriptor(dw.view(num_experts * n, k), [block_n, block_k]) if tma_store else dw
     ws_weight_grad_kernel[(grid,)](
-        _descriptor(dy, [block_m, block_n]), _descriptor(x, [block_m, block_k]), dw, dy, x,
+        _descriptor(dy, [block_m, block_n]), _descriptor(x, [block_m, block_k]), dw, dw_desc, dy, x,
         order if order is not None else counts, dy_first, x_first, counts, n, k, num_experts, dy.stride(0),
         x.stride(0), rows_per_x, aligned if dy_by_index else 1, aligned if x_by_index else 1, dw.stride(0),
-        dw.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+        dw.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
         **_partitions(pingpong, x_by_index, dy_by_index), num_warps=num_warps, **FIXED_OPTIONS)
     return dw
 
 
 def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
                        dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16,
-                       x_by_index: bool = False, dy_by_index: bool = False) -> Any:
+                       x_by_index: bool = False, dy_by_index: bool = False, tma_store: bool = False) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
     checks, and where the PTX and the register counts can be read (``.asm``). ``dy_by_index`` needs
     ``x_by_index``."""
@@ -329,16 +371,19 @@ def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int,
     def desc(box: list[int]) -> str:
         return f"tensordesc<{name}[{box[0]},{box[1]}],{gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(dtype))!r}>"
 
+    out_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], _gl_dtype(out_dtype)) if tma_store else None
+    dw_desc = (f"tensordesc<{names[out_dtype]}[{block_n},{block_k}],{out_layout!r}>" if tma_store
+               else f"*{names[out_dtype]}")
     signature = dict(dy_desc=desc([block_m, block_n]), x_desc=desc([block_m, block_k]), dw_ptr=f"*{names[out_dtype]}",
-                     dy_ptr=f"*{name}", x_ptr=f"*{name}", order_ptr="*i32", dy_first_ptr="*i32", x_first_ptr="*i32",
+                     dw_desc=dw_desc, dy_ptr=f"*{name}", x_ptr=f"*{name}", order_ptr="*i32", dy_first_ptr="*i32", x_first_ptr="*i32",
                      count_ptr="*i32", N="i32", K="i32", num_experts="i32", stride_dy="i32", stride_x="i32",
                      rows_per_x="i32", dy_first_scale="i32", x_first_scale="i32", stride_dwe="i32",
                      stride_dwn="i32")
-    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
                       **_partitions(pingpong, x_by_index, x_by_index and dy_by_index))
     signature.update({key: "constexpr" for key in constexprs})
     divisible = ("dw_ptr", "dy_ptr", "x_ptr", "order_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K",
-                 "stride_dy", "stride_x", "stride_dwe", "stride_dwn")
+                 "stride_dy", "stride_x", "stride_dwe", "stride_dwn") + (() if tma_store else ("dw_desc",))
     order = list(signature)
     attrs = {(order.index(key),): [["tt.divisibility", 16]] for key in divisible}
     source = GluonASTSource(ws_weight_grad_kernel, signature, constexprs=dict(constexprs), attrs=attrs)

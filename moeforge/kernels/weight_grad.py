@@ -53,7 +53,8 @@ from moeforge.kernels.sizes import cdiv, next_power_of_2
 class WeightGradTiles:
     """The weight-gradient kernel's launch: an output tile of ``block_n x block_k``, ``block_m`` rows per
     reduction step (at least 16, dividing the alignment's block), ``num_warps``, ``num_stages``; ``tma``: operands
-    by TMA; ``tma_store``: the finished tile stored by TMA too; ``warp_specialized``: the Gluon kernel
+    by TMA; ``tma_store``: the finished tile stored by TMA too (by either kernel, where it can);
+    ``warp_specialized``: the Gluon kernel
     (:mod:`moeforge.kernels.gluon_weight_grad`; two MMA partitions on alternate tiles with ``pingpong``) where it
     takes the launch — bf16 / fp16 operands, no bias, an sm_90 GPU — else this module's kernel with the same tiles
     (the flag chooses a kernel, never a result: both sum the same steps in the same order); ``rows_by_index``: that
@@ -349,7 +350,8 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
             return False
         gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
                                          block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
-                                         stages=tiles.num_stages, pingpong=tiles.pingpong, **how)
+                                         stages=tiles.num_stages, pingpong=tiles.pingpong,
+                                         tma_store=tiles.tma_store, **how)
         return True
 
     # by index: each expert's copies are the slots of its blocks from its first (runs[0]), in ascending order
