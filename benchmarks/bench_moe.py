@@ -94,9 +94,8 @@ def time_graph(fn: Callable[[], Any], reps: int, flush: Optional[torch.Tensor]) 
 def time_graphs_interleaved(fns: dict[str, Callable[[], Any]], reps: int,
                             flush: Optional[torch.Tensor]) -> dict[str, float]:
     """Median microseconds of one replay of each function, the replays taken in turns (one of each per round, L2
-    flushed before each unless ``flush`` is None): launches compared this way see the same clocks — one after the
-    other, identical launches of long compute-bound kernels measured up to 15 % apart on an H200 as its clocks
-    settled (docs/notes/kernels-log.md)."""
+    flushed before each unless ``flush`` is None): launches compared this way see the same clocks, which drift under
+    minutes of compute-bound kernels (docs/notes/kernels-log.md, "The Gluon weight gradient on the GPU")."""
     graphs = {name: _graph(fn) for name, fn in fns.items()}
     for graph in graphs.values():
         for _ in range(3):

@@ -8,7 +8,7 @@ For each shape and token count M, on random (never zero) bf16 data with the rout
 ``forward + backward`` (gradients of the hidden states, both expert weights and the routing weights),
 as the median of CUDA-graph replays with the L2 flushed, for moeforge's experts pipeline (from top-k ids
 and weights to the combined output) and for the ``torch._grouped_mm`` baseline, their replays taken in turns
-(one after the other, identical compute-bound launches measured up to 15 % apart as an H200's clocks settled);
+(so that both see the same clocks: :func:`bench_moe.time_graphs_interleaved`);
 the speedup; and the
 TFLOP/s of the step counting 3x the forward's flops (forward, row gradient, weight gradient) against
 the bf16 matmul peak measured in the same run; the step's peak memory above what was allocated before it
@@ -170,26 +170,26 @@ def time_steps(steps: dict[str, Callable[[], Any]], reps: int,
     return {what: time_graph(step, reps, flush) for what, step in steps.items()}, "one after the other"
 
 
+def _peak_of(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """(bytes one call of ``fn`` allocates above what was allocated before it, at its peak; its result)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before, result
+
+
 def step_peaks(fn: Callable[[], Any]) -> tuple[int, int, bool]:
     """(bytes the first call of a step allocates above what was allocated before it, at its peak; the same for a
     second call; whether the two give bitwise the same gradients). The first call's figure holds whatever only a
     first call allocates and keeps (torch's ``_grouped_mm`` + autograd step peaks higher on its first call in a
     process: docs/notes/kernels-log.md, "A training step's memory: first and later steps"), and so depends on what
     ran before in the process; the second's is a training loop's steady state."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    grads = fn()
-    torch.cuda.synchronize()
-    first_peak = torch.cuda.max_memory_allocated() - before
+    first_peak, grads = _peak_of(fn)
     first = [g.clone() for g in grads]
     del grads
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    second = fn()
-    torch.cuda.synchronize()
-    later_peak = torch.cuda.max_memory_allocated() - before
+    later_peak, second = _peak_of(fn)
     same = all(torch.equal(a, b) for a, b in zip(first, second))
     del first, second
     return first_peak, later_peak, same

@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
         # one intra-op thread per xdist worker: with as many workers as cores, torch's CPU thread pools oversubscribe
-        # the cores, and their spinning threads took a float64 gradcheck from 18 s alone to 80 s in the suite
+        # the cores, and their spinning threads slow every torch op on the CPU (the commit that added this has figures)
         torch.set_num_threads(1)
     if INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1":
         if triton_front_end.RECORDS not in os.environ:  # the controller (xdist's workers inherit the directory)

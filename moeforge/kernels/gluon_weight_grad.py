@@ -19,8 +19,8 @@ then ``BLOCK_K`` strip) in partitions that meet at a ring of ``STAGES`` shared-m
 * the **MMA partitions**: per step, the warpgroup MMA of ``dy``'s tile transposed in shared memory (``A``, its rows
   the reduction) by ``x``'s, one MMA in flight; at a tile's end its accumulator converted to rows of 16-byte pieces
   and stored — or (``TMA_STORE``) written to the partition's shared-memory buffer and stored from there by TMA, the
-  buffer rewritten once the previous tile's store has read it (at one or two steps per tile the kernel is bound by
-  writing ``dW``). With ``pingpong`` two MMA partitions of one warpgroup each take alternate tiles, so one's store
+  buffer rewritten once the previous tile's store has read it (for short reductions, where a tile's store weighs
+  as much as its MMAs). With ``pingpong`` two MMA partitions of one warpgroup each take alternate tiles, so one's store
   overlaps the other's MMAs; they take their K-loops in turns (``turn`` barriers), so that neither waits on a slot
   more than one ring pass ahead of its barrier (a wait knows a phase only by its parity) — the weight gradient's
   K-loops are short (an expert's rows: a few steps at many experts), which is where the store weighs.

@@ -91,12 +91,11 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
     average: the padded operand holds up to a step less a row more per expert, so short runs take half the
     padding; the kernels log has the memory and the time this trades), TMA where :func:`capability_has_tma`:
 
-    * on an sm_90 GPU that runs the Gluon kernel (:func:`gluon_weight_grad.device_problem`), without a bias, up to
+    * on an sm_90 GPU that runs the Gluon kernel (:func:`gluon_weight_grad.device_problem`), without a bias, below
       :data:`PINGPONG_UNTIL` rows per expert: the warp-specialised kernel, two MMA warpgroups on alternate
-      128 x 128 tiles, 4 stages — one tile's store overlaps the other's MMAs; 1.02–1.11x the Triton launches below
-      at 18 of the 24 cells of ``benchmarks/bench_weight_grad.py`` on an H200, 0.93–0.99x at three (DeepSeek-V3's
-      gate/up at M = 1024 and 16384, GPT-OSS's at 1024), and below the wide tiles from 4096 rows per expert
-      (0.88–0.95x: the long reductions' operand reuse counts more than the stores);
+      128 x 128 tiles, 4 stages — one tile's store overlaps the other's MMAs, which counts where reductions are
+      short; from there on the wide tiles' operand reuse counts more (docs/kernels.md, "Backward", has the
+      measurements behind both bounds);
     * long reductions (at least :data:`LONG_REDUCTION` rows per expert: Mixtral's shapes): 128 x 256 tiles (256
       along the wider of ``n`` and ``k``), 8 warps, 3 stages — the MMAs dominate and the wide tile reads each
       operand row least often;
@@ -340,30 +339,30 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
     runs = expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m)
 
-    def warp_specialized(dy: torch.Tensor, x: torch.Tensor, dy_first: torch.Tensor, x_first: torch.Tensor,
-                         **how: Any) -> bool:
-        """Launch the Gluon kernel where the tiles ask for it and it takes these operands."""
-        if not tiles.warp_specialized or gluon_weight_grad.operand_problem(
-                dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps,
-                tiles.num_stages, tiles.pingpong, x_by_index="order" in how,
-                dy_by_index="order" in how and how.get("dy_by_index", True)) is not None:
-            return False
+    def takes(dy: torch.Tensor, x: torch.Tensor, **how: Any) -> bool:
+        """Whether the tiles ask for the Gluon kernel and it takes these operands, loaded as ``how`` says."""
+        return tiles.warp_specialized and gluon_weight_grad.operand_problem(
+            dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages,
+            tiles.pingpong, x_by_index="order" in how,
+            dy_by_index="order" in how and how.get("dy_by_index", True)) is None
+
+    def launch(dy: torch.Tensor, x: torch.Tensor, dy_first: torch.Tensor, x_first: torch.Tensor, **how: Any) -> None:
         gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
                                          block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
                                          stages=tiles.num_stages, pingpong=tiles.pingpong,
                                          tma_store=tiles.tma_store, **how)
-        return True
 
     # by index: each expert's copies are the slots of its blocks from its first (runs[0]), in ascending order
-    if tiles.rows_by_index and warp_specialized(d_rows, rows, runs[0], runs[0], order=sorted_ids, aligned=block_m,
-                                                rows_per_x=rows_per_a):
+    by_index = dict(order=sorted_ids, aligned=block_m, rows_per_x=rows_per_a)
+    if tiles.rows_by_index and takes(d_rows, rows, **by_index):
+        launch(d_rows, rows, runs[0], runs[0], **by_index)
         return dw, db
-    if tiles.input_rows_by_index and tiles.warp_specialized:  # the gradient rows compact in expert order (runs[1])
+    # the input rows by index, the gradient rows compact in expert order (runs[1]); decided before the gather on
+    # d_rows, which has its gathered copy's width and dtype (a view it refuses only sends it the gathered way)
+    if tiles.input_rows_by_index and takes(d_rows, rows, dy_by_index=False, **by_index):
         dy = gather_expert_rows(d_rows, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m, 0)
-        if warp_specialized(dy, rows, runs[1], runs[0], order=sorted_ids, dy_by_index=False, aligned=block_m,
-                            rows_per_x=rows_per_a):
-            return dw, db
-        del dy
+        launch(dy, rows, runs[1], runs[0], dy_by_index=False, **by_index)
+        return dw, db
     # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to whole
     # steps, the other compact
     pad_dy = n <= k
@@ -373,7 +372,8 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
                            0 if pad_dy else tiles.block_m)
     padded_first, compact_first = runs[3], runs[1]
     dy_first, x_first = (padded_first, compact_first) if pad_dy else (compact_first, padded_first)
-    if warp_specialized(dy, x, dy_first, x_first):
+    if takes(dy, x):
+        launch(dy, x, dy_first, x_first)
         return dw, db
     tma = tiles.tma and tma_applies(dy) and tma_applies(x)
     dy_desc = TensorDescriptor.from_tensor(dy, [tiles.block_m, tiles.block_n]) if tma else None
