@@ -242,8 +242,11 @@ def test_the_gluon_ping_pong_takes_16_bit_launches_without_a_bias_up_to_its_rows
     gpu = torch.device("cuda", 0)
     for rows_per_expert, step in ((8.0, 32), (512.0, 64), (4095.0, 64)):
         tiles = weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, rows_per_expert)
-        assert tiles == WeightGradTiles(128, 128, step, 4, 4, True, warp_specialized=True, pingpong=True)
-        assert weight_grad_tiles(4096, 7168, torch.float16, 16, gpu, rows_per_expert).block_m == 16
+        # 64-row steps store their tiles by TMA, 32-row steps from registers (faster there)
+        assert tiles == WeightGradTiles(128, 128, step, 4, 4, True, warp_specialized=True, pingpong=True,
+                                        tma_store=step == 64)
+        narrow = weight_grad_tiles(4096, 7168, torch.float16, 16, gpu, rows_per_expert)
+        assert narrow.block_m == 16 and not narrow.tma_store
     long = weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, float(weight_grad.PINGPONG_UNTIL))
     assert long == WeightGradTiles(128, 256, 64, 8, 3, True)
     for other in (weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, 512.0, with_bias=True),

@@ -94,8 +94,10 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
     * on an sm_90 GPU that runs the Gluon kernel (:func:`gluon_weight_grad.device_problem`), without a bias, below
       :data:`PINGPONG_UNTIL` rows per expert: the warp-specialised kernel, two MMA warpgroups on alternate
       128 x 128 tiles, 4 stages — one tile's store overlaps the other's MMAs, which counts where reductions are
-      short; from there on the wide tiles' operand reuse counts more (docs/kernels.md, "Backward", has the
-      measurements behind both bounds);
+      short; from there on the wide tiles' operand reuse counts more; with 64-row steps each partition stores its
+      finished tile by TMA from shared memory (where ``dW``'s rows allow: ``tma_store_problem``), with 32-row steps
+      from registers, which was faster there (docs/kernels.md, "Backward", has the measurements behind these
+      bounds);
     * long reductions (at least :data:`LONG_REDUCTION` rows per expert: Mixtral's shapes): 128 x 256 tiles (256
       along the wider of ``n`` and ``k``), 8 warps, 3 stages — the MMAs dominate and the wide tile reads each
       operand row least often;
@@ -112,7 +114,8 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
     tma = capability_has_tma(device)
     if (dtype.itemsize == 2 and not with_bias and rows_per_expert < PINGPONG_UNTIL and tma
             and gluon_weight_grad.device_problem(device) is None):
-        return WeightGradTiles(128, 128, step, 4, 4, True, warp_specialized=True, pingpong=True)
+        return WeightGradTiles(128, 128, step, 4, 4, True, warp_specialized=True, pingpong=True,
+                               tma_store=step == 64)
     if dtype.itemsize <= 2 and rows_per_expert >= LONG_REDUCTION:
         block_n, block_k = (128, 256) if k >= n else (256, 128)
         return WeightGradTiles(block_n, block_k, step, 8, 3, tma)
