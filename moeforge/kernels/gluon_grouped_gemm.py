@@ -50,7 +50,7 @@ try:  # (Gluon is experimental: a Triton without it, or with another API, leaves
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from moeforge.kernels.bound_launch import FIXED_OPTIONS
+    from moeforge.kernels.bound_launch import FIXED_OPTIONS, LaunchSite
     # The asynchronous copies' names: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before.
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _gather_load = (async_copy.async_load if hasattr(async_copy, "async_load")
@@ -326,12 +326,24 @@ if _GLUON_ERROR is None:
             ], [LOADER_WARPS_], [LOADER_REGS])
 
 
-def _gl_dtype(dtype: torch.dtype) -> Any:
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    # The kernel's bound launches by their key and specialisation (moeforge.kernels.bound_launch)
+    _WS_GROUPED_GEMM = LaunchSite(ws_grouped_gemm_kernel)
+
+
+def gl_dtype(dtype: torch.dtype) -> Any:
+    """Gluon's name of a tile's dtype (16-bit operands; fp32 outputs)."""
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
 
 
 def _weight_box(config: GemmConfig, weight_kn: bool) -> list[int]:
     return [config.block_k, config.block_n] if weight_kn else [config.block_n, config.block_k]
+
+
+@functools.lru_cache(maxsize=None)
+def shared_layout(box: tuple[int, ...], dtype: torch.dtype) -> Any:
+    """The default shared-memory layout (the widest swizzle the box's rows allow) of TMA boxes of ``dtype``: made
+    once per box and dtype (a launch builds its descriptors with it; the layout is an immutable record)."""
+    return gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype(dtype))
 
 
 def weight_descriptor(weight: torch.Tensor, config: GemmConfig, weight_kn: bool = False) -> Any:
@@ -339,7 +351,7 @@ def weight_descriptor(weight: torch.Tensor, config: GemmConfig, weight_kn: bool 
     (``weight_kn``: ``[E, K, N]`` as ``[E · K, N]`` rows, tiles of ``block_k × block_n``)."""
     rows = weight.reshape(-1, weight.shape[-1])
     box = _weight_box(config, weight_kn)
-    return TensorDescriptor.from_tensor(rows, box, gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(weight.dtype)))
+    return TensorDescriptor.from_tensor(rows, box, shared_layout(tuple(box), weight.dtype))
 
 
 def operand_problem(a: torch.Tensor, weight: torch.Tensor, config: GemmConfig, glu: bool, aligned_block_m: int,
@@ -463,14 +475,21 @@ def launch_checked(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sor
         return out
     if programs is None:
         programs = _multiprocessors(a.device)
-    ws_grouped_gemm_kernel[(programs,)](
-        a, weight_descriptor(weight, config, weight_kn), out, topk_weights if topk_weights is not None else out,
-        sorted_ids, block_expert, num_padded, n_out, a.shape[1], num_copies, rows_per_a, a.stride(0), out.stride(0),
-        n_out if glu else 0,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages, GLU=glu,
-        MUL_WEIGHTS=topk_weights is not None, GROUP_M=config.group_m, COALESCED_STORE=coalesced_store,
-        WEIGHT_KN=weight_kn, **_partitions(pingpong),
-        num_warps=config.num_warps, **FIXED_OPTIONS)
+    mul_weights = topk_weights is not None
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return (dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
+                     GLU=glu, MUL_WEIGHTS=mul_weights, GROUP_M=config.group_m, COALESCED_STORE=coalesced_store,
+                     WEIGHT_KN=weight_kn, **_partitions(pingpong)),
+                dict(num_warps=config.num_warps))
+
+    # (the key names what the constexprs and the descriptor's box, dtype and layout follow: the launch site adds the
+    # other arguments' specialisation; the bound launch skips the JIT's binding of every argument on each call)
+    _WS_GROUPED_GEMM.launch(
+        (config, glu, mul_weights, coalesced_store, weight_kn, pingpong, weight.dtype, a.device), (programs,),
+        (a, weight_descriptor(weight, config, weight_kn), out, topk_weights if mul_weights else out, sorted_ids,
+         block_expert, num_padded, n_out, a.shape[1], num_copies, rows_per_a, a.stride(0), out.stride(0),
+         n_out if glu else 0), make)
     return out
 
 
@@ -494,7 +513,7 @@ def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: 
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     out_name = "fp32" if out_fp32 else name
     box = _weight_box(config, weight_kn)
-    layout = gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(dtype))
+    layout = shared_layout(tuple(box), dtype)
     signature = dict(a_ptr=f"*{name}", w_desc=f"tensordesc<{name}[{box[0]},{box[1]}],{layout!r}>",
                      out_ptr=f"*{out_name}", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                      num_padded_ptr="*i32", N="i32", K="i32", num_copies="i32", rows_per_a="i32", stride_am="i32",

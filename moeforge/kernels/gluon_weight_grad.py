@@ -49,7 +49,7 @@ if _GLUON_ERROR is None:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from moeforge.kernels.bound_launch import FIXED_OPTIONS
+    from moeforge.kernels.bound_launch import FIXED_OPTIONS, LaunchSite
     from moeforge.kernels.gluon_grouped_gemm import _gather_layout, _gather_load, _mma_layout, _row_layout, _tma_load
 
     # The TMA store's name: ``async_store`` from Triton 3.7 on, ``async_copy_shared_to_global`` before.
@@ -222,9 +222,8 @@ if _GLUON_ERROR is None:
                            x_first_scale, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, DY_BY_INDEX, X_BY_INDEX)),
             ], [LOADER_WARPS_], [LOADER_REGS])
 
-
-def _gl_dtype(dtype: torch.dtype) -> Any:
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    # The kernel's bound launches by their key and specialisation (moeforge.kernels.bound_launch)
+    _WS_WEIGHT_GRAD = LaunchSite(ws_weight_grad_kernel)
 
 
 def _partitions(pingpong: bool, x_by_index: bool, dy_by_index: bool) -> dict[str, Any]:
@@ -316,8 +315,8 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _descriptor(t: torch.Tensor, box: list[int]) -> Any:
-    return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(t.dtype)))
+def _descriptor(t: torch.Tensor, box: tuple[int, int]) -> Any:
+    return TensorDescriptor.from_tensor(t, list(box), gluon_gemm.shared_layout(box, t.dtype))
 
 
 def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first: torch.Tensor,
@@ -344,13 +343,21 @@ def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first
     dy_by_index = x_by_index and dy_by_index
     tma_store = tma_store and tma_store_problem(dw, block_m, block_n, block_k, stages, pingpong) is None
     # (without the TMA store its descriptor's place takes dW itself, never read: one signature per launch)
-    dw_desc = _descriptor(dw.view(num_experts * n, k), [block_n, block_k]) if tma_store else dw
-    ws_weight_grad_kernel[(grid,)](
-        _descriptor(dy, [block_m, block_n]), _descriptor(x, [block_m, block_k]), dw, dw_desc, dy, x,
-        order if order is not None else counts, dy_first, x_first, counts, n, k, num_experts, dy.stride(0),
-        x.stride(0), rows_per_x, aligned if dy_by_index else 1, aligned if x_by_index else 1, dw.stride(0),
-        dw.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
-        **_partitions(pingpong, x_by_index, dy_by_index), num_warps=num_warps, **FIXED_OPTIONS)
+    dw_desc = _descriptor(dw.view(num_experts * n, k), (block_n, block_k)) if tma_store else dw
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return (dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
+                     **_partitions(pingpong, x_by_index, dy_by_index)), dict(num_warps=num_warps))
+
+    # (the key names what the constexprs and the descriptors' boxes, dtypes and layouts follow; the launch site adds
+    # the other arguments' specialisation, and its bound launch skips the JIT's binding of every argument per call)
+    _WS_WEIGHT_GRAD.launch(
+        (block_m, block_n, block_k, stages, tma_store, pingpong, x_by_index, dy_by_index, num_warps, dy.dtype,
+         dw.dtype, dy.device), (grid,),
+        (_descriptor(dy, (block_m, block_n)), _descriptor(x, (block_m, block_k)), dw, dw_desc, dy, x,
+         order if order is not None else counts, dy_first, x_first, counts, n, k, num_experts, dy.stride(0),
+         x.stride(0), rows_per_x, aligned if dy_by_index else 1, aligned if x_by_index else 1, dw.stride(0),
+         dw.stride(1)), make)
     return dw
 
 
@@ -369,9 +376,9 @@ def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int,
     name = names[dtype]
 
     def desc(box: list[int]) -> str:
-        return f"tensordesc<{name}[{box[0]},{box[1]}],{gl.NVMMASharedLayout.get_default_for(box, _gl_dtype(dtype))!r}>"
+        return f"tensordesc<{name}[{box[0]},{box[1]}],{gluon_gemm.shared_layout(tuple(box), dtype)!r}>"
 
-    out_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], _gl_dtype(out_dtype)) if tma_store else None
+    out_layout = gluon_gemm.shared_layout((block_n, block_k), out_dtype) if tma_store else None
     dw_desc = (f"tensordesc<{names[out_dtype]}[{block_n},{block_k}],{out_layout!r}>" if tma_store
                else f"*{names[out_dtype]}")
     signature = dict(dy_desc=desc([block_m, block_n]), x_desc=desc([block_m, block_k]), dw_ptr=f"*{names[out_dtype]}",
