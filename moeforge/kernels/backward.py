@@ -34,7 +34,7 @@ from moeforge.kernels.formats import WeightFormat
 from moeforge.activation import ActivationConfig, apply_activation
 from moeforge.kernels.config import GemmConfig, narrow_config, row_gradient_config
 from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
-                                                decode_config, grouped_gemm)
+                                                config_of, grouped_gemm)
 
 
 # -- the ops' backward ------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
                          "no backward (an adapter stack trains through its own launches)")
     a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded, update_rows, update_weight = ctx.saved_tensors
     p = ctx.args
-    config = decode_config(p["config"])
+    config = config_of(p["config"])
     aligned = p.get("aligned_block_m", 0) or config.block_m  # the block sorted_ids was aligned with
     route = GemmRoute(sorted_ids, block_expert, num_padded, p["num_copies"], aligned_block_m=aligned)
     activation = codes.config_of(p["act"], p["glu"], p["interleaved"], p["alpha"], p["limit"])

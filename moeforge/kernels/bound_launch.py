@@ -86,8 +86,9 @@ def specialization(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What Triton specialises a launch on, of its positional arguments: each tensor's dtype and whether its address
     is 16-byte aligned, each integer's value (Triton specialises on its divisibility by 16 and on 1), each other
     argument's type (floats are not specialised)."""
-    return tuple([(arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor)
-                  else arg if type(arg) is int else type(arg) for arg in args])
+    # (integers first: most of a launch's arguments are sizes and strides, and a type test is cheaper than isinstance)
+    return tuple([arg if type(arg) is int else (arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor)
+                  else type(arg) for arg in args])
 
 
 class LaunchSite:

@@ -137,9 +137,14 @@ class GemmUpdate:
     ids: Optional[torch.Tensor] = None  # [num_copies] int32 in [0, S): each copy's update in a stack
 
 
+def config_of(values: Sequence[int]) -> GemmConfig:
+    """:func:`decode_config`, once per distinct list (a launch and its backward decode the same few configurations
+    over and over)."""
+    return _config_of(tuple(values))
+
+
 @functools.lru_cache(maxsize=1024)
 def _config_of(values: tuple[int, ...]) -> GemmConfig:
-    """:func:`decode_config`, once per distinct list (a launch decodes the same few configurations over and over)."""
     return decode_config(values)
 
 
@@ -197,7 +202,7 @@ def launch(
     from moeforge.kernels import moe_gemm as kernel
 
     out, out_scale = outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
-    gemm = _config_of(tuple(config))
+    gemm = config_of(config)
     if gemm.warp_specialized and num_copies:  # the tuned table's choice, where that kernel serves this launch
         from moeforge.kernels import warp_specialized
 

@@ -1,0 +1,27 @@
+"""The host-time harness of ``benchmarks/bench_host_step.py``: a training step runs with the launches stubbed, gives
+gradients of every leaf's shape, and leaves the launcher as it was."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_host_step  # noqa: E402
+from moeforge.kernels import bound_launch  # noqa: E402
+
+
+def test_a_stubbed_step_differentiates_every_leaf_and_restores_the_launcher() -> None:
+    launch = bound_launch.BoundLaunch.__call__
+    forward, step = bench_host_step.training_step(16, 4, 8, 32, 16)
+    with bench_host_step.launches_stubbed():
+        assert bound_launch.BoundLaunch.__call__ is not launch
+        out, leaves = forward()
+        grads = step()
+    assert bound_launch.BoundLaunch.__call__ is launch
+    assert out.shape == (8, 32)
+    assert [g.shape for g in grads] == [leaf.shape for leaf in leaves]
