@@ -7,7 +7,8 @@ For each shape and token count M, the training step's two weight gradients — g
 token rows ``[M, H]``, each read ``top_k`` times) and down (``dy [copies, H]`` by the activated rows
 ``[copies, I]``) — on random bf16 data routed by a random top-k and aligned as a training forward aligns (blocks of
 128): each launch's time (its gather passes included; the median of CUDA-graph replays taken in turns with the other
-launches', L2 flushed), its TFLOP/s against the bf16 matmul peak measured in the same run, its speed-up on the default,
+launches', L2 flushed), its TFLOP/s against the bf16 matmul peak measured in the same run, the rate it writes dW at
+(bf16 ``[E, N, K]`` over its time: what bounds the short reductions of many experts), its speed-up on the default,
 and whether its gradient is bitwise the default launch's. "default again" is the default launch timed as another:
 how far apart the same launch measures in this run. Prints a table and writes JSON (device, commit, date).
 """
@@ -90,6 +91,7 @@ def main() -> None:
                 n, k = d_rows.shape[1], rows.shape[1]
                 default = weight_grad_tiles(n, k, torch.bfloat16, 128, d_rows.device, copies / experts)
                 flops = 2 * copies * n * k
+                dw_bytes = experts * n * k * 2  # (bf16 dW: what a short reduction's time is bound by writing)
                 launches = candidates(default, n, k, args.by_index)
                 steps = {label: functools.partial(expert_weight_grad, d_rows, rows, per_row, *plan, experts, 128,
                                                   False, torch.bfloat16, tiles=tiles)
@@ -104,9 +106,11 @@ def main() -> None:
                     tflops = flops / (us * 1e-6) / 1e12
                     records.append(dict(shape=name, M=tokens, gemm=gemm, launch=label, tiles=attrs.asdict(tiles),
                                         median_us=round(us, 1), tflops=round(tflops, 1),
-                                        pct_peak=round(100 * tflops / peak, 1), bitwise_default=same[label],
-                                        vs_default=round(times["default"] / us, 3)))
+                                        pct_peak=round(100 * tflops / peak, 1),
+                                        dw_write_tb_s=round(dw_bytes / (us * 1e-6) / 1e12, 2),
+                                        bitwise_default=same[label], vs_default=round(times["default"] / us, 3)))
                     print(f"{name:9s} M={tokens:6d} {gemm:8s} {label:30s} {us:9.1f} us {tflops:6.1f} TFLOP/s "
+                          f"dW {dw_bytes / (us * 1e-6) / 1e12:4.2f} TB/s "
                           f"{times['default'] / us:5.2f}x{'' if same[label] else ' BITS DIFFER'}", flush=True)
                 torch.cuda.empty_cache()
     write_results("bench_weight_grad", device, records, args.out, args.commit, peak_tflops=round(peak, 1))
