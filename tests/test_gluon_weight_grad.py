@@ -46,18 +46,15 @@ LAUNCHES = {  # the Gluon launches the tests run: (step rows, N tile, K tile, MM
 }
 
 
-def _tiles(launch: tuple[int, int, int, int, int, bool, bool, int], loads: tuple[bool, bool]) -> WeightGradTiles:
+def _tiles(launch: tuple[int, int, int, int, int, bool, bool, int], by_index: bool) -> WeightGradTiles:
     block_m, block_n, block_k, warps, stages, pingpong, tma_store, store_buffers = launch
-    x_by_index, dy_by_index = loads
     return WeightGradTiles(block_n, block_k, block_m, warps, stages, True, tma_store=tma_store, warp_specialized=True,
-                           pingpong=pingpong, rows_by_index=dy_by_index,
-                           input_rows_by_index=x_by_index and not dy_by_index, store_buffers=store_buffers)
+                           pingpong=pingpong, rows_by_index=by_index, store_buffers=store_buffers)
 
 
-LOADS = {  # (the input rows by index, the gradient rows by index too)
-    "rows gathered first, by TMA": (False, False),
-    "rows by index": (True, True),
-    "input rows by index, gradient rows by TMA": (True, False),
+LOADS = {  # whether the rows are loaded by index
+    "rows gathered first, by TMA": False,
+    "rows by index": True,
 }
 
 
@@ -70,12 +67,11 @@ import json, sys
 import torch
 from moeforge.kernels import gluon_weight_grad
 found = []
-for (block_m, block_n, block_k, warps, stages, pingpong, tma_store, store_buffers, dtype, x_by_index,
-     dy_by_index) in json.loads(sys.argv[1]):
+for block_m, block_n, block_k, warps, stages, pingpong, tma_store, store_buffers, dtype, gather in json.loads(
+        sys.argv[1]):
     dtype = getattr(torch, dtype)
     kernel = gluon_weight_grad.compile_for_hopper(block_m, block_n, block_k, warps, stages, pingpong, dtype, dtype,
-                                                  x_by_index=x_by_index, dy_by_index=dy_by_index, tma_store=tma_store,
-                                                  store_buffers=store_buffers)
+                                                  gather=gather, tma_store=tma_store, store_buffers=store_buffers)
     ptx = kernel.asm["ptx"]
     found.append(dict(shared=kernel.metadata.shared, wgmma="wgmma" in ptx,
                       tma_store="cp.async.bulk.tensor.2d.global.shared" in ptx,
@@ -90,7 +86,7 @@ def test_it_compiles_for_hopper_within_its_shared_memory_bound() -> None:
     # interpreter's patches of triton.language stay in the process, and a Gluon compile after it failed (in CI, by
     # the order xdist gave the tests); and Triton's bindings report leaked objects at the exit of a process that
     # compiled Gluon.
-    cases = [[*LAUNCHES[launch], str(dtype)[6:], *LOADS[loads]] for launch, dtype, loads in COMPILED]
+    cases = [[*LAUNCHES[launch], str(dtype)[6:], LOADS[loads]] for launch, dtype, loads in COMPILED]
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           timeout=900, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0, done.stderr[-4000:]
@@ -104,7 +100,7 @@ def test_it_compiles_for_hopper_within_its_shared_memory_bound() -> None:
         assert bound <= gluon_weight_grad.gluon_gemm.SHARED_MEMORY_LIMIT, launch
         assert kernel["shared"] <= bound, (launch, dtype, loads, kernel)
         assert kernel["wgmma"] and kernel["tma_store"] == tma_store, (launch, dtype, loads, kernel)
-        assert kernel["by_index"] == LOADS[loads][0], (launch, dtype, loads, kernel)
+        assert kernel["by_index"] == LOADS[loads], (launch, dtype, loads, kernel)
 
 
 @pytest.mark.parametrize("tiles, needle", [
@@ -143,7 +139,7 @@ def test_a_launch_it_does_not_take_runs_the_twin_with_the_same_bits() -> None:
         for with_bias in ((False, True) if device == "cpu" else (True,)):
             got = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=tiles)
             want = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=attrs.evolve(
-                tiles, warp_specialized=False, rows_by_index=False, input_rows_by_index=False))
+                tiles, warp_specialized=False, rows_by_index=False))
             assert torch.equal(got[0], want[0])
     found = gluon_weight_grad.operand_problem(d_rows, rows, got[0], True, 64, 128, 128, 4, 4, True)
     assert found is not None and "bias" in found
@@ -159,22 +155,13 @@ def test_rows_by_index_need_widths_and_strides_in_whole_aligned_pieces() -> None
     for n, k in ((392, 320), (384, 328)):
         dy, x = torch.randn(50, n).bfloat16(), torch.randn(25, k).bfloat16()
         dw = torch.empty(3, n, k, dtype=torch.bfloat16)
-        found = gluon_weight_grad.operand_problem(dy, x, dw, False, 64, 128, 128, 4, 4, True, x_by_index=True,
-                                                  dy_by_index=True)
+        found = gluon_weight_grad.operand_problem(dy, x, dw, False, 64, 128, 128, 4, 4, True, by_index=True)
         assert found is not None and "multiples of 16 elements" in found
         found = gluon_weight_grad.operand_problem(dy, x, dw, False, 64, 128, 128, 4, 4, True)
         assert found is None or "multiples" not in found
-    # the input rows alone by index: only their width and stride count
-    dy, x = torch.randn(50, 392).bfloat16(), torch.randn(25, 320).bfloat16()
-    found = gluon_weight_grad.operand_problem(dy, x, torch.empty(3, 392, 320), False, 64, 128, 128, 4, 4, True,
-                                              x_by_index=True)
-    assert found is None or "multiples" not in found
-    found = gluon_weight_grad.operand_problem(x, dy, torch.empty(3, 320, 392), False, 64, 128, 128, 4, 4, True,
-                                              x_by_index=True)
-    assert found is not None and "widths [392]" in found
     wide = torch.randn(50, 392).bfloat16()[:, :384]  # 384 wide, rows 392 apart (16-byte aligned: TMA takes them)
     found = gluon_weight_grad.operand_problem(wide, torch.randn(25, 320).bfloat16(), torch.empty(3, 384, 320),
-                                              False, 64, 128, 128, 4, 4, True, x_by_index=True, dy_by_index=True)
+                                              False, 64, 128, 128, 4, 4, True, by_index=True)
     assert found is not None and "strides [392, 320]" in found
 
 

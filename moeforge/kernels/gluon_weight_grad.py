@@ -11,11 +11,9 @@ then ``BLOCK_K`` strip) in partitions that meet at a ring of ``STAGES`` shared-m
 
 * the **loader**: per reduction step of each tile, ``BLOCK_M`` rows of ``dy`` (the tile's ``BLOCK_N`` columns) and
   of ``x`` (its ``BLOCK_K`` columns) into a free slot — by TMA from operands gathered into expert order (one warp),
-  or (``X_BY_INDEX``, four warps) ``x``'s rows each by its copy's index with 16-byte asynchronous copies, rows past
-  the expert's copies zero-filled, and ``dy``'s by TMA from its gathered copy or (``DY_BY_INDEX``) by index too:
-  an operand loaded by index stays in its own order and is not gathered beforehand, which saves the training step
-  that gathered copy's memory and pass (the gate/up gradient's ``x``, the layer's input read ``top_k`` times, is
-  the largest such copy, and its rows are few enough to stay in L2);
+  or (``GATHER``) each row by its copy's index with 16-byte asynchronous copies, rows past the expert's copies
+  zero-filled (four warps): the operands then stay in their own orders and nothing is gathered beforehand, which
+  saves the training step the gathered copies' memory and passes;
 * the **MMA partitions**: per step, the warpgroup MMA of ``dy``'s tile transposed in shared memory (``A``, its rows
   the reduction) by ``x``'s, one MMA in flight; at a tile's end its accumulator converted to rows of 16-byte pieces
   and stored — or (``TMA_STORE``) written to the partition's shared-memory buffer and stored from there by TMA, the
@@ -77,9 +75,8 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _loader(dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs,
-                ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, dy_first_scale, x_first_scale,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                DY_BY_INDEX: gl.constexpr, X_BY_INDEX: gl.constexpr):
+                ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr):
         layout_n: gl.constexpr = _gather_layout(BLOCK_N, gl.num_warps())
         layout_k: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
         tiles_k = gl.cdiv(K, BLOCK_K)
@@ -87,24 +84,19 @@ if _GLUON_ERROR is None:
         step = 0
         for tile in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
             expert, pid_n, pid_k = _tile_of(tile, per_expert, tiles_k)
-            dy_first = gl.load(dy_first_ptr + expert) * dy_first_scale
-            x_first = gl.load(x_first_ptr + expert) * x_first_scale
+            dy_first = gl.load(dy_first_ptr + expert) * first_scale
+            x_first = gl.load(x_first_ptr + expert) * first_scale
             count = gl.load(count_ptr + expert)
             for done in range(0, count, BLOCK_M):
                 slot = step % STAGES
                 mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # (the first pass finds it free)
-                if X_BY_INDEX:
-                    # each row by its copy's index (order: the expert's slots), zeros past its copies
-                    if DY_BY_INDEX:
-                        places_n = done + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_n))
-                        ours_n = places_n < count
-                        rows_n = gl.load(order_ptr + dy_first + places_n, mask=ours_n, other=0).to(gl.int64)
-                        cols_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout_n))
-                        _gather_load(dy_bufs.index(slot), dy_ptr + rows_n[:, None] * stride_dy + cols_n[None, :],
-                                     mask=ours_n[:, None] & (cols_n < N)[None, :])
-                    else:  # dy gathered into expert order, by TMA (its rows past the copies meet zero rows of x)
-                        mbarrier.expect(ready.index(slot), dy_desc.block_type.nbytes)
-                        _tma_load(dy_desc, [dy_first + done, pid_n * BLOCK_N], ready.index(slot), dy_bufs.index(slot))
+                if GATHER:  # each row by its copy's index (order: the expert's slots), zeros past its copies
+                    places_n = done + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_n))
+                    ours_n = places_n < count
+                    rows_n = gl.load(order_ptr + dy_first + places_n, mask=ours_n, other=0).to(gl.int64)
+                    cols_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout_n))
+                    _gather_load(dy_bufs.index(slot), dy_ptr + rows_n[:, None] * stride_dy + cols_n[None, :],
+                                 mask=ours_n[:, None] & (cols_n < N)[None, :])
                     places_k = done + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_k))
                     ours_k = places_k < count
                     rows_k = (gl.load(order_ptr + x_first + places_k, mask=ours_k, other=0) // rows_per_x).to(gl.int64)
@@ -179,10 +171,9 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dw_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr,
-                              count_ptr, N, K, num_experts, stride_dy, stride_x, rows_per_x, dy_first_scale,
-                              x_first_scale, stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, DY_BY_INDEX: gl.constexpr,
-                              X_BY_INDEX: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
+                              count_ptr, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale, stride_dwe,
+                              stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                              STAGES: gl.constexpr, GATHER: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
                               STORE_BUFFERS: gl.constexpr, LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr,
                               CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BLOCK_M, BLOCK_N], dy_desc.layout)
@@ -196,9 +187,8 @@ if _GLUON_ERROR is None:
         else:
             out_bufs = turn  # (not read: the tile is stored from registers)
         for slot in gl.static_range(STAGES):
-            # each gathering thread's copies' arrivals, and one for the TMA copies' expected bytes
-            mbarrier.init(ready.index(slot), count=(32 * LOADER_WARPS_ if X_BY_INDEX else 0)
-                          + (0 if DY_BY_INDEX else 1))
+            # the TMA copies' expected bytes (one arrival), or each gathering thread's copies
+            mbarrier.init(ready.index(slot), count=32 * LOADER_WARPS_ if GATHER else 1)
             mbarrier.init(empty.index(slot), count=1)
         for consumer in gl.static_range(2):
             mbarrier.init(turn.index(consumer), count=1)
@@ -213,8 +203,8 @@ if _GLUON_ERROR is None:
                                   num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2,
                                   TMA_STORE, STORE_BUFFERS)),
                 (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
-                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, dy_first_scale,
-                           x_first_scale, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, DY_BY_INDEX, X_BY_INDEX)),
+                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GATHER)),
             ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
@@ -222,19 +212,18 @@ if _GLUON_ERROR is None:
                                   num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1,
                                   TMA_STORE, STORE_BUFFERS)),
                 (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
-                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, dy_first_scale,
-                           x_first_scale, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, DY_BY_INDEX, X_BY_INDEX)),
+                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale,
+                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GATHER)),
             ], [LOADER_WARPS_], [LOADER_REGS])
 
     # The kernel's bound launches by their key and specialisation (moeforge.kernels.bound_launch)
     _WS_WEIGHT_GRAD = LaunchSite(ws_weight_grad_kernel)
 
 
-def _partitions(pingpong: bool, x_by_index: bool, dy_by_index: bool) -> dict[str, Any]:
-    return dict(DY_BY_INDEX=dy_by_index, X_BY_INDEX=x_by_index, PINGPONG=pingpong,
-                LOADER_WARPS_=GATHER_LOADER_WARPS if x_by_index else LOADER_WARPS,
-                LOADER_REGS=GATHER_LOADER_REGISTERS if x_by_index else LOADER_REGISTERS, CONSUMER_WARPS=4,
-                CONSUMER_REGS=GATHER_CONSUMER_REGISTERS if x_by_index else CONSUMER_REGISTERS)
+def _partitions(pingpong: bool, gather: bool) -> dict[str, Any]:
+    return dict(GATHER=gather, PINGPONG=pingpong, LOADER_WARPS_=GATHER_LOADER_WARPS if gather else LOADER_WARPS,
+                LOADER_REGS=GATHER_LOADER_REGISTERS if gather else LOADER_REGISTERS, CONSUMER_WARPS=4,
+                CONSUMER_REGS=GATHER_CONSUMER_REGISTERS if gather else CONSUMER_REGISTERS)
 
 
 def shared_memory_bytes(block_m: int, block_n: int, block_k: int, stages: int, pingpong: bool,
@@ -284,9 +273,9 @@ def tile_problem(block_m: int, block_n: int, block_k: int, num_warps: int, stage
 
 def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bias: bool, block_m: int,
                     block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
-                    x_by_index: bool = False, dy_by_index: bool = False) -> Optional[str]:
-    """Why these operands, gradient and tiles cannot take this kernel (``None`` where they can); ``x_by_index`` /
-    ``dy_by_index``: those rows loaded by index (:func:`launch_checked`'s ``order``)."""
+                    by_index: bool = False) -> Optional[str]:
+    """Why these operands, gradient and tiles cannot take this kernel (``None`` where they can); ``by_index``: both
+    operands' rows loaded by index (:func:`launch_checked`'s ``order``)."""
     if with_bias:
         return "the warp-specialised weight gradient sums no bias"
     if dy.numel() == 0 or x.numel() == 0:
@@ -302,13 +291,12 @@ def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bi
             return f"{name} must have contiguous rows at 16-byte aligned addresses and strides (TMA)"
     if dw.dim() != 3 or dw.stride(2) != 1 or (dw.shape[2] * dw.element_size()) % 16 or dw.data_ptr() % 16:
         return "dW must be [E, N, K] with contiguous rows of whole 16-byte pieces (the store's)"
-    by_index = [t for t, asked in ((dy, dy_by_index), (x, x_by_index)) if asked]
-    if any(size % BY_INDEX_MULTIPLE for t in by_index for size in (t.shape[1], t.stride(0))):
+    if by_index and any(size % BY_INDEX_MULTIPLE for t in (dy, x) for size in (t.shape[1], t.stride(0))):
         # cp.async copies 4 bytes or more, and Triton proves a row's pieces aligned only from integer arguments it
         # specialises as multiples of 16: with widths or strides of 392 elements it would copy single elements
         return (f"rows loaded by index need widths and row strides that are multiples of {BY_INDEX_MULTIPLE} "
-                f"elements (cp.async's aligned pieces), got widths {[t.shape[1] for t in by_index]} and strides "
-                f"{[t.stride(0) for t in by_index]}")
+                f"elements (cp.async's aligned pieces), got widths {[dy.shape[1], x.shape[1]]} and strides "
+                f"{[dy.stride(0), x.stride(0)]}")
     return device_problem(dy.device)
 
 
@@ -330,25 +318,23 @@ def _descriptor(t: torch.Tensor, box: tuple[int, int]) -> Any:
 def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first: torch.Tensor,
                    x_first: torch.Tensor, counts: torch.Tensor, *, block_m: int, block_n: int, block_k: int,
                    num_warps: int, stages: int, pingpong: bool, order: Optional[torch.Tensor] = None,
-                   dy_by_index: bool = True, aligned: int = 1, rows_per_x: int = 1, tma_store: bool = False,
+                   aligned: int = 1, rows_per_x: int = 1, tma_store: bool = False,
                    store_buffers: int = 1, programs: Optional[int] = None) -> torch.Tensor:
     """``dw[e] = sum over expert e's rows r of dy[r]^T x[r]`` in whole steps of ``block_m`` rows (what
     ``_weight_grad_kernel`` computes on the same operands), on operands :func:`operand_problem` accepted. Without
     ``order``: ``dy`` and ``x`` in expert order, expert ``e``'s rows from ``dy_first[e]`` and ``x_first[e]``,
     ``counts[e]`` of them (rounded up to whole steps: one operand's rows past them must be zeros). With ``order``
     (the alignment's slots, ``sorted_ids``: each expert's copies in its blocks of ``aligned`` slots from its first
-    block ``x_first[e]``, padded only in its last): ``x`` in its own order, the copy ``c``'s row ``x[c // rows_per_x]``
-    loaded by index as the steps load (zeros past an expert's copies), so it is not gathered beforehand; ``dy`` too
-    (``dy[c]``, ``dy_first`` = ``x_first``) with ``dy_by_index``, else in expert order from ``dy_first[e]`` by TMA
-    (its rows past an expert's copies meet the zero rows of ``x``). ``tma_store``: each finished tile stored by TMA
+    block, ``dy_first`` = ``x_first``, padded only in its last): ``dy`` and ``x`` in their own orders, the copy
+    ``c``'s rows ``dy[c]`` and ``x[c // rows_per_x]`` gathered by index as the steps load (zeros past an expert's
+    copies), so nothing is gathered beforehand. ``tma_store``: each finished tile stored by TMA
     from shared memory, through ``store_buffers`` buffers per MMA partition (where :func:`tma_store_problem` allows;
     else from registers). ``programs``: the persistent grid (one per multiprocessor by default)."""
     num_experts, n, k = dw.shape
     if dw.numel() == 0:
         return dw
     grid = programs or min(_multiprocessors(dy.device), num_experts * -(-n // block_n) * -(-k // block_k))
-    x_by_index = order is not None
-    dy_by_index = x_by_index and dy_by_index
+    gather = order is not None
     tma_store = tma_store and tma_store_problem(dw, block_m, block_n, block_k, stages, pingpong,
                                                 store_buffers) is None
     store_buffers = store_buffers if tma_store else 1
@@ -357,28 +343,25 @@ def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
-                     STORE_BUFFERS=store_buffers, **_partitions(pingpong, x_by_index, dy_by_index)),
+                     STORE_BUFFERS=store_buffers, **_partitions(pingpong, gather)),
                 dict(num_warps=num_warps))
 
     # (the key names what the constexprs and the descriptors' boxes, dtypes and layouts follow; the launch site adds
     # the other arguments' specialisation, and its bound launch skips the JIT's binding of every argument per call)
     _WS_WEIGHT_GRAD.launch(
-        (block_m, block_n, block_k, stages, tma_store, store_buffers, pingpong, x_by_index, dy_by_index, num_warps,
-         dy.dtype, dw.dtype, dy.device), (grid,),
+        (block_m, block_n, block_k, stages, tma_store, store_buffers, pingpong, gather, num_warps, dy.dtype, dw.dtype,
+         dy.device), (grid,),
         (_descriptor(dy, (block_m, block_n)), _descriptor(x, (block_m, block_k)), dw, dw_desc, dy, x,
          order if order is not None else counts, dy_first, x_first, counts, n, k, num_experts, dy.stride(0),
-         x.stride(0), rows_per_x, aligned if dy_by_index else 1, aligned if x_by_index else 1, dw.stride(0),
-         dw.stride(1)), make)
+         x.stride(0), rows_per_x, aligned if gather else 1, dw.stride(0), dw.stride(1)), make)
     return dw
 
 
 def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
                        dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16,
-                       x_by_index: bool = False, dy_by_index: bool = False, tma_store: bool = False,
-                       store_buffers: int = 1) -> Any:
+                       gather: bool = False, tma_store: bool = False, store_buffers: int = 1) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
-    checks, and where the PTX and the register counts can be read (``.asm``). ``dy_by_index`` needs
-    ``x_by_index``."""
+    checks, and where the PTX and the register counts can be read (``.asm``)."""
     if _GLUON_ERROR is not None:
         raise ValueError(_GLUON_ERROR)
     from triton.backends.compiler import GPUTarget
@@ -396,11 +379,11 @@ def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int,
     signature = dict(dy_desc=desc([block_m, block_n]), x_desc=desc([block_m, block_k]), dw_ptr=f"*{names[out_dtype]}",
                      dw_desc=dw_desc, dy_ptr=f"*{name}", x_ptr=f"*{name}", order_ptr="*i32", dy_first_ptr="*i32", x_first_ptr="*i32",
                      count_ptr="*i32", N="i32", K="i32", num_experts="i32", stride_dy="i32", stride_x="i32",
-                     rows_per_x="i32", dy_first_scale="i32", x_first_scale="i32", stride_dwe="i32",
+                     rows_per_x="i32", first_scale="i32", stride_dwe="i32",
                      stride_dwn="i32")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
                       STORE_BUFFERS=store_buffers if tma_store else 1,
-                      **_partitions(pingpong, x_by_index, x_by_index and dy_by_index))
+                      **_partitions(pingpong, gather))
     signature.update({key: "constexpr" for key in constexprs})
     divisible = ("dw_ptr", "dy_ptr", "x_ptr", "order_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K",
                  "stride_dy", "stride_x", "stride_dwe", "stride_dwn") + (() if tma_store else ("dw_desc",))

@@ -62,9 +62,7 @@ class WeightGradTiles:
     (the flag chooses a kernel, never a result: both sum the same steps in the same order); ``rows_by_index``: that
     kernel loading each step's rows by their copies' indices, so that neither operand is gathered into expert order
     first (no gathered copies: the training step's peak memory is reached here), where the rows' widths and strides
-    are multiples of 16 elements — else gathered first as without it; ``input_rows_by_index``: only ``rows`` (the
-    operand a copy shares with its token's other ``rows_per_a - 1``) loaded so, the gradient rows gathered first
-    (the same condition on ``rows``)."""
+    are multiples of 16 elements — else gathered first as without it."""
 
     block_n: int
     block_k: int
@@ -76,7 +74,6 @@ class WeightGradTiles:
     warp_specialized: bool = False
     pingpong: bool = False
     rows_by_index: bool = False
-    input_rows_by_index: bool = False
     store_buffers: int = attrs.field(default=1, kw_only=True)
 
     @store_buffers.validator
@@ -354,8 +351,7 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         """Whether the tiles ask for the Gluon kernel and it takes these operands, loaded as ``how`` says."""
         return tiles.warp_specialized and gluon_weight_grad.operand_problem(
             dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages,
-            tiles.pingpong, x_by_index="order" in how,
-            dy_by_index="order" in how and how.get("dy_by_index", True)) is None
+            tiles.pingpong, by_index="order" in how) is None
 
     def launch(dy: torch.Tensor, x: torch.Tensor, dy_first: torch.Tensor, x_first: torch.Tensor, **how: Any) -> None:
         gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
@@ -367,12 +363,6 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     by_index = dict(order=sorted_ids, aligned=block_m, rows_per_x=rows_per_a)
     if tiles.rows_by_index and takes(d_rows, rows, **by_index):
         launch(d_rows, rows, runs[0], runs[0], **by_index)
-        return dw, db
-    # the input rows by index, the gradient rows compact in expert order (runs[1]); decided before the gather on
-    # d_rows, which has its gathered copy's width and dtype (a view it refuses only sends it the gathered way)
-    if tiles.input_rows_by_index and takes(d_rows, rows, dy_by_index=False, **by_index):
-        dy = gather_expert_rows(d_rows, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m, 0)
-        launch(dy, rows, runs[1], runs[0], dy_by_index=False, **by_index)
         return dw, db
     # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to whole
     # steps, the other compact
