@@ -36,17 +36,13 @@ from moeforge.kernels.weight_grad import WeightGradTiles, expert_weight_grad, we
 
 def candidates(default: WeightGradTiles, n: int, k: int, by_index: bool) -> dict[str, WeightGradTiles]:
     """The launches compared with the default: the Gluon kernel (ping-pong 128 x 128 tiles, on rows gathered first,
-    and with its tiles stored by TMA through one or two buffers per MMA
-    partition; one partition with the default's tiles; with ``by_index`` each also on all
-    rows loaded by index), and the Triton kernel with the other family of tiles."""
+    and with its tiles stored by TMA; one partition with the default's tiles; with ``by_index`` each also on all rows
+    loaded by index), and the Triton kernel with the other family of tiles."""
     wide = (128, 256) if k >= n else (256, 128)
     pingpong = WeightGradTiles(128, 128, default.block_m, 4, 4, True, warp_specialized=True, pingpong=True)
     one = attrs.evolve(default, warp_specialized=True, num_stages=max(default.num_stages, 3))
     found = {"default": default, "default again": default, "gluon ping-pong 128x128": pingpong,
              "gluon ping-pong, stored by TMA": attrs.evolve(pingpong, tma_store=True),
-             # (two store buffers beside 4 stages of 64-row steps pass the shared memory: 3 stages there)
-             "gluon ping-pong, stored by TMA in two buffers": attrs.evolve(
-                 pingpong, tma_store=True, store_buffers=2, num_stages=4 if default.block_m <= 32 else 3),
              "gluon one partition": one}
     if by_index:
         found["gluon ping-pong by index"] = attrs.evolve(pingpong, rows_by_index=True)

@@ -31,25 +31,22 @@ from moeforge.kernels.weight_grad import WeightGradTiles, expert_weight_grad  # 
 GLUON = gluon_weight_grad.unavailable_reason() is None
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and GLUON
 
-LAUNCHES = {  # the Gluon launches the tests run: (step rows, N tile, K tile, MMA warps, stages, ping-pong, TMA store,
-    # its buffers per MMA partition)
-    "ping-pong 128 x 128": (64, 128, 128, 4, 4, True, False, 1),
-    "one partition 128 x 128": (64, 128, 128, 4, 4, False, False, 1),
-    "one partition 128 x 256, 8 warps": (64, 128, 256, 8, 3, False, False, 1),
-    "one partition 256 x 128, 8 warps": (64, 256, 128, 8, 3, False, False, 1),
-    "ping-pong, 32-row steps": (32, 128, 128, 4, 4, True, False, 1),
-    "one partition, 32-row steps": (32, 128, 128, 4, 3, False, False, 1),
-    "ping-pong 128 x 128, stored by TMA": (64, 128, 128, 4, 4, True, True, 1),
-    "one partition 128 x 256, 8 warps, stored by TMA": (64, 128, 256, 8, 3, False, True, 1),
-    "ping-pong, 32-row steps, stored by TMA in two buffers": (32, 128, 128, 4, 4, True, True, 2),
-    "ping-pong 128 x 128, 3 stages, stored by TMA in two buffers": (64, 128, 128, 4, 3, True, True, 2),
+LAUNCHES = {  # the Gluon launches the tests run: (step rows, N tile, K tile, MMA warps, stages, ping-pong, TMA store)
+    "ping-pong 128 x 128": (64, 128, 128, 4, 4, True, False),
+    "one partition 128 x 128": (64, 128, 128, 4, 4, False, False),
+    "one partition 128 x 256, 8 warps": (64, 128, 256, 8, 3, False, False),
+    "one partition 256 x 128, 8 warps": (64, 256, 128, 8, 3, False, False),
+    "ping-pong, 32-row steps": (32, 128, 128, 4, 4, True, False),
+    "one partition, 32-row steps": (32, 128, 128, 4, 3, False, False),
+    "ping-pong 128 x 128, stored by TMA": (64, 128, 128, 4, 4, True, True),
+    "one partition 128 x 256, 8 warps, stored by TMA": (64, 128, 256, 8, 3, False, True),
 }
 
 
-def _tiles(launch: tuple[int, int, int, int, int, bool, bool, int], by_index: bool) -> WeightGradTiles:
-    block_m, block_n, block_k, warps, stages, pingpong, tma_store, store_buffers = launch
+def _tiles(launch: tuple[int, int, int, int, int, bool, bool], by_index: bool) -> WeightGradTiles:
+    block_m, block_n, block_k, warps, stages, pingpong, tma_store = launch
     return WeightGradTiles(block_n, block_k, block_m, warps, stages, True, tma_store=tma_store, warp_specialized=True,
-                           pingpong=pingpong, rows_by_index=by_index, store_buffers=store_buffers)
+                           pingpong=pingpong, rows_by_index=by_index)
 
 
 LOADS = {  # whether the rows are loaded by index
@@ -67,11 +64,10 @@ import json, sys
 import torch
 from moeforge.kernels import gluon_weight_grad
 found = []
-for block_m, block_n, block_k, warps, stages, pingpong, tma_store, store_buffers, dtype, gather in json.loads(
-        sys.argv[1]):
+for block_m, block_n, block_k, warps, stages, pingpong, tma_store, dtype, gather in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     kernel = gluon_weight_grad.compile_for_hopper(block_m, block_n, block_k, warps, stages, pingpong, dtype, dtype,
-                                                  gather=gather, tma_store=tma_store, store_buffers=store_buffers)
+                                                  gather=gather, tma_store=tma_store)
     ptx = kernel.asm["ptx"]
     found.append(dict(shared=kernel.metadata.shared, wgmma="wgmma" in ptx,
                       tma_store="cp.async.bulk.tensor.2d.global.shared" in ptx,
@@ -93,10 +89,9 @@ def test_it_compiles_for_hopper_within_its_shared_memory_bound() -> None:
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(found) == len(COMPILED)
     for (launch, dtype, loads), kernel in zip(COMPILED, found):
-        block_m, block_n, block_k, warps, stages, pingpong, tma_store, store_buffers = LAUNCHES[launch]
+        block_m, block_n, block_k, warps, stages, pingpong, tma_store = LAUNCHES[launch]
         assert gluon_weight_grad.tile_problem(block_m, block_n, block_k, warps, stages, pingpong) is None
-        bound = gluon_weight_grad.shared_memory_bytes(block_m, block_n, block_k, stages, pingpong,
-                                                      store_buffers=store_buffers if tma_store else 1)
+        bound = gluon_weight_grad.shared_memory_bytes(block_m, block_n, block_k, stages, pingpong)
         assert bound <= gluon_weight_grad.gluon_gemm.SHARED_MEMORY_LIMIT, launch
         assert kernel["shared"] <= bound, (launch, dtype, loads, kernel)
         assert kernel["wgmma"] and kernel["tma_store"] == tma_store, (launch, dtype, loads, kernel)
@@ -135,7 +130,7 @@ def test_a_launch_it_does_not_take_runs_the_twin_with_the_same_bits() -> None:
     ids, rows, d_rows = _case(9, 2, 4, 40, 24, torch.float16, device, idle=(1,))
     plan = align.align_block_size(ids, 4, 16)
     for loads in LOADS.values():
-        tiles = _tiles((16, 16, 32, 4, 2, True, False, 1), loads)
+        tiles = _tiles((16, 16, 32, 4, 2, True, False), loads)
         for with_bias in ((False, True) if device == "cpu" else (True,)):
             got = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=tiles)
             want = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=attrs.evolve(
@@ -237,13 +232,3 @@ def test_tiles_that_would_cross_an_expert_or_overflow_shared_memory_are_stored_f
     # fp32 tiles of two partitions beside four stages: over sm_90's 227 KB
     found = gluon_weight_grad.tma_store_problem(torch.empty(3, 384, 256, dtype=torch.float32), 64, 128, 128, 4, True)
     assert found is not None and "shared memory" in found
-    # two bf16 buffers per partition: beside four stages of 32-row steps, or three of 64-row steps, not four of those
-    bf16 = torch.empty(3, 384, 256, dtype=torch.bfloat16)
-    assert gluon_weight_grad.tma_store_problem(bf16, 32, 128, 128, 4, True, store_buffers=2) is None
-    assert gluon_weight_grad.tma_store_problem(bf16, 64, 128, 128, 3, True, store_buffers=2) is None
-    found = gluon_weight_grad.tma_store_problem(bf16, 64, 128, 128, 4, True, store_buffers=2)
-    assert found is not None and "shared memory" in found
-    found = gluon_weight_grad.tma_store_problem(bf16, 32, 128, 128, 4, True, store_buffers=3)
-    assert found is not None and "one or two" in found
-    with pytest.raises(ValueError, match="one or two"):
-        WeightGradTiles(128, 128, 32, 4, 4, True, store_buffers=0)

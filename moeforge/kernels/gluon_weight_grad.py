@@ -114,7 +114,7 @@ if _GLUON_ERROR is None:
     def _mma_partition(dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K, num_experts,
                        stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
-                       TMA_STORE: gl.constexpr, STORE_BUFFERS: gl.constexpr):
+                       TMA_STORE: gl.constexpr):
         # Consumer CONSUMER of CONSUMERS takes every CONSUMERS-th of the program's tiles from its CONSUMER-th and
         # counts every tile's steps (the loader fills the ring with all of them in order): ``step`` is the ring
         # position of the current tile's first step.
@@ -125,7 +125,6 @@ if _GLUON_ERROR is None:
         step = 0
         index = 0
         turns = 0
-        stored = 0  # (this partition's tiles stored by TMA: which of its buffers the next one takes)
         for tile in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
             expert, pid_n, pid_k = _tile_of(tile, per_expert, tiles_k)
             steps = gl.cdiv(gl.load(count_ptr + expert), BLOCK_M)
@@ -147,15 +146,12 @@ if _GLUON_ERROR is None:
                     mbarrier.arrive(turn.index(1 - CONSUMER))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(empty.index(previous), pred=steps > 0)
-                if TMA_STORE:
-                    # through the next of this partition's STORE_BUFFERS buffers, once the store that last read it
-                    # is done: at most STORE_BUFFERS - 1 of its stores may still be in flight
-                    out = out_bufs.index(CONSUMER * STORE_BUFFERS + stored % STORE_BUFFERS)
-                    tma.store_wait(STORE_BUFFERS - 1)
+                if TMA_STORE:  # through this partition's buffer, once its previous tile's store has read it
+                    out = out_bufs.index(CONSUMER)
+                    tma.store_wait(0)
                     out.store(acc.to(dw_desc.dtype))
                     fence_async_shared()
                     _tma_store(dw_desc, [expert * N + pid_n * BLOCK_N, pid_k * BLOCK_K], out)
-                    stored += 1
                 else:
                     # the tile in rows of 16-byte pieces (the MMA layout's threads hold 4 bytes of a row each)
                     value = gl.convert_layout(acc.to(dw_ptr.dtype.element_ty), store_layout)
@@ -174,16 +170,16 @@ if _GLUON_ERROR is None:
                               count_ptr, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale, stride_dwe,
                               stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               STAGES: gl.constexpr, GATHER: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
-                              STORE_BUFFERS: gl.constexpr, LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr,
-                              CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                              LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr):
         dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BLOCK_M, BLOCK_N], dy_desc.layout)
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (ping-pong's turns)
-        if TMA_STORE:  # STORE_BUFFERS finished tiles' buffers per MMA partition (``dw_desc``: dW as [E * N, K])
-            out_bufs = gl.allocate_shared_memory(dw_desc.dtype, [(2 if PINGPONG else 1) * STORE_BUFFERS]
-                                                 + dw_desc.block_type.shape, dw_desc.layout)
+        if TMA_STORE:  # a finished tile's buffer per MMA partition (``dw_desc``: dW as [E * N, K])
+            out_bufs = gl.allocate_shared_memory(dw_desc.dtype, [2 if PINGPONG else 1] + dw_desc.block_type.shape,
+                                                 dw_desc.layout)
         else:
             out_bufs = turn  # (not read: the tile is stored from registers)
         for slot in gl.static_range(STAGES):
@@ -198,10 +194,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
                                   num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 2,
-                                  TMA_STORE, STORE_BUFFERS)),
+                                  TMA_STORE)),
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
                                   num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2,
-                                  TMA_STORE, STORE_BUFFERS)),
+                                  TMA_STORE)),
                 (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
                            x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale,
                            BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GATHER)),
@@ -210,7 +206,7 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
                                   num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1,
-                                  TMA_STORE, STORE_BUFFERS)),
+                                  TMA_STORE)),
                 (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
                            x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale,
                            BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GATHER)),
@@ -227,30 +223,27 @@ def _partitions(pingpong: bool, gather: bool) -> dict[str, Any]:
 
 
 def shared_memory_bytes(block_m: int, block_n: int, block_k: int, stages: int, pingpong: bool,
-                        element_bytes: int = 2, out_bytes: int = 2, store_buffers: int = 1) -> int:
+                        element_bytes: int = 2, out_bytes: int = 2) -> int:
     """An upper bound of a launch's shared memory: the ring's tiles, each MMA partition's finished tile (converted
-    for the store, or the TMA store's ``store_buffers`` buffers) in ``out_bytes`` per element, the barriers."""
+    for the store, or the TMA store's buffer) in ``out_bytes`` per element, the barriers."""
     ring = stages * block_m * (block_n + block_k) * element_bytes
-    store = block_n * block_k * (2 if pingpong else 1) * out_bytes * store_buffers
+    store = block_n * block_k * (2 if pingpong else 1) * out_bytes
     return ring + store + 8 * (2 * stages + 2) + 1024
 
 
 def tma_store_problem(dw: torch.Tensor, block_m: int, block_n: int, block_k: int, stages: int,
-                      pingpong: bool, store_buffers: int = 1) -> Optional[str]:
-    """Why the finished tiles cannot be stored by TMA through ``store_buffers`` buffers per MMA partition (``None``
-    where they can; else they are stored from registers): the store sees dW as ``[E * N, K]``, so a tile must not
-    cross into the next expert's rows, and the buffers must fit beside the ring."""
+                      pingpong: bool) -> Optional[str]:
+    """Why the finished tiles cannot be stored by TMA (``None`` where they can; else they are stored from registers):
+    the store sees dW as ``[E * N, K]``, so a tile must not cross into the next expert's rows, and its buffers must
+    fit beside the ring."""
     num_experts, n, k = dw.shape
-    if store_buffers not in (1, 2):
-        return f"the TMA store takes one or two buffers per MMA partition, not {store_buffers}"
     if not dw.is_contiguous():
         return "a TMA store needs a contiguous dW"
     if n % block_n:
         return f"a TMA store of {block_n}-row tiles would cross from one expert's {n} rows into the next's"
-    if shared_memory_bytes(block_m, block_n, block_k, stages, pingpong, out_bytes=dw.element_size(),
-                           store_buffers=store_buffers) > gluon_gemm.SHARED_MEMORY_LIMIT:
-        return (f"{store_buffers} store buffer(s) of {dw.dtype} tiles per MMA partition need more than a block's "
-                f"shared memory beside a ring of {stages} stages")
+    if shared_memory_bytes(block_m, block_n, block_k, stages, pingpong,
+                           out_bytes=dw.element_size()) > gluon_gemm.SHARED_MEMORY_LIMIT:
+        return f"the store buffers of {dw.dtype} tiles need more than a block's shared memory beside {stages} stages"
     return None
 
 
@@ -319,7 +312,7 @@ def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first
                    x_first: torch.Tensor, counts: torch.Tensor, *, block_m: int, block_n: int, block_k: int,
                    num_warps: int, stages: int, pingpong: bool, order: Optional[torch.Tensor] = None,
                    aligned: int = 1, rows_per_x: int = 1, tma_store: bool = False,
-                   store_buffers: int = 1, programs: Optional[int] = None) -> torch.Tensor:
+                   programs: Optional[int] = None) -> torch.Tensor:
     """``dw[e] = sum over expert e's rows r of dy[r]^T x[r]`` in whole steps of ``block_m`` rows (what
     ``_weight_grad_kernel`` computes on the same operands), on operands :func:`operand_problem` accepted. Without
     ``order``: ``dy`` and ``x`` in expert order, expert ``e``'s rows from ``dy_first[e]`` and ``x_first[e]``,
@@ -327,30 +320,27 @@ def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first
     (the alignment's slots, ``sorted_ids``: each expert's copies in its blocks of ``aligned`` slots from its first
     block, ``dy_first`` = ``x_first``, padded only in its last): ``dy`` and ``x`` in their own orders, the copy
     ``c``'s rows ``dy[c]`` and ``x[c // rows_per_x]`` gathered by index as the steps load (zeros past an expert's
-    copies), so nothing is gathered beforehand. ``tma_store``: each finished tile stored by TMA
-    from shared memory, through ``store_buffers`` buffers per MMA partition (where :func:`tma_store_problem` allows;
-    else from registers). ``programs``: the persistent grid (one per multiprocessor by default)."""
+    copies), so nothing is gathered beforehand. ``tma_store``: each finished tile stored by TMA from shared memory
+    (where :func:`tma_store_problem` allows; else from registers). ``programs``: the persistent grid (one per multiprocessor by default)."""
     num_experts, n, k = dw.shape
     if dw.numel() == 0:
         return dw
     grid = programs or min(_multiprocessors(dy.device), num_experts * -(-n // block_n) * -(-k // block_k))
     gather = order is not None
-    tma_store = tma_store and tma_store_problem(dw, block_m, block_n, block_k, stages, pingpong,
-                                                store_buffers) is None
-    store_buffers = store_buffers if tma_store else 1
+    tma_store = tma_store and tma_store_problem(dw, block_m, block_n, block_k, stages, pingpong) is None
     # (without the TMA store its descriptor's place takes dW itself, never read: one signature per launch)
     dw_desc = _descriptor(dw.view(num_experts * n, k), (block_n, block_k)) if tma_store else dw
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
-                     STORE_BUFFERS=store_buffers, **_partitions(pingpong, gather)),
+                     **_partitions(pingpong, gather)),
                 dict(num_warps=num_warps))
 
     # (the key names what the constexprs and the descriptors' boxes, dtypes and layouts follow; the launch site adds
     # the other arguments' specialisation, and its bound launch skips the JIT's binding of every argument per call)
     _WS_WEIGHT_GRAD.launch(
-        (block_m, block_n, block_k, stages, tma_store, store_buffers, pingpong, gather, num_warps, dy.dtype, dw.dtype,
-         dy.device), (grid,),
+        (block_m, block_n, block_k, stages, tma_store, pingpong, gather, num_warps, dy.dtype, dw.dtype, dy.device),
+        (grid,),
         (_descriptor(dy, (block_m, block_n)), _descriptor(x, (block_m, block_k)), dw, dw_desc, dy, x,
          order if order is not None else counts, dy_first, x_first, counts, n, k, num_experts, dy.stride(0),
          x.stride(0), rows_per_x, aligned if gather else 1, dw.stride(0), dw.stride(1)), make)
@@ -359,7 +349,7 @@ def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first
 
 def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
                        dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16,
-                       gather: bool = False, tma_store: bool = False, store_buffers: int = 1) -> Any:
+                       gather: bool = False, tma_store: bool = False) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
     checks, and where the PTX and the register counts can be read (``.asm``)."""
     if _GLUON_ERROR is not None:
@@ -382,7 +372,6 @@ def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int,
                      rows_per_x="i32", first_scale="i32", stride_dwe="i32",
                      stride_dwn="i32")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
-                      STORE_BUFFERS=store_buffers if tma_store else 1,
                       **_partitions(pingpong, gather))
     signature.update({key: "constexpr" for key in constexprs})
     divisible = ("dw_ptr", "dy_ptr", "x_ptr", "order_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K",

@@ -53,9 +53,7 @@ from moeforge.kernels.sizes import cdiv, next_power_of_2
 class WeightGradTiles:
     """The weight-gradient kernel's launch: an output tile of ``block_n x block_k``, ``block_m`` rows per
     reduction step (at least 16, dividing the alignment's block), ``num_warps``, ``num_stages``; ``tma``: operands
-    by TMA; ``tma_store``: the finished tile stored by TMA too (by either kernel, where it can), the Gluon kernel's
-    through ``store_buffers`` shared-memory buffers per MMA partition (two let a partition write its next tile while
-    its previous tile's store still reads the other);
+    by TMA; ``tma_store``: the finished tile stored by TMA too (by either kernel, where it can);
     ``warp_specialized``: the Gluon kernel
     (:mod:`moeforge.kernels.gluon_weight_grad`; two MMA partitions on alternate tiles with ``pingpong``) where it
     takes the launch — bf16 / fp16 operands, no bias, an sm_90 GPU — else this module's kernel with the same tiles
@@ -74,12 +72,6 @@ class WeightGradTiles:
     warp_specialized: bool = False
     pingpong: bool = False
     rows_by_index: bool = False
-    store_buffers: int = attrs.field(default=1, kw_only=True)
-
-    @store_buffers.validator
-    def _check_store_buffers(self, attribute: Any, value: int) -> None:
-        if value not in (1, 2):
-            raise ValueError(f"store_buffers is one or two buffers per MMA partition, got {value}")
 
 
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
@@ -357,7 +349,7 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
                                          block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
                                          stages=tiles.num_stages, pingpong=tiles.pingpong,
-                                         tma_store=tiles.tma_store, store_buffers=tiles.store_buffers, **how)
+                                         tma_store=tiles.tma_store, **how)
 
     # by index: each expert's copies are the slots of its blocks from its first (runs[0]), in ascending order
     by_index = dict(order=sorted_ids, aligned=block_m, rows_per_x=rows_per_a)
