@@ -322,8 +322,7 @@ class AdaptedGroupedGemm(AdaptedGemm):
         rows_per_a = 1 if x.copy_major else alignment.copies_per_row
         planned = self._launches.get(alignment.block_m)
         a_launch, b_launch = planned if planned is not None else self._plan(alignment.block_m)
-        route = GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
-                          aligned_block_m=alignment.block_m)
+        route = alignment.route()
         if not self.stack and rows.shape[-1] <= FUSED_UPDATE_MAX_K:
             # x Aᵀ by its own launch, then · Bᵀ inside the base GEMM's launch: one more K-step of its product, before
             # its epilogue (activation, routing weights, output quantization) and in its backward

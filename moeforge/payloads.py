@@ -25,6 +25,7 @@ from typing_extensions import Self
 
 from moeforge.errors import PayloadError
 from moeforge.kernels.config import MoEConfig
+from moeforge.kernels.grouped_gemm_call import GemmRoute
 from moeforge.spec import DType, Exchange, GroupListType, Layout, PayloadKind, ScaleLayout, Spec
 
 GROUP_SIZE = 128  # elements per scale in ScaleLayout.PER_GROUP_128
@@ -324,6 +325,12 @@ class BlockAlignment:
     dispatched ``x.data`` stands for — the router's ``top_k`` for local tokens, 1 for rows an
     expert-parallel exchange delivered (each received row is one copy; the spec still says the
     router's ``k``).
+
+    ``slot_copies`` > 0: the rows are in slot order (:mod:`moeforge.kernels.slot_rows`, a training step's layout):
+    ``x.data`` holds one row per slot, ``sorted_ids`` is each slot's own position (``num_tokens`` the slots,
+    ``copies_per_row`` 1, so every slot counts as a copy: the padding rows are zero rows) and ``slot_copies`` is the
+    number of the router's copies among them; the plan (:class:`moeforge.stages.slot_order.SlotOrderPlan`) knows
+    each copy's slot.
     """
 
     sorted_ids: torch.Tensor
@@ -332,6 +339,7 @@ class BlockAlignment:
     config: MoEConfig
     copies_per_row: int
     num_tokens: int
+    slot_copies: int = 0
 
     @property
     def block_m(self) -> int:
@@ -340,6 +348,11 @@ class BlockAlignment:
     @property
     def num_copies(self) -> int:
         return self.num_tokens * self.copies_per_row
+
+    def route(self) -> GemmRoute:
+        """The plan as the grouped GEMMs take it."""
+        return GemmRoute(self.sorted_ids, self.block_expert, self.num_padded, self.num_copies,
+                         aligned_block_m=self.block_m, slot_copies=self.slot_copies)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -383,10 +396,10 @@ class AlignedRows(ExpertRows):
         alignment = self.alignment
         rows = alignment.num_copies if self.copy_major else alignment.num_tokens
         _expect(self.x.data.shape[0] == rows, "x.data rows", self.x.data.shape[0], rows)
-        # Local tokens: each row stands for the router's k copies; rows an exchange delivered, one each.
-        per_row = 1 if spec.exchange is not Exchange.NONE else spec.top_k
+        # Local tokens: each row stands for the router's k copies; rows an exchange delivered or slots, one each.
+        per_row = 1 if spec.exchange is not Exchange.NONE or alignment.slot_copies else spec.top_k
         _expect(alignment.copies_per_row == per_row, "alignment.copies_per_row", alignment.copies_per_row,
-                f"{per_row} ({'exchanged rows' if spec.exchange is not Exchange.NONE else 'top_k'})")
+                f"{per_row} ({'top_k' if per_row != 1 else 'slots' if alignment.slot_copies else 'exchanged rows'})")
         _expect(tuple(self.copy_weights.shape) == (alignment.num_copies,), "copy_weights shape",
                 tuple(self.copy_weights.shape), (alignment.num_copies,))
         if not values:

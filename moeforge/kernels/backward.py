@@ -29,7 +29,7 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.kernels import activations as codes
-from moeforge.kernels import combine, weight_grad
+from moeforge.kernels import combine, slot_rows, weight_grad
 from moeforge.kernels.formats import WeightFormat
 from moeforge.activation import ActivationConfig, apply_activation
 from moeforge.kernels.config import GemmConfig, narrow_config, row_gradient_config
@@ -43,7 +43,7 @@ _MOE_GEMM_INPUTS = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "we
                     "topk_weights", "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a",
                     "weight_format", "a_global", "act", "glu", "interleaved", "alpha", "limit", "config",
                     "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max", "weight_shuffled", "update_rows",
-                    "update_weight", "update_scale", "update_ids")
+                    "update_weight", "update_scale", "update_ids", "slot_copies")
 
 
 def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -67,7 +67,8 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     p = ctx.args
     config = config_of(p["config"])
     aligned = p.get("aligned_block_m", 0) or config.block_m  # the block sorted_ids was aligned with
-    route = GemmRoute(sorted_ids, block_expert, num_padded, p["num_copies"], aligned_block_m=aligned)
+    route = GemmRoute(sorted_ids, block_expert, num_padded, p["num_copies"], aligned_block_m=aligned,
+                      slot_copies=p.get("slot_copies", 0))
     activation = codes.config_of(p["act"], p["glu"], p["interleaved"], p["alpha"], p["limit"])
     if activation is None and topk_weights is None:
         # A plain GEMM (the down projection; the training forward's gate/up, whose activation is its own op):
@@ -92,7 +93,8 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         del d_rows  # (the fp32 copies, [copies, K]: released before the weight gradient allocates its own)
     if needs[2] or (bias is not None and needs[6]):
         dw, db = weight_grad.EXPERT_WEIGHT_GRAD(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
-                                        weight.shape[0], aligned, bias is not None and needs[6], weight.dtype)
+                                                weight.shape[0], aligned, bias is not None and needs[6], weight.dtype,
+                                                route.slot_copies)
         d_weight = dw if needs[2] else None
         d_bias = db if bias is not None and needs[6] else None
     grads_out: list[Any] = [None] * len(_MOE_GEMM_INPUTS)
@@ -119,7 +121,8 @@ def _update_backward(d_pre: torch.Tensor, rows: torch.Tensor, weight: torch.Tens
     if weight_needs:
         dw, _ = weight_grad.EXPERT_WEIGHT_GRAD(d_pre.to(rows.dtype), rows, 1, route.sorted_ids, route.block_expert,
                                                route.num_padded, weight.shape[0],
-                                               route.aligned_block_m or config.block_m, False, weight.dtype)
+                                               route.aligned_block_m or config.block_m, False, weight.dtype,
+                                               route.slot_copies)
         d_weight = dw * scale if scale != 1.0 else dw
     return d_rows, d_weight
 
@@ -146,19 +149,38 @@ def _epilogue_backward(a: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 
 def combine_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    rows, weights, top_k, scale, _ = inputs
-    ctx.save_for_backward(rows, weights)
-    ctx.top_k, ctx.scale = top_k, scale
+    rows, weights, top_k, scale, _ = inputs[:5]
+    index = inputs[5] if len(inputs) > 5 else None
+    ctx.save_for_backward(rows, weights, index)
+    ctx.top_k, ctx.scale, ctx.inputs = top_k, scale, len(inputs)
 
 
 def combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-    """``out[t] = scale * sum_j rows[t k + j] * w[t, j]``: ``d_rows[t k + j] = scale * w[t, j] * d_out[t]``,
-    ``d_w[t, j] = scale * <d_out[t], rows[t k + j]>`` (the ``moeforge::combine_backward`` op:
-    :func:`moeforge.kernels.combine.combine_backward`, one pass)."""
-    rows, weights = ctx.saved_tensors
+    """``out[t] = scale * sum_j rows[r(t, j)] * w[t, j]`` (``r(t, j) = t k + j``, or ``index[t, j]``):
+    ``d_rows[r(t, j)] = scale * w[t, j] * d_out[t]``, ``d_w[t, j] = scale * <d_out[t], rows[r(t, j)]>`` (the
+    ``moeforge::combine_backward`` op: :func:`moeforge.kernels.combine.combine_backward`, one pass)."""
+    rows, weights, index = ctx.saved_tensors
     weight_grad = weights is not None and ctx.needs_input_grad[1]
-    d_rows, d_weights = combine.COMBINE_BACKWARD(grad_out, rows, weights, ctx.top_k, ctx.scale, weight_grad)
-    return d_rows, d_weights if weight_grad else None, None, None, None
+    d_rows, d_weights = combine.COMBINE_BACKWARD(grad_out, rows, weights, ctx.top_k, ctx.scale, weight_grad, index)
+    return (d_rows, d_weights if weight_grad else None) + (None,) * (ctx.inputs - 2)
+
+
+def gather_slots_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, weights, _, _, top_k = inputs
+    ctx.save_for_backward(output[2])
+    ctx.top_k, ctx.dtype = top_k, x.dtype
+
+
+def gather_slots_backward(ctx: Any, d_xs: torch.Tensor, d_slot_weights: Optional[torch.Tensor], d_slot_of: Any,
+                          d_positions: Any) -> tuple[Any, ...]:
+    """``xs[s] = x[c // k]`` and ``slot_weights[s] = w[c]`` for the copy ``c`` in slot ``s``: each token's slot rows'
+    gradients summed (:func:`moeforge.kernels.slot_rows.gather_slots_backward`), each copy's weight's gradient read
+    at its slot."""
+    (slot_of,) = ctx.saved_tensors
+    weights_need = ctx.needs_input_grad[1] and d_slot_weights is not None
+    d_x, d_weights = slot_rows.gather_slots_backward(d_xs, d_slot_weights if weights_need else None, slot_of,
+                                                     ctx.top_k, ctx.dtype)
+    return d_x if ctx.needs_input_grad[0] else None, d_weights, None, None, None
 
 
 _ROUTE_INPUTS = ("router_logits", "selection_bias", "top_k", "sigmoid", "select_first", "renormalize", "n_group",

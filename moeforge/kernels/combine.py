@@ -5,10 +5,11 @@ or anywhere an index says (``r(t, k) = index[t, k]``, -1 for a copy that contrib
 the expert-parallel combines receive them. Each program owns one token and a slice of the hidden
 dimension and sums its ``top_k`` copies in fp32 in order: deterministic, no atomics, one pass.
 
-The backward of the copy-order combine (:func:`combine_backward`) is one pass too: each program owns one token,
-writes its copies' row gradients ``scale * w[t, k] * d_out[t]`` and, where the routing weights need a gradient,
-their dot products with the copies' rows ``scale * <d_out[t], rows[t * top_k + k]>`` (summed over the hidden
-dimension in a fixed order), reading the token's gradient once.
+The backward (:func:`combine_backward`) is one pass too: each program owns one token, writes its copies' row
+gradients ``scale * w[t, k] * d_out[t]`` and, where the routing weights need a gradient, their dot products with the
+copies' rows ``scale * <d_out[t], rows[r(t, k)]>`` (summed over the hidden dimension in a fixed order), reading the
+token's gradient once. By index, the rows no copy reads get zero gradients (the slot-order rows' padding,
+:mod:`moeforge.kernels.slot_rows`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _combine_kernel(
         if HAS_INDEX:
             source = tl.load(index_ptr + token * TOP_K + k).to(tl.int64)
             # An absent copy (-1) loads nothing: its zeros add nothing, whatever row 0 holds.
-            row = tl.load(rows_ptr + tl.maximum(source, 0) * stride_row + offs, mask=mask & (source >= 0),
-                          other=0.0)
+            present = (offs * 0 + source) >= 0  # (a vector: the interpreter masks with vectors only)
+            row = tl.load(rows_ptr + tl.maximum(source, 0) * stride_row + offs, mask=mask & present, other=0.0)
         else:
             row = tl.load(rows_ptr + (token * TOP_K + k) * stride_row + offs, mask=mask, other=0.0)
         if HAS_WEIGHTS:
@@ -54,11 +55,12 @@ def _combine_kernel(
 
 
 def combined(rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: float,
-             out_dtype: torch.dtype) -> torch.Tensor:
+             out_dtype: torch.dtype, index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The ``moeforge::combine`` op's implementation: :func:`combine_copies` into a new ``[T, H]`` of
-    ``out_dtype``."""
-    out = torch.empty(rows.shape[0] // top_k, rows.shape[1], dtype=out_dtype, device=rows.device)
-    return combine_copies(rows, top_k, out, weights, scale)
+    ``out_dtype`` (``T``: ``index``'s rows, else ``rows``' over ``top_k``)."""
+    tokens = index.shape[0] if index is not None else rows.shape[0] // top_k
+    out = torch.empty(tokens, rows.shape[1], dtype=out_dtype, device=rows.device)
+    return combine_copies(rows, top_k, out, weights, scale, index)
 
 
 def combine_copies(
@@ -70,7 +72,7 @@ def combine_copies(
     index: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Sum ``rows [T * top_k, H]`` into ``out [T, H]`` (weights ``[T, top_k]`` fp32, optional); with
-    ``index [T, top_k]`` (int64, -1 = absent), copy ``k`` of token ``t`` is ``rows[index[t, k]]``."""
+    ``index [T, top_k]`` (int32 or int64, -1 = absent), copy ``k`` of token ``t`` is ``rows[index[t, k]]``."""
     tokens, hidden = out.shape
     if tokens == 0:
         return out
@@ -96,16 +98,22 @@ def _combine_backward_kernel(
     grad_ptr, rows_ptr, weights_ptr, d_rows_ptr, d_weights_ptr,
     H, scale,
     stride_grad, stride_row, stride_d_row,
+    index_ptr,
     TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, HAS_WEIGHTS: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
-    BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    HAS_INDEX: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.wait_for_the_kernel_before(PDL)
     token = tl.program_id(0).to(tl.int64)
     copies = tl.arange(0, K_BLOCK)
     copy_ok = copies < TOP_K
-    copy_rows = token * TOP_K + copies
+    copy_ids = token * TOP_K + copies
+    if HAS_INDEX:  # each copy's row where the index says (-1: absent, no row)
+        copy_rows = tl.load(index_ptr + copy_ids, mask=copy_ok, other=-1).to(tl.int64)
+        copy_ok = copy_ok & (copy_rows >= 0)
+    else:
+        copy_rows = copy_ids
     if HAS_WEIGHTS:
-        w = tl.load(weights_ptr + copy_rows, mask=copy_ok, other=0.0).to(tl.float32)
+        w = tl.load(weights_ptr + copy_ids, mask=copy_ok, other=0.0).to(tl.float32)
     else:
         w = tl.where(copy_ok, 1.0, 0.0)
     dots = tl.zeros((K_BLOCK, BLOCK_H), dtype=tl.float32)
@@ -120,22 +128,26 @@ def _combine_backward_kernel(
             row = tl.load(rows_ptr + copy_rows[:, None] * stride_row + offs[None, :], mask=both, other=0.0)
             dots += g[None, :] * row.to(tl.float32)
     if WEIGHT_GRAD:
-        tl.store(d_weights_ptr + copy_rows, tl.sum(dots, axis=1).to(d_weights_ptr.dtype.element_ty), mask=copy_ok)
+        tl.store(d_weights_ptr + copy_ids, tl.sum(dots, axis=1).to(d_weights_ptr.dtype.element_ty),
+                 mask=copies < TOP_K)
 
 
 _COMBINE_BACKWARD = LaunchSite(_combine_backward_kernel)
 
 
 def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int,
-                     scale: float, weight_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The gradients of :func:`combine_copies` over copy-order rows: ``(d_rows [T * top_k, H]`` in ``rows``' dtype,
-    ``d_weights [T, top_k]`` in ``weights``' dtype, or ``None`` unless ``weight_grad``) given ``grad_out [T, H]``:
-    ``d_rows[t k + j] = scale * w[t, j] * grad_out[t]`` (``w = 1`` without weights) and
-    ``d_weights[t, j] = scale * <grad_out[t], rows[t k + j]>``, computed in fp32."""
+                     scale: float, weight_grad: bool, index: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gradients of :func:`combine_copies`: ``(d_rows`` of ``rows``' shape and dtype, ``d_weights [T, top_k]``
+    in ``weights``' dtype, or ``None`` unless ``weight_grad``) given ``grad_out [T, H]``: with ``r(t, j)`` the row of
+    token ``t``'s copy ``j`` (``t * top_k + j``, or ``index[t, j]``), ``d_rows[r(t, j)] = scale * w[t, j] *
+    grad_out[t]`` (``w = 1`` without weights; zero for the rows no copy reads) and ``d_weights[t, j] = scale *
+    <grad_out[t], rows[r(t, j)]>`` (zero for an absent copy), computed in fp32."""
     tokens, hidden = grad_out.shape
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()  # autograd hands over expanded gradients (stride 0) as they come
-    d_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    # (by index, rows may be read by no copy: their gradient is zero)
+    d_rows = (torch.zeros if index is not None else torch.empty)(rows.shape, dtype=rows.dtype, device=rows.device)
     weight_grad = weight_grad and weights is not None
     d_weights = torch.empty(tokens, top_k, dtype=weights.dtype, device=rows.device) \
         if weight_grad and weights is not None else None
@@ -150,21 +162,23 @@ def combine_backward(grad_out: torch.Tensor, rows: torch.Tensor, weights: Option
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         dependent = pdl.pdl_applies(rows.device)
         return (dict(TOP_K=top_k, K_BLOCK=k_block, HAS_WEIGHTS=has_weights, WEIGHT_GRAD=weight_grad,
-                     BLOCK_H=block_h, PDL=pdl.flag(dependent)),
+                     HAS_INDEX=index is not None, BLOCK_H=block_h, PDL=pdl.flag(dependent)),
                 dict(num_warps=4, **pdl.launch_options(dependent)))
 
-    _COMBINE_BACKWARD.launch((top_k, has_weights, weight_grad, block_h, rows.device), (tokens,), (
+    _COMBINE_BACKWARD.launch((top_k, has_weights, weight_grad, index is None, block_h, rows.device), (tokens,), (
         grad_out, rows, weights if weights is not None else rows, d_rows,
         d_weights if d_weights is not None else d_rows,
-        hidden, scale, grad_out.stride(0), rows.stride(0), d_rows.stride(0)), make)
+        hidden, scale, grad_out.stride(0), rows.stride(0), d_rows.stride(0),
+        index if index is not None else rows), make)
     return d_rows, d_weights
 
 
 def backward_for_op(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int,
-                    scale: float, weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, weight_grad: bool, index: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::combine_backward`` op's implementation: :func:`combine_backward` with an empty ``d_weights``
     for ``None`` (an op returns tensors)."""
-    d_rows, d_weights = combine_backward(grad_out, rows, weights, top_k, scale, weight_grad)
+    d_rows, d_weights = combine_backward(grad_out, rows, weights, top_k, scale, weight_grad, index)
     return d_rows, d_weights if d_weights is not None else rows.new_empty(0, dtype=torch.float32)
 
 

@@ -1,7 +1,7 @@
 """The one caller of the ``moeforge::moe_gemm`` custom op: operand records in, the op's arguments out.
 
 A ``torch.library`` custom op takes a flat schema of tensors, scalars and integer lists, so the grouped GEMM's op
-(:mod:`moeforge.kernels.ops`) has 26 positional arguments. Nothing in the package calls it except
+(:mod:`moeforge.kernels.ops`) has 31 positional arguments. Nothing in the package calls it except
 :func:`grouped_gemm`, which takes the operands as four records and the launch configuration and spells the
 positional order out once:
 
@@ -9,7 +9,8 @@ positional order out once:
 * :class:`GemmWeight`: the expert weights, their :class:`~moeforge.kernels.formats.WeightFormat`, scales, zero
   points, global scales, layout (pre-shuffled) and a known bound on MXFP4's scale codes;
 * :class:`GemmRoute`: the block-aligned plan (:mod:`moeforge.kernels.align`): which copy each row slot holds,
-  each block's expert, the padded row count, the number of copies and the block the rows were aligned with;
+  each block's expert, the padded row count, the number of copies, the block the rows were aligned with, and
+  whether the rows are in slot order (:mod:`moeforge.kernels.slot_rows`: what the weight gradient reads in place);
 * :class:`GemmEpilogue`: what happens to the accumulators: bias, routing weights, activation, output dtype,
   FP8 output quantization.
 
@@ -106,6 +107,10 @@ class GemmRoute:
     num_padded: torch.Tensor  # [1]: the row slots in use
     num_copies: int  # the output's rows
     aligned_block_m: Optional[int] = None  # the block the rows were aligned with (None: the config's block_m)
+    # Rows in slot order (moeforge.kernels.slot_rows): the number of copies they hold, every slot's sorted_ids its
+    # own position (num_copies: the slots) and each padding row of the inputs zero; 0: rows in copy order. The
+    # backward's weight gradient then reads each expert's rows in place instead of gathering them.
+    slot_copies: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -189,6 +194,7 @@ def launch(
     update_weight: Optional[torch.Tensor] = None,
     update_scale: float = 1.0,
     update_ids: Optional[torch.Tensor] = None,
+    slot_copies: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::moe_gemm`` op's implementation, the one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`,
     imported when first called: this module imports no Triton): ``(out, out_scale)``, where ``out_scale`` is the
@@ -197,7 +203,8 @@ def launch(
     :func:`encode_config` writes it (a list of another length is a ``ValueError``); ``aligned_block_m``: the block the
     rows were aligned with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255:
     none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`);
-    ``update_*``: a low-rank update (:class:`GemmUpdate`). A ``config`` with ``warp_specialized`` launches the Gluon
+    ``update_*``: a low-rank update (:class:`GemmUpdate`); ``slot_copies``: :attr:`GemmRoute.slot_copies` (the
+    forward computes the same either way; the backward reads it). A ``config`` with ``warp_specialized`` launches the Gluon
     kernel where it serves these operands (:mod:`moeforge.kernels.warp_specialized`), else ``moe_gemm``."""
     from moeforge.kernels import moe_gemm as kernel
 
@@ -246,6 +253,7 @@ def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue:
         epilogue.alpha, epilogue.limit, encode_config(config), epilogue.out_dtype, epilogue.fp8_out,
         0 if route.aligned_block_m is None else route.aligned_block_m,
         NO_SCALE_BOUND if weight.scale_max is None else weight.scale_max, weight.shuffled,
-        *((update.rows, update.weight, float(update.scale), update.ids) if update is not None else ()))
+        *((update.rows, update.weight, float(update.scale), update.ids) if update is not None
+          else (None, None, 1.0, None)), route.slot_copies)
     result: torch.Tensor = out
     return result, out_scale if epilogue.fp8_out else None

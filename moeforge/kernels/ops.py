@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from moeforge.kernels import (activation_rows, align, backward, combine, grouped_gemm_call, quantize, stack_pairs as pairs,
-                              topk, weight_grad)
+from moeforge.kernels import (activation_rows, align, backward, combine, grouped_gemm_call, quantize, slot_rows,
+                              stack_pairs as pairs, topk, weight_grad)
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.sizes import cdiv
 
@@ -72,7 +72,8 @@ def _(a: torch.Tensor, a_scale: Optional[torch.Tensor], weight: torch.Tensor, we
       glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int], out_dtype: torch.dtype,
       fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255, weight_shuffled: bool = False,
       update_rows: Optional[torch.Tensor] = None, update_weight: Optional[torch.Tensor] = None,
-      update_scale: float = 1.0, update_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+      update_scale: float = 1.0, update_ids: Optional[torch.Tensor] = None,
+      slot_copies: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return grouped_gemm_call.outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
 
 
@@ -117,8 +118,9 @@ combine_copies = KernelOp(_combine_copies_op, combine.combined, differentiable=T
 
 @_combine_copies_op.register_fake
 def _(rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: float,
-      out_dtype: torch.dtype) -> torch.Tensor:
-    return rows.new_empty(rows.shape[0] // top_k, rows.shape[1], dtype=out_dtype)
+      out_dtype: torch.dtype, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    tokens = index.shape[0] if index is not None else rows.shape[0] // top_k
+    return rows.new_empty(tokens, rows.shape[1], dtype=out_dtype)
 
 
 _combine_backward_op = torch.library.custom_op("moeforge::combine_backward", combine.backward_for_op,
@@ -128,7 +130,7 @@ combine_backward = combine.COMBINE_BACKWARD
 
 @_combine_backward_op.register_fake
 def _(grad_out: torch.Tensor, rows: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, scale: float,
-      weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+      weight_grad: bool, index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     d_weights = grad_out.new_empty(grad_out.shape[0], top_k, dtype=weights.dtype) \
         if weight_grad and weights is not None else rows.new_empty(0, dtype=torch.float32)
     return rows.new_empty(rows.shape), d_weights
@@ -173,10 +175,30 @@ expert_weight_grad = weight_grad.EXPERT_WEIGHT_GRAD
 @_expert_weight_grad_op.register_fake
 def _(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
       block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int, with_bias: bool,
-      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+      dtype: torch.dtype, slot_copies: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = d_rows.shape[1], rows.shape[1]
     return (d_rows.new_empty(num_experts, n, k, dtype=dtype),
             d_rows.new_empty(num_experts, n, dtype=dtype) if with_bias else d_rows.new_empty(0, dtype=dtype))
+
+
+def _gather_slots(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,
+                  num_padded: torch.Tensor,
+                  top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token rows in the alignment's slot order: :func:`moeforge.kernels.slot_rows.gather_slots`.
+    Differentiable in ``x`` and ``weights``."""
+    return slot_rows.gather_slots(x, weights, sorted_ids, num_padded, top_k)
+
+
+_gather_slots_op = torch.library.custom_op("moeforge::gather_slots", _gather_slots, mutates_args=())
+gather_slots = KernelOp(_gather_slots_op, _gather_slots, differentiable=True)
+
+
+@_gather_slots_op.register_fake
+def _(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: torch.Tensor, num_padded: torch.Tensor,
+      top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    slots = sorted_ids.numel()
+    return (x.new_empty(slots, x.shape[1]), x.new_empty(slots if weights is not None else 0, dtype=torch.float32),
+            x.new_empty(x.shape[0] * top_k, dtype=torch.int32), x.new_empty(slots, dtype=torch.int32))
 
 
 def _activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alpha: float,
@@ -212,5 +234,6 @@ def _(pre: torch.Tensor, d_out: torch.Tensor, act: int, glu: bool, interleaved: 
 _moe_gemm_op.register_autograd(backward.moe_gemm_backward, setup_context=backward.moe_gemm_setup_context)
 _combine_copies_op.register_autograd(backward.combine_backward, setup_context=backward.combine_setup_context)
 _route_op.register_autograd(backward.route_backward, setup_context=backward.route_setup_context)
+_gather_slots_op.register_autograd(backward.gather_slots_backward, setup_context=backward.gather_slots_setup_context)
 _activate_rows_op.register_autograd(activation_rows.autograd_backward,
                               setup_context=activation_rows.autograd_setup_context)

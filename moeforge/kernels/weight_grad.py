@@ -319,21 +319,28 @@ def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr,
 def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
                        block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
                        with_bias: bool, dtype: torch.dtype = torch.float32,
-                       tiles: Optional[WeightGradTiles] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       tiles: Optional[WeightGradTiles] = None,
+                       slot_copies: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(dW [E, N, K], db [E, N] or None)`` in ``dtype`` (summed in fp32): for each expert the sum over its
     copies ``c`` of ``d_rows[c]^T rows[c // rows_per_a]`` (``d_rows [copies, N]``, ``rows [R, K]`` of one dtype),
     each expert's copies summed in slot order, which the alignment (aligned with ``block_m``) makes ascending: the
-    same bits from run to run. ``tiles``: the launch (default :func:`weight_grad_tiles`)."""
+    same bits from run to run. ``tiles``: the launch (default :func:`weight_grad_tiles`).
+
+    ``slot_copies`` > 0: both operands in slot order (:mod:`moeforge.kernels.slot_rows`; ``sorted_ids`` each slot's
+    own position, ``rows_per_a`` 1), ``slot_copies`` of their rows copies, each padding row of one operand zero: each
+    expert's sum runs over its blocks' rows where they are, nothing gathered."""
     num_copies, n = d_rows.shape
     k = rows.shape[1]
+    if slot_copies and rows_per_a != 1:
+        raise ValueError(f"rows in slot order are one per slot: rows_per_a must be 1, got {rows_per_a}")
     dw = torch.empty(num_experts, n, k, dtype=dtype, device=rows.device)
     db = torch.empty(num_experts, n, dtype=dtype, device=rows.device) if with_bias else None
     if dw.numel() == 0:
         if db is not None:
             db.zero_()
         return dw, db
-    tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device, num_copies / max(num_experts, 1),
-                                       with_bias)
+    tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device,
+                                       (slot_copies or num_copies) / max(num_experts, 1), with_bias)
     if block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
@@ -351,20 +358,25 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
                                          stages=tiles.num_stages, pingpong=tiles.pingpong,
                                          tma_store=tiles.tma_store, **how)
 
-    # by index: each expert's copies are the slots of its blocks from its first (runs[0]), in ascending order
-    by_index = dict(order=sorted_ids, aligned=block_m, rows_per_x=rows_per_a)
-    if tiles.rows_by_index and takes(d_rows, rows, **by_index):
-        launch(d_rows, rows, runs[0], runs[0], **by_index)
-        return dw, db
-    # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to whole
-    # steps, the other compact
-    pad_dy = n <= k
-    dy = gather_expert_rows(d_rows, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m,
-                            tiles.block_m if pad_dy else 0)
-    x = gather_expert_rows(rows, sorted_ids, block_expert, runs, num_padded, num_copies, rows_per_a, block_m,
-                           0 if pad_dy else tiles.block_m)
-    padded_first, compact_first = runs[3], runs[1]
-    dy_first, x_first = (padded_first, compact_first) if pad_dy else (compact_first, padded_first)
+    if slot_copies:
+        # every slot a copy (the padding's zero rows): an expert's run is its blocks' rows from its first block's,
+        # whole steps (the step divides the block)
+        dy, x, dy_first, x_first = _columns_contiguous(d_rows), _columns_contiguous(rows), runs[1], runs[1]
+    else:
+        # by index: each expert's copies are the slots of its blocks from its first (runs[0]), in ascending order
+        by_index = dict(order=sorted_ids, aligned=block_m, rows_per_x=rows_per_a)
+        if tiles.rows_by_index and takes(d_rows, rows, **by_index):
+            launch(d_rows, rows, runs[0], runs[0], **by_index)
+            return dw, db
+        # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to
+        # whole steps, the other compact
+        pad_dy = n <= k
+        dy = gather_expert_rows(d_rows, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m,
+                                tiles.block_m if pad_dy else 0)
+        x = gather_expert_rows(rows, sorted_ids, block_expert, runs, num_padded, num_copies, rows_per_a, block_m,
+                               0 if pad_dy else tiles.block_m)
+        padded_first, compact_first = runs[3], runs[1]
+        dy_first, x_first = (padded_first, compact_first) if pad_dy else (compact_first, padded_first)
     if takes(dy, x):
         launch(dy, x, dy_first, x_first)
         return dw, db
@@ -392,13 +404,17 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     return dw, db
 
 
+def _columns_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
 def grads_for_op(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
-                 with_bias: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                 with_bias: bool, dtype: torch.dtype, slot_copies: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::expert_weight_grad`` op's implementation: :func:`expert_weight_grad` with an empty ``db``
     without a bias (an op returns tensors)."""
     dw, db = expert_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded, num_experts, block_m,
-                                with_bias, dtype)
+                                with_bias, dtype, slot_copies=slot_copies)
     return dw, db if db is not None else d_rows.new_empty(0, dtype=dtype)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from moeforge.errors import BackendUnavailableError, InputError
 from moeforge.kernels.config import ConfigTable, GemmConfig
-from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
+from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRows, GemmUpdate, GemmWeight,
                                                 grouped_gemm)
 from moeforge.no_backward import records_grad
 from moeforge.payloads import Activations, AlignedRows, BlockAlignment, MoEInput, Plan, RoutedTokens, TopKOutput
@@ -36,6 +36,7 @@ from moeforge.spec import (
 )
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
+from moeforge.stages import slot_order
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
 from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import TensorSource, resolve
@@ -103,7 +104,10 @@ class TritonTopK(TopK):
 
 @attrs.frozen(eq=False)
 class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
-    """Block-aligned dispatch on the device: no rows move, no host synchronisation.
+    """Block-aligned dispatch on the device, no host synchronisation: no rows move for inference; where grad
+    mode is on (a training step) the rows are gathered into the alignment's slot order where
+    :func:`~moeforge.stages.slot_order.slot_rows_pay` says it pays (``slot_rows``: ``True`` / ``False`` always /
+    never there), which the GEMMs and the combine read the same way (:mod:`moeforge.stages.slot_order`).
 
     ``configs`` is the launch-configuration table shared with the GEMMs that follow (they must use the
     ``block_m`` the alignment used).
@@ -112,6 +116,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
     kinds: ClassVar = (StageKind.DISPATCH,)
     num_experts: int
     configs: ConfigTable
+    slot_rows: Optional[bool] = None
 
     def __attrs_post_init__(self) -> None:
         if self.num_experts < 1:
@@ -136,10 +141,14 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
     def __call__(self, x: RoutedTokens) -> AlignedRows:
         tokens, top_k = x.topk.ids.shape
         config = self.configs.lookup(tokens)  # once per batch: the GEMMs read it from the alignment
+        training = torch.is_grad_enabled()
         sorted_ids, block_expert, num_padded = kernel_ops().align_block_size(
-            x.topk.ids, self.num_experts, config.block_m, torch.is_grad_enabled())  # ordered where it trains
+            x.topk.ids, self.num_experts, config.block_m, training)  # ordered where it trains
         alignment = BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
                                    config=config, copies_per_row=top_k, num_tokens=tokens)
+        if training and self.slot_rows is not False and slot_order.slot_rows_apply(x) is None and (
+                self.slot_rows or slot_order.slot_rows_pay(tokens * top_k, self.num_experts, config.block_m)):
+            return slot_order.slot_order_rows(x, alignment)
         # each copy's adapter, in copy order (copy t * top_k + j of token t)
         adapter_ids = x.adapter_ids.repeat_interleave(top_k) if x.adapter_ids is not None else None
         return AlignedRows(x=x.x, alignment=alignment, copy_major=False, copy_weights=x.topk.weights.reshape(-1),
@@ -297,8 +306,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         out, _ = grouped_gemm(
             GemmRows(x.x.data, rows_per_a=1 if x.copy_major else alignment.copies_per_row),
             GemmWeight(weight),
-            GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
-                      aligned_block_m=alignment.block_m),
+            alignment.route(),
             GemmEpilogue(x.x.data.dtype, bias=bias,
                          routing_weights=x.copy_weights if self.apply_routing_weights else None, act=act, glu=glu,
                          interleaved=interleaved, alpha=alpha, limit=limit),

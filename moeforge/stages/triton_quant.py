@@ -28,7 +28,7 @@ from moeforge.errors import InputError
 from moeforge.expert_weights import ProjectionWeights
 from moeforge.kernels.config import ConfigTable, GemmConfig
 from moeforge.kernels.formats import WeightFormat, weight_operand
-from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
+from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRows, GemmUpdate, GemmWeight,
                                                 grouped_gemm)
 from moeforge.kernels import shuffle
 from moeforge.kernels.scale_bound import ScaleCodeBound
@@ -402,8 +402,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
                        zero=resolve(self.weight_zero) if self.weight_zero is not None else None,
                        global_scale=resolve(self.weight_global) if self.weight_global is not None else None,
                        shuffled=self.weight_shuffled, scale_max=scale_max),
-            GemmRoute(alignment.sorted_ids, alignment.block_expert, alignment.num_padded, alignment.num_copies,
-                      aligned_block_m=alignment.block_m),
+            alignment.route(),
             GemmEpilogue(self.out_dtype.torch_dtype, bias=resolve(self.bias) if self.bias is not None else None,
                          routing_weights=x.copy_weights if self.apply_routing_weights else None, act=act, glu=glu,
                          interleaved=interleaved, alpha=alpha, limit=limit, fp8_out=fp8_out),

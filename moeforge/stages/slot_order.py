@@ -1,0 +1,83 @@
+"""The block-aligned dispatch's rows in slot order, the layout a training step takes.
+
+:class:`~moeforge.stages.triton.AlignDispatch` moves no row for inference: the first GEMM gathers the token rows by
+index and every GEMM writes one row per copy in copy order. Where it records a gradient it gathers the token rows
+into the alignment's slots instead (:mod:`moeforge.kernels.slot_rows`, one differentiable op): the GEMMs then read
+and write row ``s`` for slot ``s`` with the same kernels (their route's ``sorted_ids`` is each slot's own position),
+the backward's weight gradients read each expert's rows where they lie instead of gathering two copies into expert
+order, and the combine reads each copy's row at its slot (:class:`SlotOrderPlan`).
+
+The rows then number the alignment's slots, ``S = copies + min(E, copies) * (block_m - 1)`` at most, against the
+copies in copy order: :func:`slot_rows_pay` takes slot order where that is at most a quarter more rows (each expert
+holds at least about four blocks' worth of copies), so that the saved activations do not grow more than the
+backward's gathered copies shrink.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from moeforge.payloads import Activations, AlignedRows, BlockAlignment, Plan, RoutedTokens
+
+_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def slot_rows_pay(num_copies: int, num_experts: int, block_m: int) -> bool:
+    """Whether ``num_copies`` copies aligned in blocks of ``block_m`` rows over ``num_experts`` experts take slot order
+    in a training step: the most padding (``block_m - 1`` rows for each expert with a copy) at most a quarter of the
+    copies."""
+    return num_copies > 0 and 4 * min(num_experts, num_copies) * (block_m - 1) <= num_copies
+
+
+def slot_rows_apply(x: RoutedTokens) -> Optional[str]:
+    """Why the routed tokens ``x`` cannot be gathered into slot order (``None`` where they can): float rows without
+    scales (quantized tokens travel with their scales, which the gather does not move), no stack of adapters (its
+    pair alignment is built on copy order: the serving path)."""
+    if x.x.scale is not None or x.x.data.dtype not in _FLOAT:
+        return "quantized tokens are dispatched with their scales in copy order"
+    if x.adapter_ids is not None:
+        return "a stack of adapters aligns its copies in copy order"
+    return None
+
+
+def slot_order_rows(x: RoutedTokens, alignment: BlockAlignment) -> AlignedRows:
+    """``x``'s rows gathered into the slots of ``alignment`` (aligned for ``x``'s copies) as :class:`AlignedRows` in
+    slot order: ``x.data [S, H]`` (a zero row in each used padding slot), the alignment's ``sorted_ids`` each slot's
+    position, the copies' routing weights in slot order (zero in the padding) and the plan back to the tokens."""
+    from moeforge.stages.triton import kernel_ops
+
+    tokens, top_k = x.topk.ids.shape
+    weights = x.topk.weights.float()
+    xs, slot_weights, slot_of, positions = kernel_ops().gather_slots(
+        x.x.data, weights.reshape(-1), alignment.sorted_ids, alignment.num_padded, top_k)
+    slots = BlockAlignment(sorted_ids=positions, block_expert=alignment.block_expert, num_padded=alignment.num_padded,
+                           config=alignment.config, copies_per_row=1, num_tokens=int(positions.numel()),
+                           slot_copies=tokens * top_k)
+    return AlignedRows(x=Activations(xs), alignment=slots, copy_major=True, copy_weights=slot_weights,
+                       plan=SlotOrderPlan(weights, slot_of.view(tokens, top_k)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
+class SlotOrderPlan(Plan):
+    """The way back from rows in slot order: token ``t``'s copy ``j`` is the row ``slot_of[t, j]``; ``weights
+    [T, top_k]`` (fp32) its routing weight. Summed by the combine kernel by index (fixed order, fp32, no atomics);
+    its backward writes zero gradients into the padding rows, which the weight gradients sum."""
+
+    weights: torch.Tensor
+    slot_of: torch.Tensor
+
+    def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
+                out_dtype: torch.dtype) -> torch.Tensor:
+        from moeforge.stages.triton import kernel_ops
+
+        top_k = int(self.slot_of.shape[1])
+        out: torch.Tensor = kernel_ops().combine_copies(rows, self.weights if weighted else None, top_k,
+                                                       scaling_factor if scaling_factor is not None else 1.0,
+                                                       out_dtype, self.slot_of)
+        return out
+
+    def kept(self) -> torch.Tensor:
+        return torch.ones_like(self.slot_of, dtype=torch.bool)

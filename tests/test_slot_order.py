@@ -1,0 +1,190 @@
+"""Rows in slot order (``moeforge/stages/slot_order.py``, ``moeforge/kernels/slot_rows.py``): the block-aligned
+dispatch of a training step gathers the token rows into the alignment's slots, the GEMMs read and write them there,
+the weight gradients read them in place and the combine reads each copy at its slot.
+
+On CPU through Triton's interpreter at tiny shapes; the gradients of the layouts against each other and against the
+torch backend (``tests/test_triton_backward.py`` runs its float64 checks in both layouts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import moeforge as mf  # noqa: E402
+from moeforge.kernels import align, combine, slot_rows, weight_grad  # noqa: E402
+from moeforge.kernels.config import ConfigTable  # noqa: E402
+from moeforge.payloads import Activations, MoEInput, RoutedTokens, TopKOutput  # noqa: E402
+from moeforge.stages import slot_order  # noqa: E402
+from moeforge.stages.triton import AlignDispatch, kernel_ops  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _routed(tokens: int, experts: int, k: int, hidden: int, seed: int, ids: Any = None,
+            dtype: torch.dtype = torch.float32) -> RoutedTokens:
+    gen = torch.Generator().manual_seed(seed)
+    if ids is None:
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    return RoutedTokens(x=Activations(x.to(DEVICE, dtype)),
+                        topk=TopKOutput(weights=weights.to(DEVICE), ids=ids.to(DEVICE, torch.int32)))
+
+
+CASES = {  # tokens, experts, top_k, every token's experts (None: drawn)
+    "spread": (13, 5, 2, None),
+    "one token": (1, 4, 3, None),
+    "every token on experts 0 and 1": (9, 4, 2, torch.tensor([[0, 1]] * 9)),
+    "top_k = experts": (6, 3, 3, None),
+    "an idle expert": (10, 6, 1, torch.tensor([[e % 5] for e in range(10)])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_gather_fills_every_used_slot_and_knows_each_copys_slot(case: str) -> None:
+    tokens, experts, k, ids = CASES[case]
+    routed = _routed(tokens, experts, k, 24, 1, ids)
+    kernel_ops()
+    sorted_ids, _, num_padded = align.align_block_size(routed.topk.ids, experts, 16)
+    flat_weights = routed.topk.weights.reshape(-1)
+    xs, slot_weights, slot_of, positions = slot_rows.gather_slots(routed.x.data, flat_weights, sorted_ids,
+                                                                  num_padded, k)
+    used, copies = int(num_padded), tokens * k
+    assert xs.shape == (sorted_ids.numel(), 24) and torch.equal(positions.long(), torch.arange(sorted_ids.numel()))
+    ids_used = sorted_ids[:used].long()
+    real = ids_used < copies
+    assert torch.equal(xs[:used][real], routed.x.data[ids_used[real] // k])
+    assert not xs[:used][~real].any() and not slot_weights[:used][~real].any()  # the padding: zero rows
+    assert torch.equal(slot_weights[:used][real], flat_weights[ids_used[real]])
+    assert torch.equal(sorted_ids[slot_of.long()].long(), torch.arange(copies, device=DEVICE))
+
+
+def test_an_empty_batch_gathers_nothing() -> None:
+    kernel_ops()
+    ids = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
+    sorted_ids, _, num_padded = align.align_block_size(ids, 4, 16)
+    xs, slot_weights, slot_of, positions = slot_rows.gather_slots(torch.zeros(0, 8, device=DEVICE), None,
+                                                                  sorted_ids, num_padded, 2)
+    assert xs.shape[1] == 8 and slot_weights.numel() == 0 and slot_of.numel() == 0
+    assert positions.numel() == sorted_ids.numel()
+
+
+def test_the_gather_refuses_weights_it_cannot_carry() -> None:
+    kernel_ops()
+    ids = torch.zeros(3, 2, dtype=torch.int32, device=DEVICE)
+    sorted_ids, _, num_padded = align.align_block_size(ids, 4, 16)
+    with pytest.raises(ValueError, match="fp32"):
+        slot_rows.gather_slots(torch.zeros(3, 8, device=DEVICE), torch.zeros(6, dtype=torch.float16,
+                                                                            device=DEVICE), sorted_ids, num_padded, 2)
+
+
+def test_the_combine_by_index_and_its_backward() -> None:
+    # rows read by no copy get a zero gradient; an absent copy (-1) adds nothing and its weight's gradient is zero
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(9, 16, generator=gen).to(DEVICE).requires_grad_()
+    weights = torch.rand(3, 2, generator=gen).to(DEVICE).requires_grad_()
+    index = torch.tensor([[4, 0], [7, -1], [2, 8]], dtype=torch.int32, device=DEVICE)
+    kernel_ops()
+    out = combine.COMBINE(rows, weights, 2, 1.5, torch.float32, index)
+    present = (index >= 0).float()
+    want = 1.5 * (rows[index.clamp(min=0).long()] * (weights * present)[..., None]).sum(1)
+    torch.testing.assert_close(out, want)
+    grad = torch.randn(3, 16, generator=gen).to(DEVICE)
+    got = torch.autograd.grad(out, [rows, weights], grad)
+    expected = torch.autograd.grad(want, [rows, weights], grad)
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
+    assert not got[0][[1, 3, 5, 6]].any() and float(got[1][1, 1]) == 0.0
+
+
+def test_the_rule_takes_slot_order_where_the_padding_is_at_most_a_quarter_of_the_copies() -> None:
+    assert slot_order.slot_rows_pay(4 * 8 * 63, 8, 64)
+    assert not slot_order.slot_rows_pay(4 * 8 * 63 - 1, 8, 64)
+    assert slot_order.slot_rows_pay(16384 * 8, 128, 64)  # Qwen3-30B-A3B at M = 16384
+    assert not slot_order.slot_rows_pay(1024 * 8, 128, 64)  # at M = 1024: the slots would be nearly twice the rows
+    assert slot_order.slot_rows_pay(64, 512, 1)  # one-row blocks: no padding
+    assert not slot_order.slot_rows_pay(0, 8, 64)
+
+
+def test_the_dispatch_takes_slot_order_only_where_a_training_step_can_use_it() -> None:
+    table = ConfigTable(2, 2)
+    routed = _routed(512, 2, 2, 8, 5)  # 1024 copies over 2 experts: the rule takes it for blocks up to 128 rows
+    kernel_ops()
+    assert table.lookup(512).block_m <= 128
+    trained = AlignDispatch(2, table)(routed)
+    assert trained.alignment.slot_copies == 1024 and trained.x.data.shape[0] == trained.alignment.sorted_ids.numel()
+    with torch.no_grad():  # inference moves no rows
+        served = AlignDispatch(2, table)(routed)
+    assert served.alignment.slot_copies == 0 and served.x.data is routed.x.data
+    assert AlignDispatch(2, table, slot_rows=False)(routed).alignment.slot_copies == 0
+    small = _routed(5, 2, 2, 8, 6)  # 10 copies, up to 30 padding rows: copy order unless asked
+    assert AlignDispatch(2, table)(small).alignment.slot_copies == 0
+    assert AlignDispatch(2, table, slot_rows=True)(small).alignment.slot_copies == 10
+    scaled = RoutedTokens(x=Activations(routed.x.data, torch.ones(512, 1, device=DEVICE)), topk=routed.topk)
+    assert slot_order.slot_rows_apply(scaled) is not None
+    assert AlignDispatch(2, table, slot_rows=True)(scaled).alignment.slot_copies == 0
+
+
+def _grads(run: Any, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    out = run()
+    return [out.detach(), *torch.autograd.grad(out, inputs, grad)]
+
+
+def _counting_gathers(run: Any) -> tuple[Any, int]:
+    """``run()`` with the weight gradient's gathers into expert order counted."""
+    calls: list[int] = []
+    real = weight_grad.gather_expert_rows
+    try:
+        weight_grad.gather_expert_rows = lambda *a, **k: calls.append(1) or real(*a, **k)  # type: ignore[assignment]
+        return run(), len(calls)
+    finally:
+        weight_grad.gather_expert_rows = real  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gpt-oss"])
+def test_the_stages_train_the_same_in_both_layouts_and_the_same_bits_twice(act: str) -> None:
+    # gpt-oss: the clamped SwiGLU on interleaved rows; both with expert biases
+    from test_triton_backward import ACTIVATIONS, _pipeline, _tensors
+
+    gen = torch.Generator().manual_seed(7)
+    t = _tensors(4, 32, 48, True, torch.float32, gen)
+    x = torch.randn(21, 32, generator=gen).to(DEVICE).requires_grad_()
+    logits = torch.randn(21, 4, generator=gen).to(DEVICE).requires_grad_()
+    grad = torch.randn(21, 32, generator=gen).to(DEVICE)
+    inputs = [x, logits, *t.values()]
+
+    def run(slot_rows: bool) -> list[torch.Tensor]:
+        pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS[act], mf.RoutingConfig(), torch.float32, slot_rows)
+        return _grads(lambda: pipeline(MoEInput(x, logits)).hidden_states, inputs, grad)
+
+    copy_order, gathered = _counting_gathers(lambda: run(False))
+    first, in_place = _counting_gathers(lambda: run(True))
+    assert gathered == 4 and in_place == 0  # two operands of each weight gradient: gathered, or read in place
+    for name, a, b in zip(["out", "x", "logits", *t], first, copy_order):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=name)
+    assert all(torch.equal(a, b) for a, b in zip(first, run(True)))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the triton layer needs a CUDA device")
+@pytest.mark.parametrize("preset", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_a_bf16_layer_trains_in_slot_order_like_the_torch_backend(preset: str) -> None:
+    torch.manual_seed(0)
+    sizes = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128)
+    fast = mf.MoELayer.from_preset(preset, **sizes, dtype=torch.bfloat16, device="cuda", backend="triton")
+    slow = mf.MoELayer.from_preset(preset, **sizes, dtype=torch.bfloat16, device="cuda", backend="torch")
+    slow.load_state_dict(fast.state_dict())
+    x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)  # 512 copies per expert: the rule takes it
+    grad = torch.randn_like(x)
+    found = []
+    for layer in (fast, slow):
+        inputs = [x.clone().requires_grad_(), *layer.parameters()]
+        found.append(_grads(lambda: layer(inputs[0]), inputs, grad))
+    dispatch = next(stage for stage in fast.pipeline.stages if isinstance(stage, AlignDispatch))
+    assert slot_order.slot_rows_pay(2048 * 2, 8, dispatch.configs.lookup(2048).block_m)
+    for got, want in zip(*found):
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 3e-2
