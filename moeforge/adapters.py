@@ -431,6 +431,11 @@ def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: E
     adapted: list[Stage[Any, Any]] = []
     found: set[GemmRole] = set()
     for stage in stages:
+        if getattr(stage, "slot_rows", False) is not False:
+            # The block-aligned dispatch keeps the rows in copy order: an adapter's shared A multiplies every dispatched
+            # row with a torch GEMM, whose weight gradient sums them all, and rows in slot order are not written past
+            # the used slots (moeforge.stages.slot_order).
+            stage = attrs.evolve(stage, slot_rows=False)
         role = getattr(stage, "role", None)
         if StageKind.GEMM in stage.kinds and role in adapter.targets:
             dtypes = stage.accepts().dtype

@@ -55,7 +55,8 @@ def test_the_gather_fills_every_used_slot_and_knows_each_copys_slot(case: str) -
     xs, slot_weights, slot_of, positions = slot_rows.gather_slots(routed.x.data, flat_weights, sorted_ids,
                                                                   num_padded, k)
     used, copies = int(num_padded), tokens * k
-    assert xs.shape == (sorted_ids.numel(), 24) and torch.equal(positions.long(), torch.arange(sorted_ids.numel()))
+    assert xs.shape == (sorted_ids.numel(), 24) and torch.equal(
+        positions.long(), torch.arange(sorted_ids.numel(), device=DEVICE))
     ids_used = sorted_ids[:used].long()
     real = ids_used < copies
     assert torch.equal(xs[:used][real], routed.x.data[ids_used[real] // k])
@@ -103,9 +104,10 @@ def test_the_combine_by_index_and_its_backward() -> None:
 
 
 def test_the_rule_takes_slot_order_where_the_padding_is_at_most_a_quarter_of_the_copies() -> None:
-    assert slot_order.slot_rows_pay(4 * 8 * 63, 8, 64)
-    assert not slot_order.slot_rows_pay(4 * 8 * 63 - 1, 8, 64)
-    assert slot_order.slot_rows_pay(16384 * 8, 128, 64)  # Qwen3-30B-A3B at M = 16384
+    assert slot_order.slot_rows_pay(8 * 8 * 63, 8, 64)
+    assert not slot_order.slot_rows_pay(8 * 8 * 63 - 1, 8, 64)
+    assert slot_order.slot_rows_pay(16384 * 8, 128, 128)  # Qwen3-30B-A3B at M = 16384, the H200 table's blocks
+    assert not slot_order.slot_rows_pay(16384 * 4, 128, 128)  # GPT-OSS-120B there: a quarter
     assert not slot_order.slot_rows_pay(1024 * 8, 128, 64)  # at M = 1024: the slots would be nearly twice the rows
     assert slot_order.slot_rows_pay(64, 512, 1)  # one-row blocks: no padding
     assert not slot_order.slot_rows_pay(0, 8, 64)
@@ -113,11 +115,11 @@ def test_the_rule_takes_slot_order_where_the_padding_is_at_most_a_quarter_of_the
 
 def test_the_dispatch_takes_slot_order_only_where_a_training_step_can_use_it() -> None:
     table = ConfigTable(2, 2)
-    routed = _routed(512, 2, 2, 8, 5)  # 1024 copies over 2 experts: the rule takes it for blocks up to 128 rows
+    routed = _routed(1024, 2, 2, 8, 5)  # 2048 copies over 2 experts: the rule takes it for blocks up to 128 rows
     kernel_ops()
-    assert table.lookup(512).block_m <= 128
+    assert table.lookup(1024).block_m <= 128
     trained = AlignDispatch(2, table)(routed)
-    assert trained.alignment.slot_copies == 1024 and trained.x.data.shape[0] == trained.alignment.sorted_ids.numel()
+    assert trained.alignment.slot_copies == 2048 and trained.x.data.shape[0] == trained.alignment.sorted_ids.numel()
     with torch.no_grad():  # inference moves no rows
         served = AlignDispatch(2, table)(routed)
     assert served.alignment.slot_copies == 0 and served.x.data is routed.x.data
@@ -125,7 +127,7 @@ def test_the_dispatch_takes_slot_order_only_where_a_training_step_can_use_it() -
     small = _routed(5, 2, 2, 8, 6)  # 10 copies, up to 30 padding rows: copy order unless asked
     assert AlignDispatch(2, table)(small).alignment.slot_copies == 0
     assert AlignDispatch(2, table, slot_rows=True)(small).alignment.slot_copies == 10
-    scaled = RoutedTokens(x=Activations(routed.x.data, torch.ones(512, 1, device=DEVICE)), topk=routed.topk)
+    scaled = RoutedTokens(x=Activations(routed.x.data, torch.ones(1024, 1, device=DEVICE)), topk=routed.topk)
     assert slot_order.slot_rows_apply(scaled) is not None
     assert AlignDispatch(2, table, slot_rows=True)(scaled).alignment.slot_copies == 0
 
@@ -178,13 +180,33 @@ def test_a_bf16_layer_trains_in_slot_order_like_the_torch_backend(preset: str) -
     fast = mf.MoELayer.from_preset(preset, **sizes, dtype=torch.bfloat16, device="cuda", backend="triton")
     slow = mf.MoELayer.from_preset(preset, **sizes, dtype=torch.bfloat16, device="cuda", backend="torch")
     slow.load_state_dict(fast.state_dict())
-    x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)  # 512 copies per expert: the rule takes it
+    x = torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16)  # 2048 copies per expert: the rule takes it
     grad = torch.randn_like(x)
     found = []
     for layer in (fast, slow):
         inputs = [x.clone().requires_grad_(), *layer.parameters()]
         found.append(_grads(lambda: layer(inputs[0]), inputs, grad))
     dispatch = next(stage for stage in fast.pipeline.stages if isinstance(stage, AlignDispatch))
-    assert slot_order.slot_rows_pay(2048 * 2, 8, dispatch.configs.lookup(2048).block_m)
+    assert slot_order.slot_rows_pay(8192 * 2, 8, dispatch.configs.lookup(8192).block_m)
     for got, want in zip(*found):
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 3e-2
+
+
+def test_an_adapted_layer_keeps_its_rows_in_copy_order() -> None:
+    # An adapter's shared A multiplies every dispatched row with a torch GEMM: rows in slot order are not written past
+    # the used slots, and that GEMM's weight gradient would sum them.
+    from moeforge.adapters import ExpertAdapter, adapt
+    from moeforge.stages.triton import FusedGroupedGemm
+
+    table = ConfigTable(4, 2)
+    gen = torch.Generator().manual_seed(9)
+    holder = torch.nn.Module()
+    w13 = torch.nn.Parameter(torch.randn(4, 96, 32, generator=gen).to(DEVICE))
+    w2 = torch.nn.Parameter(torch.randn(4, 32, 48, generator=gen).to(DEVICE))
+    holder.w13_lora_a = torch.nn.Parameter(torch.randn(1, 4, 32, generator=gen).to(DEVICE))
+    holder.w13_lora_b = torch.nn.Parameter(torch.zeros(4, 96, 4, device=DEVICE))
+    stages = [AlignDispatch(4, table, slot_rows=True),
+              FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=mf.ActivationConfig()),
+              FusedGroupedGemm(mf.GemmRole.DOWN, w2, table)]
+    adapted = adapt(stages, holder, ExpertAdapter(rank=4, targets=("gate_up",), shared_a=True))
+    assert isinstance(adapted[0], AlignDispatch) and adapted[0].slot_rows is False
