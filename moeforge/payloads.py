@@ -329,8 +329,9 @@ class BlockAlignment:
     ``slot_copies`` > 0: the rows are in slot order (:mod:`moeforge.kernels.slot_rows`, a training step's layout):
     ``x.data`` holds one row per slot, ``sorted_ids`` is each slot's own position (``num_tokens`` the slots,
     ``copies_per_row`` 1, so every slot counts as a copy: the padding rows are zero rows) and ``slot_copies`` is the
-    number of the router's copies among them; the plan (:class:`moeforge.stages.slot_order.SlotOrderPlan`) knows
-    each copy's slot.
+    number of the router's copies among them, ``slot_runs`` where each expert's rows and copies lie
+    (:func:`moeforge.kernels.weight_grad.expert_runs` with ``slot_first``); the plan
+    (:class:`moeforge.stages.slot_order.SlotOrderPlan`) knows each copy's slot.
     """
 
     sorted_ids: torch.Tensor
@@ -340,6 +341,7 @@ class BlockAlignment:
     copies_per_row: int
     num_tokens: int
     slot_copies: int = 0
+    slot_runs: Optional[torch.Tensor] = None
 
     @property
     def block_m(self) -> int:
@@ -352,7 +354,7 @@ class BlockAlignment:
     def route(self) -> GemmRoute:
         """The plan as the grouped GEMMs take it."""
         return GemmRoute(self.sorted_ids, self.block_expert, self.num_padded, self.num_copies,
-                         aligned_block_m=self.block_m, slot_copies=self.slot_copies)
+                         aligned_block_m=self.block_m, slot_copies=self.slot_copies, slot_runs=self.slot_runs)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -50,10 +50,10 @@ def test_the_gather_fills_every_used_slot_and_knows_each_copys_slot(case: str) -
     tokens, experts, k, ids = CASES[case]
     routed = _routed(tokens, experts, k, 24, 1, ids)
     kernel_ops()
-    sorted_ids, _, num_padded = align.align_block_size(routed.topk.ids, experts, 16)
+    sorted_ids, block_expert, num_padded = align.align_block_size(routed.topk.ids, experts, 16)
     flat_weights = routed.topk.weights.reshape(-1)
-    xs, slot_weights, slot_of, positions = slot_rows.gather_slots(routed.x.data, flat_weights, sorted_ids,
-                                                                  num_padded, k)
+    xs, slot_weights, slot_of, positions, runs = slot_rows.gather_slots(routed.x.data, flat_weights, sorted_ids,
+                                                                        block_expert, num_padded, k, experts, 16)
     used, copies = int(num_padded), tokens * k
     assert xs.shape == (sorted_ids.numel(), 24) and torch.equal(
         positions.long(), torch.arange(sorted_ids.numel(), device=DEVICE))
@@ -63,14 +63,21 @@ def test_the_gather_fills_every_used_slot_and_knows_each_copys_slot(case: str) -
     assert not xs[:used][~real].any() and not slot_weights[:used][~real].any()  # the padding: zero rows
     assert torch.equal(slot_weights[:used][real], flat_weights[ids_used[real]])
     assert torch.equal(sorted_ids[slot_of.long()].long(), torch.arange(copies, device=DEVICE))
+    # each expert's first slot and its copies: what the weight gradients read
+    counts = torch.bincount(routed.topk.ids.reshape(-1).long(), minlength=experts)
+    assert torch.equal(runs[2, :experts].long(), counts) and int(runs[1, experts]) == used
+    for e in range(experts):
+        if counts[e]:
+            first = int(runs[1, e])
+            assert int(block_expert[first // 16]) == e and (first == 0 or int(block_expert[first // 16 - 1]) != e)
 
 
 def test_an_empty_batch_gathers_nothing() -> None:
     kernel_ops()
     ids = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
-    sorted_ids, _, num_padded = align.align_block_size(ids, 4, 16)
-    xs, slot_weights, slot_of, positions = slot_rows.gather_slots(torch.zeros(0, 8, device=DEVICE), None,
-                                                                  sorted_ids, num_padded, 2)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids, 4, 16)
+    xs, slot_weights, slot_of, positions, _ = slot_rows.gather_slots(torch.zeros(0, 8, device=DEVICE), None,
+                                                                     sorted_ids, block_expert, num_padded, 2, 4, 16)
     assert xs.shape[1] == 8 and slot_weights.numel() == 0 and slot_of.numel() == 0
     assert positions.numel() == sorted_ids.numel()
 
@@ -78,10 +85,10 @@ def test_an_empty_batch_gathers_nothing() -> None:
 def test_the_gather_refuses_weights_it_cannot_carry() -> None:
     kernel_ops()
     ids = torch.zeros(3, 2, dtype=torch.int32, device=DEVICE)
-    sorted_ids, _, num_padded = align.align_block_size(ids, 4, 16)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids, 4, 16)
     with pytest.raises(ValueError, match="fp32"):
-        slot_rows.gather_slots(torch.zeros(3, 8, device=DEVICE), torch.zeros(6, dtype=torch.float16,
-                                                                            device=DEVICE), sorted_ids, num_padded, 2)
+        slot_rows.gather_slots(torch.zeros(3, 8, device=DEVICE), torch.zeros(6, dtype=torch.float16, device=DEVICE),
+                               sorted_ids, block_expert, num_padded, 2, 4, 16)
 
 
 def test_the_combine_by_index_and_its_backward() -> None:
@@ -137,15 +144,18 @@ def _grads(run: Any, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[tor
     return [out.detach(), *torch.autograd.grad(out, inputs, grad)]
 
 
-def _counting_gathers(run: Any) -> tuple[Any, int]:
-    """``run()`` with the weight gradient's gathers into expert order counted."""
-    calls: list[int] = []
-    real = weight_grad.gather_expert_rows
+def _counting(run: Any) -> tuple[Any, int, int]:
+    """``run()`` with the weight gradient's gathers into expert order and its computations of the experts' runs
+    counted."""
+    gathers: list[int] = []
+    runs: list[int] = []
+    gather, expert_runs = weight_grad.gather_expert_rows, weight_grad.expert_runs
     try:
-        weight_grad.gather_expert_rows = lambda *a, **k: calls.append(1) or real(*a, **k)  # type: ignore[assignment]
-        return run(), len(calls)
+        weight_grad.gather_expert_rows = lambda *a, **k: gathers.append(1) or gather(*a, **k)  # type: ignore
+        weight_grad.expert_runs = lambda *a, **k: runs.append(1) or expert_runs(*a, **k)  # type: ignore
+        return run(), len(gathers), len(runs)
     finally:
-        weight_grad.gather_expert_rows = real  # type: ignore[assignment]
+        weight_grad.gather_expert_rows, weight_grad.expert_runs = gather, expert_runs  # type: ignore
 
 
 @pytest.mark.parametrize("act", ["swiglu", "gpt-oss"])
@@ -164,9 +174,10 @@ def test_the_stages_train_the_same_in_both_layouts_and_the_same_bits_twice(act: 
         pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS[act], mf.RoutingConfig(), torch.float32, slot_rows)
         return _grads(lambda: pipeline(MoEInput(x, logits)).hidden_states, inputs, grad)
 
-    copy_order, gathered = _counting_gathers(lambda: run(False))
-    first, in_place = _counting_gathers(lambda: run(True))
+    copy_order, gathered, copy_runs = _counting(lambda: run(False))
+    first, in_place, slot_runs = _counting(lambda: run(True))
     assert gathered == 4 and in_place == 0  # two operands of each weight gradient: gathered, or read in place
+    assert copy_runs == 2 and slot_runs == 1  # each weight gradient's, or the dispatch's once for both
     for name, a, b in zip(["out", "x", "logits", *t], first, copy_order):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=name)
     assert all(torch.equal(a, b) for a, b in zip(first, run(True)))

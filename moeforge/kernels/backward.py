@@ -43,14 +43,15 @@ _MOE_GEMM_INPUTS = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "we
                     "topk_weights", "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a",
                     "weight_format", "a_global", "act", "glu", "interleaved", "alpha", "limit", "config",
                     "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max", "weight_shuffled", "update_rows",
-                    "update_weight", "update_scale", "update_ids", "slot_copies")
+                    "update_weight", "update_scale", "update_ids", "slot_copies", "slot_runs")
 
 
 def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     args = dict(zip(_MOE_GEMM_INPUTS, inputs))
     ctx.args = {name: value for name, value in args.items() if not isinstance(value, torch.Tensor)}
     ctx.save_for_backward(args["a"], args["weight"], args["bias"], args["topk_weights"], args["sorted_ids"],
-                          args["block_expert"], args["num_padded"], args.get("update_rows"), args.get("update_weight"))
+                          args["block_expert"], args["num_padded"], args.get("update_rows"), args.get("update_weight"),
+                          args.get("slot_runs"))
     ctx.stacked_update = args.get("update_ids") is not None
     ctx.quantized = (args["weight_format"] != int(WeightFormat.FLOAT) or args["fp8_out"]
                      or args["a"].dtype not in (torch.bfloat16, torch.float16, torch.float32))
@@ -63,12 +64,13 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     if ctx.stacked_update:
         raise InputError("a stack of low-rank updates inside the grouped GEMM (update_ids) is the serving path: it has "
                          "no backward (an adapter stack trains through its own launches)")
-    a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded, update_rows, update_weight = ctx.saved_tensors
+    (a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded, update_rows, update_weight,
+     slot_runs) = ctx.saved_tensors
     p = ctx.args
     config = config_of(p["config"])
     aligned = p.get("aligned_block_m", 0) or config.block_m  # the block sorted_ids was aligned with
     route = GemmRoute(sorted_ids, block_expert, num_padded, p["num_copies"], aligned_block_m=aligned,
-                      slot_copies=p.get("slot_copies", 0))
+                      slot_copies=p.get("slot_copies", 0), slot_runs=slot_runs)
     activation = codes.config_of(p["act"], p["glu"], p["interleaved"], p["alpha"], p["limit"])
     if activation is None and topk_weights is None:
         # A plain GEMM (the down projection; the training forward's gate/up, whose activation is its own op):
@@ -94,7 +96,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     if needs[2] or (bias is not None and needs[6]):
         dw, db = weight_grad.EXPERT_WEIGHT_GRAD(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
                                                 weight.shape[0], aligned, bias is not None and needs[6], weight.dtype,
-                                                route.slot_copies)
+                                                route.slot_copies, route.slot_runs)
         d_weight = dw if needs[2] else None
         d_bias = db if bias is not None and needs[6] else None
     grads_out: list[Any] = [None] * len(_MOE_GEMM_INPUTS)
@@ -122,7 +124,7 @@ def _update_backward(d_pre: torch.Tensor, rows: torch.Tensor, weight: torch.Tens
         dw, _ = weight_grad.EXPERT_WEIGHT_GRAD(d_pre.to(rows.dtype), rows, 1, route.sorted_ids, route.block_expert,
                                                route.num_padded, weight.shape[0],
                                                route.aligned_block_m or config.block_m, False, weight.dtype,
-                                               route.slot_copies)
+                                               route.slot_copies, route.slot_runs)
         d_weight = dw * scale if scale != 1.0 else dw
     return d_rows, d_weight
 
@@ -166,13 +168,13 @@ def combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
 
 
 def gather_slots_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    x, weights, _, _, top_k = inputs
+    x, weights, _, _, _, top_k, _, _ = inputs
     ctx.save_for_backward(output[2])
     ctx.top_k, ctx.dtype = top_k, x.dtype
 
 
 def gather_slots_backward(ctx: Any, d_xs: torch.Tensor, d_slot_weights: Optional[torch.Tensor], d_slot_of: Any,
-                          d_positions: Any) -> tuple[Any, ...]:
+                          d_positions: Any, d_runs: Any) -> tuple[Any, ...]:
     """``xs[s] = x[c // k]`` and ``slot_weights[s] = w[c]`` for the copy ``c`` in slot ``s``: each token's slot rows'
     gradients summed (:func:`moeforge.kernels.slot_rows.gather_slots_backward`), each copy's weight's gradient read
     at its slot."""
@@ -180,7 +182,7 @@ def gather_slots_backward(ctx: Any, d_xs: torch.Tensor, d_slot_weights: Optional
     weights_need = ctx.needs_input_grad[1] and d_slot_weights is not None
     d_x, d_weights = slot_rows.gather_slots_backward(d_xs, d_slot_weights if weights_need else None, slot_of,
                                                      ctx.top_k, ctx.dtype)
-    return d_x if ctx.needs_input_grad[0] else None, d_weights, None, None, None
+    return (d_x if ctx.needs_input_grad[0] else None, d_weights) + (None,) * 6
 
 
 _ROUTE_INPUTS = ("router_logits", "selection_bias", "top_k", "sigmoid", "select_first", "renormalize", "n_group",

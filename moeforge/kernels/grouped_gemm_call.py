@@ -1,7 +1,7 @@
 """The one caller of the ``moeforge::moe_gemm`` custom op: operand records in, the op's arguments out.
 
 A ``torch.library`` custom op takes a flat schema of tensors, scalars and integer lists, so the grouped GEMM's op
-(:mod:`moeforge.kernels.ops`) has 31 positional arguments. Nothing in the package calls it except
+(:mod:`moeforge.kernels.ops`) has 32 positional arguments. Nothing in the package calls it except
 :func:`grouped_gemm`, which takes the operands as four records and the launch configuration and spells the
 positional order out once:
 
@@ -109,8 +109,10 @@ class GemmRoute:
     aligned_block_m: Optional[int] = None  # the block the rows were aligned with (None: the config's block_m)
     # Rows in slot order (moeforge.kernels.slot_rows): the number of copies they hold, every slot's sorted_ids its
     # own position (num_copies: the slots) and each padding row of the inputs zero; 0: rows in copy order. The
-    # backward's weight gradient then reads each expert's rows in place instead of gathering them.
+    # backward's weight gradient then reads each expert's rows in place instead of gathering them, to each expert's
+    # copies where slot_runs (weight_grad.expert_runs of the copies with slot_first) says how many.
     slot_copies: int = 0
+    slot_runs: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -195,6 +197,7 @@ def launch(
     update_scale: float = 1.0,
     update_ids: Optional[torch.Tensor] = None,
     slot_copies: int = 0,
+    slot_runs: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::moe_gemm`` op's implementation, the one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`,
     imported when first called: this module imports no Triton): ``(out, out_scale)``, where ``out_scale`` is the
@@ -203,8 +206,8 @@ def launch(
     :func:`encode_config` writes it (a list of another length is a ``ValueError``); ``aligned_block_m``: the block the
     rows were aligned with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255:
     none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`);
-    ``update_*``: a low-rank update (:class:`GemmUpdate`); ``slot_copies``: :attr:`GemmRoute.slot_copies` (the
-    forward computes the same either way; the backward reads it). A ``config`` with ``warp_specialized`` launches the Gluon
+    ``update_*``: a low-rank update (:class:`GemmUpdate`); ``slot_copies``, ``slot_runs``: :class:`GemmRoute`'s (the
+    forward computes the same either way; the backward reads them). A ``config`` with ``warp_specialized`` launches the Gluon
     kernel where it serves these operands (:mod:`moeforge.kernels.warp_specialized`), else ``moe_gemm``."""
     from moeforge.kernels import moe_gemm as kernel
 
@@ -254,6 +257,6 @@ def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue:
         0 if route.aligned_block_m is None else route.aligned_block_m,
         NO_SCALE_BOUND if weight.scale_max is None else weight.scale_max, weight.shuffled,
         *((update.rows, update.weight, float(update.scale), update.ids) if update is not None
-          else (None, None, 1.0, None)), route.slot_copies)
+          else (None, None, 1.0, None)), route.slot_copies, route.slot_runs)
     result: torch.Tensor = out
     return result, out_scale if epilogue.fp8_out else None

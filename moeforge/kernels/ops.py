@@ -72,8 +72,8 @@ def _(a: torch.Tensor, a_scale: Optional[torch.Tensor], weight: torch.Tensor, we
       glu: bool, interleaved: bool, alpha: float, limit: float, config: list[int], out_dtype: torch.dtype,
       fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255, weight_shuffled: bool = False,
       update_rows: Optional[torch.Tensor] = None, update_weight: Optional[torch.Tensor] = None,
-      update_scale: float = 1.0, update_ids: Optional[torch.Tensor] = None,
-      slot_copies: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+      update_scale: float = 1.0, update_ids: Optional[torch.Tensor] = None, slot_copies: int = 0,
+      slot_runs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     return grouped_gemm_call.outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
 
 
@@ -175,18 +175,19 @@ expert_weight_grad = weight_grad.EXPERT_WEIGHT_GRAD
 @_expert_weight_grad_op.register_fake
 def _(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
       block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int, with_bias: bool,
-      dtype: torch.dtype, slot_copies: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+      dtype: torch.dtype, slot_copies: int = 0,
+      slot_runs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = d_rows.shape[1], rows.shape[1]
     return (d_rows.new_empty(num_experts, n, k, dtype=dtype),
             d_rows.new_empty(num_experts, n, dtype=dtype) if with_bias else d_rows.new_empty(0, dtype=dtype))
 
 
 def _gather_slots(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,
-                  num_padded: torch.Tensor,
-                  top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, num_experts: int,
+                  block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The token rows in the alignment's slot order: :func:`moeforge.kernels.slot_rows.gather_slots`.
     Differentiable in ``x`` and ``weights``."""
-    return slot_rows.gather_slots(x, weights, sorted_ids, num_padded, top_k)
+    return slot_rows.gather_slots(x, weights, sorted_ids, block_expert, num_padded, top_k, num_experts, block_m)
 
 
 _gather_slots_op = torch.library.custom_op("moeforge::gather_slots", _gather_slots, mutates_args=())
@@ -194,11 +195,13 @@ gather_slots = KernelOp(_gather_slots_op, _gather_slots, differentiable=True)
 
 
 @_gather_slots_op.register_fake
-def _(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: torch.Tensor, num_padded: torch.Tensor,
-      top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+      num_padded: torch.Tensor, top_k: int, num_experts: int,
+      block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     slots = sorted_ids.numel()
     return (x.new_empty(slots, x.shape[1]), x.new_empty(slots if weights is not None else 0, dtype=torch.float32),
-            x.new_empty(x.shape[0] * top_k, dtype=torch.int32), x.new_empty(slots, dtype=torch.int32))
+            x.new_empty(x.shape[0] * top_k, dtype=torch.int32), x.new_empty(slots, dtype=torch.int32),
+            x.new_empty(4, num_experts + 1, dtype=torch.int32))
 
 
 def _activate_rows(pre: torch.Tensor, act: int, glu: bool, interleaved: bool, alpha: float,

@@ -12,7 +12,9 @@ copy ``c``'s row at its slot (``slot_of[c]``).
 row of every GEMM's product, and of every gradient the backward computes from them, is the product of a zero row
 (the bias where there is one; its gradient zero): the weight gradients may then sum an expert's whole blocks. Slots
 past the used blocks are not written and nothing reads them. The copies' routing weights come in slot order too (zero
-in the padding), for a GEMM epilogue that multiplies by them, and ``slot_of [C]``: each copy's slot.
+in the padding), for a GEMM epilogue that multiplies by them, ``slot_of [C]``: each copy's slot, and where each
+expert's rows lie (:func:`moeforge.kernels.weight_grad.expert_runs` with ``slot_first``: its first slot and its
+copies), which the weight gradients sum to the copies rounded up to their step and no further.
 
 The backward (:func:`gather_slots_backward`) sums each token's ``top_k`` slot rows in a fixed order with the combine
 kernel (:func:`moeforge.kernels.combine.combine_copies` by index, fp32 sums): the same bits from run to run.
@@ -26,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeforge.kernels import combine
+from moeforge.kernels import combine, weight_grad
 from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
@@ -58,15 +60,16 @@ _GATHER_SLOTS = LaunchSite(_gather_slots_kernel)
 
 
 def gather_slots(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,
-                 num_padded: torch.Tensor, top_k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(xs [S, H], slot_weights [S] fp32, slot_of [T * top_k] int32, positions [S] int32)`` for token rows
-    ``x [T, H]`` and the plan
+                 block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, num_experts: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(xs [S, H], slot_weights [S] fp32, slot_of [T * top_k] int32, positions [S] int32, runs [4, E + 1] int32)``
+    for token rows ``x [T, H]`` and the plan (aligned with ``block_m`` over ``num_experts``)
     ``sorted_ids [S]`` / ``num_padded`` of their ``T * top_k`` copies: ``xs[s] = x[sorted_ids[s] // top_k]`` for a
     used slot holding a copy, a zero row for a used padding slot, unwritten past the used slots;
     ``slot_weights[s] = weights[sorted_ids[s]]`` likewise (zero in the padding; empty without ``weights``, the
     copies' fp32 routing weights in copy order); ``slot_of[c]``, the slot of copy ``c``; ``positions[s] = s``, the
-    route of the GEMMs on ``xs``."""
+    route of the GEMMs on ``xs``; ``runs``: each expert's first row in slot order (row 1) and its copies (row 2), the
+    other rows as :func:`~moeforge.kernels.weight_grad.expert_runs` writes them."""
     if x.dim() != 2:
         raise ValueError(f"gather_slots takes token rows [T, H], got shape {tuple(x.shape)}")
     tokens, width = x.shape
@@ -82,7 +85,9 @@ def gather_slots(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: t
     slot_of = x.new_empty(num_copies, dtype=torch.int32)
     positions = x.new_empty(slots, dtype=torch.int32)
     if slots == 0:
-        return xs, slot_weights, slot_of, positions
+        return xs, slot_weights, slot_of, positions, x.new_zeros(4, num_experts + 1, dtype=torch.int32)
+    runs = weight_grad.expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, block_m,
+                                   slot_first=True)
     block_w = min(next_power_of_2(max(width, 1)), 256)
     block_r = max(1, min(32, 4096 // block_w))
     grid = (cdiv(slots, block_r), max(1, cdiv(width, block_w)))
@@ -94,7 +99,7 @@ def gather_slots(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: t
     _GATHER_SLOTS.launch((has_weights, block_r, block_w, x.device), grid, (
         x, weights if weights is not None else slot_weights, sorted_ids, num_padded, xs, slot_weights, slot_of,
         positions, slots, num_copies, top_k, width, x.stride(0), xs.stride(0)), make)
-    return xs, slot_weights, slot_of, positions
+    return xs, slot_weights, slot_of, positions, runs
 
 
 def gather_slots_backward(d_xs: torch.Tensor, d_slot_weights: Optional[torch.Tensor], slot_of: torch.Tensor,

@@ -139,13 +139,14 @@ def tma_applies(t: torch.Tensor) -> bool:
 @triton.jit
 def _expert_runs_kernel(block_expert_ptr, sorted_ids_ptr, num_padded_ptr, runs_ptr, num_blocks, num_experts,
                         num_copies, ALIGNED_M: tl.constexpr, STEP: tl.constexpr, BLOCK_E: tl.constexpr,
-                        CHUNK: tl.constexpr, CHUNK_E: tl.constexpr):
+                        CHUNK: tl.constexpr, CHUNK_E: tl.constexpr, SLOT_FIRST: tl.constexpr):
     # One program. Row 0 of runs [4, E + 1]: each expert's first block -- its used blocks counted (a histogram of the
     # block -> expert table's used entries), their exclusive running sum -- then the number of used blocks. Row 2:
     # each expert's copies -- its blocks' slots less the padding, which the alignment puts only in an expert's last
     # block -- then all of them. Row 1: their exclusive running sum (each expert's first row in expert order), then
-    # the number of copies; row 3 the same over the copies rounded up to whole steps of STEP rows. Rows 0 and 2 are
-    # read back after they are written: a barrier between (one CTA).
+    # the number of copies (SLOT_FIRST: each expert's first row in slot order, its first block's, then the used
+    # slots); row 3 the same over the copies rounded up to whole steps of STEP rows. Rows 0 and 2 are read back after
+    # they are written: a barrier between (one CTA).
     used_blocks = tl.load(num_padded_ptr) // ALIGNED_M
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     experts = tl.arange(0, BLOCK_E)
@@ -156,7 +157,8 @@ def _expert_runs_kernel(block_expert_ptr, sorted_ids_ptr, num_padded_ptr, runs_p
         unused = tl.sum((~used).to(tl.int32), axis=0)  # counted in the last bin: taken out again
         counts += tl.histogram(owners, BLOCK_E) - tl.where(experts == BLOCK_E - 1, unused, 0)
     real = experts < num_experts
-    tl.store(runs_ptr + experts, tl.cumsum(counts, axis=0) - counts, mask=real)
+    first_blocks = tl.cumsum(counts, axis=0) - counts
+    tl.store(runs_ptr + experts, first_blocks, mask=real)
     tl.store(runs_ptr + num_experts, used_blocks)
     tl.debug_barrier()
     lanes = tl.arange(0, ALIGNED_M)
@@ -173,8 +175,12 @@ def _expert_runs_kernel(block_expert_ptr, sorted_ids_ptr, num_padded_ptr, runs_p
         tl.store(copies_row + chunk, (stop - first) * ALIGNED_M - padding, mask=inside)
     tl.debug_barrier()
     mine = tl.load(copies_row + experts, mask=real, other=0)
-    tl.store(runs_ptr + num_experts + 1 + experts, tl.cumsum(mine, axis=0) - mine, mask=real)
-    tl.store(runs_ptr + 2 * num_experts + 1, tl.sum(mine, axis=0))
+    if SLOT_FIRST:
+        tl.store(runs_ptr + num_experts + 1 + experts, first_blocks * ALIGNED_M, mask=real)
+        tl.store(runs_ptr + 2 * num_experts + 1, used_blocks * ALIGNED_M)
+    else:
+        tl.store(runs_ptr + num_experts + 1 + experts, tl.cumsum(mine, axis=0) - mine, mask=real)
+        tl.store(runs_ptr + 2 * num_experts + 1, tl.sum(mine, axis=0))
     tl.store(copies_row + num_experts, tl.sum(mine, axis=0))
     whole = tl.cdiv(mine, STEP) * STEP
     tl.store(runs_ptr + 3 * (num_experts + 1) + experts, tl.cumsum(whole, axis=0) - whole, mask=real)
@@ -182,22 +188,24 @@ def _expert_runs_kernel(block_expert_ptr, sorted_ids_ptr, num_padded_ptr, runs_p
 
 
 def expert_runs(block_expert: torch.Tensor, sorted_ids: torch.Tensor, num_padded: torch.Tensor, block_m: int,
-                num_experts: int, num_copies: int, step: int) -> torch.Tensor:
+                num_experts: int, num_copies: int, step: int, slot_first: bool = False) -> torch.Tensor:
     """Where each expert's rows lie, from the alignment's outputs (aligned with ``block_m``, ``num_copies``
     copies), on the device in one launch: ``runs [4, E + 1]`` int32 with ``runs[0, e]`` expert ``e``'s first block
     in the slot order (``runs[0, E]`` the used blocks), ``runs[1, e]`` its first row in expert order (the copies
     of the experts before it; ``runs[1, E]`` all copies), ``runs[2, e]`` its copies (``runs[2, E]`` all) and
     ``runs[3, e]`` its first row in expert order with every run rounded up to whole steps of ``step`` rows
-    (``runs[3, E]`` all those rows)."""
+    (``runs[3, E]`` all those rows). ``slot_first``: ``runs[1, e]`` its first row in slot order instead, its first
+    block's (``runs[1, E]`` the used slots): where rows in slot order lie (:mod:`moeforge.kernels.slot_rows`)."""
     runs = torch.empty(4, num_experts + 1, dtype=torch.int32, device=block_expert.device)
     block_e = max(next_power_of_2(num_experts), 2)
     chunk = max(16, min(1024, next_power_of_2(block_expert.numel())))
     chunk_e = max(1, min(block_e, 4096 // block_m))
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(ALIGNED_M=block_m, STEP=step, BLOCK_E=block_e, CHUNK=chunk, CHUNK_E=chunk_e), {}
+        return dict(ALIGNED_M=block_m, STEP=step, BLOCK_E=block_e, CHUNK=chunk, CHUNK_E=chunk_e,
+                    SLOT_FIRST=slot_first), {}
 
-    _EXPERT_RUNS.launch((block_m, step, block_e, chunk, chunk_e, block_expert.device), (1,),
+    _EXPERT_RUNS.launch((block_m, step, block_e, chunk, chunk_e, slot_first, block_expert.device), (1,),
                         (block_expert, sorted_ids, num_padded, runs, block_expert.numel(), num_experts, num_copies),
                         make)
     return runs
@@ -319,8 +327,8 @@ def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr,
 def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
                        block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
                        with_bias: bool, dtype: torch.dtype = torch.float32,
-                       tiles: Optional[WeightGradTiles] = None,
-                       slot_copies: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       tiles: Optional[WeightGradTiles] = None, slot_copies: int = 0,
+                       slot_runs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(dW [E, N, K], db [E, N] or None)`` in ``dtype`` (summed in fp32): for each expert the sum over its
     copies ``c`` of ``d_rows[c]^T rows[c // rows_per_a]`` (``d_rows [copies, N]``, ``rows [R, K]`` of one dtype),
     each expert's copies summed in slot order, which the alignment (aligned with ``block_m``) makes ascending: the
@@ -328,7 +336,9 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
 
     ``slot_copies`` > 0: both operands in slot order (:mod:`moeforge.kernels.slot_rows`; ``sorted_ids`` each slot's
     own position, ``rows_per_a`` 1), ``slot_copies`` of their rows copies, each padding row of one operand zero: each
-    expert's sum runs over its blocks' rows where they are, nothing gathered."""
+    expert's sum runs over its rows where they are, nothing gathered — its copies rounded up to whole steps where
+    ``slot_runs`` (the dispatch's :func:`expert_runs` of the copies with ``slot_first``) says how many, else its whole
+    blocks."""
     num_copies, n = d_rows.shape
     k = rows.shape[1]
     if slot_copies and rows_per_a != 1:
@@ -344,7 +354,11 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     if block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
-    runs = expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m)
+    if slot_copies and slot_runs is not None:
+        runs = slot_runs  # (rows 1 and 2 are what the launches read)
+    else:
+        runs = expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m,
+                           slot_first=bool(slot_copies))
 
     def takes(dy: torch.Tensor, x: torch.Tensor, **how: Any) -> bool:
         """Whether the tiles ask for the Gluon kernel and it takes these operands, loaded as ``how`` says."""
@@ -359,8 +373,9 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
                                          tma_store=tiles.tma_store, **how)
 
     if slot_copies:
-        # every slot a copy (the padding's zero rows): an expert's run is its blocks' rows from its first block's,
-        # whole steps (the step divides the block)
+        # an expert's run from its first block's row: its copies (or, without slot_runs, its blocks' every slot),
+        # rounded up to whole steps within its blocks (the step divides the block), past its copies the padding's
+        # zero rows
         dy, x, dy_first, x_first = _columns_contiguous(d_rows), _columns_contiguous(rows), runs[1], runs[1]
     else:
         # by index: each expert's copies are the slots of its blocks from its first (runs[0]), in ascending order
@@ -410,11 +425,12 @@ def _columns_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def grads_for_op(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
-                 with_bias: bool, dtype: torch.dtype, slot_copies: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 with_bias: bool, dtype: torch.dtype, slot_copies: int = 0,
+                 slot_runs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::expert_weight_grad`` op's implementation: :func:`expert_weight_grad` with an empty ``db``
     without a bias (an op returns tensors)."""
     dw, db = expert_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded, num_experts, block_m,
-                                with_bias, dtype, slot_copies=slot_copies)
+                                with_bias, dtype, slot_copies=slot_copies, slot_runs=slot_runs)
     return dw, db if db is not None else d_rows.new_empty(0, dtype=dtype)
 
 

@@ -46,19 +46,21 @@ def slot_rows_apply(x: RoutedTokens) -> Optional[str]:
     return None
 
 
-def slot_order_rows(x: RoutedTokens, alignment: BlockAlignment) -> AlignedRows:
-    """``x``'s rows gathered into the slots of ``alignment`` (aligned for ``x``'s copies) as :class:`AlignedRows` in
+def slot_order_rows(x: RoutedTokens, alignment: BlockAlignment, num_experts: int) -> AlignedRows:
+    """``x``'s rows gathered into the slots of ``alignment`` (aligned for ``x``'s copies over ``num_experts``) as
+    :class:`AlignedRows` in
     slot order: ``x.data [S, H]`` (a zero row in each used padding slot), the alignment's ``sorted_ids`` each slot's
     position, the copies' routing weights in slot order (zero in the padding) and the plan back to the tokens."""
     from moeforge.stages.triton import kernel_ops
 
     tokens, top_k = x.topk.ids.shape
     weights = x.topk.weights.float()
-    xs, slot_weights, slot_of, positions = kernel_ops().gather_slots(
-        x.x.data, weights.reshape(-1), alignment.sorted_ids, alignment.num_padded, top_k)
+    xs, slot_weights, slot_of, positions, runs = kernel_ops().gather_slots(
+        x.x.data, weights.reshape(-1), alignment.sorted_ids, alignment.block_expert, alignment.num_padded, top_k,
+        num_experts, alignment.block_m)
     slots = BlockAlignment(sorted_ids=positions, block_expert=alignment.block_expert, num_padded=alignment.num_padded,
                            config=alignment.config, copies_per_row=1, num_tokens=int(positions.numel()),
-                           slot_copies=tokens * top_k)
+                           slot_copies=tokens * top_k, slot_runs=runs)
     return AlignedRows(x=Activations(xs), alignment=slots, copy_major=True, copy_weights=slot_weights,
                        plan=SlotOrderPlan(weights, slot_of.view(tokens, top_k)))
 

@@ -148,7 +148,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
                                    config=config, copies_per_row=top_k, num_tokens=tokens)
         if training and self.slot_rows is not False and slot_order.slot_rows_apply(x) is None and (
                 self.slot_rows or slot_order.slot_rows_pay(tokens * top_k, self.num_experts, config.block_m)):
-            return slot_order.slot_order_rows(x, alignment)
+            return slot_order.slot_order_rows(x, alignment, self.num_experts)
         # each copy's adapter, in copy order (copy t * top_k + j of token t)
         adapter_ids = x.adapter_ids.repeat_interleave(top_k) if x.adapter_ids is not None else None
         return AlignedRows(x=x.x, alignment=alignment, copy_major=False, copy_weights=x.topk.weights.reshape(-1),
