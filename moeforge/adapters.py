@@ -42,6 +42,7 @@ from moeforge.spec import Accepts, DType, Layout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.gemm import GemmRole, expert_rows_gemm
 from moeforge.stages.quantize import dequantize
+from moeforge.stages.triton import AlignDispatch
 from moeforge.tensor_ref import ParamRef, TensorSource, resolve
 
 # The layer's parameter names of each projection's adapter: (A, B).
@@ -431,7 +432,7 @@ def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: E
     adapted: list[Stage[Any, Any]] = []
     found: set[GemmRole] = set()
     for stage in stages:
-        if getattr(stage, "slot_rows", False) is not False:
+        if isinstance(stage, AlignDispatch) and stage.slot_rows is not False:
             # The block-aligned dispatch keeps the rows in copy order: an adapter's shared A multiplies every dispatched
             # row with a torch GEMM, whose weight gradient sums them all, and rows in slot order are not written past
             # the used slots (moeforge.stages.slot_order).

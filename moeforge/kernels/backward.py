@@ -164,7 +164,8 @@ def combine_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
     rows, weights, index = ctx.saved_tensors
     weight_grad = weights is not None and ctx.needs_input_grad[1]
     d_rows, d_weights = combine.COMBINE_BACKWARD(grad_out, rows, weights, ctx.top_k, ctx.scale, weight_grad, index)
-    return (d_rows, d_weights if weight_grad else None) + (None,) * (ctx.inputs - 2)
+    grads: tuple[Any, ...] = (d_rows, d_weights if weight_grad else None) + (None,) * (ctx.inputs - 2)
+    return grads
 
 
 def gather_slots_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
