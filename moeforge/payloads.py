@@ -331,7 +331,7 @@ class BlockAlignment:
     ``copies_per_row`` 1, so every slot counts as a copy: the padding rows are zero rows) and ``slot_copies`` is the
     number of the router's copies among them, ``slot_runs`` where each expert's rows and copies lie
     (:func:`moeforge.kernels.weight_grad.expert_runs` with ``slot_first``); the plan
-    (:class:`moeforge.stages.slot_order.SlotOrderPlan`) knows each copy's slot.
+    (:class:`moeforge.stages.triton.AlignedPlan`) knows each copy's slot.
     """
 
     sorted_ids: torch.Tensor

@@ -5,7 +5,8 @@ index and every GEMM writes one row per copy in copy order. Where it records a g
 into the alignment's slots instead (:mod:`moeforge.kernels.slot_rows`, one differentiable op): the GEMMs then read
 and write row ``s`` for slot ``s`` with the same kernels (their route's ``sorted_ids`` is each slot's own position),
 the backward's weight gradients read each expert's rows where they lie instead of gathering two copies into expert
-order, and the combine reads each copy's row at its slot (:class:`SlotOrderPlan`).
+order, and the combine reads each copy's row at its slot (:class:`~moeforge.stages.triton.AlignedPlan` by
+``slot_of``).
 
 The rows then number the alignment's slots, ``S = copies + min(E, copies) * (block_m - 1)`` at most, against the
 copies in copy order, and the weight gradients sum each expert's whole blocks (their padding rows zero) where copy
@@ -18,12 +19,11 @@ more (GPT-OSS at M = 16384: 0.98×; Qwen3 and DeepSeek-V3 at M <= 4096: 0.88–0
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 
-from moeforge.payloads import Activations, AlignedRows, BlockAlignment, Plan, RoutedTokens
+from moeforge.payloads import Activations, AlignedRows, BlockAlignment, RoutedTokens
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -51,7 +51,7 @@ def slot_order_rows(x: RoutedTokens, alignment: BlockAlignment, num_experts: int
     :class:`AlignedRows` in
     slot order: ``x.data [S, H]`` (a zero row in each used padding slot), the alignment's ``sorted_ids`` each slot's
     position, the copies' routing weights in slot order (zero in the padding) and the plan back to the tokens."""
-    from moeforge.stages.triton import kernel_ops
+    from moeforge.stages.triton import AlignedPlan, kernel_ops
 
     tokens, top_k = x.topk.ids.shape
     weights = x.topk.weights.float()
@@ -62,27 +62,4 @@ def slot_order_rows(x: RoutedTokens, alignment: BlockAlignment, num_experts: int
                            config=alignment.config, copies_per_row=1, num_tokens=int(positions.numel()),
                            slot_copies=tokens * top_k, slot_runs=runs)
     return AlignedRows(x=Activations(xs), alignment=slots, copy_major=True, copy_weights=slot_weights,
-                       plan=SlotOrderPlan(weights, slot_of.view(tokens, top_k)))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
-class SlotOrderPlan(Plan):
-    """The way back from rows in slot order: token ``t``'s copy ``j`` is the row ``slot_of[t, j]``; ``weights
-    [T, top_k]`` (fp32) its routing weight. Summed by the combine kernel by index (fixed order, fp32, no atomics);
-    its backward writes zero gradients into the padding rows, which the weight gradients sum."""
-
-    weights: torch.Tensor
-    slot_of: torch.Tensor
-
-    def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
-                out_dtype: torch.dtype) -> torch.Tensor:
-        from moeforge.stages.triton import kernel_ops
-
-        top_k = int(self.slot_of.shape[1])
-        out: torch.Tensor = kernel_ops().combine_copies(rows, self.weights if weighted else None, top_k,
-                                                       scaling_factor if scaling_factor is not None else 1.0,
-                                                       out_dtype, self.slot_of)
-        return out
-
-    def kept(self) -> torch.Tensor:
-        return torch.ones_like(self.slot_of, dtype=torch.bool)
+                       plan=AlignedPlan(weights, slot_of.view(tokens, top_k)))

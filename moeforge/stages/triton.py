@@ -152,24 +152,27 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         # each copy's adapter, in copy order (copy t * top_k + j of token t)
         adapter_ids = x.adapter_ids.repeat_interleave(top_k) if x.adapter_ids is not None else None
         return AlignedRows(x=x.x, alignment=alignment, copy_major=False, copy_weights=x.topk.weights.reshape(-1),
-                           plan=CopyOrderPlan(x.topk.weights), adapter_ids=adapter_ids,
+                           plan=AlignedPlan(x.topk.weights), adapter_ids=adapter_ids,
                            copy_experts=x.topk.ids.reshape(-1) if adapter_ids is not None else None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
-class CopyOrderPlan(Plan):
-    """The way back from :class:`AlignDispatch`'s rows: the GEMMs write one row per copy in copy order,
-    so token ``t``'s copies are rows ``t * top_k .. t * top_k + top_k - 1``; ``copy_weights [T, top_k]``
-    (fp32). Summed by the triton combine kernel (fixed order, fp32, no atomics)."""
+class AlignedPlan(Plan):
+    """The way back from :class:`AlignDispatch`'s rows: the GEMMs write one row per copy in copy order, so token
+    ``t``'s copies are rows ``t * top_k .. t * top_k + top_k - 1`` — or, in slot order
+    (:mod:`moeforge.stages.slot_order`), rows ``slot_of[t, j]`` (int32 ``[T, top_k]``); ``copy_weights [T, top_k]``
+    (fp32). Summed by the triton combine kernel (fixed order, fp32, no atomics); by index, its backward writes zero
+    gradients into the rows no copy reads (the padding, which the weight gradients then sum as zero rows)."""
 
     copy_weights: torch.Tensor
+    slot_of: Optional[torch.Tensor] = None
 
     def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
                 out_dtype: torch.dtype) -> torch.Tensor:
         top_k = int(self.copy_weights.shape[1])
         out: torch.Tensor = kernel_ops().combine_copies(rows, self.copy_weights if weighted else None, top_k,
                                                        scaling_factor if scaling_factor is not None else 1.0,
-                                                       out_dtype)
+                                                       out_dtype, self.slot_of)
         return out
 
     def kept(self) -> torch.Tensor:
