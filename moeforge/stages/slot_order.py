@@ -1,4 +1,4 @@
-"""The block-aligned dispatch's rows in slot order, the layout a training step takes.
+"""When the block-aligned dispatch gives its rows in slot order, the layout a training step takes.
 
 :class:`~moeforge.stages.triton.AlignDispatch` moves no row for inference: the first GEMM gathers the token rows by
 index and every GEMM writes one row per copy in copy order. Where it records a gradient it gathers the token rows
@@ -6,7 +6,7 @@ into the alignment's slots instead (:mod:`moeforge.kernels.slot_rows`, one diffe
 and write row ``s`` for slot ``s`` with the same kernels (their route's ``sorted_ids`` is each slot's own position),
 the backward's weight gradients read each expert's rows where they lie instead of gathering two copies into expert
 order, and the combine reads each copy's row at its slot (:class:`~moeforge.stages.triton.AlignedPlan` by
-``slot_of``).
+``slot_of``). This module holds the rule; :meth:`~moeforge.stages.triton.AlignDispatch.slot_order_rows` gathers.
 
 The rows then number the alignment's slots, ``S = copies + min(E, copies) * (block_m - 1)`` at most, against the
 copies in copy order, and the weight gradients sum each expert's whole blocks (their padding rows zero) where copy
@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from moeforge.payloads import Activations, AlignedRows, BlockAlignment, RoutedTokens
+from moeforge.payloads import RoutedTokens
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -44,22 +44,3 @@ def slot_rows_apply(x: RoutedTokens) -> Optional[str]:
     if x.adapter_ids is not None:
         return "a stack of adapters aligns its copies in copy order"
     return None
-
-
-def slot_order_rows(x: RoutedTokens, alignment: BlockAlignment, num_experts: int) -> AlignedRows:
-    """``x``'s rows gathered into the slots of ``alignment`` (aligned for ``x``'s copies over ``num_experts``) as
-    :class:`AlignedRows` in
-    slot order: ``x.data [S, H]`` (a zero row in each used padding slot), the alignment's ``sorted_ids`` each slot's
-    position, the copies' routing weights in slot order (zero in the padding) and the plan back to the tokens."""
-    from moeforge.stages.triton import AlignedPlan, kernel_ops
-
-    tokens, top_k = x.topk.ids.shape
-    weights = x.topk.weights.float()
-    xs, slot_weights, slot_of, positions, runs = kernel_ops().gather_slots(
-        x.x.data, weights.reshape(-1), alignment.sorted_ids, alignment.block_expert, alignment.num_padded, top_k,
-        num_experts, alignment.block_m)
-    slots = BlockAlignment(sorted_ids=positions, block_expert=alignment.block_expert, num_padded=alignment.num_padded,
-                           config=alignment.config, copies_per_row=1, num_tokens=int(positions.numel()),
-                           slot_copies=tokens * top_k, slot_runs=runs)
-    return AlignedRows(x=Activations(xs), alignment=slots, copy_major=True, copy_weights=slot_weights,
-                       plan=AlignedPlan(weights, slot_of.view(tokens, top_k)))

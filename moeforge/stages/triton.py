@@ -148,12 +148,28 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
                                    config=config, copies_per_row=top_k, num_tokens=tokens)
         if training and self.slot_rows is not False and slot_order.slot_rows_apply(x) is None and (
                 self.slot_rows or slot_order.slot_rows_pay(tokens * top_k, self.num_experts, config.block_m)):
-            return slot_order.slot_order_rows(x, alignment, self.num_experts)
+            return self.slot_order_rows(x, alignment)
         # each copy's adapter, in copy order (copy t * top_k + j of token t)
         adapter_ids = x.adapter_ids.repeat_interleave(top_k) if x.adapter_ids is not None else None
         return AlignedRows(x=x.x, alignment=alignment, copy_major=False, copy_weights=x.topk.weights.reshape(-1),
                            plan=AlignedPlan(x.topk.weights), adapter_ids=adapter_ids,
                            copy_experts=x.topk.ids.reshape(-1) if adapter_ids is not None else None)
+
+    def slot_order_rows(self, x: RoutedTokens, alignment: BlockAlignment) -> AlignedRows:
+        """``x``'s rows gathered into the slots of ``alignment`` (aligned for ``x``'s copies) as :class:`AlignedRows`
+        in slot order (:mod:`moeforge.stages.slot_order`): ``x.data [S, H]`` (a zero row in each used padding slot),
+        the alignment's ``sorted_ids`` each slot's position, the copies' routing weights in slot order (zero in the
+        padding), where each expert's rows and copies lie, and the plan back to the tokens."""
+        tokens, top_k = x.topk.ids.shape
+        weights = x.topk.weights.float()
+        xs, slot_weights, slot_of, positions, runs = kernel_ops().gather_slots(
+            x.x.data, weights.reshape(-1), alignment.sorted_ids, alignment.block_expert, alignment.num_padded, top_k,
+            self.num_experts, alignment.block_m)
+        slots = BlockAlignment(sorted_ids=positions, block_expert=alignment.block_expert,
+                               num_padded=alignment.num_padded, config=alignment.config, copies_per_row=1,
+                               num_tokens=int(positions.numel()), slot_copies=tokens * top_k, slot_runs=runs)
+        return AlignedRows(x=Activations(xs), alignment=slots, copy_major=True, copy_weights=slot_weights,
+                           plan=AlignedPlan(weights, slot_of.view(tokens, top_k)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
