@@ -9,12 +9,11 @@ order, and the combine reads each copy's row at its slot (:class:`~moeforge.stag
 ``slot_of``). This module holds the rule; :meth:`~moeforge.stages.triton.AlignDispatch.slot_order_rows` gathers.
 
 The rows then number the alignment's slots, ``S = copies + min(E, copies) * (block_m - 1)`` at most, against the
-copies in copy order, and the weight gradients sum each expert's whole blocks (their padding rows zero) where copy
-order rounds each expert's copies up to the step only. :func:`slot_rows_pay` takes slot order where the padding is at
-most an eighth of the copies: measured on an H200 (docs/kernels.md, "Backward"), slot order was 1.02–1.09× faster there
-and lowered the step's peak memory or kept it below torch's, and lost 1–12 % where the padding reaches a quarter or
-more (GPT-OSS at M = 16384: 0.98×; Qwen3 and DeepSeek-V3 at M <= 4096: 0.88–0.99×), where DeepSeek-V3 at M = 16384
-(1.02×) also held 1.5 GiB more at the peak than copy order, above torch's.
+copies in copy order, and the forward saves them for the backward. :func:`slot_rows_pay` takes slot order where the
+padding is at most an eighth of the copies: measured on an H200 (docs/kernels.md, "Backward"), slot order was
+1.03–1.10× faster there and lowered the step's peak memory or kept it below torch's; where the padding reaches a
+quarter or more it lost up to 12 % at M <= 4096 (Qwen3, GPT-OSS, DeepSeek-V3), was even at GPT-OSS's M = 16384, and
+at DeepSeek-V3's M = 16384 gained 6 % but held 1.5 GiB more at the peak than copy order, above torch's.
 """
 
 from __future__ import annotations

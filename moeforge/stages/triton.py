@@ -124,7 +124,9 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         kernel_ops()
 
     def summary(self) -> str:
-        return "AlignDispatch(triton, block-aligned)"
+        slots = {None: ", rows in slot order where a training step pays", True: ", rows in slot order in training",
+                 False: ""}[self.slot_rows]
+        return f"AlignDispatch(triton, block-aligned{slots})"
 
     def accepts(self) -> Accepts:
         # The plan moves no rows: quantized tokens and their scales pass through untouched (the
