@@ -132,6 +132,8 @@ def test_the_dispatch_takes_slot_order_only_where_a_training_step_can_use_it() -
         served = AlignDispatch(2, table)(routed)
     assert served.alignment.slot_copies == 0 and served.x.data is routed.x.data
     assert AlignDispatch(2, table, slot_rows=False)(routed).alignment.slot_copies == 0
+    assert "slot order where a training step pays" in AlignDispatch(2, table).summary()
+    assert "slot order" not in AlignDispatch(2, table, slot_rows=False).summary()
     small = _routed(5, 2, 2, 8, 6)  # 10 copies, up to 30 padding rows: copy order unless asked
     assert AlignDispatch(2, table)(small).alignment.slot_copies == 0
     assert AlignDispatch(2, table, slot_rows=True)(small).alignment.slot_copies == 10

@@ -356,11 +356,12 @@ def test_a_compiled_training_step() -> None:
     optimizer.step()
 
 
-def test_a_training_step_compiles_with_the_backward_ops() -> None:
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_training_step_compiles_with_the_backward_ops(layout: str) -> None:
     """AOT autograd traces the registered backward (the custom ops' fakes, the weight-gradient op)."""
     gen = torch.Generator().manual_seed(85)
     t = _tensors(4, 32, 48, True, torch.float32, gen)
-    pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32)
+    pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32, LAYOUTS[layout])
     x = torch.randn(9, 32, generator=gen).to(DEVICE)
     logits = torch.randn(9, 4, generator=gen).to(DEVICE).requires_grad_()
 
@@ -379,13 +380,14 @@ def test_a_training_step_compiles_with_the_backward_ops() -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_a_training_forward_traces_in_one_graph() -> None:
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_training_forward_traces_in_one_graph(layout: str) -> None:
     """The training forward's gate/up GEMM runs without its fused activation on the table's unfused launch
     (``MoEConfig.gate_up_unfused``, made with the table): no launch record is made in the forward, which Dynamo could
-    not trace (a frozen attrs class's ``__init__``)."""
+    not trace (a frozen attrs class's ``__init__``); in slot order too."""
     gen = torch.Generator().manual_seed(86)
     t = _tensors(4, 32, 48, True, torch.float32, gen)
-    pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32)
+    pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32, LAYOUTS[layout])
     x = torch.randn(9, 32, generator=gen).to(DEVICE)
     logits = torch.randn(9, 4, generator=gen).to(DEVICE)
 
