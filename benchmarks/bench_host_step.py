@@ -1,7 +1,7 @@
 """The host's time of an eager training step of the experts, on the CPU, with every Triton launch stubbed out.
 
     TRITON_INTERPRET=1 python benchmarks/bench_host_step.py [--experts 128] [--top-k 8] [--tokens 256] [--steps 200]
-                                                           [--profile N]
+                                                           [--slot-rows rule|on|off] [--profile N]
 
 A step called without a CUDA graph is bound by the host at small batches (``bench_train.py --eager``: the Qwen3
 step at M = 1024 on an H200 takes 1.9x its replay). This harness measures the Python side of that cost where no GPU
@@ -11,8 +11,9 @@ of toy widths, with every kernel launch of moeforge's a no-op (``BoundLaunch.__c
 launch sites' first calls alike; the Gluon kernels do not run on the CPU). What it times is the pipeline's and the
 backward's Python, the custom ops' and autograd's dispatch and the torch allocations; not the driver's launches, nor
 the GPU-only paths (TMA descriptors, the Gluon weight gradient, which the CPU's tiles never take). Prints the median
-microseconds of the forward and of the step over ``--steps`` steps; ``--profile N`` prints a ``cProfile`` listing of
-N steps. The outputs are uninitialised memory: nothing is checked, only timed.
+microseconds of the forward and of the step over ``--steps`` steps; ``--slot-rows`` whether the dispatch gives its
+rows in slot order (``rule``: where :func:`~moeforge.stages.slot_order.slot_rows_pay` takes it); ``--profile N``
+prints a ``cProfile`` listing of N steps. The outputs are uninitialised memory: nothing is checked, only timed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -51,15 +52,16 @@ def launches_stubbed() -> Iterator[None]:
         bound_launch.BoundLaunch.__call__ = launch  # type: ignore[method-assign]
 
 
-def training_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int) -> tuple[Callable[[], Any],
-                                                                                           Callable[[], Any]]:
-    """``(forward, step)`` of a bf16 triton layer's experts on CPU tensors (the routing given)."""
+def training_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int,
+                  slot_rows: Optional[bool] = None) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """``(forward, step)`` of a bf16 triton layer's experts on CPU tensors (the routing given; ``slot_rows``: the
+    dispatch's, see :class:`~moeforge.stages.triton.AlignDispatch`)."""
     # (the stages a triton MoELayer builds after its routing; a layer refuses the triton backend on the CPU)
     table = ConfigTable(experts, top_k)
     w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=True)
     w2 = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=True)
     full = mf.Pipeline([
-        TritonTopK(experts, top_k, mf.RoutingConfig()), AlignDispatch(experts, table),
+        TritonTopK(experts, top_k, mf.RoutingConfig()), AlignDispatch(experts, table, slot_rows),
         FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=mf.ActivationConfig()),
         FusedGroupedGemm(mf.GemmRole.DOWN, w2, table),
         Combine(apply_routing_weights=True),
@@ -102,11 +104,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--inter", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--slot-rows", choices=("rule", "on", "off"), default="rule")
     parser.add_argument("--profile", type=int, default=0, help="print a cProfile listing of this many steps")
     args = parser.parse_args()
-    forward, step = training_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter)
+    slot_rows = {"rule": None, "on": True, "off": False}[args.slot_rows]
+    forward, step = training_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter, slot_rows)
     with launches_stubbed():
-        print(f"E={args.experts} k={args.top_k} M={args.tokens} (H={args.hidden}, I={args.inter}), launches "
+        print(f"E={args.experts} k={args.top_k} M={args.tokens} (H={args.hidden}, I={args.inter}), slot rows "
+              f"{args.slot_rows}, launches "
               f"stubbed: forward {median_us(forward, args.steps):.0f} us, step {median_us(step, args.steps):.0f} us "
               f"(medians of {args.steps}; torch {torch.__version__}, {torch.get_num_threads()} threads)")
         if args.profile:

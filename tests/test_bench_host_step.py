@@ -15,9 +15,10 @@ import bench_host_step  # noqa: E402
 from moeforge.kernels import bound_launch  # noqa: E402
 
 
-def test_a_stubbed_step_differentiates_every_leaf_and_restores_the_launcher() -> None:
+@pytest.mark.parametrize("slot_rows", [False, True])
+def test_a_stubbed_step_differentiates_every_leaf_and_restores_the_launcher(slot_rows: bool) -> None:
     launch = bound_launch.BoundLaunch.__call__
-    forward, step = bench_host_step.training_step(16, 4, 8, 32, 16)
+    forward, step = bench_host_step.training_step(16, 4, 8, 32, 16, slot_rows)
     with bench_host_step.launches_stubbed():
         assert bound_launch.BoundLaunch.__call__ is not launch
         out, leaves = forward()

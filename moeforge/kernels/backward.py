@@ -172,6 +172,9 @@ def gather_slots_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -
     x, weights, _, _, _, top_k, _, _ = inputs
     ctx.save_for_backward(output[2])
     ctx.top_k, ctx.dtype = top_k, x.dtype
+    # (an output nothing read, the slots' routing weights where the combine applies the weights, has no gradient:
+    # None, not zeros, so that its backward is skipped)
+    ctx.set_materialize_grads(False)
 
 
 def gather_slots_backward(ctx: Any, d_xs: torch.Tensor, d_slot_weights: Optional[torch.Tensor], d_slot_of: Any,
@@ -181,6 +184,9 @@ def gather_slots_backward(ctx: Any, d_xs: torch.Tensor, d_slot_weights: Optional
     at its slot."""
     (slot_of,) = ctx.saved_tensors
     weights_need = ctx.needs_input_grad[1] and d_slot_weights is not None
+    if d_xs is None:  # (the rows unread: a gradient of the weights alone)
+        d_weights = d_slot_weights.index_select(0, slot_of) if weights_need else None
+        return (None, d_weights) + (None,) * 6
     d_x, d_weights = slot_rows.gather_slots_backward(d_xs, d_slot_weights if weights_need else None, slot_of,
                                                      ctx.top_k, ctx.dtype)
     return (d_x if ctx.needs_input_grad[0] else None, d_weights) + (None,) * 6
