@@ -204,3 +204,16 @@ def test_an_adapted_layer_keeps_its_rows_in_copy_order() -> None:
               FusedGroupedGemm(mf.GemmRole.DOWN, w2, table)]
     adapted = adapt(stages, holder, ExpertAdapter(rank=4, targets=("gate_up",), shared_a=True))
     assert isinstance(adapted[0], AlignDispatch) and adapted[0].slot_rows is False
+
+
+def test_the_weight_gradient_of_slot_rows_needs_their_runs() -> None:
+    kernel_ops()
+    ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
+    sorted_ids, block_expert, num_padded = align.align_block_size(ids, 2, 16)
+    rows = torch.zeros(sorted_ids.numel(), 16, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_runs"):
+        weight_grad.expert_weight_grad(rows, rows, 1, sorted_ids, block_expert, num_padded, 2, 16, False,
+                                       slot_copies=4)
+    with pytest.raises(ValueError, match="rows_per_a"):
+        weight_grad.expert_weight_grad(rows, rows, 2, sorted_ids, block_expert, num_padded, 2, 16, False,
+                                       slot_copies=4, slot_runs=torch.zeros(4, 3, dtype=torch.int32, device=DEVICE))

@@ -336,13 +336,13 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
 
     ``slot_copies`` > 0: both operands in slot order (:mod:`moeforge.kernels.slot_rows`; ``sorted_ids`` each slot's
     own position, ``rows_per_a`` 1), ``slot_copies`` of their rows copies, each padding row of one operand zero: each
-    expert's sum runs over its rows where they are, nothing gathered — its copies rounded up to whole steps where
-    ``slot_runs`` (the dispatch's :func:`expert_runs` of the copies with ``slot_first``) says how many, else its whole
-    blocks."""
+    expert's sum runs over its rows where they are, nothing gathered: its copies rounded up to whole steps, from
+    ``slot_runs`` (the dispatch's :func:`expert_runs` of the copies with ``slot_first``)."""
     num_copies, n = d_rows.shape
     k = rows.shape[1]
-    if slot_copies and rows_per_a != 1:
-        raise ValueError(f"rows in slot order are one per slot: rows_per_a must be 1, got {rows_per_a}")
+    if slot_copies and (rows_per_a != 1 or slot_runs is None):
+        raise ValueError(f"rows in slot order are one per slot, with their experts' runs: rows_per_a must be 1 (got "
+                         f"{rows_per_a}) and slot_runs given")
     dw = torch.empty(num_experts, n, k, dtype=dtype, device=rows.device)
     db = torch.empty(num_experts, n, dtype=dtype, device=rows.device) if with_bias else None
     if dw.numel() == 0:
@@ -354,11 +354,9 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     if block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
-    if slot_copies and slot_runs is not None:
-        runs = slot_runs  # (rows 1 and 2 are what the launches read)
-    else:
-        runs = expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m,
-                           slot_first=bool(slot_copies))
+    # (in slot order the dispatch's runs: rows 1 and 2 are what the launches read)
+    runs = slot_runs if slot_runs is not None and slot_copies else expert_runs(
+        block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m)
 
     def takes(dy: torch.Tensor, x: torch.Tensor, **how: Any) -> bool:
         """Whether the tiles ask for the Gluon kernel and it takes these operands, loaded as ``how`` says."""
@@ -373,10 +371,9 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
                                          tma_store=tiles.tma_store, **how)
 
     if slot_copies:
-        # an expert's run from its first block's row: its copies (or, without slot_runs, its blocks' every slot),
-        # rounded up to whole steps within its blocks (the step divides the block), past its copies the padding's
-        # zero rows
-        dy, x, dy_first, x_first = _columns_contiguous(d_rows), _columns_contiguous(rows), runs[1], runs[1]
+        # an expert's run from its first block's row: its copies rounded up to whole steps within its blocks (the
+        # step divides the block), past its copies the padding's zero rows
+        dy, x, dy_first, x_first = d_rows.contiguous(), rows.contiguous(), runs[1], runs[1]
     else:
         # by index: each expert's copies are the slots of its blocks from its first (runs[0]), in ascending order
         by_index = dict(order=sorted_ids, aligned=block_m, rows_per_x=rows_per_a)
@@ -417,10 +414,6 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         dy_first, x_first, runs[2],
         n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0)), make)
     return dw, db
-
-
-def _columns_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(1) == 1 else t.contiguous()
 
 
 def grads_for_op(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
