@@ -10,10 +10,9 @@ order, and the combine reads each copy's row at its slot (:class:`~moeforge.stag
 
 The rows then number the alignment's slots, ``S = copies + min(E, copies) * (block_m - 1)`` at most, against the
 copies in copy order, and the forward saves them for the backward. :func:`slot_rows_pay` takes slot order where the
-padding is at most an eighth of the copies: measured on an H200 (docs/kernels.md, "Backward"), slot order was
-1.03–1.10× faster there and lowered the step's peak memory or kept it below torch's; where the padding reaches a
-quarter or more it lost up to 12 % at M <= 4096 (Qwen3, GPT-OSS, DeepSeek-V3), was even at GPT-OSS's M = 16384, and
-at DeepSeek-V3's M = 16384 gained 6 % but held 1.5 GiB more at the peak than copy order, above torch's.
+padding is at most an eighth of the copies: there it was faster than copy order and its peak memory lower or below
+torch's; with more padding the saved slot rows cost more than the gathers they spare (docs/kernels.md, "Backward",
+has the measurements).
 """
 
 from __future__ import annotations
