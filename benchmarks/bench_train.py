@@ -19,7 +19,7 @@ Prints a table and writes JSON (device, commit, date).
 ``--eager`` also times each step called eagerly (no CUDA graph; the host launches every kernel) and its ratio to
 the replay; ``--host-profile DIR`` writes a ``cProfile`` listing of a few eager moeforge steps per cell there.
 ``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per step
-(``torch.profiler`` over a few eager steps after warm-up, summed by kernel name) — what a backward change should
+(``torch.profiler`` over a few eager steps after warm-up, one row per launch in the step's order) — what a backward change should
 move. ``--memory-breakdown`` lists, per cell and per path, the blocks live at the step's peak memory by the line
 that allocated them (the allocator's recorded history, :func:`live_at_peak`) — what a memory change should move.
 """
@@ -27,6 +27,7 @@ that allocated them (the allocator's recorded history, :func:`live_at_peak`) —
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import statistics
 import sys
@@ -118,10 +119,10 @@ def dense_mm(rows: int, hidden: int, inter: int) -> Callable[[], Any]:
     return lambda: torch.mm(a, b, out=out)
 
 
-def sonicmoe_cell(flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
+def sonicmoe_cell(flush: torch.Tensor, reps: int, profile: bool = False) -> list[dict[str, Any]]:
     """SonicMoE's configuration: each path's forward (its graph replay) and backward (the step's replay less the
     forward's) against the dense bound of the same flops (:func:`dense_mm`; the backward's flops are twice the
-    forward's), all timed in turns."""
+    forward's), all timed in turns; with ``profile``, each path's kernels per step too (:func:`kernel_times`)."""
     experts, top_k, hidden, inter = SONICMOE
     tokens = SONICMOE_TOKENS
     layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton")
@@ -136,7 +137,13 @@ def sonicmoe_cell(flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
         fns[f"{what} forward"] = forward
     times, how = time_steps(fns, reps, flush)
     bound = times["dense"]
-    records = []
+    records: list[dict[str, Any]] = []
+    if profile:
+        for what in ("moeforge", "torch_grouped_mm"):
+            profiled = kernel_times(fns[f"{what} step"])
+            print_kernel_times(f"sonicmoe M={tokens} {what}", profiled)
+            records.append(dict(shape="sonicmoe", M=tokens, what=f"{what}_kernels",
+                                kernels=[dict(name=n, us=round(u, 1), launches=c) for n, u, c in profiled]))
     for what in ("moeforge", "torch_grouped_mm"):
         step_us, forward_us = times[f"{what} step"], times[f"{what} forward"]
         backward_us = step_us - forward_us
@@ -334,7 +341,9 @@ def write_host_profile(fn: Callable[[], Any], path: Path, steps: int = 5) -> Non
 
 
 def kernel_times(fn: Callable[[], Any], steps: int = 3) -> list[tuple[str, float, int]]:
-    """``(kernel name, µs per step, launches per step)`` of ``fn``'s GPU kernels, the most expensive first."""
+    """``(kernel name, µs per step, launches per step)`` of ``fn``'s GPU kernels in launch order: a kernel launched
+    several times a step (the four GEMMs of a training step) is one row per launch, named ``#1``, ``#2``, … in the
+    order the step launches them."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
@@ -344,19 +353,25 @@ def kernel_times(fn: Callable[[], Any], steps: int = 3) -> list[tuple[str, float
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    events = sorted((event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda event: event.time_range.start)
+    launches = collections.Counter(event.name for event in events)
+    seen: collections.Counter[str] = collections.Counter()
     totals: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals.setdefault(event.name, [0.0, 0])
-            entry[0] += event.device_time
-            entry[1] += 1
-    rows = [(name[:90], us / steps, int(n) // steps) for name, (us, n) in totals.items()]
-    return sorted(rows, key=lambda row: -row[1])
+    for event in events:
+        per_step = max(1, launches[event.name] // steps)
+        ordinal = seen[event.name] % per_step
+        seen[event.name] += 1
+        label = event.name[:90] + (f" #{ordinal + 1}" if per_step > 1 else "")
+        entry = totals.setdefault(label, [0.0, 0])
+        entry[0] += event.device_time
+        entry[1] += 1
+    return [(name, us / steps, int(n) // steps) for name, (us, n) in totals.items()]
 
 
 def print_kernel_times(label: str, rows: list[tuple[str, float, int]]) -> None:
     total = sum(us for _, us, _ in rows)
-    print(f"  {label}: {total:.0f} us of kernels per step")
+    print(f"  {label}: {total:.0f} us of kernels per step (in launch order)")
     for name, us, launches in rows:
         if us >= 0.01 * total:
             print(f"    {us:9.1f} us {100 * us / total:5.1f}% x{launches:<3d} {name}")
@@ -450,7 +465,7 @@ def main() -> None:
         del layer
         torch.cuda.empty_cache()
     if args.sonicmoe:
-        records += sonicmoe_cell(flush, args.reps)
+        records += sonicmoe_cell(flush, args.reps, args.profile)
     write_results("bench_train", device, records, args.out, args.commit, peak_tflops=round(peak, 1))
 
 
