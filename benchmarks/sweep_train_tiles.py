@@ -98,7 +98,7 @@ def sweep(name: str, tokens: int, gemms: tuple[str, ...], peak: float, reps: int
         fns: dict[str, Callable[[], Any]] = {"current " + label(current[gemm]): lambda c=current[gemm]: run(c)}
         for config in candidates(block_m):
             if config.warp_specialized and warp_specialized.problem(
-                    rows.a, weight.weight, quantized=False, weight_format=WeightFormat.FLOAT, bias=False, act=0,
+                    rows.data, weight.data, quantized=False, weight_format=WeightFormat.FLOAT, bias=False, act=0,
                     glu=False, interleaved=False, out_dtype=epilogue.out_dtype, fp8_out=False, update=False,
                     config=config, aligned_block_m=block_m) is not None:
                 continue
