@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moeforge.kernels import align, launch_plan, moe_gemm, weight_grad
-from moeforge.kernels.config import GemmConfig, device_tables
+from moeforge.kernels.config import GemmConfig, MoEConfig, device_tables
 from moeforge.kernels.formats import WeightFormat
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -25,31 +25,37 @@ pytestmark = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (the ship
 
 def _launches() -> list[tuple[str, GemmConfig, bool, float, str]]:
     """(what, config, glu, rows per expert, out dtype) for every launch the layer makes from the device's
-    bf16 tables: each GEMM's forward (bf16 out), its recomputation (fp32 out), the training forward's unfused
+    bf16 tables and the fallbacks of an untuned shape: each GEMM's forward (bf16 out), its recomputation (fp32 out), the training forward's unfused
     gate/up GEMM (``GemmConfig.unfused_gate_up``) and the input gradients (fp32 for rows shared by top_k copies,
     bf16 for the down GEMM's own rows)."""
     if not HOPPER:
         return []
+    from moeforge.kernels.config import _DEFAULTS  # an untuned shape's fallbacks, launched the same way
+
     found: dict[tuple[Any, ...], tuple[str, GemmConfig, bool, float, str]] = {}
+    tables: list[tuple[str, float, MoEConfig]] = [(f"default <= {bound} rows per expert", min(bound, 1e6), config)
+                                                   for bound, config in _DEFAULTS]
     for key, entries in device_tables(torch.cuda.get_device_name()).items():
         fields = dict(part.split("=") for part in key.split(",") if "=" in part)
         if not key.endswith(",bf16"):
             continue
         experts, top_k = int(fields["E"]), int(fields["k"])
-        for tokens, entry in entries.items():
-            rows_per_expert = int(tokens) * top_k / experts
-            for gemm in ("gate_up", "down"):
-                fused = GemmConfig(**entry[gemm])
-                training = fused.unfused_gate_up() if gemm == "gate_up" else fused
-                for what, config, glu, out in ((f"{gemm} forward", fused, gemm == "gate_up", "bf16"),
-                                               (f"{gemm} recomputed", fused, False, "fp32"),
-                                               (f"{gemm} training forward", training, False, "bf16"),
-                                               (f"{gemm} input gradient", training, False, "fp32"),
-                                               (f"{gemm} input gradient", training, False, "bf16")):
-                    grid = launch_plan.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert,
-                                                 4 if out == "fp32" else 2)
-                    found.setdefault((config, glu, out, grid, "gradient" in what),
-                                     (f"{what} ({out}) {key} M={tokens}", config, glu, rows_per_expert, out))
+        tables += [(f"{key} M={tokens}", int(tokens) * top_k / experts,
+                    MoEConfig(GemmConfig(**entry["gate_up"]), GemmConfig(**entry["down"])))
+                   for tokens, entry in entries.items()]
+    for where, rows_per_expert, moe_config in tables:
+        for gemm in ("gate_up", "down"):
+            fused = getattr(moe_config, gemm)
+            training = fused.unfused_gate_up() if gemm == "gate_up" else fused
+            for what, config, glu, out in ((f"{gemm} forward", fused, gemm == "gate_up", "bf16"),
+                                           (f"{gemm} recomputed", fused, False, "fp32"),
+                                           (f"{gemm} training forward", training, False, "bf16"),
+                                           (f"{gemm} input gradient", training, False, "fp32"),
+                                           (f"{gemm} input gradient", training, False, "bf16")):
+                grid = launch_plan.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert,
+                                             4 if out == "fp32" else 2)
+                found.setdefault((config, glu, out, grid, "gradient" in what),
+                                 (f"{what} ({out}) {where}", config, glu, rows_per_expert, out))
     return list(found.values())
 
 

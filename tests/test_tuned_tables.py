@@ -335,7 +335,7 @@ def test_the_benchmarks_name_what_decides_a_launch() -> None:
     assert bench_moe.launch_entry(ConfigTable(8, 2), "w4a16", 1).startswith("no table: default rules")
 
 
-def test_every_committed_float_entry_fits_shared_memory_forward_and_backward() -> None:
+def test_every_committed_float_entry_and_fallback_fits_shared_memory_forward_and_backward() -> None:
     # The backward runs each GEMM's tile again with fp32 outputs (the recomputed pre-activation, the input
     # gradient): the flattened grid stages that output tile beside the operand ring, which a 128x256 tile at
     # 4 stages could not hold on an H100 (327712 bytes asked, the training crash). Walk every entry: the
@@ -346,25 +346,30 @@ def test_every_committed_float_entry_fits_shared_memory_forward_and_backward() -
     from moeforge.kernels.config import SHARED_MEMORY_BUDGET
     from moeforge.kernels.formats import WeightFormat
 
-    walked = 0
+    from moeforge.kernels.config import _DEFAULTS  # the fallbacks of an untuned shape: launched the same way
+
+    entries: list[tuple[object, float, MoEConfig]] = [
+        (("default", bound), min(bound, 1e6), config) for bound, config in _DEFAULTS]
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
-        for key, entries in device_tables(name).items():
+        for key, table in device_tables(name).items():
             if not key.endswith(",bf16"):
                 continue
             fields = dict(part.split("=") for part in key.split(",") if "=" in part)
-            for tokens, entry in entries.items():
-                rows_per_expert = int(tokens) * int(fields["k"]) / int(fields["E"])
-                for gemm in ("gate_up", "down"):
-                    for glu, out_bytes in ((gemm == "gate_up", 2), (False, 4)):
-                        config = launch_plan.fit_config(GemmConfig(**entry[gemm]), 2, packed=False,
-                                                     per_k_scales=False, glu=glu)
-                        ring = (config.block_m + (2 if glu else 1) * config.block_n) * config.block_k * 2
-                        assert ring * config.num_stages <= SHARED_MEMORY_BUDGET, (name, key, tokens, gemm)
-                        grid = launch_plan.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert,
-                                                     out_bytes)
-                        assert grid != "flattened" or (out_bytes == 2 and ring * config.num_stages <= 4 * 49152), \
-                            (name, key, tokens, gemm, config)
-                        walked += 1
+            for tokens, entry in table.items():
+                entries.append(((name, key, tokens), int(tokens) * int(fields["k"]) / int(fields["E"]),
+                                MoEConfig(GemmConfig(**entry["gate_up"]), GemmConfig(**entry["down"]))))
+    walked = 0
+    for where, rows_per_expert, moe_config in entries:
+        for gemm in ("gate_up", "down"):
+            for glu, out_bytes in ((gemm == "gate_up", 2), (False, 4)):
+                config = launch_plan.fit_config(getattr(moe_config, gemm), 2, packed=False, per_k_scales=False,
+                                                glu=glu)
+                ring = (config.block_m + (2 if glu else 1) * config.block_n) * config.block_k * 2
+                assert ring * config.num_stages <= SHARED_MEMORY_BUDGET, (where, gemm)
+                grid = launch_plan.default_grid((9, 0), WeightFormat.FLOAT, config, glu, rows_per_expert, out_bytes)
+                assert grid != "flattened" or (out_bytes == 2 and ring * config.num_stages <= 4 * 49152), \
+                    (where, gemm, config)
+                walked += 1
     assert walked > 100
 
 

@@ -163,14 +163,16 @@ def row_gradient_config(config: GemmConfig, n: int, k: int) -> GemmConfig:
 
 # The fallback configurations by rows per expert (upper bounds): few rows, the GEMMs are bound by reading
 # the weights, so a small block_m wastes no work on padding rows; many rows, bound by arithmetic, so
-# larger tiles reuse each loaded byte. Built once: a lookup in the forward creates no objects.
-_DEFAULTS = tuple(
-    (bound, MoEConfig(config, config)) for bound, config in (
-        (16.0, GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)),
-        (64.0, GemmConfig(32, 64, 128, group_m=8, num_warps=4, num_stages=4)),
-        (256.0, GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
-        (float("inf"), GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)),
-    ))
+# larger tiles reuse each loaded byte, the down GEMM (and the row gradients, which take the forward's tiles) 128 x 256
+# as every tuned entry at M >= 1024 has it (docs/notes/kernels-log.md, "The training GEMMs' tiles"). Built once: a
+# lookup in the forward creates no objects.
+_MANY_ROWS = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
+_DEFAULTS = (
+    (16.0, MoEConfig(*[GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)] * 2)),
+    (64.0, MoEConfig(*[GemmConfig(32, 64, 128, group_m=8, num_warps=4, num_stages=4)] * 2)),
+    (256.0, MoEConfig(*[GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)] * 2)),
+    (float("inf"), MoEConfig(_MANY_ROWS, attrs.evolve(_MANY_ROWS, block_n=256, num_stages=3))),
+)
 
 
 def _default_index(num_tokens: int, num_experts: int, top_k: int) -> int:
