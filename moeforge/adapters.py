@@ -167,8 +167,9 @@ class AdaptedGemm(Stage[ExpertRows, ExpertRows]):
 
     def accepts(self) -> Accepts:
         # The base's rows: float ones, or 8-bit ones with their scales (the update reads them dequantized); NVFP4 rows
-        # are dequantized with a global scale the rows do not carry.
-        accepts = self.base.accepts()
+        # are dequantized with a global scale the rows do not carry. Not in slot order: a shared A multiplies every row
+        # with a torch GEMM whose weight gradient sums them all (Spec.slot_order).
+        accepts = attrs.evolve(self.base.accepts(), slot_order=False)
         if accepts.dtype is None:
             return accepts
         return attrs.evolve(accepts, dtype=accepts.dtype - {DType.NVFP4})
@@ -433,9 +434,8 @@ def adapt(stages: Sequence[Stage[Any, Any]], holder: torch.nn.Module, adapter: E
     found: set[GemmRole] = set()
     for stage in stages:
         if isinstance(stage, AlignDispatch) and stage.slot_rows is not False:
-            # The block-aligned dispatch keeps the rows in copy order: an adapter's shared A multiplies every dispatched
-            # row with a torch GEMM, whose weight gradient sums them all, and rows in slot order are not written past
-            # the used slots (moeforge.stages.slot_order).
+            # The block-aligned dispatch keeps the rows in copy order: the adapted GEMMs refuse rows in slot order
+            # (AdaptedGroupedGemm.accepts, Spec.slot_order).
             stage = attrs.evolve(stage, slot_rows=False)
         role = getattr(stage, "role", None)
         if StageKind.GEMM in stage.kinds and role in adapter.targets:

@@ -178,7 +178,11 @@ class Spec:
     * ``alignment`` — for block-aligned rows, what decided their ``block_m``
       (:meth:`moeforge.kernels.config.ConfigTable.alignment`): the GEMMs must align alike;
     * ``global_scale`` — the static global scale NVFP4 rows were quantized with (it travels with the
-      quantizer, not the payload): the GEMM reading them must dequantize with the same one.
+      quantizer, not the payload): the GEMM reading them must dequantize with the same one;
+    * ``slot_order`` — the block-aligned rows may come in the alignment's slot order (a training step's layout,
+      :mod:`moeforge.stages.slot_order`), where the rows past the used slots hold no values: only stages that read
+      the used rows alone (by the alignment) and nothing else may consume them, so a stage accepts it only where it
+      says so (``Accepts.slot_order``), and the others need the dispatch built without it (``slot_rows=False``).
     """
 
     kind: PayloadKind
@@ -198,6 +202,7 @@ class Spec:
     activations: int = 0
     alignment: Optional[tuple[object, ...]] = None
     global_scale: Optional[float] = None
+    slot_order: bool = False
 
     def evolve(self, **changes: Any) -> Spec:
         return attrs.evolve(self, **changes)
@@ -228,6 +233,8 @@ class Spec:
             parts.append(f"ids={self.expert_ids.value}")
         if self.exchange is not Exchange.NONE:
             parts.append(f"via={self.exchange.value}")
+        if self.slot_order:
+            parts.append("slots")
         return " ".join(parts)
 
 
@@ -241,7 +248,8 @@ def _opt_set(value: Any) -> Optional[frozenset[Any]]:
 
 @attrs.frozen
 class Accepts:
-    """What a stage accepts: for each field, the allowed values (``None`` = anything).
+    """What a stage accepts: for each field, the allowed values (``None`` = anything; every field's default, but
+    ``slot_order``'s: ``False`` alone).
 
     Single values are wrapped into one-element sets, so ``Accepts(kind=PayloadKind.ROUTED)`` works.
     """
@@ -266,6 +274,8 @@ class Accepts:
     # A tuple is one value here, not a collection of them: give alignments as frozenset({alignment}).
     alignment: Optional[frozenset[Optional[tuple[object, ...]]]] = attrs.field(default=None, converter=_opt_set)
     global_scale: Optional[frozenset[Optional[float]]] = attrs.field(default=None, converter=_opt_set)
+    # Rows in slot order (Spec.slot_order) only where the stage says it reads the used rows alone: the others refuse.
+    slot_order: Optional[frozenset[bool]] = attrs.field(default=frozenset({False}), converter=_opt_set)
 
     def mismatches(self, spec: Spec) -> list[tuple[str, Any, frozenset[Any]]]:
         """Every field whose value in ``spec`` is not allowed: ``(field, have, allowed)``."""

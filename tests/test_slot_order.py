@@ -217,3 +217,75 @@ def test_the_weight_gradient_of_slot_rows_needs_their_runs() -> None:
     with pytest.raises(ValueError, match="rows_per_a"):
         weight_grad.expert_weight_grad(rows, rows, 2, sorted_ids, block_expert, num_padded, 2, 16, False,
                                        slot_copies=4, slot_runs=torch.zeros(4, 3, dtype=torch.int32, device=DEVICE))
+
+
+class _EveryRowStage(mf.Stage[Any, Any]):
+    """A user's stage between the GEMMs that reads every row (here: centres the rows by their mean over all of them),
+    declaring nothing about slot order."""
+
+    kinds = (mf.StageKind.ACTIVATION,)
+
+    def accepts(self) -> mf.Accepts:
+        return mf.Accepts(kind=mf.PayloadKind.EXPERT_HIDDEN)
+
+    def output_spec(self, spec: mf.Spec) -> mf.Spec:
+        return spec.evolve(width=spec.width // 2)
+
+    def __call__(self, x: Any) -> Any:
+        half = x.x.data.shape[1] // 2
+        rows = x.x.data[:, :half] * x.x.data[:, half:]
+        return x.with_x(Activations(rows - rows.mean(dim=0)))
+
+
+def _stages(dispatch: AlignDispatch, middle: Any, table: ConfigTable) -> list[Any]:
+    from moeforge.stages import Combine, FusedGroupedGemm, TritonTopK
+
+    gen = torch.Generator().manual_seed(3)
+    w13 = torch.randn(4, 16, 8, generator=gen).to(DEVICE)
+    w2 = torch.randn(4, 8, 8, generator=gen).to(DEVICE)
+    return [TritonTopK(4, 2, mf.RoutingConfig()), dispatch, FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table),
+            middle, FusedGroupedGemm(mf.GemmRole.DOWN, w2, table), Combine(apply_routing_weights=True)]
+
+
+def test_a_stage_that_reads_every_row_refuses_a_dispatch_that_may_give_slot_order() -> None:
+    # Rows in slot order hold no values past the used slots: a stage reducing over all rows would read them. The
+    # pipeline refuses it when built, naming the field and the way out, and builds with the dispatch in copy order.
+    table = ConfigTable(4, 2)
+    spec = mf.input_spec(8, torch.float32, 4)
+    for slot_rows in (None, True):
+        with pytest.raises(mf.ContractError, match="slot_rows=False") as error:
+            mf.Pipeline(_stages(AlignDispatch(4, table, slot_rows), _EveryRowStage(), table), spec)
+        assert error.value.field == "slot_order"
+    pipeline = mf.Pipeline(_stages(AlignDispatch(4, table, slot_rows=False), _EveryRowStage(), table), spec)
+    assert "slots" not in pipeline.describe()
+    # moeforge's own stages between the dispatch and the combine read the used rows alone (the torch activation row
+    # by row): they take slot order, and describe() shows where it may come
+    activated = mf.Pipeline(_stages(AlignDispatch(4, table), mf.stages.Activate(mf.ActivationConfig()), table), spec)
+    assert "slots" in activated.describe()
+
+
+def test_an_adapted_gemm_refuses_rows_in_slot_order() -> None:
+    from moeforge.adapters import ExpertAdapter, adapt
+
+    table = ConfigTable(4, 2)
+    holder = torch.nn.Module()
+    holder.w13_lora_a = torch.nn.Parameter(torch.randn(1, 4, 8).to(DEVICE))
+    holder.w13_lora_b = torch.nn.Parameter(torch.zeros(4, 16, 4, device=DEVICE))
+    stages = _stages(AlignDispatch(4, table, slot_rows=True), mf.stages.Activate(mf.ActivationConfig()), table)
+    adapted = adapt(stages, holder, ExpertAdapter(rank=4, targets=("gate_up",), shared_a=True))
+    spec = mf.input_spec(8, torch.float32, 4)
+    mf.Pipeline(adapted, spec)  # adapt() builds the dispatch in copy order
+    with pytest.raises(mf.ContractError) as error:
+        mf.Pipeline([stages[1] if isinstance(stage, AlignDispatch) else stage for stage in adapted], spec)
+    assert error.value.field == "slot_order"
+
+
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+def test_anomaly_detection_keeps_the_rows_in_copy_order() -> None:
+    # Anomaly detection checks every gradient for NaN, rows past the used slots included.
+    table = ConfigTable(2, 2)
+    routed = _routed(1024, 2, 2, 8, 5)
+    kernel_ops()
+    assert AlignDispatch(2, table)(routed).alignment.slot_copies == 2048
+    with torch.autograd.detect_anomaly():
+        assert AlignDispatch(2, table, slot_rows=True)(routed).alignment.slot_copies == 0

@@ -27,7 +27,9 @@ class Activate(Stage[ExpertRows, ExpertRows]):
         return f"Activate({self.config.summary()})"
 
     def accepts(self) -> Accepts:
-        return Accepts(kind=PayloadKind.EXPERT_HIDDEN, dtype=REFERENCE_FLOAT_DTYPES, scale_layout=ScaleLayout.NONE)
+        # Row by row: rows in slot order too (those past the used slots activate to values no stage reads).
+        return Accepts(kind=PayloadKind.EXPERT_HIDDEN, dtype=REFERENCE_FLOAT_DTYPES, scale_layout=ScaleLayout.NONE,
+                       slot_order={False, True})
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)

@@ -107,6 +107,7 @@ class Combine(Stage[ExpertRows, MoEOutput]):
             layout=self.layouts,
             dtype=REFERENCE_FLOAT_DTYPES,
             scale_layout=ScaleLayout.NONE,
+            slot_order={False, True},  # the plan reads each copy where it lies (AlignedPlan: by its slot)
             **combine_accepts(self.apply_routing_weights, self.routed_scaling_factor),
         )
 
@@ -150,6 +151,7 @@ def combine_output_spec(spec: Spec, apply_routing_weights: bool, routed_scaling_
         expert_ids=ExpertIds.GLOBAL,  # back on the tokens (and on their own rank)
         exchange=Exchange.NONE,
         alignment=None,
+        slot_order=False,
         routing_weights=RoutingWeights.IN_COMBINE if apply_routing_weights else spec.routing_weights,
         scaling_factor=ScalingFactor.APPLIED if applies_factor else spec.scaling_factor,
         pending_scale=None if applies_factor else spec.pending_scale,

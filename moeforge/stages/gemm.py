@@ -116,14 +116,15 @@ def expert_gemm_accepts(role: GemmRole, *, dtypes: Union[DType, frozenset[DType]
                         scales: Union[ScaleLayout, frozenset[ScaleLayout]], in_features: int, num_experts: int,
                         apply_routing_weights: bool,
                         layouts: Union[Layout, frozenset[Layout]] = REFERENCE_LAYOUTS,
-                        alignment: Optional[tuple[object, ...]] = None) -> Accepts:
+                        alignment: Optional[tuple[object, ...]] = None, slot_order: bool = False) -> Accepts:
     """What a grouped GEMM stage of the experts accepts: its role's payload in ``layouts`` (the
     torch reference's: either expert-grouped layout; the triton GEMMs': block-aligned), in its
     formats, ``in_features`` wide, local ids, pending weights if its epilogue applies them. Only the
     down GEMM's epilogue may apply them, where the router declares ``IN_GEMM_EPILOGUE``: the gate/up
     GEMM's output goes through the activation, so weights applied there would be a different function
     from every placement a router declares (no spec is accepted). ``alignment``: the block-aligned GEMMs'
-    (:meth:`~moeforge.kernels.config.ConfigTable.alignment`), which the rows must have been aligned by."""
+    (:meth:`~moeforge.kernels.config.ConfigTable.alignment`), which the rows must have been aligned by;
+    ``slot_order``: the GEMM reads the used rows alone, so rows in slot order too (``Spec.slot_order``)."""
     weights_at: Optional[frozenset[Optional[RoutingWeights]]] = None
     if apply_routing_weights:
         # None: a router that declares no placement (a user-written routing stage) leaves it to the stages.
@@ -139,6 +140,7 @@ def expert_gemm_accepts(role: GemmRole, *, dtypes: Union[DType, frozenset[DType]
         routing_weights=RoutingWeights.PENDING if apply_routing_weights else None,
         weights_at=weights_at,
         alignment=frozenset({alignment}) if alignment is not None else None,
+        slot_order={False, True} if slot_order else False,
     )
 
 

@@ -8,6 +8,10 @@ the backward's weight gradients read each expert's rows where they lie instead o
 order, and the combine reads each copy's row at its slot (:class:`~moeforge.stages.triton.AlignedPlan` by
 ``slot_of``). This module holds the rule; :meth:`~moeforge.stages.triton.AlignDispatch.slot_order_rows` gathers.
 
+The rows past the used slots hold no values (no kernel writes them): every stage between the dispatch and the combine
+must read the used rows alone, which the pipeline checks when it is built (``Spec.slot_order``: a stage that reads
+every row refuses a dispatch that may give slot order, and the dispatch is then built with ``slot_rows=False``).
+
 The rows then number the alignment's slots, ``S = copies + min(E, copies) * (block_m - 1)`` at most, against the
 copies in copy order, and the forward saves them for the backward. :func:`slot_rows_pay` takes slot order where the
 padding is at most an eighth of the copies: there it was faster than copy order and its peak memory lower or below
@@ -36,7 +40,10 @@ def slot_rows_pay(num_copies: int, num_experts: int, block_m: int) -> bool:
 def slot_rows_apply(x: RoutedTokens) -> Optional[str]:
     """Why the routed tokens ``x`` cannot be gathered into slot order (``None`` where they can): float rows without
     scales (quantized tokens travel with their scales, which the gather does not move), no stack of adapters (its
-    pair alignment is built on copy order: the serving path)."""
+    pair alignment is built on copy order: the serving path), and no anomaly detection (it checks every gradient
+    for NaN, and the rows past the used slots hold no values)."""
+    if torch.is_anomaly_enabled():
+        return "anomaly detection checks every row of every gradient, and rows past the used slots hold no values"
     if x.x.scale is not None or x.x.data.dtype not in _FLOAT:
         return "quantized tokens are dispatched with their scales in copy order"
     if x.adapter_ids is not None:

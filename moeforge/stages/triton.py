@@ -138,7 +138,8 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
 
     def output_spec(self, spec: Spec) -> Spec:
         return spec.evolve(kind=PayloadKind.DISPATCHED, layout=Layout.BLOCK_ALIGNED, group_list_type=None,
-                           expert_ids=ExpertIds.LOCAL, alignment=self.configs.alignment())
+                           expert_ids=ExpertIds.LOCAL, alignment=self.configs.alignment(),
+                           slot_order=self.slot_rows is not False)
 
     def __call__(self, x: RoutedTokens) -> AlignedRows:
         tokens, top_k = x.topk.ids.shape
@@ -263,7 +264,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return expert_gemm_accepts(self.role, dtypes=KERNEL_DTYPES, scales=ScaleLayout.NONE,
                                    in_features=int(weight.shape[2]), num_experts=int(weight.shape[0]),
                                    apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED,
-                                   alignment=self.configs.alignment())
+                                   alignment=self.configs.alignment(), slot_order=True)
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)

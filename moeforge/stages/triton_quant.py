@@ -293,7 +293,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         return expert_gemm_accepts(self.role, dtypes=self._activation_dtypes(), scales=self.weight_format.input_scales,
                                    in_features=self.in_features, num_experts=int(self._weight().shape[0]),
                                    apply_routing_weights=self.apply_routing_weights, layouts=Layout.BLOCK_ALIGNED,
-                                   alignment=self.configs.alignment())
+                                   alignment=self.configs.alignment(), slot_order=True)
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field in ("dtype", "scale_layout"):
@@ -440,8 +440,9 @@ class QuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRows]):
         return f"QuantizeAligned(triton, {self.quantizer.summary()})"
 
     def accepts(self) -> Accepts:
+        # (per row: rows in slot order quantize alike, those past the used slots to what no GEMM reads)
         return Accepts(kind={PayloadKind.DISPATCHED, PayloadKind.EXPERT_HIDDEN}, layout=Layout.BLOCK_ALIGNED,
-                       dtype=FLOAT_DTYPES, scale_layout=ScaleLayout.NONE)
+                       dtype=FLOAT_DTYPES, scale_layout=ScaleLayout.NONE, slot_order={False, True})
 
     def check(self, spec: Spec) -> list[Mismatch]:
         found = super().check(spec)
@@ -474,7 +475,7 @@ class ActivateQuantizeAligned(_QuantizeAlignedBase, ActivateQuantize):
         return f"ActivateQuantizeAligned(triton, {self.config.summary()} -> {self.quantizer.summary()})"
 
     def accepts(self) -> Accepts:
-        return attrs.evolve(super().accepts(), layout=Layout.BLOCK_ALIGNED)
+        return attrs.evolve(super().accepts(), layout=Layout.BLOCK_ALIGNED, slot_order={False, True})  # per row
 
     def __call__(self, x: ExpertRows) -> ExpertRows:
         if not isinstance(x, AlignedRows):
