@@ -1,5 +1,5 @@
-"""Expert activations as configuration and math: which activation (gated SwiGLU, GeGLU, GPT-OSS SwiGLU; plain
-SiLU, GELU, ReLU²; the identity), how gate and up sit in a row, and the reference computation in fp32.
+"""Expert activations as configuration and math: which activation (gated SwiGLU, GeGLU, GPT-OSS SwiGLU, clamped
+SwiGLU; plain SiLU, GELU, ReLU²; the identity), how gate and up sit in a row, and the reference computation in fp32.
 
 A gated activation reads a ``2 * I`` wide row holding gate and up — either as two halves
 (``CONCATENATED``: ``[gate | up]``, Mixtral/Qwen/DeepSeek) or alternating (``INTERLEAVED``:
@@ -24,6 +24,7 @@ class ActivationKind(enum.Enum):
     SWIGLU = "swiglu"  # silu(gate) * up
     GEGLU = "geglu"  # gelu(gate) * up
     GPT_OSS_SWIGLU = "gpt_oss_swiglu"  # (clamp(up) + 1) * g * sigmoid(alpha * g), g = gate clamped above
+    CLAMPED_SWIGLU = "clamped_swiglu"  # silu(g) * clamp(up), g = gate clamped above (DeepSeek-V4, HY-V4)
     SILU = "silu"
     GELU = "gelu"
     RELU2 = "relu2"  # relu(x) ** 2
@@ -33,7 +34,8 @@ class ActivationKind(enum.Enum):
 
     @property
     def gated(self) -> bool:
-        return self in (ActivationKind.SWIGLU, ActivationKind.GEGLU, ActivationKind.GPT_OSS_SWIGLU)
+        return self in (ActivationKind.SWIGLU, ActivationKind.GEGLU, ActivationKind.GPT_OSS_SWIGLU,
+                        ActivationKind.CLAMPED_SWIGLU)
 
 
 class GateUpLayout(enum.Enum):
@@ -51,8 +53,9 @@ def _gate_up(value: Union[GateUpLayout, str]) -> GateUpLayout:
 
 @attrs.frozen
 class ActivationConfig:
-    """Which activation the experts use. ``alpha`` and ``limit`` are GPT-OSS's (1.702 and 7.0);
-    ``gelu_approximate`` is passed to ``torch.nn.functional.gelu`` ("none" or "tanh")."""
+    """Which activation the experts use. ``alpha`` and ``limit`` are GPT-OSS's (1.702 and 7.0; the clamped
+    SwiGLU reads ``limit``: gate clamped above at it, up to ``[-limit, limit]``); ``gelu_approximate`` is passed to
+    ``torch.nn.functional.gelu`` ("none" or "tanh")."""
 
     kind: ActivationKind = attrs.field(default=ActivationKind.SWIGLU, converter=_kind)
     gate_up: GateUpLayout = attrs.field(default=GateUpLayout.CONCATENATED, converter=_gate_up)
@@ -79,6 +82,8 @@ class ActivationConfig:
             text += f", {self.gate_up.value}"
         if self.kind is ActivationKind.GPT_OSS_SWIGLU:
             text += f", alpha={self.alpha:g}, limit={self.limit:g}"
+        if self.kind is ActivationKind.CLAMPED_SWIGLU:
+            text += f", limit={self.limit:g}"
         if self.kind in (ActivationKind.GEGLU, ActivationKind.GELU) and self.gelu_approximate != "none":
             text += f", gelu {self.gelu_approximate}"
         return text
@@ -110,4 +115,6 @@ def apply_activation(x: torch.Tensor, config: ActivationConfig) -> torch.Tensor:
         return F.gelu(gate, approximate=config.gelu_approximate) * up
     gate = gate.clamp(max=config.limit)
     up = up.clamp(min=-config.limit, max=config.limit)
+    if kind is ActivationKind.CLAMPED_SWIGLU:
+        return F.silu(gate) * up
     return (up + 1) * gate * torch.sigmoid(config.alpha * gate)

@@ -103,8 +103,8 @@ _FUNCTIONS: dict[Callable[..., Any], tuple[ActivationKind, str]] = {
     torch.nn.functional.gelu: (ActivationKind.GELU, "none"),
 }
 _GATED = {ActivationKind.SILU: ActivationKind.SWIGLU, ActivationKind.GELU: ActivationKind.GEGLU}
-_COMPUTED = ("SiLU, GELU (erf or tanh), ReLU\u00b2 and the identity; with a gate SwiGLU, GeGLU and GPT-OSS's "
-             "clamped SwiGLU")
+_COMPUTED = ("SiLU, GELU (erf or tanh), ReLU\u00b2 and the identity; with a gate SwiGLU, GeGLU, GPT-OSS's "
+             "clamped SwiGLU and the clamped SwiGLU of DeepSeek-V4 and HY-V4")
 
 
 class ExpertsWeights(enum.Enum):
@@ -265,8 +265,17 @@ def _number(module: nn.Module, *names: str) -> Optional[float]:
     return None
 
 
+def _own_gating(module: nn.Module) -> bool:
+    """Whether ``module``'s gated experts compute their own ``_apply_gate`` (``transformers``' decorator gives a class
+    without one ``act_fn(gate) * up``, its ``_default_apply_gate``)."""
+    gating = getattr(module, "_apply_gate", None)
+    return gating is not None and getattr(getattr(gating, "__func__", gating), "__name__", "") != "_default_apply_gate"
+
+
 def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> ActivationConfig:
-    """moeforge's activation for ``module``, from its ``act_fn`` (or GPT-OSS's ``alpha`` / ``limit``).
+    """moeforge's activation for ``module``, from its ``act_fn`` (or GPT-OSS's ``alpha`` / ``limit``; a ``limit``
+    without ``alpha`` on gated experts whose class writes its own ``_apply_gate``, SiLU or no ``act_fn``: the clamped
+    SwiGLU of DeepSeek-V4 and HY-V4; with ``transformers``' default gating a ``limit`` clamps nothing).
 
     Only the declared attributes are read here (cheaply, on every call); :func:`check_activation` checks
     the result against what the module computes, once, before a pipeline is built."""
@@ -277,6 +286,9 @@ def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> A
     if has_gate and alpha is not None and limit is not None:
         return ActivationConfig(ActivationKind.GPT_OSS_SWIGLU, gate_up, alpha=alpha, limit=limit)
     act_fn = getattr(module, "act_fn", None)
+    clamping = has_gate and limit is not None and _own_gating(module)
+    if clamping and act_fn is None:  # HY-V4's experts: SiLU in their _apply_gate
+        return ActivationConfig(ActivationKind.CLAMPED_SWIGLU, gate_up, limit=limit)
     if act_fn is None:
         raise UnsupportedExpertsError(f"{cls} has no act_fn (and no GPT-OSS alpha / limit): moeforge cannot tell its "
                                       "activation")
@@ -294,6 +306,8 @@ def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> A
                                       f"computes {_COMPUTED}); use experts_implementation='eager' or 'grouped_mm' "
                                       "for this model")
     kind, approximate = found
+    if clamping and kind is ActivationKind.SILU:  # DeepSeek-V4's experts
+        return ActivationConfig(ActivationKind.CLAMPED_SWIGLU, gate_up, limit=limit)
     if has_gate:
         gated = _GATED.get(kind)
         if gated is None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import warnings
+
+import attrs
 from typing import Any, Optional
 
 import pytest
@@ -52,8 +54,9 @@ for _layout in Layout:
         f"geglu-{_layout.value}": mf.ActivationConfig(Kind.GEGLU, _layout),
         f"geglu-tanh-{_layout.value}": mf.ActivationConfig(Kind.GEGLU, _layout, gelu_approximate="tanh"),
         f"gpt-oss-{_layout.value}": mf.ActivationConfig(Kind.GPT_OSS_SWIGLU, _layout),
+        f"clamped-swiglu-{_layout.value}": mf.ActivationConfig(Kind.CLAMPED_SWIGLU, _layout),
     })
-GPT_OSS = [name for name in ACTIVATIONS if name.startswith("gpt-oss")]
+CLAMPED = [name for name in ACTIVATIONS if name.startswith(("gpt-oss", "clamped"))]
 
 
 def _args(config: mf.ActivationConfig) -> tuple[int, bool, bool, float, float]:
@@ -193,7 +196,7 @@ def test_one_row_and_odd_widths(name: str, columns: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["swiglu-concatenated", "gpt-oss-interleaved", "relu2"])
+@pytest.mark.parametrize("name", ["swiglu-concatenated", "gpt-oss-interleaved", "clamped-swiglu-interleaved", "relu2"])
 def test_strided_row_views(name: str, dtype: torch.dtype) -> None:
     """Rows of a wider tensor (a row stride larger than the width, an offset) and every other row; columns
     that are not contiguous are copied first."""
@@ -209,11 +212,11 @@ def test_strided_row_views(name: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("limit", [7.0, 0.5, math.inf])
-@pytest.mark.parametrize("name", GPT_OSS)
-def test_gpt_oss_clamps_on_and_beyond_their_bounds(name: str, limit: float, dtype: torch.dtype) -> None:
-    """The gate is clamped above only, up on both sides: the gradient passes on the bounds (``torch.clamp``'s
-    convention) and is 0 beyond them; a gate below ``-limit`` is not clamped."""
-    config = mf.ActivationConfig(Kind.GPT_OSS_SWIGLU, ACTIVATIONS[name].gate_up, limit=limit)
+@pytest.mark.parametrize("name", CLAMPED)
+def test_the_clamped_swiglus_clamp_on_and_beyond_their_bounds(name: str, limit: float, dtype: torch.dtype) -> None:
+    """GPT-OSS's and the clamped SwiGLU: the gate is clamped above only, up on both sides: the gradient passes on the
+    bounds (``torch.clamp``'s convention) and is 0 beyond them; a gate below ``-limit`` is not clamped."""
+    config = attrs.evolve(ACTIVATIONS[name], limit=limit)
     bound = limit if math.isfinite(limit) else 7.0
     values = [-100.0, -bound - 1.0, -bound, -bound + 0.25, 0.0, bound - 0.25, bound, bound + 0.25, 100.0]
     gate = torch.tensor(values, dtype=torch.float64).repeat_interleave(len(values))  # every (gate, up) pair
@@ -228,7 +231,8 @@ def test_gpt_oss_clamps_on_and_beyond_their_bounds(name: str, limit: float, dtyp
     assert (d_gate[gate > limit] == 0).all() and (d_up[(up > limit) | (up < -limit)] == 0).all()
     on_bounds = ((up == limit) | (up == -limit)) & (gate != 0) & (gate.abs() < 50)  # gate * sigmoid(alpha gate) != 0
     assert (d_up[on_bounds] != 0).all()
-    assert (d_gate[(gate == limit) & (up > -1)] != 0).all()
+    up_factor_nonzero = (up > -1) if config.kind is Kind.GPT_OSS_SWIGLU else (up != 0)  # clamp(up) + 1, or clamp(up)
+    assert (d_gate[(gate == limit) & up_factor_nonzero] != 0).all()
 
 
 @pytest.mark.parametrize("name", ACTIVATIONS)
@@ -255,8 +259,8 @@ def test_large_magnitudes_stay_finite(name: str) -> None:
     torch.testing.assert_close(d_pre.double().cpu(), ref_d_pre.cpu(), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("case", ["3-D", "int rows", "odd gated width", "ungated gpt-oss", "unknown code",
-                                  "gradient shape", "int gradient"])
+@pytest.mark.parametrize("case", ["3-D", "int rows", "odd gated width", "ungated gpt-oss", "ungated clamped swiglu",
+                                  "unknown code", "gradient shape", "int gradient"])
 def test_bad_arguments_raise_input_error(case: str) -> None:
     pre = torch.zeros(2, 6, device=DEVICE)
     silu = (activations.ACT_SILU, False, False, 1.702, 7.0)
@@ -265,6 +269,7 @@ def test_bad_arguments_raise_input_error(case: str) -> None:
         "int rows": (pre.int(), None, silu),
         "odd gated width": (pre[:, :5], None, (activations.ACT_SILU, True, False, 1.702, 7.0)),
         "ungated gpt-oss": (pre, None, (activations.ACT_GPT_OSS, False, False, 1.702, 7.0)),
+        "ungated clamped swiglu": (pre, None, (activations.ACT_CLAMPED_SILU, False, False, 1.702, 7.0)),
         "unknown code": (pre, None, (9, False, False, 1.702, 7.0)),
         "gradient shape": (pre, torch.zeros(2, 3, device=DEVICE), silu),
         "int gradient": (pre, torch.zeros(2, 6, dtype=torch.int32, device=DEVICE), silu),

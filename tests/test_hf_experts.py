@@ -65,6 +65,21 @@ def _olmoe() -> Any:
                                     num_experts_per_tok=2)
 
 
+def _deepseek_v4() -> Any:
+    # the clamped SwiGLU (silu(min(gate, limit)) * clamp(up, +-limit)); a small limit, so that both clamps bite
+    return transformers.DeepseekV4Config(**_COMMON, num_hidden_layers=2, moe_intermediate_size=24, head_dim=8,
+                                         q_lora_rank=16, n_routed_experts=6, n_shared_experts=1, num_experts_per_tok=2,
+                                         sliding_window=16, swiglu_limit=0.5)
+
+
+def _hy_v4() -> Any:
+    # the clamped SwiGLU in the experts' _apply_gate, no act_fn
+    return transformers.HYV4Config(**{**_COMMON, "num_key_value_heads": 4}, num_hidden_layers=2, intermediate_size=64,
+                                   moe_intermediate_size=24, n_routed_experts=6, n_shared_experts=1,
+                                   num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+                                   qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, swiglu_limit=0.5)
+
+
 # family -> (model class name, config); every experts class here is decorated with @use_experts_implementation
 FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", _qwen3_moe),
@@ -73,6 +88,8 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "deepseek_v3": ("DeepseekV3ForCausalLM", _deepseek_v3),
     "qwen2_moe": ("Qwen2MoeForCausalLM", _qwen2_moe),
     "olmoe": ("OlmoeForCausalLM", _olmoe),
+    "deepseek_v4": ("DeepseekV4ForCausalLM", _deepseek_v4),  # the clamped SwiGLU, act_fn SiLU
+    "hy_v4": ("HYV4ForCausalLM", _hy_v4),  # the clamped SwiGLU, no act_fn
 }
 
 
@@ -85,6 +102,8 @@ def build(name: str, seed: int = 0, implementation: str = "eager") -> Any:
     """A tiny model with every parameter random (``transformers`` leaves expert weights uninitialised), in
     eval mode, in fp32."""
     class_name, config = FAMILIES[name]
+    if not hasattr(transformers, class_name):  # DeepSeek-V4 and HY-V4 came with later transformers releases
+        pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
     torch.manual_seed(seed)
     model = getattr(transformers, class_name)(config()).eval()
     generator = torch.Generator().manual_seed(seed + 1)
@@ -169,7 +188,7 @@ def test_greedy_generation_matches_eager(name: str, function: hf_experts.Experts
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v4"])
 def test_gradients_match_eager(name: str, function: hf_experts.ExpertsFunction) -> None:
     """The backward runs through moeforge's torch stages: every parameter (expert weights and biases, the
     router through the routing weights, attention, embeddings) gets the eager gradient."""

@@ -81,6 +81,7 @@ ACTIVATIONS = [
     mf.ActivationConfig(mf.ActivationKind.GEGLU, gelu_approximate="tanh"),
     mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, gate_up=mf.GateUpLayout.INTERLEAVED),
     mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, alpha=1.0, limit=0.5),  # the clamp bites
+    mf.ActivationConfig(mf.ActivationKind.CLAMPED_SWIGLU, limit=0.5),  # DeepSeek-V4's, HY-V4's
     mf.ActivationConfig(mf.ActivationKind.SILU),
     mf.ActivationConfig(mf.ActivationKind.GELU),
     mf.ActivationConfig(mf.ActivationKind.RELU2),

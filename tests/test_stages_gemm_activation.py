@@ -522,9 +522,21 @@ def test_gpt_oss_alpha_and_limit_are_used() -> None:
     assert float(apply_activation(x, config)) == pytest.approx(want, rel=1e-12)
 
 
+def test_the_clamped_swiglu_clamps_as_deepseek_v4_and_hy_v4_do() -> None:
+    # silu(min(gate, limit)) * clamp(up, -limit, limit): no alpha, no + 1 (GPT-OSS's form has both)
+    config = mf.ActivationConfig(AK.CLAMPED_SWIGLU, limit=2.0)
+    gate = torch.tensor([-5.0, 0.5, 5.0], dtype=torch.float64)
+    up = torch.tensor([-9.0, 1.5, 9.0], dtype=torch.float64)
+    got = apply_activation(torch.cat([gate, up]).reshape(1, -1), config)
+    want = torch.nn.functional.silu(gate.clamp(max=2.0)) * up.clamp(-2.0, 2.0)
+    torch.testing.assert_close(got.reshape(-1), want, rtol=1e-12, atol=0)
+    assert float(got[0, 0]) == pytest.approx(-5.0 / (1 + math.exp(5.0)) * -2.0, rel=1e-12)  # the gate unclamped below
+    assert "limit=2" in config.summary() and config.gated
+
+
 def test_interleaved_and_concatenated_read_the_same_gate_and_up() -> None:
     gate, up = _randn(5, 16, seed=40), _randn(5, 16, seed=41)
-    for kind in (AK.SWIGLU, AK.GEGLU, AK.GPT_OSS_SWIGLU):
+    for kind in (AK.SWIGLU, AK.GEGLU, AK.GPT_OSS_SWIGLU, AK.CLAMPED_SWIGLU):
         concatenated = apply_activation(_join(gate, up, mf.GateUpLayout.CONCATENATED),
                                         mf.ActivationConfig(kind, mf.GateUpLayout.CONCATENATED))
         interleaved = apply_activation(_join(gate, up, mf.GateUpLayout.INTERLEAVED),
@@ -590,7 +602,7 @@ def test_activate_out_dtype() -> None:
     assert mf.Pipeline(stages[:3] + [mf.Activate()], _spec()).output_spec.dtype is mf.DType.FP32
 
 
-@pytest.mark.parametrize("kind", [AK.SWIGLU, AK.GEGLU, AK.GPT_OSS_SWIGLU])
+@pytest.mark.parametrize("kind", [AK.SWIGLU, AK.GEGLU, AK.GPT_OSS_SWIGLU, AK.CLAMPED_SWIGLU])
 def test_gated_activation_on_odd_width_is_a_contract_error(kind: mf.ActivationKind) -> None:
     odd = mf.GroupedGemm(mf.GemmRole.GATE_UP, _weights(E, 2 * I + 1, H, seed=49))
     with pytest.raises(mf.ContractError) as caught:

@@ -30,7 +30,7 @@ from moeforge.errors import InputError
 from moeforge.kernels import pdl
 from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.kernel_op import KernelOp
-from moeforge.kernels.activations import ACT_GPT_OSS, ACT_NONE, activate, gated
+from moeforge.kernels.activations import ACT_CLAMPED_SILU, ACT_NONE, GATED_ONLY, activate, gated
 from moeforge.kernels.launch_plan import glu_strides
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
@@ -78,8 +78,9 @@ def activate_derivative(x, ACT: tl.constexpr):
 def gated_derivative(gate, up, d, ACT: tl.constexpr, alpha, limit):
     """``(d_gate, d_up)`` of ``gated(gate, up, ACT, alpha, limit)`` (fp32) given ``d``, the gradient of its output.
 
-    GPT-OSS: ``gate`` is clamped above at ``limit`` and ``up`` to ``[-limit, limit]``; the gradient passes where
-    the input lies within the bounds, bounds included (``torch.clamp``'s backward), and is 0 beyond them."""
+    GPT-OSS and the clamped SwiGLU: ``gate`` is clamped above at ``limit`` and ``up`` to ``[-limit, limit]``; the
+    gradient passes where the input lies within the bounds, bounds included (``torch.clamp``'s backward), and is 0
+    beyond them."""
     if ACT == 5:
         g = tl.minimum(gate, limit)
         u = tl.minimum(tl.maximum(up, -limit), limit)
@@ -90,6 +91,11 @@ def gated_derivative(gate, up, d, ACT: tl.constexpr, alpha, limit):
         d_up = d * glu
         d_gate = tl.where(gate <= limit, d_gate, 0.0)
         d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
+    elif ACT == 6:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        d_gate = tl.where(gate <= limit, d * u * activate_derivative(g, 1), 0.0)
+        d_up = tl.where((up >= -limit) & (up <= limit), d * activate(g, 1), 0.0)
     else:
         d_gate = d * up * activate_derivative(gate, ACT)
         d_up = d * activate(gate, ACT)
@@ -162,10 +168,10 @@ def activated_shape(pre: torch.Tensor, act: int, glu: bool) -> tuple[int, int]:
         raise InputError(f"activate_rows takes 2-D rows [R, W], got a tensor of shape {tuple(pre.shape)}")
     if pre.dtype not in FLOATS:
         raise InputError(f"activate_rows takes float32, bfloat16 or float16 rows, got {pre.dtype}")
-    if not ACT_NONE <= act <= ACT_GPT_OSS:
+    if not ACT_NONE <= act <= ACT_CLAMPED_SILU:
         raise InputError(f"activate_rows: unknown activation code {act} (moeforge.kernels.activations)")
-    if act == ACT_GPT_OSS and not glu:
-        raise InputError("activate_rows: the GPT-OSS SwiGLU is gated (glu=True)")
+    if act in GATED_ONLY and not glu:
+        raise InputError("activate_rows: the GPT-OSS and clamped SwiGLUs are gated (glu=True)")
     rows, width = pre.shape
     if glu and width % 2:
         raise InputError(f"activate_rows: a gated activation reads an even number of columns, got {width}")

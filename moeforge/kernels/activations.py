@@ -15,12 +15,13 @@ import triton.language as tl
 
 from moeforge.activation import ActivationConfig, ActivationKind, GateUpLayout
 
-ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_GPT_OSS = 0, 1, 2, 3, 4, 5
+ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU2, ACT_GPT_OSS, ACT_CLAMPED_SILU = 0, 1, 2, 3, 4, 5, 6
+GATED_ONLY = (ACT_GPT_OSS, ACT_CLAMPED_SILU)  # codes with no ungated form
 
 # Each kind's code; whether it is gated travels beside it (``glu``), and GELU's tanh form has its own code.
 _CODES = {ActivationKind.SWIGLU: ACT_SILU, ActivationKind.SILU: ACT_SILU, ActivationKind.GEGLU: ACT_GELU,
           ActivationKind.GELU: ACT_GELU, ActivationKind.RELU2: ACT_RELU2, ActivationKind.GPT_OSS_SWIGLU: ACT_GPT_OSS,
-          ActivationKind.IDENTITY: ACT_NONE}
+          ActivationKind.CLAMPED_SWIGLU: ACT_CLAMPED_SILU, ActivationKind.IDENTITY: ACT_NONE}
 
 
 def code_of(config: ActivationConfig) -> int:
@@ -69,11 +70,15 @@ def activate(x, ACT: tl.constexpr):
 
 @triton.jit
 def gated(gate, up, ACT: tl.constexpr, alpha, limit):
-    """A gated activation of fp32 ``gate`` and ``up``: ``act(gate) * up``, or GPT-OSS's clamped
-    SwiGLU (``ACT_GPT_OSS``)."""
+    """A gated activation of fp32 ``gate`` and ``up``: ``act(gate) * up``, GPT-OSS's clamped SwiGLU
+    (``ACT_GPT_OSS``) or the clamped SwiGLU (``ACT_CLAMPED_SILU``: the same clamps, ``silu(gate) * up``)."""
     if ACT == 5:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    elif ACT == 6:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return gate * tl.sigmoid(gate) * up
     else:
         return activate(gate, ACT) * up
