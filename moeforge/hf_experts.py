@@ -286,9 +286,10 @@ def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> A
     if has_gate and alpha is not None and limit is not None:
         return ActivationConfig(ActivationKind.GPT_OSS_SWIGLU, gate_up, alpha=alpha, limit=limit)
     act_fn = getattr(module, "act_fn", None)
-    clamping = has_gate and limit is not None and _own_gating(module)
-    if clamping and act_fn is None:  # HY-V4's experts: SiLU in their _apply_gate
-        return ActivationConfig(ActivationKind.CLAMPED_SWIGLU, gate_up, limit=limit)
+    # the clamped SwiGLU's limit: a limit without alpha, on gated experts of a class with its own gating
+    clamp = limit if has_gate and limit is not None and _own_gating(module) else None
+    if clamp is not None and act_fn is None:  # HY-V4's experts: SiLU in their _apply_gate
+        return ActivationConfig(ActivationKind.CLAMPED_SWIGLU, gate_up, limit=clamp)
     if act_fn is None:
         raise UnsupportedExpertsError(f"{cls} has no act_fn (and no GPT-OSS alpha / limit): moeforge cannot tell its "
                                       "activation")
@@ -306,8 +307,8 @@ def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> A
                                       f"computes {_COMPUTED}); use experts_implementation='eager' or 'grouped_mm' "
                                       "for this model")
     kind, approximate = found
-    if clamping and kind is ActivationKind.SILU:  # DeepSeek-V4's experts
-        return ActivationConfig(ActivationKind.CLAMPED_SWIGLU, gate_up, limit=limit)
+    if clamp is not None and kind is ActivationKind.SILU:  # DeepSeek-V4's experts
+        return ActivationConfig(ActivationKind.CLAMPED_SWIGLU, gate_up, limit=clamp)
     if has_gate:
         gated = _GATED.get(kind)
         if gated is None:
