@@ -104,7 +104,7 @@ _FUNCTIONS: dict[Callable[..., Any], tuple[ActivationKind, str]] = {
 }
 _GATED = {ActivationKind.SILU: ActivationKind.SWIGLU, ActivationKind.GELU: ActivationKind.GEGLU}
 _COMPUTED = ("SiLU, GELU (erf or tanh), ReLU\u00b2 and the identity; with a gate SwiGLU, GeGLU, GPT-OSS's "
-             "clamped SwiGLU and the clamped SwiGLU of DeepSeek-V4 and HY-V4")
+             "clamped SwiGLU, the clamped SwiGLU of DeepSeek-V4 and HY-V4 and Inkling2's softcapped SwiGLU")
 
 
 class ExpertsWeights(enum.Enum):
@@ -256,7 +256,7 @@ def _check_fp8(module: nn.Module, up_name: str, has_bias: bool, is_transposed: b
 
 # -- the activation -----------------------------------------------------------------------------------
 
-def _number(module: nn.Module, *names: str) -> Optional[float]:
+def _number(module: object, *names: str) -> Optional[float]:
     """The first of the attributes ``names`` that is a number (``None``: none is)."""
     for name in names:
         value = getattr(module, name, None)
@@ -275,7 +275,8 @@ def _own_gating(module: nn.Module) -> bool:
 def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> ActivationConfig:
     """moeforge's activation for ``module``, from its ``act_fn`` (or GPT-OSS's ``alpha`` / ``limit``; a ``limit``
     without ``alpha`` on gated experts whose class writes its own ``_apply_gate``, SiLU or no ``act_fn``: the clamped
-    SwiGLU of DeepSeek-V4 and HY-V4; with ``transformers``' default gating a ``limit`` clamps nothing).
+    SwiGLU of DeepSeek-V4 and HY-V4; with ``transformers``' default gating a ``limit`` clamps nothing; an ``act_fn``
+    with a ``gate_softcap`` and an ``up_softcap``: Inkling2's softcapped SwiGLU).
 
     Only the declared attributes are read here (cheaply, on every call); :func:`check_activation` checks
     the result against what the module computes, once, before a pipeline is built."""
@@ -293,6 +294,10 @@ def activation_of(module: nn.Module, has_gate: bool, is_concatenated: bool) -> A
     if act_fn is None:
         raise UnsupportedExpertsError(f"{cls} has no act_fn (and no GPT-OSS alpha / limit): moeforge cannot tell its "
                                       "activation")
+    caps = (_number(getattr(act_fn, "gate_softcap", None), "softcap"),
+            _number(getattr(act_fn, "up_softcap", None), "softcap"))
+    if has_gate and caps[0] is not None and caps[1] is not None:  # Inkling2's act_fn(gate, up)
+        return ActivationConfig(ActivationKind.SOFTCAPPED_SWIGLU, gate_up, gate_softcap=caps[0], up_softcap=caps[1])
     name = type(act_fn).__name__
     found: Optional[tuple[ActivationKind, str]]
     if isinstance(act_fn, nn.GELU):

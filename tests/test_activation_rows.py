@@ -55,14 +55,17 @@ for _layout in Layout:
         f"geglu-tanh-{_layout.value}": mf.ActivationConfig(Kind.GEGLU, _layout, gelu_approximate="tanh"),
         f"gpt-oss-{_layout.value}": mf.ActivationConfig(Kind.GPT_OSS_SWIGLU, _layout),
         f"clamped-swiglu-{_layout.value}": mf.ActivationConfig(Kind.CLAMPED_SWIGLU, _layout),
+        # softcaps the rows' values reach (Inkling2's are 4 and 25)
+        f"softcapped-swiglu-{_layout.value}": mf.ActivationConfig(Kind.SOFTCAPPED_SWIGLU, _layout, gate_softcap=1.5,
+                                                                  up_softcap=2.0),
     })
 CLAMPED = [name for name in ACTIVATIONS if name.startswith(("gpt-oss", "clamped"))]
 
 
 def _args(config: mf.ActivationConfig) -> tuple[int, bool, bool, float, float]:
     """The kernels' arguments ``(act, glu, interleaved, alpha, limit)`` of ``config``."""
-    return (activations.code_of(config), config.gated, config.gate_up is Layout.INTERLEAVED, config.alpha,
-            config.limit)
+    return (activations.code_of(config), config.gated, config.gate_up is Layout.INTERLEAVED,
+            *activations.parameters_of(config))
 
 
 def _reference(pre: torch.Tensor, d_out: torch.Tensor,
@@ -117,7 +120,8 @@ def test_forward_and_derivative_match_apply_activation(name: str, dtype: torch.d
     _compare(pre, d_out, config)
 
 
-@pytest.mark.parametrize("name", ["swiglu-concatenated", "gpt-oss-interleaved", "gelu-tanh"])
+@pytest.mark.parametrize("name", ["swiglu-concatenated", "gpt-oss-interleaved", "softcapped-swiglu-interleaved",
+                                  "gelu-tanh"])
 def test_a_float32_gradient_of_half_precision_rows(name: str) -> None:
     """The gradient may come in another float dtype than the rows (fp32 here); ``d_pre`` is in the rows'."""
     config = ACTIVATIONS[name]

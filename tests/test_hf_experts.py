@@ -80,6 +80,15 @@ def _hy_v4() -> Any:
                                    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, swiglu_limit=0.5)
 
 
+def _inkling2() -> Any:
+    # the softcapped SwiGLU (act_fn(gate, up) with softcaps the tiny model's values reach)
+    from transformers.models.inkling2 import Inkling2TextConfig
+
+    return Inkling2TextConfig(**{**_COMMON, "num_key_value_heads": 4}, num_hidden_layers=2, head_dim=8,
+                              moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2,
+                              mlp_gate_softcap=0.75, mlp_up_softcap=1.0)
+
+
 # family -> (model class name, config); every experts class here is decorated with @use_experts_implementation
 FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", _qwen3_moe),
@@ -90,6 +99,7 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "olmoe": ("OlmoeForCausalLM", _olmoe),
     "deepseek_v4": ("DeepseekV4ForCausalLM", _deepseek_v4),  # the clamped SwiGLU, act_fn SiLU
     "hy_v4": ("HYV4ForCausalLM", _hy_v4),  # the clamped SwiGLU, no act_fn
+    "inkling2": ("Inkling2ForCausalLM", _inkling2),  # the softcapped SwiGLU
 }
 
 
@@ -102,7 +112,7 @@ def build(name: str, seed: int = 0, implementation: str = "eager") -> Any:
     """A tiny model with every parameter random (``transformers`` leaves expert weights uninitialised), in
     eval mode, in fp32."""
     class_name, config = FAMILIES[name]
-    if not hasattr(transformers, class_name):  # DeepSeek-V4 and HY-V4 came with later transformers releases
+    if not hasattr(transformers, class_name):  # DeepSeek-V4, HY-V4, Inkling2 came with later transformers releases
         pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
     torch.manual_seed(seed)
     model = getattr(transformers, class_name)(config()).eval()
@@ -151,7 +161,8 @@ def test_fp32_logits_match_eager(name: str, function: hf_experts.ExpertsFunction
     assert all(function.pipelines_for(module) for module in experts_modules(model))
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+# (Inkling2's router keeps fp32 weights that a bf16 model's eager forward multiplies bf16 rows with: eager fails)
+@pytest.mark.parametrize("name", [name for name in FAMILIES if name != "inkling2"])
 def test_bf16_logits_are_as_accurate_as_eager(name: str, function: hf_experts.ExpertsFunction) -> None:
     """In bf16 both implementations round differently; moeforge's error against the fp32 logits is that of
     the eager experts (within a quarter), and the two stay within a few bf16 steps of each other."""

@@ -82,6 +82,7 @@ ACTIVATIONS = [
     mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, gate_up=mf.GateUpLayout.INTERLEAVED),
     mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, alpha=1.0, limit=0.5),  # the clamp bites
     mf.ActivationConfig(mf.ActivationKind.CLAMPED_SWIGLU, limit=0.5),  # DeepSeek-V4's, HY-V4's
+    mf.ActivationConfig(mf.ActivationKind.SOFTCAPPED_SWIGLU, gate_softcap=0.5, up_softcap=0.75),  # Inkling2's, biting
     mf.ActivationConfig(mf.ActivationKind.SILU),
     mf.ActivationConfig(mf.ActivationKind.GELU),
     mf.ActivationConfig(mf.ActivationKind.RELU2),

@@ -534,9 +534,22 @@ def test_the_clamped_swiglu_clamps_as_deepseek_v4_and_hy_v4_do() -> None:
     assert "limit=2" in config.summary() and config.gated
 
 
+def test_the_softcapped_swiglu_is_inkling2s() -> None:
+    # cap_g(gate) * sigmoid(gate) * cap_u(up), cap(x) = c tanh(x / c): the sigmoid sees the raw gate
+    config = mf.ActivationConfig(AK.SOFTCAPPED_SWIGLU, gate_softcap=4.0, up_softcap=25.0)
+    gate = torch.tensor([-30.0, -1.0, 0.0, 0.5, 30.0], dtype=torch.float64)
+    up = torch.tensor([-100.0, 2.0, 3.0, -0.25, 100.0], dtype=torch.float64)
+    got = apply_activation(torch.cat([gate, up]).reshape(1, -1), config).reshape(-1)
+    want = 4.0 * torch.tanh(gate / 4.0) * torch.sigmoid(gate) * 25.0 * torch.tanh(up / 25.0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert abs(float(got[-1])) < 4.0 * 25.0  # both caps bound it
+    with pytest.raises(mf.InputError, match="gate_softcap"):
+        mf.ActivationConfig(AK.SOFTCAPPED_SWIGLU, gate_softcap=0.0)
+
+
 def test_interleaved_and_concatenated_read_the_same_gate_and_up() -> None:
     gate, up = _randn(5, 16, seed=40), _randn(5, 16, seed=41)
-    for kind in (AK.SWIGLU, AK.GEGLU, AK.GPT_OSS_SWIGLU, AK.CLAMPED_SWIGLU):
+    for kind in (AK.SWIGLU, AK.GEGLU, AK.GPT_OSS_SWIGLU, AK.CLAMPED_SWIGLU, AK.SOFTCAPPED_SWIGLU):
         concatenated = apply_activation(_join(gate, up, mf.GateUpLayout.CONCATENATED),
                                         mf.ActivationConfig(kind, mf.GateUpLayout.CONCATENATED))
         interleaved = apply_activation(_join(gate, up, mf.GateUpLayout.INTERLEAVED),
@@ -602,7 +615,7 @@ def test_activate_out_dtype() -> None:
     assert mf.Pipeline(stages[:3] + [mf.Activate()], _spec()).output_spec.dtype is mf.DType.FP32
 
 
-@pytest.mark.parametrize("kind", [AK.SWIGLU, AK.GEGLU, AK.GPT_OSS_SWIGLU, AK.CLAMPED_SWIGLU])
+@pytest.mark.parametrize("kind", [AK.SWIGLU, AK.GEGLU, AK.GPT_OSS_SWIGLU, AK.CLAMPED_SWIGLU, AK.SOFTCAPPED_SWIGLU])
 def test_gated_activation_on_odd_width_is_a_contract_error(kind: mf.ActivationKind) -> None:
     odd = mf.GroupedGemm(mf.GemmRole.GATE_UP, _weights(E, 2 * I + 1, H, seed=49))
     with pytest.raises(mf.ContractError) as caught:

@@ -30,7 +30,7 @@ from moeforge.errors import InputError
 from moeforge.kernels import pdl
 from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.kernel_op import KernelOp
-from moeforge.kernels.activations import ACT_CLAMPED_SILU, ACT_NONE, GATED_ONLY, activate, gated
+from moeforge.kernels.activations import ACT_SOFTCAPPED_SILU, ACT_NONE, GATED_ONLY, activate, gated, softcap
 from moeforge.kernels.launch_plan import glu_strides
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
@@ -96,6 +96,15 @@ def gated_derivative(gate, up, d, ACT: tl.constexpr, alpha, limit):
         u = tl.minimum(tl.maximum(up, -limit), limit)
         d_gate = tl.where(gate <= limit, d * u * activate_derivative(g, 1), 0.0)
         d_up = tl.where((up >= -limit) & (up <= limit), d * activate(g, 1), 0.0)
+    elif ACT == 7:  # the softcapped SwiGLU: alpha and limit are the gate's and up's softcaps
+        s = tl.sigmoid(gate)
+        capped_gate, capped_up = softcap(gate, alpha), softcap(up, limit)
+        # d/dx c tanh(x / c) = sech^2(x / c) = 4 e / (1 + e)^2, e = exp(-2 |x| / c): exact where tanh rounds to +-1
+        e_gate, e_up = tl.exp(-2.0 * tl.abs(gate) / alpha), tl.exp(-2.0 * tl.abs(up) / limit)
+        sech2_gate = 4.0 * e_gate / ((1.0 + e_gate) * (1.0 + e_gate))
+        sech2_up = 4.0 * e_up / ((1.0 + e_up) * (1.0 + e_up))
+        d_gate = d * capped_up * (sech2_gate * s + capped_gate * s * tl.sigmoid(-gate))
+        d_up = d * capped_gate * s * sech2_up
     else:
         d_gate = d * up * activate_derivative(gate, ACT)
         d_up = d * activate(gate, ACT)
@@ -168,10 +177,10 @@ def activated_shape(pre: torch.Tensor, act: int, glu: bool) -> tuple[int, int]:
         raise InputError(f"activate_rows takes 2-D rows [R, W], got a tensor of shape {tuple(pre.shape)}")
     if pre.dtype not in FLOATS:
         raise InputError(f"activate_rows takes float32, bfloat16 or float16 rows, got {pre.dtype}")
-    if not ACT_NONE <= act <= ACT_CLAMPED_SILU:
+    if not ACT_NONE <= act <= ACT_SOFTCAPPED_SILU:
         raise InputError(f"activate_rows: unknown activation code {act} (moeforge.kernels.activations)")
     if act in GATED_ONLY and not glu:
-        raise InputError("activate_rows: the GPT-OSS and clamped SwiGLUs are gated (glu=True)")
+        raise InputError("activate_rows: the GPT-OSS, clamped and softcapped SwiGLUs are gated (glu=True)")
     rows, width = pre.shape
     if glu and width % 2:
         raise InputError(f"activate_rows: a gated activation reads an even number of columns, got {width}")

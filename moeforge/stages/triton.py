@@ -341,9 +341,10 @@ _NO_ACTIVATION = (0, False, False, 1.0, 0.0)  # activation_args(None)
 
 
 def activation_args(config: Optional[ActivationConfig]) -> tuple[int, bool, bool, float, float]:
-    """The kernels' activation arguments ``(code, glu, interleaved, alpha, limit)`` (no activation:
-    code 0, the identity)."""
+    """The kernels' activation arguments ``(code, glu, interleaved, alpha, limit)`` (the last two
+    :func:`~moeforge.kernels.activations.parameters_of`; no activation: code 0, the identity)."""
     if config is None:
         return _NO_ACTIVATION
-    return (act_code(config), config.gated, config.gate_up is GateUpLayout.INTERLEAVED, config.alpha,
-            config.limit)
+    from moeforge.kernels.activations import parameters_of
+
+    return (act_code(config), config.gated, config.gate_up is GateUpLayout.INTERLEAVED, *parameters_of(config))
