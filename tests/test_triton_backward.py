@@ -407,13 +407,18 @@ def test_a_training_forward_traces_in_one_graph(layout: str) -> None:
 @pytest.mark.parametrize("kind", list(mf.ActivationKind))
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_the_backward_reads_back_the_activation_the_forward_ran(kind: mf.ActivationKind, approximate: str) -> None:
-    """The backward rebuilds the activation from the kernels' arguments: every kind, layout and GELU form
-    comes back as it went in (the identity of an ungated GEMM as no activation)."""
-    from moeforge.kernels.activations import code_of, config_of
+    """The backward rebuilds the activation from the kernels' arguments: every kind, layout, GELU form and the kind's
+    two numbers (alpha and limit, or the softcaps) come back as they went in (the identity of an ungated GEMM as no
+    activation)."""
+    from moeforge.kernels.activations import code_of, config_of, parameters_of
 
+    numbers = (dict(gate_softcap=1.5, up_softcap=6.0) if kind is mf.ActivationKind.SOFTCAPPED_SWIGLU
+               else dict(alpha=1.5, limit=6.0))
     for layout in mf.GateUpLayout:
-        config = mf.ActivationConfig(kind, layout if kind.gated else mf.GateUpLayout.CONCATENATED, 1.5, 6.0,
-                                     approximate if kind in (mf.ActivationKind.GELU, mf.ActivationKind.GEGLU)
-                                     else "none")
-        back = config_of(code_of(config), config.gated, config.gate_up is mf.GateUpLayout.INTERLEAVED, 1.5, 6.0)
+        config = mf.ActivationConfig(kind, layout if kind.gated else mf.GateUpLayout.CONCATENATED,
+                                     gelu_approximate=approximate if kind in (mf.ActivationKind.GELU,
+                                                                              mf.ActivationKind.GEGLU) else "none",
+                                     **numbers)
+        back = config_of(code_of(config), config.gated, config.gate_up is mf.GateUpLayout.INTERLEAVED,
+                         *parameters_of(config))
         assert back == (None if kind is mf.ActivationKind.IDENTITY else config)
