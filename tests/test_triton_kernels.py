@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels import align, combine, moe_gemm, topk, weight_grad  # noqa: E402
+from moeforge.kernels.activations import parameters_of  # noqa: E402
 from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
 from moeforge.reference import dense_moe  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
@@ -180,6 +181,10 @@ ACTIVATIONS = {
     "geglu-tanh": mf.ActivationConfig(mf.ActivationKind.GEGLU, gelu_approximate="tanh"),
     "geglu": mf.ActivationConfig(mf.ActivationKind.GEGLU),
     "gpt-oss": mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, gate_up=mf.GateUpLayout.INTERLEAVED),
+    # limits and softcaps the products reach (DeepSeek-V4's / HY-V4's clamp, Inkling2's softcaps)
+    "clamped-swiglu": mf.ActivationConfig(mf.ActivationKind.CLAMPED_SWIGLU, limit=0.75),
+    "softcapped-swiglu": mf.ActivationConfig(mf.ActivationKind.SOFTCAPPED_SWIGLU, gate_up=mf.GateUpLayout.INTERLEAVED,
+                                             gate_softcap=0.5, up_softcap=1.0),
     "silu": mf.ActivationConfig(mf.ActivationKind.SILU),
     "gelu": mf.ActivationConfig(mf.ActivationKind.GELU),
     "relu2": mf.ActivationConfig(mf.ActivationKind.RELU2),
@@ -205,7 +210,7 @@ def test_first_gemm_with_fused_activation_bias_and_weights(name: str, dtype: tor
     moe_gemm.moe_gemm(x, w13, out, sorted_ids, block_expert, num_padded, rows_per_a=k, config=SMALL,
                                 bias=b13, topk_weights=weights.reshape(-1), act=code, glu=act.gated,
                                 interleaved=act.gate_up is mf.GateUpLayout.INTERLEAVED,
-                                alpha=act.alpha, limit=act.limit)
+                                alpha=parameters_of(act)[0], limit=parameters_of(act)[1])
     flat = ids.reshape(-1).long()
     hidden_ref = torch.einsum("ch,cnh->cn", x.double()[torch.arange(tokens * k, device=DEVICE) // k],
                               w13.double()[flat]) + b13.double()[flat]
