@@ -252,9 +252,9 @@ def test_a_stage_that_reads_every_row_refuses_a_dispatch_that_may_give_slot_orde
     # pipeline refuses it when built, naming the field and the way out, and builds with the dispatch in copy order.
     table = ConfigTable(4, 2)
     spec = mf.input_spec(8, torch.float32, 4)
-    for slot_rows in (None, True):
+    for may_give_slots in (None, True):
         with pytest.raises(mf.ContractError, match="slot_rows=False") as error:
-            mf.Pipeline(_stages(AlignDispatch(4, table, slot_rows), _EveryRowStage(), table), spec)
+            mf.Pipeline(_stages(AlignDispatch(4, table, may_give_slots), _EveryRowStage(), table), spec)
         assert error.value.field == "slot_order"
     pipeline = mf.Pipeline(_stages(AlignDispatch(4, table, slot_rows=False), _EveryRowStage(), table), spec)
     assert "slots" not in pipeline.describe()
