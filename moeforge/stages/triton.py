@@ -345,6 +345,6 @@ def activation_args(config: Optional[ActivationConfig]) -> tuple[int, bool, bool
     :func:`~moeforge.kernels.activations.parameters_of`; no activation: code 0, the identity)."""
     if config is None:
         return _NO_ACTIVATION
-    from moeforge.kernels.activations import parameters_of
+    from moeforge.kernels.activations import code_of, parameters_of
 
-    return (act_code(config), config.gated, config.gate_up is GateUpLayout.INTERLEAVED, *parameters_of(config))
+    return (code_of(config), config.gated, config.gate_up is GateUpLayout.INTERLEAVED, *parameters_of(config))

@@ -467,9 +467,12 @@ class ActivateQuantizeAligned(_QuantizeAlignedBase, ActivateQuantize):
     float dtype. The counterpart of the torch ``ActivateQuantize``; the activation is computed in
     fp32 by the kernels' formulas (as in the GEMM epilogue)."""
 
+    _act: tuple[int, bool, bool, float, float] = attrs.field(init=False, repr=False)
+
     def __attrs_post_init__(self) -> None:
         self._format()
         kernel_ops()
+        object.__setattr__(self, "_act", activation_args(self.config))  # once, not per call
 
     def summary(self) -> str:
         return f"ActivateQuantizeAligned(triton, {self.config.summary()} -> {self.quantizer.summary()})"
@@ -481,7 +484,7 @@ class ActivateQuantizeAligned(_QuantizeAlignedBase, ActivateQuantize):
         if not isinstance(x, AlignedRows):
             raise TypeError(f"ActivateQuantizeAligned cannot consume {type(x).__name__}")
         dtype, per_group = self._format()
-        q, scale = kernel_ops().quantize_rows(x.x.data, dtype, per_group, *activation_args(self.config))
+        q, scale = kernel_ops().quantize_rows(x.x.data, dtype, per_group, *self._act)
         return x.with_x(Activations(q, scale))
 
 
