@@ -91,7 +91,7 @@ class SymmetricPlan(Plan):
         window = dispatch.window(("return", width, copies), {"ret": copies * width}, rows.device)
         ret = regions(window.buffer, {"ret": copies * width})["ret"].view(copies, width)
         return_rows(words(rows), self.masked_m, self.origins, ret, window.deltas, slots=slots, copies_per_rank=copies,
-                    starts=self.starts)
+                    starts=self.starts, aligned=window.aligned)
         window.barrier()
         returned = ret.view(rows.dtype).view(copies, rows.shape[-1])
         weights = self.copy_weights if weighted else None
@@ -291,7 +291,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                          positions, table, adapter_ids, parts["rows"], parts["scales"] if scale is not None else None,
                          parts["weights"], parts["origins"], parts["adapters"] if has_adapters else None,
                          window.deltas, rank=rank, top_k=top_k, local=local, slots=slots, capacity=cap,
-                         origin_base=rank * self.max_tokens * top_k, offsets=offsets, limit=buffer_rows)
+                         origin_base=rank * self.max_tokens * top_k, offsets=offsets, limit=buffer_rows,
+                         aligned=window.aligned)
         window.barrier()
 
         received = parts["rows"].view(data.dtype).view(buffer_rows, hidden)

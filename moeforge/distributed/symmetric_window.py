@@ -23,12 +23,17 @@ class SymmetricWindow:
 
     ``deltas [W]`` (int64, on the device): the distance in words from this rank's allocation to rank ``r``'s, as the
     kernels of :mod:`moeforge.kernels.symmetric_rows` address peers. ``barrier`` waits, on the device, until every
-    rank reached its own call (a symmetric-memory signal per pair of ranks)."""
+    rank reached its own call (a symmetric-memory signal per pair of ranks). ``aligned``: every distance is a multiple
+    of 4 words, so the kernels may store 16 bytes at a time (read once, when the window is made)."""
 
     buffer: torch.Tensor
     deltas: torch.Tensor
     handle: Any
     timeout_ms: int
+    aligned: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "aligned", bool((self.deltas % 4 == 0).all()))
 
     @classmethod
     def allocate(cls, words: int, device: torch.device, group: Optional[dist.ProcessGroup],

@@ -71,7 +71,8 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
                      recv_adapters_ptr,
                      deltas_ptr, rank, E, local, slots, capacity, limit, origin_base,
                      D: tl.constexpr, S: tl.constexpr, TOP_K: tl.constexpr, ROWS_PER_COPY: tl.constexpr,
-                     HAS_ADAPTERS: tl.constexpr, COMPACT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S: tl.constexpr):
+                     HAS_ADAPTERS: tl.constexpr, COMPACT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+                     BLOCK_S: tl.constexpr):
     copy = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + copy)
     if position < capacity:
@@ -86,6 +87,8 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
             slot = (expert % local) * slots + start + position
         if slot < limit:
             delta = tl.load(deltas_ptr + owner)
+            if ALIGNED:  # every peer 16 bytes apart: the rows go out 4 words per store
+                delta = tl.multiple_of(delta, 4)
             token = copy // TOP_K
             source = copy if ROWS_PER_COPY else token
             for first in range(0, D, BLOCK):
@@ -107,7 +110,7 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
 @triton.jit
 def _return_rows_kernel(out_ptr, masked_ptr, starts_ptr, origins_ptr, ret_ptr, deltas_ptr, slots, copies_per_rank,
                         stride_out, D: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
-                        HAS_STARTS: tl.constexpr):
+                        HAS_STARTS: tl.constexpr, ALIGNED: tl.constexpr):
     expert = tl.program_id(0).to(tl.int64)
     valid = tl.load(masked_ptr + expert)
     if HAS_STARTS:  # compact rows: each expert's first row given
@@ -120,6 +123,8 @@ def _return_rows_kernel(out_ptr, masked_ptr, starts_ptr, origins_ptr, ret_ptr, d
         source = origin // copies_per_rank
         copy = origin % copies_per_rank
         delta = tl.load(deltas_ptr + source)
+        if ALIGNED:
+            delta = tl.multiple_of(delta, 4)
         for first in range(0, D, BLOCK):
             offs = first + tl.arange(0, BLOCK)
             ok = offs < D
@@ -195,7 +200,7 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
              recv_rows: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_weights: torch.Tensor,
              recv_origins: torch.Tensor, recv_adapters: Optional[torch.Tensor], deltas: torch.Tensor, *,
              rank: int, top_k: int, local: int, slots: int, capacity: int, origin_base: int,
-             offsets: Optional[torch.Tensor] = None, limit: Optional[int] = None) -> None:
+             offsets: Optional[torch.Tensor] = None, limit: Optional[int] = None, aligned: bool = False) -> None:
     """Each copy ``c`` (``experts [T * top_k]`` int32 global experts, ``positions`` int32 among this rank's copies of
     its expert, sent where below ``capacity``) into the buffers of the rank owning its expert: row ``rows[c]``
     (``[T * top_k, D]`` words, one row per copy) or ``rows[c // top_k]`` (``[T, D]``, one per token) with its
@@ -203,7 +208,9 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
     ``(expert % local) * slots + start + position`` of ``recv_* [local * slots, ...]``, where ``start`` is the sum of
     the counts ranks ``0 .. rank - 1`` wrote for the expert in this rank's ``[W, E]`` ``table``, each up to the
     capacity. Compact buffers (``offsets [E]`` int32 given): at slot ``offsets[expert] + position`` of ``recv_*
-    [limit, ...]``, and only below ``limit``."""
+    [limit, ...]``, and only below ``limit``. ``aligned``: every entry of ``deltas`` is a multiple of 4 (16 bytes), so
+    rows whose width is a multiple of 4 words are stored 16 bytes at a time (over NVLink, 4-byte stores move a
+    fraction of the bytes per instruction)."""
     copies = experts.numel()
     if copies == 0:
         return
@@ -214,12 +221,12 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(D=width, S=scale_width, TOP_K=top_k, ROWS_PER_COPY=per_copy, HAS_ADAPTERS=adapters is not None,
-                     COMPACT=compact, BLOCK=min(next_power_of_2(width), _WORDS),
+                     COMPACT=compact, ALIGNED=aligned, BLOCK=min(next_power_of_2(width), _WORDS),
                      BLOCK_S=max(next_power_of_2(scale_width), 1)),
                 dict(num_warps=4))
 
     _PUT_ROWS.launch(
-        ("rows", width, scale_width, top_k, per_copy, adapters is not None, compact), (copies,),
+        ("rows", width, scale_width, top_k, per_copy, adapters is not None, compact, aligned), (copies,),
         (rows, scales if scales is not None else rows, weights, experts, positions, table,
          offsets if offsets is not None else table, adapters if adapters is not None else experts, recv_rows,
          recv_scales if recv_scales is not None else recv_rows, recv_weights, recv_origins,
@@ -251,11 +258,11 @@ def receive(table: torch.Tensor, weights: torch.Tensor, adapters: Optional[torch
 
 
 def return_rows(out: torch.Tensor, masked: torch.Tensor, origins: torch.Tensor, ret: torch.Tensor,
-                deltas: torch.Tensor, *, slots: int, copies_per_rank: int, starts: Optional[torch.Tensor] = None
-                ) -> None:
+                deltas: torch.Tensor, *, slots: int, copies_per_rank: int, starts: Optional[torch.Tensor] = None,
+                aligned: bool = False) -> None:
     """The first ``masked[l]`` rows of each expert ``l`` of ``out [L * slots, D]`` (words; compact rows: from row
     ``starts[l]`` of ``out [rows, D]``) to ``ret [copies, D]`` of their source rank, at their copy: ``origins``
-    (int32, one per row of ``out``) holds ``source * copies_per_rank + copy``."""
+    (int32, one per row of ``out``) holds ``source * copies_per_rank + copy``; ``aligned`` as :func:`put_rows`'s."""
     local = masked.numel()
     if local == 0:
         return
@@ -264,9 +271,9 @@ def return_rows(out: torch.Tensor, masked: torch.Tensor, origins: torch.Tensor, 
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(D=width, BLOCK=min(next_power_of_2(width), _WORDS), PROGRAMS=programs,
-                     HAS_STARTS=starts is not None), dict(num_warps=4))
+                     HAS_STARTS=starts is not None, ALIGNED=aligned), dict(num_warps=4))
 
-    _RETURN_ROWS.launch(("return", width, programs, starts is not None), (local, programs),
+    _RETURN_ROWS.launch(("return", width, programs, starts is not None, aligned), (local, programs),
                         (out, masked, starts if starts is not None else masked, origins, ret, deltas, slots,
                          copies_per_rank, out.stride(0)), make)
 
