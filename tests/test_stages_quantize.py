@@ -302,6 +302,34 @@ def test_quantize_rows_after_dispatch(dispatch: mf.Stage, quantizer: mf.stages.Q
         assert torch.equal(out.slot_weights, dispatched.slot_weights)
 
 
+@pytest.mark.parametrize("stale", [1e30, float("nan"), float("inf")], ids=["huge", "nan", "inf"])
+@pytest.mark.parametrize("quantizer", [mf.PerTensorQuantizer(FP8), mf.PerTensorQuantizer(INT8)],
+                         ids=["fp8-tensor", "int8-tensor"])
+def test_a_whole_tensor_scale_ignores_the_unused_slots_of_padded_rows(quantizer: mf.stages.Quantizer,
+                                                                      stale: float) -> None:
+    """An exchange leaves padded rows' unused slots unwritten (the low-latency dispatchers' buffers hold the last
+    batch's bits there, or none): one scale for the tensor must come from the used rows alone, as if the unused
+    slots were zeros, in QuantizeRows and in the torch activate-quantize stage."""
+    dispatch = mf.PaddedDispatch(E, capacity=8)
+    rows = mf.Pipeline([mf.TopK(E, K), dispatch], mf.input_spec(H, torch.float32, E))(_input(6, dtype=torch.float32))
+    assert isinstance(rows, mf.PaddedRows)
+    used = torch.arange(rows.capacity) < rows.masked_m.unsqueeze(1)
+    assert bool(used.any()) and not bool(used.all())  # some slots of some experts unused
+    stale_rows = rows.with_x(mf.Activations(rows.x.data.masked_fill(~used.unsqueeze(-1), stale)))
+    want = quantizer(rows.x.data)  # the unused slots are zeros here
+    got = mf.QuantizeRows(quantizer)(stale_rows)
+    assert got.x.scale is not None and want.scale is not None
+    assert torch.equal(got.x.scale, want.scale)
+    assert torch.equal(got.x.data[used].float(), want.data[used].float())
+
+    activation = mf.ActivationConfig()  # SwiGLU: rows of H become rows of H / 2
+    fused = mf.stages.ActivateQuantize(activation, quantizer)(stale_rows)
+    hidden = mf.stages.apply_activation(rows.x.data, activation).masked_fill(~used.unsqueeze(-1), 0)
+    assert torch.equal(fused.x.scale, quantizer(hidden).scale)
+    # A quantizer that scales each row alone reads the slots as they are (no extra pass).
+    assert mf.PerTokenQuantizer.row_local and not mf.PerTensorQuantizer.row_local
+
+
 def test_quantize_rows_between_activation_and_down_gemm() -> None:
     """Quantizing the expert hidden state (W8A8 down projection) stays close to the float result."""
     inter = 128

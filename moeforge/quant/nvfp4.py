@@ -215,6 +215,7 @@ class Nvfp4Quantizer(Quantizer):
     global_scale: float
     dtype: DType = attrs.field(default=DType.NVFP4, init=False)
     scale_layout: ScaleLayout = attrs.field(default=ScaleLayout.NVFP4_BLOCK16, init=False)
+    row_local: ClassVar[bool] = True  # (the global scale is static)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "global_scale", _positive_scale(self.global_scale, "global_scale"))

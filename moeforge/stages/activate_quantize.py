@@ -17,7 +17,7 @@ from moeforge.payloads import ExpertRows
 from moeforge.spec import FLOAT_DTYPES, Accepts, PayloadKind, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, apply_activation
-from moeforge.stages.quantize import Quantizer
+from moeforge.stages.quantize import Quantizer, quantize_rows
 
 
 @attrs.frozen(eq=False)
@@ -60,4 +60,4 @@ class ActivateQuantize(Stage[ExpertRows, ExpertRows]):
         return self.quantizer.output_spec(spec.evolve(width=self._out_width(spec.width)))
 
     def __call__(self, x: ExpertRows) -> ExpertRows:
-        return x.with_x(self.quantizer(apply_activation(x.x.data, self.config)))
+        return x.with_x(quantize_rows(self.quantizer, x, apply_activation(x.x.data, self.config)))

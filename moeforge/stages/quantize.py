@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from moeforge.dispatch_dtype import DispatchDtype
-from moeforge.payloads import GROUP_SIZE, Activations, ExpertRows, RoutedTokens
+from moeforge.payloads import GROUP_SIZE, Activations, ExpertRows, PaddedRows, RoutedTokens
 from moeforge.spec import REFERENCE_FLOAT_DTYPES, Accepts, DType, PayloadKind, ScaleLayout, Spec
 from moeforge.stage import Mismatch, Stage, StageKind
 
@@ -30,6 +30,11 @@ class Quantizer(abc.ABC):
     dtype: DType
     scale_layout: ScaleLayout
     global_scale: Optional[float] = None  # a static scale that stays with the quantizer (NVFP4)
+    # Whether each row's result depends on that row alone. A quantizer that reads the whole tensor (one scale for
+    # all rows) must not see the unused slots of padded rows: they hold whatever the buffer held (an exchange
+    # leaves them unwritten), so :func:`quantize_rows` zeroes them first for such a quantizer — and for one that
+    # does not say (a user's), to be safe.
+    row_local: ClassVar[bool] = False
 
     @abc.abstractmethod
     def __call__(self, x: torch.Tensor) -> Activations:
@@ -53,6 +58,7 @@ class Quantizer(abc.ABC):
 class Cast(Quantizer):
     """No quantization: a cast to another float dtype (e.g. fp32 activations dispatched as bf16)."""
 
+    row_local: ClassVar[bool] = True
     dtype: DType
     scale_layout: ScaleLayout = attrs.field(default=ScaleLayout.NONE, init=False)
 
@@ -82,6 +88,7 @@ class PerTokenQuantizer(Quantizer):
 
     dtype: DType = DType.FP8_E4M3
     scale_layout: ScaleLayout = attrs.field(default=ScaleLayout.PER_TOKEN, init=False)
+    row_local: ClassVar[bool] = True
 
     def __attrs_post_init__(self) -> None:
         if self.dtype not in (DType.FP8_E4M3, DType.INT8):
@@ -118,6 +125,7 @@ class PerGroupQuantizer(Quantizer):
 
     dtype: DType = attrs.field(default=DType.FP8_E4M3, init=False)
     scale_layout: ScaleLayout = attrs.field(default=ScaleLayout.PER_GROUP_128, init=False)
+    row_local: ClassVar[bool] = True
 
     def check_width(self, width: int) -> Optional[str]:
         if width % GROUP_SIZE:
@@ -161,6 +169,17 @@ def quantizer_for(dispatch: DispatchDtype, compute: DType, *, per_group: bool = 
     if target is DType.INT8:
         return PerTokenQuantizer(DType.INT8)
     raise NotImplementedError(f"no {target.value} activation quantizer yet")
+
+
+def quantize_rows(quantizer: Quantizer, rows: ExpertRows, data: torch.Tensor) -> Activations:
+    """``quantizer(data)`` for the rows ``data`` of ``rows``' layout. Padded rows' unused slots (past ``masked_m``)
+    hold what their buffer last held — an exchange leaves them unwritten, and they may be any bits, NaN included —
+    so a quantizer that reads across rows (:attr:`Quantizer.row_local` false: one scale for the tensor) gets them as
+    zeros, which leave its scale that of the used rows."""
+    if isinstance(rows, PaddedRows) and not quantizer.row_local and data.dim() == 3:
+        used = torch.arange(data.shape[1], device=data.device) < rows.masked_m.to(data.device).unsqueeze(1)
+        data = data.masked_fill(~used.unsqueeze(-1), 0)
+    return quantizer(data)
 
 
 class _QuantizeStage:
@@ -226,4 +245,4 @@ class QuantizeRows(_QuantizeStage, Stage[ExpertRows, ExpertRows]):
         return self._quantized(spec)
 
     def __call__(self, x: ExpertRows) -> ExpertRows:
-        return x.with_x(self.quantizer(x.x.data))
+        return x.with_x(quantize_rows(self.quantizer, x, x.x.data))
