@@ -56,3 +56,27 @@ def test_runs_one_after_another_cut_at_the_buffer_are_aligned(data: st.DataObjec
     assert used == len(want_blocks) * block_m <= blocks * block_m
     assert alignment.block_expert[:len(want_blocks)].tolist() == want_blocks
     assert alignment.sorted_ids[:used].view(-1, block_m).tolist() == want_ids
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), local=st.integers(1, 40), rows=st.integers(1, 300), block_m=st.sampled_from([4, 16, 64]),
+       extra=st.integers(0, 3))
+def test_the_alignment_kernel_writes_what_the_torch_ops_write(data: st.DataObject, local: int, rows: int,
+                                                              block_m: int, extra: int) -> None:
+    # the GPU's one launch (moeforge.kernels.run_alignment; here Triton's interpreter) against the torch ops, every
+    # entry of the fixed-size outputs (the padding rows' sentinel, the unused blocks' expert 0) and the used length
+    from moeforge.distributed.padded_alignment import aligned_runs
+    from moeforge.kernels.run_alignment import run_alignment
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    counts = torch.tensor(data.draw(st.lists(st.integers(0, 40), min_size=local, max_size=local)))
+    ends = counts.cumsum(0).clamp(max=rows)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    valid = (ends - starts).to(torch.int32)
+    blocks = -(-rows // block_m) + local + extra
+    config = MoEConfig(GemmConfig(block_m, 32, 32), GemmConfig(block_m, 32, 32))
+    want = aligned_runs(valid, starts, rows, blocks, config)
+    sorted_ids, block_expert, num_padded = run_alignment(valid.to(device), starts.to(device), rows, blocks, block_m)
+    assert torch.equal(sorted_ids.cpu(), want.sorted_ids)
+    assert torch.equal(block_expert.cpu(), want.block_expert)
+    assert torch.equal(num_padded.cpu(), want.num_padded)

@@ -21,7 +21,22 @@ from moeforge.payloads import Activations, AlignedRows, BlockAlignment, PaddedRo
 def grouped_alignment(counts: torch.Tensor, starts: torch.Tensor, rows: int, blocks: int,
                       config: MoEConfig) -> BlockAlignment:
     """The alignment of ``L`` runs of rows, run ``l`` ``counts[l]`` rows from row ``starts[l]`` of ``rows`` rows, by
-    ``config.block_m``, in ``blocks`` blocks (at least the blocks the runs can need)."""
+    ``config.block_m``, in ``blocks`` blocks (at least the blocks the runs can need). On a GPU one kernel
+    (:mod:`moeforge.kernels.run_alignment`), elsewhere :func:`aligned_runs` (the same values)."""
+    if counts.is_cuda:
+        try:
+            from moeforge.kernels.run_alignment import run_alignment
+        except ImportError:  # no triton: torch ops
+            return aligned_runs(counts, starts, rows, blocks, config)
+        sorted_ids, block_expert, num_padded = run_alignment(counts, starts, rows, blocks, config.block_m)
+        return BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded, config=config,
+                              copies_per_row=1, num_tokens=rows)
+    return aligned_runs(counts, starts, rows, blocks, config)
+
+
+def aligned_runs(counts: torch.Tensor, starts: torch.Tensor, rows: int, blocks: int,
+                 config: MoEConfig) -> BlockAlignment:
+    """:func:`grouped_alignment` by torch ops (any device)."""
     local, block_m, device = counts.shape[0], config.block_m, counts.device
     valid = counts.to(torch.int64)
     used = (valid + block_m - 1) // block_m  # [L] blocks each run needs

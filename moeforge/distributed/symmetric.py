@@ -88,8 +88,8 @@ class SymmetricPlan(Plan):
             raise InputError(f"SymmetricDispatch returns rows as 32-bit words: rows of {rows.shape[-1]} "
                              f"{rows.dtype} do not fill them; use LowLatencyDispatch")
         copies = dispatch.max_tokens * top_k
-        window = dispatch.window(("return", width, copies), {"ret": copies * width}, rows.device)
-        ret = regions(window.buffer, {"ret": copies * width})["ret"].view(copies, width)
+        window, parts = dispatch.window(("return", width, copies), {"ret": copies * width}, rows.device)
+        ret = parts["ret"].view(copies, width)
         return_rows(words(rows), self.masked_m, self.origins, ret, window.deltas, slots=slots, copies_per_rank=copies,
                     starts=self.starts, aligned=window.aligned)
         window.barrier()
@@ -183,13 +183,16 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             return "the ranks span more than one host (symmetric memory maps one host's GPUs)"
         return None
 
-    def window(self, key: Any, sizes: dict[str, int], device: torch.device) -> SymmetricWindow:
-        """The window of ``key`` (allocated, collectively, at its first use)."""
-        window: Optional[SymmetricWindow] = self._state.get(key)
-        if window is None:
+    def window(self, key: Any, sizes: dict[str, int], device: torch.device
+               ) -> tuple[SymmetricWindow, dict[str, torch.Tensor]]:
+        """The window of ``key`` (allocated, collectively, at its first use) and its regions of ``sizes`` (one
+        key, one set of sizes: the key names every size that varies)."""
+        found: Optional[tuple[SymmetricWindow, dict[str, torch.Tensor]]] = self._state.get(key)
+        if found is None:
             window = SymmetricWindow.allocate(words_needed(sizes), device, self.ep.group, self.timeout_ms)
-            self._state[key] = window
-        return window
+            found = window, regions(window.buffer, sizes)
+            self._state[key] = found
+        return found
 
     def summary(self) -> str:
         extra = ", weights on input" if self.apply_routing_weights else ""
@@ -265,8 +268,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         has_adapters = adapter_ids is not None
         sizes = {"table": world * experts, "rows": buffer_rows * width, "scales": buffer_rows * scale_width,
                  "weights": buffer_rows, "origins": buffer_rows, "adapters": buffer_rows if has_adapters else 0}
-        window = self.window(("dispatch", compact, width, scale_width, has_adapters), sizes, device)
-        parts = regions(window.buffer, sizes)
+        window, parts = self.window(("dispatch", compact, width, scale_width, has_adapters), sizes, device)
 
         if counts is None:
             positions, token_copies, dropped = kernels.route(flat, parts["table"], window.deltas, rank, cap)
@@ -277,22 +279,17 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             self._padded._raise_on_overflow(dropped, count_per_expert(flat.long(), experts))
         window.barrier()
         table = parts["table"].view(world, experts)
-        offsets = totals = None
-        if compact:
-            totals = table.sum(0, dtype=torch.int32)  # [E]: rows each expert receives (the table is every rank's)
-            owned = totals.view(world, local)
-            before = table[:rank].sum(0, dtype=torch.int32) if rank else torch.zeros_like(totals)
-            offsets = (owned.cumsum(1, dtype=torch.int32) - owned).reshape(experts) + before
-            self._check_rows(owned, device)
-            kept = offsets[flat.long()] + positions < buffer_rows
-            token_copies = torch.where(kept, token_copies, -1)
-            dropped = (~kept).sum()
+        offsets = runs = None
+        if compact:  # (every rank holds every rank's counts now: each places its copies, and reads its own runs)
+            offsets, valid, starts, dropped, most = kernels.place(table, rank=rank, local=local, rows=buffer_rows)
+            runs = valid, starts
+            self._check_rows(most, device)
         kernels.put_rows(kernels.words(data), kernels.words(scale) if scale is not None else None, weights, flat,
                          positions, table, adapter_ids, parts["rows"], parts["scales"] if scale is not None else None,
                          parts["weights"], parts["origins"], parts["adapters"] if has_adapters else None,
                          window.deltas, rank=rank, top_k=top_k, local=local, slots=slots, capacity=cap,
                          origin_base=rank * self.max_tokens * top_k, offsets=offsets, limit=buffer_rows,
-                         aligned=window.aligned)
+                         kept=token_copies if compact else None, aligned=window.aligned)
         window.barrier()
 
         received = parts["rows"].view(data.dtype).view(buffer_rows, hidden)
@@ -300,9 +297,9 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         if scale is not None:
             assert rows.scale is not None
             received_scale = parts["scales"].view(scale.dtype).view(buffer_rows, *rows.scale.shape[1:])
-        if totals is not None:
-            return self._compact_rows(x, totals[rank * local:(rank + 1) * local], Activations(received, received_scale),
-                                      parts, token_copies, dropped, has_adapters)
+        if runs is not None:
+            return self._compact_rows(x, runs, Activations(received, received_scale), parts, token_copies, dropped,
+                                      has_adapters)
         masked_m, slot_weights, received_ids = kernels.receive(
             table, parts["weights"].view(torch.float32), parts["adapters"] if has_adapters else None, rank=rank,
             local=local, slots=slots, capacity=cap)
@@ -313,36 +310,35 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         return PaddedRows(Activations(received.view(local, slots, hidden), received_scale), masked_m, slot_weights,
                           plan=plan, adapter_ids=received_ids)
 
-    def _check_rows(self, owned: torch.Tensor, device: torch.device) -> None:
-        """Compact buffers, ``overflow=ERROR``: raise where a rank would receive more than ``max_rows`` rows (every
-        rank reads the same table, so all raise together, before any row moves). Not inside a CUDA graph's capture
-        (no host read there: the rows beyond are dropped and counted)."""
+    def _check_rows(self, most_rows: torch.Tensor, device: torch.device) -> None:
+        """Compact buffers, ``overflow=ERROR``: raise where a rank would receive more than ``max_rows`` rows
+        (``most_rows``: the most any rank is sent; every rank reads the same table, so all raise together, before any
+        row moves). Not inside a CUDA graph's capture (no host read there: the rows beyond are dropped and counted)."""
         if self.overflow is not Overflow.ERROR or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
-        most = int(owned.sum(1).max())
+        most = int(most_rows)
         if most > (self.max_rows or 0):
             raise InputError(f"SymmetricDispatch: a rank would receive {most} rows, its compact buffer holds "
                              f"max_rows={self.max_rows}: raise max_rows or use overflow=Overflow.DROP (dropped copies "
                              "are then counted in the plan's 'dropped')")
 
-    def _compact_rows(self, x: RoutedTokens, counts: torch.Tensor, received: Activations,
+    def _compact_rows(self, x: RoutedTokens, runs: tuple[torch.Tensor, torch.Tensor], received: Activations,
                       parts: dict[str, torch.Tensor],
                       token_copies: torch.Tensor, dropped: torch.Tensor, has_adapters: bool) -> AlignedRows:
-        """The compact buffer's rows block-aligned for the triton GEMMs: ``counts [L]`` rows per local expert, one
-        expert after another (cut at ``max_rows``), each row one copy."""
+        """The compact buffer's rows block-aligned for the triton GEMMs: ``runs`` (``valid [L]`` rows of each local
+        expert from row ``starts [L]``, one expert after another, cut at ``max_rows``), each row one copy."""
         from moeforge.distributed.padded_alignment import grouped_alignment
 
         assert self.configs is not None and self.max_rows is not None
         tokens, top_k = x.topk.ids.shape
-        rows, local = self.max_rows, counts.shape[0]
-        ends = counts.to(torch.int64).cumsum(0).clamp(max=rows)
-        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-        valid = (ends - starts).to(torch.int32)
+        valid, starts = runs
+        rows, local = self.max_rows, valid.shape[0]
         config = self.configs.lookup(max(tokens * top_k, 1))
         alignment = grouped_alignment(valid, starts, rows, -(-rows // config.block_m) + local, config)
         adapter_ids = parts["adapters"] if has_adapters else None
         copy_experts = None
         if adapter_ids is not None:  # each row's local expert, from the runs (rows past them: any expert)
+            ends = starts + valid
             copy_experts = (torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
                             .clamp(max=local - 1).to(torch.int32))
         plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, valid, parts["origins"], dropped,

@@ -11,6 +11,8 @@ ids int32), so one ``deltas`` array (int64, in words) serves them all.
 
 * :func:`route`: each copy's position among this rank's copies of its expert, and this rank's copies per global
   expert into row ``rank`` of every peer's ``[W, E]`` table;
+* :func:`place` (compact buffers): where each expert's rows from this rank start at its owner, this rank's own runs,
+  what falls past the buffers;
 * :func:`put_rows`: each copy's row (and scales, routing weight, origin and adapter id) into the expert buffer of the
   rank owning its expert, at the slot the exchanged counts give it — source ranks in rank order, each rank's copies
   of one expert in copy order (the order of :class:`~moeforge.distributed.LowLatencyDispatch`);
@@ -66,8 +68,38 @@ def _route_kernel(experts_ptr, positions_ptr, copies_ptr, table_ptr, deltas_ptr,
 
 
 @triton.jit
+def _place_kernel(table_ptr, offsets_ptr, valid_ptr, starts_ptr, dropped_ptr, most_ptr, rank, world, local, rows,
+                  BLOCK_W: tl.constexpr, BLOCK_L: tl.constexpr):
+    # One program; the table seen as [world (source), world (owner), local]: expert o * local + l.
+    owner = tl.arange(0, BLOCK_W)[:, None]
+    expert = tl.arange(0, BLOCK_L)[None, :]
+    inside = (owner < world) & (expert < local)
+    index = owner * local + expert
+    experts = world * local
+    totals = tl.zeros((BLOCK_W, BLOCK_L), dtype=tl.int32)  # rows each owner's expert receives from every rank
+    before = tl.zeros((BLOCK_W, BLOCK_L), dtype=tl.int32)  # ... from the ranks before this one
+    for source in range(0, world):
+        sent = tl.load(table_ptr + source * experts + index, mask=inside, other=0)
+        totals += sent
+        before += tl.where(source < rank, sent, 0)
+    mine = tl.load(table_ptr + rank * experts + index, mask=inside, other=0)
+    offsets = tl.cumsum(totals, axis=1) - totals + before  # the owner's earlier experts, then the earlier ranks
+    tl.store(offsets_ptr + index, offsets, mask=inside)
+    tl.store(dropped_ptr, tl.sum(tl.sum(tl.minimum(tl.maximum(offsets + mine - rows, 0), mine), axis=1),
+                                 axis=0).to(tl.int64))
+    tl.store(most_ptr, tl.max(tl.sum(totals, axis=1), axis=0).to(tl.int64))
+    # This rank's experts' runs in its buffer, one after another, cut at ``rows``.
+    owned = tl.sum(tl.where(owner == rank, totals, 0), axis=0)  # [BLOCK_L]
+    ends = tl.cumsum(owned, axis=0)
+    first = tl.minimum(ends - owned, rows)
+    mask = tl.arange(0, BLOCK_L) < local
+    tl.store(valid_ptr + tl.arange(0, BLOCK_L), tl.minimum(ends, rows) - first, mask=mask)
+    tl.store(starts_ptr + tl.arange(0, BLOCK_L), first.to(tl.int64), mask=mask)
+
+
+@triton.jit
 def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_ptr, table_ptr, offsets_ptr,
-                     adapters_ptr, recv_rows_ptr, recv_scales_ptr, recv_weights_ptr, recv_origins_ptr,
+                     adapters_ptr, kept_ptr, recv_rows_ptr, recv_scales_ptr, recv_weights_ptr, recv_origins_ptr,
                      recv_adapters_ptr,
                      deltas_ptr, rank, E, local, slots, capacity, limit, origin_base,
                      D: tl.constexpr, S: tl.constexpr, TOP_K: tl.constexpr, ROWS_PER_COPY: tl.constexpr,
@@ -85,6 +117,8 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
             for earlier in range(0, rank):
                 start += tl.minimum(tl.load(table_ptr + earlier * E + expert), capacity)
             slot = (expert % local) * slots + start + position
+        if COMPACT:  # each copy's slot in the return buffer: its index, -1 past the owner's buffer (dropped)
+            tl.store(kept_ptr + copy, tl.where(slot < limit, copy, -1))
         if slot < limit:
             delta = tl.load(deltas_ptr + owner)
             if ALIGNED:  # every peer 16 bytes apart: the rows go out 4 words per store
@@ -200,7 +234,8 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
              recv_rows: torch.Tensor, recv_scales: Optional[torch.Tensor], recv_weights: torch.Tensor,
              recv_origins: torch.Tensor, recv_adapters: Optional[torch.Tensor], deltas: torch.Tensor, *,
              rank: int, top_k: int, local: int, slots: int, capacity: int, origin_base: int,
-             offsets: Optional[torch.Tensor] = None, limit: Optional[int] = None, aligned: bool = False) -> None:
+             offsets: Optional[torch.Tensor] = None, limit: Optional[int] = None, kept: Optional[torch.Tensor] = None,
+             aligned: bool = False) -> None:
     """Each copy ``c`` (``experts [T * top_k]`` int32 global experts, ``positions`` int32 among this rank's copies of
     its expert, sent where below ``capacity``) into the buffers of the rank owning its expert: row ``rows[c]``
     (``[T * top_k, D]`` words, one row per copy) or ``rows[c // top_k]`` (``[T, D]``, one per token) with its
@@ -208,7 +243,8 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
     ``(expert % local) * slots + start + position`` of ``recv_* [local * slots, ...]``, where ``start`` is the sum of
     the counts ranks ``0 .. rank - 1`` wrote for the expert in this rank's ``[W, E]`` ``table``, each up to the
     capacity. Compact buffers (``offsets [E]`` int32 given): at slot ``offsets[expert] + position`` of ``recv_*
-    [limit, ...]``, and only below ``limit``. ``aligned``: every entry of ``deltas`` is a multiple of 4 (16 bytes), so
+    [limit, ...]``, and only below ``limit``; then ``kept [T * top_k]`` (int64) gets each copy's index, or -1 where
+    its slot is past ``limit`` (dropped). ``aligned``: every entry of ``deltas`` is a multiple of 4 (16 bytes), so
     rows whose width is a multiple of 4 words are stored 16 bytes at a time (over NVLink, 4-byte stores move a
     fraction of the bytes per instruction)."""
     copies = experts.numel()
@@ -218,6 +254,8 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
     scale_width = scales.shape[1] if scales is not None else 0
     per_copy = rows.shape[0] == copies and top_k > 1
     compact = offsets is not None
+    if compact and kept is None:
+        raise ValueError("put_rows: compact buffers (offsets) write which copies they kept: give kept")
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(D=width, S=scale_width, TOP_K=top_k, ROWS_PER_COPY=per_copy, HAS_ADAPTERS=adapters is not None,
@@ -228,10 +266,39 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
     _PUT_ROWS.launch(
         ("rows", width, scale_width, top_k, per_copy, adapters is not None, compact, aligned), (copies,),
         (rows, scales if scales is not None else rows, weights, experts, positions, table,
-         offsets if offsets is not None else table, adapters if adapters is not None else experts, recv_rows,
+         offsets if offsets is not None else table, adapters if adapters is not None else experts,
+         kept if kept is not None else positions, recv_rows,
          recv_scales if recv_scales is not None else recv_rows, recv_weights, recv_origins,
          recv_adapters if recv_adapters is not None else recv_origins, deltas, rank, table.shape[-1], local, slots,
          capacity, limit if limit is not None else local * slots, origin_base), make)
+
+
+def place(table: torch.Tensor, *, rank: int, local: int, rows: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compact buffers of ``rows`` rows per rank, from the exchanged ``[W, E]`` int32 ``table`` (row ``r``: rank
+    ``r``'s copies per expert; expert ``o * local + l`` is local expert ``l`` of rank ``o``), in one program:
+
+    * ``offsets [E]`` (int32): where this rank's copies of each expert start in the owner's buffer — the rows of the
+      owner's earlier experts from every rank, then this expert's rows from the ranks before this one;
+    * ``valid [local]`` (int32) and ``starts [local]`` (int64): this rank's experts' runs in its own buffer, one after
+      another, cut at ``rows``;
+    * ``dropped`` (0-d int64): this rank's copies whose slot falls past its owner's ``rows``;
+    * ``most`` (0-d int64): the most rows any rank is sent (what an overflow check compares with ``rows``)."""
+    world, experts = table.shape
+    device = table.device
+    offsets = torch.empty(experts, dtype=torch.int32, device=device)
+    valid = torch.empty(local, dtype=torch.int32, device=device)
+    starts = torch.empty(local, dtype=torch.int64, device=device)
+    dropped = torch.empty((), dtype=torch.int64, device=device)
+    most = torch.empty((), dtype=torch.int64, device=device)
+    block_w, block_l = max(next_power_of_2(world), 2), max(next_power_of_2(local), 2)
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(BLOCK_W=block_w, BLOCK_L=block_l), dict(num_warps=4)
+
+    _PLACE.launch(("place", block_w, block_l), (1,), (table, offsets, valid, starts, dropped, most, rank, world,
+                                                      local, rows), make)
+    return offsets, valid, starts, dropped, most
 
 
 def receive(table: torch.Tensor, weights: torch.Tensor, adapters: Optional[torch.Tensor], *, rank: int, local: int,
@@ -279,6 +346,7 @@ def return_rows(out: torch.Tensor, masked: torch.Tensor, origins: torch.Tensor, 
 
 
 _ROUTE = LaunchSite(_route_kernel)
+_PLACE = LaunchSite(_place_kernel)
 _PUT_ROWS = LaunchSite(_put_rows_kernel)
 _RETURN_ROWS = LaunchSite(_return_rows_kernel)
 _RECEIVE = LaunchSite(_receive_kernel)
