@@ -281,6 +281,35 @@ def test_combine_backward_gives_the_row_and_weight_gradients(with_weights: bool,
             assert d_weights is None
 
 
+@pytest.mark.parametrize("weight_grad", [True, False])
+@pytest.mark.parametrize("tokens,k,slots,hidden", [(5, 3, 24, 40), (1, 1, 3, 8), (6, 2, 40, 300)])
+def test_combine_backward_by_index_zeroes_the_rows_no_copy_reads(weight_grad: bool, tokens: int, k: int, slots: int,
+                                                                 hidden: int) -> None:
+    # Rows in slot order: each copy's row where the index says (one copy absent: -1), the other slots (padding) read
+    # by no copy. Their gradient must be zeros whatever the allocation held (freed NaN rows of the same size first).
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randn(slots, hidden, generator=gen).to(DEVICE, torch.float16)
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
+    index = torch.randperm(slots, generator=gen)[:tokens * k].view(tokens, k)
+    index[0, 0] = -1
+    grad = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    stale = torch.full_like(rows, float("nan"))
+    del stale
+    d_rows, d_weights = combine.combine_backward(grad, rows, weights, k, 1.5, weight_grad, index.to(DEVICE))
+    want = torch.zeros(slots, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(k):
+            if index[t, j] >= 0:
+                want[index[t, j]] = 1.5 * float(weights[t, j]) * grad[t].double().cpu()
+    assert not bool(d_rows.isnan().any())
+    unread = torch.ones(slots, dtype=torch.bool)
+    unread[index[index >= 0]] = False
+    assert bool((d_rows.cpu()[unread] == 0).all())
+    assert _rel(d_rows.cpu(), want) < 1e-3
+    if weight_grad:
+        assert d_weights is not None and float(d_weights[0, 0]) == 0.0  # the absent copy
+
+
 # -- the whole triton pipeline -----------------------------------------------------------------------
 
 def _pipeline(experts: int, k: int, hidden: int, inter: int, dtype: torch.dtype, routing: mf.RoutingConfig,
