@@ -244,6 +244,17 @@ def contracts(rank: int, world: int) -> None:
         for combine in (mf.Combine(), dispatch.combine_stage(), AllToAllDispatch(ep).combine_stage()):
             got = _stages(dispatch, combine, None, parallel)(payload).hidden_states
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The low-latency rows' empty slots were never sent (their bytes are whatever the buffers held: freed NaN
+    # memory here): the layout still gives them a routing weight of 0.
+    low_latency = LowLatencyDispatch(ep, max_tokens=max(TOKENS))
+    routed = mf.TopK(E, 2, mf.RoutingConfig())(payload)
+    for _ in range(3):
+        stale = torch.full((4096,), float("nan"))
+        del stale
+        rows = low_latency(routed)
+        assert isinstance(rows, mf.PaddedRows)
+        used = torch.arange(rows.capacity) < rows.masked_m.unsqueeze(1)
+        assert bool((rows.slot_weights[~used] == 0).all()), "an empty slot carries a routing weight"
     try:
         _stages(AllToAllDispatch(ep), AllToAllDispatch(ep).combine_stage(),
                 mf.QuantizeTokens(mf.PerTensorQuantizer()), parallel)

@@ -21,6 +21,7 @@ from moeforge.stages import Quantizer
 from moeforge.testing import (
     LayerConfig,
     assert_stage_honours_contract,
+    assert_stage_ignores_unused_slots,
     check_dispatch_combine_identity,
     check_matches_dense_reference,
     check_token_permutation_equivariance,
@@ -184,6 +185,47 @@ def _cases() -> list[Any]:
 @pytest.mark.parametrize(("make", "spec"), _cases())
 def test_builtin_stage_honours_its_contract(make: Callable[[], mf.Stage[Any, Any]], spec: mf.Spec) -> None:
     assert_stage_honours_contract(make(), spec, max_examples=10)
+
+
+def _padded_cases() -> list[Any]:
+    cases = [case for case in _cases() if case.values[1].layout is PADDED]
+    for dtype in (mf.DType.FP8_E4M3, mf.DType.INT8):  # one scale for the whole tensor, after the exchange and after
+        for kind in (DISPATCHED, HIDDEN):              # the activation
+            cases.append(pytest.param(functools.partial(mf.QuantizeRows, mf.PerTensorQuantizer(dtype)),
+                                      rows(kind, PADDED), id=f"quantize-rows-per-tensor-{dtype.value}-{kind.value}"))
+        cases.append(pytest.param(functools.partial(mf.stages.ActivateQuantize, mf.ActivationConfig(),
+                                                    mf.PerTensorQuantizer(dtype)),
+                                  rows(HIDDEN, PADDED, 2 * I), id=f"activate-quantize-per-tensor-{dtype.value}"))
+    return cases
+
+
+@pytest.mark.parametrize(("make", "spec"), _padded_cases())
+def test_builtin_stage_ignores_the_unused_slots_of_padded_rows(make: Callable[[], mf.Stage[Any, Any]],
+                                                                spec: mf.Spec) -> None:
+    # (the low-latency and symmetric dispatchers leave those slots unwritten: an earlier batch's bits, NaN included)
+    assert_stage_ignores_unused_slots(make(), spec, max_examples=5)
+
+
+class SlotSummingScale(mf.Stage[mf.ExpertRows, mf.ExpertRows]):
+    """Divides every row by the largest magnitude over all slots: used and unused alike."""
+
+    kinds: ClassVar = (mf.StageKind.ACTIVATION,)
+
+    def accepts(self) -> mf.Accepts:
+        return mf.Accepts(kind=mf.PayloadKind.EXPERT_HIDDEN, dtype=FLOAT_DTYPES)
+
+    def output_spec(self, spec: mf.Spec) -> mf.Spec:
+        return spec
+
+    def __call__(self, x: mf.ExpertRows) -> mf.ExpertRows:
+        return x.with_x(mf.Activations(x.x.data / x.x.data.abs().amax().clamp(min=1.0)))
+
+
+def test_the_checker_catches_a_stage_that_reads_the_unused_slots() -> None:
+    with pytest.raises(AssertionError, match="SlotSummingScale reads the unused slots of padded rows"):
+        assert_stage_ignores_unused_slots(SlotSummingScale(), rows(HIDDEN, PADDED), max_examples=10)
+    with pytest.raises(ValueError, match="padded layout"):
+        assert_stage_ignores_unused_slots(SlotSummingScale(), rows(HIDDEN, SORTED))
 
 
 # -- the checker itself ---------------------------------------------------------------------------------

@@ -224,10 +224,13 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         # Where each received slot went (for the way home): its rank among its expert's valid rows.
         position_in_expert = valid.long().cumsum(1) - 1
         home = (expert * (world * cap) + position_in_expert).clamp(min=0)
+        # The empty slots' bytes were never written (their rows hold what the buffer held): the layout gives them a
+        # routing weight of 0, and their rows are any bits (what no stage may read).
+        used = torch.arange(world * cap, device=device) < masked_m.unsqueeze(1)  # [L, W * C]
+        row_weight = row_weight.masked_fill(~used, 0)
 
         if scale is None and records_grad(rows.data, weight):
-            used = torch.arange(world * cap, device=device) < masked_m.unsqueeze(1)  # [L, W * C]
-            data, row_weight = data.masked_fill(~used.unsqueeze(-1), 0), row_weight.masked_fill(~used, 0)
+            data = data.masked_fill(~used.unsqueeze(-1), 0)
             back = _DispatchBack(ep, gather.reshape(-1), slot, trash)
             data, row_weight = delivered((data, row_weight), (rows.data, weight), back)
 

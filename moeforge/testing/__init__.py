@@ -46,8 +46,11 @@ except ModuleNotFoundError as missing:
 from moeforge.testing.contracts import (
     accepted_output_spec,
     assert_stage_honours_contract,
+    assert_stage_ignores_unused_slots,
+    check_ignores_unused_slots,
     check_stage,
     default_settings,
+    with_stale_slots,
 )
 from moeforge.testing.properties import (
     check_dispatch_combine_identity,
@@ -73,8 +76,9 @@ from moeforge.testing.strategies import (
 
 __all__ = [
     "LayerConfig", "accepted_output_spec", "activation_configs", "activations_like",
-    "assert_stage_honours_contract", "check_dispatch_combine_identity", "check_matches_dense_reference",
+    "assert_stage_honours_contract", "assert_stage_ignores_unused_slots", "check_dispatch_combine_identity",
+    "check_ignores_unused_slots", "check_matches_dense_reference",
     "check_stage", "check_token_permutation_equivariance", "default_settings", "dispatch_outputs",
     "layer_configs", "moe_inputs", "moe_outputs", "payload_for", "quantizer_for_spec", "routed_tokens",
-    "router_logits", "routing_configs", "token_counts", "topk_outputs",
+    "router_logits", "routing_configs", "token_counts", "topk_outputs", "with_stale_slots",
 ]

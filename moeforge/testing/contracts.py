@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import hypothesis
+import torch
 from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from moeforge.errors import PayloadError, _show
-from moeforge.payloads import ExpertRows, MoEInput, MoEOutput, RoutedTokens, check_payload
-from moeforge.spec import Spec
+from moeforge.payloads import Activations, ExpertRows, MoEInput, MoEOutput, PaddedRows, RoutedTokens, check_payload
+from moeforge.spec import Layout, Spec
 from moeforge.stage import Stage
 from moeforge.testing.strategies import Payload, payload_for
 
@@ -105,3 +106,96 @@ def assert_stage_honours_contract(
         check_stage(stage, input_spec, payload)
 
     (settings or default_settings(max_examples))(honours_contract)()
+
+
+def with_stale_slots(rows: PaddedRows, seed: int = 0) -> PaddedRows:
+    """``rows`` with every unused slot (past its expert's ``masked_m``) holding what an exchange may leave there:
+    the low-latency and symmetric dispatchers never write those slots, so they keep an earlier batch's bits. Float
+    rows get NaN, infinities and the dtype's largest values; 1-byte rows (FP8, INT8, packed 4-bit) random bytes; scales
+    one per slot NaN (float) or random bytes. The used slots, ``masked_m``, the slots' weights (0 past the used ones,
+    as the layout says) and the plan are ``rows``' own."""
+    data = rows.x.data
+    experts, capacity = data.shape[:2]
+    used = torch.arange(capacity, device=data.device) < rows.masked_m.to(data.device).unsqueeze(1)
+    generator = torch.Generator().manual_seed(seed)
+
+    def stale(values: torch.Tensor) -> torch.Tensor:
+        if values.dim() < 2 or tuple(values.shape[:2]) != (experts, capacity):
+            return values  # (a scale for the whole tensor: no slots)
+        unused = (~used).reshape(experts, capacity, *([1] * (values.dim() - 2))).expand_as(values)
+        if values.dtype.is_floating_point and values.element_size() >= 2:
+            big = torch.finfo(values.dtype).max
+            pattern = torch.tensor([float("nan"), float("inf"), -big, big], dtype=values.dtype)
+            junk = pattern[torch.randint(0, 4, values.shape, generator=generator)].to(values.device)
+        else:
+            raw = torch.randint(0, 256, (*values.shape[:-1], values.shape[-1] * values.element_size()),
+                                generator=generator, dtype=torch.uint8)
+            junk = raw.view(values.dtype).to(values.device)
+        return torch.where(unused, junk, values)
+
+    scale = rows.x.scale
+    return rows.with_x(Activations(stale(data), stale(scale) if scale is not None else None))
+
+
+def _used_parts(payload: object, used: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """What of a stage's output a later stage may read: a padded output's used slots (data and per-slot scales, as
+    bytes), every tensor of any other output."""
+    if isinstance(payload, PaddedRows) and used is not None:
+        parts = [payload.x.data]
+        if payload.x.scale is not None:
+            parts.append(payload.x.scale)
+        out = []
+        for part in parts:
+            if part.dim() >= 2 and tuple(part.shape[:2]) == tuple(used.shape):
+                part = part[used]
+            out.append(part.contiguous().view(torch.uint8) if part.element_size() == 1 else part)
+        return out
+    if isinstance(payload, MoEOutput):
+        return [payload.hidden_states]
+    if isinstance(payload, ExpertRows):
+        return [payload.x.data] + ([payload.x.scale] if payload.x.scale is not None else [])
+    raise AssertionError(f"no comparison for a {type(payload).__name__} output")
+
+
+def check_ignores_unused_slots(stage: Stage[Any, Any], input_spec: Spec, payload: PaddedRows, seed: int = 0) -> None:
+    """Run ``stage`` on padded ``payload`` as it is and with its unused slots stale (:func:`with_stale_slots`): what a
+    later stage may read of the output (a padded output's used slots, any other output whole) must be the same bits.
+    Raises ``AssertionError`` naming the stage."""
+    check_stage(stage, input_spec, payload)
+    clean = stage(payload)
+    dirty = stage(with_stale_slots(payload, seed))
+    used = None
+    if isinstance(clean, PaddedRows):
+        capacity = clean.x.data.shape[1]
+        used = torch.arange(capacity, device=clean.masked_m.device) < clean.masked_m.unsqueeze(1)
+    for index, (want, got) in enumerate(zip(_used_parts(clean, used), _used_parts(dirty, used))):
+        same = torch.equal(want, got) or (want.is_floating_point() and bool(
+            ((want == got) | (want.isnan() & got.isnan())).all()))
+        if not same:
+            raise AssertionError(f"{stage.name} reads the unused slots of padded rows: with them stale, its output's "
+                                 f"{'data' if index == 0 else 'scales'} at the used slots changed")
+
+
+def assert_stage_ignores_unused_slots(
+    stage: Stage[Any, Any],
+    input_spec: Spec,
+    payloads: Optional[st.SearchStrategy[Any]] = None,
+    *,
+    max_examples: int = 15,
+    settings: Optional[hypothesis.settings] = None,
+) -> None:
+    """Property test for a stage that takes ``EXPERT_PADDED`` rows: the slots past each expert's ``masked_m`` hold
+    whatever the buffer last held (an exchange leaves them unwritten, NaN included), so the stage's output must not
+    depend on them (:func:`check_ignores_unused_slots` on payloads drawn from ``payloads``, by default
+    :func:`~moeforge.testing.payload_for`). One scale for the whole tensor taken over every slot, or a sum over the
+    slots, fails it."""
+    if input_spec.layout is not Layout.EXPERT_PADDED:
+        raise ValueError(f"unused slots are the padded layout's: the spec says {input_spec.layout.value}")
+    accepted_output_spec(stage, input_spec)
+    strategy: st.SearchStrategy[Any] = payloads if payloads is not None else payload_for(input_spec)
+
+    @given(strategy, st.integers(0, 2**16))
+    def ignores_unused_slots(payload: PaddedRows, seed: int) -> None:
+        check_ignores_unused_slots(stage, input_spec, payload, seed)
+
+    (settings or default_settings(max_examples))(ignores_unused_slots)()
