@@ -251,6 +251,9 @@ def test_a_stack_of_adapters_on_the_triton_gemms_equals_the_torch_pipeline(adapt
         want = layer.pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states
         torch.testing.assert_close(pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states, want, rtol=2e-5,
                                    atol=2e-5)
+    if placement == "update in the base launch":
+        return  # a stack's update inside the base launch is the serving path: with a backward, both placements
+        #        take the launches of its own, which the other placement's run checks
     params = [param for name, param in layer.named_parameters() if name.startswith(("w13", "w2"))]
     grads = []
     for run in (layer.pipeline, pipeline):
