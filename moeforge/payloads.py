@@ -282,7 +282,8 @@ class SortedRows(ExpertRows):
 @dataclasses.dataclass(frozen=True, eq=False)
 class PaddedRows(ExpertRows):
     """``x.data [E, C, W]``: each local expert's rows in a fixed-capacity buffer; only the first
-    ``masked_m[e]`` rows of expert ``e`` are valid; ``slot_weights [E, C]`` (fp32) is each slot's
+    ``masked_m[e]`` rows of expert ``e`` are valid, the others hold any bits (the expert-parallel exchanges never
+    write them: an earlier batch's rows, NaN included); ``slot_weights [E, C]`` (fp32) is each slot's
     routing weight (0 for empty slots)."""
 
     masked_m: torch.Tensor

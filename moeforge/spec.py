@@ -38,7 +38,9 @@ class PayloadKind(enum.Enum):
 class Layout(enum.Enum):
     TOKEN_MAJOR = "token_major"  # [T, W], one row per token
     EXPERT_SORTED = "expert_sorted"  # [R, W], rows grouped by expert + group_list
-    EXPERT_PADDED = "expert_padded"  # [E, capacity, W] + masked_m
+    # [E, capacity, W] + masked_m; the slots past masked_m hold any bits (an exchange never writes them): no stage
+    # may let them reach a used slot's result (moeforge.testing.assert_stage_ignores_unused_slots)
+    EXPERT_PADDED = "expert_padded"
     BLOCK_ALIGNED = "block_aligned"  # sorted ids padded per block (Triton fused-MoE style)
 
 
