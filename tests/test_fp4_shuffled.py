@@ -29,6 +29,7 @@ from moeforge.quant.nvfp4 import Nvfp4Method
 from moeforge.quant.stored_layout import LAYOUT_ATTRIBUTE, StoredLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grids import grid  # noqa: E402
 
 E, K, H, I = 4, 2, 128, 64
 INTERLEAVED = mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, gate_up=mf.GateUpLayout.INTERLEAVED)
@@ -182,8 +183,7 @@ def test_stages_for_the_other_gate_up_layout_are_refused(fmt: str) -> None:
                                   backend=mf.Backend.TRITON, configs=ConfigTable(E, K))
 
 
-@pytest.mark.parametrize("fmt", sorted(METHODS))
-@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize(("activation", "fmt"), grid(sorted(ACTIVATIONS), sorted(METHODS)))
 def test_the_triton_pipeline_reads_the_shuffled_blocks(activation: str, fmt: str) -> None:
     """The triton experts (default tiles: swapped, 64 weight rows; and a table's) against the same shuffled layer
     on the torch backend: one token, a batch, every token on one expert, an empty batch."""

@@ -28,6 +28,7 @@ from moeforge.reference import dense_moe  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
 from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK  # noqa: E402
 from test_quant_triton_layer import METHODS, _reference, _triton_pipeline  # noqa: E402
+from grids import grid  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -94,8 +95,8 @@ def _float_pipeline(table: ConfigTable, experts: int, k: int, dtype: torch.dtype
 PAIRS = {"gate/up 16, down 32": (16, 32), "gate/up 64, down 16": (64, 16)}
 
 
-@pytest.mark.parametrize("pair", sorted(PAIRS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("dtype", "pair"), grid([torch.float32, torch.float16], sorted(PAIRS),
+                                                ids=[["fp32", "fp16"], None]))
 def test_a_float_pipeline_with_two_row_blocks_equals_the_reference(pair: str, dtype: torch.dtype) -> None:
     gate_up_m, down_m = PAIRS[pair]
     gen = torch.Generator().manual_seed(gate_up_m * down_m)

@@ -33,6 +33,7 @@ from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.stages.triton import act_code  # noqa: E402
 from test_triton_quant_gemm import ACTIVATIONS, reference_gemm, rel  # noqa: E402
 from test_weight_tma import CUDA, DEVICE, DTYPE, HOPPER, operands  # noqa: E402
+from grids import grid  # noqa: E402
 
 FOUR_BIT = ["int4", "int4-zeros", "mxfp4", "nvfp4", "nvfp4-rows"]
 
@@ -200,8 +201,7 @@ def test_a_shuffled_weight_gives_the_plain_weights_output(fmt: str, glu: bool, s
     _check(*_run(fmt, glu=glu, config=config, counts=COUNTS, swap=swap))
 
 
-@pytest.mark.parametrize("fmt", FOUR_BIT)
-@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize(("swap", "fmt"), grid([False, True], FOUR_BIT))
 def test_interleaved_gate_up_rows_shuffled_paired(fmt: str, swap: bool) -> None:
     """GPT-OSS's row order: the weight shuffled paired, its scales' rows paired, the bias interleaved."""
     config = GemmConfig(32, 32, 32, num_warps=4, num_stages=2)
@@ -229,9 +229,9 @@ def test_decoding_first_reads_the_shuffled_weight(fmt: str, interleaved: bool) -
                  interleaved=interleaved, bias=interleaved))
 
 
-@pytest.mark.parametrize("fmt", ["int4", "mxfp4", "nvfp4"])
-@pytest.mark.parametrize("schedule", [dict(grid="tiles"), dict(grid="persistent"), dict(split_k=2),
-                                      dict(half_tail=True)], ids=["tiles", "persistent", "split", "half-tail"])
+@pytest.mark.parametrize(("schedule", "fmt"), grid(
+    [dict(grid="tiles"), dict(grid="persistent"), dict(split_k=2), dict(half_tail=True)], ["int4", "mxfp4", "nvfp4"],
+    ids=[["tiles", "persistent", "split", "half-tail"], None]))
 def test_tiles_of_128_rows_on_every_schedule(fmt: str, schedule: dict[str, Any]) -> None:
     config = GemmConfig(128, 32, 32, num_warps=4, num_stages=2)
     for glu in (False, True):
