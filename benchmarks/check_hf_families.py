@@ -27,7 +27,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 
+from hf_helpers import randomise_weights  # noqa: E402  (the tests' tiny models are drawn the same way)
 from moeforge import hf_experts  # noqa: E402
 
 TINY: dict[str, Any] = dict(
@@ -64,13 +66,7 @@ def tiny_model(family: str) -> Any:
         fields["num_experts_per_tok"] = 1
     torch.manual_seed(0)
     model = getattr(module, models[0])(config_class(**fields)).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)
+    randomise_weights(model, 1)
     return model
 
 

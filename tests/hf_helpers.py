@@ -28,3 +28,15 @@ def converted_call(block: nn.Module, x: torch.Tensor) -> tuple[mf.MoELayer, Any]
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def randomise_weights(model: nn.Module, seed: int) -> None:
+    """Every parameter of a ``transformers`` model drawn at random (its expert weights are left uninitialised), and
+    DeepSeek-style routers' ``e_score_correction_bias`` buffers too, from one seeded generator."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)

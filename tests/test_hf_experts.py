@@ -24,6 +24,7 @@ if not hasattr(moe, "ExpertsInterface"):
 
 from moeforge import hf_experts  # noqa: E402
 from moeforge.errors import BackendUnavailableError, InputError, UnsupportedExpertsError  # noqa: E402
+from hf_helpers import randomise_weights  # noqa: E402
 
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -116,13 +117,7 @@ def build(name: str, seed: int = 0, implementation: str = "eager") -> Any:
         pytest.skip(f"transformers {transformers.__version__} has no {class_name}")
     torch.manual_seed(seed)
     model = getattr(transformers, class_name)(config()).eval()
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-        for buffer_name, buffer in model.named_buffers():
-            if buffer_name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.2)
+    randomise_weights(model, seed + 1)
     model.set_experts_implementation(implementation)
     return model
 
