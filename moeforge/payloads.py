@@ -279,6 +279,11 @@ class SortedRows(ExpertRows):
         _expect(total == rows, "rows covered by group_list", total, rows)
 
 
+def used_slots(masked_m: torch.Tensor, capacity: int, device: torch.device) -> torch.Tensor:
+    """``[E, capacity]`` bool: slot ``c`` of expert ``e`` is used where ``c < masked_m[e]``."""
+    return torch.arange(capacity, device=device) < masked_m.to(device).unsqueeze(1)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PaddedRows(ExpertRows):
     """``x.data [E, C, W]``: each local expert's rows in a fixed-capacity buffer; only the first
@@ -296,6 +301,10 @@ class PaddedRows(ExpertRows):
     @property
     def capacity(self) -> int:
         return int(self.x.data.shape[1])
+
+    def used_slots(self) -> torch.Tensor:
+        """``[E, C]`` bool: the valid slots (the first ``masked_m[e]`` of each expert ``e``)."""
+        return used_slots(self.masked_m, self.capacity, self.x.data.device)
 
     def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.layout is Layout.EXPERT_PADDED, "layout", "PaddedRows", spec.layout.value)

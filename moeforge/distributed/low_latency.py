@@ -46,7 +46,7 @@ from moeforge.distributed.group import ExpertParallel
 from moeforge.distributed.wire import RowFormat, Traffic
 from moeforge.errors import InputError
 from moeforge.kernels.config import ConfigTable
-from moeforge.payloads import Activations, ExpertRows, PaddedRows, Plan, RoutedTokens
+from moeforge.payloads import Activations, ExpertRows, PaddedRows, Plan, RoutedTokens, used_slots
 from moeforge.spec import (
     Exchange,
     ExpertIds,
@@ -226,7 +226,7 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         home = (expert * (world * cap) + position_in_expert).clamp(min=0)
         # The empty slots' bytes were never written (their rows hold what the buffer held): the layout gives them a
         # routing weight of 0, and their rows are any bits (what no stage may read).
-        used = torch.arange(world * cap, device=device) < masked_m.unsqueeze(1)  # [L, W * C]
+        used = used_slots(masked_m, world * cap, device)  # [L, W * C]
         row_weight = row_weight.masked_fill(~used, 0)
 
         if scale is None and records_grad(rows.data, weight):

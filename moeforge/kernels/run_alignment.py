@@ -7,8 +7,8 @@ An expert-parallel exchange leaves each local expert's rows in one run of its re
 rows from row ``starts[l]``). The GEMMs read them through a :class:`~moeforge.payloads.BlockAlignment`: expert ``l``'s
 ``ceil(counts[l] / block_m)`` blocks, the experts' blocks one after another, each block's rows ascending, the rows
 past a run the sentinel ``rows``, the blocks past the used ones expert 0 (never read: the GEMMs stop at
-``num_padded``). :func:`moeforge.distributed.padded_alignment.grouped_alignment` is the same computed by torch ops
-(about twenty launches, each a few microseconds of host time in an eager step); here each program takes
+``num_padded``). :func:`moeforge.distributed.padded_alignment.aligned_runs` is the same computed by torch ops
+(about twenty launches, each with its host-side cost in an eager step); here each program takes
 :data:`BLOCKS` blocks, finds their runs from the runs' block counts (a scan over at most a few hundred experts, in
 registers) and writes their rows and experts. No host sync, sizes fixed by the buffer: a CUDA graph captures it.
 """

@@ -245,8 +245,8 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
     capacity. Compact buffers (``offsets [E]`` int32 given): at slot ``offsets[expert] + position`` of ``recv_*
     [limit, ...]``, and only below ``limit``; then ``kept [T * top_k]`` (int64) gets each copy's index, or -1 where
     its slot is past ``limit`` (dropped). ``aligned``: every entry of ``deltas`` is a multiple of 4 (16 bytes), so
-    rows whose width is a multiple of 4 words are stored 16 bytes at a time (over NVLink, 4-byte stores move a
-    fraction of the bytes per instruction)."""
+    rows whose width is a multiple of 4 words are stored 16 bytes at a time (the compiler cannot prove that of a
+    distance it reads at run time)."""
     copies = experts.numel()
     if copies == 0:
         return

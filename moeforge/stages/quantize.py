@@ -177,8 +177,7 @@ def quantize_rows(quantizer: Quantizer, rows: ExpertRows, data: torch.Tensor) ->
     so a quantizer that reads across rows (:attr:`Quantizer.row_local` false: one scale for the tensor) gets them as
     zeros, which leave its scale that of the used rows."""
     if isinstance(rows, PaddedRows) and not quantizer.row_local and data.dim() == 3:
-        used = torch.arange(data.shape[1], device=data.device) < rows.masked_m.to(data.device).unsqueeze(1)
-        data = data.masked_fill(~used.unsqueeze(-1), 0)
+        data = data.masked_fill(~rows.used_slots().unsqueeze(-1), 0)
     return quantizer(data)
 
 

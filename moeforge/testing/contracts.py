@@ -116,7 +116,7 @@ def with_stale_slots(rows: PaddedRows, seed: int = 0) -> PaddedRows:
     as the layout says) and the plan are ``rows``' own."""
     data = rows.x.data
     experts, capacity = data.shape[:2]
-    used = torch.arange(capacity, device=data.device) < rows.masked_m.to(data.device).unsqueeze(1)
+    used = rows.used_slots()
     generator = torch.Generator().manual_seed(seed)
 
     def stale(values: torch.Tensor) -> torch.Tensor:
@@ -166,8 +166,7 @@ def check_ignores_unused_slots(stage: Stage[Any, Any], input_spec: Spec, payload
     dirty = stage(with_stale_slots(payload, seed))
     used = None
     if isinstance(clean, PaddedRows):
-        capacity = clean.x.data.shape[1]
-        used = torch.arange(capacity, device=clean.masked_m.device) < clean.masked_m.unsqueeze(1)
+        used = clean.used_slots()
     for index, (want, got) in enumerate(zip(_used_parts(clean, used), _used_parts(dirty, used))):
         same = torch.equal(want, got) or (want.is_floating_point() and bool(
             ((want == got) | (want.isnan() & got.isnan())).all()))
