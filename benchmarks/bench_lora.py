@@ -20,9 +20,9 @@ step's peak memory above what was allocated before it, and whether two eager ste
 layer with a stack of ``--adapters`` adapters (rank ``--rank``) each token picking one at random, at
 ``--serving-tokens``: the issue's serving bar is 1.15× the base at M ≤ 64 and 1.3× at M = 4096.
 Prints a table and writes JSON (device, commit, date). ``--profile`` also prints, for ``base`` and ``lora`` of each
-cell (with ``--serving``: the base and the stack), the GPU time per step of each kernel, and of each op by its input
-shapes (``torch.profiler``, a few eager steps after warm-up), so the adapter's GEMMs (rank-wide operands) stand apart
-from the base's.
+cell (with ``--serving``: the base and the stack), the GPU time per step of each kernel launch in the step's order (and
+for training, of each op by its input shapes; ``torch.profiler``, a few eager steps after warm-up), so the adapter's
+GEMMs (rank-wide operands) stand apart from the base's.
 """
 
 from __future__ import annotations
@@ -137,8 +137,9 @@ def bench_serving(args: argparse.Namespace, flush: torch.Tensor) -> list[dict[st
                 ("base", serving_step(base, x, topk, None)), ("adapters", serving_step(adapted, x, topk, ids)))}
             ratio = timed["adapters"] / timed["base"]
             if args.profile:
-                print_op_times(f"{name} M={tokens} base", serving_step(base, x, topk, None))
-                print_op_times(f"{name} M={tokens} {args.adapters} adapters", serving_step(adapted, x, topk, ids))
+                for label, step in ((f"{name} M={tokens} base", serving_step(base, x, topk, None)),
+                                    (f"{name} M={tokens} {args.adapters} adapters", serving_step(adapted, x, topk, ids))):
+                    print_kernel_times(label, kernel_times(step))
             records.append(dict(shape=name, M=tokens, what="serving", adapters=args.adapters, rank=args.rank,
                                 base_us=round(timed["base"], 2), adapters_us=round(timed["adapters"], 2),
                                 ratio=round(ratio, 3)))
