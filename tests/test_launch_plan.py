@@ -67,6 +67,39 @@ def test_decode_tiles_of_4bit_weights_split_their_k_loop_on_hopper_only() -> Non
         plan_launch(facts(**decode, grid="persistent", split_k=2))
 
 
+def test_rank_wide_float_products_split_their_k_loop_where_few_blocks_hold_rows() -> None:
+    """An adapter's ``x Aᵀ`` (16 columns, one column tile): its time is one K-loop's latency when few row blocks hold
+    rows, so below one program per SM the loop is split (Hopper only), whatever the table says of wide GEMMs."""
+    a_gemm = dict(n_out=16, k_dim=14336, config=GemmConfig(16, 16, 64, num_warps=4, num_stages=3))
+    # an 8-adapter stack at one token (Mixtral's down GEMM): 2 copies over 64 (adapter, expert) pairs
+    decode = plan_launch(facts(**a_gemm, experts=64, copies=2, padded_rows=2 + 64 * 15), explain=True)
+    assert decode.splits == launch_plan.NARROW_MOST_SPLITS and decode.grid == "tiles"
+    assert "(narrow_split_k)" in decode.explain()
+    assert decode.steps_per_split * decode.splits >= 14336 // 64
+    # Qwen3's gate/up at one token: 8 copies, a K-loop of 32 steps -> ranges of 4 steps at least
+    assert plan_launch(facts(**dict(a_gemm, k_dim=2048), experts=1024, copies=8, padded_rows=8 * 16)).splits == 8
+    # a block per SM or more: the loop as it is
+    assert plan_launch(facts(**a_gemm, experts=8, copies=8192, padded_rows=8192 + 8 * 15)).splits == 1
+    assert plan_launch(facts(**a_gemm, experts=64, copies=2, padded_rows=32, capability=None)).splits == 1
+    assert plan_launch(facts(**a_gemm, experts=64, copies=2, padded_rows=32, split_k=1)).splits == 1  # asked
+    # a short K-loop, or a wide GEMM, or 4-bit weights: not this rule
+    assert plan_launch(facts(**dict(a_gemm, k_dim=192), experts=64, copies=2, padded_rows=32)).splits == 1
+    assert "(default_split_k)" in explain_launch(facts(copies=2, padded_rows=256))
+    assert "(default_split_k)" in explain_launch(facts(**a_gemm, weight_format=WeightFormat.MXFP4, copies=2,
+                                                       padded_rows=32))
+
+
+def test_the_narrow_rule_counts_the_blocks_that_hold_rows() -> None:
+    rule, programs = launch_plan.narrow_split_k, launch_plan.narrow_programs
+    assert programs(padded_rows=2 + 64 * 15, block_m=16, copies=2, experts=64) == 2
+    assert programs(padded_rows=1024 * 16, block_m=16, copies=512, experts=1024) == 512 + 32
+    assert programs(padded_rows=64, block_m=16, copies=512, experts=1024) == 4  # the alignment's bound
+    assert rule(HOPPER, 2, 224, 132) == launch_plan.NARROW_MOST_SPLITS
+    assert rule(HOPPER, 72, 224, 132) == 8  # about 4 programs per SM
+    assert rule(HOPPER, 8, 12, 132) == 3  # at least 4 K-steps a range
+    assert rule(HOPPER, 132, 224, 132) == 1 and rule(HOPPER, 0, 224, 132) == 1 and rule(None, 2, 224, 132) == 1
+
+
 def test_a_shuffled_weights_large_tiles_run_persistent_and_wait_for_their_mmas() -> None:
     shuffled = facts(weight_format=WeightFormat.MXFP4, shuffled=True, weight_scale_max=128,
                      config=GemmConfig(128, 128, 64, num_warps=8, num_stages=3, swap=True))

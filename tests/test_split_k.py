@@ -211,11 +211,11 @@ def test_the_rule_gives_way_to_an_explicit_persistent_grid(monkeypatch: pytest.M
     ids, *plan = _plan(4, 3, 1, 16)
     gen = torch.Generator().manual_seed(5)
     a = torch.randn(4, 96, generator=gen).to(DEVICE, DTYPE)
-    w = (torch.randn(3, 32, 96, generator=gen) * 0.1).to(DEVICE, DTYPE)
+    w = (torch.randn(3, 96, 96, generator=gen) * 0.1).to(DEVICE, DTYPE)  # (wider than a rank: not the narrow rule)
     config = GemmConfig(16, 32, 32, group_m=1, num_warps=4, num_stages=2)
     outs = {}
     for grid in ("tiles", "persistent"):
-        out = torch.full((4, 32), float("nan"), dtype=DTYPE, device=DEVICE)
+        out = torch.full((4, 96), float("nan"), dtype=DTYPE, device=DEVICE)
         outs[grid] = moe_gemm.moe_gemm(a, w, out, *plan, rows_per_a=1, config=config, grid=grid)
     assert len(asked) == 1  # only the one-program-per-tile launch asked the rule (and split 3 ways)
     assert not torch.isnan(outs["persistent"].float()).any()

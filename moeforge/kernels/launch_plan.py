@@ -20,7 +20,7 @@ import attrs
 import torch
 import triton
 
-from moeforge.kernels.config import GemmConfig, fit_shared_memory
+from moeforge.kernels.config import RANK_WIDE, GemmConfig, fit_shared_memory
 from moeforge.kernels.dequant import FOLDED_SCALE_MAX
 from moeforge.kernels.formats import SCALE_BLOCK, KTail, RowFormat, RowScales, WeightFormat
 from moeforge.kernels.sizes import cdiv
@@ -231,6 +231,34 @@ def default_split_k(capability: Optional[tuple[int, int]], weight_format: Weight
     return max(1, min(most, k_steps // 8, -(-4 * sms // programs)))
 
 
+# The most ranges :func:`narrow_split_k` splits a K-loop into: at 16 and 32 the serving stack's rank-wide products
+# measured the same (docs/notes/kernels-log.md, "Split K for the adapters' rank-wide products").
+NARROW_MOST_SPLITS = 16
+
+
+def narrow_split_k(capability: Optional[tuple[int, int]], programs: int, k_steps: int, sms: int) -> int:
+    """How many ranges :func:`moe_gemm` splits the K-loop of a float GEMM with one column tile of at most
+    :data:`~moeforge.kernels.config.RANK_WIDE` columns (a rank-wide product: an adapter's ``x Aᵀ``, a row gradient
+    of rank-wide width) into by default. ``programs``: an estimate of the row
+    blocks that hold rows (:func:`narrow_programs`), ``k_steps``: the K-loop's length, ``sms``: the device's
+    multiprocessors.
+
+    Such a launch has one program per row block, each running the whole K-loop over a tile only ``r`` columns wide:
+    with fewer programs than multiprocessors its time is the latency of that loop, not its bytes (an 8-adapter stack
+    at one token: 2 programs of 224 K-steps for Mixtral's down GEMM, 75 µs). So on NVIDIA GPUs, below one program per
+    SM: enough ranges for about 4 programs per SM, at least 4 K-steps each, at most :data:`NARROW_MOST_SPLITS`."""
+    if capability is None or programs < 1 or programs >= sms:
+        return 1
+    return max(1, min(NARROW_MOST_SPLITS, k_steps // 4, -(-4 * sms // programs)))
+
+
+def narrow_programs(padded_rows: int, block_m: int, copies: int, experts: int) -> int:
+    """The row blocks of an aligned launch that hold rows, estimated on the host: at most ``padded_rows // block_m``
+    (the alignment's bound), and at most one partly filled block per busy expert (``min(experts, copies)``) plus the
+    full ones (``copies // block_m``)."""
+    return min(padded_rows // block_m, min(experts, copies) + copies // block_m)
+
+
 @attrs.frozen
 class LaunchFacts:
     """What a launch is planned from: plain values, hashable (a plan can be kept per layer and token-count bucket).
@@ -357,6 +385,10 @@ def plan_launch(facts: LaunchFacts, *, explain: bool = False) -> LaunchPlan:
     if f.split_k is not None or config.split_k is not None:  # asked for (a persistent grid cannot have it)
         splits = f.split_k if f.split_k is not None else config.split_k
         split_source = _source(f.split_k, config.split_k)
+    elif f.grid in (None, "tiles") and fmt is WeightFormat.FLOAT and f.n_out <= min(config.block_n, RANK_WIDE):
+        splits = narrow_split_k(f.capability, narrow_programs(f.padded_rows, config.block_m, f.copies, f.experts),
+                                k_steps, f.multiprocessors)
+        split_source = "narrow_split_k"
     elif f.grid in (None, "tiles"):
         busy = min(blocks, f.experts) * cdiv(f.n_out, config.block_n)
         splits = default_split_k(f.capability, fmt, config, busy, k_steps, f.multiprocessors)
