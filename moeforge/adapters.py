@@ -255,6 +255,12 @@ def stack_ids(x: ExpertRows, stack: int, where: str) -> torch.Tensor:
 # GEMM: only over short K-loops").
 FUSED_UPDATE_MAX_K = 2048
 
+# The most copies for which a served stack takes each copy's ``x Aᵀ`` copy by copy
+# (:mod:`moeforge.kernels.stack_shrink`) instead of aligning the copies by (adapter, expert) pair for a grouped GEMM;
+# its ``· Bᵀ`` then runs inside the base GEMM's launch at any K-loop's length (docs/notes/kernels-log.md, "The serving
+# stack at few copies").
+STACK_SHRINK_MAX_COPIES = 512
+
 
 @attrs.frozen(eq=False)
 class AdaptedGroupedGemm(AdaptedGemm):
@@ -266,7 +272,9 @@ class AdaptedGroupedGemm(AdaptedGemm):
     its product (``base.run`` with a :class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate`): its epilogue
     (activation, routing weights, output quantization) then covers the update, and no ``[copies, N]`` update is
     written or added; over a longer K-loop, ``· Bᵀ`` as a launch of its own whose ``[copies, N]`` output is added to
-    the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A stack: the copies
+    the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A stack served to few copies (at most
+    ``STACK_SHRINK_MAX_COPIES``, each copy's expert known): each copy's ``x Aᵀ`` by its own adapter, copy by copy
+    (:mod:`moeforge.kernels.stack_shrink`), then ``· Bᵀ`` inside the base's launch. Else a stack: the copies
     aligned again by (adapter, expert) pair and ``x Aᵀ`` on that alignment; then, where no backward is recorded
     (serving) and the K-loop is short, ``· Bᵀ`` inside the base's launch, each copy by its own adapter
     (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate` with ``ids``: a K-step per adapter that the tile's rows
@@ -333,7 +341,17 @@ class AdaptedGroupedGemm(AdaptedGemm):
             return fused
         base_tensors = [resolve(t) for t in (getattr(base, "weight", None), getattr(base, "bias", None))
                         if t is not None]
-        if self.stack and rows.shape[-1] <= FUSED_UPDATE_MAX_K and not records_grad(x.x.data, a, b, *base_tensors):
+        serving = bool(self.stack) and not records_grad(x.x.data, a, b, *base_tensors)
+        if serving and x.copy_experts is not None and alignment.num_copies <= STACK_SHRINK_MAX_COPIES:
+            # serving a stack to few copies: each copy's x Aᵀ by its own adapter, copy by copy (no second alignment),
+            # then · Bᵀ of each copy's adapter inside the base GEMM's launch
+            from moeforge.stages.triton import kernel_ops
+
+            low, chosen = kernel_ops().stack_shrink(rows, a, stack_ids(x, self.stack, self.name), x.copy_experts,
+                                                    rows_per_a, self.scale, b.dtype)
+            shrunk: AlignedRows = base.run(x, GemmUpdate(low, b, 1.0, ids=chosen))
+            return shrunk
+        if serving and rows.shape[-1] <= FUSED_UPDATE_MAX_K:
             # serving a stack (the op has no backward for it): each copy's x Aᵀ on the pair alignment, then · Bᵀ of
             # each copy's adapter inside the base GEMM's launch (a K-step per adapter its tile's rows chose)
             low, rows_per_low, stacked = self._stack_low(x, a, int(b.shape[1]), rows, rows_per_a, b.dtype, a_launch)

@@ -78,6 +78,19 @@ def placement(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return str(request.param)
 
 
+@pytest.fixture(params=["copy by copy", "pairs, update in the base launch", "pairs, update by two launches"])
+def stack_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where a served stack's products run: each copy's ``x Aᵀ`` copy by copy (few copies, every test here) with
+    ``· Bᵀ`` inside the base launch; or, the copy-by-copy limit at 0 (what many copies get), ``x Aᵀ`` on the copies
+    aligned by (adapter, expert) pair, ``· Bᵀ`` inside the base launch or (the fused limit at 0) by launches of its own
+    (what a long K-loop gets). A backward takes the pair path's launches of its own in each."""
+    if request.param != "copy by copy":
+        monkeypatch.setattr(moeforge.adapters, "STACK_SHRINK_MAX_COPIES", 0)
+    if request.param == "pairs, update by two launches":
+        monkeypatch.setattr(moeforge.adapters, "FUSED_UPDATE_MAX_K", 0)
+    return str(request.param)
+
+
 def _triton_pipeline(layer: mf.MoELayer, weights_in_epilogue: bool = False) -> mf.Pipeline:  # type: ignore[type-arg]
     """The triton pipeline of ``layer``'s weights and adapter (what ``MoELayer(backend="triton")`` builds)."""
     table = ConfigTable(E, K)
@@ -238,9 +251,8 @@ def test_the_adapted_pipeline_compiles_in_one_graph_for_inference_and_training(n
                                      ExpertAdapter(rank=3, alpha=6, count=3, shared_a=True),
                                      ExpertAdapter(rank=2, count=2, targets="down")])
 def test_a_stack_of_adapters_on_the_triton_gemms_equals_the_torch_pipeline(adapter: ExpertAdapter,
-                                                                            placement: str) -> None:
-    # Each copy's update by its token's adapter: the copies aligned again by (adapter, expert), -1 zeroed; without a
-    # backward the second product inside the base launch (short K-loops), else by launches of its own.
+                                                                            stack_path: str) -> None:
+    # Each copy's update by its token's adapter (-1 zeroed), on each path (see stack_path).
     layer = _torch_layer(adapter, torch.float32)
     pipeline = _triton_pipeline(layer)
     assert "3 adapters" in pipeline.describe() or adapter.count == 2
@@ -251,9 +263,8 @@ def test_a_stack_of_adapters_on_the_triton_gemms_equals_the_torch_pipeline(adapt
         want = layer.pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states
         torch.testing.assert_close(pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states, want, rtol=2e-5,
                                    atol=2e-5)
-    if placement == "update in the base launch":
-        return  # a stack's update inside the base launch is the serving path: with a backward, both placements
-        #        take the launches of its own, which the other placement's run checks
+    if stack_path != "pairs, update by two launches":
+        return  # the serving paths: with a backward, every path takes the launches of its own, which this one checks
     params = [param for name, param in layer.named_parameters() if name.startswith(("w13", "w2"))]
     grads = []
     for run in (layer.pipeline, pipeline):
@@ -264,7 +275,7 @@ def test_a_stack_of_adapters_on_the_triton_gemms_equals_the_torch_pipeline(adapt
         assert _rel(got, want_grad) < 1e-5
 
 
-def test_an_adapter_id_outside_the_stack_gives_its_token_nan_on_both_backends() -> None:
+def test_an_adapter_id_outside_the_stack_gives_its_token_nan_on_both_backends(stack_path: str) -> None:
     # The pipeline cannot refuse a device id without waiting for it (the layer refuses CPU ids): the token's rows come
     # out NaN, never another adapter's update or a read outside the stack.
     layer = _torch_layer(ExpertAdapter(rank=2, count=2), torch.float32)
@@ -279,9 +290,13 @@ def test_an_adapter_id_outside_the_stack_gives_its_token_nan_on_both_backends() 
             assert out[bad].isnan().all() and out[~bad].isfinite().all()
 
 
-def test_the_copies_are_aligned_by_adapter_once_for_both_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("copies", ["few", "many"])
+def test_the_copies_are_aligned_by_adapter_once_for_both_gemms_where_they_are_many(
+        monkeypatch: pytest.MonkeyPatch, copies: str) -> None:
     from moeforge.kernels import ops
 
+    if copies == "many":
+        monkeypatch.setattr(moeforge.adapters, "STACK_SHRINK_MAX_COPIES", 0)
     calls: list[int] = []
     real = ops.align_block_size
     monkeypatch.setattr(ops, "align_block_size", lambda ids, groups, block_m, ordered: calls.append(groups) or real(
@@ -291,7 +306,8 @@ def test_the_copies_are_aligned_by_adapter_once_for_both_gemms(monkeypatch: pyte
     x = torch.randn(7, H, device=DEVICE)
     with torch.no_grad():
         pipeline.run(mf.MoEInput(x, layer.router_logits(x), torch.tensor([0, 1, 2, -1, 0, 1, 2], device=DEVICE)))
-    assert calls == [E, 3 * E]  # the dispatch's alignment, then the (adapter, expert) pairs' once
+    # the dispatch's alignment, then the (adapter, expert) pairs' once; few copies take their products copy by copy
+    assert calls == ([E, 3 * E] if copies == "many" else [E])
 
 
 def test_each_copys_pair_adapter_and_weight_on_the_device() -> None:
@@ -581,22 +597,24 @@ def _served_stacks(draw: Any) -> tuple[ExpertAdapter, list[int], bool, int]:
                             targets=draw(st.sampled_from([("gate_up", "down"), "gate_up", "down"])))
     tokens = draw(st.sampled_from([0, 1, 2, 7, 13, 40]))
     ids = draw(st.lists(st.integers(-1, count - 1), min_size=tokens, max_size=tokens))
-    return adapter, ids, draw(st.booleans()), draw(st.integers(0, 2**16))
+    return adapter, ids, draw(st.sampled_from(["copy by copy", "pairs, in the base launch", "pairs, two launches"])), \
+        draw(st.integers(0, 2**16))
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_served_stacks())
 def test_a_random_stack_served_on_the_triton_gemms_equals_the_torch_layer(
-        case: tuple[ExpertAdapter, list[int], bool, int]) -> None:
-    # Random stacks (count, rank, a shared A, targets), token ids (-1 and all-one-adapter batches included) and both
-    # placements of · Bᵀ (inside the base launch, or launches of its own), without a backward: the serving path.
-    adapter, ids, in_base_launch, seed = case
+        case: tuple[ExpertAdapter, list[int], str, int]) -> None:
+    # Random stacks (count, rank, a shared A, targets), token ids (-1 and all-one-adapter batches included) and the
+    # paths of the products (see stack_path), without a backward: the serving path.
+    adapter, ids, path, seed = case
     layer = _torch_layer(adapter, torch.float32, seed=seed)
     pipeline = _triton_pipeline(layer)
     x = torch.randn(len(ids), H, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))
     adapter_ids = torch.tensor(ids, dtype=torch.int64, device=DEVICE) if adapter.count > 1 else None
     logits = layer.router_logits(x).detach()
-    with torch.no_grad(), mock.patch.object(moeforge.adapters, "FUSED_UPDATE_MAX_K", 2048 if in_base_launch else 0):
+    with torch.no_grad(), mock.patch.object(moeforge.adapters, "FUSED_UPDATE_MAX_K", 0 if "two" in path else 2048), \
+            mock.patch.object(moeforge.adapters, "STACK_SHRINK_MAX_COPIES", 512 if path == "copy by copy" else 0):
         want = layer.pipeline.run(mf.MoEInput(x, logits, adapter_ids)).hidden_states
         got = pipeline.run(mf.MoEInput(x, logits, adapter_ids)).hidden_states
     if ids:

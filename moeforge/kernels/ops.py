@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from moeforge.kernels import (activation_rows, align, backward, combine, grouped_gemm_call, quantize, slot_rows,
-                              stack_pairs as pairs, topk, weight_grad)
+                              stack_pairs as pairs, stack_shrink as shrink, topk, weight_grad)
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.sizes import cdiv
 
@@ -58,6 +58,22 @@ def _(ids: torch.Tensor, copy_experts: Optional[torch.Tensor], sorted_ids: torch
     copies = ids.numel()
     return (ids.new_empty(copies, dtype=torch.int32), ids.new_empty(copies, dtype=torch.int32),
             ids.new_empty(copies, dtype=torch.float32))
+
+
+def _stack_shrink(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, copy_experts: torch.Tensor,
+                  rows_per_a: int, scale: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return shrink.stack_shrink(rows, a, ids, copy_experts, rows_per_a, scale, out_dtype)
+
+
+_stack_shrink_op = torch.library.custom_op("moeforge::stack_shrink", _stack_shrink, mutates_args=())
+stack_shrink = KernelOp(_stack_shrink_op, _stack_shrink)
+
+
+@_stack_shrink_op.register_fake
+def _(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, copy_experts: torch.Tensor, rows_per_a: int,
+      scale: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    copies = ids.numel()
+    return rows.new_empty(copies, a.shape[2], dtype=out_dtype), ids.new_empty(copies, dtype=torch.int32)
 
 
 _moe_gemm_op = torch.library.custom_op("moeforge::moe_gemm", grouped_gemm_call.launch, mutates_args=())
