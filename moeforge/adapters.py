@@ -255,11 +255,18 @@ def stack_ids(x: ExpertRows, stack: int, where: str) -> torch.Tensor:
 # GEMM: only over short K-loops").
 FUSED_UPDATE_MAX_K = 2048
 
-# The most copies for which a served stack takes each copy's ``x Aᵀ`` copy by copy
-# (:mod:`moeforge.kernels.stack_shrink`) instead of aligning the copies by (adapter, expert) pair for a grouped GEMM;
-# its ``· Bᵀ`` then runs inside the base GEMM's launch at any K-loop's length (docs/notes/kernels-log.md, "The serving
-# stack at few copies").
-STACK_SHRINK_MAX_COPIES = 512
+# A served stack's ``· Bᵀ`` runs inside the base GEMM's launch over short K-loops (``FUSED_UPDATE_MAX_K``) and, over
+# longer ones, for at most this many copies (where the base GEMM is bound by reading its weights, the update's K-steps
+# cost less than a launch of their own and the [copies, N] pass); its ``x Aᵀ`` is then taken copy by copy
+# (:mod:`moeforge.kernels.stack_shrink`) for at most ``STACK_SHRINK_MAX_COPIES`` copies instead of on the copies aligned
+# by (adapter, expert) pair. Measured on an H200 (docs/notes/kernels-log.md, "The served stack at few copies").
+FUSED_STACK_MAX_COPIES = 512
+STACK_SHRINK_MAX_COPIES = 2048
+
+
+def stack_update_fuses(k_dim: int, copies: int) -> bool:
+    """Whether a served stack's ``· Bᵀ`` runs inside the base GEMM's launch (see ``FUSED_STACK_MAX_COPIES``)."""
+    return k_dim <= FUSED_UPDATE_MAX_K or copies <= FUSED_STACK_MAX_COPIES
 
 
 @attrs.frozen(eq=False)
@@ -272,11 +279,12 @@ class AdaptedGroupedGemm(AdaptedGemm):
     its product (``base.run`` with a :class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate`): its epilogue
     (activation, routing weights, output quantization) then covers the update, and no ``[copies, N]`` update is
     written or added; over a longer K-loop, ``· Bᵀ`` as a launch of its own whose ``[copies, N]`` output is added to
-    the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A stack served to few copies (at most
-    ``STACK_SHRINK_MAX_COPIES``, each copy's expert known): each copy's ``x Aᵀ`` by its own adapter, copy by copy
-    (:mod:`moeforge.kernels.stack_shrink`), then ``· Bᵀ`` inside the base's launch. Else a stack: the copies
-    aligned again by (adapter, expert) pair and ``x Aᵀ`` on that alignment; then, where no backward is recorded
-    (serving) and the K-loop is short, ``· Bᵀ`` inside the base's launch, each copy by its own adapter
+    the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A served stack (no backward recorded)
+    whose ``· Bᵀ`` enters the base's launch (:func:`stack_update_fuses`: a short K-loop, or few copies) and whose copies
+    are few (at most ``STACK_SHRINK_MAX_COPIES``, each copy's expert known): each copy's ``x Aᵀ`` by its own adapter,
+    copy by copy (:mod:`moeforge.kernels.stack_shrink`), then ``· Bᵀ`` inside the base's launch. Else a stack: the
+    copies aligned again by (adapter, expert) pair and ``x Aᵀ`` on that alignment; then, served where
+    :func:`stack_update_fuses`, ``· Bᵀ`` inside the base's launch, each copy by its own adapter
     (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate` with ``ids``: a K-step per adapter that the tile's rows
     chose); else ``base.pre_activation``, ``· Bᵀ`` on the pair alignment, the sum, then ``base.activate``. The rows,
     ``A`` and ``B`` differentiate through the kernels' backward (:mod:`moeforge.kernels.backward`)."""
@@ -341,8 +349,9 @@ class AdaptedGroupedGemm(AdaptedGemm):
             return fused
         base_tensors = [resolve(t) for t in (getattr(base, "weight", None), getattr(base, "bias", None))
                         if t is not None]
-        serving = bool(self.stack) and not records_grad(x.x.data, a, b, *base_tensors)
-        if serving and x.copy_experts is not None and alignment.num_copies <= STACK_SHRINK_MAX_COPIES:
+        fused_stack = (bool(self.stack) and stack_update_fuses(rows.shape[-1], alignment.num_copies)
+                       and not records_grad(x.x.data, a, b, *base_tensors))  # (serving: the op has no backward)
+        if fused_stack and x.copy_experts is not None and alignment.num_copies <= STACK_SHRINK_MAX_COPIES:
             # serving a stack to few copies: each copy's x Aᵀ by its own adapter, copy by copy (no second alignment),
             # then · Bᵀ of each copy's adapter inside the base GEMM's launch
             from moeforge.stages.triton import kernel_ops
@@ -351,7 +360,7 @@ class AdaptedGroupedGemm(AdaptedGemm):
                                                     rows_per_a, self.scale, b.dtype)
             shrunk: AlignedRows = base.run(x, GemmUpdate(low, b, 1.0, ids=chosen))
             return shrunk
-        if serving and rows.shape[-1] <= FUSED_UPDATE_MAX_K:
+        if fused_stack:
             # serving a stack (the op has no backward for it): each copy's x Aᵀ on the pair alignment, then · Bᵀ of
             # each copy's adapter inside the base GEMM's launch (a K-step per adapter its tile's rows chose)
             low, rows_per_low, stacked = self._stack_low(x, a, int(b.shape[1]), rows, rows_per_a, b.dtype, a_launch)

@@ -72,9 +72,11 @@ def _torch_layer(adapter: ExpertAdapter, dtype: torch.dtype, activation: Optiona
 @pytest.fixture(params=["update in the base launch", "update by two launches"])
 def placement(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """One adapter's ``· Bᵀ`` (a stack's, without a backward) inside the base GEMM's launch (these tests' K-loops are
-    all short) or, with the limit at 0, as a launch of its own added to the product (what a long K-loop gets)."""
+    all short) or, with the limit at 0, as a launch of its own added to the product (what a long K-loop gets; a
+    stack's on the pair path, see ``stack_path``)."""
     if request.param == "update by two launches":
         monkeypatch.setattr(moeforge.adapters, "FUSED_UPDATE_MAX_K", 0)
+        monkeypatch.setattr(moeforge.adapters, "FUSED_STACK_MAX_COPIES", 0)
     return str(request.param)
 
 
@@ -88,6 +90,7 @@ def stack_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setattr(moeforge.adapters, "STACK_SHRINK_MAX_COPIES", 0)
     if request.param == "pairs, update by two launches":
         monkeypatch.setattr(moeforge.adapters, "FUSED_UPDATE_MAX_K", 0)
+        monkeypatch.setattr(moeforge.adapters, "FUSED_STACK_MAX_COPIES", 0)
     return str(request.param)
 
 
@@ -149,6 +152,48 @@ def test_one_adapters_update_enters_the_base_launch_only_over_a_short_k_loop(mon
     with torch.no_grad():
         torch.testing.assert_close(_run(_triton_pipeline(layer), layer, x), layer(x), rtol=2e-5, atol=2e-5)
     assert fused == [(mf.GemmRole.DOWN, True)]
+
+
+def test_a_served_stacks_update_enters_the_base_launch_over_a_long_k_loop_only_for_few_copies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # H = 32 (the gate/up GEMM's K) "long", I = 16 (the down GEMM's) short: the down GEMM's update always enters the
+    # base launch, the gate/up GEMM's for at most FUSED_STACK_MAX_COPIES copies; x Aᵀ goes copy by copy where the
+    # update enters the base launch and the copies are at most STACK_SHRINK_MAX_COPIES.
+    from moeforge.kernels import ops
+    from moeforge.stages.triton import FusedGroupedGemm
+
+    seen: list[tuple[str, Any]] = []
+    run, shrink = FusedGroupedGemm.run, ops.stack_shrink
+
+    def spy_run(self: Any, x: Any, update: Any = None) -> Any:
+        seen.append((self.role.value, update is not None))
+        return run(self, x, update)
+
+    def spy_shrink(*args: Any) -> Any:
+        seen.append(("copy by copy", args[0].shape[1]))
+        return shrink(*args)
+
+    monkeypatch.setattr(FusedGroupedGemm, "run", spy_run)
+    monkeypatch.setattr(ops, "stack_shrink", spy_shrink)
+    monkeypatch.setattr(moeforge.adapters, "FUSED_UPDATE_MAX_K", 16)
+    monkeypatch.setattr(moeforge.adapters, "FUSED_STACK_MAX_COPIES", 4)
+    monkeypatch.setattr(moeforge.adapters, "STACK_SHRINK_MAX_COPIES", 6)
+    layer = _torch_layer(ExpertAdapter(rank=2, count=3), torch.float32)
+    pipeline = _triton_pipeline(layer)
+    expected = {2: [("copy by copy", H), ("gate_up", True), ("copy by copy", I), ("down", True)],  # 4 copies
+                4: [("down", True)],  # 8 copies: gate/up by launches of its own; down on the pairs
+                1: [("copy by copy", H), ("gate_up", True), ("copy by copy", I), ("down", True)]}
+    for tokens, want in expected.items():
+        seen.clear()
+        x = torch.randn(tokens, H, device=DEVICE)
+        ids = torch.arange(tokens, device=DEVICE) % 4 - 1
+        with torch.no_grad():
+            torch.testing.assert_close(pipeline.run(mf.MoEInput(x, layer.router_logits(x), ids)).hidden_states,
+                                       layer.pipeline.run(mf.MoEInput(x, layer.router_logits(x), ids)).hidden_states,
+                                       rtol=2e-5, atol=2e-5)
+        assert seen == want, tokens
+    fuses = moeforge.adapters.stack_update_fuses
+    assert fuses(16, 10**6) and fuses(17, 4) and not fuses(17, 5)
 
 
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
@@ -613,8 +658,9 @@ def test_a_random_stack_served_on_the_triton_gemms_equals_the_torch_layer(
     x = torch.randn(len(ids), H, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))
     adapter_ids = torch.tensor(ids, dtype=torch.int64, device=DEVICE) if adapter.count > 1 else None
     logits = layer.router_logits(x).detach()
-    with torch.no_grad(), mock.patch.object(moeforge.adapters, "FUSED_UPDATE_MAX_K", 0 if "two" in path else 2048), \
-            mock.patch.object(moeforge.adapters, "STACK_SHRINK_MAX_COPIES", 512 if path == "copy by copy" else 0):
+    limits = dict(FUSED_UPDATE_MAX_K=0, FUSED_STACK_MAX_COPIES=0) if "two" in path else {}
+    with torch.no_grad(), mock.patch.multiple(moeforge.adapters, **limits, STACK_SHRINK_MAX_COPIES=(
+            moeforge.adapters.STACK_SHRINK_MAX_COPIES if path == "copy by copy" else 0)):
         want = layer.pipeline.run(mf.MoEInput(x, logits, adapter_ids)).hidden_states
         got = pipeline.run(mf.MoEInput(x, logits, adapter_ids)).hidden_states
     if ids:
