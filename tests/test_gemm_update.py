@@ -108,13 +108,10 @@ def test_the_update_adds_to_the_product_of_every_weight_format(fmt: str, swap: b
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_a_stack_of_updates_reaches_each_copy_by_its_own(dtype: torch.dtype, layout: str, split_k: int,
                                                          rank: int) -> None:
-    # update_ids picks each copy's update out of update_weight [S, E, N_w, R]: one update no copy chose (the last),
-    # tiles whose rows chose some of the stack only (expert 0's copies all take update 2, so its tiles skip the others'
-    # K-steps); a rank below the K-step's 16 and one above. Stacks of 4 take one K-step for the whole stack; the stack
-    # of 20 (with the rank of 5) is too wide for one (moe_gemm.UPDATE_WIDE_MAX_K): a K-step per update.
-    tokens, k, experts, hidden, n_out, scale = 11, 2, 5, 64, 24, 0.75
-    stack = 20 if rank == 5 else 4
-    assert bool(moe_gemm.update_wide(stack, max(16, rank))) == (stack == 4)
+    # update_ids picks each copy's update out of update_weight [S, E, N_w, R]: one update no copy chose (3), tiles
+    # whose rows chose some of the stack only (expert 0's copies all take update 2, so its tiles skip the others'
+    # K-steps); a rank below the K-step's 16 and one above.
+    tokens, k, experts, hidden, n_out, stack, scale = 11, 2, 5, 64, 24, 4, 0.75
     gen = torch.Generator().manual_seed(split_k)
     act: Optional[mf.ActivationConfig] = GATED.get(layout)
     n_w = 2 * n_out if act is not None else n_out
@@ -221,9 +218,3 @@ def test_a_stack_of_updates_has_no_backward() -> None:
                           SMALL, update)
     with pytest.raises(InputError, match="no backward"):
         out.sum().backward()
-
-
-def test_a_stack_takes_one_k_step_where_it_fits_one() -> None:
-    wide = moe_gemm.update_wide
-    assert (wide(0, 16), wide(1, 16), wide(3, 16), wide(8, 16), wide(16, 16)) == (0, 1, 4, 8, 16)
-    assert wide(17, 16) == 0 and wide(4, 64) == 4 and wide(5, 64) == 0  # past UPDATE_WIDE_MAX_K: a K-step each

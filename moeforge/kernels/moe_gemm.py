@@ -182,7 +182,6 @@ def _gemm_tile(
     UPDATE_K: tl.constexpr = FLAGS[28]
     UPDATE_PRECISION: tl.constexpr = FLAGS[29]
     UPDATE_STACK: tl.constexpr = FLAGS[30]
-    UPDATE_WIDE: tl.constexpr = FLAGS[31]
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
@@ -451,30 +450,9 @@ def _gemm_tile(
         if SPLIT:
             factor = tl.where(k_first == 0, update_scale, 0.0)
         u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's output was)
-        if UPDATE_STACK and UPDATE_WIDE:
-            # a stack of adapters (ub [S, E, N_w, R]), each copy's row by its own adapter's B (uid [copies]), as one
-            # K-step of UPDATE_WIDE * UPDATE_K: column s * UPDATE_K + j holds the row's u[:, j] where its adapter is
-            # s (else 0) and meets B[s, expert, :, j]; every adapter's B loaded at once, not one load-and-MMA after
-            # another
-            uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
-            wide = tl.arange(0, UPDATE_WIDE * UPDATE_K)
-            wide_adapter = wide // UPDATE_K
-            wide_j = wide % UPDATE_K
-            wide_ok = (wide_j < update_width) & (wide_adapter < update_stack)
-            u_wide = tl.load(u_ptr + copies.to(tl.int64)[:, None] * stride_um + wide_j[None, :],
-                             mask=row_ok[:, None] & wide_ok[None, :] & (uid[:, None] == wide_adapter[None, :]),
-                             other=0.0)
-            u_wide = (u_wide * factor).to(u_ptr.dtype.element_ty)
-            ub_wide = ub_ptr + expert * stride_ube + (wide_adapter * stride_ubs + wide_j * stride_ubk)[:, None]
-            ub = tl.load(ub_wide + gate_rows[None, :] * stride_ubn, mask=wide_ok[:, None] & n_ok[None, :], other=0.0)
-            out = tl.dot(u_wide, ub, out, input_precision=UPDATE_PRECISION)
-            if GLU:
-                ub_up = tl.load(ub_wide + up_rows[None, :] * stride_ubn, mask=wide_ok[:, None] & n_ok[None, :],
-                                other=0.0)
-                out_up = tl.dot(u_wide, ub_up, out_up, input_precision=UPDATE_PRECISION)
-        elif UPDATE_STACK:
-            # a stack too wide for one K-step: one K-step per adapter that a row of this tile chose, the other rows
-            # zero in it
+        if UPDATE_STACK:
+            # a stack of adapters (ub [S, E, N_w, R]): each copy's row meets its own adapter's B (uid [copies]), one
+            # K-step per adapter that a row of this tile chose, the other rows zero in it
             uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
             for adapter in range(0, update_stack):
                 here = uid == adapter
@@ -560,8 +538,7 @@ def moe_gemm_kernel(
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, PERSISTENT: tl.constexpr,
     B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
-    UPDATE_K: tl.constexpr, UPDATE_PRECISION: tl.constexpr, UPDATE_STACK: tl.constexpr, UPDATE_WIDE: tl.constexpr,
-    PDL: tl.constexpr,
+    UPDATE_K: tl.constexpr, UPDATE_PRECISION: tl.constexpr, UPDATE_STACK: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile`. The kernel's arguments are
@@ -583,7 +560,7 @@ def moe_gemm_kernel(
     FLAGS: tl.constexpr = (A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU,
                             HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT,
                             PREFETCH, BLOCK_N, BLOCK_K, SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA,
-                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK, UPDATE_WIDE)
+                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK)
     num_padded = tl.load(num_padded_ptr)
     k_first = 0
     k_last = 0  # without SPLIT, _gemm_tile runs the whole K-loop
@@ -1045,7 +1022,6 @@ def _prepare(
         DRAIN_MMA=plan.drain,
         SCALE_FOLD=plan.scale_fold,
         UPDATE_K=update_k, UPDATE_PRECISION=update_precision, UPDATE_STACK=update_stack > 0,
-        UPDATE_WIDE=update_wide(update_stack, update_k),
         PDL=pdl.flag(dependent, release=False),
     ), dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent)))
     sizes = (n_out, k_dim, num_copies, rows_per_a, float(a_global), expert_first,
@@ -1112,18 +1088,6 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
         raise ValueError(f"a low-rank update's operands share one float dtype (bf16, fp16, fp32), got "
                          f"{update_rows.dtype} and {update_weight.dtype}")
     return max(16, next_power_of_2(width)), "ieee" if update_rows.dtype == torch.float32 else "tf32", stack
-
-
-# The widest K-step a stack's update takes at once (adapters padded to a power of two, times the rank's step): the
-# operands of a wider one would not fit beside the accumulators; a wider stack runs one K-step per adapter.
-UPDATE_WIDE_MAX_K = 256
-
-
-def update_wide(stack: int, update_k: int) -> int:
-    """``UPDATE_WIDE``: the stack's size padded to a power of two where its one K-step of that many times
-    ``update_k`` is at most :data:`UPDATE_WIDE_MAX_K` wide, else 0 (a K-step per adapter); 0 without a stack."""
-    padded = next_power_of_2(stack) if stack > 0 else 0
-    return padded if 0 < padded * update_k <= UPDATE_WIDE_MAX_K else 0
 
 
 def _stack_strides(update_weight: Optional[torch.Tensor]) -> tuple[int, ...]:
