@@ -96,14 +96,16 @@ def stack_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 def _triton_pipeline(layer: mf.MoELayer, weights_in_epilogue: bool = False) -> mf.Pipeline:  # type: ignore[type-arg]
     """The triton pipeline of ``layer``'s weights and adapter (what ``MoELayer(backend="triton")`` builds)."""
-    table = ConfigTable(E, K)
-    stages: list[mf.Stage[Any, Any]] = [TritonTopK(E, K, layer.routing), AlignDispatch(E, table)]
+    experts, top_k = layer.num_experts, layer.top_k
+    table = ConfigTable(experts, top_k)
+    stages: list[mf.Stage[Any, Any]] = [TritonTopK(experts, top_k, layer.routing), AlignDispatch(experts, table)]
     stages += expert_stages(layer.quant, layer, activation=layer.activation,
                             routing_weights_in_epilogue=weights_in_epilogue, backend=mf.Backend.TRITON,
                             configs=table, dispatch=layer.dispatch_decision.dtype)
     stages.append(Combine(apply_routing_weights=not weights_in_epilogue, out_dtype=mf.DType.from_torch(layer.dtype)))
     assert layer.adapter is not None
-    return mf.Pipeline(adapt(stages, layer, layer.adapter), mf.input_spec(H, layer.dtype, E), debug=True)
+    return mf.Pipeline(adapt(stages, layer, layer.adapter), mf.input_spec(layer.hidden_size, layer.dtype, experts),
+                       debug=True)
 
 
 def _run(pipeline: mf.Pipeline, layer: mf.MoELayer, x: torch.Tensor) -> torch.Tensor:  # type: ignore[type-arg]
@@ -665,3 +667,28 @@ def test_a_random_stack_served_on_the_triton_gemms_equals_the_torch_layer(
         got = pipeline.run(mf.MoEInput(x, logits, adapter_ids)).hidden_states
     if ids:
         assert float((got - want).norm() / want.norm().clamp(min=1e-30)) < 2e-5
+
+
+@pytest.mark.parametrize("stack_case", ["top_k = experts", "every token on one expert", "one token", "no tokens"])
+def test_a_served_stack_at_the_routings_edges_equals_the_torch_layer(stack_case: str, stack_path: str) -> None:
+    # The triton pipeline of the layer (what MoELayer(backend="triton") builds) against its torch one, serving a stack
+    # of 3.
+    experts, top_k, tokens = {"top_k = experts": (4, 4, 9), "every token on one expert": (4, 1, 9),
+                              "one token": (4, 2, 1), "no tokens": (4, 2, 0)}[stack_case]
+    adapter = ExpertAdapter(rank=2, alpha=4, count=3)
+    torch.manual_seed(3)
+    reference = mf.MoELayer(experts, top_k, 32, 16, adapter=adapter, dtype=torch.float32, device=DEVICE,
+                            backend="torch")
+    _randomise_adapter(reference, 4)
+    pipeline = _triton_pipeline(reference)
+    x = torch.randn(tokens, 32, device=DEVICE)
+    logits = reference.router_logits(x).detach()
+    if stack_case == "every token on one expert":
+        logits = torch.zeros_like(logits).index_fill_(1, torch.tensor([2], device=DEVICE), 5.0)
+    ids = torch.arange(tokens, device=DEVICE) % 4 - 1
+    with torch.no_grad():
+        want = reference.pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states
+        got = pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states
+    assert got.shape == (tokens, 32)
+    if tokens:
+        assert _rel(got, want) < 2e-5

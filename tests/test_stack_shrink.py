@@ -74,12 +74,23 @@ def test_the_ranges_sum_in_one_order_and_the_output_takes_the_asked_dtype() -> N
     torch.testing.assert_close(first[0].cpu().double(), want, rtol=2e-2, atol=2e-2, equal_nan=True)
 
 
+def test_operands_of_any_strides() -> None:
+    # rows and A as views (a transposed copy's, every other element's): the same products as contiguous operands
+    rows, a, ids, experts = case(3, 8, 16, 200, 6, 1, torch.float32, seed=7)
+    rows_t = rows.t().contiguous().t()
+    a_wide = torch.zeros(*a.shape[:3], 2 * a.shape[3], dtype=a.dtype, device=a.device)
+    a_wide[..., ::2] = a
+    got = shrink.stack_shrink(rows_t, a_wide[..., ::2], ids, experts, 1, 1.0, torch.float32, 2)
+    want = shrink.stack_shrink(rows, a, ids, experts, 1, 1.0, torch.float32, 2)
+    assert torch.equal(got[0].nan_to_num(), want[0].nan_to_num()) and torch.equal(got[1], want[1])
+
+
 def test_no_copies_and_bad_operands() -> None:
     rows, a, ids, experts = case(2, 8, 4, 64, 0, 1, torch.float32, seed=1)
     low, chosen = shrink.stack_shrink(rows, a, ids, experts, 1, 1.0, torch.float32)
     assert low.shape == (0, 4) and chosen.shape == (0,)
     rows, a, ids, experts = case(2, 8, 4, 64, 5, 1, torch.float32, seed=1)
-    with pytest.raises(ValueError, match="contiguous along K"):
+    with pytest.raises(ValueError, match="of one K"):
         shrink.stack_shrink(rows[:, :32], a, ids, experts, 1, 1.0, torch.float32)
     with pytest.raises(ValueError, match="need an expert each"):
         shrink.stack_shrink(rows, a, ids, experts[:3], 1, 1.0, torch.float32)

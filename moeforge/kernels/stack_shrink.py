@@ -44,7 +44,8 @@ def _copy_adapters(ids_ptr, copies, c_ok, stack, scale):
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, ids_ptr, experts_ptr, out_ptr, chosen_ptr, num_copies, K, rows_per_a, rank, stack,
-                   k_per_split, scale, stride_xm, stride_as, stride_ae, stride_ar, stride_os, stride_om,
+                   k_per_split, scale, stride_xm, stride_xk, stride_as, stride_ae, stride_ar, stride_ak, stride_os,
+                   stride_om,
                    RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     copies = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = copies < num_copies
@@ -63,8 +64,8 @@ def _shrink_kernel(x_ptr, a_ptr, ids_ptr, experts_ptr, out_ptr, chosen_ptr, num_
     for k0 in range(k_first, k_last, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = (kk < k_last)[None, None, :]
-        x = tl.load(x_row + kk[None, None, :], mask=c_ok[:, None, None] & k_ok, other=0.0).to(tl.float32)
-        a = tl.load(a_rows + kk[None, None, :], mask=rows_ok & k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_row + kk[None, None, :] * stride_xk, mask=c_ok[:, None, None] & k_ok, other=0.0).to(tl.float32)
+        a = tl.load(a_rows + kk[None, None, :] * stride_ak, mask=rows_ok & k_ok, other=0.0).to(tl.float32)
         acc += tl.sum(x * a, axis=2)
     out = out_ptr + tl.program_id(1) * stride_os + copies.to(tl.int64)[:, None] * stride_om + j[None, :]
     if SPLIT:  # this range's partial sums; the reducing launch weighs them
@@ -107,14 +108,14 @@ def stack_shrink(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, copy_ex
     """``(low, chosen)`` for a stack's copies (see the module docstring): ``low [C, r]`` in ``out_dtype``, each
     copy's product by its own adapter, weighed as ``used``; ``chosen [C]`` int32, each copy's adapter in the stack.
     ``rows [R, K]``: copy ``c`` reads row ``c // rows_per_a``; ``a [S, E | 1, r, K]`` (one ``A`` an adapter for
-    every expert: ``E`` 1); ``ids [C]``: each copy's adapter (``-1``: none); ``copy_experts [C]``: each copy's local
-    expert (any integer dtype). ``splits``: ranges of K (by default :func:`shrink_splits`)."""
+    every expert: ``E`` 1); both of any strides. ``ids [C]``: each copy's adapter (``-1``: none); ``copy_experts
+    [C]``: each copy's local expert (any integer dtype). ``splits``: ranges of K (by default :func:`shrink_splits`)."""
     ids, copy_experts = ids.reshape(-1), copy_experts.reshape(-1)
     copies = ids.numel()
     stack, experts, rank, k_dim = a.shape
-    if rows.dim() != 2 or rows.shape[1] != k_dim or a.stride(3) != 1 or rows.stride(1) != 1:
-        raise ValueError(f"stack_shrink takes rows [R, {k_dim}] and a [S, E, r, {k_dim}], each contiguous along K; "
-                         f"got {tuple(rows.shape)} and {tuple(a.shape)}")
+    if rows.dim() != 2 or rows.shape[1] != k_dim:
+        raise ValueError(f"stack_shrink takes rows [R, K] and a [S, E, r, K] of one K; got {tuple(rows.shape)} and "
+                         f"{tuple(a.shape)}")
     if copy_experts.numel() != copies or rows_per_a < 1 or rows.shape[0] * rows_per_a < copies:
         raise ValueError(f"stack_shrink: {copies} copies of {rows.shape[0]} rows ({rows_per_a} a row) need an expert "
                          f"each, got {copy_experts.numel()}")
@@ -134,8 +135,8 @@ def stack_shrink(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, copy_ex
 
     _SHRINK.launch(("shrink", power, split), (cdiv(copies, _BLOCK_C), ranges),
                    (rows, a, ids, copy_experts, partials, chosen, copies, k_dim, rows_per_a, rank, stack, k_per_split,
-                    float(scale), rows.stride(0), a.stride(0), a.stride(1) if experts > 1 else 0, a.stride(2),
-                    partials.stride(0) if split else 0, partials.stride(-2)), shrink_launch)
+                    float(scale), rows.stride(0), rows.stride(1), a.stride(0), a.stride(1) if experts > 1 else 0,
+                    a.stride(2), a.stride(3), partials.stride(0) if split else 0, partials.stride(-2)), shrink_launch)
     if split:
         splits_power = triton.next_power_of_2(ranges)
         block = max(1, _REDUCE_ELEMENTS // (splits_power * power))
