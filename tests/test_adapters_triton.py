@@ -30,6 +30,7 @@ pytest.importorskip("triton")
 from moeforge.kernels.config import ConfigTable, GemmConfig, narrow_config, row_gradient_config  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
 from moeforge.stages.triton import AlignDispatch, TritonTopK  # noqa: E402
+from grids import grid  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -69,7 +70,10 @@ def _torch_layer(adapter: ExpertAdapter, dtype: torch.dtype, activation: Optiona
     return layer
 
 
-@pytest.fixture(params=["update in the base launch", "update by two launches"])
+PLACEMENTS = ["update in the base launch", "update by two launches"]
+
+
+@pytest.fixture(params=PLACEMENTS)
 def placement(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """One adapter's ``· Bᵀ`` (a stack's, without a backward) inside the base GEMM's launch (these tests' K-loops are
     all short) or, with the limit at 0, as a launch of its own added to the product (what a long K-loop gets; a
@@ -198,8 +202,8 @@ def test_a_served_stacks_update_enters_the_base_launch_over_a_long_k_loop_only_f
     assert fuses(16, 10**6) and fuses(17, 4) and not fuses(17, 5)
 
 
-@pytest.mark.parametrize("activation", list(ACTIVATIONS))
-@pytest.mark.parametrize("weights_in_epilogue", [False, True])
+@pytest.mark.parametrize("activation, weights_in_epilogue, placement",
+                         grid(list(ACTIVATIONS), [False, True], PLACEMENTS), indirect=["placement"])
 def test_every_gradient_equals_the_torch_pipelines(activation: str, weights_in_epilogue: bool, placement: str) -> None:
     bias = activation.startswith("gpt-oss")
     routing = mf.RoutingConfig(apply_weights=mf.RoutingWeights.IN_GEMM_EPILOGUE if weights_in_epilogue
@@ -670,9 +674,9 @@ def test_a_random_stack_served_on_the_triton_gemms_equals_the_torch_layer(
 
 
 @pytest.mark.parametrize("stack_case", ["top_k = experts", "every token on one expert", "one token", "no tokens"])
-def test_a_served_stack_at_the_routings_edges_equals_the_torch_layer(stack_case: str, stack_path: str) -> None:
+def test_a_served_stack_at_the_routings_edges_equals_the_torch_layer(stack_case: str) -> None:
     # The triton pipeline of the layer (what MoELayer(backend="triton") builds) against its torch one, serving a stack
-    # of 3.
+    # of 3 (few copies: each copy's x Aᵀ copy by copy; the pair path's edges are in the random stacks' test).
     experts, top_k, tokens = {"top_k = experts": (4, 4, 9), "every token on one expert": (4, 1, 9),
                               "one token": (4, 2, 1), "no tokens": (4, 2, 0)}[stack_case]
     adapter = ExpertAdapter(rank=2, alpha=4, count=3)
