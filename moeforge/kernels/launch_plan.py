@@ -231,8 +231,8 @@ def default_split_k(capability: Optional[tuple[int, int]], weight_format: Weight
     return max(1, min(most, k_steps // 8, -(-4 * sms // programs)))
 
 
-# The most ranges :func:`narrow_split_k` splits a K-loop into: at 16 and 32 the serving stack's rank-wide products
-# measured the same (docs/notes/kernels-log.md, "Split K for the adapters' rank-wide products").
+# The most ranges :func:`narrow_split_k` splits a K-loop into: more gained nothing on the serving stack's rank-wide
+# products (docs/notes/kernels-log.md, "The served stack at few copies").
 NARROW_MOST_SPLITS = 16
 
 
@@ -244,9 +244,10 @@ def narrow_split_k(capability: Optional[tuple[int, int]], programs: int, k_steps
     multiprocessors.
 
     Such a launch has one program per row block, each running the whole K-loop over a tile only ``r`` columns wide:
-    with fewer programs than multiprocessors its time is the latency of that loop, not its bytes (an 8-adapter stack
-    at one token: 2 programs of 224 K-steps for Mixtral's down GEMM, 75 µs). So on NVIDIA GPUs, below one program per
-    SM: enough ranges for about 4 programs per SM, at least 4 K-steps each, at most :data:`NARROW_MOST_SPLITS`."""
+    with fewer programs than multiprocessors its time is the latency of that loop, not its bytes (a stack of adapters
+    at one token: a program or two per GEMM, each over the whole K). So on NVIDIA GPUs, below one program per SM:
+    enough ranges for about 4 programs per SM, at least 4 K-steps each, at most :data:`NARROW_MOST_SPLITS`
+    (docs/notes/kernels-log.md, "The served stack at few copies")."""
     if capability is None or programs < 1 or programs >= sms:
         return 1
     return max(1, min(NARROW_MOST_SPLITS, k_steps // 4, -(-4 * sms // programs)))
