@@ -9,6 +9,8 @@ from typing import Optional
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
@@ -62,6 +64,18 @@ def test_each_copys_product_by_its_own_adapter(shape: tuple[int, ...], splits: O
     outside = (ids < -1) | (ids >= stack)
     assert low[outside].isnan().all() and not low[~outside].isnan().any()
     assert (low[ids == -1] == 0).all()
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stack=st.integers(1, 6), shared=st.booleans(), rank=st.integers(1, 33), k_dim=st.integers(1, 400),
+       copies=st.integers(0, 11), rows_per_a=st.integers(1, 4), splits=st.integers(1, 5), seed=st.integers(0, 999))
+def test_random_stacks_against_the_reference(stack: int, shared: bool, rank: int, k_dim: int, copies: int,
+                                             rows_per_a: int, splits: int, seed: int) -> None:
+    rows, a, ids, experts = case(stack, 1 if shared else 8, rank, k_dim, copies, rows_per_a, torch.float32, seed)
+    low, chosen = shrink.stack_shrink(rows, a, ids, experts, rows_per_a, 1.5, torch.float32, splits)
+    want_low, want_chosen = reference(rows, a, ids, experts, rows_per_a, 1.5)
+    assert torch.equal(chosen.cpu(), want_chosen)
+    torch.testing.assert_close(low.cpu().double(), want_low, rtol=1e-4, atol=1e-4, equal_nan=True)
 
 
 def test_the_ranges_sum_in_one_order_and_the_output_takes_the_asked_dtype() -> None:
