@@ -282,7 +282,8 @@ class AdaptedGroupedGemm(AdaptedGemm):
     the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A served stack (no backward recorded)
     whose ``· Bᵀ`` enters the base's launch (:func:`stack_update_fuses`: a short K-loop, or few copies) and whose copies
     are few (at most ``STACK_SHRINK_MAX_COPIES``, each copy's expert known): each copy's ``x Aᵀ`` by its own adapter,
-    copy by copy (:mod:`moeforge.kernels.stack_shrink`), then ``· Bᵀ`` inside the base's launch. Else a stack: the
+    copy by copy (:mod:`moeforge.kernels.stack_shrink`), then ``· Bᵀ`` inside the base's launch (not in a
+    batch-invariant layer, whose stack takes the pair path at every batch size, fused by the K-loop's length alone). Else a stack: the
     copies aligned again by (adapter, expert) pair and ``x Aᵀ`` on that alignment; then, served where
     :func:`stack_update_fuses`, ``· Bᵀ`` inside the base's launch, each copy by its own adapter
     (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate` with ``ids``: a K-step per adapter that the tile's rows
@@ -349,9 +350,14 @@ class AdaptedGroupedGemm(AdaptedGemm):
             return fused
         base_tensors = [resolve(t) for t in (getattr(base, "weight", None), getattr(base, "bias", None))
                         if t is not None]
-        fused_stack = (bool(self.stack) and stack_update_fuses(rows.shape[-1], alignment.num_copies)
+        # A batch-invariant layer takes one path at every batch size (the paths round differently): the pair path,
+        # · Bᵀ inside the base launch by the K-loop's length alone.
+        invariant = self._invariant()
+        fused_stack = (bool(self.stack) and (rows.shape[-1] <= FUSED_UPDATE_MAX_K if invariant else
+                                             stack_update_fuses(rows.shape[-1], alignment.num_copies))
                        and not records_grad(x.x.data, a, b, *base_tensors))  # (serving: the op has no backward)
-        if fused_stack and x.copy_experts is not None and alignment.num_copies <= STACK_SHRINK_MAX_COPIES:
+        if (fused_stack and not invariant and x.copy_experts is not None
+                and alignment.num_copies <= STACK_SHRINK_MAX_COPIES):
             # serving a stack to few copies: each copy's x Aᵀ by its own adapter, copy by copy (no second alignment),
             # then · Bᵀ of each copy's adapter inside the base GEMM's launch
             from moeforge.stages.triton import kernel_ops

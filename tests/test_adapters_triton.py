@@ -273,6 +273,44 @@ def test_a_batch_invariant_table_keeps_the_adapters_launches_unsplit(monkeypatch
     assert all(config.split_k == (1 if invariant else None) for config in launches)
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default table", "batch-invariant table"])
+def test_a_batch_invariant_stack_takes_one_path_at_every_batch_size(monkeypatch: pytest.MonkeyPatch,
+                                                                   invariant: bool) -> None:
+    # The paths of a served stack round differently, and the default picks them by the copies' count: a batch-invariant
+    # layer takes the pair path at every count, · Bᵀ inside the base launch by the K-loop's length alone (here the
+    # gate/up GEMM's K = 32 "long", the down GEMM's 16 short).
+    import moeforge.batch_invariant as batch_invariant
+    from moeforge.kernels import ops
+    from moeforge.stages.triton import FusedGroupedGemm
+
+    seen: list[tuple[str, Any]] = []
+    run, shrink = FusedGroupedGemm.run, ops.stack_shrink
+    monkeypatch.setattr(FusedGroupedGemm, "run",
+                        lambda self, x, update=None: seen.append((self.role.value, update is not None)) or run(
+                            self, x, update))
+    monkeypatch.setattr(ops, "stack_shrink", lambda *args: seen.append(("copy by copy", None)) or shrink(*args))
+    monkeypatch.setattr(moeforge.adapters, "FUSED_UPDATE_MAX_K", 16)
+    layer = _torch_layer(ExpertAdapter(rank=2, alpha=4, count=3), torch.float32)
+    table = batch_invariant.invariant_table(E, K) if invariant else ConfigTable(E, K)
+    stages: list[mf.Stage[Any, Any]] = [TritonTopK(E, K, layer.routing), AlignDispatch(E, table)]
+    stages += expert_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
+                            backend=mf.Backend.TRITON, configs=table, dispatch=layer.dispatch_decision.dtype)
+    stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.FP32))
+    pipeline = mf.Pipeline(adapt(stages, layer, layer.adapter), mf.input_spec(H, torch.float32, E))  # type: ignore[arg-type]
+    for tokens in (1, 9):
+        seen.clear()
+        x = torch.randn(tokens, H, device=DEVICE)
+        ids = torch.arange(tokens, device=DEVICE) % 4 - 1
+        with torch.no_grad():
+            torch.testing.assert_close(pipeline.run(mf.MoEInput(x, layer.router_logits(x), ids)).hidden_states,
+                                       layer.pipeline.run(mf.MoEInput(x, layer.router_logits(x), ids)).hidden_states,
+                                       rtol=2e-5, atol=2e-5)
+        if invariant:
+            assert seen == [("down", True)], tokens  # gate/up by launches of its own; no copy-by-copy product
+        else:
+            assert seen == [("copy by copy", None), ("gate_up", True), ("copy by copy", None), ("down", True)], tokens
+
+
 @pytest.mark.parametrize("name", ["both, rank 4", "gate_up, shared A"])
 def test_the_adapted_pipeline_compiles_in_one_graph_for_inference_and_training(name: str) -> None:
     # A forward creates no launch record (Dynamo cannot trace a frozen attrs class's __init__): the adapter's launches
@@ -563,16 +601,18 @@ def test_auto_picks_triton_for_a_float_base_and_torch_where_the_adapter_trains_o
 
 
 @gpu
-def test_a_batch_invariant_layer_with_an_adapter_gives_each_token_the_same_bits_in_any_batch() -> None:
+@pytest.mark.parametrize("count", [1, 4], ids=["one adapter", "a stack of 4"])
+def test_a_batch_invariant_layer_with_an_adapter_gives_each_token_the_same_bits_in_any_batch(count: int) -> None:
     torch.manual_seed(9)
-    adapter = ExpertAdapter(rank=16, alpha=32)
+    adapter = ExpertAdapter(rank=16, alpha=32, count=count)
     layer = mf.MoELayer(16, 4, 256, 128, adapter=adapter, dtype=torch.bfloat16, device="cuda", batch_invariant=True)
     _randomise_adapter(layer, 10)
     x = torch.randn(513, 256, device="cuda", dtype=torch.bfloat16)
+    ids = (torch.arange(513, device="cuda") % (count + 1) - 1) if count > 1 else None
     with torch.no_grad():
-        whole = layer(x)
+        whole = layer(x, adapter_ids=ids)
         for rows in (slice(0, 1), slice(5, 12), slice(100, 164)):
-            assert torch.equal(layer(x[rows]), whole[rows])
+            assert torch.equal(layer(x[rows], adapter_ids=ids[rows] if ids is not None else None), whole[rows])
 
 
 @gpu
