@@ -64,8 +64,9 @@ def _shrink_kernel(x_ptr, a_ptr, ids_ptr, experts_ptr, out_ptr, chosen_ptr, num_
     for k0 in range(k_first, k_last, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = (kk < k_last)[None, None, :]
-        x = tl.load(x_row + kk[None, None, :] * stride_xk, mask=c_ok[:, None, None] & k_ok, other=0.0).to(tl.float32)
-        a = tl.load(a_rows + kk[None, None, :] * stride_ak, mask=rows_ok & k_ok, other=0.0).to(tl.float32)
+        kk64 = kk.to(tl.int64)[None, None, :]  # (a view's K stride may be large)
+        x = tl.load(x_row + kk64 * stride_xk, mask=c_ok[:, None, None] & k_ok, other=0.0).to(tl.float32)
+        a = tl.load(a_rows + kk64 * stride_ak, mask=rows_ok & k_ok, other=0.0).to(tl.float32)
         acc += tl.sum(x * a, axis=2)
     out = out_ptr + tl.program_id(1) * stride_os + copies.to(tl.int64)[:, None] * stride_om + j[None, :]
     if SPLIT:  # this range's partial sums; the reducing launch weighs them
