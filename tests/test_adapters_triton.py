@@ -98,10 +98,12 @@ def stack_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return str(request.param)
 
 
-def _triton_pipeline(layer: mf.MoELayer, weights_in_epilogue: bool = False) -> mf.Pipeline:  # type: ignore[type-arg]
-    """The triton pipeline of ``layer``'s weights and adapter (what ``MoELayer(backend="triton")`` builds)."""
+def _triton_pipeline(layer: mf.MoELayer, weights_in_epilogue: bool = False,  # type: ignore[type-arg]
+                     table: Optional[ConfigTable] = None) -> mf.Pipeline:
+    """The triton pipeline of ``layer``'s weights and adapter (what ``MoELayer(backend="triton")`` builds), launched by
+    ``table`` (default: the fallback rules')."""
     experts, top_k = layer.num_experts, layer.top_k
-    table = ConfigTable(experts, top_k)
+    table = table if table is not None else ConfigTable(experts, top_k)
     stages: list[mf.Stage[Any, Any]] = [TritonTopK(experts, top_k, layer.routing), AlignDispatch(experts, table)]
     stages += expert_stages(layer.quant, layer, activation=layer.activation,
                             routing_weights_in_epilogue=weights_in_epilogue, backend=mf.Backend.TRITON,
@@ -110,6 +112,18 @@ def _triton_pipeline(layer: mf.MoELayer, weights_in_epilogue: bool = False) -> m
     assert layer.adapter is not None
     return mf.Pipeline(adapt(stages, layer, layer.adapter), mf.input_spec(layer.hidden_size, layer.dtype, experts),
                        debug=True)
+
+
+def _serve_stack_like_the_torch_layer(pipeline: mf.Pipeline, layer: mf.MoELayer,  # type: ignore[type-arg]
+                                      tokens: int) -> None:
+    """``tokens`` random tokens choosing adapters -1, 0, 1, 2 in turn, served by ``pipeline`` as by ``layer``'s torch
+    pipeline."""
+    x = torch.randn(tokens, layer.hidden_size, device=DEVICE)
+    ids = torch.arange(tokens, device=DEVICE) % 4 - 1
+    logits = layer.router_logits(x)
+    with torch.no_grad():
+        torch.testing.assert_close(pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states,
+                                   layer.pipeline.run(mf.MoEInput(x, logits, ids)).hidden_states, rtol=2e-5, atol=2e-5)
 
 
 def _run(pipeline: mf.Pipeline, layer: mf.MoELayer, x: torch.Tensor) -> torch.Tensor:  # type: ignore[type-arg]
@@ -191,12 +205,7 @@ def test_a_served_stacks_update_enters_the_base_launch_over_a_long_k_loop_only_f
                 1: [("copy by copy", H), ("gate_up", True), ("copy by copy", I), ("down", True)]}
     for tokens, want in expected.items():
         seen.clear()
-        x = torch.randn(tokens, H, device=DEVICE)
-        ids = torch.arange(tokens, device=DEVICE) % 4 - 1
-        with torch.no_grad():
-            torch.testing.assert_close(pipeline.run(mf.MoEInput(x, layer.router_logits(x), ids)).hidden_states,
-                                       layer.pipeline.run(mf.MoEInput(x, layer.router_logits(x), ids)).hidden_states,
-                                       rtol=2e-5, atol=2e-5)
+        _serve_stack_like_the_torch_layer(pipeline, layer, tokens)
         assert seen == want, tokens
     fuses = moeforge.adapters.stack_update_fuses
     assert fuses(16, 10**6) and fuses(17, 4) and not fuses(17, 5)
@@ -259,12 +268,7 @@ def test_a_batch_invariant_table_keeps_the_adapters_launches_unsplit(monkeypatch
     monkeypatch.setattr(adapters, "grouped_gemm", lambda *args: launches.append(args[4]) or real_gemm(*args))
     monkeypatch.setattr(batch_invariant, "linear", lambda *args: linears.append(args) or real_linear(*args))
     layer = _torch_layer(ExpertAdapter(rank=3, alpha=6, shared_a=shared_a), torch.float32)
-    table = batch_invariant.invariant_table(E, K) if invariant else ConfigTable(E, K)
-    stages: list[mf.Stage[Any, Any]] = [TritonTopK(E, K, layer.routing), AlignDispatch(E, table)]
-    stages += expert_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
-                            backend=mf.Backend.TRITON, configs=table, dispatch=layer.dispatch_decision.dtype)
-    stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.FP32))
-    pipeline = mf.Pipeline(adapt(stages, layer, layer.adapter), mf.input_spec(H, torch.float32, E))  # type: ignore[arg-type]
+    pipeline = _triton_pipeline(layer, table=batch_invariant.invariant_table(E, K) if invariant else None)
     x = torch.randn(13, H, device=DEVICE)
     with torch.no_grad():
         torch.testing.assert_close(_run(pipeline, layer, x), layer(x), rtol=2e-5, atol=2e-5)
@@ -291,20 +295,10 @@ def test_a_batch_invariant_stack_takes_one_path_at_every_batch_size(monkeypatch:
     monkeypatch.setattr(ops, "stack_shrink", lambda *args: seen.append(("copy by copy", None)) or shrink(*args))
     monkeypatch.setattr(moeforge.adapters, "FUSED_UPDATE_MAX_K", 16)
     layer = _torch_layer(ExpertAdapter(rank=2, alpha=4, count=3), torch.float32)
-    table = batch_invariant.invariant_table(E, K) if invariant else ConfigTable(E, K)
-    stages: list[mf.Stage[Any, Any]] = [TritonTopK(E, K, layer.routing), AlignDispatch(E, table)]
-    stages += expert_stages(layer.quant, layer, activation=layer.activation, routing_weights_in_epilogue=False,
-                            backend=mf.Backend.TRITON, configs=table, dispatch=layer.dispatch_decision.dtype)
-    stages.append(Combine(apply_routing_weights=True, out_dtype=mf.DType.FP32))
-    pipeline = mf.Pipeline(adapt(stages, layer, layer.adapter), mf.input_spec(H, torch.float32, E))  # type: ignore[arg-type]
+    pipeline = _triton_pipeline(layer, table=batch_invariant.invariant_table(E, K) if invariant else None)
     for tokens in (1, 9):
         seen.clear()
-        x = torch.randn(tokens, H, device=DEVICE)
-        ids = torch.arange(tokens, device=DEVICE) % 4 - 1
-        with torch.no_grad():
-            torch.testing.assert_close(pipeline.run(mf.MoEInput(x, layer.router_logits(x), ids)).hidden_states,
-                                       layer.pipeline.run(mf.MoEInput(x, layer.router_logits(x), ids)).hidden_states,
-                                       rtol=2e-5, atol=2e-5)
+        _serve_stack_like_the_torch_layer(pipeline, layer, tokens)
         if invariant:
             assert seen == [("down", True)], tokens  # gate/up by launches of its own; no copy-by-copy product
         else:
