@@ -233,10 +233,13 @@ def test_every_gradient_equals_the_torch_pipelines(activation: str, weights_in_e
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
-def test_over_a_quantized_base_reading_float_rows_the_update_is_added_before_the_activation() -> None:
+@pytest.mark.parametrize("count", [1, 3], ids=["one adapter", "a stack of 3"])
+def test_over_a_quantized_base_reading_float_rows_the_update_is_added_before_the_activation(count: int) -> None:
+    # 4-bit weights decoded in the K-loop of the base launch that takes the update (a stack's: each copy's adapter)
     torch.manual_seed(3)
-    layer = mf.MoELayer(E, K, 128, 128, quant=mf.W4A16Method(group_size=32), adapter=ExpertAdapter(rank=4, alpha=4),
-                        dtype=torch.float16, device=DEVICE, backend="torch", environ={})
+    layer = mf.MoELayer(E, K, 128, 128, quant=mf.W4A16Method(group_size=32),
+                        adapter=ExpertAdapter(rank=4, alpha=4, count=count), dtype=torch.float16, device=DEVICE,
+                        backend="torch", environ={})
     _randomise_adapter(layer, 4)
     table = ConfigTable(E, K)
     stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, K, layer.routing), AlignDispatch(E, table)]
@@ -246,9 +249,10 @@ def test_over_a_quantized_base_reading_float_rows_the_update_is_added_before_the
     pipeline = mf.Pipeline(adapt(stages, layer, layer.adapter), mf.input_spec(128, torch.float16, E))  # type: ignore[arg-type]
     assert "w4a16" in pipeline.describe().lower() and "LoRA r=4" in pipeline.describe()
     x = torch.randn(9, 128, device=DEVICE, dtype=torch.float16)
+    ids = torch.tensor([0, 1, -1, 2, 2, 0, 1, -1, 0], device=DEVICE) if count > 1 else None
     with torch.no_grad():
-        want = layer(x).float()
-        got = pipeline.run(mf.MoEInput(x, layer.router_logits(x))).hidden_states.float()
+        want = layer(x, adapter_ids=ids).float()
+        got = pipeline.run(mf.MoEInput(x, layer.router_logits(x), ids)).hidden_states.float()
     assert (got - want).norm() / want.norm() < 2e-3
 
 
