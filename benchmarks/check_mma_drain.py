@@ -66,7 +66,7 @@ sass_loop = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sass_loop)
 
 REAL_DRAIN = launch_plan.drain_mma
-REAL_SMS = mg._multiprocessors
+REAL_SMS = mg.multiprocessors
 
 
 def set_drain(on: bool) -> None:
@@ -74,7 +74,7 @@ def set_drain(on: bool) -> None:
 
 
 def set_sms(factor: int) -> None:
-    mg._multiprocessors = lambda d: factor * REAL_SMS(d)
+    mg.multiprocessors = lambda d: factor * REAL_SMS(d)
 
 
 def kernels() -> dict:

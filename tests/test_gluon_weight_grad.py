@@ -182,7 +182,7 @@ def test_it_stores_the_twins_bits(case: str, launch: str, programs: Optional[int
     plan = align.align_block_size(ids, experts, 128)
     tiles = _tiles(LAUNCHES[launch], LOADS[loads])
     if programs is not None:
-        monkeypatch.setattr(gluon_weight_grad, "_multiprocessors", lambda device: programs)
+        monkeypatch.setattr(gluon_weight_grad, "multiprocessors", lambda device: programs)
     got, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.bfloat16, tiles=tiles)
     want, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.bfloat16,
                                  tiles=attrs.evolve(tiles, warp_specialized=False, pingpong=False,

@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 from moeforge.kernels.config import GemmConfig
+from moeforge.kernels.sizes import multiprocessors
 
 _GLUON_ERROR: Optional[str] = None
 try:  # (Gluon is experimental: a Triton without it, or with another API, leaves the Triton kernels to serve)
@@ -456,11 +457,6 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
                           pingpong=pingpong, coalesced_store=coalesced_store, weight_kn=weight_kn)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch_checked(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
                    block_expert: torch.Tensor, num_padded: torch.Tensor, *, rows_per_a: int, config: GemmConfig,
                    glu: bool, topk_weights: Optional[torch.Tensor], aligned_block_m: int,
@@ -474,7 +470,7 @@ def launch_checked(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sor
     if num_copies == 0 or n_out == 0:
         return out
     if programs is None:
-        programs = _multiprocessors(a.device)
+        programs = multiprocessors(a.device)
     mul_weights = topk_weights is not None
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:

@@ -30,12 +30,12 @@ Gluon has no CPU interpreter: :func:`compile_for_hopper` compiles the kernel for
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
 
 from moeforge.kernels import gluon_grouped_gemm as gluon_gemm
+from moeforge.kernels.sizes import multiprocessors
 
 _GLUON_ERROR: Optional[str] = gluon_gemm.unavailable_reason()
 if _GLUON_ERROR is None:
@@ -299,11 +299,6 @@ def device_problem(device: torch.device) -> Optional[str]:
     return gluon_gemm.device_problem(device, "the warp-specialised weight gradient")
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _descriptor(t: torch.Tensor, box: tuple[int, int]) -> Any:
     return TensorDescriptor.from_tensor(t, list(box), gluon_gemm.shared_layout(box, t.dtype))
 
@@ -325,7 +320,7 @@ def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first
     num_experts, n, k = dw.shape
     if dw.numel() == 0:
         return dw
-    grid = programs or min(_multiprocessors(dy.device), num_experts * -(-n // block_n) * -(-k // block_k))
+    grid = programs or min(multiprocessors(dy.device), num_experts * -(-n // block_n) * -(-k // block_k))
     gather = order is not None
     tma_store = tma_store and tma_store_problem(dw, block_m, block_n, block_k, stages, pingpong) is None
     # (without the TMA store its descriptor's place takes dW itself, never read: one signature per launch)

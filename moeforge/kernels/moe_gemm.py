@@ -65,7 +65,7 @@ from moeforge.kernels.formats import (NVFP4_GROUP, SCALE_BLOCK, RowFormat, RowSc
                                       weight_operand)
 from moeforge.kernels.gemm_epilogue import add_bias, epilogue, store
 from moeforge.kernels.tile_order import grouped
-from moeforge.kernels.sizes import cdiv, next_power_of_2
+from moeforge.kernels.sizes import cdiv, multiprocessors, next_power_of_2
 
 
 # Row scale modes (A_SCALE): none, one per row (per token; per tensor with stride 0), per 128-group
@@ -656,11 +656,6 @@ def _row_scale_mode(fmt: RowFormat, a: torch.Tensor, a_scale: Optional[torch.Ten
                      f"got {tuple(a_scale.shape)}")
 
 
-def _multiprocessors(device: torch.device) -> int:
-    """The SMs of ``device`` (4 off CUDA: Triton's interpreter runs a persistent grid of 4 programs)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _weight_descriptor(weight: torch.Tensor, config: GemmConfig, paired: bool, words: bool = False) -> Any:
     """The TMA descriptor of :func:`weight_tma_applies`: ``[E * N_w, K]`` rows with a ``[BLOCK_N, BLOCK_K]``
     box, or for interleaved gate/up rows (``paired``) ``[E * N, 2, K]`` with a ``[BLOCK_N, 1, BLOCK_K]`` box
@@ -983,7 +978,7 @@ def _prepare(
         weight_format=weight_format, row_format=row_format, row_scales=a_mode, compute_dtype=compute_dtype,
         out_bytes=out.element_size(), experts=int(weight.shape[0]), n_out=n_out, k_dim=k_dim, copies=num_copies,
         padded_rows=sorted_ids.numel(), glu=glu, interleaved=interleaved, shuffled=weight_shuffled,
-        blocked_scales=w.blocked, capability=capability, multiprocessors=_multiprocessors(a.device),
+        blocked_scales=w.blocked, capability=capability, multiprocessors=multiprocessors(a.device),
         packed_decoding=can_ptx, tma_applies=weight_tma_applies(weight, config, glu, interleaved),
         vector_scales=vector_scales(weight_scale, weight_zero), weight_scale_max=weight_scale_max, config=asked,
         swap=swap, ptx=ptx, tma=tma, grid=grid, split_k=split_k, half_tail=half_tail)

@@ -30,14 +30,22 @@ _BLOCK = 1024
 
 
 @triton.jit
+def copy_adapters(ids_ptr, copies, mask, stack, scale):
+    """``(chosen, used)`` of the copies ``copies`` (where ``mask``): each one's adapter clamped into the stack (0 for
+    none or an id outside it) and the weight of its low-rank product (see the module docstring)."""
+    ids = tl.load(ids_ptr + copies, mask=mask, other=-1).to(tl.int32)
+    inside = (ids >= -1) & (ids < stack)
+    chosen = tl.where(inside, tl.maximum(ids, 0), 0)
+    used = tl.where(inside, (ids >= 0).to(tl.float32) * scale, float("nan"))
+    return chosen, used
+
+
+@triton.jit
 def _copies_kernel(ids_ptr, experts_ptr, keys_ptr, chosen_ptr, used_ptr, num_copies, stack, num_experts, scale,
                    HAS_EXPERTS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_copies
-    ids = tl.load(ids_ptr + offs, mask=mask, other=-1).to(tl.int32)
-    inside = (ids >= -1) & (ids < stack)
-    chosen = tl.where(inside, tl.maximum(ids, 0), 0)
-    used = tl.where(inside, (ids >= 0).to(tl.float32) * scale, float("nan"))
+    chosen, used = copy_adapters(ids_ptr, offs, mask, stack, scale)
     expert = tl.zeros_like(chosen)
     if HAS_EXPERTS:
         expert = tl.load(experts_ptr + offs, mask=mask, other=0).to(tl.int32)

@@ -25,21 +25,12 @@ import triton
 import triton.language as tl
 
 from moeforge.kernels.bound_launch import LaunchSite
-from moeforge.kernels.sizes import cdiv
+from moeforge.kernels.sizes import cdiv, multiprocessors, next_power_of_2
+from moeforge.kernels.stack_pairs import copy_adapters
 
 _BLOCK_C = 4  # copies a program takes
 _BLOCK_K = 128  # elements of K a step
 _REDUCE_ELEMENTS = 4096  # partial sums a reducing program loads (ranges x copies x rank)
-
-
-@triton.jit
-def _copy_adapters(ids_ptr, copies, c_ok, stack, scale):
-    """Each copy's adapter clamped into the stack (0 for none or an id outside it) and its product's weight."""
-    ids = tl.load(ids_ptr + copies, mask=c_ok, other=-1).to(tl.int32)
-    inside = (ids >= -1) & (ids < stack)
-    chosen = tl.where(inside, tl.maximum(ids, 0), 0)
-    used = tl.where(inside, (ids >= 0).to(tl.float32) * scale, float("nan"))
-    return chosen, used
 
 
 @triton.jit
@@ -49,7 +40,7 @@ def _shrink_kernel(x_ptr, a_ptr, ids_ptr, experts_ptr, out_ptr, chosen_ptr, num_
                    RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     copies = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = copies < num_copies
-    chosen, used = _copy_adapters(ids_ptr, copies, c_ok, stack, scale)
+    chosen, used = copy_adapters(ids_ptr, copies, c_ok, stack, scale)
     expert = tl.load(experts_ptr + copies, mask=c_ok, other=0).to(tl.int64)
     j = tl.arange(0, RANK)
     j_ok = j < rank
@@ -83,7 +74,7 @@ def _reduce_kernel(p_ptr, ids_ptr, out_ptr, chosen_ptr, num_copies, rank, stack,
     # the ranges would wait on each load in turn, a hundred of them over a long K)
     copies = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     c_ok = copies < num_copies
-    chosen, used = _copy_adapters(ids_ptr, copies, c_ok, stack, scale)
+    chosen, used = copy_adapters(ids_ptr, copies, c_ok, stack, scale)
     j = tl.arange(0, RANK)
     ok = c_ok[:, None] & (j < rank)[None, :]
     split = tl.arange(0, SPLITS)
@@ -99,8 +90,7 @@ def shrink_splits(copies: int, k_dim: int, device: torch.device) -> int:
     program's K-steps are latency-bound gathers), at least one ``_BLOCK_K`` step a range; one off CUDA."""
     if device.type != "cuda" or copies == 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(cdiv(k_dim, _BLOCK_K), cdiv(2 * sms, cdiv(copies, _BLOCK_C))))
+    return max(1, min(cdiv(k_dim, _BLOCK_K), cdiv(2 * multiprocessors(device), cdiv(copies, _BLOCK_C))))
 
 
 def stack_shrink(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, copy_experts: torch.Tensor, rows_per_a: int,
@@ -128,7 +118,7 @@ def stack_shrink(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, copy_ex
     k_per_split = cdiv(cdiv(k_dim, _BLOCK_K), max(1, wanted)) * _BLOCK_K
     ranges = cdiv(k_dim, k_per_split)
     partials = (torch.empty(ranges, copies, rank, dtype=torch.float32, device=rows.device) if ranges > 1 else low)
-    power = max(16, triton.next_power_of_2(rank))
+    power = max(16, next_power_of_2(rank))
     split = ranges > 1
 
     def shrink_launch() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -139,7 +129,7 @@ def stack_shrink(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, copy_ex
                     float(scale), rows.stride(0), rows.stride(1), a.stride(0), a.stride(1) if experts > 1 else 0,
                     a.stride(2), a.stride(3), partials.stride(0) if split else 0, partials.stride(-2)), shrink_launch)
     if split:
-        splits_power = triton.next_power_of_2(ranges)
+        splits_power = next_power_of_2(ranges)
         block = max(1, _REDUCE_ELEMENTS // (splits_power * power))
 
         def reduce_launch() -> tuple[dict[str, Any], dict[str, Any]]:
