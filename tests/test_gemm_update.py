@@ -139,6 +139,38 @@ def test_a_stack_of_updates_reaches_each_copy_by_its_own(dtype: torch.dtype, lay
     assert _rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("layout", ["concatenated", "plain"])
+def test_a_stack_of_more_than_32_updates_and_ids_outside_it(layout: str) -> None:
+    # The kernel finds a tile's chosen updates 32 at a time (a bit each): ids on both sides of each 32-boundary, the
+    # last of the stack, and ids outside [0, S) (-1, S, S + 5: no update, as for the rows of no copy).
+    tokens, k, experts, hidden, n_out, stack, rank, scale = 16, 2, 3, 32, 16, 70, 16, 0.5
+    gen = torch.Generator().manual_seed(7)
+    act: Optional[mf.ActivationConfig] = GATED.get(layout)
+    n_w = 2 * n_out if act is not None else n_out
+    dtype = torch.float32
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(experts, n_w, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, dtype)
+    u = torch.randn(tokens * k, rank, generator=gen).to(DEVICE, dtype)
+    ub = (torch.randn(stack, experts, n_w, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
+    picks = torch.tensor([0, 1, 30, 31, 32, 33, 63, 64, 69, -1, stack, stack + 5], dtype=torch.int32)
+    chosen = picks[torch.randint(0, len(picks), (tokens * k,), generator=gen)]
+    chosen[:len(picks)] = picks
+    ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    plan = align.align_block_size(ids, experts, SMALL.block_m)
+    out = torch.full((tokens * k, n_out), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=k, config=SMALL, act=act_code(act) if act is not None else 0,
+                      glu=act is not None, update_rows=u, update_weight=ub, update_scale=scale,
+                      update_ids=chosen.to(DEVICE))
+    flat = ids.reshape(-1).long()
+    copies = torch.arange(tokens * k, device=DEVICE)
+    inside = ((chosen >= 0) & (chosen < stack)).to(DEVICE)
+    update = torch.einsum("cr,cnr->cn", u.double(), ub.double()[chosen.clamp(0, stack - 1).to(DEVICE).long(), flat])
+    pre = (torch.einsum("ch,cnh->cn", x.double()[copies // k], w.double()[flat])
+           + scale * torch.where(inside[:, None], update, torch.zeros_like(update)))
+    ref = apply_activation(pre, act) if act is not None else pre
+    assert _rel(out, ref) < TOL[dtype]
+
+
 def test_a_bad_update_is_refused_naming_what_does_not_fit() -> None:
     x = torch.randn(4, 32, device=DEVICE)
     w = torch.randn(3, 16, 32, device=DEVICE)

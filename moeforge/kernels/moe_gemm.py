@@ -126,6 +126,31 @@ def _dot8(a, b, INT8: tl.constexpr):
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _lowest_bit(bits):
+    """The index of the lowest set bit of the int64 ``bits`` (at most bit 31 set: a chunk of 32 adapters); 0 when
+    none is set. The lowest bit alone, ``bits & -bits``, is a power of two, exact in fp32: its exponent is the
+    index."""
+    low = (bits & -bits).to(tl.float32)
+    return tl.maximum((low.to(tl.int32, bitcast=True) >> 23) - 127, 0)
+
+
+@triton.jit
+def _stack_b(ub_adapter, gate_rows, up_rows, stride_ubn, u_ok, n_ok, GLU: tl.constexpr):
+    """One adapter's ``B`` of the tile's expert, ``[R, BLOCK_N]`` (gate rows; with ``GLU`` the up rows too, else the
+    gate tile again)."""
+    ub = tl.load(ub_adapter + gate_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
+    ub_up = ub
+    if GLU:
+        ub_up = tl.load(ub_adapter + up_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
+    return ub, ub_up
+
+
+@triton.jit
 def _drain_mma(x):
     """Wait until every warpgroup MMA issued so far has finished (``wgmma.wait_group 0``; ``x``, any int32, only gives
     the instruction an operand)."""
@@ -452,20 +477,29 @@ def _gemm_tile(
         u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's output was)
         if UPDATE_STACK:
             # a stack of adapters (ub [S, E, N_w, R]): each copy's row meets its own adapter's B (uid [copies]), one
-            # K-step per adapter that a row of this tile chose, the other rows zero in it
+            # K-step per adapter that a row of this tile chose, the other rows zero in it. The chosen adapters are
+            # found by one OR over the tile's rows per 32 adapters (a bit each; one reduction across the warps, not
+            # one per adapter) and visited in increasing order, the next one's B loaded before this one's MMA, so
+            # that its latency hides behind the MMA.
             uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
-            for adapter in range(0, update_stack):
-                here = uid == adapter
-                if tl.max(here.to(tl.int32), axis=0) > 0:
-                    u_here = tl.where(here[:, None], u, tl.zeros_like(u))
-                    ub_here = ub_expert + adapter * stride_ubs
-                    ub = tl.load(ub_here + gate_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :],
-                                 other=0.0)
+            for first in range(0, update_stack, 32):
+                in_chunk = (uid >= first) & (uid < first + 32) & (uid < update_stack)
+                shift = tl.where(in_chunk, uid - first, 0).to(tl.int64)
+                bits = tl.reduce(tl.where(in_chunk, tl.full(uid.shape, 1, tl.int64) << shift,
+                                          tl.zeros(uid.shape, tl.int64)), 0, _bit_or)
+                adapter = first + _lowest_bit(bits)
+                ub, ub_up = _stack_b(ub_expert + adapter * stride_ubs, gate_rows, up_rows, stride_ubn, u_ok, n_ok,
+                                     GLU)
+                while bits != 0:
+                    u_here = tl.where((uid == adapter)[:, None], u, tl.zeros_like(u))
+                    bits = bits & (bits - 1)
+                    after = first + _lowest_bit(bits)  # (``first`` when none is left: loaded, never used)
+                    ub_next, ub_up_next = _stack_b(ub_expert + after * stride_ubs, gate_rows, up_rows, stride_ubn,
+                                                   u_ok, n_ok, GLU)
                     out = tl.dot(u_here, ub, out, input_precision=UPDATE_PRECISION)
                     if GLU:
-                        ub_up = tl.load(ub_here + up_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :],
-                                        other=0.0)
                         out_up = tl.dot(u_here, ub_up, out_up, input_precision=UPDATE_PRECISION)
+                    ub, ub_up, adapter = ub_next, ub_up_next, after
         else:
             ub = tl.load(ub_expert + gate_rows[None, :] * stride_ubn, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
             out = tl.dot(u, ub, out, input_precision=UPDATE_PRECISION)  # accumulated in place: no second tile
