@@ -845,9 +845,9 @@ def moe_gemm(
     weight's row layout, one float dtype): a low-rank update ``update_scale * update_rows[copy] @
     update_weight[expert].T`` added to the product before the epilogue, as one more K-step (an adapter's,
     :mod:`moeforge.adapters`; the row gradient's too). 4-bit weights then decode in the K-loop. With ``update_ids
-    [num_copies]`` (int32, each in ``[0, S)``) and ``update_weight [S, E, N_w, R]``, a stack of ``S`` updates: copy
-    ``c``'s is ``update_scale * update_rows[c] @ update_weight[update_ids[c], expert].T`` (a tile runs one K-step per
-    update its rows chose). It has no backward (the adapters' serving path).
+    [num_copies]`` (int32) and ``update_weight [S, E, N_w, R]``, a stack of ``S`` updates: copy ``c``'s is
+    ``update_scale * update_rows[c] @ update_weight[update_ids[c], expert].T``, none for an id outside ``[0, S)`` (a
+    tile runs one K-step per update its rows chose). It has no backward (the adapters' serving path).
     """
     key = (launch_memo.tensor_key(a), launch_memo.tensor_key(weight), launch_memo.tensor_key(out), a.device,
            launch_memo.tensor_key(a_scale), launch_memo.tensor_key(weight_scale), launch_memo.tensor_key(weight_zero),
