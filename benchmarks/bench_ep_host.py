@@ -1,7 +1,13 @@
-"""The host's share of an eager expert-parallel step: ``SymmetricDispatch`` dispatch + combine, called without a
-CUDA graph, GPU only, on every GPU of one host.
+"""The host's share of an eager expert-parallel step: dispatch + combine, called without a CUDA graph, GPU only, on
+every GPU of one host.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_ep_host.py [--tokens 1,128] [--out F] [--commit C]
+    torchrun --nproc-per-node 2 benchmarks/bench_ep_host.py [--tokens 1,128] [--dispatcher symmetric] [--trace DIR]
+        [--out F] [--commit C]
+
+``--dispatcher``: ``symmetric`` (``SymmetricDispatch``, fixed capacity), ``compact`` (``SymmetricDispatch`` with
+compact buffers, ``max_rows = 2 * T * k``, block-aligned for the triton GEMMs) or ``normal`` (``AllToAllDispatch``,
+whose split sizes are read on the host); several, comma-separated. ``--trace DIR``: rank 0 also writes a Chrome trace
+(``torch.profiler``, CPU and CUDA) of five steps per dispatcher and T, for reading where a step's time goes.
 
 For each T (tokens per rank; DeepSeek-V3 shapes, bf16 rows, random routing as in ``bench_ep.py``), rank 0 reports
 the step's wall time per call over 200 calls launched back to back (``launching``: the loop's time; ``with the GPU``:
@@ -20,7 +26,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,14 +37,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_ep  # noqa: E402
 from provenance import measured_commit  # noqa: E402
 
-from moeforge.distributed import ExpertParallel, SymmetricDispatch  # noqa: E402
+from moeforge.distributed import AllToAllDispatch, ExpertParallel, SymmetricDispatch  # noqa: E402
+from moeforge.kernels.config import ConfigTable  # noqa: E402
 
 CALLS = 200
 
 
-def _measure(ep: ExpertParallel, tokens: int) -> dict[str, Any]:
+def _dispatcher(name: str, ep: ExpertParallel, tokens: int) -> Any:
+    if name == "symmetric":
+        return SymmetricDispatch(ep, max_tokens=tokens)
+    if name == "compact":
+        return SymmetricDispatch(ep, max_tokens=tokens, max_rows=2 * tokens * bench_ep.K,
+                                 configs=ConfigTable(ep.local_experts, bench_ep.K))
+    if name == "normal":
+        return AllToAllDispatch(ep)
+    raise SystemExit(f"--dispatcher: symmetric, compact or normal, got {name!r}")
+
+
+def _measure(ep: ExpertParallel, tokens: int, name: str, trace: Optional[str]) -> dict[str, Any]:
     routed = bench_ep._routed(tokens, False, seed=1000 + ep.rank)
-    dispatch = SymmetricDispatch(ep, max_tokens=tokens)
+    dispatch = _dispatcher(name, ep, tokens)
     with torch.inference_mode():
         step = bench_ep._padded_step(dispatch, routed)
         for _ in range(20):
@@ -63,14 +81,26 @@ def _measure(ep: ExpertParallel, tokens: int) -> dict[str, Any]:
             for _ in range(20):
                 step()
         torch.cuda.synchronize()
+        if trace is not None:
+            dist.barrier()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as timeline:
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize()
+            if ep.rank == 0:
+                Path(trace).mkdir(parents=True, exist_ok=True)
+                timeline.export_chrome_trace(str(Path(trace) / f"ep_host-{name}-T{tokens}.json"))
     operators = {event.key: (event.self_cpu_time_total / 20, event.count / 20) for event in profile.key_averages()}
-    return dict(tokens=tokens, launching_us=launching, with_gpu_us=with_gpu, host_only_us=host_only,
+    return dict(tokens=tokens, dispatcher=name, launching_us=launching, with_gpu_us=with_gpu, host_only_us=host_only,
                 operators_us_and_calls_per_step=operators)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,128")
+    parser.add_argument("--dispatcher", default="symmetric", help="symmetric, compact or normal (comma-separated)")
+    parser.add_argument("--trace", default=None, help="a folder for rank 0's Chrome traces")
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
@@ -78,10 +108,11 @@ def main() -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     ep = ExpertParallel(bench_ep.E)
-    records = [_measure(ep, int(tokens)) for tokens in args.tokens.split(",")]
+    records = [_measure(ep, int(tokens), name, args.trace) for name in args.dispatcher.split(",")
+               for tokens in args.tokens.split(",")]
     if rank == 0:
         for record in records:
-            print(f"T={record['tokens']:5d}: launching {record['launching_us']:7.1f} us/step, with the GPU "
+            print(f"{record['dispatcher']:9s} T={record['tokens']:5d}: launching {record['launching_us']:7.1f} us/step, with the GPU "
                   f"{record['with_gpu_us']:7.1f}, host only {record['host_only_us']:7.1f}")
             for name, (us, calls) in sorted(record["operators_us_and_calls_per_step"].items(),
                                             key=lambda item: -item[1][0])[:12]:
