@@ -86,7 +86,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         B_GLOBAL=weights is WeightFormat.NVFP4 or nvfp4_rows,
         EXPERT_RANGE=False, B_SHUFFLED=shuffled and packed, PDL=False, BLOCK_M=block[0],
         UPDATE_K=update, UPDATE_PRECISION="tf32",  # a low-rank update's K-step (an adapter's) of this width, 0: none
-        UPDATE_STACK=False,
+        UPDATE_STACK=False, UPDATE_PARTS=0,
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and dtype == "bf16" and (weights is WeightFormat.MXFP4 or (

@@ -262,6 +262,11 @@ FUSED_UPDATE_MAX_K = 2048
 # by (adapter, expert) pair. Measured on an H200 (docs/notes/kernels-log.md, "The served stack at few copies").
 FUSED_STACK_MAX_COPIES = 512
 STACK_SHRINK_MAX_COPIES = 2048
+# Copy by copy, ``x Aᵀ`` comes in fp32 parts, one per range of K. Over a K-loop at most this long the base GEMM's launch
+# sums them as its tiles load them (Qwen3's few ranges: one launch fewer per GEMM, 3-4 µs a step at M = 1 and 64);
+# over a longer one a launch of their own does (Mixtral's up to 112 ranges, summed by each of its many column tiles,
+# cost 2-11 µs more than that launch at M <= 64; docs/notes/kernels-log.md, "The served stack's launches").
+STACK_PARTS_MAX_K = 2048
 
 
 def stack_update_fuses(k_dim: int, copies: int) -> bool:
@@ -282,8 +287,10 @@ class AdaptedGroupedGemm(AdaptedGemm):
     the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A served stack (no backward recorded)
     whose ``· Bᵀ`` enters the base's launch (:func:`stack_update_fuses`: a short K-loop, or few copies) and whose copies
     are few (at most ``STACK_SHRINK_MAX_COPIES``, each copy's expert known): each copy's ``x Aᵀ`` by its own adapter,
-    copy by copy (:mod:`moeforge.kernels.stack_shrink`), then ``· Bᵀ`` inside the base's launch (not in a
-    batch-invariant layer, whose stack takes the pair path at every batch size, fused by the K-loop's length alone). Else a stack: the
+    copy by copy over ranges of K (:mod:`moeforge.kernels.stack_shrink`), then ``· Bᵀ`` inside the base's launch,
+    which sums the ranges as it loads them over a short K-loop (``STACK_PARTS_MAX_K``; a launch of their own over a
+    longer one; not in a batch-invariant layer, whose stack takes the pair path at every batch size, fused by the
+    K-loop's length alone). Else a stack: the
     copies aligned again by (adapter, expert) pair and ``x Aᵀ`` on that alignment; then, served where
     :func:`stack_update_fuses`, ``· Bᵀ`` inside the base's launch, each copy by its own adapter
     (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate` with ``ids``: a K-step per adapter that the tile's rows
@@ -362,9 +369,14 @@ class AdaptedGroupedGemm(AdaptedGemm):
             # then · Bᵀ of each copy's adapter inside the base GEMM's launch
             from moeforge.stages.triton import kernel_ops
 
-            low, chosen = kernel_ops().stack_shrink(rows, a, stack_ids(x, self.stack, self.name), x.copy_experts,
-                                                    rows_per_a, self.scale, b.dtype)
-            shrunk: AlignedRows = base.run(x, GemmUpdate(low, b, 1.0, ids=chosen))
+            ids = stack_ids(x, self.stack, self.name).contiguous()
+            parts = kernel_ops().stack_shrink(rows, a, ids, x.copy_experts, rows_per_a)
+            if rows.shape[-1] <= STACK_PARTS_MAX_K:  # the base launch sums the parts (see STACK_PARTS_MAX_K)
+                by_copy = GemmUpdate(parts, b, self.scale, ids=ids)
+            else:
+                low, chosen = kernel_ops().stack_reduce(parts, ids, self.stack, self.scale, b.dtype)
+                by_copy = GemmUpdate(low, b, 1.0, ids=chosen)
+            shrunk: AlignedRows = base.run(x, by_copy)
             return shrunk
         if fused_stack:
             # serving a stack (the op has no backward for it): each copy's x Aᵀ on the pair alignment, then · Bᵀ of

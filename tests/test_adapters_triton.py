@@ -178,12 +178,13 @@ def test_a_served_stacks_update_enters_the_base_launch_over_a_long_k_loop_only_f
         monkeypatch: pytest.MonkeyPatch) -> None:
     # H = 32 (the gate/up GEMM's K) "long", I = 16 (the down GEMM's) short: the down GEMM's update always enters the
     # base launch, the gate/up GEMM's for at most FUSED_STACK_MAX_COPIES copies; x Aᵀ goes copy by copy where the
-    # update enters the base launch and the copies are at most STACK_SHRINK_MAX_COPIES.
+    # update enters the base launch and the copies are at most STACK_SHRINK_MAX_COPIES; its ranges of K summed by the
+    # base launch over a K-loop of at most STACK_PARTS_MAX_K (here 16: the down GEMM's), else by a launch of their own.
     from moeforge.kernels import ops
     from moeforge.stages.triton import FusedGroupedGemm
 
     seen: list[tuple[str, Any]] = []
-    run, shrink = FusedGroupedGemm.run, ops.stack_shrink
+    run, shrink, reduce = FusedGroupedGemm.run, ops.stack_shrink, ops.stack_reduce
 
     def spy_run(self: Any, x: Any, update: Any = None) -> Any:
         seen.append((self.role.value, update is not None))
@@ -193,16 +194,24 @@ def test_a_served_stacks_update_enters_the_base_launch_over_a_long_k_loop_only_f
         seen.append(("copy by copy", args[0].shape[1]))
         return shrink(*args)
 
+    def spy_reduce(*args: Any) -> Any:
+        seen.append(("parts summed by a launch", None))
+        return reduce(*args)
+
     monkeypatch.setattr(FusedGroupedGemm, "run", spy_run)
     monkeypatch.setattr(ops, "stack_shrink", spy_shrink)
+    monkeypatch.setattr(ops, "stack_reduce", spy_reduce)
     monkeypatch.setattr(moeforge.adapters, "FUSED_UPDATE_MAX_K", 16)
     monkeypatch.setattr(moeforge.adapters, "FUSED_STACK_MAX_COPIES", 4)
     monkeypatch.setattr(moeforge.adapters, "STACK_SHRINK_MAX_COPIES", 6)
+    monkeypatch.setattr(moeforge.adapters, "STACK_PARTS_MAX_K", 16)  # the gate/up GEMM's K = 32 "long"
     layer = _torch_layer(ExpertAdapter(rank=2, count=3), torch.float32)
     pipeline = _triton_pipeline(layer)
-    expected = {2: [("copy by copy", H), ("gate_up", True), ("copy by copy", I), ("down", True)],  # 4 copies
+    by_copy = [("copy by copy", H), ("parts summed by a launch", None), ("gate_up", True), ("copy by copy", I),
+               ("down", True)]
+    expected = {2: by_copy,  # 4 copies
                 4: [("down", True)],  # 8 copies: gate/up by launches of its own; down on the pairs
-                1: [("copy by copy", H), ("gate_up", True), ("copy by copy", I), ("down", True)]}
+                1: by_copy}
     for tokens, want in expected.items():
         seen.clear()
         _serve_stack_like_the_torch_layer(pipeline, layer, tokens)

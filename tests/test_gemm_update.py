@@ -171,6 +171,60 @@ def test_a_stack_of_more_than_32_updates_and_ids_outside_it(layout: str) -> None
     assert _rel(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("parts, split_k, id_dtype", [(1, 1, torch.int32), (3, 1, torch.int64), (5, 2, torch.int32)])
+@pytest.mark.parametrize("layout", ["concatenated", "plain"])
+def test_a_stacks_rows_in_parts_are_summed_and_weighed_by_their_ids(layout: str, parts: int, split_k: int,
+                                                                    id_dtype: torch.dtype) -> None:
+    # update_rows [P, C, R] fp32 (stack_shrink's ranges of K): the launch sums the parts and weighs each copy by its raw
+    # id: the scale in [0, S), nothing for -1, NaN rows outside [-1, S) (ids S and -2).
+    tokens, k, experts, hidden, n_out, stack, rank, scale = 9, 2, 4, 32, 24, 3, 16, 0.75
+    gen = torch.Generator().manual_seed(parts)
+    act: Optional[mf.ActivationConfig] = GATED.get(layout)
+    n_w = 2 * n_out if act is not None else n_out
+    dtype = torch.float16
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(experts, n_w, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, dtype)
+    u_parts = torch.randn(parts, tokens * k, rank, generator=gen).to(DEVICE)
+    ub = (torch.randn(stack, experts, n_w, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
+    raw = torch.randint(-1, stack, (tokens * k,), generator=gen)
+    raw[3], raw[4] = stack, -2
+    ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    plan = align.align_block_size(ids, experts, SMALL.block_m)
+    out = torch.full((tokens * k, n_out), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=k, config=SMALL, act=act_code(act) if act is not None else 0,
+                      glu=act is not None, split_k=split_k, update_rows=u_parts, update_weight=ub, update_scale=scale,
+                      update_ids=raw.to(DEVICE, id_dtype))
+    flat = ids.reshape(-1).long()
+    copies = torch.arange(tokens * k, device=DEVICE)
+    inside = (raw >= 0) & (raw < stack)
+    used = torch.where(inside, scale, 0.0).double().to(DEVICE)
+    u = u_parts.double().sum(0).to(dtype).double()  # (the launch rounds the weighed sum to the weight's dtype)
+    update = torch.einsum("cr,cnr->cn", u, ub.double()[raw.clamp(0, stack - 1).to(DEVICE).long(), flat])
+    pre = torch.einsum("ch,cnh->cn", x.double()[copies // k], w.double()[flat]) + used[:, None] * update
+    ref = apply_activation(pre, act) if act is not None else pre
+    outside = ((raw < -1) | (raw >= stack)).to(DEVICE)
+    assert out[outside].isnan().all()
+    assert _rel(out[~outside], ref[~outside]) < TOL[dtype]
+
+
+def test_rows_in_parts_are_refused_without_ids_or_in_a_float_dtype_but_fp32() -> None:
+    x = torch.randn(4, 32, device=DEVICE)
+    w = torch.randn(3, 16, 32, device=DEVICE)
+    out = torch.empty(8, 16, device=DEVICE)
+    plan = align.align_block_size(torch.tensor([[0, 1]] * 4, dtype=torch.int32, device=DEVICE), 3, 16)
+    parts, ub = torch.randn(2, 8, 4, device=DEVICE), torch.randn(2, 3, 16, 4, device=DEVICE)
+    ids = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="parts"):
+        moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=2, config=SMALL, update_rows=parts.half(), update_weight=ub,
+                          update_ids=ids)
+    with pytest.raises(ValueError, match="int32"):
+        moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=2, config=SMALL, update_rows=parts[0], update_weight=ub,
+                          update_ids=ids.long())
+    with pytest.raises(ValueError, match="num_copies=8"):
+        moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=2, config=SMALL, update_rows=parts[:, :5], update_weight=ub,
+                          update_ids=ids)
+
+
 def test_a_bad_update_is_refused_naming_what_does_not_fit() -> None:
     x = torch.randn(4, 32, device=DEVICE)
     w = torch.randn(3, 16, 32, device=DEVICE)

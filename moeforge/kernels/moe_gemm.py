@@ -66,6 +66,7 @@ from moeforge.kernels.formats import (NVFP4_GROUP, SCALE_BLOCK, RowFormat, RowSc
 from moeforge.kernels.gemm_epilogue import add_bias, epilogue, store
 from moeforge.kernels.tile_order import grouped
 from moeforge.kernels.sizes import cdiv, multiprocessors, next_power_of_2
+from moeforge.kernels.stack_pairs import copy_adapters
 
 
 # Row scale modes (A_SCALE): none, one per row (per token; per tensor with stride 0), per 128-group
@@ -172,10 +173,12 @@ def _gemm_tile(
     ``DRAIN_MMA``: each K-step ends by waiting for its warpgroup MMAs (:func:`drain_mma`)."""
     (a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
      sorted_ids_ptr, block_expert_ptr, u_ptr, ub_ptr, uid_ptr) = ops
-    N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack = sizes
+    (N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack,
+     update_parts) = sizes
     (stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
      stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm, stride_csg,
-     gate_stride, up_offset, alpha, limit, stride_um, stride_ubs, stride_ube, stride_ubn, stride_ubk) = strides
+     gate_stride, up_offset, alpha, limit, stride_um, stride_ubs, stride_ube, stride_ubn, stride_ubk,
+     stride_up) = strides
     A_FMT: tl.constexpr = FLAGS[0]
     A_SCALE: tl.constexpr = FLAGS[1]
     B_FMT: tl.constexpr = FLAGS[2]
@@ -207,6 +210,7 @@ def _gemm_tile(
     UPDATE_K: tl.constexpr = FLAGS[28]
     UPDATE_PRECISION: tl.constexpr = FLAGS[29]
     UPDATE_STACK: tl.constexpr = FLAGS[30]
+    UPDATE_PARTS: tl.constexpr = FLAGS[31]
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
@@ -468,20 +472,34 @@ def _gemm_tile(
         # K-loop, in its first range only.
         offs_u = tl.arange(0, UPDATE_K)
         u_ok = offs_u < update_width
-        u = tl.load(u_ptr + copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :],
-                    mask=row_ok[:, None] & u_ok[None, :], other=0.0)
         ub_expert = ub_ptr + expert * stride_ube + offs_u[:, None] * stride_ubk
         factor = update_scale
         if SPLIT:
             factor = tl.where(k_first == 0, update_scale, 0.0)
-        u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's output was)
+        if UPDATE_PARTS:
+            # u in parts (a stack's x Aᵀ over ranges of K, fp32 [P, copies, R]; moeforge.kernels.stack_shrink): summed
+            # here in one fixed order, and weighed by each copy's raw id (uid): the scale for an adapter of the
+            # stack, 0 for none (-1), NaN outside it, whose rows then take adapter 0's K-step (stack_pairs)
+            parts = tl.arange(0, UPDATE_PARTS)
+            u = tl.sum(tl.load(u_ptr + parts[:, None, None] * stride_up
+                               + (copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :])[None],
+                               mask=(parts < update_parts)[:, None, None] & (row_ok[:, None] & u_ok[None, :])[None],
+                               other=0.0), axis=0)
+            chosen, used = copy_adapters(uid_ptr, copies, row_ok, update_stack, factor)
+            u = (u * used[:, None]).to(ub_ptr.dtype.element_ty)
+            uid = tl.where(row_ok, chosen, -1)
+        else:
+            u = tl.load(u_ptr + copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :],
+                        mask=row_ok[:, None] & u_ok[None, :], other=0.0)
+            u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's output was)
+            if UPDATE_STACK:
+                uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
         if UPDATE_STACK:
             # a stack of adapters (ub [S, E, N_w, R]): each copy's row meets its own adapter's B (uid [copies]), one
             # K-step per adapter that a row of this tile chose, the other rows zero in it. The chosen adapters are
             # found by one OR over the tile's rows per 32 adapters (a bit each; one reduction across the warps, not
             # one per adapter) and visited in increasing order, the next one's B loaded before this one's MMA, so
             # that its latency hides behind the MMA.
-            uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
             for first in range(0, update_stack, 32):
                 in_chunk = (uid >= first) & (uid < first + 32) & (uid < update_stack)
                 shift = tl.where(in_chunk, uid - first, 0).to(tl.int64)
@@ -552,7 +570,8 @@ def _gemm_block(
 def moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr, p_ptr, u_ptr, ub_ptr, uid_ptr,
-    N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack, block_range_ptr,
+    N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack, update_parts,
+    block_range_ptr,
     k_steps_split,
     stride_ps, stride_pm,
     stride_am, stride_ak, stride_asm, stride_ask,
@@ -563,7 +582,7 @@ def moe_gemm_kernel(
     stride_cm, stride_cn, stride_csm, stride_csg,
     gate_stride, up_offset,
     alpha, limit,
-    stride_um, stride_ubs, stride_ube, stride_ubn, stride_ubk,
+    stride_um, stride_ubs, stride_ube, stride_ubn, stride_ubk, stride_up,
     A_FMT: tl.constexpr, A_SCALE: tl.constexpr, B_FMT: tl.constexpr, B_BLOCKED: tl.constexpr,
     B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
@@ -572,7 +591,8 @@ def moe_gemm_kernel(
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, PERSISTENT: tl.constexpr,
     B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
-    UPDATE_K: tl.constexpr, UPDATE_PRECISION: tl.constexpr, UPDATE_STACK: tl.constexpr, PDL: tl.constexpr,
+    UPDATE_K: tl.constexpr, UPDATE_PRECISION: tl.constexpr, UPDATE_STACK: tl.constexpr, UPDATE_PARTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile`. The kernel's arguments are
@@ -586,15 +606,16 @@ def moe_gemm_kernel(
     # the operands, sizes, strides and compile-time flags every tile reads, passed down as four tuples
     ops = (a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
            sorted_ids_ptr, block_expert_ptr, u_ptr, ub_ptr, uid_ptr)
-    sizes = (N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack)
+    sizes = (N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack,
+             update_parts)
     strides = (stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn,
                stride_bsk, stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn,
                stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, stride_um, stride_ubs, stride_ube,
-               stride_ubn, stride_ubk)
+               stride_ubn, stride_ubk, stride_up)
     FLAGS: tl.constexpr = (A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU,
                             HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT,
                             PREFETCH, BLOCK_N, BLOCK_K, SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA,
-                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK)
+                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK, UPDATE_PARTS)
     num_padded = tl.load(num_padded_ptr)
     k_first = 0
     k_last = 0  # without SPLIT, _gemm_tile runs the whole K-loop
@@ -847,7 +868,11 @@ def moe_gemm(
     :mod:`moeforge.adapters`; the row gradient's too). 4-bit weights then decode in the K-loop. With ``update_ids
     [num_copies]`` (int32) and ``update_weight [S, E, N_w, R]``, a stack of ``S`` updates: copy ``c``'s is
     ``update_scale * update_rows[c] @ update_weight[update_ids[c], expert].T``, none for an id outside ``[0, S)`` (a
-    tile runs one K-step per update its rows chose). It has no backward (the adapters' serving path).
+    tile runs one K-step per update its rows chose); or ``update_rows [P, num_copies, R]`` fp32 in parts
+    (:func:`moeforge.kernels.stack_shrink.stack_shrink`'s ranges of K), summed in one fixed order as the tiles load them
+    and weighed by the raw ``update_ids`` (int32 or int64): ``update_scale`` for an id in ``[0, S)``, nothing for
+    ``-1``, NaN outside ``[-1, S)`` (:func:`moeforge.kernels.stack_pairs.copy_adapters`). It has no backward (the
+    adapters' serving path).
     """
     key = (launch_memo.tensor_key(a), launch_memo.tensor_key(weight), launch_memo.tensor_key(out), a.device,
            launch_memo.tensor_key(a_scale), launch_memo.tensor_key(weight_scale), launch_memo.tensor_key(weight_zero),
@@ -982,8 +1007,8 @@ def _prepare(
             out.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         raise ValueError(f"out must be bf16/fp16/fp32, got {out.dtype}")
     num_copies, n_out = out.shape
-    update_k, update_precision, update_stack = _update_launch(update_rows, update_weight, update_ids, weight,
-                                                              num_copies)
+    update_k, update_precision, update_stack, update_parts = _update_launch(update_rows, update_weight, update_ids,
+                                                                            weight, num_copies)
     quant_out = out_scale is not None
     compute_dtype = out.dtype if row_format is RowFormat.NVFP4 else a.dtype
     compute_bytes = 1 if row_format in (RowFormat.FP8, RowFormat.INT8) else compute_dtype.itemsize
@@ -1051,10 +1076,11 @@ def _prepare(
         DRAIN_MMA=plan.drain,
         SCALE_FOLD=plan.scale_fold,
         UPDATE_K=update_k, UPDATE_PRECISION=update_precision, UPDATE_STACK=update_stack > 0,
+        UPDATE_PARTS=next_power_of_2(update_parts) if update_parts else 0,
         PDL=pdl.flag(dependent, release=False),
     ), dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent)))
     sizes = (n_out, k_dim, num_copies, rows_per_a, float(a_global), expert_first,
-             update_rows.shape[1] if update_rows is not None else 0, float(update_scale), update_stack)
+             update_rows.shape[-1] if update_rows is not None else 0, float(update_scale), update_stack, update_parts)
     strides = (plan.steps_per_split, stride_ps, stride_pm, a.stride(0), a.stride(1), stride_asm, stride_ask,
                weight.stride(0), weight.stride(1), weight.stride(2),
                *w.scale_strides, *w.zero_strides,
@@ -1063,8 +1089,8 @@ def _prepare(
                out_scale.stride(0) if out_scale is not None else 0, out_scale.stride(1) if out_scale is not None else 0,
                gate_stride, up_offset,
                alpha, limit,
-               update_rows.stride(0) if update_rows is not None else 0,
-               *_stack_strides(update_weight))
+               update_rows.stride(-2) if update_rows is not None else 0,
+               *_stack_strides(update_weight), update_rows.stride(0) if update_rows is not None and update_parts else 0)
     reduce = None
     if partials is not None:
         block_n = 128 if quant_out else max(16, min(128, 4096 // config.block_m, next_power_of_2(n_out)))
@@ -1083,17 +1109,20 @@ def _prepare(
 
 
 def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[torch.Tensor],
-                   update_ids: Optional[torch.Tensor], weight: torch.Tensor, num_copies: int) -> tuple[int, str, int]:
-    """``(UPDATE_K, UPDATE_PRECISION, the stack's size)`` of a low-rank update's operands (0, "ieee", 0 without one;
-    the size 0 for one update), checked against the weight's experts and rows: a ``ValueError`` naming what does not
-    fit."""
+                   update_ids: Optional[torch.Tensor], weight: torch.Tensor, num_copies: int
+                   ) -> tuple[int, str, int, int]:
+    """``(UPDATE_K, UPDATE_PRECISION, the stack's size, the rows' parts)`` of a low-rank update's operands (0, "ieee",
+    0, 0 without one; the size 0 for one update; the parts 0 for ``[num_copies, R]`` rows), checked against the
+    weight's experts and rows: a ``ValueError`` naming what does not fit."""
     if update_rows is None and update_weight is None and update_ids is None:
-        return 0, "ieee", 0
+        return 0, "ieee", 0, 0
     if update_rows is None or update_weight is None:
         raise ValueError("a low-rank update takes update_rows and update_weight together")
     stack = 0
     if update_ids is not None:
-        if update_ids.dtype != torch.int32 or tuple(update_ids.shape) != (num_copies,) or update_ids.stride(0) != 1:
+        # (int64 too with rows in parts, whose ids the launch reads as raw ids: stack_pairs.copy_adapters)
+        id_dtypes = (torch.int32, torch.int64) if update_rows.dim() == 3 else (torch.int32,)
+        if update_ids.dtype not in id_dtypes or tuple(update_ids.shape) != (num_copies,) or update_ids.stride(0) != 1:
             raise ValueError(f"update_ids must be int32 [num_copies={num_copies}] contiguous, got {update_ids.dtype} "
                              f"{tuple(update_ids.shape)}")
         if update_weight.dim() != 4:
@@ -1105,18 +1134,29 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
         update_weight = update_weight[0]
     elif update_weight.dim() == 4:
         raise ValueError("update_weight [S, E, N_w, R] is a stack of updates: pass each copy's (update_ids)")
-    width = update_rows.shape[1] if update_rows.dim() == 2 else -1
-    if update_rows.dim() != 2 or update_rows.shape[0] != num_copies or update_rows.stride(1) != 1:
-        raise ValueError(f"update_rows must be [num_copies={num_copies}, R] with contiguous rows, got "
-                         f"{tuple(update_rows.shape)} strides {update_rows.stride()}")
+    parts = 0
+    if update_rows.dim() == 3:  # a stack's rows in parts (fp32 [P, num_copies, R]), summed and weighed in the launch
+        if update_ids is None or update_rows.dtype != torch.float32 or update_rows.shape[0] < 1:
+            raise ValueError(f"update_rows in parts [P, num_copies, R] are a stack's (update_ids), fp32, at least one "
+                             f"part; got {update_rows.dtype} {tuple(update_rows.shape)}"
+                             f"{'' if update_ids is not None else ' without update_ids'}")
+        parts = int(update_rows.shape[0])
+        rows = update_rows[0]
+    else:
+        rows = update_rows
+    width = rows.shape[1] if rows.dim() == 2 else -1
+    if rows.dim() != 2 or rows.shape[0] != num_copies or rows.stride(1) != 1:
+        raise ValueError(f"update_rows must be [num_copies={num_copies}, R] (or a stack's [P, num_copies, R] parts) "
+                         f"with contiguous rows, got {tuple(update_rows.shape)} strides {update_rows.stride()}")
     if update_weight.dim() != 3 or tuple(update_weight.shape) != (weight.shape[0], weight.shape[1], width):
         raise ValueError(f"update_weight must be [E, N_w, R] = {(weight.shape[0], weight.shape[1], width)} (the "
                          f"weight's experts and rows, the rows' R), got {tuple(update_weight.shape)}")
-    if update_rows.dtype != update_weight.dtype or not update_rows.dtype.is_floating_point \
-            or update_rows.element_size() < 2:
+    if (not parts and update_rows.dtype != update_weight.dtype) or not update_weight.dtype.is_floating_point \
+            or update_weight.element_size() < 2:
         raise ValueError(f"a low-rank update's operands share one float dtype (bf16, fp16, fp32), got "
                          f"{update_rows.dtype} and {update_weight.dtype}")
-    return max(16, next_power_of_2(width)), "ieee" if update_rows.dtype == torch.float32 else "tf32", stack
+    return (max(16, next_power_of_2(width)), "ieee" if update_weight.dtype == torch.float32 else "tf32", stack,
+            parts)
 
 
 def _stack_strides(update_weight: Optional[torch.Tensor]) -> tuple[int, ...]:

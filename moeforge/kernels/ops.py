@@ -61,8 +61,8 @@ def _(ids: torch.Tensor, copy_experts: Optional[torch.Tensor], sorted_ids: torch
 
 
 def _stack_shrink(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, copy_experts: torch.Tensor,
-                  rows_per_a: int, scale: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return shrink.stack_shrink(rows, a, ids, copy_experts, rows_per_a, scale, out_dtype)
+                  rows_per_a: int) -> torch.Tensor:
+    return shrink.stack_shrink(rows, a, ids, copy_experts, rows_per_a)
 
 
 _stack_shrink_op = torch.library.custom_op("moeforge::stack_shrink", _stack_shrink, mutates_args=())
@@ -70,10 +70,27 @@ stack_shrink = KernelOp(_stack_shrink_op, _stack_shrink)
 
 
 @_stack_shrink_op.register_fake
-def _(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, copy_experts: torch.Tensor, rows_per_a: int,
-      scale: float, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, copy_experts: torch.Tensor,
+      rows_per_a: int) -> torch.Tensor:
     copies = ids.numel()
-    return rows.new_empty(copies, a.shape[2], dtype=out_dtype), ids.new_empty(copies, dtype=torch.int32)
+    ranges, _ = shrink.shrink_ranges(copies, a.shape[3], rows.device)
+    return rows.new_empty(ranges, copies, a.shape[2], dtype=torch.float32)
+
+
+def _stack_reduce(parts: torch.Tensor, ids: torch.Tensor, stack: int, scale: float,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return shrink.reduce_parts(parts, ids, stack, scale, out_dtype)
+
+
+_stack_reduce_op = torch.library.custom_op("moeforge::stack_reduce", _stack_reduce, mutates_args=())
+stack_reduce = KernelOp(_stack_reduce_op, _stack_reduce)
+
+
+@_stack_reduce_op.register_fake
+def _(parts: torch.Tensor, ids: torch.Tensor, stack: int, scale: float,
+      out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (parts.new_empty(parts.shape[1], parts.shape[2], dtype=out_dtype),
+            ids.new_empty(parts.shape[1], dtype=torch.int32))
 
 
 _moe_gemm_op = torch.library.custom_op("moeforge::moe_gemm", grouped_gemm_call.launch, mutates_args=())
