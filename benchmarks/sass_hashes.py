@@ -9,7 +9,9 @@ one program per tile and persistent, with and without half tiles — and writes 
 only: no addresses, no line information). Equal hashes at two commits mean the same instructions. A change that adds
 a kernel argument moves the others in the parameter bank; ``--any-parameter-offsets`` hashes every ``c[0x0][...]``
 operand as one, so equal hashes then mean the same instructions reading the parameters from their new places. Run it with each
-Triton the package supports (``PYTHONPATH=DIR:.`` with another wheel unpacked in ``DIR``, see ``sass_loop.py``).
+Triton the package supports (``PYTHONPATH=DIR:.`` with another wheel unpacked in ``DIR``, see ``sass_loop.py``), and
+each commit with a Triton cache of its own (``TRITON_CACHE_DIR``): two runs side by side on one cache once gave a
+commit the other Triton's hashes.
 """
 
 from __future__ import annotations
