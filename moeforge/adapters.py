@@ -263,9 +263,9 @@ FUSED_UPDATE_MAX_K = 2048
 FUSED_STACK_MAX_COPIES = 512
 STACK_SHRINK_MAX_COPIES = 2048
 # Copy by copy, ``x Aᵀ`` comes in fp32 parts, one per range of K. Over a K-loop at most this long the base GEMM's launch
-# sums them as its tiles load them (Qwen3's few ranges: one launch fewer per GEMM, 3-4 µs a step at M = 1 and 64);
-# over a longer one a launch of their own does (Mixtral's up to 112 ranges, summed by each of its many column tiles,
-# cost 2-11 µs more than that launch at M <= 64; docs/notes/kernels-log.md, "The served stack's launches").
+# sums them as its tiles load them (few ranges: one launch fewer per GEMM); over a longer one, split into many ranges
+# that each of the GEMM's column tiles would sum again, a launch of their own does (docs/notes/kernels-log.md, "The
+# served stack's adapter loop, read at the source").
 STACK_PARTS_MAX_K = 2048
 
 
@@ -290,11 +290,10 @@ class AdaptedGroupedGemm(AdaptedGemm):
     copy by copy over ranges of K (:mod:`moeforge.kernels.stack_shrink`), then ``· Bᵀ`` inside the base's launch,
     which sums the ranges as it loads them over a short K-loop (``STACK_PARTS_MAX_K``; a launch of their own over a
     longer one; not in a batch-invariant layer, whose stack takes the pair path at every batch size, fused by the
-    K-loop's length alone). Else a stack: the
-    copies aligned again by (adapter, expert) pair and ``x Aᵀ`` on that alignment; then, served where
-    :func:`stack_update_fuses`, ``· Bᵀ`` inside the base's launch, each copy by its own adapter
-    (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate` with ``ids``: a K-step per adapter that the tile's rows
-    chose); else ``base.pre_activation``, ``· Bᵀ`` on the pair alignment, the sum, then ``base.activate``. The rows,
+    K-loop's length alone). Else a stack: the copies aligned again by (adapter, expert) pair and ``x Aᵀ`` on that
+    alignment; then, served where :func:`stack_update_fuses`, ``· Bᵀ`` inside the base's launch, each copy by its own
+    adapter (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate` with ``ids``: a K-step per adapter that the
+    tile's rows chose); else ``base.pre_activation``, ``· Bᵀ`` on the pair alignment, the sum, then ``base.activate``. The rows,
     ``A`` and ``B`` differentiate through the kernels' backward (:mod:`moeforge.kernels.backward`)."""
 
     # The two products' launches by the alignment's block_m, made when built (a forward creates no record: Dynamo
