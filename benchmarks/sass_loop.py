@@ -47,7 +47,8 @@ _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, int], warps: int, stages: int,
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
                    fold: bool = False, half_tail: bool = False, persistent: int = 0, shuffled: bool = False,
-                   nvfp4_rows: bool = False, drain: Optional[bool] = None, update: int = 0) -> Any:
+                   nvfp4_rows: bool = False, drain: Optional[bool] = None, update: int = 0,
+                   wide: int = 0) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
     the weight tiles loaded by pointer (the TMA path takes a descriptor argument, not compiled here) and one
@@ -86,19 +87,20 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         B_GLOBAL=weights is WeightFormat.NVFP4 or nvfp4_rows,
         EXPERT_RANGE=False, B_SHUFFLED=shuffled and packed, PDL=False, BLOCK_M=block[0],
         UPDATE_K=update, UPDATE_PRECISION="tf32",  # a low-rank update's K-step (an adapter's) of this width, 0: none
-        UPDATE_STACK=False, UPDATE_PARTS=0,
+        UPDATE_STACK=False, UPDATE_PARTS=0, UPDATE_WIDE=wide,  # wide: a stack's every adapter's columns
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and dtype == "bf16" and (weights is WeightFormat.MXFP4 or (
             weights is WeightFormat.NVFP4 and shuffled)),
         # unit strides, as the launcher's contiguous operands have them
         stride_ak=1, stride_bk=1, stride_bsk=1, stride_bzk=1, stride_cn=1, stride_bias_n=1, gate_stride=1,
-        stride_csg=1, stride_ask=1)
+        stride_csg=1, stride_ask=1, stride_ubk=1)
     missing = {p.name for p in moe_gemm_kernel.params if p.is_constexpr} - set(constexprs)
     if missing:
         raise SystemExit(f"sass_loop.py does not set the kernel's constexprs {sorted(missing)}: update it")
     multiple_of_16 = {"N", "K", "stride_am", "stride_be", "stride_bn", "stride_bse", "stride_bsn", "stride_cm",
-                      "up_offset", "stride_bias_e", "stride_csm", "stride_bze", "stride_bzn", "stride_asm"}
+                      "up_offset", "stride_bias_e", "stride_csm", "stride_bze", "stride_bzn", "stride_asm", "stride_um",
+                      "stride_ubs", "stride_ube", "stride_ubn"}
     floats = ("a_global", "alpha", "limit", "update_scale")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats else "i32")
                  for n in names}
@@ -234,6 +236,8 @@ def main() -> None:
                         help="list the registers written while a warpgroup MMA still reads them")
     parser.add_argument("--update", type=int, default=0,
                         help="with a low-rank update (an adapter's) of this rank: its K-step after the loop")
+    parser.add_argument("--wide", type=int, default=0,
+                        help="with --update: a stack's update in every adapter's columns (UPDATE_WIDE: 1, the rank the width)")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -244,7 +248,7 @@ def main() -> None:
                             prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold,
                             half_tail=args.half_tail, persistent=args.grid, shuffled=args.shuffled,
                             nvfp4_rows=args.rows == "nvfp4", drain=None if args.drain is None else bool(args.drain),
-                            update=args.update)
+                            update=args.update, wide=args.wide)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)

@@ -255,11 +255,12 @@ def stack_ids(x: ExpertRows, stack: int, where: str) -> torch.Tensor:
 # GEMM: only over short K-loops").
 FUSED_UPDATE_MAX_K = 2048
 
-# A served stack's ``· Bᵀ`` runs inside the base GEMM's launch over short K-loops (``FUSED_UPDATE_MAX_K``) and, over
-# longer ones, for at most this many copies (where the base GEMM is bound by reading its weights, the update's K-steps
-# cost less than a launch of their own and the [copies, N] pass); its ``x Aᵀ`` is then taken copy by copy
-# (:mod:`moeforge.kernels.stack_shrink`) for at most ``STACK_SHRINK_MAX_COPIES`` copies instead of on the copies aligned
-# by (adapter, expert) pair. Measured on an H200 (docs/notes/kernels-log.md, "The served stack at few copies").
+# A served stack's ``x Aᵀ`` is taken copy by copy (:mod:`moeforge.kernels.stack_shrink`), its ``· Bᵀ`` a K-step per
+# adapter a tile's rows chose inside the base GEMM's launch, for at most ``STACK_SHRINK_MAX_COPIES`` copies and, over a
+# K-loop longer than ``FUSED_UPDATE_MAX_K``, at most ``FUSED_STACK_MAX_COPIES`` (where the base GEMM is bound by reading
+# its weights, those K-steps cost less than the alternative); elsewhere every adapter's columns at once
+# (:mod:`moeforge.kernels.stack_wide`, S more K-steps a tile): measured on an H200 (docs/notes/kernels-log.md, "The
+# served stack at few copies" and "Every adapter's columns at once").
 FUSED_STACK_MAX_COPIES = 512
 STACK_SHRINK_MAX_COPIES = 2048
 # Copy by copy, ``x Aᵀ`` comes in fp32 parts, one per range of K. Over a K-loop at most this long the base GEMM's launch
@@ -270,7 +271,8 @@ STACK_PARTS_MAX_K = 2048
 
 
 def stack_update_fuses(k_dim: int, copies: int) -> bool:
-    """Whether a served stack's ``· Bᵀ`` runs inside the base GEMM's launch (see ``FUSED_STACK_MAX_COPIES``)."""
+    """Whether a served stack's ``· Bᵀ`` by its tiles' chosen adapters pays inside the base GEMM's launch (see
+    ``FUSED_STACK_MAX_COPIES``)."""
     return k_dim <= FUSED_UPDATE_MAX_K or copies <= FUSED_STACK_MAX_COPIES
 
 
@@ -284,16 +286,20 @@ class AdaptedGroupedGemm(AdaptedGemm):
     its product (``base.run`` with a :class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate`): its epilogue
     (activation, routing weights, output quantization) then covers the update, and no ``[copies, N]`` update is
     written or added; over a longer K-loop, ``· Bᵀ`` as a launch of its own whose ``[copies, N]`` output is added to
-    the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A served stack (no backward recorded)
-    whose ``· Bᵀ`` enters the base's launch (:func:`stack_update_fuses`: a short K-loop, or few copies) and whose copies
-    are few (at most ``STACK_SHRINK_MAX_COPIES``, each copy's expert known): each copy's ``x Aᵀ`` by its own adapter,
-    copy by copy over ranges of K (:mod:`moeforge.kernels.stack_shrink`), then ``· Bᵀ`` inside the base's launch,
-    which sums the ranges as it loads them over a short K-loop (``STACK_PARTS_MAX_K``; a launch of their own over a
-    longer one; not in a batch-invariant layer, whose stack takes the pair path at every batch size, fused by the
-    K-loop's length alone). Else a stack: the copies aligned again by (adapter, expert) pair and ``x Aᵀ`` on that
-    alignment; then, served where :func:`stack_update_fuses`, ``· Bᵀ`` inside the base's launch, each copy by its own
-    adapter (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate` with ``ids``: a K-step per adapter that the
-    tile's rows chose); else ``base.pre_activation``, ``· Bᵀ`` on the pair alignment, the sum, then ``base.activate``. The rows,
+    the base's product before ``base.activate`` (see ``FUSED_UPDATE_MAX_K``). A served stack (no backward recorded),
+    its ``· Bᵀ`` always inside the base's launch: to few copies (at most ``STACK_SHRINK_MAX_COPIES``, each copy's expert
+    known; over a long K-loop at most ``FUSED_STACK_MAX_COPIES``: :func:`stack_update_fuses`), each copy's ``x Aᵀ`` by
+    its own adapter, copy by copy over ranges of K (:mod:`moeforge.kernels.stack_shrink`), then ``· Bᵀ`` as a K-step
+    per adapter the tile's rows chose (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate` with ``ids``), which
+    sums the ranges as it loads them over a short K-loop (``STACK_PARTS_MAX_K``; a launch of their own over a longer
+    one); to more copies, each copy's ``x Aᵀ`` by every adapter of the stack on the base's alignment, kept in its own
+    adapter's columns (:mod:`moeforge.kernels.stack_wide`), then ``· Bᵀ`` of every adapter's columns as ``S`` more
+    K-steps on every tile (``GemmUpdate`` of ``[copies, S·r]`` rows). A batch-invariant layer's stack takes one path
+    at every batch size (the paths round differently): the copies aligned again by (adapter, expert) pair, ``x Aᵀ``
+    on that alignment, then ``· Bᵀ`` inside the base's launch where its K-loop is short, a K-step per chosen adapter;
+    and that path's launches of their own serve a stack that records a backward (training) and a batch-invariant
+    stack over a long K-loop: ``base.pre_activation``, ``· Bᵀ`` on the pair alignment, the sum, then
+    ``base.activate``. The rows,
     ``A`` and ``B`` differentiate through the kernels' backward (:mod:`moeforge.kernels.backward`)."""
 
     # The two products' launches by the alignment's block_m, made when built (a forward creates no record: Dynamo
@@ -356,30 +362,37 @@ class AdaptedGroupedGemm(AdaptedGemm):
             return fused
         base_tensors = [resolve(t) for t in (getattr(base, "weight", None), getattr(base, "bias", None))
                         if t is not None]
+        serving = bool(self.stack) and not records_grad(x.x.data, a, b, *base_tensors)  # (the op has no backward)
         # A batch-invariant layer takes one path at every batch size (the paths round differently): the pair path,
         # · Bᵀ inside the base launch by the K-loop's length alone.
         invariant = self._invariant()
-        fused_stack = (bool(self.stack) and (rows.shape[-1] <= FUSED_UPDATE_MAX_K if invariant else
-                                             stack_update_fuses(rows.shape[-1], alignment.num_copies))
-                       and not records_grad(x.x.data, a, b, *base_tensors))  # (serving: the op has no backward)
-        if (fused_stack and not invariant and x.copy_experts is not None
-                and alignment.num_copies <= STACK_SHRINK_MAX_COPIES):
-            # serving a stack to few copies: each copy's x Aᵀ by its own adapter, copy by copy (no second alignment),
-            # then · Bᵀ of each copy's adapter inside the base GEMM's launch
+        if serving and not invariant:
             from moeforge.stages.triton import kernel_ops
 
             ids = stack_ids(x, self.stack, self.name).contiguous()
-            parts = kernel_ops().stack_shrink(rows, a, ids, x.copy_experts, rows_per_a)
-            if rows.shape[-1] <= STACK_PARTS_MAX_K:  # the base launch sums the parts (see STACK_PARTS_MAX_K)
-                by_copy = GemmUpdate(parts, b, self.scale, ids=ids)
-            else:
-                low, chosen = kernel_ops().stack_reduce(parts, ids, self.stack, self.scale, b.dtype)
-                by_copy = GemmUpdate(low, b, 1.0, ids=chosen)
-            shrunk: AlignedRows = base.run(x, by_copy)
-            return shrunk
+            if (x.copy_experts is not None and alignment.num_copies <= STACK_SHRINK_MAX_COPIES
+                    and stack_update_fuses(rows.shape[-1], alignment.num_copies)):
+                # few copies: each copy's x Aᵀ by its own adapter, copy by copy (no second alignment), then · Bᵀ of
+                # each copy's adapter inside the base GEMM's launch (a K-step per adapter its tile's rows chose)
+                parts = kernel_ops().stack_shrink(rows, a, ids, x.copy_experts, rows_per_a)
+                if rows.shape[-1] <= STACK_PARTS_MAX_K:  # the base launch sums the parts (see STACK_PARTS_MAX_K)
+                    by_copy = GemmUpdate(parts, b, self.scale, ids=ids)
+                else:
+                    low, chosen = kernel_ops().stack_reduce(parts, ids, self.stack, self.scale, b.dtype)
+                    by_copy = GemmUpdate(low, b, 1.0, ids=chosen)
+                shrunk: AlignedRows = base.run(x, by_copy)
+                return shrunk
+            # many copies: each copy's x Aᵀ by every adapter on the base's alignment (its own adapter's columns kept,
+            # weighed), then · Bᵀ of every adapter's columns inside the base GEMM's launch (S more K-steps a tile)
+            wide = kernel_ops().stack_wide(rows, a, ids, alignment.sorted_ids, alignment.block_expert,
+                                           alignment.num_padded, alignment.block_m, alignment.num_copies, rows_per_a,
+                                           self.scale, b.dtype)
+            every: AlignedRows = base.run(x, GemmUpdate(wide, b))
+            return every
+        fused_stack = serving and rows.shape[-1] <= FUSED_UPDATE_MAX_K  # (a batch-invariant layer's, served)
         if fused_stack:
-            # serving a stack (the op has no backward for it): each copy's x Aᵀ on the pair alignment, then · Bᵀ of
-            # each copy's adapter inside the base GEMM's launch (a K-step per adapter its tile's rows chose)
+            # a batch-invariant layer serving a stack: each copy's x Aᵀ on the pair alignment, then · Bᵀ of each copy's
+            # adapter inside the base GEMM's launch (a K-step per adapter its tile's rows chose)
             low, rows_per_low, stacked = self._stack_low(x, a, int(b.shape[1]), rows, rows_per_a, b.dtype, a_launch)
             low = low.repeat_interleave(rows_per_low, 0) if rows_per_low > 1 else low  # (an update row per copy)
             served: AlignedRows = base.run(x, GemmUpdate(low, b, 1.0, ids=stacked.chosen))

@@ -171,6 +171,77 @@ def test_a_stack_of_more_than_32_updates_and_ids_outside_it(layout: str) -> None
     assert _rel(out, ref) < TOL[dtype]
 
 
+def _wide_rows(u: torch.Tensor, chosen: torch.Tensor, stack: int, weight: float) -> torch.Tensor:
+    """Every adapter's columns of rows ``u [C, R]`` (``stack_wide``'s layout): copy ``c``'s weighed row in adapter
+    ``chosen[c]``'s ``R`` columns, zero elsewhere (none for ``-1``)."""
+    copies, rank = u.shape
+    wide = torch.zeros(copies, stack, rank, dtype=u.dtype, device=u.device)
+    picked = chosen >= 0
+    wide[picked.nonzero()[:, 0], chosen[picked].long()] = u[picked] * weight
+    return wide.reshape(copies, stack * rank)
+
+
+@pytest.mark.parametrize("rank, split_k", [(16, 1), (5, 2), (32, 1)])
+@pytest.mark.parametrize("layout", sorted(GATED) + ["plain"])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_every_adapters_columns_at_once(dtype: torch.dtype, layout: str, rank: int, split_k: int) -> None:
+    # update_rows [C, S·R] without ids: S more K-steps on every tile, the stack's B read adapter after adapter; the
+    # rows carry each copy's own adapter's columns alone (stack_wide's layout), so the result is each copy's own
+    # update, whichever adapters a tile's rows chose; with a split K-loop in its first range alone.
+    tokens, k, experts, hidden, n_out, stack = 11, 2, 5, 64, 24, 3
+    gen = torch.Generator().manual_seed(rank + split_k)
+    act: Optional[mf.ActivationConfig] = GATED.get(layout)
+    n_w = 2 * n_out if act is not None else n_out
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(experts, n_w, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, dtype)
+    bias = torch.randn(experts, n_w, generator=gen).to(DEVICE, dtype)
+    u = torch.randn(tokens * k, rank, generator=gen).to(DEVICE, dtype)
+    ub = (torch.randn(stack, experts, n_w, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
+    chosen = torch.randint(-1, stack, (tokens * k,), generator=gen).to(DEVICE)
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
+    ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    plan = align.align_block_size(ids, experts, SMALL.block_m)
+    out = torch.full((tokens * k, n_out), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=k, config=SMALL, bias=bias, topk_weights=weights.reshape(-1),
+                      act=act_code(act) if act is not None else 0, glu=act is not None,
+                      interleaved=act is not None and act.gate_up is mf.GateUpLayout.INTERLEAVED, split_k=split_k,
+                      update_rows=_wide_rows(u, chosen, stack, 0.75), update_weight=ub)
+    flat = ids.reshape(-1).long()
+    copies = torch.arange(tokens * k, device=DEVICE)
+    update = 0.75 * torch.einsum("cr,cnr->cn", u.double(), ub.double()[chosen.clamp(min=0).long(), flat])
+    pre = (torch.einsum("ch,cnh->cn", x.double()[copies // k], w.double()[flat]) + bias.double()[flat]
+           + torch.where((chosen >= 0)[:, None], update, torch.zeros_like(update)))
+    ref = (apply_activation(pre, act) if act is not None else pre) * weights.double().reshape(-1, 1)
+    assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "int4"])
+def test_every_adapters_columns_add_to_a_quantized_product(fmt: str) -> None:
+    # The K-steps of every adapter's columns come after the base product's scales, as one update's K-step does: the
+    # output with them less the output without them is the update (no activation), over 8-bit and 4-bit weights.
+    tokens, k, experts, hidden, n_out, stack, rank = 7, 2, 4, 128, 32, 3, 16
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    w = (torch.randn(experts, n_out, hidden, generator=gen) * hidden ** -0.5).to(DEVICE)
+    args: dict[str, Any] = operands(fmt, rows, w)
+    a, weight = args.pop("a"), args.pop("weight")
+    u = torch.randn(tokens * k, rank, generator=gen).to(DEVICE, DTYPE)
+    ub = (torch.randn(stack, experts, n_out, rank, generator=gen) * 0.25).to(DEVICE, DTYPE)
+    chosen = torch.randint(-1, stack, (tokens * k,), generator=gen).to(DEVICE)
+    ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    plan = align.align_block_size(ids, experts, 16)
+    config = GemmConfig(16, 32, 32, num_warps=4, num_stages=1)
+    outs = []
+    for extra in ({}, dict(update_rows=_wide_rows(u, chosen, stack, 2.0), update_weight=ub)):
+        out = torch.full((tokens * k, n_out), float("nan"), dtype=DTYPE, device=DEVICE)
+        moe_gemm.moe_gemm(a, weight, out, *plan, rows_per_a=k, config=config, **args, **extra)
+        outs.append(out)
+    update = 2.0 * torch.einsum("cr,cnr->cn", u.double(), ub.double()[chosen.clamp(min=0).long(),
+                                                                       ids.reshape(-1).long()])
+    want = torch.where((chosen >= 0)[:, None], update, torch.zeros_like(update))
+    assert _rel(outs[1].double() - outs[0].double(), want) < 2e-2
+
+
 @pytest.mark.parametrize("parts, split_k, id_dtype", [(1, 1, torch.int32), (3, 1, torch.int64), (5, 2, torch.int32)])
 @pytest.mark.parametrize("layout", ["concatenated", "plain"])
 def test_a_stacks_rows_in_parts_are_summed_and_weighed_by_their_ids(layout: str, parts: int, split_k: int,
@@ -235,7 +306,9 @@ def test_a_bad_update_is_refused_naming_what_does_not_fit() -> None:
              (dict(update_rows=u, update_weight=ub[:, :8]), r"\[E, N_w, R\]"),
              (dict(update_rows=u.t().contiguous().t(), update_weight=ub), "contiguous rows"),
              (dict(update_rows=u.half(), update_weight=ub), "one float dtype"),
-             (dict(update_rows=u, update_weight=ub[None]), "pass each copy's"),
+             (dict(update_rows=u[:, :3], update_weight=ub[None]), "pass each copy's"),
+             (dict(update_rows=torch.randn(8, 6, device=DEVICE), update_weight=torch.stack([ub, ub])), "S·R = 8"),
+             (dict(update_rows=u, update_weight=ub[None], update_scale=0.5), "update_scale must be 1"),
              (dict(update_rows=u, update_weight=ub, update_ids=torch.zeros(8, dtype=torch.int32, device=DEVICE)),
               r"update_weight \[S, E, N_w, R\]"),
              (dict(update_rows=u, update_weight=ub[None], update_ids=torch.zeros(8, device=DEVICE)), "int32"),
@@ -289,8 +362,10 @@ def test_the_update_differentiates_with_the_grouped_gemm(gated: bool, weights_in
         assert _rel(g, w) < 1e-5, name
 
 
-def test_a_stack_of_updates_has_no_backward() -> None:
-    # update_ids is the serving path: a gradient through it is refused, naming the path that trains a stack.
+@pytest.mark.parametrize("columns", ["each copy's adapter", "every adapter's"])
+def test_a_stack_of_updates_has_no_backward(columns: str) -> None:
+    # A stack (update_ids, or every adapter's columns) is the serving path: a gradient through it is refused, naming
+    # the path that trains a stack.
     from moeforge.errors import InputError
     from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
                                                     grouped_gemm)
@@ -298,8 +373,10 @@ def test_a_stack_of_updates_has_no_backward() -> None:
     x = torch.randn(4, 32, device=DEVICE, requires_grad=True)
     w = torch.randn(3, 16, 32, device=DEVICE)
     plan = align.align_block_size(torch.tensor([[0, 1]] * 4, dtype=torch.int32, device=DEVICE), 3, 16)
-    update = GemmUpdate(torch.randn(8, 4, device=DEVICE), torch.randn(2, 3, 16, 4, device=DEVICE), 1.0,
-                        ids=torch.tensor([0, 1] * 4, dtype=torch.int32, device=DEVICE))
+    update = (GemmUpdate(torch.randn(8, 4, device=DEVICE), torch.randn(2, 3, 16, 4, device=DEVICE), 1.0,
+                         ids=torch.tensor([0, 1] * 4, dtype=torch.int32, device=DEVICE))
+              if columns == "each copy's adapter" else
+              GemmUpdate(torch.randn(8, 8, device=DEVICE), torch.randn(2, 3, 16, 4, device=DEVICE)))
     out, _ = grouped_gemm(GemmRows(x, rows_per_a=2), GemmWeight(w), GemmRoute(*plan, 8), GemmEpilogue(torch.float32),
                           SMALL, update)
     with pytest.raises(InputError, match="no backward"):

@@ -52,7 +52,8 @@ def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> No
     ctx.save_for_backward(args["a"], args["weight"], args["bias"], args["topk_weights"], args["sorted_ids"],
                           args["block_expert"], args["num_padded"], args.get("update_rows"), args.get("update_weight"),
                           args.get("slot_runs"))
-    ctx.stacked_update = args.get("update_ids") is not None
+    update_weight = args.get("update_weight")
+    ctx.stacked_update = args.get("update_ids") is not None or (update_weight is not None and update_weight.dim() == 4)
     ctx.quantized = (args["weight_format"] != int(WeightFormat.FLOAT) or args["fp8_out"]
                      or args["a"].dtype not in (torch.bfloat16, torch.float16, torch.float32))
 
@@ -62,8 +63,8 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         raise InputError("the quantized grouped GEMMs are inference-only: they have no backward (train an "
                          "unquantized layer, then quantize it)")
     if ctx.stacked_update:
-        raise InputError("a stack of low-rank updates inside the grouped GEMM (update_ids) is the serving path: it has "
-                         "no backward (an adapter stack trains through its own launches)")
+        raise InputError("a stack of low-rank updates inside the grouped GEMM (update_weight [S, E, N_w, R]) is the "
+                         "serving path: it has no backward (an adapter stack trains through its own launches)")
     (a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded, update_rows, update_weight,
      slot_runs) = ctx.saved_tensors
     p = ctx.args

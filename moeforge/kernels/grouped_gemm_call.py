@@ -137,10 +137,11 @@ class GemmUpdate:
     """A low-rank update added to the product before the epilogue: ``scale * rows[c] @ weight[expert of c]^T`` for copy
     ``c`` (an adapter's, :mod:`moeforge.adapters`); with ``ids``, a stack of them: ``weight [S, E, N_w, R]`` and copy
     ``c``'s is ``scale * rows[c] @ weight[ids[c], expert of c]^T`` (no backward: the serving path); a stack's rows may
-    come in parts (fp32 ``[P, num_copies, R]``, summed by the launch, ``ids`` the raw adapter ids: see
+    come in parts (fp32 ``[P, num_copies, R]``, summed by the launch, ``ids`` the raw adapter ids), or without ids in
+    every adapter's columns (``[num_copies, S·R]``, weighed, zero outside each copy's own adapter's: ``scale`` 1; see
     :func:`moeforge.kernels.moe_gemm.moe_gemm`)."""
 
-    rows: torch.Tensor  # [num_copies, R], copy order, contiguous rows (a stack's: or fp32 [P, num_copies, R] parts)
+    rows: torch.Tensor  # [num_copies, R], copy order, contiguous rows (a stack's: fp32 parts [P, C, R], or [C, S·R])
     weight: torch.Tensor  # [E, N_w, R]: the GEMM weight's experts and rows; the rows' float dtype ([S, E, N_w, R])
     scale: float = 1.0
     ids: Optional[torch.Tensor] = None  # [num_copies] int32: each copy's update in a stack (with parts: raw ids)

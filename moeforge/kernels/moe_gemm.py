@@ -211,6 +211,7 @@ def _gemm_tile(
     UPDATE_PRECISION: tl.constexpr = FLAGS[29]
     UPDATE_STACK: tl.constexpr = FLAGS[30]
     UPDATE_PARTS: tl.constexpr = FLAGS[31]
+    UPDATE_WIDE: tl.constexpr = FLAGS[32]
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
@@ -488,13 +489,47 @@ def _gemm_tile(
             chosen, used = copy_adapters(uid_ptr, copies, row_ok, update_stack, factor)
             u = (u * used[:, None]).to(ub_ptr.dtype.element_ty)
             uid = tl.where(row_ok, chosen, -1)
-        else:
+        elif not UPDATE_WIDE:
             u = tl.load(u_ptr + copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :],
                         mask=row_ok[:, None] & u_ok[None, :], other=0.0)
             u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's output was)
             if UPDATE_STACK:
                 uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
-        if UPDATE_STACK:
+        if UPDATE_WIDE:
+            # every adapter's columns at once (u [copies, S·R]: each copy's x Aᵀ by every adapter of the stack, zero
+            # outside its own adapter's R columns, already weighed; moeforge.kernels.stack_wide): one K-step of R per
+            # adapter of the stack, on every tile, B [S, E, N_w, R] read as [E, N_w, S·R]; no ids, no turns. The next
+            # adapter's tiles are loaded before this one's MMA (their latency behind it); UPDATE_WIDE 1: R is
+            # UPDATE_K, so no mask runs along R and the loads are whole vectors (2: a rank below the K-step's).
+            u_rows = u_ptr + copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :]
+            ub_gate = ub_expert + gate_rows[None, :] * stride_ubn
+            ub_up = ub_expert + up_rows[None, :] * stride_ubn
+            if UPDATE_WIDE == 1:
+                u_mask = row_ok[:, None]
+                ub_mask = n_ok[None, :]
+                width = UPDATE_K  # (a compile-time stride: the rows' loads whole vectors too)
+            else:
+                u_mask = row_ok[:, None] & u_ok[None, :]
+                ub_mask = u_ok[:, None] & n_ok[None, :]
+                width = update_width
+            u_next = tl.load(u_rows, mask=u_mask, other=0.0)
+            ub_next = tl.load(ub_gate, mask=ub_mask, other=0.0)
+            ub_up_next = ub_next
+            if GLU:
+                ub_up_next = tl.load(ub_up, mask=ub_mask, other=0.0)
+            for adapter in range(0, update_stack):
+                u, ub, ub_up_here = u_next, ub_next, ub_up_next
+                after = tl.minimum(adapter + 1, update_stack - 1)  # (the last again after the last: never used)
+                u_next = tl.load(u_rows + after * width, mask=u_mask, other=0.0)
+                ub_next = tl.load(ub_gate + after * stride_ubs, mask=ub_mask, other=0.0)
+                if GLU:
+                    ub_up_next = tl.load(ub_up + after * stride_ubs, mask=ub_mask, other=0.0)
+                if SPLIT:  # (the first range's alone)
+                    u = (u * factor).to(u_ptr.dtype.element_ty)
+                out = tl.dot(u, ub, out, input_precision=UPDATE_PRECISION)
+                if GLU:
+                    out_up = tl.dot(u, ub_up_here, out_up, input_precision=UPDATE_PRECISION)
+        elif UPDATE_STACK:
             # a stack of adapters (ub [S, E, N_w, R]): each copy's row meets its own adapter's B (uid [copies]), one
             # K-step per adapter that a row of this tile chose, the other rows zero in it. The chosen adapters are
             # found by one OR over the tile's rows per 32 adapters (a bit each; one reduction across the warps, not
@@ -592,7 +627,7 @@ def moe_gemm_kernel(
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, PERSISTENT: tl.constexpr,
     B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
     UPDATE_K: tl.constexpr, UPDATE_PRECISION: tl.constexpr, UPDATE_STACK: tl.constexpr, UPDATE_PARTS: tl.constexpr,
-    PDL: tl.constexpr,
+    UPDATE_WIDE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile`. The kernel's arguments are
@@ -615,7 +650,7 @@ def moe_gemm_kernel(
     FLAGS: tl.constexpr = (A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU,
                             HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT,
                             PREFETCH, BLOCK_N, BLOCK_K, SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA,
-                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK, UPDATE_PARTS)
+                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK, UPDATE_PARTS, UPDATE_WIDE)
     num_padded = tl.load(num_padded_ptr)
     k_first = 0
     k_last = 0  # without SPLIT, _gemm_tile runs the whole K-loop
@@ -871,8 +906,12 @@ def moe_gemm(
     tile runs one K-step per update its rows chose); or ``update_rows [P, num_copies, R]`` fp32 in parts
     (:func:`moeforge.kernels.stack_shrink.stack_shrink`'s ranges of K), summed in one fixed order as the tiles load them
     and weighed by the raw ``update_ids`` (int32 or int64): ``update_scale`` for an id in ``[0, S)``, nothing for
-    ``-1``, NaN outside ``[-1, S)`` (:func:`moeforge.kernels.stack_pairs.copy_adapters`). It has no backward (the
-    adapters' serving path).
+    ``-1``, NaN outside ``[-1, S)`` (:func:`moeforge.kernels.stack_pairs.copy_adapters`). Or, without ids,
+    ``update_rows [num_copies, S·R]`` and ``update_weight [S, E, N_w, R]``: every adapter's columns at once, copy
+    ``c``'s ``update_rows[c] @ B_wide[expert]ᵀ`` (``B_wide [E, N_w, S·R]``, the stack read adapter after adapter), as
+    ``S`` more K-steps on every tile: the rows come weighed and zero outside each copy's own adapter's columns
+    (:func:`moeforge.kernels.stack_wide.stack_wide`), ``update_scale`` 1. A stack has no backward (the adapters'
+    serving path).
     """
     key = (launch_memo.tensor_key(a), launch_memo.tensor_key(weight), launch_memo.tensor_key(out), a.device,
            launch_memo.tensor_key(a_scale), launch_memo.tensor_key(weight_scale), launch_memo.tensor_key(weight_zero),
@@ -1007,8 +1046,8 @@ def _prepare(
             out.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         raise ValueError(f"out must be bf16/fp16/fp32, got {out.dtype}")
     num_copies, n_out = out.shape
-    update_k, update_precision, update_stack, update_parts = _update_launch(update_rows, update_weight, update_ids,
-                                                                            weight, num_copies)
+    update_k, update_precision, update_stack, update_parts, update_wide = _update_launch(
+        update_rows, update_weight, update_ids, update_scale, weight, num_copies)
     quant_out = out_scale is not None
     compute_dtype = out.dtype if row_format is RowFormat.NVFP4 else a.dtype
     compute_bytes = 1 if row_format in (RowFormat.FP8, RowFormat.INT8) else compute_dtype.itemsize
@@ -1075,12 +1114,13 @@ def _prepare(
         B_SHUFFLED=(2 if paired_rows else 1) if weight_shuffled else 0,
         DRAIN_MMA=plan.drain,
         SCALE_FOLD=plan.scale_fold,
-        UPDATE_K=update_k, UPDATE_PRECISION=update_precision, UPDATE_STACK=update_stack > 0,
+        UPDATE_K=update_k, UPDATE_PRECISION=update_precision, UPDATE_STACK=update_stack > 0 and not update_wide,
         UPDATE_PARTS=next_power_of_2(update_parts) if update_parts else 0,
+        UPDATE_WIDE=update_wide,
         PDL=pdl.flag(dependent, release=False),
     ), dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent)))
     sizes = (n_out, k_dim, num_copies, rows_per_a, float(a_global), expert_first,
-             update_rows.shape[-1] if update_rows is not None else 0, float(update_scale), update_stack, update_parts)
+             update_weight.shape[-1] if update_weight is not None else 0, float(update_scale), update_stack, update_parts)
     strides = (plan.steps_per_split, stride_ps, stride_pm, a.stride(0), a.stride(1), stride_asm, stride_ask,
                weight.stride(0), weight.stride(1), weight.stride(2),
                *w.scale_strides, *w.zero_strides,
@@ -1109,16 +1149,18 @@ def _prepare(
 
 
 def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[torch.Tensor],
-                   update_ids: Optional[torch.Tensor], weight: torch.Tensor, num_copies: int
-                   ) -> tuple[int, str, int, int]:
-    """``(UPDATE_K, UPDATE_PRECISION, the stack's size, the rows' parts)`` of a low-rank update's operands (0, "ieee",
-    0, 0 without one; the size 0 for one update; the parts 0 for ``[num_copies, R]`` rows), checked against the
-    weight's experts and rows: a ``ValueError`` naming what does not fit."""
+                   update_ids: Optional[torch.Tensor], update_scale: float, weight: torch.Tensor, num_copies: int
+                   ) -> tuple[int, str, int, int, int]:
+    """``(UPDATE_K, UPDATE_PRECISION, the stack's size, the rows' parts, UPDATE_WIDE)`` of a low-rank update's
+    operands (0, "ieee", 0, 0, 0 without one; the size 0 for one update; the parts 0 for ``[num_copies, R]`` rows;
+    UPDATE_WIDE 0 but for rows in every adapter's columns: 1 where R is the K-step's width, else 2), checked against
+    the weight's experts and rows: a ``ValueError`` naming what does not fit."""
     if update_rows is None and update_weight is None and update_ids is None:
-        return 0, "ieee", 0, 0
+        return 0, "ieee", 0, 0, 0
     if update_rows is None or update_weight is None:
         raise ValueError("a low-rank update takes update_rows and update_weight together")
     stack = 0
+    wide = False
     if update_ids is not None:
         # (int64 too with rows in parts, whose ids the launch reads as raw ids: stack_pairs.copy_adapters)
         id_dtypes = (torch.int32, torch.int64) if update_rows.dim() == 3 else (torch.int32,)
@@ -1133,7 +1175,17 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
             raise ValueError("a stack of updates holds at least one")
         update_weight = update_weight[0]
     elif update_weight.dim() == 4:
-        raise ValueError("update_weight [S, E, N_w, R] is a stack of updates: pass each copy's (update_ids)")
+        # every adapter's columns at once: rows [num_copies, S·R], each copy's zero outside its own adapter's columns
+        stack, rank = int(update_weight.shape[0]), int(update_weight.shape[3])
+        if update_rows.dim() != 2 or stack < 1 or update_rows.shape[-1] != stack * rank:
+            raise ValueError(f"update_weight [S, E, N_w, R] = {tuple(update_weight.shape)} is a stack of updates: pass "
+                             f"each copy's (update_ids), or update_rows [num_copies, S·R = {stack * rank}] (every "
+                             f"adapter's columns), got {tuple(update_rows.shape)}")
+        if update_scale != 1.0:
+            raise ValueError(f"update_rows of every adapter's columns come weighed (moeforge.kernels.stack_wide): "
+                             f"update_scale must be 1, got {update_scale}")
+        update_weight = update_weight[0]
+        wide = True
     parts = 0
     if update_rows.dim() == 3:  # a stack's rows in parts (fp32 [P, num_copies, R]), summed and weighed in the launch
         if update_ids is None or update_rows.dtype != torch.float32 or update_rows.shape[0] < 1:
@@ -1144,7 +1196,7 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
         rows = update_rows[0]
     else:
         rows = update_rows
-    width = rows.shape[1] if rows.dim() == 2 else -1
+    width = (rows.shape[1] // (stack if wide else 1)) if rows.dim() == 2 else -1
     if rows.dim() != 2 or rows.shape[0] != num_copies or rows.stride(1) != 1:
         raise ValueError(f"update_rows must be [num_copies={num_copies}, R] (or a stack's [P, num_copies, R] parts) "
                          f"with contiguous rows, got {tuple(update_rows.shape)} strides {update_rows.stride()}")
@@ -1155,8 +1207,9 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
             or update_weight.element_size() < 2:
         raise ValueError(f"a low-rank update's operands share one float dtype (bf16, fp16, fp32), got "
                          f"{update_rows.dtype} and {update_weight.dtype}")
-    return (max(16, next_power_of_2(width)), "ieee" if update_weight.dtype == torch.float32 else "tf32", stack,
-            parts)
+    step = max(16, next_power_of_2(width))
+    return step, "ieee" if update_weight.dtype == torch.float32 else "tf32", stack, parts, (
+        (1 if step == width else 2) if wide else 0)
 
 
 def _stack_strides(update_weight: Optional[torch.Tensor]) -> tuple[int, ...]:

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from moeforge.kernels import (activation_rows, align, backward, combine, grouped_gemm_call, quantize, slot_rows,
-                              stack_pairs as pairs, stack_shrink as shrink, topk, weight_grad)
+                              stack_pairs as pairs, stack_shrink as shrink, stack_wide as wide, topk,
+                              weight_grad)
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.sizes import cdiv
 
@@ -91,6 +92,24 @@ def _(parts: torch.Tensor, ids: torch.Tensor, stack: int, scale: float,
       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return (parts.new_empty(parts.shape[1], parts.shape[2], dtype=out_dtype),
             ids.new_empty(parts.shape[1], dtype=torch.int32))
+
+
+def _stack_wide(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, sorted_ids: torch.Tensor,
+                block_expert: torch.Tensor, num_padded: torch.Tensor, block_m: int, num_copies: int, rows_per_a: int,
+                scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    return wide.stack_wide(rows, a, ids, sorted_ids, block_expert, num_padded, block_m, num_copies, rows_per_a, scale,
+                           out_dtype)
+
+
+_stack_wide_op = torch.library.custom_op("moeforge::stack_wide", _stack_wide, mutates_args=())
+stack_wide = KernelOp(_stack_wide_op, _stack_wide)
+
+
+@_stack_wide_op.register_fake
+def _(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+      num_padded: torch.Tensor, block_m: int, num_copies: int, rows_per_a: int, scale: float,
+      out_dtype: torch.dtype) -> torch.Tensor:
+    return rows.new_empty(num_copies, a.shape[0] * a.shape[2], dtype=out_dtype)
 
 
 _moe_gemm_op = torch.library.custom_op("moeforge::moe_gemm", grouped_gemm_call.launch, mutates_args=())
