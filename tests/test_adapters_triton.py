@@ -444,9 +444,9 @@ def _with_block_m(config: Any, block_m: int) -> Any:
     return attrs.evolve(config, gate_up=config.gate_up.with_block_m(block_m), down=config.down.with_block_m(block_m))
 
 
-@pytest.mark.parametrize("method", ["fp8 channel/token", "fp8 block/group", "int8"])
+@pytest.mark.parametrize("method, dtype", grid(["fp8 channel/token", "fp8 block/group", "int8"],
+                                                [torch.float16, torch.float32], ids=[None, ["fp16", "fp32"]]))
 @pytest.mark.parametrize("count", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_over_a_w8a8_base_the_update_reads_the_rows_dequantized(method: str, count: int, dtype: torch.dtype,
                                                                   placement: str) -> None:
     # The 8-bit GEMMs read quantized rows; the adapter reads them dequantized, and the gate/up GEMM's activation and

@@ -1,6 +1,7 @@
 """The grouped GEMM's low-rank update (``moe_gemm(..., update_rows=U, update_weight=B, update_scale=s)``): the
 product of every copy gains ``s * U[copy] @ B[expert]^T`` before the epilogue, one more K-step of the kernel (an
-adapter's update, :mod:`moeforge.adapters`); with ``update_ids``, a stack's: ``B[ids[copy], expert]``. Checked against float64 through the whole epilogue (the gated
+adapter's update, :mod:`moeforge.adapters`); with ``update_ids``, a stack's: ``B[ids[copy], expert]``; with
+rows ``[C, S·R]`` and no ids, a stack's in every adapter's columns (``S`` more K-steps). Checked against float64 through the whole epilogue (the gated
 activation on both gate/up layouts, bias, routing weights, a split K-loop), and in every weight format by
 linearity (the output with the update less the output without it is the update, with no activation), the swapped
 4-bit product included. On CPU under Triton's interpreter, on a GPU compiled; outputs poisoned with NaN.
@@ -42,13 +43,27 @@ def _routing(tokens: int, experts: int, k: int, gen: torch.Generator) -> torch.T
     return torch.stack([torch.randperm(experts - 1, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32)
 
 
-@pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("rank", [16, 5])
+def _wide_rows(u: torch.Tensor, chosen: torch.Tensor, stack: int, weight: float) -> torch.Tensor:
+    """Every adapter's columns of rows ``u [C, R]`` (``stack_wide``'s layout): copy ``c``'s weighed row in adapter
+    ``chosen[c]``'s ``R`` columns, zero elsewhere (none for ``-1``)."""
+    copies, rank = u.shape
+    wide = torch.zeros(copies, stack, rank, dtype=u.dtype, device=u.device)
+    picked = chosen >= 0
+    wide[picked.nonzero()[:, 0], chosen[picked].long()] = u[picked] * weight
+    return wide.reshape(copies, stack * rank)
+
+
+@pytest.mark.parametrize("rank, split_k, form", [(16, 1, "one"), (16, 2, "one"), (5, 1, "one"), (5, 2, "one"),
+                                                  (16, 1, "wide"), (5, 2, "wide"), (32, 1, "wide")])
 @pytest.mark.parametrize("layout", sorted(GATED) + ["plain"])
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, layout: str, rank: int,
-                                                            split_k: int) -> None:
-    tokens, k, experts, hidden, n_out, scale = 9, 2, 5, 64, 24, 0.75
+                                                            split_k: int, form: str) -> None:
+    # form "one": one update [E, N_w, R] for every copy; "wide": a stack's in every adapter's columns (update_rows
+    # [C, S·R] without ids: S more K-steps on every tile, the stack's B read adapter after adapter; the rows carry each
+    # copy's own adapter's columns alone, stack_wide's layout, so the result is each copy's own update whichever
+    # adapters a tile's rows chose). With a split K-loop, in its first range alone.
+    tokens, k, experts, hidden, n_out, scale, stack = 9, 2, 5, 64, 24, 0.75, 3
     gen = torch.Generator().manual_seed(rank + split_k)
     act: Optional[mf.ActivationConfig] = GATED.get(layout)
     n_w = 2 * n_out if act is not None else n_out
@@ -56,19 +71,27 @@ def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, 
     w = (torch.randn(experts, n_w, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, dtype)
     bias = torch.randn(experts, n_w, generator=gen).to(DEVICE, dtype)
     u = torch.randn(tokens * k, rank, generator=gen).to(DEVICE, dtype)
-    ub = (torch.randn(experts, n_w, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
     weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
     ids = _routing(tokens, experts, k, gen).to(DEVICE)
+    flat = ids.reshape(-1).long()
+    if form == "one":
+        ub = (torch.randn(experts, n_w, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
+        update_args: dict[str, Any] = dict(update_rows=u, update_weight=ub, update_scale=scale)
+        update = scale * torch.einsum("cr,cnr->cn", u.double(), ub.double()[flat])
+    else:
+        ub = (torch.randn(stack, experts, n_w, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
+        chosen = torch.randint(-1, stack, (tokens * k,), generator=gen).to(DEVICE)
+        update_args = dict(update_rows=_wide_rows(u, chosen, stack, scale), update_weight=ub)
+        update = scale * torch.einsum("cr,cnr->cn", u.double(), ub.double()[chosen.clamp(min=0).long(), flat])
+        update = torch.where((chosen >= 0)[:, None], update, torch.zeros_like(update))
     plan = align.align_block_size(ids, experts, SMALL.block_m)
     out = torch.full((tokens * k, n_out), float("nan"), dtype=dtype, device=DEVICE)
     moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=k, config=SMALL, bias=bias, topk_weights=weights.reshape(-1),
                       act=act_code(act) if act is not None else 0, glu=act is not None,
                       interleaved=act is not None and act.gate_up is mf.GateUpLayout.INTERLEAVED, split_k=split_k,
-                      update_rows=u, update_weight=ub, update_scale=scale)
-    flat = ids.reshape(-1).long()
+                      **update_args)
     copies = torch.arange(tokens * k, device=DEVICE)
-    pre = (torch.einsum("ch,cnh->cn", x.double()[copies // k], w.double()[flat]) + bias.double()[flat]
-           + scale * torch.einsum("cr,cnr->cn", u.double(), ub.double()[flat]))
+    pre = (torch.einsum("ch,cnh->cn", x.double()[copies // k], w.double()[flat]) + bias.double()[flat] + update)
     ref = (apply_activation(pre, act) if act is not None else pre) * weights.double().reshape(-1, 1)
     assert _rel(out, ref) < TOL[dtype]
 
@@ -171,52 +194,8 @@ def test_a_stack_of_more_than_32_updates_and_ids_outside_it(layout: str) -> None
     assert _rel(out, ref) < TOL[dtype]
 
 
-def _wide_rows(u: torch.Tensor, chosen: torch.Tensor, stack: int, weight: float) -> torch.Tensor:
-    """Every adapter's columns of rows ``u [C, R]`` (``stack_wide``'s layout): copy ``c``'s weighed row in adapter
-    ``chosen[c]``'s ``R`` columns, zero elsewhere (none for ``-1``)."""
-    copies, rank = u.shape
-    wide = torch.zeros(copies, stack, rank, dtype=u.dtype, device=u.device)
-    picked = chosen >= 0
-    wide[picked.nonzero()[:, 0], chosen[picked].long()] = u[picked] * weight
-    return wide.reshape(copies, stack * rank)
-
-
-@pytest.mark.parametrize("rank, split_k", [(16, 1), (5, 2), (32, 1)])
-@pytest.mark.parametrize("layout", sorted(GATED) + ["plain"])
-@pytest.mark.parametrize("dtype", FLOATS)
-def test_every_adapters_columns_at_once(dtype: torch.dtype, layout: str, rank: int, split_k: int) -> None:
-    # update_rows [C, S·R] without ids: S more K-steps on every tile, the stack's B read adapter after adapter; the
-    # rows carry each copy's own adapter's columns alone (stack_wide's layout), so the result is each copy's own
-    # update, whichever adapters a tile's rows chose; with a split K-loop in its first range alone.
-    tokens, k, experts, hidden, n_out, stack = 11, 2, 5, 64, 24, 3
-    gen = torch.Generator().manual_seed(rank + split_k)
-    act: Optional[mf.ActivationConfig] = GATED.get(layout)
-    n_w = 2 * n_out if act is not None else n_out
-    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
-    w = (torch.randn(experts, n_w, hidden, generator=gen) * hidden ** -0.5).to(DEVICE, dtype)
-    bias = torch.randn(experts, n_w, generator=gen).to(DEVICE, dtype)
-    u = torch.randn(tokens * k, rank, generator=gen).to(DEVICE, dtype)
-    ub = (torch.randn(stack, experts, n_w, rank, generator=gen) * rank ** -0.5).to(DEVICE, dtype)
-    chosen = torch.randint(-1, stack, (tokens * k,), generator=gen).to(DEVICE)
-    weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
-    ids = _routing(tokens, experts, k, gen).to(DEVICE)
-    plan = align.align_block_size(ids, experts, SMALL.block_m)
-    out = torch.full((tokens * k, n_out), float("nan"), dtype=dtype, device=DEVICE)
-    moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=k, config=SMALL, bias=bias, topk_weights=weights.reshape(-1),
-                      act=act_code(act) if act is not None else 0, glu=act is not None,
-                      interleaved=act is not None and act.gate_up is mf.GateUpLayout.INTERLEAVED, split_k=split_k,
-                      update_rows=_wide_rows(u, chosen, stack, 0.75), update_weight=ub)
-    flat = ids.reshape(-1).long()
-    copies = torch.arange(tokens * k, device=DEVICE)
-    update = 0.75 * torch.einsum("cr,cnr->cn", u.double(), ub.double()[chosen.clamp(min=0).long(), flat])
-    pre = (torch.einsum("ch,cnh->cn", x.double()[copies // k], w.double()[flat]) + bias.double()[flat]
-           + torch.where((chosen >= 0)[:, None], update, torch.zeros_like(update)))
-    ref = (apply_activation(pre, act) if act is not None else pre) * weights.double().reshape(-1, 1)
-    assert _rel(out, ref) < TOL[dtype]
-
-
-@pytest.mark.parametrize("fmt", ["fp8-block", "int4"])
-def test_every_adapters_columns_add_to_a_quantized_product(fmt: str) -> None:
+@pytest.mark.parametrize("fmt, swap", [("fp8-block", False), ("int4", False), ("int4", True)])
+def test_every_adapters_columns_add_to_a_quantized_product(fmt: str, swap: bool) -> None:
     # The K-steps of every adapter's columns come after the base product's scales, as one update's K-step does: the
     # output with them less the output without them is the update (no activation), over 8-bit and 4-bit weights.
     tokens, k, experts, hidden, n_out, stack, rank = 7, 2, 4, 128, 32, 3, 16
@@ -225,6 +204,8 @@ def test_every_adapters_columns_add_to_a_quantized_product(fmt: str) -> None:
     w = (torch.randn(experts, n_out, hidden, generator=gen) * hidden ** -0.5).to(DEVICE)
     args: dict[str, Any] = operands(fmt, rows, w)
     a, weight = args.pop("a"), args.pop("weight")
+    if fmt == "int4":
+        args["swap"] = swap  # (the swapped product's accumulators transposed back before the update)
     u = torch.randn(tokens * k, rank, generator=gen).to(DEVICE, DTYPE)
     ub = (torch.randn(stack, experts, n_out, rank, generator=gen) * 0.25).to(DEVICE, DTYPE)
     chosen = torch.randint(-1, stack, (tokens * k,), generator=gen).to(DEVICE)

@@ -20,13 +20,13 @@ from moeforge.kernels import align, launch_plan, moe_gemm  # noqa: E402
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from test_triton_quant_gemm import rel  # noqa: E402
+from grids import grid as covering  # noqa: E402
 from test_weight_tma import DEVICE, FORMATS, HOPPER, run_both  # noqa: E402
 
 
-@pytest.mark.parametrize("grid", ["persistent", "flattened"])
-@pytest.mark.parametrize("tokens", [1, 23], ids=["fewer-tiles-than-programs", "more-tiles-than-programs"])
-@pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt, glu, tokens, grid", covering(
+    FORMATS, [False, True], [1, 23], ["persistent", "flattened"],
+    ids=[None, ["down", "gate_up"], ["fewer-tiles-than-programs", "more-tiles-than-programs"], None]))
 def test_persistent_grid_is_bitwise_one_program_per_tile(fmt: str, glu: bool, tokens: int, grid: str) -> None:
     config = GemmConfig(16, 32, 64, group_m=2, num_warps=4, num_stages=2)
     # under the interpreter the grid has 4 programs: 1 token has 2 tiles, 23 tokens x 2 copies over 4

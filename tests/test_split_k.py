@@ -27,6 +27,7 @@ from moeforge.kernels.formats import WeightFormat  # noqa: E402
 from moeforge.kernels.grouped_gemm_call import decode_config, encode_config  # noqa: E402
 from moeforge.stages.triton import act_code  # noqa: E402
 from test_triton_quant_gemm import quantize_activations, quantize_weight_w8, rel  # noqa: E402
+from grids import grid as covering  # noqa: E402
 from test_weight_tma import CUDA, DEVICE, DTYPE, FORMATS, run_both  # noqa: E402
 
 
@@ -38,9 +39,8 @@ def _close(split: torch.Tensor, whole: torch.Tensor, ref: torch.Tensor, fmt: str
     assert rel(split, ref) < 0.5
 
 
-@pytest.mark.parametrize("splits", [2, 3, 7], ids=["2", "3-uneven", "more-than-steps"])
-@pytest.mark.parametrize("glu", [False, True], ids=["down", "gate_up"])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt, glu, splits", covering(FORMATS, [False, True], [2, 3, 7],
+                                                 ids=[None, ["down", "gate_up"], ["2", "3-uneven", "more-than-steps"]]))
 def test_split_k_matches_one_k_loop(fmt: str, glu: bool, splits: int) -> None:
     # K = 160 (fp8-block 256): 5 (8) K-steps of 32 with a partial last one elsewhere; 3 splits of 5 steps
     # are 2 + 2 + 1, 7 splits are capped at one per step. The last expert has no rows.
