@@ -103,7 +103,7 @@ def stack_wide(rows: torch.Tensor, a: torch.Tensor, ids: torch.Tensor, sorted_id
         return (dict(ALIGNED=block_m, BLOCK_M=block_m_prog, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, PRECISION=precision),
                 dict(num_warps=_NUM_WARPS, num_stages=_NUM_STAGES))
 
-    _WIDE.launch(("wide", block_m, block_m_prog, block_n, precision, _NUM_WARPS, _NUM_STAGES),
+    _WIDE.launch(("wide", block_m, block_m_prog, block_n, precision),
                  (cdiv(sorted_ids.numel(), block_m_prog), cdiv(width, block_n)),
                  (rows, a, ids, sorted_ids, block_expert, num_padded, out, num_copies, k_dim, rows_per_a, rank, stack,
                   float(scale), rows.stride(0), rows.stride(1), a.stride(0), a.stride(1) if experts > 1 else 0,
