@@ -48,7 +48,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
                    fold: bool = False, half_tail: bool = False, persistent: int = 0, shuffled: bool = False,
                    nvfp4_rows: bool = False, drain: Optional[bool] = None, update: int = 0,
-                   wide: int = 0) -> Any:
+                   wide: int = 0, group: int = 1) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
     the weight tiles loaded by pointer (the TMA path takes a descriptor argument, not compiled here) and one
@@ -86,8 +86,10 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, DRAIN_MMA=drain,
         B_GLOBAL=weights is WeightFormat.NVFP4 or nvfp4_rows,
         EXPERT_RANGE=False, B_SHUFFLED=shuffled and packed, PDL=False, BLOCK_M=block[0],
-        UPDATE_K=update, UPDATE_PRECISION="tf32",  # a low-rank update's K-step (an adapter's) of this width, 0: none
-        UPDATE_STACK=False, UPDATE_PARTS=0, UPDATE_WIDE=wide,  # wide: a stack's every adapter's columns
+        # a low-rank update's K-step (an adapter's) of this width, 0: none; wide: a stack's every adapter's columns,
+        # ``group`` adapters a K-step
+        UPDATE_K=update * (group if wide else 1), UPDATE_PRECISION="tf32",
+        UPDATE_STACK=False, UPDATE_PARTS=0, UPDATE_WIDE=wide, UPDATE_GROUP=group if wide else 0,
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and dtype == "bf16" and (weights is WeightFormat.MXFP4 or (
@@ -238,6 +240,8 @@ def main() -> None:
                         help="with a low-rank update (an adapter's) of this rank: its K-step after the loop")
     parser.add_argument("--wide", type=int, default=0,
                         help="with --update: a stack's update in every adapter's columns (UPDATE_WIDE: 1, the rank the width)")
+    parser.add_argument("--group", type=int, default=4,
+                        help="with --wide: adapters a K-step of the update (UPDATE_GROUP; the launcher's for 8 rank-16 adapters)")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -248,7 +252,7 @@ def main() -> None:
                             prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold,
                             half_tail=args.half_tail, persistent=args.grid, shuffled=args.shuffled,
                             nvfp4_rows=args.rows == "nvfp4", drain=None if args.drain is None else bool(args.drain),
-                            update=args.update, wide=args.wide)
+                            update=args.update, wide=args.wide, group=args.group)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)

@@ -54,7 +54,9 @@ def _wide_rows(u: torch.Tensor, chosen: torch.Tensor, stack: int, weight: float)
 
 
 @pytest.mark.parametrize("rank, split_k, form", [(16, 1, "one"), (16, 2, "one"), (5, 1, "one"), (5, 2, "one"),
-                                                  (16, 1, "wide"), (5, 2, "wide"), (32, 1, "wide")])
+                                                  (16, 1, "wide"), (5, 2, "wide"), (32, 1, "wide"), (8, 1, "wide"),
+                                                  (64, 1, "wide"), (16, 1, "wide persistent"),
+                                                  (16, 1, "wide flattened")])
 @pytest.mark.parametrize("layout", sorted(GATED) + ["plain"])
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, layout: str, rank: int,
@@ -62,8 +64,11 @@ def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, 
     # form "one": one update [E, N_w, R] for every copy; "wide": a stack's in every adapter's columns (update_rows
     # [C, S·R] without ids: S more K-steps on every tile, the stack's B read adapter after adapter; the rows carry each
     # copy's own adapter's columns alone, stack_wide's layout, so the result is each copy's own update whichever
-    # adapters a tile's rows chose). With a split K-loop, in its first range alone.
+    # adapters a tile's rows chose; K-steps of several adapters, moe_gemm.wide_group: on one program per tile ranks
+    # 8 and 16 one step for the three, 32 two, the second half empty, 64 three, 5 one step of four 8-wide adapters
+    # masked along R; on the persistent grids rank 16 two steps). With a split K-loop, in its first range alone.
     tokens, k, experts, hidden, n_out, scale, stack = 9, 2, 5, 64, 24, 0.75, 3
+    form, _, grid = form.partition(" ")
     gen = torch.Generator().manual_seed(rank + split_k)
     act: Optional[mf.ActivationConfig] = GATED.get(layout)
     n_w = 2 * n_out if act is not None else n_out
@@ -89,7 +94,7 @@ def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, 
     moe_gemm.moe_gemm(x, w, out, *plan, rows_per_a=k, config=SMALL, bias=bias, topk_weights=weights.reshape(-1),
                       act=act_code(act) if act is not None else 0, glu=act is not None,
                       interleaved=act is not None and act.gate_up is mf.GateUpLayout.INTERLEAVED, split_k=split_k,
-                      **update_args)
+                      grid=grid or None, **update_args)
     copies = torch.arange(tokens * k, device=DEVICE)
     pre = (torch.einsum("ch,cnh->cn", x.double()[copies // k], w.double()[flat]) + bias.double()[flat] + update)
     ref = (apply_activation(pre, act) if act is not None else pre) * weights.double().reshape(-1, 1)

@@ -212,6 +212,7 @@ def _gemm_tile(
     UPDATE_STACK: tl.constexpr = FLAGS[30]
     UPDATE_PARTS: tl.constexpr = FLAGS[31]
     UPDATE_WIDE: tl.constexpr = FLAGS[32]
+    UPDATE_GROUP: tl.constexpr = FLAGS[33]
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
@@ -497,33 +498,42 @@ def _gemm_tile(
                 uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
         if UPDATE_WIDE:
             # every adapter's columns at once (u [copies, S·R]: each copy's x Aᵀ by every adapter of the stack, zero
-            # outside its own adapter's R columns, already weighed; moeforge.kernels.stack_wide): one K-step of R per
-            # adapter of the stack, on every tile, B [S, E, N_w, R] read as [E, N_w, S·R]; no ids, no turns. The next
-            # adapter's tiles are loaded before this one's MMA (their latency behind it); UPDATE_WIDE 1: R is
-            # UPDATE_K, so no mask runs along R and the loads are whole vectors (2: a rank below the K-step's).
-            u_rows = u_ptr + copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :]
-            ub_gate = ub_expert + gate_rows[None, :] * stride_ubn
-            ub_up = ub_expert + up_rows[None, :] * stride_ubn
-            if UPDATE_WIDE == 1:
-                u_mask = row_ok[:, None]
-                ub_mask = n_ok[None, :]
-                width = UPDATE_K  # (a compile-time stride: the rows' loads whole vectors too)
-            else:
-                u_mask = row_ok[:, None] & u_ok[None, :]
-                ub_mask = u_ok[:, None] & n_ok[None, :]
+            # outside its own adapter's R columns, already weighed; moeforge.kernels.stack_wide): K-steps of UPDATE_K
+            # columns on every tile, each covering UPDATE_GROUP adapters of UPDATE_K // UPDATE_GROUP columns (the rank
+            # padded to a power of two), B [S, E, N_w, R] gathered adapter by adapter into one tile; no ids, no turns.
+            # A few wide steps instead of one step per adapter: each step's MMA waits for its tiles' stores, so the
+            # step count, not the flops, set the time (docs/notes/kernels-log.md). The next step's tiles are loaded
+            # before this one's MMA; UPDATE_WIDE 1: R is the padded width, so no mask runs along R and the loads are
+            # whole vectors (2: a rank below it, masked).
+            PADDED: tl.constexpr = UPDATE_K // UPDATE_GROUP
+            offs_w = tl.arange(0, UPDATE_K)
+            member = offs_w // PADDED  # (which adapter of the step each column belongs to)
+            within = offs_w % PADDED
+            width = PADDED  # (a compile-time stride: the rows' loads whole vectors too)
+            if UPDATE_WIDE == 2:
                 width = update_width
-            u_next = tl.load(u_rows, mask=u_mask, other=0.0)
-            ub_next = tl.load(ub_gate, mask=ub_mask, other=0.0)
+            u_rows = u_ptr + copies.to(tl.int64)[:, None] * stride_um + (member * width + within)[None, :]
+            ub_cols = ub_ptr + expert * stride_ube + member[:, None] * stride_ubs + within[:, None] * stride_ubk
+            ub_gate = ub_cols + gate_rows[None, :] * stride_ubn
+            ub_up = ub_cols + up_rows[None, :] * stride_ubn
+            used = member < update_stack
+            if UPDATE_WIDE == 2:
+                used = used & (within < update_width)
+            u_next = tl.load(u_rows, mask=row_ok[:, None] & used[None, :], other=0.0)
+            ub_next = tl.load(ub_gate, mask=used[:, None] & n_ok[None, :], other=0.0)
             ub_up_next = ub_next
             if GLU:
-                ub_up_next = tl.load(ub_up, mask=ub_mask, other=0.0)
-            for adapter in range(0, update_stack):
+                ub_up_next = tl.load(ub_up, mask=used[:, None] & n_ok[None, :], other=0.0)
+            for first in range(0, update_stack, UPDATE_GROUP):
                 u, ub, ub_up_here = u_next, ub_next, ub_up_next
-                after = tl.minimum(adapter + 1, update_stack - 1)  # (the last again after the last: never used)
-                u_next = tl.load(u_rows + after * width, mask=u_mask, other=0.0)
-                ub_next = tl.load(ub_gate + after * stride_ubs, mask=ub_mask, other=0.0)
+                after = first + UPDATE_GROUP  # (loaded past the stack's end on the last step: masked, never used)
+                used = member < update_stack - after
+                if UPDATE_WIDE == 2:
+                    used = used & (within < update_width)
+                u_next = tl.load(u_rows + after * width, mask=row_ok[:, None] & used[None, :], other=0.0)
+                ub_next = tl.load(ub_gate + after * stride_ubs, mask=used[:, None] & n_ok[None, :], other=0.0)
                 if GLU:
-                    ub_up_next = tl.load(ub_up + after * stride_ubs, mask=ub_mask, other=0.0)
+                    ub_up_next = tl.load(ub_up + after * stride_ubs, mask=used[:, None] & n_ok[None, :], other=0.0)
                 if SPLIT:  # (the first range's alone)
                     u = (u * factor).to(u_ptr.dtype.element_ty)
                 out = tl.dot(u, ub, out, input_precision=UPDATE_PRECISION)
@@ -627,7 +637,7 @@ def moe_gemm_kernel(
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, PERSISTENT: tl.constexpr,
     B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
     UPDATE_K: tl.constexpr, UPDATE_PRECISION: tl.constexpr, UPDATE_STACK: tl.constexpr, UPDATE_PARTS: tl.constexpr,
-    UPDATE_WIDE: tl.constexpr, PDL: tl.constexpr,
+    UPDATE_WIDE: tl.constexpr, UPDATE_GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile`. The kernel's arguments are
@@ -650,7 +660,7 @@ def moe_gemm_kernel(
     FLAGS: tl.constexpr = (A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU,
                             HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT,
                             PREFETCH, BLOCK_N, BLOCK_K, SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA,
-                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK, UPDATE_PARTS, UPDATE_WIDE)
+                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK, UPDATE_PARTS, UPDATE_WIDE, UPDATE_GROUP)
     num_padded = tl.load(num_padded_ptr)
     k_first = 0
     k_last = 0  # without SPLIT, _gemm_tile runs the whole K-loop
@@ -718,6 +728,14 @@ def moe_gemm_reduce_kernel(
 
 
 # -- the launcher ----------------------------------------------------------------------------------
+
+# The widest K-step of a stack's update in every adapter's columns (UPDATE_WIDE; :func:`wide_group`), on one
+# program per tile and on the persistent grids. Each step's MMA waits for its operands' stores to shared memory, so
+# fewer, wider steps pay, until their tiles' registers spill (docs/notes/kernels-log.md, "Wide steps for the wide
+# update").
+WIDE_STEP = 64
+WIDE_STEP_PERSISTENT = 32
+
 
 
 def _row_scale_mode(fmt: RowFormat, a: torch.Tensor, a_scale: Optional[torch.Tensor], k_dim: int
@@ -1046,7 +1064,7 @@ def _prepare(
             out.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         raise ValueError(f"out must be bf16/fp16/fp32, got {out.dtype}")
     num_copies, n_out = out.shape
-    update_k, update_precision, update_stack, update_parts, update_wide = _update_launch(
+    update_k, update_precision, update_stack, update_parts, update_wide, update_group = _update_launch(
         update_rows, update_weight, update_ids, update_scale, weight, num_copies)
     quant_out = out_scale is not None
     compute_dtype = out.dtype if row_format is RowFormat.NVFP4 else a.dtype
@@ -1081,6 +1099,9 @@ def _prepare(
         vector_scales=vector_scales(weight_scale, weight_zero), weight_scale_max=weight_scale_max, config=asked,
         swap=swap, ptx=ptx, tma=tma, grid=grid, split_k=split_k, half_tail=half_tail)
     plan = plan_launch(facts)
+    if update_wide:
+        update_group = wide_group(update_k, update_stack, plan.grid)
+        update_k *= update_group
     config = plan.config
     paired = glu and interleaved
     paired_rows = weight_shuffled and paired
@@ -1116,7 +1137,7 @@ def _prepare(
         SCALE_FOLD=plan.scale_fold,
         UPDATE_K=update_k, UPDATE_PRECISION=update_precision, UPDATE_STACK=update_stack > 0 and not update_wide,
         UPDATE_PARTS=next_power_of_2(update_parts) if update_parts else 0,
-        UPDATE_WIDE=update_wide,
+        UPDATE_WIDE=update_wide, UPDATE_GROUP=update_group,
         PDL=pdl.flag(dependent, release=False),
     ), dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent)))
     sizes = (n_out, k_dim, num_copies, rows_per_a, float(a_global), expert_first,
@@ -1150,13 +1171,14 @@ def _prepare(
 
 def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[torch.Tensor],
                    update_ids: Optional[torch.Tensor], update_scale: float, weight: torch.Tensor, num_copies: int
-                   ) -> tuple[int, str, int, int, int]:
-    """``(UPDATE_K, UPDATE_PRECISION, the stack's size, the rows' parts, UPDATE_WIDE)`` of a low-rank update's
-    operands (0, "ieee", 0, 0, 0 without one; the size 0 for one update; the parts 0 for ``[num_copies, R]`` rows;
-    UPDATE_WIDE 0 but for rows in every adapter's columns: 1 where R is the K-step's width, else 2), checked against
-    the weight's experts and rows: a ``ValueError`` naming what does not fit."""
+                   ) -> tuple[int, str, int, int, int, int]:
+    """``(UPDATE_K, UPDATE_PRECISION, the stack's size, the rows' parts, UPDATE_WIDE, UPDATE_GROUP)`` of a low-rank
+    update's operands (0, "ieee", 0, 0, 0, 0 without one; the size 0 for one update; the parts 0 for
+    ``[num_copies, R]`` rows; UPDATE_WIDE 0 but for rows in every adapter's columns: 1 where R is a power of two,
+    else 2, and then UPDATE_GROUP adapters a K-step of UPDATE_K columns, :data:`WIDE_STEP`), checked against the
+    weight's experts and rows: a ``ValueError`` naming what does not fit."""
     if update_rows is None and update_weight is None and update_ids is None:
-        return 0, "ieee", 0, 0, 0
+        return 0, "ieee", 0, 0, 0, 0
     if update_rows is None or update_weight is None:
         raise ValueError("a low-rank update takes update_rows and update_weight together")
     stack = 0
@@ -1207,9 +1229,20 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
             or update_weight.element_size() < 2:
         raise ValueError(f"a low-rank update's operands share one float dtype (bf16, fp16, fp32), got "
                          f"{update_rows.dtype} and {update_weight.dtype}")
-    step = max(16, next_power_of_2(width))
-    return step, "ieee" if update_weight.dtype == torch.float32 else "tf32", stack, parts, (
-        (1 if step == width else 2) if wide else 0)
+    precision = "ieee" if update_weight.dtype == torch.float32 else "tf32"
+    padded = next_power_of_2(width)
+    if wide:  # (the K-step's adapters are set by the grid: wide_group)
+        return padded, precision, stack, parts, 1 if padded == width else 2, 1
+    return max(16, padded), precision, stack, parts, 0, 0
+
+
+def wide_group(padded: int, stack: int, grid: str) -> int:
+    """How many adapters of a stack's update in every adapter's columns (``stack`` adapters, each ``padded``
+    columns: the rank to a power of two) one K-step covers (UPDATE_GROUP): as many as fit in
+    :data:`WIDE_STEP` columns on one program per tile, :data:`WIDE_STEP_PERSISTENT` on the persistent grids, and
+    at least 16 columns (the MMA's K)."""
+    step = WIDE_STEP if grid == "tiles" else WIDE_STEP_PERSISTENT
+    return max(min(next_power_of_2(stack), step // padded), -(-16 // padded), 1)
 
 
 def _stack_strides(update_weight: Optional[torch.Tensor]) -> tuple[int, ...]:
