@@ -259,7 +259,7 @@ FUSED_UPDATE_MAX_K = 2048
 # adapter a tile's rows chose inside the base GEMM's launch, for at most ``STACK_SHRINK_MAX_COPIES`` copies and, over a
 # K-loop longer than ``FUSED_UPDATE_MAX_K``, at most ``FUSED_STACK_MAX_COPIES`` (where the base GEMM is bound by reading
 # its weights, those K-steps cost less than the alternative); elsewhere every adapter's columns at once
-# (:mod:`moeforge.kernels.stack_wide`, S more K-steps a tile): measured on an H200 (docs/notes/kernels-log.md, "The
+# (:mod:`moeforge.kernels.stack_wide`, then K-steps of several adapters a tile): measured on an H200 (docs/notes/kernels-log.md, "The
 # served stack at few copies" and "Every adapter's columns at once").
 FUSED_STACK_MAX_COPIES = 512
 STACK_SHRINK_MAX_COPIES = 2048
@@ -383,7 +383,8 @@ class AdaptedGroupedGemm(AdaptedGemm):
                 shrunk: AlignedRows = base.run(x, by_copy)
                 return shrunk
             # many copies: each copy's x Aᵀ by every adapter on the base's alignment (its own adapter's columns kept,
-            # weighed), then · Bᵀ of every adapter's columns inside the base GEMM's launch (S more K-steps a tile)
+            # weighed), then · Bᵀ of every adapter's columns inside the base GEMM's launch (K-steps of several
+            # adapters a tile)
             wide = kernel_ops().stack_wide(rows, a, ids, alignment.sorted_ids, alignment.block_expert,
                                            alignment.num_padded, alignment.block_m, alignment.num_copies, rows_per_a,
                                            self.scale, b.dtype)
