@@ -55,7 +55,7 @@ def _wide_rows(u: torch.Tensor, chosen: torch.Tensor, stack: int, weight: float)
 
 @pytest.mark.parametrize("rank, split_k, form", [(16, 1, "one"), (16, 2, "one"), (5, 1, "one"), (5, 2, "one"),
                                                   (16, 1, "wide"), (5, 2, "wide"), (32, 1, "wide"), (8, 1, "wide"),
-                                                  (64, 1, "wide"), (16, 1, "wide persistent"),
+                                                  (64, 1, "wide"), (3, 1, "wide"), (16, 1, "wide persistent"),
                                                   (16, 1, "wide flattened")])
 @pytest.mark.parametrize("layout", sorted(GATED) + ["plain"])
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -66,7 +66,8 @@ def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, 
     # copy's own adapter's columns alone, stack_wide's layout, so the result is each copy's own update whichever
     # adapters a tile's rows chose; K-steps of several adapters, moe_gemm.wide_group: on one program per tile ranks
     # 8 and 16 one step for the three, 32 two, the second half empty, 64 three, 5 one step of four 8-wide adapters
-    # masked along R; on the persistent grids rank 16 two steps). With a split K-loop, in its first range alone.
+    # masked along R, 3 one step of four 4-wide ones; on the persistent grids rank 16 two steps). With a split K-loop,
+    # in its first range alone.
     tokens, k, experts, hidden, n_out, scale, stack = 9, 2, 5, 64, 24, 0.75, 3
     form, _, grid = form.partition(" ")
     gen = torch.Generator().manual_seed(rank + split_k)
@@ -99,6 +100,21 @@ def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, 
     pre = (torch.einsum("ch,cnh->cn", x.double()[copies // k], w.double()[flat]) + bias.double()[flat] + update)
     ref = (apply_activation(pre, act) if act is not None else pre) * weights.double().reshape(-1, 1)
     assert _rel(out, ref) < TOL[dtype]
+
+
+def test_a_wide_update_step_covers_whole_adapters_in_at_least_16_columns() -> None:
+    # (moe_gemm.wide_group: the MMA's K is at least 16; a step is a power of two of whole padded adapters, at most
+    # the grid's step unless one adapter is wider, and no more adapters than the stack rounded up to a power of two)
+    for grid, step in (("tiles", moe_gemm.WIDE_STEP), ("persistent", moe_gemm.WIDE_STEP_PERSISTENT),
+                       ("flattened", moe_gemm.WIDE_STEP_PERSISTENT)):
+        for padded in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            for stack in range(1, 41):
+                group = moe_gemm.wide_group(padded, stack, grid)
+                width = group * padded
+                assert group >= 1 and group & (group - 1) == 0
+                assert width >= 16 and width & (width - 1) == 0
+                assert width <= max(step, padded, 16)
+                assert group <= max(1, -(-16 // padded), 1 << (stack - 1).bit_length())
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["", "swapped"])
