@@ -737,7 +737,6 @@ WIDE_STEP = 64
 WIDE_STEP_PERSISTENT = 32
 
 
-
 def _row_scale_mode(fmt: RowFormat, a: torch.Tensor, a_scale: Optional[torch.Tensor], k_dim: int
                     ) -> tuple[RowScales, int, int]:
     """``(mode, stride_row, stride_k)`` of the rows' scales."""
@@ -1175,8 +1174,9 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
     """``(UPDATE_K, UPDATE_PRECISION, the stack's size, the rows' parts, UPDATE_WIDE, UPDATE_GROUP)`` of a low-rank
     update's operands (0, "ieee", 0, 0, 0, 0 without one; the size 0 for one update; the parts 0 for
     ``[num_copies, R]`` rows; UPDATE_WIDE 0 but for rows in every adapter's columns: 1 where R is a power of two,
-    else 2, and then UPDATE_GROUP adapters a K-step of UPDATE_K columns, :data:`WIDE_STEP`), checked against the
-    weight's experts and rows: a ``ValueError`` naming what does not fit."""
+    else 2, and then UPDATE_K the rank to a power of two and UPDATE_GROUP 1, which the launch widens to
+    :func:`wide_group`'s adapters a K-step once its grid is known), checked against the weight's experts and rows: a
+    ``ValueError`` naming what does not fit."""
     if update_rows is None and update_weight is None and update_ids is None:
         return 0, "ieee", 0, 0, 0, 0
     if update_rows is None or update_weight is None:
