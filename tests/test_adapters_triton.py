@@ -726,9 +726,9 @@ def test_a_random_stack_served_on_the_triton_gemms_equals_the_torch_layer(
 
 
 @pytest.mark.parametrize("stack_case", ["top_k = experts", "every token on one expert", "one token", "no tokens"])
-def test_a_served_stack_at_the_routings_edges_equals_the_torch_layer(stack_case: str) -> None:
+def test_a_served_stack_at_the_routings_edges_equals_the_torch_layer(stack_case: str, stack_path: str) -> None:
     # The triton pipeline of the layer (what MoELayer(backend="triton") builds) against its torch one, serving a stack
-    # of 3 (few copies: each copy's x Aᵀ copy by copy; the pair path's edges are in the random stacks' test).
+    # of 3 on both paths of a served stack (stack_path).
     experts, top_k, tokens = {"top_k = experts": (4, 4, 9), "every token on one expert": (4, 1, 9),
                               "one token": (4, 2, 1), "no tokens": (4, 2, 0)}[stack_case]
     adapter = ExpertAdapter(rank=2, alpha=4, count=3)
