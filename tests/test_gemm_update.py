@@ -1,7 +1,7 @@
 """The grouped GEMM's low-rank update (``moe_gemm(..., update_rows=U, update_weight=B, update_scale=s)``): the
 product of every copy gains ``s * U[copy] @ B[expert]^T`` before the epilogue, one more K-step of the kernel (an
 adapter's update, :mod:`moeforge.adapters`); with ``update_ids``, a stack's: ``B[ids[copy], expert]``; with
-rows ``[C, S·R]`` and no ids, a stack's in every adapter's columns (``S`` more K-steps). Checked against float64 through the whole epilogue (the gated
+rows ``[C, S·R]`` and no ids, a stack's in every adapter's columns (K-steps of several adapters). Checked against float64 through the whole epilogue (the gated
 activation on both gate/up layouts, bias, routing weights, a split K-loop), and in every weight format by
 linearity (the output with the update less the output without it is the update, with no activation), the swapped
 4-bit product included. On CPU under Triton's interpreter, on a GPU compiled; outputs poisoned with NaN.
@@ -24,6 +24,7 @@ from moeforge.kernels import align, moe_gemm, ops  # noqa: E402,F401  (ops: the 
 from moeforge.kernels.config import GemmConfig  # noqa: E402
 from moeforge.stages.activation import apply_activation  # noqa: E402
 from moeforge.stages.triton import act_code  # noqa: E402
+from grids import grid  # noqa: E402
 from test_weight_tma import CUDA, DEVICE, DTYPE, FORMATS, operands  # noqa: E402
 
 SMALL = GemmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
@@ -53,12 +54,25 @@ def _wide_rows(u: torch.Tensor, chosen: torch.Tensor, stack: int, weight: float)
     return wide.reshape(copies, stack * rank)
 
 
-@pytest.mark.parametrize("rank, split_k, form", [(16, 1, "one"), (16, 2, "one"), (5, 1, "one"), (5, 2, "one"),
-                                                  (16, 1, "wide"), (5, 2, "wide"), (32, 1, "wide"), (8, 1, "wide"),
-                                                  (64, 1, "wide"), (3, 1, "wide"), (16, 1, "wide persistent"),
-                                                  (16, 1, "wide flattened")])
-@pytest.mark.parametrize("layout", sorted(GATED) + ["plain"])
-@pytest.mark.parametrize("dtype", FLOATS)
+LAYOUTS = sorted(GATED) + ["plain"]
+ONE_FORMS = [(16, 1, "one"), (16, 2, "one"), (5, 1, "one"), (5, 2, "one")]
+WIDE_FORMS = [(16, 1, "wide"), (5, 2, "wide"), (32, 1, "wide"), (8, 1, "wide"), (64, 1, "wide"), (3, 1, "wide"),
+              (16, 1, "wide persistent"), (16, 1, "wide flattened")]
+
+
+def _update_cases() -> list[Any]:
+    """``(dtype, layout, rank, split_k, form)``: every case of one update; of a stack's in every adapter's columns a
+    covering part on the CPU (tests/grids.py), every case on a GPU."""
+    cases = [pytest.param(dtype, layout, *form, id=f"{dtype}-{layout}-{form[0]}-{form[1]}-{form[2]}")
+             for form in ONE_FORMS for layout in LAYOUTS for dtype in FLOATS]
+    for case in grid(WIDE_FORMS, LAYOUTS, FLOATS):
+        form, layout, dtype = case.values
+        cases.append(pytest.param(dtype, layout, *form, id=f"{dtype}-{layout}-{form[0]}-{form[1]}-{form[2]}",
+                                  marks=case.marks))
+    return cases
+
+
+@pytest.mark.parametrize("dtype, layout, rank, split_k, form", _update_cases())
 def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, layout: str, rank: int,
                                                             split_k: int, form: str) -> None:
     # form "one": one update [E, N_w, R] for every copy; "wide": a stack's in every adapter's columns (update_rows
@@ -105,11 +119,11 @@ def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, 
 def test_a_wide_update_step_covers_whole_adapters_in_at_least_16_columns() -> None:
     # (moe_gemm.wide_group: the MMA's K is at least 16; a step is a power of two of whole padded adapters, at most
     # the grid's step unless one adapter is wider, and no more adapters than the stack rounded up to a power of two)
-    for grid, step in (("tiles", moe_gemm.WIDE_STEP), ("persistent", moe_gemm.WIDE_STEP_PERSISTENT),
-                       ("flattened", moe_gemm.WIDE_STEP_PERSISTENT)):
+    for tile_grid, step in (("tiles", moe_gemm.WIDE_STEP), ("persistent", moe_gemm.WIDE_STEP_PERSISTENT),
+                            ("flattened", moe_gemm.WIDE_STEP_PERSISTENT)):
         for padded in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             for stack in range(1, 41):
-                group = moe_gemm.wide_group(padded, stack, grid)
+                group = moe_gemm.wide_group(padded, stack, tile_grid)
                 width = group * padded
                 assert group >= 1 and group & (group - 1) == 0
                 assert width >= 16 and width & (width - 1) == 0
