@@ -160,15 +160,15 @@ def test_the_update_adds_to_the_product_of_every_weight_format(fmt: str, swap: b
     assert _rel(outs[1].double() - outs[0].double(), want) < 2e-2
 
 
-@pytest.mark.parametrize("rank", [16, 5, 64])
-@pytest.mark.parametrize("split_k", [1, 2])
-@pytest.mark.parametrize("layout", sorted(GATED) + ["plain"])
-@pytest.mark.parametrize("dtype", FLOATS)
-def test_a_stack_of_updates_reaches_each_copy_by_its_own(dtype: torch.dtype, layout: str, split_k: int,
-                                                         rank: int) -> None:
+@pytest.mark.parametrize("rank_split, layout, dtype", grid([(16, 1), (16, 2), (5, 1), (5, 2), (64, 1), (64, 2)],
+                                                          LAYOUTS, FLOATS))
+def test_a_stack_of_updates_reaches_each_copy_by_its_own(dtype: torch.dtype, layout: str,
+                                                         rank_split: tuple[int, int]) -> None:
     # update_ids picks each copy's update out of update_weight [S, E, N_w, R]: one update no copy chose (3), tiles
     # whose rows chose some of the stack only (expert 0's copies all take update 2, so its tiles skip the others'
     # K-steps); a rank below the K-step's 16 and one above.
+    # (every case on a GPU, a covering part under the interpreter: tests/grids.py)
+    rank, split_k = rank_split
     tokens, k, experts, hidden, n_out, stack, scale = 11, 2, 5, 64, 24, 4, 0.75
     gen = torch.Generator().manual_seed(split_k)
     act: Optional[mf.ActivationConfig] = GATED.get(layout)
