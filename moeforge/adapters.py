@@ -259,8 +259,8 @@ FUSED_UPDATE_MAX_K = 2048
 # adapter a tile's rows chose inside the base GEMM's launch, for at most ``STACK_SHRINK_MAX_COPIES`` copies and, over a
 # K-loop longer than ``FUSED_UPDATE_MAX_K``, at most ``FUSED_STACK_MAX_COPIES`` (where the base GEMM is bound by reading
 # its weights, those K-steps cost less than the alternative); elsewhere every adapter's columns at once
-# (:mod:`moeforge.kernels.stack_wide`, then K-steps of several adapters a tile): measured on an H200 (docs/notes/kernels-log.md, "The
-# served stack at few copies" and "Every adapter's columns at once").
+# (:mod:`moeforge.kernels.stack_wide`, then K-steps of several adapters a tile): measured on an H200
+# (docs/notes/kernels-log.md, "The served stack at few copies" and "Every adapter's columns at once").
 FUSED_STACK_MAX_COPIES = 512
 STACK_SHRINK_MAX_COPIES = 2048
 # Copy by copy, ``x Aᵀ`` comes in fp32 parts, one per range of K. Over a K-loop at most this long the base GEMM's launch
@@ -293,8 +293,8 @@ class AdaptedGroupedGemm(AdaptedGemm):
     per adapter the tile's rows chose (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate` with ``ids``), which
     sums the ranges as it loads them over a short K-loop (``STACK_PARTS_MAX_K``; a launch of their own over a longer
     one); to more copies, each copy's ``x Aᵀ`` by every adapter of the stack on the base's alignment, kept in its own
-    adapter's columns (:mod:`moeforge.kernels.stack_wide`), then ``· Bᵀ`` of every adapter's columns as ``S`` more
-    K-steps on every tile (``GemmUpdate`` of ``[copies, S·r]`` rows). A batch-invariant layer's stack takes one path
+    adapter's columns (:mod:`moeforge.kernels.stack_wide`), then ``· Bᵀ`` of every adapter's columns as more K-steps
+    on every tile, several adapters a step (``GemmUpdate`` of ``[copies, S·r]`` rows). A batch-invariant layer's stack takes one path
     at every batch size (the paths round differently): the copies aligned again by (adapter, expert) pair, ``x Aᵀ``
     on that alignment, then ``· Bᵀ`` inside the base's launch where its K-loop is short, a K-step per chosen adapter;
     and that path's launches of their own serve a stack that records a backward (training) and a batch-invariant

@@ -76,7 +76,7 @@ def _update_cases() -> list[Any]:
 def test_the_update_reaches_the_product_before_the_epilogue(dtype: torch.dtype, layout: str, rank: int,
                                                             split_k: int, form: str) -> None:
     # form "one": one update [E, N_w, R] for every copy; "wide": a stack's in every adapter's columns (update_rows
-    # [C, S·R] without ids: S more K-steps on every tile, the stack's B read adapter after adapter; the rows carry each
+    # [C, S·R] without ids: more K-steps on every tile, the stack's B gathered adapter by adapter; the rows carry each
     # copy's own adapter's columns alone, stack_wide's layout, so the result is each copy's own update whichever
     # adapters a tile's rows chose; K-steps of several adapters, moe_gemm.wide_group: on one program per tile ranks
     # 8 and 16 one step for the three, 32 two, the second half empty, 64 three, 5 one step of four 8-wide adapters

@@ -925,8 +925,8 @@ def moe_gemm(
     and weighed by the raw ``update_ids`` (int32 or int64): ``update_scale`` for an id in ``[0, S)``, nothing for
     ``-1``, NaN outside ``[-1, S)`` (:func:`moeforge.kernels.stack_pairs.copy_adapters`). Or, without ids,
     ``update_rows [num_copies, S·R]`` and ``update_weight [S, E, N_w, R]``: every adapter's columns at once, copy
-    ``c``'s ``update_rows[c] @ B_wide[expert]ᵀ`` (``B_wide [E, N_w, S·R]``, the stack read adapter after adapter), as
-    ``S`` more K-steps on every tile: the rows come weighed and zero outside each copy's own adapter's columns
+    ``c``'s ``update_rows[c] @ B_wide[expert]ᵀ`` (``B_wide [E, N_w, S·R]``, gathered adapter by adapter), as more
+    K-steps on every tile, several adapters a step (:func:`wide_group`): the rows come weighed and zero outside each copy's own adapter's columns
     (:func:`moeforge.kernels.stack_wide.stack_wide`), ``update_scale`` 1. A stack has no backward (the adapters'
     serving path).
     """
@@ -1063,7 +1063,7 @@ def _prepare(
             out.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         raise ValueError(f"out must be bf16/fp16/fp32, got {out.dtype}")
     num_copies, n_out = out.shape
-    update_k, update_precision, update_stack, update_parts, update_wide, update_group = _update_launch(
+    update_k, update_precision, update_stack, update_parts, update_wide = _update_launch(
         update_rows, update_weight, update_ids, update_scale, weight, num_copies)
     quant_out = out_scale is not None
     compute_dtype = out.dtype if row_format is RowFormat.NVFP4 else a.dtype
@@ -1098,9 +1098,8 @@ def _prepare(
         vector_scales=vector_scales(weight_scale, weight_zero), weight_scale_max=weight_scale_max, config=asked,
         swap=swap, ptx=ptx, tma=tma, grid=grid, split_k=split_k, half_tail=half_tail)
     plan = plan_launch(facts)
-    if update_wide:
-        update_group = wide_group(update_k, update_stack, plan.grid)
-        update_k *= update_group
+    update_group = wide_group(update_k, update_stack, plan.grid) if update_wide else 0
+    update_k *= max(update_group, 1)  # (a wide update's K-step: the group's padded ranks)
     config = plan.config
     paired = glu and interleaved
     paired_rows = weight_shuffled and paired
@@ -1170,15 +1169,14 @@ def _prepare(
 
 def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[torch.Tensor],
                    update_ids: Optional[torch.Tensor], update_scale: float, weight: torch.Tensor, num_copies: int
-                   ) -> tuple[int, str, int, int, int, int]:
-    """``(UPDATE_K, UPDATE_PRECISION, the stack's size, the rows' parts, UPDATE_WIDE, UPDATE_GROUP)`` of a low-rank
-    update's operands (0, "ieee", 0, 0, 0, 0 without one; the size 0 for one update; the parts 0 for
-    ``[num_copies, R]`` rows; UPDATE_WIDE 0 but for rows in every adapter's columns: 1 where R is a power of two,
-    else 2, and then UPDATE_K the rank to a power of two and UPDATE_GROUP 1, which the launch widens to
-    :func:`wide_group`'s adapters a K-step once its grid is known), checked against the weight's experts and rows: a
-    ``ValueError`` naming what does not fit."""
+                   ) -> tuple[int, str, int, int, int]:
+    """``(UPDATE_K, UPDATE_PRECISION, the stack's size, the rows' parts, UPDATE_WIDE)`` of a low-rank update's
+    operands (0, "ieee", 0, 0, 0 without one; the size 0 for one update; the parts 0 for ``[num_copies, R]`` rows;
+    UPDATE_WIDE 0 but for rows in every adapter's columns: 1 where R is a power of two, else 2, and then UPDATE_K an
+    adapter's columns, the rank to a power of two, which the launch multiplies by :func:`wide_group` once its grid is
+    known), checked against the weight's experts and rows: a ``ValueError`` naming what does not fit."""
     if update_rows is None and update_weight is None and update_ids is None:
-        return 0, "ieee", 0, 0, 0, 0
+        return 0, "ieee", 0, 0, 0
     if update_rows is None or update_weight is None:
         raise ValueError("a low-rank update takes update_rows and update_weight together")
     stack = 0
@@ -1231,9 +1229,9 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
                          f"{update_rows.dtype} and {update_weight.dtype}")
     precision = "ieee" if update_weight.dtype == torch.float32 else "tf32"
     padded = next_power_of_2(width)
-    if wide:  # (the K-step's adapters are set by the grid: wide_group)
-        return padded, precision, stack, parts, 1 if padded == width else 2, 1
-    return max(16, padded), precision, stack, parts, 0, 0
+    if wide:
+        return padded, precision, stack, parts, 1 if padded == width else 2
+    return max(16, padded), precision, stack, parts, 0
 
 
 def wide_group(padded: int, stack: int, grid: str) -> int:

@@ -8,8 +8,8 @@ A stack of ``S`` adapters of rank ``r`` over ``E`` experts (``A [S, E | 1, r, K]
 the row ``u[c] [S · r]``: in the ``r`` columns of its own adapter ``s = ids[c]``, ``x[c // rows_per_a] @ A[s, e]ᵀ``
 weighed by the id (the adapters' ``scale``, 0 for no adapter, ``-1``, NaN for an id outside ``[-1, S)``, whose row
 then takes adapter 0's columns: :func:`moeforge.kernels.stack_pairs.copy_adapters`); zero in every other adapter's.
-The base GEMM then adds ``u[c] @ B_wide[e]ᵀ`` (``B [S, E, N, r]`` read as ``[E, N, S · r]``) as ``S`` more K-steps
-of its own, on every tile, without looking at the ids
+The base GEMM then adds ``u[c] @ B_wide[e]ᵀ`` (``B [S, E, N, r]`` read as ``[E, N, S · r]``) as more K-steps of its
+own, several adapters a step, on every tile, without looking at the ids
 (:func:`moeforge.kernels.moe_gemm.moe_gemm` with ``update_rows [C, S · r]``).
 
 Computing every adapter's product for each copy costs ``S`` times the flops of its own adapter's, but on the tensor
