@@ -502,9 +502,11 @@ def _gemm_tile(
             # columns on every tile, each covering UPDATE_GROUP adapters of UPDATE_K // UPDATE_GROUP columns (the rank
             # padded to a power of two), B [S, E, N_w, R] gathered adapter by adapter into one tile; no ids, no turns.
             # A few wide steps instead of one step per adapter: each step's MMA waits for its tiles' stores, so the
-            # step count, not the flops, set the time (docs/notes/kernels-log.md). The next step's tiles are loaded
-            # before this one's MMA; UPDATE_WIDE 1: R is the padded width, so no mask runs along R and the loads are
-            # whole vectors (2: a rank below it, masked).
+            # step count, not the flops, set the time (docs/notes/kernels-log.md). Triton pipelines the steps, three
+            # stages: the tiles go to shared memory by cp.async, two steps ahead of the MMA (the masks are constant
+            # over each adapter's columns, so the loads qualify), where a prefetch into registers waited on each
+            # step's stores and spilled at 64 columns. UPDATE_WIDE 1: R is the padded width, so no mask runs along R
+            # and the loads are whole vectors (2: a rank below it, masked).
             PADDED: tl.constexpr = UPDATE_K // UPDATE_GROUP
             offs_w = tl.arange(0, UPDATE_K)
             member = offs_w // PADDED  # (which adapter of the step each column belongs to)
@@ -516,28 +518,17 @@ def _gemm_tile(
             ub_cols = ub_ptr + expert * stride_ube + member[:, None] * stride_ubs + within[:, None] * stride_ubk
             ub_gate = ub_cols + gate_rows[None, :] * stride_ubn
             ub_up = ub_cols + up_rows[None, :] * stride_ubn
-            used = member < update_stack
-            if UPDATE_WIDE == 2:
-                used = used & (within < update_width)
-            u_next = tl.load(u_rows, mask=row_ok[:, None] & used[None, :], other=0.0)
-            ub_next = tl.load(ub_gate, mask=used[:, None] & n_ok[None, :], other=0.0)
-            ub_up_next = ub_next
-            if GLU:
-                ub_up_next = tl.load(ub_up, mask=used[:, None] & n_ok[None, :], other=0.0)
-            for first in range(0, update_stack, UPDATE_GROUP):
-                u, ub, ub_up_here = u_next, ub_next, ub_up_next
-                after = first + UPDATE_GROUP  # (loaded past the stack's end on the last step: masked, never used)
-                used = member < update_stack - after
+            for first in tl.range(0, update_stack, UPDATE_GROUP, num_stages=3):
+                used = member < update_stack - first
                 if UPDATE_WIDE == 2:
                     used = used & (within < update_width)
-                u_next = tl.load(u_rows + after * width, mask=row_ok[:, None] & used[None, :], other=0.0)
-                ub_next = tl.load(ub_gate + after * stride_ubs, mask=used[:, None] & n_ok[None, :], other=0.0)
-                if GLU:
-                    ub_up_next = tl.load(ub_up + after * stride_ubs, mask=used[:, None] & n_ok[None, :], other=0.0)
+                u = tl.load(u_rows + first * width, mask=row_ok[:, None] & used[None, :], other=0.0)
+                ub = tl.load(ub_gate + first * stride_ubs, mask=used[:, None] & n_ok[None, :], other=0.0)
                 if SPLIT:  # (the first range's alone)
                     u = (u * factor).to(u_ptr.dtype.element_ty)
                 out = tl.dot(u, ub, out, input_precision=UPDATE_PRECISION)
                 if GLU:
+                    ub_up_here = tl.load(ub_up + first * stride_ubs, mask=used[:, None] & n_ok[None, :], other=0.0)
                     out_up = tl.dot(u, ub_up_here, out_up, input_precision=UPDATE_PRECISION)
         elif UPDATE_STACK:
             # a stack of adapters (ub [S, E, N_w, R]): each copy's row meets its own adapter's B (uid [copies]), one
@@ -732,7 +723,7 @@ def moe_gemm_reduce_kernel(
 # The widest K-step of a stack's update in every adapter's columns (UPDATE_WIDE; :func:`wide_group`), on one
 # program per tile and on the persistent grids. Each step's MMA waits for its operands' stores to shared memory, so
 # fewer, wider steps pay, until their tiles' registers spill (docs/notes/kernels-log.md, "Wide steps for the wide
-# update").
+# update"; with the steps pipelined, 64 columns on the persistent grids measured the same as 32).
 WIDE_STEP = 64
 WIDE_STEP_PERSISTENT = 32
 
