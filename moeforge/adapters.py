@@ -24,6 +24,7 @@ MXFP4, NVFP4) the layer trains on the torch backend although the method alone is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
@@ -356,9 +357,15 @@ class AdaptedGroupedGemm(AdaptedGemm):
         route = alignment.route()
         if not self.stack and rows.shape[-1] <= FUSED_UPDATE_MAX_K:
             # x Aᵀ by its own launch, then · Bᵀ inside the base GEMM's launch: one more K-step of its product, before
-            # its epilogue (activation, routing weights, output quantization) and in its backward
-            fused: AlignedRows = base.run(x, GemmUpdate(self._low(route, a, rows, rows_per_a, b.dtype, a_launch), b,
-                                                        self.scale))
+            # its epilogue (activation, routing weights, output quantization) and in its backward. Where the base's
+            # rows are the update's own (float) and A is per expert, x Aᵀ records no gradient and the base's backward
+            # differentiates it (A's gradient, and x's through A added in the base's row-gradient launch:
+            # GemmUpdate.source), else x Aᵀ's own launch has its backward.
+            through_base = (a.shape[0] != 1 and rows is x.x.data and int(b.shape[1]) <= FUSED_UPDATE_MAX_K
+                            and records_grad(rows, a))
+            with torch.no_grad() if through_base else contextlib.nullcontext():
+                low = self._low(route, a, rows, rows_per_a, b.dtype, a_launch)
+            fused: AlignedRows = base.run(x, GemmUpdate(low, b, self.scale, source=a if through_base else None))
             return fused
         base_tensors = [resolve(t) for t in (getattr(base, "weight", None), getattr(base, "bias", None))
                         if t is not None]

@@ -246,6 +246,78 @@ def test_every_gradient_equals_the_torch_pipelines(activation: str, weights_in_e
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("trained", ["every weight", "the rows alone", "B alone", "A and the rows"])
+def test_one_adapters_x_a_is_differentiated_by_the_base_gemms_backward(trained: str) -> None:
+    """Over a short K-loop the base launch adds ``· Bᵀ`` and its backward differentiates ``x Aᵀ`` too
+    (``GemmUpdate.source``): ``d(x Aᵀ) · A`` joins the rows' gradient inside the base's row-gradient launch (an update
+    of that launch), so the token rows' copies are summed once (one combine for the gate/up GEMM's backward, not one
+    for the base and one for ``x Aᵀ``'s own launch), and ``A``'s gradient comes from the same backward. Every gradient
+    asked for equals the torch pipeline's, whichever of the rows, ``A`` and ``B`` are trained."""
+    import moeforge.kernels.backward as backward
+    from moeforge.kernels import combine as combine_kernels
+
+    layer = _torch_layer(ExpertAdapter(rank=3, alpha=6), torch.float32)
+    pipeline = _triton_pipeline(layer)
+    names = {"every weight": ["w13_lora_a", "w13_lora_b", "w2_lora_a", "w2_lora_b"], "the rows alone": [],
+             "B alone": ["w13_lora_b", "w2_lora_b"], "A and the rows": ["w13_lora_a", "w2_lora_a"]}[trained]
+    with_rows = trained != "B alone"
+    x = torch.randn(9, H, device=DEVICE)
+    upstream = torch.randn(9, H, device=DEVICE)
+
+    def grads(run: mf.Pipeline) -> list[torch.Tensor]:  # type: ignore[type-arg]
+        rows = x.clone().requires_grad_(with_rows)
+        params = [getattr(layer, name) for name in names]
+        for name, param in layer.named_parameters():
+            param.requires_grad_(name in names)
+        try:
+            return list(torch.autograd.grad((_run(run, layer, rows).float() * upstream).sum(),
+                                            ([rows] if with_rows else []) + params))
+        finally:
+            for param in layer.parameters():
+                param.requires_grad_(True)
+
+    combines: list[int] = []
+    updates: list[bool] = []
+    real_combine, real_gemm = combine_kernels.COMBINE, backward.grouped_gemm
+
+    def count_combine(rows: torch.Tensor, *args: Any) -> torch.Tensor:
+        combines.append(int(rows.shape[0]))
+        return real_combine(rows, *args)
+
+    def note_update(*args: Any) -> Any:
+        updates.append(len(args) > 5 and args[5] is not None)
+        return real_gemm(*args)
+
+    with mock.patch.object(combine_kernels, "COMBINE", count_combine), \
+            mock.patch.object(backward, "grouped_gemm", note_update):
+        got = grads(pipeline)
+    want = grads(layer.pipeline)
+    assert len(got) == len(want) == len(names) + with_rows
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    if with_rows:  # the gate/up GEMM's row gradient sums the copies once, both row gradients carry d(x Aᵀ) · A
+        assert len(combines) == 1 and updates.count(True) == 2
+    else:  # x records nothing: no row gradient of the gate/up GEMM; the down GEMM's rows (the activation, which
+        # records a gradient through w13's B) still get d(h Aᵀ) · A in theirs
+        assert combines == [] and updates.count(True) == 1
+
+
+def test_an_updates_source_must_match_its_rows_and_be_recorded_by_the_base_alone() -> None:
+    from moeforge.kernels.grouped_gemm_call import GemmUpdate, launch
+
+    rows = torch.randn(6, 3, requires_grad=True)
+    with pytest.raises(ValueError, match="under torch.no_grad"):
+        GemmUpdate(rows, torch.randn(E, 8, 3), source=torch.randn(E, 3, H))
+    with torch.no_grad():
+        GemmUpdate(rows, torch.randn(E, 8, 3), source=torch.randn(E, 3, H))  # (nothing recorded: accepted)
+    a, weight = torch.randn(3, H), torch.randn(E, 8, H)
+    ids = torch.zeros(16, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"update_source must be \[E, R, K\]"):
+        launch(a, None, weight, None, None, None, None, None, ids, torch.zeros(1, dtype=torch.int32),
+               torch.zeros(1, dtype=torch.int32), 6, 2, 0, 1.0, 0, False, False, 1.0, 0.0, [], torch.float32, False,
+               update_rows=rows.detach(), update_weight=torch.randn(E, 8, 3), update_source=torch.randn(E, 3, H + 1))
+
+
 @pytest.mark.parametrize("count", [1, 3], ids=["one adapter", "a stack of 3"])
 def test_over_a_quantized_base_reading_float_rows_the_update_is_added_before_the_activation(count: int) -> None:
     # 4-bit weights decoded in the K-loop of the base launch that takes the update (a stack's: each copy's adapter)

@@ -14,7 +14,12 @@ pre-activation with the same kernel in fp32 and takes the epilogue's derivative 
   GEMM (``r = top_k`` copies each) are written in fp32 and summed in a fixed order;
 * weights and biases: :func:`moeforge.kernels.weight_grad.expert_weight_grad`, a k-grouped GEMM on the rows
   gathered in slot order, deterministic (no atomics; each expert's copies summed in ascending order);
-* routing weights in the epilogue: ``<d_out[c], epilogue input[c]>`` from the autograd step.
+* routing weights in the epilogue: ``<d_out[c], epilogue input[c]>`` from the autograd step;
+* a low-rank update ``scale * u[c] @ B[e]^T`` (:class:`~moeforge.kernels.grouped_gemm_call.GemmUpdate`): ``u``'s
+  gradient ``scale * d_pre[c] @ B[e]`` (rank-wide tiles) and ``B``'s by the k-grouped GEMM; where ``u`` came from
+  the GEMM's own rows, ``u[c] = rows[c // r] @ A[e]^T`` recorded by no op (the update's ``source`` ``A``), ``A``'s
+  gradient too, and ``d u[c] @ A[e]`` joins the rows' gradient as the row-gradient launch's own update — the rows'
+  copies summed once, where ``x Aᵀ``'s own launch would have a row gradient, a sum over the copies and an add of its own.
 
 Only float weights differentiate: the quantized formats are inference-only and their backward raises.
 **Combine**: one kernel (:func:`moeforge.kernels.combine.combine_backward`). **Routing** weights: a small torch
@@ -43,7 +48,7 @@ _MOE_GEMM_INPUTS = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "we
                     "topk_weights", "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a",
                     "weight_format", "a_global", "act", "glu", "interleaved", "alpha", "limit", "config",
                     "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max", "weight_shuffled", "update_rows",
-                    "update_weight", "update_scale", "update_ids", "slot_copies", "slot_runs")
+                    "update_weight", "update_scale", "update_ids", "slot_copies", "slot_runs", "update_source")
 
 
 def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -51,7 +56,7 @@ def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> No
     ctx.args = {name: value for name, value in args.items() if not isinstance(value, torch.Tensor)}
     ctx.save_for_backward(args["a"], args["weight"], args["bias"], args["topk_weights"], args["sorted_ids"],
                           args["block_expert"], args["num_padded"], args.get("update_rows"), args.get("update_weight"),
-                          args.get("slot_runs"))
+                          args.get("slot_runs"), args.get("update_source"))
     update_weight = args.get("update_weight")
     ctx.stacked_update = args.get("update_ids") is not None or (update_weight is not None and update_weight.dim() == 4)
     ctx.quantized = (args["weight_format"] != int(WeightFormat.FLOAT) or args["fp8_out"]
@@ -66,7 +71,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         raise InputError("a stack of low-rank updates inside the grouped GEMM (update_weight [S, E, N_w, R]) is the "
                          "serving path: it has no backward (an adapter stack trains through its own launches)")
     (a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded, update_rows, update_weight,
-     slot_runs) = ctx.saved_tensors
+     slot_runs, source) = ctx.saved_tensors
     p = ctx.args
     config = config_of(p["config"])
     aligned = p.get("aligned_block_m", 0) or config.block_m  # the block sorted_ids was aligned with
@@ -83,17 +88,27 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         d_pre, d_topk = _epilogue_backward(a, weight, bias, topk_weights, grad_out, route, config, p, activation,
                                            update)
     needs = ctx.needs_input_grad
-    d_a = d_weight = d_bias = None
+    d_a = d_weight = d_bias = d_source = None
+    source_needs = len(needs) > 32 and needs[32]
+    d_low = None  # the update rows' gradient where they came from ``source`` (see GemmUpdate.source)
+    if source is not None and (needs[0] or source_needs):
+        d_low, _ = _update_backward(d_pre, update_rows, update_weight, route, config, p, True, False)
     if needs[0]:
-        # d_rows[c] = d_pre[c] @ W[e]: the same kernel on the transposed weight, one copy per row. Copies that
-        # share a row (the first GEMM's top_k) are summed in fp32, in a fixed order (the combine's kernel: one
-        # launch, written in the rows' dtype).
+        # d_rows[c] = d_pre[c] @ W[e]: the same kernel on the transposed weight, one copy per row (and, for an
+        # update's rows from ``source``, d_low[c] @ source[e] as its update: one more K-step). Copies that share a
+        # row (the first GEMM's top_k) are summed in fp32, in a fixed order (the combine's kernel: one launch,
+        # written in the rows' dtype).
         r = p["rows_per_a"]
         d_rows, _ = grouped_gemm(GemmRows(d_pre), GemmWeight(weight.transpose(1, 2)), route,
                                  GemmEpilogue(torch.float32 if r > 1 else a.dtype),
-                                 row_gradient_config(config, int(weight.shape[2]), int(weight.shape[1])))
+                                 row_gradient_config(config, int(weight.shape[2]), int(weight.shape[1])),
+                                 GemmUpdate(d_low, source.transpose(1, 2)) if d_low is not None else None)
         d_a = combine.COMBINE(d_rows, None, r, 1.0, a.dtype) if r > 1 else d_rows
         del d_rows  # (the fp32 copies, [copies, K]: released before the weight gradient allocates its own)
+    if d_low is not None and source_needs:
+        d_source, _ = weight_grad.EXPERT_WEIGHT_GRAD(d_low, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
+                                                     source.shape[0], aligned, False, source.dtype,
+                                                     route.slot_copies, route.slot_runs)
     if needs[2] or (bias is not None and needs[6]):
         dw, db = weight_grad.EXPERT_WEIGHT_GRAD(d_pre, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
                                                 weight.shape[0], aligned, bias is not None and needs[6], weight.dtype,
@@ -104,7 +119,8 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     grads_out[0], grads_out[2], grads_out[6], grads_out[7] = d_a, d_weight, d_bias, d_topk
     if update_rows is not None and update_weight is not None:
         grads_out[26], grads_out[27] = _update_backward(d_pre, update_rows, update_weight, route, config, p,
-                                                        needs[26], needs[27])
+                                                        needs[26] and source is None, needs[27])
+    grads_out[32] = d_source
     return tuple(grads_out[:len(ctx.needs_input_grad)])
 
 

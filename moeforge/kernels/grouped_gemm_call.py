@@ -145,6 +145,16 @@ class GemmUpdate:
     weight: torch.Tensor  # [E, N_w, R]: the GEMM weight's experts and rows; the rows' float dtype ([S, E, N_w, R])
     scale: float = 1.0
     ids: Optional[torch.Tensor] = None  # [num_copies] int32: each copy's update in a stack (with parts: raw ids)
+    # [E, R, K]: where ``rows`` came from, ``rows[c] = a[c // rows_per_a] @ source[expert of c]^T`` on the GEMM's own
+    # rows and route (an adapter's A), computed without recording a gradient: the GEMM's backward then gives source
+    # its gradient and adds ``d rows[c] @ source[e]`` to its rows' gradient inside the row-gradient launch (one
+    # launch and one sum over the copies instead of two, and no add)
+    source: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.source is not None and self.rows.requires_grad and torch.is_grad_enabled():
+            raise ValueError("a GemmUpdate's rows made from its source are computed without recording a gradient "
+                             "(the GEMM's backward gives the source its gradient): compute them under torch.no_grad()")
 
 
 def config_of(values: Sequence[int]) -> GemmConfig:
@@ -201,6 +211,7 @@ def launch(
     update_ids: Optional[torch.Tensor] = None,
     slot_copies: int = 0,
     slot_runs: Optional[torch.Tensor] = None,
+    update_source: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::moe_gemm`` op's implementation, the one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`,
     imported when first called: this module imports no Triton): ``(out, out_scale)``, where ``out_scale`` is the
@@ -209,11 +220,14 @@ def launch(
     :func:`encode_config` writes it (a list of another length is a ``ValueError``); ``aligned_block_m``: the block the
     rows were aligned with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255:
     none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`);
-    ``update_*``: a low-rank update (:class:`GemmUpdate`); ``slot_copies``, ``slot_runs``: :class:`GemmRoute`'s (the
+    ``update_*``: a low-rank update (:class:`GemmUpdate`; ``update_source`` is read by the backward
+    alone); ``slot_copies``, ``slot_runs``: :class:`GemmRoute`'s (the
     forward computes the same either way; the backward reads them). A ``config`` with ``warp_specialized`` launches the Gluon
     kernel where it serves these operands (:mod:`moeforge.kernels.warp_specialized`), else ``moe_gemm``."""
     from moeforge.kernels import moe_gemm as kernel
 
+    if update_source is not None:
+        _check_source(update_source, update_rows, update_weight, update_ids, a, weight)
     out, out_scale = outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
     gemm = config_of(config)
     if gemm.warp_specialized and num_copies:  # the tuned table's choice, where that kernel serves this launch
@@ -240,6 +254,18 @@ def launch(
     return out, out_scale
 
 
+def _check_source(source: torch.Tensor, rows: Optional[torch.Tensor], weight_b: Optional[torch.Tensor],
+                  ids: Optional[torch.Tensor], a: torch.Tensor, weight: torch.Tensor) -> None:
+    """A :class:`GemmUpdate`'s ``source`` must be the ``[E, R, K]`` float matrix of one update's rows (no stack)."""
+    if rows is None or weight_b is None or ids is not None or weight_b.dim() != 3:
+        raise ValueError("update_source is the source of one low-rank update's rows: it takes update_rows and an "
+                         "update_weight [E, N_w, R], no stack")
+    want = (int(weight.shape[0]), int(rows.shape[1]), int(a.shape[1]))
+    if tuple(source.shape) != want or source.dtype != rows.dtype:
+        raise ValueError(f"update_source must be [E, R, K] = {want} in the rows' dtype {rows.dtype}, got "
+                         f"{tuple(source.shape)} {source.dtype}")
+
+
 # The op's one caller in the package: the op where torch.compile or a dispatch mode needs it, else launch (under the
 # op's backward where autograd records the call).
 MOE_GEMM = KernelOp("moeforge::moe_gemm", launch, differentiable=True)
@@ -260,6 +286,7 @@ def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue:
         0 if route.aligned_block_m is None else route.aligned_block_m,
         NO_SCALE_BOUND if weight.scale_max is None else weight.scale_max, weight.shuffled,
         *((update.rows, update.weight, float(update.scale), update.ids) if update is not None
-          else (None, None, 1.0, None)), route.slot_copies, route.slot_runs)
+          else (None, None, 1.0, None)), route.slot_copies, route.slot_runs,
+        update.source if update is not None else None)
     result: torch.Tensor = out
     return result, out_scale if epilogue.fp8_out else None
