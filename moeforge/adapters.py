@@ -361,8 +361,8 @@ class AdaptedGroupedGemm(AdaptedGemm):
             # rows are the update's own (float) and A is per expert, x Aᵀ records no gradient and the base's backward
             # differentiates it (A's gradient, and x's through A added in the base's row-gradient launch:
             # GemmUpdate.source), else x Aᵀ's own launch has its backward.
-            through_base = (a.shape[0] != 1 and rows is x.x.data and int(b.shape[1]) <= FUSED_UPDATE_MAX_K
-                            and records_grad(rows, a))
+            through_base = (a.shape[0] != 1 and rows is x.x.data and a.dtype == b.dtype
+                            and int(b.shape[1]) <= FUSED_UPDATE_MAX_K and records_grad(rows, a))
             with torch.no_grad() if through_base else contextlib.nullcontext():
                 low = self._low(route, a, rows, rows_per_a, b.dtype, a_launch)
             fused: AlignedRows = base.run(x, GemmUpdate(low, b, self.scale, source=a if through_base else None))
