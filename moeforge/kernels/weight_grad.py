@@ -77,6 +77,7 @@ class WeightGradTiles:
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
 SHORT_RUN = 32  # rows per expert up to which the steps are 32 rows (weight_grad_tiles)
 PINGPONG_UNTIL = 4096  # rows per expert from which the wide tiles beat the Gluon ping-pong (weight_grad_tiles)
+NARROW_BY_INDEX = 64  # dW's narrower side up to which the Gluon kernel loads the rows by index (weight_grad_tiles)
 
 
 def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, device: torch.device,
@@ -94,7 +95,9 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
       short; from there on the wide tiles' operand reuse counts more; with 64-row steps each partition stores its
       finished tile by TMA from shared memory (where ``dW``'s rows allow: ``tma_store_problem``), with 32-row steps
       from registers, which was faster there (docs/kernels.md, "Backward", has the measurements behind these
-      bounds);
+      bounds); a narrow ``dW`` (``n`` or ``k`` at most :data:`NARROW_BY_INDEX`: an adapter's ``A`` or ``B``) loads
+      its rows by index instead of gathering them first — its few MMAs leave the reading of the rows as the cost,
+      and one pass over them beats a gather pass and a read;
     * long reductions (at least :data:`LONG_REDUCTION` rows per expert: Mixtral's shapes): 128 x 256 tiles (256
       along the wider of ``n`` and ``k``), 8 warps, 3 stages — the MMAs dominate and the wide tile reads each
       operand row least often;
@@ -112,7 +115,7 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
     if (dtype.itemsize == 2 and not with_bias and rows_per_expert < PINGPONG_UNTIL and tma
             and gluon_weight_grad.device_problem(device) is None):
         return WeightGradTiles(128, 128, step, 4, 4, True, warp_specialized=True, pingpong=True,
-                               tma_store=step == 64)
+                               tma_store=step == 64, rows_by_index=min(n, k) <= NARROW_BY_INDEX)
     if dtype.itemsize <= 2 and rows_per_expert >= LONG_REDUCTION:
         block_n, block_k = (128, 256) if k >= n else (256, 128)
         return WeightGradTiles(block_n, block_k, step, 8, 3, tma)
