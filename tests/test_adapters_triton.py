@@ -302,6 +302,19 @@ def test_one_adapters_x_a_is_differentiated_by_the_base_gemms_backward(trained: 
         assert combines == [] and updates.count(True) == 1
 
 
+@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_an_adapter_trains_on_an_empty_batch_and_on_one_token(rank: int, tokens: int) -> None:
+    # (rank 1: the update rows' gradient is one column, which torch may give any stride; with no token, no rows)
+    layer = _torch_layer(ExpertAdapter(rank=rank, alpha=2.0 * rank), torch.float32)
+    x = torch.randn(tokens, H, device=DEVICE)
+    upstream = torch.randn(tokens, H, device=DEVICE)
+    got = _grads(_triton_pipeline(layer), layer, x, upstream)
+    want = _grads(layer.pipeline, layer, x, upstream)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_an_updates_source_must_match_its_rows_and_be_recorded_by_the_base_alone() -> None:
     from moeforge.kernels.grouped_gemm_call import GemmUpdate, launch
 

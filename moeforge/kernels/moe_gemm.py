@@ -1208,7 +1208,9 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
     else:
         rows = update_rows
     width = (rows.shape[1] // (stack if wide else 1)) if rows.dim() == 2 else -1
-    if rows.dim() != 2 or rows.shape[0] != num_copies or rows.stride(1) != 1:
+    # (a column's stride matters only where a row has more than one and there are rows: torch gives an empty or a
+    # one-column tensor any stride there)
+    if rows.dim() != 2 or rows.shape[0] != num_copies or (rows.stride(1) != 1 and rows.shape[1] > 1 and num_copies):
         raise ValueError(f"update_rows must be [num_copies={num_copies}, R] (or a stack's [P, num_copies, R] parts) "
                          f"with contiguous rows, got {tuple(update_rows.shape)} strides {update_rows.stride()}")
     if update_weight.dim() != 3 or tuple(update_weight.shape) != (weight.shape[0], weight.shape[1], width):
