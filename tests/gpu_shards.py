@@ -18,9 +18,12 @@ pieces of about equal estimated time: the seconds each test took in earlier summ
 ``pytest`` process and records every test's outcome as it finishes (``shard-K.jsonl``), so a shard
 stopped by ``--timeout`` still says what ran; then ``shard-K.json`` (counts, failures with their
 messages, skips with their reasons, each test's seconds, the tests that never ran) and ``shard-K.txt``,
-and ``summary.txt`` for the shards of this run, and ``unfinished.txt``: the node ids with no outcome (a shard stopped,
+and ``summary.txt`` for the shards of this run, ``unfinished.txt``: the node ids with no outcome (a shard stopped,
 or never started before ``--deadline``, the run's own time limit: stop the run from inside, so that every summary is
-written), which ``-- @unfinished.txt`` runs next time. With ``--gpus N`` shard K sees only GPU K mod N
+written), which ``-- @unfinished.txt`` runs next time, and ``gpu_suite.json``: the whole run in one record (:func:`merge`:
+the form of ``benchmarks/results``' ``gpu_suite*.json``, less the device, commit and note) — the one file to bring back
+from a machine that returns few files. pytest runs with ``--rootdir`` at this file's repository, so that a copy of
+the tree inside another project (an A/B tree) collects and runs node ids of its own. With ``--gpus N`` shard K sees only GPU K mod N
 (``CUDA_VISIBLE_DEVICES``), so the shards of a machine with several GPUs spread over them; tests that need
 several GPUs then skip, and run in a call of their own. The exit status is 0 when no test failed or went
 unrun in the shards run.
@@ -73,8 +76,8 @@ def collect(extra: list[str]) -> list[str]:
     line: the tests an earlier run did not finish, say)."""
     extra = [line for arg in extra for line in (Path(arg[1:]).read_text().splitlines() if arg.startswith("@")
                                                  else [arg]) if line.strip()]
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *extra],
-                          cwd=ROOT, capture_output=True, text=True, check=False)
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           f"--rootdir={ROOT}", *extra], cwd=ROOT, capture_output=True, text=True, check=False)
     tests = [line for line in done.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if not tests:
         raise SystemExit(f"pytest collected nothing:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -147,6 +150,26 @@ def summarize(index: int, tests: list[str], log: Path, seconds: float, returncod
     return summary
 
 
+def merge(summaries: list[dict[str, Any]], asked: list[str]) -> dict[str, Any]:
+    """The shards' summaries as one record of the run, in the form of ``benchmarks/results``' ``gpu_suite*.json``
+    (less the device, commit and note, which the caller knows): totals, failures with their messages, skips with their
+    reasons, the tests without an outcome, each test's seconds."""
+    seconds = {test: value for summary in summaries for test, value in summary["seconds"].items()}
+    skipped = {test: reason for summary in summaries for test, reason in summary["skipped"].items()}
+    failed = sorted(test for summary in summaries for test in summary["failed"])
+    not_run = [test for summary in summaries for test in summary["not_run"]]
+    return {
+        "collected": asked or ["tests"], "shards": len(summaries),
+        "totals": {"tests": sum(summary["tests"] for summary in summaries), "with_outcome": len(seconds),
+                   "passed": sum(summary["passed"] for summary in summaries), "skipped": len(skipped),
+                   "failed": len(failed), "not_run": len(not_run)},
+        "failed": failed,
+        "failures": {test: reason for summary in summaries for test, reason in summary["failures"].items()},
+        "not_run": not_run, "skipped": skipped, "seconds": seconds,
+        "host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -203,7 +226,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(out / f"shard-{index}.log", "wb") as output:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_shards",
-                     *pieces[index]], cwd=ROOT, env={**env, **visible, LOG_VARIABLE: str(log.resolve())},
+                     f"--rootdir={ROOT}", *pieces[index]], cwd=ROOT, env={**env, **visible, LOG_VARIABLE: str(log.resolve())},
                     stdout=output, stderr=subprocess.STDOUT)
             running[index] = (process, time.monotonic())
         time.sleep(1)
@@ -223,6 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     (out / "summary.txt").write_text(text)
     # what has no outcome (stopped, never started), for the next run: -- @unfinished.txt
     (out / "unfinished.txt").write_text("".join(f"{test}\n" for summary in summaries for test in summary["not_run"]))
+    (out / "gpu_suite.json").write_text(json.dumps(merge(summaries, args.pytest_args), indent=1) + "\n")
     return 0 if all(not summary["failed"] and not summary["not_run"] for summary in summaries) else 1
 
 

@@ -68,6 +68,31 @@ def test_a_shard_the_cut_leaves_empty_runs_nothing(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     summaries = [json.loads((tmp_path / "out" / f"shard-{index}.json").read_text()) for index in range(3)]
     assert [(summary["tests"], summary["passed"]) for summary in summaries] == [(1, 1), (0, 0), (1, 1)]
+    run = json.loads((tmp_path / "out" / "gpu_suite.json").read_text())  # the whole run in one record
+    assert run["totals"] == {"tests": 2, "with_outcome": 2, "passed": 2, "skipped": 0, "failed": 0, "not_run": 0}
+    assert sorted(run["seconds"]) == ["tests/test_tiny.py::test_a", "tests/test_tiny.py::test_b"]
+    assert run["collected"] == ["tests/test_tiny.py"] and run["shards"] == 3
+
+
+def test_a_copy_of_the_tree_inside_another_project_runs_its_own_tests(tmp_path: Path) -> None:
+    # An A/B tree (a copy of moeforge and its tests) inside the repository: pytest would take the outer
+    # pyproject.toml's folder as its rootdir and name the copy's tests from there, node ids the shards (run in the
+    # copy) cannot find. The runner pins --rootdir to its own tree.
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = ''\n")
+    tree = tmp_path / "ab" / "copy"
+    (tree / "tests").mkdir(parents=True)
+    shutil.copy(Path(gpu_shards.__file__), tree / "tests" / "gpu_shards.py")
+    (tree / "tests" / "test_tiny.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    assert False\n")
+    done = subprocess.run([sys.executable, "tests/gpu_shards.py", "--shards", "2", "--jobs", "2", "--out", "out", "--",
+                           "tests/test_tiny.py"], cwd=tree, capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr  # (test_b fails: every test had an outcome)
+    run = json.loads((tree / "out" / "gpu_suite.json").read_text())
+    assert run["totals"]["passed"] == 1 and run["failed"] == ["tests/test_tiny.py::test_b"] and not run["not_run"]
+    assert "assert False" in run["failures"]["tests/test_tiny.py::test_b"]
 
 
 def test_the_deadline_stops_the_run_and_lists_what_has_no_outcome(tmp_path: Path) -> None:
