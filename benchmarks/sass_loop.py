@@ -48,11 +48,12 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
                    fold: bool = False, half_tail: bool = False, persistent: int = 0, shuffled: bool = False,
                    nvfp4_rows: bool = False, drain: Optional[bool] = None, update: int = 0,
-                   wide: int = 0, group: int = 1) -> Any:
+                   wide: int = 0, group: int = 1, tma: bool = False) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
-    the weight tiles loaded by pointer (the TMA path takes a descriptor argument, not compiled here) and one
-    program per tile (a persistent grid's tile loop would be the longest loop). ``fold``: MXFP4 in bf16 with the
+    the weight tiles loaded by pointer (``tma``: float weights by TMA through a descriptor, ``B_TMA`` 1, as the
+    launcher copies them on Hopper) and one program per tile (a persistent grid's tile loop would be the longest
+    loop). ``fold``: MXFP4 in bf16 with the
     ``x 2**126`` folded into the scales (weights whose E8M0 codes are all at most 128). ``half_tail``: with the
     half-height variant of the tile for the experts' last blocks (the loop counted is the full tile's);
     ``persistent``: the grid (0 one program per tile, 1 persistent, 2 flattened); ``shuffled``: the 4-bit weight in the
@@ -60,6 +61,8 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
     ``dtype``, the output's) instead of ``dtype`` rows; ``drain``: the kernel's ``DRAIN_MMA``, by default the
     launcher's rule for an sm_90 device and the installed Triton (:func:`moeforge.kernels.launch_plan.drain_mma`)."""
     names = moe_gemm_kernel.arg_names
+    if tma and weights is not WeightFormat.FLOAT:
+        raise SystemExit("sass_loop.py compiles the TMA weight tiles of float weights only (--weights float)")
     packed = weights.packed
     fp8 = weights is WeightFormat.FP8
     operand = "fp8e4nv" if fp8 else dtype
@@ -67,7 +70,8 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
     if drain is None:
         drain = drain_mma((9, 0), swapped, RowFormat.NVFP4 if nvfp4_rows else RowFormat.FLOAT, GemmConfig(*block))
     pointers = dict(a_ptr="*u8" if nvfp4_rows else f"*{operand}", a_scale_ptr="*u8" if nvfp4_rows else "*fp32",
-                    b_ptr="*u8" if packed else f"*{operand}", b_desc="*u8",
+                    b_ptr="*u8" if packed else f"*{operand}",
+                    b_desc=f"tensordesc<{operand}[{block[1]},{block[2]}]>" if tma else "*u8",
                     b_scale_ptr="*u8" if weights in (WeightFormat.MXFP4, WeightFormat.NVFP4) else
                     ("*fp32" if fp8 else f"*{dtype}"),
                     b_zero_ptr="*u8", b_global_ptr="*fp32", bias_ptr=f"*{dtype}", c_ptr=f"*{dtype}",
@@ -83,7 +87,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         EVEN_K=int(KTail.EVEN_VECTOR_SCALES if packed else KTail.EVEN),
         PRECISION="tf32", SWAP=swapped, PTX=ptx and (packed or nvfp4_rows), FP8_CVT=ptx and (packed or nvfp4_rows),
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
-        B_TMA=0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, DRAIN_MMA=drain,
+        B_TMA=1 if tma else 0, SPLIT=False, PERSISTENT=persistent, HALF_TAIL=half_tail, DRAIN_MMA=drain,
         B_GLOBAL=weights is WeightFormat.NVFP4 or nvfp4_rows,
         EXPERT_RANGE=False, B_SHUFFLED=shuffled and packed, PDL=False, BLOCK_M=block[0],
         # a low-rank update's K-step (an adapter's) of this width, 0: none; wide: a stack's every adapter's columns,
@@ -238,6 +242,9 @@ def main() -> None:
                         help="the kernel's DRAIN_MMA (default: the launcher's rule for sm_90 and this Triton)")
     parser.add_argument("--hazards", action="store_true",
                         help="list the registers written while a warpgroup MMA still reads them")
+    parser.add_argument("--tma", action="store_true",
+                        help="float weights: the weight tiles by TMA through a descriptor (B_TMA 1), as the launcher "
+                             "copies them on Hopper")
     parser.add_argument("--update", type=int, default=0,
                         help="with a low-rank update (an adapter's) of this rank: its K-step after the loop")
     parser.add_argument("--wide", type=int, default=0,
@@ -254,7 +261,7 @@ def main() -> None:
                             prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold,
                             half_tail=args.half_tail, persistent=args.grid, shuffled=args.shuffled,
                             nvfp4_rows=args.rows == "nvfp4", drain=None if args.drain is None else bool(args.drain),
-                            update=args.update, wide=args.wide, group=args.group)
+                            update=args.update, wide=args.wide, group=args.group, tma=args.tma)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)
