@@ -12,6 +12,7 @@ same from run to run, and ``backend="auto"``'s choice.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 from unittest import mock
 
@@ -808,6 +809,51 @@ def test_a_random_stack_served_on_the_triton_gemms_equals_the_torch_layer(
         got = pipeline.run(mf.MoEInput(x, logits, adapter_ids)).hidden_states
     if ids:
         assert float((got - want).norm() / want.norm().clamp(min=1e-30)) < 2e-5
+
+
+@st.composite
+def _trained_adapters(draw: Any) -> tuple[ExpertAdapter, int, str, str, int]:
+    adapter = ExpertAdapter(rank=draw(st.sampled_from([1, 2, 3, 5, 8, 16, 17])), alpha=draw(st.sampled_from([1, 7])),
+                            shared_a=draw(st.booleans()),
+                            targets=draw(st.sampled_from([("gate_up", "down"), "gate_up", "down"])))
+    return (adapter, draw(st.sampled_from([0, 1, 2, 7, 13])), draw(st.sampled_from(["all", "rows", "A", "B"])),
+            draw(st.sampled_from(PLACEMENTS)), draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_trained_adapters())
+def test_a_random_adapter_trained_on_the_triton_gemms_gets_the_torch_layers_gradients(
+        case: tuple[ExpertAdapter, int, str, str, int]) -> None:
+    # Random adapters (rank, a shared A, targets), batches (none and one token included), what is trained (the rows,
+    # A, B or all) and where the update runs (see placement): every gradient asked for equals the torch pipeline's.
+    adapter, tokens, trained, placement, seed = case
+    layer = _torch_layer(adapter, torch.float32, seed=seed)
+    pipeline = _triton_pipeline(layer)
+    adapters = [name for name, _ in layer.named_parameters() if "lora" in name]
+    names = {"all": adapters, "rows": [], "A": [name for name in adapters if name.endswith("_a")],
+             "B": [name for name in adapters if name.endswith("_b")]}[trained]
+    x = torch.randn(tokens, H, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed))
+    upstream = torch.randn(tokens, H, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed + 1))
+    with_rows = trained in ("all", "rows")
+
+    def grads(run: mf.Pipeline) -> list[torch.Tensor]:  # type: ignore[type-arg]
+        rows = x.clone().requires_grad_(with_rows)
+        for name, param in layer.named_parameters():
+            param.requires_grad_(name in names)
+        try:
+            leaves = ([rows] if with_rows else []) + [dict(layer.named_parameters())[name] for name in names]
+            return list(torch.autograd.grad((_run(run, layer, rows).float() * upstream).sum(), leaves))
+        finally:
+            for param in layer.parameters():
+                param.requires_grad_(True)
+
+    limits = dict(FUSED_UPDATE_MAX_K=0, FUSED_STACK_MAX_COPIES=0) if placement == "update by two launches" else {}
+    with mock.patch.multiple(moeforge.adapters, **limits) if limits else contextlib.nullcontext():
+        got = grads(pipeline)
+    want = grads(layer.pipeline)
+    assert len(got) == len(want) == len(names) + with_rows
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("stack_case", ["top_k = experts", "every token on one expert", "one token", "no tokens"])
