@@ -140,6 +140,21 @@ def _grads(pipeline: mf.Pipeline, layer: mf.MoELayer, x: torch.Tensor,  # type: 
     return list(torch.autograd.grad((_run(pipeline, layer, rows).float() * upstream).sum(), [rows, *params]))
 
 
+def _chosen_grads(pipeline: mf.Pipeline, layer: mf.MoELayer, x: torch.Tensor,  # type: ignore[type-arg]
+                  upstream: torch.Tensor, names: list[str], with_rows: bool) -> list[torch.Tensor]:
+    """The gradients of the rows (``with_rows``) and of ``layer``'s parameters ``names``, the others frozen for the
+    step (all trainable again after it)."""
+    rows = x.clone().requires_grad_(with_rows)
+    for name, param in layer.named_parameters():
+        param.requires_grad_(name in names)
+    try:
+        leaves = ([rows] if with_rows else []) + [getattr(layer, name) for name in names]
+        return list(torch.autograd.grad((_run(pipeline, layer, rows).float() * upstream).sum(), leaves))
+    finally:
+        for param in layer.parameters():
+            param.requires_grad_(True)
+
+
 @pytest.mark.parametrize("name", list(ADAPTERS))
 @pytest.mark.parametrize("tokens", [0, 1, 13])
 def test_the_triton_pipeline_with_an_adapter_equals_the_torch_one(name: str, tokens: int, placement: str) -> None:
@@ -265,18 +280,6 @@ def test_one_adapters_x_a_is_differentiated_by_the_base_gemms_backward(trained: 
     x = torch.randn(9, H, device=DEVICE)
     upstream = torch.randn(9, H, device=DEVICE)
 
-    def grads(run: mf.Pipeline) -> list[torch.Tensor]:  # type: ignore[type-arg]
-        rows = x.clone().requires_grad_(with_rows)
-        params = [getattr(layer, name) for name in names]
-        for name, param in layer.named_parameters():
-            param.requires_grad_(name in names)
-        try:
-            return list(torch.autograd.grad((_run(run, layer, rows).float() * upstream).sum(),
-                                            ([rows] if with_rows else []) + params))
-        finally:
-            for param in layer.parameters():
-                param.requires_grad_(True)
-
     combines: list[int] = []
     updates: list[bool] = []
     real_combine, real_gemm = combine_kernels.COMBINE, backward.grouped_gemm
@@ -291,8 +294,8 @@ def test_one_adapters_x_a_is_differentiated_by_the_base_gemms_backward(trained: 
 
     with mock.patch.object(combine_kernels, "COMBINE", count_combine), \
             mock.patch.object(backward, "grouped_gemm", note_update):
-        got = grads(pipeline)
-    want = grads(layer.pipeline)
+        got = _chosen_grads(pipeline, layer, x, upstream, names, with_rows)
+    want = _chosen_grads(layer.pipeline, layer, x, upstream, names, with_rows)
     assert len(got) == len(want) == len(names) + with_rows
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
@@ -836,21 +839,10 @@ def test_a_random_adapter_trained_on_the_triton_gemms_gets_the_torch_layers_grad
     upstream = torch.randn(tokens, H, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(seed + 1))
     with_rows = trained in ("all", "rows")
 
-    def grads(run: mf.Pipeline) -> list[torch.Tensor]:  # type: ignore[type-arg]
-        rows = x.clone().requires_grad_(with_rows)
-        for name, param in layer.named_parameters():
-            param.requires_grad_(name in names)
-        try:
-            leaves = ([rows] if with_rows else []) + [dict(layer.named_parameters())[name] for name in names]
-            return list(torch.autograd.grad((_run(run, layer, rows).float() * upstream).sum(), leaves))
-        finally:
-            for param in layer.parameters():
-                param.requires_grad_(True)
-
     limits = dict(FUSED_UPDATE_MAX_K=0, FUSED_STACK_MAX_COPIES=0) if placement == "update by two launches" else {}
     with mock.patch.multiple(moeforge.adapters, **limits) if limits else contextlib.nullcontext():
-        got = grads(pipeline)
-    want = grads(layer.pipeline)
+        got = _chosen_grads(pipeline, layer, x, upstream, names, with_rows)
+    want = _chosen_grads(layer.pipeline, layer, x, upstream, names, with_rows)
     assert len(got) == len(want) == len(names) + with_rows
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=2e-4, atol=2e-4)

@@ -503,10 +503,9 @@ def _gemm_tile(
             # padded to a power of two), B [S, E, N_w, R] gathered adapter by adapter into one tile; no ids, no turns.
             # A few wide steps instead of one step per adapter: each step's MMA waits for its tiles' stores, so the
             # step count, not the flops, set the time (docs/notes/kernels-log.md). Triton pipelines the steps, three
-            # stages: the tiles go to shared memory by cp.async, two steps ahead of the MMA (the masks are constant
-            # over each adapter's columns, so the loads qualify), where a prefetch into registers waited on each
-            # step's stores and spilled at 64 columns. UPDATE_WIDE 1: R is the padded width, so no mask runs along R
-            # and the loads are whole vectors (2: a rank below it, masked).
+            # stages: the tiles go to shared memory by cp.async two steps ahead of the MMA, holding no registers (the
+            # masks are constant over each adapter's columns, so the loads qualify). UPDATE_WIDE 1: R is the padded
+            # width, so no mask runs along R and the loads are whole vectors (2: a rank below it, masked).
             PADDED: tl.constexpr = UPDATE_K // UPDATE_GROUP
             offs_w = tl.arange(0, UPDATE_K)
             member = offs_w // PADDED  # (which adapter of the step each column belongs to)
@@ -723,7 +722,7 @@ def moe_gemm_reduce_kernel(
 # The widest K-step of a stack's update in every adapter's columns (UPDATE_WIDE; :func:`wide_group`), on one
 # program per tile and on the persistent grids. Each step's MMA waits for its operands' stores to shared memory, so
 # fewer, wider steps pay, until their tiles' registers spill (docs/notes/kernels-log.md, "Wide steps for the wide
-# update"; with the steps pipelined, 64 columns on the persistent grids measured the same as 32).
+# update" and "The wide update's steps pipelined by Triton").
 WIDE_STEP = 64
 WIDE_STEP_PERSISTENT = 32
 
