@@ -141,3 +141,13 @@ def test_the_unfused_gate_up_tile_reads_the_fused_tiles_weight_rows_and_stays_la
     assert GemmConfig(64, 64, 128, num_warps=4).unfused_gate_up().block_n == 128
     for kept in (GemmConfig(128, 256, 64), GemmConfig(16, 64, 256, swap=True), GemmConfig(16, 64, 256, split_k=4)):
         assert kept.unfused_gate_up() == kept
+
+
+def test_a_launch_with_one_update_takes_the_persistent_grid_where_the_flattened_one_would_spill() -> None:
+    # Qwen3's training down GEMM at M = 4096: 128x256 tiles, 8 warps, 128 accumulators a thread, a plain output
+    down = facts(experts=128, n_out=2048, k_dim=768, copies=32768, padded_rows=32768 + 128 * 64,
+                 config=GemmConfig(128, 256, 64, num_warps=8, num_stages=4))
+    assert plan_launch(down).grid == "flattened"
+    assert plan_launch(attrs.evolve(down, one_update=True)).grid == "persistent"
+    assert "persistent for a launch with one update" in explain_launch(attrs.evolve(down, one_update=True))
+    assert plan_launch(attrs.evolve(down, one_update=True, grid="flattened")).grid == "flattened"  # (asked: kept)

@@ -296,6 +296,7 @@ class LaunchFacts:
     grid: Optional[str] = None
     split_k: Optional[int] = None
     half_tail: Optional[bool] = None
+    one_update: bool = False  # the launch adds one low-rank update (an adapter's, not a stack's) after its K-loop
 
     @property
     def compute_bytes(self) -> int:
@@ -409,6 +410,10 @@ def plan_launch(facts: LaunchFacts, *, explain: bool = False) -> LaunchPlan:
     else:
         grid = default_grid(f.capability, fmt, config, f.glu, f.copies / f.experts, f.out_bytes, f.shuffled)
         grid_source = "default_grid"
+        if grid == "flattened" and f.one_update:
+            # the flattened loop holds the epilogue and the next tile's loads beside the accumulators: one update's
+            # tiles and MMA push it into spills inside the loop (docs/notes/kernels-log.md), the persistent one not
+            grid, grid_source = "persistent", "default_grid, persistent for a launch with one update"
     if half_tail and f.grid is None:
         grid, grid_source = "tiles", "half tiles run one program per tile unless asked"
     programs: tuple[int, ...] = ((tiles, splits) if splits > 1 else (tiles,)) if grid == "tiles" else (

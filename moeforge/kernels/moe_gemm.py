@@ -1086,7 +1086,8 @@ def _prepare(
         blocked_scales=w.blocked, capability=capability, multiprocessors=multiprocessors(a.device),
         packed_decoding=can_ptx, tma_applies=weight_tma_applies(weight, config, glu, interleaved),
         vector_scales=vector_scales(weight_scale, weight_zero), weight_scale_max=weight_scale_max, config=asked,
-        swap=swap, ptx=ptx, tma=tma, grid=grid, split_k=split_k, half_tail=half_tail)
+        swap=swap, ptx=ptx, tma=tma, grid=grid, split_k=split_k, half_tail=half_tail,
+        one_update=update_k > 0 and not update_stack and not update_wide)
     plan = plan_launch(facts)
     update_group = wide_group(update_k, update_stack, plan.grid) if update_wide else 0
     update_k *= max(update_group, 1)  # (a wide update's K-step: the group's padded ranks)
