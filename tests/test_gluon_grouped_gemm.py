@@ -52,6 +52,15 @@ for block_m, block_n, block_k, warps, stages, pingpong in json.loads(sys.argv[1]
                           bound=shared_memory_bytes(config, glu, pingpong=pingpong),
                           parts=[part in ptx for part in ("wgmma.mma_async", "cp.async.mbarrier.arrive.noinc",
                                                           "setmaxnreg")]))
+block_m, block_n, block_k, warps, stages, pingpong = json.loads(sys.argv[1])[0]
+for glu in (False, True):  # the first configuration with a stack's update of rank 16: more K-steps through the ring
+    config = GemmConfig(block_m, block_n, block_k, num_warps=warps, num_stages=stages)
+    kernel = compile_for_hopper(config, glu, mul_weights=not glu, pingpong=pingpong, update_rank=16)
+    ptx = kernel.asm["ptx"]
+    found.append(dict(glu=glu, shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin"]),
+                      bound=shared_memory_bytes(config, glu, pingpong=pingpong),
+                      parts=[part in ptx for part in ("wgmma.mma_async", "cp.async.mbarrier.arrive.noinc",
+                                                      "setmaxnreg")]))
 print(json.dumps(found))
 """
 
@@ -66,7 +75,7 @@ def test_the_kernel_compiles_for_hopper() -> None:
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(found) == 3 * len(CONFIGS) - 1  # (no gated 128 x 128 ping-pong)
+    assert len(found) == 3 * len(CONFIGS) - 1 + 2  # (no gated 128 x 128 ping-pong; two with an update)
     for kernel in found:  # warpgroup MMAs, the loader's row copies arriving on the barrier, the partitions' registers
         assert all(kernel["parts"]) and kernel["cubin"] > 0, kernel
         assert kernel["shared"] <= min(227 * 1024, kernel["bound"]), kernel  # (the selector's bound holds)
@@ -139,6 +148,52 @@ def test_the_kernel_equals_float64_and_its_triton_twin(config: str, case: str, g
     tolerance = 1e-2 if dtype is torch.bfloat16 else 2e-3
     assert float((out.double() - want).norm() / scale) < tolerance
     assert float((out.double() - twin.double()).norm() / scale) < tolerance
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("rank, stack", [(16, 8), (16, 3), (32, 5), (64, 1)])
+@pytest.mark.parametrize("glu", [False, True], ids=["down", "swiglu gate/up"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_a_stacks_update_in_every_adapters_columns_equals_float64_and_the_twin(config: str, case: str, glu: bool,
+                                                                                 rank: int, stack: int) -> None:
+    # a served stack's update (rows [copies, S·R] weighed, B [S, E, N_w, R]) as more K-steps through the ring, against
+    # the Triton twin's (moe_gemm's UPDATE_WIDE) and float64
+    gemm, pingpong = CONFIGS[config]
+    if glu and pingpong and gemm.block_m * gemm.block_n > 64 * 128:
+        pytest.skip("a ping-pong partition holds gate and up accumulators of at most 64 x 128")
+    tokens, experts, top_k, hidden, n_out, route = CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + glu + rank + stack)
+    x, w, route, weights = _case(tokens, experts, top_k, hidden, n_out, glu, torch.bfloat16, gen, route)
+    aligned, rows_per_a = 128, top_k if glu else 1
+    a = x if glu else torch.randn(tokens * top_k, hidden, generator=gen).to("cuda", torch.bfloat16)
+    u = (torch.randn(tokens * top_k, stack * rank, generator=gen) * 0.3).to("cuda", torch.bfloat16)
+    b = (torch.randn(stack, experts, w.shape[1], rank, generator=gen) * 0.3).to("cuda", torch.bfloat16)
+    plan = align.align_block_size(route, experts, aligned)
+    out = torch.full((tokens * top_k, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gluon_gemm.ws_grouped_gemm(a, w, out, *plan, rows_per_a=rows_per_a, config=gemm, glu=glu,
+                               topk_weights=None if glu else weights, aligned_block_m=aligned, pingpong=pingpong,
+                               programs=3 if case == "many tokens" else None, update=(u, b))
+    twin = torch.full_like(out, float("nan"))
+    moe_gemm.moe_gemm(a, w, twin, *plan, rows_per_a=rows_per_a, config=GemmConfig(64, 64, 64, num_warps=4),
+                      topk_weights=None if glu else weights, act=act_code(mf.ActivationConfig()) if glu else 0,
+                      glu=glu, aligned_block_m=aligned, update_rows=u, update_weight=b)
+    if tokens == 0:
+        return
+    flat = route.reshape(-1).long()
+    copies = torch.arange(flat.numel(), device="cuda")
+    wide = b.double().permute(1, 2, 0, 3).reshape(experts, w.shape[1], stack * rank)  # [E, N_w, S·R]
+    pre = (torch.einsum("ch,cnh->cn", a.double()[copies // rows_per_a], w.double()[flat])
+           + torch.einsum("cr,cnr->cn", u.double(), wide[flat]))
+    if glu:
+        gate, up = pre.chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+    else:
+        want = pre * weights.double()[:, None]
+    assert not out.isnan().any(), "a row was not written"
+    scale = want.norm()
+    assert float((out.double() - want).norm() / scale) < 1e-2
+    assert float((out.double() - twin.double()).norm() / scale) < 1e-2
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")

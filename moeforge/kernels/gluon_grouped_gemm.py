@@ -164,9 +164,10 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _loader(a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready, empty,
-                N, K, num_copies, rows_per_a, stride_am, up_offset,
+                N, K, num_copies, rows_per_a, stride_am, up_offset, u_ptr, ub_ptr, stride_um, stride_ubs, stride_ube,
+                stride_ubn, update_stack, update_steps,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                GLU: gl.constexpr, GROUP_M: gl.constexpr, WEIGHT_KN: gl.constexpr):
+                GLU: gl.constexpr, GROUP_M: gl.constexpr, WEIGHT_KN: gl.constexpr, UPDATE_RANK: gl.constexpr):
         layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
         rows_layout: gl.constexpr = gl.SliceLayout(1, layout)
         k_layout: gl.constexpr = gl.SliceLayout(0, layout)
@@ -201,10 +202,39 @@ if _GLUON_ERROR is None:
                     mask=row_ok[:, None] & k_ok[None, :])
                 async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
                 step += 1
+            if UPDATE_RANK > 0:
+                # a stack's update in every adapter's columns (u [copies, S·R] weighed, B [S, E, N_w, R]): more
+                # K-steps of BLOCK_K columns, BLOCK_K // R adapters each, through the same ring — u's columns by copy
+                # (not copy // rows_per_a), B's rows gathered adapter by adapter, both by cp.async (zeros past the
+                # stack); one plain arrival stands for the weight copy's
+                member = offs_k // UPDATE_RANK
+                within = offs_k % UPDATE_RANK
+                u_rows = u_ptr + gl.where(row_ok, copies, 0).to(gl.int64)[:, None] * stride_um + offs_k[None, :]
+                offs_bn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_layout)
+                n_ok = offs_bn < N
+                b_cols = (ub_ptr + expert.to(gl.int64) * stride_ube + member.to(gl.int64)[None, :] * stride_ubs
+                          + within[None, :])
+                for update in range(update_steps):
+                    first = update * (BLOCK_K // UPDATE_RANK)
+                    used = (first + member) < update_stack
+                    slot = step % STAGES
+                    mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+                    mbarrier.arrive(ready.index(slot))
+                    _gather_load(a_bufs.index(slot), u_rows + first * UPDATE_RANK,
+                                 mask=row_ok[:, None] & used[None, :])
+                    b_rows = b_cols + first * stride_ubs + offs_bn.to(gl.int64)[:, None] * stride_ubn
+                    if GLU:
+                        _gather_load(w_bufs.index(2 * slot), b_rows, mask=n_ok[:, None] & used[None, :])
+                        _gather_load(w_bufs.index(2 * slot + 1), b_rows + up_offset * stride_ubn,
+                                     mask=n_ok[:, None] & used[None, :])
+                    else:
+                        _gather_load(w_bufs.index(slot), b_rows, mask=n_ok[:, None] & used[None, :])
+                    async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+                    step += 1
 
     @gluon.jit
     def _mma_partition(a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr, num_padded_ptr,
-                       N, K, num_copies, stride_om,
+                       N, K, num_copies, stride_om, update_steps,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                        GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr, GROUP_M: gl.constexpr,
                        COALESCED_STORE: gl.constexpr, WEIGHT_KN: gl.constexpr, CONSUMER: gl.constexpr,
@@ -217,7 +247,7 @@ if _GLUON_ERROR is None:
         layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
         n_tiles = gl.cdiv(N, BLOCK_N)
         m_tiles = gl.load(num_padded_ptr) // BLOCK_M
-        k_steps = gl.cdiv(K, BLOCK_K)
+        k_steps = gl.cdiv(K, BLOCK_K) + update_steps  # (an update's K-steps come through the ring after the tile's)
         index = CONSUMER
         turns = 0
         for tile in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), m_tiles * n_tiles,
@@ -231,7 +261,7 @@ if _GLUON_ERROR is None:
                 mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
                 turns += 1
             previous = 0
-            for k in range(0, K, BLOCK_K):
+            for k in range(0, k_steps):
                 slot = step % STAGES
                 mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
                 if GLU:
@@ -256,7 +286,7 @@ if _GLUON_ERROR is None:
                 acc, acc_up = warpgroup_mma_wait(0, deps=(acc, acc_up))
             else:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(previous), pred=K > 0)
+            mbarrier.arrive(empty.index(previous), pred=k_steps > 0)
             # the epilogue: SwiGLU's act(gate) · up, the routing weights, each row at its copy index
             offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
             offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
@@ -281,11 +311,12 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def ws_grouped_gemm_kernel(a_ptr, w_desc, out_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                               N, K, num_copies, rows_per_a, stride_am, stride_om, up_offset,
+                               N, K, num_copies, rows_per_a, stride_am, stride_om, up_offset, u_ptr, ub_ptr,
+                               stride_um, stride_ubs, stride_ube, stride_ubn, update_stack, update_steps,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                                STAGES: gl.constexpr, GLU: gl.constexpr, MUL_WEIGHTS: gl.constexpr,
                                GROUP_M: gl.constexpr, COALESCED_STORE: gl.constexpr, WEIGHT_KN: gl.constexpr,
-                               PINGPONG: gl.constexpr,
+                               UPDATE_RANK: gl.constexpr, PINGPONG: gl.constexpr,
                                LOADER_WARPS_: gl.constexpr,
                                LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         dtype: gl.constexpr = w_desc.dtype
@@ -307,23 +338,25 @@ if _GLUON_ERROR is None:
         if PINGPONG:  # two MMA partitions on alternate tiles: one's epilogue overlaps the other's K-loop
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr,
-                                  num_padded_ptr, N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                  GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 2)),
+                                  num_padded_ptr, N, K, num_copies, stride_om, update_steps, BLOCK_M, BLOCK_N,
+                                  BLOCK_K, STAGES, GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 2)),
                 (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr,
-                                  num_padded_ptr, N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                  GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 1, 2)),
+                                  num_padded_ptr, N, K, num_copies, stride_om, update_steps, BLOCK_M, BLOCK_N,
+                                  BLOCK_K, STAGES, GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 1, 2)),
                 (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
-                           empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
-                           STAGES, GLU, GROUP_M, WEIGHT_KN)),
+                           empty, N, K, num_copies, rows_per_a, stride_am, up_offset, u_ptr, ub_ptr, stride_um,
+                           stride_ubs, stride_ube, stride_ubn, update_stack, update_steps, BLOCK_M, BLOCK_N, BLOCK_K,
+                           STAGES, GLU, GROUP_M, WEIGHT_KN, UPDATE_RANK)),
             ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, out_ptr, weights_ptr, sorted_ids_ptr,
-                                  num_padded_ptr, N, K, num_copies, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                                  GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 1)),
+                                  num_padded_ptr, N, K, num_copies, stride_om, update_steps, BLOCK_M, BLOCK_N,
+                                  BLOCK_K, STAGES, GLU, MUL_WEIGHTS, GROUP_M, COALESCED_STORE, WEIGHT_KN, 0, 1)),
                 (_loader, (a_ptr, w_desc, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, a_bufs, w_bufs, ready,
-                           empty, N, K, num_copies, rows_per_a, stride_am, up_offset, BLOCK_M, BLOCK_N, BLOCK_K,
-                           STAGES, GLU, GROUP_M, WEIGHT_KN)),
+                           empty, N, K, num_copies, rows_per_a, stride_am, up_offset, u_ptr, ub_ptr, stride_um,
+                           stride_ubs, stride_ube, stride_ubn, update_stack, update_steps, BLOCK_M, BLOCK_N, BLOCK_K,
+                           STAGES, GLU, GROUP_M, WEIGHT_KN, UPDATE_RANK)),
             ], [LOADER_WARPS_], [LOADER_REGS])
 
 
@@ -435,7 +468,8 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
                     block_expert: torch.Tensor, num_padded: torch.Tensor, *, rows_per_a: int, config: GemmConfig,
                     glu: bool = False, topk_weights: Optional[torch.Tensor] = None,
                     aligned_block_m: Optional[int] = None, programs: Optional[int] = None,
-                    pingpong: bool = False, coalesced_store: bool = True, weight_kn: bool = False) -> torch.Tensor:
+                    pingpong: bool = False, coalesced_store: bool = True, weight_kn: bool = False,
+                    update: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """``out[copy] = epilogue(a[copy // rows_per_a] @ weight[expert].T)`` for every copy of the block-aligned plan
     (``sorted_ids``, ``block_expert``, ``num_padded``), as :func:`moeforge.kernels.moe_gemm.moe_gemm` computes it:
     ``glu`` the SwiGLU gate/up GEMM (concatenated ``[gate | up]`` rows; ``out`` ``N_w / 2`` wide), else a plain one;
@@ -446,24 +480,33 @@ def ws_grouped_gemm(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, so
     row pieces before it is written (else written from the MMA layout, 4 bytes a thread and row). ``weight_kn``:
     ``weight [E, K, N]``, ``out[copy] = epilogue(a[copy // rows_per_a] @ weight[expert])`` (the stored ``[E, N_w, K]``
     weight read this way is the row gradient's product, ``d_pre @ W``). ``out``: the rows' dtype or fp32 (a row
-    gradient whose copies are summed afterwards)."""
+    gradient whose copies are summed afterwards). ``update``: ``(rows [copies, S·R], weight [S, E, N_w, R])``, a
+    stack's update in every adapter's columns added to each copy's product before the epilogue (copy ``c``'s
+    ``rows[c]`` against its expert's ``weight[:, e]``, the adapters' ``R`` columns side by side:
+    :func:`update_problem`)."""
     aligned = aligned_block_m or config.block_m
     check_operands(a, weight, out, config, glu, aligned, weight_kn, coalesced_store, pingpong)
+    if update is not None:
+        found = update_problem(a, weight, config, update[0], update[1], None, 1.0, weight_kn)
+        if found is not None:
+            raise ValueError(found)
     if block_expert.numel() != -(-sorted_ids.numel() // aligned):  # (the plan's last block may be partial)
         raise ValueError(f"block_expert has {block_expert.numel()} entries for {sorted_ids.numel()} slots in blocks "
                          f"of {aligned}")
     return launch_checked(a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=config,
                           glu=glu, topk_weights=topk_weights, aligned_block_m=aligned, programs=programs,
-                          pingpong=pingpong, coalesced_store=coalesced_store, weight_kn=weight_kn)
+                          pingpong=pingpong, coalesced_store=coalesced_store, weight_kn=weight_kn, update=update)
 
 
 def launch_checked(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
                    block_expert: torch.Tensor, num_padded: torch.Tensor, *, rows_per_a: int, config: GemmConfig,
                    glu: bool, topk_weights: Optional[torch.Tensor], aligned_block_m: int,
                    programs: Optional[int] = None, pingpong: bool = False, coalesced_store: bool = True,
-                   weight_kn: bool = False) -> torch.Tensor:
+                   weight_kn: bool = False, update: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                   ) -> torch.Tensor:
     """:func:`ws_grouped_gemm` on operands already checked (its checks, or :func:`operand_problem` on a launch whose
-    output and plan the caller made): the launch alone."""
+    output and plan the caller made, and :func:`update_problem`): the launch alone. ``update``: a stack's update in
+    every adapter's columns, ``(rows [copies, S·R], weight [S, E, N_w, R])`` (see :func:`update_problem`)."""
     if aligned_block_m != config.block_m:  # a tile's expert by its own block: the plan's table repeated
         block_expert = block_expert.repeat_interleave(aligned_block_m // config.block_m)
     num_copies, n_out = out.shape
@@ -472,21 +515,56 @@ def launch_checked(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sor
     if programs is None:
         programs = multiprocessors(a.device)
     mul_weights = topk_weights is not None
+    if update is not None:
+        u, ub = update
+        rank, stack = int(ub.shape[3]), int(ub.shape[0])
+        update_args = (u, ub, u.stride(0), ub.stride(0), ub.stride(1), ub.stride(2), stack,
+                       -(-stack // (config.block_k // rank)))
+    else:
+        rank, update_args = 0, (out, out, 0, 0, 0, 0, 0, 0)
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, STAGES=config.num_stages,
                      GLU=glu, MUL_WEIGHTS=mul_weights, GROUP_M=config.group_m, COALESCED_STORE=coalesced_store,
-                     WEIGHT_KN=weight_kn, **_partitions(pingpong)),
+                     WEIGHT_KN=weight_kn, UPDATE_RANK=rank, **_partitions(pingpong)),
                 dict(num_warps=config.num_warps))
 
     # (the key names what the constexprs and the descriptor's box, dtype and layout follow: the launch site adds the
     # other arguments' specialisation; the bound launch skips the JIT's binding of every argument on each call)
     _WS_GROUPED_GEMM.launch(
-        (config, glu, mul_weights, coalesced_store, weight_kn, pingpong, weight.dtype, a.device), (programs,),
+        (config, glu, mul_weights, coalesced_store, weight_kn, pingpong, rank, weight.dtype, a.device), (programs,),
         (a, weight_descriptor(weight, config, weight_kn), out, topk_weights if mul_weights else out, sorted_ids,
          block_expert, num_padded, n_out, a.shape[1], num_copies, rows_per_a, a.stride(0), out.stride(0),
-         n_out if glu else 0), make)
+         n_out if glu else 0, *update_args), make)
     return out
+
+
+def update_problem(a: torch.Tensor, weight: torch.Tensor, config: GemmConfig, rows: Optional[torch.Tensor],
+                   update_weight: Optional[torch.Tensor], ids: Optional[torch.Tensor], scale: float,
+                   weight_kn: bool = False) -> Optional[str]:
+    """What this kernel does not take in a low-rank update (``None``: no update, or one it takes): it adds a stack's
+    update in every adapter's columns (``rows [copies, S·R]``, weighed, from
+    :func:`moeforge.kernels.stack_wide.stack_wide`; ``update_weight [S, E, N_w, R]``; no ids, scale 1) as more K-steps
+    through its ring, ``BLOCK_K // R`` adapters a step, loaded by ``cp.async`` in 16-byte pieces: ``R`` a multiple of
+    16 dividing ``BLOCK_K``, the rows' dtype, contiguous rows and ``R`` columns."""
+    if rows is None and update_weight is None:
+        return None
+    if rows is None or update_weight is None or ids is not None or update_weight.dim() != 4 or rows.dim() != 2:
+        return "the warp-specialised kernel adds a stack's update in every adapter's columns alone (no ids, no parts)"
+    stack, experts, width, rank = (int(size) for size in update_weight.shape)
+    if scale != 1.0 or weight_kn:
+        return "the warp-specialised kernel's update comes weighed (scale 1), on [E, N_w, K] weights"
+    if rank % 16 or config.block_k % rank or rows.shape[1] != stack * rank:
+        return (f"the warp-specialised kernel's update steps take ranks that are multiples of 16 dividing BLOCK_K="
+                f"{config.block_k}, rows [copies, S·R]; got rank {rank}, rows {tuple(rows.shape)}")
+    if (experts, width) != (int(weight.shape[0]), int(weight.shape[1])) or update_weight.dtype != a.dtype \
+            or rows.dtype != a.dtype:
+        return "the update's weight must be [S, E, N_w, R] of the GEMM's experts and rows, in the rows' dtype"
+    if (rows.stride(1) != 1 or update_weight.stride(3) != 1 or rows.stride(0) % 8
+            or any(stride % 8 for stride in update_weight.stride()[:3]) or rows.data_ptr() % 16
+            or update_weight.data_ptr() % 16):
+        return "the update's rows and weight need contiguous 16-byte pieces (cp.async)"
+    return None
 
 
 def _partitions(pingpong: bool) -> dict[str, Any]:
@@ -498,7 +576,7 @@ def _partitions(pingpong: bool) -> dict[str, Any]:
 
 def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: torch.dtype = torch.bfloat16,
                        pingpong: bool = False, coalesced_store: bool = True, weight_kn: bool = False,
-                       out_fp32: bool = False) -> Any:
+                       out_fp32: bool = False, update_rank: int = 0) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
     checks, and where the PTX and the register counts can be read (``.asm``)."""
     if _GLUON_ERROR is not None:
@@ -513,14 +591,17 @@ def compile_for_hopper(config: GemmConfig, glu: bool, mul_weights: bool, dtype: 
     signature = dict(a_ptr=f"*{name}", w_desc=f"tensordesc<{name}[{box[0]},{box[1]}],{layout!r}>",
                      out_ptr=f"*{out_name}", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                      num_padded_ptr="*i32", N="i32", K="i32", num_copies="i32", rows_per_a="i32", stride_am="i32",
-                     stride_om="i32", up_offset="i32")
+                     stride_om="i32", up_offset="i32", u_ptr=f"*{name}", ub_ptr=f"*{name}", stride_um="i32",
+                     stride_ubs="i32", stride_ube="i32", stride_ubn="i32", update_stack="i32", update_steps="i32")
     constexprs = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                       STAGES=config.num_stages, GLU=glu, MUL_WEIGHTS=mul_weights, GROUP_M=config.group_m,
-                      COALESCED_STORE=coalesced_store, WEIGHT_KN=weight_kn, **_partitions(pingpong))
+                      COALESCED_STORE=coalesced_store, WEIGHT_KN=weight_kn, UPDATE_RANK=update_rank,
+                      **_partitions(pingpong))
     signature.update({key: "constexpr" for key in constexprs})
     # what the JIT specialises at a launch whose pointers, widths and strides are multiples of 16
     divisible = ("a_ptr", "out_ptr", "weights_ptr", "sorted_ids_ptr", "block_expert_ptr", "num_padded_ptr", "N", "K",
-                 "stride_am", "stride_om", "up_offset")
+                 "stride_am", "stride_om", "up_offset", "u_ptr", "ub_ptr", "stride_um", "stride_ubs", "stride_ube",
+                 "stride_ubn")
     names = list(signature)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = GluonASTSource(ws_grouped_gemm_kernel, signature, constexprs=dict(constexprs), attrs=attrs)

@@ -234,13 +234,16 @@ def launch(
         from moeforge.kernels import warp_specialized
 
         aligned = aligned_block_m or gemm.block_m
+        update = (update_rows, update_weight, update_ids, update_scale) if update_weight is not None else None
         if warp_specialized.problem(
                 a, weight, quantized=any(t is not None for t in (a_scale, weight_scale, weight_zero, weight_global)),
                 weight_format=WeightFormat(weight_format), bias=bias is not None, act=act, glu=glu,
-                interleaved=interleaved, out_dtype=out_dtype, fp8_out=fp8_out, update=update_weight is not None,
+                interleaved=interleaved, out_dtype=out_dtype, fp8_out=fp8_out, update=update,
                 config=gemm, aligned_block_m=aligned) is None:
             warp_specialized.launch(a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a,
-                                    config=gemm, glu=glu, topk_weights=topk_weights, aligned_block_m=aligned)
+                                    config=gemm, glu=glu, topk_weights=topk_weights, aligned_block_m=aligned,
+                                    update=(update_rows, update_weight)
+                                    if update_rows is not None and update_weight is not None else None)
             return out, out_scale
     kernel.moe_gemm(
         a, weight, out, sorted_ids, block_expert, num_padded, rows_per_a=rows_per_a, config=gemm,
