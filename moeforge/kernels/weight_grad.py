@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeforge.kernels import gluon_weight_grad, pdl
+from moeforge.kernels import gluon_weight_grad, narrow_weight_grad, pdl
 from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.launch_plan import TensorDescriptor
@@ -77,7 +77,9 @@ class WeightGradTiles:
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
 SHORT_RUN = 32  # rows per expert up to which the steps are 32 rows (weight_grad_tiles)
 PINGPONG_UNTIL = 4096  # rows per expert from which the wide tiles beat the Gluon ping-pong (weight_grad_tiles)
-NARROW_BY_INDEX = 64  # dW's narrower side up to which the Gluon kernel loads the rows by index (weight_grad_tiles)
+# dW's narrower side up to which the Gluon kernel's tiles load the rows by index (weight_grad_tiles); such a gradient
+# without a bias, its rows not in slot order, takes narrow_weight_grad unless tiles are given
+NARROW_BY_INDEX = 64
 
 
 def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, device: torch.device,
@@ -335,7 +337,10 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     """``(dW [E, N, K], db [E, N] or None)`` in ``dtype`` (summed in fp32): for each expert the sum over its
     copies ``c`` of ``d_rows[c]^T rows[c // rows_per_a]`` (``d_rows [copies, N]``, ``rows [R, K]`` of one dtype),
     each expert's copies summed in slot order, which the alignment (aligned with ``block_m``) makes ascending: the
-    same bits from run to run. ``tiles``: the launch (default :func:`weight_grad_tiles`).
+    same bits from run to run. ``tiles``: the launch (default :func:`weight_grad_tiles`; a gradient narrow on one side
+    — an adapter's ``A`` or ``B`` — without a bias, its rows not in slot order, takes
+    :func:`moeforge.kernels.narrow_weight_grad.narrow_weight_grad` instead where ``tiles`` is not given: its few
+    MMAs leave reading the rows as the cost, which that kernel does once, with no launch to find the experts' runs).
 
     ``slot_copies`` > 0: both operands in slot order (:mod:`moeforge.kernels.slot_rows`; ``sorted_ids`` each slot's
     own position, ``rows_per_a`` 1), ``slot_copies`` of their rows copies, each padding row of one operand zero: each
@@ -352,6 +357,10 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         if db is not None:
             db.zero_()
         return dw, db
+    if tiles is None and narrow_weight_grad.narrow_problem(d_rows, rows, with_bias, slot_copies) is None:
+        # (an adapter's A or B: the rows read once by index, the narrow side whole in each program's accumulator)
+        return narrow_weight_grad.narrow_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded,
+                                                     num_experts, block_m, dtype), None
     tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device,
                                        (slot_copies or num_copies) / max(num_experts, 1), with_bias)
     if block_m % tiles.block_m or tiles.block_m < 16:
