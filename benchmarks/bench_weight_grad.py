@@ -34,19 +34,16 @@ from moeforge.kernels import align  # noqa: E402
 from moeforge.kernels.weight_grad import WeightGradTiles, expert_weight_grad, weight_grad_tiles  # noqa: E402
 
 
-def candidates(default: WeightGradTiles, n: int, k: int, by_index: bool) -> dict[str, WeightGradTiles]:
+def candidates(default: WeightGradTiles, n: int, k: int) -> dict[str, WeightGradTiles]:
     """The launches compared with the default: the Gluon kernel (ping-pong 128 x 128 tiles, on rows gathered first,
-    and with its tiles stored by TMA; one partition with the default's tiles; with ``by_index`` each also on all rows
-    loaded by index), and the Triton kernel with the other family of tiles."""
+    and with its tiles stored by TMA; one partition with the default's tiles), and the Triton kernel with the other
+    family of tiles."""
     wide = (128, 256) if k >= n else (256, 128)
     pingpong = WeightGradTiles(128, 128, default.block_m, 4, 4, True, warp_specialized=True, pingpong=True)
     one = attrs.evolve(default, warp_specialized=True, num_stages=max(default.num_stages, 3))
     found = {"default": default, "default again": default, "gluon ping-pong 128x128": pingpong,
              "gluon ping-pong, stored by TMA": attrs.evolve(pingpong, tma_store=True),
              "gluon one partition": one}
-    if by_index:
-        found["gluon ping-pong by index"] = attrs.evolve(pingpong, rows_by_index=True)
-        found["gluon one partition by index"] = attrs.evolve(one, rows_by_index=True)
     other = (WeightGradTiles(128, 128, default.block_m, 4, 2, True, tma_store=True) if default.block_n != 128
              or default.block_k != 128 else WeightGradTiles(*wide, default.block_m, 8, 3, True))
     found["triton 128x128" if other.block_n == other.block_k else "triton wide"] = other
@@ -58,7 +55,6 @@ def main() -> None:
     parser.add_argument("--shapes", default="mixtral,qwen3,gptoss,deepseek")
     parser.add_argument("--tokens", default="1024,4096,16384")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--by-index", action="store_true", help="also the Gluon kernel on rows loaded by index")
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
@@ -87,7 +83,7 @@ def main() -> None:
                 default = weight_grad_tiles(n, k, torch.bfloat16, 128, d_rows.device, copies / experts)
                 flops = 2 * copies * n * k
                 dw_bytes = experts * n * k * 2  # (bf16 dW: what a short reduction's time is bound by writing)
-                launches = candidates(default, n, k, args.by_index)
+                launches = candidates(default, n, k)
                 steps = {label: functools.partial(expert_weight_grad, d_rows, rows, per_row, *plan, experts, 128,
                                                   False, torch.bfloat16, tiles=tiles)
                          for label, tiles in launches.items()}

@@ -1,9 +1,7 @@
 """The warp-specialised Gluon weight gradient (``moeforge/kernels/gluon_weight_grad.py``).
 
-On CPU: it compiles for sm_90 down to machine code (Triton's ``ptxas``) in every partition layout it offers and every
-way of loading the rows (gathered into expert order first, then by TMA; each step's rows by index; the input rows by
-index and the gradient rows by TMA), within its
-shared-memory bound; launches it does not take are refused with the reason, and the flag then runs the Triton
+On CPU: it compiles for sm_90 down to machine code (Triton's ``ptxas``) in every partition layout it offers (the rows
+gathered into expert order first, then loaded by TMA), within its shared-memory bound; launches it does not take are refused with the reason, and the flag then runs the Triton
 twin (``_weight_grad_kernel``) — a kernel choice, never another result. On an sm_90 GPU: bit for bit the twin's
 gradient with the same tiles (the same steps summed in the same order), over the batches users give — an idle expert,
 every copy on one expert, one token, ``top_k`` = experts, runs of whole and partial steps, either operand padded —
@@ -43,20 +41,14 @@ LAUNCHES = {  # the Gluon launches the tests run: (step rows, N tile, K tile, MM
 }
 
 
-def _tiles(launch: tuple[int, int, int, int, int, bool, bool], by_index: bool) -> WeightGradTiles:
+def _tiles(launch: tuple[int, int, int, int, int, bool, bool]) -> WeightGradTiles:
     block_m, block_n, block_k, warps, stages, pingpong, tma_store = launch
     return WeightGradTiles(block_n, block_k, block_m, warps, stages, True, tma_store=tma_store, warp_specialized=True,
-                           pingpong=pingpong, rows_by_index=by_index)
+                           pingpong=pingpong)
 
 
-LOADS = {  # whether the rows are loaded by index
-    "rows gathered first, by TMA": False,
-    "rows by index": True,
-}
-
-
-COMPILED = [(launch, torch.bfloat16, loads) for launch in LAUNCHES for loads in LOADS] + [
-    ("ping-pong 128 x 128", torch.float16, "rows by index")]  # (fp16 once: the dtype changes no partition)
+COMPILED = [(launch, torch.bfloat16) for launch in LAUNCHES] + [
+    ("ping-pong 128 x 128", torch.float16)]  # (fp16 once: the dtype changes no partition)
 
 
 _COMPILE = """
@@ -64,14 +56,13 @@ import json, sys
 import torch
 from moeforge.kernels import gluon_weight_grad
 found = []
-for block_m, block_n, block_k, warps, stages, pingpong, tma_store, dtype, gather in json.loads(sys.argv[1]):
+for block_m, block_n, block_k, warps, stages, pingpong, tma_store, dtype in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     kernel = gluon_weight_grad.compile_for_hopper(block_m, block_n, block_k, warps, stages, pingpong, dtype, dtype,
-                                                  gather=gather, tma_store=tma_store)
+                                                  tma_store=tma_store)
     ptx = kernel.asm["ptx"]
     found.append(dict(shared=kernel.metadata.shared, wgmma="wgmma" in ptx,
-                      tma_store="cp.async.bulk.tensor.2d.global.shared" in ptx,
-                      by_index="cp.async.mbarrier.arrive.noinc" in ptx))
+                      tma_store="cp.async.bulk.tensor.2d.global.shared" in ptx))
 print(json.dumps(found))
 """
 
@@ -82,20 +73,19 @@ def test_it_compiles_for_hopper_within_its_shared_memory_bound() -> None:
     # interpreter's patches of triton.language stay in the process, and a Gluon compile after it failed (in CI, by
     # the order xdist gave the tests); and Triton's bindings report leaked objects at the exit of a process that
     # compiled Gluon.
-    cases = [[*LAUNCHES[launch], str(dtype)[6:], LOADS[loads]] for launch, dtype, loads in COMPILED]
+    cases = [[*LAUNCHES[launch], str(dtype)[6:]] for launch, dtype in COMPILED]
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           timeout=900, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0, done.stderr[-4000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(found) == len(COMPILED)
-    for (launch, dtype, loads), kernel in zip(COMPILED, found):
+    for (launch, dtype), kernel in zip(COMPILED, found):
         block_m, block_n, block_k, warps, stages, pingpong, tma_store = LAUNCHES[launch]
         assert gluon_weight_grad.tile_problem(block_m, block_n, block_k, warps, stages, pingpong) is None
         bound = gluon_weight_grad.shared_memory_bytes(block_m, block_n, block_k, stages, pingpong)
         assert bound <= gluon_weight_grad.gluon_gemm.SHARED_MEMORY_LIMIT, launch
-        assert kernel["shared"] <= bound, (launch, dtype, loads, kernel)
-        assert kernel["wgmma"] and kernel["tma_store"] == tma_store, (launch, dtype, loads, kernel)
-        assert kernel["by_index"] == LOADS[loads], (launch, dtype, loads, kernel)
+        assert kernel["shared"] <= bound, (launch, dtype, kernel)
+        assert kernel["wgmma"] and kernel["tma_store"] == tma_store, (launch, dtype, kernel)
 
 
 @pytest.mark.parametrize("tiles, needle", [
@@ -129,35 +119,18 @@ def test_a_launch_it_does_not_take_runs_the_twin_with_the_same_bits() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids, rows, d_rows = _case(9, 2, 4, 40, 24, torch.float16, device, idle=(1,))
     plan = align.align_block_size(ids, 4, 16)
-    for loads in LOADS.values():
-        tiles = _tiles((16, 16, 32, 4, 2, True, False), loads)
-        for with_bias in ((False, True) if device == "cpu" else (True,)):
-            got = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=tiles)
-            want = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=attrs.evolve(
-                tiles, warp_specialized=False, rows_by_index=False))
-            assert torch.equal(got[0], want[0])
+    tiles = _tiles((16, 16, 32, 4, 2, True, False))
+    for with_bias in ((False, True) if device == "cpu" else (True,)):
+        got = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias, tiles=tiles)
+        want = expert_weight_grad(d_rows, rows, 2, *plan, 4, 16, with_bias,
+                                  tiles=attrs.evolve(tiles, warp_specialized=False))
+        assert torch.equal(got[0], want[0])
     found = gluon_weight_grad.operand_problem(d_rows, rows, got[0], True, 64, 128, 128, 4, 4, True)
     assert found is not None and "bias" in found
     found = gluon_weight_grad.operand_problem(d_rows.float(), rows.float(), got[0], False, 64, 128, 128, 4, 4, True)
     assert found is not None and "bf16" in found
     found = gluon_weight_grad.operand_problem(d_rows[:0], rows[:0], got[0], False, 64, 128, 128, 4, 4, True)
     assert found is not None and "no rows" in found
-
-
-def test_rows_by_index_need_widths_and_strides_in_whole_aligned_pieces() -> None:
-    # the GPU compile of rows 392 elements wide loaded by index failed ("cp.async does not support transfers smaller
-    # than 4 bytes"): such operands are gathered first (TMA takes them) — the check comes before the device's
-    for n, k in ((392, 320), (384, 328)):
-        dy, x = torch.randn(50, n).bfloat16(), torch.randn(25, k).bfloat16()
-        dw = torch.empty(3, n, k, dtype=torch.bfloat16)
-        found = gluon_weight_grad.operand_problem(dy, x, dw, False, 64, 128, 128, 4, 4, True, by_index=True)
-        assert found is not None and "multiples of 16 elements" in found
-        found = gluon_weight_grad.operand_problem(dy, x, dw, False, 64, 128, 128, 4, 4, True)
-        assert found is None or "multiples" not in found
-    wide = torch.randn(50, 392).bfloat16()[:, :384]  # 384 wide, rows 392 apart (16-byte aligned: TMA takes them)
-    found = gluon_weight_grad.operand_problem(wide, torch.randn(25, 320).bfloat16(), torch.empty(3, 384, 320),
-                                              False, 64, 128, 128, 4, 4, True, by_index=True)
-    assert found is not None and "strides [392, 320]" in found
 
 
 CASES = {  # (tokens, top_k, experts, N, K, only, idle)
@@ -171,36 +144,33 @@ CASES = {  # (tokens, top_k, experts, N, K, only, idle)
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
-@pytest.mark.parametrize("loads", list(LOADS))
 @pytest.mark.parametrize("programs", [None, 1, 3], ids=["a program per SM", "one program", "three programs"])
 @pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_it_stores_the_twins_bits(case: str, launch: str, programs: Optional[int], loads: str,
+def test_it_stores_the_twins_bits(case: str, launch: str, programs: Optional[int],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     tokens, k, experts, n, kdim, only, idle = CASES[case]
     ids, rows, d_rows = _case(tokens, k, experts, n, kdim, torch.bfloat16, "cuda", only, idle)
     plan = align.align_block_size(ids, experts, 128)
-    tiles = _tiles(LAUNCHES[launch], LOADS[loads])
+    tiles = _tiles(LAUNCHES[launch])
     if programs is not None:
         monkeypatch.setattr(gluon_weight_grad, "multiprocessors", lambda device: programs)
     got, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.bfloat16, tiles=tiles)
     want, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.bfloat16,
-                                 tiles=attrs.evolve(tiles, warp_specialized=False, pingpong=False,
-                                                    rows_by_index=False))
+                                 tiles=attrs.evolve(tiles, warp_specialized=False, pingpong=False))
     assert torch.equal(got, want)
     for e in idle:
         assert not got[e].any()
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
-@pytest.mark.parametrize("loads", list(LOADS))
 @pytest.mark.parametrize("launch", list(LAUNCHES), ids=list(LAUNCHES))
-def test_it_equals_a_float64_sum_per_expert_in_bf16(launch: str, loads: str) -> None:
+def test_it_equals_a_float64_sum_per_expert_in_bf16(launch: str) -> None:
     tokens, k, experts, n, kdim, only, idle = CASES["spread, idle expert"]
     ids, rows, d_rows = _case(tokens, k, experts, n, kdim, torch.bfloat16, "cuda", only, idle, seed=8)
     plan = align.align_block_size(ids, experts, 128)
     got, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.float32,
-                                tiles=_tiles(LAUNCHES[launch], LOADS[loads]))
+                                tiles=_tiles(LAUNCHES[launch]))
     flat = ids.reshape(-1).long().cpu()
     for e in range(experts):
         chosen = (flat == e).nonzero().flatten()
@@ -209,14 +179,13 @@ def test_it_equals_a_float64_sum_per_expert_in_bf16(launch: str, loads: str) -> 
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
-@pytest.mark.parametrize("loads", list(LOADS))
-def test_no_copies_give_zero_gradients(loads: str) -> None:
+def test_no_copies_give_zero_gradients() -> None:
     ids = torch.zeros(0, 2, dtype=torch.int32, device="cuda")
     plan = align.align_block_size(ids, 3, 128)
     d_rows = torch.zeros(0, 256, device="cuda", dtype=torch.bfloat16)
     rows = torch.zeros(0, 128, device="cuda", dtype=torch.bfloat16)
     dw, _ = expert_weight_grad(d_rows, rows, 2, *plan, 3, 128, False, torch.bfloat16,
-                               tiles=_tiles(LAUNCHES["ping-pong 128 x 128"], LOADS[loads]))
+                               tiles=_tiles(LAUNCHES["ping-pong 128 x 128"]))
     assert dw.shape == (3, 256, 128) and not dw.any()
 
 

@@ -252,12 +252,6 @@ def test_the_gluon_ping_pong_takes_16_bit_launches_without_a_bias_up_to_its_rows
     for other in (weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, 512.0, with_bias=True),
                   weight_grad_tiles(4096, 7168, torch.float32, 128, gpu, 512.0)):
         assert not other.warp_specialized and not other.pingpong
-    # a narrow gradient (an adapter's A [r, K] or B [N, r]) loads its rows by index: one pass over them, no gather
-    for n, kdim, by_index in ((16, 2048, True), (2048, 16, True), (64, 7168, True), (65, 7168, False),
-                              (4096, 7168, False)):
-        tiles = weight_grad_tiles(n, kdim, torch.bfloat16, 128, gpu, 256.0)
-        assert tiles.warp_specialized and tiles.rows_by_index == by_index, (n, kdim)
-    assert not weight_grad_tiles(16, 2048, torch.bfloat16, 128, gpu, float(weight_grad.PINGPONG_UNTIL)).rows_by_index
     monkeypatch.setattr(gluon_weight_grad, "device_problem", lambda device: "sm_80")
     assert not weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, 512.0).warp_specialized
 

@@ -3,17 +3,15 @@
 # mypy: disallow-untyped-decorators=False, disallow-untyped-calls=False
 """The experts' weight gradient warp-specialised in Gluon for Hopper: ``dW[e] = dy_e^T @ x_e`` over each expert's
 copies in expert order — on the operands :func:`moeforge.kernels.weight_grad.expert_weight_grad` gathers into that
-order, or on the rows as they are, read by index — the same tiles, steps and sums as its ``_weight_grad_kernel`` (the
-Triton twin, which CI runs in the interpreter and the GPU tests compare this kernel with, bit for bit).
+order — the same tiles, steps and sums as its ``_weight_grad_kernel`` (the Triton twin, which CI runs in the
+interpreter and the GPU tests compare this kernel with, bit for bit). (A gradient narrow on one side, an adapter's,
+runs :mod:`moeforge.kernels.narrow_weight_grad` instead, its rows read by index.)
 
 A persistent program walks the output tiles ``p, p + P, ...`` in the twin's order (expert, then ``BLOCK_N`` strip,
 then ``BLOCK_K`` strip) in partitions that meet at a ring of ``STAGES`` shared-memory slots:
 
-* the **loader**: per reduction step of each tile, ``BLOCK_M`` rows of ``dy`` (the tile's ``BLOCK_N`` columns) and
-  of ``x`` (its ``BLOCK_K`` columns) into a free slot — by TMA from operands gathered into expert order (one warp),
-  or (``GATHER``) each row by its copy's index with 16-byte asynchronous copies, rows past the expert's copies
-  zero-filled (four warps): the operands then stay in their own orders and nothing is gathered beforehand, which
-  saves the training step the gathered copies' memory and passes;
+* the **loader** (one warp): per reduction step of each tile, ``BLOCK_M`` rows of ``dy`` (the tile's ``BLOCK_N``
+  columns) and of ``x`` (its ``BLOCK_K`` columns) into a free slot by TMA;
 * the **MMA partitions**: per step, the warpgroup MMA of ``dy``'s tile transposed in shared memory (``A``, its rows
   the reduction) by ``x``'s, one MMA in flight; at a tile's end its accumulator converted to rows of 16-byte pieces
   and stored — or (``TMA_STORE``) written to the partition's shared-memory buffer and stored from there by TMA, the
@@ -42,25 +40,19 @@ if _GLUON_ERROR is None:
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from moeforge.kernels.bound_launch import FIXED_OPTIONS, LaunchSite
-    from moeforge.kernels.gluon_grouped_gemm import _gather_layout, _gather_load, _mma_layout, _row_layout, _tma_load
+    from moeforge.kernels.gluon_grouped_gemm import _mma_layout, _row_layout, _tma_load
 
     # The TMA store's name: ``async_store`` from Triton 3.7 on, ``async_copy_shared_to_global`` before.
     _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 
 LOADER_WARPS = 1  # TMA copies: one warp issues them
 LOADER_REGISTERS = 24
-GATHER_LOADER_WARPS = 4  # rows gathered by index: each thread copies 16-byte pieces
-GATHER_LOADER_REGISTERS = 56
-BY_INDEX_MULTIPLE = 16  # elements: what widths and strides of rows loaded by index are multiples of (operand_problem)
-# two MMA warpgroups of 128 x 128 fp32 accumulators and the loader in 64K registers (224 beside a gathering loader)
-CONSUMER_REGISTERS = 232
-GATHER_CONSUMER_REGISTERS = 224
+CONSUMER_REGISTERS = 232  # two MMA warpgroups of 128 x 128 fp32 accumulators and the loader in 64K registers
 
 
 unavailable_reason = gluon_gemm.unavailable_reason  # (the same Gluon calls, checked once)
@@ -74,40 +66,23 @@ if _GLUON_ERROR is None:
         return tile // per_expert, tile % per_expert // tiles_k, tile % tiles_k
 
     @gluon.jit
-    def _loader(dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs,
-                ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr):
-        layout_n: gl.constexpr = _gather_layout(BLOCK_N, gl.num_warps())
-        layout_k: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
+    def _loader(dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N, K,
+                num_experts, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                STAGES: gl.constexpr):
         tiles_k = gl.cdiv(K, BLOCK_K)
         per_expert = gl.cdiv(N, BLOCK_N) * tiles_k
         step = 0
         for tile in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
             expert, pid_n, pid_k = _tile_of(tile, per_expert, tiles_k)
-            dy_first = gl.load(dy_first_ptr + expert) * first_scale
-            x_first = gl.load(x_first_ptr + expert) * first_scale
+            dy_first = gl.load(dy_first_ptr + expert)
+            x_first = gl.load(x_first_ptr + expert)
             count = gl.load(count_ptr + expert)
             for done in range(0, count, BLOCK_M):
                 slot = step % STAGES
                 mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # (the first pass finds it free)
-                if GATHER:  # each row by its copy's index (order: the expert's slots), zeros past its copies
-                    places_n = done + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_n))
-                    ours_n = places_n < count
-                    rows_n = gl.load(order_ptr + dy_first + places_n, mask=ours_n, other=0).to(gl.int64)
-                    cols_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout_n))
-                    _gather_load(dy_bufs.index(slot), dy_ptr + rows_n[:, None] * stride_dy + cols_n[None, :],
-                                 mask=ours_n[:, None] & (cols_n < N)[None, :])
-                    places_k = done + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout_k))
-                    ours_k = places_k < count
-                    rows_k = (gl.load(order_ptr + x_first + places_k, mask=ours_k, other=0) // rows_per_x).to(gl.int64)
-                    cols_k = pid_k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout_k))
-                    _gather_load(x_bufs.index(slot), x_ptr + rows_k[:, None] * stride_x + cols_k[None, :],
-                                 mask=ours_k[:, None] & (cols_k < K)[None, :])
-                    async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-                else:
-                    mbarrier.expect(ready.index(slot), dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
-                    _tma_load(dy_desc, [dy_first + done, pid_n * BLOCK_N], ready.index(slot), dy_bufs.index(slot))
-                    _tma_load(x_desc, [x_first + done, pid_k * BLOCK_K], ready.index(slot), x_bufs.index(slot))
+                mbarrier.expect(ready.index(slot), dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
+                _tma_load(dy_desc, [dy_first + done, pid_n * BLOCK_N], ready.index(slot), dy_bufs.index(slot))
+                _tma_load(x_desc, [x_first + done, pid_k * BLOCK_K], ready.index(slot), x_bufs.index(slot))
                 step += 1
 
     @gluon.jit
@@ -166,10 +141,9 @@ if _GLUON_ERROR is None:
             tma.store_wait(0)
 
     @gluon.jit
-    def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dw_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr,
-                              count_ptr, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale, stride_dwe,
-                              stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                              STAGES: gl.constexpr, GATHER: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
+    def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dw_desc, dy_first_ptr, x_first_ptr, count_ptr, N, K, num_experts,
+                              stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                              STAGES: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
                               LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr):
         dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BLOCK_M, BLOCK_N], dy_desc.layout)
@@ -183,8 +157,7 @@ if _GLUON_ERROR is None:
         else:
             out_bufs = turn  # (not read: the tile is stored from registers)
         for slot in gl.static_range(STAGES):
-            # the TMA copies' expected bytes (one arrival), or each gathering thread's copies
-            mbarrier.init(ready.index(slot), count=32 * LOADER_WARPS_ if GATHER else 1)
+            mbarrier.init(ready.index(slot), count=1)  # (the TMA copies' expected bytes: one arrival)
             mbarrier.init(empty.index(slot), count=1)
         for consumer in gl.static_range(2):
             mbarrier.init(turn.index(consumer), count=1)
@@ -198,28 +171,25 @@ if _GLUON_ERROR is None:
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
                                   num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2,
                                   TMA_STORE)),
-                (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
-                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GATHER)),
+                (_loader, (dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N,
+                           K, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
             ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
                                   num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1,
                                   TMA_STORE)),
-                (_loader, (dy_desc, x_desc, dy_ptr, x_ptr, order_ptr, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs,
-                           x_bufs, ready, empty, N, K, num_experts, stride_dy, stride_x, rows_per_x, first_scale,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GATHER)),
+                (_loader, (dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N,
+                           K, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
             ], [LOADER_WARPS_], [LOADER_REGS])
 
     # The kernel's bound launches by their key and specialisation (moeforge.kernels.bound_launch)
     _WS_WEIGHT_GRAD = LaunchSite(ws_weight_grad_kernel)
 
 
-def _partitions(pingpong: bool, gather: bool) -> dict[str, Any]:
-    return dict(GATHER=gather, PINGPONG=pingpong, LOADER_WARPS_=GATHER_LOADER_WARPS if gather else LOADER_WARPS,
-                LOADER_REGS=GATHER_LOADER_REGISTERS if gather else LOADER_REGISTERS, CONSUMER_WARPS=4,
-                CONSUMER_REGS=GATHER_CONSUMER_REGISTERS if gather else CONSUMER_REGISTERS)
+def _partitions(pingpong: bool) -> dict[str, Any]:
+    return dict(PINGPONG=pingpong, LOADER_WARPS_=LOADER_WARPS, LOADER_REGS=LOADER_REGISTERS, CONSUMER_WARPS=4,
+                CONSUMER_REGS=CONSUMER_REGISTERS)
 
 
 def shared_memory_bytes(block_m: int, block_n: int, block_k: int, stages: int, pingpong: bool,
@@ -266,9 +236,8 @@ def tile_problem(block_m: int, block_n: int, block_k: int, num_warps: int, stage
 
 def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bias: bool, block_m: int,
                     block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
-                    by_index: bool = False) -> Optional[str]:
-    """Why these operands, gradient and tiles cannot take this kernel (``None`` where they can); ``by_index``: both
-    operands' rows loaded by index (:func:`launch_checked`'s ``order``)."""
+                    ) -> Optional[str]:
+    """Why these operands, gradient and tiles cannot take this kernel (``None`` where they can)."""
     if with_bias:
         return "the warp-specialised weight gradient sums no bias"
     if dy.numel() == 0 or x.numel() == 0:
@@ -284,12 +253,6 @@ def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bi
             return f"{name} must have contiguous rows at 16-byte aligned addresses and strides (TMA)"
     if dw.dim() != 3 or dw.stride(2) != 1 or (dw.shape[2] * dw.element_size()) % 16 or dw.data_ptr() % 16:
         return "dW must be [E, N, K] with contiguous rows of whole 16-byte pieces (the store's)"
-    if by_index and any(size % BY_INDEX_MULTIPLE for t in (dy, x) for size in (t.shape[1], t.stride(0))):
-        # cp.async copies 4 bytes or more, and Triton proves a row's pieces aligned only from integer arguments it
-        # specialises as multiples of 16: with widths or strides of 392 elements it would copy single elements
-        return (f"rows loaded by index need widths and row strides that are multiples of {BY_INDEX_MULTIPLE} "
-                f"elements (cp.async's aligned pieces), got widths {[dy.shape[1], x.shape[1]]} and strides "
-                f"{[dy.stride(0), x.stride(0)]}")
     return device_problem(dy.device)
 
 
@@ -305,46 +268,40 @@ def _descriptor(t: torch.Tensor, box: tuple[int, int]) -> Any:
 
 def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first: torch.Tensor,
                    x_first: torch.Tensor, counts: torch.Tensor, *, block_m: int, block_n: int, block_k: int,
-                   num_warps: int, stages: int, pingpong: bool, order: Optional[torch.Tensor] = None,
-                   aligned: int = 1, rows_per_x: int = 1, tma_store: bool = False,
+                   num_warps: int, stages: int, pingpong: bool, tma_store: bool = False,
                    programs: Optional[int] = None) -> torch.Tensor:
     """``dw[e] = sum over expert e's rows r of dy[r]^T x[r]`` in whole steps of ``block_m`` rows (what
-    ``_weight_grad_kernel`` computes on the same operands), on operands :func:`operand_problem` accepted. Without
-    ``order``: ``dy`` and ``x`` in expert order, expert ``e``'s rows from ``dy_first[e]`` and ``x_first[e]``,
-    ``counts[e]`` of them (rounded up to whole steps: one operand's rows past them must be zeros). With ``order``
-    (the alignment's slots, ``sorted_ids``: each expert's copies in its blocks of ``aligned`` slots from its first
-    block, ``dy_first`` = ``x_first``, padded only in its last): ``dy`` and ``x`` in their own orders, the copy
-    ``c``'s rows ``dy[c]`` and ``x[c // rows_per_x]`` gathered by index as the steps load (zeros past an expert's
-    copies), so nothing is gathered beforehand. ``tma_store``: each finished tile stored by TMA from shared memory
-    (where :func:`tma_store_problem` allows; else from registers). ``programs``: the persistent grid (one per multiprocessor by default)."""
+    ``_weight_grad_kernel`` computes on the same operands), on operands :func:`operand_problem` accepted: ``dy`` and
+    ``x`` in expert order, expert ``e``'s rows from ``dy_first[e]`` and ``x_first[e]``, ``counts[e]`` of them (rounded
+    up to whole steps: one operand's rows past them must be zeros). ``tma_store``: each finished tile stored by TMA
+    from shared memory (where :func:`tma_store_problem` allows; else from registers). ``programs``: the persistent
+    grid (one per multiprocessor by default)."""
     num_experts, n, k = dw.shape
     if dw.numel() == 0:
         return dw
     grid = programs or min(multiprocessors(dy.device), num_experts * -(-n // block_n) * -(-k // block_k))
-    gather = order is not None
     tma_store = tma_store and tma_store_problem(dw, block_m, block_n, block_k, stages, pingpong) is None
     # (without the TMA store its descriptor's place takes dW itself, never read: one signature per launch)
     dw_desc = _descriptor(dw.view(num_experts * n, k), (block_n, block_k)) if tma_store else dw
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
-                     **_partitions(pingpong, gather)),
+                     **_partitions(pingpong)),
                 dict(num_warps=num_warps))
 
     # (the key names what the constexprs and the descriptors' boxes, dtypes and layouts follow; the launch site adds
     # the other arguments' specialisation, and its bound launch skips the JIT's binding of every argument per call)
     _WS_WEIGHT_GRAD.launch(
-        (block_m, block_n, block_k, stages, tma_store, pingpong, gather, num_warps, dy.dtype, dw.dtype, dy.device),
+        (block_m, block_n, block_k, stages, tma_store, pingpong, num_warps, dy.dtype, dw.dtype, dy.device),
         (grid,),
-        (_descriptor(dy, (block_m, block_n)), _descriptor(x, (block_m, block_k)), dw, dw_desc, dy, x,
-         order if order is not None else counts, dy_first, x_first, counts, n, k, num_experts, dy.stride(0),
-         x.stride(0), rows_per_x, aligned if gather else 1, dw.stride(0), dw.stride(1)), make)
+        (_descriptor(dy, (block_m, block_n)), _descriptor(x, (block_m, block_k)), dw, dw_desc, dy_first, x_first,
+         counts, n, k, num_experts, dw.stride(0), dw.stride(1)), make)
     return dw
 
 
 def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
                        dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16,
-                       gather: bool = False, tma_store: bool = False) -> Any:
+                       tma_store: bool = False) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
     checks, and where the PTX and the register counts can be read (``.asm``)."""
     if _GLUON_ERROR is not None:
@@ -362,15 +319,12 @@ def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int,
     dw_desc = (f"tensordesc<{names[out_dtype]}[{block_n},{block_k}],{out_layout!r}>" if tma_store
                else f"*{names[out_dtype]}")
     signature = dict(dy_desc=desc([block_m, block_n]), x_desc=desc([block_m, block_k]), dw_ptr=f"*{names[out_dtype]}",
-                     dw_desc=dw_desc, dy_ptr=f"*{name}", x_ptr=f"*{name}", order_ptr="*i32", dy_first_ptr="*i32", x_first_ptr="*i32",
-                     count_ptr="*i32", N="i32", K="i32", num_experts="i32", stride_dy="i32", stride_x="i32",
-                     rows_per_x="i32", first_scale="i32", stride_dwe="i32",
-                     stride_dwn="i32")
+                     dw_desc=dw_desc, dy_first_ptr="*i32", x_first_ptr="*i32", count_ptr="*i32", N="i32", K="i32",
+                     num_experts="i32", stride_dwe="i32", stride_dwn="i32")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
-                      **_partitions(pingpong, gather))
+                      **_partitions(pingpong))
     signature.update({key: "constexpr" for key in constexprs})
-    divisible = ("dw_ptr", "dy_ptr", "x_ptr", "order_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K",
-                 "stride_dy", "stride_x", "stride_dwe", "stride_dwn") + (() if tma_store else ("dw_desc",))
+    divisible = ("dw_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K", "stride_dwe", "stride_dwn") + (() if tma_store else ("dw_desc",))
     order = list(signature)
     attrs = {(order.index(key),): [["tt.divisibility", 16]] for key in divisible}
     source = GluonASTSource(ws_weight_grad_kernel, signature, constexprs=dict(constexprs), attrs=attrs)

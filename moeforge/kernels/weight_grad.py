@@ -57,10 +57,7 @@ class WeightGradTiles:
     ``warp_specialized``: the Gluon kernel
     (:mod:`moeforge.kernels.gluon_weight_grad`; two MMA partitions on alternate tiles with ``pingpong``) where it
     takes the launch — bf16 / fp16 operands, no bias, an sm_90 GPU — else this module's kernel with the same tiles
-    (the flag chooses a kernel, never a result: both sum the same steps in the same order); ``rows_by_index``: that
-    kernel loading each step's rows by their copies' indices, so that neither operand is gathered into expert order
-    first (no gathered copies: the training step's peak memory is reached here), where the rows' widths and strides
-    are multiples of 16 elements — else gathered first as without it."""
+    (the flag chooses a kernel, never a result: both sum the same steps in the same order)."""
 
     block_n: int
     block_k: int
@@ -71,15 +68,11 @@ class WeightGradTiles:
     tma_store: bool = False
     warp_specialized: bool = False
     pingpong: bool = False
-    rows_by_index: bool = False
 
 
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
 SHORT_RUN = 32  # rows per expert up to which the steps are 32 rows (weight_grad_tiles)
 PINGPONG_UNTIL = 4096  # rows per expert from which the wide tiles beat the Gluon ping-pong (weight_grad_tiles)
-# dW's narrower side up to which the Gluon kernel's tiles load the rows by index (weight_grad_tiles); such a gradient
-# without a bias, its rows not in slot order, takes narrow_weight_grad unless tiles are given
-NARROW_BY_INDEX = 64
 
 
 def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, device: torch.device,
@@ -97,9 +90,7 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
       short; from there on the wide tiles' operand reuse counts more; with 64-row steps each partition stores its
       finished tile by TMA from shared memory (where ``dW``'s rows allow: ``tma_store_problem``), with 32-row steps
       from registers, which was faster there (docs/kernels.md, "Backward", has the measurements behind these
-      bounds); a narrow ``dW`` (``n`` or ``k`` at most :data:`NARROW_BY_INDEX`: an adapter's ``A`` or ``B``) loads
-      its rows by index instead of gathering them first — its few MMAs leave the reading of the rows as the cost,
-      and one pass over them beats a gather pass and a read;
+      bounds);
     * long reductions (at least :data:`LONG_REDUCTION` rows per expert: Mixtral's shapes): 128 x 256 tiles (256
       along the wider of ``n`` and ``k``), 8 warps, 3 stages — the MMAs dominate and the wide tile reads each
       operand row least often;
@@ -117,7 +108,7 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
     if (dtype.itemsize == 2 and not with_bias and rows_per_expert < PINGPONG_UNTIL and tma
             and gluon_weight_grad.device_problem(device) is None):
         return WeightGradTiles(128, 128, step, 4, 4, True, warp_specialized=True, pingpong=True,
-                               tma_store=step == 64, rows_by_index=min(n, k) <= NARROW_BY_INDEX)
+                               tma_store=step == 64)
     if dtype.itemsize <= 2 and rows_per_expert >= LONG_REDUCTION:
         block_n, block_k = (128, 256) if k >= n else (256, 128)
         return WeightGradTiles(block_n, block_k, step, 8, 3, tma)
@@ -370,28 +361,23 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     runs = slot_runs if slot_runs is not None and slot_copies else expert_runs(
         block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m)
 
-    def takes(dy: torch.Tensor, x: torch.Tensor, **how: Any) -> bool:
-        """Whether the tiles ask for the Gluon kernel and it takes these operands, loaded as ``how`` says."""
+    def takes(dy: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether the tiles ask for the Gluon kernel and it takes these operands."""
         return tiles.warp_specialized and gluon_weight_grad.operand_problem(
             dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages,
-            tiles.pingpong, by_index="order" in how) is None
+            tiles.pingpong) is None
 
-    def launch(dy: torch.Tensor, x: torch.Tensor, dy_first: torch.Tensor, x_first: torch.Tensor, **how: Any) -> None:
+    def launch(dy: torch.Tensor, x: torch.Tensor, dy_first: torch.Tensor, x_first: torch.Tensor) -> None:
         gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
                                          block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
                                          stages=tiles.num_stages, pingpong=tiles.pingpong,
-                                         tma_store=tiles.tma_store, **how)
+                                         tma_store=tiles.tma_store)
 
     if slot_copies:
         # an expert's run from its first block's row: its copies rounded up to whole steps within its blocks (the
         # step divides the block), past its copies the padding's zero rows
         dy, x, dy_first, x_first = d_rows.contiguous(), rows.contiguous(), runs[1], runs[1]
     else:
-        # by index: each expert's copies are the slots of its blocks from its first (runs[0]), in ascending order
-        by_index = dict(order=sorted_ids, aligned=block_m, rows_per_x=rows_per_a)
-        if tiles.rows_by_index and takes(d_rows, rows, **by_index):
-            launch(d_rows, rows, runs[0], runs[0], **by_index)
-            return dw, db
         # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to
         # whole steps, the other compact
         pad_dy = n <= k
