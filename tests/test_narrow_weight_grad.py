@@ -115,3 +115,16 @@ def test_few_programs_take_longer_steps_on_a_gpu() -> None:
         assert default_tiles(gpu, 128, 128 * 12) == NarrowTiles(128, 64, 4, 2)  # Qwen3's B of the gate/up
         assert default_tiles(gpu, 32, 8).block_m == 32  # (never past the alignment's block)
     assert default_tiles(torch.device("cpu"), 16, 1) == NarrowTiles(32, 16, 4, 2)
+
+
+def test_the_scale_multiplies_both_kernels_gradients() -> None:
+    # an adapter's alpha / r: inside the narrow kernel (before the cast), after the k-grouped one (the bias's too)
+    ids, rows, d_rows, plan, experts, r = _operands("B: narrow K, idle experts first, middle and last", torch.float32,
+                                                     16)
+    want_w, want_b = (t * 0.25 for t in _reference(d_rows, rows, ids, experts, r))
+    narrow, _ = weight_grad.expert_weight_grad(d_rows, rows, r, *plan, experts, 16, False, scale=0.25)
+    k_grouped, db = weight_grad.expert_weight_grad(d_rows, rows, r, *plan, experts, 16, True, scale=0.25,
+                                                   tiles=weight_grad.WeightGradTiles(32, 16, 16, 4, 2, False))
+    for got, want in ((narrow, want_w), (k_grouped, want_w), (db, want_b)):
+        assert got is not None
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)

@@ -138,11 +138,10 @@ def _update_backward(d_pre: torch.Tensor, rows: torch.Tensor, weight: torch.Tens
                                                                          int(weight.shape[1])))
         d_rows = d_rows * scale if scale != 1.0 else d_rows
     if weight_needs:
-        dw, _ = weight_grad.EXPERT_WEIGHT_GRAD(d_pre.to(rows.dtype), rows, 1, route.sorted_ids, route.block_expert,
-                                               route.num_padded, weight.shape[0],
-                                               route.aligned_block_m or config.block_m, False, weight.dtype,
-                                               route.slot_copies, route.slot_runs)
-        d_weight = dw * scale if scale != 1.0 else dw
+        d_weight, _ = weight_grad.EXPERT_WEIGHT_GRAD(d_pre.to(rows.dtype), rows, 1, route.sorted_ids,
+                                                     route.block_expert, route.num_padded, weight.shape[0],
+                                                     route.aligned_block_m or config.block_m, False, weight.dtype,
+                                                     route.slot_copies, route.slot_runs, scale)
     return d_rows, d_weight
 
 

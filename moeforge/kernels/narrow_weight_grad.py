@@ -48,7 +48,7 @@ FEW_PROGRAMS = 2  # programs per multiprocessor below which each step takes 128 
 
 @triton.jit
 def _narrow_weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_copies,
-                               rows_per_x, N, K, stride_dy, stride_x, stride_dwe, stride_dwn, stride_dwk,
+                               rows_per_x, N, K, stride_dy, stride_x, stride_dwe, stride_dwn, stride_dwk, scale,
                                ALIGNED: tl.constexpr, LOG_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     expert = tl.program_id(0)
@@ -78,7 +78,7 @@ def _narrow_weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, sorted_ids_ptr, block_expe
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
     tl.store(dw_ptr + expert.to(tl.int64) * stride_dwe + offs_n[:, None] * stride_dwn + offs_k[None, :] * stride_dwk,
-             acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+             (acc * scale).to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
 def narrow_problem(d_rows: torch.Tensor, rows: torch.Tensor, with_bias: bool, slot_copies: int) -> Optional[str]:
@@ -113,9 +113,9 @@ def default_tiles(device: torch.device, aligned_block_m: int, programs: int) -> 
 
 def narrow_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_x: int, sorted_ids: torch.Tensor,
                        block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, aligned_block_m: int,
-                       dtype: torch.dtype, tiles: Optional[NarrowTiles] = None) -> torch.Tensor:
-    """``dW [E, N, K]`` in ``dtype`` (summed in fp32): for each expert the sum over its copies ``c`` of
-    ``d_rows[c]^T rows[c // rows_per_x]`` (``d_rows [copies, N]``, ``rows [R, K]``, :func:`narrow_problem` says which
+                       dtype: torch.dtype, tiles: Optional[NarrowTiles] = None, scale: float = 1.0) -> torch.Tensor:
+    """``dW [E, N, K]`` in ``dtype`` (summed in fp32, times ``scale`` before the cast: an adapter's ``alpha / r``): for
+    each expert the sum over its copies ``c`` of ``d_rows[c]^T rows[c // rows_per_x]`` (``d_rows [copies, N]``, ``rows [R, K]``, :func:`narrow_problem` says which
     it takes), each expert's copies in slot order of the alignment (``sorted_ids``, ``block_expert``, ``num_padded``
     from :func:`moeforge.kernels.align.align_block_size` with ``aligned_block_m``)."""
     num_copies, n = d_rows.shape
@@ -142,7 +142,7 @@ def narrow_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_x: int
     _NARROW.launch((aligned_block_m, log_blocks, tiles, block_n, block_k, precision, rows.device),
                    (num_experts, cdiv(n, block_n) * cdiv(k, block_k)),
                    (d_rows, rows, dw, sorted_ids, block_expert, num_padded, num_copies, rows_per_x, n, k,
-                    d_rows.stride(0), rows.stride(0), dw.stride(0), dw.stride(1), dw.stride(2)), make)
+                    d_rows.stride(0), rows.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), float(scale)), make)
     return dw
 
 

@@ -228,8 +228,8 @@ expert_weight_grad = weight_grad.EXPERT_WEIGHT_GRAD
 @_expert_weight_grad_op.register_fake
 def _(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
       block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int, with_bias: bool,
-      dtype: torch.dtype, slot_copies: int = 0,
-      slot_runs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+      dtype: torch.dtype, slot_copies: int = 0, slot_runs: Optional[torch.Tensor] = None,
+      scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = d_rows.shape[1], rows.shape[1]
     return (d_rows.new_empty(num_experts, n, k, dtype=dtype),
             d_rows.new_empty(num_experts, n, dtype=dtype) if with_bias else d_rows.new_empty(0, dtype=dtype))

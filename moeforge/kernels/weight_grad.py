@@ -324,7 +324,8 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
                        block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
                        with_bias: bool, dtype: torch.dtype = torch.float32,
                        tiles: Optional[WeightGradTiles] = None, slot_copies: int = 0,
-                       slot_runs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       slot_runs: Optional[torch.Tensor] = None,
+                       scale: float = 1.0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(dW [E, N, K], db [E, N] or None)`` in ``dtype`` (summed in fp32): for each expert the sum over its
     copies ``c`` of ``d_rows[c]^T rows[c // rows_per_a]`` (``d_rows [copies, N]``, ``rows [R, K]`` of one dtype),
     each expert's copies summed in slot order, which the alignment (aligned with ``block_m``) makes ascending: the
@@ -336,7 +337,26 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     ``slot_copies`` > 0: both operands in slot order (:mod:`moeforge.kernels.slot_rows`; ``sorted_ids`` each slot's
     own position, ``rows_per_a`` 1), ``slot_copies`` of their rows copies, each padding row of one operand zero: each
     expert's sum runs over its rows where they are, nothing gathered: its copies rounded up to whole steps, from
-    ``slot_runs`` (the dispatch's :func:`expert_runs` of the copies with ``slot_first``)."""
+    ``slot_runs`` (the dispatch's :func:`expert_runs` of the copies with ``slot_first``). ``scale``: both gradients
+    times it (an adapter's ``alpha / r``; in the narrow kernel before the cast, else after)."""
+    if tiles is None and narrow_weight_grad.narrow_problem(d_rows, rows, with_bias, slot_copies) is None:
+        # (an adapter's A or B: the rows read once by index, the narrow side whole in each program's accumulator)
+        return narrow_weight_grad.narrow_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded,
+                                                     num_experts, block_m, dtype, scale=scale), None
+    dw, db = _k_grouped(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded, num_experts, block_m,
+                        with_bias, dtype, tiles, slot_copies, slot_runs)
+    if scale != 1.0:
+        dw.mul_(scale)
+        if db is not None:
+            db.mul_(scale)
+    return dw, db
+
+
+def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
+               block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int, with_bias: bool,
+               dtype: torch.dtype, tiles: Optional[WeightGradTiles], slot_copies: int,
+               slot_runs: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`expert_weight_grad` on the k-grouped kernels (Triton or Gluon), without its scale."""
     num_copies, n = d_rows.shape
     k = rows.shape[1]
     if slot_copies and (rows_per_a != 1 or slot_runs is None):
@@ -348,10 +368,6 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
         if db is not None:
             db.zero_()
         return dw, db
-    if tiles is None and narrow_weight_grad.narrow_problem(d_rows, rows, with_bias, slot_copies) is None:
-        # (an adapter's A or B: the rows read once by index, the narrow side whole in each program's accumulator)
-        return narrow_weight_grad.narrow_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded,
-                                                     num_experts, block_m, dtype), None
     tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device,
                                        (slot_copies or num_copies) / max(num_experts, 1), with_bias)
     if block_m % tiles.block_m or tiles.block_m < 16:
@@ -417,11 +433,11 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
 def grads_for_op(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
                  block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
                  with_bias: bool, dtype: torch.dtype, slot_copies: int = 0,
-                 slot_runs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 slot_runs: Optional[torch.Tensor] = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::expert_weight_grad`` op's implementation: :func:`expert_weight_grad` with an empty ``db``
     without a bias (an op returns tensors)."""
     dw, db = expert_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded, num_experts, block_m,
-                                with_bias, dtype, slot_copies=slot_copies, slot_runs=slot_runs)
+                                with_bias, dtype, slot_copies=slot_copies, slot_runs=slot_runs, scale=scale)
     return dw, db if db is not None else d_rows.new_empty(0, dtype=dtype)
 
 
