@@ -1,8 +1,9 @@
 """The warp-specialised Gluon weight gradient (``moeforge/kernels/gluon_weight_grad.py``).
 
 On CPU: it compiles for sm_90 down to machine code (Triton's ``ptxas``) in every partition layout it offers (the rows
-gathered into expert order first, then loaded by TMA), within its shared-memory bound; launches it does not take are refused with the reason, and the flag then runs the Triton
-twin (``_weight_grad_kernel``) — a kernel choice, never another result. On an sm_90 GPU: bit for bit the twin's
+gathered into expert order first, then loaded by TMA), within its shared-memory bound; launches it does not take are
+refused with the reason, and the flag then runs the Triton twin (``_weight_grad_kernel``) — a kernel choice, never
+another result. On an sm_90 GPU: bit for bit the twin's
 gradient with the same tiles (the same steps summed in the same order), over the batches users give — an idle expert,
 every copy on one expert, one token, ``top_k`` = experts, runs of whole and partial steps, either operand padded —
 with one, two and all programs walking the tiles (the ring wrapping many times, the ping-pong partitions alternating),

@@ -142,8 +142,9 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dw_desc, dy_first_ptr, x_first_ptr, count_ptr, N, K, num_experts,
-                              stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                              STAGES: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
+                              stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                              TMA_STORE: gl.constexpr,
                               LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr):
         dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BLOCK_M, BLOCK_N], dy_desc.layout)
@@ -324,7 +325,8 @@ def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int,
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
                       **_partitions(pingpong))
     signature.update({key: "constexpr" for key in constexprs})
-    divisible = ("dw_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K", "stride_dwe", "stride_dwn") + (() if tma_store else ("dw_desc",))
+    divisible = ("dw_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K", "stride_dwe", "stride_dwn") + (
+        () if tma_store else ("dw_desc",))
     order = list(signature)
     attrs = {(order.index(key),): [["tt.divisibility", 16]] for key in divisible}
     source = GluonASTSource(ws_weight_grad_kernel, signature, constexprs=dict(constexprs), attrs=attrs)

@@ -115,9 +115,10 @@ def narrow_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_x: int
                        block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, aligned_block_m: int,
                        dtype: torch.dtype, tiles: Optional[NarrowTiles] = None, scale: float = 1.0) -> torch.Tensor:
     """``dW [E, N, K]`` in ``dtype`` (summed in fp32, times ``scale`` before the cast: an adapter's ``alpha / r``): for
-    each expert the sum over its copies ``c`` of ``d_rows[c]^T rows[c // rows_per_x]`` (``d_rows [copies, N]``, ``rows [R, K]``, :func:`narrow_problem` says which
-    it takes), each expert's copies in slot order of the alignment (``sorted_ids``, ``block_expert``, ``num_padded``
-    from :func:`moeforge.kernels.align.align_block_size` with ``aligned_block_m``)."""
+    each expert the sum over its copies ``c`` of ``d_rows[c]^T rows[c // rows_per_x]`` (``d_rows [copies, N]``,
+    ``rows [R, K]``, :func:`narrow_problem` says which it takes), each expert's copies in slot order of the alignment
+    (``sorted_ids``, ``block_expert``, ``num_padded`` from :func:`moeforge.kernels.align.align_block_size` with
+    ``aligned_block_m``)."""
     num_copies, n = d_rows.shape
     k = rows.shape[1]
     narrow_n = n <= k
