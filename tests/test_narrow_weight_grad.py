@@ -14,6 +14,8 @@ import unittest.mock
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
@@ -128,3 +130,36 @@ def test_the_scale_multiplies_both_kernels_gradients() -> None:
     for got, want in ((narrow, want_w), (k_grouped, want_w), (db, want_b)):
         assert got is not None
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+@st.composite
+def _narrow_cases(draw: st.DrawFn) -> tuple[int, int, int, int, int, int, int, int, int, bool]:
+    experts = draw(st.integers(1, 9))
+    top_k = draw(st.integers(1, experts))
+    tokens = draw(st.sampled_from([0, 1, 2, 5, 17, 40]))
+    narrow = draw(st.integers(1, NARROW))
+    wide = draw(st.integers(1, 96))
+    block = draw(st.sampled_from([16, 32, 64]))
+    step = draw(st.sampled_from([step for step in (16, 32, 64) if block % step == 0]))
+    rows_per_x = draw(st.sampled_from([1, top_k]))
+    seed = draw(st.integers(0, 2**16))
+    return experts, top_k, tokens, narrow, wide, block, step, rows_per_x, seed, draw(st.booleans())
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_narrow_cases())
+def test_a_random_narrow_gradient_equals_a_float64_sum_per_expert(
+        case: tuple[int, int, int, int, int, int, int, int, int, bool]) -> None:
+    # Random experts, top-k, batches (none and one token included), narrow and wide widths (either side narrow),
+    # alignment blocks and steps, rows shared by the copies or not: what the narrow kernel takes, it sums right.
+    experts, top_k, tokens, narrow, wide, block, step, rows_per_x, seed, narrow_first = case
+    gen = torch.Generator().manual_seed(seed)
+    ids = _ids(tokens, top_k, experts, gen) if tokens else torch.zeros(0, top_k, dtype=torch.int32)
+    n, k = (narrow, max(narrow, wide)) if narrow_first else (max(narrow, wide), narrow)
+    rows = torch.randn(tokens * top_k // rows_per_x, k, generator=gen).to(DEVICE)
+    d_rows = torch.randn(tokens * top_k, n, generator=gen).to(DEVICE)
+    plan = align.align_block_size(ids.to(DEVICE), experts, block)
+    dw = narrow_weight_grad(d_rows, rows, rows_per_x, *plan, experts, block, torch.float32,
+                            NarrowTiles(32, step, 4, 2), scale=0.5)
+    want = 0.5 * _reference(d_rows, rows, ids, experts, rows_per_x)[0]
+    torch.testing.assert_close(dw.cpu().double(), want, rtol=1e-5, atol=1e-5)
