@@ -48,7 +48,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
                    fold: bool = False, half_tail: bool = False, persistent: int = 0, shuffled: bool = False,
                    nvfp4_rows: bool = False, drain: Optional[bool] = None, update: int = 0,
-                   wide: int = 0, group: int = 1, tma: bool = False) -> Any:
+                   wide: int = 0, group: int = 1, tma: bool = False, stack: int = 0) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
     the weight tiles loaded by pointer (``tma``: float weights by TMA through a descriptor, ``B_TMA`` 1, as the
@@ -59,7 +59,9 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
     ``persistent``: the grid (0 one program per tile, 1 persistent, 2 flattened); ``shuffled``: the 4-bit weight in the
     pre-shuffled layout (``moeforge.kernels.shuffle``); ``nvfp4_rows``: NVFP4 rows (decoded in the K-loop to
     ``dtype``, the output's) instead of ``dtype`` rows; ``drain``: the kernel's ``DRAIN_MMA``, by default the
-    launcher's rule for an sm_90 device and the installed Triton (:func:`moeforge.kernels.launch_plan.drain_mma`)."""
+    launcher's rule for an sm_90 device and the installed Triton (:func:`moeforge.kernels.launch_plan.drain_mma`).
+    ``stack``: with ``update``, a stack's update, each copy its own adapter's K-step (UPDATE_STACK), the rows in this
+    many fp32 parts (UPDATE_PARTS: a served stack at few copies; 1: the rows as given, in the rows' dtype)."""
     names = moe_gemm_kernel.arg_names
     if tma and weights is not WeightFormat.FLOAT:
         raise SystemExit("sass_loop.py compiles the TMA weight tiles of float weights only (--weights float)")
@@ -76,7 +78,8 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                     ("*fp32" if fp8 else f"*{dtype}"),
                     b_zero_ptr="*u8", b_global_ptr="*fp32", bias_ptr=f"*{dtype}", c_ptr=f"*{dtype}",
                     c_scale_ptr="*fp32", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
-                    num_padded_ptr="*i32", block_range_ptr="*i32", p_ptr="*fp32", u_ptr=f"*{dtype}",
+                    num_padded_ptr="*i32", block_range_ptr="*i32", p_ptr="*fp32",
+                    u_ptr="*fp32" if stack > 1 else f"*{dtype}",
                     ub_ptr=f"*{dtype}", uid_ptr="*i32")
     constexprs: dict[str, Any] = dict(
         A_FMT=int(RowFormat.NVFP4 if nvfp4_rows else RowFormat.FP8 if fp8 else RowFormat.FLOAT),
@@ -93,7 +96,8 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         # a low-rank update's K-step (an adapter's) of this width, 0: none; wide: a stack's every adapter's columns,
         # ``group`` adapters a K-step
         UPDATE_K=update * (group if wide else 1), UPDATE_PRECISION="tf32",
-        UPDATE_STACK=False, UPDATE_PARTS=0, UPDATE_WIDE=wide, UPDATE_GROUP=group if wide else 0,
+        UPDATE_STACK=stack > 0, UPDATE_PARTS=stack if stack > 1 else 0, UPDATE_WIDE=wide,
+        UPDATE_GROUP=group if wide else 0,
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and dtype == "bf16" and (weights is WeightFormat.MXFP4 or (
@@ -251,6 +255,9 @@ def main() -> None:
                         help="with --update: a stack's update in every adapter's columns (UPDATE_WIDE: 1, the rank the width)")
     parser.add_argument("--group", type=int, default=4,
                         help="with --wide: adapters a K-step of the update (UPDATE_GROUP; the launcher's for 8 rank-16 adapters)")
+    parser.add_argument("--stack", type=int, default=0,
+                        help="with --update: a stack's update, each copy its adapter's K-step, its rows in this many "
+                             "fp32 parts (1: as given)")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -261,7 +268,7 @@ def main() -> None:
                             prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold,
                             half_tail=args.half_tail, persistent=args.grid, shuffled=args.shuffled,
                             nvfp4_rows=args.rows == "nvfp4", drain=None if args.drain is None else bool(args.drain),
-                            update=args.update, wide=args.wide, group=args.group, tma=args.tma)
+                            update=args.update, wide=args.wide, group=args.group, tma=args.tma, stack=args.stack)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)
