@@ -116,6 +116,16 @@ def _hazards(*options: str) -> int:
 
 
 @pytest.mark.skipif(not (TOOLS / "nvdisasm").exists(), reason="this triton wheel ships no nvdisasm")
+@pytest.mark.parametrize("stack", ["4", "1"], ids=["rows in parts", "rows as given"])
+def test_a_stacks_update_of_each_copys_adapter_compiles_without_spills(stack: str) -> None:
+    # a served stack at few copies: each copy's own adapter's K-step after the loop (UPDATE_STACK, UPDATE_PARTS)
+    usage, total, counts = _k_loop("--weights", "float", "--block", "16,64,128", "--stages", "4", "--update", "16",
+                                   "--stack", stack)
+    assert "LOCAL:0" in usage and "STACK:0" in usage
+    assert total > 0 and counts.get("HMMA", 0) > 0
+
+
+@pytest.mark.skipif(not (TOOLS / "nvdisasm").exists(), reason="this triton wheel ships no nvdisasm")
 @pytest.mark.parametrize("tile", sorted(REGISTER_OPERAND_TILES))
 def test_no_register_is_written_under_an_mma_in_flight(tile: str) -> None:
     """Compiled for sm_90 as the launcher launches it on Hopper with this Triton (``launch_plan.drain_mma`` decides the
