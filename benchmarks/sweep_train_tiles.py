@@ -99,7 +99,7 @@ def sweep(name: str, tokens: int, gemms: tuple[str, ...], peak: float, reps: int
         for config in candidates(block_m):
             if config.warp_specialized and warp_specialized.problem(
                     rows.data, weight.data, quantized=False, weight_format=WeightFormat.FLOAT, bias=False, act=0,
-                    glu=False, interleaved=False, out_dtype=epilogue.out_dtype, fp8_out=False, update=False,
+                    glu=False, interleaved=False, out_dtype=epilogue.out_dtype, fp8_out=False, update=None,
                     config=config, aligned_block_m=block_m) is not None:
                 continue
             fitted = fit_shared_memory(config, 2, 1)

@@ -122,7 +122,7 @@ def test_every_shipped_warp_specialized_entry_launches_the_gluon_kernel(what: st
     a = torch.randn(rows, k_dim, device="cuda", dtype=torch.bfloat16)
     assert warp_specialized.problem(a, weight, quantized=False, weight_format=WeightFormat.FLOAT, bias=False,
                                     act=1 if glu else 0, glu=glu, interleaved=False, out_dtype=torch.bfloat16,
-                                    fp8_out=False, update=False, config=config,
+                                    fp8_out=False, update=None, config=config,
                                     aligned_block_m=config.block_m) is None
     result = torch.full((rows, n_out), float("nan"), device="cuda", dtype=torch.bfloat16)
     warp_specialized.launch(a, weight, result, *plan, rows_per_a=1, config=config, glu=glu, topk_weights=None,

@@ -34,7 +34,7 @@ def _problem(**changes: Any) -> Any:
     a = changes.pop("a", torch.zeros(4, 256, dtype=torch.bfloat16))
     weight = changes.pop("weight", torch.zeros(2, 512, 256, dtype=torch.bfloat16))
     launch = dict(quantized=False, weight_format=WeightFormat.FLOAT, bias=False, act=ACT_SILU, glu=True,
-                  interleaved=False, out_dtype=a.dtype, fp8_out=False, update=False, config=TILE,
+                  interleaved=False, out_dtype=a.dtype, fp8_out=False, update=None, config=TILE,
                   aligned_block_m=128)
     launch.update(changes)
     return warp_specialized.problem(a, weight, **launch)
@@ -46,7 +46,8 @@ def _problem(**changes: Any) -> Any:
     (dict(weight=torch.zeros(2, 512, 256, dtype=torch.float16)), "float rows and weights of one dtype"),
     (dict(out_dtype=torch.float16), "writes the rows' dtype or fp32"),
     (dict(fp8_out=True), "not fp8"),
-    (dict(update=True), "low-rank update only as given"),
+    (dict(update=(None, torch.zeros(3, 2, 512, 16, dtype=torch.bfloat16), None, 1.0)),
+     "a stack's update in every adapter's columns alone"),
     (dict(update=(torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(2, 512, 16, dtype=torch.bfloat16), None, 2.0)),
      "a stack's update in every adapter's columns alone"),
     (dict(update=(torch.zeros(8, 24, dtype=torch.bfloat16), torch.zeros(3, 2, 512, 8, dtype=torch.bfloat16), None,

@@ -47,6 +47,23 @@ FEW_PROGRAMS = 2  # programs per multiprocessor below which each step takes 128 
 
 
 @triton.jit
+def _expert_blocks(block_expert_ptr, num_padded_ptr, expert, ALIGNED: tl.constexpr, LOG_BLOCKS: tl.constexpr):
+    """Expert ``expert``'s blocks of the alignment, ``[first, stop)``: how many used blocks belong to the experts
+    before it, and before the next one — a binary search over the block table, which ascends by expert over the used
+    blocks (``LOG_BLOCKS``: at least the bit length of the table's size)."""
+    used_blocks = tl.load(num_padded_ptr) // ALIGNED
+    targets = expert + tl.arange(0, 2)
+    before = tl.zeros((2,), dtype=tl.int32)
+    for level in tl.static_range(0, LOG_BLOCKS + 1):
+        candidate = before + (1 << (LOG_BLOCKS - level))
+        owner = tl.load(block_expert_ptr + candidate - 1, mask=candidate <= used_blocks, other=2147483647)
+        before = tl.where(owner < targets, candidate, before)
+    first = tl.sum(tl.where(targets == expert, before, 0), axis=0)
+    stop = tl.sum(tl.where(targets == expert, 0, before), axis=0)
+    return first, stop
+
+
+@triton.jit
 def _narrow_weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_copies,
                                rows_per_x, N, K, stride_dy, stride_x, stride_dwe, stride_dwn, stride_dwk, scale,
                                ALIGNED: tl.constexpr, LOG_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -57,17 +74,7 @@ def _narrow_weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, sorted_ids_ptr, block_expe
     offs_k = (tl.program_id(1) % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     k_ok = offs_k < K
-    # the expert's blocks [first, stop): how many used blocks belong to experts before it, and before the next one
-    # (the block table ascends by expert over the used blocks)
-    used_blocks = tl.load(num_padded_ptr) // ALIGNED
-    targets = expert + tl.arange(0, 2)
-    before = tl.zeros((2,), dtype=tl.int32)
-    for level in tl.static_range(0, LOG_BLOCKS + 1):
-        candidate = before + (1 << (LOG_BLOCKS - level))
-        owner = tl.load(block_expert_ptr + candidate - 1, mask=candidate <= used_blocks, other=2147483647)
-        before = tl.where(owner < targets, candidate, before)
-    first = tl.sum(tl.where(targets == expert, before, 0), axis=0)
-    stop = tl.sum(tl.where(targets == expert, 0, before), axis=0)
+    first, stop = _expert_blocks(block_expert_ptr, num_padded_ptr, expert, ALIGNED, LOG_BLOCKS)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for start in range(first * ALIGNED, stop * ALIGNED, BLOCK_M):
         copies = tl.load(sorted_ids_ptr + start + tl.arange(0, BLOCK_M))

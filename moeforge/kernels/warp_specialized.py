@@ -12,7 +12,7 @@ kernel, never a result. :func:`stage_problem` is the part known when a stage is 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -20,6 +20,9 @@ from moeforge.kernels import gluon_grouped_gemm as gluon_gemm
 from moeforge.kernels.activations import ACT_NONE, ACT_SILU
 from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.formats import WeightFormat
+
+# A launch's low-rank update as problem() reads it: (rows, weight, ids, scale)
+Update = tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], float]
 
 
 def stage_problem(device: torch.device, dtype: torch.dtype, act: int, glu: bool, interleaved: bool,
@@ -39,18 +42,16 @@ def stage_problem(device: torch.device, dtype: torch.dtype, act: int, glu: bool,
 
 def problem(a: torch.Tensor, weight: torch.Tensor, *, quantized: bool, weight_format: WeightFormat,
             bias: bool, act: int, glu: bool, interleaved: bool, out_dtype: torch.dtype, fp8_out: bool,
-            update: Any, config: GemmConfig, aligned_block_m: int) -> Optional[str]:
+            update: Optional[Update], config: GemmConfig, aligned_block_m: int) -> Optional[str]:
     """Why this ``moe_gemm`` launch cannot run as the warp-specialised kernel (``None`` where it can).
-    ``quantized``: the rows or the weight carry scales, zero points or global scales; ``update``: none (``None`` or
-    ``False``), or the launch's low-rank update as ``(rows, weight, ids, scale)``
-    (:func:`~moeforge.kernels.gluon_grouped_gemm.update_problem` says which it takes)."""
+    ``quantized``: the rows or the weight carry scales, zero points or global scales; ``update``: the launch's low-rank
+    update as ``(rows, weight, ids, scale)`` (:func:`~moeforge.kernels.gluon_grouped_gemm.update_problem` says which it
+    takes), ``None`` without one."""
     if quantized or weight_format is not WeightFormat.FLOAT or weight.dtype != a.dtype:
         return "the warp-specialised kernel computes float rows and weights of one dtype"
     if fp8_out or out_dtype not in (a.dtype, torch.float32):
         return f"the warp-specialised kernel writes the rows' dtype or fp32, not {'fp8' if fp8_out else out_dtype}"
-    if update is True:
-        return "the warp-specialised kernel adds a low-rank update only as given (rows, weight, ids, scale)"
-    if update:
+    if update is not None:
         rows, update_weight, ids, scale = update
         found = gluon_gemm.update_problem(a, weight, config, rows, update_weight, ids, scale)
         if found is not None:
