@@ -20,11 +20,11 @@ stopped by ``--timeout`` still says what ran; then ``shard-K.json`` (counts, fai
 messages, skips with their reasons, each test's seconds, the tests that never ran) and ``shard-K.txt``,
 and ``summary.txt`` for the shards of this run, ``unfinished.txt``: the node ids with no outcome (a shard stopped,
 or never started before ``--deadline``, the run's own time limit: stop the run from inside, so that every summary is
-written), which ``-- @unfinished.txt`` runs next time, and ``gpu_suite.json``: the whole run in one record (:func:`merge`:
-the form of ``benchmarks/results``' ``gpu_suite*.json``, less the device, commit and note) — the one file to bring back
-from a machine that returns few files. pytest runs with ``--rootdir`` at this file's repository, so that a copy of
-the tree inside another project (an A/B tree) collects and runs node ids of its own. With ``--gpus N`` shard K sees only GPU K mod N
-(``CUDA_VISIBLE_DEVICES``), so the shards of a machine with several GPUs spread over them; tests that need
+written), which ``-- @unfinished.txt`` runs next time, and ``gpu_suite.json``: the whole run in one record
+(:func:`merge`: the form of ``benchmarks/results``' ``gpu_suite*.json``, less the device, commit and note) — the one
+file to bring back from a machine that returns few files. pytest runs with ``--rootdir`` at this file's repository,
+so that a copy of the tree inside another project (an A/B tree) collects and runs node ids of its own. With
+``--gpus N`` shard K sees only GPU K mod N (``CUDA_VISIBLE_DEVICES``), so the shards of a machine with several GPUs spread over them; tests that need
 several GPUs then skip, and run in a call of their own. The exit status is 0 when no test failed or went
 unrun in the shards run.
 
@@ -226,7 +226,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(out / f"shard-{index}.log", "wb") as output:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_shards",
-                     f"--rootdir={ROOT}", *pieces[index]], cwd=ROOT, env={**env, **visible, LOG_VARIABLE: str(log.resolve())},
+                     f"--rootdir={ROOT}", *pieces[index]], cwd=ROOT,
+                    env={**env, **visible, LOG_VARIABLE: str(log.resolve())},
                     stdout=output, stderr=subprocess.STDOUT)
             running[index] = (process, time.monotonic())
         time.sleep(1)
