@@ -280,9 +280,17 @@ def test_one_adapters_x_a_is_differentiated_by_the_base_gemms_backward(trained: 
     x = torch.randn(9, H, device=DEVICE)
     upstream = torch.randn(9, H, device=DEVICE)
 
+    from moeforge.kernels import narrow_weight_grad
+
     combines: list[int] = []
     updates: list[bool] = []
+    one_pass: list[int] = []
     real_combine, real_gemm = combine_kernels.COMBINE, backward.grouped_gemm
+    real_update_grads = narrow_weight_grad.update_grads
+
+    def count_one_pass(d_pre: torch.Tensor, *args: Any) -> Any:
+        one_pass.append(int(d_pre.shape[1]))
+        return real_update_grads(d_pre, *args)
 
     def count_combine(rows: torch.Tensor, *args: Any) -> torch.Tensor:
         combines.append(int(rows.shape[0]))
@@ -293,7 +301,8 @@ def test_one_adapters_x_a_is_differentiated_by_the_base_gemms_backward(trained: 
         return real_gemm(*args)
 
     with mock.patch.object(combine_kernels, "COMBINE", count_combine), \
-            mock.patch.object(backward, "grouped_gemm", note_update):
+            mock.patch.object(backward, "grouped_gemm", note_update), \
+            mock.patch.object(narrow_weight_grad, "update_grads", count_one_pass):
         got = _chosen_grads(pipeline, layer, x, upstream, names, with_rows)
     want = _chosen_grads(layer.pipeline, layer, x, upstream, names, with_rows)
     assert len(got) == len(want) == len(names) + with_rows
@@ -304,6 +313,10 @@ def test_one_adapters_x_a_is_differentiated_by_the_base_gemms_backward(trained: 
     else:  # x records nothing: no row gradient of the gate/up GEMM; the down GEMM's rows (the activation, which
         # records a gradient through w13's B) still get d(h Aᵀ) · A in theirs
         assert combines == [] and updates.count(True) == 1
+    # where B trains and d(x Aᵀ) is needed too, both come from one read of d_pre (update_grads): the down GEMM's
+    # (d_pre H wide) whenever B trains, the gate/up GEMM's (2I wide) where its rows or A need d(x Aᵀ) as well
+    assert one_pass == {"every weight": [H, 2 * I], "B alone": [H], "the rows alone": [],
+                        "A and the rows": []}[trained]
 
 
 @pytest.mark.parametrize("rank", [1, 3])

@@ -28,6 +28,8 @@ from moeforge.kernels.narrow_weight_grad import (  # noqa: E402
     default_tiles,
     narrow_problem,
     narrow_weight_grad,
+    update_grads,
+    update_grads_problem,
 )
 
 CUDA = torch.cuda.is_available()
@@ -163,3 +165,42 @@ def test_a_random_narrow_gradient_equals_a_float64_sum_per_expert(
                             NarrowTiles(32, step, 4, 2), scale=0.5)
     want = 0.5 * _reference(d_rows, rows, ids, experts, rows_per_x)[0]
     torch.testing.assert_close(dw.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["B: narrow K, idle experts first, middle and last", "every copy on one expert",
+                                  "one token, rank 1", "top_k = experts, rank 64", "rank 12 (not a power of two)"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).split(".")[1] for d in DTYPES])
+def test_an_updates_two_gradients_from_one_pass_equal_float64(case: str, dtype: torch.dtype) -> None:
+    # scale * d_pre[c] @ B[e] for each copy and scale * sum_c d_pre[c]^T u[c] for each expert, from one read of d_pre
+    tokens, k, experts, n, rank, _, only, idle = CASES[case]
+    rank, n = min(n, rank), max(n, rank)  # (the update's rank the narrow side, d_pre's width the wide one)
+    gen = torch.Generator().manual_seed(11)
+    ids = _ids(tokens, k, experts, gen, only, idle)
+    d_pre = torch.randn(tokens * k, n, generator=gen).to(DEVICE, dtype)
+    u = torch.randn(tokens * k, rank, generator=gen).to(DEVICE, dtype)
+    b = torch.randn(experts, n, rank, generator=gen).to(DEVICE, dtype)
+    plan = align.align_block_size(ids.to(DEVICE), experts, 16)
+    assert update_grads_problem(d_pre, u, b, 0) is None
+    d_low, db = update_grads(d_pre, u, b, *plan, 16, 0.5, NarrowTiles(32, 16, 4, 2))
+    owner = ids.reshape(-1).long()
+    want_low = 0.5 * torch.einsum("cn,cnr->cr", d_pre.cpu().double(), b.cpu().double()[owner])
+    want_db = 0.5 * _reference(d_pre, u, ids, experts, 1)[0]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 if dtype == torch.bfloat16 else 2e-3
+    assert d_low.dtype == dtype and db.dtype == dtype
+    torch.testing.assert_close(d_low.cpu().double(), want_low, rtol=tol, atol=tol)
+    torch.testing.assert_close(db.cpu().double(), want_db, rtol=tol, atol=tol)
+    again = update_grads(d_pre, u, b, *plan, 16, 0.5, NarrowTiles(32, 16, 4, 2))
+    assert torch.equal(again[0], d_low) and torch.equal(again[1], db)
+
+
+def test_an_updates_gradients_without_copies_are_zero_and_bad_operands_are_named() -> None:
+    plan = align.align_block_size(torch.zeros(0, 2, dtype=torch.int32, device=DEVICE), 3, 16)
+    d_low, db = update_grads(torch.zeros(0, 40, device=DEVICE), torch.zeros(0, 4, device=DEVICE),
+                             torch.randn(3, 40, 4, device=DEVICE), *plan, 16, 2.0)
+    assert d_low.shape == (0, 4) and db.shape == (3, 40, 4) and not db.any()
+    d_pre, u, b = torch.zeros(4, 40), torch.zeros(4, 4), torch.zeros(3, 40, 4)
+    assert "slot order" in str(update_grads_problem(d_pre, u, b, 4))
+    assert "rank at most" in str(update_grads_problem(d_pre, u, torch.zeros(3, 40, 5), 0))
+    assert "one dtype" in str(update_grads_problem(d_pre, u.half(), b, 0))
+    with pytest.raises(ValueError, match="rank at most"):
+        update_grads(d_pre, torch.zeros(4, 65), torch.zeros(3, 40, 65), *plan, 16, 1.0)

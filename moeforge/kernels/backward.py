@@ -34,7 +34,7 @@ import torch
 
 from moeforge.errors import InputError
 from moeforge.kernels import activations as codes
-from moeforge.kernels import combine, slot_rows, weight_grad
+from moeforge.kernels import combine, narrow_weight_grad, slot_rows, weight_grad
 from moeforge.kernels.formats import WeightFormat
 from moeforge.activation import ActivationConfig, apply_activation
 from moeforge.kernels.config import GemmConfig, narrow_config, row_gradient_config
@@ -91,8 +91,11 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     d_a = d_weight = d_bias = d_source = None
     source_needs = len(needs) > 32 and needs[32]
     d_low = None  # the update rows' gradient where they came from ``source`` (see GemmUpdate.source)
+    update_grads = None  # (the update's gradients where computed with d_low: its rows' none, its weight's)
     if source is not None and (needs[0] or source_needs):
-        d_low, _ = _update_backward(d_pre, update_rows, update_weight, route, config, p, True, False)
+        d_low, d_update_weight = _update_backward(d_pre, update_rows, update_weight, route, config, p, True,
+                                                  needs[27])
+        update_grads = (None, d_update_weight)
     if needs[0]:
         # d_rows[c] = d_pre[c] @ W[e]: the same kernel on the transposed weight, one copy per row (and, for an
         # update's rows from ``source``, d_low[c] @ source[e] as its update: one more K-step). Copies that share a
@@ -118,8 +121,8 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
     grads_out: list[Any] = [None] * len(_MOE_GEMM_INPUTS)
     grads_out[0], grads_out[2], grads_out[6], grads_out[7] = d_a, d_weight, d_bias, d_topk
     if update_rows is not None and update_weight is not None:
-        grads_out[26], grads_out[27] = _update_backward(d_pre, update_rows, update_weight, route, config, p,
-                                                        needs[26] and source is None, needs[27])
+        grads_out[26], grads_out[27] = update_grads or _update_backward(
+            d_pre, update_rows, update_weight, route, config, p, needs[26] and source is None, needs[27])
     grads_out[32] = d_source
     return tuple(grads_out[:len(ctx.needs_input_grad)])
 
@@ -129,16 +132,24 @@ def _update_backward(d_pre: torch.Tensor, rows: torch.Tensor, weight: torch.Tens
                      ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The gradients of a low-rank update ``scale * rows[c] @ weight[e]^T`` (:class:`GemmUpdate`) from ``d_pre``, the
     product's: ``scale * d_pre[c] @ weight[e]`` for the rows (the kernel on the transposed weight, rank-wide
-    tiles), ``scale * sum_c d_pre[c]^T rows[c]`` for the weight (the k-grouped GEMM, deterministic)."""
+    tiles), ``scale * sum_c d_pre[c]^T rows[c]`` for the weight (the k-grouped GEMM, deterministic); both from one
+    read of ``d_pre`` where both are asked and the update is an adapter's
+    (:func:`moeforge.kernels.narrow_weight_grad.update_grads`)."""
     scale = float(p.get("update_scale", 1.0))
+    d_pre = d_pre.to(rows.dtype)
+    if rows_need and weight_needs and narrow_weight_grad.update_grads_problem(d_pre, rows, weight,
+                                                                              route.slot_copies) is None:
+        # both from one read of d_pre (an adapter's: rank at most 64, rows by index from the alignment)
+        return narrow_weight_grad.UPDATE_GRADS(d_pre, rows, weight, route.sorted_ids, route.block_expert,
+                                               route.num_padded, route.aligned_block_m or config.block_m, scale)
     d_rows = d_weight = None
     if rows_need:
-        d_rows, _ = grouped_gemm(GemmRows(d_pre.to(rows.dtype)), GemmWeight(weight.transpose(1, 2)), route,
+        d_rows, _ = grouped_gemm(GemmRows(d_pre), GemmWeight(weight.transpose(1, 2)), route,
                                  GemmEpilogue(rows.dtype), narrow_config(config.block_m, int(weight.shape[2]),
                                                                          int(weight.shape[1])))
         d_rows = d_rows * scale if scale != 1.0 else d_rows
     if weight_needs:
-        d_weight, _ = weight_grad.EXPERT_WEIGHT_GRAD(d_pre.to(rows.dtype), rows, 1, route.sorted_ids,
+        d_weight, _ = weight_grad.EXPERT_WEIGHT_GRAD(d_pre, rows, 1, route.sorted_ids,
                                                      route.block_expert, route.num_padded, weight.shape[0],
                                                      route.aligned_block_m or config.block_m, False, weight.dtype,
                                                      route.slot_copies, route.slot_runs, scale)

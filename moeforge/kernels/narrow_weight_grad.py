@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from moeforge.kernels.bound_launch import LaunchSite
+from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.sizes import cdiv, multiprocessors, next_power_of_2
 
 NARROW = 64  # the widest narrow side this kernel takes (its accumulator holds all of it)
@@ -155,3 +156,129 @@ def narrow_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_x: int
 
 
 _NARROW = LaunchSite(_narrow_weight_grad_kernel)
+
+
+@triton.jit
+def _update_grads_kernel(dy_ptr, u_ptr, b_ptr, db_ptr, partial_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                         num_copies, N, R, stride_dy, stride_u, stride_be, stride_bn, stride_dbe, stride_dbn,
+                         stride_pj, stride_pc, scale, ALIGNED: tl.constexpr, LOG_BLOCKS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    # One program per (expert, BLOCK_N columns of dy): dB's tile (dy^T u over the expert's slots) and each copy's
+    # partial d_low over these columns (dy . B's tile), from one read of dy's tile.
+    expert = tl.program_id(0)
+    tile = tl.program_id(1)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    n_ok = offs_n < N
+    r_ok = offs_r < R
+    first, stop = _expert_blocks(block_expert_ptr, num_padded_ptr, expert, ALIGNED, LOG_BLOCKS)
+    b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_n[:, None] * stride_bn + offs_r[None, :],
+                mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    for start in range(first * ALIGNED, stop * ALIGNED, BLOCK_M):
+        copies = tl.load(sorted_ids_ptr + start + tl.arange(0, BLOCK_M))
+        row_ok = copies < num_copies
+        rows = copies.to(tl.int64)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + offs_n[None, :], mask=row_ok[:, None] & n_ok[None, :],
+                     other=0.0)
+        u = tl.load(u_ptr + rows[:, None] * stride_u + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :],
+                    other=0.0)
+        acc = tl.dot(tl.trans(dy), u, acc, input_precision=PRECISION)
+        part = tl.dot(dy, b, input_precision=PRECISION)
+        tl.store(partial_ptr + tile.to(tl.int64) * stride_pj + rows[:, None] * stride_pc + offs_r[None, :], part,
+                 mask=row_ok[:, None] & r_ok[None, :])
+    tl.store(db_ptr + expert.to(tl.int64) * stride_dbe + offs_n[:, None] * stride_dbn + offs_r[None, :],
+             (acc * scale).to(db_ptr.dtype.element_ty), mask=n_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _partials_sum_kernel(partial_ptr, out_ptr, num_copies, R, tiles, stride_pj, stride_pc, stride_oc, scale,
+                         BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    # d_low[c] = scale * the sum of its column tiles' partials, tile 0 first: one fixed order.
+    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask = (offs_c < num_copies)[:, None] & (offs_r < R)[None, :]
+    cells = offs_c.to(tl.int64)[:, None] * stride_pc + offs_r[None, :]
+    total = tl.zeros((BLOCK_C, BLOCK_R), dtype=tl.float32)
+    for tile in range(0, tiles):
+        total += tl.load(partial_ptr + tile * stride_pj + cells, mask=mask, other=0.0)
+    tl.store(out_ptr + offs_c.to(tl.int64)[:, None] * stride_oc + offs_r[None, :],
+             (total * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def update_grads_problem(d_pre: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slot_copies: int) -> Optional[str]:
+    """Why :func:`update_grads` does not take a low-rank update's two gradients (``None`` where it does)."""
+    if slot_copies:
+        return "the update's gradients in one pass read rows by index from the alignment, not in slot order"
+    if b.dim() != 3 or u.shape[1] != b.shape[2] or d_pre.shape[1] != b.shape[1] or b.shape[2] > NARROW:
+        return (f"the update's gradients in one pass take u [C, r], B [E, N, r] of rank at most {NARROW} and d_pre "
+                f"[C, N]; got {tuple(u.shape)}, {tuple(b.shape)}, {tuple(d_pre.shape)}")
+    if not d_pre.dtype.is_floating_point or u.dtype != d_pre.dtype or b.dtype != d_pre.dtype:
+        return (f"the update's gradients in one pass take float operands of one dtype, got {d_pre.dtype}, {u.dtype}, "
+                f"{b.dtype}")
+    if d_pre.stride(1) != 1 or u.stride(1) != 1 or b.stride(2) != 1:
+        return "the update's gradients in one pass read rows with contiguous columns"
+    return None
+
+
+def update_grads(d_pre: torch.Tensor, u: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor,
+                 block_expert: torch.Tensor, num_padded: torch.Tensor, aligned_block_m: int, scale: float,
+                 tiles: Optional[NarrowTiles] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A low-rank update's two gradients (``scale * u[c] @ B[e]^T`` added to each copy's product, ``d_pre`` that
+    product's gradient) from one read of ``d_pre``: ``(d_low [C, r] = scale * d_pre[c] @ B[e]`` in ``u``'s dtype,
+    ``dB [E, N, r] = scale * sum_c d_pre[c]^T u[c]`` in ``B``'s dtype). Each program (expert, ``block_wide`` columns)
+    gives ``dB``'s tile and each copy's partial ``d_low`` over its columns (fp32, ``[N tiles, C, r]``); a second launch
+    sums each copy's partials in column order. Deterministic: every sum in a fixed order, no atomics."""
+    num_copies, n = d_pre.shape
+    experts, rank = b.shape[0], b.shape[2]
+    found = update_grads_problem(d_pre, u, b, 0)
+    if found is not None:
+        raise ValueError(found)
+    d_low = torch.empty(num_copies, rank, dtype=u.dtype, device=u.device)
+    db = torch.empty(experts, n, rank, dtype=b.dtype, device=b.device)
+    if db.numel() == 0 or d_low.numel() == 0:
+        return d_low.zero_(), db.zero_()
+    wide_tiles = cdiv(n, (tiles or NarrowTiles()).block_wide)
+    tiles = tiles or default_tiles(u.device, aligned_block_m, experts * wide_tiles)
+    if aligned_block_m % tiles.block_m or tiles.block_m < 16:
+        raise ValueError(f"the update gradients' step of {tiles.block_m} slots must divide the alignment's block of "
+                         f"{aligned_block_m} and be at least 16 (the MMA's reduction)")
+    n_tiles = cdiv(n, tiles.block_wide)
+    partials = torch.empty(n_tiles, num_copies, rank, dtype=torch.float32, device=u.device)
+    block_r = max(16, next_power_of_2(rank))
+    log_blocks = max(1, (block_expert.numel()).bit_length())
+    precision = "ieee" if u.dtype == torch.float32 else "tf32"
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return (dict(ALIGNED=aligned_block_m, LOG_BLOCKS=log_blocks, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_wide,
+                     BLOCK_R=block_r, PRECISION=precision),
+                dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+
+    _UPDATE_GRADS.launch((aligned_block_m, log_blocks, tiles, block_r, precision, u.device), (experts, n_tiles),
+                         (d_pre, u, b, db, partials, sorted_ids, block_expert, num_padded, num_copies, n, rank,
+                          d_pre.stride(0), u.stride(0), b.stride(0), b.stride(1), db.stride(0), db.stride(1),
+                          partials.stride(0), partials.stride(1), float(scale)), make)
+    block_c = 64 if u.device.type == "cuda" else 16
+
+    def make_sum() -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(BLOCK_C=block_c, BLOCK_R=block_r), dict(num_warps=4)
+
+    _PARTIALS_SUM.launch((block_c, block_r, u.device), (cdiv(num_copies, block_c),),
+                         (partials, d_low, num_copies, rank, n_tiles, partials.stride(0), partials.stride(1),
+                          d_low.stride(0), float(scale)), make_sum)
+    return d_low, db
+
+
+def update_grads_for_op(d_pre: torch.Tensor, u: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor,
+                        block_expert: torch.Tensor, num_padded: torch.Tensor, aligned_block_m: int,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``moeforge::update_grads`` op's implementation: :func:`update_grads` with its default tiles."""
+    return update_grads(d_pre, u, b, sorted_ids, block_expert, num_padded, aligned_block_m, scale)
+
+
+_UPDATE_GRADS = LaunchSite(_update_grads_kernel)
+_PARTIALS_SUM = LaunchSite(_partials_sum_kernel)
+
+# What the grouped GEMM's backward calls (moeforge.kernels.backward): the op where it is needed, else the function.
+UPDATE_GRADS = KernelOp("moeforge::update_grads", update_grads_for_op)

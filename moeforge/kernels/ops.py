@@ -16,9 +16,9 @@ from typing import Optional
 
 import torch
 
-from moeforge.kernels import (activation_rows, align, backward, combine, grouped_gemm_call, quantize, slot_rows,
-                              stack_pairs as pairs, stack_shrink as shrink, stack_wide as wide, topk,
-                              weight_grad)
+from moeforge.kernels import (activation_rows, align, backward, combine, grouped_gemm_call, narrow_weight_grad,
+                              quantize, slot_rows, stack_pairs as pairs, stack_shrink as shrink, stack_wide as wide,
+                              topk, weight_grad)
 from moeforge.kernels.kernel_op import KernelOp
 from moeforge.kernels.sizes import cdiv
 
@@ -233,6 +233,16 @@ def _(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: tor
     n, k = d_rows.shape[1], rows.shape[1]
     return (d_rows.new_empty(num_experts, n, k, dtype=dtype),
             d_rows.new_empty(num_experts, n, dtype=dtype) if with_bias else d_rows.new_empty(0, dtype=dtype))
+
+
+_update_grads_op = torch.library.custom_op("moeforge::update_grads", narrow_weight_grad.update_grads_for_op,
+                                           mutates_args=())
+
+
+@_update_grads_op.register_fake
+def _(d_pre: torch.Tensor, u: torch.Tensor, b: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+      num_padded: torch.Tensor, aligned_block_m: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return u.new_empty(d_pre.shape[0], b.shape[2]), b.new_empty(b.shape)
 
 
 def _gather_slots(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,
