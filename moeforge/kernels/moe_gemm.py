@@ -152,6 +152,49 @@ def _stack_b(ub_adapter, gate_rows, up_rows, stride_ubn, u_ok, n_ok, GLU: tl.con
 
 
 @triton.jit
+def _chosen_bits(uid, first, update_stack):
+    """The adapters ``first .. first + 31`` that a row of the tile chose (``uid``: each row's adapter, -1 for none),
+    a bit each: one OR over the rows."""
+    in_chunk = (uid >= first) & (uid < first + 32) & (uid < update_stack)
+    shift = tl.where(in_chunk, uid - first, 0).to(tl.int64)
+    return tl.reduce(tl.where(in_chunk, tl.full(uid.shape, 1, tl.int64) << shift, tl.zeros(uid.shape, tl.int64)), 0,
+                     _bit_or)
+
+
+@triton.jit
+def _stack_update_rows(u_ptr, uid_ptr, ub_ptr, copies, row_ok, expert, k_first, update_width, update_scale,
+                       update_stack, update_parts, stride_um, stride_up, stride_ube, stride_ubk, UPDATE_K: tl.constexpr,
+                       SPLIT: tl.constexpr, UPDATE_PARTS: tl.constexpr):
+    """A stack's update rows for the tile's copies, ``(u [BLOCK_M, UPDATE_K] weighed, each row's adapter (-1: none),
+    the expert's B pointers, the rank's mask, the scale)``. With ``UPDATE_PARTS`` u in parts (a stack's x Aᵀ over
+    ranges of K, fp32 [P, copies, R]; moeforge.kernels.stack_shrink): summed here in one fixed order, and weighed by
+    each copy's raw id: the scale for an adapter of the stack, 0 for none (-1), NaN outside it, whose rows then take
+    adapter 0's K-step (stack_pairs). Else u [copies, R] and the ids as given. With a split K-loop, in its first
+    range only."""
+    offs_u = tl.arange(0, UPDATE_K)
+    u_ok = offs_u < update_width
+    ub_expert = ub_ptr + expert * stride_ube + offs_u[:, None] * stride_ubk
+    factor = update_scale
+    if SPLIT:
+        factor = tl.where(k_first == 0, update_scale, 0.0)
+    if UPDATE_PARTS:
+        parts = tl.arange(0, UPDATE_PARTS)
+        u = tl.sum(tl.load(u_ptr + parts[:, None, None] * stride_up
+                           + (copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :])[None],
+                           mask=(parts < update_parts)[:, None, None] & (row_ok[:, None] & u_ok[None, :])[None],
+                           other=0.0), axis=0)
+        chosen, used = copy_adapters(uid_ptr, copies, row_ok, update_stack, factor)
+        u = (u * used[:, None]).to(ub_ptr.dtype.element_ty)
+        uid = tl.where(row_ok, chosen, -1)
+    else:
+        u = tl.load(u_ptr + copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :],
+                    mask=row_ok[:, None] & u_ok[None, :], other=0.0)
+        u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's output was)
+        uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
+    return u, uid, ub_expert, u_ok, factor
+
+
+@triton.jit
 def _drain_mma(x):
     """Wait until every warpgroup MMA issued so far has finished (``wgmma.wait_group 0``; ``x``, any int32, only gives
     the instruction an operand)."""
@@ -312,6 +355,19 @@ def _gemm_tile(
     if B_FMT >= W_FIRST_PACKED and PREFETCH:
         sg_next, zg_next, su_next, zu_next = _step_scales(s_gate, z_gate, s_up, z_up, n_ok, k_first, K, stride_bsk,
                                                           stride_bzk, GROUP, BLOCK_K, HAS_ZEROS, GLU, CLAMP)
+    # A stack's update, each copy its own adapter's K-step, in a plain GEMM (the down projection): its rows, ids, the
+    # tile's first chosen adapters and the lowest one's B are loaded before the K-loop, so that their latency hides
+    # behind it (after it they are a chain of dependent loads as long as a short K-loop: the down GEMM's six steps at
+    # Qwen3's shape). The gate/up GEMM loads them after its K-loop: held across it, its two B tiles cost it a third
+    # of its blocks per multiprocessor (docs/notes/kernels-log.md).
+    EARLY_STACK: tl.constexpr = UPDATE_K and UPDATE_STACK and not UPDATE_WIDE and not GLU
+    if EARLY_STACK:
+        u, uid, ub_expert, u_ok, factor = _stack_update_rows(
+            u_ptr, uid_ptr, ub_ptr, copies, row_ok, expert, k_first, update_width, update_scale, update_stack,
+            update_parts, stride_um, stride_up, stride_ube, stride_ubk, UPDATE_K, SPLIT, UPDATE_PARTS)
+        bits_first = _chosen_bits(uid, 0, update_stack)
+        ub_first, ub_up_first = _stack_b(ub_expert + _lowest_bit(bits_first) * stride_ubs, gate_rows, up_rows,
+                                         stride_ubn, u_ok, n_ok, GLU)
     if not SPLIT:  # the whole K-loop, its bound computed here (as before the split existed: same code)
         k_last = tl.cdiv(K, BLOCK_K)
     for k in range(k_first, k_last):
@@ -472,30 +528,21 @@ def _gemm_tile(
         # A low-rank update, scale * u[copy] @ ub[expert]^T (u [copies, R] in copy order, ub [E, N_w, R]; an adapter's,
         # moeforge.adapters): one more K-step of UPDATE_K on the finished product, before the epilogue; with a split
         # K-loop, in its first range only.
-        offs_u = tl.arange(0, UPDATE_K)
-        u_ok = offs_u < update_width
-        ub_expert = ub_ptr + expert * stride_ube + offs_u[:, None] * stride_ubk
-        factor = update_scale
-        if SPLIT:
-            factor = tl.where(k_first == 0, update_scale, 0.0)
-        if UPDATE_PARTS:
-            # u in parts (a stack's x Aᵀ over ranges of K, fp32 [P, copies, R]; moeforge.kernels.stack_shrink): summed
-            # here in one fixed order, and weighed by each copy's raw id (uid): the scale for an adapter of the
-            # stack, 0 for none (-1), NaN outside it, whose rows then take adapter 0's K-step (stack_pairs)
-            parts = tl.arange(0, UPDATE_PARTS)
-            u = tl.sum(tl.load(u_ptr + parts[:, None, None] * stride_up
-                               + (copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :])[None],
-                               mask=(parts < update_parts)[:, None, None] & (row_ok[:, None] & u_ok[None, :])[None],
-                               other=0.0), axis=0)
-            chosen, used = copy_adapters(uid_ptr, copies, row_ok, update_stack, factor)
-            u = (u * used[:, None]).to(ub_ptr.dtype.element_ty)
-            uid = tl.where(row_ok, chosen, -1)
-        elif not UPDATE_WIDE:
-            u = tl.load(u_ptr + copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :],
-                        mask=row_ok[:, None] & u_ok[None, :], other=0.0)
-            u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's output was)
-            if UPDATE_STACK:
-                uid = tl.load(uid_ptr + copies, mask=row_ok, other=-1)
+        if UPDATE_STACK and not EARLY_STACK:
+            u, uid, ub_expert, u_ok, factor = _stack_update_rows(
+                u_ptr, uid_ptr, ub_ptr, copies, row_ok, expert, k_first, update_width, update_scale, update_stack,
+                update_parts, stride_um, stride_up, stride_ube, stride_ubk, UPDATE_K, SPLIT, UPDATE_PARTS)
+        elif not UPDATE_STACK:
+            offs_u = tl.arange(0, UPDATE_K)
+            u_ok = offs_u < update_width
+            ub_expert = ub_ptr + expert * stride_ube + offs_u[:, None] * stride_ubk
+            factor = update_scale
+            if SPLIT:
+                factor = tl.where(k_first == 0, update_scale, 0.0)
+            if not UPDATE_WIDE:
+                u = tl.load(u_ptr + copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :],
+                            mask=row_ok[:, None] & u_ok[None, :], other=0.0)
+                u = (u * factor).to(u_ptr.dtype.element_ty)  # (scaled in its dtype, as the rank-wide product's was)
         if UPDATE_WIDE:
             # every adapter's columns at once (u [copies, S·R]: each copy's x Aᵀ by every adapter of the stack, zero
             # outside its own adapter's R columns, already weighed; moeforge.kernels.stack_wide): K-steps of UPDATE_K
@@ -535,14 +582,19 @@ def _gemm_tile(
             # found by one OR over the tile's rows per 32 adapters (a bit each; one reduction across the warps, not
             # one per adapter) and visited in increasing order, the next one's B loaded before this one's MMA, so
             # that its latency hides behind the MMA.
+            if EARLY_STACK:  # (the first chunk's bits and its lowest adapter's B loaded before the K-loop)
+                bits, ub, ub_up = bits_first, ub_first, ub_up_first
             for first in range(0, update_stack, 32):
-                in_chunk = (uid >= first) & (uid < first + 32) & (uid < update_stack)
-                shift = tl.where(in_chunk, uid - first, 0).to(tl.int64)
-                bits = tl.reduce(tl.where(in_chunk, tl.full(uid.shape, 1, tl.int64) << shift,
-                                          tl.zeros(uid.shape, tl.int64)), 0, _bit_or)
+                if EARLY_STACK:
+                    if first > 0:
+                        bits = _chosen_bits(uid, first, update_stack)
+                        ub, ub_up = _stack_b(ub_expert + (first + _lowest_bit(bits)) * stride_ubs, gate_rows,
+                                             up_rows, stride_ubn, u_ok, n_ok, GLU)
+                else:
+                    bits = _chosen_bits(uid, first, update_stack)
+                    ub, ub_up = _stack_b(ub_expert + (first + _lowest_bit(bits)) * stride_ubs, gate_rows, up_rows,
+                                         stride_ubn, u_ok, n_ok, GLU)
                 adapter = first + _lowest_bit(bits)
-                ub, ub_up = _stack_b(ub_expert + adapter * stride_ubs, gate_rows, up_rows, stride_ubn, u_ok, n_ok,
-                                     GLU)
                 while bits != 0:
                     u_here = tl.where((uid == adapter)[:, None], u, tl.zeros_like(u))
                     bits = bits & (bits - 1)
