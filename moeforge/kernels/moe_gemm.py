@@ -162,6 +162,21 @@ def _chosen_bits(uid, first, update_stack):
 
 
 @triton.jit
+def _update_operands(ub_ptr, expert, k_first, update_width, update_scale, stride_ube, stride_ubk,
+                     UPDATE_K: tl.constexpr, SPLIT: tl.constexpr):
+    """An update's K-step operands for the tile's expert: ``(the step's columns, their mask along the rank, the
+    expert's B pointers, the scale)``; with a split K-loop the scale is 0 outside its first range, so the update is
+    added once."""
+    offs_u = tl.arange(0, UPDATE_K)
+    u_ok = offs_u < update_width
+    ub_expert = ub_ptr + expert * stride_ube + offs_u[:, None] * stride_ubk
+    factor = update_scale
+    if SPLIT:
+        factor = tl.where(k_first == 0, update_scale, 0.0)
+    return offs_u, u_ok, ub_expert, factor
+
+
+@triton.jit
 def _stack_update_rows(u_ptr, uid_ptr, ub_ptr, copies, row_ok, expert, k_first, update_width, update_scale,
                        update_stack, update_parts, stride_um, stride_up, stride_ube, stride_ubk, UPDATE_K: tl.constexpr,
                        SPLIT: tl.constexpr, UPDATE_PARTS: tl.constexpr):
@@ -171,12 +186,8 @@ def _stack_update_rows(u_ptr, uid_ptr, ub_ptr, copies, row_ok, expert, k_first, 
     each copy's raw id: the scale for an adapter of the stack, 0 for none (-1), NaN outside it, whose rows then take
     adapter 0's K-step (stack_pairs). Else u [copies, R] and the ids as given. With a split K-loop, in its first
     range only."""
-    offs_u = tl.arange(0, UPDATE_K)
-    u_ok = offs_u < update_width
-    ub_expert = ub_ptr + expert * stride_ube + offs_u[:, None] * stride_ubk
-    factor = update_scale
-    if SPLIT:
-        factor = tl.where(k_first == 0, update_scale, 0.0)
+    offs_u, u_ok, ub_expert, factor = _update_operands(ub_ptr, expert, k_first, update_width, update_scale,
+                                                       stride_ube, stride_ubk, UPDATE_K, SPLIT)
     if UPDATE_PARTS:
         parts = tl.arange(0, UPDATE_PARTS)
         u = tl.sum(tl.load(u_ptr + parts[:, None, None] * stride_up
@@ -533,12 +544,8 @@ def _gemm_tile(
                 u_ptr, uid_ptr, ub_ptr, copies, row_ok, expert, k_first, update_width, update_scale, update_stack,
                 update_parts, stride_um, stride_up, stride_ube, stride_ubk, UPDATE_K, SPLIT, UPDATE_PARTS)
         elif not UPDATE_STACK:
-            offs_u = tl.arange(0, UPDATE_K)
-            u_ok = offs_u < update_width
-            ub_expert = ub_ptr + expert * stride_ube + offs_u[:, None] * stride_ubk
-            factor = update_scale
-            if SPLIT:
-                factor = tl.where(k_first == 0, update_scale, 0.0)
+            offs_u, u_ok, ub_expert, factor = _update_operands(ub_ptr, expert, k_first, update_width, update_scale,
+                                                               stride_ube, stride_ubk, UPDATE_K, SPLIT)
             if not UPDATE_WIDE:
                 u = tl.load(u_ptr + copies.to(tl.int64)[:, None] * stride_um + offs_u[None, :],
                             mask=row_ok[:, None] & u_ok[None, :], other=0.0)
