@@ -89,21 +89,21 @@ def _narrow_weight_grad_kernel(dy_ptr, x_ptr, dw_ptr, sorted_ids_ptr, block_expe
              (acc * scale).to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
-def narrow_problem(d_rows: torch.Tensor, rows: torch.Tensor, with_bias: bool, slot_copies: int) -> Optional[str]:
+def narrow_problem(d_rows: torch.Tensor, rows: torch.Tensor, with_bias: bool, slot_copies: int,
+                   kernel: str = "the narrow weight gradient") -> Optional[str]:
     """Why this kernel does not take a weight gradient (``None`` where it does): it sums no bias, reads the rows by
     their copies' indices from the alignment (not in slot order), and holds the narrow side, at most :data:`NARROW`
-    columns, in its accumulator."""
+    columns, in its accumulator. ``kernel``: the name the reasons give (:func:`update_grads_problem` shares them)."""
     if with_bias:
-        return "the narrow weight gradient sums no bias"
+        return f"{kernel} sums no bias"
     if slot_copies:
-        return "the narrow weight gradient reads rows by index from the alignment, not in slot order"
+        return f"{kernel} reads rows by index from the alignment, not in slot order"
     if min(d_rows.shape[1], rows.shape[1]) > NARROW:
-        return (f"the narrow weight gradient holds a side of at most {NARROW} columns, got {d_rows.shape[1]} x "
-                f"{rows.shape[1]}")
+        return f"{kernel} holds a side of at most {NARROW} columns, got {d_rows.shape[1]} x {rows.shape[1]}"
     if not d_rows.dtype.is_floating_point or rows.dtype != d_rows.dtype:
-        return f"the narrow weight gradient takes float operands of one dtype, got {d_rows.dtype} and {rows.dtype}"
+        return f"{kernel} takes float operands of one dtype, got {d_rows.dtype} and {rows.dtype}"
     if d_rows.stride(1) != 1 or rows.stride(1) != 1:
-        return "the narrow weight gradient reads rows with contiguous columns"
+        return f"{kernel} reads rows with contiguous columns"
     return None
 
 
@@ -208,17 +208,20 @@ def _partials_sum_kernel(partial_ptr, out_ptr, num_copies, R, tiles, stride_pj, 
 
 
 def update_grads_problem(d_pre: torch.Tensor, u: torch.Tensor, b: torch.Tensor, slot_copies: int) -> Optional[str]:
-    """Why :func:`update_grads` does not take a low-rank update's two gradients (``None`` where it does)."""
-    if slot_copies:
-        return "the update's gradients in one pass read rows by index from the alignment, not in slot order"
+    """Why :func:`update_grads` does not take a low-rank update's two gradients (``None`` where it does): what
+    :func:`narrow_problem` asks of ``d_pre`` and ``u``, and ``B [E, N, r]`` of their widths (rank at most
+    :data:`NARROW`), dtype and contiguous rows."""
+    kernel = "the update's gradients in one pass"
+    found = narrow_problem(d_pre, u, False, slot_copies, kernel)
+    if found is not None:
+        return found
     if b.dim() != 3 or u.shape[1] != b.shape[2] or d_pre.shape[1] != b.shape[1] or b.shape[2] > NARROW:
-        return (f"the update's gradients in one pass take u [C, r], B [E, N, r] of rank at most {NARROW} and d_pre "
-                f"[C, N]; got {tuple(u.shape)}, {tuple(b.shape)}, {tuple(d_pre.shape)}")
-    if not d_pre.dtype.is_floating_point or u.dtype != d_pre.dtype or b.dtype != d_pre.dtype:
-        return (f"the update's gradients in one pass take float operands of one dtype, got {d_pre.dtype}, {u.dtype}, "
-                f"{b.dtype}")
-    if d_pre.stride(1) != 1 or u.stride(1) != 1 or b.stride(2) != 1:
-        return "the update's gradients in one pass read rows with contiguous columns"
+        return (f"{kernel} take u [C, r], B [E, N, r] of rank at most {NARROW} and d_pre [C, N]; got "
+                f"{tuple(u.shape)}, {tuple(b.shape)}, {tuple(d_pre.shape)}")
+    if b.dtype != d_pre.dtype:
+        return f"{kernel} takes float operands of one dtype, got {d_pre.dtype} and B {b.dtype}"
+    if b.stride(2) != 1:
+        return f"{kernel} reads rows with contiguous columns"
     return None
 
 
@@ -239,8 +242,7 @@ def update_grads(d_pre: torch.Tensor, u: torch.Tensor, b: torch.Tensor, sorted_i
     db = torch.empty(experts, n, rank, dtype=b.dtype, device=b.device)
     if db.numel() == 0 or d_low.numel() == 0:
         return d_low.zero_(), db.zero_()
-    wide_tiles = cdiv(n, (tiles or NarrowTiles()).block_wide)
-    tiles = tiles or default_tiles(u.device, aligned_block_m, experts * wide_tiles)
+    tiles = tiles or default_tiles(u.device, aligned_block_m, experts * cdiv(n, NarrowTiles().block_wide))
     if aligned_block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the update gradients' step of {tiles.block_m} slots must divide the alignment's block of "
                          f"{aligned_block_m} and be at least 16 (the MMA's reduction)")
