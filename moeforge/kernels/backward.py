@@ -11,7 +11,9 @@ pre-activation with the same kernel in fp32 and takes the epilogue's derivative 
 
 * rows: ``d_rows[c] = d_pre[c] @ W[e]`` is the same kernel again on the transposed weight view
   (``W.transpose(1, 2)``: strides, no copy), one copy per row, in the rows' dtype; the token rows of the first
-  GEMM (``r = top_k`` copies each) are written in fp32 and summed in a fixed order;
+  GEMM (``r = top_k`` copies each) sum their copies in fp32 in a fixed order (each copy rounded to the rows'
+  dtype first, as torch's path rounds each product: half the bytes of fp32 copies, and a 2-byte output lets
+  the launch overlap a tile's epilogue with the next tile's loads);
 * weights and biases: :func:`moeforge.kernels.weight_grad.expert_weight_grad`, a k-grouped GEMM on the rows
   gathered in slot order, deterministic (no atomics; each expert's copies summed in ascending order);
 * routing weights in the epilogue: ``<d_out[c], epilogue input[c]>`` from the autograd step;
@@ -97,17 +99,17 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
                                                   needs[27])
         update_grads = (None, d_update_weight)
     if needs[0]:
-        # d_rows[c] = d_pre[c] @ W[e]: the same kernel on the transposed weight, one copy per row (and, for an
-        # update's rows from ``source``, d_low[c] @ source[e] as its update: one more K-step). Copies that share a
-        # row (the first GEMM's top_k) are summed in fp32, in a fixed order (the combine's kernel: one launch,
-        # written in the rows' dtype).
+        # d_rows[c] = d_pre[c] @ W[e]: the same kernel on the transposed weight, one copy per row in the rows'
+        # dtype (and, for an update's rows from ``source``, d_low[c] @ source[e] as its update: one more K-step).
+        # Copies that share a row (the first GEMM's top_k) are summed in fp32, in a fixed order (the combine's
+        # kernel: one launch, written in the rows' dtype).
         r = p["rows_per_a"]
         d_rows, _ = grouped_gemm(GemmRows(d_pre), GemmWeight(weight.transpose(1, 2)), route,
-                                 GemmEpilogue(torch.float32 if r > 1 else a.dtype),
+                                 GemmEpilogue(a.dtype),
                                  row_gradient_config(config, int(weight.shape[2]), int(weight.shape[1])),
                                  GemmUpdate(d_low, source.transpose(1, 2)) if d_low is not None else None)
         d_a = combine.COMBINE(d_rows, None, r, 1.0, a.dtype) if r > 1 else d_rows
-        del d_rows  # (the fp32 copies, [copies, K]: released before the weight gradient allocates its own)
+        del d_rows  # (the copies, [copies, K]: released before the weight gradient allocates its own)
     if d_low is not None and source_needs:
         d_source, _ = weight_grad.EXPERT_WEIGHT_GRAD(d_low, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
                                                      source.shape[0], aligned, False, source.dtype,
