@@ -5,8 +5,8 @@
 
 A training step launches four grouped GEMMs on the layer's aligned rows: the forward's gate/up product without its
 activation (``x @ W13ᵀ``, kept for the backward), the forward's down product (``h @ W2ᵀ``), and the row gradients of
-both (``d_out @ W2``, ``d_pre @ W13``: the weights read through their transposed view; the gate/up one written in
-fp32, its ``top_k`` copies per token summed after). Their tiles today are the tuned inference table's (the gate/up
+both (``d_out @ W2``, ``d_pre @ W13``: the weights read through their transposed view; the gate/up one's ``top_k``
+copies per token summed after). Their tiles today are the tuned inference table's (the gate/up
 entry widened, :meth:`GemmConfig.unfused_gate_up`; the row gradients the forward's, :func:`row_gradient_config`).
 This script times each of those GEMMs alone, on random (never zero) bf16 data and a random routing aligned as the
 table aligns it, with the layer's tile (``current``) and with candidate tiles (``moe_gemm`` and, where it serves the
@@ -83,7 +83,7 @@ def sweep(name: str, tokens: int, gemms: tuple[str, ...], peak: float, reps: int
         "gate_up": (GemmRows(x, rows_per_a=top_k), GemmWeight(w13), GemmEpilogue(torch.bfloat16)),
         "down": (GemmRows(h), GemmWeight(w2), GemmEpilogue(torch.bfloat16)),
         "down_dgrad": (GemmRows(d_out), GemmWeight(w2.transpose(1, 2)), GemmEpilogue(torch.bfloat16)),
-        "gate_up_dgrad": (GemmRows(d_pre), GemmWeight(w13.transpose(1, 2)), GemmEpilogue(torch.float32)),
+        "gate_up_dgrad": (GemmRows(d_pre), GemmWeight(w13.transpose(1, 2)), GemmEpilogue(torch.bfloat16)),
     }
     flops = {gemm: 2 * copies * hidden * inter * (2 if gemm.startswith("gate_up") else 1) for gemm in GEMMS}
     records: list[dict[str, Any]] = []
