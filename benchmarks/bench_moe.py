@@ -38,6 +38,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -126,6 +127,38 @@ def measure_peak() -> tuple[float, float]:
     us = time_graph(lambda: torch.mm(a, b, out=out), 20, None)
     tflops = 2 * n**3 / (us * 1e-6) / 1e12
     return tflops, measure_read_bandwidth(lambda fn: time_graph(fn, 20, None))
+
+
+def measure_sustained_peak(products: int = 40, warm_seconds: float = 1.0) -> float:
+    """bf16 matmul TFLOP/s of ``products`` 8192^3 products back to back in one graph (about 65 ms on an H200, as long
+    as a large training step), replayed after ``warm_seconds`` of the same load. :func:`measure_peak` times single
+    products at the start of a run, bursts the card runs at its top clock; under a load of tens of milliseconds a
+    card with a power limit lowers its clock (an H200 at its 700 W: ~1450 MHz against 1980, 660 against 790-810
+    TFLOP/s: docs/kernels.md, "Clocks under a step"). Both ceilings go into a training run's results: a long step is
+    compared with the dense products it could have run in its time and power."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+
+    def run() -> None:
+        for _ in range(products):
+            torch.mm(a, b, out=out)
+
+    graph = _graph(run)
+    end = time.perf_counter() + warm_seconds
+    while time.perf_counter() < end:
+        graph.replay()
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    return products * 2 * n**3 / (statistics.median(times) * 1e-6) / 1e12
 
 
 def roofline_us(shape: tuple[int, int, int, int], tokens: int, ids: torch.Tensor, peak: float,
