@@ -113,3 +113,77 @@ def gated(gate, up, ACT: tl.constexpr, alpha, limit):
         return softcap(gate, alpha) * tl.sigmoid(gate) * softcap(up, limit)
     else:
         return activate(gate, ACT) * up
+
+
+# -- derivatives: of the functions above, exact (a clamp passes the gradient where its input lies within its bounds,
+# bounds included: torch.clamp's convention); the activation's own backward kernel (moeforge.kernels.activation_rows)
+# and the grouped GEMM's row-gradient epilogue (moeforge.kernels.gemm_epilogue) take them
+
+
+@triton.jit
+def _gelu_derivative(x, TANH: tl.constexpr):
+    """``d gelu(x) / dx`` of fp32 ``x``, erf form or tanh form (the forms of :func:`_gelu`)."""
+    if TANH:
+        x2 = x * x
+        inner = 0.7978845608028654 * (x + 0.044715 * x2 * x)
+        # gelu = 0.5 x (1 + tanh(u)): 0.5 (1 + tanh(u)) = sigmoid(2u) and 1 - tanh(u)^2 = 4 sigmoid(2u) sigmoid(-2u),
+        # each factor accurate where tanh(u) is close to +-1 (no 1 - t^2 cancellation).
+        s = tl.sigmoid(2.0 * inner)
+        sech2 = 4.0 * s * tl.sigmoid(-2.0 * inner)
+        return s + 0.5 * x * sech2 * 0.7978845608028654 * (1.0 + 0.134145 * x2)
+    else:
+        # Phi(x) + x phi(x); exp(-x^2 / 2) underflows to 0 for large |x|, never overflows.
+        return 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
+def activate_derivative(x, ACT: tl.constexpr):
+    """``d activate(x, ACT) / dx`` of fp32 ``x`` (``ACT_NONE``: 1)."""
+    if ACT == 1:
+        # silu' = s (1 + x (1 - s)), with 1 - s as sigmoid(-x): exact where s rounds to 1.
+        return tl.sigmoid(x) * (1.0 + x * tl.sigmoid(-x))
+    elif ACT == 2:
+        return _gelu_derivative(x, False)
+    elif ACT == 3:
+        return _gelu_derivative(x, True)
+    elif ACT == 4:
+        return 2.0 * tl.maximum(x, 0.0)
+    else:
+        return tl.full(x.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def gated_derivative(gate, up, d, ACT: tl.constexpr, alpha, limit):
+    """``(d_gate, d_up)`` of ``gated(gate, up, ACT, alpha, limit)`` (fp32) given ``d``, the gradient of its output.
+
+    GPT-OSS and the clamped SwiGLU: ``gate`` is clamped above at ``limit`` and ``up`` to ``[-limit, limit]``; the
+    gradient passes where the input lies within the bounds, bounds included (``torch.clamp``'s backward), and is 0
+    beyond them."""
+    if ACT == 5:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        s = tl.sigmoid(alpha * g)
+        glu = g * s
+        # d/dg [g s(alpha g)] = s + alpha g s (1 - s), with 1 - s as sigmoid(-alpha g).
+        d_gate = d * (u + 1.0) * (s + alpha * glu * tl.sigmoid(-alpha * g))
+        d_up = d * glu
+        d_gate = tl.where(gate <= limit, d_gate, 0.0)
+        d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
+    elif ACT == 6:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        d_gate = tl.where(gate <= limit, d * u * activate_derivative(g, 1), 0.0)
+        d_up = tl.where((up >= -limit) & (up <= limit), d * activate(g, 1), 0.0)
+    elif ACT == 7:  # the softcapped SwiGLU: alpha and limit are the gate's and up's softcaps
+        s = tl.sigmoid(gate)
+        capped_gate, capped_up = softcap(gate, alpha), softcap(up, limit)
+        # d/dx c tanh(x / c) = sech^2(x / c) = 4 e / (1 + e)^2, e = exp(-2 |x| / c): exact where tanh rounds to +-1
+        e_gate, e_up = tl.exp(-2.0 * tl.abs(gate) / alpha), tl.exp(-2.0 * tl.abs(up) / limit)
+        sech2_gate = 4.0 * e_gate / ((1.0 + e_gate) * (1.0 + e_gate))
+        sech2_up = 4.0 * e_up / ((1.0 + e_up) * (1.0 + e_up))
+        d_gate = d * capped_up * (sech2_gate * s + capped_gate * s * tl.sigmoid(-gate))
+        d_up = d * capped_gate * s * sech2_up
+    else:
+        d_gate = d * up * activate_derivative(gate, ACT)
+        d_up = d * activate(gate, ACT)
+    return d_gate, d_up
