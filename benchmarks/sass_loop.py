@@ -48,7 +48,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                    dtype: str, swap: bool, ptx: bool, prefetch: bool, tile_scale: bool = False,
                    fold: bool = False, half_tail: bool = False, persistent: int = 0, shuffled: bool = False,
                    nvfp4_rows: bool = False, drain: Optional[bool] = None, update: int = 0,
-                   wide: int = 0, group: int = 1, tma: bool = False, stack: int = 0, act_grad: int = 0, act_grad_parts: int = 1) -> Any:
+                   wide: int = 0, group: int = 1, tma: bool = False, stack: int = 0) -> Any:
     """``moe_gemm_kernel`` for bf16/fp16 rows and ``weights`` (FP8: FP8 rows with per-128-group scales and
     128x128-block weight scales, ``tile_scale``: one per tile), compiled for sm_90 (the compiled kernel), with
     the weight tiles loaded by pointer (``tma``: float weights by TMA through a descriptor, ``B_TMA`` 1, as the
@@ -61,10 +61,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
     ``dtype``, the output's) instead of ``dtype`` rows; ``drain``: the kernel's ``DRAIN_MMA``, by default the
     launcher's rule for an sm_90 device and the installed Triton (:func:`moeforge.kernels.launch_plan.drain_mma`).
     ``stack``: with ``update``, a stack's update, each copy its own adapter's K-step (UPDATE_STACK), the rows in this
-    many fp32 parts (UPDATE_PARTS: a served stack at few copies; 1: the rows as given, in the rows' dtype).
-    ``act_grad``: a row gradient's epilogue with this activation's derivative (ACT_GRAD; the code of
-    ``moeforge.kernels.activations``, gated with ``glu``: the launch itself then plain, as the launcher makes it),
-    in ``act_grad_parts`` column ranges."""
+    many fp32 parts (UPDATE_PARTS: a served stack at few copies; 1: the rows as given, in the rows' dtype)."""
     names = moe_gemm_kernel.arg_names
     if tma and weights is not WeightFormat.FLOAT:
         raise SystemExit("sass_loop.py compiles the TMA weight tiles of float weights only (--weights float)")
@@ -83,14 +80,13 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
                     c_scale_ptr="*fp32", weights_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
                     num_padded_ptr="*i32", block_range_ptr="*i32", p_ptr="*fp32",
                     u_ptr="*fp32" if stack > 1 else f"*{dtype}",
-                    ub_ptr=f"*{dtype}", uid_ptr="*i32", pre_ptr=f"*{dtype}")
+                    ub_ptr=f"*{dtype}", uid_ptr="*i32")
     constexprs: dict[str, Any] = dict(
         A_FMT=int(RowFormat.NVFP4 if nvfp4_rows else RowFormat.FP8 if fp8 else RowFormat.FLOAT),
         A_SCALE=int(RowScales.NVFP4 if nvfp4_rows else RowScales.GROUP if fp8 else RowScales.NONE),
         B_FMT=int(weights), B_BLOCKED=fp8, B_TILE_SCALE=tile_scale,
         GROUP=GROUPS[weights], HAS_ZEROS=False,
-        QUANT_OUT=False, ACT=1 if glu and not act_grad else 0, GLU=glu and not act_grad, HAS_BIAS=False,
-        MUL_WEIGHTS=not glu and not act_grad,
+        QUANT_OUT=False, ACT=1 if glu else 0, GLU=glu, HAS_BIAS=False, MUL_WEIGHTS=not glu,
         EVEN_K=int(KTail.EVEN_VECTOR_SCALES if packed else KTail.EVEN),
         PRECISION="tf32", SWAP=swapped, PTX=ptx and (packed or nvfp4_rows), FP8_CVT=ptx and (packed or nvfp4_rows),
         CVT_BY_FOUR=ptx and packed and cvt_by_four(GemmConfig(*block)), PREFETCH=prefetch and packed,
@@ -102,7 +98,6 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         UPDATE_K=update * (group if wide else 1), UPDATE_PRECISION="tf32",
         UPDATE_STACK=stack > 0, UPDATE_PARTS=stack if stack > 1 else 0, UPDATE_WIDE=wide,
         UPDATE_GROUP=group if wide else 0,
-        ACT_GRAD=act_grad_parts if act_grad else 0, GRAD_ACT=act_grad, GRAD_GLU=glu and act_grad > 0,
         BLOCK_N=block[1], BLOCK_K=block[2], GROUP_M=8,
         ALIGN_RATIO=1,  # rows aligned by the tile's own block_m
         SCALE_FOLD=fold and ptx and dtype == "bf16" and (weights is WeightFormat.MXFP4 or (
@@ -115,7 +110,7 @@ def compile_kernel(weights: WeightFormat, *, glu: bool, block: tuple[int, int, i
         raise SystemExit(f"sass_loop.py does not set the kernel's constexprs {sorted(missing)}: update it")
     multiple_of_16 = {"N", "K", "stride_am", "stride_be", "stride_bn", "stride_bse", "stride_bsn", "stride_cm",
                       "up_offset", "stride_bias_e", "stride_csm", "stride_bze", "stride_bzn", "stride_asm", "stride_um",
-                      "stride_ubs", "stride_ube", "stride_ubn", "stride_pre", "grad_up_offset"}
+                      "stride_ubs", "stride_ube", "stride_ubn"}
     floats = ("a_global", "alpha", "limit", "update_scale")
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n in floats else "i32")
                  for n in names}
@@ -263,11 +258,6 @@ def main() -> None:
     parser.add_argument("--stack", type=int, default=0,
                         help="with --update: a stack's update, each copy its adapter's K-step, its rows in this many "
                              "fp32 parts (1: as given)")
-    parser.add_argument("--act-grad", type=int, default=0,
-                        help="a row gradient whose epilogue takes this activation's derivative (its code; with --glu "
-                             "gated): the down GEMM's row gradient in a training step")
-    parser.add_argument("--act-grad-parts", type=int, default=1, choices=(1, 2, 4),
-                        help="with --act-grad: the epilogue in this many column ranges one after another")
     parser.add_argument("--dump", default=None, help="write the SASS here")
     args = parser.parse_args()
     block = tuple(int(v) for v in args.block.split(","))
@@ -278,8 +268,7 @@ def main() -> None:
                             prefetch=args.prefetch, tile_scale=args.tile_scale, fold=args.fold,
                             half_tail=args.half_tail, persistent=args.grid, shuffled=args.shuffled,
                             nvfp4_rows=args.rows == "nvfp4", drain=None if args.drain is None else bool(args.drain),
-                            update=args.update, wide=args.wide, group=args.group, tma=args.tma, stack=args.stack,
-                            act_grad=args.act_grad, act_grad_parts=args.act_grad_parts)
+                            update=args.update, wide=args.wide, group=args.group, tma=args.tma, stack=args.stack)
     sass, usage = disassemble(kernel)
     if args.dump:
         Path(args.dump).write_text(sass)

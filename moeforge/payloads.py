@@ -25,7 +25,7 @@ from typing_extensions import Self
 
 from moeforge.errors import PayloadError
 from moeforge.kernels.config import MoEConfig
-from moeforge.kernels.grouped_gemm_call import ActivatedFrom, GemmRoute
+from moeforge.kernels.grouped_gemm_call import GemmRoute
 from moeforge.spec import DType, Exchange, GroupListType, Layout, PayloadKind, ScaleLayout, Spec
 
 GROUP_SIZE = 128  # elements per scale in ScaleLayout.PER_GROUP_128
@@ -383,20 +383,6 @@ class StackAlignment:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ActivationRecord:
-    """Rows an activation op made (``moeforge::activate_rows``): the tensor it returned, its version then, and what it
-    was the activation of. A grouped GEMM that reads exactly these rows (:meth:`describes`: the same tensor, not
-    modified in place since) may differentiate through the activation itself (:class:`ActivatedFrom` on its rows)."""
-
-    rows: torch.Tensor
-    version: int
-    source: ActivatedFrom
-
-    def describes(self, x: torch.Tensor) -> bool:
-        return x is self.rows and x._version == self.version
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
 class AlignedRows(ExpertRows):
     """Expert-grouped rows described by a :class:`BlockAlignment`, never physically sorted.
 
@@ -406,8 +392,7 @@ class AlignedRows(ExpertRows):
     [num_copies]`` (fp32) are the copies' routing weights in copy order. With a stack of expert adapters
     (``adapter_ids``): ``copy_experts [num_copies]`` (int32), each copy's local expert in copy order, where the
     dispatch knows it (else derived from the alignment), and ``stack_alignment``, the copies aligned by (adapter,
-    expert) pair, which the first adapted GEMM makes and the second reuses. ``activation``: where ``x`` is what an
-    activation op returned (:class:`ActivationRecord`).
+    expert) pair, which the first adapted GEMM makes and the second reuses.
     """
 
     alignment: BlockAlignment
@@ -415,8 +400,6 @@ class AlignedRows(ExpertRows):
     copy_weights: torch.Tensor
     copy_experts: Optional[torch.Tensor] = dataclasses.field(default=None, kw_only=True)
     stack_alignment: Optional[StackAlignment] = dataclasses.field(default=None, kw_only=True)
-    # where x came from an activation op (a training step's gate/up stage): see ActivationRecord
-    activation: Optional[ActivationRecord] = dataclasses.field(default=None, kw_only=True)
 
     def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.layout is Layout.BLOCK_ALIGNED, "layout", "AlignedRows", spec.layout.value)

@@ -10,14 +10,9 @@ with :func:`activate_rows` and keep ``pre``: the backward then takes the activat
 
 Both kernels read a tile of rows and columns, compute in fp32 and write in ``pre``'s dtype. The activation is that
 of :mod:`moeforge.kernels.activations` (the same codes, ``glu`` for a gated one, gate and up concatenated
-``[gate | up]`` or interleaved ``g0 u0 g1 u1 ...``), and so are its derivatives, the exact derivatives of
+``[gate | up]`` or interleaved ``g0 u0 g1 u1 ...``); the derivatives beside it here are the exact derivatives of
 :func:`moeforge.activation.apply_activation`, GPT-OSS's clamps included (a clamp passes the gradient where its
 input lies within its bounds, bounds included: ``torch.clamp``'s convention).
-
-Where the next grouped GEMM reads the activated rows as they came from here (a training step's down projection:
-:class:`moeforge.kernels.grouped_gemm_call.RowsSource`), that GEMM's backward takes the derivative in its row
-gradient's epilogue and gives ``pre`` its gradient itself; the activated rows then get none, and this op's backward,
-called without a gradient, does nothing.
 
 Registered as the custom ops ``moeforge::activate_rows`` (differentiable: :func:`autograd_setup_context`,
 :func:`autograd_backward`) and ``moeforge::activate_rows_backward`` in :mod:`moeforge.kernels.ops`.
@@ -25,7 +20,7 @@ Registered as the custom ops ``moeforge::activate_rows`` (differentiable: :func:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import triton
@@ -35,14 +30,85 @@ from moeforge.errors import InputError
 from moeforge.kernels import pdl
 from moeforge.kernels.bound_launch import LaunchSite
 from moeforge.kernels.kernel_op import KernelOp
-from moeforge.kernels.activations import (ACT_SOFTCAPPED_SILU, ACT_NONE, GATED_ONLY, activate, activate_derivative,
-                                          gated, gated_derivative)
+from moeforge.kernels.activations import ACT_SOFTCAPPED_SILU, ACT_NONE, GATED_ONLY, activate, gated, softcap
 from moeforge.kernels.launch_plan import glu_strides
 from moeforge.kernels.sizes import cdiv, next_power_of_2
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 TILE = 2048  # output (or gate/up pair) columns x rows per program
 MAX_BLOCK_C = 1024
+
+
+# -- derivatives --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gelu_derivative(x, TANH: tl.constexpr):
+    """``d gelu(x) / dx`` of fp32 ``x``, erf form or tanh form (the forms of ``activations._gelu``)."""
+    if TANH:
+        x2 = x * x
+        inner = 0.7978845608028654 * (x + 0.044715 * x2 * x)
+        # gelu = 0.5 x (1 + tanh(u)): 0.5 (1 + tanh(u)) = sigmoid(2u) and 1 - tanh(u)^2 = 4 sigmoid(2u) sigmoid(-2u),
+        # each factor accurate where tanh(u) is close to +-1 (no 1 - t^2 cancellation).
+        s = tl.sigmoid(2.0 * inner)
+        sech2 = 4.0 * s * tl.sigmoid(-2.0 * inner)
+        return s + 0.5 * x * sech2 * 0.7978845608028654 * (1.0 + 0.134145 * x2)
+    else:
+        # Phi(x) + x phi(x); exp(-x^2 / 2) underflows to 0 for large |x|, never overflows.
+        return 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
+def activate_derivative(x, ACT: tl.constexpr):
+    """``d activate(x, ACT) / dx`` of fp32 ``x`` (``ACT_NONE``: 1)."""
+    if ACT == 1:
+        # silu' = s (1 + x (1 - s)), with 1 - s as sigmoid(-x): exact where s rounds to 1.
+        return tl.sigmoid(x) * (1.0 + x * tl.sigmoid(-x))
+    elif ACT == 2:
+        return _gelu_derivative(x, False)
+    elif ACT == 3:
+        return _gelu_derivative(x, True)
+    elif ACT == 4:
+        return 2.0 * tl.maximum(x, 0.0)
+    else:
+        return tl.full(x.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def gated_derivative(gate, up, d, ACT: tl.constexpr, alpha, limit):
+    """``(d_gate, d_up)`` of ``gated(gate, up, ACT, alpha, limit)`` (fp32) given ``d``, the gradient of its output.
+
+    GPT-OSS and the clamped SwiGLU: ``gate`` is clamped above at ``limit`` and ``up`` to ``[-limit, limit]``; the
+    gradient passes where the input lies within the bounds, bounds included (``torch.clamp``'s backward), and is 0
+    beyond them."""
+    if ACT == 5:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        s = tl.sigmoid(alpha * g)
+        glu = g * s
+        # d/dg [g s(alpha g)] = s + alpha g s (1 - s), with 1 - s as sigmoid(-alpha g).
+        d_gate = d * (u + 1.0) * (s + alpha * glu * tl.sigmoid(-alpha * g))
+        d_up = d * glu
+        d_gate = tl.where(gate <= limit, d_gate, 0.0)
+        d_up = tl.where((up >= -limit) & (up <= limit), d_up, 0.0)
+    elif ACT == 6:
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        d_gate = tl.where(gate <= limit, d * u * activate_derivative(g, 1), 0.0)
+        d_up = tl.where((up >= -limit) & (up <= limit), d * activate(g, 1), 0.0)
+    elif ACT == 7:  # the softcapped SwiGLU: alpha and limit are the gate's and up's softcaps
+        s = tl.sigmoid(gate)
+        capped_gate, capped_up = softcap(gate, alpha), softcap(up, limit)
+        # d/dx c tanh(x / c) = sech^2(x / c) = 4 e / (1 + e)^2, e = exp(-2 |x| / c): exact where tanh rounds to +-1
+        e_gate, e_up = tl.exp(-2.0 * tl.abs(gate) / alpha), tl.exp(-2.0 * tl.abs(up) / limit)
+        sech2_gate = 4.0 * e_gate / ((1.0 + e_gate) * (1.0 + e_gate))
+        sech2_up = 4.0 * e_up / ((1.0 + e_up) * (1.0 + e_up))
+        d_gate = d * capped_up * (sech2_gate * s + capped_gate * s * tl.sigmoid(-gate))
+        d_up = d * capped_gate * s * sech2_up
+    else:
+        d_gate = d * up * activate_derivative(gate, ACT)
+        d_up = d * activate(gate, ACT)
+    return d_gate, d_up
 
 
 # -- kernels ------------------------------------------------------------------------------------------------
@@ -211,17 +277,11 @@ def autograd_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> No
     pre, act, glu, interleaved, alpha, limit = inputs
     ctx.save_for_backward(pre)
     ctx.activation = (act, glu, interleaved, alpha, limit)
-    # (an output no one differentiated, the rows a down GEMM's backward went around: None, not zeros, so that this
-    # backward skips the kernel)
-    ctx.set_materialize_grads(False)
 
 
-def autograd_backward(ctx: Any, grad_out: Optional[torch.Tensor]) -> tuple[Any, ...]:
+def autograd_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
     """The gradient of ``pre`` through the ``moeforge::activate_rows_backward`` op (traceable: it has a fake);
-    the integer, flag and float arguments have none. None without a gradient of the activated rows (see the module
-    docstring)."""
-    if grad_out is None:
-        return (None,) * (1 + len(ctx.activation))
+    the integer, flag and float arguments have none."""
     (pre,) = ctx.saved_tensors
     d_pre = ACTIVATE_ROWS_BACKWARD(pre, grad_out, *ctx.activation)
     return (d_pre,) + (None,) * len(ctx.activation)

@@ -10,10 +10,7 @@ pre-activation with the same kernel in fp32 and takes the epilogue's derivative 
 (the same activation formulas as the torch backend). Then:
 
 * rows: ``d_rows[c] = d_pre[c] @ W[e]`` is the same kernel again on the transposed weight view
-  (``W.transpose(1, 2)``: strides, no copy), one copy per row, in the rows' dtype; where the rows are an activation
-  of ``pre`` (:class:`~moeforge.kernels.grouped_gemm_call.ActivatedFrom`: a training step's down projection), that
-  launch's epilogue takes the activation's derivative at ``pre`` and writes ``pre``'s gradient instead (the activated
-  rows get none, and the activation's own backward then has nothing to do); the token rows of the first
+  (``W.transpose(1, 2)``: strides, no copy), one copy per row, in the rows' dtype; the token rows of the first
   GEMM (``r = top_k`` copies each) sum their copies in fp32 in a fixed order (each copy rounded to the rows'
   dtype first, as torch's path rounds each product: half the bytes of fp32 copies, and a 2-byte output lets
   the launch overlap a tile's epilogue with the next tile's loads);
@@ -43,8 +40,8 @@ from moeforge.kernels import combine, narrow_weight_grad, slot_rows, weight_grad
 from moeforge.kernels.formats import WeightFormat
 from moeforge.activation import ActivationConfig, apply_activation
 from moeforge.kernels.config import GemmConfig, narrow_config, row_gradient_config
-from moeforge.kernels.grouped_gemm_call import (ActivatedFrom, GemmEpilogue, GemmRoute, GemmRows, GemmUpdate,
-                                                GemmWeight, config_of, grouped_gemm)
+from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
+                                                config_of, grouped_gemm)
 
 
 # -- the ops' backward ------------------------------------------------------------------------------
@@ -53,9 +50,7 @@ _MOE_GEMM_INPUTS = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "we
                     "topk_weights", "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a",
                     "weight_format", "a_global", "act", "glu", "interleaved", "alpha", "limit", "config",
                     "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max", "weight_shuffled", "update_rows",
-                    "update_weight", "update_scale", "update_ids", "slot_copies", "slot_runs", "update_source",
-                    "rows_pre", "rows_activation", "grad_pre", "grad_activation")
-_ROWS_PRE = _MOE_GEMM_INPUTS.index("rows_pre")
+                    "update_weight", "update_scale", "update_ids", "slot_copies", "slot_runs", "update_source")
 
 
 def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -63,7 +58,7 @@ def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> No
     ctx.args = {name: value for name, value in args.items() if not isinstance(value, torch.Tensor)}
     ctx.save_for_backward(args["a"], args["weight"], args["bias"], args["topk_weights"], args["sorted_ids"],
                           args["block_expert"], args["num_padded"], args.get("update_rows"), args.get("update_weight"),
-                          args.get("slot_runs"), args.get("update_source"), args.get("rows_pre"))
+                          args.get("slot_runs"), args.get("update_source"))
     update_weight = args.get("update_weight")
     ctx.stacked_update = args.get("update_ids") is not None or (update_weight is not None and update_weight.dim() == 4)
     ctx.quantized = (args["weight_format"] != int(WeightFormat.FLOAT) or args["fp8_out"]
@@ -78,7 +73,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         raise InputError("a stack of low-rank updates inside the grouped GEMM (update_weight [S, E, N_w, R]) is the "
                          "serving path: it has no backward (an adapter stack trains through its own launches)")
     (a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded, update_rows, update_weight,
-     slot_runs, source, rows_pre) = ctx.saved_tensors
+     slot_runs, source) = ctx.saved_tensors
     p = ctx.args
     config = config_of(p["config"])
     aligned = p.get("aligned_block_m", 0) or config.block_m  # the block sorted_ids was aligned with
@@ -103,26 +98,16 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         d_low, d_update_weight = _update_backward(d_pre, update_rows, update_weight, route, config, p, True,
                                                   needs[27])
         update_grads = (None, d_update_weight)
-    pre_needs = rows_pre is not None and len(needs) > _ROWS_PRE and needs[_ROWS_PRE]
-    d_rows_pre = None
-    row_update = GemmUpdate(d_low, source.transpose(1, 2)) if d_low is not None else None
-    row_config = row_gradient_config(config, int(weight.shape[2]), int(weight.shape[1]))
-    if pre_needs:
-        # the rows are an activation of rows_pre (GemmRows.activated_from): d_rows[c] = d_pre[c] @ W[e] is the
-        # gradient of the activated rows, and the launch's epilogue takes the activation's derivative at rows_pre[c]:
-        # rows_pre's gradient, written once; the activated rows get none (their activation's backward then runs
-        # without a gradient: nothing)
-        d_rows_pre, _ = grouped_gemm(GemmRows(d_pre), GemmWeight(weight.transpose(1, 2)), route,
-                                     GemmEpilogue(rows_pre.dtype, activation_grad=ActivatedFrom.of_codes(
-                                         rows_pre, p["rows_activation"])), row_config, row_update)
-    elif needs[0]:
+    if needs[0]:
         # d_rows[c] = d_pre[c] @ W[e]: the same kernel on the transposed weight, one copy per row in the rows'
         # dtype (and, for an update's rows from ``source``, d_low[c] @ source[e] as its update: one more K-step).
         # Copies that share a row (the first GEMM's top_k) are summed in fp32, in a fixed order (the combine's
         # kernel: one launch, written in the rows' dtype).
         r = p["rows_per_a"]
-        d_rows, _ = grouped_gemm(GemmRows(d_pre), GemmWeight(weight.transpose(1, 2)), route, GemmEpilogue(a.dtype),
-                                 row_config, row_update)
+        d_rows, _ = grouped_gemm(GemmRows(d_pre), GemmWeight(weight.transpose(1, 2)), route,
+                                 GemmEpilogue(a.dtype),
+                                 row_gradient_config(config, int(weight.shape[2]), int(weight.shape[1])),
+                                 GemmUpdate(d_low, source.transpose(1, 2)) if d_low is not None else None)
         d_a = combine.COMBINE(d_rows, None, r, 1.0, a.dtype) if r > 1 else d_rows
         del d_rows  # (the copies, [copies, K]: released before the weight gradient allocates its own)
     if d_low is not None and source_needs:
@@ -141,7 +126,6 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         grads_out[26], grads_out[27] = update_grads or _update_backward(
             d_pre, update_rows, update_weight, route, config, p, needs[26] and source is None, needs[27])
     grads_out[32] = d_source
-    grads_out[_ROWS_PRE] = d_rows_pre
     return tuple(grads_out[:len(ctx.needs_input_grad)])
 
 

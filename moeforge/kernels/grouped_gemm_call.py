@@ -73,31 +73,6 @@ def decode_config(values: Sequence[int]) -> GemmConfig:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ActivatedFrom:
-    """Rows that are an activation of ``pre``: ``activate_rows(pre, act, glu, interleaved, alpha, limit)``
-    (:mod:`moeforge.kernels.activation_rows`, the codes of :mod:`moeforge.kernels.activations`), one row per copy as
-    ``pre``'s. On :class:`GemmRows`: the GEMM's backward gives ``pre`` its gradient through the activation's
-    derivative in its row-gradient launch's epilogue, and the activated rows none (no pass of the activation's own
-    backward, no gradient of the activated rows in memory). On :class:`GemmEpilogue`: that epilogue itself."""
-
-    pre: torch.Tensor  # [copies, W]: W = 2 N gated (gate and up as the gate/up GEMM wrote them), else N
-    act: int
-    glu: bool
-    interleaved: bool
-    alpha: float
-    limit: float
-
-    def codes(self) -> list[float]:
-        """The codes as the op's ``float[]`` argument (:meth:`of_codes` reads them back)."""
-        return [float(self.act), float(self.glu), float(self.interleaved), float(self.alpha), float(self.limit)]
-
-    @staticmethod
-    def of_codes(pre: torch.Tensor, codes: Sequence[float]) -> "ActivatedFrom":
-        act, glu, interleaved, alpha, limit = codes
-        return ActivatedFrom(pre, int(act), bool(glu), bool(interleaved), float(alpha), float(limit))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
 class GemmRows:
     """The rows the GEMM reads: copy ``c`` of the route reads row ``c // rows_per_a``."""
 
@@ -106,8 +81,6 @@ class GemmRows:
     scale: Optional[torch.Tensor] = None
     global_scale: float = 1.0  # NVFP4 rows: the static global scale they were quantized with
     rows_per_a: int = 1  # copies per row (top_k for token-major rows a first GEMM gathers from; else 1)
-    # the rows are an activation of these (one row per copy: rows_per_a 1), read by the backward alone
-    activated_from: Optional[ActivatedFrom] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -157,9 +130,6 @@ class GemmEpilogue:
     alpha: float = 1.0
     limit: float = 0.0
     fp8_out: bool = False
-    # a row gradient of rows an activation of ``activation_grad.pre`` made (their gradient the product): the
-    # activation's derivative instead of the epilogue above, the output ``pre``'s gradient [copies, W]
-    activation_grad: Optional[ActivatedFrom] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -199,11 +169,8 @@ def _config_of(values: tuple[int, ...]) -> GemmConfig:
 
 
 def outputs(a: torch.Tensor, weight: torch.Tensor, num_copies: int, glu: bool, out_dtype: torch.dtype,
-            fp8_out: bool, grad_pre: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The uninitialised outputs of :func:`launch` (the op's fake too: sizes depend on sizes only); with
-    ``grad_pre`` (an activation's gradient in the epilogue), its shape."""
-    if grad_pre is not None:
-        return a.new_empty(num_copies, grad_pre.shape[1], dtype=out_dtype), a.new_empty(0, dtype=torch.float32)
+            fp8_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The uninitialised outputs of :func:`launch` (the op's fake too: sizes depend on sizes only)."""
     n_out = weight.shape[1] // 2 if glu else weight.shape[1]
     if fp8_out:
         return (a.new_empty(num_copies, n_out, dtype=torch.float8_e4m3fn),
@@ -245,10 +212,6 @@ def launch(
     slot_copies: int = 0,
     slot_runs: Optional[torch.Tensor] = None,
     update_source: Optional[torch.Tensor] = None,
-    rows_pre: Optional[torch.Tensor] = None,
-    rows_activation: Optional[list[float]] = None,
-    grad_pre: Optional[torch.Tensor] = None,
-    grad_activation: Optional[list[float]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::moe_gemm`` op's implementation, the one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`,
     imported when first called: this module imports no Triton): ``(out, out_scale)``, where ``out_scale`` is the
@@ -259,29 +222,15 @@ def launch(
     none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`);
     ``update_*``: a low-rank update (:class:`GemmUpdate`; ``update_source`` is read by the backward
     alone); ``slot_copies``, ``slot_runs``: :class:`GemmRoute`'s (the
-    forward computes the same either way; the backward reads them); ``rows_pre`` and ``rows_activation``: the rows'
-    :class:`ActivatedFrom` (read by the backward alone); ``grad_pre`` and ``grad_activation``: the epilogue's
-    (:attr:`GemmEpilogue.activation_grad`). A ``config`` with ``warp_specialized`` launches the Gluon
+    forward computes the same either way; the backward reads them). A ``config`` with ``warp_specialized`` launches the Gluon
     kernel where it serves these operands (:mod:`moeforge.kernels.warp_specialized`), else ``moe_gemm``."""
     from moeforge.kernels import moe_gemm as kernel
 
     if update_source is not None:
         _check_source(update_source, update_rows, update_weight, update_ids, a, weight)
-    if (rows_pre is None) != (rows_activation is None) or (grad_pre is None) != (grad_activation is None):
-        raise ValueError("an activation's rows and its codes come together (rows_pre with rows_activation, grad_pre "
-                         "with grad_activation)")
-    if rows_pre is not None and (rows_per_a != 1 or rows_pre.shape[0] != a.shape[0]):
-        raise ValueError(f"rows an activation made are one per copy, as its input's: got rows_per_a={rows_per_a}, "
-                         f"{a.shape[0]} rows and {rows_pre.shape[0]} pre-activation rows")
-    out, out_scale = outputs(a, weight, num_copies, glu, out_dtype, fp8_out, grad_pre)
+    out, out_scale = outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
     gemm = config_of(config)
-    activation_grad = None
-    if grad_pre is not None:  # (moe_gemm's epilogue alone takes it: never the Gluon kernel)
-        assert grad_activation is not None
-        source = ActivatedFrom.of_codes(grad_pre, grad_activation)
-        activation_grad = kernel.ActivationGrad(grad_pre, source.act, source.glu, source.interleaved, source.alpha,
-                                                source.limit)
-    elif gemm.warp_specialized and num_copies:  # the tuned table's choice, where that kernel serves this launch
+    if gemm.warp_specialized and num_copies:  # the tuned table's choice, where that kernel serves this launch
         from moeforge.kernels import warp_specialized
 
         aligned = aligned_block_m or gemm.block_m
@@ -304,13 +253,8 @@ def launch(
         out_scale=out_scale if fp8_out else None, aligned_block_m=aligned_block_m or None,
         weight_scale_max=weight_scale_max if weight_scale_max < NO_SCALE_BOUND else None,
         weight_shuffled=weight_shuffled, update_rows=update_rows, update_weight=update_weight,
-        update_scale=update_scale, update_ids=update_ids, activation_grad=activation_grad)
+        update_scale=update_scale, update_ids=update_ids)
     return out, out_scale
-
-
-def _activation_args(source: Optional[ActivatedFrom]) -> tuple[Optional[torch.Tensor], Optional[list[float]]]:
-    """An :class:`ActivatedFrom` as the op's two arguments (a tensor and its codes), or two Nones."""
-    return (None, None) if source is None else (source.pre, source.codes())
 
 
 def _check_source(source: torch.Tensor, rows: Optional[torch.Tensor], weight_b: Optional[torch.Tensor],
@@ -346,7 +290,6 @@ def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue:
         NO_SCALE_BOUND if weight.scale_max is None else weight.scale_max, weight.shuffled,
         *((update.rows, update.weight, float(update.scale), update.ids) if update is not None
           else (None, None, 1.0, None)), route.slot_copies, route.slot_runs,
-        update.source if update is not None else None,
-        *_activation_args(rows.activated_from), *_activation_args(epilogue.activation_grad))
+        update.source if update is not None else None)
     result: torch.Tensor = out
     return result, out_scale if epilogue.fp8_out else None

@@ -42,7 +42,7 @@ copied by the tensor memory accelerator (a host-side descriptor, :func:`weight_t
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 import attrs
 import torch
@@ -52,7 +52,7 @@ import triton.language as tl
 from moeforge.kernels import decode_first, launch_memo, pdl, shuffle
 from moeforge.kernels.bound_launch import BoundLaunch
 from moeforge.kernels.pdl import device_capability
-from moeforge.kernels.activations import ACT_NONE, ACT_SOFTCAPPED_SILU, GATED_ONLY
+from moeforge.kernels.activations import ACT_NONE
 from moeforge.kernels.config import GemmConfig
 from moeforge.kernels.launch_plan import (GRIDS, LaunchFacts, TensorDescriptor, default_grid, fitted_config,
                                           glu_strides, plan_launch, transposed_weight, vector_scales,
@@ -63,7 +63,7 @@ from moeforge.kernels.format_codes import (K_EVEN_VECTOR_SCALES, K_RAGGED, ROWS_
                                            SCALES_ROW, W_FIRST_E2M1, W_FIRST_PACKED, W_FP8, W_INT8, W_NVFP4)
 from moeforge.kernels.formats import (NVFP4_GROUP, SCALE_BLOCK, RowFormat, RowScales, WeightFormat,
                                       weight_operand)
-from moeforge.kernels.gemm_epilogue import add_bias, epilogue, store, store_activation_grad
+from moeforge.kernels.gemm_epilogue import add_bias, epilogue, store
 from moeforge.kernels.tile_order import grouped
 from moeforge.kernels.sizes import cdiv, multiprocessors, next_power_of_2
 from moeforge.kernels.stack_pairs import copy_adapters
@@ -226,13 +226,13 @@ def _gemm_tile(
     The rows were aligned by blocks of ``ALIGN_RATIO * BLOCK_M``: ``block_expert`` has one entry per aligned block.
     ``DRAIN_MMA``: each K-step ends by waiting for its warpgroup MMAs (:func:`drain_mma`)."""
     (a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
-     sorted_ids_ptr, block_expert_ptr, u_ptr, ub_ptr, uid_ptr, pre_ptr) = ops
+     sorted_ids_ptr, block_expert_ptr, u_ptr, ub_ptr, uid_ptr) = ops
     (N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack,
      update_parts) = sizes
     (stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
      stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn, stride_csm, stride_csg,
      gate_stride, up_offset, alpha, limit, stride_um, stride_ubs, stride_ube, stride_ubn, stride_ubk,
-     stride_up, stride_pre, grad_gate_stride, grad_up_offset) = strides
+     stride_up) = strides
     A_FMT: tl.constexpr = FLAGS[0]
     A_SCALE: tl.constexpr = FLAGS[1]
     B_FMT: tl.constexpr = FLAGS[2]
@@ -267,9 +267,6 @@ def _gemm_tile(
     UPDATE_PARTS: tl.constexpr = FLAGS[31]
     UPDATE_WIDE: tl.constexpr = FLAGS[32]
     UPDATE_GROUP: tl.constexpr = FLAGS[33]
-    ACT_GRAD: tl.constexpr = FLAGS[34]
-    GRAD_ACT: tl.constexpr = FLAGS[35]
-    GRAD_GLU: tl.constexpr = FLAGS[36]
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     copies = tl.load(sorted_ids_ptr + offs_m)
@@ -634,12 +631,6 @@ def _gemm_tile(
         tl.store(p_rows + offs_n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
         if GLU:
             tl.store(p_rows + (N + offs_n)[None, :], out_up, mask=row_ok[:, None] & n_ok[None, :])
-    elif ACT_GRAD:
-        # a row gradient of rows an activation made: ``out`` is their gradient; the activation's derivative at the
-        # pre-activation rows (pre_ptr, the launch's alpha and limit) makes it the gradient of those rows
-        store_activation_grad(out, copies, row_ok, offs_n, n_ok, pre_ptr, stride_pre, c_ptr, stride_cm, stride_cn,
-                              grad_gate_stride, grad_up_offset, alpha, limit, GRAD_ACT, GRAD_GLU, BLOCK_N,
-                              ACT_GRAD)
     else:
         out = epilogue(out, out_up, expert, gate_rows, up_offset, n_ok, copies, row_ok,
                         bias_ptr, stride_bias_e, stride_bias_n, weights_ptr, alpha, limit,
@@ -672,7 +663,7 @@ def _gemm_block(
 @triton.jit
 def moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
-    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, p_ptr, u_ptr, ub_ptr, uid_ptr, pre_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr, p_ptr, u_ptr, ub_ptr, uid_ptr,
     N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack, update_parts,
     block_range_ptr,
     k_steps_split,
@@ -686,7 +677,6 @@ def moe_gemm_kernel(
     gate_stride, up_offset,
     alpha, limit,
     stride_um, stride_ubs, stride_ube, stride_ubn, stride_ubk, stride_up,
-    stride_pre, grad_gate_stride, grad_up_offset,
     A_FMT: tl.constexpr, A_SCALE: tl.constexpr, B_FMT: tl.constexpr, B_BLOCKED: tl.constexpr,
     B_TILE_SCALE: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, QUANT_OUT: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
@@ -696,8 +686,7 @@ def moe_gemm_kernel(
     ALIGN_RATIO: tl.constexpr, SCALE_FOLD: tl.constexpr, HALF_TAIL: tl.constexpr, PERSISTENT: tl.constexpr,
     B_GLOBAL: tl.constexpr, EXPERT_RANGE: tl.constexpr, B_SHUFFLED: tl.constexpr, DRAIN_MMA: tl.constexpr,
     UPDATE_K: tl.constexpr, UPDATE_PRECISION: tl.constexpr, UPDATE_STACK: tl.constexpr, UPDATE_PARTS: tl.constexpr,
-    UPDATE_WIDE: tl.constexpr, UPDATE_GROUP: tl.constexpr, ACT_GRAD: tl.constexpr, GRAD_ACT: tl.constexpr,
-    GRAD_GLU: tl.constexpr, PDL: tl.constexpr,
+    UPDATE_WIDE: tl.constexpr, UPDATE_GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
     """The grid over the tiles (``PERSISTENT``: 0 one program per tile, 1 persistent, 2 persistent with the
     tile loop flattened into the K-loop; :func:`default_grid`) around :func:`_gemm_tile`. The kernel's arguments are
@@ -710,18 +699,17 @@ def moe_gemm_kernel(
     pdl.wait_for_the_kernel_before(PDL)
     # the operands, sizes, strides and compile-time flags every tile reads, passed down as four tuples
     ops = (a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, b_global_ptr, bias_ptr, c_ptr, c_scale_ptr, weights_ptr,
-           sorted_ids_ptr, block_expert_ptr, u_ptr, ub_ptr, uid_ptr, pre_ptr)
+           sorted_ids_ptr, block_expert_ptr, u_ptr, ub_ptr, uid_ptr)
     sizes = (N, K, num_copies, rows_per_a, a_global, expert_first, update_width, update_scale, update_stack,
              update_parts)
     strides = (stride_am, stride_ak, stride_asm, stride_ask, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn,
                stride_bsk, stride_bze, stride_bzn, stride_bzk, stride_bias_e, stride_bias_n, stride_cm, stride_cn,
                stride_csm, stride_csg, gate_stride, up_offset, alpha, limit, stride_um, stride_ubs, stride_ube,
-               stride_ubn, stride_ubk, stride_up, stride_pre, grad_gate_stride, grad_up_offset)
+               stride_ubn, stride_ubk, stride_up)
     FLAGS: tl.constexpr = (A_FMT, A_SCALE, B_FMT, B_BLOCKED, B_TILE_SCALE, GROUP, HAS_ZEROS, QUANT_OUT, ACT, GLU,
                             HAS_BIAS, MUL_WEIGHTS, EVEN_K, PRECISION, SWAP, PTX, FP8_CVT, CVT_BY_FOUR, B_TMA, SPLIT,
                             PREFETCH, BLOCK_N, BLOCK_K, SCALE_FOLD, B_GLOBAL, EXPERT_RANGE, B_SHUFFLED, DRAIN_MMA,
-                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK, UPDATE_PARTS, UPDATE_WIDE, UPDATE_GROUP,
-                            ACT_GRAD, GRAD_ACT, GRAD_GLU)
+                            UPDATE_K, UPDATE_PRECISION, UPDATE_STACK, UPDATE_PARTS, UPDATE_WIDE, UPDATE_GROUP)
     num_padded = tl.load(num_padded_ptr)
     k_first = 0
     k_last = 0  # without SPLIT, _gemm_tile runs the whole K-loop
@@ -878,21 +866,6 @@ def _decode_first(a: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, sort
     return out
 
 
-class ActivationGrad(NamedTuple):
-    """A row gradient's epilogue for rows an activation made (``moe_gemm(activation_grad=...)``): the rows the GEMM
-    differentiates were ``activation(pre)``; the launch multiplies its product, their gradient, by the activation's
-    derivative at ``pre [copies, W]`` and writes the gradient of ``pre`` (``W`` columns: ``2 N`` for a gated
-    activation, gate and up ``interleaved`` or concatenated as the gate/up GEMM wrote them, else ``N``). ``act``,
-    ``alpha``, ``limit``: the codes of :mod:`moeforge.kernels.activations`."""
-
-    pre: torch.Tensor
-    act: int
-    glu: bool
-    interleaved: bool
-    alpha: float
-    limit: float
-
-
 def moe_gemm(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -933,7 +906,6 @@ def moe_gemm(
     update_weight: Optional[torch.Tensor] = None,
     update_scale: float = 1.0,
     update_ids: Optional[torch.Tensor] = None,
-    activation_grad: Optional[ActivationGrad] = None,
 ) -> torch.Tensor:
     """Launch the kernel: ``out[copy] = epilogue(rows[copy // rows_per_a] @ weight[expert].T)`` for every
     copy of ``sorted_ids`` (see the module docstring for the formats).
@@ -1006,12 +978,6 @@ def moe_gemm(
     K-steps on every tile, several adapters a step (:func:`wide_group`): the rows come weighed and zero outside each copy's own adapter's columns
     (:func:`moeforge.kernels.stack_wide.stack_wide`), ``update_scale`` 1. A stack has no backward (the adapters'
     serving path).
-    ``activation_grad`` (:class:`ActivationGrad`; a row gradient of float rows an activation made, the down
-    projection's in a training step): the epilogue is that activation's derivative at ``activation_grad.pre``
-    instead, and ``out`` is ``pre``'s gradient, ``[num_copies, W]`` (``W = 2 N`` gated, else ``N``; row ``copy``
-    for the copy's product, as ``pre``'s): the activation's own backward pass and the activated rows' gradient are
-    not needed. Float weights and rows, a plain product (no activation, bias, routing weights or FP8 output of its
-    own), one K-loop (no split), at most one low-rank update.
     """
     key = (launch_memo.tensor_key(a), launch_memo.tensor_key(weight), launch_memo.tensor_key(out), a.device,
            launch_memo.tensor_key(a_scale), launch_memo.tensor_key(weight_scale), launch_memo.tensor_key(weight_zero),
@@ -1021,8 +987,7 @@ def moe_gemm(
            int(weight_format), a_global, act, glu, interleaved, alpha, limit, swap, ptx, tma, grid, split_k,
            aligned_block_m, weight_scale_max, half_tail, decode_chunk, expert_first, weight_shuffled,
            launch_memo.tensor_key(update_rows), launch_memo.tensor_key(update_weight), update_scale,
-           launch_memo.tensor_key(update_ids),
-           None if activation_grad is None else (launch_memo.tensor_key(activation_grad.pre), *activation_grad[1:]))
+           launch_memo.tensor_key(update_ids))
     launch = _LAUNCHES.get(key)
     if launch is None:
         launch = _prepare(
@@ -1033,12 +998,11 @@ def moe_gemm(
             tma=tma, grid=grid, split_k=split_k, aligned_block_m=aligned_block_m, weight_scale_max=weight_scale_max,
             half_tail=half_tail, decode_chunk=decode_chunk, expert_first=expert_first, block_range=block_range,
             weight_shuffled=weight_shuffled, update_rows=update_rows, update_weight=update_weight,
-            update_scale=update_scale, update_ids=update_ids, activation_grad=activation_grad)
+            update_scale=update_scale, update_ids=update_ids)
         _LAUNCHES.put(key, launch)
     result: torch.Tensor = launch(a, weight, out, sorted_ids, block_expert, num_padded, a_scale, weight_scale,
                                   weight_zero, weight_global, bias, topk_weights, out_scale, block_range, update_rows,
-                                  update_weight, update_ids,
-                                  activation_grad.pre if activation_grad is not None else None)
+                                  update_weight, update_ids)
     return result
 
 
@@ -1087,7 +1051,6 @@ def _prepare(
     update_weight: Optional[torch.Tensor],
     update_scale: float,
     update_ids: Optional[torch.Tensor],
-    activation_grad: Optional[ActivationGrad],
 ) -> _Launch:
     """Check the operands and plan the launch of :func:`moe_gemm`: a :class:`_GemmLaunch` (or, for no rows or
     columns, :class:`_NoLaunch`; for 4-bit weights decoded first, :class:`_DecodeFirstLaunch`) that launches it
@@ -1149,13 +1112,6 @@ def _prepare(
             out.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         raise ValueError(f"out must be bf16/fp16/fp32, got {out.dtype}")
     num_copies, n_out = out.shape
-    if activation_grad is not None:
-        _check_activation_grad(activation_grad, weight_format, row_format, weight, out, act=act, glu=glu, bias=bias,
-                               topk_weights=topk_weights, out_scale=out_scale, update_ids=update_ids,
-                               split_k=split_k, block_range=block_range)
-        n_out = int(weight.shape[1])  # the product's columns; out holds the pre-activation rows' gradient
-        split_k = 1  # (one K-loop: the epilogue needs the whole product)
-        alpha, limit = activation_grad.alpha, activation_grad.limit  # (the launch's own activation is none)
     update_k, update_precision, update_stack, update_parts, update_wide = _update_launch(
         update_rows, update_weight, update_ids, update_scale, weight, num_copies)
     quant_out = out_scale is not None
@@ -1230,9 +1186,6 @@ def _prepare(
         UPDATE_K=update_k, UPDATE_PRECISION=update_precision, UPDATE_STACK=update_stack > 0 and not update_wide,
         UPDATE_PARTS=next_power_of_2(update_parts) if update_parts else 0,
         UPDATE_WIDE=update_wide, UPDATE_GROUP=update_group,
-        ACT_GRAD=activation_grad_parts(config) if activation_grad is not None else 0,
-        GRAD_ACT=activation_grad.act if activation_grad is not None else ACT_NONE,
-        GRAD_GLU=activation_grad is not None and activation_grad.glu,
         PDL=pdl.flag(dependent, release=False),
     ), dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(dependent)))
     sizes = (n_out, k_dim, num_copies, rows_per_a, float(a_global), expert_first,
@@ -1246,8 +1199,7 @@ def _prepare(
                gate_stride, up_offset,
                alpha, limit,
                update_rows.stride(-2) if update_rows is not None else 0,
-               *_stack_strides(update_weight), update_rows.stride(0) if update_rows is not None and update_parts else 0,
-               *_activation_grad_strides(activation_grad, n_out))
+               *_stack_strides(update_weight), update_rows.stride(0) if update_rows is not None and update_parts else 0)
     reduce = None
     if partials is not None:
         block_n = 128 if quant_out else max(16, min(128, 4096 // config.block_m, next_power_of_2(n_out)))
@@ -1334,50 +1286,6 @@ def _update_launch(update_rows: Optional[torch.Tensor], update_weight: Optional[
     return max(16, padded), precision, stack, parts, 0
 
 
-def activation_grad_parts(config: GemmConfig) -> int:
-    """In how many column ranges the epilogue of :class:`ActivationGrad` runs (the kernel's ``ACT_GRAD``): ranges of
-    at most 32 columns, at most 4, so that the derivative's temporaries fit in registers beside the accumulator
-    (``benchmarks/sass_loop.py --act-grad``: a 128 x 128 tile of 8 warps spills 1000 bytes in one range, 8 in four)."""
-    return max(1, min(4, config.block_n // 32))
-
-
-def _check_activation_grad(grad: ActivationGrad, weight_format: WeightFormat, row_format: RowFormat,
-                           weight: torch.Tensor, out: torch.Tensor, *, act: int, glu: bool,
-                           bias: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor],
-                           out_scale: Optional[torch.Tensor], update_ids: Optional[torch.Tensor],
-                           split_k: Optional[int], block_range: Optional[torch.Tensor]) -> None:
-    """What :func:`moe_gemm` with ``activation_grad`` needs (a ``ValueError`` naming what does not fit)."""
-    if weight_format is not WeightFormat.FLOAT or row_format is not RowFormat.FLOAT:
-        raise ValueError(f"activation_grad is a row gradient's epilogue on float rows and weights, got "
-                         f"{row_format.name} rows and {weight_format.name} weights")
-    if act != ACT_NONE or glu or bias is not None or topk_weights is not None or out_scale is not None:
-        raise ValueError("activation_grad is the launch's epilogue: no activation, gated weight rows, bias, routing "
-                         "weights or FP8 output of its own")
-    if update_ids is not None or block_range is not None or (split_k or 1) > 1:
-        raise ValueError("activation_grad runs one K-loop over all the blocks (no split, no block range) with at "
-                         "most one low-rank update (no stack)")
-    if not 0 <= grad.act <= ACT_SOFTCAPPED_SILU or (grad.act in GATED_ONLY and not grad.glu):
-        raise ValueError(f"activation_grad: activation code {grad.act} (glu={grad.glu}) is not one the kernels know "
-                         "(moeforge.kernels.activations)")
-    width = int(weight.shape[1]) * (2 if grad.glu else 1)
-    pre = grad.pre
-    if pre.dim() != 2 or tuple(pre.shape) != (out.shape[0], width) or tuple(out.shape) != (out.shape[0], width):
-        raise ValueError(f"activation_grad: pre and out must be [copies, {width}] (the weight's {weight.shape[1]} "
-                         f"rows{', gated' if grad.glu else ''}), got pre {tuple(pre.shape)} and out "
-                         f"{tuple(out.shape)}")
-    if pre.dtype not in (torch.bfloat16, torch.float16, torch.float32) or (pre.shape[1] > 1 and pre.stride(1) != 1):
-        raise ValueError(f"activation_grad: pre must be float rows with contiguous columns, got {pre.dtype} with "
-                         f"strides {pre.stride()}")
-
-
-def _activation_grad_strides(grad: Optional[ActivationGrad], n_out: int) -> tuple[int, int, int]:
-    """The kernel's ``stride_pre, grad_gate_stride, grad_up_offset`` (zeros without an activation gradient)."""
-    if grad is None:
-        return 0, 0, 0
-    gate_stride, up_offset = glu_strides(grad.glu, grad.interleaved, n_out)
-    return grad.pre.stride(0), gate_stride, up_offset
-
-
 def wide_group(padded: int, stack: int, grid: str) -> int:
     """How many adapters of a stack's update in every adapter's columns (``stack`` adapters, each ``padded``
     columns: the rank to a power of two) one K-step covers (UPDATE_GROUP): as many as fit in
@@ -1417,8 +1325,7 @@ class _GemmLaunch:
                  weight_global: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], out_scale: Optional[torch.Tensor],
                  block_range: Optional[torch.Tensor], update_rows: Optional[torch.Tensor],
-                 update_weight: Optional[torch.Tensor], update_ids: Optional[torch.Tensor],
-                 pre: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 update_weight: Optional[torch.Tensor], update_ids: Optional[torch.Tensor]) -> torch.Tensor:
         dummy = weight  # a pointer for absent operands (never read: their constexpr flag is off)
         # e4m3 scales are read as bytes and decoded in the kernel (see _e4m3).
         if self.a_scale_bytes:
@@ -1438,7 +1345,7 @@ class _GemmLaunch:
             topk_weights if topk_weights is not None else dummy,
             sorted_ids, block_expert, num_padded, partials if partials is not None else dummy,
             update_rows if update_rows is not None else dummy, update_weight if update_weight is not None else dummy,
-            update_ids if update_ids is not None else dummy, pre if pre is not None else dummy, *self.sizes,
+            update_ids if update_ids is not None else dummy, *self.sizes,
             block_range if block_range is not None else num_padded, *self.strides)
         if self.reduce is not None:
             assert partials is not None
@@ -1473,7 +1380,7 @@ class _DecodeFirstLaunch:
                  topk_weights: Optional[torch.Tensor], out_scale: Optional[torch.Tensor],
                  block_range: Optional[torch.Tensor], update_rows: Optional[torch.Tensor] = None,
                  update_weight: Optional[torch.Tensor] = None,
-                 update_ids: Optional[torch.Tensor] = None, pre: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 update_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return _decode_first(a, weight, out, sorted_ids, block_expert, num_padded, weight_scale=weight_scale,
                              weight_zero=weight_zero, weight_global=weight_global, bias=bias, **self.plan,
                              options=dict(self.options, a_scale=a_scale, topk_weights=topk_weights))

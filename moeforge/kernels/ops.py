@@ -125,11 +125,9 @@ def _(a: torch.Tensor, a_scale: Optional[torch.Tensor], weight: torch.Tensor, we
       fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255, weight_shuffled: bool = False,
       update_rows: Optional[torch.Tensor] = None, update_weight: Optional[torch.Tensor] = None,
       update_scale: float = 1.0, update_ids: Optional[torch.Tensor] = None, slot_copies: int = 0,
-      slot_runs: Optional[torch.Tensor] = None, update_source: Optional[torch.Tensor] = None,
-      rows_pre: Optional[torch.Tensor] = None, rows_activation: Optional[list[float]] = None,
-      grad_pre: Optional[torch.Tensor] = None, grad_activation: Optional[list[float]] = None
+      slot_runs: Optional[torch.Tensor] = None, update_source: Optional[torch.Tensor] = None
       ) -> tuple[torch.Tensor, torch.Tensor]:
-    return grouped_gemm_call.outputs(a, weight, num_copies, glu, out_dtype, fp8_out, grad_pre)
+    return grouped_gemm_call.outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
 
 
 def _quantized_shapes(x: torch.Tensor, per_group: bool, glu: bool) -> tuple[int, int, int]:

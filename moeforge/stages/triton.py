@@ -20,11 +20,10 @@ import torch
 
 from moeforge.errors import BackendUnavailableError, InputError
 from moeforge.kernels.config import ConfigTable, GemmConfig
-from moeforge.kernels.grouped_gemm_call import (ActivatedFrom, GemmEpilogue, GemmRows, GemmUpdate, GemmWeight,
+from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRows, GemmUpdate, GemmWeight,
                                                 grouped_gemm)
 from moeforge.no_backward import records_grad
-from moeforge.payloads import (ActivationRecord, Activations, AlignedRows, BlockAlignment, MoEInput, Plan,
-                               RoutedTokens, TopKOutput)
+from moeforge.payloads import Activations, AlignedRows, BlockAlignment, MoEInput, Plan, RoutedTokens, TopKOutput
 from moeforge.spec import (
     Accepts,
     DType,
@@ -316,27 +315,18 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
 
     def activate(self, rows: AlignedRows) -> AlignedRows:
         """The activation of :meth:`pre_activation`'s rows as its own op (``moeforge::activate_rows``, which keeps
-        the pre-activation rows for its backward); the rows themselves without an activation. The result says what
-        it is the activation of (:class:`ActivationRecord`), so that a down GEMM reading exactly these rows takes the
-        activation's derivative in its row gradient (not under ``torch.compile``, whose graph keeps the ops apart)."""
+        the pre-activation rows for its backward); the rows themselves without an activation."""
         if self._act[0] == 0:
             return rows
-        pre = rows.x.data
-        activated = kernel_ops().activate_rows(pre, *self._act)
-        record = None if torch.compiler.is_compiling() else ActivationRecord(
-            activated, activated._version, ActivatedFrom(pre, *self._act))
-        return dataclasses.replace(rows, x=Activations(activated), activation=record)
+        return dataclasses.replace(rows, x=Activations(kernel_ops().activate_rows(rows.x.data, *self._act)))
 
     def _launch(self, x: AlignedRows, gemm: GemmConfig, act_args: tuple[int, bool, bool, float, float],
                 weight: torch.Tensor, bias: Optional[torch.Tensor], update: Optional[GemmUpdate] = None
                 ) -> AlignedRows:
         alignment = x.alignment
         act, glu, interleaved, alpha, limit = act_args
-        # rows an activation op returned, unchanged since: this GEMM's backward differentiates through it
-        activated = (x.activation.source if x.activation is not None and x.copy_major
-                     and x.activation.describes(x.x.data) else None)
         out, _ = grouped_gemm(
-            GemmRows(x.x.data, rows_per_a=1 if x.copy_major else alignment.copies_per_row, activated_from=activated),
+            GemmRows(x.x.data, rows_per_a=1 if x.copy_major else alignment.copies_per_row),
             GemmWeight(weight),
             alignment.route(),
             GemmEpilogue(x.x.data.dtype, bias=bias,
@@ -344,7 +334,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
                          interleaved=interleaved, alpha=alpha, limit=limit),
             gemm, update,
         )
-        return dataclasses.replace(x, x=Activations(out), copy_major=True, activation=None)
+        return dataclasses.replace(x, x=Activations(out), copy_major=True)
 
 
 _NO_ACTIVATION = (0, False, False, 1.0, 0.0)  # activation_args(None)
