@@ -405,7 +405,8 @@ def main() -> None:
     peak, read_bw = measure_peak()
     sustained = measure_sustained_peak()
     device = torch.cuda.get_device_name()
-    print(f"{device}: bf16 matmul {peak:.0f} TFLOP/s ({sustained:.0f} sustained over ~65 ms), HBM read {read_bw:.2f} TB/s")
+    print(f"{device}: bf16 matmul {peak:.0f} TFLOP/s ({sustained:.0f} sustained over ~65 ms), "
+          f"HBM read {read_bw:.2f} TB/s")
     records = []
     for name in args.shapes.split(","):
         experts, top_k, hidden, inter = SHAPES[name]
@@ -459,7 +460,8 @@ def main() -> None:
                     record.update(eager_us=round(eager, 2), eager_over_graph=round(eager / us, 2))
                 records.append(record)
                 print(f"{name:9s} M={tokens:6d} {what:17s} {us:10.1f} us {flops / (us * 1e-6) / 1e12:6.1f} TFLOP/s "
-                      f"({record['pct_peak']:4.1f}% of peak, {record['pct_sustained_peak']:4.1f}% sustained) peak memory {record['peak_mib'] / 2**10:6.2f} GiB"
+                      f"({record['pct_peak']:4.1f}% of peak, {record['pct_sustained_peak']:4.1f}% sustained) "
+                      f"peak memory {record['peak_mib'] / 2**10:6.2f} GiB"
                       f" (first call {record['first_call_peak_mib'] / 2**10:.2f})"
                       f"{'' if record['deterministic'] else ', gradients differ between two runs'}"
                       f"{'' if eager is None else f', eager {eager:.1f} us ({eager / us:.2f}x)'}", flush=True)
