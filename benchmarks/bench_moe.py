@@ -145,20 +145,12 @@ def measure_sustained_peak(products: int = 40, warm_seconds: float = 1.0) -> flo
         for _ in range(products):
             torch.mm(a, b, out=out)
 
-    graph = _graph(run)
+    warm = _graph(run)
     end = time.perf_counter() + warm_seconds
     while time.perf_counter() < end:
-        graph.replay()
+        warm.replay()
         torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return products * 2 * n**3 / (statistics.median(times) * 1e-6) / 1e12
+    return products * 2 * n**3 / (time_graph(run, 5, None) * 1e-6) / 1e12
 
 
 def roofline_us(shape: tuple[int, int, int, int], tokens: int, ids: torch.Tensor, peak: float,

@@ -24,9 +24,9 @@ written), which ``-- @unfinished.txt`` runs next time, and ``gpu_suite.json``: t
 (:func:`merge`: the form of ``benchmarks/results``' ``gpu_suite*.json``, less the device, commit and note) — the one
 file to bring back from a machine that returns few files. pytest runs with ``--rootdir`` at this file's repository,
 so that a copy of the tree inside another project (an A/B tree) collects and runs node ids of its own. With
-``--gpus N`` shard K sees only GPU K mod N (``CUDA_VISIBLE_DEVICES``), so the shards of a machine with several GPUs spread over them; tests that need
-several GPUs then skip, and run in a call of their own. The exit status is 0 when no test failed or went
-unrun in the shards run.
+``--gpus N`` shard K sees only GPU K mod N (``CUDA_VISIBLE_DEVICES``), so the shards of a machine with several GPUs
+spread over them; tests that need several GPUs then skip, and run in a call of their own. The exit status is 0 when
+no test failed or went unrun in the shards run.
 
 Passing ``-p gpu_shards`` to pytest (with ``tests`` on ``PYTHONPATH``) loads this file as the plugin
 that writes the per-test lines to ``$GPU_SHARDS_LOG``.
