@@ -130,12 +130,11 @@ def measure_peak() -> tuple[float, float]:
 
 
 def measure_sustained_peak(products: int = 40, warm_seconds: float = 1.0) -> float:
-    """bf16 matmul TFLOP/s of ``products`` 8192^3 products back to back in one graph (about 65 ms on an H200, as long
-    as a large training step), replayed after ``warm_seconds`` of the same load. :func:`measure_peak` times single
-    products at the start of a run, bursts the card runs at its top clock; under a load of tens of milliseconds a
-    card with a power limit lowers its clock (an H200 at its 700 W: ~1450 MHz against 1980, 660 against 790-810
-    TFLOP/s: docs/kernels.md, "Clocks under a step"). Both ceilings go into a training run's results: a long step is
-    compared with the dense products it could have run in its time and power."""
+    """bf16 matmul TFLOP/s of ``products`` 8192^3 products back to back in one graph (tens of milliseconds, as long as
+    a large training step), timed after ``warm_seconds`` of the same load. :func:`measure_peak` times single products
+    at the start of a run, bursts a card runs at its top clock; under a long load a card with a power limit lowers its
+    clock (measured in docs/kernels.md, "Clocks under a step"). Both ceilings go into a training run's results: a long
+    step is compared with the dense products it could have run in its time and power."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
