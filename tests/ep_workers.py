@@ -328,9 +328,15 @@ def triton_experts_match(rank: int, world: int) -> dict[str, float]:
 
     errors = {}
     hidden = 128
+    on_input = mf.RoutingConfig(scoring=mf.Scoring.SIGMOID, order=mf.ScoreOrder.SELECT_THEN_SCORE, renormalize=False,
+                                apply_weights=mf.RoutingWeights.ON_INPUT)  # Llama-4's: each copy's row scaled
     for name, make in (("fp16", lambda: None),
-                       ("fp8 block/group", lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group"))):
+                       ("fp8 block/group", lambda: mf.Fp8W8A8Method(weight_scales="block", activation_scales="group")),
+                       ("fp16 weights on input", lambda: None)):
         kwargs = {**BASE, "hidden_size": hidden, "intermediate_size": 128, "dtype": torch.float16}
+        weights_on_input = name.endswith("on input")
+        if weights_on_input:
+            kwargs["routing"] = on_input
         torch.manual_seed(0)
         whole = mf.MoELayer(**kwargs, quant=make(), backend="torch", environ={})
         ep = ExpertParallel(E)
@@ -338,15 +344,16 @@ def triton_experts_match(rank: int, world: int) -> dict[str, float]:
         parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
         parallel.process_weights_after_loading()
         table = ConfigTable(E, 2)
-        for kind, dispatch in (("all_to_all", AllToAllDispatch(ep, configs=table)),
-                               ("low_latency", LowLatencyDispatch(ep, max_tokens=8, configs=table))):
+        for kind, dispatch in (("all_to_all", AllToAllDispatch(ep, apply_routing_weights=weights_on_input, configs=table)),
+                               ("low_latency", LowLatencyDispatch(ep, max_tokens=8, configs=table,
+                                                                  apply_routing_weights=weights_on_input))):
             stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, 2, parallel.routing)]
             decision = parallel.dispatch_decision.dtype
             quantize = parallel.quant.quantize_stage(decision, mf.DType.FP16)
             if isinstance(quantize, mf.QuantizeTokens):
                 stages.append(TritonQuantizeTokens(quantize.quantizer))
             stages.append(dispatch)
-            if name == "fp16":
+            if name.startswith("fp16"):
                 stages += [FusedGroupedGemm(mf.GemmRole.GATE_UP, mf.ParamRef(parallel, "w13_weight"), table, None,
                                             mf.ActivationConfig()),
                            FusedGroupedGemm(mf.GemmRole.DOWN, mf.ParamRef(parallel, "w2_weight"), table)]
@@ -354,13 +361,13 @@ def triton_experts_match(rank: int, world: int) -> dict[str, float]:
                 stages += selected_stages(parallel.quant, parallel, activation=parallel.activation,
                                           routing_weights_in_epilogue=False, backend=mf.Backend.TRITON,
                                           configs=table, dispatch=decision)
-            stages.append(dispatch.combine_stage(out_dtype=mf.DType.FP16))
+            stages.append(dispatch.combine_stage(apply_routing_weights=not weights_on_input, out_dtype=mf.DType.FP16))
             pipeline = mf.Pipeline(stages, mf.input_spec(hidden, torch.float16, E), debug=True)
             assert "block-aligned" in pipeline.describe()
             x = _tokens(rank, dtype=torch.float16, hidden=hidden, count=5 + rank)  # tokens on every rank
             with torch.no_grad():
                 got = pipeline(mf.MoEInput(x, whole.router_logits(x))).hidden_states
-                errors[f"{name}/{kind}"] = _close(got, whole(x), name, tol=1e-2 if name == "fp16" else 3e-2)
+                errors[f"{name}/{kind}"] = _close(got, whole(x), name, tol=1e-2 if name.startswith("fp16") else 3e-2)
     return errors
 
 

@@ -175,7 +175,6 @@ ASKED_TORCH = "backend='torch' was asked for"
 ASKED_TRITON = "backend='triton' was asked for"
 NO_EP = "it exchanges rows between expert-parallel ranks: build the layer with expert_parallel="
 LOCAL_ONLY = "it does not exchange rows between expert-parallel ranks"
-ON_INPUT = "the triton path cannot apply routing weights on the input yet (RoutingWeights.ON_INPUT)"
 OWN_STAGES = "the quant method builds its own expert stages (it overrides expert_stages)"
 BATCH_INVARIANT = "batch_invariant=True runs on the triton backend"
 
@@ -328,12 +327,12 @@ ROWS = [
     row("cpu-sparsemixer", L(routing="sparsemixer"),  # a router skipped off CUDA is no news
         "TorchRouter SortedDispatcher TorchUnquantizedExperts expert_sorted torch",
         f"TritonUnquantizedExperts: {ON_CPU}"),
-    row("cuda-weights-on-input", L(device=CUDA, routing="on_input"),
-        "TritonRouter SortedDispatcher TorchUnquantizedExperts expert_sorted torch",
-        f"TritonUnquantizedExperts: no dispatcher delivers its rows: AllToAllDispatcher: {NO_EP}"),
+    row("cuda-weights-on-input", L(device=CUDA, routing="on_input"),  # the dispatch scales each copy's row
+        "TritonRouter AlignedDispatcher TritonUnquantizedExperts block_aligned triton"),
     row("cuda-weights-on-input-fp8", L("fp8", CUDA, routing="on_input"),  # float rows on the wire (rule 6)
-        "TritonRouter SortedDispatcher TorchW8A8Experts expert_sorted torch",
-        f"TritonW8A8Experts: AlignedDispatcher: {ON_INPUT}"),
+        "TritonRouter AlignedDispatcher TritonW8A8Experts block_aligned triton"),
+    row("cuda-backend-triton-weights-on-input", L(device=CUDA, backend="triton", routing="on_input"),
+        "TritonRouter AlignedDispatcher TritonUnquantizedExperts block_aligned triton"),
     row("cuda-weights-in-epilogue", L(device=CUDA, routing="epilogue"),
         "TritonRouter AlignedDispatcher TritonUnquantizedExperts block_aligned triton"),
     # dispatcher= keywords
@@ -384,11 +383,8 @@ ROWS = [
     row("cuda-ep-backend-torch", L(device=CUDA, ep=True, backend="torch"),
         "TorchRouter AllToAllDispatcher TorchUnquantizedExperts expert_sorted torch",
         f"TritonRouter: {ASKED_TORCH}", f"TritonUnquantizedExperts: {ASKED_TORCH}"),
-    row("cuda-ep-weights-on-input", L(device=CUDA, ep=True, routing="on_input"),
-        "TritonRouter AllToAllDispatcher TorchUnquantizedExperts expert_sorted torch",
-        f"TritonUnquantizedExperts: no dispatcher delivers its rows: AllToAllDispatcher: {ON_INPUT}: use "
-        f"backend='torch' (TritonUnquantizedExperts reads block_aligned rows); AlignedDispatcher: {LOCAL_ONLY}; "
-        f"SortedDispatcher: {LOCAL_ONLY}"),
+    row("cuda-ep-weights-on-input", L(device=CUDA, ep=True, routing="on_input"),  # scaled before they are sent
+        "TritonRouter AllToAllDispatcher TritonUnquantizedExperts block_aligned triton"),
     row("cuda-ep-fused-ep", L("w4a4-npu", CUDA, ep=True, dispatcher="fused_ep"),
         "TritonRouter FusedEpDispatcher - - torch"),
     row("cuda-ep-given-low-latency", L(device=CUDA, ep=True, dispatcher="given:low_latency"),
@@ -422,9 +418,6 @@ ERRORS = [
           f"TritonRouter: {FP64}", f"TritonUnquantizedExperts: {FP64}", f"TorchUnquantizedExperts: {ASKED_TRITON}"),
     error("cuda-w4a4-npu-backend-triton", L("w4a4-npu", CUDA, backend="triton"),
           "W4A4NpuMethod, backend=triton, dispatcher='auto' on cuda", f"W4A4NpuExperts: {ASKED_TRITON}"),
-    error("cuda-backend-triton-weights-on-input", L(device=CUDA, backend="triton", routing="on_input"),
-          "UnquantizedMethod, backend=triton, dispatcher='auto' on cuda",
-          f"TritonUnquantizedExperts: AlignedDispatcher: {ON_INPUT}", f"TorchUnquantizedExperts: {ASKED_TRITON}"),
     error("cuda-batch-invariant-wire-fp16", L("nvfp4", CUDA, wire="fp16", backend="triton", batch_invariant=True),
           f"Nvfp4Method, backend=triton ({BATCH_INVARIANT}), dispatcher='auto' on cuda",
           "TritonNvfp4Experts: its GEMMs read bf16 rows (the layer's dtype), not fp16",

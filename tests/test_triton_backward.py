@@ -47,11 +47,12 @@ def _pipeline(experts: int, k: int, hidden: int, tensors: dict[str, torch.Tensor
               slot_rows: Optional[bool] = None) -> mf.Pipeline:  # type: ignore[type-arg]
     table = ConfigTable(experts, k)
     epilogue = routing.apply_weights is mf.RoutingWeights.IN_GEMM_EPILOGUE
+    on_input = routing.apply_weights is mf.RoutingWeights.ON_INPUT
     return mf.Pipeline([
-        TritonTopK(experts, k, routing), AlignDispatch(experts, table, slot_rows),
+        TritonTopK(experts, k, routing), AlignDispatch(experts, table, slot_rows, apply_routing_weights=on_input),
         FusedGroupedGemm(mf.GemmRole.GATE_UP, tensors["w13"], table, tensors["b13"], act),
         FusedGroupedGemm(mf.GemmRole.DOWN, tensors["w2"], table, tensors["b2"], apply_routing_weights=epilogue),
-        Combine(apply_routing_weights=not epilogue,
+        Combine(apply_routing_weights=not (epilogue or on_input),
                 routed_scaling_factor=None if routing.scaling_in_weights or routing.routed_scaling_factor == 1.0
                 else routing.routed_scaling_factor),
     ], mf.input_spec(hidden, dtype, experts))
@@ -61,13 +62,16 @@ def _reference(x: torch.Tensor, logits: torch.Tensor, k: int, t: dict[str, torch
                routing: mf.RoutingConfig) -> torch.Tensor:
     """float64, one token and expert at a time."""
     topk = select_experts(logits.double(), k, routing)
+    on_input = routing.apply_weights is mf.RoutingWeights.ON_INPUT
     out = []
     for token in range(x.shape[0]):
         row = x.new_zeros(x.shape[1], dtype=torch.float64)
         for j in range(k):
-            e = int(topk.ids[token, j])
-            h = apply_activation(x[token].double() @ t["w13"][e].double().T + t["b13"][e].double(), act)
-            row = row + topk.weights[token, j].double() * (h @ t["w2"][e].double().T + t["b2"][e].double())
+            e, weight = int(topk.ids[token, j]), topk.weights[token, j].double()
+            rows = x[token].double() * weight if on_input else x[token].double()
+            h = apply_activation(rows @ t["w13"][e].double().T + t["b13"][e].double(), act)
+            y = h @ t["w2"][e].double().T + t["b2"][e].double()
+            row = row + (y if on_input else weight * y)
         out.append(row)
     return torch.stack(out) if out else x.new_zeros(0, x.shape[1], dtype=torch.float64)
 
@@ -116,6 +120,17 @@ def test_gradients_of_every_activation_and_routing_weight_placement(act: str, we
     place = mf.RoutingWeights.IN_GEMM_EPILOGUE if weights_at == "epilogue" else mf.RoutingWeights.IN_COMBINE
     _check_gradients(9, 4, 2, ACTIVATIONS[act], mf.RoutingConfig(apply_weights=place), torch.float32, 1e-5,
                      slot_rows=LAYOUTS[layout])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("k", [1, 3])
+def test_gradients_with_the_routing_weights_on_the_input(k: int, layout: str) -> None:
+    # Llama-4's placement: each copy's row is its token's row times the copy's weight before the gate/up GEMM; the
+    # combine sums the copies unweighted. The weights' gradient comes through the scaled rows (both layouts).
+    routing = mf.RoutingConfig(scoring=mf.Scoring.SIGMOID, order=mf.ScoreOrder.SELECT_THEN_SCORE, renormalize=False,
+                               apply_weights=mf.RoutingWeights.ON_INPUT)
+    _check_gradients(9, 4, k, ACTIVATIONS["swiglu"], routing, torch.float32, 1e-5, slot_rows=LAYOUTS[layout])
+    _check_gradients(1, 3, 3, ACTIVATIONS["gpt-oss"], routing, torch.float32, 1e-5, slot_rows=LAYOUTS[layout])
 
 
 @pytest.mark.parametrize("routing, layout", [(routing, "copy order") for routing in sorted(ROUTINGS)]

@@ -130,13 +130,25 @@ def test_a_torch_layout_dispatcher_runs_torch_experts_and_is_a_clear_error_on_th
         _layer(dispatcher=dispatcher, backend="triton")
 
 
-def test_auto_backend_runs_weights_on_input_on_torch() -> None:
+def test_weights_on_the_input_run_and_train_on_the_triton_path() -> None:
+    # Llama-4's placement: the block-aligned dispatch scales each copy's row (rows in copy order; a training step's
+    # rows in slot order at 4096 tokens), the combine sums unweighted; every gradient as the torch layer's.
     routing = mf.RoutingConfig(order=mf.ScoreOrder.SELECT_THEN_SCORE, scoring=mf.Scoring.SIGMOID,
                                renormalize=False, apply_weights=mf.RoutingWeights.ON_INPUT)
-    layer = _layer(top_k=1, routing=routing)
-    assert layer.backend is mf.Backend.TORCH and "cannot apply routing weights on the input" in layer.describe()
-    with pytest.raises(mf.InputError, match="ON_INPUT"):
-        _layer(top_k=1, routing=routing, backend="triton")
-    x = torch.randn(9, 200, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        assert _rel(layer(x), layer_reference(layer, x)) < TOL[torch.bfloat16]
+    for top_k, tokens in ((1, 9), (2, 4096)):
+        layer = _layer(top_k=top_k, routing=routing)
+        assert layer.backend is mf.Backend.TRITON and "weights on input" in layer.describe()
+        torch_layer = _layer(top_k=top_k, routing=routing, backend="torch")
+        torch_layer.load_state_dict(layer.state_dict())
+        x = torch.randn(tokens, 200, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert _rel(layer(x), layer_reference(layer, x)) < TOL[torch.bfloat16]
+        grad = torch.randn_like(x)
+        for name, got, want in zip(["x", *dict(layer.named_parameters())], _grads(layer, x, grad),
+                                   _grads(torch_layer, x, grad)):
+            assert _rel(got, want.double()) < 2 * TOL[torch.bfloat16], name
+
+
+def _grads(layer: mf.MoELayer, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    rows = x.clone().requires_grad_()
+    return list(torch.autograd.grad(layer(rows), [rows, *layer.parameters()], grad))

@@ -1,9 +1,11 @@
-"""The Triton routing path for the DeepSeek-V3 and PhiMoE families.
+"""The Triton routing path for the DeepSeek-V3, PhiMoE and Llama-4 families.
 
 * ``RoutingConfig.group_mask_value`` (what the dropped groups are masked with: ``-inf``, or ``0.0`` as
   in older ``transformers``) is computed by the routing kernel, not ignored;
 * the sparsemixer routing (PhiMoE) is not in the kernel: ``TritonTopK`` refuses it, and a triton-backend
-  ``MoELayer`` routes it with the torch ``TopK`` stage.
+  ``MoELayer`` routes it with the torch ``TopK`` stage;
+* Llama-4's routing weights scale the experts' input (``RoutingWeights.ON_INPUT``): the block-aligned dispatch
+  scales each copy's row, so the layer runs on the triton path, trains there, and quantizes after the dispatch.
 
 Without a GPU the kernels run in Triton's interpreter (``tests/conftest.py``) at tiny shapes in fp32.
 """
@@ -22,7 +24,7 @@ from moeforge.roles import LayerConfig  # noqa: E402
 from moeforge.kernels import topk  # noqa: E402
 from moeforge.reference import layer_reference  # noqa: E402
 from moeforge.stages import select_experts  # noqa: E402
-from moeforge.stages.triton import TritonTopK  # noqa: E402
+from moeforge.stages.triton import AlignDispatch, TritonTopK  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -170,3 +172,68 @@ def test_triton_layer_deepseek_with_the_fill(fill: float) -> None:
         dense = layer_reference(layer, x)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
     assert float((out.double() - dense).norm() / dense.norm()) < 1e-5
+
+
+def _llama4(seed: int, **kwargs: Any) -> tuple[mf.MoELayer, mf.MoELayer]:
+    return _triton_layer(seed, family="llama4", num_experts=8, hidden_size=32, intermediate_size=16, **kwargs)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("tokens", [0, 1, 21])
+def test_triton_layer_llama4_scales_the_input_and_trains_as_the_torch_layer(tokens: int, top_k: int) -> None:
+    layer, reference = _llama4(2, top_k=top_k)
+    dispatch = layer.pipeline.stages[1]
+    assert isinstance(dispatch, AlignDispatch) and dispatch.apply_routing_weights
+    assert "weights on input" in layer.describe() and "Combine(unweighted" in layer.describe()
+    x = torch.randn(tokens, 32, device=DEVICE)
+    with torch.no_grad():
+        out, ref = layer(x), reference(x)
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+    if tokens:
+        assert float((out.double() - layer_reference(layer, x)).norm() / ref.double().norm()) < 1e-5
+    grad = torch.randn(tokens, 32, device=DEVICE)
+
+    def gradients(model: mf.MoELayer) -> list[Optional[torch.Tensor]]:
+        rows = x.clone().requires_grad_()
+        return list(torch.autograd.grad(model(rows), [rows, *model.parameters()], grad, allow_unused=True))
+
+    for name, got, want in zip(["x", *dict(layer.named_parameters())], gradients(layer), gradients(reference)):
+        if want is None or not want.any():
+            assert got is None or not got.any(), name
+        else:
+            assert got is not None and torch.allclose(got, want, atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("method", [mf.Fp8W8A8Method, lambda: mf.W4A16Method(group_size=32)],
+                         ids=["fp8", "w4a16"])
+def test_triton_layer_llama4_quantizes_after_scaling_the_rows(method: Any) -> None:
+    torch.manual_seed(3)
+    options: dict[str, Any] = dict(family="llama4", num_experts=8, top_k=1, hidden_size=64, intermediate_size=32,
+                                   dtype=torch.float32, environ={}, device=DEVICE)
+    reference = mf.MoELayer.from_preset(backend="torch", quant=method(), **options)
+    with torch.no_grad():
+        for param in reference.parameters():
+            if param.dtype == torch.float32:
+                param.normal_(std=0.3)
+    with pytest.MonkeyPatch.context() as patch:
+        if not CUDA:
+            patch.setattr(LayerConfig, "triton_problem", lambda self: None)
+        layer = mf.MoELayer.from_preset(backend="triton" if CUDA else "auto", quant=method(), **options)
+    assert layer.backend is mf.Backend.TRITON
+    layer.load_state_dict(reference.state_dict())
+    assert layer.dispatch_decision.dtype.value == "fp32"  # float rows on the wire: the weights scale them first
+    x = torch.randn(13, 64, device=DEVICE)
+    with torch.no_grad():
+        out, ref = layer(x), reference(x)
+    assert float((out - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_a_dispatch_scaling_the_input_refuses_quantized_tokens() -> None:
+    from moeforge.kernels.config import ConfigTable
+
+    table = ConfigTable(4, 1)
+    routing = mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT)
+    quantize = mf.QuantizeTokens(mf.PerTokenQuantizer())
+    with pytest.raises(mf.ContractError, match="quantize after the dispatch"):
+        mf.Pipeline([mf.TopK(4, 1, routing), quantize, AlignDispatch(4, table, apply_routing_weights=True)],
+                    mf.input_spec(32, torch.float32, 4))

@@ -43,9 +43,7 @@ class AlignedDispatcher(_Local):
 
     @classmethod
     def supports(cls, config: LayerConfig) -> Optional[str]:
-        return super().supports(config) or config.triton_problem() or (
-            "the triton path cannot apply routing weights on the input yet (RoutingWeights.ON_INPUT): use "
-            "backend='torch'" if config.weights_on_input else None)
+        return super().supports(config) or config.triton_problem()
 
     @classmethod
     def stages(cls, layer: torch.nn.Module, config: LayerConfig, layout: Layout, configs: Optional[ConfigTable]
@@ -53,7 +51,8 @@ class AlignedDispatcher(_Local):
         from moeforge.stages.triton import AlignDispatch
 
         assert configs is not None, "block-aligned rows are aligned by the experts' launch table"
-        return AlignDispatch(config.num_experts, configs), combine_for(config)
+        return (AlignDispatch(config.num_experts, configs, apply_routing_weights=config.weights_on_input),
+                combine_for(config))
 
 
 class _TorchLocal(_Local):
@@ -100,12 +99,6 @@ class AllToAllDispatcher(Dispatcher):
             return "it exchanges rows between expert-parallel ranks: build the layer with expert_parallel=..."
         return None
 
-    @classmethod
-    def layout_problem(cls, config: LayerConfig, layout: Layout) -> Optional[str]:
-        if layout is Layout.BLOCK_ALIGNED and config.weights_on_input:
-            return ("the triton path cannot apply routing weights on the input yet (RoutingWeights.ON_INPUT): "
-                    "use backend='torch'")
-        return super().layout_problem(config, layout)
 
     @classmethod
     def stages(cls, layer: torch.nn.Module, config: LayerConfig, layout: Layout, configs: Optional[ConfigTable]
@@ -173,9 +166,6 @@ class GivenDispatcher(Dispatcher):
     def layout_problem(cls, config: LayerConfig, layout: Layout) -> Optional[str]:
         delivered = cls._layout(config)
         if layout is Layout.BLOCK_ALIGNED and cls._aligns(config):
-            if config.weights_on_input:
-                return ("the triton path cannot apply routing weights on the input yet (RoutingWeights.ON_INPUT): "
-                        "use backend='torch'")
             return None
         if layout is not delivered:
             return f"{cls._stage(config).name} delivers {delivered.value} rows"

@@ -104,7 +104,9 @@ def _rows_of(x: Activations, rows: torch.Tensor) -> Activations:
     return Activations(x.data[rows], scale)
 
 
-def _scale_rows(data: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def scale_rows(data: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``data [..., W]`` times ``weights [...]`` (routing weights on the input), multiplied in the accumulation
+    dtype and rounded once to ``data``'s dtype — every dispatch that applies the weights on the input rounds so."""
     return (data.to(accumulation_dtype(data.dtype)) * weights.unsqueeze(-1)).to(data.dtype)
 
 
@@ -172,7 +174,7 @@ class SortedDispatch(_Dispatch, Stage[RoutedTokens, SortedRows]):
         token_rows[order] = torch.arange(order.numel(), device=order.device)
         rows = _rows_of(x.x, row_token)
         if self.apply_routing_weights:
-            rows = Activations(_scale_rows(rows.data, row_weight))
+            rows = Activations(scale_rows(rows.data, row_weight))
         group_list = counts if self.group_list_type is GroupListType.COUNT else counts.cumsum(0)
         plan = SortedPlan(token_rows=token_rows.view(tokens, k), copy_weights=topk.weights)
         adapter_ids = x.adapter_ids[row_token] if x.adapter_ids is not None else None
@@ -236,7 +238,7 @@ class PaddedDispatch(_Dispatch, Stage[RoutedTokens, PaddedRows]):
         source = _rows_of(x.x, torch.div(order, k, rounding_mode="floor"))
         data = source.data
         if self.apply_routing_weights:
-            data = _scale_rows(data, row_weight)
+            data = scale_rows(data, row_weight)
         width = data.shape[-1]
         buffer = torch.zeros(spare + 1, width, dtype=data.dtype, device=device)
         buffer[slot] = data

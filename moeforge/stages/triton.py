@@ -37,6 +37,7 @@ from moeforge.spec import (
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
 from moeforge.stages import slot_order
+from moeforge.stages.dispatch import scale_rows
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
 from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import TensorSource, resolve
@@ -110,13 +111,17 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
     never there), which the GEMMs and the combine read the same way (:mod:`moeforge.stages.slot_order`).
 
     ``configs`` is the launch-configuration table shared with the GEMMs that follow (they must use the
-    ``block_m`` the alignment used).
+    ``block_m`` the alignment used). ``apply_routing_weights``: the routing weights scale the expert's input
+    (``RoutingWeights.ON_INPUT``, Llama-4): each copy's row is its token's row times the copy's weight
+    (:func:`~moeforge.stages.dispatch.scale_rows`, as the torch dispatches round it), one row per copy — the
+    token's row itself where ``top_k`` is 1 — so rows move after all (float rows only; differentiable in both).
     """
 
     kinds: ClassVar = (StageKind.DISPATCH,)
     num_experts: int
     configs: ConfigTable
     slot_rows: Optional[bool] = None
+    apply_routing_weights: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.num_experts < 1:
@@ -126,9 +131,14 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
     def summary(self) -> str:
         slots = {None: ", rows in slot order where a training step pays", True: ", rows in slot order in training",
                  False: ""}[self.slot_rows]
-        return f"AlignDispatch(triton, block-aligned{slots})"
+        weights = ", weights on input" if self.apply_routing_weights else ""
+        return f"AlignDispatch(triton, block-aligned{slots}{weights})"
 
     def accepts(self) -> Accepts:
+        if self.apply_routing_weights:
+            # (scaling quantized values would need a re-quantization: the experts quantize after the dispatch)
+            return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=KERNEL_DTYPES,
+                           routing_weights=RoutingWeights.PENDING, weights_at={RoutingWeights.ON_INPUT, None})
         # The plan moves no rows: quantized tokens and their scales pass through untouched (the
         # GEMMs after it say which formats they take).
         return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts,
@@ -139,7 +149,20 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
     def output_spec(self, spec: Spec) -> Spec:
         return spec.evolve(kind=PayloadKind.DISPATCHED, layout=Layout.BLOCK_ALIGNED, group_list_type=None,
                            expert_ids=ExpertIds.LOCAL, alignment=self.configs.alignment(),
-                           slot_order=self.slot_rows is not False)
+                           slot_order=self.slot_rows is not False,
+                           routing_weights=RoutingWeights.ON_INPUT if self.apply_routing_weights
+                           else spec.routing_weights)
+
+    def hint(self, field: str, have: object) -> Optional[str]:
+        if not self.apply_routing_weights:
+            return None
+        if field == "dtype":
+            return ("routing weights applied on the input need float rows: the experts quantize after the dispatch "
+                    "(dispatch_dtype='auto')")
+        if field == "weights_at":
+            return (f"the router applies its weights {getattr(have, 'value', have)}, not on the input: build "
+                    "AlignDispatch(apply_routing_weights=False)")
+        return None
 
     def __call__(self, x: RoutedTokens) -> AlignedRows:
         tokens, top_k = x.topk.ids.shape
@@ -154,7 +177,13 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
             return self.slot_order_rows(x, alignment)
         # each copy's adapter, in copy order (copy t * top_k + j of token t)
         adapter_ids = x.adapter_ids.repeat_interleave(top_k) if x.adapter_ids is not None else None
-        return AlignedRows(x=x.x, alignment=alignment, copy_major=False, copy_weights=x.topk.weights.reshape(-1),
+        rows, copy_major = x.x, False
+        if self.apply_routing_weights:  # one row per copy, in copy order: [T, top_k, H] -> [T * top_k, H]
+            scaled = scale_rows(x.x.data.unsqueeze(1), x.topk.weights)
+            rows = Activations(scaled.reshape(tokens * top_k, x.x.data.shape[-1]))
+            copy_major = True
+        return AlignedRows(x=rows, alignment=alignment, copy_major=copy_major,
+                           copy_weights=x.topk.weights.reshape(-1),
                            plan=AlignedPlan(x.topk.weights), adapter_ids=adapter_ids,
                            copy_experts=x.topk.ids.reshape(-1) if adapter_ids is not None else None)
 
@@ -171,6 +200,8 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         slots = BlockAlignment(sorted_ids=positions, block_expert=alignment.block_expert,
                                num_padded=alignment.num_padded, config=alignment.config, copies_per_row=1,
                                num_tokens=int(positions.numel()), slot_copies=tokens * top_k, slot_runs=runs)
+        if self.apply_routing_weights:  # (rows past the used slots hold no values, and no kernel reads them)
+            xs = scale_rows(xs, slot_weights)
         return AlignedRows(x=Activations(xs), alignment=slots, copy_major=True, copy_weights=slot_weights,
                            plan=AlignedPlan(weights, slot_of.view(tokens, top_k)))
 
