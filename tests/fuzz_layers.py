@@ -111,12 +111,13 @@ def draw(seed: int, cpu: bool) -> dict[str, Any]:
         options["expert_bias"] = rng.random() < 0.3
         options["routing"] = mf.RoutingConfig(
             scoring=rng.choice(list(mf.Scoring)), renormalize=rng.random() < 0.6,
-            apply_weights=rng.choice([mf.RoutingWeights.IN_COMBINE] * 3 + [mf.RoutingWeights.IN_GEMM_EPILOGUE]),
+            apply_weights=rng.choice([mf.RoutingWeights.IN_COMBINE] * 3 + [mf.RoutingWeights.IN_GEMM_EPILOGUE,
+                                                                            mf.RoutingWeights.ON_INPUT]),
             routed_scaling_factor=rng.choice([1.0, 2.5]))
         if rng.random() < 0.15:
             options["shared_experts"] = mf.SharedExpertsConfig(rng.choice([128, 512]))
-    if train and not cpu and rng.random() < 0.15:
-        options["adapter"] = ExpertAdapter(rank=rng.choice([8, 16, 64]), alpha=16.0)
+    if train and rng.random() < 0.15:
+        options["adapter"] = ExpertAdapter(rank=rng.choice([2, 4] if cpu else [8, 16, 64]), alpha=16.0)
     return dict(seed=seed, family=family, sizes=sizes, tokens=tokens, dtype=dtype, train=train, quant=quant,
                 options=options)
 
