@@ -16,7 +16,7 @@ On a GPU the shapes are real (``REAL``: Mixtral, Qwen2/Qwen3-MoE, OLMoE, DeepSee
 Granite-MoE, PhiMoE sizes, some with fewer experts to fit beside the fp32 reference); on CPU (``--cpu``, with
 ``TRITON_INTERPRET=1`` set by the caller) tiny shapes in fp16 / fp32 (the interpreter mis-computes bf16 dots), the
 triton stages built with the selector told the kernels can run there. Cases run in ``--workers`` processes until
-``--seconds`` have passed; a CUDA error that poisons a process's context ends that worker (its case reported as
+``--seconds`` have passed (the run ends up to a minute later, when the last cases finish); a CUDA error that poisons a process's context ends that worker (its case reported as
 ``STICKY``) and another takes its place. Writes one JSON (counts, the failing and refused cases with their layers,
 every passing case's sizes) and prints a summary. Results of GPU runs: ``benchmarks/results/fuzz_layers-*.json``.
 
