@@ -99,7 +99,6 @@ class AllToAllDispatcher(Dispatcher):
             return "it exchanges rows between expert-parallel ranks: build the layer with expert_parallel=..."
         return None
 
-
     @classmethod
     def stages(cls, layer: torch.nn.Module, config: LayerConfig, layout: Layout, configs: Optional[ConfigTable]
                ) -> tuple[Stage[Any, Any], Optional[Stage[Any, Any]]]:
