@@ -237,3 +237,28 @@ def test_a_dispatch_scaling_the_input_refuses_quantized_tokens() -> None:
     with pytest.raises(mf.ContractError, match="quantize after the dispatch"):
         mf.Pipeline([mf.TopK(4, 1, routing), quantize, AlignDispatch(4, table, apply_routing_weights=True)],
                     mf.input_spec(32, torch.float32, 4))
+
+
+ADAPTERS = {"per-expert A": dict(rank=4, alpha=8.0), "shared A": dict(rank=2, shared_a=True),
+            "a stack of three": dict(rank=4, alpha=4.0, count=3)}
+
+
+@pytest.mark.parametrize("adapter", sorted(ADAPTERS))
+def test_triton_layer_llama4_with_an_adapter_on_the_scaled_rows(adapter: str) -> None:
+    # The adapters read the dispatch's rows, here one scaled row per copy (a shared A multiplies all of them with a
+    # torch GEMM; a stack aligns the copies by (adapter, expert) pair).
+    from moeforge.adapters import ExpertAdapter
+
+    config = ExpertAdapter(**ADAPTERS[adapter])  # type: ignore[arg-type]
+    layer, reference = _llama4(4, top_k=2, adapter=config)
+    x = torch.randn(11, 32, device=DEVICE)
+    ids = {"adapter_ids": torch.randint(0, config.count, (11,), device=DEVICE)} if config.count > 1 else {}
+    with torch.no_grad():
+        assert torch.allclose(layer(x, **ids), reference(x, **ids), atol=1e-5, rtol=1e-4)
+    if config.count > 1:
+        return  # (a stack serves; it has no backward)
+    rows = [x.clone().requires_grad_() for _ in range(2)]
+    got = torch.autograd.grad(layer(rows[0]).sum(), [rows[0], *layer.parameters()])
+    want = torch.autograd.grad(reference(rows[1]).sum(), [rows[1], *reference.parameters()])
+    for name, g, w in zip(["x", *dict(layer.named_parameters())], got, want):
+        assert torch.allclose(g, w, atol=1e-5, rtol=1e-4), name
