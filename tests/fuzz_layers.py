@@ -1,7 +1,8 @@
 """Random ``MoELayer`` compositions built the way users build them, the triton backend against the torch backend.
 
 Each case (one seed) draws a layer — a family preset at a released model's sizes or a plain layer of random sizes,
-activation, gate/up layout, expert biases, routing, shared experts; a dtype; a batch (empty, one token, thousands);
+activation, gate/up layout, expert biases, routing, shared experts; a dtype; a batch (empty, one token, thousands;
+sometimes with the router's logits given so that every token picks one expert, or half the experts get none);
 training or inference; for inference sometimes a quant method; for training sometimes an expert adapter — builds it
 on the torch backend (the weights drawn there) and on the triton backend (the same state dict), and checks:
 
@@ -118,8 +119,12 @@ def draw(seed: int, cpu: bool) -> dict[str, Any]:
             options["shared_experts"] = mf.SharedExpertsConfig(rng.choice([128, 512]))
     if train and rng.random() < 0.15:
         options["adapter"] = ExpertAdapter(rank=rng.choice([2, 4] if cpu else [8, 16, 64]), alpha=16.0)
+    # the router's logits given, pushed so that every token picks expert 0, or so that half the experts get nothing
+    skew = rng.choice([None] * 8 + ["every token on expert 0", "half the experts idle"])
+    if skew == "half the experts idle" and sizes["num_experts"] // 2 < sizes["top_k"]:
+        skew = None
     return dict(seed=seed, family=family, sizes=sizes, tokens=tokens, dtype=dtype, train=train, quant=quant,
-                options=options)
+                options=options, skew=skew)
 
 
 def _build(case: dict[str, Any], backend: str, device: str, **override: Any) -> Any:
@@ -181,8 +186,16 @@ def run_case(case: dict[str, Any], device: str) -> tuple[str, str, dict[str, Any
     dtype = case["dtype"]
     seen: dict[str, Any] = {}
     x = torch.randn(case["tokens"], case["sizes"]["hidden_size"], device=device, dtype=dtype)
+    logits: Optional[Any] = None
+    if case["skew"] is not None:
+        experts = case["sizes"]["num_experts"]
+        logits = torch.randn(case["tokens"], experts, device=device)
+        if case["skew"] == "every token on expert 0":
+            logits[:, 0] += 30.0
+        else:
+            logits[:, experts // 2:] -= 30.0
     with torch.no_grad():
-        got, want = triton_layer(x), torch_layer(x)
+        got, want = triton_layer(x, logits), torch_layer(x, logits)
     assert got.shape == want.shape, (got.shape, want.shape)
     if case["tokens"] == 0:
         return "ok empty", "", seen
@@ -197,7 +210,7 @@ def run_case(case: dict[str, Any], device: str) -> tuple[str, str, dict[str, Any
     reference.load_state_dict(torch_layer.state_dict())
     floor = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
     with torch.no_grad():
-        exact = reference(x.float())
+        exact = reference(x.float(), logits)
     seen["forward"] = (_rel(got, exact), _rel(want, exact))
     assert seen["forward"][0] <= max(3 * seen["forward"][1], floor), f"forward {seen['forward']}"
     if not case["train"]:
@@ -207,7 +220,7 @@ def run_case(case: dict[str, Any], device: str) -> tuple[str, str, dict[str, Any
     def gradients(layer: Any, rows: Any, upstream: Any) -> dict[str, Any]:
         rows = rows.clone().requires_grad_()
         params = [p for p in layer.parameters() if p.requires_grad]
-        found = torch.autograd.grad((layer(rows).float() * upstream.float()).sum(), [rows] + params,
+        found = torch.autograd.grad((layer(rows, logits).float() * upstream.float()).sum(), [rows] + params,
                                     allow_unused=True)
         return dict(zip(["x"] + [n for n, p in layer.named_parameters() if p.requires_grad], found))
 
