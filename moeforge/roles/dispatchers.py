@@ -35,7 +35,8 @@ class _Local(Dispatcher):
 
 
 class AlignedDispatcher(_Local):
-    """:class:`~moeforge.stages.triton.AlignDispatch`: a block-aligned plan on the device, no rows moved."""
+    """:class:`~moeforge.stages.triton.AlignDispatch`: a block-aligned plan on the device (rows moved only for a
+    training step's slot order or for routing weights on the input)."""
 
     backend: ClassVar[Backend] = Backend.TRITON
     layouts: ClassVar[frozenset[Layout]] = frozenset({Layout.BLOCK_ALIGNED})

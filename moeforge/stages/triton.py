@@ -1,8 +1,8 @@
 """The Triton path: routing, block alignment, fused grouped GEMMs and combine on the device.
 
 These stages speak the same specs as the torch reference stages, so the contract checker treats them
-alike. The dispatch does not move rows: it computes a ``BLOCK_ALIGNED`` plan and the first GEMM gathers
-its input rows by index. The first GEMM can fuse the activation (then it covers the ``gemm`` and
+alike. The dispatch computes a ``BLOCK_ALIGNED`` plan and the first GEMM gathers its input rows by index;
+it moves rows only for a training step's slot order and for routing weights applied on the input. The first GEMM can fuse the activation (then it covers the ``gemm`` and
 ``activation`` kinds). Kernels run through the ``moeforge::`` custom ops (``torch.compile`` and CUDA
 graphs work), the grouped GEMMs through the op's one caller,
 :func:`moeforge.kernels.grouped_gemm_call.grouped_gemm`; the ops module is imported when a stage is built, so
@@ -105,16 +105,17 @@ class TritonTopK(TopK):
 
 @attrs.frozen(eq=False)
 class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
-    """Block-aligned dispatch on the device, no host synchronisation: no rows move for inference; where grad
-    mode is on (a training step) the rows are gathered into the alignment's slot order where
-    :func:`~moeforge.stages.slot_order.slot_rows_pay` says it pays (``slot_rows``: ``True`` / ``False`` always /
-    never there), which the GEMMs and the combine read the same way (:mod:`moeforge.stages.slot_order`).
+    """Block-aligned dispatch on the device, no host synchronisation: no rows move for inference (unless the
+    routing weights scale the input, below); where grad mode is on (a training step) the rows are gathered into the
+    alignment's slot order where :func:`~moeforge.stages.slot_order.slot_rows_pay` says it pays (``slot_rows``:
+    ``True`` / ``False`` always / never there), which the GEMMs and the combine read the same way
+    (:mod:`moeforge.stages.slot_order`).
 
     ``configs`` is the launch-configuration table shared with the GEMMs that follow (they must use the
     ``block_m`` the alignment used). ``apply_routing_weights``: the routing weights scale the expert's input
     (``RoutingWeights.ON_INPUT``, Llama-4): each copy's row is its token's row times the copy's weight
     (:func:`~moeforge.stages.dispatch.scale_rows`, as the torch dispatches round it), one row per copy — the
-    token's row itself where ``top_k`` is 1 — so rows move after all (float rows only; differentiable in both).
+    token's row itself where ``top_k`` is 1 (float rows only; differentiable in both).
     """
 
     kinds: ClassVar = (StageKind.DISPATCH,)
