@@ -12,7 +12,7 @@ Without a GPU the kernels run in Triton's interpreter (``tests/conftest.py``) at
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -120,20 +120,27 @@ def test_triton_topk_refuses_the_sparsemixer() -> None:
         topk.routing_flags(SPARSEMIXER)
 
 
-def _triton_layer(seed: int, **kwargs: Any) -> tuple[mf.MoELayer, mf.MoELayer]:
-    """A triton-backend layer and the same layer on the torch backend (same weights, fp32).
+def _triton_layer(seed: int, quant: Optional[Callable[[], mf.QuantMethod]] = None,
+                  **kwargs: Any) -> tuple[mf.MoELayer, mf.MoELayer]:
+    """A triton-backend layer and the same layer on the torch backend (same weights, fp32; ``quant``: each layer's
+    own quant method, made by it).
 
     Without CUDA the selector does not pick the triton implementations (they want a GPU); the kernels
     do run in the interpreter, so the layer is built with the selector told they can."""
     torch.manual_seed(seed)
     options: dict[str, Any] = dict(dtype=torch.float32, environ={}, device=DEVICE)
+    if quant is not None:
+        kwargs["quant"] = quant()
     reference = mf.MoELayer.from_preset(backend="torch", **options, **kwargs)
     with torch.no_grad():
         for param in reference.parameters():
-            param.normal_(std=0.3)
+            if param.dtype == torch.float32:  # (not a quantized storage)
+                param.normal_(std=0.3)
         bias: Optional[torch.Tensor] = getattr(reference, "e_score_correction_bias", None)
         if bias is not None:
             bias.normal_(std=0.4).sub_(0.5)
+    if quant is not None:
+        kwargs["quant"] = quant()
     if CUDA:
         layer = mf.MoELayer.from_preset(backend="triton", **options, **kwargs)
         layer.load_state_dict(reference.state_dict())
@@ -207,20 +214,8 @@ def test_triton_layer_llama4_scales_the_input_and_trains_as_the_torch_layer(toke
 @pytest.mark.parametrize("method", [mf.Fp8W8A8Method, lambda: mf.W4A16Method(group_size=32)],
                          ids=["fp8", "w4a16"])
 def test_triton_layer_llama4_quantizes_after_scaling_the_rows(method: Any) -> None:
-    torch.manual_seed(3)
-    options: dict[str, Any] = dict(family="llama4", num_experts=8, top_k=1, hidden_size=64, intermediate_size=32,
-                                   dtype=torch.float32, environ={}, device=DEVICE)
-    reference = mf.MoELayer.from_preset(backend="torch", quant=method(), **options)
-    with torch.no_grad():
-        for param in reference.parameters():
-            if param.dtype == torch.float32:
-                param.normal_(std=0.3)
-    with pytest.MonkeyPatch.context() as patch:
-        if not CUDA:
-            patch.setattr(LayerConfig, "triton_problem", lambda self: None)
-        layer = mf.MoELayer.from_preset(backend="triton" if CUDA else "auto", quant=method(), **options)
-    assert layer.backend is mf.Backend.TRITON
-    layer.load_state_dict(reference.state_dict())
+    layer, reference = _triton_layer(3, method, family="llama4", num_experts=8, top_k=1, hidden_size=64,
+                                     intermediate_size=32)
     assert layer.dispatch_decision.dtype.value == "fp32"  # float rows on the wire: the weights scale them first
     x = torch.randn(13, 64, device=DEVICE)
     with torch.no_grad():

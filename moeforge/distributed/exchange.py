@@ -19,8 +19,9 @@ import torch.distributed as dist
 from moeforge.distributed.group import ExpertParallel
 from moeforge.kernels.config import ConfigTable
 from moeforge.payloads import Activations
-from moeforge.spec import FLOAT_DTYPES, Accepts, DType, Layout, PayloadKind, RoutingWeights, ScaleLayout, Spec
+from moeforge.spec import FLOAT_DTYPES, Accepts, DType, Layout, PayloadKind, ScaleLayout, Spec
 from moeforge.stages.combine import Combine, combine_rows
+from moeforge.stages.dispatch import scale_rows, weights_on_input_accepts, weights_on_input_hint
 from moeforge.no_backward import records_grad
 
 # Scales that travel with their rows. A per-tensor scale belongs to one rank's whole batch: after
@@ -62,12 +63,10 @@ class ExchangeDispatch(abc.ABC):
         return Combine(apply_routing_weights, routed_scaling_factor, out_dtype)
 
     def accepts(self) -> Accepts:
-        common: dict[str, Any] = dict(kind=PayloadKind.ROUTED, num_experts=self.ep.num_experts,
-                                      scale_layout=WIRE_SCALES)
         if self.apply_routing_weights:
-            return Accepts(dtype=FLOAT_DTYPES, routing_weights=RoutingWeights.PENDING,
-                           weights_at={RoutingWeights.ON_INPUT, None}, **common)
-        return Accepts(dtype=WIRE_DTYPES, **common)
+            return weights_on_input_accepts(self.ep.num_experts, FLOAT_DTYPES, scale_layout=WIRE_SCALES)
+        return Accepts(kind=PayloadKind.ROUTED, num_experts=self.ep.num_experts, dtype=WIRE_DTYPES,
+                       scale_layout=WIRE_SCALES)
 
     def hint(self, field: str, have: object) -> Optional[str]:
         if field == "scale_layout":
@@ -76,10 +75,7 @@ class ExchangeDispatch(abc.ABC):
         if field == "dtype" and have is DType.FP64:
             return ("expert-parallel rows travel with fp32 routing weights, in bf16, fp16, fp32 or a quantized "
                     "format: a float64 layer (the torch reference, for gradcheck) runs on one process")
-        if field == "dtype" and self.apply_routing_weights:
-            return ("routing weights applied on the input need float activations: quantize after the "
-                    "dispatch (QuantizeRows) instead of before it")
-        return None
+        return weights_on_input_hint(self, field, have) if self.apply_routing_weights else None
 
 
 def scaled_rows(x: Activations, tokens: torch.Tensor, weights: torch.Tensor, on_input: bool) -> Activations:
@@ -87,7 +83,7 @@ def scaled_rows(x: Activations, tokens: torch.Tensor, weights: torch.Tensor, on_
     data = x.data[tokens]
     scale = x.scale[tokens] if x.scale is not None else None
     if on_input:
-        data = (data.float() * weights.unsqueeze(-1)).to(data.dtype)
+        data = scale_rows(data, weights)
     return Activations(data, scale)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import attrs
 import torch
@@ -22,6 +22,7 @@ from moeforge.payloads import Activations, PaddedRows, Plan, RoutedTokens, Sorte
 from moeforge.spec import (
     REFERENCE_FLOAT_DTYPES,
     Accepts,
+    DType,
     ExpertIds,
     GroupListType,
     Layout,
@@ -110,6 +111,26 @@ def scale_rows(data: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (data.to(accumulation_dtype(data.dtype)) * weights.unsqueeze(-1)).to(data.dtype)
 
 
+def weights_on_input_accepts(num_experts: int, dtypes: frozenset[DType], **fields: Any) -> Accepts:
+    """What a dispatch that scales its rows by their routing weights takes: routed rows of ``dtypes`` (floats:
+    scaling quantized values would need a re-quantization, so the experts quantize after the dispatch) whose
+    weights are still to be applied, from a router that leaves them to the input; ``fields``: the dispatch's own."""
+    return Accepts(kind=PayloadKind.ROUTED, num_experts=num_experts, dtype=dtypes,
+                   routing_weights=RoutingWeights.PENDING, weights_at={RoutingWeights.ON_INPUT, None}, **fields)
+
+
+def weights_on_input_hint(stage: object, field: str, have: object) -> Optional[str]:
+    """The hint of a dispatch ``stage`` that scales its rows by their routing weights, for a mismatch of ``field``."""
+    if field == "dtype":
+        return ("routing weights applied on the input need float activations: quantize after the "
+                "dispatch (QuantizeRows) instead of before it")
+    if field == "weights_at":
+        return (f"the router applies its weights {getattr(have, 'value', have)}, not on the input: use "
+                f"{type(stage).__name__}(apply_routing_weights=False), or "
+                "RoutingConfig(apply_weights=RoutingWeights.ON_INPUT) for weights on the input (Llama-4)")
+    return None
+
+
 class _Dispatch:
     num_experts: int
     apply_routing_weights: bool
@@ -120,20 +141,11 @@ class _Dispatch:
 
     def accepts(self) -> Accepts:
         if self.apply_routing_weights:
-            # Scaling quantized values would need a re-quantization: scale first, then quantize.
-            return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=REFERENCE_FLOAT_DTYPES,
-                           routing_weights=RoutingWeights.PENDING, weights_at={RoutingWeights.ON_INPUT, None})
+            return weights_on_input_accepts(self.num_experts, REFERENCE_FLOAT_DTYPES)
         return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts)
 
     def hint(self, field: str, have: object) -> Optional[str]:
-        if field == "dtype" and self.apply_routing_weights:
-            return ("routing weights applied on the input need float activations: quantize after the "
-                    "dispatch (QuantizeRows) instead of before it")
-        if field == "weights_at":
-            return (f"the router applies its weights {getattr(have, 'value', have)}, not on the input: use "
-                    f"{type(self).__name__}(apply_routing_weights=False), or "
-                    "RoutingConfig(apply_weights=RoutingWeights.ON_INPUT) for weights on the input (Llama-4)")
-        return None
+        return weights_on_input_hint(self, field, have) if self.apply_routing_weights else None
 
     def _dispatched(self, spec: Spec, layout: Layout, group_list_type: Optional[GroupListType]) -> Spec:
         return spec.evolve(

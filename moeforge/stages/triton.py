@@ -2,9 +2,9 @@
 
 These stages speak the same specs as the torch reference stages, so the contract checker treats them
 alike. The dispatch computes a ``BLOCK_ALIGNED`` plan and the first GEMM gathers its input rows by index;
-it moves rows only for a training step's slot order and for routing weights applied on the input. The first GEMM can fuse the activation (then it covers the ``gemm`` and
-``activation`` kinds). Kernels run through the ``moeforge::`` custom ops (``torch.compile`` and CUDA
-graphs work), the grouped GEMMs through the op's one caller,
+it moves rows only for a training step's slot order and for routing weights applied on the input. The first
+GEMM can fuse the activation (then it covers the ``gemm`` and ``activation`` kinds). Kernels run through the
+``moeforge::`` custom ops (``torch.compile`` and CUDA graphs work), the grouped GEMMs through the op's one caller,
 :func:`moeforge.kernels.grouped_gemm_call.grouped_gemm`; the ops module is imported when a stage is built, so
 ``import moeforge`` needs no Triton.
 """
@@ -37,7 +37,7 @@ from moeforge.spec import (
 from moeforge.stage import Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
 from moeforge.stages import slot_order
-from moeforge.stages.dispatch import scale_rows
+from moeforge.stages.dispatch import scale_rows, weights_on_input_accepts, weights_on_input_hint
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
 from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import TensorSource, resolve
@@ -137,9 +137,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
 
     def accepts(self) -> Accepts:
         if self.apply_routing_weights:
-            # (scaling quantized values would need a re-quantization: the experts quantize after the dispatch)
-            return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts, dtype=KERNEL_DTYPES,
-                           routing_weights=RoutingWeights.PENDING, weights_at={RoutingWeights.ON_INPUT, None})
+            return weights_on_input_accepts(self.num_experts, KERNEL_DTYPES)
         # The plan moves no rows: quantized tokens and their scales pass through untouched (the
         # GEMMs after it say which formats they take).
         return Accepts(kind=PayloadKind.ROUTED, num_experts=self.num_experts,
@@ -155,15 +153,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
                            else spec.routing_weights)
 
     def hint(self, field: str, have: object) -> Optional[str]:
-        if not self.apply_routing_weights:
-            return None
-        if field == "dtype":
-            return ("routing weights applied on the input need float rows: the experts quantize after the dispatch "
-                    "(dispatch_dtype='auto')")
-        if field == "weights_at":
-            return (f"the router applies its weights {getattr(have, 'value', have)}, not on the input: build "
-                    "AlignDispatch(apply_routing_weights=False)")
-        return None
+        return weights_on_input_hint(self, field, have) if self.apply_routing_weights else None
 
     def __call__(self, x: RoutedTokens) -> AlignedRows:
         tokens, top_k = x.topk.ids.shape
