@@ -344,7 +344,8 @@ def triton_experts_match(rank: int, world: int) -> dict[str, float]:
         parallel.load_state_dict(shard_state_dict(whole.state_dict(), parallel))
         parallel.process_weights_after_loading()
         table = ConfigTable(E, 2)
-        for kind, dispatch in (("all_to_all", AllToAllDispatch(ep, apply_routing_weights=weights_on_input, configs=table)),
+        for kind, dispatch in (("all_to_all", AllToAllDispatch(ep, apply_routing_weights=weights_on_input,
+                                                                configs=table)),
                                ("low_latency", LowLatencyDispatch(ep, max_tokens=8, configs=table,
                                                                   apply_routing_weights=weights_on_input))):
             stages: list[mf.Stage[Any, Any]] = [mf.TopK(E, 2, parallel.routing)]

@@ -17,9 +17,10 @@ On a GPU the shapes are real (``REAL``: Mixtral, Qwen2/Qwen3-MoE, OLMoE, DeepSee
 Granite-MoE, PhiMoE sizes, some with fewer experts to fit beside the fp32 reference); on CPU (``--cpu``, with
 ``TRITON_INTERPRET=1`` set by the caller) tiny shapes in fp16 / fp32 (the interpreter mis-computes bf16 dots), the
 triton stages built with the selector told the kernels can run there. Cases run in ``--workers`` processes until
-``--seconds`` have passed (the run ends up to a minute later, when the last cases finish); a CUDA error that poisons a process's context ends that worker (its case reported as
-``STICKY``) and another takes its place. Writes one JSON (counts, the failing and refused cases with their layers,
-every passing case's sizes) and prints a summary. Results of GPU runs: ``benchmarks/results/fuzz_layers-*.json``.
+``--seconds`` have passed (the run ends up to a minute later, when the last cases finish); a CUDA error that
+poisons a process's context ends that worker (its case reported as ``STICKY``) and another takes its place. Writes
+one JSON (counts, the failing and refused cases with their layers, every passing case's sizes) and prints a summary.
+Results of GPU runs: ``benchmarks/results/fuzz_layers-*.json``.
 
     python3 tests/fuzz_layers.py --out fuzz.json --workers 8 --seconds 300            # a GPU
     TRITON_INTERPRET=1 python3 tests/fuzz_layers.py --cpu --out fuzz.json --workers 2 --seconds 120
@@ -68,10 +69,11 @@ def _rel(a: Any, b: Any) -> float:
 def _quant(name: str) -> Any:
     import moeforge as mf
 
-    makers: dict[str, Callable[[], Any]] = {"fp8_channel": lambda: mf.Fp8W8A8Method(), "fp8_block": lambda: mf.Fp8W8A8Method("block", "group"),
-            "int8": mf.Int8W8A8Method, "w4a16": mf.W4A16Method, "mxfp4": mf.Mxfp4Method, "nvfp4": mf.Nvfp4Method,
-            "mxfp4_shuffled": lambda: mf.Mxfp4Method(shuffled=True),
-            "nvfp4_shuffled": lambda: mf.Nvfp4Method(shuffled=True)}
+    makers: dict[str, Callable[[], Any]] = {
+        "fp8_channel": lambda: mf.Fp8W8A8Method(), "fp8_block": lambda: mf.Fp8W8A8Method("block", "group"),
+        "int8": mf.Int8W8A8Method, "w4a16": mf.W4A16Method, "mxfp4": mf.Mxfp4Method, "nvfp4": mf.Nvfp4Method,
+        "mxfp4_shuffled": lambda: mf.Mxfp4Method(shuffled=True),
+        "nvfp4_shuffled": lambda: mf.Nvfp4Method(shuffled=True)}
     return makers[name]()
 
 
