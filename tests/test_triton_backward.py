@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 import moeforge as mf  # noqa: E402
 from moeforge.kernels import align  # noqa: E402
 from moeforge.kernels.weight_grad import expert_weight_grad  # noqa: E402
-from moeforge.kernels.config import ConfigTable  # noqa: E402
+from moeforge.kernels.config import ConfigTable, GemmConfig, MoEConfig  # noqa: E402
 from moeforge.stages.activation import apply_activation  # noqa: E402
 from moeforge.stages.combine import Combine  # noqa: E402
 from moeforge.stages.topk import select_experts  # noqa: E402
@@ -42,10 +42,19 @@ ROUTINGS = {
 }
 
 
+def _table(experts: int, k: int, block_m: Optional[int] = None) -> ConfigTable:
+    """The default table, or one entry aligning in blocks of ``block_m`` rows (small tiles otherwise)."""
+    if block_m is None:
+        return ConfigTable(experts, k)
+    config = GemmConfig(block_m, 32, 32, 1, 4, 2)
+    return ConfigTable(experts, k, tokens=(1,), configs=(MoEConfig(config, config),))
+
+
 def _pipeline(experts: int, k: int, hidden: int, tensors: dict[str, torch.Tensor], act: mf.ActivationConfig,
               routing: mf.RoutingConfig, dtype: torch.dtype,
-              slot_rows: Optional[bool] = None) -> mf.Pipeline:  # type: ignore[type-arg]
-    table = ConfigTable(experts, k)
+              slot_rows: Optional[bool] = None, block_m: Optional[int] = None
+              ) -> mf.Pipeline:  # type: ignore[type-arg]
+    table = _table(experts, k, block_m)
     epilogue = routing.apply_weights is mf.RoutingWeights.IN_GEMM_EPILOGUE
     on_input = routing.apply_weights is mf.RoutingWeights.ON_INPUT
     return mf.Pipeline([
@@ -394,6 +403,27 @@ def test_a_training_step_compiles_with_the_backward_ops(layout: str) -> None:
     torch.testing.assert_close(got_loss, eager)
     for g, w in zip([p.grad for p in t.values() if p.grad is not None], want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_one_compiled_step_trains_layers_of_different_tiles() -> None:
+    """Two pipelines whose tables align in different blocks, trained through one compiled function: its second
+    compilation reads the launch's tile sizes as symbolic ints (they differed from the first call's), which the
+    GEMM's backward must specialise, not hash."""
+    gen = torch.Generator().manual_seed(87)
+    t = _tensors(4, 32, 48, True, torch.float32, gen)
+    x = torch.randn(9, 32, generator=gen).to(DEVICE)
+    logits = torch.randn(9, 4, generator=gen).to(DEVICE)
+
+    def step(pipeline: mf.Pipeline, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[type-arg]
+        loss: torch.Tensor = pipeline(mf.MoEInput(x, logits)).hidden_states.square().mean()
+        return loss
+
+    compiled = torch.compile(step, backend="aot_eager")
+    for block_m in (None, 64, 32):
+        pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32, block_m=block_m)
+        (want,) = torch.autograd.grad(step(pipeline, x, logits), [t["w13"]])
+        (got,) = torch.autograd.grad(compiled(pipeline, x, logits), [t["w13"]])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

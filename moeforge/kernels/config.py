@@ -10,7 +10,6 @@ layer shape and compute dtype, and one per quantized weight format that was tune
 
 from __future__ import annotations
 
-import bisect
 import json
 import re
 from importlib import resources
@@ -249,7 +248,13 @@ class ConfigTable:
         if not self.tokens:
             index = _default_index(num_tokens, self.num_experts, self.top_k)
         else:
-            index = bisect.bisect_left(self.tokens, num_tokens)
+            # the first bucket at or above num_tokens, by a loop that torch.compile traces (it cannot trace bisect,
+            # a C builtin: a tuned table's lookup would break a full graph)
+            index = len(self.tokens)
+            for place, bucket in enumerate(self.tokens):
+                if bucket >= num_tokens:
+                    index = place
+                    break
             if index == len(self.tokens):
                 index -= 1
             elif index > 0 and num_tokens - self.tokens[index - 1] < self.tokens[index] - num_tokens:

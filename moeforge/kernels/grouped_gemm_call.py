@@ -159,8 +159,10 @@ class GemmUpdate:
 
 def config_of(values: Sequence[int]) -> GemmConfig:
     """:func:`decode_config`, once per distinct list (a launch and its backward decode the same few configurations
-    over and over)."""
-    return _config_of(tuple(values))
+    over and over). ``int()`` of each value: traced by torch.compile, a field that differed between two compiled calls
+    of one function (two layers' tables) comes as a symbolic int, which that specialises (the launch's tiles are
+    constants of the graph)."""
+    return _config_of(tuple(int(value) for value in values))
 
 
 @functools.lru_cache(maxsize=1024)
