@@ -46,31 +46,48 @@ CASES = {  # tokens, experts, top_k, every token's experts (None: drawn)
 }
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_gather_fills_every_used_slot_and_knows_each_copys_slot(case: str) -> None:
+def test_the_gather_puts_each_experts_copies_in_one_run_rounded_up_to_a_step(case: str, block_m: int) -> None:
+    # block_m 64: the weight gradient's step (32 rows at these few copies) is half the alignment's block, so each
+    # expert's run is cut short of its blocks; 16: the step is the block
     tokens, experts, k, ids = CASES[case]
     routed = _routed(tokens, experts, k, 24, 1, ids)
     kernel_ops()
-    sorted_ids, block_expert, num_padded = align.align_block_size(routed.topk.ids, experts, 16)
+    sorted_ids, block_expert, num_padded = align.align_block_size(routed.topk.ids, experts, block_m)
     flat_weights = routed.topk.weights.reshape(-1)
-    xs, slot_weights, slot_of, positions, runs = slot_rows.gather_slots(routed.x.data, flat_weights, sorted_ids,
-                                                                        block_expert, num_padded, k, experts, 16)
-    used, copies = int(num_padded), tokens * k
-    assert xs.shape == (sorted_ids.numel(), 24) and torch.equal(
-        positions.long(), torch.arange(sorted_ids.numel(), device=DEVICE))
-    ids_used = sorted_ids[:used].long()
-    real = ids_used < copies
-    assert torch.equal(xs[:used][real], routed.x.data[ids_used[real] // k])
-    assert not xs[:used][~real].any() and not slot_weights[:used][~real].any()  # the padding: zero rows
-    assert torch.equal(slot_weights[:used][real], flat_weights[ids_used[real]])
-    assert torch.equal(sorted_ids[slot_of.long()].long(), torch.arange(copies, device=DEVICE))
-    # each expert's first slot and its copies: what the weight gradients read
+    xs, row_weights, slot_of, row_of_slot, runs = slot_rows.gather_slots(
+        routed.x.data, flat_weights, sorted_ids, block_expert, num_padded, k, experts, block_m)
+    copies = tokens * k
+    step = weight_grad.weight_grad_step(copies / experts, block_m)
+    assert step == min(32, block_m)
+    rows = slot_rows.slot_row_count(copies, experts, block_m)
+    assert rows == copies + min(experts, copies) * (step - 1) and xs.shape == (rows, 24)
+    assert row_weights.shape == (rows,) and row_of_slot.shape == sorted_ids.shape
     counts = torch.bincount(routed.topk.ids.reshape(-1).long(), minlength=experts)
-    assert torch.equal(runs[2, :experts].long(), counts) and int(runs[1, experts]) == used
-    for e in range(experts):
-        if counts[e]:
-            first = int(runs[1, e])
-            assert int(block_expert[first // 16]) == e and (first == 0 or int(block_expert[first // 16 - 1]) != e)
+    rounded = (counts + step - 1) // step * step
+    assert torch.equal(runs[2, :experts].long(), counts)
+    assert torch.equal(runs[3, :experts].long(), torch.cumsum(rounded, 0) - rounded)
+    assert int(runs[3, experts]) == int(rounded.sum()) <= rows
+    # each copy's row: its token's row and weight, inside its expert's run, the expert's copies in slot order
+    expert_of = routed.topk.ids.reshape(-1).long()
+    first = runs[3, expert_of].long()
+    place = slot_of.long() - first
+    assert bool(((place >= 0) & (place < counts[expert_of])).all())
+    assert torch.equal(xs[slot_of.long()], routed.x.data[torch.arange(copies, device=DEVICE) // k])
+    assert torch.equal(row_weights[slot_of.long()], flat_weights)
+    used = int(num_padded)
+    holds = sorted_ids[:used].long() < copies
+    assert torch.equal(row_of_slot[:used][holds].long(), slot_of[sorted_ids[:used][holds].long()].long())
+    for e in range(experts):  # the run's padding: zero rows and weights; slots past it have no row
+        lo, count, whole = int(runs[3, e]), int(counts[e]), int(rounded[e])
+        assert not xs[lo + count:lo + whole].any() and not row_weights[lo + count:lo + whole].any()
+        slots_of_e = (torch.arange(sorted_ids.numel(), device=DEVICE) < used) & (
+            block_expert.long().repeat_interleave(block_m)[:sorted_ids.numel()] == e)
+        got = sorted(int(r) for r in row_of_slot[slots_of_e] if int(r) < rows)
+        assert got == list(range(lo, lo + whole))
+    assert int((row_of_slot < rows).sum()) == int(rounded.sum())
+    assert bool((row_of_slot[used:] == rows).all())
 
 
 def test_an_empty_batch_gathers_nothing() -> None:
@@ -80,7 +97,7 @@ def test_an_empty_batch_gathers_nothing() -> None:
     xs, slot_weights, slot_of, positions, _ = slot_rows.gather_slots(torch.zeros(0, 8, device=DEVICE), None,
                                                                      sorted_ids, block_expert, num_padded, 2, 4, 16)
     assert xs.shape[1] == 8 and slot_weights.numel() == 0 and slot_of.numel() == 0
-    assert positions.numel() == sorted_ids.numel()
+    assert positions.numel() == sorted_ids.numel() and xs.shape[0] == 0
 
 
 def test_the_gather_refuses_weights_it_cannot_carry() -> None:
@@ -111,12 +128,18 @@ def test_the_combine_by_index_and_its_backward() -> None:
     assert not got[0][[1, 3, 5, 6]].any() and float(got[1][1, 1]) == 0.0
 
 
-def test_the_rule_takes_slot_order_where_the_padding_is_at_most_a_quarter_of_the_copies() -> None:
+def test_the_rule_takes_slot_order_where_the_padding_is_at_most_an_eighth_of_the_copies() -> None:
+    # the padding: a step of the weight gradient less a row per expert (64 rows; 32 at up to 32 copies an expert)
     assert slot_order.slot_rows_pay(8 * 8 * 63, 8, 64)
     assert not slot_order.slot_rows_pay(8 * 8 * 63 - 1, 8, 64)
     assert slot_order.slot_rows_pay(16384 * 8, 128, 128)  # Qwen3-30B-A3B at M = 16384, the H200 table's blocks
-    assert not slot_order.slot_rows_pay(16384 * 4, 128, 128)  # GPT-OSS-120B there: a quarter
-    assert not slot_order.slot_rows_pay(1024 * 8, 128, 64)  # at M = 1024: the slots would be nearly twice the rows
+    assert slot_order.slot_rows_pay(16384 * 4, 128, 128)  # GPT-OSS-120B there: 512 copies an expert
+    assert slot_order.slot_rows_pay(16384 * 8, 256, 128)  # DeepSeek-V3 there
+    assert not slot_order.slot_rows_pay(4096 * 4, 128, 128)  # GPT-OSS at M = 4096: up to 8064 padding rows
+    assert not slot_order.slot_rows_pay(1024 * 8, 128, 64)  # Qwen3 at M = 1024: the rows would be nearly twice
+    assert not slot_order.slot_rows_pay(1024 * 2, 8, 128)  # Mixtral at M = 1024: a quarter
+    assert slot_order.slot_rows_pay(2048 * 2, 8, 128)  # and at M = 2048
+    assert not slot_order.slot_rows_pay(32 * 128, 128, 128)  # 32 copies an expert: 32-row steps, still 31 each
     assert slot_order.slot_rows_pay(64, 512, 1)  # one-row blocks: no padding
     assert not slot_order.slot_rows_pay(0, 8, 64)
 
@@ -127,7 +150,8 @@ def test_the_dispatch_takes_slot_order_only_where_a_training_step_can_use_it() -
     kernel_ops()
     assert table.lookup(1024).block_m <= 128
     trained = AlignDispatch(2, table)(routed)
-    assert trained.alignment.slot_copies == 2048 and trained.x.data.shape[0] == trained.alignment.sorted_ids.numel()
+    assert trained.alignment.slot_copies == 2048
+    assert trained.x.data.shape[0] == slot_rows.slot_row_count(2048, 2, table.lookup(1024).block_m)
     with torch.no_grad():  # inference moves no rows
         served = AlignDispatch(2, table)(routed)
     assert served.alignment.slot_copies == 0 and served.x.data is routed.x.data
@@ -161,20 +185,27 @@ def _counting(run: Any) -> tuple[Any, int, int]:
         weight_grad.gather_expert_rows, weight_grad.expert_runs = gather, expert_runs  # type: ignore
 
 
+# (the table's block; tokens): the CPU default's 16-row blocks, each expert's run its whole blocks; 64-row blocks at
+# about ten copies an expert, runs of 32-row steps; 128-row blocks at about 40, runs of 64-row steps
+BLOCKS = {"16-row blocks": (None, 21), "64-row blocks": (64, 21), "128-row blocks": (128, 80)}
+
+
+@pytest.mark.parametrize("blocks", sorted(BLOCKS))
 @pytest.mark.parametrize("act", ["swiglu", "gpt-oss"])
-def test_the_stages_train_the_same_in_both_layouts_and_the_same_bits_twice(act: str) -> None:
+def test_the_stages_train_the_same_in_both_layouts_and_the_same_bits_twice(act: str, blocks: str) -> None:
     # gpt-oss: the clamped SwiGLU on interleaved rows; both with expert biases
     from test_triton_backward import ACTIVATIONS, _pipeline, _tensors
 
+    block_m, tokens = BLOCKS[blocks]
     gen = torch.Generator().manual_seed(7)
     t = _tensors(4, 32, 48, True, torch.float32, gen)
-    x = torch.randn(21, 32, generator=gen).to(DEVICE).requires_grad_()
-    logits = torch.randn(21, 4, generator=gen).to(DEVICE).requires_grad_()
-    grad = torch.randn(21, 32, generator=gen).to(DEVICE)
+    x = torch.randn(tokens, 32, generator=gen).to(DEVICE).requires_grad_()
+    logits = torch.randn(tokens, 4, generator=gen).to(DEVICE).requires_grad_()
+    grad = torch.randn(tokens, 32, generator=gen).to(DEVICE)
     inputs = [x, logits, *t.values()]
 
     def run(slot_rows: bool) -> list[torch.Tensor]:
-        pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS[act], mf.RoutingConfig(), torch.float32, slot_rows)
+        pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS[act], mf.RoutingConfig(), torch.float32, slot_rows, block_m)
         return _grads(lambda: pipeline(MoEInput(x, logits)).hidden_states, inputs, grad)
 
     copy_order, gathered, copy_runs = _counting(lambda: run(False))

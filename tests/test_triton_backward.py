@@ -95,7 +95,8 @@ def _tensors(experts: int, hidden: int, inter: int, gated: bool, dtype: torch.dt
 
 
 def _check_gradients(tokens: int, experts: int, k: int, act: mf.ActivationConfig, routing: mf.RoutingConfig,
-                     dtype: torch.dtype, tolerance: float, logits: Any = None, slot_rows: bool = False) -> None:
+                     dtype: torch.dtype, tolerance: float, logits: Any = None, slot_rows: bool = False,
+                     block_m: Optional[int] = None) -> None:
     hidden, inter = 32, 48
     gen = torch.Generator().manual_seed(81)
     t = _tensors(experts, hidden, inter, act.gated, dtype, gen)
@@ -103,7 +104,8 @@ def _check_gradients(tokens: int, experts: int, k: int, act: mf.ActivationConfig
     if logits is None:
         logits = torch.randn(tokens, experts, generator=gen)
     logits = logits.to(DEVICE).requires_grad_()
-    out = _pipeline(experts, k, hidden, t, act, routing, dtype, slot_rows)(mf.MoEInput(x, logits)).hidden_states
+    out = _pipeline(experts, k, hidden, t, act, routing, dtype, slot_rows, block_m)(
+        mf.MoEInput(x, logits)).hidden_states
     grad = torch.randn(out.shape, generator=gen).to(DEVICE, dtype)
     inputs = [x, logits, *t.values()]
     got = torch.autograd.grad(out, inputs, grad, allow_unused=True)
@@ -117,18 +119,21 @@ def _check_gradients(tokens: int, experts: int, k: int, act: mf.ActivationConfig
 
 
 # The rows in copy order, as inference dispatches them, and in slot order (moeforge.stages.slot_order), as a training
-# step does where it pays: forced here at shapes where the rule would not take it.
-LAYOUTS = {"copy order": False, "slot order": True}
+# step does where it pays: forced here at shapes where the rule would not take it; in 64-row blocks, each expert's
+# run of rows cut short of its blocks (a whole number of the weight gradient's 32-row steps at these few copies).
+LAYOUTS: dict[str, dict[str, Any]] = {"copy order": dict(slot_rows=False), "slot order": dict(slot_rows=True),
+                                      "slot order, runs short of the blocks": dict(slot_rows=True, block_m=64)}
 
 
 # (slot order for two activations: gated on concatenated and on interleaved rows; the others are the same kernels)
 @pytest.mark.parametrize("act, layout", [(act, "copy order") for act in sorted(ACTIVATIONS)]
-                         + [("swiglu", "slot order"), ("gpt-oss", "slot order")])
+                         + [("swiglu", "slot order"), ("gpt-oss", "slot order"),
+                            ("gpt-oss", "slot order, runs short of the blocks")])
 @pytest.mark.parametrize("weights_at", ["combine", "epilogue"])
 def test_gradients_of_every_activation_and_routing_weight_placement(act: str, weights_at: str, layout: str) -> None:
     place = mf.RoutingWeights.IN_GEMM_EPILOGUE if weights_at == "epilogue" else mf.RoutingWeights.IN_COMBINE
     _check_gradients(9, 4, 2, ACTIVATIONS[act], mf.RoutingConfig(apply_weights=place), torch.float32, 1e-5,
-                     slot_rows=LAYOUTS[layout])
+                     **LAYOUTS[layout])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -138,14 +143,15 @@ def test_gradients_with_the_routing_weights_on_the_input(k: int, layout: str) ->
     # combine sums the copies unweighted. The weights' gradient comes through the scaled rows (both layouts).
     routing = mf.RoutingConfig(scoring=mf.Scoring.SIGMOID, order=mf.ScoreOrder.SELECT_THEN_SCORE, renormalize=False,
                                apply_weights=mf.RoutingWeights.ON_INPUT)
-    _check_gradients(9, 4, k, ACTIVATIONS["swiglu"], routing, torch.float32, 1e-5, slot_rows=LAYOUTS[layout])
-    _check_gradients(1, 3, 3, ACTIVATIONS["gpt-oss"], routing, torch.float32, 1e-5, slot_rows=LAYOUTS[layout])
+    _check_gradients(9, 4, k, ACTIVATIONS["swiglu"], routing, torch.float32, 1e-5, **LAYOUTS[layout])
+    _check_gradients(1, 3, 3, ACTIVATIONS["gpt-oss"], routing, torch.float32, 1e-5, **LAYOUTS[layout])
 
 
 @pytest.mark.parametrize("routing, layout", [(routing, "copy order") for routing in sorted(ROUTINGS)]
-                         + [("sigmoid renormalized, scaled", "slot order")])
+                         + [("sigmoid renormalized, scaled", "slot order"),
+                            ("sigmoid renormalized, scaled", "slot order, runs short of the blocks")])
 def test_gradients_of_the_routing_weights(routing: str, layout: str) -> None:
-    _check_gradients(7, 6, 3, ACTIVATIONS["swiglu"], ROUTINGS[routing], torch.float32, 1e-5, slot_rows=LAYOUTS[layout])
+    _check_gradients(7, 6, 3, ACTIVATIONS["swiglu"], ROUTINGS[routing], torch.float32, 1e-5, **LAYOUTS[layout])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -153,16 +159,16 @@ def test_gradients_with_idle_experts_one_busy_expert_and_top_k_equal_to_experts(
     logits = torch.full((12, 4), -4.0)
     logits[:, 2] = 4.0  # every token's first choice is expert 2; with k=1 experts 0, 1, 3 get nothing
     _check_gradients(12, 4, 1, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32, 1e-5, logits=logits,
-                     slot_rows=LAYOUTS[layout])
+                     **LAYOUTS[layout])
     _check_gradients(5, 3, 3, ACTIVATIONS["relu2"], mf.RoutingConfig(), torch.float32, 1e-5,
-                     slot_rows=LAYOUTS[layout])
+                     **LAYOUTS[layout])
     _check_gradients(1, 3, 2, ACTIVATIONS["gpt-oss"], mf.RoutingConfig(), torch.float32, 1e-5,
-                     slot_rows=LAYOUTS[layout])  # one token
+                     **LAYOUTS[layout])  # one token
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_gradients_in_half_precision(layout: str) -> None:
-    _check_gradients(9, 4, 2, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float16, 2e-2, slot_rows=LAYOUTS[layout])
+    _check_gradients(9, 4, 2, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float16, 2e-2, **LAYOUTS[layout])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -172,7 +178,7 @@ def test_an_empty_batch_has_zero_gradients(layout: str) -> None:
     x = torch.zeros(0, 32, device=DEVICE, requires_grad=True)
     logits = torch.zeros(0, 4, device=DEVICE, requires_grad=True)
     out = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32,
-                    LAYOUTS[layout])(mf.MoEInput(x, logits))
+                    **LAYOUTS[layout])(mf.MoEInput(x, logits))
     grads = torch.autograd.grad(out.hidden_states.sum(), [x, *t.values()], allow_unused=True)
     assert grads[0] is not None and grads[0].shape == (0, 32)
     assert all(g is None or not g.any() for g in grads[1:])
@@ -386,7 +392,7 @@ def test_a_training_step_compiles_with_the_backward_ops(layout: str) -> None:
     """AOT autograd traces the registered backward (the custom ops' fakes, the weight-gradient op)."""
     gen = torch.Generator().manual_seed(85)
     t = _tensors(4, 32, 48, True, torch.float32, gen)
-    pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32, LAYOUTS[layout])
+    pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32, **LAYOUTS[layout])
     x = torch.randn(9, 32, generator=gen).to(DEVICE)
     logits = torch.randn(9, 4, generator=gen).to(DEVICE).requires_grad_()
 
@@ -433,7 +439,7 @@ def test_a_training_forward_traces_in_one_graph(layout: str) -> None:
     not trace (a frozen attrs class's ``__init__``); in slot order too."""
     gen = torch.Generator().manual_seed(86)
     t = _tensors(4, 32, 48, True, torch.float32, gen)
-    pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32, LAYOUTS[layout])
+    pipeline = _pipeline(4, 2, 32, t, ACTIVATIONS["swiglu"], mf.RoutingConfig(), torch.float32, **LAYOUTS[layout])
     x = torch.randn(9, 32, generator=gen).to(DEVICE)
     logits = torch.randn(9, 4, generator=gen).to(DEVICE)
 

@@ -108,9 +108,9 @@ class GemmRoute:
     num_copies: int  # the output's rows
     aligned_block_m: Optional[int] = None  # the block the rows were aligned with (None: the config's block_m)
     # Rows in slot order (moeforge.kernels.slot_rows): the number of copies they hold, every slot's sorted_ids its
-    # own position (num_copies: the slots) and each padding row of the inputs zero; 0: rows in copy order. The
-    # backward's weight gradient then reads each expert's rows in place instead of gathering them, to each expert's
-    # copies where slot_runs (weight_grad.expert_runs of the copies with slot_first) says how many.
+    # row (num_copies: the rows) and each padding row of the inputs zero; 0: rows in copy order. The backward's
+    # weight gradient then reads each expert's rows in place instead of gathering them, from where and to each
+    # expert's copies where slot_runs (weight_grad.expert_runs of the copies: rows 3 and 2) says.
     slot_copies: int = 0
     slot_runs: Optional[torch.Tensor] = None
 

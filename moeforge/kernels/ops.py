@@ -261,9 +261,9 @@ gather_slots = KernelOp(_gather_slots_op, _gather_slots, differentiable=True)
 def _(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: torch.Tensor, block_expert: torch.Tensor,
       num_padded: torch.Tensor, top_k: int, num_experts: int,
       block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    slots = sorted_ids.numel()
-    return (x.new_empty(slots, x.shape[1]), x.new_empty(slots if weights is not None else 0, dtype=torch.float32),
-            x.new_empty(x.shape[0] * top_k, dtype=torch.int32), x.new_empty(slots, dtype=torch.int32),
+    rows = slot_rows.slot_row_count(x.shape[0] * top_k, num_experts, block_m)
+    return (x.new_empty(rows, x.shape[1]), x.new_empty(rows if weights is not None else 0, dtype=torch.float32),
+            x.new_empty(x.shape[0] * top_k, dtype=torch.int32), x.new_empty(sorted_ids.numel(), dtype=torch.int32),
             x.new_empty(4, num_experts + 1, dtype=torch.int32))
 
 

@@ -101,7 +101,7 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
 
     fp32 operands take the short reductions' launch (shared memory for two stages of fp32 tiles). On CPU
     (Triton's interpreter, tests) small tiles: the interpreter's cost grows with the tile."""
-    step = min(32 if rows_per_expert <= SHORT_RUN else 64, aligned_block_m)
+    step = weight_grad_step(rows_per_expert, aligned_block_m)
     if device.type != "cuda":
         return WeightGradTiles(32, 32, min(16, aligned_block_m), 4, 2, False)
     tma = capability_has_tma(device)
@@ -113,6 +113,15 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
         block_n, block_k = (128, 256) if k >= n else (256, 128)
         return WeightGradTiles(block_n, block_k, step, 8, 3, tma)
     return WeightGradTiles(128, 128, step, 4, 2, tma, tma_store=tma)
+
+
+def weight_grad_step(rows_per_expert: float, aligned_block_m: int) -> int:
+    """The rows of one reduction step of the weight gradient on a GPU: 64, 32 where an expert has at most
+    :data:`SHORT_RUN` rows on average, at most the alignment's block. Rows in slot order
+    (:mod:`moeforge.kernels.slot_rows`) round each expert's run up to a whole number of these steps, so that every
+    step the weight gradient takes (this one on a GPU, 16 rows under the interpreter: divisors of it) ends inside
+    the run."""
+    return max(1, min(32 if rows_per_expert <= SHORT_RUN else 64, aligned_block_m))
 
 
 def capability_has_tma(device: torch.device) -> bool:
@@ -135,14 +144,13 @@ def tma_applies(t: torch.Tensor) -> bool:
 @triton.jit
 def _expert_runs_kernel(block_expert_ptr, sorted_ids_ptr, num_padded_ptr, runs_ptr, num_blocks, num_experts,
                         num_copies, ALIGNED_M: tl.constexpr, STEP: tl.constexpr, BLOCK_E: tl.constexpr,
-                        CHUNK: tl.constexpr, CHUNK_E: tl.constexpr, SLOT_FIRST: tl.constexpr):
+                        CHUNK: tl.constexpr, CHUNK_E: tl.constexpr):
     # One program. Row 0 of runs [4, E + 1]: each expert's first block -- its used blocks counted (a histogram of the
     # block -> expert table's used entries), their exclusive running sum -- then the number of used blocks. Row 2:
     # each expert's copies -- its blocks' slots less the padding, which the alignment puts only in an expert's last
     # block -- then all of them. Row 1: their exclusive running sum (each expert's first row in expert order), then
-    # the number of copies (SLOT_FIRST: each expert's first row in slot order, its first block's, then the used
-    # slots); row 3 the same over the copies rounded up to whole steps of STEP rows. Rows 0 and 2 are read back after
-    # they are written: a barrier between (one CTA).
+    # the number of copies; row 3 the same over the copies rounded up to whole steps of STEP rows. Rows 0 and 2 are
+    # read back after they are written: a barrier between (one CTA).
     used_blocks = tl.load(num_padded_ptr) // ALIGNED_M
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     experts = tl.arange(0, BLOCK_E)
@@ -171,12 +179,8 @@ def _expert_runs_kernel(block_expert_ptr, sorted_ids_ptr, num_padded_ptr, runs_p
         tl.store(copies_row + chunk, (stop - first) * ALIGNED_M - padding, mask=inside)
     tl.debug_barrier()
     mine = tl.load(copies_row + experts, mask=real, other=0)
-    if SLOT_FIRST:
-        tl.store(runs_ptr + num_experts + 1 + experts, first_blocks * ALIGNED_M, mask=real)
-        tl.store(runs_ptr + 2 * num_experts + 1, used_blocks * ALIGNED_M)
-    else:
-        tl.store(runs_ptr + num_experts + 1 + experts, tl.cumsum(mine, axis=0) - mine, mask=real)
-        tl.store(runs_ptr + 2 * num_experts + 1, tl.sum(mine, axis=0))
+    tl.store(runs_ptr + num_experts + 1 + experts, tl.cumsum(mine, axis=0) - mine, mask=real)
+    tl.store(runs_ptr + 2 * num_experts + 1, tl.sum(mine, axis=0))
     tl.store(copies_row + num_experts, tl.sum(mine, axis=0))
     whole = tl.cdiv(mine, STEP) * STEP
     tl.store(runs_ptr + 3 * (num_experts + 1) + experts, tl.cumsum(whole, axis=0) - whole, mask=real)
@@ -184,24 +188,22 @@ def _expert_runs_kernel(block_expert_ptr, sorted_ids_ptr, num_padded_ptr, runs_p
 
 
 def expert_runs(block_expert: torch.Tensor, sorted_ids: torch.Tensor, num_padded: torch.Tensor, block_m: int,
-                num_experts: int, num_copies: int, step: int, slot_first: bool = False) -> torch.Tensor:
+                num_experts: int, num_copies: int, step: int) -> torch.Tensor:
     """Where each expert's rows lie, from the alignment's outputs (aligned with ``block_m``, ``num_copies``
     copies), on the device in one launch: ``runs [4, E + 1]`` int32 with ``runs[0, e]`` expert ``e``'s first block
     in the slot order (``runs[0, E]`` the used blocks), ``runs[1, e]`` its first row in expert order (the copies
     of the experts before it; ``runs[1, E]`` all copies), ``runs[2, e]`` its copies (``runs[2, E]`` all) and
     ``runs[3, e]`` its first row in expert order with every run rounded up to whole steps of ``step`` rows
-    (``runs[3, E]`` all those rows). ``slot_first``: ``runs[1, e]`` its first row in slot order instead, its first
-    block's (``runs[1, E]`` the used slots): where rows in slot order lie (:mod:`moeforge.kernels.slot_rows`)."""
+    (``runs[3, E]`` all those rows): where rows in slot order lie (:mod:`moeforge.kernels.slot_rows`)."""
     runs = torch.empty(4, num_experts + 1, dtype=torch.int32, device=block_expert.device)
     block_e = max(next_power_of_2(num_experts), 2)
     chunk = max(16, min(1024, next_power_of_2(block_expert.numel())))
     chunk_e = max(1, min(block_e, 4096 // block_m))
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return dict(ALIGNED_M=block_m, STEP=step, BLOCK_E=block_e, CHUNK=chunk, CHUNK_E=chunk_e,
-                    SLOT_FIRST=slot_first), {}
+        return dict(ALIGNED_M=block_m, STEP=step, BLOCK_E=block_e, CHUNK=chunk, CHUNK_E=chunk_e), {}
 
-    _EXPERT_RUNS.launch((block_m, step, block_e, chunk, chunk_e, slot_first, block_expert.device), (1,),
+    _EXPERT_RUNS.launch((block_m, step, block_e, chunk, chunk_e, block_expert.device), (1,),
                         (block_expert, sorted_ids, num_padded, runs, block_expert.numel(), num_experts, num_copies),
                         make)
     return runs
@@ -335,9 +337,10 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     MMAs leave reading the rows as the cost, which that kernel does once, with no launch to find the experts' runs).
 
     ``slot_copies`` > 0: both operands in slot order (:mod:`moeforge.kernels.slot_rows`; ``sorted_ids`` each slot's
-    own position, ``rows_per_a`` 1), ``slot_copies`` of their rows copies, each padding row of one operand zero: each
+    row, ``rows_per_a`` 1), ``slot_copies`` of their rows copies, each padding row of one operand zero: each
     expert's sum runs over its rows where they are, nothing gathered: its copies rounded up to whole steps, from
-    ``slot_runs`` (the dispatch's :func:`expert_runs` of the copies with ``slot_first``). ``scale``: both gradients
+    ``slot_runs`` (the dispatch's :func:`expert_runs`: row 3 each expert's first row, row 2 its copies; the runs
+    rounded up to :func:`weight_grad_step`'s rows, which the launch's step must divide). ``scale``: both gradients
     times it (an adapter's ``alpha / r``; in the narrow kernel before the cast, else after)."""
     if tiles is None and narrow_weight_grad.narrow_problem(d_rows, rows, with_bias, slot_copies) is None:
         # (an adapter's A or B: the rows read once by index, the narrow side whole in each program's accumulator)
@@ -373,7 +376,11 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
     if block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
-    # (in slot order the dispatch's runs: rows 1 and 2 are what the launches read)
+    rounded = weight_grad_step(slot_copies / max(num_experts, 1), block_m)
+    if slot_copies and rounded % tiles.block_m:
+        raise ValueError(f"rows in slot order round each expert's run up to {rounded} rows: the weight gradient's "
+                         f"step of {tiles.block_m} rows must divide that")
+    # (in slot order the dispatch's runs: rows 3 and 2 are what the launches read)
     runs = slot_runs if slot_runs is not None and slot_copies else expert_runs(
         block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m)
 
@@ -390,9 +397,9 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
                                          tma_store=tiles.tma_store)
 
     if slot_copies:
-        # an expert's run from its first block's row: its copies rounded up to whole steps within its blocks (the
-        # step divides the block), past its copies the padding's zero rows
-        dy, x, dy_first, x_first = d_rows.contiguous(), rows.contiguous(), runs[1], runs[1]
+        # an expert's run from its first row: its copies, then zero rows up to a whole number of steps (the step
+        # divides the rounding)
+        dy, x, dy_first, x_first = d_rows.contiguous(), rows.contiguous(), runs[3], runs[3]
     else:
         # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to
         # whole steps, the other compact

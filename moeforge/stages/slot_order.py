@@ -2,21 +2,22 @@
 
 :class:`~moeforge.stages.triton.AlignDispatch` moves no row for inference: the first GEMM gathers the token rows by
 index and every GEMM writes one row per copy in copy order. Where it records a gradient it gathers the token rows
-into the alignment's slots instead (:mod:`moeforge.kernels.slot_rows`, one differentiable op): the GEMMs then read
-and write row ``s`` for slot ``s`` with the same kernels (their route's ``sorted_ids`` is each slot's own position),
-the backward's weight gradients read each expert's rows where they lie instead of gathering two copies into expert
-order, and the combine reads each copy's row at its slot (:class:`~moeforge.stages.triton.AlignedPlan` by
-``slot_of``). This module holds the rule; :meth:`~moeforge.stages.triton.AlignDispatch.slot_order_rows` gathers.
+into the alignment's slot order instead (:mod:`moeforge.kernels.slot_rows`, one differentiable op): each expert's
+copies one run, rounded up to a whole step of the weight gradient with zero rows. The GEMMs then read and write each
+slot's row with the same kernels (their route's ``sorted_ids`` is each slot's row), the backward's weight gradients
+read each expert's rows where they lie instead of gathering two copies into expert order, and the combine reads each
+copy's row (:class:`~moeforge.stages.triton.AlignedPlan` by ``slot_of``). This module holds the rule;
+:meth:`~moeforge.stages.triton.AlignDispatch.slot_order_rows` gathers.
 
-The rows past the used slots hold no values (no kernel writes them): every stage between the dispatch and the combine
-must read the used rows alone, which the pipeline checks when it is built (``Spec.slot_order``: a stage that reads
-every row refuses a dispatch that may give slot order, and the dispatch is then built with ``slot_rows=False``).
+The rows past the last expert's run hold no values (no kernel writes them): every stage between the dispatch and the
+combine must read the rows of its slots alone, which the pipeline checks when it is built (``Spec.slot_order``: a
+stage that reads every row refuses a dispatch that may give slot order, and the dispatch is then built with
+``slot_rows=False``).
 
-The rows then number the alignment's slots, ``S = copies + min(E, copies) * (block_m - 1)`` at most, against the
-copies in copy order, and the forward saves them for the backward. :func:`slot_rows_pay` takes slot order where the
-padding is at most an eighth of the copies: there it was faster than copy order and its peak memory lower or below
-torch's; with more padding the saved slot rows cost more than the gathers they spare (docs/kernels.md, "Backward",
-has the measurements).
+The rows then number ``copies + min(E, copies) * (step - 1)`` at most (``step``:
+:func:`~moeforge.kernels.weight_grad.weight_grad_step`, 64 or 32 rows), against the copies in copy order, and the
+forward saves them for the backward. :func:`slot_rows_pay` takes slot order where that padding is at most an
+eighth of the copies (docs/kernels.md, "Backward", has the measurements behind the bound).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from moeforge.kernels.weight_grad import weight_grad_step
 from moeforge.payloads import RoutedTokens
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
@@ -32,9 +34,10 @@ _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
 def slot_rows_pay(num_copies: int, num_experts: int, block_m: int) -> bool:
     """Whether ``num_copies`` copies aligned in blocks of ``block_m`` rows over ``num_experts`` experts take slot order
-    in a training step: the most padding (``block_m - 1`` rows for each expert with a copy) at most an eighth of the
-    copies (see the module docstring)."""
-    return num_copies > 0 and 8 * min(num_experts, num_copies) * (block_m - 1) <= num_copies
+    in a training step: the most padding (a step of the weight gradient less a row for each expert with a copy) at
+    most an eighth of the copies (see the module docstring)."""
+    step = weight_grad_step(num_copies / max(num_experts, 1), block_m)
+    return num_copies > 0 and 8 * min(num_experts, num_copies) * (step - 1) <= num_copies
 
 
 def slot_rows_apply(x: RoutedTokens) -> Optional[str]:

@@ -179,21 +179,22 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
                            copy_experts=x.topk.ids.reshape(-1) if adapter_ids is not None else None)
 
     def slot_order_rows(self, x: RoutedTokens, alignment: BlockAlignment) -> AlignedRows:
-        """``x``'s rows gathered into the slots of ``alignment`` (aligned for ``x``'s copies) as :class:`AlignedRows`
-        in slot order (:mod:`moeforge.stages.slot_order`): ``x.data [S, H]`` (a zero row in each used padding slot),
-        the alignment's ``sorted_ids`` each slot's position, the copies' routing weights in slot order (zero in the
-        padding), where each expert's rows and copies lie, and the plan back to the tokens."""
+        """``x``'s rows gathered into the slot order of ``alignment`` (aligned for ``x``'s copies) as
+        :class:`AlignedRows` (:mod:`moeforge.stages.slot_order`): ``x.data [R, H]``, each expert's copies then zero
+        rows up to a whole step of the weight gradient, the alignment's ``sorted_ids`` each slot's row, the copies'
+        routing weights in the rows' order (zero in the padding), where each expert's rows and copies lie, and the
+        plan back to the tokens."""
         tokens, top_k = x.topk.ids.shape
         weights = x.topk.weights.float()
-        xs, slot_weights, slot_of, positions, runs = kernel_ops().gather_slots(
+        xs, row_weights, slot_of, row_of_slot, runs = kernel_ops().gather_slots(
             x.x.data, weights.reshape(-1), alignment.sorted_ids, alignment.block_expert, alignment.num_padded, top_k,
             self.num_experts, alignment.block_m)
-        slots = BlockAlignment(sorted_ids=positions, block_expert=alignment.block_expert,
-                               num_padded=alignment.num_padded, config=alignment.config, copies_per_row=1,
-                               num_tokens=int(positions.numel()), slot_copies=tokens * top_k, slot_runs=runs)
-        if self.apply_routing_weights:  # (rows past the used slots hold no values, and no kernel reads them)
-            xs = scale_rows(xs, slot_weights)
-        return AlignedRows(x=Activations(xs), alignment=slots, copy_major=True, copy_weights=slot_weights,
+        rows = BlockAlignment(sorted_ids=row_of_slot, block_expert=alignment.block_expert,
+                              num_padded=alignment.num_padded, config=alignment.config, copies_per_row=1,
+                              num_tokens=int(xs.shape[0]), slot_copies=tokens * top_k, slot_runs=runs)
+        if self.apply_routing_weights:  # (rows past the last expert's run hold no values, and no kernel reads them)
+            xs = scale_rows(xs, row_weights)
+        return AlignedRows(x=Activations(xs), alignment=rows, copy_major=True, copy_weights=row_weights,
                            plan=AlignedPlan(weights, slot_of.view(tokens, top_k)))
 
 
