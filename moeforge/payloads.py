@@ -384,6 +384,19 @@ class StackAlignment:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class GatheredRows:
+    """Where a training step's slot-order rows came from (:mod:`moeforge.kernels.slot_rows`): ``rows`` — the
+    dispatch's gather, the tensor itself — hold ``rows[index[t, j]] = tokens[t]`` (``index`` int32 ``[T, k]``). A
+    first GEMM reading exactly these rows sums their gradient into ``tokens``' in its own backward, before its weight
+    gradient (:class:`~moeforge.kernels.grouped_gemm_call.GemmRows` ``gathered_from``); rows a stage replaced are
+    differentiated as they are."""
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    index: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class AlignedRows(ExpertRows):
     """Expert-grouped rows described by a :class:`BlockAlignment`, never physically sorted.
 
@@ -393,7 +406,8 @@ class AlignedRows(ExpertRows):
     [num_copies]`` (fp32) are the copies' routing weights in copy order. With a stack of expert adapters
     (``adapter_ids``): ``copy_experts [num_copies]`` (int32), each copy's local expert in copy order, where the
     dispatch knows it (else derived from the alignment), and ``stack_alignment``, the copies aligned by (adapter,
-    expert) pair, which the first adapted GEMM makes and the second reuses.
+    expert) pair, which the first adapted GEMM makes and the second reuses. ``gathered``: where rows in slot order
+    came from (:class:`GatheredRows`), until a GEMM has read them.
     """
 
     alignment: BlockAlignment
@@ -401,6 +415,7 @@ class AlignedRows(ExpertRows):
     copy_weights: torch.Tensor
     copy_experts: Optional[torch.Tensor] = dataclasses.field(default=None, kw_only=True)
     stack_alignment: Optional[StackAlignment] = dataclasses.field(default=None, kw_only=True)
+    gathered: Optional[GatheredRows] = dataclasses.field(default=None, kw_only=True)
 
     def check(self, spec: Spec, values: bool = True) -> None:
         _expect(spec.layout is Layout.BLOCK_ALIGNED, "layout", "AlignedRows", spec.layout.value)

@@ -69,7 +69,8 @@ _GENERIC_HINTS = {
     "alignment": "the block-aligned dispatch and the GEMMs after it must align rows alike: build them from "
     "the same ConfigTable",
     "slot_order": "this stage would read every row, and a training step's block-aligned rows may come in slot order, "
-    "where the rows past the used slots hold no values: build the dispatch with AlignDispatch(..., slot_rows=False), "
+    "where the rows past the last expert's run hold no values: build the dispatch with "
+    "AlignDispatch(..., slot_rows=False), "
     "or, for a stage that reads only the rows the alignment uses (row by row, or by its plan), accept them with "
     "Accepts(slot_order={False, True})",
 }

@@ -279,7 +279,7 @@ def _stages(dispatch: AlignDispatch, middle: Any, table: ConfigTable) -> list[An
 
 
 def test_a_stage_that_reads_every_row_refuses_a_dispatch_that_may_give_slot_order() -> None:
-    # Rows in slot order hold no values past the used slots: a stage reducing over all rows would read them. The
+    # Rows in slot order hold no values past the last expert's run: a stage reducing over all rows would read them. The
     # pipeline refuses it when built, naming the field and the way out, and builds with the dispatch in copy order.
     table = ConfigTable(4, 2)
     spec = mf.input_spec(8, torch.float32, 4)
@@ -313,10 +313,66 @@ def test_an_adapted_gemm_refuses_rows_in_slot_order() -> None:
 
 @pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
 def test_anomaly_detection_keeps_the_rows_in_copy_order() -> None:
-    # Anomaly detection checks every gradient for NaN, rows past the used slots included.
+    # Anomaly detection checks every gradient for NaN, rows past the last run included.
     table = ConfigTable(2, 2)
     routed = _routed(1024, 2, 2, 8, 5)
     kernel_ops()
     assert AlignDispatch(2, table)(routed).alignment.slot_copies == 2048
     with torch.autograd.detect_anomaly():
         assert AlignDispatch(2, table, slot_rows=True)(routed).alignment.slot_copies == 0
+
+
+class _ScaledRows(mf.Stage[Any, Any]):
+    """A user's stage between the dispatch and the first GEMM that doubles every row, row by row (it takes rows in
+    slot order)."""
+
+    kinds = (mf.StageKind.QUANTIZE,)
+
+    def accepts(self) -> mf.Accepts:
+        return mf.Accepts(kind=mf.PayloadKind.DISPATCHED, slot_order=frozenset({False, True}))
+
+    def output_spec(self, spec: mf.Spec) -> mf.Spec:
+        return spec
+
+    def __call__(self, x: Any) -> Any:
+        return x.with_x(Activations(x.x.data * 2.0))
+
+
+@pytest.mark.parametrize("middle", ["none", "a stage doubling the rows", "weights on the input"])
+def test_the_first_gemm_sums_the_slot_rows_gradient_into_the_tokens_itself(middle: str) -> None:
+    # Rows straight from the dispatch's gather: the first GEMM's backward sums their gradient into the token rows' by
+    # the gather's index, before its weight gradient, and the gather's backward gets none (so the rows' gradient is not
+    # held through the weight gradient). Rows a stage replaced, or scaled by the routing weights, take the gather's
+    # backward as before. The gradients are the same as in copy order either way.
+    from moeforge.stages import Combine, FusedGroupedGemm, TritonTopK
+    from test_triton_backward import _table
+
+    table = _table(4, 2, 64)
+    gen = torch.Generator().manual_seed(11)
+    w13 = torch.nn.Parameter(torch.randn(4, 32, 16, generator=gen).to(DEVICE) * 0.25)
+    w2 = torch.nn.Parameter(torch.randn(4, 16, 16, generator=gen).to(DEVICE) * 0.25)
+    on_input = middle == "weights on the input"
+    routing = mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT) if on_input else mf.RoutingConfig()
+    x = torch.randn(37, 16, generator=gen).to(DEVICE).requires_grad_()
+    logits = torch.randn(37, 4, generator=gen).to(DEVICE).requires_grad_()
+    grad = torch.randn(37, 16, generator=gen).to(DEVICE)
+
+    def run(slot: bool) -> tuple[list[torch.Tensor], int]:
+        stages = [TritonTopK(4, 2, routing), AlignDispatch(4, table, slot, apply_routing_weights=on_input),
+                  *([_ScaledRows()] if middle == "a stage doubling the rows" else []),
+                  FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=mf.ActivationConfig()),
+                  FusedGroupedGemm(mf.GemmRole.DOWN, w2, table), Combine(apply_routing_weights=not on_input)]
+        pipeline = mf.Pipeline(stages, mf.input_spec(16, torch.float32, 4))
+        calls: list[int] = []
+        original = slot_rows.gather_slots_backward
+        try:
+            slot_rows.gather_slots_backward = lambda *a, **k: calls.append(1) or original(*a, **k)  # type: ignore
+            grads = _grads(lambda: pipeline(MoEInput(x, logits)).hidden_states, [x, logits, w13, w2], grad)
+        finally:
+            slot_rows.gather_slots_backward = original  # type: ignore
+        return grads, len(calls)
+
+    (copy_order, _), (slot, gather_backwards) = run(False), run(True)
+    assert gather_backwards == (0 if middle == "none" else 1)
+    for name, a, b in zip(["out", "x", "logits", "w13", "w2"], slot, copy_order):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=name)

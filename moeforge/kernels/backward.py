@@ -14,6 +14,10 @@ pre-activation with the same kernel in fp32 and takes the epilogue's derivative 
   GEMM (``r = top_k`` copies each) sum their copies in fp32 in a fixed order (each copy rounded to the rows'
   dtype first, as torch's path rounds each product: half the bytes of fp32 copies, and a 2-byte output lets
   the launch overlap a tile's epilogue with the next tile's loads);
+  rows a dispatch gathered from token rows (:class:`~moeforge.kernels.grouped_gemm_call.GemmRows`'s
+  ``gathered_from``: slot order), into those token rows by the gather's index, the rows themselves given no gradient
+  (the gather's backward would make the same sum after this backward: the rows' gradient, as large as the rows, would
+  be held through the weight gradient);
 * weights and biases: :func:`moeforge.kernels.weight_grad.expert_weight_grad`, a k-grouped GEMM on the rows
   gathered in slot order, deterministic (no atomics; each expert's copies summed in ascending order);
 * routing weights in the epilogue: ``<d_out[c], epilogue input[c]>`` from the autograd step;
@@ -50,7 +54,9 @@ _MOE_GEMM_INPUTS = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "we
                     "topk_weights", "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a",
                     "weight_format", "a_global", "act", "glu", "interleaved", "alpha", "limit", "config",
                     "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max", "weight_shuffled", "update_rows",
-                    "update_weight", "update_scale", "update_ids", "slot_copies", "slot_runs", "update_source")
+                    "update_weight", "update_scale", "update_ids", "slot_copies", "slot_runs", "update_source",
+                    "gathered_from", "gathered_index")
+_GATHERED_FROM = _MOE_GEMM_INPUTS.index("gathered_from")
 
 
 def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -58,7 +64,7 @@ def moe_gemm_setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> No
     ctx.args = {name: value for name, value in args.items() if not isinstance(value, torch.Tensor)}
     ctx.save_for_backward(args["a"], args["weight"], args["bias"], args["topk_weights"], args["sorted_ids"],
                           args["block_expert"], args["num_padded"], args.get("update_rows"), args.get("update_weight"),
-                          args.get("slot_runs"), args.get("update_source"))
+                          args.get("slot_runs"), args.get("update_source"), args.get("gathered_index"))
     update_weight = args.get("update_weight")
     ctx.stacked_update = args.get("update_ids") is not None or (update_weight is not None and update_weight.dim() == 4)
     ctx.quantized = (args["weight_format"] != int(WeightFormat.FLOAT) or args["fp8_out"]
@@ -73,7 +79,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         raise InputError("a stack of low-rank updates inside the grouped GEMM (update_weight [S, E, N_w, R]) is the "
                          "serving path: it has no backward (an adapter stack trains through its own launches)")
     (a, weight, bias, topk_weights, sorted_ids, block_expert, num_padded, update_rows, update_weight,
-     slot_runs, source) = ctx.saved_tensors
+     slot_runs, source, gathered_index) = ctx.saved_tensors
     p = ctx.args
     config = config_of(p["config"])
     aligned = p.get("aligned_block_m", 0) or config.block_m  # the block sorted_ids was aligned with
@@ -90,7 +96,10 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         d_pre, d_topk = _epilogue_backward(a, weight, bias, topk_weights, grad_out, route, config, p, activation,
                                            update)
     needs = ctx.needs_input_grad
-    d_a = d_weight = d_bias = d_source = None
+    d_a = d_weight = d_bias = d_source = d_gathered = None
+    # rows gathered from token rows (GemmRows.gathered_from): their gradient goes to the token rows, summed here, and
+    # the rows get none (they are the gather's output, whose gradient would only reach those token rows)
+    gathered = gathered_index is not None and len(needs) > _GATHERED_FROM and needs[_GATHERED_FROM]
     source_needs = len(needs) > 32 and needs[32]
     d_low = None  # the update rows' gradient where they came from ``source`` (see GemmUpdate.source)
     update_grads = None  # (the update's gradients where computed with d_low: its rows' none, its weight's)
@@ -98,17 +107,21 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         d_low, d_update_weight = _update_backward(d_pre, update_rows, update_weight, route, config, p, True,
                                                   needs[27])
         update_grads = (None, d_update_weight)
-    if needs[0]:
+    if (needs[0] and gathered_index is None) or gathered:
         # d_rows[c] = d_pre[c] @ W[e]: the same kernel on the transposed weight, one copy per row in the rows'
         # dtype (and, for an update's rows from ``source``, d_low[c] @ source[e] as its update: one more K-step).
         # Copies that share a row (the first GEMM's top_k) are summed in fp32, in a fixed order (the combine's
-        # kernel: one launch, written in the rows' dtype).
+        # kernel: one launch, written in the rows' dtype); rows gathered from token rows, into those token rows by
+        # their index, the same sum the gather's backward makes.
         r = p["rows_per_a"]
         d_rows, _ = grouped_gemm(GemmRows(d_pre), GemmWeight(weight.transpose(1, 2)), route,
                                  GemmEpilogue(a.dtype),
                                  row_gradient_config(config, int(weight.shape[2]), int(weight.shape[1])),
                                  GemmUpdate(d_low, source.transpose(1, 2)) if d_low is not None else None)
-        d_a = combine.COMBINE(d_rows, None, r, 1.0, a.dtype) if r > 1 else d_rows
+        if gathered:
+            d_gathered = combine.COMBINE(d_rows, None, int(gathered_index.shape[1]), 1.0, a.dtype, gathered_index)
+        else:
+            d_a = combine.COMBINE(d_rows, None, r, 1.0, a.dtype) if r > 1 else d_rows
         del d_rows  # (the copies, [copies, K]: released before the weight gradient allocates its own)
     if d_low is not None and source_needs:
         d_source, _ = weight_grad.EXPERT_WEIGHT_GRAD(d_low, a, p["rows_per_a"], sorted_ids, block_expert, num_padded,
@@ -126,6 +139,7 @@ def moe_gemm_backward(ctx: Any, grad_out: torch.Tensor, grad_out_scale: Optional
         grads_out[26], grads_out[27] = update_grads or _update_backward(
             d_pre, update_rows, update_weight, route, config, p, needs[26] and source is None, needs[27])
     grads_out[32] = d_source
+    grads_out[_GATHERED_FROM] = d_gathered
     return tuple(grads_out[:len(ctx.needs_input_grad)])
 
 

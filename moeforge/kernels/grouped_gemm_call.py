@@ -81,6 +81,12 @@ class GemmRows:
     scale: Optional[torch.Tensor] = None
     global_scale: float = 1.0  # NVFP4 rows: the static global scale they were quantized with
     rows_per_a: int = 1  # copies per row (top_k for token-major rows a first GEMM gathers from; else 1)
+    # Rows gathered from token rows, data[gathered_index[t, j]] = gathered_from[t] (the training step's slot order,
+    # moeforge.kernels.slot_rows): the backward sums the rows' gradient into gathered_from's by that index itself,
+    # before the weight gradient, and gives data none (the gather's backward would sum the same, after it: the rows'
+    # gradient, as many bytes as the rows, would then be held through the weight gradient)
+    gathered_from: Optional[torch.Tensor] = None
+    gathered_index: Optional[torch.Tensor] = None  # int32 [T, k]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -214,6 +220,8 @@ def launch(
     slot_copies: int = 0,
     slot_runs: Optional[torch.Tensor] = None,
     update_source: Optional[torch.Tensor] = None,
+    gathered_from: Optional[torch.Tensor] = None,
+    gathered_index: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``moeforge::moe_gemm`` op's implementation, the one grouped GEMM (:func:`moeforge.kernels.moe_gemm.moe_gemm`,
     imported when first called: this module imports no Triton): ``(out, out_scale)``, where ``out_scale`` is the
@@ -223,13 +231,15 @@ def launch(
     rows were aligned with (0: ``config``'s ``block_m``); ``weight_scale_max``: a bound on MXFP4's E8M0 codes (255:
     none known); ``weight_shuffled``: a 4-bit weight in the pre-shuffled layout (:mod:`moeforge.kernels.shuffle`);
     ``update_*``: a low-rank update (:class:`GemmUpdate`; ``update_source`` is read by the backward
-    alone); ``slot_copies``, ``slot_runs``: :class:`GemmRoute`'s (the
-    forward computes the same either way; the backward reads them). A ``config`` with ``warp_specialized`` launches the Gluon
+    alone); ``slot_copies``, ``slot_runs``: :class:`GemmRoute`'s, ``gathered_from``, ``gathered_index``:
+    :class:`GemmRows`' (the forward computes the same either way; the backward reads them). A ``config`` with ``warp_specialized`` launches the Gluon
     kernel where it serves these operands (:mod:`moeforge.kernels.warp_specialized`), else ``moe_gemm``."""
     from moeforge.kernels import moe_gemm as kernel
 
     if update_source is not None:
         _check_source(update_source, update_rows, update_weight, update_ids, a, weight)
+    if gathered_from is not None or gathered_index is not None:
+        _check_gathered(gathered_from, gathered_index, a, rows_per_a)
     out, out_scale = outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
     gemm = config_of(config)
     if gemm.warp_specialized and num_copies:  # the tuned table's choice, where that kernel serves this launch
@@ -271,6 +281,20 @@ def _check_source(source: torch.Tensor, rows: Optional[torch.Tensor], weight_b: 
                          f"{tuple(source.shape)} {source.dtype}")
 
 
+def _check_gathered(source: Optional[torch.Tensor], index: Optional[torch.Tensor], a: torch.Tensor,
+                    rows_per_a: int) -> None:
+    """:class:`GemmRows`' ``gathered_from [T, K]`` (the rows' dtype) and ``gathered_index`` (int32 ``[T, k]``) come
+    together, for rows read one per copy (``rows_per_a`` 1)."""
+    if source is None or index is None:
+        raise ValueError("gathered_from and gathered_index come together: the token rows and where each copy's row is")
+    if rows_per_a != 1 or index.dtype != torch.int32 or index.dim() != 2 or source.dim() != 2 \
+            or source.shape[0] != index.shape[0] or source.shape[1] != a.shape[1] or source.dtype != a.dtype:
+        raise ValueError(f"gathered_from must be [T, K] = [{index.shape[0] if index.dim() else '?'}, {a.shape[1]}] "
+                         f"in the rows' dtype {a.dtype} and gathered_index int32 [T, k], for rows read one per copy; "
+                         f"got {tuple(source.shape)} {source.dtype}, {tuple(index.shape)} {index.dtype}, rows_per_a "
+                         f"{rows_per_a}")
+
+
 # The op's one caller in the package: the op where torch.compile or a dispatch mode needs it, else launch (under the
 # op's backward where autograd records the call).
 MOE_GEMM = KernelOp("moeforge::moe_gemm", launch, differentiable=True)
@@ -292,6 +316,6 @@ def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue:
         NO_SCALE_BOUND if weight.scale_max is None else weight.scale_max, weight.shuffled,
         *((update.rows, update.weight, float(update.scale), update.ids) if update is not None
           else (None, None, 1.0, None)), route.slot_copies, route.slot_runs,
-        update.source if update is not None else None)
+        update.source if update is not None else None, rows.gathered_from, rows.gathered_index)
     result: torch.Tensor = out
     return result, out_scale if epilogue.fp8_out else None

@@ -125,7 +125,8 @@ def _(a: torch.Tensor, a_scale: Optional[torch.Tensor], weight: torch.Tensor, we
       fp8_out: bool, aligned_block_m: int = 0, weight_scale_max: int = 255, weight_shuffled: bool = False,
       update_rows: Optional[torch.Tensor] = None, update_weight: Optional[torch.Tensor] = None,
       update_scale: float = 1.0, update_ids: Optional[torch.Tensor] = None, slot_copies: int = 0,
-      slot_runs: Optional[torch.Tensor] = None, update_source: Optional[torch.Tensor] = None
+      slot_runs: Optional[torch.Tensor] = None, update_source: Optional[torch.Tensor] = None,
+      gathered_from: Optional[torch.Tensor] = None, gathered_index: Optional[torch.Tensor] = None
       ) -> tuple[torch.Tensor, torch.Tensor]:
     return grouped_gemm_call.outputs(a, weight, num_copies, glu, out_dtype, fp8_out)
 

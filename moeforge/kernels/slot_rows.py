@@ -24,7 +24,9 @@ The copies' routing weights come in the rows' order too (zero in the padding), f
 by them.
 
 The backward (:func:`gather_slots_backward`) sums each token's ``top_k`` rows in a fixed order with the combine
-kernel (:func:`moeforge.kernels.combine.combine_copies` by index, fp32 sums): the same bits from run to run.
+kernel (:func:`moeforge.kernels.combine.combine_copies` by index, fp32 sums): the same bits from run to run. A first
+GEMM that reads exactly the gathered rows makes that sum in its own backward instead, before its weight gradient
+(:class:`moeforge.payloads.GatheredRows`), and this backward then receives no rows' gradient.
 """
 
 from __future__ import annotations

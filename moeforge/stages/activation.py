@@ -27,7 +27,7 @@ class Activate(Stage[ExpertRows, ExpertRows]):
         return f"Activate({self.config.summary()})"
 
     def accepts(self) -> Accepts:
-        # Row by row: rows in slot order too (those past the used slots activate to values no stage reads).
+        # Row by row: rows in slot order too (those past the last run activate to values no stage reads).
         return Accepts(kind=PayloadKind.EXPERT_HIDDEN, dtype=REFERENCE_FLOAT_DTYPES, scale_layout=ScaleLayout.NONE,
                        slot_order={False, True})
 

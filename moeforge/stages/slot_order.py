@@ -44,10 +44,12 @@ def slot_rows_apply(x: RoutedTokens) -> Optional[str]:
     """Why the routed tokens ``x`` cannot be gathered into slot order (``None`` where they can): float rows without
     scales (quantized tokens travel with their scales, which the gather does not move), no stack of adapters (its
     pair alignment is built on copy order: the serving path), and no anomaly detection (it checks every gradient
-    for NaN, and the rows past the used slots hold no values). Under ``torch.compile`` the mode is not read (Dynamo
-    cannot trace the query; a compiled step's backward is one node, whose gradients anomaly detection checks whole)."""
+    for NaN, and the rows past the last expert's run hold no values). Under ``torch.compile`` the mode is not read
+    (Dynamo cannot trace the query; a compiled step's backward is one node, whose gradients anomaly detection checks
+    whole)."""
     if not torch.compiler.is_compiling() and torch.is_anomaly_enabled():
-        return "anomaly detection checks every row of every gradient, and rows past the used slots hold no values"
+        return ("anomaly detection checks every row of every gradient, and rows past the last expert's run hold no "
+                "values")
     if x.x.scale is not None or x.x.data.dtype not in _FLOAT:
         return "quantized tokens are dispatched with their scales in copy order"
     if x.adapter_ids is not None:

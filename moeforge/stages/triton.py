@@ -23,7 +23,8 @@ from moeforge.kernels.config import ConfigTable, GemmConfig
 from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRows, GemmUpdate, GemmWeight,
                                                 grouped_gemm)
 from moeforge.no_backward import records_grad
-from moeforge.payloads import Activations, AlignedRows, BlockAlignment, MoEInput, Plan, RoutedTokens, TopKOutput
+from moeforge.payloads import (Activations, AlignedRows, BlockAlignment, GatheredRows, MoEInput, Plan, RoutedTokens,
+                               TopKOutput)
 from moeforge.spec import (
     Accepts,
     DType,
@@ -192,10 +193,12 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         rows = BlockAlignment(sorted_ids=row_of_slot, block_expert=alignment.block_expert,
                               num_padded=alignment.num_padded, config=alignment.config, copies_per_row=1,
                               num_tokens=int(xs.shape[0]), slot_copies=tokens * top_k, slot_runs=runs)
+        index = slot_of.view(tokens, top_k)
+        gathered: Optional[GatheredRows] = GatheredRows(xs, x.x.data, index)
         if self.apply_routing_weights:  # (rows past the last expert's run hold no values, and no kernel reads them)
-            xs = scale_rows(xs, row_weights)
+            xs, gathered = scale_rows(xs, row_weights), None
         return AlignedRows(x=Activations(xs), alignment=rows, copy_major=True, copy_weights=row_weights,
-                           plan=AlignedPlan(weights, slot_of.view(tokens, top_k)))
+                           plan=AlignedPlan(weights, index), gathered=gathered)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # built in the forward: a dataclass, see moeforge.payloads
@@ -348,8 +351,12 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
                 ) -> AlignedRows:
         alignment = x.alignment
         act, glu, interleaved, alpha, limit = act_args
+        # slot-order rows straight from the dispatch's gather: their gradient is summed into the token rows' here
+        gathered = x.gathered if x.gathered is not None and x.gathered.rows is x.x.data else None
         out, _ = grouped_gemm(
-            GemmRows(x.x.data, rows_per_a=1 if x.copy_major else alignment.copies_per_row),
+            GemmRows(x.x.data, rows_per_a=1 if x.copy_major else alignment.copies_per_row,
+                     gathered_from=gathered.tokens if gathered is not None else None,
+                     gathered_index=gathered.index if gathered is not None else None),
             GemmWeight(weight),
             alignment.route(),
             GemmEpilogue(x.x.data.dtype, bias=bias,
@@ -357,7 +364,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
                          interleaved=interleaved, alpha=alpha, limit=limit),
             gemm, update,
         )
-        return dataclasses.replace(x, x=Activations(out), copy_major=True)
+        return dataclasses.replace(x, x=Activations(out), copy_major=True, gathered=None)
 
 
 _NO_ACTIVATION = (0, False, False, 1.0, 0.0)  # activation_args(None)

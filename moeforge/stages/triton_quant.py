@@ -440,7 +440,7 @@ class QuantizeAligned(_QuantizeAlignedBase, Stage[AlignedRows, AlignedRows]):
         return f"QuantizeAligned(triton, {self.quantizer.summary()})"
 
     def accepts(self) -> Accepts:
-        # (per row: rows in slot order quantize alike, those past the used slots to what no GEMM reads)
+        # (per row: rows in slot order quantize alike, those past the last run to what no GEMM reads)
         return Accepts(kind={PayloadKind.DISPATCHED, PayloadKind.EXPERT_HIDDEN}, layout=Layout.BLOCK_ALIGNED,
                        dtype=FLOAT_DTYPES, scale_layout=ScaleLayout.NONE, slot_order={False, True})
 
