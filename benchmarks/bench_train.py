@@ -18,6 +18,9 @@ back for about 65 ms, the length of a large step, which a power-limited card run
 is recorded too); whether two eager steps give bitwise the same gradients.
 Prints a table and writes JSON (device, commit, date).
 
+``--slot-rows on|off|both`` forces the block-aligned dispatch's layout of the rows (slot order, copy order, or both as
+two moeforge steps, ``moeforge_slot_order`` and ``moeforge_copy_order``, timed in turns beside torch) where the
+default, ``rule``, leaves it to :func:`moeforge.stages.slot_order.slot_rows_pay`.
 ``--eager`` also times each step called eagerly (no CUDA graph; the host launches every kernel) and its ratio to
 the replay; ``--host-profile DIR`` writes a ``cProfile`` listing of a few eager moeforge steps per cell there.
 ``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per step
@@ -30,13 +33,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gc
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,13 +53,19 @@ from provenance import write_results  # noqa: E402
 
 import moeforge as mf  # noqa: E402
 from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E402
+from moeforge.stages.triton import AlignDispatch  # noqa: E402
 
 
-def moeforge_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput
+def moeforge_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, slot_rows: Optional[bool] = None
                      ) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
     """The experts' forward from fresh leaves (the hidden states and the routing weights, both requiring
-    gradients, so the layer takes its training path): ``(output, [x, weights, w13, w2])``."""
-    experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
+    gradients, so the layer takes its training path): ``(output, [x, weights, w13, w2])``. ``slot_rows``: the
+    block-aligned dispatch's (:class:`~moeforge.stages.triton.AlignDispatch`; ``None``, the layer's: its rule)."""
+    stages = list(layer.pipeline.stages[1:])
+    if slot_rows is not None:
+        stages = [attrs.evolve(stage, slot_rows=slot_rows) if isinstance(stage, AlignDispatch) else stage
+                  for stage in stages]
+    experts_only = mf.Pipeline(stages, layer.pipeline.specs[0])
 
     def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
         xr = x.detach().requires_grad_()
@@ -100,9 +111,16 @@ def training_step(forward: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]
     return run
 
 
-def moeforge_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor
-                  ) -> Callable[[], Any]:
-    return training_step(moeforge_forward(layer, x, topk), grad)
+def moeforge_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor,
+                  slot_rows: Optional[bool] = None) -> Callable[[], Any]:
+    return training_step(moeforge_forward(layer, x, topk, slot_rows), grad)
+
+
+# --slot-rows: the moeforge steps a cell times, by record name, each with its dispatch's slot_rows
+LAYOUTS: dict[str, tuple[tuple[str, Optional[bool]], ...]] = {
+    "rule": (("moeforge", None),), "on": (("moeforge_slot_order", True),), "off": (("moeforge_copy_order", False),),
+    "both": (("moeforge_copy_order", False), ("moeforge_slot_order", True)),
+}
 
 
 def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor) -> Callable[[], Any]:
@@ -395,6 +413,9 @@ def main() -> None:
     parser.add_argument("--sonicmoe", action="store_true",
                         help="also SonicMoE's configuration (T 32768, H 4096, I 2048, E 64, k 4): forward and backward "
                              "each against a dense torch.mm of the same flops")
+    parser.add_argument("--slot-rows", choices=sorted(LAYOUTS), default="rule",
+                        help="the block-aligned dispatch's layout of a training step's rows: the layer's rule, slot "
+                             "order (on) or copy order (off) forced, or both forced, timed in turns beside torch")
     parser.add_argument("--host-profile", default=None,
                         help="a folder for cProfile listings of a few eager moeforge steps per cell (the host's time)")
     args = parser.parse_args()
@@ -420,9 +441,15 @@ def main() -> None:
             steps: dict[str, Callable[[], Any]] = {}
             timed_records: dict[str, dict[str, Any]] = {}
             eager_us: dict[str, float] = {}
-            for what, make in (("moeforge", moeforge_step), ("torch_grouped_mm", grouped_mm_step)):
+            makers: list[tuple[str, Callable[[], Callable[[], Any]]]] = [
+                (what, functools.partial(moeforge_step, layer, x, topk, grad, slot))
+                for what, slot in LAYOUTS[args.slot_rows]]
+            makers.append(("torch_grouped_mm", functools.partial(grouped_mm_step, layer, x, topk, grad)))
+            for what, make in makers:
                 try:
-                    step = make(layer, x, topk, grad)
+                    gc.collect()  # (the last cell's steps and graphs, freed before this one's memory is read)
+                    torch.cuda.empty_cache()
+                    step = make()
                     first_memory, memory, same = step_peaks(step)
                     if args.eager:
                         eager_us[what] = time_eager(step, args.reps, flush)
@@ -434,7 +461,7 @@ def main() -> None:
                         records.append(dict(shape=name, M=tokens, what=f"{what}_memory", peak_mib=round(
                             traced_peak / 2**20, 1), live=[dict(place=p, mib=round(b / 2**20, 1), blocks=c)
                                                            for p, b, c in places]))
-                    if args.host_profile and what == "moeforge":
+                    if args.host_profile and what.startswith("moeforge"):
                         write_host_profile(step, Path(args.host_profile) / f"train_host_{name}_M{tokens}.txt")
                     if args.profile:
                         profiled = kernel_times(step)
@@ -465,10 +492,11 @@ def main() -> None:
                       f" (first call {record['first_call_peak_mib'] / 2**10:.2f})"
                       f"{'' if record['deterministic'] else ', gradients differ between two runs'}"
                       f"{'' if eager is None else f', eager {eager:.1f} us ({eager / us:.2f}x)'}", flush=True)
-            if len(timed) == 2:
-                speedup = timed["torch_grouped_mm"] / timed["moeforge"]
-                timed_records["moeforge"]["speedup_vs_grouped_mm"] = round(speedup, 2)
-                print(f"{'':9s} moeforge is {speedup:.2f}x the speed of torch._grouped_mm", flush=True)
+            for what in timed:
+                if what.startswith("moeforge") and "torch_grouped_mm" in timed:
+                    speedup = timed["torch_grouped_mm"] / timed[what]
+                    timed_records[what]["speedup_vs_grouped_mm"] = round(speedup, 2)
+                    print(f"{'':9s} {what} is {speedup:.2f}x the speed of torch._grouped_mm", flush=True)
         del layer
         torch.cuda.empty_cache()
     if args.sonicmoe:
