@@ -1,6 +1,7 @@
 """Rows in slot order (``moeforge/stages/slot_order.py``, ``moeforge/kernels/slot_rows.py``): the block-aligned
-dispatch of a training step gathers the token rows into the alignment's slots, the GEMMs read and write them there,
-the weight gradients read them in place and the combine reads each copy at its slot.
+dispatch of a training step gathers the token rows into expert order, each expert's run of copies rounded up to the
+weight gradient's step, the GEMMs read and write them there, the weight gradients read them in place, the first GEMM
+sums their gradient into the token rows and the combine reads each copy at its row.
 
 On CPU through Triton's interpreter at tiny shapes; the gradients of the layouts against each other
 (``tests/test_triton_backward.py`` runs its float64 checks in both layouts, and on a GPU a bf16 layer at a token count
@@ -15,6 +16,10 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+hypothesis = pytest.importorskip("hypothesis")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels import align, combine, slot_rows, weight_grad  # noqa: E402
@@ -52,7 +57,24 @@ def test_the_gather_puts_each_experts_copies_in_one_run_rounded_up_to_a_step(cas
     # block_m 64: the weight gradient's step (32 rows at these few copies) is half the alignment's block, so each
     # expert's run is cut short of its blocks; 16: the step is the block
     tokens, experts, k, ids = CASES[case]
-    routed = _routed(tokens, experts, k, 24, 1, ids)
+    _check_gather(_routed(tokens, experts, k, 24, 1, ids), experts, k, block_m)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens=st.integers(1, 90), experts=st.integers(1, 9), k=st.integers(1, 4),
+       block_m=st.sampled_from([16, 32, 64, 128]), on_few=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_gather_keeps_its_layout_for_any_routing_and_block(tokens: int, experts: int, k: int, block_m: int,
+                                                               on_few: bool, seed: int) -> None:
+    k = min(k, experts)
+    ids = torch.tensor([list(range(k))] * tokens) if on_few else None  # every token on the first k experts
+    _check_gather(_routed(tokens, experts, k, 8, seed, ids), experts, k, block_m)
+
+
+def _check_gather(routed: RoutedTokens, experts: int, k: int, block_m: int) -> None:
+    """:func:`slot_rows.gather_slots` of ``routed`` aligned in blocks of ``block_m``: each expert's copies one run from
+    ``runs[3, e]`` in slot order, rounded up to the weight gradient's step with zero rows; each copy's row and weight;
+    each slot's row (none past its expert's rounded run)."""
+    tokens, width = routed.x.data.shape
     kernel_ops()
     sorted_ids, block_expert, num_padded = align.align_block_size(routed.topk.ids, experts, block_m)
     flat_weights = routed.topk.weights.reshape(-1)
@@ -60,9 +82,9 @@ def test_the_gather_puts_each_experts_copies_in_one_run_rounded_up_to_a_step(cas
         routed.x.data, flat_weights, sorted_ids, block_expert, num_padded, k, experts, block_m)
     copies = tokens * k
     step = weight_grad.weight_grad_step(copies / experts, block_m)
-    assert step == min(32, block_m)
+    assert step == min(32 if copies / experts <= weight_grad.SHORT_RUN else 64, block_m)
     rows = slot_rows.slot_row_count(copies, experts, block_m)
-    assert rows == copies + min(experts, copies) * (step - 1) and xs.shape == (rows, 24)
+    assert rows == copies + min(experts, copies) * (step - 1) and xs.shape == (rows, width)
     assert row_weights.shape == (rows,) and row_of_slot.shape == sorted_ids.shape
     counts = torch.bincount(routed.topk.ids.reshape(-1).long(), minlength=experts)
     rounded = (counts + step - 1) // step * step
@@ -71,19 +93,18 @@ def test_the_gather_puts_each_experts_copies_in_one_run_rounded_up_to_a_step(cas
     assert int(runs[3, experts]) == int(rounded.sum()) <= rows
     # each copy's row: its token's row and weight, inside its expert's run, the expert's copies in slot order
     expert_of = routed.topk.ids.reshape(-1).long()
-    first = runs[3, expert_of].long()
-    place = slot_of.long() - first
+    place = slot_of.long() - runs[3, expert_of].long()
     assert bool(((place >= 0) & (place < counts[expert_of])).all())
     assert torch.equal(xs[slot_of.long()], routed.x.data[torch.arange(copies, device=DEVICE) // k])
     assert torch.equal(row_weights[slot_of.long()], flat_weights)
     used = int(num_padded)
     holds = sorted_ids[:used].long() < copies
     assert torch.equal(row_of_slot[:used][holds].long(), slot_of[sorted_ids[:used][holds].long()].long())
+    slot_expert = block_expert.long().repeat_interleave(block_m)[:sorted_ids.numel()]
     for e in range(experts):  # the run's padding: zero rows and weights; slots past it have no row
         lo, count, whole = int(runs[3, e]), int(counts[e]), int(rounded[e])
         assert not xs[lo + count:lo + whole].any() and not row_weights[lo + count:lo + whole].any()
-        slots_of_e = (torch.arange(sorted_ids.numel(), device=DEVICE) < used) & (
-            block_expert.long().repeat_interleave(block_m)[:sorted_ids.numel()] == e)
+        slots_of_e = (torch.arange(sorted_ids.numel(), device=DEVICE) < used) & (slot_expert == e)
         got = sorted(int(r) for r in row_of_slot[slots_of_e] if int(r) < rows)
         assert got == list(range(lo, lo + whole))
     assert int((row_of_slot < rows).sum()) == int(rounded.sum())
