@@ -2,7 +2,8 @@
 
 The whole suite on a GPU (real Triton kernels, each specialisation compiled on first use) takes longer
 than one call of the device machine allows; its compilation is CPU-bound, so shards running side by side
-on the machine's cores share the GPU well. Usage, from the repository root::
+on the machine's cores share the GPU well (each shard's CPU thread pools get the cores over the shards side by side:
+:func:`shard_threads`). Usage, from the repository root::
 
     python3 tests/gpu_shards.py --shards 8 --jobs 8 --out "$OUT/shards"           # everything
     python3 tests/gpu_shards.py --shards 8 --only 0,1 --jobs 2 --out "$OUT/shards"  # two shards of eight
@@ -170,6 +171,17 @@ def merge(summaries: list[dict[str, Any]], asked: list[str]) -> dict[str, Any]:
     }
 
 
+def shard_threads(jobs: int, cpus: Optional[int] = None) -> dict[str, str]:
+    """The thread count of each shard's CPU work (torch's intra-op pool, OpenMP, MKL): the machine's cores shared by
+    the ``jobs`` shards running side by side, at least one — left to the caller where ``OMP_NUM_THREADS`` is set. Each
+    pytest process would otherwise start a pool as wide as the machine, and thirty shards on 32 cores then spent their
+    time switching (the 2026-11-30 run at 3e43db3: most shards stopped at their timeout compiling)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    threads = str(max(1, (cpus or os.cpu_count() or 1) // max(jobs, 1)))
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,7 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, LOG_VARIABLE: "", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        [str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]), **shard_threads(args.jobs)}
     waiting = list(chosen)
     running: dict[int, tuple[subprocess.Popen[bytes], float]] = {}
     summaries: list[dict[str, Any]] = []

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 import gpu_shards
 
 
@@ -117,3 +119,13 @@ def test_the_deadline_stops_the_run_and_lists_what_has_no_outcome(tmp_path: Path
     assert second["passed"] == 0 and second["pytest_exit"] is None
     assert (tmp_path / "out" / "unfinished.txt").read_text().split() == [
         *first["not_run"], "tests/test_later.py::test_c", "tests/test_later.py::test_d"]
+
+
+def test_the_shards_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    # each shard's pools get the cores over the shards running side by side, at least one; a caller's
+    # OMP_NUM_THREADS is kept
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert gpu_shards.shard_threads(16, cpus=32) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    assert gpu_shards.shard_threads(40, cpus=32) == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert gpu_shards.shard_threads(8, cpus=32) == {}
