@@ -26,7 +26,6 @@ from typing import Optional
 
 import torch
 
-from moeforge.kernels.weight_grad import weight_grad_step
 from moeforge.payloads import RoutedTokens
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
@@ -36,6 +35,8 @@ def slot_rows_pay(num_copies: int, num_experts: int, block_m: int) -> bool:
     """Whether ``num_copies`` copies aligned in blocks of ``block_m`` rows over ``num_experts`` experts take slot order
     in a training step: the most padding (a step of the weight gradient less a row for each expert with a copy) at
     most an eighth of the copies (see the module docstring)."""
+    from moeforge.kernels.weight_grad import weight_grad_step  # (Triton's: `import moeforge` must not import it)
+
     step = weight_grad_step(num_copies / max(num_experts, 1), block_m)
     return num_copies > 0 and 8 * min(num_experts, num_copies) * (step - 1) <= num_copies
 
