@@ -48,7 +48,7 @@ def _gather_slots_kernel(x_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, r
                          top_k, width, stride_x, stride_xs, ALIGNED_M: tl.constexpr, STEP: tl.constexpr,
                          HAS_WEIGHTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     # One program per BLOCK_R slots x BLOCK_W columns. A used slot within its expert's copies rounded up to STEP rows
-    # has a row: its expert's first row (runs row 3) plus its place in the expert's blocks; it takes its token's row,
+    # has a row (weight_grad.run_row, as the weight gradient's padded gather places them); it takes its token's row,
     # or a zero row where it holds no copy. The programs of the first column block write each copy's row, each slot's
     # row (num_rows: none) and the rows' weights.
     slots = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -56,11 +56,7 @@ def _gather_slots_kernel(x_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, r
     used = slots < tl.load(num_padded_ptr)
     copies = tl.load(sorted_ids_ptr + slots, mask=used, other=num_copies)
     real = copies < num_copies
-    expert = tl.load(block_expert_ptr + slots // ALIGNED_M, mask=used, other=0)
-    place = slots - tl.load(runs_ptr + expert, mask=used, other=0) * ALIGNED_M  # in the expert's blocks
-    count = tl.load(runs_ptr + 2 * (num_experts + 1) + expert, mask=used, other=0)
-    kept = used & (place < tl.cdiv(count, STEP) * STEP)
-    rows = tl.load(runs_ptr + 3 * (num_experts + 1) + expert, mask=used, other=0) + place
+    rows, kept = weight_grad.run_row(slots, used, block_expert_ptr, runs_ptr, num_experts, ALIGNED_M, STEP)
     sources = (copies // top_k).to(tl.int64)
     cols_ok = (cols < width)[None, :]
     values = tl.load(x_ptr + sources[:, None] * stride_x + cols[None, :], mask=real[:, None] & cols_ok, other=0.0)
@@ -78,8 +74,8 @@ _GATHER_SLOTS = LaunchSite(_gather_slots_kernel)
 def slot_row_count(num_copies: int, num_experts: int, block_m: int) -> int:
     """The rows of ``num_copies`` copies in slot order (aligned in blocks of ``block_m`` over ``num_experts``
     experts): the copies and, for each expert that has one, at most a step of the weight gradient less a row."""
-    step = weight_grad.weight_grad_step(num_copies / max(num_experts, 1), block_m)
-    return num_copies + min(num_experts, num_copies) * (step - 1)
+    return weight_grad.padded_rows(num_copies, num_experts,
+                                   weight_grad.weight_grad_step(num_copies / max(num_experts, 1), block_m))
 
 
 def gather_slots(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: torch.Tensor,

@@ -209,6 +209,24 @@ def expert_runs(block_expert: torch.Tensor, sorted_ids: torch.Tensor, num_padded
     return runs
 
 
+def padded_rows(num_copies: int, num_experts: int, step: int) -> int:
+    """The most rows ``num_copies`` copies over ``num_experts`` experts take with each expert's run rounded up to
+    whole steps of ``step`` rows: a step less a row more for each expert that has a copy."""
+    return num_copies + min(num_experts, num_copies) * (step - 1)
+
+
+@triton.jit
+def run_row(slots, used, block_expert_ptr, runs_ptr, num_experts, ALIGNED_M: tl.constexpr, STEP: tl.constexpr):
+    """``(row, kept)`` of each slot with its expert's run rounded up to whole steps of ``STEP`` rows (:func:`expert_runs`
+    with that step): the expert's first row (runs row 3) plus the slot's place in the expert's blocks, and whether the
+    slot lies within its expert's copies rounded up (a used slot past that has no row)."""
+    expert = tl.load(block_expert_ptr + slots // ALIGNED_M, mask=used, other=0)
+    place = slots - tl.load(runs_ptr + expert, mask=used, other=0) * ALIGNED_M  # in the expert's blocks
+    count = tl.load(runs_ptr + 2 * (num_experts + 1) + expert, mask=used, other=0)
+    kept = used & (place < tl.cdiv(count, STEP) * STEP)
+    return tl.load(runs_ptr + 3 * (num_experts + 1) + expert, mask=used, other=0) + place, kept
+
+
 @triton.jit
 def _gather_expert_rows_kernel(src_ptr, slot_ids_ptr, block_expert_ptr, runs_ptr, dst_ptr, num_padded_ptr,
                                num_copies, num_experts, rows_per_src, width, stride_src, stride_dst,
@@ -223,13 +241,12 @@ def _gather_expert_rows_kernel(src_ptr, slot_ids_ptr, block_expert_ptr, runs_ptr
     used = slots < tl.load(num_padded_ptr)
     copies = tl.load(slot_ids_ptr + slots, mask=used, other=num_copies)
     real = copies < num_copies
-    expert = tl.load(block_expert_ptr + slots // ALIGNED_M, mask=used, other=0)
-    place = slots - tl.load(runs_ptr + expert, mask=used, other=0) * ALIGNED_M  # in the expert's run
     if STEP > 0:
-        count = tl.load(runs_ptr + 2 * (num_experts + 1) + expert, mask=used, other=0)
-        written = used & (place < tl.cdiv(count, STEP) * STEP)
-        targets = (tl.load(runs_ptr + 3 * (num_experts + 1) + expert, mask=used, other=0) + place).to(tl.int64)
+        padded, written = run_row(slots, used, block_expert_ptr, runs_ptr, num_experts, ALIGNED_M, STEP)
+        targets = padded.to(tl.int64)
     else:
+        expert = tl.load(block_expert_ptr + slots // ALIGNED_M, mask=used, other=0)
+        place = slots - tl.load(runs_ptr + expert, mask=used, other=0) * ALIGNED_M  # in the expert's run
         written = real
         targets = (tl.load(runs_ptr + num_experts + 1 + expert, mask=used, other=0) + place).to(tl.int64)
     rows = (copies // rows_per_src).to(tl.int64)
@@ -254,7 +271,7 @@ def gather_expert_rows(src: torch.Tensor, slot_ids: torch.Tensor, block_expert: 
         src = src.contiguous()
     slots, width = slot_ids.numel(), src.shape[1]
     num_experts = runs.shape[1] - 1
-    size = num_copies + min(num_experts, num_copies) * (padded_step - 1) if padded_step else num_copies
+    size = padded_rows(num_copies, num_experts, padded_step) if padded_step else num_copies
     dst = src.new_empty(size, width)
     if num_copies == 0 or width == 0:
         return dst
@@ -376,8 +393,8 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
     if block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
-    rounded = weight_grad_step(slot_copies / max(num_experts, 1), block_m)
-    if slot_copies and rounded % tiles.block_m:
+    rounded = weight_grad_step(slot_copies / max(num_experts, 1), block_m) if slot_copies else tiles.block_m
+    if rounded % tiles.block_m:
         raise ValueError(f"rows in slot order round each expert's run up to {rounded} rows: the weight gradient's "
                          f"step of {tiles.block_m} rows must divide that")
     # (in slot order the dispatch's runs: rows 3 and 2 are what the launches read)
