@@ -149,17 +149,19 @@ def test_the_combine_by_index_and_its_backward() -> None:
     assert not got[0][[1, 3, 5, 6]].any() and float(got[1][1, 1]) == 0.0
 
 
-def test_the_rule_takes_slot_order_where_the_padding_is_at_most_an_eighth_of_the_copies() -> None:
+def test_the_rule_takes_slot_order_where_the_padding_is_at_most_a_quarter_of_the_copies() -> None:
     # the padding: a step of the weight gradient less a row per expert (64 rows; 32 at up to 32 copies an expert)
-    assert slot_order.slot_rows_pay(8 * 8 * 63, 8, 64)
-    assert not slot_order.slot_rows_pay(8 * 8 * 63 - 1, 8, 64)
+    assert slot_order.slot_rows_pay(4 * 8 * 63, 8, 64)
+    assert not slot_order.slot_rows_pay(4 * 8 * 63 - 1, 8, 64)
     assert slot_order.slot_rows_pay(16384 * 8, 128, 128)  # Qwen3-30B-A3B at M = 16384, the H200 table's blocks
-    assert slot_order.slot_rows_pay(16384 * 4, 128, 128)  # GPT-OSS-120B there: 512 copies an expert
-    assert slot_order.slot_rows_pay(16384 * 8, 256, 128)  # DeepSeek-V3 there
-    assert not slot_order.slot_rows_pay(4096 * 4, 128, 128)  # GPT-OSS at M = 4096: up to 8064 padding rows
-    assert not slot_order.slot_rows_pay(1024 * 8, 128, 64)  # Qwen3 at M = 1024: the rows would be nearly twice
-    assert not slot_order.slot_rows_pay(1024 * 2, 8, 128)  # Mixtral at M = 1024: a quarter
-    assert slot_order.slot_rows_pay(2048 * 2, 8, 128)  # and at M = 2048
+    assert slot_order.slot_rows_pay(4096 * 8, 128, 128)  # and at M = 4096: 256 copies an expert, 63 padding at most
+    assert not slot_order.slot_rows_pay(1024 * 8, 128, 64)  # at M = 1024: the rows would be nearly twice
+    assert slot_order.slot_rows_pay(16384 * 4, 128, 128)  # GPT-OSS-120B at M = 16384: 512 copies an expert
+    assert not slot_order.slot_rows_pay(4096 * 4, 128, 128)  # at M = 4096: up to 8064 padding rows for 16384 copies
+    assert slot_order.slot_rows_pay(16384 * 8, 256, 128)  # DeepSeek-V3 at M = 16384
+    assert not slot_order.slot_rows_pay(4096 * 8, 256, 128)  # at M = 4096: 128 copies an expert
+    assert slot_order.slot_rows_pay(1024 * 2, 8, 128)  # Mixtral at M = 1024: 256 copies an expert
+    assert not slot_order.slot_rows_pay(512 * 2, 8, 128)  # and not at M = 512
     assert not slot_order.slot_rows_pay(32 * 128, 128, 128)  # 32 copies an expert: 32-row steps, still 31 each
     assert slot_order.slot_rows_pay(64, 512, 1)  # one-row blocks: no padding
     assert not slot_order.slot_rows_pay(0, 8, 64)

@@ -16,8 +16,9 @@ stage that reads every row refuses a dispatch that may give slot order, and the 
 
 The rows then number ``copies + min(E, copies) * (step - 1)`` at most (``step``:
 :func:`~moeforge.kernels.weight_grad.weight_grad_step`, 64 or 32 rows), against the copies in copy order, and the
-forward saves them for the backward. :func:`slot_rows_pay` takes slot order where that padding is at most an
-eighth of the copies (docs/kernels.md, "Backward", has the measurements behind the bound).
+forward saves them for the backward. :func:`slot_rows_pay` takes slot order where that padding is at most a
+quarter of the copies — an eighth on average, the runs' ends falling anywhere in their last step (docs/kernels.md,
+"Backward", has the measurements behind the bound).
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 def slot_rows_pay(num_copies: int, num_experts: int, block_m: int) -> bool:
     """Whether ``num_copies`` copies aligned in blocks of ``block_m`` rows over ``num_experts`` experts take slot order
     in a training step: the most padding (a step of the weight gradient less a row for each expert with a copy) at
-    most an eighth of the copies (see the module docstring)."""
+    most a quarter of the copies (see the module docstring)."""
     from moeforge.kernels.weight_grad import weight_grad_step  # (Triton's: `import moeforge` must not import it)
 
     step = weight_grad_step(num_copies / max(num_experts, 1), block_m)
-    return num_copies > 0 and 8 * min(num_experts, num_copies) * (step - 1) <= num_copies
+    return num_copies > 0 and 4 * min(num_experts, num_copies) * (step - 1) <= num_copies
 
 
 def slot_rows_apply(x: RoutedTokens) -> Optional[str]:
