@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
-DEFAULT_FILE = RESULTS / "bench_train-nvidia_h200-2026-11-30-7975b2b.json"  # the README's table
+DEFAULT_FILE = RESULTS / "bench_train-nvidia_h200-2026-11-30-17977fb.json"  # the README's table
 PATHS = {"moeforge": "moeforge", "torch_grouped_mm": "torch._grouped_mm + autograd"}
 SPEEDUP_TARGET = 1.5  # issue 39's bar (or 80 % of the peak, whichever is lower for a cell)
 
