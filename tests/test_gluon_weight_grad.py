@@ -1,11 +1,13 @@
 """The warp-specialised Gluon weight gradient (``moeforge/kernels/gluon_weight_grad.py``).
 
 On CPU: it compiles for sm_90 down to machine code (Triton's ``ptxas``) in every partition layout it offers (the rows
-gathered into expert order first, then loaded by TMA), within its shared-memory bound; launches it does not take are
+gathered into expert order first, then loaded by TMA; each run's last step masked or not), within its shared-memory
+bound; launches it does not take are
 refused with the reason, and the flag then runs the Triton twin (``_weight_grad_kernel``) — a kernel choice, never
 another result. On an sm_90 GPU: bit for bit the twin's
 gradient with the same tiles (the same steps summed in the same order), over the batches users give — an idle expert,
-every copy on one expert, one token, ``top_k`` = experts, runs of whole and partial steps, either operand padded —
+every copy on one expert, one token, ``top_k`` = experts, runs of whole and partial steps (its operands compact, the
+twin's with one padded) —
 with one, two and all programs walking the tiles (the ring wrapping many times, the ping-pong partitions alternating),
 and within bf16 of a float64 sum.
 """
@@ -24,7 +26,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from moeforge.kernels import align, gluon_weight_grad  # noqa: E402
+from moeforge.kernels import align, gluon_weight_grad, weight_grad  # noqa: E402
 from moeforge.kernels.weight_grad import WeightGradTiles, expert_weight_grad  # noqa: E402
 
 GLUON = gluon_weight_grad.unavailable_reason() is None
@@ -48,8 +50,11 @@ def _tiles(launch: tuple[int, int, int, int, int, bool, bool]) -> WeightGradTile
                            pingpong=pingpong)
 
 
-COMPILED = [(launch, torch.bfloat16) for launch in LAUNCHES] + [
-    ("ping-pong 128 x 128", torch.float16)]  # (fp16 once: the dtype changes no partition)
+COMPILED = [(launch, torch.bfloat16, False) for launch in LAUNCHES] + [
+    ("ping-pong 128 x 128", torch.float16, False),  # (fp16 once: the dtype changes no partition)
+    # each run's last step masked (both operands compact): the layouts the rule takes
+    ("ping-pong 128 x 128", torch.bfloat16, True), ("ping-pong, 32-row steps", torch.bfloat16, True),
+    ("ping-pong 128 x 128, stored by TMA", torch.bfloat16, True)]
 
 
 _COMPILE = """
@@ -57,10 +62,10 @@ import json, sys
 import torch
 from moeforge.kernels import gluon_weight_grad
 found = []
-for block_m, block_n, block_k, warps, stages, pingpong, tma_store, dtype in json.loads(sys.argv[1]):
+for block_m, block_n, block_k, warps, stages, pingpong, tma_store, dtype, mask_tail in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     kernel = gluon_weight_grad.compile_for_hopper(block_m, block_n, block_k, warps, stages, pingpong, dtype, dtype,
-                                                  tma_store=tma_store)
+                                                  tma_store=tma_store, mask_tail=mask_tail)
     ptx = kernel.asm["ptx"]
     found.append(dict(shared=kernel.metadata.shared, wgmma="wgmma" in ptx,
                       tma_store="cp.async.bulk.tensor.2d.global.shared" in ptx))
@@ -74,13 +79,13 @@ def test_it_compiles_for_hopper_within_its_shared_memory_bound() -> None:
     # interpreter's patches of triton.language stay in the process, and a Gluon compile after it failed (in CI, by
     # the order xdist gave the tests); and Triton's bindings report leaked objects at the exit of a process that
     # compiled Gluon.
-    cases = [[*LAUNCHES[launch], str(dtype)[6:]] for launch, dtype in COMPILED]
+    cases = [[*LAUNCHES[launch], str(dtype)[6:], mask_tail] for launch, dtype, mask_tail in COMPILED]
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
                           timeout=900, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0, done.stderr[-4000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(found) == len(COMPILED)
-    for (launch, dtype), kernel in zip(COMPILED, found):
+    for (launch, dtype, _), kernel in zip(COMPILED, found):
         block_m, block_n, block_k, warps, stages, pingpong, tma_store = LAUNCHES[launch]
         assert gluon_weight_grad.tile_problem(block_m, block_n, block_k, warps, stages, pingpong) is None
         bound = gluon_weight_grad.shared_memory_bytes(block_m, block_n, block_k, stages, pingpong)
@@ -141,6 +146,10 @@ CASES = {  # (tokens, top_k, experts, N, K, only, idle)
     "one token": (1, 2, 4, 256, 128, None, ()),
     "top_k = experts": (96, 3, 3, 128, 256, None, ()),
     "many tiles per program": (2000, 2, 16, 512, 384, None, (0, 9)),
+    # at most COMPACT_UNTIL rows per expert: both operands compact, each run's last step masked in the kernel
+    "short runs, compact": (120, 2, 6, 392, 328, None, (4,)),
+    "short runs, compact, N > K": (120, 2, 6, 328, 392, None, (4,)),
+    "short runs, many tiles per program": (500, 2, 16, 512, 384, None, (0, 9)),
 }
 
 
@@ -176,6 +185,29 @@ def test_it_equals_a_float64_sum_per_expert_in_bf16(launch: str) -> None:
     for e in range(experts):
         chosen = (flat == e).nonzero().flatten()
         want = d_rows.cpu()[chosen].double().T @ rows.cpu()[chosen // k].double()
+        torch.testing.assert_close(got[e].cpu().double(), want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
+@pytest.mark.parametrize("launch", ["ping-pong 128 x 128", "ping-pong, 32-row steps"])
+def test_a_runs_last_step_takes_nothing_of_the_next_experts_rows(launch: str) -> None:
+    # Both operands compact (short runs: at most COMPACT_UNTIL rows per expert): a run's last step brings the next
+    # expert's first rows, whose x rows the kernel zeroes. Expert 1's rows hold values a thousand times the others':
+    # experts 0 and 2 (runs of 35 and 3 rows, partial last steps) must equal a float64 sum of their own rows.
+    gen = torch.Generator().manual_seed(17)
+    ids = torch.tensor([0] * 35 + [1] * 20 + [2] * 3 + [3] * 1, dtype=torch.int32)[torch.randperm(59, generator=gen)]
+    ids = ids.view(-1, 1).cuda()
+    rows = torch.randn(59, 256, generator=gen).to("cuda", torch.bfloat16)
+    d_rows = torch.randn(59, 128, generator=gen).to("cuda", torch.bfloat16)
+    d_rows[ids.view(-1) == 1] *= 1000
+    rows[ids.view(-1) == 1] *= 1000
+    plan = align.align_block_size(ids, 4, 128)
+    assert 59 <= weight_grad.COMPACT_UNTIL * 4  # (the compact operands)
+    got, _ = expert_weight_grad(d_rows, rows, 1, *plan, 4, 128, False, torch.float32, tiles=_tiles(LAUNCHES[launch]))
+    flat = ids.view(-1).cpu()
+    for e in (0, 2):
+        mine = (flat == e).nonzero().flatten()
+        want = d_rows.cpu()[mine].double().T @ rows.cpu()[mine].double()
         torch.testing.assert_close(got[e].cpu().double(), want, rtol=1e-3, atol=1e-3)
 
 

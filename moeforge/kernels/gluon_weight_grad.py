@@ -22,7 +22,13 @@ then ``BLOCK_K`` strip) in partitions that meet at a ring of ``STAGES`` shared-m
   K-loops are short (an expert's rows: a few steps at many experts), which is where the store weighs.
 
 A tile's step count is its expert's rows in whole steps, read off ``counts`` by every partition, so the ring
-positions agree; an idle expert's tiles take no step and store zeros. No bias (the twin serves a layer with biases).
+positions agree; an idle expert's tiles take no step and store zeros. A run's last step, where the run is not whole
+steps long, brings the rows after the run: zeros where one operand's runs are padded to whole steps (the twin's
+operands), else the next expert's first rows (or TMA's zero fill past the last row) — with ``MASK_TAIL`` the MMA
+partition zeroes those rows of the ``x`` tile in shared memory before its MMA, so both operands may be compact (one
+row per copy: no padded copy of either) and the products are the twin's (zero rows times the next expert's rows of
+the other operand: zeros, unless those hold an infinity or a NaN, as in the twin's padded steps). No bias (the twin
+serves a layer with biases).
 Gluon has no CPU interpreter: :func:`compile_for_hopper` compiles the kernel for sm_90 on a CPU (the CI test).
 """
 
@@ -86,10 +92,27 @@ if _GLUON_ERROR is None:
                 step += 1
 
     @gluon.jit
+    def _zero_rows_from(buf, keep, ROWS: gl.constexpr, COLS: gl.constexpr):
+        """Rows ``keep`` and on of the ``[ROWS, COLS]`` tile in shared memory ``buf`` set to zero (a run's last step:
+        those rows are the next expert's), the tile then fenced for the MMA's reads: the 16-row pieces past ``keep``
+        written zeros, the piece that holds row ``keep`` read, masked and written back."""
+        layout: gl.constexpr = _row_layout(COLS, gl.num_warps())
+        for piece in gl.static_range(ROWS // 16):
+            if piece * 16 + 16 > keep:
+                part = buf.slice(piece * 16, 16)
+                if piece * 16 >= keep:
+                    part.store(gl.zeros([16, COLS], buf.dtype, layout))
+                else:
+                    rows = piece * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+                    tile = part.load(layout)
+                    part.store(gl.where((rows < keep)[:, None], tile, gl.zeros([16, COLS], buf.dtype, layout)))
+        fence_async_shared()
+
+    @gluon.jit
     def _mma_partition(dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K, num_experts,
                        stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr,
-                       TMA_STORE: gl.constexpr):
+                       TMA_STORE: gl.constexpr, MASK_TAIL: gl.constexpr):
         # Consumer CONSUMER of CONSUMERS takes every CONSUMERS-th of the program's tiles from its CONSUMER-th and
         # counts every tile's steps (the loader fills the ring with all of them in order): ``step`` is the ring
         # position of the current tile's first step.
@@ -102,7 +125,8 @@ if _GLUON_ERROR is None:
         turns = 0
         for tile in range(gl.program_id(0), num_experts * per_expert, gl.num_programs(0)):
             expert, pid_n, pid_k = _tile_of(tile, per_expert, tiles_k)
-            steps = gl.cdiv(gl.load(count_ptr + expert), BLOCK_M)
+            count = gl.load(count_ptr + expert)
+            steps = gl.cdiv(count, BLOCK_M)
             if index % CONSUMERS == CONSUMER:
                 acc = gl.zeros((BLOCK_N, BLOCK_K), gl.float32, layout)
                 if CONSUMERS > 1:  # (consumer 0's first turn is free)
@@ -113,6 +137,10 @@ if _GLUON_ERROR is None:
                     ring = step + s
                     slot = ring % STAGES
                     mbarrier.wait(ready.index(slot), (ring // STAGES) & 1)
+                    if MASK_TAIL:
+                        keep = count - s * BLOCK_M
+                        if keep < BLOCK_M:  # the run's last step, partly the next expert's rows: zeros in x
+                            _zero_rows_from(x_bufs.index(slot), keep, BLOCK_M, BLOCK_K)
                     acc = warpgroup_mma(dy_bufs.index(slot).permute((1, 0)), x_bufs.index(slot), acc, is_async=True)
                     acc = warpgroup_mma_wait(1, deps=(acc,))
                     mbarrier.arrive(empty.index(previous), pred=s > 0)  # the step before has retired
@@ -144,7 +172,7 @@ if _GLUON_ERROR is None:
     def ws_weight_grad_kernel(dy_desc, x_desc, dw_ptr, dw_desc, dy_first_ptr, x_first_ptr, count_ptr, N, K, num_experts,
                               stride_dwe, stride_dwn, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                              TMA_STORE: gl.constexpr,
+                              TMA_STORE: gl.constexpr, MASK_TAIL: gl.constexpr,
                               LOADER_WARPS_: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr):
         dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BLOCK_M, BLOCK_N], dy_desc.layout)
@@ -168,10 +196,10 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
                                   num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 2,
-                                  TMA_STORE)),
+                                  TMA_STORE, MASK_TAIL)),
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
                                   num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2,
-                                  TMA_STORE)),
+                                  TMA_STORE, MASK_TAIL)),
                 (_loader, (dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N,
                            K, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
             ], [CONSUMER_WARPS, LOADER_WARPS_], [CONSUMER_REGS, LOADER_REGS])
@@ -179,7 +207,7 @@ if _GLUON_ERROR is None:
             gl.warp_specialize([
                 (_mma_partition, (dy_bufs, x_bufs, ready, empty, turn, dw_ptr, dw_desc, out_bufs, count_ptr, N, K,
                                   num_experts, stride_dwe, stride_dwn, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1,
-                                  TMA_STORE)),
+                                  TMA_STORE, MASK_TAIL)),
                 (_loader, (dy_desc, x_desc, dy_first_ptr, x_first_ptr, count_ptr, dy_bufs, x_bufs, ready, empty, N,
                            K, num_experts, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
             ], [LOADER_WARPS_], [LOADER_REGS])
@@ -270,11 +298,12 @@ def _descriptor(t: torch.Tensor, box: tuple[int, int]) -> Any:
 def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first: torch.Tensor,
                    x_first: torch.Tensor, counts: torch.Tensor, *, block_m: int, block_n: int, block_k: int,
                    num_warps: int, stages: int, pingpong: bool, tma_store: bool = False,
-                   programs: Optional[int] = None) -> torch.Tensor:
+                   programs: Optional[int] = None, mask_tail: bool = False) -> torch.Tensor:
     """``dw[e] = sum over expert e's rows r of dy[r]^T x[r]`` in whole steps of ``block_m`` rows (what
     ``_weight_grad_kernel`` computes on the same operands), on operands :func:`operand_problem` accepted: ``dy`` and
-    ``x`` in expert order, expert ``e``'s rows from ``dy_first[e]`` and ``x_first[e]``, ``counts[e]`` of them (rounded
-    up to whole steps: one operand's rows past them must be zeros). ``tma_store``: each finished tile stored by TMA
+    ``x`` in expert order, expert ``e``'s rows from ``dy_first[e]`` and ``x_first[e]``, ``counts[e]`` of them, the rows
+    after them in a run's last step zeros in one operand (its runs padded to whole steps) — or, with ``mask_tail``,
+    anything (both operands compact: the kernel zeroes them). ``tma_store``: each finished tile stored by TMA
     from shared memory (where :func:`tma_store_problem` allows; else from registers). ``programs``: the persistent
     grid (one per multiprocessor by default)."""
     num_experts, n, k = dw.shape
@@ -287,13 +316,13 @@ def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
-                     **_partitions(pingpong)),
+                     MASK_TAIL=mask_tail, **_partitions(pingpong)),
                 dict(num_warps=num_warps))
 
     # (the key names what the constexprs and the descriptors' boxes, dtypes and layouts follow; the launch site adds
     # the other arguments' specialisation, and its bound launch skips the JIT's binding of every argument per call)
     _WS_WEIGHT_GRAD.launch(
-        (block_m, block_n, block_k, stages, tma_store, pingpong, num_warps, dy.dtype, dw.dtype, dy.device),
+        (block_m, block_n, block_k, stages, tma_store, mask_tail, pingpong, num_warps, dy.dtype, dw.dtype, dy.device),
         (grid,),
         (_descriptor(dy, (block_m, block_n)), _descriptor(x, (block_m, block_k)), dw, dw_desc, dy_first, x_first,
          counts, n, k, num_experts, dw.stride(0), dw.stride(1)), make)
@@ -302,7 +331,7 @@ def launch_checked(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first
 
 def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
                        dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16,
-                       tma_store: bool = False) -> Any:
+                       tma_store: bool = False, mask_tail: bool = False) -> Any:
     """The kernel compiled for sm_90 down to machine code without a GPU (Triton's ``ptxas``): what the CPU test
     checks, and where the PTX and the register counts can be read (``.asm``)."""
     if _GLUON_ERROR is not None:
@@ -323,7 +352,7 @@ def compile_for_hopper(block_m: int, block_n: int, block_k: int, num_warps: int,
                      dw_desc=dw_desc, dy_first_ptr="*i32", x_first_ptr="*i32", count_ptr="*i32", N="i32", K="i32",
                      num_experts="i32", stride_dwe="i32", stride_dwn="i32")
     constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=tma_store,
-                      **_partitions(pingpong))
+                      MASK_TAIL=mask_tail, **_partitions(pingpong))
     signature.update({key: "constexpr" for key in constexprs})
     divisible = ("dw_ptr", "dy_first_ptr", "x_first_ptr", "count_ptr", "N", "K", "stride_dwe", "stride_dwn") + (
         () if tma_store else ("dw_desc",))

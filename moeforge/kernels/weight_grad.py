@@ -9,12 +9,15 @@ Two passes:
 
 1. :func:`gather_expert_rows` copies the operands into expert order: each expert's copies in the ascending order
    the alignment gave them (``sorted_ids``, as :func:`moeforge.kernels.align.align_block_size` places them), one
-   run after another (:func:`expert_runs` finds where each run starts, on the device). One operand, the narrower,
-   is padded: each expert's run rounded up to whole reduction steps with zero rows; the other is compact, one row
-   per copy. Padding both to the alignment's block would hold up to ``E x (block - 1)`` rows more in each (the
-   training step's peak memory is reached here); padding neither would leave the last step of each run to mask in
-   registers, outside the pipelined loop (the measurements: ``docs/notes/kernels-log.md``, "The weight
-   gradient's operands in expert order").
+   run after another (:func:`expert_runs` finds where each run starts, on the device). For this module's kernel one
+   operand, the narrower, is padded: each expert's run rounded up to whole reduction steps with zero rows; the
+   other is compact, one row per copy. Padding both to the alignment's block would hold up to ``E x (block - 1)``
+   rows more in each (the training step's peak memory is reached here); padding neither would leave the last step
+   of each run to mask in registers, outside the pipelined loop (the measurements: ``docs/notes/kernels-log.md``,
+   "The weight gradient's operands in expert order"). The Gluon kernel zeroes the rows past a run in its last step
+   in shared memory, under its pipeline (:mod:`moeforge.kernels.gluon_weight_grad`, ``mask_tail``): where it takes
+   the launch and experts hold at most :data:`COMPACT_UNTIL` rows on average — where the padding weighs most — both
+   operands are compact.
 2. ``_weight_grad_kernel``: one program per ``(expert, N tile, K tile)``, in that order (the tiles of one expert
    and one N strip run together and share it through L2), walking the expert's runs in steps of ``BLOCK_M`` rows
    and accumulating ``dy^T @ x`` in fp32. A step past the end of an expert's copies pairs the padded operand's zero
@@ -71,6 +74,10 @@ class WeightGradTiles:
 
 
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
+# rows per expert up to which the Gluon kernel takes both operands compact, masking each run's last step
+# (_k_grouped): there the padded operand holds the most padding for its copies, and the mask cost nothing measurable;
+# from 128 rows per expert on it cost up to 4 % of a training step (docs/kernels.md, "Backward")
+COMPACT_UNTIL = 64
 SHORT_RUN = 32  # rows per expert up to which the steps are 32 rows (weight_grad_tiles)
 PINGPONG_UNTIL = 4096  # rows per expert from which the wide tiles beat the Gluon ping-pong (weight_grad_tiles)
 
@@ -407,16 +414,25 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
             dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages,
             tiles.pingpong) is None
 
-    def launch(dy: torch.Tensor, x: torch.Tensor, dy_first: torch.Tensor, x_first: torch.Tensor) -> None:
+    def launch(dy: torch.Tensor, x: torch.Tensor, dy_first: torch.Tensor, x_first: torch.Tensor,
+               mask_tail: bool = False) -> None:
         gluon_weight_grad.launch_checked(dy, x, dw, dy_first, x_first, runs[2], block_m=tiles.block_m,
                                          block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
                                          stages=tiles.num_stages, pingpong=tiles.pingpong,
-                                         tma_store=tiles.tma_store)
+                                         tma_store=tiles.tma_store, mask_tail=mask_tail)
 
     if slot_copies:
         # an expert's run from its first row: its copies, then zero rows up to a whole number of steps (the step
         # divides the rounding)
         dy, x, dy_first, x_first = d_rows.contiguous(), rows.contiguous(), runs[3], runs[3]
+    elif num_copies <= COMPACT_UNTIL * num_experts and takes(d_rows, rows):
+        # short runs: the Gluon kernel zeroes the rows past each run in its last step, both operands compact, one row
+        # per copy (their gathered copies take it as the sources do: the same dtypes and widths, fresh contiguous
+        # rows)
+        dy = gather_expert_rows(d_rows, sorted_ids, block_expert, runs, num_padded, num_copies, 1, block_m, 0)
+        x = gather_expert_rows(rows, sorted_ids, block_expert, runs, num_padded, num_copies, rows_per_a, block_m, 0)
+        launch(dy, x, runs[1], runs[1], mask_tail=True)
+        return dw, db
     else:
         # each expert's copies are in ascending order already (align_block_size); the narrower operand padded to
         # whole steps, the other compact
