@@ -337,11 +337,10 @@ class BlockAlignment:
     router's ``k``).
 
     ``slot_copies`` > 0: the rows are in slot order (:mod:`moeforge.kernels.slot_rows`, a training step's layout):
-    ``x.data`` holds each expert's copies in slot order, then zero rows up to a whole step of the weight gradient,
-    ``sorted_ids`` is each slot's row (``num_tokens`` the rows, ``copies_per_row`` 1, so every row counts as a copy:
-    the padding rows are zero rows; a slot without a row holds ``num_tokens``) and ``slot_copies`` is the number of
-    the router's copies among them, ``slot_runs`` where each expert's rows and copies lie
-    (:func:`moeforge.kernels.weight_grad.expert_runs`: rows 3 and 2); the plan
+    ``x.data`` holds each expert's copies in slot order, one row each, ``sorted_ids`` is each slot's row
+    (``num_tokens`` the rows, ``copies_per_row`` 1; a padding slot holds ``num_tokens``) and ``slot_copies`` is the
+    number of the router's copies (the rows), ``slot_runs`` where each expert's rows lie
+    (:func:`moeforge.kernels.weight_grad.expert_runs`: rows 1 and 2); the plan
     (:class:`moeforge.stages.triton.AlignedPlan`) knows each copy's row.
     """
 

@@ -68,8 +68,8 @@ _GENERIC_HINTS = {
     "Activate stage (ActivationKind.IDENTITY where the model has none), or remove the extra one",
     "alignment": "the block-aligned dispatch and the GEMMs after it must align rows alike: build them from "
     "the same ConfigTable",
-    "slot_order": "this stage would read every row, and a training step's block-aligned rows may come in slot order, "
-    "where the rows past the last expert's run hold no values: build the dispatch with "
+    "slot_order": "this stage would read the rows as copies, and a training step's block-aligned rows may come in "
+    "slot order, where row r is not copy r: build the dispatch with "
     "AlignDispatch(..., slot_rows=False), "
     "or, for a stage that reads only the rows the alignment uses (row by row, or by its plan), accept them with "
     "Accepts(slot_order={False, True})",

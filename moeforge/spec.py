@@ -182,9 +182,9 @@ class Spec:
     * ``global_scale`` — the static global scale NVFP4 rows were quantized with (it travels with the
       quantizer, not the payload): the GEMM reading them must dequantize with the same one;
     * ``slot_order`` — the block-aligned rows may come in the alignment's slot order (a training step's layout,
-      :mod:`moeforge.stages.slot_order`), where the rows past the last expert's run hold no values: only stages that
-      read the used rows alone (by the alignment) and nothing else may consume them, so a stage accepts it only where
-      it says so (``Accepts.slot_order``), and the others need the dispatch built without it (``slot_rows=False``).
+      :mod:`moeforge.stages.slot_order`), where row ``r`` is not copy ``r``: only stages that read the rows through
+      the alignment (row by row, or by its plan) may consume them, so a stage accepts it only where it says so
+      (``Accepts.slot_order``), and the others need the dispatch built without it (``slot_rows=False``).
     """
 
     kind: PayloadKind

@@ -189,6 +189,36 @@ def test_it_equals_a_float64_sum_per_expert_in_bf16(launch: str) -> None:
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
+@pytest.mark.parametrize("launch", ["ping-pong 128 x 128", "ping-pong, 32-row steps", "one partition 128 x 256, 8 warps"])
+@pytest.mark.parametrize("case", ["spread, idle expert", "short runs, compact, N > K", "one token"])
+def test_rows_in_slot_order_are_summed_in_place_with_the_twins_bits(case: str, launch: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows in slot order hold one row per copy, each expert's run unpadded: the kernel reads them where they are
+    # (nothing gathered), masking each run's last step; the twin gathers the narrower operand padded; the copy-order
+    # sum is the same too.
+    from moeforge.kernels import slot_rows
+
+    tokens, k, experts, n, kdim, only, idle = CASES[case]
+    ids, rows, d_rows = _case(tokens, k, experts, n, kdim, torch.bfloat16, "cuda", only, idle)
+    plan = align.align_block_size(ids, experts, 128)
+    xs, _, slot_of, row_of_slot, runs = slot_rows.gather_slots(rows, None, *plan, k, experts, 128)
+    d_xs = torch.empty_like(d_rows)
+    d_xs[slot_of.long()] = d_rows
+    tiles = _tiles(LAUNCHES[launch])
+    gathers: list[int] = []
+    gather = weight_grad.gather_expert_rows
+    monkeypatch.setattr(weight_grad, "gather_expert_rows", lambda *a, **kw: gathers.append(1) or gather(*a, **kw))
+    slot = dict(slot_copies=tokens * k, slot_runs=runs)
+    got, _ = expert_weight_grad(d_xs, xs, 1, row_of_slot, plan[1], plan[2], experts, 128, False, torch.bfloat16,
+                                tiles=tiles, **slot)
+    assert not gathers
+    twin, _ = expert_weight_grad(d_xs, xs, 1, row_of_slot, plan[1], plan[2], experts, 128, False, torch.bfloat16,
+                                 tiles=attrs.evolve(tiles, warp_specialized=False, pingpong=False), **slot)
+    copy_order, _ = expert_weight_grad(d_rows, rows, k, *plan, experts, 128, False, torch.bfloat16, tiles=tiles)
+    assert torch.equal(got, twin) and torch.equal(got, copy_order)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU and a Triton whose Gluon this kernel was written for")
 @pytest.mark.parametrize("launch", ["ping-pong 128 x 128", "ping-pong, 32-row steps"])
 def test_a_runs_last_step_takes_nothing_of_the_next_experts_rows(launch: str) -> None:
     # Both operands compact (short runs: at most COMPACT_UNTIL rows per expert): a run's last step brings the next

@@ -1,6 +1,6 @@
 """Rows in slot order (``moeforge/stages/slot_order.py``, ``moeforge/kernels/slot_rows.py``): the block-aligned
-dispatch of a training step gathers the token rows into expert order, each expert's run of copies rounded up to the
-weight gradient's step, the GEMMs read and write them there, the weight gradients read them in place, the first GEMM
+dispatch of a training step gathers the token rows into expert order, each expert's copies one run of one row per
+copy, the GEMMs read and write them there, the weight gradients read them in place, the first GEMM
 sums their gradient into the token rows and the combine reads each copy at its row.
 
 On CPU through Triton's interpreter at tiny shapes; the gradients of the layouts against each other
@@ -53,9 +53,7 @@ CASES = {  # tokens, experts, top_k, every token's experts (None: drawn)
 
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_gather_puts_each_experts_copies_in_one_run_rounded_up_to_a_step(case: str, block_m: int) -> None:
-    # block_m 64: the weight gradient's step (32 rows at these few copies) is half the alignment's block, so each
-    # expert's run is cut short of its blocks; 16: the step is the block
+def test_the_gather_puts_each_experts_copies_in_one_run(case: str, block_m: int) -> None:
     tokens, experts, k, ids = CASES[case]
     _check_gather(_routed(tokens, experts, k, 24, 1, ids), experts, k, block_m)
 
@@ -72,8 +70,8 @@ def test_the_gather_keeps_its_layout_for_any_routing_and_block(tokens: int, expe
 
 def _check_gather(routed: RoutedTokens, experts: int, k: int, block_m: int) -> None:
     """:func:`slot_rows.gather_slots` of ``routed`` aligned in blocks of ``block_m``: each expert's copies one run from
-    ``runs[3, e]`` in slot order, rounded up to the weight gradient's step with zero rows; each copy's row and weight;
-    each slot's row (none past its expert's rounded run)."""
+    ``runs[1, e]`` in slot order, one row per copy; each copy's row and weight; each slot's row (none for the
+    alignment's padding slots)."""
     tokens, width = routed.x.data.shape
     kernel_ops()
     sorted_ids, block_expert, num_padded = align.align_block_size(routed.topk.ids, experts, block_m)
@@ -81,34 +79,29 @@ def _check_gather(routed: RoutedTokens, experts: int, k: int, block_m: int) -> N
     xs, row_weights, slot_of, row_of_slot, runs = slot_rows.gather_slots(
         routed.x.data, flat_weights, sorted_ids, block_expert, num_padded, k, experts, block_m)
     copies = tokens * k
-    step = weight_grad.weight_grad_step(copies / experts, block_m)
-    assert step == min(32 if copies / experts <= weight_grad.SHORT_RUN else 64, block_m)
-    rows = slot_rows.slot_row_count(copies, experts, block_m)
-    assert rows == copies + min(experts, copies) * (step - 1) and xs.shape == (rows, width)
-    assert row_weights.shape == (rows,) and row_of_slot.shape == sorted_ids.shape
+    assert xs.shape == (copies, width) and row_weights.shape == (copies,) and row_of_slot.shape == sorted_ids.shape
     counts = torch.bincount(routed.topk.ids.reshape(-1).long(), minlength=experts)
-    rounded = (counts + step - 1) // step * step
     assert torch.equal(runs[2, :experts].long(), counts)
-    assert torch.equal(runs[3, :experts].long(), torch.cumsum(rounded, 0) - rounded)
-    assert int(runs[3, experts]) == int(rounded.sum()) <= rows
+    assert torch.equal(runs[1, :experts].long(), torch.cumsum(counts, 0) - counts)
+    assert int(runs[1, experts]) == copies
     # each copy's row: its token's row and weight, inside its expert's run, the expert's copies in slot order
     expert_of = routed.topk.ids.reshape(-1).long()
-    place = slot_of.long() - runs[3, expert_of].long()
+    place = slot_of.long() - runs[1, expert_of].long()
     assert bool(((place >= 0) & (place < counts[expert_of])).all())
+    assert sorted(slot_of.tolist()) == list(range(copies))
     assert torch.equal(xs[slot_of.long()], routed.x.data[torch.arange(copies, device=DEVICE) // k])
     assert torch.equal(row_weights[slot_of.long()], flat_weights)
     used = int(num_padded)
     holds = sorted_ids[:used].long() < copies
     assert torch.equal(row_of_slot[:used][holds].long(), slot_of[sorted_ids[:used][holds].long()].long())
     slot_expert = block_expert.long().repeat_interleave(block_m)[:sorted_ids.numel()]
-    for e in range(experts):  # the run's padding: zero rows and weights; slots past it have no row
-        lo, count, whole = int(runs[3, e]), int(counts[e]), int(rounded[e])
-        assert not xs[lo + count:lo + whole].any() and not row_weights[lo + count:lo + whole].any()
+    for e in range(experts):  # the expert's slots, in order, its rows in order; its padding slots none
+        lo, count = int(runs[1, e]), int(counts[e])
         slots_of_e = (torch.arange(sorted_ids.numel(), device=DEVICE) < used) & (slot_expert == e)
-        got = sorted(int(r) for r in row_of_slot[slots_of_e] if int(r) < rows)
-        assert got == list(range(lo, lo + whole))
-    assert int((row_of_slot < rows).sum()) == int(rounded.sum())
-    assert bool((row_of_slot[used:] == rows).all())
+        got = [int(r) for r in row_of_slot[slots_of_e] if int(r) < copies]
+        assert got == list(range(lo, lo + count))
+    assert bool((row_of_slot[~torch.isin(row_of_slot, slot_of)] == copies).all())
+    assert bool((row_of_slot[used:] == copies).all())
 
 
 def test_an_empty_batch_gathers_nothing() -> None:
@@ -149,41 +142,26 @@ def test_the_combine_by_index_and_its_backward() -> None:
     assert not got[0][[1, 3, 5, 6]].any() and float(got[1][1, 1]) == 0.0
 
 
-def test_the_rule_takes_slot_order_where_the_padding_is_at_most_a_quarter_of_the_copies() -> None:
-    # the padding: a step of the weight gradient less a row per expert (64 rows; 32 at up to 32 copies an expert)
-    assert slot_order.slot_rows_pay(4 * 8 * 63, 8, 64)
-    assert not slot_order.slot_rows_pay(4 * 8 * 63 - 1, 8, 64)
-    assert slot_order.slot_rows_pay(16384 * 8, 128, 128)  # Qwen3-30B-A3B at M = 16384, the H200 table's blocks
-    assert slot_order.slot_rows_pay(4096 * 8, 128, 128)  # and at M = 4096: 256 copies an expert, 63 padding at most
-    assert not slot_order.slot_rows_pay(1024 * 8, 128, 64)  # at M = 1024: the rows would be nearly twice
-    assert slot_order.slot_rows_pay(16384 * 4, 128, 128)  # GPT-OSS-120B at M = 16384: 512 copies an expert
-    assert not slot_order.slot_rows_pay(4096 * 4, 128, 128)  # at M = 4096: up to 8064 padding rows for 16384 copies
-    assert slot_order.slot_rows_pay(16384 * 8, 256, 128)  # DeepSeek-V3 at M = 16384
-    assert not slot_order.slot_rows_pay(4096 * 8, 256, 128)  # at M = 4096: 128 copies an expert
-    assert slot_order.slot_rows_pay(1024 * 2, 8, 128)  # Mixtral at M = 1024: 256 copies an expert
-    assert not slot_order.slot_rows_pay(512 * 2, 8, 128)  # and not at M = 512
-    assert not slot_order.slot_rows_pay(32 * 128, 128, 128)  # 32 copies an expert: 32-row steps, still 31 each
-    assert slot_order.slot_rows_pay(64, 512, 1)  # one-row blocks: no padding
-    assert not slot_order.slot_rows_pay(0, 8, 64)
+def test_the_rule_takes_slot_order_wherever_there_are_copies() -> None:
+    assert slot_order.slot_rows_pay(1) and slot_order.slot_rows_pay(16384 * 8)
+    assert not slot_order.slot_rows_pay(0)
 
 
 def test_the_dispatch_takes_slot_order_only_where_a_training_step_can_use_it() -> None:
     table = ConfigTable(2, 2)
-    routed = _routed(1024, 2, 2, 8, 5)  # 2048 copies over 2 experts: the rule takes it for blocks up to 128 rows
+    routed = _routed(1024, 2, 2, 8, 5)
     kernel_ops()
-    assert table.lookup(1024).block_m <= 128
     trained = AlignDispatch(2, table)(routed)
-    assert trained.alignment.slot_copies == 2048
-    assert trained.x.data.shape[0] == slot_rows.slot_row_count(2048, 2, table.lookup(1024).block_m)
+    assert trained.alignment.slot_copies == 2048 and trained.x.data.shape[0] == 2048
     with torch.no_grad():  # inference moves no rows
         served = AlignDispatch(2, table)(routed)
     assert served.alignment.slot_copies == 0 and served.x.data is routed.x.data
     assert AlignDispatch(2, table, slot_rows=False)(routed).alignment.slot_copies == 0
     assert "slot order where a training step pays" in AlignDispatch(2, table).summary()
     assert "slot order" not in AlignDispatch(2, table, slot_rows=False).summary()
-    small = _routed(5, 2, 2, 8, 6)  # 10 copies, up to 30 padding rows: copy order unless asked
-    assert AlignDispatch(2, table)(small).alignment.slot_copies == 0
-    assert AlignDispatch(2, table, slot_rows=True)(small).alignment.slot_copies == 10
+    small = _routed(5, 2, 2, 8, 6)  # 10 copies: one row each in slot order too
+    assert AlignDispatch(2, table)(small).alignment.slot_copies == 10
+    assert AlignDispatch(2, table, slot_rows=False)(small).alignment.slot_copies == 0
     scaled = RoutedTokens(x=Activations(routed.x.data, torch.ones(1024, 1, device=DEVICE)), topk=routed.topk)
     assert slot_order.slot_rows_apply(scaled) is not None
     assert AlignDispatch(2, table, slot_rows=True)(scaled).alignment.slot_copies == 0
@@ -208,8 +186,8 @@ def _counting(run: Any) -> tuple[Any, int, int]:
         weight_grad.gather_expert_rows, weight_grad.expert_runs = gather, expert_runs  # type: ignore
 
 
-# (the table's block; tokens): the CPU default's 16-row blocks, each expert's run its whole blocks; 64-row blocks at
-# about ten copies an expert, runs of 32-row steps; 128-row blocks at about 40, runs of 64-row steps
+# (the table's block; tokens): the CPU default's 16-row blocks; 64-row blocks at about ten copies an expert; 128-row
+# blocks at about 40 — each expert's run ends inside its last block, and inside the weight gradient's last step
 BLOCKS = {"16-row blocks": (None, 21), "64-row blocks": (64, 21), "128-row blocks": (128, 80)}
 
 
@@ -233,8 +211,10 @@ def test_the_stages_train_the_same_in_both_layouts_and_the_same_bits_twice(act: 
 
     copy_order, gathered, copy_runs = _counting(lambda: run(False))
     first, in_place, slot_runs = _counting(lambda: run(True))
-    assert gathered == 4 and in_place == 0  # two operands of each weight gradient: gathered, or read in place
-    assert copy_runs == 2 and slot_runs == 1  # each weight gradient's, or the dispatch's once for both
+    # the Triton weight gradient (fp32 rows: the Gluon one takes 16-bit ones, both in place) sums whole steps: in copy
+    # order both operands of each weight gradient gathered, in slot order the narrower one, its runs rounded up
+    assert gathered == 4 and in_place == 2
+    assert copy_runs == 2 and slot_runs == 3  # each weight gradient's; the dispatch's, and each one's rounded up
     for name, a, b in zip(["out", "x", "logits", *t], first, copy_order):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, msg=name)
     assert all(torch.equal(a, b) for a, b in zip(first, run(True)))
@@ -302,8 +282,9 @@ def _stages(dispatch: AlignDispatch, middle: Any, table: ConfigTable) -> list[An
 
 
 def test_a_stage_that_reads_every_row_refuses_a_dispatch_that_may_give_slot_order() -> None:
-    # Rows in slot order hold no values past the last expert's run: a stage reducing over all rows would read them. The
-    # pipeline refuses it when built, naming the field and the way out, and builds with the dispatch in copy order.
+    # Row r of rows in slot order is not copy r: a stage reducing over all rows sums them in another order (one pairing
+    # rows with tokens would pair them wrongly). The pipeline refuses it when built, naming the field and the way
+    # out, and builds with the dispatch in copy order.
     table = ConfigTable(4, 2)
     spec = mf.input_spec(8, torch.float32, 4)
     for may_give_slots in (None, True):
@@ -335,14 +316,24 @@ def test_an_adapted_gemm_refuses_rows_in_slot_order() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
-def test_anomaly_detection_keeps_the_rows_in_copy_order() -> None:
-    # Anomaly detection checks every gradient for NaN, rows past the last run included.
-    table = ConfigTable(2, 2)
-    routed = _routed(1024, 2, 2, 8, 5)
+def test_anomaly_detection_trains_a_step_in_slot_order() -> None:
+    # Anomaly detection checks every row of every gradient for NaN: rows in slot order are one per copy, each written
+    # (the rows once rounded up to whole steps held unwritten ones past the last run, and anomaly detection then
+    # kept copy order)
+    table = ConfigTable(4, 2)
+    spec = mf.input_spec(8, torch.float32, 4)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(37, 8, generator=gen).to(DEVICE).requires_grad_()
+    logits = torch.randn(37, 4, generator=gen).to(DEVICE)
+    grad = torch.randn(37, 8, generator=gen).to(DEVICE)
     kernel_ops()
-    assert AlignDispatch(2, table)(routed).alignment.slot_copies == 2048
-    with torch.autograd.detect_anomaly():
-        assert AlignDispatch(2, table, slot_rows=True)(routed).alignment.slot_copies == 0
+    grads = []
+    for slot_rows in (True, False):
+        pipeline = mf.Pipeline(_stages(AlignDispatch(4, table, slot_rows), mf.stages.Activate(mf.ActivationConfig()),
+                                       table), spec)
+        with torch.autograd.detect_anomaly():
+            grads.append(torch.autograd.grad(pipeline(MoEInput(x, logits)).hidden_states, x, grad)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
 
 
 class _ScaledRows(mf.Stage[Any, Any]):

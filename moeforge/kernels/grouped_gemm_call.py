@@ -113,10 +113,10 @@ class GemmRoute:
     num_padded: torch.Tensor  # [1]: the row slots in use
     num_copies: int  # the output's rows
     aligned_block_m: Optional[int] = None  # the block the rows were aligned with (None: the config's block_m)
-    # Rows in slot order (moeforge.kernels.slot_rows): the number of copies they hold, every slot's sorted_ids its
-    # row (num_copies: the rows) and each padding row of the inputs zero; 0: rows in copy order. The backward's
-    # weight gradient then reads each expert's rows in place instead of gathering them, from where and to each
-    # expert's copies where slot_runs (weight_grad.expert_runs of the copies: rows 3 and 2) says.
+    # Rows in slot order (moeforge.kernels.slot_rows): the number of copies they hold (one row each), every slot's
+    # sorted_ids its row (num_copies: none); 0: rows in copy order. The backward's weight gradient then reads each
+    # expert's rows in place instead of gathering them, where slot_runs (weight_grad.expert_runs of the copies: rows
+    # 1 and 2) says.
     slot_copies: int = 0
     slot_runs: Optional[torch.Tensor] = None
 

@@ -262,9 +262,9 @@ gather_slots = KernelOp(_gather_slots_op, _gather_slots, differentiable=True)
 def _(x: torch.Tensor, weights: Optional[torch.Tensor], sorted_ids: torch.Tensor, block_expert: torch.Tensor,
       num_padded: torch.Tensor, top_k: int, num_experts: int,
       block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = slot_rows.slot_row_count(x.shape[0] * top_k, num_experts, block_m)
+    rows = x.shape[0] * top_k
     return (x.new_empty(rows, x.shape[1]), x.new_empty(rows if weights is not None else 0, dtype=torch.float32),
-            x.new_empty(x.shape[0] * top_k, dtype=torch.int32), x.new_empty(sorted_ids.numel(), dtype=torch.int32),
+            x.new_empty(rows, dtype=torch.int32), x.new_empty(sorted_ids.numel(), dtype=torch.int32),
             x.new_empty(4, num_experts + 1, dtype=torch.int32))
 
 

@@ -361,11 +361,11 @@ def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int
     MMAs leave reading the rows as the cost, which that kernel does once, with no launch to find the experts' runs).
 
     ``slot_copies`` > 0: both operands in slot order (:mod:`moeforge.kernels.slot_rows`; ``sorted_ids`` each slot's
-    row, ``rows_per_a`` 1), ``slot_copies`` of their rows copies, each padding row of one operand zero: each
-    expert's sum runs over its rows where they are, nothing gathered: its copies rounded up to whole steps, from
-    ``slot_runs`` (the dispatch's :func:`expert_runs`: row 3 each expert's first row, row 2 its copies; the runs
-    rounded up to :func:`weight_grad_step`'s rows, which the launch's step must divide). ``scale``: both gradients
-    times it (an adapter's ``alpha / r``; in the narrow kernel before the cast, else after)."""
+    row, ``rows_per_a`` 1), ``slot_copies`` rows, one per copy, each expert's a run from ``slot_runs[1, e]`` (the
+    dispatch's :func:`expert_runs`; row 2 its copies): the Gluon kernel sums them where they are, masking each run's
+    last step; this module's kernel gathers the narrower operand with the runs rounded up to whole steps, the wider
+    read in place. ``scale``: both gradients times it (an adapter's ``alpha / r``; in the narrow kernel before the
+    cast, else after)."""
     if tiles is None and narrow_weight_grad.narrow_problem(d_rows, rows, with_bias, slot_copies) is None:
         # (an adapter's A or B: the rows read once by index, the narrow side whole in each program's accumulator)
         return narrow_weight_grad.narrow_weight_grad(d_rows, rows, rows_per_a, sorted_ids, block_expert, num_padded,
@@ -400,11 +400,7 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
     if block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
-    rounded = weight_grad_step(slot_copies / max(num_experts, 1), block_m) if slot_copies else tiles.block_m
-    if rounded % tiles.block_m:
-        raise ValueError(f"rows in slot order round each expert's run up to {rounded} rows: the weight gradient's "
-                         f"step of {tiles.block_m} rows must divide that")
-    # (in slot order the dispatch's runs: rows 3 and 2 are what the launches read)
+    # (in slot order the dispatch's runs, not rounded up: rows 1 and 2 are what the launches read)
     runs = slot_runs if slot_runs is not None and slot_copies else expert_runs(
         block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m)
 
@@ -421,10 +417,26 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
                                          stages=tiles.num_stages, pingpong=tiles.pingpong,
                                          tma_store=tiles.tma_store, mask_tail=mask_tail)
 
+    if slot_copies and takes(d_rows, rows):
+        # an expert's run from its first row, its copies one row each: the Gluon kernel zeroes the rows past each
+        # run in its last step
+        launch(d_rows.contiguous(), rows.contiguous(), runs[1], runs[1], mask_tail=True)
+        return dw, db
     if slot_copies:
-        # an expert's run from its first row: its copies, then zero rows up to a whole number of steps (the step
-        # divides the rounding)
-        dy, x, dy_first, x_first = d_rows.contiguous(), rows.contiguous(), runs[3], runs[3]
+        # this module's kernel sums whole steps: the narrower operand gathered with each run rounded up to whole
+        # steps with zero rows (from the rows, in expert order already: slot s holds row sorted_ids[s]), the wider
+        # read in place
+        padded_runs = expert_runs(block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies,
+                                  tiles.block_m)
+        dy, x, dy_first, x_first = d_rows.contiguous(), rows.contiguous(), runs[1], runs[1]
+        if n <= k:
+            dy = gather_expert_rows(d_rows, sorted_ids, block_expert, padded_runs, num_padded, num_copies, 1, block_m,
+                                    tiles.block_m)
+            dy_first = padded_runs[3]
+        else:
+            x = gather_expert_rows(rows, sorted_ids, block_expert, padded_runs, num_padded, num_copies, 1, block_m,
+                                   tiles.block_m)
+            x_first = padded_runs[3]
     elif num_copies <= COMPACT_UNTIL * num_experts and takes(d_rows, rows):
         # short runs: the Gluon kernel zeroes the rows past each run in its last step, both operands compact, one row
         # per copy (their gathered copies take it as the sources do: the same dtypes and widths, fresh contiguous

@@ -165,7 +165,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         alignment = BlockAlignment(sorted_ids=sorted_ids, block_expert=block_expert, num_padded=num_padded,
                                    config=config, copies_per_row=top_k, num_tokens=tokens)
         if training and self.slot_rows is not False and slot_order.slot_rows_apply(x) is None and (
-                self.slot_rows or slot_order.slot_rows_pay(tokens * top_k, self.num_experts, config.block_m)):
+                self.slot_rows or slot_order.slot_rows_pay(tokens * top_k)):
             return self.slot_order_rows(x, alignment)
         # each copy's adapter, in copy order (copy t * top_k + j of token t)
         adapter_ids = x.adapter_ids.repeat_interleave(top_k) if x.adapter_ids is not None else None
@@ -181,10 +181,9 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
 
     def slot_order_rows(self, x: RoutedTokens, alignment: BlockAlignment) -> AlignedRows:
         """``x``'s rows gathered into the slot order of ``alignment`` (aligned for ``x``'s copies) as
-        :class:`AlignedRows` (:mod:`moeforge.stages.slot_order`): ``x.data [R, H]``, each expert's copies then zero
-        rows up to a whole step of the weight gradient, the alignment's ``sorted_ids`` each slot's row, the copies'
-        routing weights in the rows' order (zero in the padding), where each expert's rows and copies lie, and the
-        plan back to the tokens."""
+        :class:`AlignedRows` (:mod:`moeforge.stages.slot_order`): ``x.data [copies, H]``, each expert's copies one
+        run, the alignment's ``sorted_ids`` each slot's row, the copies' routing weights in the rows' order, where each
+        expert's rows and copies lie, and the plan back to the tokens."""
         tokens, top_k = x.topk.ids.shape
         weights = x.topk.weights.float()
         xs, row_weights, slot_of, row_of_slot, runs = kernel_ops().gather_slots(
@@ -195,7 +194,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
                               num_tokens=int(xs.shape[0]), slot_copies=tokens * top_k, slot_runs=runs)
         index = slot_of.view(tokens, top_k)
         gathered: Optional[GatheredRows] = GatheredRows(xs, x.x.data, index)
-        if self.apply_routing_weights:  # (rows past the last expert's run hold no values, and no kernel reads them)
+        if self.apply_routing_weights:
             xs, gathered = scale_rows(xs, row_weights), None
         return AlignedRows(x=Activations(xs), alignment=rows, copy_major=True, copy_weights=row_weights,
                            plan=AlignedPlan(weights, index), gathered=gathered)
@@ -207,7 +206,7 @@ class AlignedPlan(Plan):
     ``t``'s copies are rows ``t * top_k .. t * top_k + top_k - 1`` — or, in slot order
     (:mod:`moeforge.stages.slot_order`), rows ``slot_of[t, j]`` (int32 ``[T, top_k]``); ``copy_weights [T, top_k]``
     (fp32). Summed by the triton combine kernel (fixed order, fp32, no atomics); by index, its backward writes zero
-    gradients into the rows no copy reads (the padding, which the weight gradients then sum as zero rows)."""
+    gradients into any row no copy reads."""
 
     copy_weights: torch.Tensor
     slot_of: Optional[torch.Tensor] = None
