@@ -124,10 +124,7 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
 
 def weight_grad_step(rows_per_expert: float, aligned_block_m: int) -> int:
     """The rows of one reduction step of the weight gradient on a GPU: 64, 32 where an expert has at most
-    :data:`SHORT_RUN` rows on average, at most the alignment's block. Rows in slot order
-    (:mod:`moeforge.kernels.slot_rows`) round each expert's run up to a whole number of these steps, so that every
-    step the weight gradient takes (this one on a GPU, 16 rows under the interpreter: divisors of it) ends inside
-    the run."""
+    :data:`SHORT_RUN` rows on average, at most the alignment's block."""
     return max(1, min(32 if rows_per_expert <= SHORT_RUN else 64, aligned_block_m))
 
 
@@ -201,7 +198,8 @@ def expert_runs(block_expert: torch.Tensor, sorted_ids: torch.Tensor, num_padded
     in the slot order (``runs[0, E]`` the used blocks), ``runs[1, e]`` its first row in expert order (the copies
     of the experts before it; ``runs[1, E]`` all copies), ``runs[2, e]`` its copies (``runs[2, E]`` all) and
     ``runs[3, e]`` its first row in expert order with every run rounded up to whole steps of ``step`` rows
-    (``runs[3, E]`` all those rows): where rows in slot order lie (:mod:`moeforge.kernels.slot_rows`)."""
+    (``runs[3, E]`` all those rows): where the operands' rows lie in expert order, one of them padded to whole steps
+    (``step`` 1: rows in slot order, :mod:`moeforge.kernels.slot_rows`, row 3 the same as row 1)."""
     runs = torch.empty(4, num_experts + 1, dtype=torch.int32, device=block_expert.device)
     block_e = max(next_power_of_2(num_experts), 2)
     chunk = max(16, min(1024, next_power_of_2(block_expert.numel())))
