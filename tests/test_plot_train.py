@@ -30,14 +30,24 @@ def test_series_take_the_timed_steps_and_their_speed_up() -> None:
         OURS: [(1024, 30.0), (4096, 60.0)], THEIRS: [(1024, 20.0)], "speed-up": [(1024, 1.5)]}}
 
 
+def test_a_run_of_both_layouts_draws_its_slot_order_step() -> None:
+    # bench_train.py --slot-rows both: the slot-order step is the layer's (the rule takes it everywhere)
+    result = dict(records=[
+        dict(shape="s", M=1024, what="moeforge_copy_order", median_us=25.0, pct_peak=24.0),
+        dict(shape="s", M=1024, what="moeforge_slot_order", median_us=20.0, pct_peak=30.0),
+        dict(shape="s", M=1024, what="torch_grouped_mm", median_us=30.0, pct_peak=20.0),
+    ])
+    assert plot_train.series(result) == {"s": {OURS: [(1024, 30.0)], THEIRS: [(1024, 20.0)], "speed-up": [(1024, 1.5)]}}
+
+
 def test_the_committed_results_give_every_cell_of_the_readme_table() -> None:
     result = json.loads(plot_train.DEFAULT_FILE.read_text())
     data = plot_train.series(result)
     assert set(data) == {"mixtral", "qwen3", "gptoss", "deepseek"}
     for shape, lines in data.items():
         assert [m for m, _ in lines["speed-up"]] == [1024, 4096, 16384]
-        recorded = [r["speedup_vs_grouped_mm"] for r in result["records"]
-                    if r.get("shape") == shape and "speedup_vs_grouped_mm" in r]
+        recorded = [r["speedup_vs_grouped_mm"] for r in result["records"]  # (the steps the figure draws)
+                    if r.get("shape") == shape and plot_train.PATHS.get(r.get("what", "")) == OURS]
         assert [round(x, 2) for _, x in lines["speed-up"]] == pytest.approx(recorded, abs=0.011)
         assert all(0 < pct < 100 for path in (OURS, THEIRS) for _, pct in lines[path])
 
