@@ -14,9 +14,9 @@ alignment (row by row, or by its plan), which the pipeline checks when it is bui
 reads the rows as copies refuses a dispatch that may give slot order, and the dispatch is then built with
 ``slot_rows=False``).
 
-The rows number the copies, as in copy order, and the forward saves them for the backward (the token rows, in copy
-order). :func:`slot_rows_pay` takes slot order wherever it applies (docs/kernels.md, "Backward", has the
-measurements behind the rule).
+The rows number the copies, one row each; the forward saves them for the backward where copy order saves the token
+rows. :func:`slot_rows_pay` takes slot order wherever it applies (docs/kernels.md, "Backward", has the measurements
+behind the rule).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ _FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
 def slot_rows_pay(num_copies: int) -> bool:
     """Whether ``num_copies`` copies take slot order in a training step: wherever there are copies. Against copy
-    order it saves the backward's four gathers into expert order and, at the weight gradients' peak, their copies;
-    it costs one gather of the token rows in the forward (see the module docstring)."""
+    order it saves the backward's gathers into expert order (four; two where the Triton weight gradient runs) and, at
+    the weight gradients' peak, their copies; it costs one gather of the token rows in the forward (see the module
+    docstring)."""
     return num_copies > 0
 
 
