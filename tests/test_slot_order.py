@@ -104,6 +104,33 @@ def _check_gather(routed: RoutedTokens, experts: int, k: int, block_m: int) -> N
     assert bool((row_of_slot[used:] == copies).all())
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens=st.integers(1, 60), experts=st.integers(1, 8), k=st.integers(1, 4),
+       block_m=st.sampled_from([16, 32, 64]), step=st.sampled_from([16, 32]), narrow_dy=st.booleans(),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_weight_gradient_of_rows_in_slot_order_has_copy_orders_bits(tokens: int, experts: int, k: int,
+                                                                         block_m: int, step: int, narrow_dy: bool,
+                                                                         bias: bool, seed: int) -> None:
+    # The Triton weight gradient on rows in slot order (one row per copy) gathers the narrower operand with each run
+    # rounded up to its step and reads the other in place: each expert's rows summed in the same steps as copy
+    # order's gathered operands, so the same bits, bias included.
+    k, step = min(k, experts), min(step, block_m)
+    n, width = (8, 24) if narrow_dy else (24, 8)
+    routed = _routed(tokens, experts, k, width, seed)
+    d_rows = torch.randn(tokens * k, n, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE)
+    kernel_ops()
+    plan = align.align_block_size(routed.topk.ids, experts, block_m)
+    xs, _, slot_of, row_of_slot, runs = slot_rows.gather_slots(routed.x.data, None, *plan, k, experts, block_m)
+    d_xs = torch.empty_like(d_rows)
+    d_xs[slot_of.long()] = d_rows
+    tiles = weight_grad.WeightGradTiles(16, 16, step, 4, 2, False)
+    got = weight_grad.expert_weight_grad(d_xs, xs, 1, row_of_slot, plan[1], plan[2], experts, block_m, bias,
+                                         tiles=tiles, slot_copies=tokens * k, slot_runs=runs)
+    want = weight_grad.expert_weight_grad(d_rows, routed.x.data, k, *plan, experts, block_m, bias, tiles=tiles)
+    assert torch.equal(got[0], want[0])
+    assert (got[1] is None and want[1] is None) if not bias else torch.equal(got[1], want[1])
+
+
 def test_an_empty_batch_gathers_nothing() -> None:
     kernel_ops()
     ids = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)
