@@ -17,9 +17,7 @@ in slot order, one row each, the runs one after another; a padding slot has no r
 rows, which the GEMMs read as padding: they neither load nor store it). So the saved rows number the copies, as in
 copy order. The weight gradient sums each run in whole steps: the Gluon kernel zeroes the rows past a run in its last
 step itself, the Triton kernel takes the narrower operand gathered with each run rounded up to whole steps
-(:func:`moeforge.kernels.weight_grad.expert_weight_grad`). (Until the forty-eighth session every run here was
-rounded up to a whole step of the weight gradient with zero rows: up to 63 rows more per expert in every saved
-activation.) The copies' routing weights come in the rows' order too, for a GEMM epilogue that multiplies by them.
+(:func:`moeforge.kernels.weight_grad.expert_weight_grad`), so no row here is padding. The copies' routing weights come in the rows' order too, for a GEMM epilogue that multiplies by them.
 
 The backward (:func:`gather_slots_backward`) sums each token's ``top_k`` rows in a fixed order with the combine
 kernel (:func:`moeforge.kernels.combine.combine_copies` by index, fp32 sums): the same bits from run to run. A first

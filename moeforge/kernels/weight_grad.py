@@ -74,9 +74,9 @@ class WeightGradTiles:
 
 
 LONG_REDUCTION = 1024  # rows per expert from which the wide tiles pay (weight_grad_tiles)
-# rows per expert up to which the Gluon kernel takes both operands compact, masking each run's last step
-# (_k_grouped): there the padded operand holds the most padding for its copies, and the mask cost nothing measurable;
-# from 128 rows per expert on it cost up to 4 % of a training step (docs/kernels.md, "Backward")
+# rows per expert up to which copy order's operands go to the Gluon kernel both compact, each run's last step masked
+# (_k_grouped): where the padded operand holds the most padding for its copies (docs/kernels.md, "Backward", has the
+# measurements behind the bound)
 COMPACT_UNTIL = 64
 SHORT_RUN = 32  # rows per expert up to which the steps are 32 rows (weight_grad_tiles)
 PINGPONG_UNTIL = 4096  # rows per expert from which the wide tiles beat the Gluon ping-pong (weight_grad_tiles)
