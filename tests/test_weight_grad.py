@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from moeforge.kernels import align, gluon_weight_grad, weight_grad  # noqa: E402
 from moeforge.kernels.weight_grad import (  # noqa: E402
     WeightGradTiles,
+    expert_bias_grad,
     expert_runs,
     expert_weight_grad,
     gather_expert_rows,
@@ -87,6 +88,73 @@ def test_the_weight_and_bias_gradients_equal_a_float64_sum_per_expert(case: str,
     torch.testing.assert_close(db.cpu().double(), want_b, rtol=tol, atol=tol)
     for e in idle:
         assert not dw[e].any() and not db[e].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_the_bias_gradient_of_its_own_launch_sums_each_run_alone(dtype: torch.dtype) -> None:
+    # expert_bias_grad (beside the Gluon weight gradient, which sums no bias): runs of uneven lengths (not whole
+    # steps, one longer than two steps), an idle expert, rows before, between and after the runs holding large values
+    # that must not reach any sum; the same bits on a second launch.
+    gen = torch.Generator().manual_seed(3)
+    counts, n, gap = [5, 0, 37, 16, 1], 40, 3
+    firsts, row = [], 2
+    for count in counts:
+        firsts.append(row)
+        row += count + gap
+    dy = torch.full((row, n), 3e4)
+    for first, count in zip(firsts, counts):
+        dy[first:first + count] = torch.randn(count, n, generator=gen)
+    dy = dy.to(DEVICE, dtype)
+    first = torch.tensor(firsts, dtype=torch.int32, device=DEVICE)
+    count = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    db = expert_bias_grad(dy, first, count, torch.empty(len(counts), n, dtype=dtype, device=DEVICE))
+    want = torch.stack([dy.cpu()[f:f + c].double().sum(0) for f, c in zip(firsts, counts)])
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(db.cpu().double(), want, rtol=tol, atol=tol)
+    assert not db[1].any()
+    again = expert_bias_grad(dy, first, count, torch.empty_like(db))
+    assert torch.equal(again, db)
+
+
+@pytest.mark.parametrize("layout", ["copy order, compact operands", "copy order, one operand padded", "slot order"])
+def test_a_bias_gradient_beside_the_gluon_kernel_is_a_launch_of_its_own(monkeypatch: pytest.MonkeyPatch,
+                                                                        layout: str) -> None:
+    # A layer with expert biases takes the Gluon weight gradient (sm_90; stood in for here by a float64 sum over the
+    # runs it is given): its bias gradient comes from expert_bias_grad over the same runs of dy rows, in each branch
+    # of the weight gradient that launches the Gluon kernel.
+    def gluon_stand_in(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, dy_first: torch.Tensor,
+                       x_first: torch.Tensor, counts: torch.Tensor, **launch: object) -> torch.Tensor:
+        for e in range(dw.shape[0]):
+            c, a, b = int(counts[e]), int(dy_first[e]), int(x_first[e])
+            dw[e] = (dy[a:a + c].double().T @ x[b:b + c].double()).to(dw.dtype)
+        return dw
+
+    monkeypatch.setattr(gluon_weight_grad, "operand_problem", lambda *args: None)
+    monkeypatch.setattr(gluon_weight_grad, "launch_checked", gluon_stand_in)
+    if layout == "copy order, one operand padded":
+        monkeypatch.setattr(weight_grad, "COMPACT_UNTIL", 0)
+    tiles = WeightGradTiles(128, 128, 16, 4, 4, True, warp_specialized=True, pingpong=True)
+    tokens, k, experts, n, kdim, block = 23, 2, 5, 24, 40, 32
+    gen = torch.Generator().manual_seed(11)
+    ids = _ids(tokens, k, experts, gen, idle=(1,))
+    rows = torch.randn(tokens, kdim, generator=gen).to(DEVICE)
+    d_rows = torch.randn(tokens * k, n, generator=gen).to(DEVICE)
+    plan = align.align_block_size(ids.to(DEVICE), experts, block)
+    if layout == "slot order":
+        from moeforge.kernels import slot_rows
+
+        xs, _, slot_of, row_of_slot, runs = slot_rows.gather_slots(rows, None, *plan, k, experts, block)
+        d_xs = torch.empty_like(d_rows)
+        d_xs[slot_of.long()] = d_rows
+        dw, db = expert_weight_grad(d_xs, xs, 1, row_of_slot, plan[1], plan[2], experts, block, True, tiles=tiles,
+                                    slot_copies=tokens * k, slot_runs=runs)
+    else:
+        dw, db = expert_weight_grad(d_rows, rows, k, *plan, experts, block, True, tiles=tiles)
+    want_w, want_b = _reference(d_rows, rows, ids, experts, k)
+    assert db is not None
+    torch.testing.assert_close(dw.cpu().double(), want_w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db.cpu().double(), want_b, rtol=1e-5, atol=1e-5)
+    assert not db[1].any()
 
 
 def test_no_copies_give_zero_gradients() -> None:
@@ -234,7 +302,7 @@ def test_the_default_tiles_divide_every_alignment_block() -> None:
                 assert block % tiles.block_m == 0 and tiles.block_m >= 16
 
 
-def test_the_gluon_ping_pong_takes_16_bit_launches_without_a_bias_up_to_its_rows_per_expert(
+def test_the_gluon_ping_pong_takes_16_bit_launches_up_to_its_rows_per_expert(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # the rule on an sm_90 GPU that runs Gluon (both stand-ins here: the rule reads no other device property)
     monkeypatch.setattr(weight_grad, "capability_has_tma", lambda device: True)
@@ -249,9 +317,8 @@ def test_the_gluon_ping_pong_takes_16_bit_launches_without_a_bias_up_to_its_rows
         assert narrow.block_m == 16 and not narrow.tma_store
     long = weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, float(weight_grad.PINGPONG_UNTIL))
     assert long == WeightGradTiles(128, 256, 64, 8, 3, True)
-    for other in (weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, 512.0, with_bias=True),
-                  weight_grad_tiles(4096, 7168, torch.float32, 128, gpu, 512.0)):
-        assert not other.warp_specialized and not other.pingpong
+    other = weight_grad_tiles(4096, 7168, torch.float32, 128, gpu, 512.0)
+    assert not other.warp_specialized and not other.pingpong
     monkeypatch.setattr(gluon_weight_grad, "device_problem", lambda device: "sm_80")
     assert not weight_grad_tiles(4096, 7168, torch.bfloat16, 128, gpu, 512.0).warp_specialized
 

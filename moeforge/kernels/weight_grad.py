@@ -17,7 +17,9 @@ Two passes:
    "The weight gradient's operands in expert order"). The Gluon kernel zeroes the rows past a run in its last step
    in shared memory, under its pipeline (:mod:`moeforge.kernels.gluon_weight_grad`, ``mask_tail``): where it takes
    the launch and experts hold at most :data:`COMPACT_UNTIL` rows on average — where the padding weighs most — both
-   operands are compact.
+   operands are compact. It sums no bias: beside it a layer's bias gradient is a launch of its own over the same
+   runs of ``dy`` rows (:func:`expert_bias_grad`; a third of a biased GPT-OSS step, when a bias kept the weight
+   gradient off the Gluon kernel: docs/kernels.md, "Backward").
 2. ``_weight_grad_kernel``: one program per ``(expert, N tile, K tile)``, in that order (the tiles of one expert
    and one N strip run together and share it through L2), walking the expert's runs in steps of ``BLOCK_M`` rows
    and accumulating ``dy^T @ x`` in fp32. A step past the end of an expert's copies pairs the padded operand's zero
@@ -59,8 +61,9 @@ class WeightGradTiles:
     by TMA; ``tma_store``: the finished tile stored by TMA too (by either kernel, where it can);
     ``warp_specialized``: the Gluon kernel
     (:mod:`moeforge.kernels.gluon_weight_grad`; two MMA partitions on alternate tiles with ``pingpong``) where it
-    takes the launch — bf16 / fp16 operands, no bias, an sm_90 GPU — else this module's kernel with the same tiles
-    (the flag chooses a kernel, never a result: both sum the same steps in the same order)."""
+    takes the launch — bf16 / fp16 operands, an sm_90 GPU; a bias's gradient then summed by a launch of its own,
+    :func:`expert_bias_grad` — else this module's kernel with the same tiles (the flag chooses a kernel, never the
+    weight gradient's bits: both sum the same steps in the same order)."""
 
     block_n: int
     block_k: int
@@ -83,15 +86,16 @@ PINGPONG_UNTIL = 4096  # rows per expert from which the wide tiles beat the Gluo
 
 
 def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, device: torch.device,
-                      rows_per_expert: float = float(LONG_REDUCTION), with_bias: bool = False) -> WeightGradTiles:
+                      rows_per_expert: float = float(LONG_REDUCTION)) -> WeightGradTiles:
     """The launch for ``dW [E, n, k]`` of ``dtype`` operands aligned in blocks of ``aligned_block_m`` rows, with
-    ``rows_per_expert`` rows on average in each expert's reduction (``with_bias``: the bias gradient summed too).
+    ``rows_per_expert`` rows on average in each expert's reduction (with or without a bias gradient: beside the Gluon
+    kernel it is a launch of its own, :func:`expert_bias_grad`; this module's kernel sums it in the same pass).
 
     On a CUDA device, 16-bit operands, 64-row steps (32 where an expert has at most :data:`SHORT_RUN` rows on
     average: the padded operand holds up to a step less a row more per expert, so short runs take half the
     padding; the kernels log has the memory and the time this trades), TMA where :func:`capability_has_tma`:
 
-    * on an sm_90 GPU that runs the Gluon kernel (:func:`gluon_weight_grad.device_problem`), without a bias, below
+    * on an sm_90 GPU that runs the Gluon kernel (:func:`gluon_weight_grad.device_problem`), below
       :data:`PINGPONG_UNTIL` rows per expert: the warp-specialised kernel, two MMA warpgroups on alternate
       128 x 128 tiles, 4 stages — one tile's store overlaps the other's MMAs, which counts where reductions are
       short; from there on the wide tiles' operand reuse counts more; with 64-row steps each partition stores its
@@ -112,7 +116,7 @@ def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, 
     if device.type != "cuda":
         return WeightGradTiles(32, 32, min(16, aligned_block_m), 4, 2, False)
     tma = capability_has_tma(device)
-    if (dtype.itemsize == 2 and not with_bias and rows_per_expert < PINGPONG_UNTIL and tma
+    if (dtype.itemsize == 2 and rows_per_expert < PINGPONG_UNTIL and tma
             and gluon_weight_grad.device_problem(device) is None):
         return WeightGradTiles(128, 128, step, 4, 4, True, warp_specialized=True, pingpong=True,
                                tma_store=step == 64)
@@ -344,6 +348,46 @@ def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr,
             tl.store(db_ptr + expert64 * stride_dbe + offs_n, bias.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _bias_grad_kernel(dy_ptr, first_ptr, count_ptr, db_ptr, N, stride_dy, stride_dbe, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    # One program per (expert, BLOCK_N columns): the expert's count rows of dy from its first row, summed in fp32 in
+    # steps of BLOCK_M rows from the first (a fixed order), the rows past the run masked (they may be another's).
+    expert = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    first = tl.load(first_ptr + expert)
+    count = tl.load(count_ptr + expert)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for done in range(0, count, BLOCK_M):
+        step = done + tl.arange(0, BLOCK_M)
+        rows = (first + step).to(tl.int64)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + offs_n[None, :], mask=(step < count)[:, None] & n_ok[None, :],
+                     other=0.0)
+        acc += tl.sum(dy.to(tl.float32), axis=0)
+    tl.store(db_ptr + expert.to(tl.int64) * stride_dbe + offs_n, acc.to(db_ptr.dtype.element_ty), mask=n_ok)
+
+
+def expert_bias_grad(dy: torch.Tensor, first: torch.Tensor, counts: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
+    """``db[e] = sum of dy[first[e] + i] for i < counts[e]`` (``dy [R, N]`` rows in expert runs, ``first`` and
+    ``counts`` int32 ``[E]`` on the device, ``db [E, N]`` written in its dtype): the bias gradient beside the Gluon
+    weight gradient, which sums none. Each expert's rows summed in fp32 in a fixed order (steps of rows from the
+    run's first: deterministic, no atomics), only the run's rows read; an idle expert's row is zeros."""
+    num_experts, n = db.shape
+    if db.numel() == 0:
+        return db
+    if dy.stride(1) != 1:
+        dy = dy.contiguous()
+    block_m, block_n = (64, 128) if dy.is_cuda else (16, 32)
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n), {}
+
+    _BIAS_GRAD.launch((block_m, block_n, dy.device), (num_experts, cdiv(n, block_n)),
+                      (dy, first, counts, db, n, dy.stride(0), db.stride(0)), make)
+    return db
+
+
 def expert_weight_grad(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted_ids: torch.Tensor,
                        block_expert: torch.Tensor, num_padded: torch.Tensor, num_experts: int, block_m: int,
                        with_bias: bool, dtype: torch.dtype = torch.float32,
@@ -394,7 +438,7 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
             db.zero_()
         return dw, db
     tiles = tiles or weight_grad_tiles(n, k, rows.dtype, block_m, rows.device,
-                                       (slot_copies or num_copies) / max(num_experts, 1), with_bias)
+                                       (slot_copies or num_copies) / max(num_experts, 1))
     if block_m % tiles.block_m or tiles.block_m < 16:
         raise ValueError(f"the weight gradient's step of {tiles.block_m} rows must divide the alignment's block "
                          f"of {block_m} and be at least 16 (the MMA's reduction)")
@@ -403,9 +447,10 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
         block_expert, sorted_ids, num_padded, block_m, num_experts, num_copies, tiles.block_m)
 
     def takes(dy: torch.Tensor, x: torch.Tensor) -> bool:
-        """Whether the tiles ask for the Gluon kernel and it takes these operands."""
+        """Whether the tiles ask for the Gluon kernel and it takes these operands (the weight's gradient: a bias's
+        is summed beside it)."""
         return tiles.warp_specialized and gluon_weight_grad.operand_problem(
-            dy, x, dw, with_bias, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages,
+            dy, x, dw, False, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages,
             tiles.pingpong) is None
 
     def launch(dy: torch.Tensor, x: torch.Tensor, dy_first: torch.Tensor, x_first: torch.Tensor,
@@ -414,6 +459,8 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
                                          block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
                                          stages=tiles.num_stages, pingpong=tiles.pingpong,
                                          tma_store=tiles.tma_store, mask_tail=mask_tail)
+        if db is not None:  # (the Gluon kernel sums no bias: each expert's run of dy rows summed by its own launch)
+            expert_bias_grad(dy, dy_first, runs[2], db)
 
     if slot_copies and takes(d_rows, rows):
         # an expert's run from its first row, its copies one row each: the Gluon kernel zeroes the rows past each
@@ -494,6 +541,7 @@ def grads_for_op(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sort
 _EXPERT_RUNS = LaunchSite(_expert_runs_kernel)
 _GATHER = LaunchSite(_gather_expert_rows_kernel)
 _WEIGHT_GRAD = LaunchSite(_weight_grad_kernel)
+_BIAS_GRAD = LaunchSite(_bias_grad_kernel)
 
 # What the grouped GEMM's backward formula calls (moeforge.kernels.backward): the op where it is needed, else the
 # function.
