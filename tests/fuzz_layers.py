@@ -60,6 +60,9 @@ QUANT = ("fp8_channel", "fp8_block", "int8", "w4a16", "mxfp4", "nvfp4", "mxfp4_s
 # Errors after which a process's CUDA context is unusable.
 STICKY = ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure",
           "misaligned address", "illegal instruction")
+# Triton's error where loading a kernel's module finds the GPU full (not sticky): what several workers sharing one GPU
+# run into, as torch's OutOfMemoryError — counted with it, not as a failure
+TRITON_OUT_OF_MEMORY = "Triton Error [CUDA]: out of memory"
 
 
 def _rel(a: Any, b: Any) -> float:
@@ -267,9 +270,12 @@ def _worker(slot: int, seeds: Any, deadline: float, out: str, cpu: bool) -> None
                 record.update(outcome="out of memory", reason=str(error)[:200])
             except Exception as error:
                 reason = f"{type(error).__name__}: {str(error)[:1200]}"
-                sticky = any(s in reason for s in STICKY)
-                record.update(outcome="STICKY" if sticky else "FAIL", reason=reason,
-                              traceback=traceback.format_exc(limit=8)[-2500:])
+                if TRITON_OUT_OF_MEMORY in reason:  # (a kernel's module not loaded: the workers filled the GPU)
+                    record.update(outcome="out of memory", reason=reason[:200])
+                else:
+                    sticky = any(s in reason for s in STICKY)
+                    record.update(outcome="STICKY" if sticky else "FAIL", reason=reason,
+                                  traceback=traceback.format_exc(limit=8)[-2500:])
             record["seconds"] = round(time.time() - start, 2)
             log.write(json.dumps(record, default=str) + "\n")
             log.flush()
