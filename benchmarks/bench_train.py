@@ -21,6 +21,7 @@ Prints a table and writes JSON (device, commit, date).
 ``--slot-rows on|off|both`` forces the block-aligned dispatch's layout of the rows (slot order, copy order, or both as
 two moeforge steps, ``moeforge_slot_order`` and ``moeforge_copy_order``, timed in turns beside torch) where the
 default, ``rule``, leaves it to :func:`moeforge.stages.slot_order.slot_rows_pay`.
+``--expert-bias`` builds the layers with expert biases (as GPT-OSS's are): both paths add them and differentiate them.
 ``--eager`` also times each step called eagerly (no CUDA graph; the host launches every kernel) and its ratio to
 the replay; ``--host-profile DIR`` writes a ``cProfile`` listing of a few eager moeforge steps per cell there.
 ``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per step
@@ -59,28 +60,37 @@ from moeforge.stages.triton import AlignDispatch  # noqa: E402
 def moeforge_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, slot_rows: Optional[bool] = None
                      ) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
     """The experts' forward from fresh leaves (the hidden states and the routing weights, both requiring
-    gradients, so the layer takes its training path): ``(output, [x, weights, w13, w2])``. ``slot_rows``: the
-    block-aligned dispatch's (:class:`~moeforge.stages.triton.AlignDispatch`; ``None``, the layer's: its rule)."""
+    gradients, so the layer takes its training path): ``(output, [x, weights, w13, w2])``, and both expert biases
+    after them where the layer has them. ``slot_rows``: the block-aligned dispatch's
+    (:class:`~moeforge.stages.triton.AlignDispatch`; ``None``, the layer's: its rule)."""
     stages = list(layer.pipeline.stages[1:])
     if slot_rows is not None:
         stages = [attrs.evolve(stage, slot_rows=slot_rows) if isinstance(stage, AlignDispatch) else stage
                   for stage in stages]
     experts_only = mf.Pipeline(stages, layer.pipeline.specs[0])
+    biases = expert_biases(layer)
 
     def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
         xr = x.detach().requires_grad_()
         weights = topk.weights.detach().requires_grad_()
         out = experts_only(RoutedTokens(Activations(xr), TopKOutput(weights, topk.ids))).hidden_states
-        return out, [xr, weights, layer.w13_weight, layer.w2_weight]
+        return out, [xr, weights, layer.w13_weight, layer.w2_weight, *biases]
 
     return run
 
 
+def expert_biases(layer: mf.MoELayer) -> list[torch.Tensor]:
+    """The layer's two expert biases (``[E, 2I]``, ``[E, H]``), where it has them (``expert_bias=True``)."""
+    return [p for name, p in layer.named_parameters() if name in ("w13_bias", "w2_bias")]
+
+
 def grouped_mm_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput
                        ) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
-    """The same forward written with ``torch._grouped_mm`` (what torchtitan and transformers train with)."""
+    """The same forward written with ``torch._grouped_mm`` (what torchtitan and transformers train with); a layer's
+    expert biases added to each sorted row by its expert (an index of the bias rows), as such code adds them."""
     tokens, top_k = topk.ids.shape
     w13, w2 = layer.w13_weight, layer.w2_weight
+    biases = expert_biases(layer)
     ones = torch.ones(tokens * top_k, dtype=torch.int32, device=x.device)
 
     def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -92,10 +102,14 @@ def grouped_mm_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         source = order // top_k
         hidden = torch._grouped_mm(xr[source], w13.transpose(1, 2), offs=offs)
+        if biases:
+            hidden = hidden + biases[0][flat[order]]
         gate, up = hidden.chunk(2, dim=-1)
         rows = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+        if biases:
+            rows = rows + biases[1][flat[order]]
         rows = rows * weights.reshape(-1)[order, None].to(rows.dtype)
-        return torch.zeros_like(xr).index_add(0, source, rows), [xr, weights, w13, w2]
+        return torch.zeros_like(xr).index_add(0, source, rows), [xr, weights, w13, w2, *biases]
 
     return run
 
@@ -418,6 +432,9 @@ def main() -> None:
                              "order (on) or copy order (off) forced, or both forced, timed in turns beside torch")
     parser.add_argument("--host-profile", default=None,
                         help="a folder for cProfile listings of a few eager moeforge steps per cell (the host's time)")
+    parser.add_argument("--expert-bias", action="store_true",
+                        help="layers with expert biases (GPT-OSS has them): both paths add them and differentiate "
+                             "them too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_train.py needs a CUDA device")
@@ -431,7 +448,8 @@ def main() -> None:
     records = []
     for name in args.shapes.split(","):
         experts, top_k, hidden, inter = SHAPES[name]
-        layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton")
+        layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton",
+                            expert_bias=args.expert_bias)
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             logits = torch.randn(tokens, experts, device="cuda")
@@ -474,7 +492,7 @@ def main() -> None:
                     continue
                 steps[what] = step
                 timed_records[what] = dict(shape=name, E=experts, k=top_k, H=hidden, I=inter, M=tokens, what=what,
-                                           peak_mib=round(memory / 2**20),
+                                           expert_bias=args.expert_bias, peak_mib=round(memory / 2**20),
                                            first_call_peak_mib=round(first_memory / 2**20), deterministic=same)
             timed, how = time_steps(steps, args.reps, flush)
             for what, us in timed.items():
