@@ -13,7 +13,10 @@ backward's Python, the custom ops' and autograd's dispatch and the torch allocat
 the GPU-only paths (TMA descriptors, the Gluon weight gradient, which the CPU's tiles never take). Prints the median
 microseconds of the forward and of the step over ``--steps`` steps; ``--slot-rows`` whether the dispatch gives its
 rows in slot order (``rule``: where :func:`~moeforge.stages.slot_order.slot_rows_pay` takes it); ``--profile N``
-prints a ``cProfile`` listing of N steps. The outputs are uninitialised memory: nothing is checked, only timed.
+prints a ``cProfile`` listing of N steps; ``--floor`` also times the step's floor (:func:`floor_step`: the same five
+autograd nodes, allocations and launch calls, without the stages, the payload records, the op's arguments and the
+launchers' planning) — how much of the step's host time is moeforge's own Python. The outputs are uninitialised
+memory: nothing is checked, only timed.
 """
 
 from __future__ import annotations
@@ -85,6 +88,103 @@ def training_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int
     return forward, step
 
 
+def floor_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int) -> Callable[[], Any]:
+    """A training step with the autograd structure of the slot-order step (five ``autograd.Function`` nodes: the
+    gather, the gate/up GEMM, the activation, the down GEMM, the combine), its allocations (each op's outputs, each
+    backward's gradients, the alignment's and the runs' buffers) and its launch calls (a no-op taking each launch's
+    arguments: about 40 for a GEMM), and nothing else: the host time no planning of the same launches could go
+    below on this machine's Python and torch."""
+    copies = tokens * top_k
+
+    def launch(*args: Any) -> None:
+        return None
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> Any:  # type: ignore[override]
+            xs, sw = x.new_empty(copies, hidden), w.new_empty(copies)
+            slot_of = x.new_empty(copies, dtype=torch.int32)
+            runs = x.new_empty(4, experts + 1, dtype=torch.int32)
+            launch(x, w, xs, sw, slot_of, runs, 1, 2, 3)
+            launch(runs, 1, 2)
+            ctx.save_for_backward(slot_of)
+            ctx.mark_non_differentiable(slot_of, runs)
+            return xs, sw, slot_of, runs
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+            return None, None
+
+    class Gemm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor,  # type: ignore[override]
+                    block_expert: torch.Tensor, num_padded: torch.Tensor, runs: torch.Tensor) -> Any:
+            out = a.new_empty(copies, w.shape[1])
+            launch(a, w, out, sorted_ids, block_expert, num_padded, *range(40))
+            ctx.save_for_backward(a, w, sorted_ids, block_expert, num_padded, runs)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+            a, w, sorted_ids, block_expert, num_padded, runs = ctx.saved_tensors
+            grad = grad.contiguous()
+            da, dw = torch.empty(copies, a.shape[1], dtype=a.dtype), torch.empty(w.shape, dtype=w.dtype)
+            launch(grad, w, da, sorted_ids, block_expert, num_padded, *range(40))
+            launch(grad, a, dw, runs, *range(12))
+            return da, dw, None, None, None, None
+
+    class Act(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, pre: torch.Tensor) -> Any:  # type: ignore[override]
+            out = pre.new_empty(copies, pre.shape[1] // 2)
+            launch(pre, out, 1, 2, 3)
+            ctx.save_for_backward(pre)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+            (pre,) = ctx.saved_tensors
+            d_pre = torch.empty_like(pre)
+            launch(grad, pre, d_pre, 1, 2)
+            return d_pre
+
+    class Combined(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, rows: torch.Tensor, w: torch.Tensor) -> Any:  # type: ignore[override]
+            out = rows.new_empty(tokens, rows.shape[1])
+            launch(rows, w, out, 1, 2, 3)
+            ctx.save_for_backward(rows, w)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+            rows, w = ctx.saved_tensors
+            d_rows, d_w = torch.empty_like(rows), torch.empty_like(w)
+            launch(grad, rows, w, d_rows, d_w, 1, 2)
+            return d_rows, d_w
+
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    weights = torch.rand(tokens, top_k)
+    grad = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+
+    def step() -> Any:
+        xr, w = x.detach().requires_grad_(), weights.detach().requires_grad_()
+        sorted_ids = torch.empty(copies + experts * 16, dtype=torch.int32)
+        block_expert = torch.empty(copies // 16 + experts, dtype=torch.int32)
+        num_padded = torch.empty(1, dtype=torch.int32)
+        for buffer in (sorted_ids, block_expert, num_padded):  # (the alignment's three launches)
+            launch(buffer, 1, 2)
+        xs, sw, _, runs = Gather.apply(xr, w.reshape(-1))
+        hidden_rows = Gemm.apply(Act.apply(Gemm.apply(xs, w13, sorted_ids, block_expert, num_padded, runs)), w2,
+                                 sorted_ids, block_expert, num_padded, runs)
+        out = Combined.apply(hidden_rows, sw)
+        return torch.autograd.grad(out, [xr, w, w13, w2], grad, allow_unused=True)
+
+    return step
+
+
 def median_us(fn: Callable[[], Any], steps: int) -> float:
     for _ in range(5):
         fn()
@@ -106,6 +206,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--slot-rows", choices=("rule", "on", "off"), default="rule")
     parser.add_argument("--profile", type=int, default=0, help="print a cProfile listing of this many steps")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the same autograd nodes, allocations and launch calls without moeforge")
     args = parser.parse_args()
     slot_rows = {"rule": None, "on": True, "off": False}[args.slot_rows]
     forward, step = training_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter, slot_rows)
@@ -114,6 +216,10 @@ def main() -> None:
               f"{args.slot_rows}, launches "
               f"stubbed: forward {median_us(forward, args.steps):.0f} us, step {median_us(step, args.steps):.0f} us "
               f"(medians of {args.steps}; torch {torch.__version__}, {torch.get_num_threads()} threads)")
+        if args.floor:
+            floor = floor_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter)
+            print(f"the floor (the same five autograd nodes, allocations and launch calls, nothing else): step "
+                  f"{median_us(floor, args.steps):.0f} us")
         if args.profile:
             profiler = cProfile.Profile()
             profiler.enable()
