@@ -112,26 +112,36 @@ def floor_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int) -
             return xs, sw, slot_of, runs
 
         @staticmethod
-        def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
-            return None, None
+        def backward(ctx: Any, d_xs: Any, d_sw: Any, *unused: Any) -> Any:  # type: ignore[override]
+            # (the rows' gradient reaches x through the gate/up GEMM's backward; the weights' is read at their slots)
+            (slot_of,) = ctx.saved_tensors
+            d_w = d_sw.new_empty(copies)
+            launch(d_sw, slot_of, d_w, 1)
+            return None, d_w
 
     class Gemm(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor,  # type: ignore[override]
-                    block_expert: torch.Tensor, num_padded: torch.Tensor, runs: torch.Tensor) -> Any:
+                    block_expert: torch.Tensor, num_padded: torch.Tensor, runs: torch.Tensor,
+                    tokens_in: Optional[torch.Tensor]) -> Any:
             out = a.new_empty(copies, w.shape[1])
             launch(a, w, out, sorted_ids, block_expert, num_padded, *range(40))
             ctx.save_for_backward(a, w, sorted_ids, block_expert, num_padded, runs)
+            ctx.gathered = tokens_in is not None
             return out
 
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
             a, w, sorted_ids, block_expert, num_padded, runs = ctx.saved_tensors
             grad = grad.contiguous()
-            da, dw = torch.empty(copies, a.shape[1], dtype=a.dtype), torch.empty(w.shape, dtype=w.dtype)
-            launch(grad, w, da, sorted_ids, block_expert, num_padded, *range(40))
+            d_rows, dw = torch.empty(copies, a.shape[1], dtype=a.dtype), torch.empty(w.shape, dtype=w.dtype)
+            launch(grad, w, d_rows, sorted_ids, block_expert, num_padded, *range(40))
+            d_tokens = None
+            if ctx.gathered:  # (the gate/up GEMM's rows were gathered from the tokens: their copies summed into them)
+                d_tokens = torch.empty(tokens, a.shape[1], dtype=a.dtype)
+                launch(d_rows, d_tokens, 1, 2)
             launch(grad, a, dw, runs, *range(12))
-            return da, dw, None, None, None, None
+            return None if ctx.gathered else d_rows, dw, None, None, None, None, d_tokens
 
     class Act(torch.autograd.Function):
         @staticmethod
@@ -177,10 +187,10 @@ def floor_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int) -
         for buffer in (sorted_ids, block_expert, num_padded):  # (the alignment's three launches)
             launch(buffer, 1, 2)
         xs, sw, _, runs = Gather.apply(xr, w.reshape(-1))
-        hidden_rows = Gemm.apply(Act.apply(Gemm.apply(xs, w13, sorted_ids, block_expert, num_padded, runs)), w2,
-                                 sorted_ids, block_expert, num_padded, runs)
+        pre = Gemm.apply(xs, w13, sorted_ids, block_expert, num_padded, runs, xr)
+        hidden_rows = Gemm.apply(Act.apply(pre), w2, sorted_ids, block_expert, num_padded, runs, None)
         out = Combined.apply(hidden_rows, sw)
-        return torch.autograd.grad(out, [xr, w, w13, w2], grad, allow_unused=True)
+        return torch.autograd.grad(out, [xr, w, w13, w2], grad)
 
     return step
 

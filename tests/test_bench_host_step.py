@@ -26,3 +26,9 @@ def test_a_stubbed_step_differentiates_every_leaf_and_restores_the_launcher(slot
     assert bound_launch.BoundLaunch.__call__ is launch
     assert out.shape == (8, 32)
     assert [g.shape for g in grads] == [leaf.shape for leaf in leaves]
+
+
+def test_the_floor_step_differentiates_the_same_leaves() -> None:
+    # (bench_host_step --floor: the step's autograd nodes, allocations and launch calls alone)
+    grads = bench_host_step.floor_step(16, 4, 8, 32, 16)()
+    assert [tuple(g.shape) for g in grads] == [(8, 32), (8, 4), (16, 32, 32), (16, 32, 16)]
