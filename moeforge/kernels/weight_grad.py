@@ -18,8 +18,7 @@ Two passes:
    in shared memory, under its pipeline (:mod:`moeforge.kernels.gluon_weight_grad`, ``mask_tail``): where it takes
    the launch and experts hold at most :data:`COMPACT_UNTIL` rows on average — where the padding weighs most — both
    operands are compact. It sums no bias: beside it a layer's bias gradient is a launch of its own over the same
-   runs of ``dy`` rows (:func:`expert_bias_grad`; a third of a biased GPT-OSS step, when a bias kept the weight
-   gradient off the Gluon kernel: docs/kernels.md, "Backward").
+   runs of ``dy`` rows (:func:`expert_bias_grad`), so a layer with expert biases takes it too.
 2. ``_weight_grad_kernel``: one program per ``(expert, N tile, K tile)``, in that order (the tiles of one expert
    and one N strip run together and share it through L2), walking the expert's runs in steps of ``BLOCK_M`` rows
    and accumulating ``dy^T @ x`` in fp32. A step past the end of an expert's copies pairs the padded operand's zero
@@ -362,8 +361,8 @@ def _bias_grad_kernel(dy_ptr, first_ptr, count_ptr, db_ptr, N, stride_dy, stride
     for done in range(0, count, BLOCK_M):
         step = done + tl.arange(0, BLOCK_M)
         rows = (first + step).to(tl.int64)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + offs_n[None, :], mask=(step < count)[:, None] & n_ok[None, :],
-                     other=0.0)
+        ok = (step < count)[:, None] & n_ok[None, :]
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + offs_n[None, :], mask=ok, other=0.0)
         acc += tl.sum(dy.to(tl.float32), axis=0)
     tl.store(db_ptr + expert.to(tl.int64) * stride_dbe + offs_n, acc.to(db_ptr.dtype.element_ty), mask=n_ok)
 
