@@ -27,8 +27,8 @@ steps long, brings the rows after the run: zeros where one operand's runs are pa
 operands), else the next expert's first rows (or TMA's zero fill past the last row) — with ``MASK_TAIL`` the MMA
 partition zeroes those rows of the ``x`` tile in shared memory before its MMA, so both operands may be compact (one
 row per copy: no padded copy of either) and the products are the twin's (zero rows times the next expert's rows of
-the other operand: zeros, unless those hold an infinity or a NaN, as in the twin's padded steps). No bias (the twin
-serves a layer with biases).
+the other operand: zeros, unless those hold an infinity or a NaN, as in the twin's padded steps). No bias: a layer's
+bias gradient is summed beside it (:func:`moeforge.kernels.weight_grad.expert_bias_grad`).
 Gluon has no CPU interpreter: :func:`compile_for_hopper` compiles the kernel for sm_90 on a CPU (the CI test).
 """
 
@@ -263,12 +263,9 @@ def tile_problem(block_m: int, block_n: int, block_k: int, num_warps: int, stage
     return None
 
 
-def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, with_bias: bool, block_m: int,
-                    block_n: int, block_k: int, num_warps: int, stages: int, pingpong: bool,
-                    ) -> Optional[str]:
+def operand_problem(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor, block_m: int, block_n: int, block_k: int,
+                    num_warps: int, stages: int, pingpong: bool) -> Optional[str]:
     """Why these operands, gradient and tiles cannot take this kernel (``None`` where they can)."""
-    if with_bias:
-        return "the warp-specialised weight gradient sums no bias"
     if dy.numel() == 0 or x.numel() == 0:
         return "no rows to describe for TMA (the twin stores the zero gradient)"
     if dy.dtype not in (torch.bfloat16, torch.float16) or x.dtype != dy.dtype:

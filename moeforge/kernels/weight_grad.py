@@ -449,7 +449,7 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
         """Whether the tiles ask for the Gluon kernel and it takes these operands (the weight's gradient: a bias's
         is summed beside it)."""
         return tiles.warp_specialized and gluon_weight_grad.operand_problem(
-            dy, x, dw, False, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages,
+            dy, x, dw, tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages,
             tiles.pingpong) is None
 
     def launch(dy: torch.Tensor, x: torch.Tensor, dy_first: torch.Tensor, x_first: torch.Tensor,
