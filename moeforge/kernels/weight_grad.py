@@ -5,7 +5,7 @@
 ``db[e] = sum_c d_rows[c]`` over the copies ``c`` routed to expert ``e`` — a GEMM per expert whose reduction runs
 over that expert's rows (a "k-grouped" GEMM).
 
-Two passes:
+Two passes, and a third for a bias:
 
 1. :func:`gather_expert_rows` copies the operands into expert order: each expert's copies in the ascending order
    the alignment gave them (``sorted_ids``, as :func:`moeforge.kernels.align.align_block_size` places them), one
@@ -17,15 +17,16 @@ Two passes:
    "The weight gradient's operands in expert order"). The Gluon kernel zeroes the rows past a run in its last step
    in shared memory, under its pipeline (:mod:`moeforge.kernels.gluon_weight_grad`, ``mask_tail``): where it takes
    the launch and experts hold at most :data:`COMPACT_UNTIL` rows on average — where the padding weighs most — both
-   operands are compact. It sums no bias: beside it a layer's bias gradient is a launch of its own over the same
-   runs of ``dy`` rows (:func:`expert_bias_grad`), so a layer with expert biases takes it too.
+   operands are compact.
 2. ``_weight_grad_kernel``: one program per ``(expert, N tile, K tile)``, in that order (the tiles of one expert
    and one N strip run together and share it through L2), walking the expert's runs in steps of ``BLOCK_M`` rows
    and accumulating ``dy^T @ x`` in fp32. A step past the end of an expert's copies pairs the padded operand's zero
    rows with the compact one's next rows (the next expert's, or TMA's zero fill past the end): their products are
    zero (unless those rows hold an infinity or a NaN, which then reaches this expert's gradient too — a step whose
-   gradients are not finite is lost anyway); the bias sum masks those rows. On Hopper both operands come by TMA
-   (contiguous runs are what TMA copies; a gathered load is not); elsewhere by masked pointer loads.
+   gradients are not finite is lost anyway). On Hopper both operands come by TMA (contiguous runs are what TMA
+   copies; a gathered load is not); elsewhere by masked pointer loads.
+3. The bias gradient, where asked, beside either kernel: :func:`expert_bias_grad` sums each expert's run of ``dy``
+   rows (its first row and its copies, as the weight gradient reads them), one pass over ``dy``.
 
 Deterministic by construction: each output tile is one program summing its expert's rows in slot order, in steps
 that start at the run's first row, and the alignment places every expert's copies in ascending order, the same
@@ -60,9 +61,9 @@ class WeightGradTiles:
     by TMA; ``tma_store``: the finished tile stored by TMA too (by either kernel, where it can);
     ``warp_specialized``: the Gluon kernel
     (:mod:`moeforge.kernels.gluon_weight_grad`; two MMA partitions on alternate tiles with ``pingpong``) where it
-    takes the launch — bf16 / fp16 operands, an sm_90 GPU; a bias's gradient then summed by a launch of its own,
-    :func:`expert_bias_grad` — else this module's kernel with the same tiles (the flag chooses a kernel, never the
-    weight gradient's bits: both sum the same steps in the same order)."""
+    takes the launch — bf16 / fp16 operands, an sm_90 GPU — else this module's kernel with the same tiles (the flag
+    chooses a kernel, never a result: both sum the same steps in the same order; a bias's gradient is
+    :func:`expert_bias_grad` beside either)."""
 
     block_n: int
     block_k: int
@@ -87,8 +88,8 @@ PINGPONG_UNTIL = 4096  # rows per expert from which the wide tiles beat the Gluo
 def weight_grad_tiles(n: int, k: int, dtype: torch.dtype, aligned_block_m: int, device: torch.device,
                       rows_per_expert: float = float(LONG_REDUCTION)) -> WeightGradTiles:
     """The launch for ``dW [E, n, k]`` of ``dtype`` operands aligned in blocks of ``aligned_block_m`` rows, with
-    ``rows_per_expert`` rows on average in each expert's reduction (with or without a bias gradient: beside the Gluon
-    kernel it is a launch of its own, :func:`expert_bias_grad`; this module's kernel sums it in the same pass).
+    ``rows_per_expert`` rows on average in each expert's reduction (a bias gradient, where asked, is a launch of its
+    own beside it: :func:`expert_bias_grad`).
 
     On a CUDA device, 16-bit operands, 64-row steps (32 where an expert has at most :data:`SHORT_RUN` rows on
     average: the padded operand holds up to a step less a row more per expert, so short runs take half the
@@ -298,11 +299,10 @@ def gather_expert_rows(src: torch.Tensor, slot_ids: torch.Tensor, block_expert: 
 
 
 @triton.jit
-def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr, dy_first_ptr, x_first_ptr,
-                        count_ptr, N, K, stride_dy, stride_x, stride_dwe, stride_dwn, stride_dwk, stride_dbe,
-                        HAS_BIAS: tl.constexpr, TMA: tl.constexpr, STORE_TMA: tl.constexpr,
-                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, dy_first_ptr, x_first_ptr, count_ptr, N,
+                        K, stride_dy, stride_x, stride_dwe, stride_dwn, stride_dwk, TMA: tl.constexpr,
+                        STORE_TMA: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles = tl.cdiv(N, BLOCK_N) * tiles_k
@@ -317,7 +317,6 @@ def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr,
     x_first = tl.load(x_first_ptr + expert)
     count = tl.load(count_ptr + expert)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for done in range(0, count, BLOCK_M):  # the expert's rows in slot order, whole steps
         if TMA:
             dy = dy_desc.load([dy_first + done, pid_n * BLOCK_N])
@@ -332,9 +331,6 @@ def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr,
             x = tl.load(x_ptr + x_rows[:, None] * stride_x + offs_k[None, :], mask=ok[:, None] & k_ok[None, :],
                         other=0.0)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
-        if HAS_BIAS:  # (the compact operand's rows past the expert's copies are another's)
-            ours = (done + tl.arange(0, BLOCK_M)) < count
-            bias += tl.sum(tl.where(ours[:, None], dy.to(tl.float32), 0.0), axis=0)
     expert64 = expert.to(tl.int64)  # expert * stride_dwe passes 2**31 on DeepSeek-sized layers
     if STORE_TMA:  # [E, N, K] descriptor: the box is clipped at this expert's N and K edges
         dw_desc.store([expert, pid_n * BLOCK_N, pid_k * BLOCK_K],
@@ -342,9 +338,6 @@ def _weight_grad_kernel(dy_desc, x_desc, dw_desc, dy_ptr, x_ptr, dw_ptr, db_ptr,
     else:
         tl.store(dw_ptr + expert64 * stride_dwe + offs_n[:, None] * stride_dwn + offs_k[None, :] * stride_dwk,
                  acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
-    if HAS_BIAS:
-        if pid_k == 0:
-            tl.store(db_ptr + expert64 * stride_dbe + offs_n, bias.to(db_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -369,8 +362,8 @@ def _bias_grad_kernel(dy_ptr, first_ptr, count_ptr, db_ptr, N, stride_dy, stride
 
 def expert_bias_grad(dy: torch.Tensor, first: torch.Tensor, counts: torch.Tensor, db: torch.Tensor) -> torch.Tensor:
     """``db[e] = sum of dy[first[e] + i] for i < counts[e]`` (``dy [R, N]`` rows in expert runs, ``first`` and
-    ``counts`` int32 ``[E]`` on the device, ``db [E, N]`` written in its dtype): the bias gradient beside the Gluon
-    weight gradient, which sums none. Each expert's rows summed in fp32 in a fixed order (steps of rows from the
+    ``counts`` int32 ``[E]`` on the device, ``db [E, N]`` written in its dtype): the bias gradient beside either
+    weight-gradient kernel, which sum none. Each expert's rows summed in fp32 in a fixed order (steps of rows from the
     run's first: deterministic, no atomics), only the run's rows read; an idle expert's row is zeros."""
     num_experts, n = db.shape
     if db.numel() == 0:
@@ -458,7 +451,7 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
                                          block_n=tiles.block_n, block_k=tiles.block_k, num_warps=tiles.num_warps,
                                          stages=tiles.num_stages, pingpong=tiles.pingpong,
                                          tma_store=tiles.tma_store, mask_tail=mask_tail)
-        if db is not None:  # (the Gluon kernel sums no bias: each expert's run of dy rows summed by its own launch)
+        if db is not None:
             expert_bias_grad(dy, dy_first, runs[2], db)
 
     if slot_copies and takes(d_rows, rows):
@@ -507,22 +500,22 @@ def _k_grouped(d_rows: torch.Tensor, rows: torch.Tensor, rows_per_a: int, sorted
     x_desc = TensorDescriptor.from_tensor(x, [tiles.block_m, tiles.block_k]) if tma else None
     store_tma = tiles.tma_store and TensorDescriptor is not None and tma_applies(dw)
     dw_desc = TensorDescriptor.from_tensor(dw, [1, tiles.block_n, tiles.block_k]) if store_tma else None
-    dbias = db if db is not None else dw
     grid = (num_experts * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
     precision = "ieee" if rows.dtype == torch.float32 else "tf32"
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
-        return (dict(HAS_BIAS=with_bias, TMA=tma, STORE_TMA=store_tma, PRECISION=precision,
+        return (dict(TMA=tma, STORE_TMA=store_tma, PRECISION=precision,
                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k),
                 dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
 
     # (the descriptors' boxes follow the tiles, their dtypes the tensors': both in the key; an absent descriptor is
     # passed as a tensor the kernel never reads, as moe_gemm's launcher does: the launch's signature stays one)
-    _WEIGHT_GRAD.launch((with_bias, tma, store_tma, precision, tiles, rows.device), grid, (
+    _WEIGHT_GRAD.launch((tma, store_tma, precision, tiles, rows.device), grid, (
         dy_desc if dy_desc is not None else dy, x_desc if x_desc is not None else x,
-        dw_desc if dw_desc is not None else dw, dy, x, dw, dbias,
-        dy_first, x_first, runs[2],
-        n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2), dbias.stride(0)), make)
+        dw_desc if dw_desc is not None else dw, dy, x, dw, dy_first, x_first, runs[2],
+        n, k, dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1), dw.stride(2)), make)
+    if db is not None:
+        expert_bias_grad(dy, dy_first, runs[2], db)
     return dw, db
 
 
