@@ -15,7 +15,10 @@ routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group s
   ``raw`` of the normal mode (the two all-to-alls of exactly the routed rows: the bytes it moves), T up to
   ``SYMMETRIC_MAX`` (its expert buffers hold ``W * T`` rows per local expert);
 * ``compact``: :class:`SymmetricDispatch` with compact buffers (``max_rows = 2 * T * k``) block-aligned for the
-  triton GEMMs, the same way, at every T.
+  triton GEMMs, the same way, at every T;
+* ``symmetric_per_copy``, ``compact_per_copy``: the same with ``send_tokens_once=False`` (one row per copy crosses
+  NVLink, as the NCCL dispatchers send; the default sends each token's row once per owning rank). ``bytes_sent``
+  is the per-copy bytes of ``raw`` for every mode.
 
 Times are medians of CUDA-event-timed runs after warm-up, each run started after a barrier; the
 slowest rank's median is reported (a step waits for it). A graph's time is that of ``GRAPH_STEPS`` steps captured
@@ -127,6 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--dtypes", default="bf16,fp8", help="the rows' formats on the wire: bf16, fp8 or both")
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
@@ -141,7 +145,7 @@ def main() -> None:
 
     records = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
-        for dtype in ("bf16", "fp8"):
+        for dtype in args.dtypes.split(","):
             with torch.inference_mode():
                 records += _bench(ep, tokens, dtype, args.iters)
             if rank == 0:
@@ -156,9 +160,9 @@ def main() -> None:
         by = {(r["tokens"], r["dispatcher"], r["dtype"]): r["us"] for r in records}
         dispatch_only = {(r["tokens"], r["dtype"]): r["dispatch_us"] for r in records if "dispatch_us" in r}
         for r in records:
-            if r["dtype"] == "fp8":
+            if r["dtype"] == "fp8" and (r["tokens"], r["dispatcher"], "bf16") in by:
                 r["fp8_speedup_vs_bf16"] = by[(r["tokens"], r["dispatcher"], "bf16")] / r["us"]
-                if "dispatch_us" in r:
+                if "dispatch_us" in r and (r["tokens"], "bf16") in dispatch_only:
                     r["fp8_dispatch_speedup_vs_bf16"] = dispatch_only[(r["tokens"], "bf16")] / r["dispatch_us"]
         result = dict(device=torch.cuda.get_device_name(), world_size=world,
                       commit=args.commit or measured_commit(),
@@ -220,20 +224,27 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
                                lsend.numel() + lback_send.numel(), graph_us))
         del lsend, lrecv, lback_send, lback_recv
 
-    if tokens <= SYMMETRIC_MAX:
-        symmetric = SymmetricDispatch(ep, max_tokens=tokens)
-        ours_symmetric = _padded_step(symmetric, routed)
-        graph_us = _graph_step_us(ours_symmetric, iters, ep.rank)
-        records.append(_record(tokens, "symmetric", dtype, _timed(ours_symmetric, iters), raw_us, sent, graph_us))
-        records[-1]["transport"] = symmetric.summary()
+    for once in (True, False):  # each token's row once per owning rank (the default), or one row per copy
+        suffix = "" if once else "_per_copy"
+        if tokens <= SYMMETRIC_MAX:
+            symmetric = SymmetricDispatch(ep, max_tokens=tokens, send_tokens_once=once)
+            ours_symmetric = _padded_step(symmetric, routed)
+            graph_us = _graph_step_us(ours_symmetric, iters, ep.rank)
+            records.append(_record(tokens, "symmetric" + suffix, dtype, _timed(ours_symmetric, iters), raw_us, sent,
+                                   graph_us))
+            records[-1]["transport"] = symmetric.summary()
+            del symmetric, ours_symmetric
 
-    # compact buffers (max_rows: twice the copies a rank receives on average), block-aligned for the triton GEMMs
-    compact = SymmetricDispatch(ep, max_tokens=tokens, max_rows=2 * tokens * K,
-                                configs=ConfigTable(ep.local_experts, K))
-    ours_compact = _padded_step(compact, routed)
-    graph_us = _graph_step_us(ours_compact, iters, ep.rank)
-    records.append(_record(tokens, "compact", dtype, _timed(ours_compact, iters), raw_us, sent, graph_us))
-    records[-1]["transport"] = compact.summary()
+        # compact buffers (max_rows: twice the copies a rank receives on average), block-aligned for the triton GEMMs
+        compact = SymmetricDispatch(ep, max_tokens=tokens, max_rows=2 * tokens * K,
+                                    configs=ConfigTable(ep.local_experts, K), send_tokens_once=once)
+        ours_compact = _padded_step(compact, routed)
+        graph_us = _graph_step_us(ours_compact, iters, ep.rank)
+        records.append(_record(tokens, "compact" + suffix, dtype, _timed(ours_compact, iters), raw_us, sent,
+                               graph_us))
+        records[-1]["transport"] = compact.summary()
+        del compact, ours_compact
+        torch.cuda.empty_cache()
     return records
 
 
@@ -267,7 +278,7 @@ def _graph_step_us(step: Callable[[], None], iters: int, rank: int) -> float | N
 
 
 def _modes(tokens: int) -> int:
-    return 2 + (tokens <= LOW_LATENCY_MAX) + (tokens <= SYMMETRIC_MAX)
+    return 3 + (tokens <= LOW_LATENCY_MAX) + 2 * (tokens <= SYMMETRIC_MAX)
 
 
 def _record(tokens: int, dispatcher: str, dtype: str, us: float, raw_us: float, sent: int,

@@ -131,13 +131,17 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     for name, (kwargs, family, options) in cases.items():
         whole, parallel = _layers(kwargs, device, {
             "symmetric": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, **options),
+            "per copy": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, send_tokens_once=False,
+                                                                      **options),
             "low_latency": lambda ep, options=options: LowLatencyDispatch(ep, max_tokens=8, **options)}, family)
         for call in range(3):  # the windows reused; each call its own tokens
             x = _tokens(rank, device, seed=call, count=8 if call == 2 else None)
             with torch.no_grad():
                 want, got, same = whole(x), parallel["symmetric"](x), parallel["low_latency"](x)
+                per_copy = parallel["per copy"](x)
             errors[f"{name}/{call}"] = _rel(got, want)
             assert torch.equal(got, same), f"{name} call {call}: the two transports differ"
+            assert torch.equal(got, per_copy), f"{name} call {call}: tokens sent once differ from rows per copy"
         if name == "float":
             out["describe"] = parallel["symmetric"].describe()
 
@@ -368,10 +372,13 @@ def compact_buffers_match(rank: int, world: int, device_type: str, folder: str =
                 pipeline.describe)
 
     layer, describe = triton_layer(max_rows=world * 16)  # never overflows: 8 tokens x 2 copies from each rank
+    per_copy, _ = triton_layer(max_rows=world * 16, send_tokens_once=False)
     for call in range(2):
         x = tokens(TOKENS[rank % 4] + 2 * call, seed=call)
         with torch.no_grad():
-            out["errors"][f"triton/{call}"] = _rel(layer(x), whole(x))
+            got = layer(x)
+            out["errors"][f"triton/{call}"] = _rel(got, whole(x))
+            assert torch.equal(got, per_copy(x)), f"call {call}: tokens sent once differ from rows per copy"
     out["triton describe"] = describe()
 
     out["errors"]["triton fp8"] = _fp8_compact(rank, world, device, tokens(TOKENS[rank % 4] + 1, seed=3))

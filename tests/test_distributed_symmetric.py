@@ -26,7 +26,7 @@ def _check(results: list[dict[str, Any]], transport: str) -> None:
             assert error < (1e-2 if "triton" in name else 1e-4), (name, error)
         assert result["dropped_changes_output"]
         assert result["too_many"] and result["overflow_raised"]
-    assert transport in results[0]["describe"]
+    assert transport in results[0]["describe"] and "tokens sent once per rank" in results[0]["describe"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the emulated windows are CPU memory: on a GPU machine the GPU "
@@ -64,6 +64,7 @@ def _check_compact(results: list[dict[str, Any]]) -> None:
         assert "compact rows are read by the triton expert GEMMs only" in result["torch describe"]
         described = result["triton describe"]
         assert "max_rows=" in described and "block-aligned" in described and "symmetric memory (NVLink)" in described
+        assert "tokens sent once per rank" in described
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the emulated windows are CPU memory: on a GPU machine the GPU "

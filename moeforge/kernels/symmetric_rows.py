@@ -16,6 +16,8 @@ ids int32), so one ``deltas`` array (int64, in words) serves them all.
 * :func:`put_rows`: each copy's row (and scales, routing weight, origin and adapter id) into the expert buffer of the
   rank owning its expert, at the slot the exchanged counts give it — source ranks in rank order, each rank's copies
   of one expert in copy order (the order of :class:`~moeforge.distributed.LowLatencyDispatch`);
+* :func:`fan_out`: where :func:`put_rows` sent each token's row once per owning rank, each expert-buffer row
+  copied from its token's row on the owner;
 * :func:`receive`: after the rows arrived, each local expert's valid rows and its slots' routing weights and adapter
   ids (0 and -1 past them);
 * :func:`return_rows`: each valid expert-buffer row back to the slot of the copy it came from, on its source rank.
@@ -100,12 +102,31 @@ def _place_kernel(table_ptr, offsets_ptr, valid_ptr, starts_ptr, dropped_ptr, mo
 @triton.jit
 def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_ptr, table_ptr, offsets_ptr,
                      adapters_ptr, kept_ptr, recv_rows_ptr, recv_scales_ptr, recv_weights_ptr, recv_origins_ptr,
-                     recv_adapters_ptr,
-                     deltas_ptr, rank, E, local, slots, capacity, limit, origin_base,
+                     recv_adapters_ptr, recv_tokens_ptr, recv_token_scales_ptr,
+                     deltas_ptr, rank, E, local, slots, capacity, limit, origin_base, max_tokens,
                      D: tl.constexpr, S: tl.constexpr, TOP_K: tl.constexpr, ROWS_PER_COPY: tl.constexpr,
                      HAS_ADAPTERS: tl.constexpr, COMPACT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
-                     BLOCK_S: tl.constexpr):
+                     BLOCK_S: tl.constexpr, TOKENS_ONCE: tl.constexpr, BLOCK_K: tl.constexpr):
     copy = tl.program_id(0).to(tl.int64)
+    if TOKENS_ONCE:  # the token's row goes to each owner once, from the first of its copies that owner's experts take
+        sender = copy // TOP_K
+        to_rank = (tl.load(experts_ptr + copy) // local).to(tl.int64)
+        lanes = tl.arange(0, BLOCK_K)
+        before_copy = lanes < copy % TOP_K
+        others = tl.load(experts_ptr + sender * TOP_K + lanes, mask=before_copy, other=-1)
+        if tl.sum(((others // local == to_rank) & before_copy).to(tl.int32), axis=0) == 0:
+            to_delta = tl.load(deltas_ptr + to_rank)
+            if ALIGNED:
+                to_delta = tl.multiple_of(to_delta, 4)
+            token_row = rank * max_tokens + sender  # the owner's token rows: [source rank, max_tokens]
+            for step in range(0, D, BLOCK):
+                cols = step + tl.arange(0, BLOCK)
+                tl.store(recv_tokens_ptr + to_delta + token_row * D + cols,
+                         tl.load(rows_ptr + sender * D + cols, mask=cols < D), mask=cols < D)
+            if S > 0:
+                cols_s = tl.arange(0, BLOCK_S)
+                tl.store(recv_token_scales_ptr + to_delta + token_row * S + cols_s,
+                         tl.load(scales_ptr + sender * S + cols_s, mask=cols_s < S), mask=cols_s < S)
     position = tl.load(positions_ptr + copy)
     if position < capacity:
         expert = tl.load(experts_ptr + copy).to(tl.int64)
@@ -125,12 +146,12 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
                 delta = tl.multiple_of(delta, 4)
             token = copy // TOP_K
             source = copy if ROWS_PER_COPY else token
-            for first in range(0, D, BLOCK):
+            for first in range(0, 0 if TOKENS_ONCE else D, BLOCK):  # (TOKENS_ONCE: the owner copies the token's row)
                 offs = first + tl.arange(0, BLOCK)
                 ok = offs < D
                 words = tl.load(rows_ptr + source * D + offs, mask=ok)
                 tl.store(recv_rows_ptr + delta + slot * D + offs, words, mask=ok)
-            if S > 0:
+            if S > 0 and not TOKENS_ONCE:
                 offs_s = tl.arange(0, BLOCK_S)
                 ok_s = offs_s < S
                 tl.store(recv_scales_ptr + delta + slot * S + offs_s,
@@ -163,6 +184,32 @@ def _return_rows_kernel(out_ptr, masked_ptr, starts_ptr, origins_ptr, ret_ptr, d
             offs = first + tl.arange(0, BLOCK)
             ok = offs < D
             tl.store(ret_ptr + delta + copy * D + offs, tl.load(out_ptr + row * stride_out + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def _fan_out_kernel(tokens_ptr, token_scales_ptr, rows_ptr, scales_ptr, masked_ptr, starts_ptr, origins_ptr, slots,
+                    D: tl.constexpr, S: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                    BLOCK_S: tl.constexpr, PROGRAMS: tl.constexpr, HAS_STARTS: tl.constexpr):
+    # Local: each valid buffer row gets the row of the token its copy came from (origin // TOP_K: source rank and
+    # token, the token rows' index), the rows and scales put_rows would have written there.
+    expert = tl.program_id(0).to(tl.int64)
+    valid = tl.load(masked_ptr + expert)
+    if HAS_STARTS:
+        first_row = tl.load(starts_ptr + expert).to(tl.int64)
+    else:
+        first_row = expert * slots
+    for j in range(tl.program_id(1), valid, PROGRAMS):
+        row = first_row + j
+        token_row = tl.load(origins_ptr + row).to(tl.int64) // TOP_K
+        for first in range(0, D, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            ok = offs < D
+            tl.store(rows_ptr + row * D + offs, tl.load(tokens_ptr + token_row * D + offs, mask=ok), mask=ok)
+        if S > 0:
+            offs_s = tl.arange(0, BLOCK_S)
+            ok_s = offs_s < S
+            tl.store(scales_ptr + row * S + offs_s, tl.load(token_scales_ptr + token_row * S + offs_s, mask=ok_s),
+                     mask=ok_s)
 
 
 @triton.jit
@@ -235,7 +282,8 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
              recv_origins: torch.Tensor, recv_adapters: Optional[torch.Tensor], deltas: torch.Tensor, *,
              rank: int, top_k: int, local: int, slots: int, capacity: int, origin_base: int,
              offsets: Optional[torch.Tensor] = None, limit: Optional[int] = None, kept: Optional[torch.Tensor] = None,
-             aligned: bool = False) -> None:
+             aligned: bool = False, recv_tokens: Optional[torch.Tensor] = None,
+             recv_token_scales: Optional[torch.Tensor] = None, max_tokens: int = 0) -> None:
     """Each copy ``c`` (``experts [T * top_k]`` int32 global experts, ``positions`` int32 among this rank's copies of
     its expert, sent where below ``capacity``) into the buffers of the rank owning its expert: row ``rows[c]``
     (``[T * top_k, D]`` words, one row per copy) or ``rows[c // top_k]`` (``[T, D]``, one per token) with its
@@ -246,7 +294,13 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
     [limit, ...]``, and only below ``limit``; then ``kept [T * top_k]`` (int64) gets each copy's index, or -1 where
     its slot is past ``limit`` (dropped). ``aligned``: every entry of ``deltas`` is a multiple of 4 (16 bytes), so
     rows whose width is a multiple of 4 words are stored 16 bytes at a time (the compiler cannot prove that of a
-    distance it reads at run time)."""
+    distance it reads at run time).
+
+    ``recv_tokens`` (``[W * max_tokens, D]`` words; rows one per token): each token's row crosses to each rank owning
+    one of its copies' experts once, into row ``rank * max_tokens + token`` of that rank's ``recv_tokens`` (its
+    scales into ``recv_token_scales``), whether or not the copies are kept, and the expert buffers get no rows —
+    :func:`fan_out` fills them on the owner from its token rows; the rest (routing weight, origin, adapter id)
+    as above. With top-k copies spread over fewer ranks than ``top_k``, fewer rows cross NVLink."""
     copies = experts.numel()
     if copies == 0:
         return
@@ -254,23 +308,58 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
     scale_width = scales.shape[1] if scales is not None else 0
     per_copy = rows.shape[0] == copies and top_k > 1
     compact = offsets is not None
+    once = recv_tokens is not None
     if compact and kept is None:
         raise ValueError("put_rows: compact buffers (offsets) write which copies they kept: give kept")
+    if once and (per_copy or (scales is not None and recv_token_scales is None)):
+        raise ValueError("put_rows: token rows (recv_tokens) take one row per token, and their scales' region "
+                         "where the rows have scales")
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(D=width, S=scale_width, TOP_K=top_k, ROWS_PER_COPY=per_copy, HAS_ADAPTERS=adapters is not None,
                      COMPACT=compact, ALIGNED=aligned, BLOCK=min(next_power_of_2(width), _WORDS),
-                     BLOCK_S=max(next_power_of_2(scale_width), 1)),
+                     BLOCK_S=max(next_power_of_2(scale_width), 1), TOKENS_ONCE=once,
+                     BLOCK_K=max(next_power_of_2(top_k), 2)),
                 dict(num_warps=4))
 
     _PUT_ROWS.launch(
-        ("rows", width, scale_width, top_k, per_copy, adapters is not None, compact, aligned), (copies,),
+        ("rows", width, scale_width, top_k, per_copy, adapters is not None, compact, aligned, once), (copies,),
         (rows, scales if scales is not None else rows, weights, experts, positions, table,
          offsets if offsets is not None else table, adapters if adapters is not None else experts,
          kept if kept is not None else positions, recv_rows,
          recv_scales if recv_scales is not None else recv_rows, recv_weights, recv_origins,
-         recv_adapters if recv_adapters is not None else recv_origins, deltas, rank, table.shape[-1], local, slots,
-         capacity, limit if limit is not None else local * slots, origin_base), make)
+         recv_adapters if recv_adapters is not None else recv_origins,
+         recv_tokens if recv_tokens is not None else recv_rows,
+         recv_token_scales if recv_token_scales is not None else recv_rows, deltas, rank, table.shape[-1], local,
+         slots, capacity, limit if limit is not None else local * slots, origin_base, max_tokens), make)
+
+
+def fan_out(tokens: torch.Tensor, token_scales: Optional[torch.Tensor], rows: torch.Tensor,
+            scales: Optional[torch.Tensor], masked: torch.Tensor, origins: torch.Tensor, *, slots: int, top_k: int,
+            starts: Optional[torch.Tensor] = None) -> None:
+    """After :func:`put_rows` sent token rows (``tokens [W * max_tokens, D]`` words, ``token_scales [.., S]``): the
+    first ``masked[l]`` rows of each local expert ``l`` of ``rows [L * slots, D]`` (compact rows: from row
+    ``starts[l]`` of ``rows [max_rows, D]``) each get the row of the token their copy came from (``origins``, one per
+    buffer row: ``source * max_tokens * top_k + copy``), and ``scales`` its scales — the bits :func:`put_rows` writes
+    there when it sends one row per copy. Local: the token rows and the buffers are this rank's."""
+    local = masked.numel()
+    if local == 0:
+        return
+    if (scales is None) != (token_scales is None):
+        raise ValueError("fan_out: scales and token_scales go together")
+    width = rows.shape[1]
+    scale_width = scales.shape[1] if scales is not None else 0
+    programs = max(min(slots, max(16, 8192 // local)), 1)  # about 8192 programs over the experts' rows
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return (dict(D=width, S=scale_width, TOP_K=top_k, BLOCK=min(next_power_of_2(width), _WORDS),
+                     BLOCK_S=max(next_power_of_2(scale_width), 1), PROGRAMS=programs, HAS_STARTS=starts is not None),
+                dict(num_warps=4))
+
+    _FAN_OUT.launch(("fan_out", width, scale_width, top_k, programs, starts is not None), (local, programs),
+                    (tokens, token_scales if token_scales is not None else tokens, rows,
+                     scales if scales is not None else rows, masked, starts if starts is not None else masked,
+                     origins, slots), make)
 
 
 def place(table: torch.Tensor, *, rank: int, local: int, rows: int
@@ -350,3 +439,4 @@ _PLACE = LaunchSite(_place_kernel)
 _PUT_ROWS = LaunchSite(_put_rows_kernel)
 _RETURN_ROWS = LaunchSite(_return_rows_kernel)
 _RECEIVE = LaunchSite(_receive_kernel)
+_FAN_OUT = LaunchSite(_fan_out_kernel)
