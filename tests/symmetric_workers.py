@@ -133,17 +133,20 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
             "symmetric": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, **options),
             "per copy": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, send_tokens_once=False,
                                                                       **options),
+            "once": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, send_tokens_once=True, **options),
             "low_latency": lambda ep, options=options: LowLatencyDispatch(ep, max_tokens=8, **options)}, family)
         for call in range(3):  # the windows reused; each call its own tokens
             x = _tokens(rank, device, seed=call, count=8 if call == 2 else None)
             with torch.no_grad():
                 want, got, same = whole(x), parallel["symmetric"](x), parallel["low_latency"](x)
-                per_copy = parallel["per copy"](x)
+                per_copy, once = parallel["per copy"](x), parallel["once"](x)
             errors[f"{name}/{call}"] = _rel(got, want)
             assert torch.equal(got, same), f"{name} call {call}: the two transports differ"
-            assert torch.equal(got, per_copy), f"{name} call {call}: tokens sent once differ from rows per copy"
+            assert torch.equal(once, per_copy), f"{name} call {call}: tokens sent once differ from rows per copy"
+            assert torch.equal(got, per_copy), f"{name} call {call}: the default differs from rows per copy"
         if name == "float":
             out["describe"] = parallel["symmetric"].describe()
+            out["once describe"] = parallel["once"].describe()
 
     # every token on the same experts (a zero router: every score ties), and a call where no rank has a token
     whole, parallel = _layers(cases["float"][0], device, {
@@ -166,8 +169,9 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
 
     kwargs = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=torch.float32,
                   adapter=ExpertAdapter(rank=2, alpha=4, count=3))
-    whole, parallel = _layers(kwargs, device, {"symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8),
-                                               "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8)})
+    whole, parallel = _layers(kwargs, device, {
+        "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8, send_tokens_once=True),
+        "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8)})
     x = _tokens(rank, device)
     ids = ((torch.arange(x.shape[0]) + rank) % 4 - 1).to(device)  # every adapter and none
     with torch.no_grad():
@@ -198,7 +202,8 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
         symmetric_rows.ROUTE_MAX_COPIES = route_limit
         for capacity in (None, 1):
             whole, parallel = _layers(kwargs, device, {
-                "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8, capacity=capacity, overflow=Overflow.DROP),
+                "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8, capacity=capacity, overflow=Overflow.DROP,
+                                                          send_tokens_once=route_limit == 0),
                 "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8, capacity=capacity,
                                                              overflow=Overflow.DROP)})
             x = _tokens(rank, device, count=8)
@@ -251,8 +256,8 @@ def _quantized_rows_match(rank: int, device: torch.device, method: Any, name: st
     whole = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, device=device)
     ep = ExpertParallel(E)
     layers = {}
-    for kind, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8)),
-                             ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):
+    for kind, dispatcher in (("symmetric", SymmetricDispatch(ep, max_tokens=8, send_tokens_once=True)),
+                             ("low_latency", LowLatencyDispatch(ep, max_tokens=8))):  # (scales on the token rows)
         layer = mf.MoELayer(**kwargs, quant=method(), backend="torch", environ={}, expert_parallel=ep,
                             dispatcher=dispatcher, device=device)
         layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
@@ -371,8 +376,8 @@ def compact_buffers_match(rank: int, world: int, device_type: str, folder: str =
         return (lambda x, ids=None: pipeline(mf.MoEInput(x, reference.router_logits(x), ids)).hidden_states,
                 pipeline.describe)
 
-    layer, describe = triton_layer(max_rows=world * 16)  # never overflows: 8 tokens x 2 copies from each rank
-    per_copy, _ = triton_layer(max_rows=world * 16, send_tokens_once=False)
+    layer, describe = triton_layer(max_rows=world * 16, send_tokens_once=True)  # never overflows: 8 tokens x 2
+    per_copy, _ = triton_layer(max_rows=world * 16, send_tokens_once=False)  # copies from each rank
     for call in range(2):
         x = tokens(TOKENS[rank % 4] + 2 * call, seed=call)
         with torch.no_grad():

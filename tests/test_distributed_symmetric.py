@@ -26,7 +26,8 @@ def _check(results: list[dict[str, Any]], transport: str) -> None:
             assert error < (1e-2 if "triton" in name else 1e-4), (name, error)
         assert result["dropped_changes_output"]
         assert result["too_many"] and result["overflow_raised"]
-    assert transport in results[0]["describe"] and "tokens sent once per rank" in results[0]["describe"]
+    assert transport in results[0]["describe"] and "tokens sent once per rank from 2 MiB" in results[0]["describe"]
+    assert "tokens sent once per rank;" in results[0]["once describe"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the emulated windows are CPU memory: on a GPU machine the GPU "

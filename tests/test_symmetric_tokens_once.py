@@ -135,3 +135,14 @@ def test_token_rows_refuse_rows_per_copy() -> None:
         kernels.put_rows(rows, None, torch.zeros(4), ids, ids, table, None, rows, None, ids, ids, None,
                          torch.zeros(1, dtype=torch.int64), rank=0, top_k=2, local=1, slots=4, capacity=4,
                          origin_base=0, recv_tokens=rows, max_tokens=2)
+
+
+def test_the_default_sends_tokens_once_where_the_rows_saved_pay_for_the_extra_pass() -> None:
+    from moeforge.distributed.symmetric import TOKENS_ONCE_MIN_BYTES, rows_saved_bytes
+
+    row = 7168 * 2  # DeepSeek-V3's bf16 rows
+    assert rows_saved_bytes(16, 8, 2, row) < TOKENS_ONCE_MIN_BYTES <= rows_saved_bytes(128, 8, 2, row)
+    assert rows_saved_bytes(4096, 8, 1, row) == 0  # one rank: no row crosses
+    assert rows_saved_bytes(4096, 1, 8, row) == 0  # top-1: one row per token either way
+    # 2 ranks, top-8: 4 rows a token cross one by copy, 1 - 2^-8 once
+    assert abs(rows_saved_bytes(1000, 8, 2, 1) / 1000 - (4 - (1 - 0.5 ** 8))) < 1e-2

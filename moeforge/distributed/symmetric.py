@@ -119,13 +119,15 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     graph only; inside one the overflowing rows are dropped and counted in the plan's ``dropped``), ``DROP`` drops
     them. ``capacity`` does not apply to compact buffers.
 
-    ``send_tokens_once`` (default): a token's row crosses to each rank owning one of its experts once, however many
-    of its ``top_k`` copies that rank's experts take, into a region of ``W × max_tokens`` token rows on the owner,
-    which then copies each of its expert-buffer rows from there (:func:`~moeforge.kernels.symmetric_rows.fan_out`):
-    the same rows in the same slots, fewer bytes over NVLink (DeepSeek-V3's top-8 on 2 ranks: about a quarter of
-    the dispatch's rows), one more local pass over the received rows. Off: one row per copy, as the NCCL
-    dispatchers send them. Rows scaled per copy (``apply_routing_weights``) and top-1 routing send one per copy
-    either way."""
+    ``send_tokens_once``: a token's row crosses to each rank owning one of its experts once, however many of its
+    ``top_k`` copies that rank's experts take, into a region of ``W × max_tokens`` token rows on the owner, which then
+    copies each of its expert-buffer rows from there (:func:`~moeforge.kernels.symmetric_rows.fan_out`): the same
+    rows in the same slots, fewer bytes over NVLink (DeepSeek-V3's top-8 on 2 ranks: about a quarter of the
+    dispatch's rows), one more launch and a local pass over the received rows. ``None`` (default): where the rows
+    it saves (:func:`rows_saved_bytes`) reach :data:`TOKENS_ONCE_MIN_BYTES`; ``True`` always, ``False`` never (one
+    row per copy, as the NCCL dispatchers send). Rows scaled per copy (``apply_routing_weights``) and top-1 routing
+    send one row per copy either way; the token rows' region is allocated unless one of those holds or the option
+    is ``False``."""
 
     kinds: ClassVar = (StageKind.DISPATCH,)
     ep: ExpertParallel
@@ -136,7 +138,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     timeout_ms: int = 30_000
     configs: Optional[ConfigTable] = None
     max_rows: Optional[int] = None
-    send_tokens_once: bool = True
+    send_tokens_once: Optional[bool] = None
     fallback: Stage[RoutedTokens, Any] = attrs.field(init=False, repr=False)  # (an ExchangeDispatch)
     _state: dict[Any, Any] = attrs.field(init=False, factory=dict, repr=False)
     _padded: LowLatencyDispatch = attrs.field(init=False, repr=False)
@@ -213,8 +215,9 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             how = "all-to-all exchange: compact rows are read by the triton expert GEMMs only (backend='triton')"
         layout = "block-aligned, " if self.configs is not None else ""
         bound = f"max_rows={self.max_rows}" if self.compact else f"capacity={self.slots}"
-        rows = (", rows per copy" if not self.send_tokens_once or self.apply_routing_weights
-                else ", tokens sent once per rank")
+        rows = (", rows per copy" if self.send_tokens_once is False or self.apply_routing_weights
+                else ", tokens sent once per rank" if self.send_tokens_once
+                else f", tokens sent once per rank from {TOKENS_ONCE_MIN_BYTES >> 20} MiB of rows saved")
         return (f"SymmetricDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
                 f"{bound}, overflow={self.overflow.value}{extra}{rows}; {how})")
 
@@ -277,12 +280,14 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         buffer_rows = self.max_rows if self.max_rows is not None else local * slots
         adapter_ids = x.adapter_ids.to(torch.int32).contiguous() if x.adapter_ids is not None else None
         has_adapters = adapter_ids is not None
-        once = self.sends_tokens_once(top_k)
-        token_rows = world * self.max_tokens if once else 0
+        token_rows = world * self.max_tokens if self.may_send_tokens_once(top_k) else 0
+        row_bytes = (width + scale_width) * 4
+        once = token_rows > 0 and (self.send_tokens_once is True
+                                   or rows_saved_bytes(tokens, top_k, world, row_bytes) >= TOKENS_ONCE_MIN_BYTES)
         sizes = {"table": world * experts, "rows": buffer_rows * width, "scales": buffer_rows * scale_width,
                  "weights": buffer_rows, "origins": buffer_rows, "adapters": buffer_rows if has_adapters else 0,
                  "tokens": token_rows * width, "token_scales": token_rows * scale_width}
-        window, parts = self.window(("dispatch", compact, width, scale_width, has_adapters, once), sizes, device)
+        window, parts = self.window(("dispatch", compact, width, scale_width, has_adapters, token_rows), sizes, device)
 
         if counts is None:
             positions, token_copies, dropped = kernels.route(flat, parts["table"], window.deltas, rank, cap)
@@ -338,10 +343,11 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         return PaddedRows(Activations(received.view(local, slots, hidden), received_scale), masked_m, slot_weights,
                           plan=plan, adapter_ids=received_ids)
 
-    def sends_tokens_once(self, top_k: int) -> bool:
-        """Whether a call routing ``top_k`` copies per token sends each token's row once per owning rank (see the
-        class docstring): ``send_tokens_once``, rows per token (not scaled per copy) and more than one copy each."""
-        return self.send_tokens_once and not self.apply_routing_weights and top_k > 1
+    def may_send_tokens_once(self, top_k: int) -> bool:
+        """Whether calls routing ``top_k`` copies per token may send each token's row once per owning rank (see the
+        class docstring): ``send_tokens_once`` not ``False``, rows per token (not scaled per copy), more than one
+        copy each."""
+        return self.send_tokens_once is not False and not self.apply_routing_weights and top_k > 1
 
     def _check_rows(self, most_rows: torch.Tensor, device: torch.device) -> None:
         """Compact buffers, ``overflow=ERROR``: raise where a rank would receive more than ``max_rows`` rows
@@ -378,6 +384,25 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                              starts=starts)
         return AlignedRows(received, alignment, copy_major=False, copy_weights=parts["weights"].view(torch.float32),
                            plan=plan, adapter_ids=adapter_ids, copy_experts=copy_experts)
+
+
+def rows_saved_bytes(tokens: int, top_k: int, world: int, row_bytes: int) -> int:
+    """The bytes over NVLink a dispatch of ``tokens`` tokens' ``top_k`` copies over ``world`` ranks saves by sending
+    each token's row once per owning rank, for routing spread evenly over the ranks: one row per copy sends
+    ``top_k · (W - 1) / W`` rows a token to other ranks, once per rank ``(W - 1) · (1 - (1 - 1/W)^top_k)`` (the
+    expected number of other ranks among the owners of ``top_k`` picks)."""
+    if world < 2:
+        return 0
+    per_copy = top_k * (world - 1) / world
+    once = (world - 1) * (1 - (1 - 1 / world) ** top_k)
+    return int(tokens * (per_copy - once) * row_bytes)
+
+
+# Sending tokens once costs a launch and a local pass (about 3 us in a decode step's graph on 2 H200s); below about
+# 2 MiB of rows saved that is more than the NVLink time saved (DeepSeek-V3's bf16 rows on 2 ranks: 16 tokens per rank
+# save 0.7 MB and lose 1-4 us; 128 tokens save 5.5 MB and gain 3-4 us:
+# benchmarks/results/bench_ep-nvidia_h200-x2-2026-11-30-37059d2.json).
+TOKENS_ONCE_MIN_BYTES = 2 << 20
 
 
 _NO_CAPACITY = 2**31 - 1  # compact buffers: no bound per (source rank, expert)
