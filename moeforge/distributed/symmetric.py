@@ -7,7 +7,9 @@ every other rank's address space over NVLink. :class:`SymmetricDispatch` uses it
   copies-per-expert counts into a ``[W, E]`` table on every rank (:func:`~moeforge.kernels.symmetric_rows.route`),
   all ranks meet at a device barrier, then one kernel writes each routed copy's row (scales, routing weight, origin,
   adapter id) into the expert buffer of the rank owning its expert, at the slot the table gives it
-  (:func:`~moeforge.kernels.symmetric_rows.put_rows`), and a second barrier;
+  (:func:`~moeforge.kernels.symmetric_rows.put_rows`), and a second barrier — or, at larger batches, each token's
+  row once per rank owning some of its copies, which that rank copies into its copies' slots
+  (``send_tokens_once``, :func:`~moeforge.kernels.symmetric_rows.fan_out`: the same bits, fewer rows over NVLink);
 * **combine**: each rank writes every valid expert-output row back to its source rank, at the slot of the copy it
   came from (:func:`~moeforge.kernels.symmetric_rows.return_rows`), a barrier, and each rank sums its tokens' copies
   in the fixed order ``k = 0 .. top_k - 1`` (deterministic, as every moeforge combine).
