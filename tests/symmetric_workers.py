@@ -127,6 +127,10 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
                             None, {}),
         "llama4": (dict(num_experts=E, top_k=1, hidden_size=H, intermediate_size=I, dtype=torch.float32), "llama4",
                    {"apply_routing_weights": True}),
+        # the down GEMM weighs its rows by the slots' routing weights, which travel beside the rows
+        "weights in the epilogue": (dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I,
+                                         dtype=torch.float32,
+                                         routing=mf.RoutingConfig(apply_weights="in_gemm_epilogue")), None, {}),
     }
     for name, (kwargs, family, options) in cases.items():
         whole, parallel = _layers(kwargs, device, {

@@ -307,7 +307,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             self._check_rows(most, device)
         kernels.put_rows(kernels.words(data), kernels.words(scale) if scale is not None else None, weights, flat,
                          positions, table, adapter_ids, parts["rows"], parts["scales"] if scale is not None else None,
-                         parts["weights"], parts["origins"], parts["adapters"] if has_adapters else None,
+                         parts["weights"].view(torch.float32), parts["origins"],
+                         parts["adapters"] if has_adapters else None,
                          window.deltas, rank=rank, top_k=top_k, local=local, slots=slots, capacity=cap,
                          origin_base=rank * self.max_tokens * top_k, offsets=offsets, limit=buffer_rows,
                          kept=token_copies if compact else None, aligned=window.aligned,
