@@ -18,7 +18,9 @@ routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group s
   triton GEMMs, the same way, at every T;
 * ``symmetric_per_copy``, ``compact_per_copy``: the same with ``send_tokens_once=False`` (one row per copy crosses
   NVLink, as the NCCL dispatchers send; the default sends each token's row once per owning rank). ``bytes_sent``
-  is the per-copy bytes of ``raw`` for every mode.
+  is the per-copy bytes of ``raw`` for every mode;
+* ``symmetric_summed``, ``compact_summed``: tokens sent once and ``sum_on_owner=True`` (each owner returns one fp32
+  partial per token instead of one row per copy).
 
 Times are medians of CUDA-event-timed runs after warm-up, each run started after a barrier; the
 slowest rank's median is reported (a step waits for it). A graph's time is that of ``GRAPH_STEPS`` steps captured
@@ -224,10 +226,10 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
                                lsend.numel() + lback_send.numel(), graph_us))
         del lsend, lrecv, lback_send, lback_recv
 
-    for once in (True, False):  # each token's row once per owning rank (the default), or one row per copy
-        suffix = "" if once else "_per_copy"
+    # each token's row once per owning rank, or one row per copy; copies returned one by one, or summed on the owner
+    for suffix, once, summed in (("", True, False), ("_per_copy", False, False), ("_summed", True, True)):
         if tokens <= SYMMETRIC_MAX:
-            symmetric = SymmetricDispatch(ep, max_tokens=tokens, send_tokens_once=once)
+            symmetric = SymmetricDispatch(ep, max_tokens=tokens, send_tokens_once=once, sum_on_owner=summed)
             ours_symmetric = _padded_step(symmetric, routed)
             graph_us = _graph_step_us(ours_symmetric, iters, ep.rank)
             records.append(_record(tokens, "symmetric" + suffix, dtype, _timed(ours_symmetric, iters), raw_us, sent,
@@ -237,7 +239,8 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
 
         # compact buffers (max_rows: twice the copies a rank receives on average), block-aligned for the triton GEMMs
         compact = SymmetricDispatch(ep, max_tokens=tokens, max_rows=2 * tokens * K,
-                                    configs=ConfigTable(ep.local_experts, K), send_tokens_once=once)
+                                    configs=ConfigTable(ep.local_experts, K), send_tokens_once=once,
+                                    sum_on_owner=summed)
         ours_compact = _padded_step(compact, routed)
         graph_us = _graph_step_us(ours_compact, iters, ep.rank)
         records.append(_record(tokens, "compact" + suffix, dtype, _timed(ours_compact, iters), raw_us, sent,
@@ -278,7 +281,7 @@ def _graph_step_us(step: Callable[[], None], iters: int, rank: int) -> float | N
 
 
 def _modes(tokens: int) -> int:
-    return 3 + (tokens <= LOW_LATENCY_MAX) + 2 * (tokens <= SYMMETRIC_MAX)
+    return 4 + (tokens <= LOW_LATENCY_MAX) + 3 * (tokens <= SYMMETRIC_MAX)
 
 
 def _record(tokens: int, dispatcher: str, dtype: str, us: float, raw_us: float, sent: int,

@@ -138,19 +138,22 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
             "per copy": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, send_tokens_once=False,
                                                                       **options),
             "once": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, send_tokens_once=True, **options),
+            "summed": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, sum_on_owner=True, **options),
             "low_latency": lambda ep, options=options: LowLatencyDispatch(ep, max_tokens=8, **options)}, family)
         for call in range(3):  # the windows reused; each call its own tokens
             x = _tokens(rank, device, seed=call, count=8 if call == 2 else None)
             with torch.no_grad():
                 want, got, same = whole(x), parallel["symmetric"](x), parallel["low_latency"](x)
-                per_copy, once = parallel["per copy"](x), parallel["once"](x)
+                per_copy, once, summed = parallel["per copy"](x), parallel["once"](x), parallel["summed"](x)
             errors[f"{name}/{call}"] = _rel(got, want)
+            errors[f"{name}/{call} summed on the owners"] = _rel(summed, got)  # (another order of the same sums)
             assert torch.equal(got, same), f"{name} call {call}: the two transports differ"
             assert torch.equal(once, per_copy), f"{name} call {call}: tokens sent once differ from rows per copy"
             assert torch.equal(got, per_copy), f"{name} call {call}: the default differs from rows per copy"
         if name == "float":
             out["describe"] = parallel["symmetric"].describe()
             out["once describe"] = parallel["once"].describe()
+            out["summed describe"] = parallel["summed"].describe()
 
     # every token on the same experts (a zero router: every score ties), and a call where no rank has a token
     whole, parallel = _layers(cases["float"][0], device, {
@@ -382,12 +385,14 @@ def compact_buffers_match(rank: int, world: int, device_type: str, folder: str =
 
     layer, describe = triton_layer(max_rows=world * 16, send_tokens_once=True)  # never overflows: 8 tokens x 2
     per_copy, _ = triton_layer(max_rows=world * 16, send_tokens_once=False)  # copies from each rank
+    summed, _ = triton_layer(max_rows=world * 16, sum_on_owner=True)
     for call in range(2):
         x = tokens(TOKENS[rank % 4] + 2 * call, seed=call)
         with torch.no_grad():
             got = layer(x)
             out["errors"][f"triton/{call}"] = _rel(got, whole(x))
             assert torch.equal(got, per_copy(x)), f"call {call}: tokens sent once differ from rows per copy"
+            out["errors"][f"triton/{call} summed on the owners"] = _rel(summed(x), got)
     out["triton describe"] = describe()
 
     out["errors"]["triton fp8"] = _fp8_compact(rank, world, device, tokens(TOKENS[rank % 4] + 1, seed=3))

@@ -28,6 +28,9 @@ def _check(results: list[dict[str, Any]], transport: str) -> None:
         assert result["too_many"] and result["overflow_raised"]
     assert transport in results[0]["describe"] and "tokens sent once per rank from 2 MiB" in results[0]["describe"]
     assert "tokens sent once per rank;" in results[0]["once describe"]
+    assert "copies summed on their owner" in results[0]["summed describe"]
+    for result in results:  # the same sums in another order: within fp32 rounding of the one-row-per-copy combine
+        assert all(error < 1e-6 for name, error in result["errors"].items() if "summed" in name), result["errors"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the emulated windows are CPU memory: on a GPU machine the GPU "
@@ -66,6 +69,7 @@ def _check_compact(results: list[dict[str, Any]]) -> None:
         described = result["triton describe"]
         assert "max_rows=" in described and "block-aligned" in described and "symmetric memory (NVLink)" in described
         assert "tokens sent once per rank" in described
+        assert all(error < 2e-3 for name, error in result["errors"].items() if "summed" in name), result["errors"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the emulated windows are CPU memory: on a GPU machine the GPU "

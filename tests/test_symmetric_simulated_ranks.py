@@ -1,5 +1,8 @@
-"""The symmetric exchange sending each token's row once per owning rank (``put_rows`` with ``recv_tokens``, then
-``fan_out`` on the owner) fills the expert buffers with the bits the one-row-per-copy exchange writes there.
+"""The symmetric exchange's kernels over simulated ranks: sending each token's row once per owning rank (``put_rows``
+with ``recv_tokens``, then ``fan_out`` on the owner) fills the expert buffers with the bits the one-row-per-copy
+exchange writes there; summing each token's copies on their owner (``sum_on_owner``, then ``sum_partials`` on the
+source) gives the combine of the rows returned one per copy (``return_rows``, then the source's sum), in another
+order of the same fp32 additions.
 
 The ranks are simulated in one process: every rank's window is a slice of one int32 allocation, and a rank reaches
 rank ``r``'s at the distance between the slices, as over symmetric memory (Triton's interpreter on the CPU, the
@@ -20,7 +23,8 @@ from moeforge.kernels import symmetric_rows as kernels
 
 def _exchange(ids: list[torch.Tensor], rows: list[torch.Tensor], scales: list[Optional[torch.Tensor]],
               weights: list[torch.Tensor], adapters: list[Optional[torch.Tensor]], *, local: int, capacity: int,
-              max_tokens: int, compact_rows: Optional[int], once: bool, device: str) -> list[dict[str, torch.Tensor]]:
+              max_tokens: int, compact_rows: Optional[int], once: bool, device: str,
+              with_map: bool = False) -> list[dict[str, torch.Tensor]]:
     """Every rank's route, (place,) put_rows — and with ``once`` fan_out — on windows carved from one allocation;
     returns each rank's regions and what the kernels returned."""
     world = len(ids)
@@ -33,7 +37,8 @@ def _exchange(ids: list[torch.Tensor], rows: list[torch.Tensor], scales: list[Op
     sizes = {"table": world * experts, "rows": buffer_rows * width, "scales": buffer_rows * scale_width,
              "weights": buffer_rows, "origins": buffer_rows, "adapters": buffer_rows,
              "tokens": world * max_tokens * width if once else 0,
-             "token_scales": world * max_tokens * scale_width if once else 0}
+             "token_scales": world * max_tokens * scale_width if once else 0,
+             "slot_map": world * max_tokens * top_k if with_map else 0}
     size = words_needed(sizes)
     memory = torch.full((world * size,), -7, dtype=torch.int32, device=device)  # (stale words: never compared)
     windows = [regions(memory[r * size:(r + 1) * size], sizes) for r in range(world)]
@@ -54,12 +59,13 @@ def _exchange(ids: list[torch.Tensor], rows: list[torch.Tensor], scales: list[Op
         kernels.put_rows(
             kernels.words(rows[rank]), kernels.words(scales[rank]) if scales[rank] is not None else None,
             weights[rank].reshape(-1).float().contiguous(), st_["flat"], st_["positions"], table, adapters[rank],
-            own["rows"], own["scales"] if scale_width else None, own["weights"], own["origins"],
+            own["rows"], own["scales"] if scale_width else None, own["weights"].view(torch.float32), own["origins"],
             own["adapters"] if adapters[rank] is not None else None, st_["deltas"], rank=rank, top_k=top_k,
             local=local, slots=slots, capacity=cap, origin_base=rank * max_tokens * top_k, offsets=offsets,
             limit=buffer_rows, kept=st_["kept"] if compact_rows is not None else None,
             recv_tokens=own["tokens"] if once else None,
-            recv_token_scales=own["token_scales"] if once and scale_width else None, max_tokens=max_tokens)
+            recv_token_scales=own["token_scales"] if once and scale_width else None, max_tokens=max_tokens,
+            slot_map=own["slot_map"] if with_map else None)
     for rank in range(world):  # (after the second barrier: every row in place)
         own, st_ = windows[rank], state[rank]
         table = own["table"].view(world, experts)
@@ -74,6 +80,7 @@ def _exchange(ids: list[torch.Tensor], rows: list[torch.Tensor], scales: list[Op
                             own["origins"], slots=slots, top_k=top_k,
                             starts=st_["starts"] if compact_rows is not None else None)
         st_.update({name: region.clone() for name, region in own.items()})
+        st_["windows"] = own  # (the live regions, for a combine after it)
     return state
 
 
@@ -125,6 +132,10 @@ def test_token_rows_fanned_out_equal_the_rows_sent_per_copy(data: st.DataObject,
         want = torch.stack([rows[s][t] for s, t in zip(source.tolist(), token.tolist())]) if valid.numel() else None
         if want is not None:
             assert torch.equal(b["rows"].view(-1, width)[valid], want)
+            # each slot's routing weight is its copy's, as a float (an int32 region stored into converts it)
+            copy = origins % (max_tokens * top_k)
+            want_weights = torch.stack([weights[s].reshape(-1)[c] for s, c in zip(source.tolist(), copy.tolist())])
+            assert torch.equal(b["weights"].view(torch.float32)[valid], want_weights.float())
 
 
 def test_token_rows_refuse_rows_per_copy() -> None:
@@ -146,3 +157,89 @@ def test_the_default_sends_tokens_once_where_the_rows_saved_pay_for_the_extra_pa
     assert rows_saved_bytes(4096, 1, 8, row) == 0  # top-1: one row per token either way
     # 2 ranks, top-8: 4 rows a token cross one by copy, 1 - 2^-8 once
     assert abs(rows_saved_bytes(1000, 8, 2, 1) / 1000 - (4 - (1 - 0.5 ** 8))) < 1e-2
+
+
+def _combine_both_ways(state: list[dict[str, torch.Tensor]], ids: list[torch.Tensor], weights: list[torch.Tensor],
+                       outputs: list[torch.Tensor], *, local: int, slots: int, max_tokens: int, compact: bool,
+                       weighted: bool, scaling: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each source's combined rows, from the owners' ``outputs`` (fp32, one row per buffer row), returned one row
+    per copy and summed on the source (``return_rows``, then the combine's sum), and summed on the owners
+    (``sum_on_owner``, then ``sum_partials``)."""
+    from moeforge.distributed.exchange import combine_on_source
+
+    world, top_k, hidden = len(ids), ids[0].shape[1], outputs[0].shape[1]
+    device = outputs[0].device
+    copies = max_tokens * top_k
+    sizes = {"ret": copies * hidden, "partials": world * max_tokens * hidden}
+    size = words_needed(sizes)
+    memory = torch.full((world * size,), -7, dtype=torch.int32, device=device)
+    windows = [regions(memory[r * size:(r + 1) * size], sizes) for r in range(world)]
+    for owner in range(world):
+        st_ = state[owner]
+        starts = st_["starts"] if compact else None
+        deltas = torch.tensor([(r - owner) * size for r in range(world)], dtype=torch.int64, device=device)
+        kernels.return_rows(kernels.words(outputs[owner]), st_["valid"], st_["windows"]["origins"],
+                            windows[owner]["ret"].view(copies, hidden), deltas, slots=slots,
+                            copies_per_rank=copies, starts=starts)
+        kernels.sum_on_owner(outputs[owner], st_["windows"]["weights"].view(torch.float32) if weighted else None,
+                             st_["windows"]["slot_map"], st_["valid"], st_["windows"]["origins"],
+                             windows[owner]["partials"].view(torch.float32), deltas, slots=slots,
+                             top_k=top_k, max_tokens=max_tokens, rank=owner, starts=starts)
+    per_copy, on_owner = [], []
+    for source in range(world):
+        tokens = ids[source].shape[0]
+        kept = state[source]["kept"].view(tokens, top_k)
+        returned = windows[source]["ret"].view(torch.float32).view(copies, hidden)
+        per_copy.append(combine_on_source(returned, kept, weights[source] if weighted else None, torch.float32,
+                                          scaling))
+        out = torch.empty(tokens, hidden, device=device)
+        on_owner.append(kernels.sum_partials(windows[source]["partials"].view(torch.float32).view(-1, hidden),
+                                             ids[source].to(torch.int32), kept, out, local=local,
+                                             max_tokens=max_tokens, world=world, scaling=scaling))
+    return per_copy, on_owner
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), world=st.integers(1, 3), local=st.integers(1, 3), top_k=st.integers(1, 4),
+       tokens=st.integers(0, 6), compact=st.booleans(), weighted=st.booleans(), once=st.booleans())
+def test_copies_summed_on_their_owner_equal_the_copies_returned_one_by_one(
+        data: st.DataObject, world: int, local: int, top_k: int, tokens: int, compact: bool, weighted: bool,
+        once: bool) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    experts = world * local
+    top_k = min(top_k, experts)
+    max_tokens = tokens + data.draw(st.integers(0, 2))
+    capacity = data.draw(st.integers(1, max(tokens, 1)))
+    compact_rows = data.draw(st.integers(1, max(world * tokens * top_k, 1))) if compact else None
+    hidden = 5
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    ids, rows, weights = [], [], []
+    for _ in range(world):
+        picks = [torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)]
+        ids.append((torch.stack(picks) if picks else torch.zeros(0, top_k, dtype=torch.int64)).to(device))
+        rows.append(torch.randint(-9, 9, (tokens, 4), generator=generator, dtype=torch.int32).to(device))
+        weights.append(torch.rand(tokens, top_k, generator=generator).to(device))
+    state = _exchange(ids, rows, [None] * world, weights, [None] * world, local=local, capacity=capacity,
+                      max_tokens=max_tokens, compact_rows=compact_rows, once=once, device=device, with_map=True)
+    buffer_rows = compact_rows if compact else local * world * capacity
+    outputs = [torch.randn(buffer_rows, hidden, generator=generator).to(device) for _ in range(world)]
+    scaling = data.draw(st.sampled_from([1.0, 2.5]))
+    per_copy, on_owner = _combine_both_ways(state, ids, weights, outputs, local=local, slots=world * capacity,
+                                            max_tokens=max_tokens, compact=compact, weighted=weighted,
+                                            scaling=scaling)
+    for source in range(world):
+        assert per_copy[source].shape == on_owner[source].shape == (ids[source].shape[0], hidden)
+        torch.testing.assert_close(on_owner[source], per_copy[source], rtol=1e-5, atol=1e-5)
+        # and the sum itself, in float64 from the copies' owners' rows
+        kept = state[source]["kept"].view(-1, top_k)
+        want = torch.zeros(ids[source].shape[0], hidden, dtype=torch.float64)
+        for t in range(ids[source].shape[0]):
+            for j in range(top_k):
+                if int(kept[t, j]) < 0:
+                    continue
+                owner = int(ids[source][t, j]) // local
+                origin = source * max_tokens * top_k + t * top_k + j
+                slot = int((state[owner]["origins"].long() == origin).nonzero()[0])
+                weight = float(weights[source][t, j]) if weighted else 1.0
+                want[t] += outputs[owner][slot].double().cpu() * weight
+        torch.testing.assert_close(on_owner[source].double().cpu(), want * scaling, rtol=1e-5, atol=1e-5)

@@ -68,7 +68,9 @@ class SymmetricPlan(Plan):
     ``token_copies [T, K]``: each copy's slot in the return buffer (its index ``t * K + k``), -1 if dropped;
     ``masked_m [L]`` and ``origins`` (one per buffer row: ``source rank * max copies + copy``) of the rows this rank
     received, ``starts [L]`` each expert's first row in compact buffers (``None``: ``[L, slots]`` buffers);
-    ``dropped`` (0-d) the copies this rank could not send."""
+    ``dropped`` (0-d) the copies this rank could not send. Where the dispatcher sums copies on their owner
+    (``sum_on_owner``): ``experts [T, K]`` the copies' global experts, ``slot_map`` and ``slot_weights`` (one per
+    buffer row) what the dispatch wrote."""
 
     dispatch: SymmetricDispatch
     token_copies: torch.Tensor
@@ -77,6 +79,9 @@ class SymmetricPlan(Plan):
     origins: torch.Tensor
     dropped: torch.Tensor
     starts: Optional[torch.Tensor] = None
+    experts: Optional[torch.Tensor] = None
+    slot_map: Optional[torch.Tensor] = None
+    slot_weights: Optional[torch.Tensor] = None
 
     def combine(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
                 out_dtype: torch.dtype) -> torch.Tensor:
@@ -85,6 +90,8 @@ class SymmetricPlan(Plan):
         dispatch, top_k = self.dispatch, self.token_copies.shape[1]
         rows = rows.reshape(-1, rows.shape[-1]).contiguous()  # [L, S, H] buffers, or flat: one copy per row
         slots = rows.shape[0] // self.masked_m.shape[0]
+        if self.slot_map is not None:
+            return self._sum_on_owners(rows, weighted, scaling_factor, out_dtype, slots)
         width = _word_width(rows)
         if width is None:  # (an odd width of fp16 rows): the buffers carry whole words only
             raise InputError(f"SymmetricDispatch returns rows as 32-bit words: rows of {rows.shape[-1]} "
@@ -98,6 +105,27 @@ class SymmetricPlan(Plan):
         returned = ret.view(rows.dtype).view(copies, rows.shape[-1])
         weights = self.copy_weights if weighted else None
         return combine_on_source(returned, self.token_copies, weights, out_dtype, scaling_factor)
+
+    def _sum_on_owners(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
+                       out_dtype: torch.dtype, slots: int) -> torch.Tensor:
+        """Each owner sums the copies it holds of each token into one fp32 partial at the token's rank; a barrier;
+        each rank adds its tokens' partials in rank order."""
+        from moeforge.kernels.symmetric_rows import sum_on_owner, sum_partials
+
+        assert self.slot_map is not None and self.experts is not None and self.slot_weights is not None
+        dispatch, (tokens, top_k), hidden = self.dispatch, self.token_copies.shape, rows.shape[-1]
+        ep = dispatch.ep
+        rows_total = ep.world_size * dispatch.max_tokens
+        window, parts = dispatch.window(("partials", hidden), {"partials": rows_total * hidden}, rows.device)
+        partials = parts["partials"].view(torch.float32).view(rows_total, hidden)
+        sum_on_owner(rows, self.slot_weights if weighted else None, self.slot_map, self.masked_m, self.origins,
+                     partials, window.deltas, slots=slots, top_k=top_k, max_tokens=dispatch.max_tokens,
+                     rank=ep.rank, starts=self.starts, aligned=window.aligned)
+        window.barrier()
+        out = torch.empty(tokens, hidden, dtype=out_dtype, device=rows.device)
+        return sum_partials(partials, self.experts, self.token_copies, out, local=ep.local_experts,
+                            max_tokens=dispatch.max_tokens, world=ep.world_size,
+                            scaling=1.0 if scaling_factor is None else scaling_factor)
 
     def kept(self) -> torch.Tensor:
         return self.token_copies >= 0
@@ -129,7 +157,14 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     it saves (:func:`rows_saved_bytes`) reach :data:`TOKENS_ONCE_MIN_BYTES`; ``True`` always, ``False`` never (one
     row per copy, as the NCCL dispatchers send). Rows scaled per copy (``apply_routing_weights``) and top-1 routing
     send one row per copy either way; the token rows' region is allocated unless one of those holds or the option
-    is ``False``."""
+    is ``False``.
+
+    ``sum_on_owner``: the combine sums, on the rank owning the experts, each token's copies it computed (in ``k``
+    order, fp32, weighted where the combine weighs) into one partial per (token, owning rank), returns those over
+    NVLink, and the token's rank adds its partials in rank order: one fp32 row per owning rank crosses back
+    instead of one row of the experts' dtype per copy (DeepSeek-V3's top-8 bf16 on 2 ranks: half the bytes). The
+    sum's order is not the single-GPU layer's ``k = 0 .. top_k - 1``, so the output is close to it, not the same
+    bits (still the same bits from run to run). Off by default."""
 
     kinds: ClassVar = (StageKind.DISPATCH,)
     ep: ExpertParallel
@@ -141,6 +176,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     configs: Optional[ConfigTable] = None
     max_rows: Optional[int] = None
     send_tokens_once: Optional[bool] = None
+    sum_on_owner: bool = False
     fallback: Stage[RoutedTokens, Any] = attrs.field(init=False, repr=False)  # (an ExchangeDispatch)
     _state: dict[Any, Any] = attrs.field(init=False, factory=dict, repr=False)
     _padded: LowLatencyDispatch = attrs.field(init=False, repr=False)
@@ -220,8 +256,9 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         rows = (", rows per copy" if self.send_tokens_once is False or self.apply_routing_weights
                 else ", tokens sent once per rank" if self.send_tokens_once
                 else f", tokens sent once per rank from {TOKENS_ONCE_MIN_BYTES >> 20} MiB of rows saved")
+        summed = ", copies summed on their owner" if self.sum_on_owner else ""
         return (f"SymmetricDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
-                f"{bound}, overflow={self.overflow.value}{extra}{rows}; {how})")
+                f"{bound}, overflow={self.overflow.value}{extra}{rows}{summed}; {how})")
 
     def output_spec(self, spec: Spec) -> Spec:
         rows: Spec = self.fallback.output_spec(spec)  # the same rows, whichever transport carries them
@@ -288,7 +325,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                                    or rows_saved_bytes(tokens, top_k, world, row_bytes) >= TOKENS_ONCE_MIN_BYTES)
         sizes = {"table": world * experts, "rows": buffer_rows * width, "scales": buffer_rows * scale_width,
                  "weights": buffer_rows, "origins": buffer_rows, "adapters": buffer_rows if has_adapters else 0,
-                 "tokens": token_rows * width, "token_scales": token_rows * scale_width}
+                 "tokens": token_rows * width, "token_scales": token_rows * scale_width,
+                 "slot_map": world * self.max_tokens * top_k if self.sum_on_owner else 0}
         window, parts = self.window(("dispatch", compact, width, scale_width, has_adapters, token_rows), sizes, device)
 
         if counts is None:
@@ -314,7 +352,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                          kept=token_copies if compact else None, aligned=window.aligned,
                          recv_tokens=parts["tokens"] if once else None,
                          recv_token_scales=parts["token_scales"] if once and scale is not None else None,
-                         max_tokens=self.max_tokens)
+                         max_tokens=self.max_tokens, slot_map=parts["slot_map"] if self.sum_on_owner else None)
         window.barrier()
 
         def fan_out(masked: torch.Tensor, starts: Optional[torch.Tensor]) -> None:
@@ -342,9 +380,16 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         if received_scale is not None:
             received_scale = received_scale.view(local, slots, *received_scale.shape[1:])
         plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, masked_m, parts["origins"],
-                             dropped)
+                             dropped, **self._owner_sums(x, parts))
         return PaddedRows(Activations(received.view(local, slots, hidden), received_scale), masked_m, slot_weights,
                           plan=plan, adapter_ids=received_ids)
+
+    def _owner_sums(self, x: RoutedTokens, parts: dict[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
+        """What a plan needs to sum copies on their owners (:class:`SymmetricPlan`), where this dispatcher does."""
+        if not self.sum_on_owner:
+            return {}
+        return dict(experts=x.topk.ids.to(torch.int32).contiguous(), slot_map=parts["slot_map"],
+                    slot_weights=parts["weights"].view(torch.float32))
 
     def may_send_tokens_once(self, top_k: int) -> bool:
         """Whether calls routing ``top_k`` copies per token may send each token's row once per owning rank (see the
@@ -384,7 +429,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             copy_experts = (torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
                             .clamp(max=local - 1).to(torch.int32))
         plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, valid, parts["origins"], dropped,
-                             starts=starts)
+                             starts=starts, **self._owner_sums(x, parts))
         return AlignedRows(received, alignment, copy_major=False, copy_weights=parts["weights"].view(torch.float32),
                            plan=plan, adapter_ids=adapter_ids, copy_experts=copy_experts)
 

@@ -20,7 +20,9 @@ ids int32), so one ``deltas`` array (int64, in words) serves them all.
   copied from its token's row on the owner;
 * :func:`receive`: after the rows arrived, each local expert's valid rows and its slots' routing weights and adapter
   ids (0 and -1 past them);
-* :func:`return_rows`: each valid expert-buffer row back to the slot of the copy it came from, on its source rank.
+* :func:`return_rows`: each valid expert-buffer row back to the slot of the copy it came from, on its source rank;
+* :func:`sum_on_owner` and :func:`sum_partials`: instead, each owner sums a token's copies it holds into one fp32
+  partial at the source, and the source adds its tokens' partials in rank order.
 
 A rank must not read what its peers wrote before they all signal (the caller's barrier after each kernel). Under
 Triton's interpreter (CPU) the "peers" are other tensors of the same process at the same distances: the tests check
@@ -102,11 +104,11 @@ def _place_kernel(table_ptr, offsets_ptr, valid_ptr, starts_ptr, dropped_ptr, mo
 @triton.jit
 def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_ptr, table_ptr, offsets_ptr,
                      adapters_ptr, kept_ptr, recv_rows_ptr, recv_scales_ptr, recv_weights_ptr, recv_origins_ptr,
-                     recv_adapters_ptr, recv_tokens_ptr, recv_token_scales_ptr,
-                     deltas_ptr, rank, E, local, slots, capacity, limit, origin_base, max_tokens,
+                     recv_adapters_ptr, recv_tokens_ptr, recv_token_scales_ptr, slot_map_ptr,
+                     deltas_ptr, rank, world, E, local, slots, capacity, limit, origin_base, max_tokens,
                      D: tl.constexpr, S: tl.constexpr, TOP_K: tl.constexpr, ROWS_PER_COPY: tl.constexpr,
                      HAS_ADAPTERS: tl.constexpr, COMPACT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
-                     BLOCK_S: tl.constexpr, TOKENS_ONCE: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_S: tl.constexpr, TOKENS_ONCE: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MAP: tl.constexpr):
     copy = tl.program_id(0).to(tl.int64)
     if TOKENS_ONCE:  # the token's row goes to each owner once, from the first of its copies that owner's experts take
         sender = copy // TOP_K
@@ -128,6 +130,7 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
                 tl.store(recv_token_scales_ptr + to_delta + token_row * S + cols_s,
                          tl.load(scales_ptr + sender * S + cols_s, mask=cols_s < S), mask=cols_s < S)
     position = tl.load(positions_ptr + copy)
+    kept_slot = copy * 0 - 1  # (HAS_MAP: the slot this copy takes at its owner, -1 where it drops)
     if position < capacity:
         expert = tl.load(experts_ptr + copy).to(tl.int64)
         owner = expert // local
@@ -140,6 +143,7 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
             slot = (expert % local) * slots + start + position
         if COMPACT:  # each copy's slot in the return buffer: its index, -1 past the owner's buffer (dropped)
             tl.store(kept_ptr + copy, tl.where(slot < limit, copy, -1))
+        kept_slot = tl.where(slot < limit, slot, -1)
         if slot < limit:
             delta = tl.load(deltas_ptr + owner)
             if ALIGNED:  # every peer 16 bytes apart: the rows go out 4 words per store
@@ -160,6 +164,11 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
             tl.store(recv_origins_ptr + delta + slot, (origin_base + copy).to(tl.int32))
             if HAS_ADAPTERS:
                 tl.store(recv_adapters_ptr + delta + slot, tl.load(adapters_ptr + token))
+    if HAS_MAP:  # every rank's slot map: this copy's slot on its owner, -1 on the other ranks and where it drops
+        map_owner = tl.load(experts_ptr + copy) // local
+        for peer in range(0, world):
+            tl.store(slot_map_ptr + tl.load(deltas_ptr + peer) + origin_base + copy,
+                     tl.where(peer == map_owner, kept_slot, -1).to(tl.int32))
 
 
 @triton.jit
@@ -210,6 +219,62 @@ def _fan_out_kernel(tokens_ptr, token_scales_ptr, rows_ptr, scales_ptr, masked_p
             ok_s = offs_s < S
             tl.store(scales_ptr + row * S + offs_s, tl.load(token_scales_ptr + token_row * S + offs_s, mask=ok_s),
                      mask=ok_s)
+
+
+@triton.jit
+def _sum_on_owner_kernel(rows_ptr, weights_ptr, map_ptr, masked_ptr, starts_ptr, origins_ptr, ret_ptr, deltas_ptr,
+                         slots, stride_rows, copies_per_rank, max_tokens, rank, H, TOP_K: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                         HAS_STARTS: tl.constexpr, WEIGHTED: tl.constexpr, ALIGNED: tl.constexpr):
+    # Per valid row: the program of a token's first copy on this rank sums all of them (k order, fp32, each times
+    # its slot's routing weight if WEIGHTED) into the token's partial at the source, row [rank, token] of its
+    # [W * max_tokens, H] fp32 region.
+    expert = tl.program_id(0).to(tl.int64)
+    valid = tl.load(masked_ptr + expert)
+    if HAS_STARTS:
+        first_row = tl.load(starts_ptr + expert).to(tl.int64)
+    else:
+        first_row = expert * slots
+    lanes = tl.arange(0, BLOCK_K)
+    for j in range(tl.program_id(1), valid, PROGRAMS):
+        origin = tl.load(origins_ptr + first_row + j).to(tl.int64)
+        source = origin // copies_per_rank
+        base = origin - origin % TOP_K  # the token's first copy's origin: its k entries of the slot map
+        entries = tl.load(map_ptr + base + lanes, mask=lanes < TOP_K, other=-1)
+        if tl.sum(((entries >= 0) & (lanes < origin % TOP_K)).to(tl.int32), axis=0) == 0:
+            delta = tl.load(deltas_ptr + source)
+            if ALIGNED:
+                delta = tl.multiple_of(delta, 4)
+            token = origin % copies_per_rank // TOP_K
+            out = ret_ptr + delta + (rank * max_tokens + token) * H
+            for first in range(0, H, BLOCK):
+                cols = first + tl.arange(0, BLOCK)
+                acc = tl.zeros((BLOCK,), dtype=tl.float32)
+                for k in tl.static_range(TOP_K):
+                    slot = tl.load(map_ptr + base + k).to(tl.int64)
+                    if slot >= 0:
+                        row = tl.load(rows_ptr + slot * stride_rows + cols, mask=cols < H).to(tl.float32)
+                        if WEIGHTED:
+                            row = row * tl.load(weights_ptr + slot)
+                        acc += row
+                tl.store(out + cols, acc, mask=cols < H)
+
+
+@triton.jit
+def _sum_partials_kernel(partials_ptr, experts_ptr, kept_ptr, out_ptr, H, local, max_tokens, world, scaling,
+                         TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+    # Per (token, column block): the partials of the ranks owning a kept copy of the token, in rank order.
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    lanes = tl.arange(0, BLOCK_K)
+    copies = token * TOP_K + lanes
+    owners = tl.load(experts_ptr + copies, mask=lanes < TOP_K, other=0) // local
+    kept = tl.load(kept_ptr + copies, mask=lanes < TOP_K, other=-1) >= 0
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for owner in range(0, world):
+        if tl.sum((kept & (owners == owner)).to(tl.int32), axis=0) > 0:
+            acc += tl.load(partials_ptr + (owner * max_tokens + token) * H + cols, mask=cols < H)
+    tl.store(out_ptr + token * H + cols, (acc * scaling).to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
 @triton.jit
@@ -283,7 +348,8 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
              rank: int, top_k: int, local: int, slots: int, capacity: int, origin_base: int,
              offsets: Optional[torch.Tensor] = None, limit: Optional[int] = None, kept: Optional[torch.Tensor] = None,
              aligned: bool = False, recv_tokens: Optional[torch.Tensor] = None,
-             recv_token_scales: Optional[torch.Tensor] = None, max_tokens: int = 0) -> None:
+             recv_token_scales: Optional[torch.Tensor] = None, max_tokens: int = 0,
+             slot_map: Optional[torch.Tensor] = None) -> None:
     """Each copy ``c`` (``experts [T * top_k]`` int32 global experts, ``positions`` int32 among this rank's copies of
     its expert, sent where below ``capacity``) into the buffers of the rank owning its expert: row ``rows[c]``
     (``[T * top_k, D]`` words, one row per copy) or ``rows[c // top_k]`` (``[T, D]``, one per token) with its
@@ -300,7 +366,11 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
     one of its copies' experts once, into row ``rank * max_tokens + token`` of that rank's ``recv_tokens`` (its
     scales into ``recv_token_scales``), whether or not the copies are kept, and the expert buffers get no rows —
     :func:`fan_out` fills them on the owner from its token rows; the rest (routing weight, origin, adapter id)
-    as above. With top-k copies spread over fewer ranks than ``top_k``, fewer rows cross NVLink."""
+    as above. With top-k copies spread over fewer ranks than ``top_k``, fewer rows cross NVLink.
+
+    ``slot_map`` (int32, ``[W * max_tokens * top_k]`` on every rank): entry ``origin_base + c`` of every rank's map
+    gets copy ``c``'s slot on the rank owning its expert, -1 on the others and everywhere where the copy drops — what
+    :func:`sum_on_owner` reads to find a token's copies among an owner's rows."""
     copies = experts.numel()
     if copies == 0:
         return
@@ -319,18 +389,20 @@ def put_rows(rows: torch.Tensor, scales: Optional[torch.Tensor], weights: torch.
         return (dict(D=width, S=scale_width, TOP_K=top_k, ROWS_PER_COPY=per_copy, HAS_ADAPTERS=adapters is not None,
                      COMPACT=compact, ALIGNED=aligned, BLOCK=min(next_power_of_2(width), _WORDS),
                      BLOCK_S=max(next_power_of_2(scale_width), 1), TOKENS_ONCE=once,
-                     BLOCK_K=max(next_power_of_2(top_k), 2)),
+                     BLOCK_K=max(next_power_of_2(top_k), 2), HAS_MAP=slot_map is not None),
                 dict(num_warps=4))
 
     _PUT_ROWS.launch(
-        ("rows", width, scale_width, top_k, per_copy, adapters is not None, compact, aligned, once), (copies,),
+        ("rows", width, scale_width, top_k, per_copy, adapters is not None, compact, aligned, once,
+         slot_map is not None), (copies,),
         (rows, scales if scales is not None else rows, weights, experts, positions, table,
          offsets if offsets is not None else table, adapters if adapters is not None else experts,
          kept if kept is not None else positions, recv_rows,
          recv_scales if recv_scales is not None else recv_rows, recv_weights, recv_origins,
          recv_adapters if recv_adapters is not None else recv_origins,
          recv_tokens if recv_tokens is not None else recv_rows,
-         recv_token_scales if recv_token_scales is not None else recv_rows, deltas, rank, table.shape[-1], local,
+         recv_token_scales if recv_token_scales is not None else recv_rows,
+         slot_map if slot_map is not None else recv_origins, deltas, rank, deltas.numel(), table.shape[-1], local,
          slots, capacity, limit if limit is not None else local * slots, origin_base, max_tokens), make)
 
 
@@ -360,6 +432,52 @@ def fan_out(tokens: torch.Tensor, token_scales: Optional[torch.Tensor], rows: to
                     (tokens, token_scales if token_scales is not None else tokens, rows,
                      scales if scales is not None else rows, masked, starts if starts is not None else masked,
                      origins, slots), make)
+
+
+def sum_on_owner(rows: torch.Tensor, weights: Optional[torch.Tensor], slot_map: torch.Tensor, masked: torch.Tensor,
+                 origins: torch.Tensor, partials: torch.Tensor, deltas: torch.Tensor, *, slots: int, top_k: int,
+                 max_tokens: int, rank: int, starts: Optional[torch.Tensor] = None, aligned: bool = False) -> None:
+    """On each owner, after the experts: for each token with copies among the first ``masked[l]`` rows of each
+    local expert ``l`` of ``rows [L * slots, H]`` (compact rows: from row ``starts[l]`` of ``rows [max_rows, H]``),
+    the sum of those copies' rows in ``k`` order, in fp32 — each times its slot's routing weight where ``weights``
+    (fp32, one per row) is given — written to row ``rank * max_tokens + token`` of the source rank's ``partials``
+    (fp32, ``[W * max_tokens, H]`` on every rank). ``origins`` (one per row) name each row's source and copy;
+    ``slot_map`` is what :func:`put_rows` wrote (a copy's slot here, or -1). ``aligned`` as :func:`put_rows`'s."""
+    local = masked.numel()
+    if local == 0:
+        return
+    hidden = rows.shape[1]
+    programs = max(min(slots, max(16, 8192 // local)), 1)
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return (dict(TOP_K=top_k, BLOCK_K=max(next_power_of_2(top_k), 2), BLOCK=min(next_power_of_2(hidden), 1024),
+                     PROGRAMS=programs, HAS_STARTS=starts is not None, WEIGHTED=weights is not None,
+                     ALIGNED=aligned), dict(num_warps=4))
+
+    _SUM_ON_OWNER.launch(("sum", top_k, hidden, programs, starts is not None, weights is not None, aligned),
+                         (local, programs),
+                         (rows, weights if weights is not None else partials, slot_map, masked,
+                          starts if starts is not None else masked, origins, partials, deltas, slots, rows.stride(0),
+                          max_tokens * top_k, max_tokens, rank, hidden), make)
+
+
+def sum_partials(partials: torch.Tensor, experts: torch.Tensor, kept: torch.Tensor, out: torch.Tensor, *, local: int,
+                 max_tokens: int, world: int, scaling: float) -> torch.Tensor:
+    """On each source, after :func:`sum_on_owner` everywhere: ``out[t] = scaling * sum over the ranks r owning a
+    kept copy of token t, in rank order, of partials[r * max_tokens + t]`` (``experts [T, top_k]`` global experts,
+    ``kept [T, top_k]`` -1 where a copy dropped; ``out [T, H]`` in its dtype). Returns ``out``."""
+    tokens, top_k = experts.shape
+    hidden = out.shape[1]
+    if tokens == 0 or hidden == 0:
+        return out
+    block = min(next_power_of_2(hidden), 1024)
+
+    def make() -> tuple[dict[str, Any], dict[str, Any]]:
+        return dict(TOP_K=top_k, BLOCK_K=max(next_power_of_2(top_k), 2), BLOCK=block), dict(num_warps=4)
+
+    _SUM_PARTIALS.launch(("partials", top_k, block), (tokens, -(-hidden // block)),
+                         (partials, experts, kept, out, hidden, local, max_tokens, world, float(scaling)), make)
+    return out
 
 
 def place(table: torch.Tensor, *, rank: int, local: int, rows: int
@@ -440,3 +558,5 @@ _PUT_ROWS = LaunchSite(_put_rows_kernel)
 _RETURN_ROWS = LaunchSite(_return_rows_kernel)
 _RECEIVE = LaunchSite(_receive_kernel)
 _FAN_OUT = LaunchSite(_fan_out_kernel)
+_SUM_ON_OWNER = LaunchSite(_sum_on_owner_kernel)
+_SUM_PARTIALS = LaunchSite(_sum_partials_kernel)
