@@ -20,7 +20,7 @@ routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group s
   NVLink, as the NCCL dispatchers send; the default sends each token's row once per owning rank). ``bytes_sent``
   is the per-copy bytes of ``raw`` for every mode;
 * ``symmetric_summed``, ``compact_summed``: tokens sent once and ``sum_on_owner=True`` (each owner returns one fp32
-  partial per token instead of one row per copy).
+  partial per token instead of one row per copy); ``*_summed_bf16``: the partials in bf16.
 
 Times are medians of CUDA-event-timed runs after warm-up, each run started after a barrier; the
 slowest rank's median is reported (a step waits for it). A graph's time is that of ``GRAPH_STEPS`` steps captured
@@ -227,7 +227,8 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
         del lsend, lrecv, lback_send, lback_recv
 
     # each token's row once per owning rank, or one row per copy; copies returned one by one, or summed on the owner
-    for suffix, once, summed in (("", True, False), ("_per_copy", False, False), ("_summed", True, True)):
+    for suffix, once, summed in (("", True, False), ("_per_copy", False, False), ("_summed", True, True),
+                                 ("_summed_bf16", True, torch.bfloat16)):
         if tokens <= SYMMETRIC_MAX:
             symmetric = SymmetricDispatch(ep, max_tokens=tokens, send_tokens_once=once, sum_on_owner=summed)
             ours_symmetric = _padded_step(symmetric, routed)
@@ -281,7 +282,7 @@ def _graph_step_us(step: Callable[[], None], iters: int, rank: int) -> float | N
 
 
 def _modes(tokens: int) -> int:
-    return 4 + (tokens <= LOW_LATENCY_MAX) + 3 * (tokens <= SYMMETRIC_MAX)
+    return 5 + (tokens <= LOW_LATENCY_MAX) + 4 * (tokens <= SYMMETRIC_MAX)
 
 
 def _record(tokens: int, dispatcher: str, dtype: str, us: float, raw_us: float, sent: int,

@@ -139,6 +139,8 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
                                                                       **options),
             "once": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, send_tokens_once=True, **options),
             "summed": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8, sum_on_owner=True, **options),
+            "summed bf16": lambda ep, options=options: SymmetricDispatch(ep, max_tokens=8,
+                                                                         sum_on_owner=torch.bfloat16, **options),
             "low_latency": lambda ep, options=options: LowLatencyDispatch(ep, max_tokens=8, **options)}, family)
         for call in range(3):  # the windows reused; each call its own tokens
             x = _tokens(rank, device, seed=call, count=8 if call == 2 else None)
@@ -147,6 +149,7 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
                 per_copy, once, summed = parallel["per copy"](x), parallel["once"](x), parallel["summed"](x)
             errors[f"{name}/{call}"] = _rel(got, want)
             errors[f"{name}/{call} summed on the owners"] = _rel(summed, got)  # (another order of the same sums)
+            errors[f"{name}/{call} bf16 partials"] = _rel(parallel["summed bf16"](x), got)
             assert torch.equal(got, same), f"{name} call {call}: the two transports differ"
             assert torch.equal(once, per_copy), f"{name} call {call}: tokens sent once differ from rows per copy"
             assert torch.equal(got, per_copy), f"{name} call {call}: the default differs from rows per copy"
@@ -154,6 +157,10 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
             out["describe"] = parallel["symmetric"].describe()
             out["once describe"] = parallel["once"].describe()
             out["summed describe"] = parallel["summed"].describe()
+            try:
+                SymmetricDispatch(ExpertParallel(E), max_tokens=8, sum_on_owner=torch.int32)
+            except InputError as error:
+                out["bad partials"] = str(error)
 
     # every token on the same experts (a zero router: every score ties), and a call where no rank has a token
     whole, parallel = _layers(cases["float"][0], device, {

@@ -161,7 +161,8 @@ def test_the_default_sends_tokens_once_where_the_rows_saved_pay_for_the_extra_pa
 
 def _combine_both_ways(state: list[dict[str, torch.Tensor]], ids: list[torch.Tensor], weights: list[torch.Tensor],
                        outputs: list[torch.Tensor], *, local: int, slots: int, max_tokens: int, compact: bool,
-                       weighted: bool, scaling: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                       weighted: bool, scaling: float, partial_dtype: torch.dtype = torch.float32
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each source's combined rows, from the owners' ``outputs`` (fp32, one row per buffer row), returned one row
     per copy and summed on the source (``return_rows``, then the combine's sum), and summed on the owners
     (``sum_on_owner``, then ``sum_partials``)."""
@@ -170,7 +171,7 @@ def _combine_both_ways(state: list[dict[str, torch.Tensor]], ids: list[torch.Ten
     world, top_k, hidden = len(ids), ids[0].shape[1], outputs[0].shape[1]
     device = outputs[0].device
     copies = max_tokens * top_k
-    sizes = {"ret": copies * hidden, "partials": world * max_tokens * hidden}
+    sizes = {"ret": copies * hidden, "partials": world * max_tokens * hidden * partial_dtype.itemsize // 4}
     size = words_needed(sizes)
     memory = torch.full((world * size,), -7, dtype=torch.int32, device=device)
     windows = [regions(memory[r * size:(r + 1) * size], sizes) for r in range(world)]
@@ -183,7 +184,7 @@ def _combine_both_ways(state: list[dict[str, torch.Tensor]], ids: list[torch.Ten
                             copies_per_rank=copies, starts=starts)
         kernels.sum_on_owner(outputs[owner], st_["windows"]["weights"].view(torch.float32) if weighted else None,
                              st_["windows"]["slot_map"], st_["valid"], st_["windows"]["origins"],
-                             windows[owner]["partials"].view(torch.float32), deltas, slots=slots,
+                             windows[owner]["partials"].view(partial_dtype), deltas, slots=slots,
                              top_k=top_k, max_tokens=max_tokens, rank=owner, starts=starts)
     per_copy, on_owner = [], []
     for source in range(world):
@@ -193,7 +194,7 @@ def _combine_both_ways(state: list[dict[str, torch.Tensor]], ids: list[torch.Ten
         per_copy.append(combine_on_source(returned, kept, weights[source] if weighted else None, torch.float32,
                                           scaling))
         out = torch.empty(tokens, hidden, device=device)
-        on_owner.append(kernels.sum_partials(windows[source]["partials"].view(torch.float32).view(-1, hidden),
+        on_owner.append(kernels.sum_partials(windows[source]["partials"].view(partial_dtype).view(-1, hidden),
                                              ids[source].to(torch.int32), kept, out, local=local,
                                              max_tokens=max_tokens, world=world, scaling=scaling))
     return per_copy, on_owner
@@ -201,17 +202,18 @@ def _combine_both_ways(state: list[dict[str, torch.Tensor]], ids: list[torch.Ten
 
 @settings(max_examples=12, deadline=None)
 @given(data=st.data(), world=st.integers(1, 3), local=st.integers(1, 3), top_k=st.integers(1, 4),
-       tokens=st.integers(0, 6), compact=st.booleans(), weighted=st.booleans(), once=st.booleans())
+       tokens=st.integers(0, 6), compact=st.booleans(), weighted=st.booleans(), once=st.booleans(),
+       partial_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_copies_summed_on_their_owner_equal_the_copies_returned_one_by_one(
         data: st.DataObject, world: int, local: int, top_k: int, tokens: int, compact: bool, weighted: bool,
-        once: bool) -> None:
+        once: bool, partial_dtype: torch.dtype) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     experts = world * local
     top_k = min(top_k, experts)
     max_tokens = tokens + data.draw(st.integers(0, 2))
     capacity = data.draw(st.integers(1, max(tokens, 1)))
     compact_rows = data.draw(st.integers(1, max(world * tokens * top_k, 1))) if compact else None
-    hidden = 5
+    hidden = 6
     generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     ids, rows, weights = [], [], []
     for _ in range(world):
@@ -226,10 +228,11 @@ def test_copies_summed_on_their_owner_equal_the_copies_returned_one_by_one(
     scaling = data.draw(st.sampled_from([1.0, 2.5]))
     per_copy, on_owner = _combine_both_ways(state, ids, weights, outputs, local=local, slots=world * capacity,
                                             max_tokens=max_tokens, compact=compact, weighted=weighted,
-                                            scaling=scaling)
+                                            scaling=scaling, partial_dtype=partial_dtype)
+    tolerance = 1e-5 if partial_dtype == torch.float32 else 3e-2  # (bf16 partials: each rounded once more)
     for source in range(world):
         assert per_copy[source].shape == on_owner[source].shape == (ids[source].shape[0], hidden)
-        torch.testing.assert_close(on_owner[source], per_copy[source], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(on_owner[source], per_copy[source], rtol=tolerance, atol=tolerance)
         # and the sum itself, in float64 from the copies' owners' rows
         kept = state[source]["kept"].view(-1, top_k)
         want = torch.zeros(ids[source].shape[0], hidden, dtype=torch.float64)
@@ -242,4 +245,4 @@ def test_copies_summed_on_their_owner_equal_the_copies_returned_one_by_one(
                 slot = int((state[owner]["origins"].long() == origin).nonzero()[0])
                 weight = float(weights[source][t, j]) if weighted else 1.0
                 want[t] += outputs[owner][slot].double().cpu() * weight
-        torch.testing.assert_close(on_owner[source].double().cpu(), want * scaling, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(on_owner[source].double().cpu(), want * scaling, rtol=tolerance, atol=tolerance)

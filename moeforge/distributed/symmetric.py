@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Union
 
 import attrs
 import torch
@@ -115,9 +115,14 @@ class SymmetricPlan(Plan):
         assert self.slot_map is not None and self.experts is not None and self.slot_weights is not None
         dispatch, (tokens, top_k), hidden = self.dispatch, self.token_copies.shape, rows.shape[-1]
         ep = dispatch.ep
-        rows_total = ep.world_size * dispatch.max_tokens
-        window, parts = dispatch.window(("partials", hidden), {"partials": rows_total * hidden}, rows.device)
-        partials = parts["partials"].view(torch.float32).view(rows_total, hidden)
+        rows_total, dtype = ep.world_size * dispatch.max_tokens, dispatch.partial_dtype
+        assert dtype is not None
+        if hidden * dtype.itemsize % 4:
+            raise InputError(f"SymmetricDispatch returns partials as 32-bit words: rows of {hidden} {dtype} do not "
+                             "fill them; sum_on_owner=torch.float32 does")
+        window, parts = dispatch.window(("partials", hidden, dtype),
+                                        {"partials": rows_total * hidden * dtype.itemsize // 4}, rows.device)
+        partials = parts["partials"].view(dtype).view(rows_total, hidden)
         sum_on_owner(rows, self.slot_weights if weighted else None, self.slot_map, self.masked_m, self.origins,
                      partials, window.deltas, slots=slots, top_k=top_k, max_tokens=dispatch.max_tokens,
                      rank=ep.rank, starts=self.starts, aligned=window.aligned)
@@ -164,7 +169,10 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     NVLink, and the token's rank adds its partials in rank order: one fp32 row per owning rank crosses back
     instead of one row of the experts' dtype per copy (DeepSeek-V3's top-8 bf16 on 2 ranks: half the bytes). The
     sum's order is not the single-GPU layer's ``k = 0 .. top_k - 1``, so the output is close to it, not the same
-    bits (still the same bits from run to run). Off by default."""
+    bits (still the same bits from run to run). Off by default. A dtype (``torch.bfloat16``, ``torch.float16``)
+    instead of ``True`` (``torch.float32``) returns the partials rounded to it: half of fp32's bytes again, one
+    more rounding (each partial to the dtype, as the experts' rows already are), and no more bytes than one row per
+    copy at any number of ranks."""
 
     kinds: ClassVar = (StageKind.DISPATCH,)
     ep: ExpertParallel
@@ -176,12 +184,16 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     configs: Optional[ConfigTable] = None
     max_rows: Optional[int] = None
     send_tokens_once: Optional[bool] = None
-    sum_on_owner: bool = False
+    sum_on_owner: Union[bool, torch.dtype] = False
     fallback: Stage[RoutedTokens, Any] = attrs.field(init=False, repr=False)  # (an ExchangeDispatch)
     _state: dict[Any, Any] = attrs.field(init=False, factory=dict, repr=False)
     _padded: LowLatencyDispatch = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        if not (isinstance(self.sum_on_owner, bool)
+                or self.sum_on_owner in (torch.float32, torch.bfloat16, torch.float16)):
+            raise InputError(f"sum_on_owner takes True, False or the partials' dtype (torch.float32, torch.bfloat16, "
+                             f"torch.float16), got {self.sum_on_owner!r}")
         if not isinstance(self.timeout_ms, int) or self.timeout_ms < 1:
             raise InputError(f"timeout_ms must be a positive int, got {self.timeout_ms!r}")
         padded = LowLatencyDispatch(self.ep, self.max_tokens, self.capacity, self.overflow, self.apply_routing_weights)
@@ -202,6 +214,14 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     def slots(self) -> int:
         """Rows per (source rank, expert) of fixed-capacity buffers."""
         return self.capacity if self.capacity is not None else self.max_tokens
+
+    @property
+    def partial_dtype(self) -> Optional[torch.dtype]:
+        """The dtype of the partial sums the owners return (``sum_on_owner``), ``None`` where copies return one by
+        one."""
+        if isinstance(self.sum_on_owner, bool):
+            return torch.float32 if self.sum_on_owner else None
+        return self.sum_on_owner
 
     @property
     def compact(self) -> bool:
@@ -256,7 +276,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         rows = (", rows per copy" if self.send_tokens_once is False or self.apply_routing_weights
                 else ", tokens sent once per rank" if self.send_tokens_once
                 else f", tokens sent once per rank from {TOKENS_ONCE_MIN_BYTES >> 20} MiB of rows saved")
-        summed = ", copies summed on their owner" if self.sum_on_owner else ""
+        summed = (f", copies summed on their owner ({str(self.partial_dtype)[6:]} partials)"
+                  if self.partial_dtype is not None else "")
         return (f"SymmetricDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
                 f"{bound}, overflow={self.overflow.value}{extra}{rows}{summed}; {how})")
 
@@ -326,7 +347,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         sizes = {"table": world * experts, "rows": buffer_rows * width, "scales": buffer_rows * scale_width,
                  "weights": buffer_rows, "origins": buffer_rows, "adapters": buffer_rows if has_adapters else 0,
                  "tokens": token_rows * width, "token_scales": token_rows * scale_width,
-                 "slot_map": world * self.max_tokens * top_k if self.sum_on_owner else 0}
+                 "slot_map": world * self.max_tokens * top_k if self.partial_dtype is not None else 0}
         window, parts = self.window(("dispatch", compact, width, scale_width, has_adapters, token_rows), sizes, device)
 
         if counts is None:
@@ -352,7 +373,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                          kept=token_copies if compact else None, aligned=window.aligned,
                          recv_tokens=parts["tokens"] if once else None,
                          recv_token_scales=parts["token_scales"] if once and scale is not None else None,
-                         max_tokens=self.max_tokens, slot_map=parts["slot_map"] if self.sum_on_owner else None)
+                         max_tokens=self.max_tokens,
+                         slot_map=parts["slot_map"] if self.partial_dtype is not None else None)
         window.barrier()
 
         def fan_out(masked: torch.Tensor, starts: Optional[torch.Tensor]) -> None:
@@ -386,7 +408,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
 
     def _owner_sums(self, x: RoutedTokens, parts: dict[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
         """What a plan needs to sum copies on their owners (:class:`SymmetricPlan`), where this dispatcher does."""
-        if not self.sum_on_owner:
+        if self.partial_dtype is None:
             return {}
         return dict(experts=x.topk.ids.to(torch.int32).contiguous(), slot_map=parts["slot_map"],
                     slot_weights=parts["weights"].view(torch.float32))

@@ -225,10 +225,11 @@ def _fan_out_kernel(tokens_ptr, token_scales_ptr, rows_ptr, scales_ptr, masked_p
 def _sum_on_owner_kernel(rows_ptr, weights_ptr, map_ptr, masked_ptr, starts_ptr, origins_ptr, ret_ptr, deltas_ptr,
                          slots, stride_rows, copies_per_rank, max_tokens, rank, H, TOP_K: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
-                         HAS_STARTS: tl.constexpr, WEIGHTED: tl.constexpr, ALIGNED: tl.constexpr):
+                         HAS_STARTS: tl.constexpr, WEIGHTED: tl.constexpr, ALIGNED: tl.constexpr,
+                         PER_WORD: tl.constexpr):
     # Per valid row: the program of a token's first copy on this rank sums all of them (k order, fp32, each times
     # its slot's routing weight if WEIGHTED) into the token's partial at the source, row [rank, token] of its
-    # [W * max_tokens, H] fp32 region.
+    # [W * max_tokens, H] region (of ret_ptr's dtype: PER_WORD elements to a 4-byte word of the deltas).
     expert = tl.program_id(0).to(tl.int64)
     valid = tl.load(masked_ptr + expert)
     if HAS_STARTS:
@@ -245,6 +246,7 @@ def _sum_on_owner_kernel(rows_ptr, weights_ptr, map_ptr, masked_ptr, starts_ptr,
             delta = tl.load(deltas_ptr + source)
             if ALIGNED:
                 delta = tl.multiple_of(delta, 4)
+            delta = delta * PER_WORD
             token = origin % copies_per_rank // TOP_K
             out = ret_ptr + delta + (rank * max_tokens + token) * H
             for first in range(0, H, BLOCK):
@@ -257,7 +259,7 @@ def _sum_on_owner_kernel(rows_ptr, weights_ptr, map_ptr, masked_ptr, starts_ptr,
                         if WEIGHTED:
                             row = row * tl.load(weights_ptr + slot)
                         acc += row
-                tl.store(out + cols, acc, mask=cols < H)
+                tl.store(out + cols, acc.to(ret_ptr.dtype.element_ty), mask=cols < H)
 
 
 @triton.jit
@@ -273,7 +275,7 @@ def _sum_partials_kernel(partials_ptr, experts_ptr, kept_ptr, out_ptr, H, local,
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for owner in range(0, world):
         if tl.sum((kept & (owners == owner)).to(tl.int32), axis=0) > 0:
-            acc += tl.load(partials_ptr + (owner * max_tokens + token) * H + cols, mask=cols < H)
+            acc += tl.load(partials_ptr + (owner * max_tokens + token) * H + cols, mask=cols < H).to(tl.float32)
     tl.store(out_ptr + token * H + cols, (acc * scaling).to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
@@ -440,21 +442,25 @@ def sum_on_owner(rows: torch.Tensor, weights: Optional[torch.Tensor], slot_map: 
     """On each owner, after the experts: for each token with copies among the first ``masked[l]`` rows of each
     local expert ``l`` of ``rows [L * slots, H]`` (compact rows: from row ``starts[l]`` of ``rows [max_rows, H]``),
     the sum of those copies' rows in ``k`` order, in fp32 — each times its slot's routing weight where ``weights``
-    (fp32, one per row) is given — written to row ``rank * max_tokens + token`` of the source rank's ``partials``
-    (fp32, ``[W * max_tokens, H]`` on every rank). ``origins`` (one per row) name each row's source and copy;
-    ``slot_map`` is what :func:`put_rows` wrote (a copy's slot here, or -1). ``aligned`` as :func:`put_rows`'s."""
+    (fp32, one per row) is given — written, rounded to ``partials``' dtype (fp32, bf16 or fp16), to row ``rank *
+    max_tokens + token`` of the source rank's ``partials`` (``[W * max_tokens, H]`` on every rank, reached at
+    ``deltas`` 4-byte words away). ``origins`` (one per row) name each row's source and copy; ``slot_map`` is what
+    :func:`put_rows` wrote (a copy's slot here, or -1). ``aligned`` as :func:`put_rows`'s."""
     local = masked.numel()
     if local == 0:
         return
     hidden = rows.shape[1]
+    per_word = 4 // partials.element_size()
+    if partials.element_size() not in (2, 4) or hidden % per_word:
+        raise ValueError(f"sum_on_owner: partials of {partials.dtype} rows of {hidden} do not fill whole words")
     programs = max(min(slots, max(16, 8192 // local)), 1)
 
     def make() -> tuple[dict[str, Any], dict[str, Any]]:
         return (dict(TOP_K=top_k, BLOCK_K=max(next_power_of_2(top_k), 2), BLOCK=min(next_power_of_2(hidden), 1024),
                      PROGRAMS=programs, HAS_STARTS=starts is not None, WEIGHTED=weights is not None,
-                     ALIGNED=aligned), dict(num_warps=4))
+                     ALIGNED=aligned, PER_WORD=per_word), dict(num_warps=4))
 
-    _SUM_ON_OWNER.launch(("sum", top_k, hidden, programs, starts is not None, weights is not None, aligned),
+    _SUM_ON_OWNER.launch(("sum", top_k, hidden, programs, starts is not None, weights is not None, aligned, per_word),
                          (local, programs),
                          (rows, weights if weights is not None else partials, slot_map, masked,
                           starts if starts is not None else masked, origins, partials, deltas, slots, rows.stride(0),
@@ -464,7 +470,7 @@ def sum_on_owner(rows: torch.Tensor, weights: Optional[torch.Tensor], slot_map: 
 def sum_partials(partials: torch.Tensor, experts: torch.Tensor, kept: torch.Tensor, out: torch.Tensor, *, local: int,
                  max_tokens: int, world: int, scaling: float) -> torch.Tensor:
     """On each source, after :func:`sum_on_owner` everywhere: ``out[t] = scaling * sum over the ranks r owning a
-    kept copy of token t, in rank order, of partials[r * max_tokens + t]`` (``experts [T, top_k]`` global experts,
+    kept copy of token t, in rank order, of partials[r * max_tokens + t]`` (in fp32; ``experts [T, top_k]`` global experts,
     ``kept [T, top_k]`` -1 where a copy dropped; ``out [T, H]`` in its dtype). Returns ``out``."""
     tokens, top_k = experts.shape
     hidden = out.shape[1]
