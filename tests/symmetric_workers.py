@@ -146,11 +146,14 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
             x = _tokens(rank, device, seed=call, count=8 if call == 2 else None)
             with torch.no_grad():
                 want, got, same = whole(x), parallel["symmetric"](x), parallel["low_latency"](x)
-                per_copy, once, summed = parallel["per copy"](x), parallel["once"](x), parallel["summed"](x)
             errors[f"{name}/{call}"] = _rel(got, want)
-            errors[f"{name}/{call} summed on the owners"] = _rel(summed, got)  # (another order of the same sums)
-            errors[f"{name}/{call} bf16 partials"] = _rel(parallel["summed bf16"](x), got)
             assert torch.equal(got, same), f"{name} call {call}: the two transports differ"
+            if call != 1:  # (the variants on one call: the interpreter's time)
+                continue
+            with torch.no_grad():
+                per_copy, once, summed = parallel["per copy"](x), parallel["once"](x), parallel["summed"](x)
+                errors[f"{name}/{call} bf16 partials"] = _rel(parallel["summed bf16"](x), got)
+            errors[f"{name}/{call} summed on the owners"] = _rel(summed, got)  # (another order of the same sums)
             assert torch.equal(once, per_copy), f"{name} call {call}: tokens sent once differ from rows per copy"
             assert torch.equal(got, per_copy), f"{name} call {call}: the default differs from rows per copy"
         if name == "float":

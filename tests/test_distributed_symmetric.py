@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 def _check(results: list[dict[str, Any]], transport: str) -> None:
     for result in results:
         for name, error in result["errors"].items():  # fp16 triton GEMMs against the float layer: 1e-2
-            assert error < (1e-2 if "triton" in name else 1e-4), (name, error)
+            assert error < (1e-2 if "triton" in name or "bf16 partials" in name else 1e-4), (name, error)
         assert result["dropped_changes_output"]
         assert result["too_many"] and result["overflow_raised"]
     assert transport in results[0]["describe"] and "tokens sent once per rank from 2 MiB" in results[0]["describe"]
