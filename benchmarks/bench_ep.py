@@ -229,27 +229,26 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
     # each token's row once per owning rank, or one row per copy; copies returned one by one, or summed on the owner
     for suffix, once, summed in (("", True, False), ("_per_copy", False, False), ("_summed", True, True),
                                  ("_summed_bf16", True, torch.bfloat16)):
+        options = dict(max_tokens=tokens, send_tokens_once=once, sum_on_owner=summed)
         if tokens <= SYMMETRIC_MAX:
-            symmetric = SymmetricDispatch(ep, max_tokens=tokens, send_tokens_once=once, sum_on_owner=summed)
-            ours_symmetric = _padded_step(symmetric, routed)
-            graph_us = _graph_step_us(ours_symmetric, iters, ep.rank)
-            records.append(_record(tokens, "symmetric" + suffix, dtype, _timed(ours_symmetric, iters), raw_us, sent,
-                                   graph_us))
-            records[-1]["transport"] = symmetric.summary()
-            del symmetric, ours_symmetric
-
+            records.append(_symmetric_record(tokens, "symmetric" + suffix, dtype, SymmetricDispatch(ep, **options),
+                                             routed, iters, raw_us, sent))
         # compact buffers (max_rows: twice the copies a rank receives on average), block-aligned for the triton GEMMs
-        compact = SymmetricDispatch(ep, max_tokens=tokens, max_rows=2 * tokens * K,
-                                    configs=ConfigTable(ep.local_experts, K), send_tokens_once=once,
-                                    sum_on_owner=summed)
-        ours_compact = _padded_step(compact, routed)
-        graph_us = _graph_step_us(ours_compact, iters, ep.rank)
-        records.append(_record(tokens, "compact" + suffix, dtype, _timed(ours_compact, iters), raw_us, sent,
-                               graph_us))
-        records[-1]["transport"] = compact.summary()
-        del compact, ours_compact
+        compact = SymmetricDispatch(ep, max_rows=2 * tokens * K, configs=ConfigTable(ep.local_experts, K), **options)
+        records.append(_symmetric_record(tokens, "compact" + suffix, dtype, compact, routed, iters, raw_us, sent))
+        del compact
         torch.cuda.empty_cache()
     return records
+
+
+def _symmetric_record(tokens: int, name: str, dtype: str, dispatch: SymmetricDispatch, routed: RoutedTokens,
+                      iters: int, raw_us: float, sent: int) -> dict[str, Any]:
+    """A symmetric dispatcher's step, eager and replayed, against the raw all-to-all of the routed rows."""
+    step = _padded_step(dispatch, routed)
+    graph_us = _graph_step_us(step, iters, dispatch.ep.rank)
+    record = _record(tokens, name, dtype, _timed(step, iters), raw_us, sent, graph_us)
+    record["transport"] = dispatch.summary()
+    return record
 
 
 def _padded_step(dispatch: Any, routed: RoutedTokens) -> Callable[[], None]:

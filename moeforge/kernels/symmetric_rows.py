@@ -172,15 +172,23 @@ def _put_rows_kernel(rows_ptr, scales_ptr, weights_ptr, experts_ptr, positions_p
 
 
 @triton.jit
+def _expert_rows(masked_ptr, starts_ptr, slots, HAS_STARTS: tl.constexpr):
+    """``(first row, valid rows)`` of the local expert of program axis 0 in the expert buffers: ``masked[l]`` rows
+    from ``starts[l]`` (compact rows) or from ``l * slots`` (``[local, slots]`` buffers)."""
+    expert = tl.program_id(0).to(tl.int64)
+    valid = tl.load(masked_ptr + expert)
+    if HAS_STARTS:
+        first_row = tl.load(starts_ptr + expert).to(tl.int64)
+    else:
+        first_row = expert * slots
+    return first_row, valid
+
+
+@triton.jit
 def _return_rows_kernel(out_ptr, masked_ptr, starts_ptr, origins_ptr, ret_ptr, deltas_ptr, slots, copies_per_rank,
                         stride_out, D: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
                         HAS_STARTS: tl.constexpr, ALIGNED: tl.constexpr):
-    expert = tl.program_id(0).to(tl.int64)
-    valid = tl.load(masked_ptr + expert)
-    if HAS_STARTS:  # compact rows: each expert's first row given
-        first_row = tl.load(starts_ptr + expert).to(tl.int64)
-    else:  # [local, slots] buffers
-        first_row = expert * slots
+    first_row, valid = _expert_rows(masked_ptr, starts_ptr, slots, HAS_STARTS)
     for j in range(tl.program_id(1), valid, PROGRAMS):
         row = first_row + j
         origin = tl.load(origins_ptr + row).to(tl.int64)
@@ -201,12 +209,7 @@ def _fan_out_kernel(tokens_ptr, token_scales_ptr, rows_ptr, scales_ptr, masked_p
                     BLOCK_S: tl.constexpr, PROGRAMS: tl.constexpr, HAS_STARTS: tl.constexpr):
     # Local: each valid buffer row gets the row of the token its copy came from (origin // TOP_K: source rank and
     # token, the token rows' index), the rows and scales put_rows would have written there.
-    expert = tl.program_id(0).to(tl.int64)
-    valid = tl.load(masked_ptr + expert)
-    if HAS_STARTS:
-        first_row = tl.load(starts_ptr + expert).to(tl.int64)
-    else:
-        first_row = expert * slots
+    first_row, valid = _expert_rows(masked_ptr, starts_ptr, slots, HAS_STARTS)
     for j in range(tl.program_id(1), valid, PROGRAMS):
         row = first_row + j
         token_row = tl.load(origins_ptr + row).to(tl.int64) // TOP_K
@@ -230,12 +233,7 @@ def _sum_on_owner_kernel(rows_ptr, weights_ptr, map_ptr, masked_ptr, starts_ptr,
     # Per valid row: the program of a token's first copy on this rank sums all of them (k order, fp32, each times
     # its slot's routing weight if WEIGHTED) into the token's partial at the source, row [rank, token] of its
     # [W * max_tokens, H] region (of ret_ptr's dtype: PER_WORD elements to a 4-byte word of the deltas).
-    expert = tl.program_id(0).to(tl.int64)
-    valid = tl.load(masked_ptr + expert)
-    if HAS_STARTS:
-        first_row = tl.load(starts_ptr + expert).to(tl.int64)
-    else:
-        first_row = expert * slots
+    first_row, valid = _expert_rows(masked_ptr, starts_ptr, slots, HAS_STARTS)
     lanes = tl.arange(0, BLOCK_K)
     for j in range(tl.program_id(1), valid, PROGRAMS):
         origin = tl.load(origins_ptr + first_row + j).to(tl.int64)
