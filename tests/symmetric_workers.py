@@ -222,11 +222,15 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
                 "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8, capacity=capacity, overflow=Overflow.DROP,
                                                           send_tokens_once=route_limit == 0),
                 "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8, capacity=capacity,
-                                                             overflow=Overflow.DROP)})
+                                                             overflow=Overflow.DROP),
+                "summed": lambda ep: SymmetricDispatch(ep, max_tokens=8, capacity=capacity, overflow=Overflow.DROP,
+                                                       sum_on_owner=True)})
             x = _tokens(rank, device, count=8)
             with torch.no_grad():
                 got, same, want = parallel["symmetric"](x), parallel["low_latency"](x), whole(x)
+                summed = parallel["summed"](x)  # (dropped copies: no partial from their owner)
             assert torch.equal(got, same), f"capacity {capacity}, route limit {route_limit}: the transports differ"
+            errors[f"capacity {capacity}, route limit {route_limit} summed on the owners"] = _rel(summed, got)
             if capacity is None:
                 errors[f"route limit {route_limit}"] = _rel(got, want)
             else:
