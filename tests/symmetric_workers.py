@@ -164,6 +164,10 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
                 SymmetricDispatch(ExpertParallel(E), max_tokens=8, sum_on_owner=torch.int32)
             except InputError as error:
                 out["bad partials"] = str(error)
+            try:
+                SymmetricDispatch(ExpertParallel(E), max_tokens=8, send_tokens_once="yes")  # type: ignore[arg-type]
+            except InputError as error:
+                out["bad once"] = str(error)
 
     # every token on the same experts (a zero router: every score ties), and a call where no rank has a token
     whole, parallel = _layers(cases["float"][0], device, {

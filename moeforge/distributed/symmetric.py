@@ -108,8 +108,8 @@ class SymmetricPlan(Plan):
 
     def _sum_on_owners(self, rows: torch.Tensor, weighted: bool, scaling_factor: Optional[float],
                        out_dtype: torch.dtype, slots: int) -> torch.Tensor:
-        """Each owner sums the copies it holds of each token into one fp32 partial at the token's rank; a barrier;
-        each rank adds its tokens' partials in rank order."""
+        """Each owner sums the copies it holds of each token (in fp32) into one partial (``partial_dtype``) at the
+        token's rank; a barrier; each rank adds its tokens' partials in rank order."""
         from moeforge.kernels.symmetric_rows import sum_on_owner, sum_partials
 
         assert self.slot_map is not None and self.experts is not None and self.slot_weights is not None
@@ -190,6 +190,9 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     _padded: LowLatencyDispatch = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        if self.send_tokens_once not in (None, True, False):
+            raise InputError(f"send_tokens_once takes None (by the batch's size), True or False, got "
+                             f"{self.send_tokens_once!r}")
         if not (isinstance(self.sum_on_owner, bool)
                 or self.sum_on_owner in (torch.float32, torch.bfloat16, torch.float16)):
             raise InputError(f"sum_on_owner takes True, False or the partials' dtype (torch.float32, torch.bfloat16, "
