@@ -106,14 +106,17 @@ def _check_correctness(rank: int, ep_small: ExpertParallel) -> dict[str, float]:
         x = torch.randn(5 + 7 * rank, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).to(dtype)
         want = whole(x).float()
         for name, dispatcher in (("normal", "auto"), ("low_latency", LowLatencyDispatch(ep_small, max_tokens=64)),
-                                 ("symmetric", SymmetricDispatch(ep_small, max_tokens=64))):
+                                 ("symmetric", SymmetricDispatch(ep_small, max_tokens=64)),
+                                 ("symmetric_once", SymmetricDispatch(ep_small, max_tokens=64, send_tokens_once=True)),
+                                 ("symmetric_summed_bf16", SymmetricDispatch(ep_small, max_tokens=64,
+                                                                             sum_on_owner=torch.bfloat16))):
             layer = mf.MoELayer.from_preset("deepseek_v3", **sizes, dtype=dtype, expert_parallel=ep_small,
                                             dispatcher=dispatcher)
             layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
             got = layer(x).float()
             errors[f"{name}/{str(dtype)[6:]}"] = float((got - want).norm() / want.norm())
-            if name == "symmetric":
-                errors["symmetric_transport"] = float("symmetric memory (NVLink)" not in layer.describe())
+            if name.startswith("symmetric"):
+                errors[f"{name}_transport"] = float("symmetric memory (NVLink)" not in layer.describe())
             if name != "normal":  # the same under CUDA-graph replay
                 static = x.clone()
                 layer(static)
