@@ -169,6 +169,26 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
             except InputError as error:
                 out["bad once"] = str(error)
 
+    # whether tokens go once is the dispatcher's choice, the same on every rank whatever its batch (were it a call's,
+    # a rank whose batch is past the threshold would send token rows its owner, below it, never fans out): the
+    # threshold set to what max_tokens saves, the ranks' batches on both sides of it
+    from moeforge.distributed import symmetric as symmetric_module
+
+    threshold = symmetric_module.TOKENS_ONCE_MIN_BYTES
+    symmetric_module.TOKENS_ONCE_MIN_BYTES = symmetric_module.rows_saved_bytes(8, 2, world, H * 4)
+    try:
+        whole, parallel = _layers(cases["float"][0], device, {
+            "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8),
+            "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8)})
+        agree = True
+        for count in (8 if rank == 0 else TOKENS[rank % 4], TOKENS[rank % 4] if rank == 0 else 8):
+            x = _tokens(rank, device, count=count, seed=4)
+            with torch.no_grad():
+                agree &= torch.equal(parallel["symmetric"](x), parallel["low_latency"](x))
+        out["ranks agree to send tokens once"] = agree
+    finally:
+        symmetric_module.TOKENS_ONCE_MIN_BYTES = threshold
+
     # every token on the same experts (a zero router: every score ties), and a call where no rank has a token
     whole, parallel = _layers(cases["float"][0], device, {
         "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8),

@@ -26,8 +26,9 @@ def _check(results: list[dict[str, Any]], transport: str) -> None:
             assert error < (1e-2 if "triton" in name or "bf16 partials" in name else 1e-4), (name, error)
         assert result["dropped_changes_output"]
         assert result["too_many"] and result["overflow_raised"]
-    assert transport in results[0]["describe"] and "tokens sent once per rank from 2 MiB" in results[0]["describe"]
+    assert transport in results[0]["describe"] and "tokens sent once per rank where max_tokens saves 2 MiB" in results[0]["describe"]
     assert "tokens sent once per rank;" in results[0]["once describe"]
+    assert all(result["ranks agree to send tokens once"] for result in results)
     assert "copies summed on their owner (float32 partials)" in results[0]["summed describe"]
     assert "sum_on_owner takes True, False or the partials' dtype" in results[0]["bad partials"]
     assert "send_tokens_once takes None (by the batch's size), True or False" in results[0]["bad once"]

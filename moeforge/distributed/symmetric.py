@@ -159,8 +159,9 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     copies each of its expert-buffer rows from there (:func:`~moeforge.kernels.symmetric_rows.fan_out`): the same
     rows in the same slots, fewer bytes over NVLink (DeepSeek-V3's top-8 on 2 ranks: about a quarter of the
     dispatch's rows), one more launch and a local pass over the received rows. ``None`` (default): where the rows
-    it saves (:func:`rows_saved_bytes`) reach :data:`TOKENS_ONCE_MIN_BYTES`; ``True`` always, ``False`` never (one
-    row per copy, as the NCCL dispatchers send). Rows scaled per copy (``apply_routing_weights``) and top-1 routing
+    a batch of ``max_tokens`` saves (:func:`rows_saved_bytes`) reach :data:`TOKENS_ONCE_MIN_BYTES` — a choice of
+    the dispatcher, not of a call, since every rank must make the same one whatever its own batch; ``True``
+    always, ``False`` never (one row per copy, as the NCCL dispatchers send). Rows scaled per copy (``apply_routing_weights``) and top-1 routing
     send one row per copy either way; the token rows' region is allocated unless one of those holds or the option
     is ``False``.
 
@@ -278,7 +279,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         bound = f"max_rows={self.max_rows}" if self.compact else f"capacity={self.slots}"
         rows = (", rows per copy" if self.send_tokens_once is False or self.apply_routing_weights
                 else ", tokens sent once per rank" if self.send_tokens_once
-                else f", tokens sent once per rank from {TOKENS_ONCE_MIN_BYTES >> 20} MiB of rows saved")
+                else f", tokens sent once per rank where max_tokens saves {TOKENS_ONCE_MIN_BYTES >> 20} MiB of rows")
         summed = (f", copies summed on their owner ({str(self.partial_dtype)[6:]} partials)"
                   if self.partial_dtype is not None else "")
         return (f"SymmetricDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
@@ -345,8 +346,10 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         has_adapters = adapter_ids is not None
         token_rows = world * self.max_tokens if self.may_send_tokens_once(top_k) else 0
         row_bytes = (width + scale_width) * 4
-        once = token_rows > 0 and (self.send_tokens_once is True
-                                   or rows_saved_bytes(tokens, top_k, world, row_bytes) >= TOKENS_ONCE_MIN_BYTES)
+        # (the dispatcher's choice, from max_tokens, not this call's batch: every rank must make the same one — an
+        # owner fans out only the rows its sources sent once)
+        once = token_rows > 0 and (self.send_tokens_once is True or rows_saved_bytes(
+            self.max_tokens, top_k, world, row_bytes) >= TOKENS_ONCE_MIN_BYTES)
         sizes = {"table": world * experts, "rows": buffer_rows * width, "scales": buffer_rows * scale_width,
                  "weights": buffer_rows, "origins": buffer_rows, "adapters": buffer_rows if has_adapters else 0,
                  "tokens": token_rows * width, "token_scales": token_rows * scale_width,
