@@ -192,7 +192,8 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     # every token on the same experts (a zero router: every score ties), and a call where no rank has a token
     whole, parallel = _layers(cases["float"][0], device, {
         "symmetric": lambda ep: SymmetricDispatch(ep, max_tokens=8),
-        "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8)})
+        "low_latency": lambda ep: LowLatencyDispatch(ep, max_tokens=8),
+        "once, summed": lambda ep: SymmetricDispatch(ep, max_tokens=8, send_tokens_once=True, sum_on_owner=True)})
     with torch.no_grad():
         for layer in (whole, *parallel.values()):
             assert layer.router is not None
@@ -204,6 +205,7 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
             got, same = parallel["symmetric"](x), parallel["low_latency"](x)
             assert torch.equal(got, same), f"{name}: the two transports differ"
             errors[name] = _rel(got, whole(x))
+            errors[f"{name}, summed on the owners"] = _rel(parallel["once, summed"](x), got)
 
     # a stack of expert adapters: each copy's adapter id travels beside its row
     from moeforge.adapters import ExpertAdapter
