@@ -160,8 +160,9 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     rows in the same slots, fewer bytes over NVLink (DeepSeek-V3's top-8 on 2 ranks: about a quarter of the
     dispatch's rows), one more launch and a local pass over the received rows. ``None`` (default): where the rows
     a batch of ``max_tokens`` saves (:func:`rows_saved_bytes`) reach :data:`TOKENS_ONCE_MIN_BYTES` — a choice of
-    the dispatcher, not of a call, since every rank must make the same one whatever its own batch; ``True``
-    always, ``False`` never (one row per copy, as the NCCL dispatchers send). Rows scaled per copy (``apply_routing_weights``) and top-1 routing
+    the dispatcher, not of a call, since every rank must make the same one whatever its own batch (a decode
+    dispatcher sized for a few hundred tokens that mostly carries a handful pays the extra launch, 2–4 µs a call on
+    2 H200s: ``False`` there); ``True`` always, ``False`` never (one row per copy, as the NCCL dispatchers send). Rows scaled per copy (``apply_routing_weights``) and top-1 routing
     send one row per copy either way; the token rows' region is allocated unless one of those holds or the option
     is ``False``.
 
