@@ -193,7 +193,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
 
     def __attrs_post_init__(self) -> None:
         if self.send_tokens_once not in (None, True, False):
-            raise InputError(f"send_tokens_once takes None (by the batch's size), True or False, got "
+            raise InputError(f"send_tokens_once takes None (chosen from max_tokens), True or False, got "
                              f"{self.send_tokens_once!r}")
         if not (isinstance(self.sum_on_owner, bool)
                 or self.sum_on_owner in (torch.float32, torch.bfloat16, torch.float16)):
@@ -287,6 +287,10 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                 f"{bound}, overflow={self.overflow.value}{extra}{rows}{summed}; {how})")
 
     def output_spec(self, spec: Spec) -> Spec:
+        dtype = self.partial_dtype
+        if dtype is not None and spec.width * dtype.itemsize % 4:  # (told when the pipeline is built, not mid-step)
+            raise InputError(f"sum_on_owner={dtype}: partials cross as 32-bit words, and rows of {spec.width} "
+                             f"{str(dtype)[6:]} do not fill them; use sum_on_owner=True (fp32 partials)")
         rows: Spec = self.fallback.output_spec(spec)  # the same rows, whichever transport carries them
         return rows if self.compact else self.aligned_spec(rows)  # (compact: the all-to-all's spec, aligned by it)
 
