@@ -41,7 +41,7 @@ def _exchange(ids: list[torch.Tensor], rows: list[torch.Tensor], scales: list[Op
              "slot_map": world * max_tokens * top_k if with_map else 0}
     size = words_needed(sizes)
     memory = torch.full((world * size,), -7, dtype=torch.int32, device=device)  # (stale words: never compared)
-    windows = [regions(memory[r * size:(r + 1) * size], sizes) for r in range(world)]
+    windows = [regions(memory[r * size:(r + 1) * size], sizes, floats=("weights",)) for r in range(world)]
     cap = 2**31 - 1 if compact_rows is not None else capacity
     state: list[dict[str, torch.Tensor]] = []
     for rank in range(world):
@@ -59,7 +59,7 @@ def _exchange(ids: list[torch.Tensor], rows: list[torch.Tensor], scales: list[Op
         kernels.put_rows(
             kernels.words(rows[rank]), kernels.words(scales[rank]) if scales[rank] is not None else None,
             weights[rank].reshape(-1).float().contiguous(), st_["flat"], st_["positions"], table, adapters[rank],
-            own["rows"], own["scales"] if scale_width else None, own["weights"].view(torch.float32), own["origins"],
+            own["rows"], own["scales"] if scale_width else None, own["weights"], own["origins"],
             own["adapters"] if adapters[rank] is not None else None, st_["deltas"], rank=rank, top_k=top_k,
             local=local, slots=slots, capacity=cap, origin_base=rank * max_tokens * top_k, offsets=offsets,
             limit=buffer_rows, kept=st_["kept"] if compact_rows is not None else None,
@@ -70,7 +70,7 @@ def _exchange(ids: list[torch.Tensor], rows: list[torch.Tensor], scales: list[Op
         own, st_ = windows[rank], state[rank]
         table = own["table"].view(world, experts)
         if compact_rows is None:
-            masked, _, _ = kernels.receive(table, own["weights"].view(torch.float32), None, rank=rank, local=local,
+            masked, _, _ = kernels.receive(table, own["weights"], None, rank=rank, local=local,
                                            slots=slots, capacity=cap)
             st_.update(valid=masked, starts=torch.arange(local, device=device) * slots)
         if once:
@@ -135,7 +135,7 @@ def test_token_rows_fanned_out_equal_the_rows_sent_per_copy(data: st.DataObject,
             # each slot's routing weight is its copy's, as a float (an int32 region stored into converts it)
             copy = origins % (max_tokens * top_k)
             want_weights = torch.stack([weights[s].reshape(-1)[c] for s, c in zip(source.tolist(), copy.tolist())])
-            assert torch.equal(b["weights"].view(torch.float32)[valid], want_weights.float())
+            assert torch.equal(b["weights"][valid], want_weights.float())
 
 
 def test_token_rows_refuse_rows_per_copy() -> None:
@@ -182,7 +182,7 @@ def _combine_both_ways(state: list[dict[str, torch.Tensor]], ids: list[torch.Ten
         kernels.return_rows(kernels.words(outputs[owner]), st_["valid"], st_["windows"]["origins"],
                             windows[owner]["ret"].view(copies, hidden), deltas, slots=slots,
                             copies_per_rank=copies, starts=starts)
-        kernels.sum_on_owner(outputs[owner], st_["windows"]["weights"].view(torch.float32) if weighted else None,
+        kernels.sum_on_owner(outputs[owner], st_["windows"]["weights"] if weighted else None,
                              st_["windows"]["slot_map"], st_["valid"], st_["windows"]["origins"],
                              windows[owner]["partials"].view(partial_dtype), deltas, slots=slots,
                              top_k=top_k, max_tokens=max_tokens, rank=owner, starts=starts)

@@ -160,11 +160,11 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     rows in the same slots, fewer bytes over NVLink (DeepSeek-V3's top-8 on 2 ranks: about a quarter of the
     dispatch's rows), one more launch and a local pass over the received rows. ``None`` (default): where the rows
     a batch of ``max_tokens`` saves (:func:`rows_saved_bytes`) reach :data:`TOKENS_ONCE_MIN_BYTES` — a choice of
-    the dispatcher, not of a call, since every rank must make the same one whatever its own batch (a decode
-    dispatcher sized for a few hundred tokens that mostly carries a handful pays the extra launch, 2–4 µs a call on
-    2 H200s: ``False`` there); ``True`` always, ``False`` never (one row per copy, as the NCCL dispatchers send). Rows scaled per copy (``apply_routing_weights``) and top-1 routing
-    send one row per copy either way; the token rows' region is allocated unless one of those holds or the option
-    is ``False``.
+    the dispatcher, not of a call, since every rank must make the same one whatever its own batch (so a decode
+    dispatcher sized for far more tokens than it mostly carries pays the extra launch on every call: ``False``
+    there; docs/expert-parallel.md has the figures); ``True`` always, ``False`` never (one row per copy, as the NCCL
+    dispatchers send). Rows scaled per copy (``apply_routing_weights``) and top-1 routing send one row per copy
+    either way. The token rows' region is allocated only where tokens go once.
 
     ``sum_on_owner``: the combine sums, on the rank owning the experts, each token's copies it computed (in ``k``
     order, fp32, weighted where the combine weighs) into one partial per (token, owning rank), returns those over
@@ -257,14 +257,14 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             return "the ranks span more than one host (symmetric memory maps one host's GPUs)"
         return None
 
-    def window(self, key: Any, sizes: dict[str, int], device: torch.device
+    def window(self, key: Any, sizes: dict[str, int], device: torch.device, floats: tuple[str, ...] = ()
                ) -> tuple[SymmetricWindow, dict[str, torch.Tensor]]:
         """The window of ``key`` (allocated, collectively, at its first use) and its regions of ``sizes`` (one
-        key, one set of sizes: the key names every size that varies)."""
+        key, one set of sizes: the key names every size that varies), those named in ``floats`` float32."""
         found: Optional[tuple[SymmetricWindow, dict[str, torch.Tensor]]] = self._state.get(key)
         if found is None:
             window = SymmetricWindow.allocate(words_needed(sizes), device, self.ep.group, self.timeout_ms)
-            found = window, regions(window.buffer, sizes)
+            found = window, regions(window.buffer, sizes, floats)
             self._state[key] = found
         return found
 
@@ -349,17 +349,14 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         buffer_rows = self.max_rows if self.max_rows is not None else local * slots
         adapter_ids = x.adapter_ids.to(torch.int32).contiguous() if x.adapter_ids is not None else None
         has_adapters = adapter_ids is not None
-        token_rows = world * self.max_tokens if self.may_send_tokens_once(top_k) else 0
-        row_bytes = (width + scale_width) * 4
-        # (the dispatcher's choice, from max_tokens, not this call's batch: every rank must make the same one — an
-        # owner fans out only the rows its sources sent once)
-        once = token_rows > 0 and (self.send_tokens_once is True or rows_saved_bytes(
-            self.max_tokens, top_k, world, row_bytes) >= TOKENS_ONCE_MIN_BYTES)
+        once = self.sends_tokens_once(top_k, (width + scale_width) * 4)
+        token_rows = world * self.max_tokens if once else 0
         sizes = {"table": world * experts, "rows": buffer_rows * width, "scales": buffer_rows * scale_width,
                  "weights": buffer_rows, "origins": buffer_rows, "adapters": buffer_rows if has_adapters else 0,
                  "tokens": token_rows * width, "token_scales": token_rows * scale_width,
                  "slot_map": world * self.max_tokens * top_k if self.partial_dtype is not None else 0}
-        window, parts = self.window(("dispatch", compact, width, scale_width, has_adapters, token_rows), sizes, device)
+        window, parts = self.window(("dispatch", compact, width, scale_width, has_adapters, token_rows), sizes, device,
+                                    floats=("weights",))
 
         if counts is None:
             positions, token_copies, dropped = kernels.route(flat, parts["table"], window.deltas, rank, cap)
@@ -377,7 +374,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             self._check_rows(most, device)
         kernels.put_rows(kernels.words(data), kernels.words(scale) if scale is not None else None, weights, flat,
                          positions, table, adapter_ids, parts["rows"], parts["scales"] if scale is not None else None,
-                         parts["weights"].view(torch.float32), parts["origins"],
+                         parts["weights"], parts["origins"],
                          parts["adapters"] if has_adapters else None,
                          window.deltas, rank=rank, top_k=top_k, local=local, slots=slots, capacity=cap,
                          origin_base=rank * self.max_tokens * top_k, offsets=offsets, limit=buffer_rows,
@@ -407,7 +404,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             return self._compact_rows(x, runs, Activations(received, received_scale), parts, token_copies, dropped,
                                       has_adapters)
         masked_m, slot_weights, received_ids = kernels.receive(
-            table, parts["weights"].view(torch.float32), parts["adapters"] if has_adapters else None, rank=rank,
+            table, parts["weights"], parts["adapters"] if has_adapters else None, rank=rank,
             local=local, slots=slots, capacity=cap)
         fan_out(masked_m, None)
         if received_scale is not None:
@@ -422,13 +419,18 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         if self.partial_dtype is None:
             return {}
         return dict(experts=x.topk.ids.to(torch.int32).contiguous(), slot_map=parts["slot_map"],
-                    slot_weights=parts["weights"].view(torch.float32))
+                    slot_weights=parts["weights"])
 
-    def may_send_tokens_once(self, top_k: int) -> bool:
-        """Whether calls routing ``top_k`` copies per token may send each token's row once per owning rank (see the
-        class docstring): ``send_tokens_once`` not ``False``, rows per token (not scaled per copy), more than one
-        copy each."""
-        return self.send_tokens_once is not False and not self.apply_routing_weights and top_k > 1
+    def sends_tokens_once(self, top_k: int, row_bytes: int) -> bool:
+        """Whether this dispatcher sends each token's row once per owning rank (see the class docstring) for rows of
+        ``row_bytes`` (scales included) routed to ``top_k`` experts: rows per token (not scaled per copy), more than
+        one copy each, and ``send_tokens_once`` — ``None`` deciding by what a batch of ``max_tokens`` saves. A
+        function of the dispatcher and the layer's shape, never of a call's batch: every rank makes the same choice
+        (an owner fans out only where its sources sent token rows)."""
+        if self.send_tokens_once is False or self.apply_routing_weights or top_k < 2:
+            return False
+        return self.send_tokens_once is True or rows_saved_bytes(
+            self.max_tokens, top_k, self.ep.world_size, row_bytes) >= TOKENS_ONCE_MIN_BYTES
 
     def _check_rows(self, most_rows: torch.Tensor, device: torch.device) -> None:
         """Compact buffers, ``overflow=ERROR``: raise where a rank would receive more than ``max_rows`` rows
@@ -463,7 +465,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                             .clamp(max=local - 1).to(torch.int32))
         plan = SymmetricPlan(self, token_copies.view(tokens, top_k), x.topk.weights, valid, parts["origins"], dropped,
                              starts=starts, **self._owner_sums(x, parts))
-        return AlignedRows(received, alignment, copy_major=False, copy_weights=parts["weights"].view(torch.float32),
+        return AlignedRows(received, alignment, copy_major=False, copy_weights=parts["weights"],
                            plan=plan, adapter_ids=adapter_ids, copy_experts=copy_experts)
 
 
@@ -479,10 +481,9 @@ def rows_saved_bytes(tokens: int, top_k: int, world: int, row_bytes: int) -> int
     return int(tokens * (per_copy - once) * row_bytes)
 
 
-# Sending tokens once costs a launch and a local pass (about 3 us in a decode step's graph on 2 H200s); below about
-# 2 MiB of rows saved that is more than the NVLink time saved (DeepSeek-V3's bf16 rows on 2 ranks: 16 tokens per rank
-# save 0.7 MB and lose 1-4 us; 128 tokens save 5.5 MB and gain 3-4 us:
-# benchmarks/results/bench_ep-nvidia_h200-x2-2026-11-30-37059d2.json).
+# Sending tokens once costs a launch and a local pass over the received rows; below about 2 MiB of rows saved that
+# is more than the NVLink time saved (the measurement that set it: docs/expert-parallel.md, "Each token once per
+# owning rank").
 TOKENS_ONCE_MIN_BYTES = 2 << 20
 
 

@@ -8,6 +8,7 @@ a peer) and the barrier that orders the ranks' writes and reads; :func:`regions`
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Optional
 
 import attrs
@@ -55,11 +56,14 @@ class SymmetricWindow:
         self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
 
 
-def regions(window: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-    """Consecutive 1-D int32 views of ``window``, ``sizes`` words each, each starting on a 256-byte boundary."""
+def regions(window: torch.Tensor, sizes: dict[str, int], floats: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """Consecutive 1-D views of ``window``, ``sizes`` words each, each starting on a 256-byte boundary: int32, or
+    float32 for the regions named in ``floats`` (a kernel storing a float through an int32 view converts its value,
+    so a region holding floats is one from the start)."""
     out, start = {}, 0
     for name, size in sizes.items():
-        out[name] = window[start:start + size]
+        region = window[start:start + size]
+        out[name] = region.view(torch.float32) if name in floats else region
         start += -(-size * 4 // _ALIGN) * _ALIGN // 4
     return out
 

@@ -468,8 +468,8 @@ def sum_on_owner(rows: torch.Tensor, weights: Optional[torch.Tensor], slot_map: 
 def sum_partials(partials: torch.Tensor, experts: torch.Tensor, kept: torch.Tensor, out: torch.Tensor, *, local: int,
                  max_tokens: int, world: int, scaling: float) -> torch.Tensor:
     """On each source, after :func:`sum_on_owner` everywhere: ``out[t] = scaling * sum over the ranks r owning a
-    kept copy of token t, in rank order, of partials[r * max_tokens + t]`` (in fp32; ``experts [T, top_k]`` global experts,
-    ``kept [T, top_k]`` -1 where a copy dropped; ``out [T, H]`` in its dtype). Returns ``out``."""
+    kept copy of token t, in rank order, of partials[r * max_tokens + t]`` (in fp32; ``experts [T, top_k]`` global
+    experts, ``kept [T, top_k]`` -1 where a copy dropped; ``out [T, H]`` in its dtype). Returns ``out``."""
     tokens, top_k = experts.shape
     hidden = out.shape[1]
     if tokens == 0 or hidden == 0:
