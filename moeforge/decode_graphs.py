@@ -12,6 +12,10 @@ or a weight requiring grad); ``torch.compile`` tracing, a dispatch or function m
 :func:`moeforge.kernels.kernel_op.needs_op` refuses); a stream already capturing (the caller's own graph); a forward
 whose capture failed before (it synchronised with the host, say), remembered per key.
 
+An expert-parallel layer refuses them (``MoELayer`` raises when given both): a rank captures when its own batch
+size is new, and the warm-up forwards of a capture exchange rows that no other rank's call pairs with; there the
+caller captures the whole step on every rank at once (the symmetric and low-latency dispatchers are capturable).
+
 What a replay reads: the inputs' copies and every other tensor by the address it had at the capture. A weight changed
 in place (an optimizer step, ``load_state_dict``) is read as it is at the replay; a weight replaced by another tensor
 changes the key (the owner passes its weights: their addresses, shapes, strides and dtypes are part of it) and

@@ -89,7 +89,8 @@ class MoELayer(nn.Module):
         decode_graphs: a :class:`~moeforge.decode_graphs.DecodeGraphSettings` to replay the experts' forward as a
             CUDA graph, captured once per batch size up to its ``max_tokens`` (eager calls at decode sizes, where
             launching the kernels costs more than running them; inference only: a call autograd records, a CPU
-            layer, ``torch.compile`` and debug mode launch as without it). See :mod:`moeforge.decode_graphs`.
+            layer, ``torch.compile`` and debug mode launch as without it; refused with ``expert_parallel``, whose
+            ranks would capture at different calls). See :mod:`moeforge.decode_graphs`.
     """
 
     def __init__(
@@ -167,6 +168,13 @@ class MoELayer(nn.Module):
         if expert_parallel is not None and expert_parallel.num_experts != num_experts:
             raise InputError(f"expert_parallel.num_experts={expert_parallel.num_experts} differs from "
                              f"num_experts={num_experts}")
+        if expert_parallel is not None and decode_graphs is not None:
+            # A rank captures when its own batch size is new: its warm-up forwards exchange rows that no other rank
+            # pairs with, so the exchanges of the ranks fall out of step (a hang, or rows of another call).
+            raise InputError("decode_graphs captures each rank's forward when that rank's batch size is new, running "
+                             "exchanges the other ranks do not match; with expert_parallel capture the whole step "
+                             "on every rank at once instead (torch.cuda.graph, the same batch size on each rank: "
+                             "SymmetricDispatch and LowLatencyDispatch are capturable, docs/expert-parallel.md)")
         self._backend_preference(self._device)  # an unknown or unusable backend fails here, before any weight
         device = self._device
 

@@ -83,6 +83,14 @@ def layers_match(rank: int, world: int) -> dict[str, float]:
     whole, parallel = _pair(BASE)
     errors["basic"] = _close(parallel(x), whole(x), "basic")
     assert "AllToAllDispatch" in parallel.describe() and "expert parallel: rank" in parallel.describe()
+    # Decode graphs would capture on each rank when its own batch size is new: refused, naming the way that works.
+    from moeforge.decode_graphs import DecodeGraphSettings
+    try:
+        mf.MoELayer(**BASE, backend="torch", expert_parallel=ExpertParallel(E), decode_graphs=DecodeGraphSettings())
+    except mf.InputError as error:
+        assert "capture the whole step on every rank" in str(error)
+    else:
+        raise AssertionError("decode_graphs with expert_parallel was accepted")
 
     # Every token to expert 0 (rank 0 owns it): the other ranks receive nothing.
     logits = torch.full((x.shape[0], E), -10.0)
