@@ -442,6 +442,25 @@ def compact_buffers_match(rank: int, world: int, device_type: str, folder: str =
             out["errors"][f"triton/{call} summed on the owners"] = _rel(summed(x), got)
     out["triton describe"] = describe()
 
+    # Only a buffer that can overflow is checked (a host read): one holding every copy of every rank's largest batch
+    # (8 tokens x top-2 from each rank) is not, one row less is.
+    checked: list[Optional[int]] = []
+    check = SymmetricDispatch._check_rows
+
+    def counted(self: SymmetricDispatch, *args: Any) -> None:
+        checked.append(self.max_rows)
+        check(self, *args)
+
+    below, _ = triton_layer(max_rows=world * 16 - 1)
+    setattr(SymmetricDispatch, "_check_rows", counted)
+    try:
+        x = tokens(2, seed=4)  # fits either buffer
+        with torch.no_grad():
+            out["errors"]["triton/checked buffer"] = _rel(below(x), layer(x))
+    finally:
+        setattr(SymmetricDispatch, "_check_rows", check)
+    out["checked"] = checked
+
     out["errors"]["triton fp8"] = _fp8_compact(rank, world, device, tokens(TOKENS[rank % 4] + 1, seed=3))
 
     # every token on the same experts (one token repeated), no token on any rank, and top-k = every expert

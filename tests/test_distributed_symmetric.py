@@ -69,6 +69,7 @@ def _check_compact(results: list[dict[str, Any]]) -> None:
         for name, error in result["errors"].items():  # fp16 triton GEMMs: 1e-2; FP8 ones: 3e-2 (as test_distributed)
             assert error < (3e-2 if "fp8" in name else 1e-2 if "triton" in name else 1e-3), (name, error)
         assert result["overflow raised"] and result["dropped changes output"]
+        assert result["checked"] == [2 * 16 - 1], result["checked"]  # (the buffer that cannot overflow is not)
         assert result["empty everywhere"] == (0, 128) and result["adapters change the output"]
         assert {"triton same experts", "triton top-k = experts", "triton adapters"} <= result["errors"].keys()
         assert "compact rows are read by the triton expert GEMMs only" in result["torch describe"]

@@ -152,7 +152,9 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
     ``configs`` the all-to-all exchange serves, with its host sync). A batch sending a rank more than ``max_rows``
     rows: ``overflow=ERROR`` raises on every rank before any row moves (reading one flag on the host: outside a CUDA
     graph only; inside one the overflowing rows are dropped and counted in the plan's ``dropped``), ``DROP`` drops
-    them. ``capacity`` does not apply to compact buffers.
+    them. ``capacity`` does not apply to compact buffers. A ``max_rows`` of at least ``W × max_tokens × min(top_k,
+    local experts)`` (every copy of every rank's largest batch) can never overflow: no check, no host read, and an
+    eager call never waits for the GPU.
 
     ``send_tokens_once``: a token's row crosses to each rank owning one of its experts once, however many of its
     ``top_k`` copies that rank's experts take, into a region of ``W × max_tokens`` token rows on the owner, which then
@@ -371,7 +373,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         if compact:  # (every rank holds every rank's counts now: each places its copies, and reads its own runs)
             offsets, valid, starts, dropped, most = kernels.place(table, rank=rank, local=local, rows=buffer_rows)
             runs = valid, starts
-            self._check_rows(most, device)
+            if self.overflow is Overflow.ERROR and buffer_rows < world * self.max_tokens * min(top_k, local):
+                self._check_rows(most, device)  # (else no rank can be sent more than max_rows rows: no host read)
         kernels.put_rows(kernels.words(data), kernels.words(scale) if scale is not None else None, weights, flat,
                          positions, table, adapter_ids, parts["rows"], parts["scales"] if scale is not None else None,
                          parts["weights"], parts["origins"],
@@ -436,7 +439,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         """Compact buffers, ``overflow=ERROR``: raise where a rank would receive more than ``max_rows`` rows
         (``most_rows``: the most any rank is sent; every rank reads the same table, so all raise together, before any
         row moves). Not inside a CUDA graph's capture (no host read there: the rows beyond are dropped and counted)."""
-        if self.overflow is not Overflow.ERROR or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         most = int(most_rows)
         if most > (self.max_rows or 0):
