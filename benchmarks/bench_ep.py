@@ -20,7 +20,11 @@ routing, random bf16 activations (never zero), for BF16 and FP8 (per-128-group s
   NVLink, as the NCCL dispatchers send; the default sends each token's row once per owning rank). ``bytes_sent``
   is the per-copy bytes of ``raw`` for every mode;
 * ``symmetric_summed``, ``compact_summed``: tokens sent once and ``sum_on_owner=True`` (each owner returns one fp32
-  partial per token instead of one row per copy); ``*_summed_bf16``: the partials in bf16.
+  partial per token instead of one row per copy); ``*_summed_bf16``: the partials in bf16;
+* ``symmetric_decode_graphs``, ``compact_decode_graphs`` (T up to ``DECODE_GRAPHS_MAX``): an eager call of the
+  symmetric step (compact: buffers that cannot overflow, ``max_rows = W * T * k``, and bf16 partials) through :class:`~moeforge.decode_graphs.DecodeGraphs`, as an
+  expert-parallel ``MoELayer(decode_graphs=...)`` calls its experts: the inputs copied in, the graph replayed, the
+  output copied out — its ``us`` is the eager time a layer's exchange then costs (no ``graph_us``: it is one).
 
 Times are medians of CUDA-event-timed runs after warm-up, each run started after a barrier; the
 slowest rank's median is reported (a step waits for it). A graph's time is that of ``GRAPH_STEPS`` steps captured
@@ -64,6 +68,7 @@ TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 LOW_LATENCY_MAX = 512  # fixed buffers of E * T rows: beyond this they are gigabytes
 GRAPH_STEPS = 10  # steps in one captured graph
 SYMMETRIC_MAX = 4096  # expert buffers of E * T rows (bf16: 3.7 GB per 1024 tokens)
+DECODE_GRAPHS_MAX = 256  # the decode batches a layer's decode graphs are for
 
 
 def _timed(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
@@ -241,7 +246,45 @@ def _bench(ep: ExpertParallel, tokens: int, dtype: str, iters: int) -> list[dict
         records.append(_symmetric_record(tokens, "compact" + suffix, dtype, compact, routed, iters, raw_us, sent))
         del compact
         torch.cuda.empty_cache()
+    if tokens <= DECODE_GRAPHS_MAX:
+        every_copy = ep.world_size * tokens * K  # (compact buffers that cannot overflow: no host read to replay)
+        for name, decoding in (("symmetric", SymmetricDispatch(ep, max_tokens=tokens)),
+                               ("compact", SymmetricDispatch(ep, max_tokens=tokens, max_rows=every_copy,
+                                                             configs=ConfigTable(ep.local_experts, K),
+                                                             sum_on_owner=torch.bfloat16))):
+            step = _decode_graphs_step(decoding, routed)
+            record = _record(tokens, name + "_decode_graphs", dtype, _timed(step, iters), raw_us, sent, None)
+            record["transport"] = decoding.summary()
+            records.append(record)
     return records
+
+
+def _decode_graphs_step(dispatch: SymmetricDispatch, routed: RoutedTokens) -> Callable[[], None]:
+    """A symmetric step called eagerly through decode graphs (the layer's ``decode_graphs``): its first call runs it
+    and captures, later calls copy the routed tensors in, replay, and copy the output out."""
+    from moeforge.decode_graphs import DecodeGraphs, DecodeGraphSettings
+
+    tokens = routed.topk.ids.shape[0]
+    graphs = DecodeGraphs(DecodeGraphSettings(max_tokens=tokens))
+    combine = dispatch.combine_stage(out_dtype=mf.DType.BF16)
+    outputs = torch.randn(dispatch(routed).x.data.shape[:-1] + (H,), device="cuda").to(torch.bfloat16)
+
+    def forward(data: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *scale: torch.Tensor) -> torch.Tensor:
+        rows = dispatch(RoutedTokens(Activations(data, scale[0] if scale else None), TopKOutput(weights, ids)))
+        return combine(rows.with_x(Activations(outputs))).hidden_states
+
+    inputs = (routed.x.data, routed.topk.weights, routed.topk.ids) + (
+        (routed.x.scale,) if routed.x.scale is not None else ())
+
+    def step() -> None:
+        if graphs.run(forward, inputs, (), owner=dispatch, refusal=lambda: dispatch.replay_refusal(ids.device)) is None:
+            raise RuntimeError(f"not replayed: {graphs.refusals()}")
+
+    ids = routed.topk.ids
+    step()  # (the capture)
+    if not len(graphs):
+        raise RuntimeError(f"not captured: {graphs.refusals()}")
+    return step
 
 
 def _symmetric_record(tokens: int, name: str, dtype: str, dispatch: SymmetricDispatch, routed: RoutedTokens,
@@ -284,7 +327,7 @@ def _graph_step_us(step: Callable[[], None], iters: int, rank: int) -> float | N
 
 
 def _modes(tokens: int) -> int:
-    return 5 + (tokens <= LOW_LATENCY_MAX) + 4 * (tokens <= SYMMETRIC_MAX)
+    return 5 + (tokens <= LOW_LATENCY_MAX) + 4 * (tokens <= SYMMETRIC_MAX) + 2 * (tokens <= DECODE_GRAPHS_MAX)
 
 
 def _record(tokens: int, dispatcher: str, dtype: str, us: float, raw_us: float, sent: int,

@@ -6,15 +6,18 @@ At a decode batch an eager forward's time is the host's time to launch its kerne
 batch size up to ``max_tokens`` and input layout, then replays it: a call copies its inputs into the graph's,
 replays the graph and returns a copy of its output (a later replay overwrites the graph's own).
 
+The first call of a key runs the forward as it would without graphs (compiling its kernels and filling their launch
+memos), returns that output, and then captures the graph for the calls after it: a capture launches nothing, so
+every call runs the forward exactly once, eagerly or replayed. That is what an expert-parallel layer needs: each call
+is one exchange on every rank, whichever ranks capture at it (their batch sizes differ). Where the owner says a
+replay would not do what a call does (``refusal``: an expert-parallel dispatcher that reads a count on the host),
+nothing is captured for that key and its calls run eagerly.
+
 A call runs as it would without graphs (``run`` returns ``None`` and the caller launches the forward) when any of
 these holds: more than ``max_tokens`` rows or none; inputs off CUDA; a call autograd records (grad mode with an input
 or a weight requiring grad); ``torch.compile`` tracing, a dispatch or function mode, a tensor subclass (what
-:func:`moeforge.kernels.kernel_op.needs_op` refuses); a stream already capturing (the caller's own graph); a forward
-whose capture failed before (it synchronised with the host, say), remembered per key.
-
-An expert-parallel layer refuses them (``MoELayer`` raises when given both): a rank captures when its own batch
-size is new, and the warm-up forwards of a capture exchange rows that no other rank's call pairs with; there the
-caller captures the whole step on every rank at once (the symmetric and low-latency dispatchers are capturable).
+:func:`moeforge.kernels.kernel_op.needs_op` refuses); a stream already capturing (the caller's own graph); a key whose
+capture was refused or failed before (it synchronised with the host, say), remembered with the reason.
 
 What a replay reads: the inputs' copies and every other tensor by the address it had at the capture. A weight changed
 in place (an optimizer step, ``load_state_dict``) is read as it is at the replay; a weight replaced by another tensor
@@ -51,10 +54,11 @@ class DecodeGraphSettings:
 
 @attrs.frozen(eq=False)
 class _Captured:
-    graph: Optional[torch.cuda.CUDAGraph]  # None: the capture failed, run eagerly
+    graph: Optional[torch.cuda.CUDAGraph]  # None: not captured (``refused`` says why), run eagerly
     inputs: tuple[torch.Tensor, ...]
     output: Optional[torch.Tensor]
     owner: object  # kept alive, so that no other object takes its id while the graph is kept
+    refused: Optional[str] = None
 
 
 class DecodeGraphs:
@@ -69,11 +73,14 @@ class DecodeGraphs:
         self._graphs: dict[tuple[object, ...], _Captured] = {}
 
     def run(self, forward: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
-            weights: Iterable[torch.Tensor], owner: object = None) -> Optional[torch.Tensor]:
-        """``forward(*inputs)`` by a graph replay, or ``None`` where this call is not one to capture (the caller then
-        runs ``forward`` itself). ``inputs[0]`` holds the rows (its first dimension counts them); ``weights``: every
-        other tensor the forward reads whose replacement must capture anew (by address); ``owner``: what else the
-        capture depends on (e.g. the pipeline object: a rebuilt one captures anew)."""
+            weights: Iterable[torch.Tensor], owner: object = None,
+            refusal: Optional[Callable[[], Optional[str]]] = None) -> Optional[torch.Tensor]:
+        """``forward(*inputs)`` by a graph replay (or, at a key's first call, eagerly, capturing after it), or ``None``
+        where this call is not one to capture (the caller then runs ``forward`` itself). ``inputs[0]`` holds the rows
+        (its first dimension counts them); ``weights``: every other tensor the forward reads whose replacement must
+        capture anew (by address); ``owner``: what else the capture depends on (e.g. the pipeline object: a rebuilt
+        one captures anew); ``refusal``: asked after a key's first call, why a replay would not do what that call did
+        (``None``: capture)."""
         rows = inputs[0]
         if rows.device.type != "cuda" or not 0 < rows.shape[0] <= self.settings.max_tokens:
             return None
@@ -84,10 +91,14 @@ class DecodeGraphs:
                tuple([(w.data_ptr(), w.shape, w.stride(), w.dtype) for w in weights]), id(owner))
         captured = self._graphs.get(key)
         if captured is None:
-            captured = self._capture(forward, inputs, owner)
+            output = forward(*inputs)  # (compiles the kernels and fills the launch memos the capture then reads)
+            reason = refusal() if refusal is not None else None
+            captured = self._capture(forward, inputs, owner) if reason is None else _Captured(None, (), None, owner,
+                                                                                              reason)
             if len(self._graphs) >= self.settings.max_graphs:
                 self._graphs.pop(next(iter(self._graphs)))
             self._graphs[key] = captured
+            return output
         if captured.graph is None or captured.output is None:
             return None
         for static, given in zip(captured.inputs, inputs):
@@ -100,20 +111,18 @@ class DecodeGraphs:
         with torch.inference_mode(False):  # plain tensors: a later call outside inference mode copies into them
             static = tuple(t.clone() for t in inputs)
         device = static[0].device
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # compiles the kernels and fills the launch memos outside the capture
-            for _ in range(2):
-                forward(*static)
-        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
                 output = forward(*static)
-        except RuntimeError:  # e.g. a host synchronisation in the forward: remember it and run eagerly
+        except RuntimeError as error:  # e.g. a host synchronisation in the forward: remember it and run eagerly
             torch.cuda.synchronize(device)
-            return _Captured(None, static, None, owner)
+            return _Captured(None, (), None, owner, f"the capture failed: {error}")
         return _Captured(graph, static, output, owner)
+
+    def refusals(self) -> list[str]:
+        """Why the keys kept without a graph have none (each reason once)."""
+        return sorted({captured.refused for captured in self._graphs.values() if captured.refused is not None})
 
     def clear(self) -> None:
         """Release every graph (their memory pools with them)."""

@@ -15,6 +15,7 @@ from moeforge.backend import Backend, resolve_backend
 from moeforge.decode_graphs import DecodeGraphs, DecodeGraphSettings
 from moeforge.device_guard import on_device_of
 from moeforge.dispatch_dtype import DispatchDecision, DispatchDtype, resolve_dispatch_dtype
+from moeforge.distributed.exchange import ExchangeDispatch
 from moeforge.distributed.group import ExpertParallel
 from moeforge.errors import BackendUnavailableError, CheckpointNamesError, InputError
 from moeforge.expert_naming import checkpoint_names
@@ -89,8 +90,9 @@ class MoELayer(nn.Module):
         decode_graphs: a :class:`~moeforge.decode_graphs.DecodeGraphSettings` to replay the experts' forward as a
             CUDA graph, captured once per batch size up to its ``max_tokens`` (eager calls at decode sizes, where
             launching the kernels costs more than running them; inference only: a call autograd records, a CPU
-            layer, ``torch.compile`` and debug mode launch as without it; refused with ``expert_parallel``, whose
-            ranks would capture at different calls). See :mod:`moeforge.decode_graphs`.
+            layer, ``torch.compile`` and debug mode launch as without it; with ``expert_parallel``, where the
+            dispatcher reads nothing on the host: ``SymmetricDispatch`` or ``LowLatencyDispatch`` with a bound no
+            batch exceeds or ``overflow=DROP``). See :mod:`moeforge.decode_graphs`.
     """
 
     def __init__(
@@ -168,13 +170,6 @@ class MoELayer(nn.Module):
         if expert_parallel is not None and expert_parallel.num_experts != num_experts:
             raise InputError(f"expert_parallel.num_experts={expert_parallel.num_experts} differs from "
                              f"num_experts={num_experts}")
-        if expert_parallel is not None and decode_graphs is not None:
-            # A rank captures when its own batch size is new: its warm-up forwards exchange rows that no other rank
-            # pairs with, so the exchanges of the ranks fall out of step (a hang, or rows of another call).
-            raise InputError("decode_graphs captures each rank's forward when that rank's batch size is new, running "
-                             "exchanges the other ranks do not match; with expert_parallel capture the whole step "
-                             "on every rank at once instead (torch.cuda.graph, the same batch size on each rank: "
-                             "SymmetricDispatch and LowLatencyDispatch are capturable, docs/expert-parallel.md)")
         self._backend_preference(self._device)  # an unknown or unusable backend fails here, before any weight
         device = self._device
 
@@ -447,12 +442,20 @@ class MoELayer(nn.Module):
         if self.decode_graphs is not None and not self.debug:
             out = self.decode_graphs.run(self._experts, inputs,
                                          itertools.chain(self.parameters(recurse=False), self.buffers(recurse=False)),
-                                         owner=self.pipeline)
+                                         owner=self.pipeline, refusal=self._replay_refusal)
         if out is None:
             out = self._experts(*inputs)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, self._linear())
         return out.view(hidden_states.shape)
+
+    def _replay_refusal(self) -> Optional[str]:
+        """Why a decode graph would not replay what the last call did: an expert-parallel dispatcher's answer
+        (:meth:`~moeforge.distributed.exchange.ExchangeDispatch.replay_refusal`), ``None`` on one process."""
+        for stage in self.pipeline.stages:
+            if isinstance(stage, ExchangeDispatch):
+                return stage.replay_refusal(self._device)
+        return None
 
     def _adapter_ids(self, adapter_ids: Optional[torch.Tensor], shape: torch.Size) -> Optional[torch.Tensor]:
         """The tokens' adapter ids, flat, checked: required with a stack of adapters, refused without one; their

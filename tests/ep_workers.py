@@ -83,14 +83,18 @@ def layers_match(rank: int, world: int) -> dict[str, float]:
     whole, parallel = _pair(BASE)
     errors["basic"] = _close(parallel(x), whole(x), "basic")
     assert "AllToAllDispatch" in parallel.describe() and "expert parallel: rank" in parallel.describe()
-    # Decode graphs would capture on each rank when its own batch size is new: refused, naming the way that works.
+    # What each dispatcher answers a decode graph (replayed only where a replay does what a call does), and a layer
+    # with decode graphs on the CPU runs as without them.
     from moeforge.decode_graphs import DecodeGraphSettings
-    try:
-        mf.MoELayer(**BASE, backend="torch", expert_parallel=ExpertParallel(E), decode_graphs=DecodeGraphSettings())
-    except mf.InputError as error:
-        assert "capture the whole step on every rank" in str(error)
-    else:
-        raise AssertionError("decode_graphs with expert_parallel was accepted")
+
+    cpu = torch.device("cpu")
+    ep = ExpertParallel(E)
+    assert "split sizes on the host" in (AllToAllDispatch(ep).replay_refusal(cpu) or "")
+    assert LowLatencyDispatch(ep, max_tokens=8).replay_refusal(cpu) is None
+    assert LowLatencyDispatch(ep, max_tokens=8, capacity=4, overflow="drop").replay_refusal(cpu) is None
+    assert "capacity=4" in (LowLatencyDispatch(ep, max_tokens=8, capacity=4).replay_refusal(cpu) or "")
+    _, graphed = _pair(BASE, decode_graphs=DecodeGraphSettings())
+    assert torch.equal(graphed(x), parallel(x)) and graphed.decode_graphs is not None and not len(graphed.decode_graphs)
 
     # Every token to expert 0 (rank 0 owns it): the other ranks receive nothing.
     logits = torch.full((x.shape[0], E), -10.0)

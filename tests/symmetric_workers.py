@@ -297,6 +297,18 @@ def symmetric_layers_match(rank: int, world: int, device_type: str, folder: str 
     (want_grad,) = torch.autograd.grad((want * (1 + torch.arange(H, device=device))).sum(), [rows])
     errors["train/output"] = _rel(got, want)
     errors["train/grad"] = _rel(grad, want_grad)
+
+    # what a decode graph is told (moeforge.decode_graphs), before a call and after one: nothing read on the host at
+    # the default capacity; a capacity that can overflow under overflow=ERROR reads it
+    _, answering = _layers(cases["float"][0], device, {
+        "default": lambda ep: SymmetricDispatch(ep, max_tokens=8),
+        "capacity 7": lambda ep: SymmetricDispatch(ep, max_tokens=8, capacity=7)})
+    for name, layer in answering.items():
+        stage = next(stage for stage in layer.pipeline.stages if isinstance(stage, SymmetricDispatch))
+        before = stage.replay_refusal(device)
+        with torch.no_grad():
+            layer(_tokens(rank, device, count=4))
+        out[f"replay {name}"] = (before, stage.replay_refusal(device))
     return out
 
 
@@ -334,7 +346,9 @@ def symmetric_without_its_transport(rank: int, world: int) -> dict[str, Any]:
     x = _tokens(rank, torch.device("cpu"))
     with torch.no_grad():
         error = _rel(parallel["symmetric"](x), whole(x))
-    return {"error": error, "before": described_before, "after": parallel["symmetric"].describe()}
+    stage = next(stage for stage in parallel["symmetric"].pipeline.stages if isinstance(stage, SymmetricDispatch))
+    return {"error": error, "before": described_before, "after": parallel["symmetric"].describe(),
+            "replay": stage.replay_refusal(torch.device("cpu"))}
 
 
 def _triton_experts_behind_it(rank: int, device: torch.device) -> dict[str, float]:
@@ -564,3 +578,48 @@ def a_rank_stops_answering(rank: int, world: int) -> None:
     dispatch(routed)
     torch.cuda.synchronize()
 
+
+
+def decode_graphs_match(rank: int, world: int) -> dict[str, Any]:
+    """Decode graphs on expert-parallel layers (each rank's GPU): every rank captures when its own batch size is new —
+    the ranks' sizes differ call by call, and the ranks evict graphs at different calls — and every output equals,
+    bit for bit, the same layer launched without graphs; a dispatcher that reads a count on the host runs eagerly
+    and says why."""
+    from moeforge.decode_graphs import DecodeGraphSettings
+    from moeforge.distributed import AllToAllDispatch
+
+    device = _rank_device(rank, "cuda", "")
+    kwargs = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I, dtype=torch.bfloat16, device=device)
+    torch.manual_seed(0)
+    whole = _randomised(mf.MoELayer(**{**kwargs, "device": "cpu"}, backend="torch"), 0).to(device)
+    ep = ExpertParallel(E)
+    makers: dict[str, tuple[str, Any]] = {
+        "symmetric": ("torch", lambda: SymmetricDispatch(ep, max_tokens=8)),
+        "symmetric, triton": ("triton", lambda: SymmetricDispatch(ep, max_tokens=8)),
+        "compact, triton": ("triton", lambda: SymmetricDispatch(ep, max_tokens=8, max_rows=world * 16,
+                                                                sum_on_owner=torch.bfloat16)),
+        "low latency": ("torch", lambda: LowLatencyDispatch(ep, max_tokens=8)),
+        "capacity 7": ("torch", lambda: SymmetricDispatch(ep, max_tokens=8, capacity=7)),  # (no batch of 7 overflows)
+        "all-to-all": ("torch", lambda: AllToAllDispatch(ep)),
+    }
+    sizes = [(3, 7), (3, 2), (5, 2), (1, 6), (3, 1), (7, 7), (2, 4), (3, 2)]  # (rank 0, rank 1) per call
+    out: dict[str, Any] = {"equal": {}, "graphs": {}, "refusals": {}}
+    for name, (backend, make) in makers.items():
+        layers = []
+        for graphs in (DecodeGraphSettings(max_tokens=8, max_graphs=3), None):
+            layer = mf.MoELayer(**kwargs, backend=backend, expert_parallel=ep, dispatcher=make(),
+                                decode_graphs=graphs)
+            layer.load_state_dict(shard_state_dict(whole.state_dict(), layer))
+            layers.append(layer)
+        graphed, plain = layers
+        equal = True
+        for call, counts in enumerate(sizes):
+            x = _tokens(rank, device, torch.bfloat16, count=counts[rank % 2], seed=call)
+            with torch.no_grad():
+                got = graphed(x)
+                equal = equal and torch.equal(got, plain(x))
+        assert graphed.decode_graphs is not None
+        out["equal"][name] = equal
+        out["graphs"][name] = len(graphed.decode_graphs)
+        out["refusals"][name] = graphed.decode_graphs.refusals()
+    return out

@@ -26,6 +26,8 @@ def _check(results: list[dict[str, Any]], transport: str) -> None:
             assert error < (1e-2 if "triton" in name or "bf16 partials" in name else 1e-4), (name, error)
         assert result["dropped_changes_output"]
         assert result["too_many"] and result["overflow_raised"]
+        assert result["replay default"] == ("SymmetricDispatch has not been called yet", None)
+        assert "capacity=7" in (result["replay capacity 7"][1] or ""), result["replay capacity 7"]
     assert transport in results[0]["describe"] and "tokens sent once per rank where max_tokens saves 2 MiB" in results[0]["describe"]
     assert "tokens sent once per rank;" in results[0]["once describe"]
     assert all(result["ranks agree to send tokens once"] for result in results)
@@ -54,6 +56,7 @@ def test_without_symmetric_memory_the_low_latency_exchange_serves_and_describe_s
         assert result["error"] < 1e-5
         assert "transport chosen at the first call" in result["before"]
         assert "NCCL low-latency exchange: the rows are not on a CUDA device" in result["after"]
+        assert result["replay"] is None  # (the low-latency exchange's answer at its default capacity)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -101,3 +104,16 @@ def test_a_rank_that_stops_answering_fails_the_others_barrier_within_seconds() -
     assert 0 in failure.value.failures  # rank 0's barrier timed out (2 s) and raised a device error
     assert time.monotonic() - start < 300  # not the hour rank 1 sleeps
 
+
+
+def test_decode_graphs_of_expert_parallel_layers_on_two_gpus() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for result in run_ranks(symmetric_workers.decode_graphs_match, 2, backend="nccl", timeout=600):
+        assert all(result["equal"].values()), result["equal"]
+        for name in ("symmetric", "symmetric, triton", "compact, triton", "low latency"):
+            assert result["graphs"][name] >= 1 and not result["refusals"][name], (name, result)
+        for name in ("capacity 7", "all-to-all"):
+            assert result["graphs"][name] == 0 and result["refusals"][name], (name, result)
+        assert "reads its split sizes on the host" in result["refusals"]["all-to-all"][0]
+        assert "capacity=7" in result["refusals"]["capacity 7"][0]

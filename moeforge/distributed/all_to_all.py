@@ -125,6 +125,9 @@ class AllToAllDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         return (f"AllToAllDispatch({layout}, rank {self.ep.rank}/{self.ep.world_size}, "
                 f"{self.ep.local_experts} local experts{extra})")
 
+    def replay_refusal(self, device: torch.device) -> Optional[str]:
+        return "AllToAllDispatch reads its split sizes on the host (SymmetricDispatch and LowLatencyDispatch do not)"
+
     def output_spec(self, spec: Spec) -> Spec:
         common = dict(kind=PayloadKind.DISPATCHED, expert_ids=ExpertIds.LOCAL, num_experts=self.ep.local_experts,
                       exchange=Exchange.ALL_TO_ALL,

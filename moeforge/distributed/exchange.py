@@ -62,6 +62,13 @@ class ExchangeDispatch(abc.ABC):
         hands them to their plan, which sends them home and sums them there."""
         return Combine(apply_routing_weights, routed_scaling_factor, out_dtype)
 
+    @abc.abstractmethod
+    def replay_refusal(self, device: torch.device) -> Optional[str]:
+        """Why a CUDA graph of this dispatcher's call on ``device`` would not do what the call does (it reads a count
+        on the host, or raises from one), or ``None`` where a replay does the same: one exchange, no host read. Asked
+        after a call, of the calls like it (:mod:`moeforge.decode_graphs` captures only where it is ``None``); the
+        same answer on every rank."""
+
     def accepts(self) -> Accepts:
         if self.apply_routing_weights:
             return weights_on_input_accepts(self.ep.num_experts, FLOAT_DTYPES, scale_layout=WIRE_SCALES)

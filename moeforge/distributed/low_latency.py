@@ -157,6 +157,13 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         return (f"LowLatencyDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
                 f"capacity={self.slots}, overflow={self.overflow.value}{extra})")
 
+    def replay_refusal(self, device: torch.device) -> Optional[str]:
+        if self.overflow is Overflow.ERROR and self.slots < self.max_tokens:
+            return (f"{type(self).__name__}(capacity={self.slots} < max_tokens={self.max_tokens}, overflow=error) reads "
+                    "every rank's dropped copies on the host to raise (overflow=Overflow.DROP or the default capacity "
+                    "replay)")
+        return None
+
     def output_spec(self, spec: Spec) -> Spec:
         padded = spec.evolve(
             kind=PayloadKind.DISPATCHED, layout=Layout.EXPERT_PADDED, group_list_type=None,

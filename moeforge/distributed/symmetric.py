@@ -306,6 +306,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                 or self.transport(data.device) is not None
                 or _word_width(data) is None or (x.x.scale is not None and _word_width(x.x.scale) is None)):
             out: ExpertRows = self.fallback(x)
+            assert isinstance(self.fallback, ExchangeDispatch)
+            self._state[("replay", data.device.type)] = self.fallback.replay_refusal(data.device)
         else:
             out = self._exchange(x)
         if self.compact or self.configs is None:
@@ -364,7 +366,14 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             positions, token_copies, dropped = kernels.route(flat, parts["table"], window.deltas, rank, cap)
         else:
             kernels.publish_counts(counts.to(torch.int32), parts["table"], window.deltas, rank)
-        if not compact and self.overflow is Overflow.ERROR and cap < self.max_tokens:  # else no overflow is possible
+        # A bound that can overflow under overflow=ERROR is checked on the host (a CUDA graph would drop instead).
+        checks = self.overflow is Overflow.ERROR and (
+            buffer_rows < world * self.max_tokens * min(top_k, local) if compact else cap < self.max_tokens)
+        self._state[("replay", device.type)] = (
+            f"SymmetricDispatch({'max_rows' if compact else 'capacity'}={buffer_rows if compact else cap}, "
+            "overflow=error) reads on the host whether a rank overflows, to raise (overflow=Overflow.DROP, or a "
+            "bound no batch of max_tokens exceeds, replay)") if checks else None
+        if checks and not compact:
             # (every rank raises together, before any row moves and before the barrier every rank pairs with)
             self._padded._raise_on_overflow(dropped, count_per_expert(flat.long(), experts))
         window.barrier()
@@ -373,8 +382,8 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         if compact:  # (every rank holds every rank's counts now: each places its copies, and reads its own runs)
             offsets, valid, starts, dropped, most = kernels.place(table, rank=rank, local=local, rows=buffer_rows)
             runs = valid, starts
-            if self.overflow is Overflow.ERROR and buffer_rows < world * self.max_tokens * min(top_k, local):
-                self._check_rows(most, device)  # (else no rank can be sent more than max_rows rows: no host read)
+            if checks:  # (else no rank can be sent more than max_rows rows: no host read)
+                self._check_rows(most, device)
         kernels.put_rows(kernels.words(data), kernels.words(scale) if scale is not None else None, weights, flat,
                          positions, table, adapter_ids, parts["rows"], parts["scales"] if scale is not None else None,
                          parts["weights"], parts["origins"],
@@ -423,6 +432,12 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
             return {}
         return dict(experts=x.topk.ids.to(torch.int32).contiguous(), slot_map=parts["slot_map"],
                     slot_weights=parts["weights"])
+
+    def replay_refusal(self, device: torch.device) -> Optional[str]:
+        """(See :meth:`ExchangeDispatch.replay_refusal`.) What the last call on a ``device`` of that type did: the
+        exchange it took, and whether it read an overflow on the host."""
+        reason: Optional[str] = self._state.get(("replay", device.type), "SymmetricDispatch has not been called yet")
+        return reason
 
     def sends_tokens_once(self, top_k: int, row_bytes: int) -> bool:
         """Whether this dispatcher sends each token's row once per owning rank (see the class docstring) for rows of
