@@ -275,12 +275,12 @@ def _decode_graphs_step(dispatch: SymmetricDispatch, routed: RoutedTokens) -> Ca
 
     inputs = (routed.x.data, routed.topk.weights, routed.topk.ids) + (
         (routed.x.scale,) if routed.x.scale is not None else ())
+    device = routed.topk.ids.device
 
     def step() -> None:
-        if graphs.run(forward, inputs, (), owner=dispatch, refusal=lambda: dispatch.replay_refusal(ids.device)) is None:
+        if graphs.run(forward, inputs, (), owner=dispatch, refusal=lambda: dispatch.replay_refusal(device)) is None:
             raise RuntimeError(f"not replayed: {graphs.refusals()}")
 
-    ids = routed.topk.ids
     step()  # (the capture)
     if not len(graphs):
         raise RuntimeError(f"not captured: {graphs.refusals()}")

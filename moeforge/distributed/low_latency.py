@@ -157,10 +157,16 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         return (f"LowLatencyDispatch({layout}rank {self.ep.rank}/{self.ep.world_size}, max_tokens={self.max_tokens}, "
                 f"capacity={self.slots}, overflow={self.overflow.value}{extra})")
 
+    @property
+    def checks_overflow(self) -> bool:
+        """Whether a call reads on the host if any rank overflows, to raise: ``overflow=ERROR`` with a capacity below
+        ``max_tokens`` (at ``max_tokens`` no overflow is possible: a token picks an expert at most once)."""
+        return self.overflow is Overflow.ERROR and self.slots < self.max_tokens
+
     def replay_refusal(self, device: torch.device) -> Optional[str]:
-        if self.overflow is Overflow.ERROR and self.slots < self.max_tokens:
+        if self.checks_overflow:
             return (f"{type(self).__name__}(capacity={self.slots} < max_tokens={self.max_tokens}, overflow=error) reads "
-                    "every rank's dropped copies on the host to raise (overflow=Overflow.DROP or the default capacity "
+                    "on the host whether a rank overflows, to raise (overflow=Overflow.DROP or the default capacity "
                     "replay)")
         return None
 
@@ -196,7 +202,7 @@ class LowLatencyDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         position = torch.arange(order.numel(), device=device) - (counts.cumsum(0) - counts)[sorted_expert]
         kept = position < cap
         dropped = (~kept).sum()
-        if self.overflow is Overflow.ERROR and self.slots < self.max_tokens:  # else no overflow is possible
+        if self.checks_overflow:
             self._raise_on_overflow(dropped, counts)
 
         weight = x.topk.weights.reshape(-1)[order]

@@ -306,8 +306,7 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                 or self.transport(data.device) is not None
                 or _word_width(data) is None or (x.x.scale is not None and _word_width(x.x.scale) is None)):
             out: ExpertRows = self.fallback(x)
-            assert isinstance(self.fallback, ExchangeDispatch)
-            self._state[("replay", data.device.type)] = self.fallback.replay_refusal(data.device)
+            self._state[("replay", data.device.type)] = "fallback"
         else:
             out = self._exchange(x)
         if self.compact or self.configs is None:
@@ -367,12 +366,9 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
         else:
             kernels.publish_counts(counts.to(torch.int32), parts["table"], window.deltas, rank)
         # A bound that can overflow under overflow=ERROR is checked on the host (a CUDA graph would drop instead).
-        checks = self.overflow is Overflow.ERROR and (
-            buffer_rows < world * self.max_tokens * min(top_k, local) if compact else cap < self.max_tokens)
-        self._state[("replay", device.type)] = (
-            f"SymmetricDispatch({'max_rows' if compact else 'capacity'}={buffer_rows if compact else cap}, "
-            "overflow=error) reads on the host whether a rank overflows, to raise (overflow=Overflow.DROP, or a "
-            "bound no batch of max_tokens exceeds, replay)") if checks else None
+        checks = ((self.overflow is Overflow.ERROR and buffer_rows < world * self.max_tokens * min(top_k, local))
+                  if compact else self._padded.checks_overflow)
+        self._state[("replay", device.type)] = "checks" if checks else "replays"
         if checks and not compact:
             # (every rank raises together, before any row moves and before the barrier every rank pairs with)
             self._padded._raise_on_overflow(dropped, count_per_expert(flat.long(), experts))
@@ -434,10 +430,19 @@ class SymmetricDispatch(ExchangeDispatch, Stage[RoutedTokens, ExpertRows]):
                     slot_weights=parts["weights"])
 
     def replay_refusal(self, device: torch.device) -> Optional[str]:
-        """(See :meth:`ExchangeDispatch.replay_refusal`.) What the last call on a ``device`` of that type did: the
-        exchange it took, and whether it read an overflow on the host."""
-        reason: Optional[str] = self._state.get(("replay", device.type), "SymmetricDispatch has not been called yet")
-        return reason
+        """(See :meth:`ExchangeDispatch.replay_refusal`.) By what the last call on a ``device`` of that type did: the
+        exchange it took (the fallback's answer where that served), and whether it read an overflow on the host."""
+        last = self._state.get(("replay", device.type))
+        if last is None:
+            return "SymmetricDispatch has not been called yet"
+        if last == "fallback":
+            assert isinstance(self.fallback, ExchangeDispatch)
+            return self.fallback.replay_refusal(device)
+        if last == "checks":
+            bound = f"max_rows={self.max_rows}" if self.compact else f"capacity={self.slots}"
+            return (f"SymmetricDispatch({bound}, overflow=error) reads on the host whether a rank overflows, to raise "
+                    "(overflow=Overflow.DROP, or a bound no batch of max_tokens exceeds, replay)")
+        return None
 
     def sends_tokens_once(self, top_k: int, row_bytes: int) -> bool:
         """Whether this dispatcher sends each token's row once per owning rank (see the class docstring) for rows of
