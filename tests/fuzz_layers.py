@@ -10,6 +10,9 @@ on the torch backend (the weights drawn there) and on the triton backend (the sa
   the same dtype (or a floor per dtype); quantized layers against the torch layer of the same method;
 * a training step: every gradient (input, router, experts, biases, shared experts, adapters) judged the same way,
   and the triton step's gradients bitwise the same on a second run (determinism);
+* on a GPU, for some inference cases, that the same triton layer built with decode graphs
+  (:class:`~moeforge.decode_graphs.DecodeGraphSettings`) gives the launched layer's bits at every call: a batch size's first call,
+  its replays on new rows, a second batch size, the first again;
 * that a layer the torch backend builds is not refused by the triton backend (a refusal is reported with its
   reason: a gap, not necessarily a bug).
 
@@ -128,8 +131,12 @@ def draw(seed: int, cpu: bool) -> dict[str, Any]:
     skew = rng.choice([None] * 8 + ["every token on expert 0", "half the experts idle"])
     if skew == "half the experts idle" and sizes["num_experts"] // 2 < sizes["top_k"]:
         skew = None
+    # (drawn last, so that every earlier draw of a seed stays what it was) an inference case on a GPU sometimes also
+    # runs a layer with decode graphs: the most tokens a graph takes, or None
+    decode_graphs = rng.choice([None, tokens, 2 * tokens, 1024]) if not (train or cpu) and 0 < tokens <= 1024 \
+        else None
     return dict(seed=seed, family=family, sizes=sizes, tokens=tokens, dtype=dtype, train=train, quant=quant,
-                options=options, skew=skew)
+                options=options, skew=skew, decode_graphs=decode_graphs)
 
 
 def _build(case: dict[str, Any], backend: str, device: str, **override: Any) -> Any:
@@ -204,6 +211,8 @@ def run_case(case: dict[str, Any], device: str) -> tuple[str, str, dict[str, Any
     assert got.shape == want.shape, (got.shape, want.shape)
     if case["tokens"] == 0:
         return "ok empty", "", seen
+    if case.get("decode_graphs"):
+        seen["decode graphs"] = _check_decode_graphs(case, torch_layer, triton_layer, x, logits, device)
     if not torch.isfinite(got.float()).all():
         assert not torch.isfinite(want.float()).all(), "the triton output is not finite where the torch one is"
         return "not finite on both backends", "", seen
@@ -243,6 +252,38 @@ def run_case(case: dict[str, Any], device: str) -> tuple[str, str, dict[str, Any
         seen[name] = (_rel(g, r), _rel(t, r))
         assert seen[name][0] <= max(3 * seen[name][1], 2 * floor), f"gradient of {name}: {seen[name]}"
     return "ok training", "", seen
+
+
+def _bits(t: Any) -> Any:
+    import torch
+
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _check_decode_graphs(case: dict[str, Any], torch_layer: Any, triton_layer: Any, x: Any, logits: Any,
+                         device: str) -> tuple[int, list[str]]:
+    """The triton layer built with decode graphs (``case["decode_graphs"]`` tokens at most, two graphs kept) gives the
+    launched layer's bits at every call: a key's first call (eager, then captured), its replays on new rows, a second
+    batch size's first call and replay, and the first size again (``(graphs kept, refusals)``)."""
+    import torch
+
+    from moeforge.decode_graphs import DecodeGraphSettings
+
+    graphed = _build(case, "triton", device,
+                     decode_graphs=DecodeGraphSettings(max_tokens=case["decode_graphs"], max_graphs=2))
+    graphed.load_state_dict(torch_layer.state_dict())
+    tokens = case["tokens"]
+    calls = [x, torch.randn_like(x), torch.randn_like(x)]
+    if tokens > 1 and logits is None:  # (given logits fix the batch size)
+        fewer = torch.randn_like(x[:max(1, tokens // 2)])
+        calls += [fewer, torch.randn_like(fewer), torch.randn_like(x)]
+    for index, rows in enumerate(calls):
+        with torch.no_grad():
+            got, launched = graphed(rows, logits), triton_layer(rows, logits)
+        assert torch.equal(_bits(got), _bits(launched)), (
+            f"the layer with decode graphs differs from the launched layer at call {index} ({rows.shape[0]} tokens; "
+            f"{len(graphed.decode_graphs)} graphs kept, refusals {graphed.decode_graphs.refusals()})")
+    return len(graphed.decode_graphs), graphed.decode_graphs.refusals()
 
 
 def _describe(case: dict[str, Any]) -> dict[str, Any]:
