@@ -22,7 +22,8 @@ Granite-MoE, PhiMoE sizes, some with fewer experts to fit beside the fp32 refere
 triton stages built with the selector told the kernels can run there. Cases run in ``--workers`` processes until
 ``--seconds`` have passed (the run ends up to a minute later, when the last cases finish); a CUDA error that
 poisons a process's context ends that worker (its case reported as ``STICKY``) and another takes its place. Writes
-one JSON (counts, the failing and refused cases with their layers, every passing case's sizes) and prints a summary.
+one JSON (counts, the failing and refused cases with their layers, the worker and the seeds it ran before, and a
+failing case's outcome when run again at once in the same process; every passing case's sizes) and prints a summary.
 Results of GPU runs: ``benchmarks/results/fuzz_layers-*.json``.
 
     python3 tests/fuzz_layers.py --out fuzz.json --workers 8 --seconds 300            # a GPU
@@ -296,6 +297,7 @@ def _worker(slot: int, seeds: Any, deadline: float, out: str, cpu: bool) -> None
     import torch
 
     device = "cpu" if cpu else "cuda"
+    history: list[int] = []  # the seeds this worker ran, in order (a failure may depend on what ran before it)
     with open(f"{out}.w{slot}.jsonl", "a") as log:
         while time.time() < deadline:
             try:
@@ -318,6 +320,13 @@ def _worker(slot: int, seeds: Any, deadline: float, out: str, cpu: bool) -> None
                     record.update(outcome="STICKY" if sticky else "FAIL", reason=reason,
                                   traceback=traceback.format_exc(limit=8)[-2500:])
             record["seconds"] = round(time.time() - start, 2)
+            record["worker"], record["after"] = slot, history[-8:]
+            history.append(seed)
+            if record["outcome"] == "FAIL":  # the same case again at once, in this process: a transient failure?
+                try:
+                    record["again"] = run_case(case, device)[0]
+                except Exception as error:
+                    record["again"] = f"{type(error).__name__}: {str(error)[:300]}"
             log.write(json.dumps(record, default=str) + "\n")
             log.flush()
             if sticky:
@@ -373,7 +382,7 @@ def main() -> None:
         json.dump(dict(counts=counts, cases=len(records), bad=bad, passed=passed), f, indent=1, default=str)
     print(dict(counts))
     for r in bad:
-        print(r["seed"], r["outcome"], r["reason"][:300])
+        print(r["seed"], r["outcome"], r["reason"][:300], *(["again:", r["again"][:200]] if "again" in r else []))
 
 
 if __name__ == "__main__":
