@@ -11,11 +11,14 @@ of toy widths, with every kernel launch of moeforge's a no-op (``BoundLaunch.__c
 launch sites' first calls alike; the Gluon kernels do not run on the CPU). What it times is the pipeline's and the
 backward's Python, the custom ops' and autograd's dispatch and the torch allocations; not the driver's launches, nor
 the GPU-only paths (TMA descriptors, the Gluon weight gradient, which the CPU's tiles never take). Prints the median
-microseconds of the forward and of the step over ``--steps`` steps; ``--slot-rows`` whether the dispatch gives its
+microseconds of the forward and of the step over ``--steps`` steps; ``--staged`` also times the step run stage by stage
+(five autograd nodes, what the pipeline ran before the training step's one node), in alternating rounds;
+``--slot-rows`` whether the dispatch gives its
 rows in slot order (``rule``: where :func:`~moeforge.stages.slot_order.slot_rows_pay` takes it); ``--profile N``
 prints a ``cProfile`` listing of N steps; ``--floor`` also times the step's floor (:func:`floor_step`: the same five
 autograd nodes, allocations and launch calls, without the stages, the payload records, the op's arguments and the
-launchers' planning) — how much of the step's host time is moeforge's own Python. The outputs are uninitialised
+launchers' planning; :func:`one_node_floor_step`: the same in one node, as the pipeline runs the step) — how much
+of the step's host time is moeforge's own Python. The outputs are uninitialised
 memory: nothing is checked, only timed.
 """
 
@@ -56,9 +59,10 @@ def launches_stubbed() -> Iterator[None]:
 
 
 def training_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int,
-                  slot_rows: Optional[bool] = None) -> tuple[Callable[[], Any], Callable[[], Any]]:
+                  slot_rows: Optional[bool] = None, joined: bool = True) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """``(forward, step)`` of a bf16 triton layer's experts on CPU tensors (the routing given; ``slot_rows``: the
-    dispatch's, see :class:`~moeforge.stages.triton.AlignDispatch`)."""
+    dispatch's, see :class:`~moeforge.stages.triton.AlignDispatch`). ``joined=False``: the stages one by one, as the
+    pipeline ran them before it ran the training step as one autograd node (:mod:`moeforge.stages.triton_step`)."""
     # (the stages a triton MoELayer builds after its routing; a layer refuses the triton backend on the CPU)
     table = ConfigTable(experts, top_k)
     w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=True)
@@ -78,8 +82,13 @@ def training_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int
     def forward() -> Any:
         xr = x.detach().requires_grad_()
         w = weights.detach().requires_grad_()
-        out = experts_only(RoutedTokens(Activations(xr), TopKOutput(w, ids))).hidden_states
-        return out, [xr, w, w13, w2]
+        payload: Any = RoutedTokens(Activations(xr), TopKOutput(w, ids))
+        if joined:
+            payload = experts_only(payload)
+        else:
+            for stage in experts_only.stages:
+                payload = stage(payload)
+        return payload.hidden_states, [xr, w, w13, w2]
 
     def step() -> Any:
         out, leaves = forward()
@@ -195,6 +204,72 @@ def floor_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int) -
     return step
 
 
+def one_node_floor_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int) -> Callable[[], Any]:
+    """:func:`floor_step` with the structure of the pipeline's training step (:mod:`moeforge.stages.triton_step`):
+    the same allocations and launch calls in one ``autograd.Function``."""
+    copies = tokens * top_k
+
+    def launch(*args: Any) -> None:
+        return None
+
+    class Step(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, w13: torch.Tensor,  # type: ignore[override]
+                    w2: torch.Tensor) -> Any:
+            sorted_ids = torch.empty(copies + experts * 16, dtype=torch.int32)
+            block_expert = torch.empty(copies // 16 + experts, dtype=torch.int32)
+            num_padded = torch.empty(1, dtype=torch.int32)
+            for buffer in (sorted_ids, block_expert, num_padded):  # (the alignment's three launches)
+                launch(buffer, 1, 2)
+            xs, sw = x.new_empty(copies, hidden), w.new_empty(copies)
+            slot_of = x.new_empty(copies, dtype=torch.int32)
+            runs = x.new_empty(4, experts + 1, dtype=torch.int32)
+            launch(x, w, xs, sw, slot_of, runs, 1, 2, 3)
+            launch(runs, 1, 2)
+            pre = xs.new_empty(copies, w13.shape[1])
+            launch(xs, w13, pre, sorted_ids, block_expert, num_padded, *range(40))
+            act = pre.new_empty(copies, pre.shape[1] // 2)
+            launch(pre, act, 1, 2, 3)
+            rows = act.new_empty(copies, w2.shape[1])
+            launch(act, w2, rows, sorted_ids, block_expert, num_padded, *range(40))
+            out = rows.new_empty(tokens, rows.shape[1])
+            launch(rows, w, out, 1, 2, 3)
+            ctx.save_for_backward(x, w, w13, w2)
+            ctx.kept = (xs, slot_of, runs, pre, act, rows, sorted_ids, block_expert, num_padded)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+            x, w, w13, w2 = ctx.saved_tensors
+            xs, slot_of, runs, pre, act, rows, sorted_ids, block_expert, num_padded = ctx.kept
+            d_rows, d_w = torch.empty_like(rows), torch.empty_like(w)
+            launch(grad, rows, w, d_rows, d_w, 1, 2)
+            d_act, dw2 = torch.empty_like(act), torch.empty_like(w2)
+            launch(d_rows, w2, d_act, sorted_ids, block_expert, num_padded, *range(40))
+            launch(d_rows, act, dw2, runs, *range(12))
+            d_pre = torch.empty_like(pre)
+            launch(d_act, pre, d_pre, 1, 2)
+            d_xs, dw13 = torch.empty_like(xs), torch.empty_like(w13)
+            launch(d_pre, w13, d_xs, sorted_ids, block_expert, num_padded, *range(40))
+            d_x = torch.empty_like(x)
+            launch(d_xs, d_x, 1, 2)
+            launch(d_pre, xs, dw13, runs, *range(12))
+            return d_x, d_w, dw13, dw2
+
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    weights = torch.rand(tokens, top_k)
+    grad = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+
+    def step() -> Any:
+        xr, w = x.detach().requires_grad_(), weights.detach().requires_grad_()
+        out = Step.apply(xr, w, w13, w2)
+        return torch.autograd.grad(out, [xr, w, w13, w2], grad)
+
+    return step
+
+
 def median_us(fn: Callable[[], Any], steps: int) -> float:
     for _ in range(5):
         fn()
@@ -216,6 +291,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--slot-rows", choices=("rule", "on", "off"), default="rule")
     parser.add_argument("--profile", type=int, default=0, help="print a cProfile listing of this many steps")
+    parser.add_argument("--staged", action="store_true",
+                        help="also time the step run stage by stage (five autograd nodes), alternating with the "
+                             "pipeline's one node, in rounds")
     parser.add_argument("--floor", action="store_true",
                         help="also time the same autograd nodes, allocations and launch calls without moeforge")
     args = parser.parse_args()
@@ -226,10 +304,22 @@ def main() -> None:
               f"{args.slot_rows}, launches "
               f"stubbed: forward {median_us(forward, args.steps):.0f} us, step {median_us(step, args.steps):.0f} us "
               f"(medians of {args.steps}; torch {torch.__version__}, {torch.get_num_threads()} threads)")
+        if args.staged:
+            _, staged = training_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter, slot_rows,
+                                      joined=False)
+            rounds: dict[str, list[float]] = {"one node": [], "stage by stage": []}
+            for _ in range(5):
+                rounds["one node"].append(median_us(step, args.steps // 5 + 1))
+                rounds["stage by stage"].append(median_us(staged, args.steps // 5 + 1))
+            print("the step, alternating rounds of " + str(args.steps // 5 + 1) + ": " + ", ".join(
+                f"{name} {statistics.median(times):.0f} us" for name, times in rounds.items()))
         if args.floor:
             floor = floor_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter)
             print(f"the floor (the same five autograd nodes, allocations and launch calls, nothing else): step "
                   f"{median_us(floor, args.steps):.0f} us")
+            one_node = one_node_floor_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter)
+            print(f"the floor in one autograd node (the training step's structure): step "
+                  f"{median_us(one_node, args.steps):.0f} us")
         if args.profile:
             profiler = cProfile.Profile()
             profiler.enable()

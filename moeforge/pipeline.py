@@ -32,7 +32,7 @@ from moeforge.errors import ContractError, InputError, PayloadError
 from moeforge.no_backward import no_backward, payload_tensors
 from moeforge.payloads import Activations, ExpertRows, MoEOutput, RoutedTokens, check_payload
 from moeforge.spec import REFERENCE_FLOAT_DTYPES, SCALES_OF, PayloadKind, RoutingWeights, ScalingFactor, Spec
-from moeforge.stage import Mismatch, Stage, StageKind
+from moeforge.stage import JoinedRun, Mismatch, Stage, StageKind
 
 InT = TypeVar("InT")
 OutT = TypeVar("OutT")
@@ -213,6 +213,11 @@ class Pipeline(Generic[InT, OutT]):
     with the device).
     ``notes`` are extra lines for :meth:`describe`, such as the dispatch-dtype decision.
 
+    A stage may offer to run itself and the stages after it as one unit (:meth:`~moeforge.Stage.joined`: the triton
+    experts' training step as one autograd node, :mod:`moeforge.stages.triton_step`); a call runs that unit where it
+    takes the call, and the stages one by one otherwise (and always in debug mode, which checks each stage's payload).
+    :meth:`describe` names each such unit.
+
     ``no_backward``: why the computation has no backward (e.g. a quantized method's reason, naming it),
     ``None`` when it has one. A pipeline whose activations are quantized at some boundary has none
     either way (see :func:`quantized_boundary`). Without a backward, the output of a call that records
@@ -220,7 +225,7 @@ class Pipeline(Generic[InT, OutT]):
     (:attr:`no_backward` holds it).
     """
 
-    __slots__ = ("stages", "input_spec", "specs", "debug", "notes", "declared_no_backward", "no_backward")
+    __slots__ = ("stages", "input_spec", "specs", "debug", "notes", "declared_no_backward", "no_backward", "joined")
 
     def __init__(
         self,
@@ -238,6 +243,7 @@ class Pipeline(Generic[InT, OutT]):
         self.notes: tuple[str, ...] = tuple(notes)
         self.declared_no_backward = no_backward
         self.no_backward: Optional[str] = no_backward or quantized_boundary(self.stages, self.specs)
+        self.joined: tuple[Optional[JoinedRun], ...] = joined_runs(self.stages)
 
     @property
     def output_spec(self) -> Spec:
@@ -256,8 +262,16 @@ class Pipeline(Generic[InT, OutT]):
             if not input_checked:
                 self._check_input(x, values=False)
             payload: Any = x
-            for stage in self.stages:
-                payload = stage(payload)
+            stages, joined, index = self.stages, self.joined, 0
+            while index < len(stages):
+                run = joined[index]
+                if run is not None:
+                    output = run(payload)
+                    if output is not None:
+                        payload, index = output, index + run.joins + 1
+                        continue
+                payload = stages[index](payload)
+                index += 1
             if self.no_backward is not None and torch.is_grad_enabled():
                 payload = _without_backward(self.no_backward, payload, x)
             return cast(OutT, payload)
@@ -319,12 +333,29 @@ class Pipeline(Generic[InT, OutT]):
                  for row in rows]
         lines.insert(1, "  ".join("-" * width for width in widths))
         notes = list(self.notes)
+        notes += [f"stages {index}-{index + run.joins}: {run.summary()}" for index, run in enumerate(self.joined)
+                  if run is not None]
         if self.no_backward is not None:
             notes.append(f"no backward: {self.no_backward}")
         return "\n".join(lines + notes)
 
     def __repr__(self) -> str:
         return f"Pipeline({', '.join(stage.summary() for stage in self.stages)})"
+
+
+def joined_runs(stages: Sequence[Stage[Any, Any]]) -> tuple[Optional[JoinedRun], ...]:
+    """Each stage's :class:`~moeforge.stage.JoinedRun` where it offers one (:meth:`~moeforge.Stage.joined`) that ends
+    inside the pipeline and starts after the previous one's last stage; ``None`` at every other position."""
+    runs: list[Optional[JoinedRun]] = [None] * len(stages)
+    index = 0
+    while index < len(stages):
+        run = stages[index].joined(tuple(stages[index + 1:]))
+        if run is not None and 0 < run.joins < len(stages) - index:
+            runs[index] = run
+            index += run.joins + 1
+        else:
+            index += 1
+    return tuple(runs)
 
 
 class Chain(Generic[InT, OutT]):

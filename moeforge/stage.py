@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import ClassVar, Generic, Optional, TypeVar
+from typing import Any, ClassVar, Generic, Optional, Protocol, TypeVar
 
 import attrs
 
@@ -80,3 +80,23 @@ class Stage(abc.ABC, Generic[InT, OutT]):
     @abc.abstractmethod
     def __call__(self, x: InT) -> OutT:
         """Run the stage on one payload."""
+
+    def joined(self, following: tuple[Stage[Any, Any], ...]) -> Optional[JoinedRun]:
+        """A run of this stage and the first stages of ``following`` (the stages after it in a pipeline) as one
+        unit, which the pipeline calls instead of them where it takes a call (:class:`JoinedRun`); ``None``, the
+        default: none."""
+        return None
+
+
+class JoinedRun(Protocol):
+    """A stage and the ``joins`` stages after it run as one unit (:meth:`Stage.joined`), giving what the stages give
+    (the same payload, bit for bit, and the same gradients), faster. Called with the first stage's input, it returns
+    the last one's output, or ``None`` where the call is not one it takes: the pipeline then runs the stages one by
+    one. ``summary()`` is a line for ``Pipeline.describe()``."""
+
+    @property
+    def joins(self) -> int: ...
+
+    def summary(self) -> str: ...
+
+    def __call__(self, x: Any) -> Optional[Any]: ...

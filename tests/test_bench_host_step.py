@@ -32,3 +32,12 @@ def test_the_floor_step_differentiates_the_same_leaves() -> None:
     # (bench_host_step --floor: the step's autograd nodes, allocations and launch calls alone)
     grads = bench_host_step.floor_step(16, 4, 8, 32, 16)()
     assert [tuple(g.shape) for g in grads] == [(8, 32), (8, 4), (16, 32, 32), (16, 32, 16)]
+
+
+def test_the_one_node_floor_and_the_staged_step_differentiate_the_same_leaves() -> None:
+    # (bench_host_step --floor --staged: the floor in the training step's one node; the step stage by stage)
+    grads = bench_host_step.one_node_floor_step(16, 4, 8, 32, 16)()
+    assert [tuple(g.shape) for g in grads] == [(8, 32), (8, 4), (16, 32, 32), (16, 32, 16)]
+    _, staged = bench_host_step.training_step(16, 4, 8, 32, 16, joined=False)
+    with bench_host_step.launches_stubbed():
+        assert [tuple(g.shape) for g in staged()] == [(8, 32), (8, 4), (16, 32, 32), (16, 32, 16)]

@@ -44,18 +44,13 @@ from moeforge.kernels import combine, narrow_weight_grad, slot_rows, weight_grad
 from moeforge.kernels.formats import WeightFormat
 from moeforge.activation import ActivationConfig, apply_activation
 from moeforge.kernels.config import GemmConfig, narrow_config, row_gradient_config
+from moeforge.kernels.grouped_gemm_call import ARGUMENT_NAMES as _MOE_GEMM_INPUTS
 from moeforge.kernels.grouped_gemm_call import (GemmEpilogue, GemmRoute, GemmRows, GemmUpdate, GemmWeight,
                                                 config_of, grouped_gemm)
 
 
 # -- the ops' backward ------------------------------------------------------------------------------
 
-_MOE_GEMM_INPUTS = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "weight_global", "bias",
-                    "topk_weights", "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a",
-                    "weight_format", "a_global", "act", "glu", "interleaved", "alpha", "limit", "config",
-                    "out_dtype", "fp8_out", "aligned_block_m", "weight_scale_max", "weight_shuffled", "update_rows",
-                    "update_weight", "update_scale", "update_ids", "slot_copies", "slot_runs", "update_source",
-                    "gathered_from", "gathered_index")
 _GATHERED_FROM = _MOE_GEMM_INPUTS.index("gathered_from")
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -186,6 +186,14 @@ def outputs(a: torch.Tensor, weight: torch.Tensor, num_copies: int, glu: bool, o
     return a.new_empty(num_copies, n_out, dtype=out_dtype), a.new_empty(0, dtype=torch.float32)
 
 
+# The op's parameters, in its order (:func:`launch`'s; what its ``setup_context`` and backward read by name).
+ARGUMENT_NAMES = ("a", "a_scale", "weight", "weight_scale", "weight_zero", "weight_global", "bias", "topk_weights",
+                  "sorted_ids", "block_expert", "num_padded", "num_copies", "rows_per_a", "weight_format", "a_global",
+                  "act", "glu", "interleaved", "alpha", "limit", "config", "out_dtype", "fp8_out", "aligned_block_m",
+                  "weight_scale_max", "weight_shuffled", "update_rows", "update_weight", "update_scale", "update_ids",
+                  "slot_copies", "slot_runs", "update_source", "gathered_from", "gathered_index")
+
+
 def launch(
     a: torch.Tensor,
     a_scale: Optional[torch.Tensor],
@@ -307,7 +315,17 @@ def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue:
     of ``rows[c // rows_per_a] @ weight[expert of c]^T``; ``out_scale [num_copies, N / 128]`` with ``fp8_out``,
     else ``None``. ``config``: the launch configuration, before the launcher fits it to the operands. ``update``: a
     low-rank update added to each copy's product before the epilogue."""
-    out, out_scale = MOE_GEMM(
+    out, out_scale = MOE_GEMM(*arguments(rows, weight, route, epilogue, config, update))
+    result: torch.Tensor = out
+    return result, out_scale if epilogue.fp8_out else None
+
+
+def arguments(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue: GemmEpilogue, config: GemmConfig,
+              update: Optional[GemmUpdate] = None) -> tuple[Any, ...]:
+    """The op's positional arguments for :func:`grouped_gemm`'s operands, in the op's order (every one: what
+    :func:`launch` and the op's ``setup_context`` take). :func:`grouped_gemm` calls the op with them; the training
+    step that runs the op's functions itself (:mod:`moeforge.stages.triton_step`) calls :func:`launch`."""
+    return (
         rows.data, rows.scale, weight.data, weight.scale, weight.zero, weight.global_scale, epilogue.bias,
         epilogue.routing_weights, route.sorted_ids, route.block_expert, route.num_padded, route.num_copies,
         rows.rows_per_a, int(weight.format), rows.global_scale, epilogue.act, epilogue.glu, epilogue.interleaved,
@@ -317,5 +335,3 @@ def grouped_gemm(rows: GemmRows, weight: GemmWeight, route: GemmRoute, epilogue:
         *((update.rows, update.weight, float(update.scale), update.ids) if update is not None
           else (None, None, 1.0, None)), route.slot_copies, route.slot_runs,
         update.source if update is not None else None, rows.gathered_from, rows.gathered_index)
-    result: torch.Tensor = out
-    return result, out_scale if epilogue.fp8_out else None

@@ -35,7 +35,7 @@ from moeforge.spec import (
     ScaleLayout,
     Spec,
 )
-from moeforge.stage import Mismatch, Stage, StageKind
+from moeforge.stage import JoinedRun, Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
 from moeforge.stages import slot_order
 from moeforge.stages.dispatch import scale_rows, weights_on_input_accepts, weights_on_input_hint
@@ -178,6 +178,13 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
                            copy_weights=x.topk.weights.reshape(-1),
                            plan=AlignedPlan(x.topk.weights), adapter_ids=adapter_ids,
                            copy_experts=x.topk.ids.reshape(-1) if adapter_ids is not None else None)
+
+    def joined(self, following: tuple[Stage[Any, Any], ...]) -> Optional[JoinedRun]:
+        """The training step of this dispatch and the GEMMs and combine after it as one autograd node
+        (:mod:`moeforge.stages.triton_step`), where ``following`` starts with the stages it runs."""
+        from moeforge.stages.triton_step import training_step
+
+        return training_step(self, following)
 
     def slot_order_rows(self, x: RoutedTokens, alignment: BlockAlignment) -> AlignedRows:
         """``x``'s rows gathered into the slot order of ``alignment`` (aligned for ``x``'s copies) as

@@ -1,0 +1,217 @@
+"""The triton experts' training step as one autograd node: dispatch, both GEMMs, activation and combine.
+
+Called stage by stage, a training forward of the triton experts records five autograd nodes (the slot-order
+gather, the gate/up GEMM, the activation, the down GEMM, the combine), and each kernel call passes through its
+:class:`~moeforge.kernels.kernel_op.KernelOp`, an ``autograd.Function`` and the stages' payload records. Where the
+step's GPU time is short (Qwen3-30B-A3B's shape at 1024 tokens) that Python is the step's time: an eager step took
+2.04x its CUDA-graph replay on an H200 (docs/kernels.md, "The eager host path"). :class:`TrainingStep` runs the
+same kernels, the same functions with the same arguments in the same order, inside one ``autograd.Function``: its
+forward calls each op's implementation and the ``setup_context`` the op registers (on a :class:`_OpContext`), its
+backward each op's registered backward in reverse order. The outputs and every gradient are the ones the stages
+give, bit for bit (``tests/test_triton_step.py``); what goes is the per-kernel dispatch and four autograd nodes.
+
+:class:`~moeforge.pipeline.Pipeline` runs it in place of the four stages ``AlignDispatch``, ``FusedGroupedGemm``
+(gate/up, with or without an activation, with or without bias), ``FusedGroupedGemm`` (down) and ``Combine`` (the
+routing weights applied in the combine, any scaling factor and output dtype) when the dispatch offers it
+(:meth:`~moeforge.stages.triton.AlignDispatch.joined`) and a call is one it takes (:meth:`TrainingStep.__call__`):
+grad mode on with the gate/up GEMM's operands recording a gradient, plain tensors and no mode or ``torch.compile``
+(what :func:`~moeforge.kernels.kernel_op.call_route` calls ``DIRECT_WITH_GRAD``), float token rows without scales or
+adapters, and at least one copy — the calls the dispatch gathers into slot order (:mod:`moeforge.stages.slot_order`).
+Every other call runs the stages one by one.
+
+Memory: the intermediates the stages' nodes keep (the slot-order rows, the pre-activation, the activation, the down
+GEMM's rows) are kept by this node, and its backward lets each go once the op that kept it has run its backward, as
+the autograd engine frees a node's saved tensors — unless the backward keeps the graph (``retain_graph=True``), when
+it keeps them all for the next. The inputs are saved with ``save_for_backward``, so an input changed in place before
+the backward is the autograd engine's error, as with the stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import attrs
+import torch
+
+from moeforge.kernels import activation_rows, backward, combine, grouped_gemm_call
+from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight
+from moeforge.kernels.kernel_op import DIRECT_WITH_GRAD, call_route
+from moeforge.payloads import MoEOutput, RoutedTokens
+from moeforge.stages import slot_order
+from moeforge.stages.combine import Combine
+from moeforge.stages.gemm import GemmRole
+from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, kernel_ops
+from moeforge.tensor_ref import resolve
+
+_GATHERED_FROM = grouped_gemm_call.ARGUMENT_NAMES.index("gathered_from")
+_GEMM_ARGUMENTS = len(grouped_gemm_call.ARGUMENT_NAMES)
+
+
+@attrs.frozen(eq=False)
+class TrainingStep:
+    """The four stages ``dispatch``, ``gate_up``, ``down``, ``combine`` as one autograd node, for the calls
+    :meth:`__call__` takes (see the module docstring); made by :func:`training_step` only."""
+
+    dispatch: AlignDispatch
+    gate_up: FusedGroupedGemm
+    down: FusedGroupedGemm
+    combine: Combine
+    joins: int = attrs.field(default=3, init=False)  # the stages after the dispatch it runs
+
+    def summary(self) -> str:
+        return ("one autograd node for the triton experts' training step (moeforge.stages.triton_step) where a call "
+                "records gradients on plain tensors")
+
+    def __call__(self, x: RoutedTokens) -> Optional[MoEOutput]:
+        """The combined output of the four stages for ``x`` through one autograd node, or ``None`` where this call is
+        not one the node takes (the pipeline then runs the stages)."""
+        rows, weights, ids = x.x.data, x.topk.weights, x.topk.ids
+        if not torch.is_grad_enabled() or x.x.scale is not None or x.adapter_ids is not None:
+            return None
+        w13, w2 = resolve(self.gate_up.weight), resolve(self.down.weight)
+        b13 = resolve(self.gate_up.bias) if self.gate_up.bias is not None else None
+        b2 = resolve(self.down.bias) if self.down.bias is not None else None
+        if call_route((rows, weights, ids, w13, w2, b13, b2)) != DIRECT_WITH_GRAD:
+            return None
+        # The gate/up GEMM records a gradient (its activation then runs as its own op, as the stage does), and the
+        # dispatch gathers these rows into slot order.
+        if not any(t is not None and t.requires_grad for t in (rows, weights, w13, b13)):
+            return None
+        if slot_order.slot_rows_apply(x) is not None or not (
+                self.dispatch.slot_rows or slot_order.slot_rows_pay(ids.numel())):
+            return None
+        apply = _Step.apply
+        out: torch.Tensor = apply(self, rows, weights, ids, w13, w2, b13, b2)  # type: ignore[no-untyped-call]
+        return MoEOutput(out)
+
+
+def training_step(dispatch: AlignDispatch, following: tuple[Any, ...]) -> Optional[TrainingStep]:
+    """The :class:`TrainingStep` of ``dispatch`` and the stages after it, where they are the four it runs as the
+    stages run them: the gate/up GEMM with its activation and without routing weights, the down GEMM without an activation or routing
+    weights, a :class:`~moeforge.stages.combine.Combine` applying the routing weights; ``None`` otherwise."""
+    if dispatch.apply_routing_weights or dispatch.slot_rows is False or len(following) < 3:
+        return None
+    gate_up, down, last = following[:3]
+    if type(gate_up) is not FusedGroupedGemm or type(down) is not FusedGroupedGemm or type(last) is not Combine:
+        return None
+    if gate_up.role is not GemmRole.GATE_UP or gate_up.activation is None or gate_up._act[0] == 0 \
+            or gate_up.apply_routing_weights or down.role is not GemmRole.DOWN \
+            or down.activation is not None or down.apply_routing_weights or not last.apply_routing_weights:
+        return None
+    if gate_up.configs is not dispatch.configs or down.configs is not dispatch.configs:
+        return None  # (the stages read the dispatch's configuration: the same table, as the layers build them)
+    return TrainingStep(dispatch, gate_up, down, last)
+
+
+class _OpContext:
+    """What an op's ``setup_context`` writes and its ``backward`` reads, for an op run inside :class:`_Step`: the
+    saved tensors, which inputs need a gradient (as the autograd engine would say for the op's node), and the
+    attributes ``setup_context`` sets."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple[Any, ...] = ()
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass  # (the step passes None for a gradient nothing produced, as the engine does without materialising)
+
+
+def _gemm_needs(rows: bool, weight: bool, bias: bool, gathered_from: bool = False) -> tuple[bool, ...]:
+    """A ``moeforge::moe_gemm`` node's ``needs_input_grad``: the rows, the weight, the bias and the token rows the
+    rows were gathered from; every other input none."""
+    needs = [False] * _GEMM_ARGUMENTS
+    needs[0], needs[2], needs[6], needs[_GATHERED_FROM] = rows, weight, bias, gathered_from
+    return tuple(needs)
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``): torch's private query, which AOT
+    autograd reads for the same purpose; where it is missing, ``True`` (keep everything)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
+
+
+class _Step(torch.autograd.Function):
+    """One training step of the experts (:class:`TrainingStep`): the stages' kernels in their order."""
+
+    @staticmethod
+    def forward(ctx: Any, step: TrainingStep, x: torch.Tensor, topk_weights: torch.Tensor,  # type: ignore[override]
+                ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor],
+                b2: Optional[torch.Tensor]) -> torch.Tensor:
+        ops = kernel_ops()
+        need_x, need_w, _, need_w13, need_w2, need_b13, need_b2 = ctx.needs_input_grad[1:]
+        tokens, top_k = ids.shape
+        copies = tokens * top_k
+        dispatch = step.dispatch
+        # AlignDispatch: the alignment for a training step, the rows gathered into its slot order
+        config = dispatch.configs.lookup(tokens)
+        sorted_ids, block_expert, num_padded = ops.align_block_size.impl(ids, dispatch.num_experts, config.block_m,
+                                                                         True)
+        weights = topk_weights.float()
+        gather = (x, weights.reshape(-1), sorted_ids, block_expert, num_padded, top_k, dispatch.num_experts,
+                  config.block_m)
+        xs, _, slot_of, row_of_slot, runs = ops.gather_slots.impl(*gather)
+        index = slot_of.view(tokens, top_k)
+        route = GemmRoute(row_of_slot, block_expert, num_padded, copies, aligned_block_m=config.block_m,
+                          slot_copies=copies, slot_runs=runs)
+        # FusedGroupedGemm (gate/up), its activation as its own op (as a recorded forward runs it)
+        act = step.gate_up._act
+        upstream = need_x or need_w  # (the rows: the gather's output, from x and the weights)
+        arguments = grouped_gemm_call.arguments(GemmRows(xs, gathered_from=x, gathered_index=index), GemmWeight(w13),
+                                                route, GemmEpilogue(x.dtype, bias=b13),
+                                                config.gate_up_unfused if act[1] else config.gate_up)
+        pre, _ = grouped_gemm_call.launch(*arguments)
+        gate_up = _OpContext(_gemm_needs(upstream, need_w13, need_b13, need_x))
+        backward.moe_gemm_setup_context(gate_up, arguments, None)
+        hidden = ops.activate_rows.impl(pre, *act)
+        activation = _OpContext(())
+        activation_rows.autograd_setup_context(activation, (pre, *act), hidden)
+        del pre
+        # FusedGroupedGemm (down)
+        upstream = upstream or need_w13 or need_b13
+        arguments = grouped_gemm_call.arguments(GemmRows(hidden), GemmWeight(w2), route,
+                                                GemmEpilogue(hidden.dtype, bias=b2), config.down)
+        rows, _ = grouped_gemm_call.launch(*arguments)
+        down = _OpContext(_gemm_needs(upstream, need_w2, need_b2))
+        backward.moe_gemm_setup_context(down, arguments, None)
+        # Combine: the routing weights applied, each copy read at its slot
+        upstream = upstream or need_w2 or need_b2
+        last = step.combine
+        arguments = (rows, weights, top_k, last.routed_scaling_factor if last.routed_scaling_factor is not None
+                     else 1.0, last.out_dtype.torch_dtype if last.out_dtype is not None else rows.dtype, index)
+        out = combine.combined(*arguments)
+        combined = _OpContext((upstream, need_w, False, False, False, False))
+        backward.combine_setup_context(combined, arguments, out)
+        ctx.save_for_backward(x, topk_weights, w13, w2, b13, b2)  # (the engine's check of in-place changes)
+        ctx.tape = [gate_up, activation, down, combined]
+        ctx.needs = (need_x or need_w or need_w13 or need_b13, need_w2 or need_b2)  # (below the combine, the down)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        topk_weights = ctx.saved_tensors[1]  # (raises where a backward already freed the graph)
+        tape, keep = ctx.tape, _keeps_graph()
+        if not keep:
+            ctx.tape = None
+        gate_up, activation, down, combined = tape
+        below_down, down_itself = ctx.needs
+        d_rows, d_weights = backward.combine_backward(combined, grad_out)[:2]
+        del combined, grad_out
+        if not keep:
+            tape.clear()  # (each op's saved tensors go once its backward has run)
+        d_x = dw13 = db13 = dw2 = db2 = None
+        if below_down or down_itself:
+            grads = backward.moe_gemm_backward(down, d_rows, None)
+            d_hidden, dw2, db2 = grads[0], grads[2], grads[6]
+            del down, d_rows, grads
+            if below_down:
+                d_pre = activation_rows.autograd_backward(activation, d_hidden)[0]
+                del activation, d_hidden
+                grads = backward.moe_gemm_backward(gate_up, d_pre, None)
+                d_x, dw13, db13 = grads[_GATHERED_FROM], grads[2], grads[6]
+        if d_weights is not None:
+            d_weights = d_weights.to(topk_weights.dtype)  # (the stages' ``weights.float()``'s backward)
+        return None, d_x, d_weights, None, dw13, dw2, db13, db2

@@ -1,0 +1,308 @@
+"""The triton experts' training step as one autograd node (``moeforge/stages/triton_step.py``): the pipeline runs the
+dispatch, both GEMMs, the activation and the combine as one ``autograd.Function`` where a call records gradients,
+and the output and every gradient are the stages' own, bit for bit.
+
+Each check runs the same pipeline twice on the same inputs: through :meth:`Pipeline.__call__` (the joined run where it
+takes the call) and stage by stage (what the pipeline did before), and compares the bits — both run the same kernels
+on the same machine, so the comparison holds on any CPU. On CPU under the interpreter at tiny shapes; on a GPU the
+same at the layers' own tiles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import moeforge as mf  # noqa: E402
+from moeforge.kernels.config import ConfigTable  # noqa: E402
+from moeforge.payloads import Activations, MoEInput, RoutedTokens, TopKOutput  # noqa: E402
+from moeforge.stages import triton_step  # noqa: E402
+from moeforge.stages.combine import Combine  # noqa: E402
+from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EXPERTS, HIDDEN, INTER = 4, 32, 24
+
+ACTIVATIONS = {
+    "swiglu": mf.ActivationConfig(),
+    "gpt-oss": mf.ActivationConfig(mf.ActivationKind.GPT_OSS_SWIGLU, gate_up=mf.GateUpLayout.INTERLEAVED),
+    "relu2": mf.ActivationConfig(mf.ActivationKind.RELU2),
+}
+
+CASES = {  # tokens, top_k, every token's experts (None: drawn)
+    "spread": (13, 2, None),
+    "one token": (1, 3, None),
+    "every token on experts 0 and 1": (9, 2, [[0, 1]] * 9),
+    "top_k = experts": (6, EXPERTS, None),
+    "an idle expert": (10, 1, [[e % 3] for e in range(10)]),
+}
+
+
+def _weights(act: mf.ActivationConfig, bias: bool, dtype: torch.dtype, seed: int
+             ) -> dict[str, Optional[torch.nn.Parameter]]:
+    gen = torch.Generator().manual_seed(seed)
+    n13 = (2 if act.gated else 1) * INTER
+
+    def parameter(*shape: int, scale: float) -> torch.nn.Parameter:
+        return torch.nn.Parameter((torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype))
+
+    return {"w13": parameter(EXPERTS, n13, HIDDEN, scale=HIDDEN ** -0.5),
+            "w2": parameter(EXPERTS, HIDDEN, INTER, scale=INTER ** -0.5),
+            "b13": parameter(EXPERTS, n13, scale=0.1) if bias else None,
+            "b2": parameter(EXPERTS, HIDDEN, scale=0.1) if bias else None}
+
+
+def _experts(t: dict[str, Any], act: mf.ActivationConfig, dtype: torch.dtype, top_k: int,  # type: ignore[type-arg]
+             combine: Optional[Combine] = None, slot_rows: Optional[bool] = None) -> mf.Pipeline:
+    table = ConfigTable(EXPERTS, top_k)
+    spec = mf.input_spec(HIDDEN, dtype, EXPERTS).evolve(kind=mf.PayloadKind.ROUTED, top_k=top_k)
+    if combine is not None and combine.routed_scaling_factor is not None:
+        spec = spec.evolve(scaling_factor=mf.ScalingFactor.PENDING, pending_scale=combine.routed_scaling_factor)
+    return mf.Pipeline([
+        AlignDispatch(EXPERTS, table, slot_rows),
+        FusedGroupedGemm(mf.GemmRole.GATE_UP, t["w13"], table, t["b13"], act),
+        FusedGroupedGemm(mf.GemmRole.DOWN, t["w2"], table, t["b2"]),
+        combine or Combine(),
+    ], spec)
+
+
+def _routed(tokens: int, top_k: int, ids: Any, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    if ids is None:
+        ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:top_k] for _ in range(tokens)])
+    ids = torch.as_tensor(ids).reshape(tokens, top_k).to(DEVICE, torch.int32)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
+    weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
+    grad = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
+    return x, weights, ids, grad
+
+
+def _staged(pipeline: mf.Pipeline, payload: Any) -> Any:  # type: ignore[type-arg]
+    """The pipeline's stages one by one: what it ran before the joined run."""
+    for stage in pipeline.stages:
+        payload = stage(payload)
+    return payload
+
+
+def _counted(run: Callable[[], Any]) -> tuple[Any, int]:
+    """``run()`` and the number of training steps it ran as one node."""
+    calls = []
+    apply = triton_step._Step.apply
+    try:
+        triton_step._Step.apply = lambda *args: calls.append(1) or apply(*args)  # type: ignore[method-assign]
+        return run(), len(calls)
+    finally:
+        triton_step._Step.apply = apply  # type: ignore[method-assign]
+
+
+def _both(pipeline: mf.Pipeline, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,  # type: ignore[type-arg]
+          leaves: list[torch.Tensor], grad: torch.Tensor, joins: int = 1) -> None:
+    """The pipeline's output and the gradients of ``leaves`` (``x`` and ``weights`` among them where they require
+    grad), through the pipeline (``joins``: the steps run as one node) and stage by stage: the same bits."""
+    results = []
+    for run in (pipeline, lambda payload: _staged(pipeline, payload)):
+        def step() -> list[torch.Tensor]:
+            out = run(RoutedTokens(Activations(x), TopKOutput(weights, ids))).hidden_states
+            return [out.detach(), *torch.autograd.grad(out, leaves, grad, allow_unused=True)]
+        result, calls = _counted(step)
+        results.append(result)
+        assert calls == (joins if run is pipeline else 0)
+    for index, (joined, staged) in enumerate(zip(*results)):
+        assert (joined is None) == (staged is None), index
+        if joined is not None:
+            assert joined.dtype == staged.dtype and torch.equal(joined, staged), index
+
+
+def _leaves(x: torch.Tensor, weights: torch.Tensor, t: dict[str, Any]) -> list[torch.Tensor]:
+    x.requires_grad_(True)
+    weights.requires_grad_(True)
+    return [x, weights, *(p for p in t.values() if p is not None)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_one_node_gives_the_stages_bits_for_any_routing(case: str) -> None:
+    tokens, top_k, ids = CASES[case]
+    t = _weights(ACTIVATIONS["swiglu"], True, torch.float32, 1)
+    x, weights, ids, grad = _routed(tokens, top_k, ids, torch.float32, 2)
+    _both(_experts(t, ACTIVATIONS["swiglu"], torch.float32, top_k), x, weights, ids, _leaves(x, weights, t), grad)
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_one_node_gives_the_stages_bits_for_every_activation(act: str) -> None:
+    t = _weights(ACTIVATIONS[act], act == "gpt-oss", torch.float32, 3)
+    x, weights, ids, grad = _routed(11, 2, None, torch.float32, 4)
+    _both(_experts(t, ACTIVATIONS[act], torch.float32, 2), x, weights, ids, _leaves(x, weights, t), grad)
+
+
+def test_one_node_gives_the_stages_bits_in_half_precision_with_a_scaled_combine_to_fp32() -> None:
+    t = _weights(ACTIVATIONS["swiglu"], False, torch.float16, 5)
+    x, weights, ids, grad = _routed(12, 2, None, torch.float16, 6)
+    combine = Combine(routed_scaling_factor=2.5, out_dtype=mf.DType.FP32)
+    _both(_experts(t, ACTIVATIONS["swiglu"], torch.float16, 2, combine), x, weights, ids,
+          _leaves(x, weights, t), grad.float())
+
+
+# which of the inputs require grad: the node runs wherever the gate/up GEMM records a gradient
+REQUIRING = {
+    "the rows alone": (["x"], 1),
+    "the routing weights alone": (["weights"], 1),
+    "the weights (a frozen input)": (["w13", "w2", "b13", "b2"], 1),
+    "the gate/up weight alone": (["w13"], 1),
+    "the down weights alone (the gate/up GEMM records nothing: the stages)": (["w2", "b2"], 0),
+}
+
+
+@pytest.mark.parametrize("requiring", sorted(REQUIRING))
+def test_one_node_gives_the_stages_bits_whichever_inputs_require_grad(requiring: str) -> None:
+    names, joins = REQUIRING[requiring]
+    t = _weights(ACTIVATIONS["gpt-oss"], True, torch.float32, 7)
+    x, weights, ids, grad = _routed(10, 2, None, torch.float32, 8)
+    tensors = {"x": x, "weights": weights, **t}
+    for name, tensor in tensors.items():
+        tensor.requires_grad_(name in names)
+    _both(_experts(t, ACTIVATIONS["gpt-oss"], torch.float32, 2), x, weights, ids, [tensors[n] for n in names],
+          grad, joins)
+
+
+def test_a_layer_routed_by_the_triton_kernel_trains_through_one_node_after_its_routing() -> None:
+    t = _weights(ACTIVATIONS["swiglu"], False, torch.float32, 9)
+    experts = _experts(t, ACTIVATIONS["swiglu"], torch.float32, 2)
+    layer = mf.Pipeline([TritonTopK(EXPERTS, 2, mf.RoutingConfig()), *experts.stages],
+                        mf.input_spec(HIDDEN, torch.float32, EXPERTS))
+    assert layer.joined[1] is not None and "stages 1-4: one autograd node" in layer.describe()
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(7, HIDDEN, generator=gen).to(DEVICE).requires_grad_()
+    logits = torch.randn(7, EXPERTS, generator=gen).to(DEVICE).requires_grad_()
+    grad = torch.randn(7, HIDDEN, generator=gen).to(DEVICE)
+    leaves = [x, logits, t["w13"], t["w2"]]
+    results = []
+    for run in (layer, lambda payload: _staged(layer, payload)):
+        out, calls = _counted(lambda: run(MoEInput(x, logits)).hidden_states)
+        assert calls == (1 if run is layer else 0)
+        results.append([out.detach(), *torch.autograd.grad(out, leaves, grad)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_the_calls_it_does_not_take_run_the_stages() -> None:
+    t = _weights(ACTIVATIONS["swiglu"], False, torch.float32, 11)
+    pipeline = _experts(t, ACTIVATIONS["swiglu"], torch.float32, 2)
+    x, weights, ids, _ = _routed(5, 2, None, torch.float32, 12)
+
+    def calls(payload: RoutedTokens, **kwargs: Any) -> int:
+        return _counted(lambda: pipeline.run(payload, **kwargs))[1]
+
+    routed = RoutedTokens(Activations(x), TopKOutput(weights, ids))
+    assert calls(routed) == 1
+    with torch.no_grad():
+        assert calls(routed) == 0
+    empty = RoutedTokens(Activations(x[:0]), TopKOutput(weights[:0], ids[:0]))  # (no copies: copy order)
+    assert calls(empty) == 0 and pipeline(empty).hidden_states.shape == (0, HIDDEN)
+    with torch.device(DEVICE):  # (a function mode: the ops serve)
+        assert calls(routed) == 0
+    saved = _stage_by_stage(pipeline)  # (what the GPU test compares with)
+    assert calls(routed) == 0
+    pipeline.joined = saved
+    assert calls(routed) == 1
+    debug = mf.Pipeline(pipeline.stages, pipeline.input_spec, debug=True)  # (checks every stage's payload)
+    assert _counted(lambda: debug(routed))[1] == 0
+    for p in t.values():
+        if p is not None:
+            p.requires_grad_(False)
+    assert calls(routed) == 0  # (nothing requires grad)
+
+
+@pytest.mark.parametrize("pipeline_of", ["copy order", "weights in the down GEMM", "weights on the input"])
+def test_compositions_it_does_not_cover_have_no_joined_run(pipeline_of: str) -> None:
+    t = _weights(ACTIVATIONS["swiglu"], False, torch.float32, 13)
+    table = ConfigTable(EXPERTS, 2)
+    dispatch = AlignDispatch(EXPERTS, table, slot_rows=False if pipeline_of == "copy order" else None,
+                             apply_routing_weights=pipeline_of == "weights on the input")
+    in_gemm = pipeline_of == "weights in the down GEMM"
+    stages = [dispatch, FusedGroupedGemm(mf.GemmRole.GATE_UP, t["w13"], table, activation=ACTIVATIONS["swiglu"]),
+              FusedGroupedGemm(mf.GemmRole.DOWN, t["w2"], table, apply_routing_weights=in_gemm),
+              Combine(apply_routing_weights=pipeline_of == "copy order")]
+    assert triton_step.training_step(dispatch, tuple(stages[1:])) is None
+    assert dispatch.joined(tuple(stages[1:])) is None
+
+
+def test_a_backward_that_keeps_the_graph_runs_twice_and_one_that_does_not_frees_it() -> None:
+    t = _weights(ACTIVATIONS["swiglu"], True, torch.float32, 14)
+    pipeline = _experts(t, ACTIVATIONS["swiglu"], torch.float32, 2)
+    x, weights, ids, grad = _routed(9, 2, None, torch.float32, 15)
+    leaves = _leaves(x, weights, t)
+    out = pipeline(RoutedTokens(Activations(x), TopKOutput(weights, ids))).hidden_states
+    first = torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    second = torch.autograd.grad(out, leaves, grad)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.grad(out, leaves, grad)
+
+
+def test_an_input_changed_in_place_before_the_backward_is_the_engines_error() -> None:
+    t = _weights(ACTIVATIONS["swiglu"], False, torch.float32, 16)
+    pipeline = _experts(t, ACTIVATIONS["swiglu"], torch.float32, 2)
+    x, weights, ids, grad = _routed(6, 2, None, torch.float32, 17)
+    out = pipeline(RoutedTokens(Activations(x), TopKOutput(weights, ids))).hidden_states
+    with torch.no_grad():
+        t["w13"].add_(1.0)  # (an optimizer step between the forward and the backward)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(grad)
+
+
+def test_the_arguments_the_step_passes_are_the_ops() -> None:
+    # The step calls the op's function with the op's arguments by position (grouped_gemm_call.arguments): the names it
+    # and the backward index by are the function's parameters, in order.
+    import inspect
+
+    from moeforge.kernels import grouped_gemm_call
+
+    assert tuple(inspect.signature(grouped_gemm_call.launch).parameters) == grouped_gemm_call.ARGUMENT_NAMES
+
+
+def _stage_by_stage(pipeline: mf.Pipeline) -> tuple[Any, ...]:  # type: ignore[type-arg]
+    """Turn the pipeline's joined runs off (it then runs its stages one by one); returns what to put back."""
+    joined = pipeline.joined
+    pipeline.joined = (None,) * len(joined)
+    return joined
+
+
+GPU_LAYERS = {  # preset, sizes, tokens: the tables' tiles at real widths (Gluon kernels where the device runs them)
+    "mixtral, its own shape": ("mixtral", dict(num_experts=8, top_k=2, hidden_size=4096,
+                                               intermediate_size=14336), 1024),
+    "qwen3_moe, its own shape": ("qwen3_moe", dict(num_experts=128, top_k=8, hidden_size=2048,
+                                                   intermediate_size=768), 1024),
+    "gpt_oss, small": ("gpt_oss", dict(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256), 300),
+    "deepseek_v3, small": ("deepseek_v3", dict(num_experts=32, top_k=8, hidden_size=512, intermediate_size=256), 2048),
+}
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(GPU_LAYERS))
+def test_a_bf16_layer_trains_with_the_stages_bits_on_the_gpu(name: str) -> None:
+    preset, sizes, tokens = GPU_LAYERS[name]
+    torch.manual_seed(0)
+    layer = mf.MoELayer.from_preset(preset, **sizes, dtype=torch.bfloat16, device="cuda", backend="triton")
+    assert "one autograd node" in layer.describe()
+    x = torch.randn(tokens, sizes["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    results = []
+    for joined in (True, False):
+        saved = None if joined else _stage_by_stage(layer.pipeline)
+        try:
+            xi = x.clone().requires_grad_()
+            out, calls = _counted(lambda: layer(xi))
+            out.backward(grad)
+            torch.cuda.synchronize()
+        finally:
+            if saved is not None:
+                layer.pipeline.joined = saved
+        assert calls == (1 if joined else 0)
+        results.append([out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()  # type: ignore[union-attr]
+                                                   ])
+        layer.zero_grad()
+    for index, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), index
