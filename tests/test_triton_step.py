@@ -225,8 +225,9 @@ def test_compositions_it_does_not_cover_have_no_joined_run(pipeline_of: str) -> 
     stages = [dispatch, FusedGroupedGemm(mf.GemmRole.GATE_UP, t["w13"], table, activation=ACTIVATIONS["swiglu"]),
               FusedGroupedGemm(mf.GemmRole.DOWN, t["w2"], table, apply_routing_weights=in_gemm),
               Combine(apply_routing_weights=pipeline_of == "copy order")]
-    assert triton_step.training_step(dispatch, tuple(stages[1:])) is None
     assert dispatch.joined(tuple(stages[1:])) is None
+    assert mf.Pipeline(stages, mf.input_spec(HIDDEN, torch.float32, EXPERTS).evolve(
+        kind=mf.PayloadKind.ROUTED, top_k=2)).joined == (None,) * 4
 
 
 def test_a_backward_that_keeps_the_graph_runs_twice_and_one_that_does_not_frees_it() -> None:

@@ -34,14 +34,12 @@ import attrs
 import torch
 
 from moeforge.kernels import activation_rows, backward, combine, grouped_gemm_call
+from moeforge.kernels.config import ConfigTable
 from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight
 from moeforge.kernels.kernel_op import DIRECT_WITH_GRAD, call_route
 from moeforge.payloads import MoEOutput, RoutedTokens
 from moeforge.stages import slot_order
-from moeforge.stages.combine import Combine
-from moeforge.stages.gemm import GemmRole
-from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, kernel_ops
-from moeforge.tensor_ref import resolve
+from moeforge.tensor_ref import TensorSource, resolve
 
 _GATHERED_FROM = grouped_gemm_call.ARGUMENT_NAMES.index("gathered_from")
 _GEMM_ARGUMENTS = len(grouped_gemm_call.ARGUMENT_NAMES)
@@ -49,13 +47,23 @@ _GEMM_ARGUMENTS = len(grouped_gemm_call.ARGUMENT_NAMES)
 
 @attrs.frozen(eq=False)
 class TrainingStep:
-    """The four stages ``dispatch``, ``gate_up``, ``down``, ``combine`` as one autograd node, for the calls
-    :meth:`__call__` takes (see the module docstring); made by :func:`training_step` only."""
+    """The four stages as one autograd node, for the calls :meth:`__call__` takes (see the module docstring): what
+    each stage reads, as a plain record (made by :meth:`moeforge.stages.triton.AlignDispatch.joined`, which checks
+    that the stages after it are the four this runs). The dispatch's ``num_experts``, ``configs`` and ``slot_rows``;
+    the gate/up GEMM's weight ``w13``, bias ``b13`` and activation ``act`` (the kernels' arguments,
+    :func:`~moeforge.stages.triton.activation_args`; an activation, code not 0); the down GEMM's ``w2`` and ``b2``;
+    the combine's ``scale`` (its routed scaling factor, or 1) and ``out_dtype`` (``None``: the rows')."""
 
-    dispatch: AlignDispatch
-    gate_up: FusedGroupedGemm
-    down: FusedGroupedGemm
-    combine: Combine
+    num_experts: int
+    configs: ConfigTable
+    slot_rows: Optional[bool]
+    w13: TensorSource
+    b13: Optional[TensorSource]
+    act: tuple[int, bool, bool, float, float]
+    w2: TensorSource
+    b2: Optional[TensorSource]
+    scale: float
+    out_dtype: Optional[torch.dtype]
     joins: int = attrs.field(default=3, init=False)  # the stages after the dispatch it runs
 
     def summary(self) -> str:
@@ -68,9 +76,9 @@ class TrainingStep:
         rows, weights, ids = x.x.data, x.topk.weights, x.topk.ids
         if not torch.is_grad_enabled() or x.x.scale is not None or x.adapter_ids is not None:
             return None
-        w13, w2 = resolve(self.gate_up.weight), resolve(self.down.weight)
-        b13 = resolve(self.gate_up.bias) if self.gate_up.bias is not None else None
-        b2 = resolve(self.down.bias) if self.down.bias is not None else None
+        w13, w2 = resolve(self.w13), resolve(self.w2)
+        b13 = resolve(self.b13) if self.b13 is not None else None
+        b2 = resolve(self.b2) if self.b2 is not None else None
         if call_route((rows, weights, ids, w13, w2, b13, b2)) != DIRECT_WITH_GRAD:
             return None
         # The gate/up GEMM records a gradient (its activation then runs as its own op, as the stage does), and the
@@ -78,29 +86,11 @@ class TrainingStep:
         if not any(t is not None and t.requires_grad for t in (rows, weights, w13, b13)):
             return None
         if slot_order.slot_rows_apply(x) is not None or not (
-                self.dispatch.slot_rows or slot_order.slot_rows_pay(ids.numel())):
+                self.slot_rows or slot_order.slot_rows_pay(ids.numel())):
             return None
         apply = _Step.apply
         out: torch.Tensor = apply(self, rows, weights, ids, w13, w2, b13, b2)  # type: ignore[no-untyped-call]
         return MoEOutput(out)
-
-
-def training_step(dispatch: AlignDispatch, following: tuple[Any, ...]) -> Optional[TrainingStep]:
-    """The :class:`TrainingStep` of ``dispatch`` and the stages after it, where they are the four it runs as the
-    stages run them: the gate/up GEMM with its activation and without routing weights, the down GEMM without an activation or routing
-    weights, a :class:`~moeforge.stages.combine.Combine` applying the routing weights; ``None`` otherwise."""
-    if dispatch.apply_routing_weights or dispatch.slot_rows is False or len(following) < 3:
-        return None
-    gate_up, down, last = following[:3]
-    if type(gate_up) is not FusedGroupedGemm or type(down) is not FusedGroupedGemm or type(last) is not Combine:
-        return None
-    if gate_up.role is not GemmRole.GATE_UP or gate_up.activation is None or gate_up._act[0] == 0 \
-            or gate_up.apply_routing_weights or down.role is not GemmRole.DOWN \
-            or down.activation is not None or down.apply_routing_weights or not last.apply_routing_weights:
-        return None
-    if gate_up.configs is not dispatch.configs or down.configs is not dispatch.configs:
-        return None  # (the stages read the dispatch's configuration: the same table, as the layers build them)
-    return TrainingStep(dispatch, gate_up, down, last)
 
 
 class _OpContext:
@@ -141,24 +131,23 @@ class _Step(torch.autograd.Function):
     def forward(ctx: Any, step: TrainingStep, x: torch.Tensor, topk_weights: torch.Tensor,  # type: ignore[override]
                 ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor],
                 b2: Optional[torch.Tensor]) -> torch.Tensor:
-        ops = kernel_ops()
+        from moeforge.kernels import ops  # (registered by the stages that made the step)
+
         need_x, need_w, _, need_w13, need_w2, need_b13, need_b2 = ctx.needs_input_grad[1:]
         tokens, top_k = ids.shape
         copies = tokens * top_k
-        dispatch = step.dispatch
         # AlignDispatch: the alignment for a training step, the rows gathered into its slot order
-        config = dispatch.configs.lookup(tokens)
-        sorted_ids, block_expert, num_padded = ops.align_block_size.impl(ids, dispatch.num_experts, config.block_m,
-                                                                         True)
+        config = step.configs.lookup(tokens)
+        sorted_ids, block_expert, num_padded = ops.align_block_size.impl(ids, step.num_experts, config.block_m, True)
         weights = topk_weights.float()
-        gather = (x, weights.reshape(-1), sorted_ids, block_expert, num_padded, top_k, dispatch.num_experts,
+        gather = (x, weights.reshape(-1), sorted_ids, block_expert, num_padded, top_k, step.num_experts,
                   config.block_m)
         xs, _, slot_of, row_of_slot, runs = ops.gather_slots.impl(*gather)
         index = slot_of.view(tokens, top_k)
         route = GemmRoute(row_of_slot, block_expert, num_padded, copies, aligned_block_m=config.block_m,
                           slot_copies=copies, slot_runs=runs)
         # FusedGroupedGemm (gate/up), its activation as its own op (as a recorded forward runs it)
-        act = step.gate_up._act
+        act = step.act
         upstream = need_x or need_w  # (the rows: the gather's output, from x and the weights)
         arguments = grouped_gemm_call.arguments(GemmRows(xs, gathered_from=x, gathered_index=index), GemmWeight(w13),
                                                 route, GemmEpilogue(x.dtype, bias=b13),
@@ -179,9 +168,7 @@ class _Step(torch.autograd.Function):
         backward.moe_gemm_setup_context(down, arguments, None)
         # Combine: the routing weights applied, each copy read at its slot
         upstream = upstream or need_w2 or need_b2
-        last = step.combine
-        arguments = (rows, weights, top_k, last.routed_scaling_factor if last.routed_scaling_factor is not None
-                     else 1.0, last.out_dtype.torch_dtype if last.out_dtype is not None else rows.dtype, index)
+        arguments = (rows, weights, top_k, step.scale, step.out_dtype or rows.dtype, index)
         out = combine.combined(*arguments)
         combined = _OpContext((upstream, need_w, False, False, False, False))
         backward.combine_setup_context(combined, arguments, out)
