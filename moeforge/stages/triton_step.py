@@ -11,7 +11,7 @@ backward each op's registered backward in reverse order. The outputs and every g
 give, bit for bit (``tests/test_triton_step.py``); what goes is the per-kernel dispatch and four autograd nodes.
 
 :class:`~moeforge.pipeline.Pipeline` runs it in place of the four stages ``AlignDispatch``, ``FusedGroupedGemm``
-(gate/up, with or without an activation, with or without bias), ``FusedGroupedGemm`` (down) and ``Combine`` (the
+(gate/up with its activation, with or without bias), ``FusedGroupedGemm`` (down) and ``Combine`` (the
 routing weights applied in the combine, any scaling factor and output dtype) when the dispatch offers it
 (:meth:`~moeforge.stages.triton.AlignDispatch.joined`) and a call is one it takes (:meth:`TrainingStep.__call__`):
 grad mode on with the gate/up GEMM's operands recording a gradient, plain tensors and no mode or ``torch.compile``
@@ -24,6 +24,10 @@ GEMM's rows) are kept by this node, and its backward lets each go once the op th
 the autograd engine frees a node's saved tensors — unless the backward keeps the graph (``retain_graph=True``), when
 it keeps them all for the next. The inputs are saved with ``save_for_backward``, so an input changed in place before
 the backward is the autograd engine's error, as with the stages.
+
+Work: a backward asked for some of the inputs' gradients only (``torch.autograd.grad`` of the routing weights alone,
+say) runs every op's backward whose inputs require grad, where the engine would skip the stages' nodes on no path to
+an asked input; the gradients asked for are the same.
 """
 
 from __future__ import annotations
