@@ -13,7 +13,8 @@ at a ring of ``STAGES`` shared-memory slots, each guarded by two barriers:
   tensor memory accelerator (one descriptor over the weight viewed as ``[E · N_w, K]`` rows), and gathers the rows
   by index (``copy // rows_per_a``) with ``cp.async``, each of its threads arriving on the slot's ``ready`` barrier
   when its copies land;
-* the **MMA partition** (the program's ``num_warps`` warps): per K-step, waits for the slot, issues the warpgroup MMA
+* the **MMA partition** (the program's ``num_warps`` warps): per K-step, waits for the slot, fences the async proxy
+  (the gathered rows are generic-proxy writes, the MMA an async-proxy read), issues the warpgroup MMA
   asynchronously, and frees the slot of the step before once that MMA has retired (one MMA in flight); at the end
   of a tile, the epilogue: the gated activation (``act(gate) · up``, the two accumulators side by side), the routing
   weights, the output rows written at their copy indices.
@@ -264,6 +265,10 @@ if _GLUON_ERROR is None:
             for k in range(0, k_steps):
                 slot = step % STAGES
                 mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+                # The rows (and an update's columns) came by cp.async, writes of the generic proxy; the MMA reads shared
+                # memory through the async proxy, which sees them only after an async-proxy fence (PTX manual, wgmma's
+                # "Async Proxy"). The barrier's wait orders them before this thread; the fence, before its MMA.
+                fence_async_shared()
                 if GLU:
                     acc = warpgroup_mma(a_bufs.index(slot), w_bufs.index(2 * slot).permute((1, 0)), acc,
                                         is_async=True)
