@@ -207,6 +207,8 @@ def test_the_calls_it_does_not_take_run_the_stages() -> None:
     assert calls(routed) == 0
     pipeline.joined = saved
     assert calls(routed) == 1
+    with torch.autograd.graph.save_on_cpu():  # (saved-tensor hooks must see what the backward keeps: the stages)
+        assert calls(routed) == 0
     debug = mf.Pipeline(pipeline.stages, pipeline.input_spec, debug=True)  # (checks every stage's payload)
     assert _counted(lambda: debug(routed))[1] == 0
     for p in t.values():
@@ -307,3 +309,30 @@ def test_a_bf16_layer_trains_with_the_stages_bits_on_the_gpu(name: str) -> None:
         layer.zero_grad()
     for index, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), index
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["saved-tensor hooks", "reentrant"])
+def test_activation_checkpointing_gives_the_same_gradients(reentrant: bool) -> None:
+    # Without reentry, torch.utils.checkpoint keeps what save_for_backward saves through saved-tensor hooks (the
+    # stages run); with it, the forward runs without grad and the backward runs it again, with grad (one node).
+    t = _weights(ACTIVATIONS["swiglu"], True, torch.float32, 18)
+    pipeline = _experts(t, ACTIVATIONS["swiglu"], torch.float32, 2)
+    x, weights, ids, grad = _routed(8, 2, None, torch.float32, 19)
+    leaves = _leaves(x, weights, t)
+
+    def run(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = pipeline(RoutedTokens(Activations(x), TopKOutput(weights, ids))).hidden_states
+        return out
+
+    def grads(out: torch.Tensor) -> list[torch.Tensor]:
+        for leaf in leaves:
+            leaf.grad = None
+        out.backward(grad)  # (a reentrant checkpoint takes .backward(), not autograd.grad)
+        return [leaf.grad for leaf in leaves]  # type: ignore[misc]
+
+    plain = grads(run(x, weights))
+    out, calls = _counted(lambda: torch.utils.checkpoint.checkpoint(run, x, weights, use_reentrant=reentrant))
+    assert calls == 0
+    checkpointed, calls = _counted(lambda: grads(out))
+    assert calls == (1 if reentrant else 0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))

@@ -15,7 +15,8 @@ give, bit for bit (``tests/test_triton_step.py``); what goes is the per-kernel d
 routing weights applied in the combine, any scaling factor and output dtype) when the dispatch offers it
 (:meth:`~moeforge.stages.triton.AlignDispatch.joined`) and a call is one it takes (:meth:`TrainingStep.__call__`):
 grad mode on with the gate/up GEMM's operands recording a gradient, plain tensors and no mode or ``torch.compile``
-(what :func:`~moeforge.kernels.kernel_op.call_route` calls ``DIRECT_WITH_GRAD``), float token rows without scales or
+(what :func:`~moeforge.kernels.kernel_op.call_route` calls ``DIRECT_WITH_GRAD``), no saved-tensor hooks (activation
+checkpointing without reentry, ``save_on_cpu``: they must see every tensor the backward keeps), float token rows without scales or
 adapters, and at least one copy — the calls the dispatch gathers into slot order (:mod:`moeforge.stages.slot_order`).
 Every other call runs the stages one by one.
 
@@ -24,6 +25,10 @@ GEMM's rows) are kept by this node, and its backward lets each go once the op th
 the autograd engine frees a node's saved tensors — unless the backward keeps the graph (``retain_graph=True``), when
 it keeps them all for the next. The inputs are saved with ``save_for_backward``, so an input changed in place before
 the backward is the autograd engine's error, as with the stages.
+
+Gradients arrive together: the node's backward returns every input's gradient at its end, where the stages' nodes
+give the down GEMM's weight gradient before the gate/up GEMM's backward runs (a data-parallel wrapper that starts a
+parameter's reduction when its gradient is ready overlaps that one reduction less).
 
 Work: a backward asked for some of the inputs' gradients only (``torch.autograd.grad`` of the routing weights alone,
 say) runs every op's backward whose inputs require grad, where the engine would skip the stages' nodes on no path to
@@ -83,7 +88,7 @@ class TrainingStep:
         w13, w2 = resolve(self.w13), resolve(self.w2)
         b13 = resolve(self.b13) if self.b13 is not None else None
         b2 = resolve(self.b2) if self.b2 is not None else None
-        if call_route((rows, weights, ids, w13, w2, b13, b2)) != DIRECT_WITH_GRAD:
+        if call_route((rows, weights, ids, w13, w2, b13, b2)) != DIRECT_WITH_GRAD or _saved_tensor_hooks():
             return None
         # The gate/up GEMM records a gradient (its activation then runs as its own op, as the stage does), and the
         # dispatch gathers these rows into slot order.
@@ -119,6 +124,15 @@ def _gemm_needs(rows: bool, weight: bool, bias: bool, gathered_from: bool = Fals
     needs = [False] * _GEMM_ARGUMENTS
     needs[0], needs[2], needs[6], needs[_GATHERED_FROM] = rows, weight, bias, gathered_from
     return tuple(needs)
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are set (``torch.autograd.graph.saved_tensors_hooks``: activation checkpointing
+    without reentry, ``save_on_cpu``): they see what ``save_for_backward`` saves, and this node keeps its
+    intermediates beside it, so such calls run the stages. torch's private query, which its checkpointing reads too;
+    where it is missing, ``True``."""
+    query = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if query is None else query(False) is not None
 
 
 def _keeps_graph() -> bool:
