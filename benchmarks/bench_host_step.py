@@ -97,6 +97,15 @@ def training_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int
     return forward, step
 
 
+def _floor_tensors(experts: int, top_k: int, tokens: int, hidden: int,
+                   inter: int) -> tuple[torch.Tensor, ...]:
+    """The floors' ``(w13, w2, x, routing weights, upstream gradient)``: bf16 weights requiring grad, toy widths."""
+    return (torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=True),
+            torch.randn(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=True),
+            torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.rand(tokens, top_k),
+            torch.randn(tokens, hidden, dtype=torch.bfloat16))
+
+
 def floor_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int) -> Callable[[], Any]:
     """A training step with the autograd structure of the slot-order step (five ``autograd.Function`` nodes: the
     gather, the gate/up GEMM, the activation, the down GEMM, the combine), its allocations (each op's outputs, each
@@ -182,11 +191,7 @@ def floor_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int) -
             launch(grad, rows, w, d_rows, d_w, 1, 2)
             return d_rows, d_w
 
-    w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=True)
-    w2 = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=True)
-    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
-    weights = torch.rand(tokens, top_k)
-    grad = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    w13, w2, x, weights, grad = _floor_tensors(experts, top_k, tokens, hidden, inter)
 
     def step() -> Any:
         xr, w = x.detach().requires_grad_(), weights.detach().requires_grad_()
@@ -256,11 +261,7 @@ def one_node_floor_step(experts: int, top_k: int, tokens: int, hidden: int, inte
             launch(d_pre, xs, dw13, runs, *range(12))
             return d_x, d_w, dw13, dw2
 
-    w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=True)
-    w2 = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=True)
-    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
-    weights = torch.rand(tokens, top_k)
-    grad = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    w13, w2, x, weights, grad = _floor_tensors(experts, top_k, tokens, hidden, inter)
 
     def step() -> Any:
         xr, w = x.detach().requires_grad_(), weights.detach().requires_grad_()
