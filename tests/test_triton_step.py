@@ -336,3 +336,40 @@ def test_activation_checkpointing_gives_the_same_gradients(reentrant: bool) -> N
     checkpointed, calls = _counted(lambda: grads(out))
     assert calls == (1 if reentrant else 0)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the GPU test above builds the layers as users do")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"])
+def test_the_families_layers_train_through_one_node_with_the_stages_bits(family: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # (the selector wants a GPU for the triton stages; the interpreter runs them.) Llama-4 applies its routing weights
+    # on the input: a composition the node does not cover, whose layer runs the stages.
+    from moeforge.roles import LayerConfig
+
+    monkeypatch.setattr(LayerConfig, "triton_problem", lambda self: None)
+    sizes: dict[str, Any] = dict(num_experts=EXPERTS, top_k=1 if family == "llama4" else 2, hidden_size=HIDDEN,
+                                 intermediate_size=INTER)
+    if family == "deepseek_v3":
+        sizes.update(n_group=1, topk_group=1)
+    torch.manual_seed(20)
+    layer = mf.MoELayer.from_preset(family, **sizes, dtype=torch.float32, device=DEVICE, backend="auto")
+    assert layer.backend is mf.Backend.TRITON
+    joins = 0 if family == "llama4" else 1
+    assert ("one autograd node" in layer.describe()) == bool(joins)
+    x = torch.randn(9, HIDDEN)
+    grad = torch.randn(9, HIDDEN)
+    results = []
+    for joined in (True, False):
+        saved = None if joined else _stage_by_stage(layer.pipeline)
+        try:
+            xi = x.clone().requires_grad_()
+            out, calls = _counted(lambda: layer(xi))
+            out.backward(grad)
+        finally:
+            if saved is not None:
+                layer.pipeline.joined = saved
+        assert calls == (joins if joined else 0)
+        results.append([out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()  # type: ignore[union-attr]
+                                                   ])
+        layer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(*results))
