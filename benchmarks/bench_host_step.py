@@ -13,6 +13,8 @@ backward's Python, the custom ops' and autograd's dispatch and the torch allocat
 the GPU-only paths (TMA descriptors, the Gluon weight gradient, which the CPU's tiles never take). Prints the median
 microseconds of the forward and of the step over ``--steps`` steps; ``--staged`` also times the step run stage by stage
 (five autograd nodes, what the pipeline ran before the training step's one node), in alternating rounds;
+``--inference`` an inference forward (no grad mode, the routing kernel included) as one unit and stage by stage, the
+same way;
 ``--slot-rows`` whether the dispatch gives its
 rows in slot order (``rule``: where :func:`~moeforge.stages.slot_order.slot_rows_pay` takes it); ``--profile N``
 prints a ``cProfile`` listing of N steps; ``--floor`` also times the step's floor (:func:`floor_step`: the same five
@@ -104,6 +106,28 @@ def _floor_tensors(experts: int, top_k: int, tokens: int, hidden: int,
             torch.randn(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=True),
             torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.rand(tokens, top_k),
             torch.randn(tokens, hidden, dtype=torch.bfloat16))
+
+
+def inference_forward(experts: int, top_k: int, tokens: int, hidden: int, inter: int) -> tuple[Any, Any]:
+    """``(pipeline, forward)``: a bf16 triton layer's pipeline from the router's logits (the routing kernel, the
+    dispatch, both GEMMs, the combine) on CPU tensors, and its forward without grad mode. The pipeline runs the experts
+    as one unit (:mod:`moeforge.stages.triton_step`) while its ``joined`` runs are set, stage by stage without them."""
+    table = ConfigTable(experts, top_k)
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16)
+    w2 = torch.randn(experts, hidden, inter, dtype=torch.bfloat16)
+    pipeline = mf.Pipeline([
+        TritonTopK(experts, top_k, mf.RoutingConfig()), AlignDispatch(experts, table),
+        FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=mf.ActivationConfig()),
+        FusedGroupedGemm(mf.GemmRole.DOWN, w2, table), Combine(apply_routing_weights=True),
+    ], mf.input_spec(hidden, torch.bfloat16, experts))
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    logits = torch.randn(tokens, experts, dtype=torch.bfloat16)
+
+    def forward() -> Any:
+        with torch.no_grad():
+            return pipeline(mf.MoEInput(x, logits))
+
+    return pipeline, forward
 
 
 def floor_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int) -> Callable[[], Any]:
@@ -295,6 +319,9 @@ def main() -> None:
     parser.add_argument("--staged", action="store_true",
                         help="also time the step run stage by stage (five autograd nodes), alternating with the "
                              "pipeline's one node, in rounds")
+    parser.add_argument("--inference", action="store_true",
+                        help="also time an inference forward (no grad, routing included) as one unit and stage by "
+                             "stage, in alternating rounds")
     parser.add_argument("--floor", action="store_true",
                         help="also time the same autograd nodes, allocations and launch calls without moeforge")
     args = parser.parse_args()
@@ -314,6 +341,16 @@ def main() -> None:
                 rounds["stage by stage"].append(median_us(staged, args.steps // 5 + 1))
             print("the step, alternating rounds of " + str(args.steps // 5 + 1) + ": " + ", ".join(
                 f"{name} {statistics.median(times):.0f} us" for name, times in rounds.items()))
+        if args.inference:
+            pipeline, inference = inference_forward(args.experts, args.top_k, args.tokens, args.hidden, args.inter)
+            joined, rounds = pipeline.joined, {"one unit": [], "stage by stage": []}
+            for _ in range(5):
+                for name, runs in (("one unit", joined), ("stage by stage", (None,) * len(joined))):
+                    pipeline.joined = runs
+                    rounds[name].append(median_us(inference, args.steps // 5 + 1))
+            pipeline.joined = joined
+            print(f"an inference forward (no grad, routing included), alternating rounds of {args.steps // 5 + 1}: "
+                  + ", ".join(f"{name} {statistics.median(times):.0f} us" for name, times in rounds.items()))
         if args.floor:
             floor = floor_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter)
             print(f"the floor (the same five autograd nodes, allocations and launch calls, nothing else): step "

@@ -41,3 +41,14 @@ def test_the_one_node_floor_and_the_staged_step_differentiate_the_same_leaves() 
     _, staged = bench_host_step.training_step(16, 4, 8, 32, 16, joined=False)
     with bench_host_step.launches_stubbed():
         assert [tuple(g.shape) for g in staged()] == [(8, 32), (8, 4), (16, 32, 32), (16, 32, 16)]
+
+
+def test_the_inference_forward_runs_as_one_unit_and_stage_by_stage() -> None:
+    # (bench_host_step --inference: the pipeline with and without its joined runs)
+    pipeline, forward = bench_host_step.inference_forward(16, 4, 8, 32, 16)
+    assert any(run is not None for run in pipeline.joined)
+    with bench_host_step.launches_stubbed():
+        assert forward().hidden_states.shape == (8, 32)
+        joined, pipeline.joined = pipeline.joined, (None,) * len(pipeline.joined)
+        assert forward().hidden_states.shape == (8, 32)
+        pipeline.joined = joined

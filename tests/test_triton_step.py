@@ -99,6 +99,18 @@ def _counted(run: Callable[[], Any]) -> tuple[Any, int]:
         triton_step._Step.apply = apply  # type: ignore[method-assign]
 
 
+def _counted_inference(run: Callable[[], Any]) -> tuple[Any, int]:
+    """``run()`` and the number of inference calls it ran as one unit."""
+    calls = []
+    inference = triton_step.ExpertsStep._inference
+    try:
+        triton_step.ExpertsStep._inference = (  # type: ignore[method-assign]
+            lambda self, *args: calls.append(1) or inference(self, *args))
+        return run(), len(calls)
+    finally:
+        triton_step.ExpertsStep._inference = inference  # type: ignore[method-assign]
+
+
 def _both(pipeline: mf.Pipeline, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,  # type: ignore[type-arg]
           leaves: list[torch.Tensor], grad: torch.Tensor, joins: int = 1) -> None:
     """The pipeline's output and the gradients of ``leaves`` (``x`` and ``weights`` among them where they require
@@ -173,7 +185,7 @@ def test_a_layer_routed_by_the_triton_kernel_trains_through_one_node_after_its_r
     experts = _experts(t, ACTIVATIONS["swiglu"], torch.float32, 2)
     layer = mf.Pipeline([TritonTopK(EXPERTS, 2, mf.RoutingConfig()), *experts.stages],
                         mf.input_spec(HIDDEN, torch.float32, EXPERTS))
-    assert layer.joined[1] is not None and "stages 1-4: one autograd node" in layer.describe()
+    assert layer.joined[1] is not None and "stages 1-4: the triton experts as one unit" in layer.describe()
     gen = torch.Generator().manual_seed(10)
     x = torch.randn(7, HIDDEN, generator=gen).to(DEVICE).requires_grad_()
     logits = torch.randn(7, EXPERTS, generator=gen).to(DEVICE).requires_grad_()
@@ -197,8 +209,8 @@ def test_the_calls_it_does_not_take_run_the_stages() -> None:
 
     routed = RoutedTokens(Activations(x), TopKOutput(weights, ids))
     assert calls(routed) == 1
-    with torch.no_grad():
-        assert calls(routed) == 0
+    with torch.no_grad():  # (inference: the kernels called directly, no node)
+        assert calls(routed) == 0 and _counted_inference(lambda: pipeline(routed))[1] == 1
     empty = RoutedTokens(Activations(x[:0]), TopKOutput(weights[:0], ids[:0]))  # (no copies: copy order)
     assert calls(empty) == 0 and pipeline(empty).hidden_states.shape == (0, HIDDEN)
     with torch.device(DEVICE):  # (a function mode: the ops serve)
@@ -214,7 +226,8 @@ def test_the_calls_it_does_not_take_run_the_stages() -> None:
     for p in t.values():
         if p is not None:
             p.requires_grad_(False)
-    assert calls(routed) == 0  # (nothing requires grad)
+    # (grad mode with nothing requiring grad: the stages, which gather into slot order there)
+    assert calls(routed) == 0 and _counted_inference(lambda: pipeline(routed))[1] == 0
 
 
 @pytest.mark.parametrize("pipeline_of", ["copy order", "weights in the down GEMM", "weights on the input"])
@@ -373,3 +386,40 @@ def test_the_families_layers_train_through_one_node_with_the_stages_bits(family:
                                                    ])
         layer.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+INFERENCE = {  # case, activation, bias, dtype, combine
+    **{case: (case, "swiglu", False, torch.float32, None) for case in CASES},
+    **{f"{act}, bias": ("spread", act, True, torch.float32, None) for act in ("gpt-oss", "relu2")},
+    "fp16, scaled to fp32": ("spread", "swiglu", False, torch.float16,
+                             Combine(routed_scaling_factor=2.5, out_dtype=mf.DType.FP32)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INFERENCE))
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_an_inference_call_gives_the_stages_bits(name: str, mode: str) -> None:
+    case, act, bias, dtype, combine = INFERENCE[name]
+    tokens, top_k, ids = CASES[case]
+    t = _weights(ACTIVATIONS[act], bias, dtype, 21)
+    pipeline = _experts(t, ACTIVATIONS[act], dtype, top_k, combine)
+    x, weights, ids, _ = _routed(tokens, top_k, ids, dtype, 22)
+    results = []
+    for joined in (True, False):
+        with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+            routed = RoutedTokens(Activations(x), TopKOutput(weights, ids))
+            out, calls = _counted_inference(
+                lambda: (pipeline if joined else (lambda payload: _staged(pipeline, payload)))(routed))
+        assert calls == (1 if joined else 0)
+        results.append(out.hidden_states)
+    assert results[0].dtype == results[1].dtype and torch.equal(*results)
+
+
+def test_an_empty_batch_without_grad_gives_an_empty_output() -> None:
+    t = _weights(ACTIVATIONS["swiglu"], False, torch.float32, 23)
+    pipeline = _experts(t, ACTIVATIONS["swiglu"], torch.float32, 2)
+    x, weights, ids, _ = _routed(4, 2, None, torch.float32, 24)
+    with torch.no_grad():
+        out, calls = _counted_inference(lambda: pipeline(RoutedTokens(Activations(x[:0]), TopKOutput(weights[:0],
+                                                                                                     ids[:0]))))
+    assert calls == 1 and out.hidden_states.shape == (0, HIDDEN)

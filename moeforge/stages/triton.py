@@ -180,8 +180,8 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
                            copy_experts=x.topk.ids.reshape(-1) if adapter_ids is not None else None)
 
     def joined(self, following: tuple[Stage[Any, Any], ...]) -> Optional[JoinedRun]:
-        """The training step of this dispatch and the three stages after it as one autograd node
-        (:mod:`moeforge.stages.triton_step`), where they are the ones it runs as the stages run them: the gate/up
+        """This dispatch and the three stages after it as one unit (:mod:`moeforge.stages.triton_step`: one autograd
+        node for a training step, the kernels called directly for inference), where they are the ones it runs as the stages run them: the gate/up
         :class:`FusedGroupedGemm` with its activation and without routing weights, the down one without either, and
         a :class:`~moeforge.stages.combine.Combine` applying the routing weights, all reading this dispatch's table;
         ``None`` otherwise (and for a dispatch that applies the weights on the input or never takes slot order)."""
@@ -197,10 +197,10 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
                 or not combine.apply_routing_weights or gate_up.configs is not self.configs \
                 or down.configs is not self.configs:
             return None
-        from moeforge.stages.triton_step import TrainingStep
+        from moeforge.stages.triton_step import ExpertsStep
 
         factor = combine.routed_scaling_factor
-        return TrainingStep(self.num_experts, self.configs, self.slot_rows, gate_up.weight, gate_up.bias,
+        return ExpertsStep(self.num_experts, self.configs, self.slot_rows, gate_up.weight, gate_up.bias,
                             gate_up._act, down.weight, down.bias, 1.0 if factor is None else factor,
                             combine.out_dtype.torch_dtype if combine.out_dtype is not None else None)
 

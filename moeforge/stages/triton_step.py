@@ -1,24 +1,28 @@
-"""The triton experts' training step as one autograd node: dispatch, both GEMMs, activation and combine.
+"""The triton experts as one unit: dispatch, both GEMMs, activation and combine, one autograd node when training.
 
 Called stage by stage, a training forward of the triton experts records five autograd nodes (the slot-order
 gather, the gate/up GEMM, the activation, the down GEMM, the combine), and each kernel call passes through its
 :class:`~moeforge.kernels.kernel_op.KernelOp`, an ``autograd.Function`` and the stages' payload records. Where the
 step's GPU time is short (Qwen3-30B-A3B's shape at 1024 tokens) that Python is the step's time: an eager step took
-2.04x its CUDA-graph replay on an H200 (docs/kernels.md, "The eager host path"). :class:`TrainingStep` runs the
+2.04x its CUDA-graph replay on an H200 (docs/kernels.md, "The eager host path"). :class:`ExpertsStep` runs the
 same kernels, the same functions with the same arguments in the same order, inside one ``autograd.Function``: its
 forward calls each op's implementation and the ``setup_context`` the op registers (on a :class:`_OpContext`), its
 backward each op's registered backward in reverse order. The outputs and every gradient are the ones the stages
 give, bit for bit (``tests/test_triton_step.py``); what goes is the per-kernel dispatch and four autograd nodes.
+Without grad mode (``torch.no_grad()``, ``torch.inference_mode()``: serving, ``generate()``) it calls the stages'
+inference kernels directly with their arguments — the same bits again, without the payload records and the ops'
+dispatch, which at a decode batch are much of an eager forward's host time.
 
 :class:`~moeforge.pipeline.Pipeline` runs it in place of the four stages ``AlignDispatch``, ``FusedGroupedGemm``
-(gate/up with its activation, with or without bias), ``FusedGroupedGemm`` (down) and ``Combine`` (the
-routing weights applied in the combine, any scaling factor and output dtype) when the dispatch offers it
-(:meth:`~moeforge.stages.triton.AlignDispatch.joined`) and a call is one it takes (:meth:`TrainingStep.__call__`):
-grad mode on with the gate/up GEMM's operands recording a gradient, plain tensors and no mode or ``torch.compile``
-(what :func:`~moeforge.kernels.kernel_op.call_route` calls ``DIRECT_WITH_GRAD``), no saved-tensor hooks (activation
-checkpointing without reentry, ``save_on_cpu``: they must see every tensor the backward keeps), float token rows without scales or
-adapters, and at least one copy — the calls the dispatch gathers into slot order (:mod:`moeforge.stages.slot_order`).
-Every other call runs the stages one by one.
+(gate/up with its activation, with or without bias), ``FusedGroupedGemm`` (down) and ``Combine`` (the routing weights
+applied in the combine, any scaling factor and output dtype) when the dispatch offers it
+(:meth:`~moeforge.stages.triton.AlignDispatch.joined`) and a call is one it takes (:meth:`ExpertsStep.__call__`):
+plain tensors, no mode or ``torch.compile`` (what :func:`~moeforge.kernels.kernel_op.call_route` routes to the
+functions), token rows without scales or adapters; and either grad mode off, or grad mode on with the gate/up GEMM's
+operands recording a gradient, no saved-tensor hooks (activation checkpointing without reentry, ``save_on_cpu``: they
+must see every tensor the backward keeps) and at least one copy — the calls the dispatch gathers into slot order
+(:mod:`moeforge.stages.slot_order`). Every other call (grad mode on with nothing requiring grad among them) runs the
+stages one by one.
 
 Memory: the intermediates the stages' nodes keep (the slot-order rows, the pre-activation, the activation, the down
 GEMM's rows) are kept by this node, and its backward lets each go once the op that kept it has run its backward, as
@@ -45,7 +49,7 @@ import torch
 from moeforge.kernels import activation_rows, backward, combine, grouped_gemm_call
 from moeforge.kernels.config import ConfigTable
 from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight
-from moeforge.kernels.kernel_op import DIRECT_WITH_GRAD, call_route
+from moeforge.kernels.kernel_op import DIRECT, DIRECT_WITH_GRAD, call_route
 from moeforge.payloads import MoEOutput, RoutedTokens
 from moeforge.stages import slot_order
 from moeforge.tensor_ref import TensorSource, resolve
@@ -55,7 +59,7 @@ _GEMM_ARGUMENTS = len(grouped_gemm_call.ARGUMENT_NAMES)
 
 
 @attrs.frozen(eq=False)
-class TrainingStep:
+class ExpertsStep:
     """The four stages as one autograd node, for the calls :meth:`__call__` takes (see the module docstring): what
     each stage reads, as a plain record (made by :meth:`moeforge.stages.triton.AlignDispatch.joined`, which checks
     that the stages after it are the four this runs). The dispatch's ``num_experts``, ``configs`` and ``slot_rows``;
@@ -76,19 +80,23 @@ class TrainingStep:
     joins: int = attrs.field(default=3, init=False)  # the stages after the dispatch it runs
 
     def summary(self) -> str:
-        return ("one autograd node for the triton experts' training step (moeforge.stages.triton_step) where a call "
-                "records gradients on plain tensors")
+        return ("the triton experts as one unit (moeforge.stages.triton_step): one autograd node where a call records "
+                "gradients on plain tensors, the kernels called directly without grad mode")
 
     def __call__(self, x: RoutedTokens) -> Optional[MoEOutput]:
-        """The combined output of the four stages for ``x`` through one autograd node, or ``None`` where this call is
-        not one the node takes (the pipeline then runs the stages)."""
+        """The combined output of the four stages for ``x`` — through one autograd node where the call records
+        gradients, by calling the kernels without grad mode — or ``None`` where this call is not one this takes (the
+        pipeline then runs the stages)."""
         rows, weights, ids = x.x.data, x.topk.weights, x.topk.ids
-        if not torch.is_grad_enabled() or x.x.scale is not None or x.adapter_ids is not None:
+        if x.x.scale is not None or x.adapter_ids is not None:
             return None
         w13, w2 = resolve(self.w13), resolve(self.w2)
         b13 = resolve(self.b13) if self.b13 is not None else None
         b2 = resolve(self.b2) if self.b2 is not None else None
-        if call_route((rows, weights, ids, w13, w2, b13, b2)) != DIRECT_WITH_GRAD or _saved_tensor_hooks():
+        route = call_route((rows, weights, ids, w13, w2, b13, b2))
+        if not torch.is_grad_enabled():
+            return self._inference(rows, weights, ids, w13, w2, b13, b2) if route == DIRECT else None
+        if route != DIRECT_WITH_GRAD or _saved_tensor_hooks():
             return None
         # The gate/up GEMM records a gradient (its activation then runs as its own op, as the stage does), and the
         # dispatch gathers these rows into slot order.
@@ -100,6 +108,26 @@ class TrainingStep:
         apply = _Step.apply
         out: torch.Tensor = apply(self, rows, weights, ids, w13, w2, b13, b2)  # type: ignore[no-untyped-call]
         return MoEOutput(out)
+
+    def _inference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor]) -> MoEOutput:
+        """The four stages' kernels without grad mode, with their arguments: the alignment (unordered), the gate/up
+        GEMM gathering the token rows by index with the activation in its epilogue, the down GEMM, the combine in copy
+        order — no payload records, no op dispatch."""
+        from moeforge.kernels import ops  # (registered by the stages that made the step)
+
+        tokens, top_k = ids.shape
+        config = self.configs.lookup(tokens)
+        sorted_ids, block_expert, num_padded = ops.align_block_size.impl(ids, self.num_experts, config.block_m, False)
+        route = GemmRoute(sorted_ids, block_expert, num_padded, tokens * top_k, aligned_block_m=config.block_m)
+        act = self.act
+        hidden, _ = grouped_gemm_call.launch(*grouped_gemm_call.arguments(
+            GemmRows(x, rows_per_a=top_k), GemmWeight(w13), route,
+            GemmEpilogue(x.dtype, bias=b13, act=act[0], glu=act[1], interleaved=act[2], alpha=act[3], limit=act[4]),
+            config.gate_up))
+        rows, _ = grouped_gemm_call.launch(*grouped_gemm_call.arguments(
+            GemmRows(hidden), GemmWeight(w2), route, GemmEpilogue(hidden.dtype, bias=b2), config.down))
+        return MoEOutput(combine.combined(rows, weights, top_k, self.scale, self.out_dtype or rows.dtype))
 
 
 class _OpContext:
@@ -143,10 +171,10 @@ def _keeps_graph() -> bool:
 
 
 class _Step(torch.autograd.Function):
-    """One training step of the experts (:class:`TrainingStep`): the stages' kernels in their order."""
+    """One training step of the experts (:class:`ExpertsStep`): the stages' kernels in their order."""
 
     @staticmethod
-    def forward(ctx: Any, step: TrainingStep, x: torch.Tensor, topk_weights: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, step: ExpertsStep, x: torch.Tensor, topk_weights: torch.Tensor,  # type: ignore[override]
                 ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor],
                 b2: Optional[torch.Tensor]) -> torch.Tensor:
         from moeforge.kernels import ops  # (registered by the stages that made the step)
