@@ -286,6 +286,25 @@ def _stage_by_stage(pipeline: mf.Pipeline) -> tuple[Any, ...]:  # type: ignore[t
     return joined
 
 
+def _layer_steps(layer: mf.MoELayer, x: torch.Tensor, grad: torch.Tensor, joins: int) -> list[list[torch.Tensor]]:
+    """A training step of ``layer`` on ``x`` as the pipeline runs it (``joins`` steps as one node) and stage by stage:
+    each one's output, input gradient and parameter gradients."""
+    results = []
+    for joined in (True, False):
+        saved = None if joined else _stage_by_stage(layer.pipeline)
+        try:
+            xi = x.clone().requires_grad_()
+            out, calls = _counted(lambda: layer(xi))
+            out.backward(grad)
+        finally:
+            if saved is not None:
+                layer.pipeline.joined = saved
+        assert calls == (joins if joined else 0)
+        results.append([out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()])  # type: ignore[misc]
+        layer.zero_grad()
+    return results
+
+
 GPU_LAYERS = {  # preset, sizes, tokens: the tables' tiles at real widths (Gluon kernels where the device runs them)
     "mixtral, its own shape": ("mixtral", dict(num_experts=8, top_k=2, hidden_size=4096,
                                                intermediate_size=14336), 1024),
@@ -305,22 +324,7 @@ def test_a_bf16_layer_trains_with_the_stages_bits_on_the_gpu(name: str) -> None:
     assert "one autograd node" in layer.describe()
     x = torch.randn(tokens, sizes["hidden_size"], device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
-    results = []
-    for joined in (True, False):
-        saved = None if joined else _stage_by_stage(layer.pipeline)
-        try:
-            xi = x.clone().requires_grad_()
-            out, calls = _counted(lambda: layer(xi))
-            out.backward(grad)
-            torch.cuda.synchronize()
-        finally:
-            if saved is not None:
-                layer.pipeline.joined = saved
-        assert calls == (1 if joined else 0)
-        results.append([out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()  # type: ignore[union-attr]
-                                                   ])
-        layer.zero_grad()
-    for index, (a, b) in enumerate(zip(*results)):
+    for index, (a, b) in enumerate(zip(*_layer_steps(layer, x, grad, 1))):
         assert torch.equal(a, b), index
 
 
@@ -371,21 +375,7 @@ def test_the_families_layers_train_through_one_node_with_the_stages_bits(family:
     assert ("one autograd node" in layer.describe()) == bool(joins)
     x = torch.randn(9, HIDDEN)
     grad = torch.randn(9, HIDDEN)
-    results = []
-    for joined in (True, False):
-        saved = None if joined else _stage_by_stage(layer.pipeline)
-        try:
-            xi = x.clone().requires_grad_()
-            out, calls = _counted(lambda: layer(xi))
-            out.backward(grad)
-        finally:
-            if saved is not None:
-                layer.pipeline.joined = saved
-        assert calls == (joins if joined else 0)
-        results.append([out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()  # type: ignore[union-attr]
-                                                   ])
-        layer.zero_grad()
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert all(torch.equal(a, b) for a, b in zip(*_layer_steps(layer, x, grad, joins)))
 
 
 INFERENCE = {  # case, activation, bias, dtype, combine
