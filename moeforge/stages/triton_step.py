@@ -60,7 +60,8 @@ _GEMM_ARGUMENTS = len(grouped_gemm_call.ARGUMENT_NAMES)
 
 @attrs.frozen(eq=False)
 class ExpertsStep:
-    """The four stages as one autograd node, for the calls :meth:`__call__` takes (see the module docstring): what
+    """The four stages as one unit — one autograd node for a training call, the kernels called directly without grad
+    mode — for the calls :meth:`__call__` takes (see the module docstring): what
     each stage reads, as a plain record (made by :meth:`moeforge.stages.triton.AlignDispatch.joined`, which checks
     that the stages after it are the four this runs). The dispatch's ``num_experts``, ``configs`` and ``slot_rows``;
     the gate/up GEMM's weight ``w13``, bias ``b13`` and activation ``act`` (the kernels' arguments,
