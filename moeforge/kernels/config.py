@@ -118,6 +118,12 @@ class MoEConfig:
         """The alignment's block: the larger of the two GEMMs' ``block_m``."""
         return max(self.gate_up.block_m, self.down.block_m)
 
+    def gate_up_apart(self, glu: bool) -> GemmConfig:
+        """The gate/up GEMM's launch when its activation runs as an op of its own (a training forward, an adapter's
+        update in between): :attr:`gate_up_unfused` for a gated activation, whose fused tile read gate and up rows
+        apart; :attr:`gate_up` for any other."""
+        return self.gate_up_unfused if glu else self.gate_up
+
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; the H100/H200 limit is 227 KiB per block
 

@@ -347,7 +347,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         config = x.alignment.config  # chosen by the dispatch for this batch; the spec checked the tables agree
         if self._act[0] != 0 and not self.apply_routing_weights and records_grad(
                 x.x.data, weight, bias, *((update.rows, update.weight) if update is not None else ())):
-            gemm = config.gate_up_unfused if self._act[1] else config.gate_up
+            gemm = config.gate_up_apart(self._act[1])
             return self.activate(self._launch(x, gemm, _NO_ACTIVATION, weight, bias, update))
         return self._launch(x, config.gate_up if self.role is GemmRole.GATE_UP else config.down, self._act, weight,
                             bias, update)
@@ -359,7 +359,7 @@ class FusedGroupedGemm(Stage[AlignedRows, AlignedRows]):
         if self._act[0] != 0 and self.apply_routing_weights:
             raise ValueError(f"{self.summary()}: the routing weights come after the activation")
         config = x.alignment.config
-        gemm = config.down if self.role is GemmRole.DOWN else config.gate_up_unfused if self._act[1] else config.gate_up
+        gemm = config.down if self.role is GemmRole.DOWN else config.gate_up_apart(self._act[1])
         return self._launch(x, gemm, _NO_ACTIVATION, resolve(self.weight),
                             resolve(self.bias) if self.bias is not None else None)
 

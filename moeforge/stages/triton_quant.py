@@ -323,7 +323,7 @@ class FusedQuantGroupedGemm(Stage[AlignedRows, AlignedRows]):
         if self.use_table_tiles or self.configs.weight_format is not None:
             if self.role is GemmRole.DOWN:
                 return alignment.config.down
-            return alignment.config.gate_up_unfused if unfused and glu else alignment.config.gate_up
+            return alignment.config.gate_up_apart(glu) if unfused else alignment.config.gate_up
         narrow = False
         if self.weight_format.packed and not self.weight_shuffled and alignment.block_m <= 16:
             busy = min(alignment.num_tokens * alignment.copies_per_row, self.configs.num_experts)

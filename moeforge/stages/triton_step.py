@@ -155,20 +155,23 @@ def _gemm_needs(rows: bool, weight: bool, bias: bool, gathered_from: bool = Fals
     return tuple(needs)
 
 
+# torch's private queries (present in torch 2.4 to 2.13), looked up once: the default saved-tensor hooks on top of the
+# stack (torch's checkpointing reads it too), and whether the running backward keeps the graph (AOT autograd reads it)
+_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_KEEPS_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
 def _saved_tensor_hooks() -> bool:
     """Whether saved-tensor hooks are set (``torch.autograd.graph.saved_tensors_hooks``: activation checkpointing
     without reentry, ``save_on_cpu``): they see what ``save_for_backward`` saves, and this node keeps its
-    intermediates beside it, so such calls run the stages. torch's private query, which its checkpointing reads too;
-    where it is missing, ``True``."""
-    query = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return True if query is None else query(False) is not None
+    intermediates beside it, so such calls run the stages. ``True`` where torch lacks the query."""
+    return _TOP_SAVED_TENSOR_HOOKS is None or _TOP_SAVED_TENSOR_HOOKS(False) is not None
 
 
 def _keeps_graph() -> bool:
-    """Whether the running backward keeps the graph (``retain_graph=True``): torch's private query, which AOT
-    autograd reads for the same purpose; where it is missing, ``True`` (keep everything)."""
-    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if query is None else bool(query())
+    """Whether the running backward keeps the graph (``retain_graph=True``); ``True`` (keep everything) where torch
+    lacks the query."""
+    return _KEEPS_GRAPH is None or bool(_KEEPS_GRAPH())
 
 
 class _Step(torch.autograd.Function):
@@ -198,7 +201,7 @@ class _Step(torch.autograd.Function):
         upstream = need_x or need_w  # (the rows: the gather's output, from x and the weights)
         arguments = grouped_gemm_call.arguments(GemmRows(xs, gathered_from=x, gathered_index=index), GemmWeight(w13),
                                                 route, GemmEpilogue(x.dtype, bias=b13),
-                                                config.gate_up_unfused if act[1] else config.gate_up)
+                                                config.gate_up_apart(act[1]))
         pre, _ = grouped_gemm_call.launch(*arguments)
         gate_up = _OpContext(_gemm_needs(upstream, need_w13, need_b13, need_x))
         backward.moe_gemm_setup_context(gate_up, arguments, None)
