@@ -58,9 +58,7 @@ def staged(layer, x, logits):
     return found
 
 def check(label, case, byte, grad):
-    torch.manual_seed(case["seed"])
-    tl = fz._build(case, "torch", "cuda"); fz._draw_weights(tl)
-    layer = fz._build(case, "triton", "cuda"); layer.load_state_dict(tl.state_dict())
+    layer = fz.triton_layer(case, "cuda")
     x = torch.randn(case["tokens"], case["sizes"]["hidden_size"], device="cuda", dtype=case["dtype"])
     g = torch.randn_like(x)
     with torch.no_grad():
@@ -96,12 +94,10 @@ for fam, sizes in fz.REAL:
         cases.append((f"{fam}-{sizes['num_experts']}-{tokens}", c))
 plan = [(cases[0], b, g) for b in (0xFF, 0x7F) for g in (False, True)] + [(c, 0xFF, True) for c in cases[1:]]
 for (label, c), byte, grad in plan:
-    if True:
-        if True:
-            try:
-                check(f"{label} byte{byte:#x} grad{int(grad)}", c, byte, grad)
-            except Exception as e:
-                out[f"{label} byte{byte:#x} grad{int(grad)}"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-                print(label, "ERROR", type(e).__name__, str(e)[:300], flush=True)
-            torch.cuda.empty_cache()
+    try:
+        check(f"{label} byte{byte:#x} grad{int(grad)}", c, byte, grad)
+    except Exception as e:
+        out[f"{label} byte{byte:#x} grad{int(grad)}"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(label, "ERROR", type(e).__name__, str(e)[:300], flush=True)
+    torch.cuda.empty_cache()
     json.dump(out, open(sys.argv[1], "w"), indent=1)

@@ -26,9 +26,7 @@ def worker(slot, pdl_on, seconds, out_dir):
     made = []
     for fam, sizes, tokens in configs:
         case = dict(base, family=fam, sizes=sizes, tokens=tokens, seed=11)
-        torch.manual_seed(11)
-        tl = fz._build(case, "torch", "cuda"); fz._draw_weights(tl)
-        layer = fz._build(case, "triton", "cuda"); layer.load_state_dict(tl.state_dict()); del tl
+        layer = fz.triton_layer(case, "cuda")
         x = torch.randn(tokens, sizes["hidden_size"], device="cuda", dtype=torch.bfloat16)
         g = torch.randn_like(x)
         with torch.no_grad():
@@ -54,28 +52,28 @@ def worker(slot, pdl_on, seconds, out_dir):
     json.dump(dict(slot=slot, pdl=pdl_on, stats=stats, first_bad=first_bad), open(f"{out_dir}/stress{slot}.json", "w"), indent=1)
 
 def step(s, name, layer, x, g, ref, ref_grads, params, rng, first_bad):
-        import torch
-        if rng.random() < 0.8:
-            with torch.no_grad():
-                out = layer(x, None)
-            s["calls"] += 1
-            if not torch.equal(out, ref):
-                s["wrong"] += 1
-                nf = int((~torch.isfinite(out.float())).sum())
-                s["nonfinite"] += int(nf > 0)
-                if len(first_bad) < 5:
-                    diff = (out.float() - ref.float()).abs()
-                    rows = (diff.reshape(diff.shape[0], -1).amax(-1) > 0).nonzero().flatten()
-                    first_bad.append(dict(name=name, kind="forward", nonfinite=nf, rows=rows[:10].tolist(), nrows=rows.numel()))
-        else:
-            xr = x.clone().requires_grad_()
-            grads = torch.autograd.grad((layer(xr, None).float() * g.float()).sum(), [xr] + params)
-            s["steps"] += 1
-            bad = [i for i, (a, b) in enumerate(zip(grads, ref_grads)) if not torch.equal(a, b)]
-            if bad:
-                s["wrong_steps"] += 1
-                if len(first_bad) < 5:
-                    first_bad.append(dict(name=name, kind="step", which=bad))
+    import torch
+    if rng.random() < 0.8:
+        with torch.no_grad():
+            out = layer(x, None)
+        s["calls"] += 1
+        if not torch.equal(out, ref):
+            s["wrong"] += 1
+            nf = int((~torch.isfinite(out.float())).sum())
+            s["nonfinite"] += int(nf > 0)
+            if len(first_bad) < 5:
+                diff = (out.float() - ref.float()).abs()
+                rows = (diff.reshape(diff.shape[0], -1).amax(-1) > 0).nonzero().flatten()
+                first_bad.append(dict(name=name, kind="forward", nonfinite=nf, rows=rows[:10].tolist(), nrows=rows.numel()))
+    else:
+        xr = x.clone().requires_grad_()
+        grads = torch.autograd.grad((layer(xr, None).float() * g.float()).sum(), [xr] + params)
+        s["steps"] += 1
+        bad = [i for i, (a, b) in enumerate(zip(grads, ref_grads)) if not torch.equal(a, b)]
+        if bad:
+            s["wrong_steps"] += 1
+            if len(first_bad) < 5:
+                first_bad.append(dict(name=name, kind="step", which=bad))
 
 if __name__ == "__main__":
     import multiprocessing as mp

@@ -56,14 +56,8 @@ def victim(warp_specialized: bool, seconds: float, out_dir: str, cpu: bool) -> N
     for name, sizes, tokens in _layers(cpu):
         case = dict(seed=11, family=None if cpu else "mixtral", sizes=sizes, tokens=tokens, dtype=dtype, train=False,
                     quant=None, options=dict(dtype=dtype, environ={}), skew=None, decode_graphs=None)
-        torch.manual_seed(11)
-        reference = fz._build(case, "torch", device)
-        fz._draw_weights(reference)
-        layer = fz._build(case, "triton", device)
-        layer.load_state_dict(reference.state_dict())
-        graphed = fz._build(case, "triton", device, decode_graphs=DecodeGraphSettings(max_tokens=tokens, max_graphs=1))
-        graphed.load_state_dict(reference.state_dict())
-        del reference
+        layer = fz.triton_layer(case, device)
+        graphed = fz.triton_layer(case, device, decode_graphs=DecodeGraphSettings(max_tokens=tokens, max_graphs=1))
         x = torch.randn(tokens, sizes["hidden_size"], device=device, dtype=dtype)
         with torch.no_grad():
             logits = layer.router_logits(x)

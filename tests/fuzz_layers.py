@@ -181,6 +181,19 @@ def _draw_weights(layer: Any) -> None:
                 p.copy_(torch.randn_like(p) * 0.1)
 
 
+def triton_layer(case: dict[str, Any], device: str, **override: Any) -> Any:
+    """The case's triton layer holding the weights :func:`run_case` draws for it (its torch layer's, drawn after
+    seeding with the case's seed): what the race-hunting benchmarks call the same layers with."""
+    import torch
+
+    torch.manual_seed(case["seed"])
+    reference = _build(case, "torch", device)
+    _draw_weights(reference)
+    layer = _build(case, "triton", device, **override)
+    layer.load_state_dict(reference.state_dict())
+    return layer
+
+
 def run_case(case: dict[str, Any], device: str) -> tuple[str, str, dict[str, Any]]:
     """``(outcome, reason, measurements)`` of one case; raises ``AssertionError`` where the triton layer is wrong."""
     import torch
