@@ -3,8 +3,8 @@
 Called stage by stage, a training forward of the triton experts records five autograd nodes (the slot-order
 gather, the gate/up GEMM, the activation, the down GEMM, the combine), and each kernel call passes through its
 :class:`~moeforge.kernels.kernel_op.KernelOp`, an ``autograd.Function`` and the stages' payload records. Where the
-step's GPU time is short (Qwen3-30B-A3B's shape at 1024 tokens) that Python is the step's time: an eager step took
-2.04x its CUDA-graph replay on an H200 (docs/kernels.md, "The eager host path"). :class:`ExpertsStep` runs the
+step's GPU time is short (many experts, a thousand tokens) that Python is the step's time, not the GPU's
+(docs/kernels.md, "The eager host path", has the figures). :class:`ExpertsStep` runs the
 same kernels, the same functions with the same arguments in the same order, inside one ``autograd.Function``: its
 forward calls each op's implementation and the ``setup_context`` the op registers (on a :class:`_OpContext`), its
 backward each op's registered backward in reverse order. The outputs and every gradient are the ones the stages
