@@ -22,6 +22,8 @@ Prints a table and writes JSON (device, commit, date).
 two moeforge steps, ``moeforge_slot_order`` and ``moeforge_copy_order``, timed in turns beside torch) where the
 default, ``rule``, leaves it to :func:`moeforge.stages.slot_order.slot_rows_pay`.
 ``--expert-bias`` builds the layers with expert biases (as GPT-OSS's are): both paths add them and differentiate them.
+``--staged`` adds each moeforge step with its stages called one by one (``moeforge_staged``: an autograd node a
+stage, as the pipeline ran before its joined run, :mod:`moeforge.stages.triton_step`), timed beside the others.
 ``--eager`` also times each step called eagerly (no CUDA graph; the host launches every kernel) and its ratio to
 the replay; ``--host-profile DIR`` writes a ``cProfile`` listing of a few eager moeforge steps per cell there.
 ``--profile`` also prints, per cell and per path, where the step's GPU time goes: each kernel's time per step
@@ -57,12 +59,14 @@ from moeforge.payloads import Activations, RoutedTokens, TopKOutput  # noqa: E40
 from moeforge.stages.triton import AlignDispatch  # noqa: E402
 
 
-def moeforge_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, slot_rows: Optional[bool] = None
-                     ) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
+def moeforge_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, slot_rows: Optional[bool] = None,
+                     joined: bool = True) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
     """The experts' forward from fresh leaves (the hidden states and the routing weights, both requiring
     gradients, so the layer takes its training path): ``(output, [x, weights, w13, w2])``, and both expert biases
     after them where the layer has them. ``slot_rows``: the block-aligned dispatch's
-    (:class:`~moeforge.stages.triton.AlignDispatch`; ``None``, the layer's: its rule)."""
+    (:class:`~moeforge.stages.triton.AlignDispatch`; ``None``, the layer's: its rule). ``joined=False``: the stages
+    called one by one (an autograd node each) instead of the pipeline's joined run
+    (:mod:`moeforge.stages.triton_step`)."""
     stages = list(layer.pipeline.stages[1:])
     if slot_rows is not None:
         stages = [attrs.evolve(stage, slot_rows=slot_rows) if isinstance(stage, AlignDispatch) else stage
@@ -73,8 +77,13 @@ def moeforge_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, slot
     def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
         xr = x.detach().requires_grad_()
         weights = topk.weights.detach().requires_grad_()
-        out = experts_only(RoutedTokens(Activations(xr), TopKOutput(weights, topk.ids))).hidden_states
-        return out, [xr, weights, layer.w13_weight, layer.w2_weight, *biases]
+        payload: Any = RoutedTokens(Activations(xr), TopKOutput(weights, topk.ids))
+        if joined:
+            payload = experts_only(payload)
+        else:
+            for stage in experts_only.stages:
+                payload = stage(payload)
+        return payload.hidden_states, [xr, weights, layer.w13_weight, layer.w2_weight, *biases]
 
     return run
 
@@ -126,8 +135,8 @@ def training_step(forward: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 def moeforge_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor,
-                  slot_rows: Optional[bool] = None) -> Callable[[], Any]:
-    return training_step(moeforge_forward(layer, x, topk, slot_rows), grad)
+                  slot_rows: Optional[bool] = None, joined: bool = True) -> Callable[[], Any]:
+    return training_step(moeforge_forward(layer, x, topk, slot_rows, joined), grad)
 
 
 # --slot-rows: the moeforge steps a cell times, by record name, each with its dispatch's slot_rows
@@ -422,6 +431,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print each kernel's time per step too")
     parser.add_argument("--eager", action="store_true",
                         help="time each step called eagerly too (the host's launches included) beside its replay")
+    parser.add_argument("--staged", action="store_true",
+                        help="also time each moeforge step with its stages called one by one (``NAME_staged``), "
+                             "as the pipeline ran them before its joined run")
     parser.add_argument("--memory-breakdown", action="store_true",
                         help="list, for each step, the blocks live at its peak memory by where they were allocated")
     parser.add_argument("--sonicmoe", action="store_true",
@@ -462,6 +474,9 @@ def main() -> None:
             makers: list[tuple[str, Callable[[], Callable[[], Any]]]] = [
                 (what, functools.partial(moeforge_step, layer, x, topk, grad, slot))
                 for what, slot in LAYOUTS[args.slot_rows]]
+            if args.staged:
+                makers += [(f"{what}_staged", functools.partial(moeforge_step, layer, x, topk, grad, slot, False))
+                           for what, slot in LAYOUTS[args.slot_rows]]
             makers.append(("torch_grouped_mm", functools.partial(grouped_mm_step, layer, x, topk, grad)))
             for what, make in makers:
                 try:
