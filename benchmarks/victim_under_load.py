@@ -4,9 +4,9 @@ Mixtral-8x7B's shape at M >= 1024 while eight fuzzer processes shared one H200, 
 
 ``--load`` processes run the fuzzer's cases (``tests/fuzz_layers.py``'s workers, from seed ``--first`` on: varied
 layers, training and inference, some near the GPU's memory limit), while two victim processes call the same layers
-over and over — Mixtral-8x7B's shape at 1024 and 2048 tokens, bf16, random weights — one as the layer selects its
-kernels, the other with the warp-specialised Gluon GEMM refused (``warp_specialized.problem`` patched: ``moe_gemm``
-serves). Each victim call compares, bit for bit with the victim's first call of that layer:
+over and over — Mixtral-8x7B's shape at 1024 and 2048 tokens, bf16, random weights — one with the warp-specialised
+Gluon gate/up GEMM wherever it takes the tile (:func:`force_warp_specialized`: the shipped tables no longer mark it),
+the other with it refused (``warp_specialized.problem`` patched: ``moe_gemm`` serves). Each victim call compares, bit for bit with the victim's first call of that layer:
 
 * the router's logits (``layer.router_logits(x)``: a cuBLAS GEMM);
 * the experts alone, on the first call's logits (``layer(x, logits)``);
@@ -41,6 +41,26 @@ def _layers(cpu: bool) -> list[tuple[str, dict[str, Any], int]]:
     return [("mixtral-1024", MIXTRAL, 1024), ("mixtral-2048", MIXTRAL, 2048)]
 
 
+def force_warp_specialized() -> None:
+    """In this process, every layer's gate/up launch configuration that the warp-specialised Gluon GEMM takes marked
+    ``warp_specialized`` (the shipped tables mark none while the report this script was written for is open): a patch of
+    :meth:`moeforge.kernels.config.ConfigTable.lookup`."""
+    import attrs
+
+    from moeforge.kernels import gluon_grouped_gemm
+    from moeforge.kernels.config import ConfigTable
+
+    lookup = ConfigTable.lookup
+
+    def marked(table: ConfigTable, num_tokens: int) -> Any:
+        config = lookup(table, num_tokens)
+        if gluon_grouped_gemm.tile_problem(config.gate_up, glu=True) is None:
+            config = attrs.evolve(config, gate_up=attrs.evolve(config.gate_up, warp_specialized=True))
+        return config
+
+    ConfigTable.lookup = marked  # type: ignore[method-assign]
+
+
 def victim(warp_specialized: bool, seconds: float, out_dir: str, cpu: bool) -> None:
     import torch
 
@@ -48,7 +68,9 @@ def victim(warp_specialized: bool, seconds: float, out_dir: str, cpu: bool) -> N
     from moeforge.decode_graphs import DecodeGraphSettings
     from moeforge.kernels import warp_specialized as ws
 
-    if not warp_specialized:
+    if warp_specialized:
+        force_warp_specialized()
+    else:
         ws.problem = lambda *args, **kwargs: "refused for this experiment"  # type: ignore[assignment]
     device = "cpu" if cpu else "cuda"
     dtype = torch.float32 if cpu else torch.bfloat16
@@ -104,6 +126,7 @@ def main() -> None:
     seeds = context.Queue()
     for seed in range(args.first, args.first + 100000):
         seeds.put(seed)
+    seeds.cancel_join_thread()  # (the seeds left in the queue must not hold this process's exit)
     deadline = time.time() + args.seconds
     load = [context.Process(target=fz._worker, args=(slot, seeds, deadline, f"{args.out}/load.json", args.cpu),
                             daemon=True) for slot in range(args.load)]

@@ -364,6 +364,7 @@ def main() -> None:
     seeds = context.Queue()
     for seed in ([int(s) for s in args.seeds.split(",")] if args.seeds else range(args.first, args.first + 100000)):
         seeds.put(seed)
+    seeds.cancel_join_thread()  # (the seeds left in the queue must not hold this process's exit)
     workers: dict[int, Any] = {}
     started = 0
     while time.time() < deadline + 60:
