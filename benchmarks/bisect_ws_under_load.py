@@ -1,5 +1,5 @@
 """Where does the warp-specialised gate/up GEMM's wrong result under a loaded GPU enter? (The open report in
-docs/kernels.md, "Open work": ``victim_under_load.py`` saw a Mixtral-shape layer give non-finite rows in 6–18 % of its
+docs/kernels.md, "Open work": ``victim_under_load.py`` saw a Mixtral-shape layer give non-finite rows in 2–18 % of its
 calls with that kernel while six fuzzer processes shared the H200, none without it; the kernel called alone on a fixed
 plan, 14,534 times, never did: ``benchmarks/results/probe_ws_gemm_under_load-*.json``.)
 
