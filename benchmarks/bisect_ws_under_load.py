@@ -35,7 +35,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from victim_under_load import MIXTRAL, force_warp_specialized  # noqa: E402
+from victim_under_load import MIXTRAL, force_warp_specialized, Load  # noqa: E402
 
 
 def parts(tokens: int, cpu: bool) -> dict[str, Callable[[], Any]]:
@@ -132,8 +132,6 @@ def main() -> None:
     parser.add_argument("--no-pdl", action="store_true", help="every kernel without programmatic dependent launch")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (set TRITON_INTERPRET=1): a dry run")
     args = parser.parse_args()
-    import fuzz_layers as fz
-
     Path(args.out).mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
     started = context.Event()
@@ -142,20 +140,9 @@ def main() -> None:
     prober.start()
     while not started.is_set() and prober.is_alive():
         time.sleep(0.2)
-    seeds = context.Queue()
-    for seed in range(args.first, args.first + 100000):
-        seeds.put(seed)
-    seeds.cancel_join_thread()  # (the seeds left in the queue must not hold this process's exit)
-    deadline = time.time() + args.loaded
-    load = [context.Process(target=fz._worker, args=(slot, seeds, deadline, f"{args.out}/load.json", args.cpu),
-                            daemon=True) for slot in range(args.load)]
-    for process in load:
-        process.start()
+    load = Load(context, args.load, args.first, args.loaded, args.out, args.cpu)
     prober.join(args.loaded + 300)
-    for process in load:
-        process.join(max(0.0, deadline + 60 - time.time()))
-        if process.is_alive():
-            process.kill()
+    load.stop(60)
     try:
         result = json.loads(Path(args.out, "bisect.json").read_text())
     except FileNotFoundError:

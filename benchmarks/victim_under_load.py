@@ -111,6 +111,33 @@ def victim(warp_specialized: bool, seconds: float, out_dir: str, cpu: bool) -> N
         json.dump(result, f, indent=1)
 
 
+class Load:
+    """``count`` fuzzer processes (``tests/fuzz_layers.py``'s workers, seeds from ``first`` on, their records into
+    ``out``), started at once, none starting a case after ``seconds``."""
+
+    def __init__(self, context: Any, count: int, first: int, seconds: float, out: str, cpu: bool) -> None:
+        import fuzz_layers as fz
+
+        # (held here until the workers end: a queue freed in this process takes its semaphores with it)
+        self.seeds = context.Queue()
+        for seed in range(first, first + 100000):
+            self.seeds.put(seed)
+        self.seeds.cancel_join_thread()  # (the seeds left in the queue must not hold this process's exit)
+        self.deadline = time.time() + seconds
+        self.processes = [context.Process(target=fz._worker, args=(slot, self.seeds, self.deadline,
+                                                                   f"{out}/load.json", cpu), daemon=True)
+                          for slot in range(count)]
+        for process in self.processes:
+            process.start()
+
+    def stop(self, grace: float) -> None:
+        """Wait for the workers until ``grace`` seconds past the deadline, then kill those still running."""
+        for process in self.processes:
+            process.join(max(0.0, self.deadline + grace - time.time()))
+            if process.is_alive():
+                process.kill()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="a directory for the results")
@@ -119,26 +146,15 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=20000, help="the load's first fuzzer seed")
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (set TRITON_INTERPRET=1): a dry run")
     args = parser.parse_args()
-    import fuzz_layers as fz
-
     Path(args.out).mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
-    seeds = context.Queue()
-    for seed in range(args.first, args.first + 100000):
-        seeds.put(seed)
-    seeds.cancel_join_thread()  # (the seeds left in the queue must not hold this process's exit)
-    deadline = time.time() + args.seconds
-    load = [context.Process(target=fz._worker, args=(slot, seeds, deadline, f"{args.out}/load.json", args.cpu),
-                            daemon=True) for slot in range(args.load)]
     victims = [context.Process(target=victim, args=(flag, args.seconds, args.out, args.cpu)) for flag in (True, False)]
-    for process in load + victims:
+    for process in victims:
         process.start()
+    load = Load(context, args.load, args.first, args.seconds, args.out, args.cpu)
     for process in victims:
         process.join(args.seconds + 300)
-    for process in load:
-        process.join(max(0.0, deadline + 120 - time.time()))
-        if process.is_alive():
-            process.kill()
+    load.stop(120)
     for flag in ("with", "without"):
         try:
             with open(f"{args.out}/victim_{flag}_warp_specialized.json") as f:
