@@ -123,14 +123,11 @@ def bisect(out_dir: str, tokens: int, alone: float, loaded: float, no_pdl: bool,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="a directory for the results")
+    Load.add_arguments(parser)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--alone", type=float, default=30.0, help="seconds before the load starts")
     parser.add_argument("--loaded", type=float, default=150.0, help="seconds beside the load")
-    parser.add_argument("--load", type=int, default=6, help="fuzzer processes")
-    parser.add_argument("--first", type=int, default=20000, help="the load's first fuzzer seed")
     parser.add_argument("--no-pdl", action="store_true", help="every kernel without programmatic dependent launch")
-    parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (set TRITON_INTERPRET=1): a dry run")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")

@@ -130,6 +130,15 @@ class Load:
         for process in self.processes:
             process.start()
 
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """The options of a script that runs under this load: ``--out``, ``--load``, ``--first``, ``--cpu``."""
+        parser.add_argument("--out", required=True, help="a directory for the results")
+        parser.add_argument("--load", type=int, default=6, help="fuzzer processes")
+        parser.add_argument("--first", type=int, default=20000, help="the load's first fuzzer seed")
+        parser.add_argument("--cpu", action="store_true",
+                            help="tiny shapes on CPU (set TRITON_INTERPRET=1): a dry run")
+
     def stop(self, grace: float) -> None:
         """Wait for the workers until ``grace`` seconds past the deadline, then kill those still running."""
         for process in self.processes:
@@ -140,11 +149,8 @@ class Load:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="a directory for the results")
+    Load.add_arguments(parser)
     parser.add_argument("--seconds", type=float, default=300.0)
-    parser.add_argument("--load", type=int, default=6, help="fuzzer processes beside the two victims")
-    parser.add_argument("--first", type=int, default=20000, help="the load's first fuzzer seed")
-    parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (set TRITON_INTERPRET=1): a dry run")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
