@@ -12,7 +12,9 @@ first call — first ``--alone`` seconds alone, then ``--loaded`` seconds beside
 * ``plan+kernel``: the alignment (unordered, as inference makes it) from the same top-k ids, then the GEMM, each call;
 * ``experts after sync`` / ``experts queued``: the layer on given router logits, after ``torch.cuda.synchronize()``
   or right behind the part before it in the stream;
-* ``layer after sync`` / ``layer queued``: the whole layer (its router's GEMM and top-k included), the same two ways.
+* ``layer after sync`` / ``layer queued``: the whole layer (its router's GEMM and top-k included), the same two ways;
+* ``training step``: the gradients of the tokens and both expert weights on given logits (the warp-specialised Gluon
+  weight gradient where the device runs it; the gate/up GEMM runs unfused there, on ``moe_gemm``).
 
 ``--no-pdl`` runs every kernel without programmatic dependent launch (``moeforge.kernels.pdl.applies`` patched in the
 process). Writes ``bisect.json`` into ``--out`` (each part's [calls, mismatches] by phase, the first mismatches: rows,
@@ -74,6 +76,15 @@ def parts(tokens: int, cpu: bool) -> dict[str, Callable[[], Any]]:
             return fn()
         return call
 
+    upstream = torch.randn_like(x)
+
+    def training_step() -> torch.Tensor:
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_()
+            out = layer(leaf, logits)
+            grads = torch.autograd.grad(out, (leaf, layer.w13_weight, layer.w2_weight), upstream)
+        return torch.cat([g.reshape(-1) for g in grads])
+
     if not cpu and gluon_gemm.device_problem(x.device) is not None:
         raise SystemExit(gluon_gemm.device_problem(x.device))
     return {
@@ -83,6 +94,7 @@ def parts(tokens: int, cpu: bool) -> dict[str, Callable[[], Any]]:
         "experts queued": lambda: layer(x, logits),
         "layer after sync": synced(lambda: layer(x, None)),
         "layer queued": lambda: layer(x, None),
+        "training step": training_step,
     }
 
 
