@@ -21,7 +21,8 @@ process). Writes ``bisect.json`` into ``--out`` (each part's [calls, mismatches]
 whether finite, the time) and prints a summary.
 
     PYTHONPATH=. python3 benchmarks/bisect_ws_under_load.py --out DIR --alone 30 --loaded 150 --load 6 [--no-pdl]
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/bisect_ws_under_load.py --out DIR --alone 5 --loaded 5 --load 1 --cpu
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/bisect_ws_under_load.py --out DIR --alone 5 --loaded 5 \
+        --load 1 --cpu
 """
 
 from __future__ import annotations

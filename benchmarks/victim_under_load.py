@@ -6,7 +6,8 @@ Mixtral-8x7B's shape at M >= 1024 while eight fuzzer processes shared one H200, 
 layers, training and inference, some near the GPU's memory limit), while two victim processes call the same layers
 over and over — Mixtral-8x7B's shape at 1024 and 2048 tokens, bf16, random weights — one with the warp-specialised
 Gluon gate/up GEMM wherever it takes the tile (:func:`force_warp_specialized`: the shipped tables no longer mark it),
-the other with it refused (``warp_specialized.problem`` patched: ``moe_gemm`` serves). Each victim call compares, bit for bit with the victim's first call of that layer:
+the other with it refused (``warp_specialized.problem`` patched: ``moe_gemm`` serves). Each victim call compares,
+bit for bit with the victim's first call of that layer:
 
 * the router's logits (``layer.router_logits(x)``: a cuBLAS GEMM);
 * the experts alone, on the first call's logits (``layer(x, logits)``);

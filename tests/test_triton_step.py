@@ -57,13 +57,19 @@ def _weights(act: mf.ActivationConfig, bias: bool, dtype: torch.dtype, seed: int
 
 
 def _experts(t: dict[str, Any], act: mf.ActivationConfig, dtype: torch.dtype, top_k: int,  # type: ignore[type-arg]
-             combine: Optional[Combine] = None, slot_rows: Optional[bool] = None) -> mf.Pipeline:
+             combine: Optional[Combine] = None, slot_rows: Optional[bool] = None,
+             weights_on_input: bool = False) -> mf.Pipeline:
+    """The experts' four stages; ``weights_on_input``: the dispatch scales each copy's row by its weight and the
+    combine sums them unweighted (Llama-4's composition)."""
     table = ConfigTable(EXPERTS, top_k)
     spec = mf.input_spec(HIDDEN, dtype, EXPERTS).evolve(kind=mf.PayloadKind.ROUTED, top_k=top_k)
+    if weights_on_input:
+        spec = spec.evolve(weights_at=mf.RoutingWeights.ON_INPUT)
+        combine = combine or Combine(apply_routing_weights=False)
     if combine is not None and combine.routed_scaling_factor is not None:
         spec = spec.evolve(scaling_factor=mf.ScalingFactor.PENDING, pending_scale=combine.routed_scaling_factor)
     return mf.Pipeline([
-        AlignDispatch(EXPERTS, table, slot_rows),
+        AlignDispatch(EXPERTS, table, slot_rows, apply_routing_weights=weights_on_input),
         FusedGroupedGemm(mf.GemmRole.GATE_UP, t["w13"], table, t["b13"], act),
         FusedGroupedGemm(mf.GemmRole.DOWN, t["w2"], table, t["b2"]),
         combine or Combine(),
@@ -158,6 +164,31 @@ def test_one_node_gives_the_stages_bits_in_half_precision_with_a_scaled_combine_
           _leaves(x, weights, t), grad.float())
 
 
+@pytest.mark.parametrize("case", ["spread", "one token", "top_k = experts", "an idle expert"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_one_node_gives_the_stages_bits_with_the_weights_on_the_input(case: str, dtype: torch.dtype) -> None:
+    # (Llama-4's composition: each copy's row scaled by its weight in the dispatch, the combine unweighted)
+    tokens, top_k, ids = CASES[case]
+    t = _weights(ACTIVATIONS["swiglu"], dtype == torch.float32, dtype, 22)
+    x, weights, ids, grad = _routed(tokens, top_k, ids, dtype, 23)
+    _both(_experts(t, ACTIVATIONS["swiglu"], dtype, top_k, weights_on_input=True), x, weights, ids,
+          _leaves(x, weights, t), grad)
+
+
+@pytest.mark.parametrize("requiring", ["x", "weights", "w13", "x weights"])
+def test_one_node_with_the_weights_on_the_input_gives_the_stages_bits_whichever_inputs_require_grad(
+        requiring: str) -> None:
+    names = requiring.split()
+    t = _weights(ACTIVATIONS["swiglu"], False, torch.float16, 24)
+    x, weights, ids, grad = _routed(10, 2, None, torch.float16, 25)
+    tensors = {"x": x, "weights": weights, **t}
+    for name, tensor in tensors.items():
+        if tensor is not None:
+            tensor.requires_grad_(name in names)
+    _both(_experts(t, ACTIVATIONS["swiglu"], torch.float16, 2, weights_on_input=True), x, weights, ids,
+          [tensors[n] for n in names], grad)
+
+
 # which of the inputs require grad: the node runs wherever the gate/up GEMM records a gradient
 REQUIRING = {
     "the rows alone": (["x"], 1),
@@ -230,19 +261,24 @@ def test_the_calls_it_does_not_take_run_the_stages() -> None:
     assert calls(routed) == 0 and _counted_inference(lambda: pipeline(routed))[1] == 0
 
 
-@pytest.mark.parametrize("pipeline_of", ["copy order", "weights in the down GEMM", "weights on the input"])
+@pytest.mark.parametrize("pipeline_of", ["copy order", "weights in the down GEMM",
+                                         "weights on the input and in the combine"])
 def test_compositions_it_does_not_cover_have_no_joined_run(pipeline_of: str) -> None:
     t = _weights(ACTIVATIONS["swiglu"], False, torch.float32, 13)
     table = ConfigTable(EXPERTS, 2)
     dispatch = AlignDispatch(EXPERTS, table, slot_rows=False if pipeline_of == "copy order" else None,
-                             apply_routing_weights=pipeline_of == "weights on the input")
+                             apply_routing_weights=pipeline_of.startswith("weights on the input"))
     in_gemm = pipeline_of == "weights in the down GEMM"
     stages = [dispatch, FusedGroupedGemm(mf.GemmRole.GATE_UP, t["w13"], table, activation=ACTIVATIONS["swiglu"]),
               FusedGroupedGemm(mf.GemmRole.DOWN, t["w2"], table, apply_routing_weights=in_gemm),
-              Combine(apply_routing_weights=pipeline_of == "copy order")]
+              Combine(apply_routing_weights=pipeline_of != "weights in the down GEMM")]
     assert dispatch.joined(tuple(stages[1:])) is None
-    assert mf.Pipeline(stages, mf.input_spec(HIDDEN, torch.float32, EXPERTS).evolve(
-        kind=mf.PayloadKind.ROUTED, top_k=2)).joined == (None,) * 4
+    spec = mf.input_spec(HIDDEN, torch.float32, EXPERTS).evolve(kind=mf.PayloadKind.ROUTED, top_k=2)
+    if dispatch.apply_routing_weights:  # (weights applied twice: the pipeline's contract refuses it too)
+        with pytest.raises(mf.ContractError, match="routing_weights"):
+            mf.Pipeline(stages, spec.evolve(weights_at=mf.RoutingWeights.ON_INPUT))
+    else:
+        assert mf.Pipeline(stages, spec).joined == (None,) * 4
 
 
 def test_a_backward_that_keeps_the_graph_runs_twice_and_one_that_does_not_frees_it() -> None:
@@ -312,6 +348,8 @@ GPU_LAYERS = {  # preset, sizes, tokens: the tables' tiles at real widths (Gluon
                                                    intermediate_size=768), 1024),
     "gpt_oss, small": ("gpt_oss", dict(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256), 300),
     "deepseek_v3, small": ("deepseek_v3", dict(num_experts=32, top_k=8, hidden_size=512, intermediate_size=256), 2048),
+    "llama4, small (weights on the input)": ("llama4", dict(num_experts=16, top_k=1, hidden_size=512,
+                                                             intermediate_size=256), 300),
 }
 
 
@@ -360,7 +398,7 @@ def test_activation_checkpointing_gives_the_same_gradients(reentrant: bool) -> N
 def test_the_families_layers_train_through_one_node_with_the_stages_bits(family: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # (the selector wants a GPU for the triton stages; the interpreter runs them.) Llama-4 applies its routing weights
-    # on the input: a composition the node does not cover, whose layer runs the stages.
+    # on the input (top_k 1, its own).
     from moeforge.roles import LayerConfig
 
     monkeypatch.setattr(LayerConfig, "triton_problem", lambda self: None)
@@ -371,28 +409,29 @@ def test_the_families_layers_train_through_one_node_with_the_stages_bits(family:
     torch.manual_seed(20)
     layer = mf.MoELayer.from_preset(family, **sizes, dtype=torch.float32, device=DEVICE, backend="auto")
     assert layer.backend is mf.Backend.TRITON
-    joins = 0 if family == "llama4" else 1
-    assert ("one autograd node" in layer.describe()) == bool(joins)
+    assert "one autograd node" in layer.describe()
     x = torch.randn(9, HIDDEN)
     grad = torch.randn(9, HIDDEN)
-    assert all(torch.equal(a, b) for a, b in zip(*_layer_steps(layer, x, grad, joins)))
+    assert all(torch.equal(a, b) for a, b in zip(*_layer_steps(layer, x, grad, 1)))
 
 
-INFERENCE = {  # case, activation, bias, dtype, combine
-    **{case: (case, "swiglu", False, torch.float32, None) for case in CASES},
-    **{f"{act}, bias": ("spread", act, True, torch.float32, None) for act in ("gpt-oss", "relu2")},
+INFERENCE = {  # case, activation, bias, dtype, combine, weights on the input
+    **{case: (case, "swiglu", False, torch.float32, None, False) for case in CASES},
+    **{f"{act}, bias": ("spread", act, True, torch.float32, None, False) for act in ("gpt-oss", "relu2")},
     "fp16, scaled to fp32": ("spread", "swiglu", False, torch.float16,
-                             Combine(routed_scaling_factor=2.5, out_dtype=mf.DType.FP32)),
+                             Combine(routed_scaling_factor=2.5, out_dtype=mf.DType.FP32), False),
+    **{f"weights on the input, {case}": (case, "swiglu", False, torch.float16, None, True)
+       for case in ("spread", "one token", "top_k = experts")},
 }
 
 
 @pytest.mark.parametrize("name", sorted(INFERENCE))
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_an_inference_call_gives_the_stages_bits(name: str, mode: str) -> None:
-    case, act, bias, dtype, combine = INFERENCE[name]
+    case, act, bias, dtype, combine, on_input = INFERENCE[name]
     tokens, top_k, ids = CASES[case]
     t = _weights(ACTIVATIONS[act], bias, dtype, 21)
-    pipeline = _experts(t, ACTIVATIONS[act], dtype, top_k, combine)
+    pipeline = _experts(t, ACTIVATIONS[act], dtype, top_k, combine, weights_on_input=on_input)
     x, weights, ids, _ = _routed(tokens, top_k, ids, dtype, 22)
     results = []
     for joined in (True, False):

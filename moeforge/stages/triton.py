@@ -181,20 +181,21 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
 
     def joined(self, following: tuple[Stage[Any, Any], ...]) -> Optional[JoinedRun]:
         """This dispatch and the three stages after it as one unit (:mod:`moeforge.stages.triton_step`: one autograd
-        node for a training step, the kernels called directly for inference), where they are the ones it runs as the stages run them: the gate/up
-        :class:`FusedGroupedGemm` with its activation and without routing weights, the down one without either, and
-        a :class:`~moeforge.stages.combine.Combine` applying the routing weights, all reading this dispatch's table;
-        ``None`` otherwise (and for a dispatch that applies the weights on the input or never takes slot order)."""
+        node for a training step, the kernels called directly for inference), where they are the ones it runs as the
+        stages run them: the gate/up :class:`FusedGroupedGemm` with its activation and without routing weights, the
+        down one without either, and a :class:`~moeforge.stages.combine.Combine` applying the routing weights — or,
+        where this dispatch applies them on the input (Llama-4), one that does not — all reading this dispatch's
+        table; ``None`` otherwise (and for a dispatch that never takes slot order)."""
         from moeforge.stages.combine import Combine
 
-        if self.apply_routing_weights or self.slot_rows is False or len(following) < 3:
+        if self.slot_rows is False or len(following) < 3:
             return None
         gate_up, down, combine = following[:3]
         if type(gate_up) is not FusedGroupedGemm or type(down) is not FusedGroupedGemm or type(combine) is not Combine:
             return None
         if gate_up.role is not GemmRole.GATE_UP or gate_up._act[0] == 0 or gate_up.apply_routing_weights \
                 or down.role is not GemmRole.DOWN or down.activation is not None or down.apply_routing_weights \
-                or not combine.apply_routing_weights or gate_up.configs is not self.configs \
+                or combine.apply_routing_weights == self.apply_routing_weights or gate_up.configs is not self.configs \
                 or down.configs is not self.configs:
             return None
         from moeforge.stages.triton_step import ExpertsStep
@@ -202,7 +203,8 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         factor = combine.routed_scaling_factor
         return ExpertsStep(self.num_experts, self.configs, self.slot_rows, gate_up.weight, gate_up.bias,
                             gate_up._act, down.weight, down.bias, 1.0 if factor is None else factor,
-                            combine.out_dtype.torch_dtype if combine.out_dtype is not None else None)
+                            combine.out_dtype.torch_dtype if combine.out_dtype is not None else None,
+                            self.apply_routing_weights)
 
     def slot_order_rows(self, x: RoutedTokens, alignment: BlockAlignment) -> AlignedRows:
         """``x``'s rows gathered into the slot order of ``alignment`` (aligned for ``x``'s copies) as

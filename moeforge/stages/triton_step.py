@@ -15,7 +15,8 @@ dispatch, which at a decode batch are much of an eager forward's host time.
 
 :class:`~moeforge.pipeline.Pipeline` runs it in place of the four stages ``AlignDispatch``, ``FusedGroupedGemm``
 (gate/up with its activation, with or without bias), ``FusedGroupedGemm`` (down) and ``Combine`` (the routing weights
-applied in the combine, any scaling factor and output dtype) when the dispatch offers it
+applied in the combine, or on the input by the dispatch as Llama-4's are; any scaling factor and output dtype) when the
+dispatch offers it
 (:meth:`~moeforge.stages.triton.AlignDispatch.joined`) and a call is one it takes (:meth:`ExpertsStep.__call__`):
 plain tensors, no mode or ``torch.compile`` (what :func:`~moeforge.kernels.kernel_op.call_route` routes to the
 functions), token rows without scales or adapters; and either grad mode off, or grad mode on with the gate/up GEMM's
@@ -51,7 +52,9 @@ from moeforge.kernels.config import ConfigTable
 from moeforge.kernels.grouped_gemm_call import GemmEpilogue, GemmRoute, GemmRows, GemmWeight
 from moeforge.kernels.kernel_op import DIRECT, DIRECT_WITH_GRAD, call_route
 from moeforge.payloads import MoEOutput, RoutedTokens
+from moeforge.spec import accumulation_dtype
 from moeforge.stages import slot_order
+from moeforge.stages.dispatch import scale_rows
 from moeforge.tensor_ref import TensorSource, resolve
 
 _GATHERED_FROM = grouped_gemm_call.ARGUMENT_NAMES.index("gathered_from")
@@ -66,7 +69,10 @@ class ExpertsStep:
     that the stages after it are the four this runs). The dispatch's ``num_experts``, ``configs`` and ``slot_rows``;
     the gate/up GEMM's weight ``w13``, bias ``b13`` and activation ``act`` (the kernels' arguments,
     :func:`~moeforge.stages.triton.activation_args`; an activation, code not 0); the down GEMM's ``w2`` and ``b2``;
-    the combine's ``scale`` (its routed scaling factor, or 1) and ``out_dtype`` (``None``: the rows')."""
+    the combine's ``scale`` (its routed scaling factor, or 1) and ``out_dtype`` (``None``: the rows');
+    ``weights_on_input``: the dispatch scales each copy's row by its routing weight (Llama-4:
+    :func:`~moeforge.stages.dispatch.scale_rows`) and the combine sums the rows unweighted, else the combine applies
+    the weights."""
 
     num_experts: int
     configs: ConfigTable
@@ -78,6 +84,7 @@ class ExpertsStep:
     b2: Optional[TensorSource]
     scale: float
     out_dtype: Optional[torch.dtype]
+    weights_on_input: bool = False
     joins: int = attrs.field(default=3, init=False)  # the stages after the dispatch it runs
 
     def summary(self) -> str:
@@ -113,8 +120,9 @@ class ExpertsStep:
     def _inference(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                    w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor]) -> MoEOutput:
         """The four stages' kernels without grad mode, with their arguments: the alignment (unordered), the gate/up
-        GEMM gathering the token rows by index with the activation in its epilogue, the down GEMM, the combine in copy
-        order — no payload records, no op dispatch."""
+        GEMM gathering the token rows by index (or reading each copy's row scaled by its weight, ``weights_on_input``)
+        with the activation in its epilogue, the down GEMM, the combine in copy order — no payload records, no op
+        dispatch."""
         from moeforge.kernels import ops  # (registered by the stages that made the step)
 
         tokens, top_k = ids.shape
@@ -122,13 +130,38 @@ class ExpertsStep:
         sorted_ids, block_expert, num_padded = ops.align_block_size.impl(ids, self.num_experts, config.block_m, False)
         route = GemmRoute(sorted_ids, block_expert, num_padded, tokens * top_k, aligned_block_m=config.block_m)
         act = self.act
+        rows_in = GemmRows(x, rows_per_a=top_k)
+        if self.weights_on_input:  # one row per copy, in copy order, scaled by its weight
+            rows_in = GemmRows(scale_rows(x.unsqueeze(1), weights).reshape(tokens * top_k, x.shape[-1]))
         hidden, _ = grouped_gemm_call.launch(*grouped_gemm_call.arguments(
-            GemmRows(x, rows_per_a=top_k), GemmWeight(w13), route,
+            rows_in, GemmWeight(w13), route,
             GemmEpilogue(x.dtype, bias=b13, act=act[0], glu=act[1], interleaved=act[2], alpha=act[3], limit=act[4]),
             config.gate_up))
         rows, _ = grouped_gemm_call.launch(*grouped_gemm_call.arguments(
             GemmRows(hidden), GemmWeight(w2), route, GemmEpilogue(hidden.dtype, bias=b2), config.down))
-        return MoEOutput(combine.combined(rows, weights, top_k, self.scale, self.out_dtype or rows.dtype))
+        return MoEOutput(combine.combined(rows, None if self.weights_on_input else weights, top_k, self.scale,
+                                          self.out_dtype or rows.dtype))
+
+
+class _ScaledRows:
+    """The backward of ``(rows.to(wide) * weights[:, None]).to(rows.dtype)`` —
+    :func:`~moeforge.stages.dispatch.scale_rows`, the dispatch's scaling of each slot's row by its copy's routing
+    weight — as the autograd engine computes that expression's: the upstream gradient cast to the product's dtype,
+    times the weights for the rows (cast back to theirs), times the widened rows summed along each row for the
+    weights. It keeps what the engine's nodes keep: the weights where the rows need a gradient, the widened rows
+    where the weights do."""
+
+    def __init__(self, rows: torch.Tensor, weights: torch.Tensor, need_rows: bool, need_weights: bool) -> None:
+        self.wide = rows.to(accumulation_dtype(rows.dtype)) if need_weights else None
+        self.weights = weights.unsqueeze(-1) if need_rows else None
+        self.dtype = rows.dtype
+
+    def backward(self, d_scaled: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(d_rows, d_weights)`` for the gradient ``d_scaled`` of the scaled rows (``None`` where not needed)."""
+        wide = d_scaled.to(self.wide.dtype if self.wide is not None else accumulation_dtype(self.dtype))
+        d_rows = (wide * self.weights).to(self.dtype) if self.weights is not None else None
+        d_weights = (wide * self.wide).sum(-1, keepdim=True).squeeze(-1) if self.wide is not None else None
+        return d_rows, d_weights
 
 
 class _OpContext:
@@ -192,18 +225,29 @@ class _Step(torch.autograd.Function):
         weights = topk_weights.float()
         gather = (x, weights.reshape(-1), sorted_ids, block_expert, num_padded, top_k, step.num_experts,
                   config.block_m)
-        xs, _, slot_of, row_of_slot, runs = ops.gather_slots.impl(*gather)
+        gathered = ops.gather_slots.impl(*gather)
+        xs, slot_weights, slot_of, row_of_slot, runs = gathered
         index = slot_of.view(tokens, top_k)
         route = GemmRoute(row_of_slot, block_expert, num_padded, copies, aligned_block_m=config.block_m,
                           slot_copies=copies, slot_runs=runs)
-        # FusedGroupedGemm (gate/up), its activation as its own op (as a recorded forward runs it)
         act = step.act
         upstream = need_x or need_w  # (the rows: the gather's output, from x and the weights)
-        arguments = grouped_gemm_call.arguments(GemmRows(xs, gathered_from=x, gathered_index=index), GemmWeight(w13),
-                                                route, GemmEpilogue(x.dtype, bias=b13),
+        tape: list[Any] = []
+        if step.weights_on_input:
+            # the gather as its own op (its backward sums each token's slot rows), then each slot's row scaled by
+            # its copy's weight as the dispatch scales it (:class:`_ScaledRows` differentiates it as autograd would)
+            gather_op = _OpContext((need_x, need_w) + (False,) * 6)
+            backward.gather_slots_setup_context(gather_op, gather, gathered)
+            rows_in = GemmRows(scale_rows(xs, slot_weights))
+            tape += [gather_op, _ScaledRows(xs, slot_weights, upstream, need_w)]
+        else:
+            rows_in = GemmRows(xs, gathered_from=x, gathered_index=index)
+        del gathered, xs, slot_weights
+        # FusedGroupedGemm (gate/up), its activation as its own op (as a recorded forward runs it)
+        arguments = grouped_gemm_call.arguments(rows_in, GemmWeight(w13), route, GemmEpilogue(x.dtype, bias=b13),
                                                 config.gate_up_apart(act[1]))
         pre, _ = grouped_gemm_call.launch(*arguments)
-        gate_up = _OpContext(_gemm_needs(upstream, need_w13, need_b13, need_x))
+        gate_up = _OpContext(_gemm_needs(upstream, need_w13, need_b13, need_x and not step.weights_on_input))
         backward.moe_gemm_setup_context(gate_up, arguments, None)
         hidden = ops.activate_rows.impl(pre, *act)
         activation = _OpContext(())
@@ -216,14 +260,15 @@ class _Step(torch.autograd.Function):
         rows, _ = grouped_gemm_call.launch(*arguments)
         down = _OpContext(_gemm_needs(upstream, need_w2, need_b2))
         backward.moe_gemm_setup_context(down, arguments, None)
-        # Combine: the routing weights applied, each copy read at its slot
+        # Combine: the routing weights applied (unless the dispatch applied them), each copy read at its slot
         upstream = upstream or need_w2 or need_b2
-        arguments = (rows, weights, top_k, step.scale, step.out_dtype or rows.dtype, index)
+        arguments = (rows, None if step.weights_on_input else weights, top_k, step.scale,
+                     step.out_dtype or rows.dtype, index)
         out = combine.combined(*arguments)
-        combined = _OpContext((upstream, need_w, False, False, False, False))
+        combined = _OpContext((upstream, need_w and not step.weights_on_input, False, False, False, False))
         backward.combine_setup_context(combined, arguments, out)
         ctx.save_for_backward(x, topk_weights, w13, w2, b13, b2)  # (the engine's check of in-place changes)
-        ctx.tape = [gate_up, activation, down, combined]
+        ctx.tape = tape + [gate_up, activation, down, combined]
         ctx.needs = (need_x or need_w or need_w13 or need_b13, need_w2 or need_b2)  # (below the combine, the down)
         return out
 
@@ -233,7 +278,8 @@ class _Step(torch.autograd.Function):
         tape, keep = ctx.tape, _keeps_graph()
         if not keep:
             ctx.tape = None
-        gate_up, activation, down, combined = tape
+        gate_up, activation, down, combined = tape[-4:]
+        dispatched = tape[:-4]  # (weights on the input: the gather's and the scaling's)
         below_down, down_itself = ctx.needs
         d_rows, d_weights = backward.combine_backward(combined, grad_out)[:2]
         del combined, grad_out
@@ -249,6 +295,15 @@ class _Step(torch.autograd.Function):
                 del activation, d_hidden
                 grads = backward.moe_gemm_backward(gate_up, d_pre, None)
                 d_x, dw13, db13 = grads[_GATHERED_FROM], grads[2], grads[6]
+                if dispatched and grads[0] is not None:  # (the scaled rows' gradient: x or the weights need one)
+                    gather_op, scaled = dispatched
+                    dispatched.clear()
+                    d_xs, d_slot_weights = scaled.backward(grads[0])
+                    del grads, scaled
+                    d_x, d_weights = backward.gather_slots_backward(gather_op, d_xs, d_slot_weights, None, None,
+                                                                    None)[:2]
+                    if d_weights is not None:
+                        d_weights = d_weights.view(topk_weights.shape)
         if d_weights is not None:
             d_weights = d_weights.to(topk_weights.dtype)  # (the stages' ``weights.float()``'s backward)
         return None, d_x, d_weights, None, dw13, dw2, db13, db2
