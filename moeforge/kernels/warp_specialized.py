@@ -2,11 +2,11 @@
 
 A launch configuration with ``warp_specialized`` (:class:`~moeforge.kernels.config.GemmConfig`; a table tuned with
 ``tune_moe.py --warp-specialized`` sets it where it was measured faster; the shipped tables set it nowhere while the
-kernel's wrong results under a loaded GPU are unexplained, docs/kernels.md "Open work") asks for :func:`moeforge.kernels.gluon_grouped_gemm.ws_grouped_gemm`. It computes
-the float GEMM only — bf16 / fp16 rows and weights of one dtype, the SwiGLU gate/up GEMM (concatenated halves) or a
-plain one, routing weights, a served stack's update in every adapter's columns (as more K-steps through its ring),
-no bias, no other low-rank update, no split K-loop — on an sm_90 GPU with a Triton whose
-Gluon it was written for. :func:`problem` names why a launch is not one of those (``None`` where it is), and
+kernel's wrong results under a loaded GPU are unexplained, docs/kernels.md "Open work") asks for
+:func:`moeforge.kernels.gluon_grouped_gemm.ws_grouped_gemm`. It computes the float GEMM only — bf16 / fp16 rows and
+weights of one dtype, the SwiGLU gate/up GEMM (concatenated halves) or a plain one, routing weights, a served stack's
+update in every adapter's columns (as more K-steps through its ring), no bias, no other low-rank update, no split
+K-loop — on an sm_90 GPU with a Triton whose Gluon it was written for. :func:`problem` names why a launch is not one of those (``None`` where it is), and
 :func:`moeforge.kernels.grouped_gemm_call.launch` then runs ``moe_gemm`` with the same tile: the flag chooses a
 kernel, never a result. :func:`stage_problem` is the part known when a stage is built, what ``describe()`` shows.
 """
