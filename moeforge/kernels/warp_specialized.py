@@ -8,7 +8,8 @@ weights of one dtype, the SwiGLU gate/up GEMM (concatenated halves) or a plain o
 update in every adapter's columns (as more K-steps through its ring), no bias, no other low-rank update, no split
 K-loop — on an sm_90 GPU with a Triton whose Gluon it was written for. :func:`problem` names why a launch is not one
 of those (``None`` where it is), and :func:`moeforge.kernels.grouped_gemm_call.launch` then runs ``moe_gemm`` with the
-same tile: the flag chooses a kernel, never a result. :func:`stage_problem` is the part known when a stage is built, what ``describe()`` shows.
+same tile: the flag chooses a kernel, never a result. :func:`stage_problem` is the part known when a stage is built,
+what ``describe()`` shows.
 """
 
 from __future__ import annotations
