@@ -214,8 +214,9 @@ class Pipeline(Generic[InT, OutT]):
     ``notes`` are extra lines for :meth:`describe`, such as the dispatch-dtype decision.
 
     A stage may offer to run itself and the stages after it as one unit (:meth:`~moeforge.Stage.joined`: the triton
-    experts as one unit, one autograd node for a training step, :mod:`moeforge.stages.triton_step`); a call runs that unit where it
-    takes the call, and the stages one by one otherwise (and always in debug mode, which checks each stage's payload).
+    experts as one unit, one autograd node for a training step, :mod:`moeforge.stages.triton_step`); a call runs that
+    unit where it takes the call, and the stages one by one otherwise (and always in debug mode, which checks each
+    stage's payload).
     :meth:`describe` names each such unit.
 
     ``no_backward``: why the computation has no backward (e.g. a quantized method's reason, naming it),

@@ -111,6 +111,13 @@ def scale_rows(data: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (data.to(accumulation_dtype(data.dtype)) * weights.unsqueeze(-1)).to(data.dtype)
 
 
+def scaled_copy_rows(data: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One row per copy in copy order, ``[T * top_k, H]``: token ``t``'s row ``data[t]`` times each of its routing
+    weights ``weights [T, top_k]``, rounded as :func:`scale_rows` rounds."""
+    tokens, top_k = weights.shape
+    return scale_rows(data.unsqueeze(1), weights).reshape(tokens * top_k, data.shape[-1])
+
+
 def weights_on_input_accepts(num_experts: int, dtypes: frozenset[DType], **fields: Any) -> Accepts:
     """What a dispatch that scales its rows by their routing weights takes: routed rows of ``dtypes`` (floats:
     scaling quantized values would need a re-quantization, so the experts quantize after the dispatch) whose

@@ -38,7 +38,8 @@ from moeforge.spec import (
 from moeforge.stage import JoinedRun, Mismatch, Stage, StageKind
 from moeforge.stages.activation import ActivationConfig, GateUpLayout
 from moeforge.stages import slot_order
-from moeforge.stages.dispatch import scale_rows, weights_on_input_accepts, weights_on_input_hint
+from moeforge.stages.dispatch import (scale_rows, scaled_copy_rows, weights_on_input_accepts,
+                                      weights_on_input_hint)
 from moeforge.stages.gemm import GemmRole, expert_gemm_accepts
 from moeforge.stages.topk import RoutingConfig, TopK
 from moeforge.tensor_ref import TensorSource, resolve
@@ -171,8 +172,7 @@ class AlignDispatch(Stage[RoutedTokens, AlignedRows]):
         adapter_ids = x.adapter_ids.repeat_interleave(top_k) if x.adapter_ids is not None else None
         rows, copy_major = x.x, False
         if self.apply_routing_weights:  # one row per copy, in copy order: [T, top_k, H] -> [T * top_k, H]
-            scaled = scale_rows(x.x.data.unsqueeze(1), x.topk.weights)
-            rows = Activations(scaled.reshape(tokens * top_k, x.x.data.shape[-1]))
+            rows = Activations(scaled_copy_rows(x.x.data, x.topk.weights))
             copy_major = True
         return AlignedRows(x=rows, alignment=alignment, copy_major=copy_major,
                            copy_weights=x.topk.weights.reshape(-1),

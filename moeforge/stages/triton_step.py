@@ -54,7 +54,7 @@ from moeforge.kernels.kernel_op import DIRECT, DIRECT_WITH_GRAD, call_route
 from moeforge.payloads import MoEOutput, RoutedTokens
 from moeforge.spec import accumulation_dtype
 from moeforge.stages import slot_order
-from moeforge.stages.dispatch import scale_rows
+from moeforge.stages.dispatch import scale_rows, scaled_copy_rows
 from moeforge.tensor_ref import TensorSource, resolve
 
 _GATHERED_FROM = grouped_gemm_call.ARGUMENT_NAMES.index("gathered_from")
@@ -132,7 +132,7 @@ class ExpertsStep:
         act = self.act
         rows_in = GemmRows(x, rows_per_a=top_k)
         if self.weights_on_input:  # one row per copy, in copy order, scaled by its weight
-            rows_in = GemmRows(scale_rows(x.unsqueeze(1), weights).reshape(tokens * top_k, x.shape[-1]))
+            rows_in = GemmRows(scaled_copy_rows(x, weights))
         hidden, _ = grouped_gemm_call.launch(*grouped_gemm_call.arguments(
             rows_in, GemmWeight(w13), route,
             GemmEpilogue(x.dtype, bias=b13, act=act[0], glu=act[1], interleaved=act[2], alpha=act[3], limit=act[4]),
