@@ -38,7 +38,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from victim_under_load import MIXTRAL, force_warp_specialized, Load  # noqa: E402
+from victim_under_load import MIXTRAL, Load, force_warp_specialized, mismatch  # noqa: E402
 
 
 def parts(tokens: int, cpu: bool) -> dict[str, Callable[[], Any]]:
@@ -126,10 +126,8 @@ def bisect(out_dir: str, tokens: int, alone: float, loaded: float, no_pdl: bool,
                 continue
             counts[name][phase][1] += 1
             if len(mismatches) < 40:
-                bad = (value.float() != first[name].float()).reshape(value.shape[0], -1).any(-1)
-                mismatches.append(dict(part=name, phase=phase, at=round(time.time() - begun, 1), rows=int(bad.sum()),
-                                       first_rows=bad.nonzero().flatten()[:8].tolist(),
-                                       finite=bool(torch.isfinite(value.float()).all())))
+                mismatches.append(mismatch(value, first[name], part=name, phase=phase,
+                                           at=round(time.time() - begun, 1)))
     Path(out_dir, "bisect.json").write_text(json.dumps(dict(tokens=tokens, alone=alone, loaded=loaded, no_pdl=no_pdl,
                                                             counts=counts, mismatches=mismatches), indent=1))
 
@@ -160,8 +158,8 @@ def main() -> None:
     for name, phases in result["counts"].items():
         print(f"{name:20s} " + "  ".join(f"{phase} {calls} calls, {bad} mismatches" for phase, (calls, bad)
                                           in phases.items()))
-    for mismatch in result["mismatches"][:10]:
-        print("  ", mismatch)
+    for record in result["mismatches"][:10]:
+        print("  ", record)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,16 @@ def _layers(cpu: bool) -> list[tuple[str, dict[str, Any], int]]:
     return [("mixtral-1024", MIXTRAL, 1024), ("mixtral-2048", MIXTRAL, 2048)]
 
 
+def mismatch(got: Any, want: Any, **where: Any) -> dict[str, Any]:
+    """A record of a call whose bits differ from the first call's: ``where`` it happened, the rows (first dimension)
+    that differ, the first eight of them, and whether the output is finite."""
+    import torch
+
+    bad = (got.float() != want.float()).reshape(want.shape[0], -1).any(-1)
+    return dict(**where, rows=int(bad.sum()), first_rows=bad.nonzero().flatten()[:8].tolist(),
+                finite=bool(torch.isfinite(got.float()).all()))
+
+
 def force_warp_specialized() -> None:
     """In this process, every layer's gate/up launch configuration that the warp-specialised Gluon GEMM takes marked
     ``warp_specialized`` (the shipped tables mark none while the report this script was written for is open): a patch of
@@ -101,10 +111,8 @@ def victim(warp_specialized: bool, seconds: float, out_dir: str, cpu: bool) -> N
                 if not torch.equal(fz._bits(got[part]), fz._bits(want)):
                     counts[name][part][1] += 1
                     if len(mismatches) < 20:
-                        bad = (got[part].float() != want.float()).reshape(want.shape[0], -1).any(-1)
-                        mismatches.append(dict(layer=name, part=part, at=round(time.time() - deadline + seconds, 1),
-                                               rows=int(bad.sum()), first_rows=bad.nonzero().flatten()[:8].tolist(),
-                                               finite=bool(torch.isfinite(got[part].float()).all())))
+                        mismatches.append(mismatch(got[part], want, layer=name, part=part,
+                                                   at=round(time.time() - deadline + seconds, 1)))
     label = "with" if warp_specialized else "without"
     result = dict(warp_specialized=warp_specialized, seconds=seconds, counts=counts, mismatches=mismatches,
                   refusals={name: graphed.decode_graphs.refusals() for name, _, graphed, *_ in made})
@@ -170,8 +178,8 @@ def main() -> None:
             print(f"{flag} the warp-specialised kernel: no result")
             continue
         print(f"{flag} the warp-specialised kernel: {result['counts']}")
-        for mismatch in result["mismatches"][:5]:
-            print("  ", mismatch)
+        for record in result["mismatches"][:5]:
+            print("  ", record)
     outcomes: dict[str, int] = {}
     for slot in range(args.load):
         try:
