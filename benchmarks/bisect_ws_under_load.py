@@ -1,7 +1,5 @@
 """Where does the warp-specialised gate/up GEMM's wrong result under a loaded GPU enter? (The open report in
-docs/kernels.md, "Open work": ``victim_under_load.py`` saw a Mixtral-shape layer give non-finite rows in 2–18 % of its
-calls with that kernel while six fuzzer processes shared the H200, none without it; the kernel called alone on a fixed
-plan, 14,534 times, never did: ``benchmarks/results/probe_ws_gemm_under_load-*.json``.)
+docs/kernels.md, "Open work", which gives what ``victim_under_load.py`` and a probe of the kernel alone found.)
 
 One process calls, in turns, each of these parts on Mixtral-8x7B's shape (bf16, ``--tokens`` tokens, random weights,
 the warp-specialised kernel forced on for every gate/up tile it takes) and compares each call's bits with the part's

@@ -374,11 +374,10 @@ def test_every_committed_float_entry_and_fallback_fits_shared_memory_forward_and
 
 
 def test_no_committed_entry_launches_the_warp_specialized_gemm_while_its_wrong_result_report_is_open() -> None:
-    """The shipped tables mark no entry ``warp_specialized``: under six other processes loading an H200, Mixtral-shape
-    layers on that kernel gave non-finite rows in 2-18 % of their calls, none on ``moe_gemm`` with the same tile
-    (docs/kernels.md, "Open work"; ``benchmarks/results/victim_under_load-nvidia_h200-2026-12-01-567534a.json``). A
-    user's own table may still mark it; a marked entry must be a tile the kernel takes. Mark shipped entries again only
-    once that report is closed."""
+    """The shipped tables mark no entry ``warp_specialized``: layers on that kernel gave non-finite rows while other
+    processes loaded the GPU, and none on ``moe_gemm`` with the same tile (docs/kernels.md, "Open work"). A user's own
+    table may still mark it; a marked entry must be a tile the kernel takes. Mark shipped entries again only once that
+    report is closed."""
     pytest.importorskip("triton")
     from moeforge.kernels import gluon_grouped_gemm
 
