@@ -331,13 +331,20 @@ if _GLUON_ERROR is None:
                                            w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (ping-pong's K-loop turns)
         for slot in gl.static_range(STAGES):
             # ready: the weight copy's expected bytes (one arrival) and each loader thread's row copies
             mbarrier.init(ready.index(slot), count=1 + 32 * LOADER_WARPS_)
             mbarrier.init(empty.index(slot), count=1)
-        for consumer in gl.static_range(2):
-            mbarrier.init(turn.index(consumer), count=1)
+        # Ping-pong's K-loop turns. One MMA partition takes none and is handed ``empty`` in their place (never touched
+        # as one): a barrier initialised and never used again is dead to Triton's shared-memory allocator, which gives
+        # its bytes to the epilogue's scratch — plain stores over an mbarrier object, undefined in PTX (docs/kernels.md,
+        # "The warp-specialised kernel's wrong rows under load").
+        if PINGPONG:
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for consumer in gl.static_range(2):
+                mbarrier.init(turn.index(consumer), count=1)
+        else:
+            turn = empty
         fence_async_shared()
         # (each partition's arguments as a tuple written out: a tuple held in a variable loses its constexprs)
         if PINGPONG:  # two MMA partitions on alternate tiles: one's epilogue overlaps the other's K-loop

@@ -179,17 +179,23 @@ if _GLUON_ERROR is None:
         x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (ping-pong's turns)
         if TMA_STORE:  # a finished tile's buffer per MMA partition (``dw_desc``: dW as [E * N, K])
             out_bufs = gl.allocate_shared_memory(dw_desc.dtype, [2 if PINGPONG else 1] + dw_desc.block_type.shape,
                                                  dw_desc.layout)
         else:
-            out_bufs = turn  # (not read: the tile is stored from registers)
+            out_bufs = empty  # (not read: the tile is stored from registers)
         for slot in gl.static_range(STAGES):
             mbarrier.init(ready.index(slot), count=1)  # (the TMA copies' expected bytes: one arrival)
             mbarrier.init(empty.index(slot), count=1)
-        for consumer in gl.static_range(2):
-            mbarrier.init(turn.index(consumer), count=1)
+        # Ping-pong's turns; one MMA partition takes none and is handed ``empty`` (never touched as one): a barrier
+        # initialised and unused is dead to the shared-memory allocator, which may give its bytes to other buffers,
+        # plain accesses over an mbarrier object (see the forward kernel, moeforge.kernels.gluon_grouped_gemm)
+        if PINGPONG:
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for consumer in gl.static_range(2):
+                mbarrier.init(turn.index(consumer), count=1)
+        else:
+            turn = empty
         fence_async_shared()
         # (each partition's arguments as a tuple written out: a tuple held in a variable loses its constexprs)
         if PINGPONG:
