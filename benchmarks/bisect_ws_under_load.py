@@ -1,5 +1,7 @@
-"""Where does the warp-specialised gate/up GEMM's wrong result under a loaded GPU enter? (The open report in
-docs/kernels.md, "Open work", which gives what ``victim_under_load.py`` and a probe of the kernel alone found.)
+"""Where does the warp-specialised gate/up GEMM's wrong result under a loaded GPU enter? Written for the report in
+docs/kernels.md, "The warp-specialised kernel's wrong rows under load", which says what it found (the kernel right
+after the alignment that made its plan, or queued behind another call; the fix, 95ae274, and this script's run after
+it); kept as the check of any change to that kernel's barriers or shared memory.
 
 One process calls, in turns, each of these parts on Mixtral-8x7B's shape (bf16, ``--tokens`` tokens, random weights,
 the warp-specialised kernel forced on for every gate/up tile it takes) and compares each call's bits with the part's

@@ -6,8 +6,8 @@ without (``moeforge.kernels.pdl.GDC = False``). Prints, per process, the calls, 
 
     PYTHONPATH=. python3 benchmarks/stress_layers.py OUT_DIR SECONDS PROCESSES
 
-Written for an open report (docs/kernels.md, "Open work": wrong results under a loaded GPU), which it did not
-reproduce: results in ``benchmarks/results/stress_layers-*.json``."""
+Written for a report of wrong results under a loaded GPU (docs/kernels.md, "The warp-specialised kernel's wrong rows
+under load"), which it did not reproduce: results in ``benchmarks/results/stress_layers-*.json``."""
 import json, sys, time, random
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

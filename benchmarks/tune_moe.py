@@ -465,9 +465,7 @@ def main() -> None:
                              "and write the choice into the table")
     parser.add_argument("--warp-specialized", action="store_true",
                         help="bf16: also time each candidate whose tile the warp-specialised Gluon kernel takes with "
-                             "that kernel (Hopper; GemmConfig.warp_specialized), and write the choice into the table. "
-                             "Not for shipped tables: that kernel's layers gave non-finite rows under a loaded GPU, "
-                             "cause open (docs/kernels.md, Open work)")
+                             "that kernel (Hopper; GemmConfig.warp_specialized), and write the choice into the table")
     args = parser.parse_args()
     formats = args.formats.split(",")
     unknown = [f for f in formats if f not in FORMATS]

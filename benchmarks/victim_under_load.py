@@ -1,12 +1,13 @@
 """A victim under the fuzzer's load: does a triton layer give the same bits every call while other processes load
-the GPU with many different kernels? Written for an open report (docs/kernels.md, "Open work": two wrong results on
-Mixtral-8x7B's shape at M >= 1024 while eight fuzzer processes shared one H200, neither reproduced alone).
+the GPU with many different kernels? Written for a report (docs/kernels.md, "The warp-specialised kernel's wrong
+rows under load": two wrong results on Mixtral-8x7B's shape at M >= 1024 while eight fuzzer processes shared one H200,
+neither reproduced alone).
 
 ``--load`` processes run the fuzzer's cases (``tests/fuzz_layers.py``'s workers, from seed ``--first`` on: varied
 layers, training and inference, some near the GPU's memory limit), while two victim processes call the same layers
 over and over — Mixtral-8x7B's shape at 1024 and 2048 tokens, bf16, random weights — one with the warp-specialised
-Gluon gate/up GEMM wherever it takes the tile (:func:`force_warp_specialized`: the shipped tables no longer mark it),
-the other with it refused (``warp_specialized.problem`` patched: ``moe_gemm`` serves). Each victim call compares,
+Gluon gate/up GEMM wherever it takes the tile (:func:`force_warp_specialized`: not only the table's entries), the
+other with it refused (``warp_specialized.problem`` patched: ``moe_gemm`` serves). Each victim call compares,
 bit for bit with the victim's first call of that layer:
 
 * the router's logits (``layer.router_logits(x)``: a cuBLAS GEMM);
@@ -54,7 +55,7 @@ def mismatch(got: Any, want: Any, **where: Any) -> dict[str, Any]:
 
 def force_warp_specialized() -> None:
     """In this process, every layer's gate/up launch configuration that the warp-specialised Gluon GEMM takes marked
-    ``warp_specialized`` (the shipped tables mark none while the report this script was written for is open): a patch of
+    ``warp_specialized`` (the shipped tables mark the large-batch entries only): a patch of
     :meth:`moeforge.kernels.config.ConfigTable.lookup`."""
     import attrs
 

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Optional
 
 import attrs
@@ -60,6 +61,8 @@ COMPILED = [(launch, torch.bfloat16, False) for launch in LAUNCHES] + [
 _COMPILE = """
 import json, sys
 import torch
+sys.path.insert(0, sys.argv[2])
+from ptx_barriers import barriers_overlapped
 from moeforge.kernels import gluon_weight_grad
 found = []
 for block_m, block_n, block_k, warps, stages, pingpong, tma_store, dtype, mask_tail in json.loads(sys.argv[1]):
@@ -68,7 +71,8 @@ for block_m, block_n, block_k, warps, stages, pingpong, tma_store, dtype, mask_t
                                                   tma_store=tma_store, mask_tail=mask_tail)
     ptx = kernel.asm["ptx"]
     found.append(dict(shared=kernel.metadata.shared, wgmma="wgmma" in ptx,
-                      tma_store="cp.async.bulk.tensor.2d.global.shared" in ptx))
+                      tma_store="cp.async.bulk.tensor.2d.global.shared" in ptx,
+                      overlapped=barriers_overlapped(ptx)[:2]))
 print(json.dumps(found))
 """
 
@@ -80,8 +84,8 @@ def test_it_compiles_for_hopper_within_its_shared_memory_bound() -> None:
     # the order xdist gave the tests); and Triton's bindings report leaked objects at the exit of a process that
     # compiled Gluon.
     cases = [[*LAUNCHES[launch], str(dtype)[6:], mask_tail] for launch, dtype, mask_tail in COMPILED]
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], capture_output=True, text=True,
-                          timeout=900, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=900, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0, done.stderr[-4000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(found) == len(COMPILED)
@@ -92,6 +96,8 @@ def test_it_compiles_for_hopper_within_its_shared_memory_bound() -> None:
         assert bound <= gluon_weight_grad.gluon_gemm.SHARED_MEMORY_LIMIT, launch
         assert kernel["shared"] <= bound, (launch, dtype, kernel)
         assert kernel["wgmma"] and kernel["tma_store"] == tma_store, (launch, dtype, kernel)
+        # no initialised barrier's bytes given to plain data (tests/ptx_barriers.py)
+        assert not kernel["overlapped"], (launch, dtype, kernel)
 
 
 @pytest.mark.parametrize("tiles, needle", [

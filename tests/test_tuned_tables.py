@@ -373,15 +373,12 @@ def test_every_committed_float_entry_and_fallback_fits_shared_memory_forward_and
     assert walked > 100
 
 
-def test_no_committed_entry_launches_the_warp_specialized_gemm_while_its_wrong_result_report_is_open() -> None:
-    """The shipped tables mark no entry ``warp_specialized``: layers on that kernel gave non-finite rows while other
-    processes loaded the GPU, and none on ``moe_gemm`` with the same tile (docs/kernels.md, "Open work"). A user's own
-    table may still mark it; a marked entry must be a tile the kernel takes. Mark shipped entries again only once that
-    report is closed."""
+def test_every_committed_warp_specialized_entry_is_a_tile_the_gluon_kernel_takes() -> None:
+    # (tests/test_launch_fit_gpu.py launches each of them on a Hopper GPU)
     pytest.importorskip("triton")
     from moeforge.kernels import gluon_grouped_gemm
 
-    marked = []
+    marked = 0
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
         for key, entries in device_tables(name).items():
             for tokens, entry in entries.items():
@@ -391,5 +388,5 @@ def test_no_committed_entry_launches_the_warp_specialized_gemm_while_its_wrong_r
                         assert key.endswith((",bf16", ",fp16")), (name, key, tokens, gemm)  # float weights only
                         assert gluon_grouped_gemm.tile_problem(config, glu=gemm == "gate_up") is None, \
                             (name, key, tokens, gemm)
-                        marked.append((name, key, tokens, gemm))
-    assert not marked, marked
+                        marked += 1
+    assert marked >= 10  # (the H200 table's SwiGLU gate/up entries of 128 x 128 x 64 tiles)

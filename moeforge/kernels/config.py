@@ -58,8 +58,7 @@ class GemmConfig:
     # shared-memory slots) with this tile, where it serves the launch (``moeforge.kernels.warp_specialized``
     # names why not: another format, activation or epilogue, another GPU, a Triton without Gluon); else
     # ``moe_gemm`` runs the same tile. Faster where the GEMM is bound by arithmetic (docs/kernels.md, "The
-    # warp-specialised grouped GEMM"), so only a tuned table sets it — no shipped one while its layers' non-finite
-    # rows under a loaded GPU are unexplained (docs/kernels.md, "Open work").
+    # warp-specialised grouped GEMM"), so only a tuned table sets it (the H200 table's large-batch SwiGLU gate/up).
     warp_specialized: bool = False
 
     @decode_chunk.validator

@@ -337,8 +337,8 @@ if _GLUON_ERROR is None:
             mbarrier.init(empty.index(slot), count=1)
         # Ping-pong's K-loop turns. One MMA partition takes none and is handed ``empty`` in their place (never touched
         # as one): a barrier initialised and never used again is dead to Triton's shared-memory allocator, which gives
-        # its bytes to the epilogue's scratch — plain stores over an mbarrier object, undefined in PTX (docs/kernels.md,
-        # "The warp-specialised kernel's wrong rows under load").
+        # its bytes to the epilogue's scratch — plain stores over an mbarrier object, undefined in PTX
+        # (docs/kernels.md, "The warp-specialised kernel's wrong rows under load").
         if PINGPONG:
             turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for consumer in gl.static_range(2):

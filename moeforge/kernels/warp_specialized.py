@@ -1,8 +1,7 @@
 """Where the warp-specialised Gluon grouped GEMM serves a ``moe_gemm`` launch, and that launch.
 
-A launch configuration with ``warp_specialized`` (:class:`~moeforge.kernels.config.GemmConfig`; a table tuned with
-``tune_moe.py --warp-specialized`` sets it where it was measured faster; the shipped tables set it nowhere while the
-kernel's wrong results under a loaded GPU are unexplained, docs/kernels.md "Open work") asks for
+A launch configuration with ``warp_specialized`` (:class:`~moeforge.kernels.config.GemmConfig`; the tuned tables set
+it where it was measured faster, ``tune_moe.py --warp-specialized``) asks for
 :func:`moeforge.kernels.gluon_grouped_gemm.ws_grouped_gemm`. It computes the float GEMM only — bf16 / fp16 rows and
 weights of one dtype, the SwiGLU gate/up GEMM (concatenated halves) or a plain one, routing weights, a served stack's
 update in every adapter's columns (as more K-steps through its ring), no bias, no other low-rank update, no split
