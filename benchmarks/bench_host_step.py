@@ -2,6 +2,7 @@
 
     TRITON_INTERPRET=1 python benchmarks/bench_host_step.py [--experts 128] [--top-k 8] [--tokens 256] [--steps 200]
                                                            [--slot-rows rule|on|off] [--profile N]
+                                                           [--staged] [--inference] [--floor] [--weights-on-input]
 
 A step called without a CUDA graph is bound by the host at small batches (``bench_train.py --eager``: the Qwen3
 step at M = 1024 on an H200 takes 1.9x its replay). This harness measures the Python side of that cost where no GPU
@@ -14,7 +15,8 @@ the GPU-only paths (TMA descriptors, the Gluon weight gradient, which the CPU's 
 microseconds of the forward and of the step over ``--steps`` steps; ``--staged`` also times the step run stage by stage
 (five autograd nodes, what the pipeline ran before the training step's one node), in alternating rounds;
 ``--inference`` an inference forward (no grad mode, the routing kernel included) as one unit and stage by stage, the
-same way;
+same way; ``--weights-on-input`` the step of experts whose dispatch scales the rows by the routing weights (Llama-4),
+beside the step with the weights in the combine;
 ``--slot-rows`` whether the dispatch gives its
 rows in slot order (``rule``: where :func:`~moeforge.stages.slot_order.slot_rows_pay` takes it); ``--profile N``
 prints a ``cProfile`` listing of N steps; ``--floor`` also times the step's floor (:func:`floor_step`: the same five
@@ -48,12 +50,24 @@ from moeforge.stages.combine import Combine  # noqa: E402
 from moeforge.stages.triton import AlignDispatch, FusedGroupedGemm, TritonTopK  # noqa: E402
 
 
+def _zero_indices(self: Any, *args: Any) -> None:
+    """A stubbed launch that zeroes its integer tensor arguments (see :func:`launches_stubbed`), through ``.data`` so
+    that the tensors' version counters stay as a kernel's writes leave them (autograd checks saved tensors' versions)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and not arg.is_floating_point():
+            arg.data.zero_()
+
+
 @contextlib.contextmanager
-def launches_stubbed() -> Iterator[None]:
+def launches_stubbed(valid_indices: bool = False) -> Iterator[None]:
     """Inside, every moeforge kernel launch (through :class:`~moeforge.kernels.bound_launch.BoundLaunch`) does
-    nothing; the launcher is restored on the way out."""
+    nothing; the launcher is restored on the way out. ``valid_indices``: each launch zeroes its integer tensor
+    arguments instead, so that the indices a kernel would have written (the gather's ``slot_of``) are in range where
+    torch reads them on the host's side of the step (the weights-on-input step's ``index_select`` of the weights'
+    gradient); the zeroing is a cost of its own, so a comparison runs every variant under the same stub."""
     launch = bound_launch.BoundLaunch.__call__
-    bound_launch.BoundLaunch.__call__ = lambda self, *args: None  # type: ignore[method-assign]
+    bound_launch.BoundLaunch.__call__ = (  # type: ignore[method-assign]
+        _zero_indices if valid_indices else lambda self, *args: None)
     try:
         yield
     finally:
@@ -61,19 +75,25 @@ def launches_stubbed() -> Iterator[None]:
 
 
 def training_step(experts: int, top_k: int, tokens: int, hidden: int, inter: int,
-                  slot_rows: Optional[bool] = None, joined: bool = True) -> tuple[Callable[[], Any], Callable[[], Any]]:
+                  slot_rows: Optional[bool] = None, joined: bool = True,
+                  weights_on_input: bool = False) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """``(forward, step)`` of a bf16 triton layer's experts on CPU tensors (the routing given; ``slot_rows``: the
     dispatch's, see :class:`~moeforge.stages.triton.AlignDispatch`). ``joined=False``: the stages one by one, as the
-    pipeline ran them before it ran the training step as one autograd node (:mod:`moeforge.stages.triton_step`)."""
+    pipeline ran them before it ran the training step as one autograd node (:mod:`moeforge.stages.triton_step`).
+    ``weights_on_input``: the routing weights scale each copy's row in the dispatch and the combine sums the rows
+    unweighted (Llama-4's experts); its step reads indices on the host's side, so run it under
+    ``launches_stubbed(valid_indices=True)``."""
     # (the stages a triton MoELayer builds after its routing; a layer refuses the triton backend on the CPU)
     table = ConfigTable(experts, top_k)
     w13 = torch.randn(experts, 2 * inter, hidden, dtype=torch.bfloat16, requires_grad=True)
     w2 = torch.randn(experts, hidden, inter, dtype=torch.bfloat16, requires_grad=True)
     full = mf.Pipeline([
-        TritonTopK(experts, top_k, mf.RoutingConfig()), AlignDispatch(experts, table, slot_rows),
+        TritonTopK(experts, top_k, mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT) if weights_on_input
+                   else mf.RoutingConfig()),
+        AlignDispatch(experts, table, slot_rows, apply_routing_weights=weights_on_input),
         FusedGroupedGemm(mf.GemmRole.GATE_UP, w13, table, activation=mf.ActivationConfig()),
         FusedGroupedGemm(mf.GemmRole.DOWN, w2, table),
-        Combine(apply_routing_weights=True),
+        Combine(apply_routing_weights=not weights_on_input),
     ], mf.input_spec(hidden, torch.bfloat16, experts))
     experts_only = mf.Pipeline(full.stages[1:], full.specs[0])
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
@@ -324,17 +344,32 @@ def main() -> None:
                              "stage, in alternating rounds")
     parser.add_argument("--floor", action="store_true",
                         help="also time the same autograd nodes, allocations and launch calls without moeforge")
+    parser.add_argument("--weights-on-input", action="store_true",
+                        help="the routing weights scale the dispatch's rows (Llama-4) instead of the combine's; "
+                             "every launch zeroes its index arguments, and the step with the weights in the combine "
+                             "is timed beside it in alternating rounds under the same stub")
     args = parser.parse_args()
     slot_rows = {"rule": None, "on": True, "off": False}[args.slot_rows]
-    forward, step = training_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter, slot_rows)
-    with launches_stubbed():
+    on_input = args.weights_on_input
+    forward, step = training_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter, slot_rows,
+                                  weights_on_input=on_input)
+    with launches_stubbed(valid_indices=on_input):
         print(f"E={args.experts} k={args.top_k} M={args.tokens} (H={args.hidden}, I={args.inter}), slot rows "
-              f"{args.slot_rows}, launches "
-              f"stubbed: forward {median_us(forward, args.steps):.0f} us, step {median_us(step, args.steps):.0f} us "
+              f"{args.slot_rows}, weights {'on the input' if on_input else 'in the combine'}, launches "
+              f"stubbed{' (index arguments zeroed)' if on_input else ''}: forward "
+              f"{median_us(forward, args.steps):.0f} us, step {median_us(step, args.steps):.0f} us "
               f"(medians of {args.steps}; torch {torch.__version__}, {torch.get_num_threads()} threads)")
+        if on_input:
+            _, in_combine = training_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter, slot_rows)
+            rounds = {"weights on the input": [], "weights in the combine": []}
+            for _ in range(5):
+                rounds["weights on the input"].append(median_us(step, args.steps // 5 + 1))
+                rounds["weights in the combine"].append(median_us(in_combine, args.steps // 5 + 1))
+            print("the step in one node, alternating rounds of " + str(args.steps // 5 + 1) + ": " + ", ".join(
+                f"{name} {statistics.median(times):.0f} us" for name, times in rounds.items()))
         if args.staged:
             _, staged = training_step(args.experts, args.top_k, args.tokens, args.hidden, args.inter, slot_rows,
-                                      joined=False)
+                                      joined=False, weights_on_input=on_input)
             rounds: dict[str, list[float]] = {"one node": [], "stage by stage": []}
             for _ in range(5):
                 rounds["one node"].append(median_us(step, args.steps // 5 + 1))

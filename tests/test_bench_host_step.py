@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -52,3 +53,18 @@ def test_the_inference_forward_runs_as_one_unit_and_stage_by_stage() -> None:
         joined, pipeline.joined = pipeline.joined, (None,) * len(pipeline.joined)
         assert forward().hidden_states.shape == (8, 32)
         pipeline.joined = joined
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_the_weights_on_input_step_differentiates_every_leaf_under_the_index_filling_stub(joined: bool) -> None:
+    # (bench_host_step --weights-on-input: Llama-4's experts; the step reads the gather's slot_of on the host's side,
+    # which the plain stub leaves as uninitialised memory)
+    forward, step = bench_host_step.training_step(16, 1, 8, 32, 16, True, joined=joined, weights_on_input=True)
+    with bench_host_step.launches_stubbed(valid_indices=True):
+        out, leaves = forward()
+        grads = step()
+        ids = torch.full((3,), 7, dtype=torch.int32)
+        bound_launch.BoundLaunch.__call__(None, ids, torch.ones(2))  # type: ignore[arg-type]
+        assert ids.tolist() == [0, 0, 0]
+    assert out.shape == (8, 32)
+    assert [g.shape for g in grads] == [leaf.shape for leaf in leaves]
