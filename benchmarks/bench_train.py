@@ -4,6 +4,8 @@ with), CUDA only.
 
     python benchmarks/bench_train.py [--shapes mixtral,qwen3,gptoss,deepseek] [--tokens 1024,4096,16384]
 
+(``--shapes`` also takes ``llama4``: Llama-4 Scout's experts, E 16, k 1, H 5120, I 8192, routing weights on the input.)
+
 For each shape and token count M, on random (never zero) bf16 data with the routing fixed: the time of
 ``forward + backward`` (gradients of the hidden states, both expert weights and the routing weights),
 as the median of CUDA-graph replays with the L2 flushed, for moeforge's experts pipeline (from top-k ids
@@ -96,11 +98,14 @@ def expert_biases(layer: mf.MoELayer) -> list[torch.Tensor]:
 def grouped_mm_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput
                        ) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
     """The same forward written with ``torch._grouped_mm`` (what torchtitan and transformers train with); a layer's
-    expert biases added to each sorted row by its expert (an index of the bias rows), as such code adds them."""
+    expert biases added to each sorted row by its expert (an index of the bias rows), as such code adds them; a
+    layer's routing weights on the input (Llama-4's) scale each copy's row before the experts, as the model's code
+    does."""
     tokens, top_k = topk.ids.shape
     w13, w2 = layer.w13_weight, layer.w2_weight
     biases = expert_biases(layer)
     ones = torch.ones(tokens * top_k, dtype=torch.int32, device=x.device)
+    on_input = layer.routing.apply_weights is mf.RoutingWeights.ON_INPUT
 
     def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
         xr = x.detach().requires_grad_()
@@ -110,14 +115,18 @@ def grouped_mm_forward(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput
         counts = torch.zeros(layer.num_experts, dtype=torch.int32, device=x.device).scatter_add_(0, flat, ones)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         source = order // top_k
-        hidden = torch._grouped_mm(xr[source], w13.transpose(1, 2), offs=offs)
+        rows_in = xr[source]
+        if on_input:  # (Llama-4: each copy's row scaled by its weight before the experts, the rows summed unweighted)
+            rows_in = (rows_in.float() * weights.reshape(-1)[order, None]).to(rows_in.dtype)
+        hidden = torch._grouped_mm(rows_in, w13.transpose(1, 2), offs=offs)
         if biases:
             hidden = hidden + biases[0][flat[order]]
         gate, up = hidden.chunk(2, dim=-1)
         rows = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(1, 2), offs=offs)
         if biases:
             rows = rows + biases[1][flat[order]]
-        rows = rows * weights.reshape(-1)[order, None].to(rows.dtype)
+        if not on_input:
+            rows = rows * weights.reshape(-1)[order, None].to(rows.dtype)
         return torch.zeros_like(xr).index_add(0, source, rows), [xr, weights, w13, w2, *biases]
 
     return run
@@ -149,6 +158,11 @@ LAYOUTS: dict[str, tuple[tuple[str, Optional[bool]], ...]] = {
 def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad: torch.Tensor) -> Callable[[], Any]:
     return training_step(grouped_mm_forward(layer, x, topk), grad)
 
+
+# bench_moe's shapes and Llama-4 Scout's experts (E 16, k 1, H 5120, I 8192), whose routing weights scale the
+# experts' input (the dispatch scales each copy's row; the combine sums them unweighted)
+TRAIN_SHAPES = {**SHAPES, "llama4": (16, 1, 5120, 8192)}
+WEIGHTS_ON_INPUT = frozenset({"llama4"})
 
 SONICMOE = (64, 4, 4096, 2048)  # (E, k, H, I) at T = 32768: SonicMoE's published configuration
 SONICMOE_TOKENS = 32768
@@ -459,9 +473,11 @@ def main() -> None:
           f"HBM read {read_bw:.2f} TB/s")
     records = []
     for name in args.shapes.split(","):
-        experts, top_k, hidden, inter = SHAPES[name]
+        experts, top_k, hidden, inter = TRAIN_SHAPES[name]
+        routing = mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT) if name in WEIGHTS_ON_INPUT \
+            else mf.RoutingConfig()
         layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton",
-                            expert_bias=args.expert_bias)
+                            expert_bias=args.expert_bias, routing=routing)
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
             logits = torch.randn(tokens, experts, device="cuda")

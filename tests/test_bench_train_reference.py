@@ -32,10 +32,14 @@ def _cpu_grouped_mm_problem() -> str | None:
 
 @pytest.mark.skipif(_cpu_grouped_mm_problem() is not None, reason=str(_cpu_grouped_mm_problem()))
 @pytest.mark.parametrize("expert_bias", [False, True], ids=["no bias", "expert biases"])
-def test_the_grouped_mm_baseline_is_the_layers_computation(expert_bias: bool) -> None:
+@pytest.mark.parametrize("weights_at", [mf.RoutingWeights.IN_COMBINE, mf.RoutingWeights.ON_INPUT],
+                         ids=["weights in the combine", "weights on the input"])
+def test_the_grouped_mm_baseline_is_the_layers_computation(expert_bias: bool, weights_at: mf.RoutingWeights) -> None:
+    # (weights on the input: bench_train's llama4 shape, Llama-4's experts)
     torch.manual_seed(0)
     experts, top_k, hidden, inter, tokens = 4, 2, 32, 16, 24
-    layer = mf.MoELayer(experts, top_k, hidden, inter, backend="torch", expert_bias=expert_bias)
+    layer = mf.MoELayer(experts, top_k, hidden, inter, backend="torch", expert_bias=expert_bias,
+                        routing=mf.RoutingConfig(apply_weights=weights_at))
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
