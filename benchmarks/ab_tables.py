@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_moe import (  # noqa: E402
-    FLUSH_BYTES, QUANT_METHODS, SHAPES, build_layer, held_formats, launch_entry, random_batch, time_graph)
+    DEFAULT_SHAPES, FLUSH_BYTES, QUANT_METHODS, SHAPES, build_layer, held_formats, launch_entry, random_batch,
+    time_graph)
 from provenance import measured_commit  # noqa: E402
 
 import moeforge as mf  # noqa: E402
@@ -66,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--formats", default="bf16", help=f"comma-separated, of bf16, {', '.join(QUANT_METHODS)}")
     parser.add_argument("--tokens", default="4096,16384")
     parser.add_argument("--rounds", type=int, default=3)

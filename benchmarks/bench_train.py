@@ -159,9 +159,8 @@ def grouped_mm_step(layer: mf.MoELayer, x: torch.Tensor, topk: TopKOutput, grad:
     return training_step(grouped_mm_forward(layer, x, topk), grad)
 
 
-# bench_moe's shapes and Llama-4 Scout's experts (E 16, k 1, H 5120, I 8192), whose routing weights scale the
-# experts' input (the dispatch scales each copy's row; the combine sums them unweighted)
-TRAIN_SHAPES = {**SHAPES, "llama4": (16, 1, 5120, 8192)}
+# the shapes whose routing weights scale the experts' input (Llama-4's: the dispatch scales each copy's row, the
+# combine sums them unweighted)
 WEIGHTS_ON_INPUT = frozenset({"llama4"})
 
 SONICMOE = (64, 4, 4096, 2048)  # (E, k, H, I) at T = 32768: SonicMoE's published configuration
@@ -473,7 +472,7 @@ def main() -> None:
           f"HBM read {read_bw:.2f} TB/s")
     records = []
     for name in args.shapes.split(","):
-        experts, top_k, hidden, inter = TRAIN_SHAPES[name]
+        experts, top_k, hidden, inter = SHAPES[name]
         routing = mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT) if name in WEIGHTS_ON_INPUT \
             else mf.RoutingConfig()
         layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton",

@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_moe  # noqa: E402
 from bench_moe import (  # noqa: E402
-    EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, format_problem, held_formats, random_batch, time_graph)
+    DEFAULT_SHAPES, EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, format_problem, held_formats, random_batch,
+    time_graph)
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels import gluon_grouped_gemm  # noqa: E402
@@ -442,7 +443,7 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--formats", default="bf16", help=f"comma-separated, of {', '.join(FORMATS)}")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=10)
