@@ -64,6 +64,13 @@ SHAPES = {
     "deepseek": (256, 8, 7168, 2048),
     "gptoss": (128, 4, 2880, 2880),
     "llama4": (16, 1, 5120, 8192),  # Llama-4 Scout's experts (its routing weights scale their input: bench_train)
+    # shapes no shipped table covers (their layers run the fallback tiles): Llama-4 Maverick, Mixtral-8x22B, OLMoE,
+    # Qwen2-57B-A14B, DeepSeek-V2-Lite
+    "llama4_maverick": (128, 1, 5120, 8192),
+    "mixtral_8x22b": (8, 2, 6144, 16384),
+    "olmoe": (64, 8, 2048, 1024),
+    "qwen2_57b": (64, 8, 3584, 2560),
+    "deepseek_v2_lite": (64, 6, 2048, 1408),
 }
 # the shapes a run takes unless --shapes names others: the four of the README's tables
 DEFAULT_SHAPES = "mixtral,qwen3,deepseek,gptoss"

@@ -166,16 +166,17 @@ def row_gradient_config(config: GemmConfig, n: int, k: int) -> GemmConfig:
     return config
 
 
-# The fallback configurations by rows per expert (upper bounds): few rows, the GEMMs are bound by reading
-# the weights, so a small block_m wastes no work on padding rows; many rows, bound by arithmetic, so
-# larger tiles reuse each loaded byte, the down GEMM (and the row gradients, which take the forward's tiles) 128 x 256
-# as every tuned entry at M >= 1024 has it (docs/notes/kernels-log.md, "The training GEMMs' tiles"). Built once: a
-# lookup in the forward creates no objects.
+# The fallback configurations by rows per expert (upper bounds), read off the tuned bf16 tables of both GPUs (nine
+# shapes): up to 8 rows 16-row tiles (the GEMMs are bound by reading the weights: no work on padding rows); around 16
+# to 32 rows 32-row tiles, the down GEMM 128 columns wide; from about 64 rows 128 x 128 tiles, the down GEMM (and the
+# row gradients, which take the forward's tiles) 128 x 256, as five of the six tuned entries at 64 rows and every one
+# above have them (docs/notes/kernels-log.md, "The training GEMMs' tiles", "The fallback tiles"). Built once: a lookup
+# in the forward creates no objects.
 _MANY_ROWS = GemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4)
 _DEFAULTS = (
-    (16.0, MoEConfig(*[GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)] * 2)),
-    (64.0, MoEConfig(*[GemmConfig(32, 64, 128, group_m=8, num_warps=4, num_stages=4)] * 2)),
-    (256.0, MoEConfig(*[GemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)] * 2)),
+    (8.0, MoEConfig(*[GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)] * 2)),
+    (48.0, MoEConfig(GemmConfig(32, 64, 128, group_m=8, num_warps=4, num_stages=3),
+                     GemmConfig(32, 128, 128, group_m=8, num_warps=4, num_stages=3))),
     (float("inf"), MoEConfig(_MANY_ROWS, attrs.evolve(_MANY_ROWS, block_n=256, num_stages=3))),
 )
 
