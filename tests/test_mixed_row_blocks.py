@@ -220,11 +220,13 @@ def made_up_times(monkeypatch: pytest.MonkeyPatch, tune_moe: Any, key: Callable[
 def tuned_with_a_flag(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tune_moe: Any,
                       layer: Any, flag: str, block_m: int) -> list[Any]:
     """``tune_moe.tune_cell(..., <flag>=True)`` (a ``GemmConfig`` flag its option times both ways) with made-up
-    times — gate/up fastest on ``block_m`` rows with the flag, down on ``block_m`` rows without, 16 rows slower — and
+    times — gate/up fastest on ``block_m`` rows with the flag, down on ``block_m`` rows without, 16 rows slower, and
+    so the layer's own fallback tiles at this cell (32 rows), which the tuner times too, unless ``block_m`` is 32 — and
     the choice written and read back; returns the ``(role, block_m, flag)`` launches, in order."""
     experts, k = layer.num_experts, layer.top_k
-    times = {("gate_up", 16, False): 30.0, ("gate_up", block_m, False): 20.0, ("gate_up", block_m, True): 15.0,
-             ("down", 16, False): 30.0, ("down", block_m, False): 10.0, ("down", block_m, True): 11.0}
+    times = {(role, rows, False): 30.0 for role in ("gate_up", "down") for rows in (16, 32)}
+    times.update({("gate_up", block_m, False): 20.0, ("gate_up", block_m, True): 15.0,
+                  ("down", block_m, False): 10.0, ("down", block_m, True): 11.0})
     launched = made_up_times(monkeypatch, tune_moe, lambda x, role, c: (role, c.block_m, getattr(c, flag)), times)
     entry = tune_moe.tune_cell(layer, (experts, k, 48, 40), "bf16", 20, flush=None, reps=1, **{flag: True})
     assert "skip" not in capsys.readouterr().out
