@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_moe import (  # noqa: E402
-    DEFAULT_SHAPES, FLUSH_BYTES, QUANT_METHODS, SHAPES, build_layer, held_formats, launch_entry, random_batch,
+    DEFAULT_SHAPES, FLUSH_BYTES, QUANT_METHODS, build_layer, held_formats, launch_entry, random_batch, shape_of,
     time_graph)
 from provenance import measured_commit  # noqa: E402
 
@@ -67,7 +67,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("before", type=Path)
     parser.add_argument("after", type=Path)
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
+                        help="comma-separated: names of bench_moe.SHAPES, or a shape written out as ExkxHxI "
+                             "(64x8x2048x1024)")
     parser.add_argument("--formats", default="bf16", help=f"comma-separated, of bf16, {', '.join(QUANT_METHODS)}")
     parser.add_argument("--tokens", default="4096,16384")
     parser.add_argument("--rounds", type=int, default=3)
@@ -85,7 +87,7 @@ def main() -> None:
     print(f"{device}: {args.before} (before) against {args.after} (after), {args.rounds} rounds", flush=True)
     records = []
     for name in args.shapes.split(","):
-        shape = SHAPES[name]
+        shape = shape_of(name)
         experts, top_k, hidden, _ = shape
         for fmt in held_formats(name, args.formats.split(",")):
             torch.manual_seed(0)

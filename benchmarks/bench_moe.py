@@ -74,6 +74,20 @@ SHAPES = {
 }
 # the shapes a run takes unless --shapes names others: the four of the README's tables
 DEFAULT_SHAPES = "mixtral,qwen3,deepseek,gptoss"
+
+
+def shape_of(name: str) -> tuple[int, int, int, int]:
+    """``(E, k, H, I)`` of a shape named in :data:`SHAPES`, or written out as ``ExkxHxI`` (``64x8x2048x1024``: a
+    model of your own, for ``--shapes``); anything else is a ``SystemExit`` naming both forms."""
+    if name in SHAPES:
+        return SHAPES[name]
+    parts = name.split("x")
+    if len(parts) == 4 and all(part.isdigit() and int(part) > 0 for part in parts):
+        experts, top_k, hidden, inter = (int(part) for part in parts)
+        if top_k <= experts:
+            return experts, top_k, hidden, inter
+    raise SystemExit(f"unknown shape {name!r}: name one of {', '.join(SHAPES)}, or write it out as ExkxHxI "
+                     f"(experts x top-k x hidden x intermediate, top-k at most the experts: 64x8x2048x1024)")
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -229,7 +243,7 @@ def random_batch(tokens: int, hidden: int, experts: int, seed: int = 0) -> tuple
 def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, read_bw: float,
                 flush: torch.Tensor, reps: int, experts_only_timing: bool = False,
                 batch_invariant: bool = False) -> list[dict[str, Any]]:
-    experts, top_k, hidden, inter = SHAPES[name]
+    experts, top_k, hidden, inter = shape_of(name)
     layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda",
                         backend="triton", batch_invariant=batch_invariant)
     experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
@@ -238,7 +252,7 @@ def bench_shape(name: str, tokens_list: tuple[int, ...], peak: float, read_bw: f
         x, logits = random_batch(tokens, hidden, experts)
         topk = mf.stages.select_experts(logits, top_k, layer.routing)
         routed = RoutedTokens(Activations(x), TopKOutput(topk.weights, topk.ids))
-        roof, flops = roofline_us(SHAPES[name], tokens, topk.ids, peak, read_bw)
+        roof, flops = roofline_us(shape_of(name), tokens, topk.ids, peak, read_bw)
         with torch.no_grad():
             timed = {}
             spans = (("experts", lambda: experts_only(routed)), ("layer", lambda: layer(x, logits)),
@@ -308,7 +322,7 @@ def held_formats(name: str, formats: Iterable[str]) -> Iterator[str]:
     """The formats of ``formats`` a layer of shape ``name`` can hold (:func:`format_problem`); each other one is
     reported and skipped."""
     for fmt in formats:
-        problem = format_problem(SHAPES[name], fmt)
+        problem = format_problem(shape_of(name), fmt)
         if problem is None:
             yield fmt
         else:
@@ -360,8 +374,8 @@ def quant_weight_bytes(quant: str, hidden: int, inter: int) -> float:
 
 def bench_quant(name: str, quant: str, tokens_list: tuple[int, ...], bf16_us: dict[int, float], peak: float,
                 bw: float, flush: torch.Tensor, reps: int) -> list[dict[str, Any]]:
-    experts, top_k, hidden, inter = SHAPES[name]
-    layer = build_layer(SHAPES[name], quant)
+    experts, top_k, hidden, inter = shape_of(name)
+    layer = build_layer(shape_of(name), quant)
     experts_only = mf.Pipeline(layer.pipeline.stages[1:], layer.pipeline.specs[0])
     records = []
     for tokens in tokens_list:
@@ -391,7 +405,9 @@ def _triton_version() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
+                        help="comma-separated: names of bench_moe.SHAPES, or a shape written out as ExkxHxI "
+                             "(64x8x2048x1024)")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>-<date>.json)")

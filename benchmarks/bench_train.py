@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_moe import (FLUSH_BYTES, SHAPES, flush_l2, measure_peak, measure_sustained_peak, time_graph,  # noqa: E402
+from bench_moe import (FLUSH_BYTES, flush_l2, measure_peak, measure_sustained_peak, shape_of, time_graph,  # noqa: E402
                        time_graphs_interleaved)
 from provenance import write_results  # noqa: E402
 
@@ -436,7 +436,9 @@ def print_kernel_times(label: str, rows: list[tuple[str, float, int]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="mixtral,qwen3,gptoss,deepseek")
+    parser.add_argument("--shapes", default="mixtral,qwen3,gptoss,deepseek",
+                        help="comma-separated: names of bench_moe.SHAPES (llama4: its routing weights on the input), "
+                             "or a shape written out as ExkxHxI (64x8x2048x1024)")
     parser.add_argument("--tokens", default="1024,4096,16384")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None)
@@ -472,7 +474,7 @@ def main() -> None:
           f"HBM read {read_bw:.2f} TB/s")
     records = []
     for name in args.shapes.split(","):
-        experts, top_k, hidden, inter = SHAPES[name]
+        experts, top_k, hidden, inter = shape_of(name)
         routing = mf.RoutingConfig(apply_weights=mf.RoutingWeights.ON_INPUT) if name in WEIGHTS_ON_INPUT \
             else mf.RoutingConfig()
         layer = mf.MoELayer(experts, top_k, hidden, inter, dtype=torch.bfloat16, device="cuda", backend="triton",

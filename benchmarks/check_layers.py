@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_moe import DEFAULT_SHAPES, QUANT_METHODS, SHAPES, build_layer, held_formats, launch_entry  # noqa: E402
+from bench_moe import DEFAULT_SHAPES, QUANT_METHODS, build_layer, held_formats, launch_entry, shape_of  # noqa: E402
 
 
 
@@ -41,7 +41,9 @@ def tolerance(fmt: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
+                        help="comma-separated: names of bench_moe.SHAPES, or a shape written out as ExkxHxI "
+                             "(64x8x2048x1024)")
     parser.add_argument("--formats", default="bf16", help=f"comma-separated, of bf16, {', '.join(QUANT_METHODS)}")
     parser.add_argument("--tokens", default="1,8,64,256,1024,4096,16384")
     parser.add_argument("--tolerance", type=float, default=None,
@@ -55,7 +57,7 @@ def main() -> int:
         sys.exit("check_layers.py needs a CUDA device")
     failed = 0
     for name in args.shapes.split(","):
-        shape = SHAPES[name]
+        shape = shape_of(name)
         for fmt in held_formats(name, args.formats.split(",")):
             torch.manual_seed(0)
             fast = build_layer(shape, fmt)

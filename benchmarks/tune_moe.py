@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_moe  # noqa: E402
 from bench_moe import (  # noqa: E402
-    DEFAULT_SHAPES, EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, SHAPES, TOKENS, format_problem, held_formats, random_batch,
-    time_graph)
+    DEFAULT_SHAPES, EIGHT_BIT, FLUSH_BYTES, QUANT_METHODS, TOKENS, format_problem, held_formats, random_batch,
+    shape_of, time_graph)
 
 import moeforge as mf  # noqa: E402
 from moeforge.kernels import gluon_grouped_gemm  # noqa: E402
@@ -148,8 +148,8 @@ def partial_new_tables(table: dict[str, Any], shapes: list[str], formats: list[s
     decode tiles. A format the shape cannot hold (:func:`format_problem`) creates no table: it is skipped."""
     if all(t in tokens for t in TOKENS):
         return []
-    keys = (table_key(SHAPES[name], fmt) for name in shapes for fmt in formats
-            if format_problem(SHAPES[name], fmt) is None)
+    keys = (table_key(shape_of(name), fmt) for name in shapes for fmt in formats
+            if format_problem(shape_of(name), fmt) is None)
     return [key for key in keys if key not in table]
 
 
@@ -317,7 +317,7 @@ def _compile(job: tuple[str, str, list[int], int, int, Any, bool, bool, bool, bo
     """Launch (and so compile into Triton's cache) every ``index % count == worker`` candidate;
     ``creating``: a lock, one layer created at a time (quantizing one takes many times its size)."""
     shape_name, fmt, tokens_list, worker, count, creating, tma, split_k, half_tail, decode_first, warp_specialized = job
-    shape = SHAPES[shape_name]
+    shape = shape_of(shape_name)
     torch.manual_seed(0)
     with creating:
         layer = build_layer(shape, fmt)
@@ -443,7 +443,9 @@ def tune_cell(layer: mf.MoELayer, shape: tuple[int, int, int, int], fmt: str, to
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
+                        help="comma-separated: names of bench_moe.SHAPES, or a shape written out as ExkxHxI "
+                             "(64x8x2048x1024)")
     parser.add_argument("--formats", default="bf16", help=f"comma-separated, of {', '.join(FORMATS)}")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=10)
@@ -485,7 +487,7 @@ def main() -> None:
                  f"default --tokens ({','.join(map(str, TOKENS))}); tune those first, then refine some with --tokens")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for name in args.shapes.split(","):
-        shape = SHAPES[name]
+        shape = shape_of(name)
         for fmt in held_formats(name, formats):
             torch.manual_seed(0)
             compile_ahead(name, fmt, tokens_list, affordable_jobs(shape, fmt, max(tokens_list), args.jobs), args.tma,

@@ -54,3 +54,14 @@ def test_the_grouped_mm_baseline_is_the_layers_computation(expert_bias: bool, we
     torch.testing.assert_close(got_out, want_out, rtol=1e-4, atol=1e-4)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_shape_is_named_or_written_out() -> None:
+    # (--shapes of bench_moe, tune_moe, ab_tables, check_layers and bench_train: a model without a name here too)
+    import bench_moe
+
+    assert bench_moe.shape_of("llama4") == (16, 1, 5120, 8192)
+    assert bench_moe.shape_of("64x8x2048x1024") == (64, 8, 2048, 1024)
+    for bad in ("llama5", "64x8x2048", "8x64x2048x1024", "64x0x2048x1024", "64x8x-1x1024"):
+        with pytest.raises(SystemExit, match="ExkxHxI"):
+            bench_moe.shape_of(bad)
