@@ -292,7 +292,7 @@ def test_the_tuner_refuses_to_create_a_table_from_a_few_token_counts() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import tune_moe
 
-    key = tune_moe.table_key(tune_moe.SHAPES["qwen3"], "mxfp4")
+    key = tune_moe.table_key(tune_moe.shape_of("qwen3"), "mxfp4")
     assert tune_moe.partial_new_tables({}, ["qwen3"], ["mxfp4"], [1, 8]) == [key]
     assert tune_moe.partial_new_tables({key: {}}, ["qwen3"], ["mxfp4"], [1, 8]) == []  # refining a table: fine
     assert tune_moe.partial_new_tables({}, ["qwen3"], ["mxfp4"], list(tune_moe.TOKENS)) == []
